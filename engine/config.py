@@ -1,0 +1,105 @@
+"""EngineConfig: every engine knob in one validated dataclass."""
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+PREEMPTION_MODES = ("recompute", "swap")
+MAX_BLOCK_SIZE = 256
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Knobs of one engine; `None` means "derive from the model or the other knobs"."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    # The CPU has no device memory to measure, so the utilization applies to this size;
+    # 1 GiB leaves ~3,000 blocks of 16 tokens for the default model in bfloat16.
+    device_memory_gb: float = 1.0
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    preemption_mode: str = "recompute"
+    swap_space: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the knob, its value and the allowed range."""
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        bs = self.block_size
+        if not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK_SIZE or bs & (bs - 1):
+            raise ValueError(
+                f"block_size={bs!r} must be a power of two between 1 and {MAX_BLOCK_SIZE}")
+        util = self.gpu_memory_utilization
+        if not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization={util!r} must be in (0, 1]")
+        if not isinstance(self.device_memory_gb, (int, float)) or self.device_memory_gb <= 0:
+            raise ValueError(f"device_memory_gb={self.device_memory_gb!r} must be > 0")
+        _check_positive_int("max_model_len", self.max_model_len, optional=True)
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
+        _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override,
+                            optional=True)
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an integer")
+        if not isinstance(self.long_prefill_token_threshold, int) or \
+                self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold!r}"
+                             " must be an integer >= 0 (0 = no cap)")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space={self.swap_space!r} must be >= 0 (GiB)")
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}; with enable_chunked_prefill=False a "
+                "whole prompt must fit in one step's budget")
+
+    def resolved(self, model_max_len: int) -> "EngineConfig":
+        """A copy with every `None` length knob filled in from the model's limit."""
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={model_max_len}")
+        max_model_len = self.max_model_len or min(model_max_len, 8192)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max_model_len
+        return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget)
+
+    def with_changes(self, **knobs: Any) -> "EngineConfig":
+        """A validated copy with some knobs changed; unknown knobs are refused."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(knobs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine knob(s) {unknown}; known: {sorted(known)}")
+        return replace(self, **knobs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {list(choices)}")
+
+
+def _check_positive_int(name: str, value: object, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")

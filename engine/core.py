@@ -1,0 +1,270 @@
+"""EngineCore.step(): schedule -> run -> sample -> update -> outputs and one StepRecord."""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import detokenize_incrementally
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request import Chunk, Request, Sequence, SequenceStatus
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from engine.telemetry import ScheduledChunk, StepRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[RequestOutput]
+    record: StepRecord
+
+
+class EngineCore:
+    """One engine: a model runner (weights stay loaded), a block pool and a scheduler."""
+
+    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+        config = config or EngineConfig()
+        self.runner = runner or ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.config = config.resolved(self.runner.max_positions)
+        self.memory_plan = self.runner.plan_memory(self.config)
+        self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks)
+        logger.info(self.memory_plan.describe())
+        self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
+                                       self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.kv_cache)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = _eos_token_ids(self.runner)
+        self.generator = torch.Generator(self.runner.device).manual_seed(self.config.seed)
+        self.step_index = 0
+        self._request_counter = itertools.count()
+
+    # ---- requests in -------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        source: str = "api",
+        add_special_tokens: bool = True,
+    ) -> Request:
+        """Validate and queue one request; bad input raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already running")
+        if isinstance(prompt, str):
+            prompt_text = prompt
+            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        else:
+            prompt_text, token_ids = None, list(prompt)
+            vocab = self.runner.hf_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        self._check_fits(token_ids, params)
+        request = Request(request_id, prompt_text, token_ids, params,
+                          arrival_time=arrival_time or time.time(), priority=priority,
+                          source=source)
+        seq = Sequence(f"{request_id}", request, 0, list(token_ids), len(token_ids))
+        seq.generator = self._sample_generator(params, 0)
+        request.sequences.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt: empty prompt; give at least one token")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens, but max_model_len={max_len} "
+                             "leaves no room to generate; shorten the prompt or raise "
+                             "max_model_len")
+        # One full sequence plus a copy-on-write block per extra sample must fit the pool.
+        needed = self.kv_cache.blocks_needed(len(token_ids) + 1) + params.n - 1
+        if needed > self.kv_cache.pool.num_blocks:
+            raise ValueError(f"n={params.n}: a {len(token_ids)}-token prompt with {params.n} "
+                             f"samples needs {needed} KV blocks, the pool has "
+                             f"{self.kv_cache.pool.num_blocks}")
+
+    def _sample_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample i of a seeded request draws from its own generator seeded with seed + i."""
+        if params.seed is None:
+            return None
+        return torch.Generator(self.runner.device).manual_seed(params.seed + index)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and return its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.aborted = True
+        for seq in request.sequences:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                seq.finished_time = time.time()
+                self.scheduler.finish(seq)
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> StepResult:
+        start_time = time.time()
+        plan = self.scheduler.schedule()
+        for item in plan.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = start_time
+        sampling = [item for item in plan.scheduled if item.samples]
+        logits = (self.runner.execute(plan.scheduled, plan.block_copies)
+                  if plan.scheduled else None)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens = item.end
+            item.seq.chunks.append(Chunk(self.step_index, item.start, item.end, item.kind))
+            self.kv_cache.cache_full_blocks(item.seq)
+        touched, num_generated = (self._sample_and_update(sampling, logits)
+                                  if sampling else ([], 0))
+        finished = [r for r in touched if r.finished]
+        outputs = [self._make_output(r) for r in touched]
+        for request in finished:
+            self.requests.pop(request.request_id, None)
+        record = self._record(start_time, plan, finished, num_generated)
+        self.step_index += 1
+        return StepResult(outputs, record)
+
+    def _sample_and_update(self, sampling: list[ScheduledSequence],
+                           logits: torch.Tensor) -> tuple[list[Request], int]:
+        """Sample a token for every sequence that reached its end; returns the requests
+        touched and the number of tokens generated."""
+        rows: list[tuple[Sequence, int]] = []
+        for row, item in enumerate(sampling):
+            seq = item.seq
+            family = [seq]
+            if seq.request.params.n > 1 and len(seq.request.sequences) == 1:
+                family += self._fork(seq)
+            rows.extend((member, row) for member in family)
+        seqs = [seq for seq, _ in rows]
+        result = sample(logits[[row for _, row in rows]],
+                        [seq.request.params for seq in seqs],
+                        [seq.generator for seq in seqs], self.generator)
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(seqs):
+            token = result.token_ids[i]
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += result.logprobs[i]
+            if seq.request.params.logprobs is not None:
+                top = result.top_logprobs[i] or {}
+                seq.logprobs = (seq.logprobs or []) + [{**top, token: result.logprobs[i]}]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            detokenize_incrementally(self.tokenizer, seq,
+                                     seq.request.params.skip_special_tokens)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                seq.finished_time = now
+                self.scheduler.finish(seq)
+            touched[seq.request.request_id] = seq.request
+        return list(touched.values()), len(seqs)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Turn a finished prefill into n samples sharing its blocks (copy-on-write later)."""
+        request = parent.request
+        children = []
+        for index in range(1, request.params.n):
+            child = Sequence(f"{request.request_id}#{index}", request, index,
+                             list(parent.token_ids), parent.num_prompt_tokens,
+                             status=SequenceStatus.RUNNING,
+                             generator=self._sample_generator(request.params, index),
+                             first_scheduled_time=parent.first_scheduled_time,
+                             chunks=list(parent.chunks))
+            self.kv_cache.fork(parent, child)
+            self.scheduler.running.append(child)
+            request.sequences.append(child)
+            children.append(child)
+        return children
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.request.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif params.stop_strings and self._truncate_at_stop_string(seq):
+            seq.finish_reason = "stop"
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            seq.finish_reason = "length"
+        elif seq.num_tokens >= self.config.max_model_len:
+            seq.finish_reason = "length"
+
+    @staticmethod
+    def _truncate_at_stop_string(seq: Sequence) -> bool:
+        """Cut the text before the first stop string (which is not part of the output)."""
+        found = [(seq.text.find(stop), stop) for stop in seq.request.params.stop_strings]
+        found = [(index, stop) for index, stop in found if index >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        seq.text = seq.text[:index]
+        seq.stop_reason = stop
+        return True
+
+    # ---- outputs -----------------------------------------------------------------------
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions, deltas = [], []
+        hold_back = max((len(s) for s in request.params.stop_strings), default=1) - 1
+        for seq in request.sequences:
+            # While running, hold back text that could still turn out to start a stop string.
+            visible = len(seq.text) if seq.is_finished else max(len(seq.text) - hold_back, 0)
+            deltas.append(seq.text[seq.num_emitted_chars:visible])
+            seq.num_emitted_chars = max(seq.num_emitted_chars, visible)
+            completions.append(CompletionOutput(
+                seq.index, seq.text[:visible], seq.output_token_ids,
+                seq.cumulative_logprob, seq.logprobs, seq.finish_reason, seq.stop_reason))
+        first = request.sequences[0]
+        metrics = RequestMetrics(
+            request.arrival_time, first.first_scheduled_time, first.first_token_time,
+            max((s.finished_time or 0) for s in request.sequences) or None,
+            sum(s.num_preemptions for s in request.sequences))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, request.finished, request.num_cached_tokens,
+                             metrics, deltas=deltas)
+
+    def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
+                num_generated: int) -> StepRecord:
+        pool = self.kv_cache.pool
+        return StepRecord(
+            step=self.step_index, start_time=start_time, end_time=time.time(),
+            chunks=tuple(ScheduledChunk(s.seq.request.request_id, s.seq.seq_id, s.kind,
+                                        s.start, s.end) for s in plan.scheduled),
+            preempted=tuple(s.seq_id for s in plan.preempted), swapped_out=(), swapped_in=(),
+            finished=tuple(r.request_id for r in finished),
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            token_budget=self.config.max_num_batched_tokens,
+            num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_free_blocks,
+            num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_generated_tokens=num_generated)
+
+
+def _eos_token_ids(runner: ModelRunner) -> set[int]:
+    """EOS from the generation config (may be a list) and from the tokenizer."""
+    ids = set()
+    for source in (runner.hf_config.eos_token_id, runner.tokenizer.eos_token_id,
+                   runner.generation_config.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids

@@ -1,0 +1,124 @@
+"""Per-sequence block allocation, prefix-cache lookup, copy-on-write and sharing stats."""
+
+from dataclasses import dataclass
+
+from engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from engine.request import Sequence
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counted in tokens, as vLLM does: queried prompt tokens and those found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Gives each sequence the blocks it needs, sharing cached and forked blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.prefix_stats = PrefixCacheStats()
+        # Hashes of each sequence's full, computed blocks, in logical order.
+        self.block_hashes: dict[str, list[BlockHash]] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of cached blocks matching the sequence's tokens.
+
+        At most (num_tokens - 1) tokens are reused, so one token is always computed
+        and produces the logits to sample from.
+        """
+        if not self.enable_caching:
+            return []
+        hits: list[KVBlock] = []
+        parent = None
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+            block = self.pool.lookup(hash_block_tokens(parent, tokens), tokens)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.block_hash.value
+        return hits
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
+    ) -> list[tuple[int, int]] | None:
+        """Room for `num_new_tokens` more computed tokens, after adopting `cached_prefix`.
+
+        Returns the copy-on-write block copies (src, dst) the device must do before the
+        step writes, or None (changing nothing) when the pool cannot supply the blocks.
+        """
+        pool = self.pool
+        num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
+        first_write_block = num_computed // self.block_size
+        shared_targets = [
+            i for i in range(first_write_block, len(seq.block_table))
+            if pool.blocks[seq.block_table[i]].ref_count > 1
+        ]
+        num_new_blocks = (self.blocks_needed(num_computed + num_new_tokens)
+                          - len(seq.block_table) - len(cached_prefix))
+        revived = sum(1 for block in cached_prefix if block.ref_count == 0)
+        if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
+            return None
+
+        if seq.num_computed_tokens == 0 and self.enable_caching:
+            self.prefix_stats.queries += seq.num_tokens
+            self.prefix_stats.hits += len(cached_prefix) * self.block_size
+        if cached_prefix:
+            pool.share(cached_prefix)
+            seq.block_table.extend(block.block_id for block in cached_prefix)
+            self.block_hashes.setdefault(seq.seq_id, []).extend(
+                block.block_hash for block in cached_prefix)
+            seq.num_computed_tokens = num_computed
+        copies = []
+        for index in shared_targets:
+            source = pool.blocks[seq.block_table[index]]
+            (target,) = pool.allocate(1)
+            pool.release([source])
+            seq.block_table[index] = target.block_id
+            copies.append((source.block_id, target.block_id))
+        if num_new_blocks > 0:
+            seq.block_table.extend(b.block_id for b in pool.allocate(num_new_blocks))
+        return copies
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash the sequence's newly full, computed blocks so later prompts can reuse them."""
+        if not self.enable_caching:
+            return
+        hashes = self.block_hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        for index in range(len(hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+            parent = hashes[-1].value if hashes else None
+            block_hash = BlockHash(hash_block_tokens(parent, tokens), parent, tokens)
+            self.pool.cache(self.pool.blocks[seq.block_table[index]], block_hash)
+            hashes.append(block_hash)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (copy-on-write on its first write)."""
+        self.pool.share(self.pool.blocks[i] for i in parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if parent.seq_id in self.block_hashes:
+            self.block_hashes[child.seq_id] = list(self.block_hashes[parent.seq_id])
+
+    def free(self, seq: Sequence) -> None:
+        """Return the sequence's blocks, last first (so its tail is evicted before its prefix)."""
+        self.pool.release(self.pool.blocks[i] for i in reversed(seq.block_table))
+        seq.block_table = []
+        self.block_hashes.pop(seq.seq_id, None)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks

@@ -1,0 +1,103 @@
+"""Offline API as in vLLM: LLM(...).generate(prompts, SamplingParams) and .chat(messages)."""
+
+import logging
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+PromptType = str | list[int] | dict[str, Any]
+# vLLM knobs that mean nothing for a single-device engine; accepted so its examples run.
+IGNORED_VLLM_KNOBS = {"trust_remote_code", "enforce_eager", "tokenizer", "disable_log_stats"}
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching."""
+
+    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, **knobs: Any):
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: kvscope runs on "
+                             "one device; use 1")
+        for name in IGNORED_VLLM_KNOBS & set(knobs):
+            logger.info("ignoring vLLM knob %s=%r", name, knobs.pop(name))
+        self.engine = EngineCore(EngineConfig(model=model, **knobs))
+        self.config = self.engine.config
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceOf[PromptType],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (a string, token ids, or a list of either)."""
+        prompts = _as_prompt_list(prompts)
+        return self._run([(p, False) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts = [tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+                   for conversation in conversations]
+        # The template already holds the special tokens; do not add a second BOS.
+        return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[tuple[PromptType, bool]], sampling_params,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
+        request_ids = []
+        try:
+            for (prompt, templated), p in zip(prompts, params):
+                if isinstance(prompt, dict):
+                    prompt = prompt.get("prompt_token_ids") or prompt.get("prompt")
+                request = self.engine.add_request(prompt, p, add_special_tokens=not templated,
+                                                  source="offline")
+                request_ids.append(request.request_id)
+            return self._drain(request_ids, use_tqdm)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+
+    def _drain(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            while len(finished) < len(wanted):
+                for output in self.engine.step().outputs:
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,107 @@
+"""Device memory: what a profiling forward peaks at, and how many KV blocks fit."""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    """The budget arithmetic, kept so the dashboard and logs can show it."""
+
+    device_memory_bytes: int
+    gpu_memory_utilization: float
+    weight_bytes: int
+    peak_activation_bytes: int
+    bytes_per_block: int
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many max_model_len sequences the pool holds at once."""
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return self.num_blocks / blocks_per_seq
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
+                f"({self.bytes_per_block} bytes/block); max concurrency at "
+                f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
+
+
+def plan_blocks(
+    device_memory_bytes: int,
+    gpu_memory_utilization: float,
+    weight_bytes: int,
+    peak_activation_bytes: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    num_blocks_override: int | None = None,
+) -> MemoryPlan:
+    """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
+
+    Fails if the pool cannot hold one max_model_len sequence, saying what fits and which
+    knob to turn.
+    """
+    budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - peak_activation_bytes
+    num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
+    plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
+                      peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len)
+    if plan.num_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {plan.num_tokens} tokens ({num_blocks} blocks of {block_size}; "
+            f"{device_memory_bytes / GiB:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization}"
+            f" - weights {weight_bytes / GiB:.3f} GiB - activations "
+            f"{peak_activation_bytes / GiB:.3f} GiB) but max_model_len={max_model_len} needs "
+            f"{max_model_len}: raise gpu_memory_utilization or device_memory_gb, or lower "
+            "max_model_len or max_num_batched_tokens")
+    return plan
+
+
+def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated while `fn` runs, above what was allocated before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    # The CPU allocator keeps no statistics; the profiler's allocation timeline does.
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                 record_shapes=True, with_stack=True) as prof:
+        fn()
+    live = peak = 0
+    for _, action, _, size in sorted(prof._memory_profile().timeline, key=lambda e: e[0]):
+        if action is Action.CREATE:
+            live += size
+        elif action is Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak
+
+
+def device_memory_bytes(device: torch.device, configured_gb: float) -> int:
+    """Total memory of the CUDA device, or the configured size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return int(configured_gb * GiB)

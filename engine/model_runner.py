@@ -1,0 +1,180 @@
+"""Loads the model, sizes and owns the KV cache, turns a scheduled step into one forward."""
+
+import contextlib
+import logging
+import time
+
+import torch
+
+import kernels
+from engine.config import EngineConfig
+from engine.loader import (iter_weights, load_config, load_generation_config, load_tokenizer,
+                           resolve_model_path)
+from engine.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
+from engine.models import model_class
+from engine.models.attention import AttentionMetadata
+from engine.scheduler import ScheduledSequence
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 as vLLM does for fp32/bf16 checkpoints (the CPU's bf16 matmuls are ~4x
+    faster than fp32 here); float16 checkpoints stay float16 on CUDA."""
+    if name != "auto":
+        return DTYPES[name]
+    return torch.bfloat16
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    """Everything on the device: weights, the KV cache, batch inputs and the forward."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.generation_config = load_generation_config(self.model_path, self.hf_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.max_positions = self.hf_config.max_position_embeddings
+        architecture = model_class(self.hf_config)
+        resolved = config.resolved(self.max_positions)
+        with default_dtype(self.dtype), torch.device(self.device):
+            self.model = architecture(self.hf_config, resolved.max_model_len)
+        self.model.load_weights(iter_weights(self.model_path))
+        self.model.eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.attention_layers = self.model.attention_layers()
+        first = self.attention_layers[0]
+        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.kv_cache: torch.Tensor | None = None
+        self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
+        logger.info("loaded %s (%s, %.1f M parameters, %s on %s) in %.1f s; attention: %s",
+                    self.model_path, type(self.model).__name__, self.weight_bytes /
+                    self.dtype.itemsize / 1e6, self.dtype, self.device,
+                    time.perf_counter() - started, kernels.attention_backend_name(self.device))
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """K and V for block_size tokens in every layer."""
+        return (2 * len(self.attention_layers) * block_size * self.num_kv_heads
+                * self.head_dim * self.dtype.itemsize)
+
+    def plan_memory(self, config: EngineConfig) -> MemoryPlan:
+        """Size the block pool for a resolved config (profiling its token budget once)."""
+        key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
+        if key not in self._peak_activation_bytes:
+            self._peak_activation_bytes[key] = self.profile_peak_activations(*key)
+        plan = plan_blocks(
+            device_memory_bytes(self.device, config.device_memory_gb),
+            config.gpu_memory_utilization, self.weight_bytes, self._peak_activation_bytes[key],
+            self.bytes_per_block(config.block_size), config.block_size, config.max_model_len,
+            config.num_gpu_blocks_override)
+        return plan
+
+    def profile_peak_activations(self, num_tokens: int, max_model_len: int, max_seqs: int) -> int:
+        """One forward over a full token budget (as sequences of at most max_model_len) plus
+        logits for max_num_seqs rows, measured on the device."""
+        block_size = 16
+        lengths = [max_model_len] * (num_tokens // max_model_len)
+        if num_tokens % max_model_len:
+            lengths.append(num_tokens % max_model_len)
+        blocks_per_seq = -(-max(lengths) // block_size)
+        self.allocate_kv_cache(block_size, blocks_per_seq * len(lengths))
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+                  for i in range(len(lengths))]
+        input_ids, positions, meta = self._flat_inputs(
+            [(0, n, table) for n, table in zip(lengths, tables)], block_size,
+            token_ids=lambda index, start, end: [0] * (end - start))
+
+        def forward():
+            with torch.inference_mode():
+                hidden = self.model(input_ids, positions, meta)
+                self.model.compute_logits(hidden[-1:].expand(max_seqs, -1))
+
+        peak = measure_peak_bytes(forward, self.device)
+        self.kv_cache = None
+        logger.info("profiling forward of %d tokens peaked at %.1f MiB of activations",
+                    num_tokens, peak / (1 << 20))
+        return peak
+
+    def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None:
+        """Zeroed [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer
+        gets its K and V views, so block copies and swaps move all layers at once."""
+        self.kv_cache = None
+        for layer in self.attention_layers:
+            layer.key_cache = layer.value_cache = None
+        self.kv_cache = torch.zeros(
+            2, len(self.attention_layers), num_blocks, block_size, self.num_kv_heads,
+            self.head_dim, dtype=self.dtype, device=self.device)
+        for index, layer in enumerate(self.attention_layers):
+            layer.key_cache = self.kv_cache[0, index]
+            layer.value_cache = self.kv_cache[1, index]
+        self.block_size = block_size
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared blocks before this step writes into them."""
+        sources = torch.tensor([s for s, _ in copies], device=self.device)
+        targets = torch.tensor([t for _, t in copies], device=self.device)
+        self.kv_cache[:, :, targets] = self.kv_cache[:, :, sources]
+
+    def _flat_inputs(self, pieces, block_size: int, token_ids):
+        """Flatten (start, end, block_table) pieces into the attention op's ragged layout."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        for index, (start, end, table) in enumerate(pieces):
+            input_ids.extend(token_ids(index, start, end))
+            span = range(start, end)
+            positions.extend(span)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + end - start)
+        width = max(len(table) for _, _, table in pieces)
+        tables = [table + [0] * (width - len(table)) for _, _, table in pieces]
+        device = self.device
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(tables, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_start_loc=tensor(query_start_loc, torch.int32))
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence],
+                block_copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Run one forward over the ragged batch; logits [sampling sequences, vocab] in fp32,
+        one row per scheduled sequence that reaches its last token, in schedule order."""
+        if block_copies:
+            self.copy_blocks(block_copies)
+        input_ids, positions, meta = self._flat_inputs(
+            [(s.start, s.end, s.seq.block_table) for s in scheduled], self.block_size,
+            token_ids=lambda index, start, end: scheduled[index].seq.token_ids[start:end])
+        hidden = self.model(input_ids, positions, meta)
+        ends = meta.query_start_loc[1:].long() - 1
+        rows = [i for i, s in enumerate(scheduled) if s.samples]
+        return self.model.compute_logits(hidden[ends[rows]])

@@ -1,0 +1,69 @@
+"""Building blocks shared by the model files: merged projections and RMSNorm."""
+
+import torch
+from torch import nn
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as one matmul (q/k/v, gate/up).
+
+    The checkpoint stores each part under its own name; `load_part` copies one into its
+    rows, so the model runs one large matmul instead of two or three small ones.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    def load_part(self, param_name: str, index: int, tensor: torch.Tensor) -> None:
+        start = sum(self.output_sizes[:index])
+        getattr(self, param_name).data[start:start + self.output_sizes[index]].copy_(tensor)
+
+    def split(self, output: torch.Tensor) -> list[torch.Tensor]:
+        return list(output.split(self.output_sizes, dim=-1))
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm, normalising in fp32 exactly as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hidden.to(dtype)
+
+
+def load_weights(
+    model: nn.Module, weights, packed: dict[str, tuple[str, int]], skip: set[str] = frozenset()
+) -> None:
+    """Copy checkpoint tensors into the model, routing packed parts into merged projections.
+
+    `packed` maps a checkpoint module name ("q_proj") to (merged module, part index);
+    names in `skip` (e.g. a tied lm_head) are ignored. Every model parameter must be set.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name in skip or "rotary_emb" in name:
+            continue
+        module_path, _, param_name = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in packed:
+            merged_leaf, index = packed[leaf]
+            merged_path = f"{parent}.{merged_leaf}"
+            modules[merged_path].load_part(param_name, index, tensor)
+            loaded.add(f"{merged_path}.{param_name}")
+        elif name in params:
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        else:
+            raise ValueError(f"model: checkpoint tensor {name!r} has no place in {type(model).__name__}")
+    missing = sorted(set(params) - loaded - skip)
+    if missing:
+        raise ValueError(f"model: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

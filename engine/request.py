@@ -1,0 +1,96 @@
+"""Request / Sequence state: token ids, status, timings and the block table."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One scheduled piece of a sequence: tokens [start, end) computed in step `step`."""
+
+    step: int
+    start: int
+    end: int
+    kind: str  # "prefill" or "decode"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One token stream with its own block table; a request holds `n` of them."""
+
+    seq_id: str
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    # Output text, detokenized incrementally (see engine.detokenizer).
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    num_emitted_chars: int = 0  # text already handed out in streaming deltas
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    num_preemptions: int = 0
+    chunks: list[Chunk] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """Larger is less important: preempted first (vLLM: higher priority value, later arrival)."""
+        return (self.request.priority, self.request.arrival_time)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """What a caller asked for: one prompt, its sampling params and its sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    source: str = "api"
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)

@@ -1,0 +1,144 @@
+"""Continuous batching under a token budget: chunked prefill, decodes and preemption."""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step: compute tokens [start, start + num_tokens)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last token, so its logits pick the next one."""
+        return self.end == self.seq.num_tokens
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.num_tokens == 1 and self.seq.num_output_tokens > 0 else "prefill"
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+
+
+class Scheduler:
+    """Each sequence just has `num_computed_tokens` catching up with its tokens (vLLM v1).
+
+    Per step: running sequences first (a decode costs one token, an unfinished prefill
+    gets its next chunk), then waiting ones in arrival order, while the token budget,
+    `max_num_seqs` and free blocks allow. A running sequence that cannot get a block
+    preempts the least important running sequence (possibly itself).
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def chunk_size(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            remaining = min(remaining, threshold)
+        return min(remaining, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = self.chunk_size(seq, budget)
+            copies = self.kv_cache.allocate_slots(seq, num_tokens)
+            while copies is None:
+                victim = max((s for s in self.running if s.seq_id not in scheduled_ids),
+                             key=lambda s: s.priority_key)
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+                copies = self.kv_cache.allocate_slots(seq, num_tokens)
+            if copies is None:
+                continue  # seq preempted itself; running[index] is now the next one
+            out.block_copies.extend(copies)
+            self._add_scheduled(out, seq, num_tokens)
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_tokens
+            index += 1
+
+        # A step that had to preempt admits nobody: memory is short already.
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            cached_prefix = (self.kv_cache.find_cached_prefix(seq)
+                             if seq.num_computed_tokens == 0 else [])
+            num_cached = len(cached_prefix) * self.kv_cache.block_size
+            remaining = seq.num_tokens - seq.num_computed_tokens - num_cached
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_tokens = min(remaining, budget, self.config.long_prefill_token_threshold
+                             or remaining)
+            is_first_admission = seq.first_scheduled_time is None
+            copies = self.kv_cache.allocate_slots(seq, num_tokens, cached_prefix)
+            if copies is None:
+                break
+            if is_first_admission:
+                seq.request.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.block_copies.extend(copies)
+            self._add_scheduled(out, seq, num_tokens)
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_tokens
+        return out
+
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
+        out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_tokens))
+        out.num_scheduled_tokens += num_tokens
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and requeue it first; it recomputes when it resumes."""
+        self.running.remove(seq)
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give its blocks back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv_cache.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,122 @@
+"""Plain-torch paged attention and KV store: the CPU path and the tests' oracle."""
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's K/V row into its slot (block * block_size + offset); -1 skips."""
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """The first seq_len K (or V) rows of one sequence, contiguous: [seq_len, kv_heads, dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    rows = cache[block_table[:num_blocks].long()]
+    return rows.flatten(0, 1)[:seq_len]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged K/V.
+
+    query [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads,
+    head_dim]; the new tokens of sequence i are its last q_len_i positions.
+    Decodes (one new token) run as one padded batch; longer queries run one by one.
+    """
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    query_lens = [end - start for start, end in itertools.pairwise(starts)]
+    decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode_rows:
+        _decode_batch(query, key_cache, value_cache, block_tables, seq_lens, starts,
+                      decode_rows, scale, out)
+    for i, query_len in enumerate(query_lens):
+        if query_len > 1:
+            start, seq_len = starts[i], lengths[i]
+            out[start:start + query_len] = _attend_one(
+                query[start:start + query_len],
+                gather_kv(key_cache, block_tables[i], seq_len),
+                gather_kv(value_cache, block_tables[i], seq_len),
+                scale,
+            )
+    return out
+
+
+def _attend_one(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence: query [q, heads, dim] are the last q positions of key/value [s, kv, dim]."""
+    query_len, seq_len = query.shape[0], key.shape[0]
+    if query_len == seq_len:
+        mask, causal = None, True
+    else:
+        # Query i sits at position seq_len - query_len + i and sees keys up to there.
+        device = query.device
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+        mask, causal = torch.arange(seq_len, device=device).unsqueeze(0) <= query_pos, False
+    result = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key.transpose(0, 1).to(query.dtype),
+        value.transpose(0, 1).to(query.dtype),
+        attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return result.transpose(0, 1)
+
+
+def _decode_batch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    starts: list[int],
+    rows: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """All one-token queries at once, their K/V gathered into a padded batch."""
+    block_size = key_cache.shape[1]
+    device = query.device
+    row_index = torch.tensor(rows, device=device)
+    token_index = torch.tensor([starts[i] for i in rows], device=device)
+    lens = seq_lens[row_index].long()
+    num_blocks = -(-int(lens.max()) // block_size)
+    tables = block_tables[row_index, :num_blocks].long()
+    # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, padded_len, dim]
+    keys = key_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
+    values = value_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
+    mask = torch.arange(keys.shape[2], device=device).unsqueeze(0) < lens.unsqueeze(1)
+    q = query[token_index].unsqueeze(2)  # [batch, heads, 1, dim]
+    result = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    out[token_index] = result.squeeze(2)
