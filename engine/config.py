@@ -19,8 +19,8 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     # The CPU has no device memory to measure, so the utilization applies to this size;
-    # 1 GiB leaves ~3,000 blocks of 16 tokens for the default model in bfloat16.
-    device_memory_gb: float = 1.0
+    # 2 GiB leaves ~3,400 blocks of 16 tokens for the default model in bfloat16.
+    device_memory_gb: float = 2.0
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
