@@ -83,20 +83,20 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    # The CPU allocator keeps no statistics; the profiler's allocation timeline does.
+    # The CPU allocator keeps no statistics, but the profiler records every allocation
+    # with the running total of bytes allocated since profiling began.
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                 record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    live = peak = 0
-    for _, action, _, size in sorted(prof._memory_profile().timeline, key=lambda e: e[0]):
-        if action is Action.CREATE:
-            live += size
-        elif action is Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    peak = 0
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            peak = max(peak, event.extra_fields.total_allocated)
     return peak
 
 
