@@ -142,10 +142,13 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> KVBlock | None:
-        """The cached block with this hash, but only if it truly holds these tokens."""
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...],
+               parent: bytes | None = None) -> KVBlock | None:
+        """The cached block with this hash, but only if it truly holds these tokens after
+        this parent (a hash collision must not hand out another prefix's KV)."""
         block = self.cached_blocks.get(block_hash)
-        if block is None or block.block_hash.token_ids != token_ids:
+        if (block is None or block.block_hash.token_ids != token_ids
+                or block.block_hash.parent != parent):
             return None
         return block
 

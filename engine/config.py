@@ -41,7 +41,8 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         bs = self.block_size
-        if not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK_SIZE or bs & (bs - 1):
+        if (isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK_SIZE
+                or bs & (bs - 1)):
             raise ValueError(
                 f"block_size={bs!r} must be a power of two between 1 and {MAX_BLOCK_SIZE}")
         util = self.gpu_memory_utilization

@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import detokenize_incrementally
 from engine.kv_cache_manager import KVCacheManager
+from engine.memory import GiB
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Chunk, Request, Sequence, SequenceStatus
@@ -38,8 +39,12 @@ class EngineCore:
         self.memory_plan = self.runner.plan_memory(self.config)
         self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks)
         logger.info(self.memory_plan.describe())
+        num_swap_blocks = 0
+        if self.config.preemption_mode == "swap":
+            num_swap_blocks = int(self.config.swap_space * GiB) // self.memory_plan.bytes_per_block
+        self.runner.allocate_swap_space(num_swap_blocks)
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
-                                       self.config.enable_prefix_caching)
+                                       self.config.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(self.config, self.kv_cache)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(self.runner)
@@ -127,8 +132,8 @@ class EngineCore:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = start_time
         sampling = [item for item in plan.scheduled if item.samples]
-        logits = (self.runner.execute(plan.scheduled, plan.block_copies)
-                  if plan.scheduled else None)
+        self.runner.move_blocks(plan)
+        logits = self.runner.execute(plan.scheduled) if plan.scheduled else None
         for item in plan.scheduled:
             item.seq.num_computed_tokens = item.end
             item.seq.chunks.append(Chunk(self.step_index, item.start, item.end, item.kind))
@@ -248,7 +253,9 @@ class EngineCore:
             step=self.step_index, start_time=start_time, end_time=time.time(),
             chunks=tuple(ScheduledChunk(s.seq.request.request_id, s.seq.seq_id, s.kind,
                                         s.start, s.end) for s in plan.scheduled),
-            preempted=tuple(s.seq_id for s in plan.preempted), swapped_out=(), swapped_in=(),
+            preempted=tuple(s.seq_id for s in plan.preempted),
+            swapped_out=tuple(s.seq_id for s in plan.swapped_out),
+            swapped_in=tuple(s.seq_id for s in plan.swapped_in),
             finished=tuple(r.request_id for r in finished),
             num_scheduled_tokens=plan.num_scheduled_tokens,
             token_budget=self.config.max_num_batched_tokens,

@@ -18,16 +18,29 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(slots=True)
+class SwapStats:
+    swap_outs: int = 0
+    swap_ins: int = 0
+    blocks_out: int = 0
+    blocks_in: int = 0
+
+
 class KVCacheManager:
     """Gives each sequence the blocks it needs, sharing cached and forked blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_swap_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.prefix_stats = PrefixCacheStats()
         # Hashes of each sequence's full, computed blocks, in logical order.
         self.block_hashes: dict[str, list[BlockHash]] = {}
+        # The CPU swap pool: block ids not holding a swapped-out sequence's K/V.
+        self.num_swap_blocks = num_swap_blocks
+        self.free_swap_blocks = list(range(num_swap_blocks))
+        self.swap_stats = SwapStats()
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -44,7 +57,7 @@ class KVCacheManager:
         parent = None
         for index in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
-            block = self.pool.lookup(hash_block_tokens(parent, tokens), tokens)
+            block = self.pool.lookup(hash_block_tokens(parent, tokens), tokens, parent)
             if block is None:
                 break
             hits.append(block)
@@ -118,6 +131,41 @@ class KVCacheManager:
         self.pool.release(self.pool.blocks[i] for i in reversed(seq.block_table))
         seq.block_table = []
         self.block_hashes.pop(seq.seq_id, None)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """Move the sequence's blocks to the CPU pool: (device, cpu) copies, or None if the
+        CPU pool is too small (the caller recomputes instead)."""
+        count = len(seq.block_table)
+        if count > len(self.free_swap_blocks):
+            return None
+        swap_blocks = [self.free_swap_blocks.pop() for _ in range(count)]
+        copies = list(zip(seq.block_table, swap_blocks))
+        self.free(seq)
+        seq.swap_table = swap_blocks
+        self.swap_stats.swap_outs += 1
+        self.swap_stats.blocks_out += count
+        return copies
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped sequence back into fresh device blocks, with room for
+        `num_new_tokens` more: (cpu, device) copies, or None if the pool is short."""
+        count = len(seq.swap_table)
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        if max(total, count) > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(max(total, count))
+        seq.block_table = [block.block_id for block in blocks]
+        copies = list(zip(seq.swap_table, seq.block_table[:count]))
+        self.free_swap_blocks.extend(seq.swap_table)
+        seq.swap_table = []
+        self.swap_stats.swap_ins += 1
+        self.swap_stats.blocks_in += count
+        return copies
+
+    def drop_swapped(self, seq: Sequence) -> None:
+        """Forget a swapped sequence's CPU copy (it finished or was aborted while out)."""
+        self.free_swap_blocks.extend(seq.swap_table)
+        seq.swap_table = []
 
     @property
     def num_free_blocks(self) -> int:

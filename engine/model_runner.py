@@ -13,7 +13,7 @@ from engine.loader import (iter_weights, load_config, load_generation_config, lo
 from engine.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
 from engine.models import model_class
 from engine.models.attention import AttentionMetadata
-from engine.scheduler import ScheduledSequence
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,6 +79,7 @@ class ModelRunner:
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.kv_cache: torch.Tensor | None = None
+        self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
         logger.info("loaded %s (%s, %.1f M parameters, %s on %s) in %.1f s; attention: %s",
                     self.model_path, type(self.model).__name__, self.weight_bytes /
@@ -142,11 +143,21 @@ class ModelRunner:
             layer.value_cache = self.kv_cache[1, index]
         self.block_size = block_size
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate shared blocks before this step writes into them."""
-        sources = torch.tensor([s for s, _ in copies], device=self.device)
-        targets = torch.tensor([t for _, t in copies], device=self.device)
-        self.kv_cache[:, :, targets] = self.kv_cache[:, :, sources]
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        """The CPU pool that swapped-out sequences' blocks are copied to (pinned on CUDA, so
+        copies are DMA transfers)."""
+        self.swap_cache = None
+        if num_blocks:
+            self.swap_cache = torch.zeros(
+                (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:]),
+                dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+
+    def copy_blocks(self, copies: list[tuple[int, int]], source: torch.Tensor,
+                    target: torch.Tensor) -> None:
+        """Copy whole blocks (all layers, K and V): copy-on-write, swap out, swap in."""
+        sources = torch.tensor([s for s, _ in copies], device=source.device)
+        targets = torch.tensor([t for _, t in copies], device=target.device)
+        target[:, :, targets] = source[:, :, sources].to(target.device)
 
     def _flat_inputs(self, pieces, block_size: int, token_ids):
         """Flatten (start, end, block_table) pieces into the attention op's ragged layout."""
@@ -176,12 +187,19 @@ class ModelRunner:
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence],
-                block_copies: list[tuple[int, int]]) -> torch.Tensor:
+    def move_blocks(self, plan: SchedulerOutput) -> None:
+        """Swaps and copy-on-write copies, before anything writes into the blocks: a block
+        swapped out may be handed to another sequence in this same step."""
+        for copies, source, target in ((plan.swap_out, self.kv_cache, self.swap_cache),
+                                       (plan.swap_in, self.swap_cache, self.kv_cache),
+                                       (plan.block_copies, self.kv_cache, self.kv_cache)):
+            if copies:
+                self.copy_blocks(copies, source, target)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Run one forward over the ragged batch; logits [sampling sequences, vocab] in fp32,
         one row per scheduled sequence that reaches its last token, in schedule order."""
-        if block_copies:
-            self.copy_blocks(block_copies)
         input_ids, positions, meta = self._flat_inputs(
             [(s.start, s.end, s.seq.block_table) for s in scheduled], self.block_size,
             token_ids=lambda index, start, end: scheduled[index].seq.token_ids[start:end])

@@ -36,6 +36,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     block_table: list[int] = field(default_factory=list)
+    swap_table: list[int] = field(default_factory=list)  # CPU blocks while swapped out
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

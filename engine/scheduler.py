@@ -33,8 +33,13 @@ class ScheduledSequence:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Block moves the device must do before the forward, in this order:
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
     preempted: list[Sequence] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: int = 0
 
 
@@ -60,8 +65,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def chunk_size(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+    def chunk_size(self, seq: Sequence, budget: int, num_cached: int = 0) -> int:
+        """Tokens to compute next: all that remain, capped by the budget and by
+        long_prefill_token_threshold (so several long prompts progress together)."""
+        remaining = seq.num_tokens - seq.num_computed_tokens - num_cached
         threshold = self.config.long_prefill_token_threshold
         if threshold:
             remaining = min(remaining, threshold)
@@ -70,7 +77,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
+        scheduled_ids: set[str] = set()  # their blocks are written this step: never victims
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -80,8 +87,7 @@ class Scheduler:
             while copies is None:
                 victim = max((s for s in self.running if s.seq_id not in scheduled_ids),
                              key=lambda s: s.priority_key)
-                self.preempt(victim)
-                out.preempted.append(victim)
+                self.preempt(victim, out)
                 if victim is seq:
                     break
                 copies = self.kv_cache.allocate_slots(seq, num_tokens)
@@ -97,39 +103,61 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            cached_prefix = (self.kv_cache.find_cached_prefix(seq)
-                             if seq.num_computed_tokens == 0 else [])
-            num_cached = len(cached_prefix) * self.kv_cache.block_size
-            remaining = seq.num_tokens - seq.num_computed_tokens - num_cached
-            if not self.config.enable_chunked_prefill and remaining > budget:
-                break
-            num_tokens = min(remaining, budget, self.config.long_prefill_token_threshold
-                             or remaining)
-            is_first_admission = seq.first_scheduled_time is None
-            copies = self.kv_cache.allocate_slots(seq, num_tokens, cached_prefix)
-            if copies is None:
-                break
-            if is_first_admission:
-                seq.request.num_cached_tokens = num_cached
+            if seq.status is SequenceStatus.SWAPPED:
+                num_tokens = self.chunk_size(seq, budget)
+                swap_in = self.kv_cache.swap_in(seq, num_tokens)
+                if swap_in is None:
+                    break
+                out.swap_in.extend(swap_in)
+                out.swapped_in.append(seq)
+            else:
+                num_tokens = self._admit_waiting(seq, budget, out)
+                if not num_tokens:
+                    break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.block_copies.extend(copies)
             self._add_scheduled(out, seq, num_tokens)
-            scheduled_ids.add(seq.seq_id)
             budget -= num_tokens
         return out
+
+    def _admit_waiting(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Blocks for a waiting sequence's next chunk, reusing cached prefix blocks;
+        returns the chunk's token count, or 0 if it cannot start this step."""
+        cached_prefix = (self.kv_cache.find_cached_prefix(seq)
+                         if seq.num_computed_tokens == 0 else [])
+        num_cached = len(cached_prefix) * self.kv_cache.block_size
+        remaining = seq.num_tokens - seq.num_computed_tokens - num_cached
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            return 0
+        num_tokens = self.chunk_size(seq, budget, num_cached)
+        copies = self.kv_cache.allocate_slots(seq, num_tokens, cached_prefix)
+        if copies is None:
+            return 0
+        if seq.first_scheduled_time is None:
+            seq.request.num_cached_tokens = num_cached
+        out.block_copies.extend(copies)
+        return num_tokens
 
     def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
         out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_tokens))
         out.num_scheduled_tokens += num_tokens
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free the sequence's blocks and requeue it first; it recomputes when it resumes."""
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take the sequence's device blocks and requeue it first. In swap mode its K/V goes
+        to the CPU pool; otherwise (or if that pool is full) it recomputes on resume."""
         self.running.remove(seq)
-        self.kv_cache.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        swap_out = (self.kv_cache.swap_out(seq) if self.config.preemption_mode == "swap"
+                    else None)
+        if swap_out is None:
+            self.kv_cache.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        else:
+            out.swap_out.extend(swap_out)
+            out.swapped_out.append(seq)
+            seq.status = SequenceStatus.SWAPPED
+        out.preempted.append(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -141,4 +169,5 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv_cache.free(seq)
+        self.kv_cache.drop_swapped(seq)
         seq.status = SequenceStatus.FINISHED

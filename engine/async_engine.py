@@ -1,0 +1,649 @@
+"""AsyncEngine: EngineCore on its own thread, with request streams, abort, reconfigure and feeds."""
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.memory import MemoryPlan
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.telemetry import EngineSnapshot, StepRecord, take_snapshot
+
+logger = logging.getLogger(__name__)
+# Knobs that would need the weights reloaded; reconfigure only rebuilds the KV cache.
+RELOAD_KNOBS = ("model", "dtype", "device")
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down or stopped; it takes no new work."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine step that ran this request raised; the request was aborted."""
+
+
+class Channel:
+    """A thread-safe FIFO that threads read with `get` / `for` and asyncio tasks with
+    `aget` / `async for`; close it to end the readers (or, for a subscriber, to unsubscribe).
+
+    With `maxsize`, a put into a full channel drops the oldest item (counted in
+    `num_dropped`), so a slow reader never makes the writer wait.
+    """
+
+    def __init__(self, maxsize: int | None = None) -> None:
+        self.maxsize = maxsize
+        self.num_dropped = 0
+        self._items: deque = deque()
+        self._closed = False
+        self._condition = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(self, item: Any) -> None:
+        with self._condition:
+            if self._closed:
+                return
+            if self.maxsize is not None and len(self._items) >= self.maxsize:
+                self._items.popleft()
+                self.num_dropped += 1
+            self._items.append(item)
+            self._wake()
+
+    def close(self) -> None:
+        """No more items; readers get what is left, then the end."""
+        with self._condition:
+            self._closed = True
+            self._wake()
+
+    def _wake(self) -> None:
+        self._condition.notify_all()
+        for loop, waiter in self._async_waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, waiter)
+            except RuntimeError:  # that reader's event loop is closed: nobody waits there
+                pass
+        self._async_waiters.clear()
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next item; raises StopIteration at the end, TimeoutError after `timeout`."""
+        with self._condition:
+            if not self._condition.wait_for(lambda: self._items or self._closed, timeout):
+                raise TimeoutError("no item within the timeout")
+            if self._items:
+                return self._items.popleft()
+            raise StopIteration
+
+    async def aget(self) -> Any:
+        """The next item; raises StopAsyncIteration at the end."""
+        while True:
+            with self._condition:
+                if self._items:
+                    return self._items.popleft()
+                if self._closed:
+                    raise StopAsyncIteration
+                loop = asyncio.get_running_loop()
+                entry = (loop, loop.create_future())
+                self._async_waiters.append(entry)
+            try:
+                await entry[1]
+            except asyncio.CancelledError:
+                with self._condition:
+                    if entry in self._async_waiters:
+                        self._async_waiters.remove(entry)
+                raise
+
+    def drain(self) -> list:
+        """Every item available now, without waiting."""
+        with self._condition:
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def __iter__(self) -> Iterator:
+        while True:
+            try:
+                yield self.get()
+            except StopIteration:
+                return
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.aget()
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():  # a cancelled reader leaves a cancelled future behind
+        waiter.set_result(None)
+
+
+def _settle(future: concurrent.futures.Future, result: Any = None,
+            error: BaseException | None = None) -> None:
+    """Resolve a future whose waiter may have given up (an awaited wrap_future that is
+    cancelled cancels it), without raising on the engine thread."""
+    if future.done():
+        return
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled between the check and the set
+
+
+class _Feed:
+    """The subscribers to one kind of event; publishing never waits on a reader."""
+
+    def __init__(self) -> None:
+        self._subscribers: tuple[Channel, ...] = ()
+        self._lock = threading.Lock()
+
+    def subscribe(self, maxsize: int) -> Channel:
+        channel = Channel(maxsize)
+        with self._lock:  # a new tuple, so publish() iterates one nobody mutates
+            self._subscribers = (*self._subscribers, channel)
+        return channel
+
+    def publish(self, item: Any) -> None:
+        subscribers = self._subscribers
+        for channel in subscribers:
+            channel.put(item)
+        if any(channel.closed for channel in subscribers):
+            with self._lock:
+                self._subscribers = tuple(c for c in self._subscribers if not c.closed)
+
+
+class RequestStream:
+    """The outputs of one request, each carrying per-sample `deltas` of new text.
+
+    Iterate it synchronously (`for`) or asynchronously (`async for`); iteration ends after
+    the finished output, raises ValueError if the engine refused the request and
+    RequestFailed if a step failed it. Breaking out early does not abort: call `abort()`.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, source: str) -> None:
+        self.request_id = request_id
+        self.source = source
+        self.finished = False
+        self._engine = engine
+        self._outputs = Channel()
+        # Resolved on the engine thread once add_request accepted or refused the request.
+        self._admission: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def wait_accepted(self, timeout: float | None = None) -> None:
+        """Block until the engine queued the request; raises its ValueError if refused."""
+        self._admission.result(timeout)
+
+    async def accepted(self) -> None:
+        """Wait until the engine queued the request; raises its ValueError if refused."""
+        await asyncio.wrap_future(self._admission)
+
+    def abort(self) -> None:
+        """Stop the request (a no-op once it finished); the stream then ends."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            try:
+                item = self._outputs.get()
+            except StopIteration:
+                return
+            yield self._unwrap(item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return self._unwrap(await self._outputs.aget())
+
+    def _unwrap(self, item: RequestOutput | Exception) -> RequestOutput:
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    # ---- the engine thread's side -------------------------------------------------------
+    def _accept(self) -> None:
+        _settle(self._admission)
+
+    def _fail(self, error: Exception) -> None:
+        _settle(self._admission, error=error)
+        self._outputs.put(error)
+        self._outputs.close()
+
+    def _push(self, output: RequestOutput) -> None:
+        self._outputs.put(output)
+        if output.finished:
+            self._outputs.close()
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Totals since the AsyncEngine started; they survive reconfigures (monotonic)."""
+
+    num_steps: int = 0
+    step_failures: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
+    prefix_cache_queries: int = 0  # tokens, as vLLM counts them
+    prefix_cache_hits: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """A finished (or aborted, or failed) request, for readers such as metrics and logs."""
+
+    output: RequestOutput
+    source: str
+    finish_reason: str  # the first sample's, or "error"
+    inter_token_latencies: list[float]  # seconds between consecutive steps with new tokens
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _LiveRequest:
+    """Engine-thread bookkeeping of one request between add and finish."""
+
+    stream: RequestStream
+    num_tokens_seen: int = 0
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _PendingReconfigure:
+    config: EngineConfig
+    result: concurrent.futures.Future
+
+
+class AsyncEngine:
+    """Runs an EngineCore on a background thread; other threads only enqueue commands.
+
+    The thread steps while requests are unfinished and sleeps on a condition when idle.
+    """
+
+    def __init__(self, core: EngineCore, base_config: EngineConfig | None = None) -> None:
+        self._core = core
+        # Reconfigure applies knobs to the unresolved config, so derived knobs (the token
+        # budget, max_model_len) are derived again for the new values.
+        self._base_config = base_config or core.config
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Condition()
+        self._live: dict[str, _LiveRequest] = {}
+        # Adds waiting out a reconfigure: request id -> (stream, the add to replay).
+        self._held: dict[str, tuple[RequestStream, Callable[[], None]]] = {}
+        self._reconfigure: _PendingReconfigure | None = None
+        self._reconfigure_lock = threading.Lock()
+        self._snapshot_waiters: list[concurrent.futures.Future] = []
+        self._step_feed = _Feed()
+        self._request_feed = _Feed()
+        self._counters = EngineCounters()
+        self._counters_lock = threading.Lock()
+        self._prefix_seen = (0, 0)  # the current core's prefix stats already counted
+        self._request_ids = itertools.count()
+        self._accepting = True
+        self._stopping = False
+        self._exited = False
+        self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        """Load the model and build the engine (not started)."""
+        return cls(EngineCore(config), base_config=config)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, abort_running: bool = True, timeout: float | None = 30.0) -> None:
+        """Stop taking requests, abort (or finish) the ones in flight, stop the thread."""
+        self._accepting = False
+        if not self._thread.is_alive():
+            return
+        self._enqueue(lambda: self._do_stop(abort_running))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread still busy after %.0f s", timeout)
+
+    # ---- what the engine serves ---------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        """The current resolved config (changes on reconfigure)."""
+        return self._core.config
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        return self._core.memory_plan
+
+    @property
+    def tokenizer(self):
+        return self._core.tokenizer
+
+    @property
+    def model_path(self) -> str:
+        return str(self._core.runner.model_path)
+
+    @property
+    def is_reconfiguring(self) -> bool:
+        """True from the reconfigure() call until the new pool is in place (or refused)."""
+        return self._reconfigure_lock.locked()
+
+    def counters(self) -> EngineCounters:
+        """A consistent copy of the totals."""
+        with self._counters_lock:
+            return replace(self._counters,
+                           requests_finished=dict(self._counters.requests_finished))
+
+    # ---- requests ----------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        source: str = "api",
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Queue a request and return its stream at once (never blocks on the engine).
+
+        Bad input surfaces from `stream.wait_accepted()` / `await stream.accepted()` or
+        from iterating the stream, as the engine's ValueError naming the knob.
+        """
+        if not self._accepting:
+            raise EngineClosed("the engine is shutting down; it takes no new requests")
+        request_id = request_id or f"{source}-{next(self._request_ids)}"
+        stream = RequestStream(self, request_id, source)
+        self._enqueue(lambda: self._do_add(stream, prompt, params, priority,
+                                           add_special_tokens, time.time()))
+        return stream
+
+    def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    **kwargs: Any) -> RequestStream:
+        """Apply the model's chat template, then submit (the template holds the BOS)."""
+        return self.submit(self.render_chat(messages), params, add_special_tokens=False,
+                           **kwargs)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn."""
+        if not messages:
+            raise ValueError("messages: give at least one message")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("messages: the model has no chat template; use completions")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as error:  # jinja raises its own types for malformed messages
+            raise ValueError(f"messages: the chat template failed: {error}") from error
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next step boundary; unknown or finished ids are ignored."""
+        self._enqueue(lambda: self._do_abort(request_id))
+
+    # ---- readers -----------------------------------------------------------------------
+    def snapshot_future(self) -> concurrent.futures.Future:
+        """A future of an EngineSnapshot taken on the engine thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._enqueue(lambda: self._snapshot_waiters.append(future))
+        return future
+
+    def snapshot(self, timeout: float | None = 10.0) -> EngineSnapshot:
+        return self.snapshot_future().result(timeout)
+
+    async def snapshot_async(self) -> EngineSnapshot:
+        return await asyncio.wrap_future(self.snapshot_future())
+
+    def subscribe_steps(self, maxsize: int = 1024) -> Channel:
+        """Every StepRecord from now on; past `maxsize` unread, the oldest are dropped."""
+        return self._step_feed.subscribe(maxsize)
+
+    def subscribe_requests(self, maxsize: int = 10_000) -> Channel:
+        """A RequestRecord for every request that ends from now on."""
+        return self._request_feed.subscribe(maxsize)
+
+    # ---- reconfigure -------------------------------------------------------------------
+    def reconfigure(self, abort_running: bool = False, timeout: float | None = None,
+                    **knobs: Any) -> MemoryPlan:
+        """Rebuild the KV cache with new knobs, keeping the weights; returns the new plan.
+
+        New requests wait meanwhile; running ones finish (or are aborted with
+        `abort_running`). Invalid knobs raise ValueError and change nothing.
+        """
+        reload = sorted(set(knobs) & set(RELOAD_KNOBS))
+        if reload:
+            raise ValueError(f"{reload[0]}: changing {reload} reloads the weights; "
+                             "restart the app instead")
+        with self._reconfigure_lock:
+            config = self._base_config.with_changes(**knobs)
+            config.resolved(self._core.runner.max_positions)  # length knobs fail fast here
+            pending = _PendingReconfigure(config, concurrent.futures.Future())
+            self._enqueue(lambda: self._do_reconfigure(pending, abort_running))
+            return pending.result.result(timeout)
+
+    # ---- the engine thread -------------------------------------------------------------
+    def _enqueue(self, command: Callable[[], None]) -> None:
+        with self._wakeup:
+            if self._exited:
+                raise EngineClosed("the engine thread has stopped")
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        logger.info("engine thread started")
+        while True:
+            with self._wakeup:
+                self._wakeup.wait_for(lambda: self._commands or self._has_work())
+                commands = list(self._commands)
+                self._commands.clear()
+                # Commands that arrive after the last drain are refused by _enqueue.
+                self._exited = self._stopping and not self._core.has_unfinished_requests()
+            for command in commands:
+                self._guarded(command)
+            if self._snapshot_waiters:
+                self._guarded(self._answer_snapshots)
+            if self._exited:
+                break
+            if self._core.has_unfinished_requests():
+                self._step()
+            if self._reconfigure is not None and not self._core.has_unfinished_requests():
+                self._guarded(self._rebuild)
+        for request_id in list(self._held):
+            self._refuse_held(request_id, EngineClosed("the engine stopped before it ran"))
+        if self._reconfigure is not None:
+            _settle(self._reconfigure.result, error=EngineClosed("the engine stopped"))
+        logger.info("engine thread stopped")
+
+    def _has_work(self) -> bool:
+        return self._core.has_unfinished_requests() or (
+            self._reconfigure is not None or self._stopping)
+
+    def _guarded(self, command: Callable[[], None]) -> None:
+        """A bug in one command must not kill the thread every stream depends on."""
+        try:
+            command()
+        except Exception:
+            logger.exception("engine command failed")
+
+    def _do_add(self, stream: RequestStream, prompt, params, priority: int,
+                add_special_tokens: bool, arrival_time: float) -> None:
+        if self._reconfigure is not None or self._stopping:
+            self._held[stream.request_id] = (stream, lambda: self._do_add(
+                stream, prompt, params, priority, add_special_tokens, arrival_time))
+            return
+        try:
+            self._core.add_request(prompt, params, request_id=stream.request_id,
+                                   arrival_time=arrival_time, priority=priority,
+                                   source=stream.source, add_special_tokens=add_special_tokens)
+        except Exception as error:  # noqa: BLE001 -- ValueError for bad input; others refuse too
+            stream._fail(error)
+            return
+        self._live[stream.request_id] = _LiveRequest(stream)
+        stream._accept()
+
+    def _do_abort(self, request_id: str) -> None:
+        if request_id in self._held:
+            self._refuse_held(request_id, RequestFailed("aborted before it started"))
+            return
+        output = self._core.abort_request(request_id)
+        if output is not None:
+            self._deliver(output, time.time())
+
+    def _refuse_held(self, request_id: str, error: Exception) -> None:
+        """End a request that never reached the core (aborted, or the engine stopped)."""
+        stream, _ = self._held.pop(request_id)
+        stream._fail(error)
+
+    def _step(self) -> None:
+        core = self._core
+        try:
+            result = core.step()
+        except Exception as error:  # noqa: BLE001 -- the failure goes to the step's requests
+            self._fail_step(error)
+            return
+        now = time.time()
+        self._count_step(result.record)
+        for output in result.outputs:
+            self._deliver(output, now)
+        self._step_feed.publish(result.record)
+
+    def _fail_step(self, error: Exception) -> None:
+        """Abort the requests the failed step ran (all, if it got as far as none)."""
+        core = self._core
+        running = {seq.request.request_id for seq in core.scheduler.running}
+        failed = running or set(core.requests)
+        logger.exception("engine step %d failed; failing %d request(s)", core.step_index,
+                         len(failed), exc_info=error)
+        with self._counters_lock:
+            self._counters.step_failures += 1
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        for request_id in failed:
+            try:
+                output = core.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting %s after a failed step", request_id)
+                output = None
+            live = self._live.pop(request_id, None)
+            if live is None:
+                continue
+            live.stream._fail(RequestFailed(message))
+            if output is not None:
+                output.error = message
+                self._publish_request(output, live, "error")
+
+    def _deliver(self, output: RequestOutput, now: float) -> None:
+        live = self._live.get(output.request_id)
+        if live is None:
+            return
+        num_tokens = sum(len(sample.token_ids) for sample in output.outputs)
+        if num_tokens > live.num_tokens_seen:
+            if live.num_tokens_seen == 0:
+                with self._counters_lock:
+                    self._counters.prompt_tokens += len(output.prompt_token_ids)
+            if live.last_token_time is not None:
+                live.inter_token_latencies.append(now - live.last_token_time)
+            live.num_tokens_seen, live.last_token_time = num_tokens, now
+        live.stream._push(output)
+        if output.finished:
+            del self._live[output.request_id]
+            self._publish_request(output, live, output.outputs[0].finish_reason or "abort")
+
+    def _publish_request(self, output: RequestOutput, live: _LiveRequest,
+                         finish_reason: str) -> None:
+        with self._counters_lock:
+            finished = self._counters.requests_finished
+            finished[finish_reason] = finished.get(finish_reason, 0) + 1
+        record = RequestRecord(output, live.stream.source, finish_reason,
+                               live.inter_token_latencies, output.error)
+        self._request_feed.publish(record)
+
+    def _count_step(self, record: StepRecord) -> None:
+        stats = self._core.kv_cache.prefix_stats
+        seen_queries, seen_hits = self._prefix_seen
+        self._prefix_seen = (stats.queries, stats.hits)
+        with self._counters_lock:
+            counters = self._counters
+            counters.num_steps += 1
+            counters.generation_tokens += record.num_generated_tokens
+            counters.preemptions += len(record.preempted)
+            counters.swapped_out += len(record.swapped_out)
+            counters.swapped_in += len(record.swapped_in)
+            counters.prefix_cache_queries += stats.queries - seen_queries
+            counters.prefix_cache_hits += stats.hits - seen_hits
+
+    def _answer_snapshots(self) -> None:
+        waiters, self._snapshot_waiters = self._snapshot_waiters, []
+        try:
+            snapshot = take_snapshot(self._core)
+        except Exception as error:
+            for waiter in waiters:
+                _settle(waiter, error=error)
+            raise
+        for waiter in waiters:
+            _settle(waiter, snapshot)
+
+    def _do_reconfigure(self, pending: _PendingReconfigure, abort_running: bool) -> None:
+        self._reconfigure = pending
+        if abort_running:
+            for request_id in list(self._core.requests):
+                self._do_abort(request_id)
+        logger.info("reconfiguring: waiting for %d request(s) to finish",
+                    len(self._core.requests))
+
+    def _rebuild(self) -> None:
+        """Swap in a core with the new config (the pool is idle); replay the held adds."""
+        pending, self._reconfigure = self._reconfigure, None
+        old = self._core
+        runner = old.runner
+        # A weak reference: holding the old tensor would double peak memory while the
+        # new one is allocated.
+        old_cache = weakref.ref(runner.kv_cache)
+        try:
+            core = EngineCore(pending.config, runner=runner)
+        except Exception as error:  # noqa: BLE001 -- handed to the caller of reconfigure()
+            if runner.kv_cache is None or runner.kv_cache is not old_cache():
+                # Profiling the new budget replaced the cache tensor: give the old core a
+                # fresh one, whose cached-free blocks no longer hold what their hashes say.
+                runner.allocate_kv_cache(old.config.block_size, old.memory_plan.num_blocks)
+                old.kv_cache.pool.reset_cache()
+            logger.warning("reconfigure refused: %s", error)
+            _settle(pending.result, error=error)
+        else:
+            core.step_index = old.step_index  # readers see one step sequence across configs
+            self._core, self._base_config, self._prefix_seen = core, pending.config, (0, 0)
+            logger.info("reconfigured: %s", core.memory_plan.describe())
+            _settle(pending.result, core.memory_plan)
+        held, self._held = list(self._held.values()), {}
+        for _, add in held:
+            add()
+
+    def _do_stop(self, abort_running: bool) -> None:
+        self._stopping = True
+        if abort_running:
+            for request_id in list(self._core.requests):
+                self._do_abort(request_id)

@@ -1,0 +1,5 @@
+"""The HTTP edge: OpenAI-compatible routes, SSE, /metrics, /health and /ws/events."""
+
+from engine.serving.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,185 @@
+"""Engine request streams -> OpenAI response bodies and SSE chunks (completions and chat)."""
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.async_engine import RequestStream
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.serving.errors import error_body, from_exception
+
+
+@dataclass
+class Generation:
+    """The engine requests behind one API call; prompt i's samples are choices i*n..i*n+n-1."""
+
+    chat: bool
+    response_id: str
+    model: str
+    streams: list[RequestStream]
+    n: int
+    tokenizer: object
+    logprobs: int | None = None
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    # Streaming state: the newest output of each stream, and per choice what was sent.
+    latest: dict[int, RequestOutput] = field(default_factory=dict)
+    tokens_sent: dict[int, int] = field(default_factory=dict)
+    chars_sent: dict[int, int] = field(default_factory=dict)
+    finish_sent: set[int] = field(default_factory=set)
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def abort_unfinished(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+    # ---- a whole response ---------------------------------------------------------------
+    async def response(self) -> dict:
+        finals = await asyncio.gather(*(_last_output(stream) for stream in self.streams))
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            self.latest[prompt_index] = output
+            for sample in output.outputs:
+                logprobs = self._logprobs(sample, 0, 0)
+                if self.chat:
+                    choice = {"message": {"role": "assistant", "content": sample.text}}
+                else:
+                    choice = {"text": sample.text}
+                choices.append({"index": prompt_index * self.n + sample.index, **choice,
+                                "logprobs": logprobs, "finish_reason": sample.finish_reason})
+        return {"id": self.response_id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def usage(self) -> dict:
+        outputs = list(self.latest.values())
+        prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        completion_tokens = sum(len(sample.token_ids) for output in outputs
+                                for sample in output.outputs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(output.num_cached_tokens for output in outputs)}}
+
+    # ---- server-sent events -------------------------------------------------------------
+    async def events(self) -> AsyncIterator[str]:
+        """SSE lines in OpenAI's chunk format, ending with `data: [DONE]`; aborts whatever
+        is unfinished when the client goes away (the iterator is closed or cancelled)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(_pump(index, stream, queue))
+                 for index, stream in enumerate(self.streams)]
+        try:
+            if self.chat:  # OpenAI opens every chat choice with the role
+                for index in range(len(self.streams) * self.n):
+                    yield _sse(self._chunk(index, {"role": "assistant", "content": ""}))
+            remaining = len(tasks)
+            while remaining:
+                prompt_index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    error = from_exception(item)
+                    yield _sse(error_body(error.status_code, error.message, error.param,
+                                          error.code))
+                    break
+                else:
+                    self.latest[prompt_index] = item
+                    for chunk in self._chunks(prompt_index, item):
+                        yield _sse(chunk)
+            else:
+                if self.include_usage:
+                    yield _sse({**self._envelope(), "choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.abort_unfinished()
+
+    def _chunks(self, prompt_index: int, output: RequestOutput) -> list[dict]:
+        chunks = []
+        for sample, delta in zip(output.outputs, output.deltas, strict=True):
+            index = prompt_index * self.n + sample.index
+            tokens_sent = self.tokens_sent.get(index, 0)
+            finishing = sample.finish_reason is not None and index not in self.finish_sent
+            if not delta and not finishing and len(sample.token_ids) == tokens_sent:
+                continue
+            logprobs = self._logprobs(sample, tokens_sent, self.chars_sent.get(index, 0))
+            self.tokens_sent[index] = len(sample.token_ids)
+            self.chars_sent[index] = self.chars_sent.get(index, 0) + len(delta)
+            if finishing:
+                self.finish_sent.add(index)
+            chunks.append(self._chunk(index, {"content": delta} if self.chat else delta,
+                                      logprobs, sample.finish_reason if finishing else None))
+        return chunks
+
+    def _envelope(self) -> dict:
+        return {"id": self.response_id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model}
+
+    def _chunk(self, index: int, content: dict | str, logprobs: dict | None = None,
+               finish_reason: str | None = None) -> dict:
+        body = {"delta": content} if self.chat else {"text": content}
+        chunk = {**self._envelope(), "choices": [{"index": index, **body, "logprobs": logprobs,
+                                                  "finish_reason": finish_reason}]}
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI's chunks carry a null usage until the last one
+        return chunk
+
+    # ---- logprobs -------------------------------------------------------------------------
+    def _logprobs(self, sample: CompletionOutput, first_token: int,
+                  text_offset: int) -> dict | None:
+        """Logprobs of the sample's tokens from `first_token` on, in the endpoint's format."""
+        if self.logprobs is None or sample.logprobs is None:
+            return None
+        token_ids = sample.token_ids[first_token:]
+        entries = sample.logprobs[first_token:len(sample.token_ids)]
+        decode = self._token_text
+        if self.chat:
+            content = []
+            for token_id, entry in zip(token_ids, entries, strict=True):
+                top = sorted(entry.items(), key=lambda item: -item[1])[:self.logprobs]
+                content.append({**_chat_logprob(decode(token_id), entry[token_id]),
+                                "top_logprobs": [_chat_logprob(decode(t), lp) for t, lp in top]})
+            return {"content": content}
+        tokens = [decode(token_id) for token_id in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {"tokens": tokens,
+                "token_logprobs": [entry[t] for t, entry in zip(token_ids, entries, strict=True)],
+                "top_logprobs": [{decode(t): lp for t, lp in entry.items()} for entry in entries],
+                "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _chat_logprob(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    output = None
+    async for output in stream:
+        pass
+    return output
+
+
+async def _pump(index: int, stream: RequestStream, queue: asyncio.Queue) -> None:
+    """Move one stream's outputs into the merged queue; None marks its end."""
+    try:
+        async for output in stream:
+            queue.put_nowait((index, output))
+    except Exception as error:  # noqa: BLE001 -- handed to the consumer, which reports it
+        queue.put_nowait((index, error))
+    queue.put_nowait((index, None))
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

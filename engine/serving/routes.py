@@ -1,0 +1,140 @@
+"""The OpenAI-compatible routes (/v1/*) and /health, /version."""
+
+import asyncio
+import importlib.metadata
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.sampling_params import SamplingParams
+from engine.serving.errors import APIError
+from engine.serving.generation import Generation
+from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from engine.serving.security import APIKeyCheck
+
+logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 2
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The name clients use (the model folder's), plus the paths that name it too."""
+
+    name: str
+    aliases: frozenset[str]
+
+    @classmethod
+    def of(cls, engine: AsyncEngine, name: str | None = None) -> "ServedModel":
+        path = Path(engine.model_path)
+        configured = engine.config.model
+        return cls(name or path.name, frozenset(
+            str(p) for p in (path, configured, path.resolve()) if p is not None))
+
+    def check(self, requested: str | None) -> None:
+        if requested is not None and requested != self.name and requested not in self.aliases:
+            raise APIError(404, f"The model `{requested}` does not exist; this server serves "
+                           f"`{self.name}`", param="model", code="model_not_found")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("kvscope")
+    except importlib.metadata.PackageNotFoundError:  # running from a checkout, not installed
+        return "unknown"
+
+
+def openai_router(engine: AsyncEngine, model: ServedModel, auth: APIKeyCheck) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+
+    @router.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": int(time.time()),
+            "owned_by": "kvscope", "root": engine.model_path,
+            "max_model_len": engine.config.max_model_len}]}
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        model.check(body.model)
+        params = body.to_sampling_params()
+        prompts = body.prompts()
+        return await _serve(request, engine, model, body.stream, body.include_usage, params,
+                            lambda: [engine.submit(prompt, params) for prompt in prompts],
+                            chat=False, logprobs=body.logprobs)
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        model.check(body.model)
+        params = body.to_sampling_params()
+        prompt = engine.render_chat(body.conversation())
+        return await _serve(request, engine, model, body.stream, body.include_usage, params,
+                            lambda: [engine.submit(prompt, params, add_special_tokens=False)],
+                            chat=True,
+                            logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+
+    return router
+
+
+async def _serve(request: Request, engine: AsyncEngine, model: ServedModel, stream: bool,
+                 include_usage: bool, params: SamplingParams, submit, chat: bool,
+                 logprobs: int | None):
+    """Submit, wait until the engine accepted every request (400 if not), then answer."""
+    if engine.is_reconfiguring:
+        raise APIError(503, "the engine is rebuilding its KV cache; retry shortly",
+                       code="reconfiguring", headers={"Retry-After": str(RETRY_AFTER_S)})
+    streams: list[RequestStream] = submit()
+    generation = Generation(chat, f"{'chatcmpl' if chat else 'cmpl'}-{streams[0].request_id}",
+                            model.name, streams, params.n, engine.tokenizer, logprobs,
+                            include_usage)
+    try:
+        await asyncio.gather(*(s.accepted() for s in streams))
+    except BaseException:
+        generation.abort_unfinished()
+        raise
+    if stream:
+        return StreamingResponse(generation.events(), media_type="text/event-stream")
+    try:
+        return JSONResponse(await _unless_disconnected(request, generation.response()))
+    finally:
+        generation.abort_unfinished()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """Await `work`, cancelling it if the client hangs up first (its requests get aborted)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            logger.info("client disconnected; aborting its request")
+            # Nobody reads this answer; nginx's 499 names the case in access logs.
+            raise APIError(499, "client closed the request")
+    return task.result()
+
+
+def health_router(engine: AsyncEngine) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        counters = engine.counters()
+        healthy = engine.is_running
+        return JSONResponse(
+            {"status": "ok" if healthy else "engine stopped",
+             "step_failures": counters.step_failures,
+             "reconfiguring": engine.is_reconfiguring,
+             "num_steps": counters.num_steps},
+            status_code=200 if healthy else 503)
+
+    @router.get("/version")
+    async def get_version() -> dict:
+        return {"version": version()}
+
+    return router
