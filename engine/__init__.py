@@ -1,8 +1,9 @@
 """kvscope's engine: paged KV cache, continuous batching and the offline LLM API."""
 
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "BeamSearchParams", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.beam_search import BeamSearchParams, BeamState, choose_beams
 from engine.config import EngineConfig
 from engine.detokenizer import detokenize_incrementally
 from engine.kv_cache_manager import KVCacheManager
@@ -56,7 +57,7 @@ class EngineCore:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -65,6 +66,9 @@ class EngineCore:
     ) -> Request:
         """Validate and queue one request; bad input raises ValueError and changes nothing."""
         params = params or SamplingParams()
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam, params = BeamState(params), params.sampling_params()
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already running")
@@ -76,10 +80,10 @@ class EngineCore:
             vocab = self.runner.hf_config.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        self._check_fits(token_ids, params)
+        self._check_fits(token_ids, beam.params.beam_width if beam else params.n)
         request = Request(request_id, prompt_text, token_ids, params,
                           arrival_time=arrival_time or time.time(), priority=priority,
-                          source=source)
+                          source=source, beam=beam)
         seq = Sequence(f"{request_id}", request, 0, list(token_ids), len(token_ids))
         seq.generator = self._sample_generator(params, 0)
         request.sequences.append(seq)
@@ -87,7 +91,7 @@ class EngineCore:
         self.scheduler.add(seq)
         return request
 
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_fits(self, token_ids: list[int], num_samples: int) -> None:
         max_len = self.config.max_model_len
         if not token_ids:
             raise ValueError("prompt: empty prompt; give at least one token")
@@ -96,10 +100,10 @@ class EngineCore:
                              "leaves no room to generate; shorten the prompt or raise "
                              "max_model_len")
         # One full sequence plus a copy-on-write block per extra sample must fit the pool.
-        needed = self.kv_cache.blocks_needed(len(token_ids) + 1) + params.n - 1
+        needed = self.kv_cache.blocks_needed(len(token_ids) + 1) + num_samples - 1
         if needed > self.kv_cache.pool.num_blocks:
-            raise ValueError(f"n={params.n}: a {len(token_ids)}-token prompt with {params.n} "
-                             f"samples needs {needed} KV blocks, the pool has "
+            raise ValueError(f"n={num_samples} (samples or beam_width): a {len(token_ids)}-token"
+                             f" prompt needs {needed} KV blocks at least, the pool has "
                              f"{self.kv_cache.pool.num_blocks}")
 
     def _sample_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -150,55 +154,114 @@ class EngineCore:
 
     def _sample_and_update(self, sampling: list[ScheduledSequence],
                            logits: torch.Tensor) -> tuple[list[Request], int]:
-        """Sample a token for every sequence that reached its end; returns the requests
-        touched and the number of tokens generated."""
+        """Sample a token for every sequence that reached its end (beams collect ranked
+        candidates instead); returns the requests touched and the tokens generated."""
         rows: list[tuple[Sequence, int]] = []
+        touched: dict[str, Request] = {}
         for row, item in enumerate(sampling):
             seq = item.seq
+            touched[seq.request.request_id] = seq.request
+            if seq.request.beam is not None:
+                self._rank_continuations(seq, logits[row])
+                continue
             family = [seq]
             if seq.request.params.n > 1 and len(seq.request.sequences) == 1:
-                family += self._fork(seq)
+                family += [self._fork(seq, index) for index in range(1, seq.request.params.n)]
             rows.extend((member, row) for member in family)
-        seqs = [seq for seq, _ in rows]
-        result = sample(logits[[row for _, row in rows]],
-                        [seq.request.params for seq in seqs],
-                        [seq.generator for seq in seqs], self.generator)
-        now = time.time()
-        touched: dict[str, Request] = {}
-        for i, seq in enumerate(seqs):
-            token = result.token_ids[i]
-            seq.token_ids.append(token)
-            seq.cumulative_logprob += result.logprobs[i]
-            if seq.request.params.logprobs is not None:
-                top = result.top_logprobs[i] or {}
-                seq.logprobs = (seq.logprobs or []) + [{**top, token: result.logprobs[i]}]
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            detokenize_incrementally(self.tokenizer, seq,
-                                     seq.request.params.skip_special_tokens)
+        if rows:
+            seqs = [seq for seq, _ in rows]
+            result = sample(logits[[row for _, row in rows]],
+                            [seq.request.params for seq in seqs],
+                            [seq.generator for seq in seqs], self.generator)
+            for i, seq in enumerate(seqs):
+                top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None
+                self._append_token(seq, result.token_ids[i], result.logprobs[i], top)
+        num_generated = len(rows)
+        for request in touched.values():
+            if request.beam is not None and self._all_beams_ranked(request):
+                num_generated += self._advance_beams(request)
+        return list(touched.values()), num_generated
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float,
+                      top_logprobs: dict[int, float] | None = None) -> None:
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            seq.logprobs = (seq.logprobs or []) + [{**top_logprobs, token: logprob}]
+        if seq.first_token_time is None:
+            seq.first_token_time = time.time()
+        detokenize_incrementally(self.tokenizer, seq, seq.request.params.skip_special_tokens)
+        if seq.request.beam is None:
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
-                seq.finished_time = now
-                self.scheduler.finish(seq)
-            touched[seq.request.request_id] = seq.request
-        return list(touched.values()), len(seqs)
+                self._finish(seq, seq.finish_reason)
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Turn a finished prefill into n samples sharing its blocks (copy-on-write later)."""
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.finished_time = time.time()
+        self.scheduler.finish(seq)
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """A new sequence sharing all of the parent's blocks (copy-on-write on first write):
+        sample `index` of a parallel-sampling request, or a beam that branches."""
         request = parent.request
-        children = []
-        for index in range(1, request.params.n):
-            child = Sequence(f"{request.request_id}#{index}", request, index,
-                             list(parent.token_ids), parent.num_prompt_tokens,
-                             status=SequenceStatus.RUNNING,
-                             generator=self._sample_generator(request.params, index),
-                             first_scheduled_time=parent.first_scheduled_time,
-                             chunks=list(parent.chunks))
-            self.kv_cache.fork(parent, child)
-            self.scheduler.running.append(child)
-            request.sequences.append(child)
-            children.append(child)
-        return children
+        child = Sequence(f"{request.request_id}#{index}", request, index,
+                         list(parent.token_ids), parent.num_prompt_tokens,
+                         status=SequenceStatus.RUNNING,
+                         generator=self._sample_generator(request.params, index),
+                         cumulative_logprob=parent.cumulative_logprob, text=parent.text,
+                         prefix_offset=parent.prefix_offset, read_offset=parent.read_offset,
+                         first_scheduled_time=parent.first_scheduled_time,
+                         first_token_time=parent.first_token_time, chunks=list(parent.chunks))
+        self.kv_cache.fork(parent, child)
+        self.scheduler.running.append(child)
+        request.sequences.append(child)
+        return child
+
+    # ---- beam search -------------------------------------------------------------------
+    def _rank_continuations(self, seq: Sequence, logits: torch.Tensor) -> None:
+        width = seq.request.beam.params.beam_width
+        values, ids = torch.log_softmax(logits, dim=-1).topk(2 * width)
+        seq.request.beam.candidates[seq.seq_id] = list(zip(ids.tolist(), values.tolist()))
+
+    def _all_beams_ranked(self, request: Request) -> bool:
+        return all(seq.seq_id in request.beam.candidates
+                   for seq in request.sequences if not seq.is_finished)
+
+    def _advance_beams(self, request: Request) -> int:
+        """One beam step: fork the chosen parents, extend them, drop the rest; returns the
+        number of tokens appended."""
+        state = request.beam
+        live = {seq.seq_id: seq for seq in request.sequences if not seq.is_finished}
+        choice = choose_beams(
+            state, {i: (s.cumulative_logprob, s.output_token_ids) for i, s in live.items()},
+            self.eos_token_ids)
+        # Fork before any parent grows: a child must copy the parent's history only.
+        extended: list[tuple[Sequence, int, float]] = []
+        for parent_id, token, score in choice.continue_with:
+            parent = live[parent_id]
+            if any(seq is parent for seq, _, _ in extended):
+                state.num_forks += 1
+                parent = self._fork(parent, state.num_forks)
+            extended.append((parent, token, score))
+        kept = {seq.seq_id for seq, _, _ in extended}
+        for seq in live.values():
+            if seq.seq_id not in kept:
+                self._finish(seq, "beam_dropped")
+                request.sequences.remove(seq)
+        for seq, token, score in extended:
+            self._append_token(seq, token, score - seq.cumulative_logprob)
+        out_of_room = any(seq.num_output_tokens >= state.params.max_tokens
+                          or seq.num_tokens >= self.config.max_model_len
+                          for seq, _, _ in extended)
+        if state.done or out_of_room or not extended:
+            if not state.done:  # out of room: the live beams compete with the finished ones
+                for seq, _, _ in extended:
+                    state.add_finished(seq.output_token_ids, seq.cumulative_logprob)
+            for seq, _, _ in extended:
+                self._finish(seq, "length")
+            state.done = True
+        return len(extended)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.request.params
@@ -227,6 +290,8 @@ class EngineCore:
 
     # ---- outputs -----------------------------------------------------------------------
     def _make_output(self, request: Request) -> RequestOutput:
+        if request.beam is not None and request.beam.done:
+            return self._beam_output(request)
         completions, deltas = [], []
         hold_back = max((len(s) for s in request.params.stop_strings), default=1) - 1
         for seq in request.sequences:
@@ -245,6 +310,23 @@ class EngineCore:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.finished, request.num_cached_tokens,
                              metrics, deltas=deltas)
+
+    def _beam_output(self, request: Request) -> RequestOutput:
+        """The best beam_width hypotheses, best first."""
+        completions = []
+        for index, hypothesis in enumerate(request.beam.best()):
+            ended_by_eos = hypothesis.token_ids[-1] in self.eos_token_ids
+            completions.append(CompletionOutput(
+                index, self.tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True),
+                hypothesis.token_ids, hypothesis.cumulative_logprob,
+                finish_reason="stop" if ended_by_eos else "length"))
+        first = request.sequences[0] if request.sequences else None
+        metrics = RequestMetrics(request.arrival_time,
+                                 first.first_scheduled_time if first else None,
+                                 first.first_token_time if first else None, time.time())
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, True, request.num_cached_tokens, metrics,
+                             deltas=[c.text for c in completions])
 
     def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
                 num_generated: int) -> StepRecord:

@@ -6,6 +6,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
@@ -58,9 +59,20 @@ class LLM:
         # The template already holds the special tokens; do not add a second BOS.
         return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | SequenceOf[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search per prompt; each output holds the best beam_width beams, best first."""
+        prompts = _as_prompt_list(prompts)
+        return self._run([(p, False) for p in prompts], [params] * len(prompts), use_tqdm)
+
     def _run(self, prompts: list[tuple[PromptType, bool]], sampling_params,
              use_tqdm: bool) -> list[RequestOutput]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params,
+                                                 (SamplingParams, BeamSearchParams)):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params = list(sampling_params)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.beam_search import BeamState
 from engine.sampling_params import SamplingParams
 
 
@@ -91,6 +92,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     aborted: bool = False
+    beam: "BeamState | None" = None  # set for beam search: its sequences are the beams
 
     @property
     def finished(self) -> bool:

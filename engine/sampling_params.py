@@ -23,7 +23,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n={self.n!r} must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        # `not >= 0` also refuses NaN, which would turn every probability into NaN.
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"temperature={self.temperature!r} must be >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")

@@ -83,6 +83,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_tokens = self.chunk_size(seq, budget)
+            if num_tokens == 0:  # a beam waiting for its siblings' candidates
+                index += 1
+                continue
             copies = self.kv_cache.allocate_slots(seq, num_tokens)
             while copies is None:
                 victim = max((s for s in self.running if s.seq_id not in scheduled_ids),
