@@ -271,9 +271,8 @@ class EngineCore:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif params.stop_strings and self._truncate_at_stop_string(seq):
             seq.finish_reason = "stop"
-        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = "length"
-        elif seq.num_tokens >= self.config.max_model_len:
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+              or seq.num_tokens >= self.config.max_model_len):
             seq.finish_reason = "length"
 
     @staticmethod

@@ -8,8 +8,13 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
-from engine.loader import (iter_weights, load_config, load_generation_config, load_tokenizer,
-                           resolve_model_path)
+from engine.loader import (
+    iter_weights,
+    load_config,
+    load_generation_config,
+    load_tokenizer,
+    resolve_model_path,
+)
 from engine.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
 from engine.models import model_class
 from engine.models.attention import AttentionMetadata
