@@ -73,11 +73,26 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
         target = cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
         return target if is_model_folder(target) else convert_gguf(path, target)
     if not is_model_folder(path):
+        cached = hub_cache_snapshot(str(model))
+        if cached is not None:
+            return cached
         raise ValueError(
-            f"model={str(model)!r}: no such local Hugging Face folder (needs config.json); "
-            "kvscope never downloads weights"
+            f"model={str(model)!r}: no such local Hugging Face folder (needs config.json) "
+            "and not in the local Hugging Face cache; kvscope never downloads weights"
         )
     return path
+
+
+def hub_cache_snapshot(repo_id: str) -> Path | None:
+    """A hub name such as "facebook/opt-125m" that was downloaded before (offline lookup)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except (HFValidationError, LocalEntryNotFoundError, OSError):
+        return None
+    return folder if is_model_folder(folder) else None
 
 
 def is_model_folder(path: Path) -> bool:

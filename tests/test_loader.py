@@ -107,3 +107,19 @@ def test_default_model_converts_once_then_loads_fast(tmp_path: Path, monkeypatch
     assert "model.embed_tokens.weight" in weight_names
     # SmolLM2 ties the output projection to the embedding, so no separate lm_head is stored.
     assert config.tie_word_embeddings == ("lm_head.weight" not in weight_names)
+
+
+def test_hub_name_resolves_only_from_the_local_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    assert loader.resolve_model_path("acme/tiny") == snapshot
+    with pytest.raises(ValueError, match="model='acme/other'"):
+        loader.resolve_model_path("acme/other")
