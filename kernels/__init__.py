@@ -2,8 +2,8 @@
 
 CUDA tensors run the Triton kernels, CPU tensors the plain-torch twins in
 kernels/reference.py. KVSCOPE_ATTENTION_BACKEND=triton|torch forces one; Triton on CPU
-tensors needs TRITON_INTERPRET=1 (set before the kernels are first imported). Triton is
-imported lazily, so the torch path works without it installed.
+tensors needs TRITON_INTERPRET=1, set before anything imports triton (transformers does).
+Triton is imported lazily, so the torch path works without it installed.
 
 `kernels.paged_attention` is always the op above, even after the Triton submodule of the
 same name is loaded; reach the submodule with `from kernels.paged_attention import ...`.
@@ -66,7 +66,7 @@ def attention_backend_name(device: torch.device | str) -> str:
         if device.type != "cuda" and not _triton_interpreted():
             raise ValueError(
                 f"{BACKEND_ENV}=triton on device {device.type!r} needs TRITON_INTERPRET=1 "
-                "(set before the kernels are imported); Triton compiles for CUDA devices only")
+                "(set before anything imports triton); Triton compiles for CUDA devices only")
         return "triton"
     return "triton" if device.type == "cuda" and triton_available() else "torch"
 

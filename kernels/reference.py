@@ -47,7 +47,11 @@ def paged_attention(
 
     query [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads,
     head_dim]; the new tokens of sequence i are its last q_len_i positions.
-    Decodes (one new token) run as one padded batch; longer queries run one by one.
+    Decodes (one new token) run as padded batches of similar lengths; longer queries run
+    one by one.
+    The padded batch reads slots past each sequence's length and masks them, so those
+    slots must hold finite values (a masked NaN still poisons SDPA): allocate caches with
+    zeros. The Triton kernel never reads them.
     """
     if out is None:
         out = torch.empty_like(query)
@@ -55,9 +59,9 @@ def paged_attention(
     lengths = seq_lens.tolist()
     query_lens = [end - start for start, end in itertools.pairwise(starts)]
     decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
-    if decode_rows:
+    for rows in _similar_length_groups(decode_rows, lengths):
         _decode_batch(query, key_cache, value_cache, block_tables, seq_lens, starts,
-                      decode_rows, scale, out)
+                      rows, scale, out)
     for i, query_len in enumerate(query_lens):
         if query_len > 1:
             start, seq_len = starts[i], lengths[i]
@@ -89,6 +93,24 @@ def _attend_one(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return result.transpose(0, 1)
+
+
+def _similar_length_groups(rows: list[int], lengths: list[int],
+                           max_padding: float = 0.25) -> list[list[int]]:
+    """Split rows, sorted by length, wherever padding to the group's longest would waste
+    more than `max_padding` of the gathered K/V (the gather copy is the decode's cost)."""
+    groups: list[list[int]] = []
+    total = 0
+    for row in sorted(rows, key=lambda r: lengths[r]):
+        longest = lengths[row]
+        if groups and longest * (len(groups[-1]) + 1) > (1 + max_padding) * (total + longest):
+            groups.append([])
+            total = 0
+        if not groups:
+            groups.append([])
+        groups[-1].append(row)
+        total += longest
+    return groups
 
 
 def _decode_batch(

@@ -1,0 +1,196 @@
+"""Shared fixtures: tiny random models made on the fly (no downloads)."""
+
+import os
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels run interpreted on CPU tensors (tests/test_kernels.py). Triton
+    # fixes the mode of every @triton.jit function, its own library's included, when it is
+    # imported, and transformers imports it below, so this must come first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.telemetry import StepRecord
+
+# SmolLM2's ChatML layout, so chat code paths see the same special tokens as the default model.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_tiny_chat_model(folder: Path) -> Path:
+    """A 2-layer random Llama with a one-character-per-token tokenizer and a chat template.
+
+    Every token decodes to a printable character, so streamed text is never held back
+    as a half-finished multi-byte character.
+    """
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    characters = sorted(set(string.printable) - set("\r\x0b\x0c"))
+    vocab = {token: index for index, token in enumerate(specials + characters)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<|im_start|>",
+        eos_token="<|im_end|>", pad_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_path(tmp_path_factory) -> Path:
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"))
+
+
+# ---- tiny random Llama / Qwen2 / OPT models for the engine tests -----------------------
+# Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
+# spinning workers made each engine step 10-50x slower. Tests of real-sized models may
+# restore DEFAULT_NUM_THREADS.
+DEFAULT_NUM_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
+TINY_VOCAB_SIZE = 256
+TINY_MAX_POSITIONS = 256
+TINY_ARCHITECTURES = ("llama", "qwen2", "opt")
+
+
+@dataclass
+class TinyModel:
+    """A tiny random model saved as a Hugging Face folder, and the transformers model itself
+    (the parity oracle). Token `i` is the word `<i>`, so text and ids map one to one."""
+
+    arch: str
+    path: Path
+    hf_model: PreTrainedModel
+
+
+def _tiny_config(arch: str):
+    common = {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "max_position_embeddings": TINY_MAX_POSITIONS,
+              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    if arch == "llama":  # GQA and an untied output projection
+        return LlamaConfig(intermediate_size=128, num_key_value_heads=2,
+                           tie_word_embeddings=False, **common)
+    if arch == "qwen2":  # qkv bias and tied embeddings
+        return Qwen2Config(intermediate_size=128, num_key_value_heads=2,
+                           tie_word_embeddings=True, **common)
+    if arch == "opt":
+        return OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
+    raise ValueError(arch)
+
+
+def save_tiny_model(arch: str, folder: Path) -> TinyModel:
+    """No EOS token: generation runs to max_tokens in both engines unless a test asks."""
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32).eval()
+    hf_model.save_pretrained(folder)
+    vocab = {f"<{i}>": i for i in range(TINY_VOCAB_SIZE)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core).save_pretrained(folder)
+    return TinyModel(arch, folder, hf_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Callable[[str], TinyModel]:
+    """tiny_model("llama" | "qwen2" | "opt"): made once per session."""
+    made: dict[str, TinyModel] = {}
+
+    def get(arch: str) -> TinyModel:
+        if arch not in made:
+            made[arch] = save_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def make_engine(tiny_model) -> Callable[..., EngineCore]:
+    """make_engine(arch, **knobs): a fresh float32 CPU EngineCore on the tiny model.
+
+    Engines of one architecture share the loaded weights (one ModelRunner), and each new
+    engine re-binds the runner's KV cache, so only the latest engine of an architecture
+    may be used.
+    """
+    runners: dict[str, ModelRunner] = {}
+
+    def make(arch: str, **knobs) -> EngineCore:
+        config = EngineConfig(model=str(tiny_model(arch).path), dtype="float32", device="cpu",
+                              device_memory_gb=0.05, **knobs)
+        if arch not in runners:
+            runners[arch] = ModelRunner(config)
+        return EngineCore(config, runner=runners[arch])
+
+    return make
+
+
+@dataclass
+class EngineRun:
+    outputs: list[RequestOutput]  # in the order the prompts were given
+    records: list[StepRecord]
+
+
+def run_to_completion(engine: EngineCore, prompts, params: SamplingParams | list) -> EngineRun:
+    """Queue every prompt, step until all finish, return final outputs in prompt order."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    finished: dict[str, RequestOutput] = {}
+    records = []
+    for _ in range(100_000):
+        if not engine.has_unfinished_requests():
+            break
+        result = engine.step()
+        records.append(result.record)
+        finished.update((o.request_id, o) for o in result.outputs if o.finished)
+    else:
+        pytest.fail("engine did not finish its requests")
+    return EngineRun([finished[i] for i in ids], records)
+
+
+@pytest.fixture(scope="session")
+def run_engine() -> Callable[..., EngineRun]:
+    """run_engine(engine, prompts, params) -> EngineRun (see run_to_completion)."""
+    return run_to_completion
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tiny_chat_model_path) -> Path:
+    """The same tiny chat Llama under the name the serving tests (and others) ask for."""
+    return tiny_chat_model_path
+
+
+@pytest.fixture(scope="module")
+def all_cpu_threads():
+    """For a module testing a real-sized model: lift the one-thread pin while it runs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(DEFAULT_NUM_THREADS)
+    yield
+    torch.set_num_threads(previous)

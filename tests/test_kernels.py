@@ -1,0 +1,467 @@
+"""Paged attention and KV store: Triton kernels and torch twins against dense attention.
+
+Without CUDA the Triton kernels run on CPU tensors in the Triton interpreter (kept small
+so the file stays quick); with CUDA they run natively on CUDA tensors (bench/gpu_check.py).
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # @triton.jit reads this when the kernel modules are first imported, so it must be set
+    # before that; it changes nothing for the torch path other tests use.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels
+from kernels import reference
+
+try:
+    from kernels.kv_store import store_kv as triton_store_kv
+    from kernels.paged_attention import INTERPRETED
+    from kernels.paged_attention import paged_attention as triton_paged_attention
+except ImportError:  # triton is not installed: only the torch twins are tested
+    triton_store_kv = triton_paged_attention = None
+    INTERPRETED = False
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+if torch.cuda.is_available():
+    TRITON_DEVICES = ["cuda"] if triton_paged_attention is not None else []
+    REFERENCE_DEVICES = ["cpu", "cuda"]
+else:
+    TRITON_DEVICES = ["cpu"] if triton_paged_attention is not None and INTERPRETED else []
+    REFERENCE_DEVICES = ["cpu"]
+
+needs_triton = pytest.mark.skipif(
+    not TRITON_DEVICES, reason="triton is not installed (or TRITON_INTERPRET=0 without CUDA)")
+
+TOLERANCE = {  # (atol, rtol) against float64 dense attention
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """A ragged batch in the paged layout plus the same K/V per sequence, unpaged."""
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    keys: list[torch.Tensor]  # per sequence [seq_len, kv_heads, head_dim]
+    values: list[torch.Tensor]
+    scale: float
+
+    def args(self, finite: bool = False) -> tuple:
+        """Arguments for paged_attention; finite=True zeroes the never-written slots."""
+        key_cache, value_cache = self.key_cache, self.value_cache
+        if finite:
+            key_cache, value_cache = key_cache.nan_to_num(0.0), value_cache.nan_to_num(0.0)
+        return (self.query, key_cache, value_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.scale)
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],
+    block_size: int,
+    num_kv_heads: int,
+    queries_per_kv: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> PagedBatch:
+    """seqs: (seq_len, query_len) per sequence. Physical blocks are shuffled over a pool
+    twice the size needed; every slot no sequence owns, including the tail of each last
+    block and the blocks that pad the block tables, holds NaN, so reading one shows."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for seq_len, _ in seqs]
+    num_blocks = 2 * sum(blocks_per_seq) + 1
+    physical = torch.randperm(num_blocks, generator=generator)
+    unused_block = int(physical[-1])
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    block_tables = torch.full((len(seqs), max(blocks_per_seq) + 1), unused_block,
+                              dtype=torch.int32)
+    keys, values = [], []
+    next_block = 0
+    for i, (seq_len, _) in enumerate(seqs):
+        table = physical[next_block:next_block + blocks_per_seq[i]]
+        next_block += blocks_per_seq[i]
+        block_tables[i, :len(table)] = table
+        key = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        value = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        positions = torch.arange(seq_len)
+        slots = table[positions // block_size] * block_size + positions % block_size
+        key_cache.view(-1, num_kv_heads, head_dim)[slots] = key
+        value_cache.view(-1, num_kv_heads, head_dim)[slots] = value
+        keys.append(key)
+        values.append(value)
+    query_lens = torch.tensor([query_len for _, query_len in seqs])
+    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    query_start_loc[1:] = query_lens.cumsum(0)
+    num_tokens = int(query_start_loc[-1])
+    query = torch.randn(num_tokens, num_kv_heads * queries_per_kv, head_dim,
+                        generator=generator).to(dtype)
+    return PagedBatch(
+        query=query.to(device), key_cache=key_cache.to(device),
+        value_cache=value_cache.to(device), block_tables=block_tables.to(device),
+        seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc.to(device), keys=keys, values=values,
+        scale=head_dim ** -0.5,
+    )
+
+
+def dense_attention(batch: PagedBatch) -> torch.Tensor:
+    """Causal attention from the unpaged K/V, in float64 on the CPU."""
+    query = batch.query.cpu().double()
+    out = torch.zeros_like(query)
+    starts = batch.query_start_loc.tolist()
+    queries_per_kv = query.shape[1] // batch.keys[0].shape[1]
+    for i, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        start, end = starts[i], starts[i + 1]
+        seq_len, query_len = key.shape[0], end - start
+        key = key.double().repeat_interleave(queries_per_kv, dim=1)
+        value = value.double().repeat_interleave(queries_per_kv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start:end], key) * batch.scale
+        query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(seq_len).unsqueeze(0) > query_pos, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                 factor: float = 1.0) -> None:
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.cpu().double(), expected.cpu().double(),
+                               atol=atol * factor, rtol=rtol * factor)
+
+
+def mixed_seqs(block_size: int) -> list[tuple[int, int]]:
+    """(seq_len, query_len): a cold prefill, a prefill over cached context, a chunk in the
+    middle of a prompt, and decodes at a block boundary and one either side of it."""
+    decodes = sorted({max(1, block_size - 1), block_size, block_size + 1, 2 * block_size + 1})
+    return [
+        (19, 19),  # cold prefill
+        (40, 13),  # prefill whose first 27 tokens hit the prefix cache
+        (33, 6),  # a chunk of a longer prompt: 27 tokens done, 6 now, more to come
+        *[(seq_len, 1) for seq_len in decodes],
+    ]
+
+
+def boundary_seqs(block_size: int) -> list[tuple[int, int]]:
+    """Prefills and decodes whose lengths sit at block boundaries and one either side."""
+    lengths = sorted({max(1, block_size - 1), block_size, block_size + 1})
+    return ([(n, n) for n in lengths] + [(n + block_size, block_size) for n in lengths]
+            + [(n, 1) for n in lengths])
+
+
+# --- the torch twins against dense attention (not interpreted: fast) ---------------------
+
+
+@pytest.mark.parametrize("device", REFERENCE_DEVICES)
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 128])
+@pytest.mark.parametrize(("queries_per_kv", "head_dim"), [(1, 64), (3, 80), (4, 128)])
+def test_reference_attention_matches_dense(device, block_size, queries_per_kv, head_dim):
+    for seqs in (mixed_seqs(block_size), boundary_seqs(block_size)):
+        batch = make_batch(seqs, block_size, 2, queries_per_kv, head_dim, device=device)
+        out = reference.paged_attention(*batch.args(finite=True))
+        assert_close(out, dense_attention(batch), torch.float32)
+
+
+@pytest.mark.parametrize("device", REFERENCE_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_attention_low_precision_matches_dense(device, dtype):
+    batch = make_batch(mixed_seqs(16), 16, 2, 3, 80, dtype=dtype, device=device)
+    out = reference.paged_attention(*batch.args(finite=True))
+    assert out.dtype == dtype
+    assert_close(out, dense_attention(batch), dtype)
+
+
+def test_reference_attention_writes_into_out():
+    batch = make_batch(mixed_seqs(8), 8, 1, 2, 64)
+    out = torch.empty_like(batch.query)
+    result = reference.paged_attention(*batch.args(finite=True), out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+# --- the Triton paged-attention kernel ----------------------------------------------------
+
+ATTENTION_CASES = [  # (block_size, queries_per_kv, head_dim, dtype): every value of each
+    pytest.param(1, 1, 64, torch.float32, id="block1-mha-d64-fp32"),
+    pytest.param(8, 3, 80, torch.float32, id="block8-gqa3-d80-fp32"),
+    pytest.param(16, 4, 128, torch.float32, id="block16-gqa4-d128-fp32"),
+    pytest.param(32, 3, 64, torch.bfloat16, id="block32-gqa3-d64-bf16"),
+    pytest.param(128, 4, 80, torch.float16, id="block128-gqa4-d80-fp16"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim", "dtype"), ATTENTION_CASES)
+def test_triton_attention_mixed_batch(device, block_size, queries_per_kv, head_dim, dtype):
+    batch = make_batch(mixed_seqs(block_size), block_size, 2, queries_per_kv, head_dim,
+                       dtype=dtype, device=device)
+    out = triton_paged_attention(*batch.args())
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    assert_close(out, dense_attention(batch), dtype)
+    twin = reference.paged_attention(*batch.args(finite=True))
+    assert_close(out, twin, dtype, factor=2.0)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_triton_attention_at_block_boundaries(device, block_size):
+    batch = make_batch(boundary_seqs(block_size), block_size, 1, 2, 64, device=device)
+    out = triton_paged_attention(*batch.args())
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(("block_m", "block_n", "block_size"), [
+    (16, 16, 128),  # several key tiles per cache block
+    (16, 128, 8),  # several cache blocks per key tile
+    (32, 32, 32),
+])
+def test_triton_attention_tile_size_is_independent_of_block_size(
+        device, block_m, block_n, block_size):
+    batch = make_batch(mixed_seqs(block_size), block_size, 1, 4, 64, device=device)
+    out = triton_paged_attention(*batch.args(), block_m=block_m, block_n=block_n)
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(("seqs", "num_kv_splits"), [
+    pytest.param([(70, 1), (5, 1), (130, 1)], 3, id="decodes-3-splits"),
+    pytest.param([(1, 1), (64, 1)], 8, id="decodes-more-splits-than-tiles"),
+    pytest.param([(40, 13), (30, 30), (66, 1)], 2, id="mixed-2-splits"),
+])
+def test_triton_attention_split_kv_matches_dense(device, seqs, num_kv_splits):
+    batch = make_batch(seqs, 16, 2, 2, 64, device=device)
+    out = triton_paged_attention(*batch.args(), block_n=16, num_kv_splits=num_kv_splits)
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_attention_decode_only_batch_with_default_tiles(device):
+    """A decode step as the engine runs it (on a GPU the heuristics split long sequences)."""
+    batch = make_batch([(600, 1), (17, 1), (64, 1)], 16, 2, 4, 64, device=device)
+    metadata = [batch.block_tables.long(), batch.seq_lens.long(), batch.query_start_loc.long()]
+    out = triton_paged_attention(batch.query, batch.key_cache, batch.value_cache, *metadata,
+                                 batch.scale)
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(32, 256), (96, 4), (256, 2)])
+def test_triton_attention_other_head_and_block_sizes(device, head_dim, block_size):
+    seqs = [(block_size + 3, 4), (2, 1), (37, 1)]
+    batch = make_batch(seqs, block_size, 1, 2, head_dim, device=device)
+    out = triton_paged_attention(*batch.args())
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_attention_writes_into_strided_out(device):
+    batch = make_batch([(20, 20), (9, 1)], 8, 1, 2, 64, device=device)
+    fused = torch.full((batch.query.shape[0], 3, 2, 64), float("nan"), device=device)
+    out = fused[:, 1]  # a view with strides of a larger buffer
+    result = triton_paged_attention(*batch.args(), out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert_close(out, dense_attention(batch), torch.float32)
+    assert fused[:, 0].isnan().all() and fused[:, 2].isnan().all()
+
+
+# --- the KV store -------------------------------------------------------------------------
+
+
+def _store_case(device, dtype, cache_dtype, block_size=8, num_kv_heads=3, head_dim=80):
+    generator = torch.Generator().manual_seed(1)
+    num_tokens = 17
+    num_blocks = -(-2 * num_tokens // block_size)
+    # Fused QKV-like rows: key and value are strided views, as a model's projections give.
+    fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=generator).to(dtype)
+    key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads:2 * num_kv_heads]
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[[3, 11]] = -1  # padding tokens
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    return [t.to(device) for t in (key, value, key_cache, value_cache, slots)]
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_triton_store_kv_matches_reference(device, dtype, cache_dtype, block_size):
+    key, value, key_cache, value_cache, slots = _store_case(device, dtype, cache_dtype,
+                                                            block_size=block_size)
+    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
+    reference.store_kv(key, value, expected_keys, expected_values, slots)
+    triton_store_kv(key, value, key_cache, value_cache, slots.to(torch.int32))
+    if dtype == cache_dtype:
+        assert torch.equal(key_cache, expected_keys)
+        assert torch.equal(value_cache, expected_values)
+    else:  # a cast may round the last bit either way (the interpreter truncates)
+        torch.testing.assert_close(key_cache, expected_keys, atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(value_cache, expected_values, atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("device", REFERENCE_DEVICES)
+def test_reference_store_kv_writes_slots_and_skips_padding(device):
+    key, value, key_cache, value_cache, slots = _store_case(device, torch.float32,
+                                                            torch.float32)
+    assert slots.shape[0] == key.shape[0]
+    before = key_cache.clone()
+    reference.store_kv(key, value, key_cache, value_cache, slots)
+    flat_keys, flat_values = key_cache.view(-1, 3, 80), value_cache.view(-1, 3, 80)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_keys[slot], key[token])
+            assert torch.equal(flat_values[slot], value[token])
+    untouched = torch.ones(flat_keys.shape[0], dtype=torch.bool, device=device)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(flat_keys[untouched], before.view(-1, 3, 80)[untouched])
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_store_then_attend_with_triton_matches_dense(device):
+    """The two kernels together, as a model layer uses them: store a step's K/V, attend."""
+    batch = make_batch([(24, 8), (10, 1)], 8, 2, 2, 64, device=device)
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    slots = []
+    for i, (key, _) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        query_len = int(batch.query_start_loc[i + 1] - batch.query_start_loc[i])
+        for position in range(key.shape[0] - query_len, key.shape[0]):
+            block = int(batch.block_tables[i, position // 8])
+            slots.append(block * 8 + position % 8)
+    slots = torch.tensor(slots, device=device)
+    flat = key_cache.view(-1, 2, 64)
+    flat[slots] = float("nan")  # the new tokens' slots hold garbage until stored
+    value_cache.view(-1, 2, 64)[slots] = float("nan")
+    new_keys = torch.cat([k[-n:] for k, n in zip(batch.keys, [8, 1], strict=True)]).to(device)
+    new_values = torch.cat([v[-n:] for v, n in zip(batch.values, [8, 1], strict=True)]).to(device)
+    triton_store_kv(new_keys, new_values, key_cache, value_cache, slots)
+    out = triton_paged_attention(batch.query, key_cache, value_cache, batch.block_tables,
+                                 batch.seq_lens, batch.query_start_loc, batch.scale)
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+# --- dispatch -----------------------------------------------------------------------------
+
+
+def test_cpu_tensors_use_the_torch_twins_by_default(monkeypatch):
+    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
+    assert kernels.attention_backend_name("cpu") == "torch"
+    batch = make_batch(mixed_seqs(8), 8, 1, 2, 64)
+    out = kernels.paged_attention(*batch.args(finite=True))
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+def test_backend_env_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(kernels.BACKEND_ENV, "cutlass")
+    with pytest.raises(ValueError, match=kernels.BACKEND_ENV):
+        kernels.attention_backend_name("cpu")
+
+
+def test_backend_env_forces_torch(monkeypatch):
+    monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
+    assert kernels.attention_backend_name("cuda") == "torch"
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreted CPU path")
+def test_backend_env_forces_interpreted_triton_on_cpu(monkeypatch):
+    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+    assert kernels.attention_backend_name("cpu") == "triton"
+    batch = make_batch(mixed_seqs(8), 8, 1, 2, 64)
+    out = kernels.paged_attention(*batch.args())  # NaN-filled slots: the twin would give NaN
+    assert_close(out, dense_attention(batch), torch.float32)
+    key, value, key_cache, value_cache, slots = _store_case("cpu", torch.float32, torch.float32)
+    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
+    reference.store_kv(key, value, expected_keys, expected_values, slots)
+    kernels.store_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_keys) and torch.equal(value_cache, expected_values)
+
+
+def test_package_op_is_not_shadowed_by_the_submodule():
+    if triton_paged_attention is not None:
+        importlib.import_module("kernels.paged_attention")  # loaded by now; binds nothing
+    assert callable(kernels.paged_attention)
+    assert kernels.paged_attention.__module__ == "kernels"
+
+
+_SUBPROCESS_CHECKS = r"""
+import os, sys
+import torch
+
+# 1. Triton forced on CPU tensors without the interpreter: a clear error.
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["KVSCOPE_ATTENTION_BACKEND"] = "triton"
+import kernels
+try:
+    kernels.attention_backend_name("cpu")
+except ValueError as error:
+    assert "TRITON_INTERPRET" in str(error), error
+else:
+    raise AssertionError("forcing triton on CPU without the interpreter did not raise")
+"""
+
+_NO_TRITON_CHECKS = r"""
+import os, sys
+sys.modules["triton"] = None  # as if triton were not installed
+import torch
+import kernels
+assert kernels.attention_backend_name("cpu") == "torch"
+assert not kernels.triton_available()
+query = torch.randn(3, 2, 32)
+cache = torch.randn(4, 2, 1, 32)
+out = kernels.paged_attention(query, cache, cache, torch.tensor([[0, 1], [2, 3]],
+    dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32),
+    torch.tensor([0, 2, 3], dtype=torch.int32), 0.2)
+assert out.shape == query.shape and not out.isnan().any()
+os.environ["KVSCOPE_ATTENTION_BACKEND"] = "triton"
+try:
+    kernels.attention_backend_name("cpu")
+except ValueError as error:
+    assert "not installed" in str(error), error
+else:
+    raise AssertionError("forcing triton without triton installed did not raise")
+"""
+
+
+@pytest.mark.parametrize("script", [
+    pytest.param(_SUBPROCESS_CHECKS, id="triton-on-cpu-needs-interpreter",
+                 marks=needs_triton),
+    pytest.param(_NO_TRITON_CHECKS, id="works-without-triton"),
+])
+def test_dispatch_in_a_fresh_process(script):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", script], check=False, env=env, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
