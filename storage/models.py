@@ -1,0 +1,95 @@
+"""SQLAlchemy tables of the session log: sessions, requests, steps, chat messages."""
+
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Bump when a table changes, and add the step from the previous version to MIGRATIONS
+# in storage.schema, so files written by older versions keep opening.
+SCHEMA_VERSION = 1
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SchemaVersion(Base):
+    __tablename__ = "schema_version"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+
+
+class SessionRow(Base):
+    """One run of the app: its model and engine config (the latest, after reconfigures)."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String, default="")
+    config: Mapped[dict] = mapped_column(JSON, default=dict)
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class RequestRow(Base):
+    """One finished (or aborted / failed) request with its timings."""
+
+    __tablename__ = "requests"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
+    request_id: Mapped[str] = mapped_column(String)
+    source: Mapped[str] = mapped_column(String)  # chat, api, loadgen, offline
+    prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    outputs: Mapped[list] = mapped_column(JSON, default=list)  # text of each sample
+    finish_reason: Mapped[str | None] = mapped_column(String, nullable=True)
+    num_prompt_tokens: Mapped[int] = mapped_column(Integer)
+    num_output_tokens: Mapped[int] = mapped_column(Integer)
+    num_cached_tokens: Mapped[int] = mapped_column(Integer)
+    num_preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    arrival_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    first_scheduled_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    first_token_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class StepRow(Base):
+    """One EngineCore step record; the chunk list keeps enough to redraw timelines."""
+
+    __tablename__ = "steps"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    start_time: Mapped[float] = mapped_column(Float)
+    end_time: Mapped[float] = mapped_column(Float)
+    num_scheduled_tokens: Mapped[int] = mapped_column(Integer)
+    token_budget: Mapped[int] = mapped_column(Integer)
+    num_used_blocks: Mapped[int] = mapped_column(Integer)
+    num_cached_blocks: Mapped[int] = mapped_column(Integer)
+    num_free_blocks: Mapped[int] = mapped_column(Integer)
+    num_running: Mapped[int] = mapped_column(Integer)
+    num_waiting: Mapped[int] = mapped_column(Integer)
+    num_generated_tokens: Mapped[int] = mapped_column(Integer)
+    chunks: Mapped[list] = mapped_column(JSON, default=list)  # [request, seq, kind, start, end]
+    preempted: Mapped[list] = mapped_column(JSON, default=list)
+    swapped_out: Mapped[list] = mapped_column(JSON, default=list)
+    swapped_in: Mapped[list] = mapped_column(JSON, default=list)
+    finished: Mapped[list] = mapped_column(JSON, default=list)
+
+
+class ChatMessageRow(Base):
+    """One turn of a dashboard chat; request_id links an assistant turn to its request."""
+
+    __tablename__ = "chat_messages"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
+    conversation_id: Mapped[str] = mapped_column(String)
+    role: Mapped[str] = mapped_column(String)
+    content: Mapped[str] = mapped_column(Text)
+    request_id: Mapped[str | None] = mapped_column(String, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+SESSION_TABLES = (SessionRow, RequestRow, StepRow, ChatMessageRow)

@@ -1,0 +1,54 @@
+"""Read side of the session log: the sessions list and one session's rows."""
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, func, select
+
+from engine.telemetry import StepRecord
+from storage.models import ChatMessageRow, RequestRow, SessionRow, StepRow
+from storage.rows import step_record
+
+
+@dataclass(slots=True)
+class StoredSession:
+    session: dict
+    requests: list[dict]
+    steps: list[StepRecord]
+    chat_messages: list[dict]
+
+
+def list_sessions(engine: Engine) -> list[dict]:
+    """Every session, newest first, with its request / step / chat message counts."""
+    counts = {table: dict(_counts(engine, table))
+              for table in (RequestRow, StepRow, ChatMessageRow)}
+    with engine.connect() as connection:
+        sessions = connection.execute(select(SessionRow).order_by(SessionRow.id.desc()))
+        return [{**row._asdict(), "num_requests": counts[RequestRow].get(row.id, 0),
+                 "num_steps": counts[StepRow].get(row.id, 0),
+                 "num_chat_messages": counts[ChatMessageRow].get(row.id, 0)}
+                for row in sessions]
+
+
+def _counts(engine: Engine, table) -> list[tuple[int, int]]:
+    with engine.connect() as connection:
+        return list(connection.execute(
+            select(table.session_id, func.count()).group_by(table.session_id)))
+
+
+def table_rows(engine: Engine, table, session_id: int) -> list[dict]:
+    """One session's rows of a table, in insertion order, as plain dicts."""
+    key = table.id if table is SessionRow else table.session_id
+    with engine.connect() as connection:
+        result = connection.execute(select(table.__table__).where(key == session_id)
+                                    .order_by(table.id))
+        return [dict(row._mapping) for row in result]
+
+
+def load_session(engine: Engine, session_id: int) -> StoredSession:
+    """Everything logged for one session; ValueError naming the id if there is none."""
+    sessions = table_rows(engine, SessionRow, session_id)
+    if not sessions:
+        raise ValueError(f"session_id={session_id!r}: no such session in the log")
+    steps = [step_record(row) for row in table_rows(engine, StepRow, session_id)]
+    return StoredSession(sessions[0], table_rows(engine, RequestRow, session_id), steps,
+                         table_rows(engine, ChatMessageRow, session_id))

@@ -1,0 +1,48 @@
+"""Engine records <-> plain row dicts of the session log tables."""
+
+import time
+
+from engine.outputs import RequestOutput
+from engine.telemetry import ScheduledChunk, StepRecord
+
+STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
+                 "num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_running",
+                 "num_waiting", "num_generated_tokens")
+STEP_ID_LISTS = ("preempted", "swapped_out", "swapped_in", "finished")
+
+
+def step_row(session_id: int, record: StepRecord) -> dict:
+    row = {name: getattr(record, name) for name in STEP_COUNTERS}
+    row.update({name: list(getattr(record, name)) for name in STEP_ID_LISTS})
+    row["chunks"] = [[c.request_id, c.seq_id, c.kind, c.start, c.end] for c in record.chunks]
+    row["session_id"] = session_id
+    return row
+
+
+def step_record(row: dict) -> StepRecord:
+    """Rebuild the StepRecord a stored row came from (for redrawing past sessions)."""
+    return StepRecord(
+        **{name: row[name] for name in STEP_COUNTERS},
+        **{name: tuple(row[name]) for name in STEP_ID_LISTS},
+        chunks=tuple(ScheduledChunk(*chunk) for chunk in row["chunks"]))
+
+
+def request_row(session_id: int, output: RequestOutput, source: str,
+                prompt_text: str | None) -> dict:
+    metrics = output.metrics
+    return {
+        "session_id": session_id, "request_id": output.request_id, "source": source,
+        "prompt": prompt_text if prompt_text is not None else output.prompt,
+        "outputs": [completion.text for completion in output.outputs],
+        "finish_reason": next((c.finish_reason for c in output.outputs if c.finish_reason),
+                              None),
+        "num_prompt_tokens": len(output.prompt_token_ids),
+        "num_output_tokens": sum(len(c.token_ids) for c in output.outputs),
+        "num_cached_tokens": output.num_cached_tokens,
+        "num_preemptions": metrics.num_preemptions if metrics else 0,
+        "arrival_time": metrics.arrival_time if metrics else None,
+        "first_scheduled_time": metrics.first_scheduled_time if metrics else None,
+        "first_token_time": metrics.first_token_time if metrics else None,
+        "finished_time": (metrics.finished_time if metrics else None) or time.time(),
+        "error": output.error,
+    }

@@ -1,0 +1,56 @@
+"""Opening a log file: SQLite pragmas, table creation and the schema upgrade path."""
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, select
+
+from storage.models import SCHEMA_VERSION, Base, SchemaVersion
+
+logger = logging.getLogger(__name__)
+BUSY_TIMEOUT_MS = 5000
+
+# MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction; version 1 is
+# the first schema, so there is nothing to upgrade from yet.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+
+def open_database(path: str | Path) -> Engine:
+    """An Engine on the file in WAL mode, its schema created or upgraded to SCHEMA_VERSION."""
+    engine = create_engine(f"sqlite:///{Path(path)}")
+    event.listen(engine, "connect", _set_pragmas)
+    with engine.begin() as connection:
+        upgrade(connection)
+    return engine
+
+
+def _set_pragmas(dbapi_connection, _record) -> None:
+    # WAL lets the dashboard read while the writer commits, and a second app on the file
+    # waits on the busy timeout instead of failing; NORMAL sync is durable against a
+    # killed process (only an OS crash can lose the last commits).
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def upgrade(connection: Connection) -> None:
+    """Create a fresh schema, or step an older one up to SCHEMA_VERSION."""
+    if not inspect(connection).has_table(SchemaVersion.__tablename__):
+        Base.metadata.create_all(connection)
+        connection.execute(SchemaVersion.__table__.insert().values(version=SCHEMA_VERSION))
+        return
+    version = connection.execute(select(SchemaVersion.version)).scalar_one()
+    if version > SCHEMA_VERSION:
+        raise ValueError(f"the session log was written by a newer kvscope (schema version "
+                         f"{version}, this one reads up to {SCHEMA_VERSION})")
+    for step_from in range(version, SCHEMA_VERSION):
+        logger.info("upgrading the session log schema from version %d", step_from)
+        MIGRATIONS[step_from](connection)
+    if version != SCHEMA_VERSION:
+        connection.execute(SchemaVersion.__table__.update().values(version=SCHEMA_VERSION))
+    # New tables of later versions (never changed ones) are created here.
+    Base.metadata.create_all(connection)

@@ -1,0 +1,183 @@
+"""SessionLog: the app's one writer of the SQLite session log, on its own thread."""
+
+import atexit
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+
+from sqlalchemy import insert, update
+
+from engine.outputs import RequestOutput
+from engine.telemetry import StepRecord
+from storage import reader
+from storage.exports import export_session
+from storage.models import ChatMessageRow, RequestRow, SessionRow, StepRow
+from storage.rows import request_row, step_row
+from storage.schema import open_database
+
+logger = logging.getLogger(__name__)
+# A commit at least this often bounds what a killed process loses to about one second.
+COMMIT_INTERVAL_S = 0.5
+MAX_BATCH = 2000
+QUEUE_SIZE = 50_000
+_STOP = object()
+
+
+class SessionLog:
+    """Producers (the engine thread, handlers) only enqueue; a full queue drops the row
+    and counts it, because the engine must never wait on the disk."""
+
+    def __init__(self, db_path: str | Path, queue_size: int = QUEUE_SIZE):
+        self.db_path = Path(db_path)
+        self.engine = open_database(self.db_path)
+        self.session_id: int | None = None
+        self.num_dropped = 0
+        self.num_written = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._closed = False
+        self._subscriptions: list = []
+        self._pumps: list[threading.Thread] = []
+        self._thread = threading.Thread(target=self._run, name="kvscope-session-log",
+                                        daemon=True)
+        self._thread.start()
+        # An interpreter exit without close() (Ctrl-C in a script) still flushes.
+        atexit.register(self.close)
+
+    # ---- producers ---------------------------------------------------------------------
+    def start_session(self, config: dict, model: str) -> int:
+        """Open a session row now (synchronously: the id tags every later row)."""
+        with self.engine.begin() as connection:
+            self.session_id = connection.execute(insert(SessionRow).values(
+                model=model, config=config, started_at=time.time())).inserted_primary_key[0]
+        return self.session_id
+
+    def follow(self, engine) -> None:
+        """Log every step and every ended request of an AsyncEngine, from two reader
+        threads fed by its subscriptions (which drop the oldest rather than block it)."""
+        steps, requests = engine.subscribe_steps(maxsize=QUEUE_SIZE), engine.subscribe_requests()
+        self._subscriptions += [steps, requests]
+        for feed, record in ((steps, self.record_step),
+                             (requests, lambda r: self.record_request(r.output, r.source))):
+            pump = threading.Thread(target=_pump, args=(feed, record), daemon=True,
+                                    name="kvscope-session-log-follow")
+            pump.start()
+            self._pumps.append(pump)
+
+    def record_config(self, config: dict) -> None:
+        """The engine was reconfigured: the session keeps its latest config."""
+        self._put(("config", config))
+
+    def record_step(self, record: StepRecord) -> None:
+        self._put((StepRow, record))
+
+    def record_request(self, output: RequestOutput, source: str,
+                       prompt_text: str | None = None) -> None:
+        """A finished request; prompt_text overrides output.prompt (e.g. the chat text)."""
+        self._put((RequestRow, request_row(self._current(), output, source, prompt_text)))
+
+    def record_chat_message(self, conversation_id: str, role: str, content: str,
+                            request_id: str | None = None) -> None:
+        self._put((ChatMessageRow, {
+            "session_id": self._current(), "conversation_id": conversation_id,
+            "role": role, "content": content, "request_id": request_id,
+            "created_at": time.time()}))
+
+    def _current(self) -> int:
+        if self.session_id is None:
+            raise RuntimeError("SessionLog.start_session() must come before recording")
+        return self.session_id
+
+    def _put(self, item) -> None:
+        self._current()
+        if self._closed:
+            return
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.num_dropped += 1
+
+    # ---- readers (the dashboard's sessions tab) ------------------------------------------
+    def list_sessions(self) -> list[dict]:
+        return reader.list_sessions(self.engine)
+
+    def load_session(self, session_id: int) -> reader.StoredSession:
+        return reader.load_session(self.engine, session_id)
+
+    def export(self, session_id: int, fmt: str, out_dir: str | Path) -> Path:
+        return export_session(self.engine, session_id, fmt, out_dir)
+
+    # ---- the writer thread -------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch = [self._queue.get()]
+            deadline = time.monotonic() + COMMIT_INTERVAL_S
+            while len(batch) < MAX_BATCH and batch[-1] is not _STOP:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    batch.append(self._queue.get(timeout=timeout))
+                except queue.Empty:
+                    break
+            stopping = batch[-1] is _STOP
+            try:
+                self._write([item for item in batch if item is not _STOP])
+            except Exception:  # a full disk must not kill the thread that drains the queue
+                logger.exception("session log: dropping a batch of %d rows", len(batch))
+                self.num_dropped += len(batch)
+            for kind, payload in batch[:-1] if stopping else batch:
+                if kind == "flush":
+                    payload.set()
+
+    def _write(self, batch: list) -> None:
+        rows: dict[type, list[dict]] = {RequestRow: [], StepRow: [], ChatMessageRow: []}
+        config = None
+        for kind, payload in batch:
+            if kind == "config":
+                config = payload
+            elif kind is StepRow:
+                rows[StepRow].append(step_row(self.session_id, payload))
+            elif kind in rows:
+                rows[kind].append(payload)
+        with self.engine.begin() as connection:
+            for table, values in rows.items():
+                if values:
+                    connection.execute(insert(table), values)
+            if config is not None:
+                connection.execute(update(SessionRow).where(SessionRow.id == self.session_id)
+                                   .values(config=config))
+        self.num_written += sum(len(values) for values in rows.values())
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued so far is committed; False if that timed out."""
+        done = threading.Event()
+        try:
+            self._queue.put(("flush", done), timeout=timeout)
+        except queue.Full:
+            return False
+        return done.wait(timeout)
+
+    def close(self) -> None:
+        """Flush every queued row, stamp the session's end and stop the thread."""
+        if self._closed:
+            return
+        for subscription in self._subscriptions:
+            subscription.close()  # the pump threads read what is left, then end
+        for pump in self._pumps:
+            pump.join(timeout=5)
+        self._closed = True
+        self._queue.put(_STOP)  # blocks only while full: shutdown may wait, the engine never
+        self._thread.join()
+        if self.session_id is not None:
+            with self.engine.begin() as connection:
+                connection.execute(update(SessionRow).where(SessionRow.id == self.session_id)
+                                   .values(ended_at=time.time()))
+        self.engine.dispose()
+
+
+def _pump(feed, record) -> None:
+    for item in feed:
+        record(item)

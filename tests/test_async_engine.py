@@ -1,0 +1,215 @@
+"""Tests for engine.async_engine: streams, abort, failures, feeds, snapshots, reconfigure."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineClosed, RequestFailed
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+
+LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+
+
+def short(max_tokens: int = 6, **knobs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **knobs)
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama_path) -> EngineCore:
+    return EngineCore(EngineConfig(
+        model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,
+        num_gpu_blocks_override=128, max_model_len=256, max_num_batched_tokens=256))
+
+
+@pytest.fixture(scope="module")
+def engine(core) -> AsyncEngine:
+    engine = AsyncEngine(core).start()
+    yield engine
+    engine.shutdown()
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def assert_pool_idle(engine: AsyncEngine) -> None:
+    snapshot = engine.snapshot()
+    assert snapshot.count("used") + snapshot.count("shared") == 0
+    assert not snapshot.sequences
+
+
+def test_sync_stream_yields_deltas_that_add_up_to_the_text(engine) -> None:
+    outputs = list(engine.submit("hello world", short(8)))
+    assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+    final = outputs[-1].outputs[0]
+    assert len(final.token_ids) == 8 and final.finish_reason == "length"
+    assert "".join(o.deltas[0] for o in outputs) == final.text != ""
+
+
+def test_async_streams_run_concurrently_and_match_sync_results(engine) -> None:
+    params = short(6, seed=7, n=2)
+    expected = list(engine.submit("same prompt", params))[-1]
+
+    async def consume():
+        streams = [engine.submit("same prompt", params) for _ in range(4)]
+
+        async def texts(stream):
+            pieces = [[], []]
+            async for output in stream:
+                for index, delta in enumerate(output.deltas):
+                    pieces[index].append(delta)
+            return ["".join(p) for p in pieces]
+
+        return await asyncio.gather(*(texts(stream) for stream in streams))
+
+    for texts in asyncio.run(consume()):
+        assert texts == [sample.text for sample in expected.outputs]
+
+
+def test_bad_input_is_refused_and_the_engine_keeps_serving(engine) -> None:
+    stream = engine.submit("x" * 300, short())
+    with pytest.raises(ValueError, match=r"prompt: 300 tokens.*max_model_len=256"):
+        stream.wait_accepted(timeout=10)
+    with pytest.raises(ValueError):
+        list(stream)
+    with pytest.raises(ValueError, match="messages"):
+        engine.submit_chat([], short())
+    assert list(engine.submit("still fine", short(3)))[-1].finished
+
+
+def test_abort_ends_the_stream_and_frees_blocks(engine) -> None:
+    stream = engine.submit("a long one", LONG)
+    iterator = iter(stream)
+    next(iterator)
+    stream.abort()
+    rest = list(iterator)
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert len(rest[-1].outputs[0].token_ids) < 200
+    assert_pool_idle(engine)
+
+
+def test_failed_step_fails_its_requests_and_the_engine_recovers(engine, core,
+                                                                monkeypatch) -> None:
+    execute = core.runner.execute
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected device fault")
+        return execute(*args, **kwargs)
+
+    before = engine.counters().step_failures
+    monkeypatch.setattr(core.runner, "execute", fail_once)
+    streams = [engine.submit(f"victim {i}", LONG) for i in range(3)]
+    for stream in streams:
+        with pytest.raises(RequestFailed, match="injected device fault"):
+            list(stream)
+    assert engine.counters().step_failures == before + 1
+    assert engine.counters().requests_finished.get("error", 0) >= 3
+    assert list(engine.submit("after the fault", short(4)))[-1].outputs[0].finish_reason \
+        == "length"
+    assert_pool_idle(engine)
+
+
+def test_idle_engine_sleeps(engine) -> None:
+    steps = engine.counters().num_steps
+    cpu_before = time.process_time()
+    time.sleep(0.5)
+    assert engine.counters().num_steps == steps
+    assert time.process_time() - cpu_before < 0.1
+
+
+def test_step_subscribers_get_records_and_a_slow_one_loses_the_oldest(engine) -> None:
+    reader, laggard = engine.subscribe_steps(), engine.subscribe_steps(maxsize=3)
+    list(engine.submit("feed me", short(10)))
+    records = reader.drain()
+    assert len(records) >= 10
+    assert [r.step for r in records] == sorted(r.step for r in records)
+    kept = laggard.drain()
+    assert [r.step for r in kept] == [r.step for r in records[-3:]]
+    assert laggard.num_dropped == len(records) - 3
+    reader.close()
+    laggard.close()
+
+
+def test_request_feed_reports_finished_requests(engine) -> None:
+    feed = engine.subscribe_requests()
+    stream = engine.submit("record me", short(5), source="loadgen")
+    list(stream)
+    (record,) = feed.drain()
+    assert record.source == "loadgen" and record.finish_reason == "length"
+    assert record.output.request_id == stream.request_id
+    assert len(record.inter_token_latencies) == 4  # between 5 tokens
+    feed.close()
+
+
+def test_snapshot_during_traffic_accounts_for_every_block(engine) -> None:
+    streams = [engine.submit(f"busy {i}", short(30)) for i in range(4)]
+    snapshot = engine.snapshot()
+    assert sum(snapshot.count(s) for s in ("free", "cached", "used", "shared")) \
+        == snapshot.num_blocks == 128
+    for stream in streams:
+        list(stream)
+    assert_pool_idle(engine)
+
+
+def test_invalid_reconfigure_changes_nothing(engine) -> None:
+    config, plan = engine.config, engine.memory_plan
+    with pytest.raises(ValueError, match="block_size=3"):
+        engine.reconfigure(block_size=3)
+    with pytest.raises(ValueError, match="unknown engine knob"):
+        engine.reconfigure(blocksize=16)
+    with pytest.raises(ValueError, match="model"):
+        engine.reconfigure(model="elsewhere")
+    # Passes the config's checks, fails the memory plan (a pool smaller than one sequence).
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.reconfigure(num_gpu_blocks_override=2)
+    assert engine.config is config and engine.memory_plan is plan
+    assert list(engine.submit("unchanged", short(3)))[-1].finished
+
+
+def test_reconfigure_waits_for_running_requests_and_holds_new_ones(engine) -> None:
+    running = engine.submit("in flight", short(40))
+    running.wait_accepted(timeout=10)
+    plan = {}
+    worker = threading.Thread(target=lambda: plan.update(new=engine.reconfigure(block_size=16)))
+    worker.start()
+    wait_until(lambda: engine.is_reconfiguring)
+    held = engine.submit("arrives meanwhile", short(4))
+    outputs = list(running)
+    assert outputs[-1].outputs[0].finish_reason == "length"
+    assert len(outputs[-1].outputs[0].token_ids) == 40
+    worker.join(timeout=30)
+    assert plan["new"].block_size == 16 and engine.config.block_size == 16
+    assert list(held)[-1].finished
+    assert engine.snapshot().block_size == 16
+    assert_pool_idle(engine)
+
+    # abort_running: in-flight requests end as aborted instead of finishing.
+    victim = engine.submit("cut short", LONG)
+    victim.wait_accepted(timeout=10)
+    engine.reconfigure(block_size=8, abort_running=True)
+    assert list(victim)[-1].outputs[0].finish_reason == "abort"
+    assert engine.config.block_size == 8
+    assert_pool_idle(engine)
+
+
+def test_shutdown_aborts_in_flight_and_refuses_new_requests(engine) -> None:
+    """Runs last: it stops the module's engine."""
+    stream = engine.submit("never finishes", LONG)
+    stream.wait_accepted(timeout=10)
+    engine.shutdown(abort_running=True, timeout=10)
+    assert not engine.is_running
+    assert list(stream)[-1].outputs[0].finish_reason == "abort"
+    with pytest.raises(EngineClosed):
+        engine.submit("too late", short())
+    with pytest.raises(EngineClosed):
+        engine.snapshot()

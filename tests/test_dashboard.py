@@ -1,0 +1,148 @@
+"""The dashboard served for real: gradio_client against its handlers, and headless Chromium."""
+
+import json
+import os
+import socket
+import sqlite3
+from pathlib import Path
+
+import pytest
+from gradio_client import Client
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from storage import SessionLog
+from ui import CSS_PATH, build_ui
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+NUM_BLOCKS = 96
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_chat_model_path, tmp_path_factory):
+    """A started AsyncEngine on the tiny model, logged to SQLite, with the dashboard up."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_chat_model_path), dtype="float32", device="cpu", block_size=4,
+        num_gpu_blocks_override=NUM_BLOCKS, max_model_len=256, max_num_batched_tokens=64,
+    )).start()
+    log = SessionLog(tmp_path_factory.mktemp("db") / "kvscope.db")
+    log.start_session(engine.config.to_dict(), engine.model_path)
+    log.follow(engine)
+    blocks = build_ui(engine, log)
+    port = free_port()
+    blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
+                  quiet=True, css_paths=[CSS_PATH])
+    yield engine, log, f"http://127.0.0.1:{port}/"
+    blocks.close()
+    log.close()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(served) -> Client:
+    return Client(served[2], verbose=False)
+
+
+def heatmap_cells(client: Client) -> tuple[list, dict]:
+    """The live handler's heatmap as Plotly JSON: its non-empty cells and the figure."""
+    panels = client.predict(api_name="/refresh_live")
+    figure = json.loads(panels[1]["plot"])
+    cells = [v for row in figure["data"][0]["z"] for v in row if v is not None]
+    return cells, figure
+
+
+def test_chat_streams_a_reply_with_its_stats(client: Client) -> None:
+    job = client.submit("Hello there", 0.0, 1.0, 12, api_name="/chat")
+    updates = list(job)
+    chatbot, textbox, status = job.result()
+    assert len(updates) > 2  # streamed: several partial replies before the last
+    assert [message["role"] for message in chatbot] == ["user", "assistant"]
+    reply = chatbot[1]["content"][0]["text"]
+    assert "TTFT" in reply and "prompt tokens" in reply and "cached" in reply
+    assert textbox == "" and "12 output tokens" in status
+
+
+def test_bad_chat_input_is_a_message_not_a_crash(client: Client) -> None:
+    _, textbox, status = client.predict("   ", 0.0, 1.0, 8, api_name="/chat")
+    assert status == "Type a message first." and textbox == "   "
+    _, _, status = client.predict("x" * 400, 0.0, 1.0, 8, api_name="/chat")
+    assert "max_model_len=256" in status
+    _, _, status = client.predict("still fine?", 0.0, 1.0, 4, api_name="/chat")
+    assert "4 output tokens" in status
+
+
+def test_live_heatmap_has_a_cell_per_block_in_the_engines_states(served, client) -> None:
+    engine = served[0]
+    client.predict("Share this prefix please", 0.0, 1.0, 4, api_name="/chat")
+    cells, _ = heatmap_cells(client)
+    snapshot = engine.snapshot()
+    assert len(cells) == NUM_BLOCKS == snapshot.num_blocks
+    codes = {"free": 0, "cached": 1, "used": 2}
+    assert [min(v, 3) for v in cells] == [codes.get(b.state, 3) for b in snapshot.blocks]
+    assert 1 in cells  # the finished chats left cached prefix blocks
+
+
+def test_reconfigure_through_the_ui_changes_the_pool(served, client) -> None:
+    engine = served[0]
+    status = client.predict(8, 0.9, 2.0, -5, True, True, "recompute", False,
+                            api_name="/apply_knobs")
+    assert "Not applied" in status and "max_num_batched_tokens=-5" in status
+    assert engine.config.block_size == 4
+    status = client.predict(8, 0.9, 2.0, 64, True, True, "recompute", False,
+                            api_name="/apply_knobs")
+    assert "x 8 tokens" in status and engine.config.block_size == 8
+    _, figure = heatmap_cells(client)
+    assert "x 8 tokens" in figure["layout"]["title"]["text"]
+    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
+
+
+def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
+    log = served[1]
+    table, _, _ = client.predict(api_name="/list_sessions")
+    assert table["data"][0][0] == log.session_id
+    path, status = client.predict(log.session_id, "sqlite", api_name="/export_session")
+    with sqlite3.connect(path) as connection:
+        assert connection.execute("SELECT count(*) FROM steps").fetchone()[0] > 0
+    path, status = client.predict(999, "json", api_name="/export_session")
+    assert path is None and "session_id=999: no such session" in status
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed")
+def test_browser_chat_heatmap_and_export(served, tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100}, accept_downloads=True)
+        page.goto(served[2])
+        page.locator("#kv-message textarea").fill("Hi from the browser")
+        page.locator("#kv-message textarea").press("Enter")
+        expect(page.locator("#kv-chat")).to_contain_text("TTFT", timeout=30_000)
+        heatmap = page.locator("#kv-heatmap .js-plotly-plot")
+        expect(heatmap).to_be_visible(timeout=15_000)
+        expect(heatmap.locator(".heatmaplayer image")).to_have_count(1)
+        page.screenshot(path=tmp_path / "live.png", full_page=True)
+
+        page.get_by_role("tab", name="Sessions").click()
+        expect(page.locator("#kv-sessions-status")).to_contain_text("sessions in")
+        page.locator("#kv-export").click()
+        link = page.locator("#kv-download a").first
+        expect(link).to_be_visible(timeout=15_000)
+        with page.expect_download() as download_info:
+            link.click()
+        saved = tmp_path / download_info.value.suggested_filename
+        download_info.value.save_as(saved)
+        page.screenshot(path=tmp_path / "sessions.png", full_page=True)
+        browser.close()
+    assert json.loads(saved.read_text())["sessions"][0]["id"] == served[1].session_id
+    assert (tmp_path / "live.png").stat().st_size > 0

@@ -1,0 +1,467 @@
+"""Tests for engine.serving against a live server: the openai client, SSE, errors, metrics,
+the websocket feed and reconfigure under traffic."""
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.sync.client import connect as ws_connect
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.serving import create_app
+
+API_KEY = "sesame"
+NUM_BLOCKS = 256
+MAX_MODEL_LEN = 256
+IGNORE_EOS = {"ignore_eos": True}  # the tiny model may sample its EOS at any step
+
+
+@dataclass
+class LiveServer:
+    url: str
+    engine: AsyncEngine
+    model: str
+
+    def client(self, api_key: str = "x") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0,
+                             timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample as `name{label=value,...}` -> value (labels sorted, model left out)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                                  if k != "model_name")
+                samples[f"{sample.name}{{{labels}}}"] = sample.value
+        return samples
+
+
+def serve(app) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """Run `app` on a free loopback port in a background thread."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_path) -> AsyncEngine:
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,
+        num_gpu_blocks_override=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=512)).start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine) -> LiveServer:
+    url, uvicorn_server, thread = serve(create_app(engine))
+    yield LiveServer(url, engine, engine.model_path.rsplit("/", 1)[-1])
+    uvicorn_server.should_exit = True
+    thread.join(timeout=10)
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def assert_idle(server: LiveServer) -> None:
+    """No request running or waiting, and no block in use (cached-free is fine)."""
+    snapshot = server.engine.snapshot()
+    assert snapshot.count("used") + snapshot.count("shared") == 0
+    metrics = server.metrics()
+    assert metrics["kvscope:num_requests_running{}"] == 0
+    assert metrics["kvscope:num_requests_waiting{}"] == 0
+    assert metrics["kvscope:kv_cache_usage_perc{}"] == 0
+
+
+# ---- the OpenAI API through the openai client ------------------------------------------
+def test_models_health_version(server) -> None:
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [server.model]
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["step_failures"] == 0
+    assert "version" in httpx.get(f"{server.url}/version").json()
+
+
+def test_completion_and_chat(server) -> None:
+    client = server.client()
+    completion = client.completions.create(model=server.model, prompt="Hello there",
+                                           max_tokens=5, extra_body=IGNORE_EOS)
+    choice = completion.choices[0]
+    assert choice.text and choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == 5
+    assert completion.usage.prompt_tokens == len("Hello there")  # one token per character
+
+    chat = client.chat.completions.create(
+        model=engine_path(server), max_tokens=4, extra_body=IGNORE_EOS,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hi!"}])
+    message = chat.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert chat.usage.completion_tokens == 4
+
+
+def engine_path(server: LiveServer) -> str:
+    """The model's path works as its name too."""
+    return server.engine.model_path
+
+
+def test_streaming_matches_the_whole_response(server) -> None:
+    client = server.client()
+    kwargs = {"model": server.model, "max_tokens": 8, "seed": 11, "extra_body": IGNORE_EOS}
+    whole = client.completions.create(prompt="stream me", **kwargs).choices[0].text
+    chunks = list(client.completions.create(prompt="stream me", stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+    messages = [{"role": "user", "content": "stream a chat"}]
+    whole = client.chat.completions.create(messages=messages, **kwargs).choices[0]
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_samples_and_seed_reproducibility(server) -> None:
+    client = server.client()
+
+    def texts(seed, n=2):
+        response = client.completions.create(model=server.model, prompt="two ways", n=n,
+                                             max_tokens=10, seed=seed, temperature=1.0,
+                                             extra_body=IGNORE_EOS)
+        assert sorted(c.index for c in response.choices) == list(range(n))
+        assert response.usage.completion_tokens == 10 * n
+        return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+    first = texts(seed=1)
+    assert first == texts(seed=1)
+    assert first[0] != first[1]
+    assert texts(seed=2) != first
+
+    streamed = client.completions.create(model=server.model, prompt="two ways", n=2,
+                                         max_tokens=10, seed=1, stream=True,
+                                         extra_body=IGNORE_EOS)
+    pieces = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+    assert [pieces[0], pieces[1]] == first
+
+
+def test_stop_string_cuts_the_text(server) -> None:
+    client = server.client()
+    kwargs = {"model": server.model, "prompt": "stop here", "max_tokens": 12,
+              "temperature": 0, "extra_body": IGNORE_EOS}
+    text = client.completions.create(**kwargs).choices[0].text
+    # One token per character: a character first seen at position 3 stops after 3.
+    stop = next(ch for i, ch in enumerate(text) if i >= 3 and text.index(ch) == i)
+    stopped = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert stopped.text == text[:text.index(stop)]
+    assert stopped.finish_reason == "stop"
+    streamed = client.completions.create(stop=stop, stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in streamed) == stopped.text
+
+
+def test_repeated_prompt_reports_cached_tokens(server) -> None:
+    client = server.client()
+    prompt = "A shared system prompt that spans several KV blocks. Question"
+    first = client.completions.create(model=server.model, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=server.model, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    block_size = server.engine.config.block_size
+    assert cached == (len(prompt) - 1) // block_size * block_size > 0
+
+
+def test_logprobs(server) -> None:
+    client = server.client()
+    completion = client.completions.create(model=server.model, prompt="logprobs", max_tokens=4,
+                                           logprobs=2, extra_body=IGNORE_EOS)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert len(logprobs.token_logprobs) == 4 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == [0, 1, 2, 3]
+
+    chat = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        logprobs=True, top_logprobs=2, extra_body=IGNORE_EOS)
+    content = chat.choices[0].logprobs.content
+    assert "".join(item.token for item in content) == chat.choices[0].message.content
+    assert all(len(item.top_logprobs) == 2 for item in content)
+    assert all(item.top_logprobs[0].logprob >= item.logprob for item in content)
+
+
+# ---- load: many streaming clients, some hanging up --------------------------------------
+def test_64_streaming_clients_with_random_disconnects(server) -> None:
+    rng = random.Random(0)
+    # About a third of the clients hang up after a random number of chunks.
+    hang_up_after = [rng.randint(1, 6) if rng.random() < 0.35 else None for _ in range(64)]
+
+    async def client(index: int, http: httpx.AsyncClient) -> str | None:
+        body = {"model": server.model, "prompt": f"client {index}", "max_tokens": 12,
+                "stream": True, "ignore_eos": True}
+        received, finish = 0, None
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return finish
+                chunk = json.loads(line[len("data: "):])
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                received += 1
+                if hang_up_after[index] is not None and received >= hang_up_after[index]:
+                    return "hung up"
+        return None
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as http:
+            return await asyncio.gather(*(client(i, http) for i in range(64)))
+
+    started = time.monotonic()
+    results = asyncio.run(run_all())
+    assert time.monotonic() - started < 30
+    for planned, result in zip(hang_up_after, results, strict=True):
+        assert result == ("hung up" if planned is not None else "length")
+    # Aborts of the hung-up clients land at the next step boundary.
+    wait_until(lambda: server.engine.snapshot().count("used") == 0)
+    assert_idle(server)
+
+
+# ---- bad input ------------------------------------------------------------------------
+BAD_REQUESTS = [
+    ("completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": [MAX_MODEL_LEN * 4]}, 400, "prompt"),  # token id >= vocab
+    ("completions", {"temperature": 1}, 400, "prompt"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
+]
+
+
+def test_bad_requests_get_their_status_and_name_the_parameter(server) -> None:
+    with httpx.Client(base_url=f"{server.url}/v1") as http:
+        for path, body, status, param in BAD_REQUESTS:
+            response = http.post(f"/{path}", json={"model": server.model, **body})
+            assert response.status_code == status, (body, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param, (body, error)
+            assert error["message"] and error["type"]
+
+        too_long = http.post("/completions", json={"prompt": "y" * 300, "max_tokens": 2})
+        assert too_long.status_code == 400
+        message = too_long.json()["error"]["message"]
+        assert "300" in message and str(MAX_MODEL_LEN) in message
+
+        not_json = http.post("/completions", content=b"{nope",
+                             headers={"content-type": "application/json"})
+        assert not_json.status_code == 400 and "error" in not_json.json()
+
+        too_long_chat = http.post("/chat/completions", json={
+            "messages": [{"role": "user", "content": "y" * 300}]})
+        assert too_long_chat.status_code == 400
+        assert too_long_chat.json()["error"]["param"] == "messages"
+
+        huge = http.post("/completions", json={"prompt": "z" * (1 << 20)})
+        assert huge.status_code == 413 and huge.json()["error"]["message"]
+        chunked = http.post("/completions", content=iter([b" " * (1 << 19)] * 3),
+                            headers={"content-type": "application/json"})
+        assert chunked.status_code == 413 and chunked.json()["error"]["message"]
+
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.client().completions.create(model=server.model, prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="nope", prompt="x")
+    # The engine still answers good requests after the burst.
+    assert server.client().completions.create(model=server.model, prompt="ok",
+                                              max_tokens=2).choices[0].text is not None
+    assert_idle(server)
+
+
+def test_api_key_guards_the_api_and_the_event_feed(engine) -> None:
+    url, uvicorn_server, thread = serve(create_app(engine, api_key=API_KEY))
+    try:
+        body = {"prompt": "x", "max_tokens": 1}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        wrong = httpx.post(f"{url}/v1/completions", json=body,
+                           headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        assert client.completions.create(model=None, prompt="x", max_tokens=1).choices
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+        ws_url = url.replace("http", "ws") + "/ws/events"
+        with pytest.raises(Exception, match="1008|403|rejected"):
+            with ws_connect(ws_url) as websocket:
+                websocket.recv(timeout=5)
+        with ws_connect(ws_url, additional_headers={"Authorization": f"Bearer {API_KEY}"}) \
+                as websocket:
+            assert json.loads(websocket.recv(timeout=10))["type"] == "snapshot"
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(timeout=10)
+
+
+# ---- metrics ----------------------------------------------------------------------------
+def test_metrics_parse_and_counters_match_the_requests(server) -> None:
+    before = server.metrics()
+    client = server.client()
+    usages = [client.completions.create(model=server.model, prompt=f"count me {i}",
+                                        max_tokens=3 + i, extra_body=IGNORE_EOS).usage
+              for i in range(3)]
+    after = server.metrics()
+
+    def delta(name):
+        return after[name] - before.get(name, 0)
+
+    assert delta("kvscope:prompt_tokens_total{}") == sum(u.prompt_tokens for u in usages)
+    assert delta("kvscope:generation_tokens_total{}") == sum(u.completion_tokens for u in usages)
+    assert delta("kvscope:request_success_total{finished_reason=length}") == 3
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "request_queue_time_seconds"):
+        assert delta(f"kvscope:{histogram}_count{{}}") == 3
+    assert delta("kvscope:inter_token_latency_seconds_count{}") == sum(
+        u.completion_tokens - 1 for u in usages)
+    assert delta("kvscope:prefix_cache_queries_total{}") >= sum(u.prompt_tokens for u in usages)
+    assert after["kvscope:num_preemptions_total{}"] >= 0
+    assert after["kvscope:swaps_total{direction=out}"] == 0
+    assert after["kvscope:kv_cache_token_usage_perc{}"] == 0
+    info = next(name for name in after if name.startswith("kvscope:engine_config_info"))
+    assert "block_size=8" in info and f"num_blocks={NUM_BLOCKS}" in info
+    assert_idle(server)
+
+
+# ---- the websocket event feed -----------------------------------------------------------
+def test_websocket_sends_a_snapshot_then_coalesced_step_records(server) -> None:
+    with ws_connect(server.url.replace("http", "ws") + "/ws/events") as websocket:
+        first = json.loads(websocket.recv(timeout=10))
+        assert first["type"] == "snapshot"
+        assert first["snapshot"]["num_blocks"] == NUM_BLOCKS == len(first["snapshot"]["blocks"])
+        response = server.client().completions.create(model=server.model, prompt="watch me",
+                                                      max_tokens=40, extra_body=IGNORE_EOS)
+        request_id = response.id.removeprefix("cmpl-")
+        messages, seen_steps = [], []
+        while request_id not in {r for m in messages for rec in m["records"]
+                                 for r in rec["finished"]}:
+            messages.append(json.loads(websocket.recv(timeout=10)))
+            assert messages[-1]["type"] == "steps"
+            seen_steps += [record["step"] for record in messages[-1]["records"]]
+        ran = [chunk for m in messages for rec in m["records"] for chunk in rec["chunks"]
+               if chunk["request_id"] == request_id]
+        assert {chunk["kind"] for chunk in ran} == {"prefill", "decode"}
+        assert seen_steps == sorted(seen_steps)
+        # 40+ steps (a few ms each) arrive in far fewer messages: at most 10 a second.
+        assert len(messages) < len(seen_steps)
+
+        websocket.send(json.dumps({"type": "snapshot"}))
+        reply = json.loads(websocket.recv(timeout=10))
+        while reply["type"] != "snapshot":
+            reply = json.loads(websocket.recv(timeout=10))
+        assert reply["snapshot"]["counts"]["used"] == 0
+
+
+def test_stalled_websocket_client_does_not_slow_generation(server) -> None:
+    client = server.client()
+
+    def generate() -> float:
+        started = time.monotonic()
+        threads = [threading.Thread(target=client.completions.create, kwargs={
+            "model": server.model, "prompt": f"timing {i}", "max_tokens": 30,
+            "extra_body": IGNORE_EOS}) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.monotonic() - started
+
+    baseline = generate()
+    # This client asks for ~3 MB of snapshots and never reads (max_queue=1: its library
+    # stops reading too), so the buffers between it and the server fill up.
+    # close_timeout: the server cannot send its close frame past the full buffers.
+    with ws_connect(server.url.replace("http", "ws") + "/ws/events", max_size=None,
+                    max_queue=1, close_timeout=0.5) as stalled:
+        for _ in range(100):
+            stalled.send(json.dumps({"type": "snapshot"}))
+        with_stalled = generate()
+    assert with_stalled < 3 * baseline + 2.0
+    assert_idle(server)
+
+
+# ---- reconfigure under traffic ------------------------------------------------------------
+def test_reconfigure_during_traffic(server) -> None:
+    client, engine = server.client(), server.engine
+    texts: dict[int, str] = {}
+    first_chunk = threading.Barrier(5)
+
+    def stream(index: int) -> None:
+        chunks = client.completions.create(model=server.model, prompt=f"in flight {index}",
+                                           max_tokens=200, stream=True, extra_body=IGNORE_EOS)
+        pieces = []
+        for number, chunk in enumerate(chunks):
+            if number == 0:
+                first_chunk.wait(timeout=30)
+            pieces.append(chunk.choices[0])
+        texts[index] = (pieces[-1].finish_reason, "".join(c.text for c in pieces))
+
+    workers = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    first_chunk.wait(timeout=30)  # every stream is generating
+    plans = []
+    reconfigure = threading.Thread(target=lambda: plans.append(engine.reconfigure(block_size=16)))
+    reconfigure.start()
+    wait_until(lambda: engine.is_reconfiguring)
+    refused = httpx.post(f"{server.url}/v1/completions",
+                         json={"model": server.model, "prompt": "not now", "max_tokens": 1})
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    assert refused.json()["error"]["code"] == "reconfiguring"
+    for worker in workers:
+        worker.join(timeout=60)
+    reconfigure.join(timeout=60)
+    assert all(finish == "length" and text for finish, text in texts.values())
+    assert len(texts) == 4
+    assert plans[0].block_size == 16
+    info = next(name for name in server.metrics() if "engine_config_info" in name)
+    assert "block_size=16" in info
+    assert_idle(server)
+    assert server.engine.snapshot().block_size == 16
+    assert client.completions.create(model=server.model, prompt="after", max_tokens=2).choices
+    engine.reconfigure(block_size=8)

@@ -1,0 +1,222 @@
+"""Tests for storage: the session log's rows, exports, durability and schema upgrades."""
+
+import csv
+import io
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from sqlalchemy import inspect
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.telemetry import StepRecord
+from storage import SessionLog, export_session, load_session, open_database, schema
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def engine_run(tiny_chat_model_path):
+    """Step records and final outputs of a small run with a shared prefix and n=2."""
+    core = EngineCore(EngineConfig(model=str(tiny_chat_model_path), dtype="float32",
+                                   device="cpu", block_size=4, num_gpu_blocks_override=64,
+                                   max_model_len=128, max_num_batched_tokens=32))
+    shared = "You are a helpful assistant. "
+    for index, n in enumerate((1, 2, 1)):
+        core.add_request(f"{shared}question {index}", SamplingParams(
+            max_tokens=6, temperature=0, n=n), source="api")
+    records, finished = [], []
+    while core.has_unfinished_requests():
+        result = core.step()
+        records.append(result.record)
+        finished.extend(output for output in result.outputs if output.finished)
+    return core.config.to_dict(), records, finished
+
+
+def fake_record(step: int, start_time: float) -> StepRecord:
+    return StepRecord(step=step, start_time=start_time, end_time=start_time + 0.001,
+                      chunks=(), preempted=(), swapped_out=(), swapped_in=(), finished=(),
+                      num_scheduled_tokens=1, token_budget=8, num_used_blocks=1,
+                      num_cached_blocks=0, num_free_blocks=7, num_running=1, num_waiting=0)
+
+
+def logged_session(db_path: Path, engine_run) -> tuple[int, SessionLog]:
+    config, records, finished = engine_run
+    log = SessionLog(db_path)
+    session_id = log.start_session(config, model="tiny")
+    for record in records:
+        log.record_step(record)
+    for output in finished:
+        log.record_request(output, source="api")
+    log.record_chat_message("conv-1", "user", "hello")
+    log.record_chat_message("conv-1", "assistant", "hi there", request_id="req-0")
+    return session_id, log
+
+
+def test_every_request_and_step_of_a_run_is_stored(tmp_path: Path, engine_run) -> None:
+    config, records, finished = engine_run
+    session_id, log = logged_session(tmp_path / "log.db", engine_run)
+    log.close()
+
+    stored = load_session(open_database(tmp_path / "log.db"), session_id)
+    assert stored.steps == records  # every field of every record survives the round trip
+    assert stored.session["config"] == config
+    assert stored.session["ended_at"] >= stored.session["started_at"]
+    by_id = {row["request_id"]: row for row in stored.requests}
+    assert by_id.keys() == {output.request_id for output in finished}
+    for output in finished:
+        row = by_id[output.request_id]
+        assert row["outputs"] == [completion.text for completion in output.outputs]
+        assert row["num_prompt_tokens"] == len(output.prompt_token_ids)
+        assert row["num_cached_tokens"] == output.num_cached_tokens
+        assert row["first_token_time"] == output.metrics.first_token_time
+    assert sum(row["num_cached_tokens"] for row in stored.requests) > 0  # the shared prefix
+    assert [m["role"] for m in stored.chat_messages] == ["user", "assistant"]
+
+
+def test_exports_round_trip(tmp_path: Path, engine_run) -> None:
+    session_id, log = logged_session(tmp_path / "log.db", engine_run)
+    assert log.flush()
+    original = log.load_session(session_id)
+
+    document = json.loads(log.export(session_id, "json", tmp_path / "out").read_text())
+    assert document["sessions"][0]["config"] == original.session["config"]
+    assert len(document["steps"]) == len(original.steps)
+    assert document["requests"] == json.loads(json.dumps(original.requests))
+
+    with zipfile.ZipFile(log.export(session_id, "csv", tmp_path / "out")) as archive:
+        steps = list(csv.DictReader(io.StringIO(archive.read("steps.csv").decode())))
+        assert set(archive.namelist()) == {"sessions.csv", "requests.csv", "steps.csv",
+                                           "chat_messages.csv"}
+    assert [int(row["step"]) for row in steps] == [r.step for r in original.steps]
+    assert json.loads(steps[0]["chunks"]) == [[c.request_id, c.seq_id, c.kind, c.start, c.end]
+                                              for c in original.steps[0].chunks]
+
+    standalone = log.export(session_id, "sqlite", tmp_path / "out")
+    log.close()
+    leftovers = [p.name for p in standalone.parent.iterdir() if p.name.startswith(
+        standalone.name + "-")]
+    assert leftovers == []  # no -wal / -shm beside it: one self-contained file
+    copy = load_session(open_database(standalone), session_id)
+    assert copy == original
+
+
+def test_export_of_a_missing_session_or_format_is_refused(tmp_path: Path) -> None:
+    engine = open_database(tmp_path / "log.db")
+    with pytest.raises(ValueError, match="session_id=42: no such session"):
+        export_session(engine, 42, "json", tmp_path)
+    with pytest.raises(ValueError, match="format='xml'"):
+        export_session(engine, 1, "xml", tmp_path)
+    with pytest.raises(ValueError, match="session_id=42"):
+        load_session(engine, 42)
+
+
+def test_a_stalled_disk_drops_rows_instead_of_blocking(tmp_path: Path) -> None:
+    db_path = tmp_path / "log.db"
+    log = SessionLog(db_path, queue_size=100)
+    log.start_session({}, model="tiny")
+    blocker = sqlite3.connect(db_path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # the writer now waits on the busy timeout
+    started = time.perf_counter()
+    for step in range(1000):
+        log.record_step(fake_record(step, time.time()))
+    assert time.perf_counter() - started < 0.5
+    assert log.num_dropped > 0
+    blocker.execute("COMMIT")
+    blocker.close()
+    log.close()
+    stored = load_session(open_database(db_path), log.session_id)
+    assert len(stored.steps) == 1000 - log.num_dropped
+
+
+def test_two_apps_share_one_file(tmp_path: Path) -> None:
+    db_path = tmp_path / "log.db"
+    logs = [SessionLog(db_path) for _ in range(2)]
+    ids = [log.start_session({"app": index}, model="tiny") for index, log in enumerate(logs)]
+
+    def write(log: SessionLog) -> None:
+        for step in range(500):
+            log.record_step(fake_record(step, time.time()))
+
+    threads = [threading.Thread(target=write, args=(log,)) for log in logs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for log in logs:
+        log.close()
+    engine = open_database(db_path)
+    assert len(set(ids)) == 2
+    for session_id in ids:
+        assert [r.step for r in load_session(engine, session_id).steps] == list(range(500))
+    with sqlite3.connect(db_path) as connection:
+        assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import sys, time
+    from engine.telemetry import StepRecord
+    from storage import SessionLog
+    log = SessionLog(sys.argv[1])
+    log.start_session({}, model="tiny")
+    step = 0
+    while True:
+        now = time.time()
+        log.record_step(StepRecord(step, now, now, (), (), (), (), (), 1, 8, 1, 0, 7, 1, 0))
+        if step == 50:
+            print("writing", flush=True)
+        step += 1
+        time.sleep(0.002)
+""")
+
+
+def test_sigkill_mid_run_loses_at_most_the_last_second(tmp_path: Path) -> None:
+    db_path = tmp_path / "log.db"
+    process = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(db_path)],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert process.stdout.readline().strip() == "writing"
+    time.sleep(2.0)
+    killed_at = time.time()
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+    with sqlite3.connect(db_path) as connection:
+        assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    steps = load_session(open_database(db_path), 1).steps
+    assert [r.step for r in steps] == list(range(len(steps)))  # a prefix, no gaps
+    assert steps[-1].start_time >= killed_at - 1.0
+
+
+def test_schema_upgrades_from_version_1(tmp_path: Path, monkeypatch) -> None:
+    db_path = tmp_path / "log.db"
+    log = SessionLog(db_path)
+    log.start_session({}, model="tiny")
+    log.close()
+
+    def add_host_column(connection) -> None:
+        connection.exec_driver_sql("ALTER TABLE sessions ADD COLUMN host TEXT")
+
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "MIGRATIONS", {1: add_host_column})
+    engine = schema.open_database(db_path)
+    columns = {column["name"] for column in inspect(engine).get_columns("sessions")}
+    assert "host" in columns
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql("SELECT version FROM schema_version").scalar() == 2
+        assert connection.exec_driver_sql("SELECT count(*) FROM sessions").scalar() == 1
+
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 1)
+    with pytest.raises(ValueError, match="newer kvscope"):
+        schema.open_database(db_path)

@@ -1,0 +1,88 @@
+"""The chat tab's handler: multi-turn with the model's chat template, streamed."""
+
+import uuid
+
+import gradio as gr
+
+from engine.async_engine import RequestFailed
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+# Admission waits for the engine thread; during a reconfigure requests are held that long.
+ACCEPT_TIMEOUT_S = 120
+
+
+
+def new_conversation() -> dict:
+    return {"id": uuid.uuid4().hex[:12], "messages": []}
+
+
+def reply_stats(output: RequestOutput) -> str:
+    """The line under a reply: latency, speed and how much of the prompt was cached."""
+    metrics = output.metrics
+    tokens = len(output.outputs[0].token_ids)
+    parts = []
+    if metrics and metrics.time_to_first_token is not None:
+        parts.append(f"TTFT {metrics.time_to_first_token * 1000:.0f} ms")
+        if metrics.finished_time and tokens > 1:
+            decode_s = metrics.finished_time - metrics.first_token_time
+            parts.append(f"{(tokens - 1) / decode_s:.1f} tok/s" if decode_s > 0 else "")
+    parts.append(f"{len(output.prompt_token_ids)} prompt tokens "
+                 f"({output.num_cached_tokens} cached)")
+    parts.append(f"{tokens} output tokens, {output.outputs[0].finish_reason}")
+    return " · ".join(part for part in parts if part)
+
+
+def _display(messages: list[dict], stats: list[str]) -> list[dict]:
+    """Chatbot messages: each finished reply carries its stats line underneath."""
+    shown, replies = [], iter(stats)
+    for message in messages:
+        content = message["content"]
+        if message["role"] == "assistant":
+            line = next(replies, "")
+            content = f"{content}\n\n<sub>{line}</sub>" if line else content
+        shown.append({"role": message["role"], "content": content})
+    return shown
+
+
+def chat_reply(engine, session_log, message: str, conversation: dict,
+               temperature: float, top_p: float, max_tokens: int):
+    """Yields (chatbot, conversation, textbox, status). Bad input warns and changes nothing."""
+    conversation = conversation or new_conversation()
+    stats = list(conversation.get("stats", []))
+    unchanged = (_display(conversation["messages"], stats), conversation, message)
+    if not message or not message.strip():
+        gr.Warning("Type a message first.")
+        yield *unchanged, "Type a message first."
+        return
+    messages = [*conversation["messages"], {"role": "user", "content": message}]
+    try:
+        params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
+                                max_tokens=int(max_tokens))
+        stream = engine.submit_chat(messages, params, source="chat")
+        # A conversation longer than max_model_len is refused here, naming both numbers.
+        stream.wait_accepted(timeout=ACCEPT_TIMEOUT_S)
+    except (ValueError, TimeoutError) as error:
+        gr.Warning(str(error))
+        yield *unchanged, f"Refused: {error}"
+        return
+    text, output = "", None
+    try:
+        for output in stream:
+            text += output.deltas[0] if output.deltas else ""
+            partial = [*messages, {"role": "assistant", "content": text}]
+            yield _display(partial, stats), conversation, "", "generating…"
+    except RequestFailed as error:
+        gr.Warning(str(error))
+        yield *unchanged, f"Generation failed: {error}"
+        return
+    finally:
+        stream.abort()  # a no-op once finished; else the browser left or pressed stop
+    line = reply_stats(output)
+    conversation = {"id": conversation["id"], "stats": [*stats, line],
+                    "messages": [*messages, {"role": "assistant", "content": text}]}
+    if session_log is not None:  # the request itself is logged by SessionLog.follow
+        session_log.record_chat_message(conversation["id"], "user", message)
+        session_log.record_chat_message(conversation["id"], "assistant", text,
+                                        request_id=output.request_id)
+    yield _display(conversation["messages"], conversation["stats"]), conversation, "", line

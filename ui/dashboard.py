@@ -1,0 +1,152 @@
+"""build_ui(engine, session_log): the one gr.Blocks of the dashboard, wiring handlers."""
+
+from functools import partial
+from pathlib import Path
+
+import gradio as gr
+
+from ui import chat, knobs, loadgen, panels, sessions
+from ui.live import LiveFeed
+
+CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
+REFRESH_S = 1.0
+
+
+def build_ui(engine, session_log=None) -> gr.Blocks:
+    """The dashboard for a started AsyncEngine; session_log (a storage.SessionLog or None)
+    feeds the sessions tab and gets the chat turns and reconfigures."""
+    feed = LiveFeed(engine)
+    load = loadgen.LoadGenerator(engine)
+    with gr.Blocks(title="kvscope") as blocks:
+        gr.Markdown("# kvscope — the paged KV cache, live")
+        summary = gr.Markdown(elem_classes="kv-summary")
+        with gr.Tabs():
+            with gr.Tab("Live", id="live"):
+                live = _live_tab(engine, session_log)
+            with gr.Tab("Engine & load", id="engine"):
+                _engine_tab(engine, feed, session_log, load)
+            with gr.Tab("Sessions", id="sessions"):
+                _sessions_tab(blocks, session_log)
+        shown = gr.State(None)
+        timer = gr.Timer(REFRESH_S)
+        outputs = [summary, *(live[name] for name in panels.PANELS[1:]), shown]
+        refresh = partial(panels.refresh_panels, feed)
+        timer.tick(refresh, [shown], outputs, show_progress="hidden", api_name="refresh_live",
+                   concurrency_limit=None, trigger_mode="always_last")
+        blocks.load(refresh, [shown], outputs, show_progress="hidden", api_visibility="private")
+    return blocks
+
+
+def _live_tab(engine, session_log) -> dict:
+    with gr.Row():
+        with gr.Column(scale=2):
+            chatbot = gr.Chatbot(label="Chat", elem_id="kv-chat", height=420)
+            message = gr.Textbox(placeholder="Message the model…", show_label=False,
+                                 submit_btn=True, elem_id="kv-message")
+            status = gr.Markdown(elem_classes="kv-status", elem_id="kv-chat-status")
+            with gr.Accordion("Sampling", open=False):
+                temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="temperature")
+                top_p = gr.Slider(0.05, 1, value=0.95, step=0.05, label="top-p")
+                max_tokens = gr.Slider(1, 1024, value=128, step=1, label="max tokens")
+            new_chat = gr.Button("New chat", size="sm")
+        with gr.Column(scale=3):
+            heatmap = gr.Plot(label="Free-pool heatmap", elem_id="kv-heatmap")
+            stats = gr.Markdown()
+    conversation = gr.State(chat.new_conversation)
+    message.submit(partial(chat.chat_reply, engine, session_log),
+                   [message, conversation, temperature, top_p, max_tokens],
+                   [chatbot, conversation, message, status], concurrency_limit=None,
+                   api_name="chat")
+    new_chat.click(lambda: ([], chat.new_conversation(), ""), None,
+                   [chatbot, conversation, status], api_visibility="private")
+    with gr.Row():
+        block_tables = gr.Plot(label="Block tables")
+        prefix_tree = gr.Plot(label="Prefix-sharing tree")
+    timeline_plot = gr.Plot(label="Request timelines")
+    with gr.Row():
+        series = gr.Plot(label="KV usage, queues, throughput")
+        comparison = gr.Plot(label="Paged against contiguous")
+    return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
+            "timeline": timeline_plot, "series": series, "stats": stats,
+            "comparison": comparison}
+
+
+def _engine_tab(engine, feed, session_log, load) -> None:
+    (block_size, utilization, memory_gb, budget, prefix, chunked,
+     preemption) = knobs.current_knobs(engine)
+    gr.Markdown("### Knobs\nApply rebuilds the KV cache (weights stay loaded); new requests "
+                "wait and running ones finish first unless you abort them.")
+    with gr.Row():
+        block_size = gr.Dropdown(knobs.BLOCK_SIZES, value=block_size, label="block_size")
+        utilization = gr.Slider(0.01, 1.0, value=utilization, step=0.01,
+                                label="gpu_memory_utilization")
+        memory_gb = gr.Slider(0.01, 16, value=memory_gb, step=0.01,
+                              label="device_memory_gb (CPU)")
+        budget = gr.Number(value=budget, precision=0, label="max_num_batched_tokens")
+    with gr.Row():
+        prefix = gr.Checkbox(value=prefix, label="prefix caching")
+        chunked = gr.Checkbox(value=chunked, label="chunked prefill")
+        preemption = gr.Radio(knobs.PREEMPTION_MODES, value=preemption,
+                              label="preemption mode")
+        abort_running = gr.Checkbox(value=False, label="abort running requests")
+    apply = gr.Button("Apply", variant="primary", elem_id="kv-apply")
+    knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan), elem_id="kv-knob-status")
+    apply.click(partial(knobs.apply_knobs, engine, feed, session_log),
+                [block_size, utilization, memory_gb, budget, prefix, chunked, preemption,
+                 abort_running], knob_status, api_name="apply_knobs")
+
+    gr.Markdown("### Load generator\nDrive the pool into eviction and preemption and watch "
+                "the Live tab.")
+    with gr.Row():
+        count = gr.Number(value=32, precision=0, label="requests")
+        rate = gr.Number(value=4.0, label="requests / s")
+        shared = gr.Slider(0, 1, value=0.5, step=0.05, label="shared system prompt fraction")
+        n = gr.Number(value=1, precision=0, label="n (samples)")
+    with gr.Row():
+        prompt_min = gr.Number(value=32, precision=0, label="prompt tokens min")
+        prompt_max = gr.Number(value=256, precision=0, label="prompt tokens max")
+        output_min = gr.Number(value=16, precision=0, label="output tokens min")
+        output_max = gr.Number(value=128, precision=0, label="output tokens max")
+    send = gr.Button("Send load")
+    load_status = gr.Markdown(load.status())
+    send.click(partial(_start_load, load), [count, rate, shared, prompt_min, prompt_max,
+                                            output_min, output_max, n], load_status,
+               api_name="start_load")
+    gr.Timer(2.0).tick(load.status, None, load_status, show_progress="hidden",
+                       api_visibility="private")
+
+
+def _start_load(load, count, rate, shared, prompt_min, prompt_max, output_min, output_max,
+                n) -> str:
+    try:
+        spec = loadgen.LoadSpec(int(count), float(rate), float(shared),
+                                (int(prompt_min), int(prompt_max)),
+                                (int(output_min), int(output_max)), int(n))
+        return load.start(spec)
+    except (ValueError, TypeError) as error:
+        gr.Warning(f"Load not sent: {error}")
+        return f"**Load not sent:** {error}"
+
+
+def _sessions_tab(blocks, session_log) -> None:
+    refresh = gr.Button("Refresh", size="sm")
+    table = gr.Dataframe(headers=sessions.SESSION_COLUMNS, interactive=False,
+                         label="Sessions")
+    with gr.Row():
+        session = gr.Dropdown(choices=[], label="session", elem_id="kv-session",
+                              allow_custom_value=True)
+        fmt = gr.Radio(["csv", "json", "sqlite"], value="json", label="export format")
+        export = gr.Button("Export", elem_id="kv-export")
+    status = gr.Markdown(elem_id="kv-sessions-status")
+    download = gr.File(label="Download", elem_id="kv-download", interactive=False)
+    stats = gr.Markdown()
+    past_timeline = gr.Plot(label="Request timelines")
+    past_series = gr.Plot(label="KV usage, queues, throughput")
+    config = gr.JSON(label="Engine config")
+    listing = partial(sessions.list_sessions, session_log)
+    refresh.click(listing, None, [table, session, status], api_name="list_sessions")
+    blocks.load(listing, None, [table, session, status], api_visibility="private")
+    session.change(partial(sessions.show_session, session_log), session,
+                   [past_timeline, past_series, stats, config], api_name="show_session")
+    export.click(partial(sessions.export_session, session_log), [session, fmt],
+                 [download, status], api_name="export_session")

@@ -1,0 +1,66 @@
+"""The sessions tab's handlers: list past sessions, redraw one, export it."""
+
+import tempfile
+from datetime import datetime
+
+import gradio as gr
+
+from ui import timeline
+
+SESSION_COLUMNS = ["id", "model", "started", "ended", "requests", "steps", "chat messages",
+                   "block size", "prefix caching"]
+NO_LOG = "The session log is off (start the app with --db PATH to keep one)."
+
+
+def _time(value: float | None) -> str:
+    return datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S") if value else "–"
+
+
+def list_sessions(session_log):
+    """(table rows, session choices, status)."""
+    if session_log is None:
+        return [], gr.update(choices=[]), NO_LOG
+    sessions = session_log.list_sessions()
+    rows = [[s["id"], s["model"].rsplit("/", 1)[-1], _time(s["started_at"]),
+             _time(s["ended_at"]), s["num_requests"], s["num_steps"], s["num_chat_messages"],
+             s["config"].get("block_size"), s["config"].get("enable_prefix_caching")]
+            for s in sessions]
+    choices = [s["id"] for s in sessions]
+    return rows, gr.update(choices=choices, value=choices[0] if choices else None), (
+        f"{len(sessions)} sessions in {session_log.db_path}")
+
+
+def show_session(session_log, session_id):
+    """(timeline, series, stats, config) of one logged session."""
+    if session_log is None or session_id is None:
+        return gr.skip(), gr.skip(), NO_LOG if session_log is None else "Pick a session.", {}
+    try:
+        session_log.flush(timeout=2.0)  # the live session's last half second too
+        stored = session_log.load_session(int(session_id))
+    except ValueError as error:
+        gr.Warning(str(error))
+        return gr.skip(), gr.skip(), str(error), {}
+    arrivals = {row["request_id"]: row["arrival_time"] for row in stored.requests
+                if row["arrival_time"] is not None}
+    config = stored.session["config"]
+    blocks = max((r.num_used_blocks + r.num_cached_blocks + r.num_free_blocks
+                  for r in stored.steps), default=1)
+    stats = timeline.stats_markdown(timeline.latency_stats(stored.steps, arrivals), None,
+                                    sum(len(r.preempted) for r in stored.steps))
+    return (timeline.request_timeline(stored.steps, arrivals),
+            timeline.pool_series(stored.steps, blocks), stats, config)
+
+
+def export_session(session_log, session_id, fmt: str):
+    """(file to download, status); a missing session or format is a message, not a crash."""
+    if session_log is None:
+        return None, NO_LOG
+    try:
+        session_log.flush(timeout=2.0)
+        path = session_log.export(int(session_id), fmt, tempfile.mkdtemp(prefix="kvscope-"))
+    except (ValueError, TypeError) as error:
+        message = (f"Nothing exported: {error}" if session_id is not None
+                   else "Nothing exported: pick a session first.")
+        gr.Warning(message)
+        return None, message
+    return str(path), f"Exported session {session_id} as {fmt}: {path.name}"
