@@ -6,10 +6,11 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineClosed, RequestFailed
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
+from engine.streams import EngineClosed, RequestFailed
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 

@@ -4,9 +4,9 @@ import uuid
 
 import gradio as gr
 
-from engine.async_engine import RequestFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.streams import RequestFailed
 
 # Admission waits for the engine thread; during a reconfigure requests are held that long.
 ACCEPT_TIMEOUT_S = 120

@@ -6,9 +6,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.async_engine import RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.serving.errors import error_body, from_exception
+from engine.streams import RequestStream
 
 
 @dataclass

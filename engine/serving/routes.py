@@ -11,12 +11,13 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.async_engine import AsyncEngine, RequestStream
+from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from engine.serving.errors import APIError
 from engine.serving.generation import Generation
 from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 from engine.serving.security import APIKeyCheck
+from engine.streams import RequestStream
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 2

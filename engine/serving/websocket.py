@@ -8,8 +8,9 @@ import time
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from engine.async_engine import AsyncEngine, Channel
+from engine.async_engine import AsyncEngine
 from engine.serving.security import APIKeyCheck
+from engine.streams import Channel
 from engine.telemetry import EngineSnapshot, StepRecord
 
 logger = logging.getLogger(__name__)
