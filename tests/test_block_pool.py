@@ -1,0 +1,299 @@
+"""Block pool and KV cache manager: invariants under random workloads, LRU order, prefix hits."""
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+import engine.kv_cache_manager as kv_cache_manager_module
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, Sequence
+from engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_sequence(token_ids: list[int]) -> Sequence:
+    request = Request(f"r{next(_ids)}", None, list(token_ids), SamplingParams())
+    seq = Sequence(request.request_id, request, 0, list(token_ids), len(token_ids))
+    request.sequences.append(seq)
+    return seq
+
+
+def admit(manager: KVCacheManager, seq: Sequence) -> bool:
+    """What the scheduler does for a new prompt: adopt its cached prefix, allocate the rest,
+    then (as the step does) mark every token computed and cache the full blocks."""
+    cached_prefix = manager.find_cached_prefix(seq)
+    num_new = seq.num_tokens - len(cached_prefix) * manager.block_size
+    if manager.allocate_slots(seq, num_new, cached_prefix) is None:
+        return False
+    seq.num_computed_tokens = seq.num_tokens
+    manager.cache_full_blocks(seq)
+    return True
+
+
+def check_pool_invariants(pool: BlockPool, live: list[Sequence]) -> None:
+    blocks = pool.blocks
+    used = [b for b in blocks if b.ref_count >= 1]
+    cached_free = [b for b in blocks if b.ref_count == 0 and b.block_hash is not None]
+    plain_free = [b for b in blocks if b.ref_count == 0 and b.block_hash is None]
+    assert all(b.ref_count >= 0 for b in blocks)
+    assert len(plain_free) + len(cached_free) + len(used) == pool.num_blocks
+    assert pool.num_used_blocks == len(used)
+    assert pool.num_cached_free_blocks == len(cached_free)
+    assert pool.num_free_blocks == len(plain_free) + len(cached_free)
+
+    # The free queue: a consistent doubly linked list holding exactly the ref-0 blocks.
+    queue = list(pool.free_queue)
+    assert len(queue) == pool.free_queue.num_free_blocks == pool.num_free_blocks
+    assert len({b.block_id for b in queue}) == len(queue)
+    assert {b.block_id for b in queue} == {b.block_id for b in plain_free + cached_free}
+    node = pool.free_queue.head
+    while node.next_free is not None:
+        assert node.next_free.prev_free is node
+        node = node.next_free
+    assert node is pool.free_queue.tail
+    assert all(b.prev_free is None and b.next_free is None for b in used)
+
+    # Ref counts are exactly the number of block tables that hold each block.
+    holders = [0] * pool.num_blocks
+    for seq in live:
+        for block_id in seq.block_table:
+            holders[block_id] += 1
+    assert [b.ref_count for b in blocks] == holders
+
+    # The hash map points at blocks that carry that very hash.
+    for key, block in pool.cached_blocks.items():
+        assert block.block_hash is not None and block.block_hash.value == key
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / free on a small pool with a small vocabulary, so
+    prefix hits, evictions, copy-on-write and running out of blocks all happen."""
+
+    sequences = Bundle("sequences")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True)
+        self.live: list[Sequence] = []
+
+    @rule(target=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=14))
+    def allocate(self, tokens):
+        seq = make_sequence(tokens)
+        before = [(b.ref_count, b.block_hash) for b in self.manager.pool.blocks]
+        if not admit(self.manager, seq):
+            # A refused allocation changes nothing.
+            assert seq.block_table == []
+            assert [(b.ref_count, b.block_hash) for b in self.manager.pool.blocks] == before
+            return seq  # stays in the bundle; later rules skip it (empty block table)
+        self.live.append(seq)
+        return seq
+
+    @rule(seq=sequences, token=st.integers(0, 2))
+    def append(self, seq, token):
+        if seq not in self.live:
+            return
+        seq.token_ids.append(token)
+        if self.manager.allocate_slots(seq, 1) is None:
+            seq.token_ids.pop()
+            return
+        # Copy-on-write happened where needed: the block this token is written to is ours alone.
+        block = self.manager.pool.blocks[seq.block_table[seq.num_computed_tokens // 4]]
+        assert block.ref_count == 1
+        seq.num_computed_tokens += 1
+        self.manager.cache_full_blocks(seq)
+
+    @rule(target=sequences, parent=sequences)
+    def fork(self, parent):
+        if parent not in self.live:
+            return make_sequence([0])  # a never-admitted placeholder
+        child = make_sequence(parent.token_ids)
+        self.manager.fork(parent, child)
+        self.live.append(child)
+        return child
+
+    @rule(seq=consumes(sequences))
+    def free(self, seq):
+        if seq in self.live:
+            self.manager.free(seq)
+            self.live.remove(seq)
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def free_everything(self):
+        for seq in self.live:
+            self.manager.free(seq)
+        self.live.clear()
+        pool = self.manager.pool
+        assert pool.num_used_blocks == 0
+        assert pool.num_free_blocks == pool.num_blocks
+
+    @invariant()
+    def pool_is_consistent(self):
+        check_pool_invariants(self.manager.pool, self.live)
+
+    def teardown(self):
+        for seq in self.live:
+            self.manager.free(seq)
+        assert self.manager.pool.num_used_blocks == 0
+        check_pool_invariants(self.manager.pool, [])
+
+
+BlockPoolMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+test_block_pool_invariants = BlockPoolMachine.TestCase
+
+
+# ---- LRU order and prefix hits ----------------------------------------------------------
+BLOCK = 4
+
+
+def full_blocks(*first_tokens: int) -> list[int]:
+    """One full block per argument, each block filled with that token."""
+    return [token for first in first_tokens for token in [first] * BLOCK]
+
+
+def test_plain_free_blocks_are_taken_before_cached_ones():
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    a = make_sequence(full_blocks(1, 2))
+    assert admit(manager, a)
+    a_blocks = list(a.block_table)
+    manager.free(a)
+    assert manager.pool.num_cached_free_blocks == 2
+
+    b = make_sequence(full_blocks(3, 4))
+    assert admit(manager, b)
+    assert not set(b.block_table) & set(a_blocks)
+    assert manager.pool.num_cached_free_blocks == 2
+    assert manager.pool.num_evictions == 0
+
+
+def test_cached_free_blocks_are_evicted_least_recently_freed_first():
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    a, b = make_sequence(full_blocks(1, 2)), make_sequence(full_blocks(3, 4))
+    assert admit(manager, a) and admit(manager, b)
+    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    manager.free(a)
+    manager.free(b)
+
+    c = make_sequence(full_blocks(5))
+    assert admit(manager, c)
+    # a was freed first, and within a its last block goes before its first.
+    assert c.block_table == [a_blocks[1]]
+    assert [b.block_id for b in manager.find_cached_prefix(make_sequence(
+        full_blocks(1, 2) + [0]))] == [a_blocks[0]]
+    d = make_sequence(full_blocks(6))
+    assert admit(manager, d)
+    assert d.block_table == [a_blocks[0]]
+    # b's blocks survived both evictions.
+    assert [blk.block_id for blk in manager.find_cached_prefix(make_sequence(
+        full_blocks(3, 4) + [0]))] == b_blocks
+
+
+def test_prefix_hit_revives_a_cached_free_block():
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    a = make_sequence(full_blocks(1, 2) + [7])
+    assert admit(manager, a)
+    a_blocks = list(a.block_table)
+    manager.free(a)
+    assert manager.pool.num_cached_free_blocks == 2
+
+    again = make_sequence(full_blocks(1, 2) + [8, 9])
+    hits = manager.find_cached_prefix(again)
+    assert [block.block_id for block in hits] == a_blocks[:2]
+    assert manager.allocate_slots(again, 2, hits) is not None
+    assert again.block_table[:2] == a_blocks[:2]
+    assert again.num_computed_tokens == 2 * BLOCK
+    assert [manager.pool.blocks[i].ref_count for i in a_blocks[:2]] == [1, 1]
+    assert manager.pool.num_cached_free_blocks == 0
+    assert manager.prefix_stats.hits == 2 * BLOCK
+    check_pool_invariants(manager.pool, [again])
+
+
+def test_prefix_reuse_stops_one_token_short_of_the_prompt():
+    """A prompt that is entirely cached still computes its last token (for its logits)."""
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    assert admit(manager, make_sequence(full_blocks(1, 2)))
+    assert len(manager.find_cached_prefix(make_sequence(full_blocks(1, 2)))) == 1
+
+
+def test_shared_prefix_blocks_are_reference_counted_until_both_free():
+    manager = KVCacheManager(num_blocks=6, block_size=BLOCK)
+    a = make_sequence(full_blocks(1, 2) + [3])
+    b = make_sequence(full_blocks(1, 2) + [4])
+    assert admit(manager, a) and admit(manager, b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert [manager.pool.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
+    manager.free(a)
+    check_pool_invariants(manager.pool, [b])
+    manager.free(b)
+    check_pool_invariants(manager.pool, [])
+    assert manager.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("collision", ["constant", "ignores_parent"])
+def test_hash_collision_gives_no_false_hit(monkeypatch, collision):
+    """Blocks are matched by content, not by hash alone: a colliding hash finds nothing."""
+    if collision == "constant":
+        def fake_hash(parent, token_ids, extra_keys=()):
+            return b"\x00" * 16
+    else:
+        def fake_hash(parent, token_ids, extra_keys=()):
+            return repr(token_ids).encode()
+    monkeypatch.setattr(kv_cache_manager_module, "hash_block_tokens", fake_hash)
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
+    assert admit(manager, make_sequence(full_blocks(1, 2, 3)))
+
+    # Same hash as a cached block but different tokens, or the same tokens at another
+    # position (another parent): neither may reuse the cached KV.
+    assert manager.find_cached_prefix(make_sequence(full_blocks(5, 6) + [0])) == []
+    assert manager.find_cached_prefix(make_sequence(full_blocks(2, 3) + [0])) == []
+    # A true match is still found.
+    assert len(manager.find_cached_prefix(make_sequence(full_blocks(1) + [0]))) == 1
+
+
+def test_caching_disabled_never_hits():
+    manager = KVCacheManager(num_blocks=4, block_size=BLOCK, enable_caching=False)
+    a = make_sequence(full_blocks(1, 2))
+    assert admit(manager, a)
+    manager.free(a)
+    assert manager.pool.num_cached_free_blocks == 0
+    assert manager.find_cached_prefix(make_sequence(full_blocks(1, 2) + [0])) == []
+
+
+def test_allocation_beyond_the_pool_is_refused_without_side_effects():
+    manager = KVCacheManager(num_blocks=2, block_size=BLOCK)
+    seq = make_sequence(full_blocks(1, 2, 3))
+    assert manager.allocate_slots(seq, seq.num_tokens) is None
+    assert seq.block_table == []
+    assert manager.pool.num_free_blocks == 2
+
+
+def test_fork_then_append_copies_the_shared_partial_block():
+    manager = KVCacheManager(num_blocks=6, block_size=BLOCK)
+    parent = make_sequence(full_blocks(1) + [2, 3])
+    assert admit(manager, parent)
+    child = make_sequence(parent.token_ids)
+    manager.fork(parent, child)
+    assert child.block_table == parent.block_table
+
+    child.token_ids.append(9)
+    copies = manager.allocate_slots(child, 1)
+    # The full first block stays shared; the partial one is copied before the write.
+    assert child.block_table[0] == parent.block_table[0]
+    assert child.block_table[1] != parent.block_table[1]
+    assert copies == [(parent.block_table[1], child.block_table[1])]
+    assert manager.pool.blocks[parent.block_table[0]].ref_count == 2
+    check_pool_invariants(manager.pool, [parent, child])

@@ -1,0 +1,128 @@
+"""Greedy parity: the engine's tokens equal transformers' greedy generate, token for token."""
+
+import random
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+
+ARCHITECTURES = ["llama", "qwen2", "opt"]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _make_prompts() -> list[list[int]]:
+    """Shorter than a block, exactly a block (16 and 32), several blocks plus a partial one,
+    and a prompt sharing its first 48 tokens with the longest (a prefix-cache candidate)."""
+    rng = random.Random(1234)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, 256) for _ in range(n)]
+
+    long_prompt = tokens(71)
+    return [tokens(5), tokens(16), tokens(32), long_prompt, long_prompt[:48] + tokens(9)]
+
+
+PROMPTS = _make_prompts()
+LONGEST = PROMPTS.index(max(PROMPTS, key=len))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    """expected(arch): transformers' greedy continuation of every prompt (computed once)."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            model = tiny_model(arch).hf_model
+            cache[arch] = []
+            for prompt in PROMPTS:
+                with torch.inference_mode():
+                    sequence = model.generate(
+                        torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                        min_new_tokens=MAX_TOKENS, do_sample=False)
+                cache[arch].append(sequence[0, len(prompt):].tolist())
+        return cache[arch]
+
+    return get
+
+
+def _token_ids(run) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in run.outputs]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers(arch, block_size, make_engine, run_engine, expected):
+    engine = make_engine(arch, block_size=block_size)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert _token_ids(run) == expected(arch)
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in run.outputs)
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(("block_size", "num_blocks"), [(1, 100), (16, 7)])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers_under_preemption(
+        arch, block_size, num_blocks, make_engine, run_engine, expected):
+    # The batch needs ~240 tokens of KV at its peak; the pool holds barely one long sequence.
+    # (A small token budget also keeps the start-up profiling forward cheap.)
+    engine = make_engine(arch, block_size=block_size, num_gpu_blocks_override=num_blocks,
+                         max_model_len=96, max_num_batched_tokens=128)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert engine.scheduler.num_preemptions > 0
+    assert any(record.preempted for record in run.records)
+    assert sum(o.metrics.num_preemptions for o in run.outputs) == engine.scheduler.num_preemptions
+    assert _token_ids(run) == expected(arch)
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("budget", [7, 64])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers_with_chunked_prefill(
+        arch, budget, make_engine, run_engine, expected):
+    engine = make_engine(arch, max_num_batched_tokens=budget)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert _token_ids(run) == expected(arch)
+    assert all(record.num_scheduled_tokens <= budget for record in run.records)
+    longest_id = run.outputs[LONGEST].request_id
+    prefill_chunks = [chunk for record in run.records for chunk in record.chunks
+                      if chunk.request_id == longest_id and chunk.kind == "prefill"]
+    assert len(prefill_chunks) > 1  # the 71-token prompt was split across steps
+    assert prefill_chunks[-1].end == len(PROMPTS[LONGEST])
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prefix_caching_does_not_change_greedy_output(
+        arch, enable_prefix_caching, make_engine, run_engine, expected):
+    engine = make_engine(arch, enable_prefix_caching=enable_prefix_caching)
+    first = run_engine(engine, PROMPTS, GREEDY)
+    # The second pass finds the first pass's full blocks (if caching is on).
+    second = run_engine(engine, PROMPTS, GREEDY)
+
+    assert _token_ids(first) == expected(arch)
+    assert _token_ids(second) == expected(arch)
+    cached = [output.num_cached_tokens for output in second.outputs]
+    if enable_prefix_caching:
+        # Whole blocks of 16, and at least one prompt token is always computed.
+        assert cached == [(len(p) - 1) // 16 * 16 for p in PROMPTS]
+    else:
+        assert cached == [0] * len(PROMPTS)
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+def test_prefix_hit_inside_one_batch_after_the_sharing_prompt_finished(
+        make_engine, run_engine, expected):
+    """A later request reuses blocks an earlier request of the same engine left cached."""
+    engine = make_engine("llama")
+    long_prompt, sharing_prompt = PROMPTS[3], PROMPTS[4]
+    run_engine(engine, [long_prompt], GREEDY)
+    run = run_engine(engine, [sharing_prompt], GREEDY)
+
+    assert run.outputs[0].num_cached_tokens == 48
+    assert run.outputs[0].outputs[0].token_ids == expected("llama")[4]

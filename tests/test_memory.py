@@ -1,0 +1,99 @@
+"""The memory budget: (device memory x utilization - weights - activations) // bytes per block."""
+
+import pytest
+import torch
+
+from engine.memory import GiB, plan_blocks
+
+MiB = 1 << 20
+
+
+def test_num_blocks_is_the_budget_divided_by_the_block_size_in_bytes():
+    plan = plan_blocks(device_memory_bytes=4 * GiB, gpu_memory_utilization=0.5,
+                       weight_bytes=512 * MiB, peak_activation_bytes=256 * MiB,
+                       bytes_per_block=1 * MiB, block_size=16, max_model_len=1024)
+    assert plan.num_blocks == 2048 - 512 - 256
+    assert plan.num_tokens == 1280 * 16
+    assert plan.kv_cache_bytes == 1280 * MiB
+    assert plan.max_concurrency == pytest.approx(1280 / 64)
+
+
+def test_a_partial_block_does_not_count():
+    plan = plan_blocks(device_memory_bytes=1000, gpu_memory_utilization=0.9, weight_bytes=100,
+                       peak_activation_bytes=50, bytes_per_block=100, block_size=2,
+                       max_model_len=8)
+    assert plan.num_blocks == (900 - 100 - 50) // 100 == 7
+
+
+def test_override_replaces_the_computed_number():
+    plan = plan_blocks(4 * GiB, 0.9, 0, 0, MiB, 16, 1024, num_blocks_override=100)
+    assert plan.num_blocks == 100
+
+
+def test_describe_states_blocks_tokens_bytes_and_concurrency():
+    text = plan_blocks(4 * GiB, 0.5, 512 * MiB, 256 * MiB, MiB, 16, 1024).describe()
+    assert "1280 blocks x 16 tokens = 20480 tokens" in text
+    assert "1.250 GiB" in text
+    assert "max_model_len=1024: 20.00x" in text
+
+
+def test_too_little_memory_says_how_many_tokens_fit_and_which_knobs_to_turn():
+    with pytest.raises(ValueError) as error:
+        # 1 GiB x 0.5 - 256 MiB weights - 192 MiB activations = 64 blocks of 16 = 1024 tokens.
+        plan_blocks(GiB, 0.5, 256 * MiB, 192 * MiB, MiB, 16, max_model_len=4096)
+    message = str(error.value)
+    assert "holds 1024 tokens" in message
+    assert "max_model_len=4096" in message
+    for knob in ("gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens"):
+        assert knob in message
+
+
+def test_weights_larger_than_the_budget_leave_zero_blocks_and_fail():
+    with pytest.raises(ValueError, match="holds 0 tokens"):
+        plan_blocks(GiB, 0.1, GiB, 0, MiB, 16, max_model_len=16)
+
+
+def test_an_override_too_small_for_one_sequence_fails():
+    with pytest.raises(ValueError, match=r"holds 32 tokens.*max_model_len=64"):
+        plan_blocks(4 * GiB, 0.9, 0, 0, MiB, 16, 64, num_blocks_override=2)
+
+
+# ---- the engine's own plan -------------------------------------------------------------
+def test_engine_sizes_its_pool_from_measured_weights_and_activations(make_engine, tiny_model):
+    engine = make_engine("llama", block_size=16)
+    plan = engine.memory_plan
+    hf_model = tiny_model("llama").hf_model
+    config = hf_model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert plan.weight_bytes == sum(p.numel() * 4 for p in hf_model.parameters())
+    assert plan.bytes_per_block == (2 * config.num_hidden_layers * 16
+                                    * config.num_key_value_heads * head_dim * 4)
+    assert plan.peak_activation_bytes > 0
+    assert plan.device_memory_bytes == int(0.05 * GiB)
+    budget = int(plan.device_memory_bytes * 0.9) - plan.weight_bytes - plan.peak_activation_bytes
+    assert plan.num_blocks == budget // plan.bytes_per_block
+
+    # The pool and the KV tensors have exactly that many blocks, zero-initialised.
+    assert engine.kv_cache.pool.num_blocks == plan.num_blocks
+    kv = engine.runner.kv_cache
+    assert kv.shape == (2, config.num_hidden_layers, plan.num_blocks, 16,
+                        config.num_key_value_heads, head_dim)
+    assert kv.dtype == torch.float32
+    assert not kv.any()
+
+
+def test_lower_utilization_gives_fewer_blocks(make_engine):
+    full = make_engine("llama", gpu_memory_utilization=0.9).memory_plan.num_blocks
+    half = make_engine("llama", gpu_memory_utilization=0.45).memory_plan.num_blocks
+    assert 0 < half < full
+
+
+def test_num_gpu_blocks_override_sets_the_pool_size(make_engine):
+    engine = make_engine("llama", num_gpu_blocks_override=40, block_size=8)
+    assert engine.memory_plan.num_blocks == engine.kv_cache.pool.num_blocks == 40
+    assert engine.runner.kv_cache.shape[2] == 40
+
+
+def test_engine_refuses_to_start_when_max_model_len_does_not_fit(make_engine):
+    with pytest.raises(ValueError, match=r"holds \d+ tokens.*max_model_len=256"):
+        make_engine("llama", gpu_memory_utilization=0.01, max_num_batched_tokens=256)
