@@ -29,7 +29,7 @@ def gather_kv(
     """The first seq_len K (or V) rows of one sequence, contiguous: [seq_len, kv_heads, dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    rows = cache[block_table[:num_blocks].long()]
+    rows = cache.index_select(0, block_table[:num_blocks].long())
     return rows.flatten(0, 1)[:seq_len]
 
 
@@ -95,6 +95,17 @@ def _attend_one(
     return result.transpose(0, 1)
 
 
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[batch, blocks] tables -> K (or V) as [batch, kv_heads, blocks * block_size, dim].
+
+    index_select on the flattened table, not cache[tables]: on the CPU advanced indexing
+    runs ~10x slower for this copy, which dominates the decode step.
+    """
+    batch, num_blocks = tables.shape
+    rows = cache.index_select(0, tables.flatten())
+    return rows.view(batch, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
 def _similar_length_groups(rows: list[int], lengths: list[int],
                            max_padding: float = 0.25) -> list[list[int]]:
     """Split rows, sorted by length, wherever padding to the group's longest would waste
@@ -133,12 +144,12 @@ def _decode_batch(
     num_blocks = -(-int(lens.max()) // block_size)
     tables = block_tables[row_index, :num_blocks].long()
     # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, padded_len, dim]
-    keys = key_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
-    values = value_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
+    keys = _gather_blocks(key_cache, tables).to(query.dtype)
+    values = _gather_blocks(value_cache, tables).to(query.dtype)
     mask = torch.arange(keys.shape[2], device=device).unsqueeze(0) < lens.unsqueeze(1)
-    q = query[token_index].unsqueeze(2)  # [batch, heads, 1, dim]
+    q = query.index_select(0, token_index).unsqueeze(2)  # [batch, heads, 1, dim]
     result = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask[:, None, None, :], scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1],
     )
-    out[token_index] = result.squeeze(2)
+    out.index_copy_(0, token_index, result.squeeze(2).to(out.dtype))

@@ -1,6 +1,7 @@
 """Sampling: parameter validation, stop conditions, seeds, top-k/top-p, detokenization."""
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -169,8 +170,6 @@ def test_a_single_candidate_equals_greedy(llm, greedy_reference, params):
 
 def test_top_k_only_draws_from_the_k_most_likely_tokens(llm, tiny_model):
     """Every sampled token is among the model's top-3 next tokens at its position."""
-    import torch
-
     output = generate_one(llm, SamplingParams(temperature=5.0, top_k=3, max_tokens=10, seed=5))
     hf_model = tiny_model("llama").hf_model
     sequence = PROMPT + output.token_ids

@@ -32,7 +32,8 @@ class RotaryTable(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         # [tokens, 1, head_dim]: broadcast over heads
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
 
 
 class LlamaAttention(nn.Module):

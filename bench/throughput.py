@@ -1,0 +1,307 @@
+"""Offline throughput: kvscope vs transformers' continuous batching and static `generate`.
+
+One workload (random prompt token ids and per-request output lengths drawn from a fixed
+seed, every request generating exactly its length: ignore_eos) runs through
+
+  kvscope               LLM.generate, one SamplingParams per request
+  hf_continuous_batching transformers' continuous batching: the manager `generate_batch`
+                        runs (model.continuous_batching_context_manager), fed with
+                        add_request(max_new_tokens=...) per request, since generate_batch
+                        itself gives every request one shared max_new_tokens
+  hf_static_generate    model.generate on left-padded batches in arrival order; a batch
+                        runs until its longest request is done, so only each request's
+                        own tokens count as output
+
+on the same model, dtype and device, and prints JSON: output tokens/s for each backend
+(generation only: model loading, profiling and warm-up are reported apart) and the ratios.
+
+Usage:
+  python bench/throughput.py                               # 64 requests, the default model
+  python bench/throughput.py --num-requests 16 --max-prompt 128 --max-output 64
+  python bench/throughput.py --dtype float32 --device cuda --backends kvscope,hf_static_generate
+  python bench/throughput.py --repeats 3    # on a busy machine: round-robin, best of three
+"""
+
+import argparse
+import json
+import logging
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.loader import load_tokenizer, resolve_model_path  # noqa: E402
+from engine.model_runner import resolve_dtype  # noqa: E402
+
+logger = logging.getLogger("bench.throughput")
+BACKENDS = ("kvscope", "hf_continuous_batching", "hf_static_generate")
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def describe(self, args: argparse.Namespace) -> dict:
+        prompt_lens = [len(p) for p in self.prompts]
+        return {
+            "num_requests": len(self.prompts), "seed": args.seed,
+            "prompt_len_range": [args.min_prompt, args.max_prompt],
+            "output_len_range": [args.min_output, args.max_output],
+            "total_prompt_tokens": sum(prompt_lens),
+            "total_output_tokens": self.num_output_tokens,
+            "mean_prompt_len": sum(prompt_lens) / len(prompt_lens),
+            "mean_output_len": self.num_output_tokens / len(self.output_lens),
+            "ignore_eos": True, "sampling": "greedy",
+        }
+
+
+def make_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Workload:
+    """Random prompts over the ordinary (non-special) token ids, lengths from a fixed seed."""
+    rng = random.Random(args.seed)
+    special = set(tokenizer.all_special_ids)
+    candidates = [i for i in range(min(vocab_size, len(tokenizer))) if i not in special]
+    prompts, output_lens = [], []
+    for _ in range(args.num_requests):
+        prompt_len = rng.randint(args.min_prompt, args.max_prompt)
+        prompts.append([rng.choice(candidates) for _ in range(prompt_len)])
+        output_lens.append(rng.randint(args.min_output, args.max_output))
+    return Workload(prompts, output_lens)
+
+
+def result(seconds: float, output_tokens: int, **extra) -> dict:
+    return {"seconds": round(seconds, 3), "output_tokens": output_tokens,
+            "output_tokens_per_s": round(output_tokens / seconds, 2), **extra}
+
+
+class KVScope:
+    """This engine: LLM.generate with one SamplingParams per request."""
+
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+        started = time.perf_counter()
+        knobs = {"dtype": args.dtype, "device": args.device}
+        for knob in ("max_num_seqs", "max_num_batched_tokens", "device_memory_gb"):
+            if getattr(args, knob) is not None:
+                knobs[knob] = getattr(args, knob)
+        self.llm = LLM(str(model_path), **knobs)
+        # One tiny untimed request pays the first call's one-time costs.
+        self.llm.generate(workload.prompts[0][:16], SamplingParams(max_tokens=2), use_tqdm=False)
+        self.setup_seconds = time.perf_counter() - started
+        self.workload = workload
+        self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                       for n in workload.output_lens]
+
+    def describe(self) -> dict:
+        import kernels
+
+        engine = self.llm.engine
+        config = {k: v for k, v in engine.config.to_dict().items() if v is not None}
+        config["memory_plan"] = engine.memory_plan.describe()
+        config["attention_backend"] = kernels.attention_backend_name(engine.runner.device)
+        return config
+
+    def run(self) -> dict:
+        if self.llm.engine.config.enable_prefix_caching:
+            self.llm.engine.kv_cache.pool.reset_cache()  # repeats must not hit earlier prompts
+        started = time.perf_counter()
+        outputs = self.llm.generate(self.workload.prompts, self.params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        assert generated == self.workload.num_output_tokens, generated
+        return result(seconds, generated,
+                      num_preemptions=sum(o.metrics.num_preemptions for o in outputs),
+                      num_cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs))
+
+
+def load_hf_model(args: argparse.Namespace, model_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=getattr(torch, args.dtype), local_files_only=True,
+        attn_implementation="sdpa").to(args.device).eval()
+
+
+class HFContinuousBatching:
+    """transformers' continuous batching: the manager that `generate_batch` runs, fed one
+    add_request(max_new_tokens=...) per request (generate_batch itself gives every request
+    the same max_new_tokens). Its warm-up is not timed."""
+
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+        from transformers import GenerationConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        started = time.perf_counter()
+        self.model = load_hf_model(args, model_path)
+        self.setup_seconds = time.perf_counter() - started
+        self.workload = workload
+        self.generation_config = GenerationConfig(
+            do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1,
+            pad_token_id=0)
+        self.hints = WorkloadHints(max_prompt_length=max(len(p) for p in workload.prompts),
+                                   max_generated_length=max(workload.output_lens),
+                                   num_requests=len(workload.prompts))
+
+    def run(self) -> dict:
+        workload = self.workload
+        started = time.perf_counter()
+        with self.model.continuous_batching_context_manager(
+                generation_config=self.generation_config, workload_hints=self.hints,
+                block=True, timeout=5) as manager:
+            warmup = time.perf_counter() - started
+            started = time.perf_counter()
+            ids = [manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
+                   for prompt, n in zip(workload.prompts, workload.output_lens)]
+            finished = {}
+            while len(finished) < len(ids):
+                output = manager.get_result(timeout=1)
+                if output is not None and output.is_finished():
+                    if output.error is not None:
+                        raise RuntimeError(f"transformers continuous batching: {output.error}")
+                    finished[output.request_id] = output
+                elif output is None and not manager.is_running():
+                    raise RuntimeError("transformers continuous batching stopped early")
+            seconds = time.perf_counter() - started
+        generated = sum(len(finished[i].generated_tokens) for i in ids)
+        assert generated == workload.num_output_tokens, generated
+        return result(seconds, generated, warmup_seconds=round(warmup, 2))
+
+
+class HFStaticGenerate:
+    """model.generate on left-padded batches in arrival order. A batch runs until its
+    longest request is done; only each request's own tokens count as output."""
+
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+        started = time.perf_counter()
+        self.model = load_hf_model(args, model_path)
+        with torch.inference_mode():  # untimed: the first generate call's one-time costs
+            self.model.generate(torch.tensor([workload.prompts[0][:16]], device=args.device),
+                                do_sample=False, max_new_tokens=2, pad_token_id=0)
+        self.setup_seconds = time.perf_counter() - started
+        self.workload = workload
+        self.batch_size = args.static_batch_size
+        self.device = args.device
+
+    def run(self) -> dict:
+        workload, batch_size = self.workload, self.batch_size
+        started = time.perf_counter()
+        computed = 0
+        for begin in range(0, len(workload.prompts), batch_size):
+            prompts = workload.prompts[begin:begin + batch_size]
+            max_new = max(workload.output_lens[begin:begin + batch_size])
+            width = max(len(p) for p in prompts)
+            input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts],
+                                     device=self.device)
+            attention_mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+            with torch.inference_mode():
+                sequences = self.model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                    max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
+            computed += (sequences.shape[1] - width) * len(prompts)
+        seconds = time.perf_counter() - started
+        return result(seconds, workload.num_output_tokens, batch_size=batch_size,
+                      computed_tokens_including_batch_padding=computed)
+
+
+BACKEND_CLASSES = {"kvscope": KVScope, "hf_continuous_batching": HFContinuousBatching,
+                   "hf_static_generate": HFStaticGenerate}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32", "float16"),
+                        default="auto",
+                        help="auto = the engine's choice on this device (float32 on CPUs "
+                             "without native bf16), used for every backend")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--static-batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the backends round-robin this often; report each one's best")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help=f"comma-separated subset of {','.join(BACKENDS)}")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="kvscope knob")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="kvscope knob")
+    parser.add_argument("--device-memory-gb", type=float, default=None,
+                        help="kvscope knob (CPU pool size)")
+    args = parser.parse_args(argv)
+    args.min_prompt = min(args.min_prompt, args.max_prompt)
+    args.min_output = min(args.min_output, args.max_output)
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = sorted(set(args.backends) - set(BACKENDS))
+    if unknown:
+        parser.error(f"--backends: unknown {unknown}; choose from {list(BACKENDS)}")
+    return args
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        args.dtype = str(resolve_dtype("auto", torch.device(args.device))).removeprefix("torch.")
+    model_path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(model_path)
+    from transformers import AutoConfig
+
+    vocab_size = AutoConfig.from_pretrained(model_path, local_files_only=True).vocab_size
+    workload = make_workload(args, tokenizer, vocab_size)
+    report = {
+        "model": str(model_path), "device": args.device, "dtype": args.dtype,
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(), "repeats": args.repeats,
+        "workload": workload.describe(args), "results": {},
+    }
+    if args.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name()
+    backends = {}
+    for name in args.backends:
+        logger.info("setting up %s", name)
+        backends[name] = BACKEND_CLASSES[name](args, workload, model_path)
+    if "kvscope" in backends:
+        report["engine_config"] = backends["kvscope"].describe()
+    # Round-robin repeats, best run kept: on a shared machine, load from other processes
+    # only ever slows a run down.
+    runs: dict[str, list[dict]] = {name: [] for name in backends}
+    for repeat in range(args.repeats):
+        for name, backend in backends.items():
+            logger.info("repeat %d: %s on %d requests", repeat + 1, name, len(workload.prompts))
+            runs[name].append(backend.run())
+            logger.info("%s: %s", name, runs[name][-1])
+    for name, backend in backends.items():
+        best = max(runs[name], key=lambda r: r["output_tokens_per_s"])
+        report["results"][name] = {
+            **best, "setup_seconds": round(backend.setup_seconds, 2),
+            "all_output_tokens_per_s": [r["output_tokens_per_s"] for r in runs[name]]}
+    results = report["results"]
+    if "kvscope" in results:
+        ours = results["kvscope"]["output_tokens_per_s"]
+        report["ratios"] = {f"kvscope_vs_{name}": round(ours / r["output_tokens_per_s"], 3)
+                            for name, r in results.items() if name != "kvscope"}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
