@@ -63,6 +63,9 @@ class BeamChoice:
     """The next step's beams: (parent seq_id, token, new cumulative logprob)."""
 
     continue_with: list[tuple[str, int, float]]
+    # How many of continue_with (a prefix: they are in rank order) rank among the top width
+    # candidates; at the length limit only those may finish, as in transformers.
+    num_top_ranked: int = 0
 
 
 def choose_beams(
@@ -81,11 +84,13 @@ def choose_beams(
          for token, logprob in state.candidates[seq_id]),
         key=lambda c: c[0], reverse=True)[:2 * width]
     chosen = []
+    num_top_ranked = 0
     for rank, (score, seq_id, token) in enumerate(ranked):
         if token in eos_token_ids and not state.params.ignore_eos:
             if rank < width:
                 state.add_finished(beams[seq_id][1] + [token], score)
         elif len(chosen) < width:
             chosen.append((seq_id, token, score))
+            num_top_ranked += rank < width
     state.candidates.clear()
-    return BeamChoice(chosen)
+    return BeamChoice(chosen, num_top_ranked)

@@ -255,8 +255,10 @@ class EngineCore:
                           or seq.num_tokens >= self.config.max_model_len
                           for seq, _, _ in extended)
         if state.done or out_of_room or not extended:
-            if not state.done:  # out of room: the live beams compete with the finished ones
-                for seq, _, _ in extended:
+            # Out of room: the live beams compete with the finished ones, even when an EOS
+            # filled the list in this same step (transformers merges both at once).
+            if out_of_room:
+                for seq, _, _ in extended[:choice.num_top_ranked]:
                     state.add_finished(seq.output_token_ids, seq.cumulative_logprob)
             for seq, _, _ in extended:
                 self._finish(seq, "length")

@@ -122,7 +122,9 @@ class KVCacheManager:
         """The child shares every block of the parent (copy-on-write on its first write)."""
         self.pool.share(self.pool.blocks[i] for i in parent.block_table)
         child.block_table = list(parent.block_table)
-        child.num_computed_tokens = parent.num_computed_tokens
+        # A preempted parent (a beam swapped out) has no device blocks to share: the child
+        # computes its tokens afresh.
+        child.num_computed_tokens = parent.num_computed_tokens if parent.block_table else 0
         if parent.seq_id in self.block_hashes:
             self.block_hashes[child.seq_id] = list(self.block_hashes[parent.seq_id])
 

@@ -15,6 +15,13 @@ class ScheduledSequence:
     seq: Sequence
     start: int
     num_tokens: int
+    # Fixed when scheduled: read after the step samples, the sequence's new output token
+    # would make a prompt's last one-token chunk look like a decode.
+    kind: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kind = ("decode" if self.num_tokens == 1 and self.seq.num_output_tokens > 0
+                     else "prefill")
 
     @property
     def end(self) -> int:
@@ -24,10 +31,6 @@ class ScheduledSequence:
     def samples(self) -> bool:
         """The step reaches the sequence's last token, so its logits pick the next one."""
         return self.end == self.seq.num_tokens
-
-    @property
-    def kind(self) -> str:
-        return "decode" if self.num_tokens == 1 and self.seq.num_output_tokens > 0 else "prefill"
 
 
 @dataclass(slots=True)
@@ -120,8 +123,19 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._add_scheduled(out, seq, num_tokens)
+            if num_tokens:  # (a swapped-in beam may have nothing left: it awaits its siblings)
+                self._add_scheduled(out, seq, num_tokens)
             budget -= num_tokens
+
+        if (self.waiting and self.running and not out.scheduled and not out.preempted
+                and not out.swapped_in):
+            # Only beams awaiting a sibling's candidates run (they compute nothing) and that
+            # sibling cannot get blocks: every later step would be this one. Free an idle
+            # beam's blocks and queue it behind the blocked head.
+            victim = max(self.running, key=lambda s: s.priority_key)
+            self.preempt(victim, out)
+            self.waiting.remove(victim)
+            self.waiting.insert(1, victim)
         return out
 
     def _admit_waiting(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
