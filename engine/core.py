@@ -332,6 +332,7 @@ class EngineCore:
     def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
                 num_generated: int) -> StepRecord:
         pool = self.kv_cache.pool
+        num_cached_blocks = pool.num_cached_free_blocks  # a scan of the cache: once a step
         return StepRecord(
             step=self.step_index, start_time=start_time, end_time=time.time(),
             chunks=tuple(ScheduledChunk(s.seq.request.request_id, s.seq.seq_id, s.kind,
@@ -342,8 +343,8 @@ class EngineCore:
             finished=tuple(r.request_id for r in finished),
             num_scheduled_tokens=plan.num_scheduled_tokens,
             token_budget=self.config.max_num_batched_tokens,
-            num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_free_blocks,
-            num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
+            num_used_blocks=pool.num_used_blocks, num_cached_blocks=num_cached_blocks,
+            num_free_blocks=pool.num_free_blocks - num_cached_blocks,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_generated_tokens=num_generated)
 
