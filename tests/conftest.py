@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models made on the fly (no downloads)."""
 
+import itertools
 import os
 import string
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.request import Request, Sequence
 from engine.sampling_params import SamplingParams
 from engine.telemetry import StepRecord
 
@@ -150,6 +152,17 @@ def make_engine(tiny_model) -> Callable[..., EngineCore]:
         return EngineCore(config, runner=runners[arch])
 
     return make
+
+
+_sequence_ids = itertools.count()
+
+
+def make_sequence(token_ids: list[int]) -> Sequence:
+    """A one-sequence request outside any engine, for driving a KVCacheManager directly."""
+    request = Request(f"r{next(_sequence_ids)}", None, list(token_ids), SamplingParams())
+    seq = Sequence(request.request_id, request, 0, list(token_ids), len(token_ids))
+    request.sequences.append(seq)
+    return seq
 
 
 @dataclass

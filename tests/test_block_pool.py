@@ -1,8 +1,8 @@
 """Block pool and KV cache manager: invariants under random workloads, LRU order, prefix hits."""
 
-import itertools
 
 import pytest
+from conftest import make_sequence
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -17,17 +17,7 @@ from hypothesis.stateful import (
 import engine.kv_cache_manager as kv_cache_manager_module
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, Sequence
-from engine.sampling_params import SamplingParams
-
-_ids = itertools.count()
-
-
-def make_sequence(token_ids: list[int]) -> Sequence:
-    request = Request(f"r{next(_ids)}", None, list(token_ids), SamplingParams())
-    seq = Sequence(request.request_id, request, 0, list(token_ids), len(token_ids))
-    request.sequences.append(seq)
-    return seq
+from engine.request import Sequence
 
 
 def admit(manager: KVCacheManager, seq: Sequence) -> bool:

@@ -4,6 +4,7 @@ import itertools
 import random
 
 import pytest
+from conftest import make_sequence
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -11,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import engine.kv_cache_manager as kv_cache_manager_module
 from engine import LLM
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, Sequence
+from engine.request import Sequence
 from engine.sampling_params import SamplingParams
 from engine.telemetry import take_snapshot
 
@@ -228,16 +229,6 @@ def test_eviction_never_takes_a_block_in_use(make_engine, run_engine):
 
 # ---- random interleavings on the KV cache manager ------------------------------------------
 BLOCK_SIZE = 4
-_ids = itertools.count()
-
-
-def make_sequence(token_ids: list[int]) -> Sequence:
-    request = Request(f"h{next(_ids)}", None, list(token_ids), SamplingParams())
-    seq = Sequence(request.request_id, request, 0, list(token_ids), len(token_ids))
-    request.sequences.append(seq)
-    return seq
-
-
 class CacheMachine(RuleBasedStateMachine):
     """Random allocate / advance (prefill chunk or decode) / fork / free / evict against a
     simulated device: each block holds the token each slot was written with, so a missed
