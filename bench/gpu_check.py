@@ -207,9 +207,10 @@ def bench_one(batch: int, seq_len: int, query_len: int, shape: AttentionShape,
     case = build_case(batch, seq_len, query_len, shape, device)
     scale = shape.head_dim ** -0.5
     out = torch.empty_like(case["query"])
+    backend = kernels.select_backend(device)
 
     def paged() -> torch.Tensor:
-        return kernels.paged_attention(
+        return backend.paged_attention(
             case["query"], case["key_cache"], case["value_cache"], case["block_tables"],
             case["seq_lens"], case["query_start_loc"], scale, out=out)
 

@@ -103,12 +103,10 @@ class KVScope:
                        for n in workload.output_lens]
 
     def describe(self) -> dict:
-        import kernels
-
         engine = self.llm.engine
         config = {k: v for k, v in engine.config.to_dict().items() if v is not None}
         config["memory_plan"] = engine.memory_plan.describe()
-        config["attention_backend"] = kernels.attention_backend_name(engine.runner.device)
+        config["attention_backend"] = engine.runner.attention_backend.name
         return config
 
     def run(self) -> dict:

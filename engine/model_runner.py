@@ -83,13 +83,16 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.attention_backend = kernels.select_backend(self.device)
+        for layer in self.attention_layers:
+            layer.backend = self.attention_backend
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
         logger.info("loaded %s (%s, %.1f M parameters, %s on %s) in %.1f s; attention: %s",
                     self.model_path, type(self.model).__name__, self.weight_bytes /
                     self.dtype.itemsize / 1e6, self.dtype, self.device,
-                    time.perf_counter() - started, kernels.attention_backend_name(self.device))
+                    time.perf_counter() - started, self.attention_backend.name)
 
     def bytes_per_block(self, block_size: int) -> int:
         """K and V for block_size tokens in every layer."""

@@ -1,30 +1,46 @@
 """Paged-attention and KV-store ops over block tables, shared by every model.
 
-CUDA tensors run the Triton kernels, CPU tensors the plain-torch twins in
-kernels/reference.py. KVSCOPE_ATTENTION_BACKEND=triton|torch forces one; Triton on CPU
-tensors needs TRITON_INTERPRET=1, set before anything imports triton (transformers does).
-Triton is imported lazily, so the torch path works without it installed.
+Three backends implement the same two ops (the contract is kernels/reference.py's):
 
-`kernels.paged_attention` is always the op above, even after the Triton submodule of the
-same name is loaded; reach the submodule with `from kernels.paged_attention import ...`.
+  triton  kernels/triton_attention.py and triton_kv_store.py: CUDA tensors (CPU tensors
+          only in the Triton interpreter, TRITON_INTERPRET=1 set before triton is imported)
+  cpu     C++ kernels (kernels/csrc) compiled on first use for this CPU: kernels/cpu_ops.py
+  torch   the plain-torch twins in kernels/reference.py: the fallback and the tests' oracle
+
+`select_backend(device)` picks one, once: the model runner calls it at start-up and hands
+the result to every attention layer. KVSCOPE_ATTENTION_BACKEND=triton|cpu|torch forces a
+backend; otherwise CUDA gets triton and the CPU gets cpu (torch if it cannot be built).
 """
 
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 import sys
-import types
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kernels import reference
 
-__all__ = ["attention_backend_name", "paged_attention", "store_kv", "triton_available"]
+__all__ = ["AttentionBackend", "BACKENDS", "BACKEND_ENV", "attention_backend_name",
+           "select_backend", "triton_available"]
 
+logger = logging.getLogger(__name__)
 BACKEND_ENV = "KVSCOPE_ATTENTION_BACKEND"
-BACKENDS = ("triton", "torch")
-_TRITON_MODULE_NAMES = ("kernels.paged_attention", "kernels.kv_store")
+BACKENDS = ("triton", "cpu", "torch")
+_TRITON_MODULE_NAMES = ("kernels.triton_attention", "kernels.triton_kv_store")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    """One backend's two ops (signatures of kernels.reference.paged_attention/store_kv)."""
+
+    name: str
+    paged_attention: Callable[..., torch.Tensor]
+    store_kv: Callable[..., None]
 
 
 @functools.cache
@@ -48,11 +64,25 @@ def _triton_interpreted() -> bool:
     return _interpreter_requested()
 
 
-def attention_backend_name(device: torch.device | str) -> str:
-    """'triton' or 'torch': the backend the ops use for tensors on this device.
+def _cpu_kernels_build() -> bool:
+    """Whether the C++ CPU kernels are (or can now be) built and loaded."""
+    from kernels import cpu_ops
 
-    Raises ValueError for a bad KVSCOPE_ATTENTION_BACKEND or a forced Triton backend that
-    cannot run here, so an engine that calls this at startup fails fast.
+    try:
+        cpu_ops.load()
+    except Exception as error:  # noqa: BLE001 (any build failure means: use the fallback)
+        logger.warning("C++ CPU attention kernels unavailable (%s); using the torch path",
+                       error)
+        return False
+    return True
+
+
+def attention_backend_name(device: torch.device | str) -> str:
+    """'triton', 'cpu' or 'torch': the backend select_backend gives for this device.
+
+    Raises ValueError for a bad KVSCOPE_ATTENTION_BACKEND or a forced backend that
+    cannot run here, so an engine that calls this at start-up fails fast. Choosing the
+    cpu backend builds the C++ kernels (once per CPU and source; cached).
     """
     device = torch.device(device)
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
@@ -68,61 +98,27 @@ def attention_backend_name(device: torch.device | str) -> str:
                 f"{BACKEND_ENV}=triton on device {device.type!r} needs TRITON_INTERPRET=1 "
                 "(set before anything imports triton); Triton compiles for CUDA devices only")
         return "triton"
-    return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if forced == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"{BACKEND_ENV}=cpu runs on CPU tensors only, not {device.type!r}")
+        if not _cpu_kernels_build():
+            raise ValueError(f"{BACKEND_ENV}=cpu: the C++ kernels could not be built here "
+                             "(see the log); unset it to fall back to the torch path")
+        return "cpu"
+    if device.type == "cuda":
+        return "triton" if triton_available() else "torch"
+    return "cpu" if device.type == "cpu" and _cpu_kernels_build() else "torch"
 
 
-def _triton_module(name: str) -> types.ModuleType:
-    module = sys.modules.get(name)
-    return module if module is not None else importlib.import_module(name)
+def select_backend(device: torch.device | str) -> AttentionBackend:
+    """The ops for tensors on this device (see attention_backend_name for the choice)."""
+    name = attention_backend_name(device)
+    if name == "triton":
+        attention = importlib.import_module("kernels.triton_attention")
+        store = importlib.import_module("kernels.triton_kv_store")
+        return AttentionBackend(name, attention.paged_attention, store.store_kv)
+    if name == "cpu":
+        from kernels import cpu_ops
 
-
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged K/V.
-
-    query [num_tokens, num_heads, head_dim]; key_cache / value_cache [num_blocks,
-    block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32;
-    seq_lens [num_seqs] int32 (KV length including the new tokens); query_start_loc
-    [num_seqs + 1] int32. The new tokens of sequence i are its last q_len_i positions.
-    """
-    if attention_backend_name(query.device) == "triton":
-        implementation = _triton_module("kernels.paged_attention").paged_attention
-    else:
-        implementation = reference.paged_attention
-    return implementation(query, key_cache, value_cache, block_tables, seq_lens,
-                          query_start_loc, scale, out)
-
-
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write key/value [num_tokens, kv_heads, head_dim] into their slots; -1 is skipped."""
-    if attention_backend_name(key.device) == "triton":
-        implementation = _triton_module("kernels.kv_store").store_kv
-    else:
-        implementation = reference.store_kv
-    implementation(key, value, key_cache, value_cache, slot_mapping)
-
-
-class _KernelsPackage(types.ModuleType):
-    def __setattr__(self, name: str, value: object) -> None:
-        # Loading the submodule kernels.paged_attention binds it as an attribute of this
-        # package, which would shadow the op of the same name that every model calls.
-        if name == "paged_attention" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _KernelsPackage
+        return AttentionBackend(name, cpu_ops.paged_attention, cpu_ops.store_kv)
+    return AttentionBackend(name, reference.paged_attention, reference.store_kv)

@@ -1,10 +1,11 @@
-"""Paged attention and KV store: Triton kernels and torch twins against dense attention.
+"""Paged attention and KV store: Triton kernels, the C++ CPU kernels and the torch twins
+against dense attention.
 
 Without CUDA the Triton kernels run on CPU tensors in the Triton interpreter (kept small
 so the file stays quick); with CUDA they run natively on CUDA tensors (bench/gpu_check.py).
+The C++ kernels are built once per CPU and source and cached (kernels/cpu_extension.py).
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -23,9 +24,9 @@ import kernels
 from kernels import reference
 
 try:
-    from kernels.kv_store import store_kv as triton_store_kv
-    from kernels.paged_attention import INTERPRETED
-    from kernels.paged_attention import paged_attention as triton_paged_attention
+    from kernels.triton_attention import INTERPRETED
+    from kernels.triton_attention import paged_attention as triton_paged_attention
+    from kernels.triton_kv_store import store_kv as triton_store_kv
 except ImportError:  # triton is not installed: only the torch twins are tested
     triton_store_kv = triton_paged_attention = None
     INTERPRETED = False
@@ -196,6 +197,98 @@ def test_reference_attention_writes_into_out():
     result = reference.paged_attention(*batch.args(finite=True), out=out)
     assert result.data_ptr() == out.data_ptr()
     assert_close(out, dense_attention(batch), torch.float32)
+
+
+# --- the C++ CPU kernels -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    """The C++ kernels, built (or loaded from the cache) once for this file."""
+    from kernels import cpu_ops
+
+    try:
+        cpu_ops.load()
+    except RuntimeError as error:
+        pytest.skip(f"C++ CPU kernels cannot be built here: {error}")
+    return cpu_ops
+
+
+CPU_CASES = [  # (block_size, queries_per_kv, head_dim): every block size, GQA ratio, dim
+    pytest.param(1, 1, 64, id="block1-mha-d64"),
+    pytest.param(4, 3, 128, id="block4-gqa3-d128"),
+    pytest.param(16, 3, 64, id="block16-gqa3-d64"),
+    pytest.param(32, 4, 128, id="block32-gqa4-d128"),
+    pytest.param(128, 8, 64, id="block128-gqa8-d64"),
+    pytest.param(256, 8, 128, id="block256-gqa8-d128"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), CPU_CASES)
+def test_cpu_attention_matches_dense(cpu_ops, block_size, queries_per_kv, head_dim, dtype):
+    for seqs in (mixed_seqs(block_size), boundary_seqs(block_size)):
+        batch = make_batch(seqs, block_size, 2, queries_per_kv, head_dim, dtype=dtype)
+        out = cpu_ops.paged_attention(*batch.args())  # unused slots hold NaN: never read
+        assert out.dtype == dtype and out.shape == batch.query.shape
+        assert_close(out, dense_attention(batch), dtype)
+
+
+@pytest.mark.parametrize("seqs", [
+    pytest.param([(1, 1)], id="one-token-prompt"),
+    pytest.param([(1, 1), (2, 1), (1, 1)], id="one-token-decodes"),
+    pytest.param([(1200, 1)], id="one-long-decode-split-over-threads"),
+    pytest.param([(700, 1), (3, 1), (40, 40)], id="long-decode-beside-a-prefill"),
+    pytest.param([(90, 37)], id="prefill-longer-than-a-query-tile"),
+])
+def test_cpu_attention_edge_cases(cpu_ops, seqs):
+    batch = make_batch(seqs, 16, 3, 3, 64)
+    assert_close(cpu_ops.paged_attention(*batch.args()), dense_attention(batch), torch.float32)
+
+
+def test_cpu_attention_empty_batch_and_strided_query(cpu_ops):
+    batch = make_batch([(5, 1)], 8, 1, 2, 64)
+    empty = torch.empty(0, 2, 64)
+    no_seqs = torch.empty(0, dtype=torch.int32)
+    out = cpu_ops.paged_attention(empty, batch.key_cache, batch.value_cache,
+                                  batch.block_tables[:0], no_seqs,
+                                  torch.zeros(1, dtype=torch.int32), batch.scale)
+    assert out.shape == (0, 2, 64)
+    fused = torch.cat([batch.query, torch.full_like(batch.query, float("nan"))], dim=1)
+    strided = fused[:, :2]  # a view into fused projections, as a model's split gives
+    args = batch.args()
+    out = cpu_ops.paged_attention(strided, *args[1:])
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+def test_cpu_attention_fp32_query_over_bf16_cache(cpu_ops):
+    batch = make_batch(mixed_seqs(16), 16, 2, 4, 64, dtype=torch.bfloat16)
+    query = batch.query.float()
+    out = cpu_ops.paged_attention(query, *batch.args()[1:])
+    assert out.dtype == torch.float32
+    assert_close(out, dense_attention(batch), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_cpu_store_kv_matches_reference(cpu_ops, dtype, block_size):
+    key, value, key_cache, value_cache, slots = _store_case("cpu", dtype, dtype,
+                                                            block_size=block_size)
+    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
+    reference.store_kv(key, value, expected_keys, expected_values, slots)
+    cpu_ops.store_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_keys)
+    assert torch.equal(value_cache, expected_values)
+
+
+def test_cpu_build_key_names_the_cpu_and_torch(monkeypatch):
+    from kernels import cpu_extension
+
+    key = cpu_extension.build_key()
+    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: "fpu sse avx2")
+    assert cpu_extension.build_key() != key  # an AVX2-only CPU gets a build of its own
+    monkeypatch.setattr(cpu_extension.torch, "__version__", "0.0.0")
+    assert cpu_extension.build_key() != key
 
 
 # --- the Triton paged-attention kernel ----------------------------------------------------
@@ -374,11 +467,12 @@ def test_store_then_attend_with_triton_matches_dense(device):
 # --- dispatch -----------------------------------------------------------------------------
 
 
-def test_cpu_tensors_use_the_torch_twins_by_default(monkeypatch):
+def test_cpu_tensors_use_the_cpu_kernels_by_default(monkeypatch):
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
-    assert kernels.attention_backend_name("cpu") == "torch"
+    backend = kernels.select_backend("cpu")
+    assert backend.name == "cpu"
     batch = make_batch(mixed_seqs(8), 8, 1, 2, 64)
-    out = kernels.paged_attention(*batch.args(finite=True))
+    out = backend.paged_attention(*batch.args())  # NaN-filled slots: the twin would give NaN
     assert_close(out, dense_attention(batch), torch.float32)
 
 
@@ -391,28 +485,32 @@ def test_backend_env_rejects_unknown_values(monkeypatch):
 def test_backend_env_forces_torch(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
     assert kernels.attention_backend_name("cuda") == "torch"
+    backend = kernels.select_backend("cpu")
+    assert backend.paged_attention is reference.paged_attention
+    assert backend.store_kv is reference.store_kv
+
+
+def test_backend_env_cpu_refuses_cuda(monkeypatch):
+    monkeypatch.setenv(kernels.BACKEND_ENV, "cpu")
+    assert kernels.attention_backend_name("cpu") == "cpu"
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        kernels.attention_backend_name("cuda")
 
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreted CPU path")
 def test_backend_env_forces_interpreted_triton_on_cpu(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
-    assert kernels.attention_backend_name("cpu") == "triton"
+    backend = kernels.select_backend("cpu")
+    assert backend.name == "triton"
     batch = make_batch(mixed_seqs(8), 8, 1, 2, 64)
-    out = kernels.paged_attention(*batch.args())  # NaN-filled slots: the twin would give NaN
+    out = backend.paged_attention(*batch.args())
     assert_close(out, dense_attention(batch), torch.float32)
     key, value, key_cache, value_cache, slots = _store_case("cpu", torch.float32, torch.float32)
     expected_keys, expected_values = key_cache.clone(), value_cache.clone()
     reference.store_kv(key, value, expected_keys, expected_values, slots)
-    kernels.store_kv(key, value, key_cache, value_cache, slots)
+    backend.store_kv(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_keys) and torch.equal(value_cache, expected_values)
-
-
-def test_package_op_is_not_shadowed_by_the_submodule():
-    if triton_paged_attention is not None:
-        importlib.import_module("kernels.paged_attention")  # loaded by now; binds nothing
-    assert callable(kernels.paged_attention)
-    assert kernels.paged_attention.__module__ == "kernels"
 
 
 _SUBPROCESS_CHECKS = r"""
@@ -436,11 +534,12 @@ import os, sys
 sys.modules["triton"] = None  # as if triton were not installed
 import torch
 import kernels
-assert kernels.attention_backend_name("cpu") == "torch"
+assert kernels.attention_backend_name("cuda") == "torch"
 assert not kernels.triton_available()
+os.environ["KVSCOPE_ATTENTION_BACKEND"] = "torch"
 query = torch.randn(3, 2, 32)
 cache = torch.randn(4, 2, 1, 32)
-out = kernels.paged_attention(query, cache, cache, torch.tensor([[0, 1], [2, 3]],
+out = kernels.select_backend("cpu").paged_attention(query, cache, cache, torch.tensor([[0, 1], [2, 3]],
     dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32),
     torch.tensor([0, 2, 3], dtype=torch.int32), 0.2)
 assert out.shape == query.shape and not out.isnan().any()

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
+from kernels import AttentionBackend
 
 
 @dataclass(slots=True)
@@ -19,7 +19,8 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Holds one layer's K/V cache views; the model runner binds them after sizing the pool."""
+    """Holds one layer's K/V cache views and the attention backend; the model runner binds
+    the backend at start-up and the views after sizing the pool."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -29,6 +30,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -39,8 +41,8 @@ class PagedAttention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        kernels.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
-        out = kernels.paged_attention(
+        self.backend.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
+        out = self.backend.paged_attention(
             query, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, self.scale,
         )

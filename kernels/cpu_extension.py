@@ -1,0 +1,72 @@
+"""Builds and loads the C++ CPU kernels (kernels/csrc) on first use.
+
+The build is cached under <kvscope cache dir>/cpu_kernels/<key>, the key hashing the
+source, the torch version, the compiler and the CPU's instruction-set flags: the code is
+compiled with -march=native, so a cached build must never run on a CPU it was not built
+for (an AVX2-only machine gets its own AVX2 build). Loading registers
+torch.ops.kvscope.paged_attention and torch.ops.kvscope.store_kv.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+NAME = "kvscope_cpu_kernels"
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags of this CPU (/proc/cpuinfo), or the machine name."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_flags().encode(),
+                 (shutil.which("c++") or "").encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def compiler_available() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and \
+        shutil.which("ninja") is not None
+
+
+@functools.cache
+def load() -> None:
+    """Compile (first use on this CPU) or load the cached build; registers the ops.
+
+    Raises RuntimeError when no compiler is available or the build fails.
+    """
+    if not compiler_available():
+        raise RuntimeError("the CPU attention kernels need a C++ compiler (c++) and ninja")
+    from torch.utils import cpp_extension
+
+    from engine.loader import cache_dir
+
+    build_dir = cache_dir() / "cpu_kernels" / build_key()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    cpp_extension.load(
+        name=NAME, sources=[str(SOURCE)], build_directory=str(build_dir),
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        is_python_module=False, verbose=False)
+    logger.info("CPU attention kernels ready in %.1f s (%s)", time.perf_counter() - started,
+                build_dir)
