@@ -44,9 +44,19 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+def ninja_on_path() -> bool:
+    """cpp_extension runs `ninja` from PATH; the ninja wheel's copy counts too."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return False
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which("ninja") is not None
+
+
 def compiler_available() -> bool:
-    return shutil.which(os.environ.get("CXX", "c++")) is not None and \
-        shutil.which("ninja") is not None
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and ninja_on_path()
 
 
 @functools.cache
