@@ -18,8 +18,11 @@ from engine.loader import (
 from engine.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
 from engine.models import model_class
 from engine.models.attention import AttentionMetadata
+from engine.models.layers import bind_forward_ops
 from engine.profile_cache import load_peak, profile_key, store_peak
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from kernels.forward_ops import TORCH_OPS
+from kernels.forward_ops import cpu_ops as cpu_forward_ops
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,10 +90,13 @@ class ModelRunner:
         self.attention_backend = kernels.select_backend(self.device)
         for layer in self.attention_layers:
             layer.backend = self.attention_backend
+        # The fused C++ forward ops come with the C++ attention (same extension, same CPU).
+        self.forward_ops = cpu_forward_ops() if self.attention_backend.name == "cpu" else TORCH_OPS
+        bind_forward_ops(self.model, self.forward_ops)
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
-        logger.info("loaded %s (%s, %.1f M parameters, %s on %s) in %.1f s; attention: %s",
+        logger.info("loaded %s (%s, %.1f M parameters, %s on %s) in %.1f s; kernels: %s",
                     self.model_path, type(self.model).__name__, self.weight_bytes /
                     self.dtype.itemsize / 1e6, self.dtype, self.device,
                     time.perf_counter() - started, self.attention_backend.name)

@@ -4,7 +4,7 @@ The build is cached under <kvscope cache dir>/cpu_kernels/<key>, the key hashing
 source, the torch version, the compiler and the CPU's instruction-set flags: the code is
 compiled with -march=native, so a cached build must never run on a CPU it was not built
 for (an AVX2-only machine gets its own AVX2 build). Loading registers
-torch.ops.kvscope.paged_attention and torch.ops.kvscope.store_kv.
+the torch.ops.kvscope ops (attention, KV store and the fused forward ops).
 """
 
 import functools
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp"))
 NAME = "kvscope_cpu_kernels"
 
 
@@ -37,7 +37,8 @@ def cpu_flags() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_flags().encode(),
+    parts = [source.read_bytes() for source in SOURCES]
+    for part in (*parts, torch.__version__.encode(), cpu_flags().encode(),
                  (shutil.which("c++") or "").encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -75,7 +76,7 @@ def load() -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cpp_extension.load(
-        name=NAME, sources=[str(SOURCE)], build_directory=str(build_dir),
+        name=NAME, sources=[str(source) for source in SOURCES], build_directory=str(build_dir),
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
         is_python_module=False, verbose=False)
     logger.info("CPU attention kernels ready in %.1f s (%s)", time.perf_counter() - started,

@@ -22,9 +22,10 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention; reads K/V in place."""
-    query = query.contiguous()
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()  # the kernel takes rows of a fused projection as they are
     if out is None:
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)
     torch.ops.kvscope.paged_attention(
         query, key_cache, value_cache, block_tables.to(torch.int32), seq_lens.to(torch.int32),
         query_start_loc.to(torch.int32), scale, out)

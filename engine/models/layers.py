@@ -3,6 +3,23 @@
 import torch
 from torch import nn
 
+from kernels.forward_ops import TORCH_OPS, ForwardOps
+
+
+class UsesForwardOps(nn.Module):
+    """A module that calls kernels.forward_ops: eager twins until the model runner binds
+    the fused ops it chose at start-up (bind_forward_ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: ForwardOps = TORCH_OPS
+
+
+def bind_forward_ops(model: nn.Module, ops: ForwardOps) -> None:
+    for module in model.modules():
+        if isinstance(module, UsesForwardOps):
+            module.ops = ops
+
 
 class MergedLinear(nn.Linear):
     """Several projections of the same input as one matmul (q/k/v, gate/up).
@@ -23,19 +40,17 @@ class MergedLinear(nn.Linear):
         return list(output.split(self.output_sizes, dim=-1))
 
 
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm, normalising in fp32 exactly as transformers does."""
+class RMSNorm(UsesForwardOps):
+    """Llama's RMSNorm, normalising in fp32 as transformers does; given the residual
+    stream, it first adds hidden into it (in place) and normalises the sum."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = hidden.dtype
-        hidden = hidden.float()
-        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * hidden.to(dtype)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.ops.rms_norm(hidden, self.weight, self.eps, residual)
 
 
 def load_weights(

@@ -7,15 +7,10 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import MergedLinear, RMSNorm, load_weights
+from engine.models.layers import MergedLinear, RMSNorm, UsesForwardOps, load_weights
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class RotaryTable(nn.Module):
@@ -30,13 +25,12 @@ class RotaryTable(nn.Module):
         self.register_buffer("cos", cos[0], persistent=False)
         self.register_buffer("sin", sin[0], persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        # [tokens, 1, head_dim]: broadcast over heads
-        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos, sin [tokens, head_dim], once per forward for every layer."""
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(UsesForwardOps):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -52,16 +46,15 @@ class LlamaAttention(nn.Module):
                                    self.head_dim ** -0.5)
 
     def forward(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        query, key, value = self.qkv_proj.split(self.qkv_proj(hidden))
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        query = query * cos + rotate_half(query) * sin
-        key = key * cos + rotate_half(key) * sin
-        return self.o_proj(self.attn(query.flatten(1), key.flatten(1), value, meta))
+        qkv = self.qkv_proj(hidden)
+        # In place on the query and key heads, which sit side by side in each qkv row.
+        self.ops.rotary_embedding(qkv, cos, sin, self.num_heads + self.num_kv_heads,
+                                  self.head_dim)
+        query, key, value = self.qkv_proj.split(qkv)
+        return self.o_proj(self.attn(query, key, value, meta))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(UsesForwardOps):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         size = config.intermediate_size
@@ -71,8 +64,7 @@ class LlamaMLP(nn.Module):
                                    bias=getattr(config, "mlp_bias", False))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(hidden))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,9 +75,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos, sin, meta: AttentionMetadata):
+        """hidden: the previous layer's output (or the embeddings, with residual None);
+        returns this layer's output and the residual stream, which the next norm adds."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta)
+        hidden = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaBody(nn.Module):
@@ -114,10 +114,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(positions, hidden.dtype)
+        cos, sin = self.model.rotary(positions)
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        return self.model.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight

@@ -54,6 +54,7 @@ struct Layout {
   int num_heads, num_kv_heads, group, dim, block_size;
   int64_t block_stride, slot_stride, head_stride;  // cache strides
   int64_t table_stride;
+  int64_t query_stride;  // between tokens: rows may be views into a fused projection
 };
 
 template <typename Q, typename KV>
@@ -70,7 +71,7 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   std::vector<float> row_max(num_q, -std::numeric_limits<float>::infinity()), row_sum(num_q, 0.f);
   for (int t = item.q_begin; t < item.q_end; ++t)
     for (int g = 0; g < G; ++g) {
-      const Q* src = query + (static_cast<int64_t>(start + t) * L.num_heads + item.kv_head * G + g) * D;
+      const Q* src = query + static_cast<int64_t>(start + t) * L.query_stride + (item.kv_head * G + g) * D;
       float* dst = q.data() + (static_cast<int64_t>(t - item.q_begin) * G + g) * D;
       for (int d = 0; d < D; ++d) dst[d] = load(src[d]) * scale;
     }
@@ -153,6 +154,7 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   L.slot_stride = key_cache.stride(1);
   L.head_stride = key_cache.stride(2);
   L.table_stride = block_tables.size(1);
+  L.query_stride = query.stride(0);
   const int num_seqs = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
@@ -230,7 +232,8 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& out) {
   TORCH_CHECK(query.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [tokens, heads, dim], cache [blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous(),
+              "query rows [heads, dim] must be contiguous, out contiguous");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "out must match query");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(), "key and value caches must share a layout");
   TORCH_CHECK(key_cache.stride(3) == 1, "cache rows must be contiguous in head_dim");

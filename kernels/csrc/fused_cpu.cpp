@@ -1,0 +1,234 @@
+// Fused CPU ops for the Llama-family forward: each replaces several small eager ops (whose
+// dispatch costs more than their math at decode batch sizes) with one pass over the data.
+// Every op computes in fp32 and rounds to the tensor's dtype where the eager code rounds.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float load(float x) { return x; }
+inline float load(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+// What storing to T and reading back gives (round to nearest even for bf16).
+inline float round_to(float x, float*) { return x; }
+inline float round_to(float x, c10::BFloat16*) { return load(c10::BFloat16(x)); }
+inline void store(float& target, float x) { target = x; }
+inline void store(c10::BFloat16& target, float x) { target = c10::BFloat16(x); }
+
+template <typename T>
+void rms_norm_rows(T* hidden, int64_t hidden_stride, T* residual, int64_t residual_stride,
+                   const T* weight, T* out, int64_t out_stride, int64_t rows, int64_t width,
+                   float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* x = hidden + r * hidden_stride;
+      float sum = 0.f;
+      if (residual != nullptr) {
+        // residual <- residual + hidden, rounded as the eager `residual + hidden` is
+        T* res = residual + r * residual_stride;
+        for (int64_t i = 0; i < width; ++i) {
+          const float value = round_to(load(res[i]) + load(x[i]), static_cast<T*>(nullptr));
+          store(res[i], value);
+          row[i] = value;
+          sum += value * value;
+        }
+      } else {
+        for (int64_t i = 0; i < width; ++i) {
+          row[i] = load(x[i]);
+          sum += row[i] * row[i];
+        }
+      }
+      const float inverse = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+      T* y = out + r * out_stride;
+      for (int64_t i = 0; i < width; ++i)
+        store(y[i], load(weight[i]) * round_to(row[i] * inverse, static_cast<T*>(nullptr)));
+    }
+  });
+}
+
+}  // namespace
+
+// out = weight * rms_norm(hidden); with a residual, first residual += hidden and normalise
+// the sum (the residual stream then holds it for the next layer).
+void rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at::Tensor out,
+              std::optional<at::Tensor> residual) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1 && out.stride(1) == 1,
+              "rms_norm: rows [tokens, hidden] with contiguous features");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == hidden.scalar_type() &&
+              out.scalar_type() == hidden.scalar_type(), "rms_norm: one dtype for all");
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  if (residual) TORCH_CHECK(residual->stride(1) == 1 && residual->scalar_type() == hidden.scalar_type(), "rms_norm: residual layout");
+  if (hidden.scalar_type() == at::kFloat) {
+    rms_norm_rows<float>(hidden.data_ptr<float>(), hidden.stride(0),
+                         residual ? residual->data_ptr<float>() : nullptr,
+                         residual ? residual->stride(0) : 0, weight.data_ptr<float>(),
+                         out.data_ptr<float>(), out.stride(0), rows, width, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16");
+    using B = c10::BFloat16;
+    rms_norm_rows<B>(hidden.data_ptr<B>(), hidden.stride(0),
+                     residual ? residual->data_ptr<B>() : nullptr,
+                     residual ? residual->stride(0) : 0, weight.data_ptr<B>(),
+                     out.data_ptr<B>(), out.stride(0), rows, width, static_cast<float>(eps));
+  }
+}
+
+namespace {
+
+template <typename T>
+void rotate_rows(T* qkv, int64_t row_stride, const float* cos, const float* sin,
+                 int64_t tokens, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + t * dim;
+      const float* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = qkv + t * row_stride + h * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = load(x[i]), b = load(x[i + half]);
+          // neox rotate_half: [a, b] -> [a cos - b sin, b cos + a sin]
+          store(x[i], a * c[i] - b * s[i]);
+          store(x[i + half], b * c[i + half] + a * s[i + half]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Rotary embedding in place on the first `heads` heads of each row of qkv [tokens, *]
+// (the query and key heads of a fused projection), with fp32 cos/sin rows per token.
+void rotary_embedding(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * head_dim,
+              "rotary_embedding: qkv rows [tokens, >= heads * head_dim]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == qkv.size(0) &&
+              cos.size(-1) == head_dim && cos.sizes() == sin.sizes(),
+              "rotary_embedding: contiguous fp32 cos/sin [tokens, head_dim]");
+  if (qkv.scalar_type() == at::kFloat)
+    rotate_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
+                       sin.data_ptr<float>(), qkv.size(0), heads, head_dim);
+  else
+    rotate_rows<c10::BFloat16>(qkv.data_ptr<c10::BFloat16>(), qkv.stride(0),
+                               cos.data_ptr<float>(), sin.data_ptr<float>(), qkv.size(0),
+                               heads, head_dim);
+}
+
+namespace {
+
+template <typename T>
+void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows,
+                   int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * x_stride;
+      const T* up = gate + width;
+      T* y = out + r * out_stride;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = load(gate[i]);
+        const float silu = round_to(g / (1.f + std::exp(-g)), static_cast<T*>(nullptr));
+        store(y[i], silu * load(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out = silu(gate) * up for x = [gate | up] rows [tokens, 2 * width].
+void silu_and_mul(const at::Tensor& x, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
+              x.size(1) == 2 * out.size(1) && out.scalar_type() == x.scalar_type(),
+              "silu_and_mul: x [tokens, 2 * width] -> out [tokens, width]");
+  if (x.scalar_type() == at::kFloat)
+    silu_mul_rows<float>(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(),
+                         out.stride(0), x.size(0), out.size(1));
+  else
+    silu_mul_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0),
+                                 out.data_ptr<c10::BFloat16>(), out.stride(0), x.size(0),
+                                 out.size(1));
+}
+
+TORCH_LIBRARY_FRAGMENT(kvscope, m) {
+  m.def("rms_norm(Tensor hidden, Tensor weight, float eps, Tensor(a!) out, "
+        "Tensor(b!)? residual) -> ()");
+  m.def("rotary_embedding(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, "
+        "int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
+
+namespace {
+
+// y[m, n] = x[m] . w[n] + bias[n] for a few rows m: every weight row is read from memory
+// once, streamed, and dotted with all rows of x while it sits in L1.
+template <typename T>
+void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, T* out,
+                        int64_t out_stride, int64_t rows, int64_t in_features,
+                        int64_t out_features) {
+  std::vector<float> xf(rows * in_features);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t k = 0; k < in_features; ++k)
+      xf[m * in_features + k] = load(x[m * x_stride + k]);
+  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const T* w = weight + n * in_features;
+      const float b = bias != nullptr ? load(bias[n]) : 0.f;
+      for (int64_t m = 0; m < rows; ++m) {
+        const float* xm = xf.data() + m * in_features;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < in_features; ++k) sum += xm[k] * load(w[k]);
+        store(out[m * out_stride + n], sum + b);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out = x @ weight.T + bias for x [rows, in] with few rows (decode batches).
+void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
+              out.is_contiguous() && x.size(1) == weight.size(1) &&
+              out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              "linear_small_batch: x [rows, in], weight [out, in], out [rows, out]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
+              (!bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type())),
+              "linear_small_batch: one dtype for all");
+  if (x.scalar_type() == at::kFloat)
+    small_batch_linear<float>(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(),
+                              bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                              out.stride(0), x.size(0), x.size(1), weight.size(0));
+  else
+    small_batch_linear<c10::BFloat16>(
+        x.data_ptr<c10::BFloat16>(), x.stride(0), weight.data_ptr<c10::BFloat16>(),
+        bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(),
+        out.stride(0), x.size(0), x.size(1), weight.size(0));
+}
+
+TORCH_LIBRARY_FRAGMENT(kvscope, m) {
+  m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) { m.impl("linear_small_batch", &linear_small_batch); }

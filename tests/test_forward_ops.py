@@ -1,0 +1,78 @@
+"""The fused C++ forward ops against their eager twins (kernels/forward_ops.py)."""
+
+import pytest
+import torch
+
+from kernels.forward_ops import TORCH_OPS, cpu_ops
+
+
+@pytest.fixture(scope="module")
+def fused():
+    try:
+        return cpu_ops()
+    except RuntimeError as error:
+        pytest.skip(f"C++ CPU kernels cannot be built here: {error}")
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+# fp32: the same math up to summation order; bf16: one rounding of an fp32 result.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+
+
+def assert_close(actual, expected, dtype):
+    atol, rtol = TOLERANCE[dtype]
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(fused, dtype):
+    hidden, weight = randn(7, 96, dtype=dtype), randn(96, dtype=dtype, seed=1)
+    assert_close(fused.rms_norm(hidden, weight, 1e-5), TORCH_OPS.rms_norm(hidden, weight, 1e-5),
+                 dtype)
+    residual = randn(7, 96, dtype=dtype, seed=2)
+    fused_residual, twin_residual = residual.clone(), residual.clone()
+    out = fused.rms_norm(hidden, weight, 1e-6, fused_residual)
+    expected = TORCH_OPS.rms_norm(hidden, weight, 1e-6, twin_residual)
+    assert torch.equal(fused_residual, twin_residual)  # residual + hidden, rounded alike
+    assert torch.equal(twin_residual, residual + hidden)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_embedding_in_place_on_query_and_key_heads(fused, dtype, head_dim):
+    tokens, heads, width = 5, 6, 8 * head_dim  # 4 query + 2 key heads, then 2 value heads
+    qkv = randn(tokens, width, dtype=dtype)
+    angles = randn(tokens, head_dim // 2, dtype=torch.float32, seed=3)
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    fused_qkv, twin_qkv = qkv.clone(), qkv.clone()
+    fused.rotary_embedding(fused_qkv, cos, sin, heads, head_dim)
+    TORCH_OPS.rotary_embedding(twin_qkv, cos, sin, heads, head_dim)
+    assert_close(fused_qkv, twin_qkv, dtype)
+    assert torch.equal(fused_qkv[:, heads * head_dim:], qkv[:, heads * head_dim:])
+    assert not torch.equal(fused_qkv[:, :heads * head_dim], qkv[:, :heads * head_dim])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(fused, dtype):
+    x = randn(9, 2 * 80, dtype=dtype)
+    out = fused.silu_and_mul(x)
+    assert out.shape == (9, 80)
+    assert_close(out, TORCH_OPS.silu_and_mul(x), dtype)
+
+
+def test_fused_ops_take_rows_of_a_wider_tensor(fused):
+    """The model hands views (rows of a fused projection); the ops honour row strides."""
+    wide = randn(4, 3 * 64, dtype=torch.float32)
+    hidden = wide[:, :64]
+    weight = randn(64, dtype=torch.float32, seed=1)
+    assert_close(fused.rms_norm(hidden, weight, 1e-5),
+                 TORCH_OPS.rms_norm(hidden.contiguous(), weight, 1e-5), torch.float32)
+    gate_up = wide[:, :128]
+    assert_close(fused.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up.contiguous()),
+                 torch.float32)
