@@ -12,17 +12,29 @@ seed, every request generating exactly its length: ignore_eos) runs through
                         runs until its longest request is done, so only each request's
                         own tokens count as output
 
+  llama_cpp             llama-cpp-python on the default model's GGUF (its Q4_1 weights,
+                        one request at a time), only when that package is installed
+
 on the same model, dtype and device, and prints JSON: output tokens/s for each backend
 (generation only: model loading, profiling and warm-up are reported apart) and the ratios.
+The same run measures the machine (memory read bandwidth, fp32/bf16 GEMM FLOP/s,
+bench/roofline.py) and reports the share of its roofline each backend reached.
+
+--single-stream: one request instead (a --stream-prompt-len prompt, --stream-output
+greedy tokens): time to first token and decode tokens/s for kvscope, transformers'
+`generate` on one stream (hf_generate) and llama_cpp, against the weight-bandwidth limit
+(measured bandwidth / weight bytes read per token).
 
 Usage:
   python bench/throughput.py                               # 64 requests, the default model
   python bench/throughput.py --num-requests 16 --max-prompt 128 --max-output 64
   python bench/throughput.py --dtype float32 --device cuda --backends kvscope,hf_static_generate
   python bench/throughput.py --repeats 3    # on a busy machine: round-robin, best of three
+  python bench/throughput.py --single-stream --repeats 3
 """
 
 import argparse
+import importlib.util
 import json
 import logging
 import platform
@@ -36,12 +48,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.served import cpu_name  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.loader import load_tokenizer, resolve_model_path  # noqa: E402
 from engine.model_runner import resolve_dtype  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402
+
 logger = logging.getLogger("bench.throughput")
-BACKENDS = ("kvscope", "hf_continuous_batching", "hf_static_generate")
+BACKENDS = ("kvscope", "hf_continuous_batching", "hf_static_generate", "llama_cpp")
+STREAM_BACKENDS = ("kvscope", "hf_generate", "llama_cpp")
 
 
 @dataclass(slots=True)
@@ -80,6 +97,12 @@ def make_workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> Workl
     return Workload(prompts, output_lens)
 
 
+def stream_result(ttft: float, decode_seconds: float, num_tokens: int) -> dict:
+    """The first token's latency and the rate of the other num_tokens - 1."""
+    return {"ttft_s": round(ttft, 4), "decode_seconds": round(decode_seconds, 3),
+            "decode_tokens_per_s": round((num_tokens - 1) / decode_seconds, 2)}
+
+
 def result(seconds: float, output_tokens: int, **extra) -> dict:
     return {"seconds": round(seconds, 3), "output_tokens": output_tokens,
             "output_tokens_per_s": round(output_tokens / seconds, 2), **extra}
@@ -108,6 +131,14 @@ class KVScope:
         config["memory_plan"] = engine.memory_plan.describe()
         config["attention_backend"] = engine.runner.attention_backend.name
         return config
+
+    def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
+        if self.llm.engine.config.enable_prefix_caching:
+            self.llm.engine.kv_cache.pool.reset_cache()
+        params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+        metrics = self.llm.generate(prompt, params, use_tqdm=False)[0].metrics
+        decode = metrics.finished_time - metrics.first_token_time
+        return stream_result(metrics.time_to_first_token, decode, num_tokens)
 
     def run(self) -> dict:
         if self.llm.engine.config.enable_prefix_caching:
@@ -212,8 +243,72 @@ class HFStaticGenerate:
                       computed_tokens_including_batch_padding=computed)
 
 
+class HFGenerate:
+    """transformers' `generate` on one stream (--single-stream only)."""
+
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+        started = time.perf_counter()
+        self.model = load_hf_model(args, model_path)
+        self.device = args.device
+        self.single_stream(workload.prompts[0][:16], 2)  # untimed: one-time costs
+        self.setup_seconds = time.perf_counter() - started
+
+    def _generate(self, input_ids: torch.Tensor, num_tokens: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(input_ids, do_sample=False, max_new_tokens=num_tokens,
+                                min_new_tokens=num_tokens, pad_token_id=0)
+        return time.perf_counter() - started
+
+    def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
+        input_ids = torch.tensor([prompt], device=self.device)
+        ttft = self._generate(input_ids, 1)
+        return stream_result(ttft, self._generate(input_ids, num_tokens) - ttft, num_tokens)
+
+
+class LlamaCpp:
+    """llama-cpp-python on the default model's GGUF: its own (Q4_1) weights, one request at
+    a time (it has no batching across requests). EOS cannot be switched off, so only the
+    tokens it really generated count."""
+
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+        from llama_cpp import Llama
+
+        from engine.loader import find_default_gguf
+
+        started = time.perf_counter()
+        context = max(len(p) for p in workload.prompts) + max(workload.output_lens) + 8
+        self.llm = Llama(model_path=str(find_default_gguf()), n_ctx=max(context, 512),
+                         n_threads=torch.get_num_threads(), verbose=False)
+        self.gguf = find_default_gguf().name
+        self.workload = workload
+        self.setup_seconds = time.perf_counter() - started
+
+    def _complete(self, prompt: list[int], num_tokens: int) -> int:
+        self.llm.reset()
+        completion = self.llm.create_completion(prompt, max_tokens=num_tokens, temperature=0.0)
+        return completion["usage"]["completion_tokens"]
+
+    def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
+        started = time.perf_counter()
+        self._complete(prompt, 1)
+        ttft = time.perf_counter() - started
+        started = time.perf_counter()
+        generated = self._complete(prompt, num_tokens)
+        return {**stream_result(ttft, time.perf_counter() - started - ttft, generated),
+                "generated_tokens": generated, "weights": self.gguf}
+
+    def run(self) -> dict:
+        started = time.perf_counter()
+        generated = sum(self._complete(prompt, n) for prompt, n
+                        in zip(self.workload.prompts, self.workload.output_lens))
+        return result(time.perf_counter() - started, generated, weights=self.gguf,
+                      note="stops at EOS; one request at a time")
+
+
 BACKEND_CLASSES = {"kvscope": KVScope, "hf_continuous_batching": HFContinuousBatching,
-                   "hf_static_generate": HFStaticGenerate}
+                   "hf_static_generate": HFStaticGenerate, "hf_generate": HFGenerate,
+                   "llama_cpp": LlamaCpp}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -236,8 +331,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the backends round-robin this often; report each one's best")
-    parser.add_argument("--backends", default=",".join(BACKENDS),
-                        help=f"comma-separated subset of {','.join(BACKENDS)}")
+    parser.add_argument("--backends", default=None,
+                        help=f"comma-separated subset of {','.join(BACKENDS)} (default: all; "
+                             f"with --single-stream: {','.join(STREAM_BACKENDS)})")
+    parser.add_argument("--single-stream", action="store_true",
+                        help="one request: time to first token and decode tokens/s")
+    parser.add_argument("--stream-prompt-len", type=int, default=128)
+    parser.add_argument("--stream-output", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="kvscope knob")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="kvscope knob")
     parser.add_argument("--device-memory-gb", type=float, default=None,
@@ -245,11 +345,63 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.min_prompt = min(args.min_prompt, args.max_prompt)
     args.min_output = min(args.min_output, args.max_output)
-    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(args.backends) - set(BACKENDS))
+    allowed = STREAM_BACKENDS if args.single_stream else BACKENDS
+    args.backends = [b.strip() for b in (args.backends or ",".join(allowed)).split(",")
+                     if b.strip()]
+    unknown = sorted(set(args.backends) - set(allowed))
     if unknown:
-        parser.error(f"--backends: unknown {unknown}; choose from {list(BACKENDS)}")
+        parser.error(f"--backends: unknown {unknown}; choose from {list(allowed)}")
     return args
+
+
+def best_of_repeats(args, backends: dict, run_one, key: str) -> dict[str, dict]:
+    """Round-robin repeats, each backend's best run kept: on a shared machine, load from
+    other processes only ever slows a run down."""
+    runs: dict[str, list[dict]] = {name: [] for name in backends}
+    for repeat in range(args.repeats):
+        for name, backend in backends.items():
+            logger.info("repeat %d: %s", repeat + 1, name)
+            runs[name].append(run_one(backend))
+            logger.info("%s: %s", name, runs[name][-1])
+    return {name: {**max(runs[name], key=lambda r: r[key]),
+                   "setup_seconds": round(backend.setup_seconds, 2),
+                   f"all_{key}": [r[key] for r in runs[name]]}
+            for name, backend in backends.items()}
+
+
+def ratios_to_kvscope(results: dict[str, dict], key: str) -> dict[str, float]:
+    if "kvscope" not in results:
+        return {}
+    ours = results["kvscope"][key]
+    return {f"kvscope_vs_{name}": round(ours / r[key], 3)
+            for name, r in results.items() if name != "kvscope"}
+
+
+def throughput(args, workload: Workload, backends: dict, report: dict) -> None:
+    key = "output_tokens_per_s"
+    results = report["results"] = best_of_repeats(args, backends, lambda b: b.run(), key)
+    report["ratios"] = ratios_to_kvscope(results, key)
+    # Decode-dominated work: each output token costs the matmul FLOPs of one token.
+    peak = report["machine_roofline"]["gemm_gflop_s"][args.dtype] * 1e9
+    flops = report["model_costs"]["matmul_flops_per_token"]
+    for result_ in results.values():
+        result_["share_of_gemm_roofline"] = round(result_[key] * flops / peak, 3)
+
+
+def single_stream(args, workload: Workload, backends: dict, report: dict) -> None:
+    prompt = (workload.prompts[0] * args.stream_prompt_len)[:args.stream_prompt_len]
+    key = "decode_tokens_per_s"
+    results = report["results"] = best_of_repeats(
+        args, backends, lambda b: b.single_stream(prompt, args.stream_output), key)
+    report["workload"] = {"prompt_len": len(prompt), "output_tokens": args.stream_output,
+                          "sampling": "greedy", "ignore_eos": True}
+    report["ratios"] = ratios_to_kvscope(results, key)
+    bandwidth = report["machine_roofline"]["read_bandwidth_gb_s"] * 1e9
+    limit = bandwidth / report["model_costs"]["weight_bytes_per_step"]
+    report["weight_bandwidth_limit_tokens_per_s"] = round(limit, 1)
+    for name, result_ in results.items():
+        if name != "llama_cpp":  # its weights are a 4-bit GGUF: another byte count
+            result_["share_of_bandwidth_limit"] = round(result_[key] / limit, 3)
 
 
 def main(argv=None) -> None:
@@ -269,35 +421,28 @@ def main(argv=None) -> None:
     report = {
         "model": str(model_path), "device": args.device, "dtype": args.dtype,
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(), "repeats": args.repeats,
+        "machine": platform.processor() or platform.machine(), "cpu": cpu_name(),
+        "repeats": args.repeats,
         "workload": workload.describe(args), "results": {},
     }
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
+    if "llama_cpp" in args.backends and importlib.util.find_spec("llama_cpp") is None:
+        args.backends.remove("llama_cpp")
+        report["skipped"] = {"llama_cpp": "llama-cpp-python is not installed"}
     backends = {}
     for name in args.backends:
         logger.info("setting up %s", name)
         backends[name] = BACKEND_CLASSES[name](args, workload, model_path)
     if "kvscope" in backends:
         report["engine_config"] = backends["kvscope"].describe()
-    # Round-robin repeats, best run kept: on a shared machine, load from other processes
-    # only ever slows a run down.
-    runs: dict[str, list[dict]] = {name: [] for name in backends}
-    for repeat in range(args.repeats):
-        for name, backend in backends.items():
-            logger.info("repeat %d: %s on %d requests", repeat + 1, name, len(workload.prompts))
-            runs[name].append(backend.run())
-            logger.info("%s: %s", name, runs[name][-1])
-    for name, backend in backends.items():
-        best = max(runs[name], key=lambda r: r["output_tokens_per_s"])
-        report["results"][name] = {
-            **best, "setup_seconds": round(backend.setup_seconds, 2),
-            "all_output_tokens_per_s": [r["output_tokens_per_s"] for r in runs[name]]}
-    results = report["results"]
-    if "kvscope" in results:
-        ours = results["kvscope"]["output_tokens_per_s"]
-        report["ratios"] = {f"kvscope_vs_{name}": round(ours / r["output_tokens_per_s"], 3)
-                            for name, r in results.items() if name != "kvscope"}
+    dtype = getattr(torch, args.dtype)
+    report["machine_roofline"] = roofline.measure()
+    report["model_costs"] = roofline.model_costs(model_path, dtype)
+    if args.single_stream:
+        single_stream(args, workload, backends, report)
+    else:
+        throughput(args, workload, backends, report)
     print(json.dumps(report, indent=2))
 
 

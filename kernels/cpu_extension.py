@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
 NAME = "kvscope_cpu_kernels"
 
 
@@ -37,7 +38,7 @@ def cpu_flags() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    parts = [source.read_bytes() for source in SOURCES]
+    parts = [source.read_bytes() for source in (*SOURCES, *sorted(CSRC.glob("*.h")))]
     for part in (*parts, torch.__version__.encode(), cpu_flags().encode(),
                  (shutil.which("c++") or "").encode()):
         digest.update(part)

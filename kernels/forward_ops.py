@@ -9,6 +9,9 @@ computing them; the fused versions do each group in one call:
       neox rotary embedding in place on the first `heads` heads of each qkv row;
       cos / sin are fp32 [tokens, head_dim]
   silu_and_mul(x) -> silu(x[:, :n]) * x[:, n:]
+  linear(x, weight, bias) -> x @ weight.T + bias
+      one row (a single stream's decode) streams the weights through a dot-product
+      kernel: oneDNN's bf16 matmul reads them at well under the memory bandwidth there
 
 `TORCH_OPS` is the eager twin (any device, and the oracle); `CPU_OPS` calls the C++
 kernels (kernels/csrc/fused_cpu.cpp), which compute in fp32 and round where eager does.
@@ -27,6 +30,7 @@ class ForwardOps:
     rms_norm: Callable[..., torch.Tensor]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[..., torch.Tensor]
 
 
 def _torch_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -52,7 +56,8 @@ def _torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-TORCH_OPS = ForwardOps("torch", _torch_rms_norm, _torch_rotary_embedding, _torch_silu_and_mul)
+TORCH_OPS = ForwardOps("torch", _torch_rms_norm, _torch_rotary_embedding, _torch_silu_and_mul,
+                       F.linear)
 
 
 def _cpu_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -68,10 +73,19 @@ def _cpu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.shape[0] != 1 or x.dim() != 2 or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    out = x.new_empty(1, weight.shape[0])
+    torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
+    return out
+
+
 def cpu_ops() -> ForwardOps:
     """The C++ versions (builds or loads the extension; raises RuntimeError if it cannot)."""
     from kernels import cpu_ops as extension
 
     extension.load()
     return ForwardOps("cpu", _cpu_rms_norm, torch.ops.kvscope.rotary_embedding.default,
-                      _cpu_silu_and_mul)
+                      _cpu_silu_and_mul, _cpu_linear)

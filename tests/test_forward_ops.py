@@ -76,3 +76,15 @@ def test_fused_ops_take_rows_of_a_wider_tensor(fused):
     gate_up = wide[:, :128]
     assert_close(fused.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up.contiguous()),
                  torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_one_row_streams_and_more_rows_match_too(fused, dtype, rows):
+    x = randn(rows, 200, dtype=dtype)
+    weight, bias = randn(300, 200, dtype=dtype, seed=1), randn(300, dtype=dtype, seed=2)
+    for b in (bias, None):
+        out = fused.linear(x, weight, b)
+        assert out.shape == (rows, 300)
+        torch.testing.assert_close(out.float(), TORCH_OPS.linear(x, weight, b).float(),
+                                   atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)

@@ -21,7 +21,14 @@ def bind_forward_ops(model: nn.Module, ops: ForwardOps) -> None:
             module.ops = ops
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear, UsesForwardOps):
+    """nn.Linear through the bound forward ops (a single row streams its weights)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input as one matmul (q/k/v, gate/up).
 
     The checkpoint stores each part under its own name; `load_part` copies one into its

@@ -1,13 +1,12 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) over paged attention."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import MergedLinear, RMSNorm, UsesForwardOps, load_weights
+from engine.models.layers import Linear, MergedLinear, RMSNorm, UsesForwardOps, load_weights
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -40,7 +39,7 @@ class LlamaAttention(UsesForwardOps):
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
             config.hidden_size, [self.num_heads * self.head_dim, kv_size, kv_size], bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5)
@@ -60,7 +59,7 @@ class LlamaMLP(UsesForwardOps):
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size],
                                          bias=getattr(config, "mlp_bias", False))
-        self.down_proj = nn.Linear(size, config.hidden_size,
+        self.down_proj = Linear(size, config.hidden_size,
                                    bias=getattr(config, "mlp_bias", False))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -98,7 +97,7 @@ class LlamaBody(nn.Module):
         self.rotary = RotaryTable(config, max_positions)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(UsesForwardOps):
     """Parameter names follow transformers', so checkpoints load by name."""
 
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
@@ -107,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(config, max_positions)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -122,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight).float()
 
     def load_weights(self, weights) -> None:
         load_weights(self, weights, PACKED, skip={"lm_head.weight"} if self.tied else set())

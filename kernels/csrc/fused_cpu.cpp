@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -12,18 +14,9 @@
 
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof(result));
-  return result;
-}
-// What storing to T and reading back gives (round to nearest even for bf16).
-inline float round_to(float x, float*) { return x; }
-inline float round_to(float x, c10::BFloat16*) { return load(c10::BFloat16(x)); }
-inline void store(float& target, float x) { target = x; }
-inline void store(c10::BFloat16& target, float x) { target = c10::BFloat16(x); }
+using kvscope::load;
+using kvscope::round_to;
+using kvscope::store;
 
 template <typename T>
 void rms_norm_rows(T* hidden, int64_t hidden_stride, T* residual, int64_t residual_stride,

@@ -4,6 +4,8 @@
 // online in fp32. Built by kernels/cpu_extension.py with -march=native for the host CPU.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
+
+#include "cpu_common.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -19,15 +21,8 @@ constexpr int kQueryTile = 16;   // query tokens of one sequence that share each
 constexpr int kKeyChunk = 32;    // keys scored before one online-softmax update
 constexpr int kMinSplitKeys = 256;  // fewest keys one KV split of a decode gets
 
-inline float load(float x) { return x; }
-inline float load(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof(result));
-  return result;
-}
-inline void store(float& target, float x) { target = x; }
-inline void store(c10::BFloat16& target, float x) { target = c10::BFloat16(x); }
+using kvscope::load;
+using kvscope::store;
 
 template <typename KV>
 inline float dot(const float* __restrict q, const KV* __restrict k, int dim) {
