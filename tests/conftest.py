@@ -207,3 +207,31 @@ def all_cpu_threads():
     torch.set_num_threads(DEFAULT_NUM_THREADS)
     yield
     torch.set_num_threads(previous)
+
+
+def save_tiny_byte_level_model(folder: Path) -> Path:
+    """A 2-layer random Llama with a byte-level BPE tokenizer (GPT-2's 256-symbol alphabet,
+    no merges): any text encodes, and grammar engines (llguidance) can read its vocabulary."""
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: index for index, token in enumerate(specials + alphabet)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<|im_start|>",
+        eos_token="<|im_end|>", pad_token="<unk>", additional_special_tokens=specials[1:])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_byte_level_model_path(tmp_path_factory) -> Path:
+    return save_tiny_byte_level_model(tmp_path_factory.mktemp("tiny-byte-llama"))
