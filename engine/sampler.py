@@ -36,7 +36,7 @@ def sample(
     chosen_logprobs = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     top = [None] * len(params)
     for row, p in enumerate(params):
-        if p.logprobs:
+        if p.logprobs is not None:  # 0: the chosen token's logprob alone
             values, ids = log_probs[row].topk(p.logprobs)
             top[row] = dict(zip(ids.tolist(), values.tolist()))
     return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), top)

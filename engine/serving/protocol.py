@@ -89,6 +89,8 @@ class SamplingFields(BaseModel):
                      and getattr(self, name) != {"type": "text"}), None)
 
     def check_supported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
         for name, value in (self.model_extra or {}).items():
             if name not in NO_OPS:
                 raise ValueError(f"{name}: kvscope does not implement this field, and "
