@@ -1,6 +1,10 @@
 """Device memory: what a profiling forward peaks at, and how many KV blocks fit."""
 
+import contextlib
 import logging
+import os
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,7 +92,8 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_banner(), profile(activities=[ProfilerActivity.CPU],
+                                             profile_memory=True) as prof:
         fn()
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     peak = 0
@@ -98,6 +103,27 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         if event.tag == _EventType.Allocation:
             peak = max(peak, event.extra_fields.total_allocated)
     return peak
+
+
+@contextlib.contextmanager
+def _without_profiler_banner():
+    """Kineto writes "USDT: profiler_start/stop" lines straight to file descriptor 2 and
+    no setting turns them off; catch fd 2 meanwhile and pass on every other line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(True)
+                    if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
 
 
 def device_memory_bytes(device: torch.device, configured_gb: float) -> int:
