@@ -48,6 +48,15 @@ class MemoryPlan:
                 f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
 
 
+class PoolTooSmall(ValueError):
+    """The pool cannot hold one max_model_len sequence; the numbers let each caller name
+    the knobs its user can turn."""
+
+    def __init__(self, message: str, plan: "MemoryPlan") -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
 def plan_blocks(
     device_memory_bytes: int,
     gpu_memory_utilization: float,
@@ -68,13 +77,13 @@ def plan_blocks(
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len)
     if plan.num_tokens < max_model_len:
-        raise ValueError(
+        raise PoolTooSmall(
             f"the KV cache holds {plan.num_tokens} tokens ({num_blocks} blocks of {block_size}; "
             f"{device_memory_bytes / GiB:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization}"
             f" - weights {weight_bytes / GiB:.3f} GiB - activations "
             f"{peak_activation_bytes / GiB:.3f} GiB) but max_model_len={max_model_len} needs "
             f"{max_model_len}: raise gpu_memory_utilization or device_memory_gb, or lower "
-            "max_model_len or max_num_batched_tokens")
+            "max_model_len or max_num_batched_tokens", plan)
     return plan
 
 
