@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import jsonschema
 import openai
 import pytest
+from conftest import serve
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
-from test_serving import LiveServer, assert_idle, serve
+from test_serving import LiveServer, assert_idle
 from tokenizers import pre_tokenizers
 
 from engine.async_engine import AsyncEngine
