@@ -5,6 +5,8 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from engine.block_events import BlockEventLog
+
 
 @dataclass(frozen=True, slots=True)
 class BlockHash:
@@ -96,15 +98,14 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        # Kept up to date on every change so a step's record never scans the cache.
+        self.num_cached_free_blocks = 0
+        self.events = BlockEventLog()
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take now: plain free plus evictable cached-free."""
         return len(self.free_queue)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.cached_blocks.values() if b.ref_count == 0)
 
     @property
     def num_used_blocks(self) -> int:
@@ -114,19 +115,27 @@ class BlockPool:
         if count > len(self.free_queue):
             raise ValueError(f"asked for {count} blocks, {len(self.free_queue)} free")
         blocks = []
+        touched = self.events.blocks
         for _ in range(count):
             block = self.free_queue.popleft()
-            self._evict(block)
+            if block.block_hash is not None:
+                self.num_cached_free_blocks -= 1
+                self._evict(block)
             block.ref_count = 1
             blocks.append(block)
+            touched[block.block_id] = block
         return blocks
 
     def share(self, blocks: Iterable[KVBlock]) -> None:
         """Add a reference to each block, reviving cached-free ones out of the free queue."""
+        touched = self.events.blocks
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
             block.ref_count += 1
+            touched[block.block_id] = block
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; a block reaching zero rejoins the free queue.
@@ -134,13 +143,16 @@ class BlockPool:
         Callers pass a sequence's blocks tail first, so a sequence's later blocks
         (less likely to be shared by future prompts) are evicted before its earlier ones.
         """
+        touched = self.events.blocks
         for block in blocks:
             block.ref_count -= 1
+            touched[block.block_id] = block
             if block.ref_count == 0:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+                    self.num_cached_free_blocks += 1
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...],
                parent: bytes | None = None) -> KVBlock | None:
@@ -159,6 +171,7 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[block_hash.value] = block
+        self.events.blocks[block.block_id] = block
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
@@ -166,11 +179,13 @@ class BlockPool:
         del self.cached_blocks[block.block_hash.value]
         block.block_hash = None
         self.num_evictions += 1
+        self.events.blocks[block.block_id] = block
 
     def reset_cache(self) -> None:
         """Forget every cached-free block's content (used blocks keep theirs)."""
         for block in list(self.free_queue):
             if block.block_hash is not None:
+                self.num_cached_free_blocks -= 1
                 self._evict(block)
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)

@@ -18,7 +18,7 @@ from engine.request import Chunk, Request, Sequence, SequenceStatus
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from engine.telemetry import ScheduledChunk, StepRecord
+from engine.telemetry import PoolDelta, ScheduledChunk, StepRecord, take_pool_delta
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 class StepResult:
     outputs: list[RequestOutput]
     record: StepRecord
+    pool_delta: PoolDelta  # the blocks and block tables this step changed
 
 
 class EngineCore:
@@ -150,7 +151,7 @@ class EngineCore:
             self.requests.pop(request.request_id, None)
         record = self._record(start_time, plan, finished, num_generated)
         self.step_index += 1
-        return StepResult(outputs, record)
+        return StepResult(outputs, record, take_pool_delta(self))
 
     def _sample_and_update(self, sampling: list[ScheduledSequence],
                            logits: torch.Tensor) -> tuple[list[Request], int]:
@@ -332,7 +333,7 @@ class EngineCore:
     def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
                 num_generated: int) -> StepRecord:
         pool = self.kv_cache.pool
-        num_cached_blocks = pool.num_cached_free_blocks  # a scan of the cache: once a step
+        num_cached_blocks = pool.num_cached_free_blocks
         return StepRecord(
             step=self.step_index, start_time=start_time, end_time=time.time(),
             chunks=tuple(ScheduledChunk(s.seq.request.request_id, s.seq.seq_id, s.kind,

@@ -64,6 +64,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.kv_cache.events.sequence_changed(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
