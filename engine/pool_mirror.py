@@ -54,7 +54,7 @@ class PoolMirror:
         self.ref_counts = np.zeros(0, np.int32)
         self.hashed = np.zeros(0, bool)
         self.hashes: list[BlockHash | None] = []
-        self.sequences: dict[str, MirroredSequence] = {}
+        self.live: dict[str, MirroredSequence] = {}
         # block id -> (seq id, logical index) of every block table entry pointing at it
         self.holders: dict[int, list[tuple[str, int]]] = {}
         self.num_covered = 0  # blocks [0, num_covered) hold slice data
@@ -96,7 +96,7 @@ class PoolMirror:
         self.ref_counts = np.zeros(num_blocks, np.int32)
         self.hashed = np.zeros(num_blocks, bool)
         self.hashes = [None] * num_blocks
-        self.sequences, self.holders = {}, {}
+        self.live, self.holders = {}, {}
         self.num_covered = min(covered, num_blocks)
         self.blocks_version += 1
         self.sequences_version += 1
@@ -136,7 +136,7 @@ class PoolMirror:
         for change in delta.sequences:
             self._apply_sequence(change)
         for seq_id in delta.removed:
-            seq = self.sequences.pop(seq_id, None)
+            seq = self.live.pop(seq_id, None)
             if seq is not None:
                 self._drop_holders(seq, 0)
         if delta.sequences or delta.removed:
@@ -144,9 +144,9 @@ class PoolMirror:
         return True
 
     def _apply_sequence(self, change: SequenceChange) -> None:
-        seq = self.sequences.get(change.seq_id)
+        seq = self.live.get(change.seq_id)
         if seq is None:
-            seq = self.sequences[change.seq_id] = MirroredSequence(
+            seq = self.live[change.seq_id] = MirroredSequence(
                 change.seq_id, change.request_id, change.status, change.num_tokens,
                 change.num_prompt_tokens, change.num_computed_tokens, change.arrival_time)
         seq.status, seq.num_tokens = change.status, change.num_tokens
@@ -169,7 +169,46 @@ class PoolMirror:
             if not entries:
                 del self.holders[block_id]
 
-    # ---- reading -------------------------------------------------------------------------
+    # ---- reading: the attributes of an EngineSnapshot, so panels read either ------------
+    @property
+    def sequences(self) -> list[MirroredSequence]:
+        return list(self.live.values())
+
+    @property
+    def config(self) -> dict:
+        return self.counters.config if self.counters else {}
+
+    @property
+    def step(self) -> int:
+        return self.counters.step if self.counters else 0
+
+    @property
+    def num_running(self) -> int:
+        return self.counters.num_running if self.counters else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self.counters.num_waiting if self.counters else 0
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.counters.prefix_cache_queries if self.counters else 0
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.counters.prefix_cache_hits if self.counters else 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters.num_preemptions if self.counters else 0
+
+    @property
+    def num_evictions(self) -> int:
+        return self.counters.num_evictions if self.counters else 0
+
+    def count(self, state: str) -> int:
+        return self.counts()[state]
+
     def state_codes(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """0 free, 1 cached (free, still holding a hash), 2 used, 3 shared, per block."""
         refs = self.ref_counts[start:stop]
@@ -188,7 +227,7 @@ class PoolMirror:
             return block_hash.token_ids
         size, best = self.block_size, ()
         for seq_id, index in self.holders.get(block_id, ()):
-            seq = self.sequences[seq_id]
+            seq = self.live[seq_id]
             stored = seq.token_ids[index * size:min((index + 1) * size, seq.num_computed_tokens)]
             if len(stored) > len(best):
                 best = tuple(stored)
@@ -212,7 +251,7 @@ class PoolMirror:
         used = self.ref_counts > 0
         total = int(np.count_nonzero(used & self.hashed)) * size
         fill = np.zeros(self.num_blocks, np.int32)
-        for seq in self.sequences.values():
+        for seq in self.live.values():
             if not seq.block_table:
                 continue
             table = np.asarray(seq.block_table)
@@ -223,5 +262,5 @@ class PoolMirror:
 
     @property
     def blocks_saved_by_sharing(self) -> int:
-        held = sum(len(seq.block_table) for seq in self.sequences.values())
+        held = sum(len(seq.block_table) for seq in self.live.values())
         return held - int(np.count_nonzero(self.ref_counts > 0))

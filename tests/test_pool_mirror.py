@@ -27,7 +27,7 @@ def assert_mirror_matches(mirror: PoolMirror, core: EngineCore) -> None:
                 mirrored.token_ids) == (block.ref_count, block.state, block.block_hash,
                                         block.parent_hash, block.token_ids), block.block_id
         assert sorted(mirrored.owners) == sorted(block.owners)
-    assert {s.seq_id: s.info() for s in mirror.sequences.values()} == {
+    assert {s.seq_id: s.info() for s in mirror.sequences} == {
         s.seq_id: s for s in snapshot.sequences}
     assert mirror.counts() == {state: snapshot.count(state)
                                for state in ("free", "cached", "used", "shared")}

@@ -1,4 +1,5 @@
-"""The live panels' data: step history drained from the engine, token usage, arrivals."""
+"""The live panels' data: the pool mirror, step history from the engine, token usage,
+arrivals. Nothing here asks the engine thread for a full snapshot after the start."""
 
 import threading
 import time
@@ -6,15 +7,18 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.telemetry import EngineSnapshot, StepRecord
+from engine.pool_mirror import PoolMirror
+from engine.telemetry import StepRecord
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600
+# How long a refresh waits for the mirror's first snapshot (a few engine-loop turns).
+FIRST_SNAPSHOT_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
 class LiveState:
-    snapshot: EngineSnapshot
+    snapshot: PoolMirror  # the pool as of this refresh, read like an EngineSnapshot
     records: tuple[StepRecord, ...]
     token_usage: tuple[tuple[float, float], ...]
     arrivals: dict[str, float]
@@ -22,24 +26,29 @@ class LiveState:
 
 class LiveFeed:
     """Shared by every browser tab: whichever tab ticks first drains the engine's step
-    queue into one history, so tabs do not steal records from each other."""
+    queue into one history and its pool deltas into one mirror, so tabs do not steal
+    records from each other. Hold `lock` while reading the state a refresh returned."""
 
     def __init__(self, engine):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
+        self._pool_records = engine.subscribe_pool()
+        self._pool_dropped = 0
+        self.pool = PoolMirror()
         self._requests = engine.subscribe_requests()
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._arrivals: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
     def refresh(self) -> LiveState:
-        snapshot = self.engine.snapshot()
-        with self._lock:
+        with self.lock:
+            self._update_pool()
+            snapshot = self.pool
             self._records.extend(self._steps.drain())
             # Arrival times give the timelines their waiting bars and the stats their TTFT:
-            # from finished requests, and from running ones seen in the snapshot.
+            # from finished requests, and from running ones seen in the mirror.
             for record in self._requests.drain():
                 metrics = record.output.metrics
                 if metrics is not None:
@@ -47,15 +56,35 @@ class LiveFeed:
             for seq in snapshot.sequences:
                 self._arrivals.setdefault(seq.request_id, seq.arrival_time)
             pool_tokens = snapshot.num_blocks * snapshot.block_size
-            self._token_usage.append((time.time(), snapshot.num_used_tokens / pool_tokens))
+            self._token_usage.append((time.time(), snapshot.num_used_tokens / max(pool_tokens, 1)))
             oldest = self._records[0].start_time if self._records else time.time()
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
                              dict(self._arrivals))
 
+    def _update_pool(self) -> None:
+        """Apply the deltas that arrived; on a missed one, ask for a new snapshot."""
+        records = self._pool_records
+        deadline = time.monotonic() + FIRST_SNAPSHOT_WAIT_S
+        while True:
+            for record in records.drain():
+                if not self.pool.apply(record):
+                    self._resync()
+                    break
+            if records.num_dropped != self._pool_dropped:
+                self._pool_dropped = records.num_dropped
+                self._resync()
+            if self.pool.ready or time.monotonic() > deadline or records.closed:
+                return
+            time.sleep(0.01)  # the snapshot's slices are on their way
+
+    def _resync(self) -> None:
+        self.pool.awaiting_base = True
+        self.engine.resync_pool(self._pool_records)
+
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""
-        with self._lock:
+        with self.lock:
             self._records.clear()
             self._token_usage.clear()
 

@@ -1,8 +1,10 @@
 """The timer's handler: every live panel, skipping those whose data did not change."""
 
+from dataclasses import dataclass
+
 import gradio as gr
 
-from engine.telemetry import EngineSnapshot
+from engine.pool_mirror import PoolMirror
 from ui import figures, timeline
 from ui.live import LiveFeed, LiveState
 
@@ -10,23 +12,39 @@ PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "seri
           "comparison")
 
 
-def _pool_signature(snapshot: EngineSnapshot) -> tuple:
-    return (snapshot.num_blocks, snapshot.block_size,
-            tuple((b.ref_count, b.state, b.block_hash, len(b.token_ids), b.owners)
-                  for b in snapshot.blocks))
+@dataclass(frozen=True, slots=True)
+class PanelViews:
+    """What this tab chose to look at: the heatmap's range and the block tables' page."""
+
+    heatmap_view: str = "whole pool"
+    heatmap_start: int | None = None
+    heatmap_stop: int | None = None
+    tables: figures.TableView = figures.TableView()
 
 
-def _signatures(state: LiveState) -> dict[str, object]:
+def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
+                table_page=None, table_filter=None) -> PanelViews:
+    """The views from the controls' raw values (None or blank = the default)."""
+    return PanelViews(
+        heatmap_view or "whole pool",
+        None if heatmap_start in (None, "") else int(heatmap_start),
+        None if heatmap_stop in (None, "", 0) else int(heatmap_stop),  # 0: to the end
+        figures.TableView(table_order or "most recent", max(int(table_page or 1), 1),
+                          (table_filter or "").strip()))
+
+
+def _signatures(state: LiveState, views: PanelViews) -> dict[str, object]:
     snapshot = state.snapshot
-    pool = hash(_pool_signature(snapshot))
-    sequences = hash(tuple((s.seq_id, s.status, s.block_table, s.num_tokens)
-                           for s in snapshot.sequences))
+    # The mirror counts its own changes, so an unchanged pool costs nothing to notice.
+    pool = (snapshot.epoch, snapshot.blocks_version, snapshot.ready)
+    sequences = (snapshot.epoch, snapshot.sequences_version)
     last_step = state.records[-1].step if state.records else -1
     return {
         "summary": (snapshot.num_blocks, snapshot.block_size, snapshot.num_running,
                     snapshot.num_waiting, hash(str(snapshot.config))),
-        "heatmap": pool,
-        "block_tables": (pool, sequences),
+        "heatmap": (pool, sequences, views.heatmap_view, views.heatmap_start,
+                    views.heatmap_stop),
+        "block_tables": (pool, sequences, views.tables),
         "prefix_tree": pool,
         "timeline": (last_step, len(state.arrivals)),
         "series": (last_step, snapshot.num_used_tokens),
@@ -35,7 +53,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
     }
 
 
-def summary_markdown(snapshot: EngineSnapshot) -> str:
+def summary_markdown(snapshot: PoolMirror) -> str:
     config = snapshot.config
     max_model_len = config.get("max_model_len") or 0
     per_sequence = -(-max_model_len // snapshot.block_size) if max_model_len else 0
@@ -48,14 +66,15 @@ def summary_markdown(snapshot: EngineSnapshot) -> str:
             f"{'on' if config.get('enable_chunked_prefill') else 'off'}")
 
 
-def _render(name: str, state: LiveState, decode):
+def _render(name: str, state: LiveState, decode, views: PanelViews):
     snapshot = state.snapshot
     if name == "summary":
         return summary_markdown(snapshot)
     if name == "heatmap":
-        return figures.pool_heatmap(snapshot, decode)
+        return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
+                                    views.heatmap_stop)
     if name == "block_tables":
-        return figures.block_table_map(snapshot, decode)
+        return figures.block_table_map(snapshot, decode, views.tables)
     if name == "prefix_tree":
         return figures.prefix_tree(snapshot, decode)
     if name == "timeline":
@@ -71,12 +90,20 @@ def _render(name: str, state: LiveState, decode):
     return figures.paged_vs_contiguous(snapshot)
 
 
-def refresh_panels(feed: LiveFeed, shown: dict | None):
+def refresh_panels(feed: LiveFeed, shown: dict | None, *view_controls):
     """One value per panel in PANELS order (gr.skip() if unchanged), then the new
-    signatures; `shown` is this browser tab's state, so each tab gets full panels once."""
-    state = feed.refresh()
-    signatures = _signatures(state)
-    shown = shown or {}
-    values = [gr.skip() if shown.get(name) == signatures[name]
-              else _render(name, state, feed.decode) for name in PANELS]
+    signatures; `shown` is this browser tab's state, so each tab gets full panels once.
+    `view_controls` are the values of the heatmap and block-table controls (see
+    panel_views); a bad one draws the default view and says so in a warning."""
+    try:
+        views = panel_views(*view_controls)
+    except (TypeError, ValueError) as error:
+        gr.Warning(f"View not changed: {error}")
+        views = PanelViews()
+    with feed.lock:  # the mirror stays still while this tab reads it
+        state = feed.refresh()
+        signatures = _signatures(state, views)
+        shown = shown or {}
+        values = [gr.skip() if shown.get(name) == signatures[name]
+                  else _render(name, state, feed.decode, views) for name in PANELS]
     return *values, signatures
