@@ -22,6 +22,7 @@ Usage:
 
 import argparse
 import functools
+import importlib
 import json
 import logging
 import os
@@ -48,11 +49,14 @@ from ui import panels  # noqa: E402
 from ui.live import LiveFeed  # noqa: E402
 
 ENGINE_THREAD = "kvscope-engine"
-# Engine-thread telemetry entry points, today's and later ones; those that exist are timed.
+# Engine-thread telemetry entry points (module, class or None for a module function, name),
+# of the code before pool deltas and after; those that exist are timed.
 TELEMETRY_CALLS = (
     ("engine.async_engine", "AsyncEngine", "_answer_snapshots"),
     ("engine.async_engine", "AsyncEngine", "_publish_pool_delta"),
+    ("engine.async_engine", "AsyncEngine", "_send_pool_slices"),
     ("engine.core", "EngineCore", "_record"),
+    ("engine.core", None, "take_pool_delta"),
 )
 IN_FLIGHT = 16
 PREFIX_TOKENS = 32
@@ -67,11 +71,12 @@ class TelemetryClock:
         self.total = 0.0
         self.max_pause = 0.0
         self.lock = threading.Lock()
-        for module_name, class_name, method in TELEMETRY_CALLS:
-            owner = getattr(sys.modules.get(module_name) or __import__(
-                module_name, fromlist=[class_name]), class_name)
-            if hasattr(owner, method):
-                setattr(owner, method, self._timed(getattr(owner, method)))
+        for module_name, class_name, name in TELEMETRY_CALLS:
+            owner = importlib.import_module(module_name)
+            if class_name is not None:
+                owner = getattr(owner, class_name)
+            if hasattr(owner, name):
+                setattr(owner, name, self._timed(getattr(owner, name)))
 
     def _timed(self, function):
         @functools.wraps(function)

@@ -1,7 +1,10 @@
 """Tests for ui figures: pool heatmap, block tables, prefix tree, timelines, comparison."""
 
+import json
+
 import numpy as np
 import pytest
+from conftest import heatmap_state_codes, plotly_array
 
 from engine.block_pool import BlockHash
 from engine.config import EngineConfig
@@ -79,15 +82,10 @@ def mirror_of(core: EngineCore) -> PoolMirror:
 
 def heatmap_cells(figure) -> dict[int, int]:
     """Block id -> state code of an exact (one cell per block) heatmap."""
-    unshared, shared = figure.data[0].z, figure.data[1].z
-    first_row = int(figure.data[0].y[0])
-    cells = {}
-    for row in range(unshared.shape[0]):
-        for column in range(HEATMAP_COLUMNS):
-            code = 3 if not np.isnan(shared[row, column]) else unshared[row, column]
-            if not np.isnan(code):
-                cells[first_row + row * HEATMAP_COLUMNS + column] = int(code)
-    return cells
+    codes = heatmap_state_codes(figure)
+    first_row = int(figure["data"][0]["y"][0])
+    return {first_row + row * HEATMAP_COLUMNS + column: int(code)
+            for (row, column), code in np.ndenumerate(codes) if not np.isnan(code)}
 
 
 def test_heatmap_has_one_cell_per_block_coloured_by_state(run) -> None:
@@ -106,8 +104,8 @@ def test_heatmap_has_one_cell_per_block_coloured_by_state(run) -> None:
     figure = pool_heatmap(mirror)
     assert heatmap_cells(figure)[first_block] == 3
     row, column = divmod(first_block, HEATMAP_COLUMNS)
-    assert figure.data[1].z[row, column] == 2  # the ref-count scale: two references
-    assert figure.data[1].colorbar.title.text == "ref count"
+    assert plotly_array(figure["data"][1]["z"])[row, column] == 2  # the ref-count scale
+    assert figure["data"][1]["colorbar"]["title"]["text"] == "ref count"
 
 
 def test_heatmap_hover_names_block_owners_and_text(run) -> None:
@@ -116,7 +114,7 @@ def test_heatmap_hover_names_block_owners_and_text(run) -> None:
     first_block = snapshot.sequences[0].block_table[0]
     row, column = divmod(first_block, HEATMAP_COLUMNS)
     block_id, ref_count, state, owners, hash_prefix, text = (
-        figure.data[0].customdata[row][column])
+        figure["data"][0]["customdata"][row][column])
     assert (block_id, state) == (first_block, "shared")
     assert ref_count == 2 and set(owners.split(", ")) == {s.seq_id for s in snapshot.sequences}
     assert hash_prefix == snapshot.blocks[first_block].block_hash[:12]
@@ -126,27 +124,27 @@ def test_heatmap_hover_names_block_owners_and_text(run) -> None:
 def test_block_table_map_lines_up_shared_prefixes(run) -> None:
     _, (mirror, snapshot), _, _ = run
     figure = block_table_map(mirror)
-    heatmap = figure.data[0]
+    heatmap = figure["data"][0]
     holders = sorted((seq for seq in snapshot.sequences if seq.block_table),
                      key=lambda seq: seq.arrival_time, reverse=True)
-    assert len(heatmap.z) == len(holders) == 2
-    for seq, texts in zip(holders, heatmap.text):
+    assert len(heatmap["y"]) == len(holders) == 2
+    for seq, texts in zip(holders, heatmap["text"]):
         assert [int(text.split("·")[0]) for text in texts] == list(seq.block_table)
-    assert heatmap.text[0][0] == heatmap.text[1][0]  # the same physical block in both rows
-    assert "/" in heatmap.text[0][-1]  # the last block shows its fill
-    assert figure.layout.title.text.startswith("Block tables: 2 of 2 sequences")
+    assert heatmap["text"][0][0] == heatmap["text"][1][0]  # the same physical block in both
+    assert "/" in heatmap["text"][0][-1]  # the last block shows its fill
+    assert figure["layout"]["title"]["text"].startswith("Block tables: 2 of 2 sequences")
 
 
 def test_prefix_tree_follows_the_hash_chain(run) -> None:
     (mirror, snapshot), _, _, _ = run
-    icicle = prefix_tree(mirror).data[0]
+    icicle = prefix_tree(mirror)["data"][0]
     hashed = {block.block_hash: block for block in snapshot.blocks if block.block_hash}
-    assert set(icicle.ids) == set(hashed) | {"root"}
-    for node, parent in zip(icicle.ids, icicle.parents):
+    assert set(icicle["ids"]) == set(hashed) | {"root"}
+    for node, parent in zip(icicle["ids"], icicle["parents"]):
         if node != "root":
             expected = hashed[node].parent_hash
             assert parent == (expected if expected in hashed else "root")
-    assert sum(parent == "root" for parent in icicle.parents) == 1  # one chain from A
+    assert sum(parent == "root" for parent in icicle["parents"]) == 1  # one chain from A
 
 
 def test_timeline_shows_chunked_prefill_decode_and_finish(run) -> None:
@@ -195,7 +193,9 @@ def test_paged_memory_beats_a_contiguous_reservation(run) -> None:
     assert comparison.contiguous_reserved_tokens == 2 * 128
     assert comparison.paged_reserved_tokens < comparison.contiguous_reserved_tokens
     assert comparison.paged_useful > comparison.contiguous_useful
-    assert "20.4–38.2%" in paged_vs_contiguous(during_b).layout.title.text
+    figure = paged_vs_contiguous(during_b)
+    assert "20.4–38.2%" in figure["layout"]["title"]["text"]
+    assert figure["layout"]["annotations"][0]["xanchor"] == "right"  # inside the plot
 
 
 # ---- pools far larger than the screen -------------------------------------------------------
@@ -230,10 +230,10 @@ def sequence(seq_id: str, table: list[int], arrival: float) -> SequenceChange:
 def test_a_large_pool_is_drawn_in_aggregate_cells_that_count_every_block() -> None:
     mirror = synthetic_mirror(LARGE)
     figure = pool_heatmap(mirror)
-    image = figure.data[0]
+    image = figure["data"][0]
     cell = -(-LARGE // MAX_CELLS)
-    assert image.type == "image" and image.dx == cell
-    counts = image.customdata.reshape(-1, len(STATES))
+    assert image["type"] == "image" and image["dx"] == cell
+    counts = plotly_array(image["customdata"]).reshape(-1, len(STATES)).astype(int)
     assert counts.shape[0] <= MAX_CELLS + HEATMAP_COLUMNS  # padding of the last row only
     # The cells' counts add up to the pool's, state by state, and each cell is its range.
     assert dict(zip(STATES, counts.sum(axis=0).tolist())) == mirror.counts()
@@ -241,9 +241,9 @@ def test_a_large_pool_is_drawn_in_aggregate_cells_that_count_every_block() -> No
     for index in (0, 17, len(cell_counts(mirror, 0, LARGE, cell)) - 1):
         expected = np.bincount(codes[index * cell:(index + 1) * cell], minlength=4)
         assert counts[index].tolist() == expected.tolist()
-    assert f"one cell = {cell} blocks" in figure.layout.title.text
+    assert f"one cell = {cell} blocks" in figure["layout"]["title"]["text"]
     # Compact: numpy arrays go out as typed arrays, not per-cell strings.
-    assert len(figure.to_json()) < 80_000
+    assert len(json.dumps(figure)) < 60_000
 
 
 def test_zooming_shows_exact_blocks_with_hover_detail() -> None:
@@ -252,8 +252,13 @@ def test_zooming_shows_exact_blocks_with_hover_detail() -> None:
     cells = heatmap_cells(figure)
     assert sorted(cells) == list(range(50_000, 50_100))
     assert [cells[b] for b in range(50_000, 50_100)] == mirror.state_codes(50_000, 50_100).tolist()
-    assert figure.data[0].customdata[0][5][0] == 50_005  # hover: the block itself
-    assert "blocks 50000–50099: one cell per block" in figure.layout.title.text
+    assert figure["data"][0]["customdata"][0][5][0] == 50_005  # hover: the block itself
+    assert "blocks 50000–50099: one cell per block" in figure["layout"]["title"]["text"]
+    # Wider exact views keep block, state and ref count in the hover, as typed arrays.
+    wide = pool_heatmap(mirror, view="block range", start=10_000, stop=10_000 + MAX_CELLS)
+    assert len(heatmap_cells(wide)) == MAX_CELLS
+    hover = plotly_array(wide["data"][0]["customdata"]).reshape(-1, 2)
+    assert hover[:3].tolist() == [[b, mirror.ref_counts[b]] for b in range(10_000, 10_003)]
     # Out-of-pool ranges are clamped to the pool.
     assert sorted(heatmap_cells(pool_heatmap(mirror, view="block range", start=LARGE - 3,
                                              stop=LARGE + 50))) == list(range(LARGE - 3, LARGE))
@@ -276,30 +281,30 @@ def test_block_tables_say_how_many_they_leave_out_and_page() -> None:
     mirror = synthetic_mirror(5000, [sequence(f"seq-{i}", table, float(i))
                                      for i, table in enumerate(tables)])
     figure = block_table_map(mirror)
-    assert len(figure.data[0].y) == MAX_TABLE_ROWS
-    assert figure.data[0].y[0] == "seq-42 (running)"  # most recent first
-    assert "32 of 43 sequences" in figure.layout.title.text
-    assert "page 1 of 2" in figure.layout.title.text
+    assert len(figure["data"][0]["y"]) == MAX_TABLE_ROWS
+    assert figure["data"][0]["y"][0] == "seq-42 (running)"  # most recent first
+    assert "32 of 43 sequences" in figure["layout"]["title"]["text"]
+    assert "page 1 of 2" in figure["layout"]["title"]["text"]
     second = block_table_map(mirror, view=TableView(page=2))
-    assert len(second.data[0].y) == 43 - MAX_TABLE_ROWS
+    assert len(second["data"][0]["y"]) == 43 - MAX_TABLE_ROWS
     longest = block_table_map(mirror, view=TableView(order="longest"))
-    assert longest.data[0].y[0] == "seq-5 (running)"
-    texts = [int(text.split("·")[0]) for text in longest.data[0].text[0]]
+    assert longest["data"][0]["y"][0] == "seq-5 (running)"
+    texts = [int(text.split("·")[0]) for text in longest["data"][0]["text"][0]]
     assert len(texts) == MAX_TABLE_COLUMNS  # first and last halves of the long table
     assert texts[0] == 2000 and texts[-1] == 2000 + 3 * MAX_TABLE_COLUMNS - 1
-    assert "first and last" in longest.layout.xaxis.title.text
+    assert "first and last" in longest["layout"]["xaxis"]["title"]["text"]
     only = block_table_map(mirror, view=TableView(filter="seq-4"))
-    assert sorted(only.data[0].y) == sorted(f"seq-{i} (running)" for i in (4, 40, 41, 42))
+    assert sorted(only["data"][0]["y"]) == sorted(f"seq-{i} (running)" for i in (4, 40, 41, 42))
     with pytest.raises(ValueError, match="page=0"):
         TableView(page=0)
 
 
 def test_a_large_prefix_tree_is_bounded_and_folds_small_subtrees() -> None:
     mirror = synthetic_mirror(20_000)
-    icicle = prefix_tree(mirror).data[0]
-    assert len(icicle.ids) <= MAX_TREE_NODES + 1
+    icicle = prefix_tree(mirror)["data"][0]
+    assert len(icicle["ids"]) <= MAX_TREE_NODES + 1
     hashed = np.flatnonzero(mirror.hashed)
     # Folding keeps the sizes: the drawn values sum to the whole tree's.
-    assert sum(icicle.values) == sum(1 + int(mirror.ref_counts[b]) for b in hashed)
-    assert any(label.endswith("more branches") for label in icicle.labels)
-    assert f"{len(hashed)} hashed blocks" in prefix_tree(mirror).layout.title.text
+    assert sum(icicle["values"]) == sum(1 + int(mirror.ref_counts[b]) for b in hashed)
+    assert any(label.endswith("more branches") for label in icicle["labels"])
+    assert f"{len(hashed)} hashed blocks" in prefix_tree(mirror)["layout"]["title"]["text"]

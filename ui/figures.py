@@ -8,17 +8,18 @@ MAX_TREE_NODES nodes. Each says what it leaves out. Bulk data goes out as numpy 
 for the blocks on screen when single blocks are shown.
 """
 
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import plotly.graph_objects as go
 
 from engine.pool_mirror import STATES, PoolMirror
 from ui.palette import (
     MAX_SHADED_REFS,
     SHARED_COLORSCALE,
     STATE_COLORS,
+    TEMPLATE,
     UNSHARED_COLORSCALE,
     hover_text,
     state_rgb,
@@ -26,33 +27,48 @@ from ui.palette import (
 
 HEATMAP_COLUMNS = 64
 MAX_CELLS = 4096
+# Owners, hash and text in the hover of single blocks only up to this many on screen:
+# beyond it the hover says block, state and ref count (typed arrays, a few bytes a cell).
+MAX_HOVER_DETAIL = 1024
 MAX_TABLE_ROWS = 32
-MAX_TABLE_COLUMNS = 64  # longer tables show their first and last half of this
+MAX_TABLE_COLUMNS = 32  # longer tables show their first and last half of this
 MAX_TREE_NODES = 300
 TABLE_ORDERS = ("most recent", "longest", "most shared")
 HEATMAP_VIEWS = ("whole pool", "used region", "block range")
 Decode = Callable[[tuple[int, ...]], str]
+# A figure as plotly's JSON spec: {"data": [trace dicts], "layout": {...}}. Plain dicts
+# serialise in a millisecond; plotly's object model took ~0.5 s per thousands of cells.
+Figure = dict
 
 
 def _no_decode(token_ids: tuple[int, ...]) -> str:
     return " ".join(map(str, token_ids))
 
 
-def _layout(figure: go.Figure, title: str, height: int, right: int = 20) -> go.Figure:
+def typed_array(array: np.ndarray) -> dict:
+    """plotly.js's typed-array spec: the raw bytes in base64 instead of a JSON number list."""
+    array = np.ascontiguousarray(array)
+    return {"dtype": array.dtype.str.lstrip("<>|="),
+            "bdata": base64.b64encode(array.tobytes()).decode("ascii"),
+            "shape": ", ".join(map(str, array.shape))}
+
+
+def _figure(traces: list[dict], title: str, height: int, right: int = 20,
+            **layout) -> Figure:
     # The legend sits above the plot, where it cannot cover an axis title.
-    figure.update_layout(title={"text": title, "y": 0.98, "yanchor": "top"}, height=height,
-                         margin={"l": 60, "r": right, "t": 100, "b": 40},
-                         plot_bgcolor="white", uirevision="keep",  # keep zoom across ticks
-                         legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0})
-    return figure
+    return {"data": traces, "layout": {
+        "template": TEMPLATE, "height": height, "plot_bgcolor": "white",
+        "title": {"text": title, "y": 0.98, "yanchor": "top"},
+        "margin": {"l": 60, "r": right, "t": 100, "b": 40},
+        "uirevision": "keep",  # keep the person's zoom across ticks
+        "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0}, **layout}}
 
 
-def _state_legend(figure: go.Figure, states=tuple(STATE_COLORS)) -> None:
+def _state_legend(states=tuple(STATE_COLORS)) -> list[dict]:
     """Heatmaps have no per-category legend, so invisible points carry one."""
-    for state in states:
-        figure.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=state,
-                                    marker={"color": STATE_COLORS[state], "size": 10,
-                                            "symbol": "square"}))
+    return [{"type": "scatter", "x": [None], "y": [None], "mode": "markers", "name": state,
+             "marker": {"color": STATE_COLORS[state], "size": 10, "symbol": "square"}}
+            for state in states]
 
 
 def _block_hover(pool: PoolMirror, block_id: int, decode: Decode) -> list:
@@ -68,20 +84,20 @@ BLOCK_HOVER = ("block %{customdata[0]} · %{customdata[2]} · ref %{customdata[1
                "text: %{customdata[5]}<extra></extra>")
 
 
-def _state_traces(codes: np.ndarray, refs: np.ndarray, **common) -> list[go.Heatmap]:
+def _state_traces(codes: np.ndarray, refs: np.ndarray, **common) -> list[dict]:
     """Two heatmaps on one grid: the unshared states (discrete colours) and the shared
     blocks shaded by reference count, with a colour bar saying so. NaN = no cell."""
     unshared = np.where(codes < 3, codes, np.nan).astype(np.float32)
     shared = np.where(codes == 3, np.minimum(refs, MAX_SHADED_REFS), np.nan).astype(np.float32)
     return [
-        go.Heatmap(z=unshared, colorscale=UNSHARED_COLORSCALE, zmin=0, zmax=2,
-                   showscale=False, hoverongaps=False, **common),
-        go.Heatmap(z=shared, colorscale=SHARED_COLORSCALE, zmin=2, zmax=MAX_SHADED_REFS,
-                   hoverongaps=False, colorbar={
-                       "title": {"text": "ref count", "side": "right"}, "thickness": 12,
-                       "len": 0.6, "tickvals": list(range(2, MAX_SHADED_REFS + 1)),
-                       "ticktext": [*map(str, range(2, MAX_SHADED_REFS)),
-                                    f"{MAX_SHADED_REFS}+"]}, **common),
+        {"type": "heatmap", "z": typed_array(unshared), "colorscale": UNSHARED_COLORSCALE,
+         "zmin": 0, "zmax": 2, "showscale": False, "hoverongaps": False, **common},
+        {"type": "heatmap", "z": typed_array(shared), "colorscale": SHARED_COLORSCALE,
+         "zmin": 2, "zmax": MAX_SHADED_REFS, "hoverongaps": False, "colorbar": {
+             "title": {"text": "ref count", "side": "right"}, "thickness": 12, "len": 0.6,
+             "tickvals": list(range(2, MAX_SHADED_REFS + 1)),
+             "ticktext": [*map(str, range(2, MAX_SHADED_REFS)), f"{MAX_SHADED_REFS}+"]},
+         **common},
     ]
 
 
@@ -105,24 +121,27 @@ def heatmap_range(pool: PoolMirror, view: str = "whole pool", start: int | None 
 
 
 def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "whole pool",
-                 start: int | None = None, stop: int | None = None) -> go.Figure:
+                 start: int | None = None, stop: int | None = None) -> Figure:
     """The blocks of a view as a rows x 64 grid: one cell per block when the view holds at
     most MAX_CELLS blocks (with hover detail), else one cell per block range."""
     start, stop = heatmap_range(pool, view, start, stop)
     counts = pool.counts()
     cell = -(-(stop - start) // MAX_CELLS)
-    figure = (_exact_heatmap(pool, start, stop, decode) if cell == 1
-              else _aggregate_heatmap(pool, start, stop, cell))
+    traces, axes = (_exact_heatmap(pool, start, stop, decode) if cell == 1
+                    else _aggregate_heatmap(pool, start, stop, cell))
     shown = ("the whole pool" if (start, stop) == (0, pool.num_blocks)
              else f"blocks {start}–{stop - 1}")
-    detail = ("one cell per block" if cell == 1 else
+    detail = ("one cell per block" + ("" if stop - start <= MAX_HOVER_DETAIL else
+                                      f" (zoom to {MAX_HOVER_DETAIL} blocks or fewer for "
+                                      "owners and text in the hover)")
+              if cell == 1 else
               f"one cell = {cell} blocks, its colour mixes the states by share "
               "(hover for them; zoom to a smaller range for single blocks)")
     title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens · "
              + " · ".join(f"{state} {count}" for state, count in counts.items())
              + f"<br><sup>{shown}: {detail}</sup>")
     num_rows = -(-(stop - start) // (cell * HEATMAP_COLUMNS))
-    return _layout(figure, title, height=220 + 14 * min(num_rows, 64), right=90)
+    return _figure(traces, title, height=220 + 14 * min(num_rows, 64), right=90, **axes)
 
 
 def _grid(values: np.ndarray, fill) -> np.ndarray:
@@ -133,20 +152,26 @@ def _grid(values: np.ndarray, fill) -> np.ndarray:
     return grid.reshape(num_rows, HEATMAP_COLUMNS, *values.shape[1:])
 
 
-def _exact_heatmap(pool: PoolMirror, start: int, stop: int, decode: Decode) -> go.Figure:
+def _exact_heatmap(pool: PoolMirror, start: int, stop: int, decode: Decode):
     codes = _grid(pool.state_codes(start, stop).astype(np.float32), np.nan)
     refs = _grid(pool.ref_counts[start:stop].astype(np.float32), np.nan)
-    hover = [_block_hover(pool, block_id, decode) for block_id in range(start, stop)]
-    hover += [None] * (codes.size - len(hover))
-    custom = [hover[row:row + HEATMAP_COLUMNS] for row in range(0, len(hover), HEATMAP_COLUMNS)]
-    rows = list(range(start, start + HEATMAP_COLUMNS * len(custom), HEATMAP_COLUMNS))
-    figure = go.Figure(_state_traces(codes, refs, customdata=custom, y=rows,
-                                     hovertemplate=BLOCK_HOVER, xgap=1, ygap=1))
-    _state_legend(figure, ("free", "cached", "used"))
-    figure.update_yaxes(autorange="reversed", title="first block of the row",
-                        showgrid=False, type="category")
-    figure.update_xaxes(title="block id − row start", showgrid=False)
-    return figure
+    rows = list(range(start, start + HEATMAP_COLUMNS * codes.shape[0], HEATMAP_COLUMNS))
+    if stop - start <= MAX_HOVER_DETAIL:
+        hover = [_block_hover(pool, block_id, decode) for block_id in range(start, stop)]
+        hover += [None] * (codes.size - len(hover))
+        custom = [hover[i:i + HEATMAP_COLUMNS] for i in range(0, len(hover), HEATMAP_COLUMNS)]
+        template = BLOCK_HOVER
+    else:
+        ids = np.arange(start, stop, dtype=np.uint32)
+        custom = typed_array(_grid(np.stack([ids, pool.ref_counts[start:stop].astype(
+            np.uint32)], axis=1), 0))
+        template = "block %{customdata[0]} · ref %{customdata[1]}<extra></extra>"
+    traces = _state_traces(codes, refs, customdata=custom, y=rows, hovertemplate=template,
+                           xgap=1, ygap=1)
+    return traces + _state_legend(("free", "cached", "used")), {
+        "yaxis": {"autorange": "reversed", "title": {"text": "first block of the row"},
+                  "showgrid": False, "type": "category"},
+        "xaxis": {"title": {"text": "block id − row start"}, "showgrid": False}}
 
 
 def cell_counts(pool: PoolMirror, start: int, stop: int, cell: int) -> np.ndarray:
@@ -159,20 +184,20 @@ def cell_counts(pool: PoolMirror, start: int, stop: int, cell: int) -> np.ndarra
     return np.stack([(per_cell == code).sum(axis=1) for code in range(len(STATES))], 1)
 
 
-def _aggregate_heatmap(pool: PoolMirror, start: int, stop: int, cell: int) -> go.Figure:
+def _aggregate_heatmap(pool: PoolMirror, start: int, stop: int, cell: int):
     counts = cell_counts(pool, start, stop, cell)
     shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
     rgb = _grid(np.rint(shares @ state_rgb()).astype(np.uint8), 255)  # padding: white
-    figure = go.Figure(go.Image(
-        z=rgb, x0=0, dx=cell, y0=start, dy=cell * HEATMAP_COLUMNS,
-        customdata=_grid(counts.astype(np.uint16 if cell < 2 ** 16 else np.uint32), 0),
-        hovertemplate=(f"blocks %{{y}} + %{{x}} … +{cell - 1}<br>used %{{customdata[2]}} · "
-                       "shared %{customdata[3]} · cached %{customdata[1]} · free "
-                       "%{customdata[0]}<extra></extra>")))
-    _state_legend(figure)
-    figure.update_yaxes(title="first block of the row", showgrid=False)
-    figure.update_xaxes(title="block id − row start", showgrid=False)
-    return figure
+    image = {
+        "type": "image", "z": typed_array(rgb), "x0": 0, "dx": cell, "y0": start,
+        "dy": cell * HEATMAP_COLUMNS,
+        "customdata": typed_array(_grid(counts.astype(np.min_scalar_type(cell)), 0)),
+        "hovertemplate": (f"blocks %{{y}} + %{{x}} … +{cell - 1}<br>used %{{customdata[2]}} · "
+                          "shared %{customdata[3]} · cached %{customdata[1]} · free "
+                          "%{customdata[0]}<extra></extra>")}
+    return [image, *_state_legend()], {
+        "yaxis": {"title": {"text": "first block of the row"}, "showgrid": False},
+        "xaxis": {"title": {"text": "block id − row start"}, "showgrid": False}}
 
 
 # ---- block tables -------------------------------------------------------------------------
@@ -216,7 +241,7 @@ def _shown_columns(length: int) -> list[int]:
 
 
 def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
-                    view: TableView = TableView()) -> go.Figure:
+                    view: TableView = TableView()) -> Figure:
     """One row per sequence holding blocks: logical block index -> physical block id."""
     sequences, num_holders, num_pages = _chosen_sequences(pool, view)
     size = pool.block_size
@@ -240,16 +265,15 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
         custom.append([[index, *_block_hover(pool, b, decode)[1:]]
                        for index, b in zip(columns, ids)] + [None] * (width - len(ids)))
     labels = [f"{seq.seq_id} ({seq.status})" for seq in sequences]
-    figure = go.Figure(_state_traces(
+    traces = _state_traces(
         codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 11},
         customdata=custom, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER.replace(
-            "block %{customdata[0]}", "logical block %{customdata[0]}")))
-    _state_legend(figure, ("used",))
-    figure.update_yaxes(autorange="reversed", type="category")
+            "block %{customdata[0]}", "logical block %{customdata[0]}"))
     columns_note = (f"; tables longer than {MAX_TABLE_COLUMNS} blocks show their first and last "
                     f"{MAX_TABLE_COLUMNS // 2} ({truncated} of them)" if truncated else "")
-    figure.update_xaxes(title="logical block (cell text: physical block id · last block fill)"
-                        + columns_note)
+    axes = {"yaxis": {"autorange": "reversed", "type": "category"},
+            "xaxis": {"title": {"text": "logical block (cell text: physical block id · last "
+                                        "block fill)" + columns_note}}}
     filtered = f" matching “{view.filter}”" if view.filter else ""
     title = (f"Block tables: {len(sequences)} of {num_holders} sequences holding blocks"
              f"{filtered} · {view.order} first · page {min(view.page, num_pages)} of "
@@ -257,11 +281,12 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
     if not sequences:
         title = ("Block tables: no request holds blocks right now" if not num_holders
                  else f"Block tables: none of {num_holders} sequences{filtered}")
-    return _layout(figure, title, height=190 + 26 * len(sequences), right=90)
+    return _figure(traces + _state_legend(("used",)), title,
+                   height=190 + 26 * len(sequences), right=90, **axes)
 
 
 # ---- the prefix tree ----------------------------------------------------------------------
-def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> go.Figure:
+def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> Figure:
     """The hash chain of every hashed block as an icicle: shared prefixes are trunks. At
     most MAX_TREE_NODES nodes: the largest subtrees first, the rest of a node's children
     folded into one "… more" node of their total size."""
@@ -304,10 +329,10 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> go.Figure:
             values.append(sum(weight[b] for b in folded))
             colors.append("#f3f4f6")
             custom.append(["-", "-", f"{len(folded)} branches folded", "-", "-", "-"])
-    figure = go.Figure(go.Icicle(
-        ids=ids, labels=labels, parents=parents, values=values, branchvalues="remainder",
-        marker={"colors": colors}, customdata=custom, hovertemplate=BLOCK_HOVER,
-        tiling={"orientation": "v"}, maxdepth=12))
+    icicle = {"type": "icicle", "ids": ids, "labels": labels, "parents": parents,
+              "values": values, "branchvalues": "remainder", "marker": {"colors": colors},
+              "customdata": custom, "hovertemplate": BLOCK_HOVER,
+              "tiling": {"orientation": "v"}, "maxdepth": 12}
     shown_nodes = len(ids) - 1
     title = f"Prefix tree: {len(hashed_ids)} hashed blocks (size = 1 + ref count)"
     if shown_nodes < len(hashed_ids):
@@ -316,7 +341,7 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> go.Figure:
         title += " — nothing cached yet" + (
             "" if pool.config.get("enable_prefix_caching", True) else
             " (prefix caching is off)")
-    return _layout(figure, title, height=420)
+    return _figure([icicle], title, height=420)
 
 
 def _subtree_weights(pool: PoolMirror, children: dict) -> dict[int, int]:
@@ -349,7 +374,8 @@ class MemoryComparison:
 
     @property
     def paged_useful(self) -> float:
-        return self.paged_stored_tokens / self.paged_reserved_tokens if self.paged_reserved_tokens else 1.0
+        return (self.paged_stored_tokens / self.paged_reserved_tokens
+                if self.paged_reserved_tokens else 1.0)
 
     @property
     def contiguous_useful(self) -> float:
@@ -376,26 +402,29 @@ def compare_memory(pool: PoolMirror) -> MemoryComparison:
         max_model_len=max_model_len)
 
 
-def paged_vs_contiguous(pool: PoolMirror) -> go.Figure:
+def paged_vs_contiguous(pool: PoolMirror) -> Figure:
     """Stacked bars: useful KV rows against reserved-but-empty, for both allocators."""
     c = compare_memory(pool)
     rows = ["contiguous<br>(max_model_len each)", "paged (kvscope)"]
     useful = [c.stored_tokens, c.paged_stored_tokens]
     wasted = [c.contiguous_reserved_tokens - c.stored_tokens,
               c.paged_reserved_tokens - c.paged_stored_tokens]
-    figure = go.Figure([
-        go.Bar(y=rows, x=useful, name="tokens stored", orientation="h",
-               marker_color=STATE_COLORS["used"]),
-        go.Bar(y=rows, x=wasted, name="reserved, empty", orientation="h",
-               marker={"color": "#f8fafc", "line": {"color": "#94a3b8", "width": 1},
-                       "pattern": {"shape": "/", "fgcolor": "#94a3b8"}}),
-    ])
-    # The label goes inside the plot, left of the line, so the right edge never cuts it.
-    figure.add_vline(x=c.pool_tokens, line_dash="dot", annotation_text=(
-        f"pool: {c.pool_tokens} tokens"), annotation_position="top left")
-    figure.update_layout(barmode="stack")
+    bars = [
+        {"type": "bar", "y": rows, "x": useful, "name": "tokens stored", "orientation": "h",
+         "marker": {"color": STATE_COLORS["used"]}},
+        {"type": "bar", "y": rows, "x": wasted, "name": "reserved, empty", "orientation": "h",
+         "marker": {"color": "#f8fafc", "line": {"color": "#94a3b8", "width": 1},
+                    "pattern": {"shape": "/", "fgcolor": "#94a3b8"}}},
+    ]
+    # The pool's size as a dotted line; its label sits inside the plot, left of the line,
+    # so the right edge never cuts it off.
+    pool_line = {"type": "line", "xref": "x", "yref": "paper", "x0": c.pool_tokens,
+                 "x1": c.pool_tokens, "y0": 0, "y1": 1, "line": {"dash": "dot"}}
+    label = {"xref": "x", "yref": "paper", "x": c.pool_tokens, "y": 1, "xanchor": "right",
+             "yanchor": "top", "showarrow": False, "text": f"pool: {c.pool_tokens} tokens"}
     fits = min(c.num_sequences, c.contiguous_capacity)
     title = (f"Useful memory, {c.num_sequences} live sequences: paged {c.paged_useful:.0%}, "
              f"contiguous {c.contiguous_useful:.0%}<br>(published: 20.4–38.2%) · "
              f"contiguous fits {fits} of them (room for {c.contiguous_capacity})")
-    return _layout(figure, title, height=320)
+    return _figure(bars, title, height=320, barmode="stack", shapes=[pool_line],
+                   annotations=[label])

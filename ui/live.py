@@ -40,6 +40,7 @@ class LiveFeed:
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._arrivals: dict[str, float] = {}
         self.lock = threading.RLock()
+        self.rendered: dict[str, object] = {}  # panel name -> ui.panels.RenderedPanel
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
     def refresh(self) -> LiveState:
@@ -85,6 +86,7 @@ class LiveFeed:
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""
         with self.lock:
+            self.rendered.clear()
             self._records.clear()
             self._token_usage.clear()
 

@@ -8,6 +8,7 @@ with a colour bar); request phases use colours no block state uses, and red mean
 import html
 
 import numpy as np
+import plotly.io as pio
 
 STATE_COLORS = {
     "free": "#e5e7eb",
@@ -32,6 +33,13 @@ PHASE_COLORS = {
     "preempted": "#dc2626",
     "finished": "#111827",
 }
+
+
+# Plotly's default look without its per-trace-type defaults: every figure carries its
+# template, and the full one is 7 KB of every refresh.
+TEMPLATE = {"layout": {
+    key: value for key, value in pio.templates["plotly"].layout.to_plotly_json().items()
+    if key not in ("colorscale", "coloraxis", "polar", "ternary", "scene", "geo")}}
 
 
 def state_rgb() -> np.ndarray:

@@ -1,13 +1,17 @@
 """The timer's handler: every live panel, skipping those whose data did not change."""
 
+import time
 from dataclasses import dataclass
 
 import gradio as gr
+import plotly.io as pio
+from gradio.components.plot import PlotData
 
 from engine.pool_mirror import PoolMirror
 from ui import figures, timeline
 from ui.live import LiveFeed, LiveState
 
+BUSY_FACTOR = 3.0
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
           "comparison")
 
@@ -42,9 +46,8 @@ def _signatures(state: LiveState, views: PanelViews) -> dict[str, object]:
     return {
         "summary": (snapshot.num_blocks, snapshot.block_size, snapshot.num_running,
                     snapshot.num_waiting, hash(str(snapshot.config))),
-        "heatmap": (pool, sequences, views.heatmap_view, views.heatmap_start,
-                    views.heatmap_stop),
-        "block_tables": (pool, sequences, views.tables),
+        "heatmap": (pool, sequences),
+        "block_tables": (pool, sequences),
         "prefix_tree": pool,
         "timeline": (last_step, len(state.arrivals)),
         "series": (last_step, snapshot.num_used_tokens),
@@ -71,12 +74,12 @@ def _render(name: str, state: LiveState, decode, views: PanelViews):
     if name == "summary":
         return summary_markdown(snapshot)
     if name == "heatmap":
-        return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
-                                    views.heatmap_stop)
+        return _plot(figures.pool_heatmap(snapshot, decode, views.heatmap_view,
+                                          views.heatmap_start, views.heatmap_stop))
     if name == "block_tables":
-        return figures.block_table_map(snapshot, decode, views.tables)
+        return _plot(figures.block_table_map(snapshot, decode, views.tables))
     if name == "prefix_tree":
-        return figures.prefix_tree(snapshot, decode)
+        return _plot(figures.prefix_tree(snapshot, decode))
     if name == "timeline":
         return timeline.request_timeline(state.records, state.arrivals)
     if name == "series":
@@ -87,7 +90,12 @@ def _render(name: str, state: LiveState, decode, views: PanelViews):
             timeline.latency_stats(state.records, state.arrivals),
             snapshot.prefix_cache_hits / queries if queries else None,
             snapshot.num_preemptions)
-    return figures.paged_vs_contiguous(snapshot)
+    return _plot(figures.paged_vs_contiguous(snapshot))
+
+
+def _plot(figure: figures.Figure) -> PlotData:
+    """What gr.Plot sends for a figure given as a plain dict (serialised once, as is)."""
+    return PlotData(type="plotly", plot=pio.to_json(figure, validate=False))
 
 
 def refresh_panels(feed: LiveFeed, shown: dict | None, *view_controls):
@@ -100,10 +108,41 @@ def refresh_panels(feed: LiveFeed, shown: dict | None, *view_controls):
     except (TypeError, ValueError) as error:
         gr.Warning(f"View not changed: {error}")
         views = PanelViews()
+    shown = shown or {}
+    values, sent = [], {}
     with feed.lock:  # the mirror stays still while this tab reads it
         state = feed.refresh()
         signatures = _signatures(state, views)
-        shown = shown or {}
-        values = [gr.skip() if shown.get(name) == signatures[name]
-                  else _render(name, state, feed.decode, views) for name in PANELS]
-    return *values, signatures
+        for name in PANELS:
+            view = (views.heatmap_view, views.heatmap_start, views.heatmap_stop) if (
+                name == "heatmap") else views.tables if name == "block_tables" else None
+            rendered = _rendered(feed, name, (signatures[name], view),
+                                 lambda name=name: _render(name, state, feed.decode, views))
+            sent[name] = rendered.signature
+            values.append(gr.skip() if shown.get(name) == rendered.signature
+                          else rendered.value)
+    return *values, sent
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPanel:
+    signature: tuple  # (what the panel shows, the view the tab chose)
+    value: object
+    seconds: float  # what building it cost
+    built_at: float
+
+
+def _rendered(feed: LiveFeed, name: str, signature, render) -> RenderedPanel:
+    """The panel for this signature, built once for every tab. A panel whose data moved
+    is rebuilt only after BUSY_FACTOR times its last build time has passed, so no panel
+    takes more than about 1 / (1 + BUSY_FACTOR) of a core, whatever the pool's size;
+    meanwhile tabs get the last one built."""
+    cached = feed.rendered.get(name)
+    now = time.monotonic()
+    if cached is not None and (cached.signature == signature or (
+            cached.signature[1] == signature[1]  # a new view is drawn at once
+            and now - cached.built_at < BUSY_FACTOR * cached.seconds)):
+        return cached
+    value = render()
+    feed.rendered[name] = panel = RenderedPanel(signature, value, time.monotonic() - now, now)
+    return panel
