@@ -17,13 +17,10 @@ class BlockHash:
     token_ids: tuple[int, ...]
 
 
-def hash_block_tokens(
-    parent: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple = ()
-) -> bytes:
-    """Stable across processes (unlike Python's salted hash): sha256 of parent + tokens + extras."""
+def hash_block_tokens(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Stable across processes (unlike Python's salted hash): sha256 of parent + tokens."""
     digest = hashlib.sha256(parent or b"root")
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    digest.update(repr(extra_keys).encode())
     return digest.digest()[:16]
 
 
@@ -97,9 +94,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVBlock] = {}
-        self.num_evictions = 0
-        # Kept up to date on every change so a step's record never scans the cache.
+        # Kept up to date on every transition, so reading the counts never scans the pool.
         self.num_cached_free_blocks = 0
+        self.num_evictions = 0
         self.events = BlockEventLog()
 
     @property
@@ -118,9 +115,7 @@ class BlockPool:
         touched = self.events.blocks
         for _ in range(count):
             block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                self.num_cached_free_blocks -= 1
-                self._evict(block)
+            self._evict(block)
             block.ref_count = 1
             blocks.append(block)
             touched[block.block_id] = block
@@ -132,8 +127,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
-                if block.block_hash is not None:
-                    self.num_cached_free_blocks -= 1
+                self.num_cached_free_blocks -= block.block_hash is not None
             block.ref_count += 1
             touched[block.block_id] = block
 
@@ -174,10 +168,12 @@ class BlockPool:
         self.events.blocks[block.block_id] = block
 
     def _evict(self, block: KVBlock) -> None:
+        """Forget a cached-free block's content (it is being reused or reset)."""
         if block.block_hash is None:
             return
         del self.cached_blocks[block.block_hash.value]
         block.block_hash = None
+        self.num_cached_free_blocks -= 1
         self.num_evictions += 1
         self.events.blocks[block.block_id] = block
 
@@ -185,7 +181,6 @@ class BlockPool:
         """Forget every cached-free block's content (used blocks keep theirs)."""
         for block in list(self.free_queue):
             if block.block_hash is not None:
-                self.num_cached_free_blocks -= 1
                 self._evict(block)
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)

@@ -18,7 +18,8 @@ from engine.loader import (
 from engine.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
 from engine.models import model_class
 from engine.models.attention import AttentionMetadata
-from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.profile_cache import load_peak, profile_key, store_peak
+from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,16 +98,29 @@ class ModelRunner:
                 * self.head_dim * self.dtype.itemsize)
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan:
-        """Size the block pool for a resolved config (profiling its token budget once)."""
+        """Size the block pool for a resolved config (profiling its token budget once per
+        model, machine and code version: later starts read the peak from disk)."""
         key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
         if key not in self._peak_activation_bytes:
-            self._peak_activation_bytes[key] = self.profile_peak_activations(*key)
+            self._peak_activation_bytes[key] = self._cached_peak_activations(*key)
         plan = plan_blocks(
             device_memory_bytes(self.device, config.device_memory_gb),
             config.gpu_memory_utilization, self.weight_bytes, self._peak_activation_bytes[key],
             self.bytes_per_block(config.block_size), config.block_size, config.max_model_len,
             config.num_gpu_blocks_override)
         return plan
+
+    def _cached_peak_activations(self, num_tokens: int, max_model_len: int,
+                                 max_seqs: int) -> int:
+        key = profile_key(self.model_path, self.dtype, self.device,
+                          kernels.attention_backend_name(self.device),
+                          {"num_tokens": num_tokens, "max_model_len": max_model_len,
+                           "max_num_seqs": max_seqs})
+        peak = load_peak(key)
+        if peak is None:
+            peak = self.profile_peak_activations(num_tokens, max_model_len, max_seqs)
+            store_peak(key, peak)
+        return peak
 
     def profile_peak_activations(self, num_tokens: int, max_model_len: int, max_seqs: int) -> int:
         """One forward over a full token budget (as sequences of at most max_model_len) plus

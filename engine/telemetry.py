@@ -1,7 +1,7 @@
 """Immutable records of what the engine did, for readers that must not touch its state."""
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_pool import BlockHash
 
@@ -37,7 +37,6 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_generated_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def duration(self) -> float:
@@ -109,8 +108,8 @@ def take_snapshot(core) -> EngineSnapshot:
     manager = core.kv_cache
     pool = manager.pool
     block_size = manager.block_size
-    holders = [seq for seq in (*core.scheduler.running, *core.scheduler.waiting)
-               if seq.block_table]
+    live = core.live_sequences()
+    holders = [seq for seq in live if seq.block_table]
     owners: dict[int, list[str]] = {}
     contents: dict[int, tuple[int, ...]] = {}
     for seq in holders:
@@ -138,12 +137,12 @@ def take_snapshot(core) -> EngineSnapshot:
         SequenceInfo(seq.seq_id, seq.request.request_id, seq.status.value,
                      tuple(seq.block_table), seq.num_tokens, seq.num_prompt_tokens,
                      seq.num_computed_tokens, seq.request.arrival_time)
-        for seq in (*core.scheduler.running, *core.scheduler.waiting))
+        for seq in live)
     stats = manager.prefix_stats
     return EngineSnapshot(
         time=time.time(), step=core.step_index, config=core.config.to_dict(),
         block_size=block_size, num_blocks=pool.num_blocks, blocks=tuple(blocks),
-        sequences=sequences, num_running=len(core.scheduler.running),
+        sequences=sequences, num_running=core.num_running,
         num_waiting=len(core.scheduler.waiting), prefix_cache_queries=stats.queries,
         prefix_cache_hits=stats.hits, num_preemptions=core.scheduler.num_preemptions,
         num_evictions=pool.num_evictions)
@@ -233,7 +232,7 @@ def _pool_counters(core) -> PoolCounters:
         log.config = core.config.to_dict()
     return PoolCounters(
         core.step_index, time.time(), manager.pool.num_blocks, manager.block_size,
-        len(scheduler.running), len(scheduler.waiting), manager.prefix_stats.queries,
+        core.num_running, len(scheduler.waiting), manager.prefix_stats.queries,
         manager.prefix_stats.hits, scheduler.num_preemptions, manager.pool.num_evictions,
         log.config)
 
@@ -248,10 +247,10 @@ def _sequence_change(seq, table_from: int, token_from: int) -> SequenceChange:
 
 def take_pool_delta(core) -> PoolDelta:
     """Drain the pool's change log (engine thread). O(blocks and sequences touched, plus
-    the running sequences, whose token counts move every step)."""
+    the sequences holding blocks, whose token counts move every step)."""
     log = core.kv_cache.events
     changed = log.sequences
-    for seq in core.scheduler.running:
+    for seq in (*core.scheduler.running, *core.beams.parked):
         changed.setdefault(seq.seq_id, seq)
     sequences, removed = [], []
     for seq_id, seq in changed.items():
@@ -286,8 +285,7 @@ def take_pool_base(core) -> PoolBase:
     state after that delta (engine thread; O(live sequences' tokens))."""
     log = core.kv_cache.events
     return PoolBase(log.epoch, log.num_deltas, _pool_counters(core), tuple(
-        _sequence_change(seq, 0, 0)
-        for seq in (*core.scheduler.running, *core.scheduler.waiting)))
+        _sequence_change(seq, 0, 0) for seq in core.live_sequences()))
 
 
 def take_pool_slice(core, start: int, size: int) -> PoolSlice:

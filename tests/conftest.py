@@ -70,6 +70,12 @@ def save_tiny_chat_model(folder: Path) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_profile_cache(tmp_path_factory):
+    """Profiling results of the tests' throwaway models stay out of the user's cache."""
+    os.environ["KVSCOPE_PROFILE_CACHE"] = str(tmp_path_factory.mktemp("profiles"))
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_model_path(tmp_path_factory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"))
@@ -147,11 +153,13 @@ def make_engine(tiny_model) -> Callable[..., EngineCore]:
     runners: dict[str, ModelRunner] = {}
 
     def make(arch: str, **knobs) -> EngineCore:
-        config = EngineConfig(model=str(tiny_model(arch).path), dtype="float32", device="cpu",
-                              device_memory_gb=0.05, **knobs)
+        base = {"model": str(tiny_model(arch).path), "dtype": "float32", "device": "cpu",
+                "device_memory_gb": 0.05}
         if arch not in runners:
-            runners[arch] = ModelRunner(config)
-        return EngineCore(config, runner=runners[arch])
+            # Without the knobs: the runner sizes its position tables by max_model_len,
+            # and later engines on it may ask for more than this first one.
+            runners[arch] = ModelRunner(EngineConfig(**base))
+        return EngineCore(EngineConfig(**base, **knobs), runner=runners[arch])
 
     return make
 

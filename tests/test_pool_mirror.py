@@ -144,7 +144,7 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
                 self.core.abort_request(request_id)
 
     run_state_machine_as_test(MirrorMachine, settings=settings(
-        max_examples=25, stateful_step_count=25, deadline=None,
+        max_examples=40, stateful_step_count=30, deadline=None,
         suppress_health_check=list(HealthCheck)))
 
 

@@ -1,5 +1,6 @@
 """The live panels' data: the pool mirror, step history from the engine, token usage,
-arrivals. Nothing here asks the engine thread for a full snapshot after the start."""
+arrivals. After the start nothing here asks the engine thread for a full snapshot: the
+mirror follows the engine's per-step pool deltas."""
 
 import threading
 import time
@@ -22,12 +23,18 @@ class LiveState:
     records: tuple[StepRecord, ...]
     token_usage: tuple[tuple[float, float], ...]
     arrivals: dict[str, float]
+    now: float
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.snapshot.num_running or self.snapshot.num_waiting)
 
 
 class LiveFeed:
     """Shared by every browser tab: whichever tab ticks first drains the engine's step
     queue into one history and its pool deltas into one mirror, so tabs do not steal
-    records from each other. Hold `lock` while reading the state a refresh returned."""
+    records from each other. The mirror changes at each refresh: read a state before the
+    next one (ui.panels.PanelRenderer renders under one lock)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -39,12 +46,12 @@ class LiveFeed:
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._arrivals: dict[str, float] = {}
-        self.lock = threading.RLock()
-        self.rendered: dict[str, object] = {}  # panel name -> ui.panels.RenderedPanel
+        self._lock = threading.Lock()
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
     def refresh(self) -> LiveState:
-        with self.lock:
+        with self._lock:
+            now = time.time()
             self._update_pool()
             snapshot = self.pool
             self._records.extend(self._steps.drain())
@@ -56,12 +63,12 @@ class LiveFeed:
                     self._arrivals[record.output.request_id] = metrics.arrival_time
             for seq in snapshot.sequences:
                 self._arrivals.setdefault(seq.request_id, seq.arrival_time)
-            pool_tokens = snapshot.num_blocks * snapshot.block_size
-            self._token_usage.append((time.time(), snapshot.num_used_tokens / max(pool_tokens, 1)))
-            oldest = self._records[0].start_time if self._records else time.time()
+            pool_tokens = max(snapshot.num_blocks * snapshot.block_size, 1)
+            self._token_usage.append((now, snapshot.num_used_tokens / pool_tokens))
+            oldest = self._records[0].start_time if self._records else now
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
-                             dict(self._arrivals))
+                             dict(self._arrivals), now)
 
     def _update_pool(self) -> None:
         """Apply the deltas that arrived; on a missed one, ask for a new snapshot."""
@@ -85,8 +92,7 @@ class LiveFeed:
 
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""
-        with self.lock:
-            self.rendered.clear()
+        with self._lock:
             self._records.clear()
             self._token_usage.clear()
 

@@ -1,29 +1,44 @@
-"""The timer's handler: every live panel, skipping those whose data did not change."""
+"""The timer's handler: every live panel, rendered once per change for all tabs, and no
+more often than its cost allows while the engine is busy."""
 
+import threading
 import time
 from dataclasses import dataclass
 
 import gradio as gr
-import plotly.io as pio
-from gradio.components.plot import PlotData
 
 from engine.pool_mirror import PoolMirror
 from ui import figures, timeline
 from ui.live import LiveFeed, LiveState
+from ui.plotdata import placeholder, to_plot
 
-BUSY_FACTOR = 3.0
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
           "comparison")
+REFRESH_S = 1.0
+# While the engine is busy a panel may use this share of one core: a panel that takes
+# 50 ms to build refreshes every second, one that takes 200 ms every 4 s. The engine
+# shares the process (and its GIL) with these builders.
+PANEL_DUTY = 0.05
+MAX_INTERVAL_S = 5.0
+# Timer ticks jitter; without slack a 1 s panel would land on every other tick.
+TICK_SLACK_S = 0.2
+COST_SMOOTHING = 0.3
 
 
 @dataclass(frozen=True, slots=True)
 class PanelViews:
-    """What this tab chose to look at: the heatmap's range and the block tables' page."""
+    """What a tab chose to look at: the heatmap's range and the block tables' page."""
 
     heatmap_view: str = "whole pool"
     heatmap_start: int | None = None
     heatmap_stop: int | None = None
     tables: figures.TableView = figures.TableView()
+
+    def of(self, name: str) -> object:
+        """The part of the view a panel depends on (None: it has no view)."""
+        if name == "heatmap":
+            return self.heatmap_view, self.heatmap_start, self.heatmap_stop
+        return self.tables if name == "block_tables" else None
 
 
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
@@ -37,21 +52,25 @@ def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_
                           (table_filter or "").strip()))
 
 
-def _signatures(state: LiveState, views: PanelViews) -> dict[str, object]:
+def _signatures(state: LiveState) -> dict[str, object]:
     snapshot = state.snapshot
     # The mirror counts its own changes, so an unchanged pool costs nothing to notice.
     pool = (snapshot.epoch, snapshot.blocks_version, snapshot.ready)
     sequences = (snapshot.epoch, snapshot.sequences_version)
-    last_step = state.records[-1].step if state.records else -1
+    last = state.records[-1] if state.records else None
+    last_step = last.step if last else -1
+    # The rolling rate keeps falling after the last step, until its window has passed.
+    rate_clock = (int(state.now) if last and state.now - last.end_time
+                  < timeline.RATE_WINDOW_S + 1 else None)
     return {
         "summary": (snapshot.num_blocks, snapshot.block_size, snapshot.num_running,
                     snapshot.num_waiting, hash(str(snapshot.config))),
-        "heatmap": (pool, sequences),
+        "heatmap": (pool, sequences),  # hover names the owners
         "block_tables": (pool, sequences),
         "prefix_tree": pool,
         "timeline": (last_step, len(state.arrivals)),
         "series": (last_step, snapshot.num_used_tokens),
-        "stats": (last_step, snapshot.prefix_cache_hits, snapshot.num_preemptions),
+        "stats": (last_step, snapshot.prefix_cache_hits, snapshot.num_preemptions, rate_clock),
         "comparison": (pool, sequences),
     }
 
@@ -71,78 +90,95 @@ def summary_markdown(snapshot: PoolMirror) -> str:
 
 def _render(name: str, state: LiveState, decode, views: PanelViews):
     snapshot = state.snapshot
+    holders = any(seq.block_table for seq in snapshot.sequences)
+    window = timeline.live_window(state.records, state.now)
     if name == "summary":
         return summary_markdown(snapshot)
     if name == "heatmap":
-        return _plot(figures.pool_heatmap(snapshot, decode, views.heatmap_view,
-                                          views.heatmap_start, views.heatmap_stop))
+        return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
+                                    views.heatmap_stop)
     if name == "block_tables":
-        return _plot(figures.block_table_map(snapshot, decode, views.tables))
+        if not holders:
+            return placeholder("Block tables", "No sequence holds blocks right now.")
+        return figures.block_table_map(snapshot, decode, views.tables)
     if name == "prefix_tree":
-        return _plot(figures.prefix_tree(snapshot, decode))
+        return figures.prefix_tree(snapshot, decode)
     if name == "timeline":
-        return timeline.request_timeline(state.records, state.arrivals)
+        return timeline.request_timeline(state.records, state.arrivals, window)
     if name == "series":
-        return timeline.pool_series(state.records, snapshot.num_blocks, state.token_usage)
+        return timeline.pool_series(state.records, state.token_usage, window)
     if name == "stats":
         queries = snapshot.prefix_cache_queries
         return timeline.stats_markdown(
-            timeline.latency_stats(state.records, state.arrivals),
+            timeline.latency_stats(timeline.in_window(state.records, window), state.arrivals),
             snapshot.prefix_cache_hits / queries if queries else None,
-            snapshot.num_preemptions)
-    return _plot(figures.paged_vs_contiguous(snapshot))
+            snapshot.num_preemptions,
+            (f"last {timeline.RATE_WINDOW_S:.0f} s",
+             timeline.recent_output_rate(state.records, state.now)))
+    if not holders:
+        return placeholder("Paged against contiguous", "No live sequences: the comparison "
+                           "appears while requests hold blocks.")
+    return figures.paged_vs_contiguous(snapshot)
 
 
-def _plot(figure: figures.Figure) -> PlotData:
-    """What gr.Plot sends for a figure given as a plain dict (serialised once, as is)."""
-    return PlotData(type="plotly", plot=pio.to_json(figure, validate=False))
-
-
-def refresh_panels(feed: LiveFeed, shown: dict | None, *view_controls):
-    """One value per panel in PANELS order (gr.skip() if unchanged), then the new
-    signatures; `shown` is this browser tab's state, so each tab gets full panels once.
-    `view_controls` are the values of the heatmap and block-table controls (see
-    panel_views); a bad one draws the default view and says so in a warning."""
-    try:
-        views = panel_views(*view_controls)
-    except (TypeError, ValueError) as error:
-        gr.Warning(f"View not changed: {error}")
-        views = PanelViews()
-    shown = shown or {}
-    values, sent = [], {}
-    with feed.lock:  # the mirror stays still while this tab reads it
-        state = feed.refresh()
-        signatures = _signatures(state, views)
-        for name in PANELS:
-            view = (views.heatmap_view, views.heatmap_start, views.heatmap_stop) if (
-                name == "heatmap") else views.tables if name == "block_tables" else None
-            rendered = _rendered(feed, name, (signatures[name], view),
-                                 lambda name=name: _render(name, state, feed.decode, views))
-            sent[name] = rendered.signature
-            values.append(gr.skip() if shown.get(name) == rendered.signature
-                          else rendered.value)
-    return *values, sent
-
-
-@dataclass(frozen=True, slots=True)
-class RenderedPanel:
-    signature: tuple  # (what the panel shows, the view the tab chose)
+@dataclass(slots=True)
+class _Rendered:
+    signature: object
     value: object
-    seconds: float  # what building it cost
-    built_at: float
+    at: float
 
 
-def _rendered(feed: LiveFeed, name: str, signature, render) -> RenderedPanel:
-    """The panel for this signature, built once for every tab. A panel whose data moved
-    is rebuilt only after BUSY_FACTOR times its last build time has passed, so no panel
-    takes more than about 1 / (1 + BUSY_FACTOR) of a core, whatever the pool's size;
-    meanwhile tabs get the last one built."""
-    cached = feed.rendered.get(name)
-    now = time.monotonic()
-    if cached is not None and (cached.signature == signature or (
-            cached.signature[1] == signature[1]  # a new view is drawn at once
-            and now - cached.built_at < BUSY_FACTOR * cached.seconds)):
-        return cached
-    value = render()
-    feed.rendered[name] = panel = RenderedPanel(signature, value, time.monotonic() - now, now)
-    return panel
+class PanelRenderer:
+    """One render per panel change, shared by every tab (a tab receives only panels it
+    has not shown yet). While the engine is busy a panel is rebuilt at most every
+    cost / PANEL_DUTY seconds (1 to 5 s), so the dashboard's cost follows its own
+    measured build times, not the pool's size or the number of open tabs."""
+
+    def __init__(self, feed: LiveFeed) -> None:
+        self.feed = feed
+        self._lock = threading.Lock()  # one render pass at a time, whatever the tab count
+        self._rendered: dict[str, _Rendered] = {}
+        self._cost: dict[str, float] = {}
+
+    def interval(self, name: str) -> float:
+        return min(max(REFRESH_S, self._cost.get(name, 0.0) / PANEL_DUTY), MAX_INTERVAL_S)
+
+    def _due(self, name: str, signature: tuple, state: LiveState, now: float) -> bool:
+        """signature: (what the panel shows, the view the tab chose)."""
+        rendered = self._rendered.get(name)
+        if rendered is None or rendered.signature[1] != signature[1]:
+            return True  # a new view is drawn at once
+        if rendered.signature == signature:
+            return False
+        return not state.busy or now - rendered.at >= self.interval(name) - TICK_SLACK_S
+
+    def refresh(self, shown: dict | None, watching: bool = True, *view_controls):
+        """One value per panel in PANELS order (gr.skip() where this tab is up to date),
+        then the signatures the tab now shows. With `watching` False (the Live tab is
+        not selected) only the summary line is refreshed. `view_controls` are the
+        heatmap's and block tables' controls (see panel_views); a bad value draws the
+        default view and says why in a warning."""
+        shown = shown or {}
+        try:
+            views = panel_views(*view_controls)
+        except (TypeError, ValueError) as error:
+            gr.Warning(f"View not changed: {error}")
+            views = PanelViews()
+        with self._lock:
+            state = self.feed.refresh()
+            signatures = {name: (data, views.of(name))
+                          for name, data in _signatures(state).items()}
+            for name in PANELS if watching else PANELS[:1]:
+                now = time.monotonic()
+                if self._due(name, signatures[name], state, now):
+                    value = _render(name, state, self.feed.decode, views)
+                    value = to_plot(value) if name not in ("summary", "stats") else value
+                    done = time.monotonic()
+                    cost = self._cost.get(name, done - now)
+                    self._cost[name] = cost + COST_SMOOTHING * (done - now - cost)
+                    self._rendered[name] = _Rendered(signatures[name], value, done)
+            sent = {name: self._rendered[name] for name in (PANELS if watching else PANELS[:1])
+                    if name in self._rendered and shown.get(name) !=
+                    self._rendered[name].signature}
+        values = [sent[name].value if name in sent else gr.skip() for name in PANELS]
+        return *values, {**shown, **{name: r.signature for name, r in sent.items()}}
