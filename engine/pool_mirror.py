@@ -22,6 +22,11 @@ from engine.telemetry import (
 )
 
 STATES = ("free", "cached", "used", "shared")  # index = the state's code
+NO_COUNTERS = PoolCounters(0, 0.0, 0, 1, 0, 0, 0, 0, 0, 0, {})
+
+
+def _counter(name: str) -> property:
+    return property(lambda mirror: getattr(mirror.counters, name))
 
 
 @dataclass(slots=True, eq=False)
@@ -50,7 +55,7 @@ class PoolMirror:
         self.epoch: int | None = None
         self.next_index = 0
         self.awaiting_base = True  # deltas are ignored until a PoolBase arrives
-        self.counters: PoolCounters | None = None
+        self.counters = NO_COUNTERS
         self.ref_counts = np.zeros(0, np.int32)
         self.hashed = np.zeros(0, bool)
         self.hashes: list[BlockHash | None] = []
@@ -73,7 +78,7 @@ class PoolMirror:
 
     @property
     def block_size(self) -> int:
-        return self.counters.block_size if self.counters else 1
+        return self.counters.block_size
 
     def apply(self, record) -> bool:
         if isinstance(record, PoolBase):
@@ -174,37 +179,15 @@ class PoolMirror:
     def sequences(self) -> list[MirroredSequence]:
         return list(self.live.values())
 
-    @property
-    def config(self) -> dict:
-        return self.counters.config if self.counters else {}
-
-    @property
-    def step(self) -> int:
-        return self.counters.step if self.counters else 0
-
-    @property
-    def num_running(self) -> int:
-        return self.counters.num_running if self.counters else 0
-
-    @property
-    def num_waiting(self) -> int:
-        return self.counters.num_waiting if self.counters else 0
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self.counters.prefix_cache_queries if self.counters else 0
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.counters.prefix_cache_hits if self.counters else 0
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.counters.num_preemptions if self.counters else 0
-
-    @property
-    def num_evictions(self) -> int:
-        return self.counters.num_evictions if self.counters else 0
+    # The scalars of the latest delta, under an EngineSnapshot's names.
+    config = _counter("config")
+    step = _counter("step")
+    num_running = _counter("num_running")
+    num_waiting = _counter("num_waiting")
+    prefix_cache_queries = _counter("prefix_cache_queries")
+    prefix_cache_hits = _counter("prefix_cache_hits")
+    num_preemptions = _counter("num_preemptions")
+    num_evictions = _counter("num_evictions")
 
     def count(self, state: str) -> int:
         return self.counts()[state]
