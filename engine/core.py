@@ -7,17 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.beam_search import BeamSearchParams, BeamState, choose_beams
+from engine.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
 from engine.config import EngineConfig
 from engine.detokenizer import detokenize_incrementally
 from engine.kv_cache_manager import KVCacheManager
+from engine.logits_processing import LogitsProcessor
 from engine.memory import GiB
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request import Chunk, Request, Sequence, SequenceStatus
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from engine.request import Chunk, FinishReason, Request, Sequence
+from engine.sampler import sample, token_logprobs
+from engine.sampling_params import SamplingParams, model_sampling_defaults
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.telemetry import ScheduledChunk, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.kv_cache)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(self.runner)
+        self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
+        self.scheduler.reclaim = self.beams.release_parked
+        # Sampling fields the model's generation_config sets: defaults where a request is silent.
+        self.default_sampling = model_sampling_defaults(self.runner.generation_config)
+        self.logits_processor = LogitsProcessor(self.runner.hf_config.vocab_size, self.tokenizer,
+                                                self.eos_token_ids, self.runner.device)
         self.generator = torch.Generator(self.runner.device).manual_seed(self.config.seed)
         self.step_index = 0
         self._request_counter = itertools.count()
@@ -80,10 +88,17 @@ class EngineCore:
             vocab = self.runner.hf_config.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        self._check_fits(token_ids, beam.params.beam_width if beam else params.n)
+        if params.truncate_prompt_tokens is not None and \
+                len(token_ids) > params.truncate_prompt_tokens:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]  # keep the end, as vLLM
+            prompt_text = self.tokenizer.decode(token_ids)
+        self._check_fits(token_ids, beam.params.beam_width if beam else params.num_sequences)
+        constraints = self.logits_processor.prepare(params)
         request = Request(request_id, prompt_text, token_ids, params,
                           arrival_time=arrival_time or time.time(), priority=priority,
-                          source=source, beam=beam)
+                          source=source, beam=beam, constraints=constraints)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         seq = Sequence(f"{request_id}", request, 0, list(token_ids), len(token_ids))
         seq.generator = self._sample_generator(params, 0)
         request.sequences.append(seq)
@@ -120,15 +135,23 @@ class EngineCore:
         request.aborted = True
         for seq in request.sequences:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
-                seq.finished_time = time.time()
-                self.scheduler.finish(seq)
+                self.finish(seq, FinishReason.ABORT)
+        self.beams.forget(request)
         return self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- one step ----------------------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        """Every unfinished sequence: running, waiting, and beams parked between steps."""
+        return [*self.scheduler.running, *self.scheduler.waiting, *self.beams.parked]
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding device blocks: running ones and parked beams."""
+        return len(self.scheduler.running) + len(self.beams.parked)
+
     def step(self) -> StepResult:
         start_time = time.time()
         plan = self.scheduler.schedule()
@@ -137,7 +160,10 @@ class EngineCore:
                 item.seq.first_scheduled_time = start_time
         sampling = [item for item in plan.scheduled if item.samples]
         self.runner.move_blocks(plan)
-        logits = self.runner.execute(plan.scheduled) if plan.scheduled else None
+        logits, prompt_logits = (self.runner.execute(plan.scheduled, _prompt_logprob_items(plan))
+                                 if plan.scheduled else (None, {}))
+        for index, chunk_logits in prompt_logits.items():
+            _record_prompt_logprobs(plan.scheduled[index], chunk_logits)
         for item in plan.scheduled:
             item.seq.num_computed_tokens = item.end
             item.seq.chunks.append(Chunk(self.step_index, item.start, item.end, item.kind))
@@ -162,28 +188,32 @@ class EngineCore:
             seq = item.seq
             touched[seq.request.request_id] = seq.request
             if seq.request.beam is not None:
-                self._rank_continuations(seq, logits[row])
+                self.beams.rank(seq, logits[row])
                 continue
             family = [seq]
-            if seq.request.params.n > 1 and len(seq.request.sequences) == 1:
-                family += [self._fork(seq, index) for index in range(1, seq.request.params.n)]
+            num_sequences = seq.request.params.num_sequences
+            if num_sequences > 1 and len(seq.request.sequences) == 1:
+                family += [self.fork(seq, index) for index in range(1, num_sequences)]
             rows.extend((member, row) for member in family)
         if rows:
             seqs = [seq for seq, _ in rows]
-            result = sample(logits[[row for _, row in rows]],
+            raw = logits[[row for _, row in rows]]
+            result = sample(self.logits_processor.apply(raw, seqs),
                             [seq.request.params for seq in seqs],
-                            [seq.generator for seq in seqs], self.generator)
+                            [seq.generator for seq in seqs], self.generator, raw_logits=raw)
+            self.logits_processor.accept(seqs, result.token_ids)
             for i, seq in enumerate(seqs):
                 top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None
-                self._append_token(seq, result.token_ids[i], result.logprobs[i], top)
+                self.append_token(seq, result.token_ids[i], result.logprobs[i], top)
         num_generated = len(rows)
         for request in touched.values():
-            if request.beam is not None and self._all_beams_ranked(request):
-                num_generated += self._advance_beams(request)
+            if request.beam is not None and self.beams.ready(request):
+                num_generated += self.beams.advance(request, self)
         return list(touched.values()), num_generated
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float,
-                      top_logprobs: dict[int, float] | None = None) -> None:
+    # ---- the update path: the only code that changes sequences after a step -------------
+    def append_token(self, seq: Sequence, token: int, logprob: float,
+                     top_logprobs: dict[int, float] | None = None) -> None:
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         if top_logprobs is not None:
@@ -194,88 +224,44 @@ class EngineCore:
         if seq.request.beam is None:
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
-                self._finish(seq, seq.finish_reason)
+                self.finish(seq, seq.finish_reason)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         seq.finished_time = time.time()
         self.scheduler.finish(seq)
 
-    def _fork(self, parent: Sequence, index: int) -> Sequence:
+    def fork(self, parent: Sequence, index: int) -> Sequence:
         """A new sequence sharing all of the parent's blocks (copy-on-write on first write):
         sample `index` of a parallel-sampling request, or a beam that branches."""
         request = parent.request
         child = Sequence(f"{request.request_id}#{index}", request, index,
                          list(parent.token_ids), parent.num_prompt_tokens,
-                         status=SequenceStatus.RUNNING,
                          generator=self._sample_generator(request.params, index),
                          cumulative_logprob=parent.cumulative_logprob, text=parent.text,
                          prefix_offset=parent.prefix_offset, read_offset=parent.read_offset,
                          first_scheduled_time=parent.first_scheduled_time,
                          first_token_time=parent.first_token_time, chunks=list(parent.chunks))
-        self.kv_cache.fork(parent, child)
-        self.scheduler.running.append(child)
+        self.scheduler.fork(parent, child)
         request.sequences.append(child)
         return child
 
-    # ---- beam search -------------------------------------------------------------------
-    def _rank_continuations(self, seq: Sequence, logits: torch.Tensor) -> None:
-        width = seq.request.beam.params.beam_width
-        values, ids = torch.log_softmax(logits, dim=-1).topk(2 * width)
-        seq.request.beam.candidates[seq.seq_id] = list(zip(ids.tolist(), values.tolist()))
-
-    def _all_beams_ranked(self, request: Request) -> bool:
-        return all(seq.seq_id in request.beam.candidates
-                   for seq in request.sequences if not seq.is_finished)
-
-    def _advance_beams(self, request: Request) -> int:
-        """One beam step: fork the chosen parents, extend them, drop the rest; returns the
-        number of tokens appended."""
-        state = request.beam
-        live = {seq.seq_id: seq for seq in request.sequences if not seq.is_finished}
-        choice = choose_beams(
-            state, {i: (s.cumulative_logprob, s.output_token_ids) for i, s in live.items()},
-            self.eos_token_ids)
-        # Fork before any parent grows: a child must copy the parent's history only.
-        extended: list[tuple[Sequence, int, float]] = []
-        for parent_id, token, score in choice.continue_with:
-            parent = live[parent_id]
-            if any(seq is parent for seq, _, _ in extended):
-                state.num_forks += 1
-                parent = self._fork(parent, state.num_forks)
-            extended.append((parent, token, score))
-        kept = {seq.seq_id for seq, _, _ in extended}
-        for seq in live.values():
-            if seq.seq_id not in kept:
-                self._finish(seq, "beam_dropped")
-                request.sequences.remove(seq)
-        for seq, token, score in extended:
-            self._append_token(seq, token, score - seq.cumulative_logprob)
-        out_of_room = any(seq.num_output_tokens >= state.params.max_tokens
-                          or seq.num_tokens >= self.config.max_model_len
-                          for seq, _, _ in extended)
-        if state.done or out_of_room or not extended:
-            # Out of room: the live beams compete with the finished ones, even when an EOS
-            # filled the list in this same step (transformers merges both at once).
-            if out_of_room:
-                for seq, _, _ in extended[:choice.num_top_ranked]:
-                    state.add_finished(seq.output_token_ids, seq.cumulative_logprob)
-            for seq, _, _ in extended:
-                self._finish(seq, "length")
-            state.done = True
-        return len(extended)
-
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.request.params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
+        if seq.num_output_tokens < params.min_tokens:  # only the length limits apply
+            if seq.num_tokens >= self.config.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = FinishReason.STOP
         elif token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif params.stop_strings and self._truncate_at_stop_string(seq):
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
+        elif self.logits_processor.grammar_finished(seq):
+            seq.finish_reason = FinishReason.STOP
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.config.max_model_len):
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH
 
     @staticmethod
     def _truncate_at_stop_string(seq: Sequence) -> bool:
@@ -308,9 +294,12 @@ class EngineCore:
             request.arrival_time, first.first_scheduled_time, first.first_token_time,
             max((s.finished_time or 0) for s in request.sequences) or None,
             sum(s.num_preemptions for s in request.sequences))
+        if request.params.num_sequences > request.params.n:
+            completions, deltas = _best_of(completions, deltas, request.params.n,
+                                           request.finished)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.finished, request.num_cached_tokens,
-                             metrics, deltas=deltas)
+                             metrics, deltas=deltas, prompt_logprobs=request.prompt_logprobs)
 
     def _beam_output(self, request: Request) -> RequestOutput:
         """The best beam_width hypotheses, best first."""
@@ -320,7 +309,7 @@ class EngineCore:
             completions.append(CompletionOutput(
                 index, self.tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True),
                 hypothesis.token_ids, hypothesis.cumulative_logprob,
-                finish_reason="stop" if ended_by_eos else "length"))
+                finish_reason=FinishReason.STOP if ended_by_eos else FinishReason.LENGTH))
         first = request.sequences[0] if request.sequences else None
         metrics = RequestMetrics(request.arrival_time,
                                  first.first_scheduled_time if first else None,
@@ -332,7 +321,6 @@ class EngineCore:
     def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
                 num_generated: int) -> StepRecord:
         pool = self.kv_cache.pool
-        num_cached_blocks = pool.num_cached_free_blocks  # a scan of the cache: once a step
         return StepRecord(
             step=self.step_index, start_time=start_time, end_time=time.time(),
             chunks=tuple(ScheduledChunk(s.seq.request.request_id, s.seq.seq_id, s.kind,
@@ -343,9 +331,9 @@ class EngineCore:
             finished=tuple(r.request_id for r in finished),
             num_scheduled_tokens=plan.num_scheduled_tokens,
             token_budget=self.config.max_num_batched_tokens,
-            num_used_blocks=pool.num_used_blocks, num_cached_blocks=num_cached_blocks,
-            num_free_blocks=pool.num_free_blocks - num_cached_blocks,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_free_blocks,
+            num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
+            num_running=self.num_running, num_waiting=len(self.scheduler.waiting),
             num_generated_tokens=num_generated)
 
 
@@ -359,3 +347,39 @@ def _eos_token_ids(runner: ModelRunner) -> set[int]:
         elif source:
             ids.update(source)
     return ids
+
+
+# ---- prompt logprobs and best_of -----------------------------------------------------------
+def _prompt_logprob_items(plan: SchedulerOutput) -> tuple[int, ...]:
+    """Scheduled chunks whose positions score prompt tokens not scored yet (a sequence
+    recomputed after preemption has some or all of them already)."""
+    return tuple(index for index, item in enumerate(plan.scheduled)
+                 if item.seq.request.prompt_logprobs is not None
+                 and len(item.seq.request.prompt_logprobs) < _scored_end(item) + 1)
+
+
+def _scored_end(item: ScheduledSequence) -> int:
+    """Positions [start, end) score tokens start+1..end; the last prompt token scores nothing."""
+    return min(item.end, item.seq.num_prompt_tokens - 1)
+
+
+def _record_prompt_logprobs(item: ScheduledSequence, chunk_logits: torch.Tensor) -> None:
+    """Position p's logits score prompt token p + 1; entries so far cover tokens < first."""
+    seq, request = item.seq, item.seq.request
+    first, end = len(request.prompt_logprobs), _scored_end(item)
+    request.prompt_logprobs.extend(token_logprobs(
+        chunk_logits[first - 1 - item.start:end - item.start], seq.token_ids[first:end + 1],
+        request.params.prompt_logprobs))
+
+
+def _best_of(completions: list[CompletionOutput], deltas: list[str], n: int,
+             finished: bool) -> tuple[list[CompletionOutput], list[str]]:
+    """The n samples of the highest cumulative logprob, re-indexed 0..n-1 (the first n
+    while they still run)."""
+    order = list(range(len(completions)))
+    if finished:
+        order.sort(key=lambda i: -completions[i].cumulative_logprob)
+    chosen = order[:n]
+    for index, i in enumerate(chosen):
+        completions[i].index = index
+    return [completions[i] for i in chosen], [deltas[i] for i in chosen]
