@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.telemetry import EngineSnapshot, StepRecord
+from engine.view import EngineView
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600
@@ -35,7 +36,7 @@ class LiveFeed:
     """Shared by every browser tab: whichever tab ticks first drains the engine's step
     queue into one history, so tabs do not steal records from each other."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineView):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
         self._requests = engine.subscribe_requests()
