@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.beam_search import BeamSearchParams
 from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -175,7 +176,7 @@ class AsyncEngine:
     def submit(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         *,
         request_id: str | None = None,
         source: str = "api",
