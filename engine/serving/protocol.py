@@ -179,8 +179,11 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
     def to_params(self, defaults: dict) -> SamplingParams | BeamSearchParams:
-        return (self.beam_search_params(defaults) if self.use_beam_search
-                else self.to_sampling_params(defaults))
+        if self.use_beam_search:
+            return self.beam_search_params(defaults)
+        if self.length_penalty != 1.0:  # refused, not silently ignored
+            raise ValueError("length_penalty: it scores beams; set use_beam_search=true")
+        return self.to_sampling_params(defaults)
 
     def beam_search_params(self, defaults: dict) -> BeamSearchParams:
         if self.stream:
