@@ -29,6 +29,10 @@ class EngineView(Protocol):
     def tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer."""
 
+    @property
+    def default_sampling(self) -> dict:
+        """Sampling fields from the model's generation_config."""
+
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, source: str = "api", priority: int = 0,
                add_special_tokens: bool = True) -> RequestStream:
@@ -46,6 +50,12 @@ class EngineView(Protocol):
 
     def subscribe_requests(self, maxsize: int = 10_000) -> Channel:
         """A RequestRecord for every request that ends from now on."""
+
+    def subscribe_pool(self, maxsize: int = ...) -> Channel:
+        """The block pool as a full snapshot, then one delta per step (PoolMirror's input)."""
+
+    def resync_pool(self, channel: Channel) -> None:
+        """Send a pool subscriber that lost records a fresh full snapshot."""
 
     def reconfigure(self, abort_running: bool = False, timeout: float | None = None,
                     **knobs: Any) -> MemoryPlan:
