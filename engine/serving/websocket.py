@@ -1,4 +1,6 @@
-"""WS /ws/events: step records (at most 10 messages a second) and block-pool snapshots."""
+"""WS /ws/events: step records and the pool's per-step deltas (each at most 10 messages
+a second), a sliced pool snapshot when a client connects or falls behind, and a full
+EngineSnapshot on request ({"type": "snapshot"}: costly on a large pool)."""
 
 import asyncio
 import dataclasses
@@ -9,6 +11,7 @@ import time
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from engine.async_engine import AsyncEngine
+from engine.serving.pool_messages import pool_messages
 from engine.streams import Channel
 from engine.telemetry import EngineSnapshot, StepRecord
 
@@ -45,17 +48,18 @@ def events_router(engine: AsyncEngine) -> APIRouter:
         await websocket.accept()
         # The client's bounded queue: the engine drops its oldest records if it lags.
         records = engine.subscribe_steps(CLIENT_QUEUE_RECORDS)
-        send_lock = asyncio.Lock()  # the two tasks below share one socket
-        tasks = [asyncio.create_task(_send_steps(websocket, records, send_lock)),
+        pool = engine.subscribe_pool(CLIENT_QUEUE_RECORDS)  # starts with a pool snapshot
+        send_lock = asyncio.Lock()  # the tasks below share one socket
+        tasks = [asyncio.create_task(_send_pool(websocket, engine, pool, send_lock)),
+                 asyncio.create_task(_send_steps(websocket, records, send_lock)),
                  asyncio.create_task(_answer_requests(websocket, engine, send_lock))]
         try:
-            async with send_lock:
-                await websocket.send_text(snapshot_message(await engine.snapshot_async()))
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         except WebSocketDisconnect:
             pass
         finally:
             records.close()
+            pool.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -75,6 +79,27 @@ async def _send_steps(websocket: WebSocket, records: Channel, send_lock: asyncio
             dropped_reported += dropped
             async with send_lock:
                 await websocket.send_text(step_message(batch, dropped))
+            last_sent = time.monotonic()
+    except WebSocketDisconnect:
+        return
+
+
+async def _send_pool(websocket: WebSocket, engine: AsyncEngine, pool: Channel,
+                     send_lock: asyncio.Lock) -> None:
+    """Forward the pool records, deltas coalesced at most every 100 ms; a client that fell
+    behind (its queue dropped records) gets a new snapshot instead of a gap."""
+    last_sent = 0.0
+    dropped_seen = 0
+    try:
+        async for first in pool:
+            await asyncio.sleep(max(0.0, last_sent + MIN_MESSAGE_INTERVAL_S - time.monotonic()))
+            batch = [first, *pool.drain()]
+            if pool.num_dropped != dropped_seen:
+                dropped_seen = pool.num_dropped
+                engine.resync_pool(pool)
+            async with send_lock:
+                for message in pool_messages(batch):
+                    await websocket.send_text(json.dumps(message))
             last_sent = time.monotonic()
     except WebSocketDisconnect:
         return
