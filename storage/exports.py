@@ -15,10 +15,13 @@ from pathlib import Path
 from sqlalchemy import Engine, insert
 
 from storage.models import SCHEMA_VERSION, SESSION_TABLES, SessionRow
-from storage.reader import ROWS_PER_FETCH, iter_table_rows
+from storage.reader import iter_table_rows
 from storage.schema import open_database
 
 FORMATS = ("csv", "json", "sqlite")
+# Rows per INSERT into an exported SQLite file: SQLAlchemy holds a batch's parameters
+# several times over while it runs, so batches stay small.
+INSERT_BATCH_ROWS = 500
 
 
 def export_session(engine: Engine, session_id: int, fmt: str, out_dir: str | Path) -> Path:
@@ -69,7 +72,7 @@ def _write_sqlite(tables: dict[str, Iterator[dict]], path: Path) -> None:
     engine = open_database(path)
     with engine.begin() as connection:
         for name, rows in tables.items():
-            while batch := list(itertools.islice(rows, ROWS_PER_FETCH)):
+            while batch := list(itertools.islice(rows, INSERT_BATCH_ROWS)):
                 connection.execute(insert(_table(name)), batch)
     with engine.connect() as connection:
         # Leaving WAL mode folds the log back into the file: one self-contained file.
