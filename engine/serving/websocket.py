@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
@@ -67,42 +68,41 @@ def events_router(engine: AsyncEngine) -> APIRouter:
     return router
 
 
-async def _send_steps(websocket: WebSocket, records: Channel, send_lock: asyncio.Lock) -> None:
-    """Coalesce what arrived since the last message into one, at most every 100 ms."""
+async def _forward(websocket: WebSocket, channel: Channel, send_lock: asyncio.Lock,
+                   messages: Callable[[list, int], list[str]]) -> None:
+    """Coalesce what arrived since the last send into `messages(batch, newly dropped)`,
+    at most every 100 ms."""
     last_sent = 0.0
     dropped_reported = 0
     try:
-        async for first in records:
+        async for first in channel:
             await asyncio.sleep(max(0.0, last_sent + MIN_MESSAGE_INTERVAL_S - time.monotonic()))
-            batch = [first, *records.drain()]
-            dropped = records.num_dropped - dropped_reported
+            batch = [first, *channel.drain()]
+            dropped = channel.num_dropped - dropped_reported
             dropped_reported += dropped
             async with send_lock:
-                await websocket.send_text(step_message(batch, dropped))
+                for message in messages(batch, dropped):
+                    await websocket.send_text(message)
             last_sent = time.monotonic()
     except WebSocketDisconnect:
         return
 
 
-async def _send_pool(websocket: WebSocket, engine: AsyncEngine, pool: Channel,
-                     send_lock: asyncio.Lock) -> None:
-    """Forward the pool records, deltas coalesced at most every 100 ms; a client that fell
-    behind (its queue dropped records) gets a new snapshot instead of a gap."""
-    last_sent = 0.0
-    dropped_seen = 0
-    try:
-        async for first in pool:
-            await asyncio.sleep(max(0.0, last_sent + MIN_MESSAGE_INTERVAL_S - time.monotonic()))
-            batch = [first, *pool.drain()]
-            if pool.num_dropped != dropped_seen:
-                dropped_seen = pool.num_dropped
-                engine.resync_pool(pool)
-            async with send_lock:
-                for message in pool_messages(batch):
-                    await websocket.send_text(json.dumps(message))
-            last_sent = time.monotonic()
-    except WebSocketDisconnect:
-        return
+def _send_steps(websocket: WebSocket, records: Channel, send_lock: asyncio.Lock):
+    return _forward(websocket, records, send_lock,
+                    lambda batch, dropped: [step_message(batch, dropped)])
+
+
+def _send_pool(websocket: WebSocket, engine: AsyncEngine, pool: Channel,
+               send_lock: asyncio.Lock):
+    """The pool records, deltas coalesced; a client that fell behind (its queue dropped
+    records) gets a new snapshot instead of a gap."""
+    def messages(batch: list, dropped: int) -> list[str]:
+        if dropped:
+            engine.resync_pool(pool)
+        return [json.dumps(message) for message in pool_messages(batch)]
+
+    return _forward(websocket, pool, send_lock, messages)
 
 
 async def _answer_requests(websocket: WebSocket, engine: AsyncEngine,
