@@ -9,8 +9,9 @@ maintained by the guidance team and used by vLLM as its `guidance` backend.
 Each constrained sequence owns an LLMatcher. Before a step samples, the matchers of all
 constrained rows write one bitmask (one bit per token, filled in parallel on native
 threads) that masks the batch's logits in a single op; after it, each matcher consumes
-its sequence's token. A matcher whose count of consumed tokens differs from its sequence's output (a sequence it has not seen yet, such
-as a fork, or anything that rewound it) is rebuilt from the output tokens.
+its sequence's token. A matcher whose count of consumed tokens differs from its
+sequence's output (a sequence it has not seen yet, such as a fork, or anything that
+rewound it) is rebuilt from the output tokens.
 """
 
 import json
