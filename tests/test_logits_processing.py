@@ -10,6 +10,7 @@ from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    TopKLogitsWarper,
 )
 
 from engine import LLM, SamplingParams
@@ -147,11 +148,16 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name(processor, field, 
 
 
 # ---- min_p --------------------------------------------------------------------------------
+@pytest.mark.parametrize("top_k", [0, 5])
 @pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
-def test_min_p_keeps_the_tokens_transformers_min_p_keeps(min_p):
+def test_min_p_keeps_the_tokens_transformers_min_p_keeps(min_p, top_k):
     logits = random_logits(3, seed=1)
-    probs = _filtered_probs(logits, [SamplingParams(min_p=min_p, temperature=0.8)] * 3)
-    expected = MinPLogitsWarper(min_p)(None, logits / 0.8).softmax(dim=-1)
+    probs = _filtered_probs(logits, [SamplingParams(min_p=min_p, temperature=0.8,
+                                                    top_k=top_k)] * 3)
+    expected = MinPLogitsWarper(min_p)(None, logits / 0.8)
+    if top_k:  # vLLM's order: min-p, then top-k
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    expected = expected.softmax(dim=-1)
     assert torch.equal(probs > 0, expected > 0)
     torch.testing.assert_close(probs, expected)
 
