@@ -143,6 +143,23 @@ def record_sessions(engine: AsyncEngine, session_log: SessionLog) -> Callable[[]
     return stop_recording
 
 
+class QuietPolling(logging.Filter):
+    """Drops uvicorn's access-log lines for the dashboard's own traffic: each open tab
+    polls twice a second, which buried the lines a person needs. API requests, errors
+    and everything else still log."""
+
+    PREFIXES = ("/gradio_api/", "/assets/", "/static/", "/favicon", "/manifest.json",
+                "/theme.css", "/config", "/info", "/heartbeat")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 5:
+            return True
+        path, status = str(args[2]), args[4]
+        dashboard = path == "/" or path.startswith(self.PREFIXES)
+        return not dashboard or (isinstance(status, int) and status >= 400)
+
+
 def _exit_on_sigterm(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
 
@@ -166,8 +183,12 @@ def main(argv: list[str] | None = None) -> None:
         app = create_app(engine, api_key=args.api_key or os.environ.get("KVSCOPE_API_KEY"))
         if not args.no_ui:
             app = mount_dashboard(app, engine, session_log)
-        logger.info("serving %s on http://%s:%d (API under /v1)", engine.model_path,
+        identity = engine.resolved_identity()
+        logger.info("serving %s (%s on %s) · %s", identity["model"], identity["dtype"],
+                    identity["device"], engine.memory_plan.describe())
+        logger.info("dashboard: http://%s:%d/ · API: http://%s:%d/v1", args.host, args.port,
                     args.host, args.port)
+        logging.getLogger("uvicorn.access").addFilter(QuietPolling())
         # uvicorn turns SIGINT/SIGTERM into a graceful stop: no new connections, in-flight
         # requests get GRACEFUL_SHUTDOWN_S, then the engine aborts what is left.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -147,6 +147,14 @@ class AsyncEngine:
     def model_path(self) -> str:
         return str(self._core.runner.model_path)
 
+    def resolved_identity(self) -> dict[str, str]:
+        """The model folder, dtype and device the engine runs, whatever the config said
+        ("auto", or None for the default model)."""
+        runner = self._core.runner
+        return {"model": str(runner.model_path),
+                "dtype": str(runner.dtype).removeprefix("torch."),
+                "device": str(runner.device)}
+
     @property
     def is_reconfiguring(self) -> bool:
         """True from the reconfigure() call until the new pool is in place (or refused)."""

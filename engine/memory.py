@@ -1,6 +1,10 @@
 """Device memory: what a profiling forward peaks at, and how many KV blocks fit."""
 
+import contextlib
 import logging
+import os
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +48,15 @@ class MemoryPlan:
                 f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
 
 
+class PoolTooSmall(ValueError):
+    """The pool cannot hold one max_model_len sequence; the numbers let each caller name
+    the knobs its user can turn."""
+
+    def __init__(self, message: str, plan: "MemoryPlan") -> None:
+        super().__init__(message)
+        self.plan = plan
+
+
 def plan_blocks(
     device_memory_bytes: int,
     gpu_memory_utilization: float,
@@ -64,13 +77,13 @@ def plan_blocks(
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len)
     if plan.num_tokens < max_model_len:
-        raise ValueError(
+        raise PoolTooSmall(
             f"the KV cache holds {plan.num_tokens} tokens ({num_blocks} blocks of {block_size}; "
             f"{device_memory_bytes / GiB:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization}"
             f" - weights {weight_bytes / GiB:.3f} GiB - activations "
             f"{peak_activation_bytes / GiB:.3f} GiB) but max_model_len={max_model_len} needs "
             f"{max_model_len}: raise gpu_memory_utilization or device_memory_gb, or lower "
-            "max_model_len or max_num_batched_tokens")
+            "max_model_len or max_num_batched_tokens", plan)
     return plan
 
 
@@ -88,7 +101,8 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_banner(), profile(activities=[ProfilerActivity.CPU],
+                                             profile_memory=True) as prof:
         fn()
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     peak = 0
@@ -98,6 +112,27 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         if event.tag == _EventType.Allocation:
             peak = max(peak, event.extra_fields.total_allocated)
     return peak
+
+
+@contextlib.contextmanager
+def _without_profiler_banner():
+    """Kineto writes "USDT: profiler_start/stop" lines straight to file descriptor 2 and
+    no setting turns them off; catch fd 2 meanwhile and pass on every other line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(True)
+                    if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
 
 
 def device_memory_bytes(device: torch.device, configured_gb: float) -> int:

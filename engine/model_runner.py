@@ -21,6 +21,7 @@ from engine.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, p
 from engine.models import model_class
 from engine.models.attention import AttentionMetadata
 from engine.models.quantized import pack_model, quantize_model
+from engine.profile_cache import load_peak, profile_key, store_peak
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,9 @@ class ModelRunner:
         self.max_positions = self.hf_config.max_position_embeddings
         architecture = model_class(self.hf_config)
         resolved = config.resolved(self.max_positions)
-        self.quantization = config.quantization
+        # Quantized layers allocate other temporaries, so the profiled peak depends on these.
+        self.quantization = {"quantization": config.quantization,
+                             "quantization_group_size": config.quantization_group_size}
         with default_dtype(self.dtype), torch.device(self.device):
             self.model = architecture(self.hf_config, resolved.max_model_len)
             quantize_model(self.model, config.quantization, config.quantization_group_size)
@@ -95,7 +98,7 @@ class ModelRunner:
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
         logger.info("loaded %s (%s, %.1f MiB of weights, quantization=%s, %s on %s) in %.1f s;"
                     " attention: %s", self.model_path, type(self.model).__name__,
-                    self.weight_bytes / (1 << 20), self.quantization, self.dtype, self.device,
+                    self.weight_bytes / (1 << 20), config.quantization, self.dtype, self.device,
                     time.perf_counter() - started, kernels.attention_backend_name(self.device))
 
     def checkpoint_weights(self, config: EngineConfig):
@@ -113,16 +116,29 @@ class ModelRunner:
                 * self.head_dim * self.dtype.itemsize)
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan:
-        """Size the block pool for a resolved config (profiling its token budget once)."""
+        """Size the block pool for a resolved config (profiling its token budget once per
+        model, machine and code version: later starts read the peak from disk)."""
         key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
         if key not in self._peak_activation_bytes:
-            self._peak_activation_bytes[key] = self.profile_peak_activations(*key)
+            self._peak_activation_bytes[key] = self._cached_peak_activations(*key)
         plan = plan_blocks(
             device_memory_bytes(self.device, config.device_memory_gb),
             config.gpu_memory_utilization, self.weight_bytes, self._peak_activation_bytes[key],
             self.bytes_per_block(config.block_size), config.block_size, config.max_model_len,
             config.num_gpu_blocks_override)
         return plan
+
+    def _cached_peak_activations(self, num_tokens: int, max_model_len: int,
+                                 max_seqs: int) -> int:
+        key = profile_key(self.model_path, self.dtype, self.device,
+                          kernels.attention_backend_name(self.device),
+                          {"num_tokens": num_tokens, "max_model_len": max_model_len,
+                           "max_num_seqs": max_seqs, **self.quantization})
+        peak = load_peak(key)
+        if peak is None:
+            peak = self.profile_peak_activations(num_tokens, max_model_len, max_seqs)
+            store_peak(key, peak)
+        return peak
 
     def profile_peak_activations(self, num_tokens: int, max_model_len: int, max_seqs: int) -> int:
         """One forward over a full token budget (as sequences of at most max_model_len) plus

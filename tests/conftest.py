@@ -68,6 +68,12 @@ def save_tiny_chat_model(folder: Path) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_profile_cache(tmp_path_factory):
+    """Profiling results of the tests' throwaway models stay out of the user's cache."""
+    os.environ["KVSCOPE_PROFILE_CACHE"] = str(tmp_path_factory.mktemp("profiles"))
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_model_path(tmp_path_factory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"))

@@ -53,6 +53,37 @@ def client(served) -> Client:
     return Client(served[2], verbose=False)
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for the module's browser tests (each opens its own pages)."""
+    if not CHROMIUM.exists():
+        pytest.skip("Debian chromium is not installed")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def open_page(browser, url: str):
+    page = browser.new_page(viewport={"width": 1400, "height": 1100}, accept_downloads=True)
+    page.goto(url)
+    return page
+
+
+# First in the module: the engine has run nothing yet.
+def test_browser_empty_state_says_so_instead_of_drawing_empty_axes(served, browser) -> None:
+    from playwright.sync_api import expect
+
+    page = open_page(browser, served[2])
+    for text in ("No requests in this window yet", "No engine steps in this window yet",
+                 "No sequence holds blocks right now", "No live sequences"):
+        expect(page.get_by_text(text)).to_be_visible(timeout=20_000)
+    expect(page.get_by_text("paged 100%")).to_have_count(0)
+    page.close()
+
+
 def heatmap_cells(client: Client) -> tuple[list, dict]:
     """The live handler's heatmap as Plotly JSON: its non-empty cells and the figure."""
     panels = client.predict(api_name="/refresh_live")
@@ -69,6 +100,8 @@ def test_chat_streams_a_reply_with_its_stats(client: Client) -> None:
     assert [message["role"] for message in chatbot] == ["user", "assistant"]
     reply = chatbot[1]["content"][0]["text"]
     assert "TTFT" in reply and "prompt tokens" in reply and "cached" in reply
+    # What the person waited for the first text, next to the engine's own TTFT.
+    assert "first text after" in reply and "engine TTFT" in reply
     assert textbox == "" and "12 output tokens" in status
 
 
@@ -106,6 +139,53 @@ def test_reconfigure_through_the_ui_changes_the_pool(served, client) -> None:
     client.predict(4, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
 
 
+def test_a_zero_token_budget_is_refused_naming_the_limit(served, client) -> None:
+    status = client.predict(4, 0.9, 2.0, 0, True, True, "recompute", False,
+                            api_name="/apply_knobs")
+    assert "Not applied" in status and "max_num_batched_tokens=0 must be an integer >= 1" \
+        in status
+    assert served[0].config.max_num_batched_tokens == 64
+
+
+def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browser) -> None:
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    client.predict(8, 0.9, 2.0, 32, True, True, "recompute", False, api_name="/apply_knobs")
+    try:
+        page = open_page(browser, served[2])  # opened after the Apply, from another client
+        page.get_by_role("tab", name="Engine & load").click()
+        expect(page.locator("#kv-budget input")).to_have_value("32", timeout=15_000)
+        expect(page.locator("#kv-block-size input")).to_have_value("8")
+        expect(page.locator("#kv-knob-status")).to_contain_text(
+            f"{engine.memory_plan.num_blocks} blocks x 8 tokens")
+        page.close()
+    finally:
+        client.predict(4, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
+    assert engine.config.block_size == 4
+
+
+def test_browser_trash_icon_starts_a_new_conversation(served, browser) -> None:
+    from playwright.sync_api import expect
+
+    page = open_page(browser, served[2])
+    chat = page.locator("#kv-chat")
+    message = page.locator("#kv-message textarea")
+    message.fill("Hello")
+    message.press("Enter")
+    expect(chat).to_contain_text("output tokens", timeout=30_000)
+    first = chat.inner_text()
+    prompt_tokens = first[:first.index(" prompt tokens")].rsplit(" ", 1)[-1]
+    chat.get_by_label("Clear").click()
+    expect(chat).not_to_contain_text("output tokens")
+    message.fill("Hello")
+    message.press("Enter")
+    expect(chat).to_contain_text("output tokens", timeout=30_000)
+    # The same one-message prompt again, not the first exchange plus this message.
+    expect(chat).to_contain_text(f"{prompt_tokens} prompt tokens")
+    page.close()
+
+
 def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     log = served[1]
     table, _, _ = client.predict(api_name="/list_sessions")
@@ -117,32 +197,28 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     assert path is None and "session_id=999: no such session" in status
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed")
-def test_browser_chat_heatmap_and_export(served, tmp_path: Path) -> None:
-    from playwright.sync_api import expect, sync_playwright
+def test_browser_chat_heatmap_and_export(served, browser, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100}, accept_downloads=True)
-        page.goto(served[2])
-        page.locator("#kv-message textarea").fill("Hi from the browser")
-        page.locator("#kv-message textarea").press("Enter")
-        expect(page.locator("#kv-chat")).to_contain_text("TTFT", timeout=30_000)
-        heatmap = page.locator("#kv-heatmap .js-plotly-plot")
-        expect(heatmap).to_be_visible(timeout=15_000)
-        expect(heatmap.locator(".heatmaplayer image")).to_have_count(1)
-        page.screenshot(path=tmp_path / "live.png", full_page=True)
+    page = open_page(browser, served[2])
+    page.locator("#kv-message textarea").fill("Hi from the browser")
+    page.locator("#kv-message textarea").press("Enter")
+    expect(page.locator("#kv-chat")).to_contain_text("TTFT", timeout=30_000)
+    heatmap = page.locator("#kv-heatmap .js-plotly-plot")
+    expect(heatmap).to_be_visible(timeout=15_000)
+    expect(heatmap.locator(".heatmaplayer image")).to_have_count(1)
+    page.screenshot(path=tmp_path / "live.png", full_page=True)
 
-        page.get_by_role("tab", name="Sessions").click()
-        expect(page.locator("#kv-sessions-status")).to_contain_text("sessions in")
-        page.locator("#kv-export").click()
-        link = page.locator("#kv-download a").first
-        expect(link).to_be_visible(timeout=15_000)
-        with page.expect_download() as download_info:
-            link.click()
-        saved = tmp_path / download_info.value.suggested_filename
-        download_info.value.save_as(saved)
-        page.screenshot(path=tmp_path / "sessions.png", full_page=True)
-        browser.close()
+    page.get_by_role("tab", name="Sessions").click()
+    expect(page.locator("#kv-sessions-status")).to_contain_text("sessions in")
+    page.locator("#kv-export").click()
+    link = page.locator("#kv-download a").first
+    expect(link).to_be_visible(timeout=15_000)
+    with page.expect_download() as download_info:
+        link.click()
+    saved = tmp_path / download_info.value.suggested_filename
+    download_info.value.save_as(saved)
+    page.screenshot(path=tmp_path / "sessions.png", full_page=True)
+    page.close()
     assert json.loads(saved.read_text())["sessions"][0]["id"] == served[1].session_id
     assert (tmp_path / "live.png").stat().st_size > 0

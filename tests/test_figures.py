@@ -112,9 +112,9 @@ def test_timeline_shows_chunked_prefill_decode_and_finish(run) -> None:
     # A's 31-token prompt under an 8-token budget is prefilled in several chunks.
     assert sum(1 for s in spans if s.row == "req-0" and s.phase == "prefill") >= 4
     figure = request_timeline(records, arrivals)
-    names = [trace.name for trace in figure.data]
+    names = [trace["name"] for trace in figure["data"]]
     assert names == ["waiting", "prefill", "decode", "preempted", "finished"]
-    assert len(figure.data[-1].x) == 3  # one finish mark per sequence
+    assert len(figure["data"][-1]["x"]) == 3  # one finish mark per sequence
 
 
 def test_preemption_becomes_a_span_until_the_sequence_resumes() -> None:
@@ -138,8 +138,8 @@ def test_latency_stats_and_series(run) -> None:
     assert len(stats.ttft) == 2 and all(t > 0 for t in stats.ttft)
     assert len(stats.itl) == 3 + 7 + 7  # decodes after each sequence's first token
     assert stats.output_tokens_per_s > 0
-    figure = pool_series(records, NUM_BLOCKS, token_usage=[(records[0].start_time, 0.5)])
-    assert len(figure.data[0].y) == len(records)
+    figure = pool_series(records, token_usage=[(records[0].start_time, 0.5)])
+    assert len(figure["data"][0]["y"]) == len(records)
 
 
 def test_paged_memory_beats_a_contiguous_reservation(run) -> None:

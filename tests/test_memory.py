@@ -1,9 +1,15 @@
 """The memory budget: (device memory x utilization - weights - activations) // bytes per block."""
 
+import json
+
 import pytest
 import torch
+from conftest import TINY_MAX_POSITIONS
 
-from engine.memory import GiB, plan_blocks
+from engine.config import EngineConfig
+from engine.memory import GiB, measure_peak_bytes, plan_blocks
+from engine.model_runner import ModelRunner
+from engine.profile_cache import profile_key
 
 MiB = 1 << 20
 
@@ -97,3 +103,52 @@ def test_num_gpu_blocks_override_sets_the_pool_size(make_engine):
 def test_engine_refuses_to_start_when_max_model_len_does_not_fit(make_engine):
     with pytest.raises(ValueError, match=r"holds \d+ tokens.*max_model_len=256"):
         make_engine("llama", gpu_memory_utilization=0.01, max_num_batched_tokens=256)
+
+
+# ---- the profiling result, remembered across starts -----------------------------------
+def test_a_repeated_start_reads_the_profiled_peak_instead_of_profiling(tiny_model, tmp_path,
+                                                                      monkeypatch, caplog):
+    monkeypatch.setenv("KVSCOPE_PROFILE_CACHE", str(tmp_path))
+    config = EngineConfig(model=str(tiny_model("llama").path), dtype="float32", device="cpu",
+                          device_memory_gb=0.05).resolved(TINY_MAX_POSITIONS)
+    first = ModelRunner(config).plan_memory(config)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    again = ModelRunner(config)
+    monkeypatch.setattr(again, "profile_peak_activations",
+                        lambda *shape: pytest.fail("profiled although the peak was cached"))
+    with caplog.at_level("INFO", logger="engine.profile_cache"):
+        assert again.plan_memory(config) == first
+    assert "reused the profiled activation peak" in caplog.text
+
+
+def test_another_budget_or_a_damaged_cache_file_profiles_afresh(tiny_model, tmp_path,
+                                                                monkeypatch):
+    monkeypatch.setenv("KVSCOPE_PROFILE_CACHE", str(tmp_path))
+    config = EngineConfig(model=str(tiny_model("llama").path), dtype="float32", device="cpu",
+                          device_memory_gb=0.05).resolved(TINY_MAX_POSITIONS)
+    small = ModelRunner(config).plan_memory(config)
+    bigger = config.with_changes(max_num_batched_tokens=2 * config.max_num_batched_tokens)
+    assert ModelRunner(config).plan_memory(bigger).peak_activation_bytes > \
+        small.peak_activation_bytes
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    for path in tmp_path.glob("*.json"):
+        path.write_text("{not json")
+    assert ModelRunner(config).plan_memory(config) == small  # profiled again, same answer
+    rewritten = [p for p in tmp_path.glob("*.json") if p.read_text() != "{not json"]
+    assert json.loads(rewritten[0].read_text())["peak_activation_bytes"] == \
+        small.peak_activation_bytes
+
+
+def test_the_cache_key_names_model_files_shapes_code_and_libraries(tiny_model):
+    key = profile_key(tiny_model("llama").path, torch.float32, torch.device("cpu"), "torch",
+                      {"num_tokens": 64})
+    assert {"model", "model_files", "dtype", "device", "device_name", "code",
+            "attention_backend", "num_tokens"} <= set(key)
+    assert key["libraries"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+
+
+def test_profiling_writes_no_usdt_lines(capfd):
+    measure_peak_bytes(lambda: torch.ones(1000) + 1, torch.device("cpu"))
+    assert "USDT" not in capfd.readouterr().err

@@ -19,6 +19,7 @@ from websockets.sync.client import connect as ws_connect
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.serving import create_app
+from engine.serving.metrics import EngineMetrics
 
 API_KEY = "sesame"
 NUM_BLOCKS = 256
@@ -465,3 +466,18 @@ def test_reconfigure_during_traffic(server) -> None:
     assert server.engine.snapshot().block_size == 16
     assert client.completions.create(model=server.model, prompt="after", max_tokens=2).choices
     engine.reconfigure(block_size=8)
+
+
+def test_engine_config_info_reports_resolved_values_and_no_created_series(tiny_llama_path):
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_llama_path), device_memory_gb=0.05, max_model_len=128)).start()
+    try:
+        text = asyncio.run(EngineMetrics(engine, "tiny").render()).decode()
+    finally:
+        engine.shutdown()
+    info = next(line for line in text.splitlines()
+                if line.startswith("kvscope:engine_config_info"))
+    assert f'model="{engine.model_path}"' in info and 'device="cpu"' in info
+    assert 'dtype="auto"' not in info and ('dtype="float32"' in info
+                                           or 'dtype="bfloat16"' in info)
+    assert "_created" not in text

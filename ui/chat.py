@@ -1,5 +1,6 @@
 """The chat tab's handler: multi-turn with the model's chat template, streamed."""
 
+import time
 import uuid
 
 import gradio as gr
@@ -12,18 +13,24 @@ from engine.streams import RequestFailed
 ACCEPT_TIMEOUT_S = 120
 
 
-
 def new_conversation() -> dict:
     return {"id": uuid.uuid4().hex[:12], "messages": []}
 
 
-def reply_stats(output: RequestOutput) -> str:
-    """The line under a reply: latency, speed and how much of the prompt was cached."""
+def reply_stats(output: RequestOutput, first_text_s: float | None = None) -> str:
+    """The line under a reply: latency, speed and how much of the prompt was cached.
+
+    `first_text_s` is what the person waited: from the message reaching the server to the
+    first text sent back, queueing for the engine thread and the chat template included;
+    the engine's TTFT starts only once the engine has taken the request.
+    """
     metrics = output.metrics
     tokens = len(output.outputs[0].token_ids)
     parts = []
+    if first_text_s is not None:
+        parts.append(f"first text after {first_text_s:.2f} s")
     if metrics and metrics.time_to_first_token is not None:
-        parts.append(f"TTFT {metrics.time_to_first_token * 1000:.0f} ms")
+        parts.append(f"engine TTFT {metrics.time_to_first_token * 1000:.0f} ms")
         if metrics.finished_time and tokens > 1:
             decode_s = metrics.finished_time - metrics.first_token_time
             parts.append(f"{(tokens - 1) / decode_s:.1f} tok/s" if decode_s > 0 else "")
@@ -48,6 +55,7 @@ def _display(messages: list[dict], stats: list[str]) -> list[dict]:
 def chat_reply(engine, session_log, message: str, conversation: dict,
                temperature: float, top_p: float, max_tokens: int):
     """Yields (chatbot, conversation, textbox, status). Bad input warns and changes nothing."""
+    received = time.monotonic()
     conversation = conversation or new_conversation()
     stats = list(conversation.get("stats", []))
     unchanged = (_display(conversation["messages"], stats), conversation, message)
@@ -66,10 +74,12 @@ def chat_reply(engine, session_log, message: str, conversation: dict,
         gr.Warning(str(error))
         yield *unchanged, f"Refused: {error}"
         return
-    text, output = "", None
+    text, output, first_text_s = "", None, None
     try:
         for output in stream:
             text += output.deltas[0] if output.deltas else ""
+            if first_text_s is None and text:
+                first_text_s = time.monotonic() - received
             partial = [*messages, {"role": "assistant", "content": text}]
             yield _display(partial, stats), conversation, "", "generating…"
     except RequestFailed as error:
@@ -78,7 +88,7 @@ def chat_reply(engine, session_log, message: str, conversation: dict,
         return
     finally:
         stream.abort()  # a no-op once finished; else the browser left or pressed stop
-    line = reply_stats(output)
+    line = reply_stats(output, first_text_s)
     conversation = {"id": conversation["id"], "stats": [*stats, line],
                     "messages": [*messages, {"role": "assistant", "content": text}]}
     if session_log is not None:  # the request itself is logged by SessionLog.follow

@@ -9,31 +9,36 @@ from ui import chat, knobs, loadgen, panels, sessions
 from ui.live import LiveFeed
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
-REFRESH_S = 1.0
 
 
 def build_ui(engine, session_log=None) -> gr.Blocks:
     """The dashboard for a started AsyncEngine; session_log (a storage.SessionLog or None)
     feeds the sessions tab and gets the chat turns and reconfigures."""
     feed = LiveFeed(engine)
+    renderer = panels.PanelRenderer(feed)
     load = loadgen.LoadGenerator(engine)
     with gr.Blocks(title="kvscope") as blocks:
         gr.Markdown("# kvscope — the paged KV cache, live")
         summary = gr.Markdown(elem_classes="kv-summary")
         with gr.Tabs():
-            with gr.Tab("Live", id="live"):
+            with gr.Tab("Live", id="live") as live_tab:
                 live = _live_tab(engine, session_log)
-            with gr.Tab("Engine & load", id="engine"):
-                _engine_tab(engine, feed, session_log, load)
-            with gr.Tab("Sessions", id="sessions"):
+            with gr.Tab("Engine & load", id="engine") as engine_tab:
+                _engine_tab(blocks, engine, feed, session_log, load)
+            with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 _sessions_tab(blocks, session_log)
         shown = gr.State(None)
-        timer = gr.Timer(REFRESH_S)
+        # The Live tab's panels are built only while it is the selected tab.
+        watching = gr.State(True)
+        for tab, selected in ((live_tab, True), (engine_tab, False), (sessions_tab, False)):
+            tab.select(lambda selected=selected: selected, None, watching,
+                       api_visibility="private")
+        timer = gr.Timer(panels.REFRESH_S)
         outputs = [summary, *(live[name] for name in panels.PANELS[1:]), shown]
-        refresh = partial(panels.refresh_panels, feed)
-        timer.tick(refresh, [shown], outputs, show_progress="hidden", api_name="refresh_live",
-                   concurrency_limit=None, trigger_mode="always_last")
-        blocks.load(refresh, [shown], outputs, show_progress="hidden", api_visibility="private")
+        timer.tick(renderer.refresh, [shown, watching], outputs, show_progress="hidden",
+                   api_name="refresh_live", concurrency_limit=None, trigger_mode="always_last")
+        blocks.load(renderer.refresh, [shown, watching], outputs, show_progress="hidden",
+                    api_visibility="private")
     return blocks
 
 
@@ -59,6 +64,10 @@ def _live_tab(engine, session_log) -> dict:
                    api_name="chat")
     new_chat.click(lambda: ([], chat.new_conversation(), ""), None,
                    [chatbot, conversation, status], api_visibility="private")
+    # The chat box's trash icon: without this it cleared the display only, and the next
+    # message continued the hidden history.
+    chatbot.clear(lambda: (chat.new_conversation(), ""), None, [conversation, status],
+                  api_visibility="private")
     with gr.Row():
         block_tables = gr.Plot(label="Block tables")
         prefix_tree = gr.Plot(label="Prefix-sharing tree")
@@ -71,18 +80,20 @@ def _live_tab(engine, session_log) -> dict:
             "comparison": comparison}
 
 
-def _engine_tab(engine, feed, session_log, load) -> None:
+def _engine_tab(blocks, engine, feed, session_log, load) -> None:
     (block_size, utilization, memory_gb, budget, prefix, chunked,
      preemption) = knobs.current_knobs(engine)
     gr.Markdown("### Knobs\nApply rebuilds the KV cache (weights stay loaded); new requests "
                 "wait and running ones finish first unless you abort them.")
     with gr.Row():
-        block_size = gr.Dropdown(knobs.BLOCK_SIZES, value=block_size, label="block_size")
+        block_size = gr.Dropdown(knobs.BLOCK_SIZES, value=block_size, label="block_size",
+                                 elem_id="kv-block-size")
         utilization = gr.Slider(0.01, 1.0, value=utilization, step=0.01,
                                 label="gpu_memory_utilization")
         memory_gb = gr.Slider(0.01, 16, value=memory_gb, step=0.01,
                               label="device_memory_gb (CPU)")
-        budget = gr.Number(value=budget, precision=0, label="max_num_batched_tokens")
+        budget = gr.Number(value=budget, precision=0, label="max_num_batched_tokens",
+                           elem_id="kv-budget")
     with gr.Row():
         prefix = gr.Checkbox(value=prefix, label="prefix caching")
         chunked = gr.Checkbox(value=chunked, label="chunked prefill")
@@ -91,9 +102,12 @@ def _engine_tab(engine, feed, session_log, load) -> None:
         abort_running = gr.Checkbox(value=False, label="abort running requests")
     apply = gr.Button("Apply", variant="primary", elem_id="kv-apply")
     knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan), elem_id="kv-knob-status")
-    apply.click(partial(knobs.apply_knobs, engine, feed, session_log),
-                [block_size, utilization, memory_gb, budget, prefix, chunked, preemption,
-                 abort_running], knob_status, api_name="apply_knobs")
+    form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption]
+    apply.click(partial(knobs.apply_knobs, engine, feed, session_log), [*form, abort_running],
+                knob_status, api_name="apply_knobs")
+    # A new or reloaded tab shows the live knobs, not those the app started with.
+    blocks.load(partial(knobs.live_form, engine), None, [*form, knob_status],
+                api_visibility="private")
 
     gr.Markdown("### Load generator\nDrive the pool into eviction and preemption and watch "
                 "the Live tab.")

@@ -2,16 +2,25 @@
 
 import gradio as gr
 
+from engine.memory import GiB, PoolTooSmall
+
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 PREEMPTION_MODES = ["recompute", "swap"]
+# The form's knobs, in the order of its widgets and of apply_knobs' arguments.
+KNOBS = ("block_size", "gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens",
+         "enable_prefix_caching", "enable_chunked_prefill", "preemption_mode")
 
 
 def current_knobs(engine) -> tuple:
-    """The knob widgets' values for the engine's config, in apply_knobs' order."""
+    """The knob widgets' values for the engine's live config, in KNOBS order."""
     config = engine.config
-    return (config.block_size, config.gpu_memory_utilization, config.device_memory_gb,
-            config.max_num_batched_tokens, config.enable_prefix_caching,
-            config.enable_chunked_prefill, config.preemption_mode)
+    return tuple(getattr(config, name) for name in KNOBS)
+
+
+def live_form(engine) -> tuple:
+    """What a newly opened (or reloaded) tab shows: the live knobs and the live pool, so
+    Apply there never reverts a reconfigure made from another tab."""
+    return (*current_knobs(engine), pool_markdown(engine.memory_plan))
 
 
 def pool_markdown(plan) -> str:
@@ -20,24 +29,57 @@ def pool_markdown(plan) -> str:
             f"**max concurrency** {plan.max_concurrency:.2f} x {plan.max_model_len} tokens")
 
 
-def apply_knobs(engine, feed, session_log, block_size, gpu_memory_utilization,
-                device_memory_gb, max_num_batched_tokens, enable_prefix_caching,
-                enable_chunked_prefill, preemption_mode, abort_running) -> str:
-    """Rebuild the KV cache; a refused knob leaves the engine as it was and says why."""
+def _pending(values: tuple) -> dict:
+    """Widget values -> knobs. An emptied token budget means "derive it"; 0 stays 0, for
+    the engine to refuse with its limit."""
+    (block_size, utilization, memory_gb, budget, prefix, chunked, preemption) = values
+    return {"block_size": int(block_size), "gpu_memory_utilization": float(utilization),
+            "device_memory_gb": float(memory_gb),
+            "max_num_batched_tokens": None if budget in (None, "") else int(budget),
+            "enable_prefix_caching": bool(prefix), "enable_chunked_prefill": bool(chunked),
+            "preemption_mode": str(preemption)}
+
+
+def _changes(config, pending: dict) -> str:
+    changed = [f"{name} {getattr(config, name)} → {value}" for name, value in pending.items()
+               if value is not None and value != getattr(config, name)]
+    return "Changed in this form: " + ("; ".join(changed) if changed else "nothing") + "."
+
+
+def _too_small(error: PoolTooSmall) -> str:
+    """The pool refusal in the form's own terms: only knobs this form has."""
+    plan = error.plan
+    return (f"the pool would hold {plan.num_tokens} tokens ({plan.num_blocks} blocks of "
+            f"{plan.block_size}: {plan.device_memory_bytes / GiB:.2f} GiB x "
+            f"gpu_memory_utilization {plan.gpu_memory_utilization} − weights "
+            f"{plan.weight_bytes / GiB:.3f} GiB − activations "
+            f"{plan.peak_activation_bytes / GiB:.3f} GiB), but one sequence of up to "
+            f"{plan.max_model_len} tokens must fit: raise gpu_memory_utilization or "
+            "device_memory_gb, or lower max_num_batched_tokens (a smaller step needs less "
+            "activation memory)")
+
+
+def apply_knobs(engine, feed, session_log, *values) -> str:
+    """Rebuild the KV cache; a refused knob leaves the engine as it was and says why,
+    next to the live and the asked-for values. The last value is "abort running"."""
+    *knob_values, abort_running = values
+    config = engine.config
     try:
-        plan = engine.reconfigure(
-            abort_running=bool(abort_running), block_size=int(block_size),
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            device_memory_gb=float(device_memory_gb),
-            max_num_batched_tokens=int(max_num_batched_tokens) if max_num_batched_tokens
-            else None,
-            enable_prefix_caching=bool(enable_prefix_caching),
-            enable_chunked_prefill=bool(enable_chunked_prefill),
-            preemption_mode=str(preemption_mode))
+        pending = _pending(tuple(knob_values))
+    except (ValueError, TypeError) as error:  # a widget left empty or holding text
+        return _refused(f"{error}")
+    try:
+        plan = engine.reconfigure(abort_running=bool(abort_running), **pending)
+    except PoolTooSmall as error:
+        return _refused(f"{_too_small(error)}. {_changes(config, pending)}")
     except (ValueError, TypeError) as error:
-        gr.Warning(f"Not applied: {error}")
-        return f"**Not applied** (the engine is unchanged): {error}"
+        return _refused(f"{error}. {_changes(config, pending)}")
     feed.clear()
     if session_log is not None:
         session_log.record_config(engine.config.to_dict())
     return "Applied. " + pool_markdown(plan)
+
+
+def _refused(message: str) -> str:
+    gr.Warning(f"Not applied: {message}")
+    return f"**Not applied** (the engine is unchanged): {message}"

@@ -10,6 +10,9 @@ from engine.telemetry import EngineSnapshot, StepRecord
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600
+# Tabs ticking within this long of each other share one snapshot: each snapshot is taken
+# on the engine thread, between steps, so it is time the engine does not decode.
+SNAPSHOT_MAX_AGE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +21,14 @@ class LiveState:
     records: tuple[StepRecord, ...]
     token_usage: tuple[tuple[float, float], ...]
     arrivals: dict[str, float]
+
+    @property
+    def now(self) -> float:
+        return self.snapshot.time
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.snapshot.num_running or self.snapshot.num_waiting)
 
 
 class LiveFeed:
@@ -32,11 +43,14 @@ class LiveFeed:
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._arrivals: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._state: LiveState | None = None
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
     def refresh(self) -> LiveState:
-        snapshot = self.engine.snapshot()
         with self._lock:
+            if self._state is not None and time.time() - self._state.now < SNAPSHOT_MAX_AGE_S:
+                return self._state
+            snapshot = self.engine.snapshot()
             self._records.extend(self._steps.drain())
             # Arrival times give the timelines their waiting bars and the stats their TTFT:
             # from finished requests, and from running ones seen in the snapshot.
@@ -47,17 +61,19 @@ class LiveFeed:
             for seq in snapshot.sequences:
                 self._arrivals.setdefault(seq.request_id, seq.arrival_time)
             pool_tokens = snapshot.num_blocks * snapshot.block_size
-            self._token_usage.append((time.time(), snapshot.num_used_tokens / pool_tokens))
-            oldest = self._records[0].start_time if self._records else time.time()
+            self._token_usage.append((snapshot.time, snapshot.num_used_tokens / pool_tokens))
+            oldest = self._records[0].start_time if self._records else snapshot.time
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
-            return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
-                             dict(self._arrivals))
+            self._state = LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
+                                    dict(self._arrivals))
+            return self._state
 
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""
         with self._lock:
             self._records.clear()
             self._token_usage.clear()
+            self._state = None
 
     def decode(self, token_ids: tuple[int, ...]) -> str:
         return self._decode(token_ids)

@@ -4,7 +4,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
@@ -43,12 +43,34 @@ class LoadSpec:
             raise ValueError(f"n={self.n} must be between 1 and 8")
 
 
+@dataclass(slots=True)
+class LoadRun:
+    """One press of "Send load": its own counters, so runs do not add up."""
+
+    number: int
+    spec: LoadSpec
+    started: float = field(default_factory=time.monotonic)
+    sent: int = 0
+    finished: int = 0
+    failed: int = 0
+    ended: float | None = None
+
+    def describe(self) -> str:
+        done = self.finished + self.failed
+        elapsed = (self.ended or time.monotonic()) - self.started
+        state = "done" if self.ended else "running"
+        return (f"run {self.number} ({state}, {elapsed:.0f} s): sent {self.sent} of "
+                f"{self.spec.num_requests} · finished {self.finished} · refused or failed "
+                f"{self.failed} · in flight {self.sent - done}")
+
+
 class LoadGenerator:
-    """Sends in a background thread; counts what was sent, finished, refused or failed."""
+    """Sends in a background thread; counts per run what was sent, finished, refused or
+    failed."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.sent = self.finished = self.failed = 0
+        self.runs: list[LoadRun] = []
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="kvscope-loadgen")
         corpus_ids = engine.tokenizer(CORPUS * 8, add_special_tokens=False).input_ids
@@ -56,12 +78,20 @@ class LoadGenerator:
         self._system = corpus_ids[:len(corpus_ids) // 4]
 
     def status(self) -> str:
-        return (f"load generator: sent {self.sent} · finished {self.finished} · "
-                f"refused or failed {self.failed}")
+        with self._lock:
+            if not self.runs:
+                return "load generator: no run yet"
+            lines = [f"**load generator** {self.runs[-1].describe()}"]
+            if len(self.runs) > 1:
+                lines.append(f"earlier: {self.runs[-2].describe()}")
+            return "  \n".join(lines)
 
     def start(self, spec: LoadSpec, seed: int | None = None) -> str:
         spec.validate()
-        threading.Thread(target=self._send_all, args=(spec, random.Random(seed)),
+        with self._lock:
+            run = LoadRun(len(self.runs) + 1, spec)
+            self.runs.append(run)
+        threading.Thread(target=self._send_all, args=(run, random.Random(seed)),
                          name="kvscope-loadgen", daemon=True).start()
         return (f"Sending {spec.num_requests} requests at {spec.rate:g}/s "
                 f"({spec.shared_fraction:.0%} with the shared system prompt).")
@@ -72,8 +102,8 @@ class LoadGenerator:
         start = rng.randrange(len(self._corpus) - length)
         return prefix + self._corpus[start:start + length - len(prefix)]
 
-    def _send_all(self, spec: LoadSpec, rng: random.Random) -> None:
-        started = time.monotonic()
+    def _send_all(self, run: LoadRun, rng: random.Random) -> None:
+        spec, started = run.spec, run.started
         for index in range(spec.num_requests):
             time.sleep(max(0.0, started + index / spec.rate - time.monotonic()))
             params = SamplingParams(n=spec.n, temperature=1.0, ignore_eos=True,
@@ -83,16 +113,17 @@ class LoadGenerator:
             except RuntimeError:  # the engine is shutting down: stop sending
                 return
             with self._lock:
-                self.sent += 1
-            self._pool.submit(self._drain, stream)
+                run.sent += 1
+            self._pool.submit(self._drain, run, stream)
 
-    def _drain(self, stream) -> None:
+    def _drain(self, run: LoadRun, stream) -> None:
         try:
             for _ in stream:
                 pass
+            outcome = "finished"
         except (ValueError, RuntimeError):  # refused, or a failed step: counted in status
-            with self._lock:
-                self.failed += 1
-            return
+            outcome = "failed"
         with self._lock:
-            self.finished += 1
+            setattr(run, outcome, getattr(run, outcome) + 1)
+            if run.finished + run.failed == run.spec.num_requests:
+                run.ended = time.monotonic()

@@ -1,13 +1,28 @@
-"""The timer's handler: every live panel, skipping those whose data did not change."""
+"""The timer's handler: every live panel, rendered once per change for all tabs, and no
+more often than its cost allows while the engine is busy."""
+
+import threading
+import time
+from dataclasses import dataclass
 
 import gradio as gr
 
 from engine.telemetry import EngineSnapshot
 from ui import figures, timeline
 from ui.live import LiveFeed, LiveState
+from ui.plotdata import placeholder, to_plot
 
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
           "comparison")
+REFRESH_S = 1.0
+# While the engine is busy a panel may use this share of one core: a panel that takes
+# 50 ms to build refreshes every second, one that takes 200 ms every 4 s. The engine
+# shares the process (and its GIL) with these builders.
+PANEL_DUTY = 0.05
+MAX_INTERVAL_S = 5.0
+# Timer ticks jitter; without slack a 1 s panel would land on every other tick.
+TICK_SLACK_S = 0.2
+COST_SMOOTHING = 0.3
 
 
 def _pool_signature(snapshot: EngineSnapshot) -> tuple:
@@ -21,7 +36,11 @@ def _signatures(state: LiveState) -> dict[str, object]:
     pool = hash(_pool_signature(snapshot))
     sequences = hash(tuple((s.seq_id, s.status, s.block_table, s.num_tokens)
                            for s in snapshot.sequences))
-    last_step = state.records[-1].step if state.records else -1
+    last = state.records[-1] if state.records else None
+    last_step = last.step if last else -1
+    # The rolling rate keeps falling after the last step, until its window has passed.
+    rate_clock = (int(state.now) if last and state.now - last.end_time
+                  < timeline.RATE_WINDOW_S + 1 else None)
     return {
         "summary": (snapshot.num_blocks, snapshot.block_size, snapshot.num_running,
                     snapshot.num_waiting, hash(str(snapshot.config))),
@@ -30,7 +49,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
         "prefix_tree": pool,
         "timeline": (last_step, len(state.arrivals)),
         "series": (last_step, snapshot.num_used_tokens),
-        "stats": (last_step, snapshot.prefix_cache_hits, snapshot.num_preemptions),
+        "stats": (last_step, snapshot.prefix_cache_hits, snapshot.num_preemptions, rate_clock),
         "comparison": (pool, sequences),
     }
 
@@ -50,33 +69,85 @@ def summary_markdown(snapshot: EngineSnapshot) -> str:
 
 def _render(name: str, state: LiveState, decode):
     snapshot = state.snapshot
+    holders = any(seq.block_table for seq in snapshot.sequences)
+    window = timeline.live_window(state.records, state.now)
     if name == "summary":
         return summary_markdown(snapshot)
     if name == "heatmap":
         return figures.pool_heatmap(snapshot, decode)
     if name == "block_tables":
+        if not holders:
+            return placeholder("Block tables", "No sequence holds blocks right now.")
         return figures.block_table_map(snapshot, decode)
     if name == "prefix_tree":
         return figures.prefix_tree(snapshot, decode)
     if name == "timeline":
-        return timeline.request_timeline(state.records, state.arrivals)
+        return timeline.request_timeline(state.records, state.arrivals, window)
     if name == "series":
-        return timeline.pool_series(state.records, snapshot.num_blocks, state.token_usage)
+        return timeline.pool_series(state.records, state.token_usage, window)
     if name == "stats":
         queries = snapshot.prefix_cache_queries
         return timeline.stats_markdown(
-            timeline.latency_stats(state.records, state.arrivals),
+            timeline.latency_stats(timeline.in_window(state.records, window), state.arrivals),
             snapshot.prefix_cache_hits / queries if queries else None,
-            snapshot.num_preemptions)
+            snapshot.num_preemptions,
+            (f"last {timeline.RATE_WINDOW_S:.0f} s",
+             timeline.recent_output_rate(state.records, state.now)))
+    if not holders:
+        return placeholder("Paged against contiguous", "No live sequences: the comparison "
+                           "appears while requests hold blocks.")
     return figures.paged_vs_contiguous(snapshot)
 
 
-def refresh_panels(feed: LiveFeed, shown: dict | None):
-    """One value per panel in PANELS order (gr.skip() if unchanged), then the new
-    signatures; `shown` is this browser tab's state, so each tab gets full panels once."""
-    state = feed.refresh()
-    signatures = _signatures(state)
-    shown = shown or {}
-    values = [gr.skip() if shown.get(name) == signatures[name]
-              else _render(name, state, feed.decode) for name in PANELS]
-    return *values, signatures
+@dataclass(slots=True)
+class _Rendered:
+    signature: object
+    value: object
+    at: float
+
+
+class PanelRenderer:
+    """One render per panel change, shared by every tab (a tab receives only panels it
+    has not shown yet). While the engine is busy a panel is rebuilt at most every
+    cost / PANEL_DUTY seconds (1 to 5 s), so the dashboard's cost follows its own
+    measured build times, not the pool's size or the number of open tabs."""
+
+    def __init__(self, feed: LiveFeed) -> None:
+        self.feed = feed
+        self._lock = threading.Lock()  # one render pass at a time, whatever the tab count
+        self._rendered: dict[str, _Rendered] = {}
+        self._cost: dict[str, float] = {}
+
+    def interval(self, name: str) -> float:
+        return min(max(REFRESH_S, self._cost.get(name, 0.0) / PANEL_DUTY), MAX_INTERVAL_S)
+
+    def _due(self, name: str, signature: object, state: LiveState, now: float) -> bool:
+        rendered = self._rendered.get(name)
+        if rendered is None:
+            return True
+        if rendered.signature == signature:
+            return False
+        return not state.busy or now - rendered.at >= self.interval(name) - TICK_SLACK_S
+
+    def refresh(self, shown: dict | None, watching: bool = True):
+        """One value per panel in PANELS order (gr.skip() where this tab is up to date),
+        then the signatures the tab now shows. With `watching` False (the Live tab is
+        not selected) only the summary line is refreshed."""
+        shown = shown or {}
+        with self._lock:
+            state = self.feed.refresh()
+            signatures = _signatures(state)
+            for name in PANELS if watching else PANELS[:1]:
+                now = time.monotonic()
+                if self._due(name, signatures[name], state, now):
+                    value = _render(name, state, self.feed.decode)
+                    value = to_plot(value) if name not in ("summary", "stats") else value
+                    done = time.monotonic()
+                    cost = self._cost.get(name, done - now)
+                    self._cost[name] = cost + COST_SMOOTHING * (done - now - cost)
+                    self._rendered[name] = _Rendered(signatures[name], value, done)
+            sent = {name: self._rendered[name] for name in (PANELS if watching else PANELS[:1])
+                    if name in self._rendered and shown.get(name) !=
+                    self._rendered[name].signature}
+        values = [sent[name].value if name in sent else gr.skip() for name in PANELS]
+        return *values, {**shown, **{name: r.signature for name, r in sent.items()}}

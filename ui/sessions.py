@@ -6,6 +6,7 @@ from datetime import datetime
 import gradio as gr
 
 from ui import timeline
+from ui.plotdata import to_plot
 
 SESSION_COLUMNS = ["id", "model", "started", "ended", "requests", "steps", "chat messages",
                    "block size", "prefix caching"]
@@ -43,12 +44,13 @@ def show_session(session_log, session_id):
     arrivals = {row["request_id"]: row["arrival_time"] for row in stored.requests
                 if row["arrival_time"] is not None}
     config = stored.session["config"]
-    blocks = max((r.num_used_blocks + r.num_cached_blocks + r.num_free_blocks
-                  for r in stored.steps), default=1)
-    stats = timeline.stats_markdown(timeline.latency_stats(stored.steps, arrivals), None,
-                                    sum(len(r.preempted) for r in stored.steps))
-    return (timeline.request_timeline(stored.steps, arrivals),
-            timeline.pool_series(stored.steps, blocks), stats, config)
+    latency = timeline.latency_stats(stored.steps, arrivals)
+    stats = timeline.stats_markdown(latency, None, sum(len(r.preempted) for r in stored.steps),
+                                    ("session average", latency.output_tokens_per_s))
+    # Usage is drawn against each step's own pool (used + cached + free blocks), so a
+    # session with reconfigures reads right on every side of them.
+    return (to_plot(timeline.request_timeline(stored.steps, arrivals)),
+            to_plot(timeline.pool_series(stored.steps)), stats, config)
 
 
 def export_session(session_log, session_id, fmt: str):

@@ -1,16 +1,23 @@
-"""Figures over time, built from StepRecords: per-request Gantt, pool series, latencies."""
+"""Figures over time, built from StepRecords: per-request Gantt, pool series, latencies.
+
+Both figures put the wall clock on x, so one moment reads the same on each."""
 
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
-
 from engine.telemetry import StepRecord
 from ui.palette import PHASE_COLORS
+from ui.plotdata import Figure, epoch_ms, placeholder
 
 MAX_TIMELINE_ROWS = 30
+WINDOW_S = 120.0  # the live panels' rolling window
+NEW_RUN_GAP_S = 10.0  # after a pause this long the window starts at the new run
+RUN_MARGIN_S = 2.0
+IDLE_GAP_S = 2.0  # steps further apart than this are an idle period: the lines break
+USAGE_GAP_S = 5.0  # token usage is sampled once a refresh; a closed tab leaves gaps
+THROUGHPUT_BUCKET_S = 1.0
+RATE_WINDOW_S = 10.0  # the stats line's rolling output rate
 
 
 @dataclass(slots=True)
@@ -80,38 +87,79 @@ def timeline_spans(records: Sequence[StepRecord],
     return spans
 
 
-def request_timeline(records: Sequence[StepRecord],
-                     arrivals: dict[str, float] | None = None) -> go.Figure:
-    """A Gantt of the latest sequences: chunked prefills interleaving with decodes."""
+def live_window(records: Sequence[StepRecord], now: float) -> tuple[float, float]:
+    """The live panels' shared x range: the last WINDOW_S seconds, or less, from the start
+    of the latest run (the steps since the last pause of NEW_RUN_GAP_S), so a new run
+    fills the width instead of its last few percent."""
+    start = now - WINDOW_S
+    run_start = None
+    for record in reversed(records):
+        if run_start is not None and run_start - record.end_time > NEW_RUN_GAP_S:
+            break
+        if record.end_time < start:  # the run is longer than the window
+            return start, now
+        run_start = record.start_time
+    if run_start is None:
+        return start, now
+    return max(start, run_start - RUN_MARGIN_S), now
+
+
+def in_window(records: Sequence[StepRecord],
+              window: tuple[float, float] | None) -> Sequence[StepRecord]:
+    if window is None:
+        return records
+    first = next((i for i in range(len(records) - 1, -1, -1)
+                  if records[i].end_time < window[0]), -1)
+    return records[first + 1:]
+
+
+def _date_axis(window: tuple[float, float] | None, **extra) -> dict:
+    axis = {"type": "date", "title": {"text": "time"}, "hoverformat": "%H:%M:%S.%L", **extra}
+    if window is not None:
+        axis["range"] = [epoch_ms(window[0]), epoch_ms(window[1])]
+    return axis
+
+
+def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] | None = None,
+                     window: tuple[float, float] | None = None) -> Figure:
+    """A Gantt of the latest sequences on the wall clock: chunked prefills interleaving
+    with decodes. `window` (start, end) in seconds clips it to the live view."""
+    records = in_window(records, window)
     spans = timeline_spans(records, arrivals)
+    if not spans:
+        return placeholder("Request timelines", "No requests in this window yet: send a chat "
+                           "message or start the load generator.")
     first_start: dict[str, float] = {}
     for span in spans:
         first_start[span.row] = min(span.start, first_start.get(span.row, span.start))
     rows = sorted(first_start, key=first_start.get)[-MAX_TIMELINE_ROWS:]
     keep = set(rows)
-    origin = min((span.start for span in spans), default=0.0)
-    figure = go.Figure()
+    data = []
     for phase in ("waiting", "prefill", "decode", "preempted"):
         chosen = [s for s in spans if s.phase == phase and s.row in keep]
-        figure.add_trace(go.Bar(
-            name=phase, orientation="h", y=[s.row for s in chosen],
-            base=[s.start - origin for s in chosen],
-            x=[max(s.end - s.start, 1e-4) for s in chosen],
-            marker_color=PHASE_COLORS[phase], customdata=[s.label for s in chosen],
-            hovertemplate="%{y}: %{customdata}<br>%{base:.3f}s + %{x:.3f}s<extra></extra>"))
+        data.append({
+            "type": "bar", "name": phase, "orientation": "h", "y": [s.row for s in chosen],
+            "base": [epoch_ms(s.start) for s in chosen],
+            "x": [max(round((s.end - s.start) * 1000, 1), 0.1) for s in chosen],
+            "marker": {"color": PHASE_COLORS[phase]}, "customdata": [s.label for s in chosen],
+            "hovertemplate": "%{y}: %{customdata}<br>%{x:.0f} ms<extra></extra>"})
     finished = [(chunk.seq_id, record.end_time) for record in records
                 for chunk in record.chunks if chunk.request_id in record.finished]
     finished = [(seq_id, t) for seq_id, t in finished if seq_id in keep]
-    figure.add_trace(go.Scatter(
-        name="finished", mode="markers", y=[s for s, _ in finished],
-        x=[t - origin for _, t in finished], hovertemplate="%{y} finished<extra></extra>",
-        marker={"symbol": "line-ns-open", "size": 14, "color": PHASE_COLORS["finished"]}))
-    figure.update_layout(barmode="overlay", title=f"Request timelines ({len(rows)} latest "
-                         "sequences)", height=180 + 22 * len(rows), xaxis_title="seconds",
-                         margin={"l": 90, "r": 20, "t": 50, "b": 40}, uirevision="keep")
-    # Category 0 sits at the bottom: reversed, the earliest sequence is the top row.
-    figure.update_yaxes(type="category", categoryorder="array", categoryarray=rows[::-1])
-    return figure
+    data.append({
+        "type": "scatter", "name": "finished", "mode": "markers",
+        "y": [s for s, _ in finished], "x": [epoch_ms(t) for _, t in finished],
+        "hovertemplate": "%{y} finished<extra></extra>",
+        "marker": {"symbol": "line-ns-open", "size": 14, "color": PHASE_COLORS["finished"]}})
+    return {"data": data, "layout": {
+        "barmode": "overlay", "title": {"text": f"Request timelines ({len(rows)} latest "
+                                        "sequences)"},
+        "height": 180 + 22 * len(rows), "margin": {"l": 90, "r": 20, "t": 50, "b": 40},
+        "uirevision": "keep", "xaxis": _date_axis(window),
+        # Category 0 sits at the bottom: reversed, the earliest sequence is the top row.
+        "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows[::-1]},
+        "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1,
+                   "xanchor": "right"}}}
 
 
 @dataclass(slots=True)
@@ -160,19 +208,32 @@ def latency_stats(records: Sequence[StepRecord],
     return LatencyStats(ttft, itl, generated / span if span > 0 else 0.0)
 
 
+def recent_output_rate(records: Sequence[StepRecord], now: float,
+                       seconds: float = RATE_WINDOW_S) -> float:
+    """Output tokens per second over the last `seconds` (idle time counts as idle)."""
+    generated = 0
+    for record in reversed(records):
+        if record.end_time < now - seconds:
+            break
+        generated += record.num_generated_tokens
+    return generated / seconds
+
+
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:.0f} ms"
 
 
 def stats_markdown(stats: LatencyStats, hit_rate: float | None,
-                   num_preemptions: int | None) -> str:
+                   num_preemptions: int | None, rate: tuple[str, float]) -> str:
+    """The percentile table and one line of totals; `rate` is (its label, tokens/s)."""
     def row(name: str, values: list[float]) -> str:
         cells = " | ".join(_ms(LatencyStats.percentile(values, q)) for q in (50, 90, 99))
         return f"| {name} | {cells} |"
 
+    label, value = rate
     lines = ["| metric | p50 | p90 | p99 |", "|---|---|---|---|",
              row("time to first token", stats.ttft), row("inter-token latency", stats.itl),
-             "", f"**output tokens/s** {stats.output_tokens_per_s:.1f}"]
+             "", f"**output tokens/s** ({label}) {value:.1f}"]
     if hit_rate is not None:
         lines[-1] += f" · **prefix hit rate** {hit_rate:.0%}"
     if num_preemptions is not None:
@@ -180,42 +241,95 @@ def stats_markdown(stats: LatencyStats, hit_rate: float | None,
     return "\n".join(lines)
 
 
-def pool_series(records: Sequence[StepRecord], num_blocks: int,
-                token_usage: Sequence[tuple[float, float]] = ()) -> go.Figure:
-    """KV usage (blocks, and tokens when sampled), queue lengths and throughput over time."""
-    figure = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
-                           subplot_titles=("KV cache usage %", "sequences",
-                                           "output tokens/s · preemptions"))
-    origin = min([r.start_time for r in records[:1]] + [t for t, _ in token_usage[:1]],
-                 default=0.0)
-    times = [r.end_time - origin for r in records]
-    blocks = [100 * r.num_used_blocks / max(num_blocks, 1) for r in records]
-    figure.add_trace(go.Scatter(x=times, y=blocks, name="blocks in use"), 1, 1)
+def _with_breaks(times: list[float], values: list[float | None],
+                 gap_s: float) -> tuple[list[float], list[float | None]]:
+    """Insert a gap point wherever consecutive samples are more than gap_s apart, so a
+    line stops at an idle period instead of sliding across it."""
+    xs: list[float] = []
+    ys: list[float | None] = []
+    for index, (t, value) in enumerate(zip(times, values)):
+        if index and t - times[index - 1] > gap_s:
+            xs.append(epoch_ms((t + times[index - 1]) / 2))
+            ys.append(None)
+        xs.append(epoch_ms(t))
+        ys.append(value)
+    return xs, ys
+
+
+def pool_series(records: Sequence[StepRecord],
+                token_usage: Sequence[tuple[float, float]] = (),
+                window: tuple[float, float] | None = None) -> Figure:
+    """KV usage (blocks, and tokens when sampled), queue lengths, throughput and
+    preemptions on the wall clock. Usage is against each step's own pool, so a
+    reconfigure does not rescale the past."""
+    records = in_window(records, window)
+    if window is not None:
+        token_usage = [(t, u) for t, u in token_usage if t >= window[0]]
+    if not records:
+        return placeholder("KV usage, queues, throughput", "No engine steps in this window "
+                           "yet: the series start with the first request.")
+    times = [r.end_time for r in records]
+
+    def step_line(values, name: str, axis: str, samples=None, gap_s=IDLE_GAP_S) -> dict:
+        xs, ys = _with_breaks(samples or times, values, gap_s)
+        return {"type": "scatter", "mode": "lines", "line": {"shape": "hv"}, "x": xs,
+                "y": ys, "name": name, "yaxis": axis, "connectgaps": False}
+
+    blocks = [round(100 * r.num_used_blocks / max(r.num_used_blocks + r.num_cached_blocks
+                                                  + r.num_free_blocks, 1), 2)
+              for r in records]
+    data = [step_line(blocks, "blocks in use", "y")]
     if token_usage:
-        figure.add_trace(go.Scatter(x=[t - origin for t, _ in token_usage],
-                                    y=[100 * u for _, u in token_usage],
-                                    name="token slots filled"), 1, 1)
-    figure.add_trace(go.Scatter(x=times, y=[r.num_running for r in records],
-                                name="running"), 2, 1)
-    figure.add_trace(go.Scatter(x=times, y=[r.num_waiting for r in records],
-                                name="waiting"), 2, 1)
-    rate_times, rates = _throughput(records, origin)
-    figure.add_trace(go.Scatter(x=rate_times, y=rates, name="output tokens/s"), 3, 1)
-    preempted = [(t, len(r.preempted)) for t, r in zip(times, records) if r.preempted]
-    figure.add_trace(go.Bar(x=[t for t, _ in preempted], y=[n for _, n in preempted],
-                            name="preemptions", marker_color=PHASE_COLORS["preempted"]), 3, 1)
-    figure.update_xaxes(title="seconds", row=3, col=1)
-    figure.update_layout(height=520, margin={"l": 50, "r": 20, "t": 40, "b": 40},
-                         uirevision="keep")
-    return figure
+        data.append(step_line([round(100 * u, 2) for _, u in token_usage],
+                              "token slots filled", "y",
+                              samples=[t for t, _ in token_usage], gap_s=USAGE_GAP_S))
+    data.append(step_line([r.num_running for r in records], "running", "y2"))
+    data.append(step_line([r.num_waiting for r in records], "waiting", "y2"))
+    rate_times, rates = _throughput(records)
+    data.append(step_line(rates, "output tokens/s", "y3", samples=rate_times,
+                          gap_s=THROUGHPUT_BUCKET_S * 1.5))
+    preempted = [(r.end_time, len(r.preempted)) for r in records if r.preempted]
+    data.append({"type": "scatter", "mode": "markers", "name": "preemptions", "yaxis": "y4",
+                 "x": [epoch_ms(t) for t, _ in preempted], "y": [n for _, n in preempted],
+                 "marker": {"symbol": "triangle-down", "size": 10,
+                            "color": PHASE_COLORS["preempted"]},
+                 "hovertemplate": "%{y} preempted<extra></extra>"})
+    titles = [("KV cache usage %", 1.0), ("sequences", 0.64),
+              ("output tokens/s (left) · preemptions per step (right, ▼)", 0.28)]
+    return {"data": data, "layout": {
+        "height": 520, "margin": {"l": 50, "r": 50, "t": 40, "b": 40}, "uirevision": "keep",
+        "xaxis": _date_axis(window, anchor="y3"),
+        "yaxis": {"domain": [0.72, 1.0], "range": [0, 100]},
+        "yaxis2": {"domain": [0.36, 0.64], "rangemode": "tozero"},
+        "yaxis3": {"domain": [0.0, 0.28], "rangemode": "tozero"},
+        "yaxis4": {"overlaying": "y3", "side": "right", "rangemode": "tozero",
+                   "showgrid": False, "dtick": 1,
+                   "tickfont": {"color": PHASE_COLORS["preempted"]}},
+        "annotations": [{"text": text, "x": 0, "y": y, "xref": "paper", "yref": "paper",
+                         "xanchor": "left", "yanchor": "bottom", "showarrow": False}
+                        for text, y in titles],
+        "legend": {"orientation": "h", "y": -0.12}}}
 
 
-def _throughput(records: Sequence[StepRecord], origin: float,
-                window_s: float = 1.0) -> tuple[list[float], list[float]]:
-    """Generated tokens per second in consecutive windows (steps are too short to plot)."""
-    buckets: dict[int, int] = {}
+def _throughput(records: Sequence[StepRecord]) -> tuple[list[float], list[float]]:
+    """Generated tokens per second in consecutive buckets (steps are too short to plot),
+    zero for buckets inside a run with no step."""
+    if not records:
+        return [], []
+    bucket = THROUGHPUT_BUCKET_S
+    origin = records[0].end_time
+    counts: dict[int, int] = {}
     for record in records:
-        index = int((record.end_time - origin) // window_s)
-        buckets[index] = buckets.get(index, 0) + record.num_generated_tokens
-    ordered = sorted(buckets)
-    return [(i + 0.5) * window_s for i in ordered], [buckets[i] / window_s for i in ordered]
+        index = int((record.end_time - origin) // bucket)
+        counts[index] = counts.get(index, 0) + record.num_generated_tokens
+    times, rates = [], []
+    previous = None
+    for index in sorted(counts):
+        if previous is not None and (index - previous) * bucket <= IDLE_GAP_S:
+            for empty in range(previous + 1, index):  # a short pause inside a run
+                times.append(origin + (empty + 1) * bucket)
+                rates.append(0.0)
+        times.append(origin + (index + 1) * bucket)
+        rates.append(counts[index] / bucket)
+        previous = index
+    return times, rates

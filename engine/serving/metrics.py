@@ -4,7 +4,13 @@ from collections.abc import Iterator
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -23,6 +29,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 LABELS = ["model_name"]
+# As vLLM does: no `_created` series next to every counter and histogram (they double the
+# output and no dashboard reads them).
+disable_created_metrics()
 
 
 class EngineMetrics:
@@ -59,6 +68,7 @@ class EngineMetrics:
         yield from self._counters()
         yield from self._histograms()
         config = {name: str(value) for name, value in self.engine.config.to_dict().items()}
+        config.update(self.engine.resolved_identity())  # what "auto" and None became
         config["num_blocks"] = str(self.engine.memory_plan.num_blocks)
         info = InfoMetricFamily("kvscope:engine_config", "The engine's resolved knobs.",
                                 labels=LABELS)

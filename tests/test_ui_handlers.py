@@ -1,0 +1,160 @@
+"""The dashboard's handlers and figures on a live engine, without a browser: the knob
+form's refusals, per-run load progress, the shared renderer, the one clock of the time
+series, and the quiet access log."""
+
+import logging
+import time
+
+import pytest
+
+from app import QuietPolling
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.telemetry import StepRecord
+from ui import knobs, loadgen, panels, timeline
+from ui.live import LiveFeed
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model_path):
+    """A pool sized from a small memory budget (no override), so it can be too small."""
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_chat_model_path), dtype="float32", device="cpu", block_size=4,
+        device_memory_gb=0.02, max_model_len=256, max_num_batched_tokens=64)).start()
+    yield engine
+    engine.shutdown()
+
+
+def form(engine, **changes) -> list:
+    values = dict(zip(knobs.KNOBS, knobs.current_knobs(engine)))
+    return [*{**values, **changes}.values(), False]
+
+
+def test_a_pool_refusal_names_only_the_forms_knobs_with_live_and_asked_values(engine):
+    before = engine.memory_plan
+    status = knobs.apply_knobs(engine, LiveFeed(engine), None,
+                               *form(engine, gpu_memory_utilization=0.001))
+    assert status.startswith("**Not applied**") and "max_model_len" not in status
+    assert "raise gpu_memory_utilization or device_memory_gb" in status
+    assert "lower max_num_batched_tokens" in status
+    assert "gpu_memory_utilization 0.9 → 0.001" in status
+    assert engine.memory_plan == before
+
+
+def test_an_emptied_token_budget_is_derived_and_zero_is_refused(engine):
+    feed = LiveFeed(engine)
+    status = knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=0))
+    assert "max_num_batched_tokens=0 must be an integer >= 1" in status
+    assert knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=None)) \
+        .startswith("Applied.")
+    assert engine.config.max_num_batched_tokens == 2048  # the derived default
+    knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=64))
+
+
+def test_load_progress_is_per_run(engine):
+    generator = loadgen.LoadGenerator(engine)
+    spec = loadgen.LoadSpec(3, 100.0, 0.5, (4, 8), (2, 3))
+    for run in (1, 2):
+        generator.start(spec, seed=run)
+        deadline = time.monotonic() + 60
+        while generator.runs[-1].ended is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"run {run} (done" in generator.status()
+        assert "sent 3 of 3 · finished 3 · refused or failed 0 · in flight 0" in \
+            generator.status().splitlines()[0]
+
+
+def test_tabs_share_one_render_and_a_hidden_live_tab_costs_only_the_summary(engine):
+    renderer = panels.PanelRenderer(LiveFeed(engine))
+    *first, shown = renderer.refresh(None)
+    assert all(not _skipped(value) for value in first)  # a new tab gets every panel
+    rendered_at = {name: r.at for name, r in renderer._rendered.items()}
+    *second, _ = renderer.refresh(None)  # a second tab, same tick: the same renders
+    assert {name: r.at for name, r in renderer._rendered.items()} == rendered_at
+    assert [value for value in second] == first
+    *again, _ = renderer.refresh(shown)  # the first tab again: nothing new to send
+    assert all(_skipped(value) for value in again)
+
+    list(engine.submit("hidden", _params(4)))
+    time.sleep(0.6)  # past the shared snapshot's age
+    series = renderer._rendered["series"]
+    no_summary = {name: value for name, value in shown.items() if name != "summary"}
+    *hidden, _ = renderer.refresh(no_summary, watching=False)
+    assert not _skipped(hidden[0]) and all(_skipped(value) for value in hidden[1:])
+    assert renderer._rendered["series"] is series  # new steps, but not built while hidden
+    *visible, _ = renderer.refresh(shown)
+    assert not _skipped(visible[panels.PANELS.index("series")])
+
+
+def test_a_busy_engine_rebuilds_a_costly_panel_less_often(engine):
+    renderer = panels.PanelRenderer(LiveFeed(engine))
+    renderer._cost.update(heatmap=0.2, stats=0.001)
+    assert renderer.interval("heatmap") == pytest.approx(0.2 / panels.PANEL_DUTY)
+    assert renderer.interval("stats") == panels.REFRESH_S
+    renderer._cost["heatmap"] = 10.0
+    assert renderer.interval("heatmap") == panels.MAX_INTERVAL_S
+
+
+def _params(max_tokens: int):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+
+
+def _skipped(value) -> bool:
+    return isinstance(value, dict) and value.get("__type__") == "update" and len(value) == 1
+
+
+# ---- the time series -------------------------------------------------------------------
+def _record(step: int, start: float, generated: int = 1, preempted=(), used: int = 4,
+            free: int = 4) -> StepRecord:
+    return StepRecord(step, start, start + 0.1, (), tuple(preempted), (), (), (), 1, 8, used,
+                      0, free, 1, 0, num_generated_tokens=generated)
+
+
+def test_the_timeline_and_the_series_read_one_clock_in_a_window_that_follows_a_new_run():
+    old = [_record(i, 1000.0 + i * 0.2) for i in range(10)]
+    new = [_record(10 + i, 1300.0 + i * 0.2) for i in range(10)]
+    now = 1303.0
+    start, end = timeline.live_window(old + new, now)
+    assert end == now and start == pytest.approx(1300.0 - timeline.RUN_MARGIN_S)
+    series = timeline.pool_series(old + new, window=(start, end))
+    assert series["layout"]["xaxis"]["type"] == "date"
+    assert series["layout"]["xaxis"]["range"] == [start * 1000, end * 1000]
+    # The first drawn step is the new run's: the old one is outside the window.
+    assert series["data"][0]["x"][0] == pytest.approx(new[0].end_time * 1000)
+
+
+def test_series_break_at_idle_gaps_step_and_put_preemptions_on_their_own_axis():
+    records = [_record(0, 10.0), _record(1, 10.2, preempted=["a", "b"]),
+               _record(2, 30.0, used=8, free=0)]
+    figure = timeline.pool_series(records)
+    usage = figure["data"][0]
+    assert usage["line"]["shape"] == "hv" and usage["y"] == [50.0, 50.0, None, 100.0]
+    preemptions = figure["data"][-1]
+    assert preemptions["yaxis"] == "y4" and preemptions["y"] == [2]
+    assert figure["layout"]["yaxis4"]["overlaying"] == "y3"
+
+
+def test_usage_is_measured_against_each_steps_own_pool():
+    small, large = _record(0, 10.0, used=8, free=0), _record(1, 10.1, used=8, free=56)
+    assert timeline.pool_series([large, small])["data"][0]["y"] == [12.5, 100.0]
+
+
+def test_the_stats_rate_is_a_rolling_one():
+    records = [_record(i, 100.0 + i, generated=5) for i in range(20)]
+    assert timeline.recent_output_rate(records, now=120.0) == pytest.approx(
+        5 * 10 / timeline.RATE_WINDOW_S)
+    assert timeline.recent_output_rate(records, now=500.0) == 0
+
+
+# ---- the log ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("path", "status", "kept"), [
+    ("/gradio_api/queue/data?session_hash=x", 200, False), ("/", 200, False),
+    ("/gradio_api/queue/join", 500, True), ("/v1/completions", 200, True),
+    ("/metrics", 200, True)])
+def test_the_access_log_drops_dashboard_polling_only(path, status, kept):
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0,
+                               '%s - "%s %s HTTP/%s" %d', ("1.2.3.4", "GET", path, "1.1",
+                                                           status), None)
+    assert QuietPolling().filter(record) is kept

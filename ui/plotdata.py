@@ -1,0 +1,36 @@
+"""Plotly figures as plain dicts, serialized once, and the placeholder of an empty panel.
+
+plotly.graph_objects validates every value it is given: for a live panel rebuilt every
+second that costs more than building the data itself, in the engine's own process. The
+time-series builders write Plotly's JSON schema directly and hand Gradio the string.
+"""
+
+import orjson
+from gradio.components.plot import PlotData
+
+Figure = dict
+
+
+def to_plot(figure) -> PlotData:
+    """What gr.Plot sends, serialized once (then shared by every tab): from a dict figure,
+    or from a plotly go.Figure."""
+    if isinstance(figure, dict):
+        return PlotData(type="plotly", plot=orjson.dumps(figure).decode())
+    return PlotData(type="plotly", plot=figure.to_json())
+
+
+def placeholder(title: str, message: str, height: int = 200) -> Figure:
+    """An empty panel that says why it is empty, with no axes, ticks or legend."""
+    hidden = {"visible": False, "range": [0, 1]}
+    return {"data": [], "layout": {
+        "title": {"text": title}, "height": height, "xaxis": hidden, "yaxis": hidden,
+        "showlegend": False, "plot_bgcolor": "white",
+        "margin": {"l": 20, "r": 20, "t": 50, "b": 20},
+        "annotations": [{"text": message, "x": 0.5, "y": 0.5, "xref": "paper",
+                         "yref": "paper", "showarrow": False, "font": {"size": 14,
+                                                                        "color": "#6b7280"}}]}}
+
+
+def epoch_ms(seconds: float) -> float:
+    """Plotly date axes take milliseconds since the epoch."""
+    return round(seconds * 1000, 1)
