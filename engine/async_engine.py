@@ -29,7 +29,7 @@ from engine.telemetry import EngineSnapshot, StepRecord, take_snapshot
 
 logger = logging.getLogger(__name__)
 # Knobs that would need the weights reloaded; reconfigure only rebuilds the KV cache.
-RELOAD_KNOBS = ("model", "dtype", "device")
+RELOAD_KNOBS = ("model", "dtype", "device", "quantization", "quantization_group_size")
 
 
 @dataclass(slots=True)
