@@ -191,3 +191,31 @@ def test_quantized_engine_is_greedy_equal_to_its_dequantized_weights(arch, quant
     # The packed weights are what the memory plan subtracts, so the pool grows.
     assert engine.runner.weight_bytes < dense.runner.weight_bytes / 2
     assert engine.memory_plan.num_blocks > dense.memory_plan.num_blocks
+
+
+@pytest.mark.slow
+def test_default_gguf_blocks_equal_the_transformers_conversion():
+    """Every tensor read block by block from the shipped Q4_1 file de-quantizes to exactly
+    the fp32 value transformers' one-time conversion wrote (Q/K un-permuted included)."""
+    from engine import loader
+
+    folder = loader.resolve_model_path(None)
+    converted = dict(loader.iter_weights(folder))
+    read = dict(iter_gguf_weights(loader.find_default_gguf(), loader.load_config(folder)))
+    assert read.keys() == converted.keys()
+    kinds = {type(value).__name__ for value in read.values()}
+    assert kinds == {"GroupQuantized", "Tensor"}
+    for name, value in read.items():
+        actual = value.dequantize() if isinstance(value, GroupQuantized) else value
+        assert torch.equal(actual, converted[name].float()), name
+
+
+@pytest.mark.slow
+def test_default_model_in_int4_knows_the_capital_of_france(all_cpu_threads):
+    from engine import LLM
+
+    llm = LLM(quantization="int4")
+    assert llm.engine.runner.weight_bytes < 100e6  # 257 MiB in bf16
+    outputs = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in outputs[0].outputs[0].text
