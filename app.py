@@ -3,7 +3,6 @@
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from engine.config import (
     EngineConfig,
 )
 from engine.serving import create_app
+from engine.serving.security import exposure_warning, read_api_key
 from storage import SessionLog
 
 logger = logging.getLogger("kvscope")
@@ -50,8 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=7860, help="TCP port")
     # Read from the environment in main(), so --help never prints the key.
     serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on /v1/* and /ws/events "
-                       "(default: $KVSCOPE_API_KEY, else no key)")
+                       help="require this key everywhere: `Authorization: Bearer KEY` on "
+                       "/v1, a login page for the dashboard (default: $KVSCOPE_API_KEY, "
+                       "which `ps` does not show, else no key)")
+    serve.add_argument("--metrics-auth", action="store_true",
+                       help="/metrics needs the key too (by default it stays open for "
+                       "scrapers, like /health and /version)")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="silence the warning about binding a non-loopback host "
+                       "without a key")
     serve.add_argument("--db", default="./kvscope.db",
                        help="SQLite file of the session log (requests, steps, chats)")
     serve.add_argument("--no-ui", action="store_true",
@@ -188,14 +195,18 @@ def main(argv: list[str] | None = None) -> None:
     # SystemExit (like SIGINT's KeyboardInterrupt) it runs the cleanup below, not a hard kill.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:  # bad knobs, a missing model, a pool too small: the message names the knob
+        api_key = read_api_key(args.api_key)
         engine = AsyncEngine.from_config(engine_config(args)).start()
     except ValueError as error:
         parser.error(str(error))
+    warning = exposure_warning(args.host, api_key, args.allow_unauthenticated, args.db)
+    if warning:
+        logger.warning(warning)
     session_log = SessionLog(args.db)
     session_log.start_session(engine.config.to_dict(), engine.model_path)
     stop_recording = record_sessions(engine, session_log)
     try:
-        app = create_app(engine, api_key=args.api_key or os.environ.get("KVSCOPE_API_KEY"))
+        app = create_app(engine, api_key=api_key, metrics_auth=args.metrics_auth)
         if not args.no_ui:
             app = mount_dashboard(app, engine, session_log)
         identity = engine.resolved_identity()

@@ -11,10 +11,13 @@ tokens / s).
 
 Configurations:
   chunked_off            the whole prompt in one step (budget = max_model_len)
-  chunked_on             chunks under --max-num-batched-tokens; a running prefill is
-                         served first, so it can still take a step's whole budget
-  chunked_on_threshold   and no single prefill chunk over --long-prefill-token-threshold,
-                         so short requests get a share of every step
+  chunked_on             chunks under --max-num-batched-tokens, the engine's fair default:
+                         while requests wait, a running prefill takes at most a quarter
+                         of the budget
+  chunked_on_uncapped    long_prefill_token_threshold=0: a running prefill is served
+                         first, so it can take a step's whole budget
+  chunked_on_threshold   no prefill chunk over --long-prefill-token-threshold, waiting
+                         requests or not (vLLM's knob)
 
 Memory pressure: num_gpu_blocks_override at --pressure-fraction of the most blocks the
 uncontended chunked_on run held at once (but at least one max_model_len sequence, the
@@ -127,6 +130,8 @@ def main(argv=None) -> None:
     configs = {
         "chunked_off": {"enable_chunked_prefill": False, "max_num_batched_tokens": max_model_len},
         "chunked_on": {"max_num_batched_tokens": budget},
+        "chunked_on_uncapped": {"max_num_batched_tokens": budget,
+                                "long_prefill_token_threshold": 0},
         "chunked_on_threshold": {"max_num_batched_tokens": budget,
                                  "long_prefill_token_threshold":
                                      args.long_prefill_token_threshold},
@@ -149,7 +154,7 @@ def main(argv=None) -> None:
                "short_ttft_p99": ratio(off["short_ttft_p99_s"], results[name]["short_ttft_p99_s"]),
                "throughput": ratio(off["output_tokens_per_s"],
                                    results[name]["output_tokens_per_s"])}
-        for name in ("chunked_on", "chunked_on_threshold")}
+        for name in ("chunked_on", "chunked_on_uncapped", "chunked_on_threshold")}
 
     if not args.skip_pressure:
         block_size = runs["chunked_on"].engine.kv_cache.block_size

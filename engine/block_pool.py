@@ -15,13 +15,10 @@ class BlockHash:
     token_ids: tuple[int, ...]
 
 
-def hash_block_tokens(
-    parent: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple = ()
-) -> bytes:
-    """Stable across processes (unlike Python's salted hash): sha256 of parent + tokens + extras."""
+def hash_block_tokens(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Stable across processes (unlike Python's salted hash): sha256 of parent + tokens."""
     digest = hashlib.sha256(parent or b"root")
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    digest.update(repr(extra_keys).encode())
     return digest.digest()[:16]
 
 
@@ -95,16 +92,14 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVBlock] = {}
+        # Kept up to date on every transition, so reading the counts never scans the pool.
+        self.num_cached_free_blocks = 0
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take now: plain free plus evictable cached-free."""
         return len(self.free_queue)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.cached_blocks.values() if b.ref_count == 0)
 
     @property
     def num_used_blocks(self) -> int:
@@ -126,6 +121,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
+                self.num_cached_free_blocks -= block.block_hash is not None
             block.ref_count += 1
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
@@ -141,6 +137,7 @@ class BlockPool:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+                    self.num_cached_free_blocks += 1
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...],
                parent: bytes | None = None) -> KVBlock | None:
@@ -161,10 +158,12 @@ class BlockPool:
         self.cached_blocks[block_hash.value] = block
 
     def _evict(self, block: KVBlock) -> None:
+        """Forget a cached-free block's content (it is being reused or reset)."""
         if block.block_hash is None:
             return
         del self.cached_blocks[block.block_hash.value]
         block.block_hash = None
+        self.num_cached_free_blocks -= 1
         self.num_evictions += 1
 
     def reset_cache(self) -> None:

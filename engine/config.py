@@ -34,7 +34,9 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
+    # None: fair by default, a prefill chunk takes at most a quarter of the budget while
+    # other requests wait; 0: never capped; N: every prefill chunk capped at N tokens.
+    long_prefill_token_threshold: int | None = None
     preemption_mode: str = "recompute"
     swap_space: float = 1.0
 
@@ -68,10 +70,11 @@ class EngineConfig:
                             optional=True)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an integer")
-        if not isinstance(self.long_prefill_token_threshold, int) or \
-                self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold!r}"
-                             " must be an integer >= 0 (0 = no cap)")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                      or threshold < 0):
+            raise ValueError(f"long_prefill_token_threshold={threshold!r} must be an integer "
+                             ">= 0 (0 = no cap) or None (a fair cap while others wait)")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space!r} must be >= 0 (GiB)")
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None

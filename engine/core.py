@@ -7,17 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.beam_search import BeamSearchParams, BeamState, choose_beams
+from engine.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
 from engine.config import EngineConfig
 from engine.detokenizer import detokenize_incrementally
 from engine.kv_cache_manager import KVCacheManager
 from engine.memory import GiB
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request import Chunk, Request, Sequence, SequenceStatus
+from engine.request import Chunk, FinishReason, Request, Sequence
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.telemetry import ScheduledChunk, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.kv_cache)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(self.runner)
+        self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
+        self.scheduler.reclaim = self.beams.release_parked
         self.generator = torch.Generator(self.runner.device).manual_seed(self.config.seed)
         self.step_index = 0
         self._request_counter = itertools.count()
@@ -120,15 +123,23 @@ class EngineCore:
         request.aborted = True
         for seq in request.sequences:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
-                seq.finished_time = time.time()
-                self.scheduler.finish(seq)
+                self.finish(seq, FinishReason.ABORT)
+        self.beams.forget(request)
         return self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- one step ----------------------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        """Every unfinished sequence: running, waiting, and beams parked between steps."""
+        return [*self.scheduler.running, *self.scheduler.waiting, *self.beams.parked]
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding device blocks: running ones and parked beams."""
+        return len(self.scheduler.running) + len(self.beams.parked)
+
     def step(self) -> StepResult:
         start_time = time.time()
         plan = self.scheduler.schedule()
@@ -162,11 +173,11 @@ class EngineCore:
             seq = item.seq
             touched[seq.request.request_id] = seq.request
             if seq.request.beam is not None:
-                self._rank_continuations(seq, logits[row])
+                self.beams.rank(seq, logits[row])
                 continue
             family = [seq]
             if seq.request.params.n > 1 and len(seq.request.sequences) == 1:
-                family += [self._fork(seq, index) for index in range(1, seq.request.params.n)]
+                family += [self.fork(seq, index) for index in range(1, seq.request.params.n)]
             rows.extend((member, row) for member in family)
         if rows:
             seqs = [seq for seq, _ in rows]
@@ -175,15 +186,16 @@ class EngineCore:
                             [seq.generator for seq in seqs], self.generator)
             for i, seq in enumerate(seqs):
                 top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None
-                self._append_token(seq, result.token_ids[i], result.logprobs[i], top)
+                self.append_token(seq, result.token_ids[i], result.logprobs[i], top)
         num_generated = len(rows)
         for request in touched.values():
-            if request.beam is not None and self._all_beams_ranked(request):
-                num_generated += self._advance_beams(request)
+            if request.beam is not None and self.beams.ready(request):
+                num_generated += self.beams.advance(request, self)
         return list(touched.values()), num_generated
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float,
-                      top_logprobs: dict[int, float] | None = None) -> None:
+    # ---- the update path: the only code that changes sequences after a step -------------
+    def append_token(self, seq: Sequence, token: int, logprob: float,
+                     top_logprobs: dict[int, float] | None = None) -> None:
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         if top_logprobs is not None:
@@ -194,88 +206,39 @@ class EngineCore:
         if seq.request.beam is None:
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
-                self._finish(seq, seq.finish_reason)
+                self.finish(seq, seq.finish_reason)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         seq.finished_time = time.time()
         self.scheduler.finish(seq)
 
-    def _fork(self, parent: Sequence, index: int) -> Sequence:
+    def fork(self, parent: Sequence, index: int) -> Sequence:
         """A new sequence sharing all of the parent's blocks (copy-on-write on first write):
         sample `index` of a parallel-sampling request, or a beam that branches."""
         request = parent.request
         child = Sequence(f"{request.request_id}#{index}", request, index,
                          list(parent.token_ids), parent.num_prompt_tokens,
-                         status=SequenceStatus.RUNNING,
                          generator=self._sample_generator(request.params, index),
                          cumulative_logprob=parent.cumulative_logprob, text=parent.text,
                          prefix_offset=parent.prefix_offset, read_offset=parent.read_offset,
                          first_scheduled_time=parent.first_scheduled_time,
                          first_token_time=parent.first_token_time, chunks=list(parent.chunks))
-        self.kv_cache.fork(parent, child)
-        self.scheduler.running.append(child)
+        self.scheduler.fork(parent, child)
         request.sequences.append(child)
         return child
-
-    # ---- beam search -------------------------------------------------------------------
-    def _rank_continuations(self, seq: Sequence, logits: torch.Tensor) -> None:
-        width = seq.request.beam.params.beam_width
-        values, ids = torch.log_softmax(logits, dim=-1).topk(2 * width)
-        seq.request.beam.candidates[seq.seq_id] = list(zip(ids.tolist(), values.tolist()))
-
-    def _all_beams_ranked(self, request: Request) -> bool:
-        return all(seq.seq_id in request.beam.candidates
-                   for seq in request.sequences if not seq.is_finished)
-
-    def _advance_beams(self, request: Request) -> int:
-        """One beam step: fork the chosen parents, extend them, drop the rest; returns the
-        number of tokens appended."""
-        state = request.beam
-        live = {seq.seq_id: seq for seq in request.sequences if not seq.is_finished}
-        choice = choose_beams(
-            state, {i: (s.cumulative_logprob, s.output_token_ids) for i, s in live.items()},
-            self.eos_token_ids)
-        # Fork before any parent grows: a child must copy the parent's history only.
-        extended: list[tuple[Sequence, int, float]] = []
-        for parent_id, token, score in choice.continue_with:
-            parent = live[parent_id]
-            if any(seq is parent for seq, _, _ in extended):
-                state.num_forks += 1
-                parent = self._fork(parent, state.num_forks)
-            extended.append((parent, token, score))
-        kept = {seq.seq_id for seq, _, _ in extended}
-        for seq in live.values():
-            if seq.seq_id not in kept:
-                self._finish(seq, "beam_dropped")
-                request.sequences.remove(seq)
-        for seq, token, score in extended:
-            self._append_token(seq, token, score - seq.cumulative_logprob)
-        out_of_room = any(seq.num_output_tokens >= state.params.max_tokens
-                          or seq.num_tokens >= self.config.max_model_len
-                          for seq, _, _ in extended)
-        if state.done or out_of_room or not extended:
-            # Out of room: the live beams compete with the finished ones, even when an EOS
-            # filled the list in this same step (transformers merges both at once).
-            if out_of_room:
-                for seq, _, _ in extended[:choice.num_top_ranked]:
-                    state.add_finished(seq.output_token_ids, seq.cumulative_logprob)
-            for seq, _, _ in extended:
-                self._finish(seq, "length")
-            state.done = True
-        return len(extended)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.request.params
         if not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
         elif token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif params.stop_strings and self._truncate_at_stop_string(seq):
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.config.max_model_len):
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH
 
     @staticmethod
     def _truncate_at_stop_string(seq: Sequence) -> bool:
@@ -320,7 +283,7 @@ class EngineCore:
             completions.append(CompletionOutput(
                 index, self.tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True),
                 hypothesis.token_ids, hypothesis.cumulative_logprob,
-                finish_reason="stop" if ended_by_eos else "length"))
+                finish_reason=FinishReason.STOP if ended_by_eos else FinishReason.LENGTH))
         first = request.sequences[0] if request.sequences else None
         metrics = RequestMetrics(request.arrival_time,
                                  first.first_scheduled_time if first else None,
@@ -332,7 +295,6 @@ class EngineCore:
     def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
                 num_generated: int) -> StepRecord:
         pool = self.kv_cache.pool
-        num_cached_blocks = pool.num_cached_free_blocks  # a scan of the cache: once a step
         return StepRecord(
             step=self.step_index, start_time=start_time, end_time=time.time(),
             chunks=tuple(ScheduledChunk(s.seq.request.request_id, s.seq.seq_id, s.kind,
@@ -343,9 +305,9 @@ class EngineCore:
             finished=tuple(r.request_id for r in finished),
             num_scheduled_tokens=plan.num_scheduled_tokens,
             token_budget=self.config.max_num_batched_tokens,
-            num_used_blocks=pool.num_used_blocks, num_cached_blocks=num_cached_blocks,
-            num_free_blocks=pool.num_free_blocks - num_cached_blocks,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_free_blocks,
+            num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
+            num_running=self.num_running, num_waiting=len(self.scheduler.waiting),
             num_generated_tokens=num_generated)
 
 

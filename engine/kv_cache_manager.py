@@ -35,8 +35,6 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.prefix_stats = PrefixCacheStats()
-        # Hashes of each sequence's full, computed blocks, in logical order.
-        self.block_hashes: dict[str, list[BlockHash]] = {}
         # The CPU swap pool: block ids not holding a swapped-out sequence's K/V.
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_blocks = list(range(num_swap_blocks))
@@ -54,15 +52,22 @@ class KVCacheManager:
         if not self.enable_caching:
             return []
         hits: list[KVBlock] = []
-        parent = None
-        for index in range((seq.num_tokens - 1) // self.block_size):
-            tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
-            block = self.pool.lookup(hash_block_tokens(parent, tokens), tokens, parent)
+        for block_hash in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(block_hash.value, block_hash.token_ids, block_hash.parent)
             if block is None:
                 break
             hits.append(block)
-            parent = block.block_hash.value
         return hits
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the sequence's first `num_blocks` full blocks; each block is
+        hashed once in the sequence's life (they are kept on it, as vLLM's request is)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        for index in range(len(hashes), num_blocks):
+            tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+            parent = hashes[-1].value if hashes else None
+            hashes.append(BlockHash(hash_block_tokens(parent, tokens), parent, tokens))
+        return hashes[:num_blocks]
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
@@ -91,8 +96,7 @@ class KVCacheManager:
         if cached_prefix:
             pool.share(cached_prefix)
             seq.block_table.extend(block.block_id for block in cached_prefix)
-            self.block_hashes.setdefault(seq.seq_id, []).extend(
-                block.block_hash for block in cached_prefix)
+            seq.num_cached_blocks = len(cached_prefix)
             seq.num_computed_tokens = num_computed
         copies = []
         for index in shared_targets:
@@ -109,14 +113,11 @@ class KVCacheManager:
         """Hash the sequence's newly full, computed blocks so later prompts can reuse them."""
         if not self.enable_caching:
             return
-        hashes = self.block_hashes.setdefault(seq.seq_id, [])
-        bs = self.block_size
-        for index in range(len(hashes), seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
-            parent = hashes[-1].value if hashes else None
-            block_hash = BlockHash(hash_block_tokens(parent, tokens), parent, tokens)
-            self.pool.cache(self.pool.blocks[seq.block_table[index]], block_hash)
-            hashes.append(block_hash)
+        num_full = seq.num_computed_tokens // self.block_size
+        hashes = self._block_hashes(seq, num_full)
+        for index in range(seq.num_cached_blocks, num_full):
+            self.pool.cache(self.pool.blocks[seq.block_table[index]], hashes[index])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (copy-on-write on its first write)."""
@@ -125,14 +126,14 @@ class KVCacheManager:
         # A preempted parent (a beam swapped out) has no device blocks to share: the child
         # computes its tokens afresh.
         child.num_computed_tokens = parent.num_computed_tokens if parent.block_table else 0
-        if parent.seq_id in self.block_hashes:
-            self.block_hashes[child.seq_id] = list(self.block_hashes[parent.seq_id])
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.block_hashes = list(parent.block_hashes)
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks, last first (so its tail is evicted before its prefix)."""
         self.pool.release(self.pool.blocks[i] for i in reversed(seq.block_table))
         seq.block_table = []
-        self.block_hashes.pop(seq.seq_id, None)
+        seq.num_cached_blocks = 0
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Move the sequence's blocks to the CPU pool: (device, cpu) copies, or None if the

@@ -22,7 +22,7 @@ from engine.models import model_class
 from engine.models.attention import AttentionMetadata
 from engine.models.quantized import pack_model, quantize_model
 from engine.profile_cache import load_peak, profile_key, store_peak
-from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

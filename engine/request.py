@@ -3,18 +3,36 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.beam_search import BeamState
+from engine.block_pool import BlockHash
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
+    WAITING = "waiting"  # queued; holds no device blocks
+    RUNNING = "running"  # holds device blocks
+    SWAPPED = "swapped"  # queued; its K/V sits in the CPU swap pool
     FINISHED = "finished"
+
+
+class ChunkKind(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended; a str, so outputs and logs keep vLLM's plain strings."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    BEAM_DROPPED = "beam_dropped"  # a beam that fell out of the top beam_width
 
 
 @dataclass(slots=True)
@@ -24,7 +42,7 @@ class Chunk:
     step: int
     start: int
     end: int
-    kind: str  # "prefill" or "decode"
+    kind: ChunkKind
 
 
 @dataclass(slots=True, eq=False)
@@ -39,8 +57,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     swap_table: list[int] = field(default_factory=list)  # CPU blocks while swapped out
     num_computed_tokens: int = 0
+    # Content hashes of the full blocks of token_ids, in order, each computed once
+    # (prefix-cache lookups and registration read them); the first num_cached_blocks of
+    # the block table are registered in the pool's cache.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     # Output text, detokenized incrementally (see engine.detokenizer).

@@ -1,7 +1,7 @@
 """Immutable records of what the engine did, for readers that must not touch its state."""
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,6 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_generated_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def duration(self) -> float:
@@ -107,8 +106,8 @@ def take_snapshot(core) -> EngineSnapshot:
     manager = core.kv_cache
     pool = manager.pool
     block_size = manager.block_size
-    holders = [seq for seq in (*core.scheduler.running, *core.scheduler.waiting)
-               if seq.block_table]
+    live = core.live_sequences()
+    holders = [seq for seq in live if seq.block_table]
     owners: dict[int, list[str]] = {}
     contents: dict[int, tuple[int, ...]] = {}
     for seq in holders:
@@ -136,12 +135,12 @@ def take_snapshot(core) -> EngineSnapshot:
         SequenceInfo(seq.seq_id, seq.request.request_id, seq.status.value,
                      tuple(seq.block_table), seq.num_tokens, seq.num_prompt_tokens,
                      seq.num_computed_tokens, seq.request.arrival_time)
-        for seq in (*core.scheduler.running, *core.scheduler.waiting))
+        for seq in live)
     stats = manager.prefix_stats
     return EngineSnapshot(
         time=time.time(), step=core.step_index, config=core.config.to_dict(),
         block_size=block_size, num_blocks=pool.num_blocks, blocks=tuple(blocks),
-        sequences=sequences, num_running=len(core.scheduler.running),
+        sequences=sequences, num_running=core.num_running,
         num_waiting=len(core.scheduler.waiting), prefix_cache_queries=stats.queries,
         prefix_cache_hits=stats.hits, num_preemptions=core.scheduler.num_preemptions,
         num_evictions=pool.num_evictions)

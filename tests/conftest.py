@@ -2,13 +2,17 @@
 
 import itertools
 import os
+import socket
 import string
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import uvicorn
 
 if not torch.cuda.is_available():
     # The Triton kernels run interpreted on CPU tensors (tests/test_kernels.py). Triton
@@ -151,11 +155,13 @@ def make_engine(tiny_model) -> Callable[..., EngineCore]:
     runners: dict[str, ModelRunner] = {}
 
     def make(arch: str, **knobs) -> EngineCore:
-        config = EngineConfig(model=str(tiny_model(arch).path), dtype="float32", device="cpu",
-                              device_memory_gb=0.05, **knobs)
+        base = {"model": str(tiny_model(arch).path), "dtype": "float32", "device": "cpu",
+                "device_memory_gb": 0.05}
         if arch not in runners:
-            runners[arch] = ModelRunner(config)
-        return EngineCore(config, runner=runners[arch])
+            # Without the knobs: the runner sizes its position tables by max_model_len,
+            # and later engines on it may ask for more than this first one.
+            runners[arch] = ModelRunner(EngineConfig(**base))
+        return EngineCore(EngineConfig(**base, **knobs), runner=runners[arch])
 
     return make
 
@@ -213,3 +219,17 @@ def all_cpu_threads():
     torch.set_num_threads(DEFAULT_NUM_THREADS)
     yield
     torch.set_num_threads(previous)
+
+
+def serve(app, **uvicorn_options) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """Run `app` on a free loopback port in a background thread (stop: `should_exit`)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", **uvicorn_options}))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread

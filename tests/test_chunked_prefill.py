@@ -1,7 +1,9 @@
 """Chunked prefill under a token budget: parity, step records that add up, and no starvation."""
 
 import random
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,6 +175,35 @@ def test_short_prompts_wait_behind_a_long_prefill_without_chunking(long_context_
     for step, work in shorts.values():
         assert step >= long_done  # none gets its first token before the long prefill ends
         assert work >= LONG
+
+
+# ---- bench/mixed.py's traffic: long prompts among short chats arriving over time ----------
+def short_first_token_delays(runner, **knobs) -> list[int]:
+    """Steps from arrival to first token of each short request in the benchmark's default
+    scenario (its chunked_on configuration), on the tiny long-context model."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import mixed
+    from common import drive
+
+    args = mixed.parse_args([])
+    arrivals, long_indexes = mixed.make_arrivals(args, list(range(1, 256)))
+    engine = EngineCore(EngineConfig(
+        model=runner.model_path, dtype="float32", device="cpu", max_model_len=2048,
+        num_gpu_blocks_override=1024, enable_prefix_caching=False,
+        max_num_batched_tokens=args.max_num_batched_tokens, **knobs), runner=runner)
+    run = drive(engine, arrivals)
+    ids = sorted(run.outputs, key=lambda rid: int(rid.rsplit("-", 1)[1]))  # arrival order
+    first_step = run.first_token_step()
+    return [first_step[rid] - run.arrival_step[rid]
+            for index, rid in enumerate(ids) if index not in long_indexes]
+
+
+def test_short_requests_get_a_first_token_within_two_steps_by_default(long_context_runner):
+    delays = short_first_token_delays(long_context_runner)
+    assert max(delays) <= 2, delays
+    # Uncapped (long_prefill_token_threshold=0), a running long prefill takes whole steps.
+    assert max(short_first_token_delays(long_context_runner,
+                                        long_prefill_token_threshold=0)) > 2
 
 
 # ---- requests and knobs that can never work ------------------------------------------------

@@ -4,7 +4,6 @@ the websocket feed and reconfigure under traffic."""
 import asyncio
 import json
 import random
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import uvicorn
+from conftest import serve
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
@@ -21,7 +20,6 @@ from engine.config import EngineConfig
 from engine.serving import create_app
 from engine.serving.metrics import EngineMetrics
 
-API_KEY = "sesame"
 NUM_BLOCKS = 256
 MAX_MODEL_LEN = 256
 IGNORE_EOS = {"ignore_eos": True}  # the tiny model may sample its EOS at any step
@@ -47,20 +45,6 @@ class LiveServer:
                                   if k != "model_name")
                 samples[f"{sample.name}{{{labels}}}"] = sample.value
         return samples
-
-
-def serve(app) -> tuple[str, uvicorn.Server, threading.Thread]:
-    """Run `app` on a free loopback port in a background thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
 @pytest.fixture(scope="module")
@@ -316,29 +300,6 @@ def test_bad_requests_get_their_status_and_name_the_parameter(server) -> None:
     assert server.client().completions.create(model=server.model, prompt="ok",
                                               max_tokens=2).choices[0].text is not None
     assert_idle(server)
-
-
-def test_api_key_guards_the_api_and_the_event_feed(engine) -> None:
-    url, uvicorn_server, thread = serve(create_app(engine, api_key=API_KEY))
-    try:
-        body = {"prompt": "x", "max_tokens": 1}
-        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
-        wrong = httpx.post(f"{url}/v1/completions", json=body,
-                           headers={"Authorization": "Bearer nope"})
-        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
-        assert client.completions.create(model=None, prompt="x", max_tokens=1).choices
-        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
-        ws_url = url.replace("http", "ws") + "/ws/events"
-        with pytest.raises(Exception, match="1008|403|rejected"):
-            with ws_connect(ws_url) as websocket:
-                websocket.recv(timeout=5)
-        with ws_connect(ws_url, additional_headers={"Authorization": f"Bearer {API_KEY}"}) \
-                as websocket:
-            assert json.loads(websocket.recv(timeout=10))["type"] == "snapshot"
-    finally:
-        uvicorn_server.should_exit = True
-        thread.join(timeout=10)
 
 
 # ---- metrics ----------------------------------------------------------------------------

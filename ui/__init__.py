@@ -1,10 +1,16 @@
 """The Gradio dashboard: chat and live Plotly views of the KV cache, from telemetry only."""
 
+import os
+
 import gradio as gr
 
 from ui.dashboard import CSS_PATH, build_ui
 
 __all__ = ["CSS_PATH", "build_ui", "mount_ui"]
+
+# A server that logs every prompt must not call out: Gradio's usage analytics (read when a
+# gr.Blocks is built) stay off unless GRADIO_ANALYTICS_ENABLED=True is set explicitly.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 def mount_ui(app, engine, session_log=None, path: str = "/"):

@@ -6,29 +6,36 @@ from engine.async_engine import AsyncEngine
 from engine.serving.errors import install_error_handlers
 from engine.serving.metrics import EngineMetrics, metrics_router
 from engine.serving.routes import ServedModel, health_router, openai_router, version
-from engine.serving.security import APIKeyCheck, BodySizeLimit
+from engine.serving.security import ALWAYS_OPEN_PATHS, AccessGuard, APIKeyCheck, BodySizeLimit
+from engine.serving.sessions import SessionStore, login_router
 from engine.serving.websocket import events_router
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-def create_app(engine: AsyncEngine, *, api_key: str | None = None,
+def create_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_auth: bool = False,
                served_model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app for a started engine; the caller owns the engine's lifetime.
 
-    `api_key` guards /v1/* and /ws/events; /health, /version and /metrics stay open
-    (as in vLLM) so probes and scrapers need no secret.
+    With an `api_key`, every route, including a dashboard mounted on this app later, needs
+    it (see AccessGuard), except /health and /version, and /metrics unless `metrics_auth`
+    (as in vLLM, so probes and scrapers need no secret).
     """
     app = FastAPI(title="kvscope", version=version())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    auth = APIKeyCheck(api_key)
+    if api_key is not None:
+        auth, sessions = APIKeyCheck(api_key), SessionStore()
+        app.include_router(login_router(auth.matches, sessions))
+        open_paths = ALWAYS_OPEN_PATHS if metrics_auth else ALWAYS_OPEN_PATHS | {"/metrics"}
+        # Added last, so it runs first: a refused request is never read or routed.
+        app.add_middleware(AccessGuard, auth=auth, sessions=sessions, open_paths=open_paths)
     model = ServedModel.of(engine, served_model_name)
-    app.include_router(openai_router(engine, model, auth))
+    app.include_router(openai_router(engine, model))
     app.include_router(health_router(engine))
     app.include_router(metrics_router(EngineMetrics(engine, model.name)))
-    app.include_router(events_router(engine, auth))
+    app.include_router(events_router(engine))
     app.state.engine = engine
     app.state.served_model = model
     return app

@@ -8,7 +8,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.async_engine import AsyncEngine
@@ -16,7 +16,6 @@ from engine.sampling_params import SamplingParams
 from engine.serving.errors import APIError
 from engine.serving.generation import Generation
 from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
-from engine.serving.security import APIKeyCheck
 from engine.streams import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -51,8 +50,8 @@ def version() -> str:
         return "unknown"
 
 
-def openai_router(engine: AsyncEngine, model: ServedModel, auth: APIKeyCheck) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+def openai_router(engine: AsyncEngine, model: ServedModel) -> APIRouter:
+    router = APIRouter(prefix="/v1")  # the key, if any, is checked by AccessGuard
 
     @router.get("/models")
     async def models() -> dict:

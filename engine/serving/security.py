@@ -1,39 +1,120 @@
-"""The API key check, and the request body size limit."""
+"""Access control (one key for every surface), and the request body size limit."""
 
 import hmac
+import ipaddress
+import os
 
-from fastapi import Request, WebSocket
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection
+from starlette.responses import JSONResponse, RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.serving.errors import APIError, error_response
+from engine.serving.sessions import SessionStore, session_cookie_name
+
+API_KEY_ENV = "KVSCOPE_API_KEY"
+# Probes need no secret (as in vLLM); the login routes are how a browser gets a session.
+ALWAYS_OPEN_PATHS = frozenset({"/health", "/version", "/login", "/logout"})
+POLICY_VIOLATION = 1008
 
 
 class APIKeyCheck:
-    """`Authorization: Bearer KEY` on every protected route, when a key is configured."""
+    """The configured key, compared in constant time."""
 
-    def __init__(self, api_key: str | None) -> None:
-        self.api_key = api_key
+    def __init__(self, api_key: str) -> None:
+        if not api_key.strip():
+            raise ValueError("api_key: empty; leave it unset to serve without a key")
+        self._key = api_key.encode()
+
+    def matches(self, candidate: str) -> bool:
+        # compare_digest: the time taken must not reveal how much of the key matched.
+        return hmac.compare_digest(candidate.encode(), self._key)
 
     def allows(self, authorization: str | None) -> bool:
-        if self.api_key is None:
-            return True
+        """`Authorization: Bearer KEY`."""
         scheme, _, token = (authorization or "").partition(" ")
-        # compare_digest: the time taken must not reveal how much of the key matched.
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(),
-                                                                  self.api_key.encode())
+        return scheme.lower() == "bearer" and self.matches(token)
 
-    async def __call__(self, request: Request) -> None:
-        """A FastAPI dependency for HTTP routes."""
-        if not self.allows(request.headers.get("authorization")):
-            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+    def __repr__(self) -> str:  # never the key, should this object end up in a log line
+        return "APIKeyCheck(<key hidden>)"
 
-    def allows_websocket(self, websocket: WebSocket) -> bool:
-        """Browsers cannot set headers on a websocket, so `?api_key=` is accepted too."""
-        query_key = websocket.query_params.get("api_key")
-        return self.allows(websocket.headers.get("authorization")
-                           or (f"Bearer {query_key}" if query_key else None))
+
+def read_api_key(flag_value: str | None) -> str | None:
+    """--api-key, else $KVSCOPE_API_KEY, else None. A key that is set but empty (an unset
+    shell variable, say) is an error: its owner believes the server is protected."""
+    key = flag_value if flag_value is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"--api-key / ${API_KEY_ENV} is set but empty")
+    return key
+
+
+class AccessGuard:
+    """ASGI middleware: the one gate in front of every route when a key is configured.
+
+    /v1/* wants `Authorization: Bearer KEY` (OpenAI clients send it) and answers 401 in
+    OpenAI's shape. Everything else (the dashboard page, every Gradio route: config, info,
+    queue, predict, upload, file downloads; /ws/events; /docs) takes the bearer key or the
+    session cookie set by POST /login; a browser asking for a page is sent to /login, any
+    other request gets a 401 and reaches no handler. Open without a key: `open_paths`.
+    """
+
+    def __init__(self, app: ASGIApp, auth: APIKeyCheck, sessions: SessionStore,
+                 open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.auth = auth
+        self.sessions = sessions
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        connection = HTTPConnection(scope)
+        api_route = scope["path"] == "/v1" or scope["path"].startswith("/v1/")
+        if self.auth.allows(connection.headers.get("authorization")) or (
+                not api_route and self.sessions.valid(
+                    connection.cookies.get(session_cookie_name(scope)))):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # closing before accepting answers HTTP 403
+            await send({"type": "websocket.close", "code": POLICY_VIOLATION,
+                        "reason": "Incorrect API key provided"})
+            return
+        await _refusal(scope, api_route)(scope, receive, send)
+
+
+def _refusal(scope: Scope, api_route: bool):
+    if api_route:
+        return error_response(APIError(401, "Incorrect API key provided",
+                                       code="invalid_api_key"))
+    headers = Headers(scope=scope)
+    if scope["method"] in ("GET", "HEAD") and "text/html" in headers.get("accept", ""):
+        return RedirectResponse(f"{scope.get('root_path', '')}/login", status_code=303)
+    return JSONResponse({"detail": "Not authenticated: log in at /login or send "
+                                   "`Authorization: Bearer KEY`"},
+                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None, allow_unauthenticated: bool,
+                     db_path: str) -> str | None:
+    """The start-up warning for a server reachable from elsewhere without a key."""
+    if api_key is not None or allow_unauthenticated or is_loopback(host):
+        return None
+    return (f"listening on {host} WITHOUT an API key: the dashboard, its Gradio API (chat, "
+            f"knobs, load generator, session exports), /v1 and /ws/events are open to "
+            f"anyone who can reach this port, and the session log {db_path} keeps "
+            f"every prompt. Set ${API_KEY_ENV} (or --api-key), bind 127.0.0.1, or pass "
+            f"--allow-unauthenticated to silence this warning.")
 
 
 class BodySizeLimit:

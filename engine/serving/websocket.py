@@ -9,7 +9,6 @@ import time
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from engine.async_engine import AsyncEngine
-from engine.serving.security import APIKeyCheck
 from engine.streams import Channel
 from engine.telemetry import EngineSnapshot, StepRecord
 
@@ -18,7 +17,6 @@ MIN_MESSAGE_INTERVAL_S = 0.1
 # Records a client may fall behind by before the oldest are dropped (~a minute of steps
 # at the 10 messages/s pace of a busy engine stepping ~50 times a second).
 CLIENT_QUEUE_RECORDS = 4096
-POLICY_VIOLATION = 1008
 
 
 def step_message(records: list[StepRecord], num_dropped: int) -> str:
@@ -39,14 +37,11 @@ def snapshot_message(snapshot: EngineSnapshot) -> str:
                                                         **derived}})
 
 
-def events_router(engine: AsyncEngine, auth: APIKeyCheck) -> APIRouter:
+def events_router(engine: AsyncEngine) -> APIRouter:
     router = APIRouter()
 
     @router.websocket("/ws/events")
     async def events(websocket: WebSocket) -> None:
-        if not auth.allows_websocket(websocket):
-            await websocket.close(code=POLICY_VIOLATION, reason="Incorrect API key provided")
-            return
         await websocket.accept()
         # The client's bounded queue: the engine drops its oldest records if it lags.
         records = engine.subscribe_steps(CLIENT_QUEUE_RECORDS)
