@@ -252,6 +252,10 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Convert every staged quantized layer into its kernel layout on `device`."""
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            module.pack(dtype, device)
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    for layer in layers:
+        layer.pack(dtype, device)
+    if layers and device.type == "cpu" and dtype == torch.float32:
+        logger.warning("the packed int4/int8 CPU matmuls run one to two orders of magnitude "
+                       "slower than dense layers with float32 activations: use "
+                       "dtype='bfloat16' (or 'auto' on a CPU with native bf16)")
