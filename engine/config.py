@@ -9,6 +9,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 MAX_BLOCK_SIZE = 256
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 CPU matmul accepts
+BLOCK_SIZES = tuple(2 ** i for i in range(MAX_BLOCK_SIZE.bit_length()))  # 1, 2, ..., 256
 
 
 @dataclass(slots=True)
