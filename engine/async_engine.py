@@ -32,6 +32,24 @@ logger = logging.getLogger(__name__)
 RELOAD_KNOBS = ("model", "dtype", "device")
 
 
+def render_chat_prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
+    """The prompt text of a conversation, ending with the assistant's turn."""
+    if not messages:
+        raise ValueError("messages: give at least one message")
+    if tokenizer.chat_template is None:
+        raise ValueError("messages: the model has no chat template; use completions")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as error:  # jinja raises its own types for malformed messages
+        raise ValueError(f"messages: the chat template failed: {error}") from error
+
+
+def _check_replica(replica: int | None) -> None:
+    if replica not in (None, 0):
+        raise ValueError(f"replica={replica}: this engine is one replica, number 0")
+
+
 @dataclass(slots=True)
 class EngineCounters:
     """Totals since the AsyncEngine started; they survive reconfigures (monotonic)."""
@@ -49,6 +67,21 @@ class EngineCounters:
 
 
 @dataclass(slots=True)
+class ReplicaStatus:
+    """One engine replica as /health, /metrics and the dashboard see it (a single engine
+    is replica 0; engine.replicas.ReplicaSet reports one per Ray actor)."""
+
+    replica: int
+    alive: bool
+    error: str | None  # why it is down
+    restarts: int
+    in_flight: int  # requests routed to it and not finished
+    kv_usage: float  # fraction of its KV blocks in use at its last step
+    counters: EngineCounters
+    num_indexed_blocks: int = 0  # block hashes the router's prefix index has for it
+
+
+@dataclass(slots=True)
 class RequestRecord:
     """A finished (or aborted, or failed) request, for readers such as metrics and logs."""
 
@@ -57,6 +90,7 @@ class RequestRecord:
     finish_reason: str  # the first sample's, or "error"
     inter_token_latencies: list[float]  # seconds between consecutive steps with new tokens
     error: str | None = None
+    replica: int = 0  # which engine replica served it (engine.replicas)
 
 
 @dataclass(slots=True)
@@ -97,6 +131,7 @@ class AsyncEngine:
         self._step_feed = Feed()
         self._request_feed = Feed()
         self._counters = EngineCounters()
+        self._last_step: StepRecord | None = None
         self._counters_lock = threading.Lock()
         self._prefix_seen = (0, 0)  # the current core's prefix stats already counted
         self._request_ids = itertools.count()
@@ -160,6 +195,14 @@ class AsyncEngine:
         """True from the reconfigure() call until the new pool is in place (or refused)."""
         return self._reconfigure_lock.locked()
 
+    num_replicas = 1
+
+    def replica_statuses(self) -> list[ReplicaStatus]:
+        step, num_blocks = self._last_step, self._core.memory_plan.num_blocks
+        return [ReplicaStatus(0, self.is_running, None, 0, len(self._live),
+                              step.num_used_blocks / num_blocks if step else 0.0,
+                              self.counters())]
+
     def counters(self) -> EngineCounters:
         """A consistent copy of the totals."""
         with self._counters_lock:
@@ -197,16 +240,7 @@ class AsyncEngine:
                            **kwargs)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of a conversation, ending with the assistant's turn."""
-        if not messages:
-            raise ValueError("messages: give at least one message")
-        if self.tokenizer.chat_template is None:
-            raise ValueError("messages: the model has no chat template; use completions")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as error:  # jinja raises its own types for malformed messages
-            raise ValueError(f"messages: the chat template failed: {error}") from error
+        return render_chat_prompt(self.tokenizer, messages)
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary; unknown or finished ids are ignored."""
@@ -219,10 +253,12 @@ class AsyncEngine:
         self._enqueue(lambda: self._snapshot_waiters.append(future))
         return future
 
-    def snapshot(self, timeout: float | None = 10.0) -> EngineSnapshot:
+    def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:
+        _check_replica(replica)
         return self.snapshot_future().result(timeout)
 
-    async def snapshot_async(self) -> EngineSnapshot:
+    async def snapshot_async(self, replica: int | None = None) -> EngineSnapshot:
+        _check_replica(replica)
         return await asyncio.wrap_future(self.snapshot_future())
 
     def subscribe_steps(self, maxsize: int = 1024) -> Channel:
@@ -333,6 +369,7 @@ class AsyncEngine:
             self._fail_step(error)
             return
         now = time.time()
+        self._last_step = result.record
         self._count_step(result.record)
         for output in result.outputs:
             self._deliver(output, now)

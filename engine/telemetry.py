@@ -35,6 +35,7 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_generated_tokens: int = 0
+    replica: int = 0  # which engine replica stepped (engine.replicas)
 
     @property
     def duration(self) -> float:
@@ -83,6 +84,7 @@ class EngineSnapshot:
     prefix_cache_hits: int
     num_preemptions: int
     num_evictions: int
+    replica: int = 0  # which engine replica this is (engine.replicas)
 
     def count(self, state: str) -> int:
         return sum(1 for block in self.blocks if block.state == state)

@@ -1,0 +1,139 @@
+"""EngineReplica: the body of one Ray actor, owning one AsyncEngine (weights, pool,
+scheduler, engine thread) and streaming its outputs and events to the API process."""
+
+import asyncio
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.async_engine import AsyncEngine, EngineCounters, RequestRecord
+from engine.config import EngineConfig
+from engine.memory import MemoryPlan
+from engine.sampling_params import SamplingParams
+from engine.telemetry import EngineSnapshot, StepRecord
+
+logger = logging.getLogger(__name__)
+# Records a replica keeps for the API process between two polls; past this the oldest go.
+EVENT_BACKLOG = 50_000
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    """What the API process learns about a replica when it is (re)started."""
+
+    replica: int
+    pid: int
+    node: str
+    config: EngineConfig
+    memory_plan: MemoryPlan
+    identity: dict[str, str]
+
+
+@dataclass(slots=True)
+class ReplicaEvents:
+    """What happened on a replica since the last poll.
+
+    `stored` / `evicted` are the block hashes (BlockHash.value, the prefix cache's chained
+    hash) that entered or left the replica's pool; the router's prefix index applies them.
+    """
+
+    steps: list[StepRecord] = field(default_factory=list)
+    requests: list[RequestRecord] = field(default_factory=list)
+    stored: list[bytes] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
+    counters: EngineCounters | None = None
+
+
+class BlockHashTracker:
+    """Which hash each block of the pool holds, turning new pool states into stored /
+    evicted hash events (a reconfigured pool shows up as every old hash evicted)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, bytes] = {}
+
+    def update(self, snapshot: EngineSnapshot, events: ReplicaEvents) -> None:
+        held = {block.block_id: bytes.fromhex(block.block_hash)
+                for block in snapshot.blocks if block.block_hash is not None}
+        for block_id, old in self.held.items():
+            if held.get(block_id) != old:
+                events.evicted.append(old)
+        for block_id, new in held.items():
+            if self.held.get(block_id) != new:
+                events.stored.append(new)
+        self.held = held
+
+
+class EngineReplica:
+    """Made remote by engine.replicas.ReplicaSet (ray.remote with per-replica resources).
+
+    An async actor: `generate` streams one request's outputs (a Ray streaming generator),
+    `next_events` long-polls the step / request / block-hash events.
+    """
+
+    def __init__(self, replica: int, config: EngineConfig, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        self.replica = replica
+        self.engine = AsyncEngine.from_config(config).start()
+        self.steps = self.engine.subscribe_steps(EVENT_BACKLOG)
+        self.finished = self.engine.subscribe_requests(EVENT_BACKLOG)
+        self.tracker = BlockHashTracker()
+
+    def info(self) -> ReplicaInfo:
+        import ray  # the actor runs under Ray; the module stays importable without it
+
+        engine = self.engine
+        return ReplicaInfo(self.replica, os.getpid(), ray.get_runtime_context().get_node_id(),
+                           engine.config, engine.memory_plan, engine.resolved_identity())
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int, add_special_tokens: bool, source: str):
+        """Yields None once the engine accepted the request (or the ValueError refusing
+        it), then every RequestOutput; a failed step ends it with its RequestFailed."""
+        stream = self.engine.submit(prompt, params, request_id=request_id, source=source,
+                                    priority=priority, add_special_tokens=add_special_tokens)
+        try:
+            await stream.accepted()
+        except ValueError as error:
+            yield error
+            return
+        yield None
+        try:
+            async for output in stream:
+                yield output
+        except Exception as error:  # noqa: BLE001 -- a failed step: handed to the client
+            yield error
+        finally:
+            stream.abort()  # the client went away (the generator was closed) mid-stream
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def next_events(self, wait_s: float) -> ReplicaEvents:
+        """Events since the last call, waiting up to `wait_s` for a step if none came."""
+        events = ReplicaEvents()
+        try:
+            first = await asyncio.wait_for(self.steps.aget(), wait_s)
+            events.steps.append(first)
+        except (TimeoutError, StopAsyncIteration):
+            pass
+        events.steps.extend(self.steps.drain())
+        events.steps = [dataclasses.replace(step, replica=self.replica) for step in events.steps]
+        events.requests = [dataclasses.replace(record, replica=self.replica)
+                           for record in self.finished.drain()]
+        if events.steps or events.requests:
+            self.tracker.update(await self.engine.snapshot_async(), events)
+        events.counters = self.engine.counters()
+        return events
+
+    async def snapshot(self) -> EngineSnapshot:
+        return dataclasses.replace(await self.engine.snapshot_async(), replica=self.replica)
+
+    async def reconfigure(self, abort_running: bool, knobs: dict) -> MemoryPlan:
+        # Off the actor's event loop: the running requests' streams must keep flowing.
+        return await asyncio.to_thread(self.engine.reconfigure, abort_running, **knobs)
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown, True)
