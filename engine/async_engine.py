@@ -179,6 +179,11 @@ class AsyncEngine:
         return self._core.tokenizer
 
     @property
+    def default_sampling(self) -> dict:
+        """Sampling fields from the model's generation_config (see model_sampling_defaults)."""
+        return self._core.default_sampling
+
+    @property
     def model_path(self) -> str:
         return str(self._core.runner.model_path)
 

@@ -11,12 +11,13 @@ from engine.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamStat
 from engine.config import EngineConfig
 from engine.detokenizer import detokenize_incrementally
 from engine.kv_cache_manager import KVCacheManager
+from engine.logits_processing import LogitsProcessor
 from engine.memory import GiB
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Chunk, FinishReason, Request, Sequence
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from engine.sampler import sample, token_logprobs
+from engine.sampling_params import SamplingParams, model_sampling_defaults
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from engine.telemetry import ScheduledChunk, StepRecord
@@ -52,6 +53,10 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(self.runner)
         self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
         self.scheduler.reclaim = self.beams.release_parked
+        # Sampling fields the model's generation_config sets: defaults where a request is silent.
+        self.default_sampling = model_sampling_defaults(self.runner.generation_config)
+        self.logits_processor = LogitsProcessor(self.runner.hf_config.vocab_size, self.tokenizer,
+                                                self.eos_token_ids, self.runner.device)
         self.generator = torch.Generator(self.runner.device).manual_seed(self.config.seed)
         self.step_index = 0
         self._request_counter = itertools.count()
@@ -83,10 +88,17 @@ class EngineCore:
             vocab = self.runner.hf_config.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        self._check_fits(token_ids, beam.params.beam_width if beam else params.n)
+        if params.truncate_prompt_tokens is not None and \
+                len(token_ids) > params.truncate_prompt_tokens:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]  # keep the end, as vLLM
+            prompt_text = self.tokenizer.decode(token_ids)
+        self._check_fits(token_ids, beam.params.beam_width if beam else params.num_sequences)
+        constraints = self.logits_processor.prepare(params)
         request = Request(request_id, prompt_text, token_ids, params,
                           arrival_time=arrival_time or time.time(), priority=priority,
-                          source=source, beam=beam)
+                          source=source, beam=beam, constraints=constraints)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         seq = Sequence(f"{request_id}", request, 0, list(token_ids), len(token_ids))
         seq.generator = self._sample_generator(params, 0)
         request.sequences.append(seq)
@@ -148,7 +160,10 @@ class EngineCore:
                 item.seq.first_scheduled_time = start_time
         sampling = [item for item in plan.scheduled if item.samples]
         self.runner.move_blocks(plan)
-        logits = self.runner.execute(plan.scheduled) if plan.scheduled else None
+        logits, prompt_logits = (self.runner.execute(plan.scheduled, _prompt_logprob_items(plan))
+                                 if plan.scheduled else (None, {}))
+        for index, chunk_logits in prompt_logits.items():
+            _record_prompt_logprobs(plan.scheduled[index], chunk_logits)
         for item in plan.scheduled:
             item.seq.num_computed_tokens = item.end
             item.seq.chunks.append(Chunk(self.step_index, item.start, item.end, item.kind))
@@ -176,14 +191,17 @@ class EngineCore:
                 self.beams.rank(seq, logits[row])
                 continue
             family = [seq]
-            if seq.request.params.n > 1 and len(seq.request.sequences) == 1:
-                family += [self.fork(seq, index) for index in range(1, seq.request.params.n)]
+            num_sequences = seq.request.params.num_sequences
+            if num_sequences > 1 and len(seq.request.sequences) == 1:
+                family += [self.fork(seq, index) for index in range(1, num_sequences)]
             rows.extend((member, row) for member in family)
         if rows:
             seqs = [seq for seq, _ in rows]
-            result = sample(logits[[row for _, row in rows]],
+            raw = logits[[row for _, row in rows]]
+            result = sample(self.logits_processor.apply(raw, seqs),
                             [seq.request.params for seq in seqs],
-                            [seq.generator for seq in seqs], self.generator)
+                            [seq.generator for seq in seqs], self.generator, raw_logits=raw)
+            self.logits_processor.accept(seqs, result.token_ids)
             for i, seq in enumerate(seqs):
                 top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None
                 self.append_token(seq, result.token_ids[i], result.logprobs[i], top)
@@ -230,11 +248,16 @@ class EngineCore:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.request.params
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if seq.num_output_tokens < params.min_tokens:  # only the length limits apply
+            if seq.num_tokens >= self.config.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH
+        elif not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = FinishReason.STOP
         elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
         elif params.stop_strings and self._truncate_at_stop_string(seq):
+            seq.finish_reason = FinishReason.STOP
+        elif self.logits_processor.grammar_finished(seq):
             seq.finish_reason = FinishReason.STOP
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.config.max_model_len):
@@ -271,9 +294,12 @@ class EngineCore:
             request.arrival_time, first.first_scheduled_time, first.first_token_time,
             max((s.finished_time or 0) for s in request.sequences) or None,
             sum(s.num_preemptions for s in request.sequences))
+        if request.params.num_sequences > request.params.n:
+            completions, deltas = _best_of(completions, deltas, request.params.n,
+                                           request.finished)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, request.finished, request.num_cached_tokens,
-                             metrics, deltas=deltas)
+                             metrics, deltas=deltas, prompt_logprobs=request.prompt_logprobs)
 
     def _beam_output(self, request: Request) -> RequestOutput:
         """The best beam_width hypotheses, best first."""
@@ -321,3 +347,39 @@ def _eos_token_ids(runner: ModelRunner) -> set[int]:
         elif source:
             ids.update(source)
     return ids
+
+
+# ---- prompt logprobs and best_of -----------------------------------------------------------
+def _prompt_logprob_items(plan: SchedulerOutput) -> tuple[int, ...]:
+    """Scheduled chunks whose positions score prompt tokens not scored yet (a sequence
+    recomputed after preemption has some or all of them already)."""
+    return tuple(index for index, item in enumerate(plan.scheduled)
+                 if item.seq.request.prompt_logprobs is not None
+                 and len(item.seq.request.prompt_logprobs) < _scored_end(item) + 1)
+
+
+def _scored_end(item: ScheduledSequence) -> int:
+    """Positions [start, end) score tokens start+1..end; the last prompt token scores nothing."""
+    return min(item.end, item.seq.num_prompt_tokens - 1)
+
+
+def _record_prompt_logprobs(item: ScheduledSequence, chunk_logits: torch.Tensor) -> None:
+    """Position p's logits score prompt token p + 1; entries so far cover tokens < first."""
+    seq, request = item.seq, item.seq.request
+    first, end = len(request.prompt_logprobs), _scored_end(item)
+    request.prompt_logprobs.extend(token_logprobs(
+        chunk_logits[first - 1 - item.start:end - item.start], seq.token_ids[first:end + 1],
+        request.params.prompt_logprobs))
+
+
+def _best_of(completions: list[CompletionOutput], deltas: list[str], n: int,
+             finished: bool) -> tuple[list[CompletionOutput], list[str]]:
+    """The n samples of the highest cumulative logprob, re-indexed 0..n-1 (the first n
+    while they still run)."""
+    order = list(range(len(completions)))
+    if finished:
+        order.sort(key=lambda i: -completions[i].cumulative_logprob)
+    chosen = order[:n]
+    for index, i in enumerate(chosen):
+        completions[i].index = index
+    return [completions[i] for i in chosen], [deltas[i] for i in chosen]

@@ -49,8 +49,8 @@ class KVCacheManager:
         At most (num_tokens - 1) tokens are reused, so one token is always computed
         and produces the logits to sample from.
         """
-        if not self.enable_caching:
-            return []
+        if not self.enable_caching or seq.request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed (as in vLLM)
         hits: list[KVBlock] = []
         for block_hash in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
             block = self.pool.lookup(block_hash.value, block_hash.token_ids, block_hash.parent)

@@ -33,6 +33,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (vLLM's behaviour
+        when generate() or chat() get no sampling_params)."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | SequenceOf[PromptType],
@@ -73,7 +78,7 @@ class LLM:
              use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params,
                                                  (SamplingParams, BeamSearchParams)):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

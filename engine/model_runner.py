@@ -216,13 +216,19 @@ class ModelRunner:
                 self.copy_blocks(copies, source, target)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        """Run one forward over the ragged batch; logits [sampling sequences, vocab] in fp32,
-        one row per scheduled sequence that reaches its last token, in schedule order."""
+    def execute(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run one forward over the ragged batch. Returns logits [sampling sequences, vocab]
+        in fp32, one row per scheduled sequence that reaches its last token, in schedule
+        order; and for each index in `all_positions` the logits of every position of its
+        chunk (prompt logprobs)."""
         input_ids, positions, meta = self._flat_inputs(
             [(s.start, s.end, s.seq.block_table) for s in scheduled], self.block_size,
             token_ids=lambda index, start, end: scheduled[index].seq.token_ids[start:end])
         hidden = self.model(input_ids, positions, meta)
+        starts = meta.query_start_loc.tolist() if all_positions else []
+        chunk_logits = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
+                        for i in all_positions}
         ends = meta.query_start_loc[1:].long() - 1
         rows = [i for i, s in enumerate(scheduled) if s.samples]
-        return self.model.compute_logits(hidden[ends[rows]])
+        return self.model.compute_logits(hidden[ends[rows]]), chunk_logits

@@ -44,5 +44,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # Per sample, the text added since the previous output of this request (for streaming).
     deltas: list[str] = field(default_factory=list)

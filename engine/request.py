@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.beam_search import BeamState
+    from engine.logits_processing import RequestConstraints
 
 
 class SequenceStatus(enum.Enum):
@@ -116,6 +117,10 @@ class Request:
     num_cached_tokens: int = 0
     aborted: bool = False
     beam: "BeamState | None" = None  # set for beam search: its sequences are the beams
+    constraints: "RequestConstraints | None" = None  # compiled logit edits and grammar
+    # With params.prompt_logprobs: None for the first prompt token, then one entry per
+    # prompt token (its logprob and the top alternatives), filled as prefill chunks run.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

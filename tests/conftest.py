@@ -53,21 +53,31 @@ def save_tiny_chat_model(folder: Path) -> Path:
     Every token decodes to a printable character, so streamed text is never held back
     as a half-finished multi-byte character.
     """
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
     characters = sorted(set(string.printable) - set("\r\x0b\x0c"))
-    vocab = {token: index for index, token in enumerate(specials + characters)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core = Tokenizer(models.BPE(vocab=_chat_vocab(characters), merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
+    return _save_chat_llama(folder, core)
+
+
+CHAT_SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1 (BOS) and 2 (EOS)
+
+
+def _chat_vocab(symbols: list[str]) -> dict[str, int]:
+    return {token: index for index, token in enumerate(CHAT_SPECIALS + symbols)}
+
+
+def _save_chat_llama(folder: Path, core: Tokenizer, **tokenizer_kwargs) -> Path:
+    """Save `core` as a chat tokenizer (ChatML template) beside a 2-layer random Llama."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, unk_token="<unk>", bos_token="<|im_start|>",
-        eos_token="<|im_end|>", pad_token="<unk>")
+        eos_token="<|im_end|>", pad_token="<unk>", **tokenizer_kwargs)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        vocab_size=core.get_vocab_size(), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -219,6 +229,21 @@ def all_cpu_threads():
     torch.set_num_threads(DEFAULT_NUM_THREADS)
     yield
     torch.set_num_threads(previous)
+
+
+def save_tiny_byte_level_model(folder: Path) -> Path:
+    """A 2-layer random Llama with a byte-level BPE tokenizer (GPT-2's 256-symbol alphabet,
+    no merges): any text encodes, and grammar engines (llguidance) can read its vocabulary."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab=_chat_vocab(alphabet), merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    return _save_chat_llama(folder, core, additional_special_tokens=CHAT_SPECIALS[1:])
+
+
+@pytest.fixture(scope="session")
+def tiny_byte_level_model_path(tmp_path_factory) -> Path:
+    return save_tiny_byte_level_model(tmp_path_factory.mktemp("tiny-byte-llama"))
 
 
 def serve(app, **uvicorn_options) -> tuple[str, uvicorn.Server, threading.Thread]:

@@ -251,7 +251,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
-    ("completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "x", "suffix": "!"}, 400, "suffix"),  # echo is implemented
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("completions", {"prompt": "x", "no_such_field": 1}, 400, "no_such_field"),
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": [MAX_MODEL_LEN * 4]}, 400, "prompt"),  # token id >= vocab
     ("completions", {"temperature": 1}, 400, "prompt"),

@@ -23,12 +23,15 @@ class Generation:
     tokenizer: object
     logprobs: int | None = None
     include_usage: bool = False
+    echo: bool = False  # completions: the prompt opens each choice's text
+    prompt_logprobs: bool = False  # completions: each choice carries the prompt's logprobs
     created: int = field(default_factory=lambda: int(time.time()))
     # Streaming state: the newest output of each stream, and per choice what was sent.
     latest: dict[int, RequestOutput] = field(default_factory=dict)
     tokens_sent: dict[int, int] = field(default_factory=dict)
     chars_sent: dict[int, int] = field(default_factory=dict)
     finish_sent: set[int] = field(default_factory=set)
+    opened: set[int] = field(default_factory=set)  # choices whose echo / prompt part went out
 
     @property
     def object_name(self) -> str:
@@ -45,13 +48,16 @@ class Generation:
         for prompt_index, output in enumerate(finals):
             self.latest[prompt_index] = output
             for sample in output.outputs:
-                logprobs = self._logprobs(sample, 0, 0)
                 if self.chat:
-                    choice = {"message": {"role": "assistant", "content": sample.text}}
+                    choice = {"message": {"role": "assistant", "content": sample.text},
+                              "logprobs": self._logprobs(sample, 0, 0)}
                 else:
-                    choice = {"text": sample.text}
+                    choice = self._opening(output)
+                    choice["text"] += sample.text
+                    choice["logprobs"] = _joined(choice["logprobs"], self._logprobs(
+                        sample, 0, len(choice["text"]) - len(sample.text)))
                 choices.append({"index": prompt_index * self.n + sample.index, **choice,
-                                "logprobs": logprobs, "finish_reason": sample.finish_reason})
+                                "finish_reason": sample.finish_reason})
         return {"id": self.response_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage()}
 
@@ -107,14 +113,40 @@ class Generation:
             finishing = sample.finish_reason is not None and index not in self.finish_sent
             if not delta and not finishing and len(sample.token_ids) == tokens_sent:
                 continue
-            logprobs = self._logprobs(sample, tokens_sent, self.chars_sent.get(index, 0))
+            opening = {"text": "", "logprobs": None}
+            if not self.chat and index not in self.opened:
+                self.opened.add(index)
+                opening = self._opening(output)
+                self.chars_sent[index] = len(opening["text"])
+            logprobs = _joined(opening["logprobs"], self._logprobs(
+                sample, tokens_sent, self.chars_sent.get(index, 0)))
             self.tokens_sent[index] = len(sample.token_ids)
             self.chars_sent[index] = self.chars_sent.get(index, 0) + len(delta)
             if finishing:
                 self.finish_sent.add(index)
-            chunks.append(self._chunk(index, {"content": delta} if self.chat else delta,
-                                      logprobs, sample.finish_reason if finishing else None))
+            chunk = self._chunk(index, {"content": delta} if self.chat
+                                else opening["text"] + delta, logprobs,
+                                sample.finish_reason if finishing else None)
+            if "prompt_logprobs" in opening:
+                chunk["choices"][0]["prompt_logprobs"] = opening["prompt_logprobs"]
+            chunks.append(chunk)
         return chunks
+
+    # ---- what opens a completion choice: echo and prompt logprobs ------------------------
+    def _opening(self, output: RequestOutput) -> dict:
+        """The echoed prompt text and its tokens' logprobs, and vLLM's prompt_logprobs."""
+        opening: dict = {"text": "", "logprobs": None}
+        entries, ids = output.prompt_logprobs, output.prompt_token_ids
+        if self.echo:
+            opening["text"] = (output.prompt if output.prompt is not None
+                               else self.tokenizer.decode(ids))
+            if self.logprobs is not None and entries is not None:
+                opening["logprobs"] = self._completion_logprobs(ids, entries, 0)
+        if self.prompt_logprobs and entries is not None:
+            opening["prompt_logprobs"] = [None if entry is None else {
+                str(token): {"logprob": logprob, "decoded_token": self._token_text(token)}
+                for token, logprob in entry.items()} for entry in entries]
+        return opening
 
     def _envelope(self) -> dict:
         return {"id": self.response_id,
@@ -146,18 +178,33 @@ class Generation:
                 content.append({**_chat_logprob(decode(token_id), entry[token_id]),
                                 "top_logprobs": [_chat_logprob(decode(t), lp) for t, lp in top]})
             return {"content": content}
-        tokens = [decode(token_id) for token_id in token_ids]
+        return self._completion_logprobs(token_ids, entries, text_offset)
+
+    def _completion_logprobs(self, token_ids: list[int],
+                             entries: list[dict[int, float] | None], text_offset: int) -> dict:
+        """The completions format; an entry of None (the first prompt token) has no logprob."""
+        tokens = [self._token_text(token_id) for token_id in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(text_offset)
             text_offset += len(token)
         return {"tokens": tokens,
-                "token_logprobs": [entry[t] for t, entry in zip(token_ids, entries, strict=True)],
-                "top_logprobs": [{decode(t): lp for t, lp in entry.items()} for entry in entries],
+                "token_logprobs": [None if entry is None else entry[t]
+                                   for t, entry in zip(token_ids, entries, strict=True)],
+                "top_logprobs": [None if entry is None else
+                                 {self._token_text(t): lp for t, lp in entry.items()}
+                                 for entry in entries],
                 "text_offset": offsets}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two completions-format logprobs back to back (the echoed prompt, then the sample)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 def _chat_logprob(token: str, logprob: float) -> dict:

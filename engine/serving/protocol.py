@@ -1,23 +1,42 @@
-"""Request bodies of the OpenAI-compatible API, and their translation to SamplingParams."""
+"""Request bodies of the OpenAI-compatible API (OpenAI's fields and vLLM's extensions, given
+top-level or through the openai client's `extra_body`), and their translation to
+SamplingParams.
+
+No field is silently ignored: a field is implemented, or a documented no-op (the README
+lists them), or refused with a 400 that names it.
+"""
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-# OpenAI fields kvscope does not implement, accepted only at values that change nothing;
-# anything else is refused rather than silently ignored.
-NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
+ANY = None  # a no-op field whose every value changes nothing
+# Fields kvscope accepts without acting on them, with the values at which that is true;
+# any other value, and any field neither here nor declared below, is refused.
+NO_OPS: dict[str, tuple[Any, ...] | None] = {
+    "user": ANY, "safety_identifier": ANY, "metadata": ANY,  # labels for the caller
+    "prompt_cache_key": ANY,  # prefix caching is automatic and keyed by the tokens
+    "guided_decoding_backend": ANY,  # there is one backend: llguidance
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "parallel_tool_calls": ANY,  # tools are refused, so there is nothing to parallelise
+    "tool_choice": (None, "none", "auto"),  # with no tools both mean "answer in text"
+    "tools": (None, []), "functions": (None, []), "function_call": (None, "none"),
     "suffix": (None, ""),
-    "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "spaces_between_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None, []),
+    "mm_processor_kwargs": (None, {}), "modalities": (None, ["text"]),
+    "logits_processors": (None, []), "priority": (None, 0),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
 }
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs")
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class StreamOptions(BaseModel):
@@ -25,47 +44,126 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """What completions and chat share; `top_k`, `ignore_eos`, `stop_token_ids` are vLLM's
-    extensions (the openai client sends them with `extra_body`)."""
+    """What completions and chat share. `top_k`, `min_p`, `repetition_penalty`,
+    `min_tokens`, `bad_words`, `allowed_token_ids`, `guided_*`... are vLLM's extensions."""
 
-    # Unknown fields (user, metadata, store...) are allowed and ignored, as OpenAI's are.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # kept to be refused by name, see NO_OPS
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    # None: the model's generation_config default if it has one, else vLLM's.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def structured_field(self) -> str | None:
+        """The request field that asked for structured output (errors name it)."""
+        return next((name for name in STRUCTURED_FIELDS if getattr(self, name) is not None
+                     and getattr(self, name) != {"type": "text"}), None)
+
     def check_supported(self) -> None:
-        for name, no_op in NO_OP_VALUES.items():
-            value = (self.model_extra or {}).get(name)
-            if value not in no_op:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        for name, value in (self.model_extra or {}).items():
+            if name not in NO_OPS:
+                raise ValueError(f"{name}: kvscope does not implement this field, and "
+                                 "refuses it rather than ignore it")
+            allowed = NO_OPS[name]
+            if allowed is not ANY and value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported by kvscope")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Validated SamplingParams (ValueError names the field)."""
+    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
+                        **more: Any) -> SamplingParams:
+        """Validated SamplingParams (ValueError names the field). `defaults` are the model's
+        (generation_config), used for the fields the request leaves out."""
         self.check_supported()
+        given = {name: getattr(self, name) for name in
+                 ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                 if getattr(self, name) is not None}
+        if max_tokens is None and "max_tokens" in defaults:
+            max_tokens = defaults["max_tokens"]
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, max_tokens=max_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs)
+            **{**defaults, **given, "max_tokens": max_tokens}, n=self.n,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, logprobs=logprobs,
+            structured_outputs=self._structured_outputs(), **more)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        field = self.structured_field
+        if field is None:
+            return None
+        others = [name for name in STRUCTURED_FIELDS
+                  if name != field and getattr(self, name) not in (None, {"type": "text"})]
+        if others:
+            raise ValueError(f"{others[0]}: give one structured-output field, not "
+                             f"{field} and {', '.join(others)}")
+        value = getattr(self, field)
+        try:
+            if field == "response_format":
+                return _response_format(value)
+            if field == "structured_outputs":
+                unknown = [key for key in value if key not in STRUCTURED_OUTPUTS_KEYS]
+                if unknown:
+                    raise ValueError(f"{unknown[0]} is not supported; use one of "
+                                     f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}")
+                return StructuredOutputsParams(**value)
+            return StructuredOutputsParams(**{field.removeprefix("guided_"): value})
+        except ValueError as error:
+            message = str(error).removeprefix("structured_outputs: ")
+            raise ValueError(f"{field}: {message}") from None
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutputsParams:
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"type={kind!r} is not supported; use text, json_object or json_schema")
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         """One engine prompt per entry: a string, or a list of token ids."""
@@ -76,8 +174,15 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt: give a string, a list of strings or token ids")
         return list(prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError(f"best_of={self.best_of}: the best of several samples is known "
+                             "only at the end, so it cannot stream; set stream=false")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs  # echoed prompt tokens carry logprobs too
+        return self.sampling_params(defaults, self.max_tokens, self.logprobs,
+                                    best_of=self.best_of, prompt_logprobs=prompt_logprobs)
 
 
 class TextPart(BaseModel):
@@ -104,12 +209,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_special_tokens: bool = False  # the chat template holds the special tokens
 
     def conversation(self) -> list[dict[str, str]]:
         return [message.as_template_input() for message in self.messages]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
         max_tokens = (self.max_tokens if self.max_completion_tokens is None
                       else self.max_completion_tokens)
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs
-                                    else None)
+        return self.sampling_params(defaults, max_tokens,
+                                    (self.top_logprobs or 0) if self.logprobs else None)

@@ -15,7 +15,7 @@ from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from engine.serving.errors import APIError
 from engine.serving.generation import Generation
-from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.streams import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -63,27 +63,42 @@ def openai_router(engine: AsyncEngine, model: ServedModel) -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         model.check(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(engine.default_sampling)
         prompts = body.prompts()
-        return await _serve(request, engine, model, body.stream, body.include_usage, params,
-                            lambda: [engine.submit(prompt, params) for prompt in prompts],
+        return await _serve(request, engine, model, body, params,
+                            lambda: [engine.submit(prompt, params,
+                                                   add_special_tokens=body.add_special_tokens)
+                                     for prompt in prompts],
                             chat=False, logprobs=body.logprobs)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model.check(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(engine.default_sampling)
         prompt = engine.render_chat(body.conversation())
-        return await _serve(request, engine, model, body.stream, body.include_usage, params,
-                            lambda: [engine.submit(prompt, params, add_special_tokens=False)],
+        return await _serve(request, engine, model, body, params,
+                            lambda: [engine.submit(prompt, params,
+                                                   add_special_tokens=body.add_special_tokens)],
                             chat=True,
                             logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
     return router
 
 
-async def _serve(request: Request, engine: AsyncEngine, model: ServedModel, stream: bool,
-                 include_usage: bool, params: SamplingParams, submit, chat: bool,
+def _named_for_client(error: ValueError, body: SamplingFields) -> ValueError | APIError:
+    """Engine errors name the engine's knob; name the request field the client sent."""
+    message = str(error)
+    if message.startswith("prompt:") and isinstance(body, ChatCompletionRequest):
+        return APIError(400, message, param="messages")  # the client sent no prompt
+    field = body.structured_field
+    if field and message.startswith("structured_outputs"):
+        detail = message.split(":", 1)[1].strip()
+        return APIError(400, f"{field}: {detail}", param=field)
+    return error
+
+
+async def _serve(request: Request, engine: AsyncEngine, model: ServedModel,
+                 body: SamplingFields, params: SamplingParams, submit, chat: bool,
                  logprobs: int | None):
     """Submit, wait until the engine accepted every request (400 if not), then answer."""
     if engine.is_reconfiguring:
@@ -92,16 +107,16 @@ async def _serve(request: Request, engine: AsyncEngine, model: ServedModel, stre
     streams: list[RequestStream] = submit()
     generation = Generation(chat, f"{'chatcmpl' if chat else 'cmpl'}-{streams[0].request_id}",
                             model.name, streams, params.n, engine.tokenizer, logprobs,
-                            include_usage)
+                            body.include_usage, echo=getattr(body, "echo", False),
+                            prompt_logprobs=getattr(body, "prompt_logprobs", None) is not None)
     try:
         await asyncio.gather(*(s.accepted() for s in streams))
     except BaseException as error:
         generation.abort_unfinished()
-        if chat and isinstance(error, ValueError) and str(error).startswith("prompt:"):
-            # The client sent messages, not a prompt: name what it can change.
-            raise APIError(400, str(error), param="messages") from error
+        if isinstance(error, ValueError):
+            raise _named_for_client(error, body) from error
         raise
-    if stream:
+    if body.stream:
         return StreamingResponse(generation.events(), media_type="text/event-stream")
     try:
         return JSONResponse(await _unless_disconnected(request, generation.response()))
