@@ -8,15 +8,14 @@ import time
 import httpx
 import openai
 import pytest
+import ray
+from conftest import serve
 
-ray = pytest.importorskip("ray")
-
-from conftest import serve  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.replicas.replica_set import ReplicaSet, connect_ray  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.serving import create_app  # noqa: E402
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.replicas.replica_set import ReplicaSet, connect_ray
+from engine.sampling_params import SamplingParams
+from engine.serving import create_app
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96

@@ -30,6 +30,7 @@ class ReplicaInfo:
     config: EngineConfig
     memory_plan: MemoryPlan
     identity: dict[str, str]
+    default_sampling: dict  # what the model's generation_config sets
 
 
 @dataclass(slots=True)
@@ -86,7 +87,8 @@ class EngineReplica:
 
         engine = self.engine
         return ReplicaInfo(self.replica, os.getpid(), ray.get_runtime_context().get_node_id(),
-                           engine.config, engine.memory_plan, engine.resolved_identity())
+                           engine.config, engine.memory_plan, engine.resolved_identity(),
+                           engine.default_sampling)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int, add_special_tokens: bool, source: str):

@@ -196,6 +196,10 @@ class ReplicaSet:
         return self._reference.memory_plan
 
     @property
+    def default_sampling(self) -> dict:
+        return self._reference.default_sampling
+
+    @property
     def model_path(self) -> str:
         return self._reference.identity["model"]
 
