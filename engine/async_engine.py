@@ -32,17 +32,26 @@ logger = logging.getLogger(__name__)
 RELOAD_KNOBS = ("model", "dtype", "device")
 
 
-def render_chat_prompt(tokenizer, messages: list[dict[str, Any]]) -> str:
-    """The prompt text of a conversation, ending with the assistant's turn."""
-    if not messages:
-        raise ValueError("messages: give at least one message")
-    if tokenizer.chat_template is None:
-        raise ValueError("messages: the model has no chat template; use completions")
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
-    except Exception as error:  # jinja raises its own types for malformed messages
-        raise ValueError(f"messages: the chat template failed: {error}") from error
+class ChatSubmit:
+    """Chat on top of a class's own `submit` and `tokenizer` (AsyncEngine, ReplicaSet)."""
+
+    def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    **kwargs: Any) -> RequestStream:
+        """Apply the model's chat template, then submit (the template holds the BOS)."""
+        return self.submit(self.render_chat(messages), params, add_special_tokens=False,
+                           **kwargs)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn."""
+        if not messages:
+            raise ValueError("messages: give at least one message")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("messages: the model has no chat template; use completions")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as error:  # jinja raises its own types for malformed messages
+            raise ValueError(f"messages: the chat template failed: {error}") from error
 
 
 def _check_replica(replica: int | None) -> None:
@@ -109,7 +118,7 @@ class _PendingReconfigure:
     result: concurrent.futures.Future
 
 
-class AsyncEngine:
+class AsyncEngine(ChatSubmit):
     """Runs an EngineCore on a background thread; other threads only enqueue commands.
 
     The thread steps while requests are unfinished and sleeps on a condition when idle.
@@ -237,15 +246,6 @@ class AsyncEngine:
         self._enqueue(lambda: self._do_add(stream, prompt, params, priority,
                                            add_special_tokens, time.time()))
         return stream
-
-    def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-                    **kwargs: Any) -> RequestStream:
-        """Apply the model's chat template, then submit (the template holds the BOS)."""
-        return self.submit(self.render_chat(messages), params, add_special_tokens=False,
-                           **kwargs)
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return render_chat_prompt(self.tokenizer, messages)
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary; unknown or finished ids are ignored."""

@@ -18,7 +18,7 @@ from ray.exceptions import RayError
 
 import engine
 import kernels
-from engine.async_engine import RELOAD_KNOBS, EngineCounters, ReplicaStatus, render_chat_prompt
+from engine.async_engine import RELOAD_KNOBS, ChatSubmit, EngineCounters, ReplicaStatus
 from engine.config import EngineConfig
 from engine.loader import load_tokenizer, resolve_model_path
 from engine.memory import MemoryPlan
@@ -93,7 +93,7 @@ def replica_resources(num_cpus: int) -> dict:
     return {"num_cpus": num_cpus, "num_gpus": 1 if gpus >= 1 else 0}
 
 
-class ReplicaSet:
+class ReplicaSet(ChatSubmit):
     """Starts `replicas` EngineReplica actors (joining the Ray cluster at `ray_address`,
     else the one this process is connected to, else a new local one) and routes requests
     to them. Public methods are thread-safe; Ray calls run on one event loop thread."""
@@ -254,14 +254,6 @@ class ReplicaSet:
             self._serve(stream, prompt, params or SamplingParams(), priority,
                         add_special_tokens), self._loop)
         return stream
-
-    def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-                    **kwargs: Any) -> RequestStream:
-        return self.submit(self.render_chat(messages), params, add_special_tokens=False,
-                           **kwargs)
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return render_chat_prompt(self.tokenizer, messages)
 
     def abort(self, request_id: str) -> None:
         """Abort on the replica that owns the request; unknown ids are ignored."""
