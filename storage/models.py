@@ -1,4 +1,4 @@
-"""SQLAlchemy tables of the session log: sessions, requests, steps, chat messages."""
+"""SQLAlchemy tables of the session log: sessions, requests, steps, chat messages, configs."""
 
 from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -92,4 +92,17 @@ class ChatMessageRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
-SESSION_TABLES = (SessionRow, RequestRow, StepRow, ChatMessageRow)
+class ConfigRow(Base):
+    """Every config a session ran with, from its start and after each reconfigure (the
+    sessions row keeps only the latest). A table added after version 1: older files get
+    it, empty, when opened."""
+
+    __tablename__ = "session_configs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
+    applied_at: Mapped[float] = mapped_column(Float)
+    config: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+SESSION_TABLES = (SessionRow, RequestRow, StepRow, ChatMessageRow, ConfigRow)

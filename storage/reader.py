@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, func, select
 
 from engine.telemetry import StepRecord
-from storage.models import ChatMessageRow, RequestRow, SessionRow, StepRow
+from storage.models import ChatMessageRow, ConfigRow, RequestRow, SessionRow, StepRow
 from storage.rows import step_record
 
 
@@ -15,6 +15,7 @@ class StoredSession:
     requests: list[dict]
     steps: list[StepRecord]
     chat_messages: list[dict]
+    configs: list[dict]  # {"applied_at", "config"}, oldest first
 
 
 def list_sessions(engine: Engine) -> list[dict]:
@@ -50,5 +51,7 @@ def load_session(engine: Engine, session_id: int) -> StoredSession:
     if not sessions:
         raise ValueError(f"session_id={session_id!r}: no such session in the log")
     steps = [step_record(row) for row in table_rows(engine, StepRow, session_id)]
+    configs = [{"applied_at": row["applied_at"], "config": row["config"]}
+               for row in table_rows(engine, ConfigRow, session_id)]
     return StoredSession(sessions[0], table_rows(engine, RequestRow, session_id), steps,
-                         table_rows(engine, ChatMessageRow, session_id))
+                         table_rows(engine, ChatMessageRow, session_id), configs)

@@ -13,7 +13,7 @@ from engine.outputs import RequestOutput
 from engine.telemetry import StepRecord
 from storage import reader
 from storage.exports import export_session
-from storage.models import ChatMessageRow, RequestRow, SessionRow, StepRow
+from storage.models import ChatMessageRow, ConfigRow, RequestRow, SessionRow, StepRow
 from storage.rows import request_row, step_row
 from storage.schema import open_database
 
@@ -33,6 +33,7 @@ class SessionLog:
         self.db_path = Path(db_path)
         self.engine = open_database(self.db_path)
         self.session_id: int | None = None
+        self._last_config: dict | None = None
         self.num_dropped = 0
         self.num_written = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -48,9 +49,13 @@ class SessionLog:
     # ---- producers ---------------------------------------------------------------------
     def start_session(self, config: dict, model: str) -> int:
         """Open a session row now (synchronously: the id tags every later row)."""
+        started_at = time.time()
         with self.engine.begin() as connection:
             self.session_id = connection.execute(insert(SessionRow).values(
-                model=model, config=config, started_at=time.time())).inserted_primary_key[0]
+                model=model, config=config, started_at=started_at)).inserted_primary_key[0]
+            connection.execute(insert(ConfigRow).values(
+                session_id=self.session_id, applied_at=started_at, config=config))
+        self._last_config = config
         return self.session_id
 
     def follow(self, engine) -> None:
@@ -66,8 +71,14 @@ class SessionLog:
             self._pumps.append(pump)
 
     def record_config(self, config: dict) -> None:
-        """The engine was reconfigured: the session keeps its latest config."""
+        """The engine was reconfigured: the session row keeps the latest config, and the
+        history gets it with its time (once, however many callers report it)."""
+        if config == self._last_config:
+            return
+        self._last_config = config
         self._put(("config", config))
+        self._put((ConfigRow, {"session_id": self._current(), "applied_at": time.time(),
+                               "config": config}))
 
     def record_step(self, record: StepRecord) -> None:
         self._put((StepRow, record))
@@ -133,7 +144,8 @@ class SessionLog:
                     payload.set()
 
     def _write(self, batch: list) -> None:
-        rows: dict[type, list[dict]] = {RequestRow: [], StepRow: [], ChatMessageRow: []}
+        rows: dict[type, list[dict]] = {RequestRow: [], StepRow: [], ChatMessageRow: [],
+                                        ConfigRow: []}
         config = None
         for kind, payload in batch:
             if kind == "config":

@@ -85,6 +85,21 @@ def test_every_request_and_step_of_a_run_is_stored(tmp_path: Path, engine_run) -
     assert [m["role"] for m in stored.chat_messages] == ["user", "assistant"]
 
 
+def test_every_config_of_a_session_is_kept_with_its_time(tmp_path: Path, engine_run) -> None:
+    config = engine_run[0]
+    log = SessionLog(tmp_path / "log.db")
+    session_id = log.start_session(config, model="tiny")
+    changed = {**config, "block_size": 2 * config["block_size"]}
+    for reported in (changed, changed, config):  # the app and the knobs tab both report
+        log.record_config(reported)
+    log.close()
+    stored = load_session(open_database(tmp_path / "log.db"), session_id)
+    assert [entry["config"] for entry in stored.configs] == [config, changed, config]
+    times = [entry["applied_at"] for entry in stored.configs]
+    assert times == sorted(times) and times[0] == stored.session["started_at"]
+    assert stored.session["config"] == config  # the latest
+
+
 def test_exports_round_trip(tmp_path: Path, engine_run) -> None:
     session_id, log = logged_session(tmp_path / "log.db", engine_run)
     assert log.flush()
@@ -98,7 +113,7 @@ def test_exports_round_trip(tmp_path: Path, engine_run) -> None:
     with zipfile.ZipFile(log.export(session_id, "csv", tmp_path / "out")) as archive:
         steps = list(csv.DictReader(io.StringIO(archive.read("steps.csv").decode())))
         assert set(archive.namelist()) == {"sessions.csv", "requests.csv", "steps.csv",
-                                           "chat_messages.csv"}
+                                           "chat_messages.csv", "session_configs.csv"}
     assert [int(row["step"]) for row in steps] == [r.step for r in original.steps]
     assert json.loads(steps[0]["chunks"]) == [[c.request_id, c.seq_id, c.kind, c.start, c.end]
                                               for c in original.steps[0].chunks]

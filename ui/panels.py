@@ -16,10 +16,10 @@ PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "seri
           "comparison")
 REFRESH_S = 1.0
 # While the engine is busy a panel may use this share of one core: a panel that takes
-# 50 ms to build refreshes every second, one that takes 200 ms every 4 s. The engine
+# 30 ms to build refreshes every second, one that takes 200 ms every 6.7 s. The engine
 # shares the process (and its GIL) with these builders.
-PANEL_DUTY = 0.05
-MAX_INTERVAL_S = 5.0
+PANEL_DUTY = 0.03
+MAX_INTERVAL_S = 8.0
 # Timer ticks jitter; without slack a 1 s panel would land on every other tick.
 TICK_SLACK_S = 0.2
 COST_SMOOTHING = 0.3
@@ -109,7 +109,7 @@ class _Rendered:
 class PanelRenderer:
     """One render per panel change, shared by every tab (a tab receives only panels it
     has not shown yet). While the engine is busy a panel is rebuilt at most every
-    cost / PANEL_DUTY seconds (1 to 5 s), so the dashboard's cost follows its own
+    cost / PANEL_DUTY seconds (1 to 8 s), so the dashboard's cost follows its own
     measured build times, not the pool's size or the number of open tabs."""
 
     def __init__(self, feed: LiveFeed) -> None:

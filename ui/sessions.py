@@ -32,7 +32,7 @@ def list_sessions(session_log):
 
 
 def show_session(session_log, session_id):
-    """(timeline, series, stats, config) of one logged session."""
+    """(timeline, series, stats, configs) of one logged session."""
     if session_log is None or session_id is None:
         return gr.skip(), gr.skip(), NO_LOG if session_log is None else "Pick a session.", {}
     try:
@@ -43,7 +43,10 @@ def show_session(session_log, session_id):
         return gr.skip(), gr.skip(), str(error), {}
     arrivals = {row["request_id"]: row["arrival_time"] for row in stored.requests
                 if row["arrival_time"] is not None}
-    config = stored.session["config"]
+    # Every config the session ran with, each with the time it took effect.
+    config = {"latest": stored.session["config"],
+              "history": [{"applied_at": _time(entry["applied_at"]), **entry["config"]}
+                          for entry in stored.configs]}
     latency = timeline.latency_stats(stored.steps, arrivals)
     stats = timeline.stats_markdown(latency, None, sum(len(r.preempted) for r in stored.steps),
                                     ("session average", latency.output_tokens_per_s))

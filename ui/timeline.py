@@ -114,7 +114,8 @@ def in_window(records: Sequence[StepRecord],
 
 
 def _date_axis(window: tuple[float, float] | None, **extra) -> dict:
-    axis = {"type": "date", "title": {"text": "time"}, "hoverformat": "%H:%M:%S.%L", **extra}
+    axis = {"type": "date", "title": {"text": "time"}, "tickformat": "%H:%M:%S",
+            "hoverformat": "%H:%M:%S.%L", **extra}
     if window is not None:
         axis["range"] = [epoch_ms(window[0]), epoch_ms(window[1])]
     return axis

@@ -1,0 +1,50 @@
+"""The README's screenshots: the dashboard empty, then under the load generator's traffic.
+
+    .venv/bin/python bench/screenshots.py            # writes assets/dashboard-empty.png
+                                                     # and assets/dashboard.png
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.dashboard_overhead import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from bench.served import ROOT, start_app, stop_app  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "assets")
+    parser.add_argument("--load-s", type=float, default=25.0,
+                        help="seconds of traffic before the loaded screenshot")
+    parser.add_argument("app_args", nargs="*", help="extra app.py flags (after --)")
+    args = parser.parse_args()
+    from playwright.sync_api import expect, sync_playwright
+
+    app = start_app(args.app_args)
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(app.url)
+            expect(page.get_by_text("No requests in this window yet")).to_be_visible(
+                timeout=60_000)
+            time.sleep(2)
+            page.screenshot(path=args.out / "dashboard-empty.png", full_page=True)
+            page.get_by_role("tab", name="Engine & load").click()
+            page.get_by_role("button", name="Send load").click()
+            page.get_by_role("tab", name="Live").click()
+            page.locator("#kv-message textarea").fill("What is a paged KV cache?")
+            page.locator("#kv-message textarea").press("Enter")
+            time.sleep(args.load_s)
+            page.screenshot(path=args.out / "dashboard.png", full_page=True)
+            browser.close()
+    finally:
+        stop_app(app)
+
+
+if __name__ == "__main__":
+    main()
