@@ -54,9 +54,16 @@ def _live_tab(engine, session_log) -> dict:
                                  submit_btn=True, elem_id="kv-message")
             status = gr.Markdown(elem_classes="kv-status", elem_id="kv-chat-status")
             with gr.Accordion("Sampling", open=False):
-                temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="temperature")
-                top_p = gr.Slider(0.05, 1, value=0.95, step=0.05, label="top-p")
-                max_tokens = gr.Slider(1, 1024, value=128, step=1, label="max tokens")
+                defaults, source = chat.sampling_defaults(engine)
+                gr.Markdown(source, elem_id="kv-sampling-source")
+                temperature = gr.Slider(0, 2, value=defaults["temperature"], step=0.05,
+                                        label="temperature")
+                top_p = gr.Slider(0.05, 1, value=defaults["top_p"], step=0.05, label="top-p")
+                max_tokens = gr.Slider(1, 1024, value=min(defaults["max_tokens"], 1024),
+                                       step=1, label="max tokens")
+                repetition_penalty = gr.Slider(0.5, 2, value=defaults["repetition_penalty"],
+                                               step=0.05, label="repetition penalty")
+                min_p = gr.Slider(0, 1, value=defaults["min_p"], step=0.01, label="min-p")
             new_chat = gr.Button("New chat", size="sm")
         with gr.Column(scale=3):
             heatmap = gr.Plot(label="Free-pool heatmap", elem_id="kv-heatmap")
@@ -69,7 +76,8 @@ def _live_tab(engine, session_log) -> dict:
             stats = gr.Markdown()
     conversation = gr.State(chat.new_conversation)
     message.submit(partial(chat.chat_reply, engine, session_log),
-                   [message, conversation, temperature, top_p, max_tokens],
+                   [message, conversation, temperature, top_p, max_tokens,
+                    repetition_penalty, min_p],
                    [chatbot, conversation, message, status], concurrency_limit=None,
                    api_name="chat")
     new_chat.click(lambda: ([], chat.new_conversation(), ""), None,
