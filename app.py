@@ -170,7 +170,8 @@ def record_sessions(engine: AsyncEngine, session_log: SessionLog) -> Callable[[]
             for record in steps.drain():
                 session_log.record_step(record)
             for finished in requests.drain():
-                session_log.record_request(finished.output, finished.source)
+                session_log.record_request(finished.output, finished.source,
+                                           replica=finished.replica)
             if engine.config is not config:
                 config = engine.config
                 session_log.record_config(config.to_dict())

@@ -292,10 +292,12 @@ class AsyncEngine(ChatSubmit):
         """Every StepRecord from now on; past `maxsize` unread, the oldest are dropped."""
         return self._step_feed.subscribe(maxsize)
 
-    def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS) -> Channel:
+    def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS,
+                       replica: int | None = None) -> Channel:
         """Records for an engine.pool_mirror.PoolMirror: a full snapshot (a PoolBase, then
         PoolSlices, interleaved with deltas), then one PoolDelta per step. Past `maxsize`
         unread the oldest are dropped: the reader then calls resync_pool."""
+        _check_replica(replica)
         channel = self._pool_feed.subscribe(maxsize)
         self.resync_pool(channel)
         return channel

@@ -5,7 +5,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Bump when a table changes, and add the step from the previous version to MIGRATIONS
 # in storage.schema, so files written by older versions keep opening.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: requests and steps carry their engine replica
 
 
 class Base(DeclarativeBase):
@@ -51,6 +51,7 @@ class RequestRow(Base):
     first_token_time: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_time: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    replica: Mapped[int] = mapped_column(Integer, default=0)  # the engine replica that ran it
 
 
 class StepRow(Base):
@@ -71,6 +72,7 @@ class StepRow(Base):
     num_running: Mapped[int] = mapped_column(Integer)
     num_waiting: Mapped[int] = mapped_column(Integer)
     num_generated_tokens: Mapped[int] = mapped_column(Integer)
+    replica: Mapped[int] = mapped_column(Integer, default=0)  # the engine replica that stepped
     chunks: Mapped[list] = mapped_column(JSON, default=list)  # [request, seq, kind, start, end]
     preempted: Mapped[list] = mapped_column(JSON, default=list)
     swapped_out: Mapped[list] = mapped_column(JSON, default=list)

@@ -11,9 +11,15 @@ from storage.models import SCHEMA_VERSION, Base, SchemaVersion
 logger = logging.getLogger(__name__)
 BUSY_TIMEOUT_MS = 5000
 
-# MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction; version 1 is
-# the first schema, so there is nothing to upgrade from yet.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+def _add_replica_columns(connection: Connection) -> None:
+    """Version 2: requests and steps record the engine replica (0 for a single engine)."""
+    for table in ("requests", "steps"):
+        connection.exec_driver_sql(
+            f"ALTER TABLE {table} ADD COLUMN replica INTEGER NOT NULL DEFAULT 0")
+
+
+# MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_replica_columns}
 
 
 def open_database(path: str | Path) -> Engine:

@@ -1,6 +1,8 @@
 """Engine replicas on a local Ray cluster (one for the whole module): routing, greedy parity
 with one engine, a replica killed mid-stream, and no Ray at all for one replica."""
 
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +36,12 @@ def wait_until(condition, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run(replicas: ReplicaSet, prompt: str, params: SamplingParams = GREEDY):
@@ -86,6 +94,43 @@ def test_outputs_equal_one_engines_greedy(replicas, tiny_chat_model_path) -> Non
     for prompt, final in zip(prompts, finals, strict=True):
         assert final.outputs[0].token_ids == expected[prompt].outputs[0].token_ids
         assert final.outputs[0].text == expected[prompt].outputs[0].text
+
+
+def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    from gradio_client import Client
+
+    from ui import build_ui
+
+    blocks = build_ui(replicas)
+    port = free_port()
+    blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
+                  quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        run(replicas, SHARED_PREFIX + "dashboard")
+        decision = replicas.recent_decisions[-1]
+
+        def overview():
+            return client.predict(api_name="/refresh_replicas")
+
+        wait_until(lambda: all(f"{NUM_BLOCKS} blocks" in plot["plot"]
+                               for plot in overview()[2:]))
+        summary, decisions, *heatmaps = overview()
+        assert "2 replicas" in summary and "routing **kv-aware**" in summary
+        assert len(heatmaps) == 2
+        newest = decisions["data"][0]
+        assert newest[:3] == [decision.request_id, "kv-aware", decision.replica]
+        assert "r0:" in newest[4] and "r1:" in newest[4]
+        status = client.predict("least-loaded", 0.5, api_name="/set_routing")
+        assert "least-loaded" in status and replicas.routing == "least-loaded"
+        client.predict("kv-aware", 1.0, api_name="/set_routing")
+        other = 1 - decision.replica
+        assert str(other) in client.predict(other, api_name="/focus_replica")
+        live = client.predict(api_name="/refresh_live")
+        assert f"{NUM_BLOCKS} blocks" in live[1]["plot"]  # the other replica's pool
+    finally:
+        blocks.close()
 
 
 def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) -> None:

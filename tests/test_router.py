@@ -1,11 +1,14 @@
-"""The router and its prefix index, without Ray: scores, policies, block events, expiry."""
+"""The router, its prefix index and the block events feeding it, without Ray."""
 
 import pytest
 
 from engine.block_pool import hash_block_tokens
 from engine.replicas import prefix_index
 from engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
+from engine.replicas.replica import BlockHashTracker, ReplicaEvents
 from engine.replicas.router import ReplicaLoad, Router
+from engine.sampling_params import SamplingParams
+from engine.telemetry import take_pool_base, take_pool_slice
 
 
 class Clock:
@@ -81,3 +84,33 @@ def test_a_routed_prefix_sticks_until_its_blocks_are_confirmed_or_it_expires() -
     assert index.matched_blocks(first.replica, hashes) == 2
     index.drop(first.replica)
     assert index.matched_blocks(first.replica, hashes) == 0
+
+
+def test_block_events_follow_the_pool_the_prefix_cache_holds(make_engine) -> None:
+    """The replica's tracker turns the engine's pool records into stored / evicted hashes
+    that equal the chained hashes the router computes for the same prompt."""
+    core = make_engine("llama", block_size=4, num_gpu_blocks_override=12, max_model_len=48,
+                       max_num_batched_tokens=48)
+    tracker, index = BlockHashTracker(), PrefixIndex()
+
+    def feed(records) -> None:
+        for record in records:
+            events = ReplicaEvents()
+            assert tracker.apply(record, events)
+            index.apply(0, events.stored, events.evicted)
+
+    feed([take_pool_base(core), take_pool_slice(core, 0, core.kv_cache.pool.num_blocks)])
+    first = list(range(1, 17))  # 4 full blocks
+    core.add_request(first, SamplingParams(max_tokens=1))
+    while core.has_unfinished_requests():
+        feed([core.step().pool_delta])
+    hashes = prompt_block_hashes(first, 4)
+    assert index.matched_blocks(0, hashes) == 4
+    # Another prompt needing every block evicts the first one's cached blocks.
+    core.add_request(list(range(100, 144)), SamplingParams(max_tokens=1))
+    while core.has_unfinished_requests():
+        feed([core.step().pool_delta])
+    held = set(core.kv_cache.pool.cached_blocks)  # hash values the pool holds now
+    leading = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+    assert index.matched_blocks(0, hashes) == leading < 4
+    assert index.num_blocks(0) == len(held)

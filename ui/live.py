@@ -30,6 +30,46 @@ class LiveState:
         return bool(self.snapshot.num_running or self.snapshot.num_waiting)
 
 
+class PoolFollower:
+    """One replica's pool records applied to a PoolMirror; a missed record (a gap, or
+    records dropped while the reader lagged) asks the engine for a new snapshot."""
+
+    def __init__(self, engine, replica: int = 0) -> None:
+        self.engine = engine
+        self.replica = replica
+        self.mirror = PoolMirror()
+        self._records = engine.subscribe_pool(replica=replica)
+        self._dropped = 0
+
+    def update(self, wait: bool = True) -> None:
+        """Apply the records that arrived; with `wait`, give a first snapshot a moment."""
+        records = self._records
+        deadline = time.monotonic() + (FIRST_SNAPSHOT_WAIT_S if wait else 0.0)
+        while True:
+            for record in records.drain():
+                if not self.mirror.apply(record):
+                    self._resync()
+                    break
+            if records.num_dropped != self._dropped:
+                self._dropped = records.num_dropped
+                self._resync()
+            if self.mirror.ready or time.monotonic() > deadline or records.closed:
+                return
+            time.sleep(0.01)  # the snapshot's slices are on their way
+
+    def _resync(self) -> None:
+        self.mirror.awaiting_base = True
+        self.engine.resync_pool(self._records)
+
+    def focus(self, replica: int) -> None:
+        """Follow another replica's pool; the same mirror, so its versions keep counting
+        up and every panel sees the change."""
+        old, self._records = self._records, self.engine.subscribe_pool(replica=replica)
+        old.close()
+        self.replica, self._dropped = replica, 0
+        self.mirror.awaiting_base = True
+
+
 class LiveFeed:
     """Shared by every browser tab: whichever tab ticks first drains the engine's step
     queue into one history and its pool deltas into one mirror, so tabs do not steal
@@ -39,9 +79,7 @@ class LiveFeed:
     def __init__(self, engine):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
-        self._pool_records = engine.subscribe_pool()
-        self._pool_dropped = 0
-        self.pool = PoolMirror()
+        self._pool = PoolFollower(engine)
         self._requests = engine.subscribe_requests()
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
@@ -52,12 +90,15 @@ class LiveFeed:
     def refresh(self) -> LiveState:
         with self._lock:
             now = time.time()
-            self._update_pool()
+            self._pool.update()
             snapshot = self.pool
-            self._records.extend(self._steps.drain())
+            replica = self.replica
+            self._records.extend(r for r in self._steps.drain() if r.replica == replica)
             # Arrival times give the timelines their waiting bars and the stats their TTFT:
             # from finished requests, and from running ones seen in the mirror.
             for record in self._requests.drain():
+                if record.replica != replica:
+                    continue
                 metrics = record.output.metrics
                 if metrics is not None:
                     self._arrivals[record.output.request_id] = metrics.arrival_time
@@ -70,25 +111,22 @@ class LiveFeed:
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
                              dict(self._arrivals), now)
 
-    def _update_pool(self) -> None:
-        """Apply the deltas that arrived; on a missed one, ask for a new snapshot."""
-        records = self._pool_records
-        deadline = time.monotonic() + FIRST_SNAPSHOT_WAIT_S
-        while True:
-            for record in records.drain():
-                if not self.pool.apply(record):
-                    self._resync()
-                    break
-            if records.num_dropped != self._pool_dropped:
-                self._pool_dropped = records.num_dropped
-                self._resync()
-            if self.pool.ready or time.monotonic() > deadline or records.closed:
-                return
-            time.sleep(0.01)  # the snapshot's slices are on their way
+    @property
+    def pool(self) -> PoolMirror:
+        return self._pool.mirror
 
-    def _resync(self) -> None:
-        self.pool.awaiting_base = True
-        self.engine.resync_pool(self._pool_records)
+    @property
+    def replica(self) -> int:
+        """The engine replica the panels show (always 0 for a single engine)."""
+        return self._pool.replica
+
+    def focus(self, replica: int) -> None:
+        """Point the panels at another replica (engine.replicas.ReplicaSet)."""
+        with self._lock:
+            self._pool.focus(replica)
+            self._records.clear()
+            self._token_usage.clear()
+            self._arrivals.clear()
 
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""

@@ -12,8 +12,10 @@ import torch
 from engine.async_engine import AsyncEngine, EngineCounters, RequestRecord
 from engine.config import EngineConfig
 from engine.memory import MemoryPlan
+from engine.pool_mirror import PoolMirror
 from engine.sampling_params import SamplingParams
-from engine.telemetry import EngineSnapshot, StepRecord
+from engine.streams import Channel
+from engine.telemetry import EngineSnapshot, PoolBase, PoolDelta, StepRecord
 
 logger = logging.getLogger(__name__)
 # Records a replica keeps for the API process between two polls; past this the oldest go.
@@ -39,39 +41,57 @@ class ReplicaEvents:
 
     `stored` / `evicted` are the block hashes (BlockHash.value, the prefix cache's chained
     hash) that entered or left the replica's pool; the router's prefix index applies them.
+    `pool` holds the pool records (engine.telemetry) for the API process's mirrors, while
+    one is watching this replica.
     """
 
     steps: list[StepRecord] = field(default_factory=list)
     requests: list[RequestRecord] = field(default_factory=list)
     stored: list[bytes] = field(default_factory=list)
     evicted: list[bytes] = field(default_factory=list)
+    pool: list = field(default_factory=list)
     counters: EngineCounters | None = None
 
 
 class BlockHashTracker:
-    """Which hash each block of the pool holds, turning new pool states into stored /
-    evicted hash events (a reconfigured pool shows up as every old hash evicted)."""
+    """Follows the engine's pool records (a PoolMirror) and turns each change of a block's
+    hash into stored / evicted events. A new pool (a reconfigure, or a resync after a
+    missed delta) evicts every hash the old one held."""
 
     def __init__(self) -> None:
-        self.held: dict[int, bytes] = {}
+        self.mirror = PoolMirror()
 
-    def update(self, snapshot: EngineSnapshot, events: ReplicaEvents) -> None:
-        held = {block.block_id: bytes.fromhex(block.block_hash)
-                for block in snapshot.blocks if block.block_hash is not None}
-        for block_id, old in self.held.items():
-            if held.get(block_id) != old:
-                events.evicted.append(old)
-        for block_id, new in held.items():
-            if self.held.get(block_id) != new:
-                events.stored.append(new)
-        self.held = held
+    def apply(self, record, events: ReplicaEvents) -> bool:
+        """False when the record cannot be applied: ask the engine for a new snapshot."""
+        mirror = self.mirror
+        if isinstance(record, PoolDelta) and record.epoch == mirror.epoch:
+            touched = [block_id for block_id, _, _ in record.blocks]
+        elif isinstance(record, PoolBase) or isinstance(record, PoolDelta):
+            touched = range(mirror.num_blocks)  # the whole old pool goes
+        else:  # a PoolSlice
+            touched = range(record.start, record.start + len(record.ref_counts))
+        before = {i: mirror.hashes[i] for i in touched if i < mirror.num_blocks}
+        applied = mirror.apply(record)
+        if isinstance(record, PoolDelta):
+            touched = {*before, *(block_id for block_id, _, _ in record.blocks)}
+        hashes = mirror.hashes
+        for block_id in touched:
+            old = before.get(block_id)
+            new = hashes[block_id] if block_id < len(hashes) else None
+            old_value, new_value = old and old.value, new and new.value
+            if old_value != new_value:
+                if old_value is not None:
+                    events.evicted.append(old_value)
+                if new_value is not None:
+                    events.stored.append(new_value)
+        return applied
 
 
 class EngineReplica:
     """Made remote by engine.replicas.ReplicaSet (ray.remote with per-replica resources).
 
     An async actor: `generate` streams one request's outputs (a Ray streaming generator),
-    `next_events` long-polls the step / request / block-hash events.
+    `next_events` long-polls the step / request / block-hash (and pool) events.
     """
 
     def __init__(self, replica: int, config: EngineConfig, num_threads: int) -> None:
@@ -81,6 +101,9 @@ class EngineReplica:
         self.steps = self.engine.subscribe_steps(EVENT_BACKLOG)
         self.finished = self.engine.subscribe_requests(EVENT_BACKLOG)
         self.tracker = BlockHashTracker()
+        self.pool_records = self.engine.subscribe_pool(EVENT_BACKLOG)
+        self.pool_dropped = 0
+        self.forwarded: Channel | None = None  # pool records for the API process's mirrors
 
     def info(self) -> ReplicaInfo:
         import ray  # the actor runs under Ray; the module stays importable without it
@@ -113,6 +136,14 @@ class EngineReplica:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def watch_pool(self) -> None:
+        """Forward pool records from now on, starting with a full snapshot (again, when
+        called again: a reader on the API side missed a record)."""
+        if self.forwarded is None:
+            self.forwarded = self.engine.subscribe_pool(EVENT_BACKLOG)
+        else:
+            self.engine.resync_pool(self.forwarded)
+
     async def next_events(self, wait_s: float) -> ReplicaEvents:
         """Events since the last call, waiting up to `wait_s` for a step if none came."""
         events = ReplicaEvents()
@@ -125,10 +156,23 @@ class EngineReplica:
         events.steps = [dataclasses.replace(step, replica=self.replica) for step in events.steps]
         events.requests = [dataclasses.replace(record, replica=self.replica)
                            for record in self.finished.drain()]
-        if events.steps or events.requests:
-            self.tracker.update(await self.engine.snapshot_async(), events)
+        self._track_blocks(events)
+        if self.forwarded is not None:
+            events.pool = self.forwarded.drain()
         events.counters = self.engine.counters()
         return events
+
+    def _track_blocks(self, events: ReplicaEvents) -> None:
+        records = self.pool_records
+        missed = records.num_dropped != self.pool_dropped
+        self.pool_dropped = records.num_dropped
+        for record in records.drain():
+            if not self.tracker.apply(record, events):
+                missed = True
+                break
+        if missed:
+            self.tracker.mirror.awaiting_base = True
+            self.engine.resync_pool(records)
 
     async def snapshot(self) -> EngineSnapshot:
         return dataclasses.replace(await self.engine.snapshot_async(), replica=self.replica)

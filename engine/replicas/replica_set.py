@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from ray.exceptions import RayError
 
 import engine
 import kernels
-from engine.async_engine import RELOAD_KNOBS, ChatSubmit, EngineCounters, ReplicaStatus
+from engine.async_engine import POOL_CHANNEL_RECORDS, RELOAD_KNOBS, ChatSubmit, EngineCounters, ReplicaStatus
 from engine.config import EngineConfig
 from engine.loader import load_tokenizer, resolve_model_path
 from engine.memory import MemoryPlan
@@ -49,6 +50,8 @@ class _Replica:
     error: str | None = None
     restarts: int = 0
     streams: dict[str, RequestStream] = field(default_factory=dict)
+    pool_feed: Feed = field(default_factory=Feed)  # its pool records, while watched
+    watched: bool = False
     last_step: StepRecord | None = None
     counters: EngineCounters = field(default_factory=EngineCounters)
     # The totals of earlier incarnations (a restarted actor counts from zero again).
@@ -130,6 +133,7 @@ class ReplicaSet(ChatSubmit):
         self._replicas = [_Replica(i, remote.remote(i, config, replica_cpus))
                           for i in range(replicas)]
         self._pollers: list[concurrent.futures.Future] = []
+        self._pool_channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         try:
             self._call(self._start_all())
         except BaseException:
@@ -325,6 +329,8 @@ class ReplicaSet(ChatSubmit):
                 self._step_feed.publish(step)
             for record in events.requests:
                 self._request_feed.publish(record)
+            for record in events.pool:
+                replica.pool_feed.publish(record)
             replica.counters = events.counters
 
     def _mark_down(self, replica: _Replica, error: BaseException) -> None:
@@ -359,6 +365,8 @@ class ReplicaSet(ChatSubmit):
             replica.counters, replica.last_step = EngineCounters(), None
             replica.info, replica.alive, replica.error = info, True, None
             replica.restarts += 1
+            if replica.watched:
+                replica.actor.watch_pool.remote()
             logger.info("replica %d restarted (restart %d)", replica.index, replica.restarts)
             return
 
@@ -386,6 +394,20 @@ class ReplicaSet(ChatSubmit):
     def subscribe_steps(self, maxsize: int = 1024):
         """Every replica's StepRecords (each carries its `replica`)."""
         return self._step_feed.subscribe(maxsize)
+
+    def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS, replica: int | None = None):
+        """One replica's pool records (the first live one by default) for a PoolMirror: a
+        full snapshot, then one PoolDelta per step (see AsyncEngine.subscribe_pool)."""
+        target = self._pick(replica)
+        channel = target.pool_feed.subscribe(maxsize)
+        self._pool_channels[channel] = target
+        target.watched = True
+        target.actor.watch_pool.remote()
+        return channel
+
+    def resync_pool(self, channel) -> None:
+        """Send the channel's replica's watchers a fresh full snapshot (one missed a delta)."""
+        self._pool_channels[channel].actor.watch_pool.remote()
 
     def subscribe_requests(self, maxsize: int = 10_000):
         """A RequestRecord (with its `replica`) for every request that ends."""
