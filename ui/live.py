@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.pool_mirror import PoolMirror
+from engine.pool_mirror import PoolMirror, PoolReader
 from engine.telemetry import StepRecord
 from engine.view import EngineView
 
@@ -31,46 +31,6 @@ class LiveState:
         return bool(self.snapshot.num_running or self.snapshot.num_waiting)
 
 
-class PoolFollower:
-    """One replica's pool records applied to a PoolMirror; a missed record (a gap, or
-    records dropped while the reader lagged) asks the engine for a new snapshot."""
-
-    def __init__(self, engine, replica: int = 0) -> None:
-        self.engine = engine
-        self.replica = replica
-        self.mirror = PoolMirror()
-        self._records = engine.subscribe_pool(replica=replica)
-        self._dropped = 0
-
-    def update(self, wait: bool = True) -> None:
-        """Apply the records that arrived; with `wait`, give a first snapshot a moment."""
-        records = self._records
-        deadline = time.monotonic() + (FIRST_SNAPSHOT_WAIT_S if wait else 0.0)
-        while True:
-            for record in records.drain():
-                if not self.mirror.apply(record):
-                    self._resync()
-                    break
-            if records.num_dropped != self._dropped:
-                self._dropped = records.num_dropped
-                self._resync()
-            if self.mirror.ready or time.monotonic() > deadline or records.closed:
-                return
-            time.sleep(0.01)  # the snapshot's slices are on their way
-
-    def _resync(self) -> None:
-        self.mirror.awaiting_base = True
-        self.engine.resync_pool(self._records)
-
-    def focus(self, replica: int) -> None:
-        """Follow another replica's pool; the same mirror, so its versions keep counting
-        up and every panel sees the change."""
-        old, self._records = self._records, self.engine.subscribe_pool(replica=replica)
-        old.close()
-        self.replica, self._dropped = replica, 0
-        self.mirror.awaiting_base = True
-
-
 class LiveFeed:
     """Shared by every browser tab: whichever tab ticks first drains the engine's step
     queue into one history and its pool deltas into one mirror, so tabs do not steal
@@ -80,7 +40,7 @@ class LiveFeed:
     def __init__(self, engine: EngineView):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
-        self._pool = PoolFollower(engine)
+        self._pool = PoolReader(engine)
         self._requests = engine.subscribe_requests()
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
@@ -91,9 +51,8 @@ class LiveFeed:
     def refresh(self) -> LiveState:
         with self._lock:
             now = time.time()
-            self._pool.update()
-            snapshot = self.pool
-            replica = self.replica
+            snapshot = self._pool.update(FIRST_SNAPSHOT_WAIT_S)
+            replica = self._pool.replica
             self._records.extend(r for r in self._steps.drain() if r.replica == replica)
             # Arrival times give the timelines their waiting bars and the stats their TTFT:
             # from finished requests, and from running ones seen in the mirror.
@@ -111,10 +70,6 @@ class LiveFeed:
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
                              dict(self._arrivals), now)
-
-    @property
-    def pool(self) -> PoolMirror:
-        return self._pool.mirror
 
     @property
     def replica(self) -> int:

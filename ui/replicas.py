@@ -8,7 +8,8 @@ import gradio as gr
 
 from engine.replicas.router import ROUTING_POLICIES
 from ui import figures
-from ui.live import LiveFeed, PoolFollower
+from engine.pool_mirror import PoolReader
+from ui.live import LiveFeed
 from ui.plotdata import placeholder, to_plot
 
 REFRESH_S = 2.0
@@ -17,11 +18,11 @@ DECISION_COLUMNS = ["request", "policy", "replica", "matched blocks", "candidate
 
 
 class ReplicaOverview:
-    """A PoolFollower per replica (the same per-step pool deltas the Live tab reads)."""
+    """A PoolReader per replica (the same per-step pool deltas the Live tab reads)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.pools = [PoolFollower(engine, replica) for replica in range(engine.num_replicas)]
+        self.pools = [PoolReader(engine, replica) for replica in range(engine.num_replicas)]
         self._lock = threading.Lock()
 
     def refresh(self) -> list:
@@ -33,8 +34,7 @@ class ReplicaOverview:
                 if not status.alive:
                     heatmaps.append(to_plot(placeholder(title, f"down: {status.error}")))
                     continue
-                follower.update(wait=False)
-                pool = follower.mirror
+                pool = follower.update(0.0)
                 heatmaps.append(to_plot(figures.pool_heatmap(pool) if pool.ready else
                                         placeholder(title, "waiting for the pool")))
         return [overview_markdown(self.engine, statuses), decision_rows(self.engine), *heatmaps]

@@ -19,8 +19,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from engine.async_engine import AsyncEngine, ReplicaStatus
-from engine.telemetry import EngineSnapshot
+from engine.async_engine import AsyncEngine
+from engine.pool_mirror import PoolMirror, PoolReader
 
 # vLLM's buckets, so dashboards built for it read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -29,37 +29,18 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# Every engine series carries the replica that produced it ("0" for a single engine).
-LABELS = ["model_name", "replica"]
-GAUGES = (
-    ("num_requests_running", "Requests with a sequence in the running batch."),
-    ("num_requests_waiting", "Requests waiting for their (re)admission."),
-    ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
-    # Tokens stored over token slots: the gap to block usage is the free room in partly
-    # filled last blocks, which block_size trades against.
-    ("kv_cache_token_usage_perc", "Fraction of KV token slots holding a token (0-1)."),
-)
-COUNTERS = (  # (series, EngineCounters field, help)
-    ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests that got a first token."),
-    ("generation_tokens", "generation_tokens", "Generated tokens."),
-    ("prefix_cache_queries", "prefix_cache_queries",
-     "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-    ("num_preemptions", "preemptions", "Sequences preempted."),
-    ("step_failures", "step_failures", "Engine steps that raised."),
-    ("engine_steps", "num_steps", "Engine steps run."),
-)
+LABELS = ["model_name"]
 # As vLLM does: no `_created` series next to every counter and histogram (they double the
 # output and no dashboard reads them).
 disable_created_metrics()
 
 
 class EngineMetrics:
-    """A Prometheus collector over an AsyncEngine or a ReplicaSet.
+    """A Prometheus collector over one AsyncEngine.
 
-    Gauges come from a snapshot of each live replica taken for each scrape, counters from
-    each replica's monotonic totals, histograms from the finished-request feed drained at
-    each scrape; `kvscope:replica_up` says which replicas are alive.
+    Gauges come from a mirror of the pool kept from the engine's per-step deltas (a scrape
+    never makes the engine thread copy the pool), counters from the engine's monotonic
+    totals, histograms from the finished-request feed drained at each scrape.
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
@@ -76,22 +57,16 @@ class EngineMetrics:
                 ("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS),
                 ("request_queue_time_seconds", "Arrival to first scheduling.",
                  LATENCY_BUCKETS))}
-        for histogram in self.histograms.values():  # every replica's series from the start
-            for replica in range(engine.num_replicas):
-                histogram.labels(model_name, str(replica))
-        self._snapshots: list[EngineSnapshot] = []
-        self._statuses: list[ReplicaStatus] = []
+        self._pool = PoolReader(engine)
+        self._snapshot: PoolMirror | None = None
+        self._scrape_lock = asyncio.Lock()  # the mirror moves only between scrapes
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
     async def render(self) -> bytes:
-        self._statuses = self.engine.replica_statuses()
-        live = [status.replica for status in self._statuses if status.alive]
-        snapshots = await asyncio.gather(*(self.engine.snapshot_async(replica=replica)
-                                           for replica in live), return_exceptions=True)
-        # A replica that died since the status was read has no gauges this scrape.
-        self._snapshots = [s for s in snapshots if isinstance(s, EngineSnapshot)]
-        return generate_latest(self.registry)
+        async with self._scrape_lock:
+            self._snapshot = await asyncio.to_thread(self._pool.update)
+            return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._gauges()
@@ -101,58 +76,73 @@ class EngineMetrics:
         config.update(self.engine.resolved_identity())  # what "auto" and None became
         config["num_blocks"] = str(self.engine.memory_plan.num_blocks)
         info = InfoMetricFamily("kvscope:engine_config", "The engine's resolved knobs.",
-                                labels=["model_name"])
+                                labels=LABELS)
         info.add_metric([self.model_name], config)
         yield info
-        up = GaugeMetricFamily("kvscope:replica_up", "1 while the replica serves, 0 when down.",
-                               labels=LABELS)
-        for status in self._statuses:
+        up = GaugeMetricFamily("kvscope:replica_up", "1 while the engine replica serves, 0 "
+                               "when it is down (engine.replicas).",
+                               labels=[*LABELS, "replica"])
+        for status in self.engine.replica_statuses():
             up.add_metric([self.model_name, str(status.replica)], float(status.alive))
         yield up
 
     def _gauges(self) -> Iterator[Metric]:
-        gauges = {name: GaugeMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
-                  for name, doc in GAUGES}
-        for snapshot in self._snapshots:
-            running = {seq.request_id for seq in snapshot.sequences if seq.status == "running"}
-            waiting = {seq.request_id for seq in snapshot.sequences} - running
-            used_blocks = snapshot.count("used") + snapshot.count("shared")
-            token_slots = snapshot.num_blocks * snapshot.block_size
-            labels = [self.model_name, str(snapshot.replica)]
-            gauges["num_requests_running"].add_metric(labels, len(running))
-            gauges["num_requests_waiting"].add_metric(labels, len(waiting))
-            gauges["kv_cache_usage_perc"].add_metric(labels, used_blocks / snapshot.num_blocks)
-            gauges["kv_cache_token_usage_perc"].add_metric(
-                labels, snapshot.num_used_tokens / token_slots)
-        yield from gauges.values()
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
+        running = {seq.request_id for seq in snapshot.sequences if seq.status == "running"}
+        waiting = {seq.request_id for seq in snapshot.sequences} - running
+        used_blocks = snapshot.count("used") + snapshot.count("shared")
+        token_slots = snapshot.num_blocks * snapshot.block_size
+        for name, doc, value in (
+            ("num_requests_running", "Requests with a sequence in the running batch.",
+             len(running)),
+            ("num_requests_waiting", "Requests waiting for their (re)admission.", len(waiting)),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+             used_blocks / snapshot.num_blocks),
+            # Tokens stored over token slots: the gap to block usage is the free room in
+            # partly filled last blocks, which block_size trades against.
+            ("kv_cache_token_usage_perc", "Fraction of KV token slots holding a token (0-1).",
+             snapshot.num_used_tokens / token_slots),
+        ):
+            gauge = GaugeMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
+            gauge.add_metric([self.model_name], value)
+            yield gauge
 
     def _counters(self) -> Iterator[Metric]:
-        families = {name: CounterMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
-                    for name, _, doc in COUNTERS}
+        totals = self.engine.counters()
+        for name, doc, value in (
+            ("prompt_tokens", "Prompt tokens of requests that got a first token.",
+             totals.prompt_tokens),
+            ("generation_tokens", "Generated tokens.", totals.generation_tokens),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             totals.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             totals.prefix_cache_hits),
+            ("num_preemptions", "Sequences preempted.", totals.preemptions),
+            ("step_failures", "Engine steps that raised.", totals.step_failures),
+            ("engine_steps", "Engine steps run.", totals.num_steps),
+        ):
+            counter = CounterMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
+            counter.add_metric([self.model_name], value)
+            yield counter
         swaps = CounterMetricFamily("kvscope:swaps", "Sequences swapped out to or in from "
                                     "CPU memory.", labels=[*LABELS, "direction"])
+        swaps.add_metric([self.model_name, "out"], totals.swapped_out)
+        swaps.add_metric([self.model_name, "in"], totals.swapped_in)
+        yield swaps
         finished = CounterMetricFamily("kvscope:request_success", "Requests ended, by reason.",
                                        labels=[*LABELS, "finished_reason"])
-        for status in self._statuses:
-            labels = [self.model_name, str(status.replica)]
-            totals = status.counters
-            for name, field, _ in COUNTERS:
-                families[name].add_metric(labels, getattr(totals, field))
-            swaps.add_metric([*labels, "out"], totals.swapped_out)
-            swaps.add_metric([*labels, "in"], totals.swapped_in)
-            for reason, count in sorted(totals.requests_finished.items()):
-                finished.add_metric([*labels, reason], count)
-        yield from families.values()
-        yield swaps
+        for reason, count in sorted(totals.requests_finished.items()):
+            finished.add_metric([self.model_name, reason], count)
         yield finished
 
     def _histograms(self) -> Iterator[Metric]:
+        histograms = {name: h.labels(self.model_name) for name, h in self.histograms.items()}
         for record in self.finished_requests.drain():
             metrics = record.output.metrics
             if metrics is None:
                 continue
-            histograms = {name: h.labels(self.model_name, str(record.replica))
-                          for name, h in self.histograms.items()}
             if metrics.first_token_time is not None:
                 histograms["time_to_first_token_seconds"].observe(
                     metrics.first_token_time - metrics.arrival_time)
