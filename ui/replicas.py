@@ -6,9 +6,9 @@ import threading
 
 import gradio as gr
 
+from engine.pool_mirror import PoolReader
 from engine.replicas.router import ROUTING_POLICIES
 from ui import figures
-from engine.pool_mirror import PoolReader
 from ui.live import LiveFeed
 from ui.plotdata import placeholder, to_plot
 
