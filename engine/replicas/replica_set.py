@@ -253,7 +253,7 @@ class ReplicaSet(ChatSubmit):
         if not self._accepting:
             raise EngineClosed("the engine is shutting down; it takes no new requests")
         request_id = request_id or f"{source}-{next(self._request_ids)}"
-        stream = RequestStream(self, request_id, source)
+        stream = RequestStream(request_id, source, lambda: self.abort(request_id))
         asyncio.run_coroutine_threadsafe(
             self._serve(stream, prompt, params or SamplingParams(), priority,
                         add_special_tokens), self._loop)
@@ -288,7 +288,7 @@ class ReplicaSet(ChatSubmit):
             replica = self._replicas[self._route(stream.request_id, prompt,
                                                  add_special_tokens).replica]
         except Exception as error:  # noqa: BLE001 -- the stream's reader gets it
-            stream._fail(error)
+            stream.fail(error)
             return
         replica.streams[stream.request_id] = stream
         try:
@@ -298,13 +298,13 @@ class ReplicaSet(ChatSubmit):
             async for ref in outputs:
                 item = await ref
                 if isinstance(item, Exception):
-                    stream._fail(item)
+                    stream.fail(item)
                     return
                 if not accepted:
                     accepted = True
-                    stream._accept()
+                    stream.accept()
                     continue
-                stream._push(item)
+                stream.push(item)
         except RayError as error:
             self._mark_down(replica, error)
         finally:
@@ -348,7 +348,7 @@ class ReplicaSet(ChatSubmit):
     def _fail_streams(self, replica: _Replica, error: Exception) -> None:
         streams, replica.streams = replica.streams, {}
         for stream in streams.values():
-            stream._fail(error)
+            stream.fail(error)
 
     async def _await_restart(self, replica: _Replica) -> None:
         """Ray restarts the actor (a fresh engine: new weights load, empty pool)."""
