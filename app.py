@@ -184,9 +184,6 @@ def main(argv: list[str] | None = None) -> None:
         engine = AsyncEngine.from_config(engine_config(args)).start()
     except ValueError as error:
         parser.error(str(error))
-    warning = exposure_warning(args.host, api_key, args.allow_unauthenticated, args.db)
-    if warning:
-        logger.warning(warning)
     session_log = SessionLog(args.db)
     session_log.start_session(engine.config.to_dict(), engine.model_path)
     stop_recording = record_sessions(engine, session_log)
@@ -199,6 +196,10 @@ def main(argv: list[str] | None = None) -> None:
                     identity["device"], engine.memory_plan.describe())
         logger.info("dashboard: http://%s:%d/ · API: http://%s:%d/v1", args.host, args.port,
                     args.host, args.port)
+        # Last before uvicorn's own lines, where a person looking for the URL reads it.
+        warning = exposure_warning(args.host, api_key, args.allow_unauthenticated, args.db)
+        if warning:
+            logger.warning(warning)
         logging.getLogger("uvicorn.access").addFilter(QuietPolling())
         # uvicorn turns SIGINT/SIGTERM into a graceful stop: no new connections, in-flight
         # requests get GRACEFUL_SHUTDOWN_S, then the engine aborts what is left.

@@ -245,7 +245,7 @@ def test_named_gradio_endpoints_work_with_the_key(guarded) -> None:
     table, _, _ = client.predict(api_name="/list_sessions")
     assert table["data"][0][0] == guarded.log.session_id
     *_, config = client.predict(guarded.log.session_id, api_name="/show_session")
-    assert config["block_size"] == 4
+    assert config["latest"]["block_size"] == 4
     path, _ = client.predict(guarded.log.session_id, "json", api_name="/export_session")
     assert json.loads(Path(path).read_text())["sessions"][0]["id"] == guarded.log.session_id
     # gradio_client's own login (`auth=`) posts the key to /login and keeps the cookie.
