@@ -198,7 +198,7 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     *_, config = client.predict(log.session_id, api_name="/show_session")
     # The earlier tests' reconfigures, each kept with its time, after the start's config.
     sizes = [entry["block_size"] for entry in config["history"]]
-    assert sizes[0] == 4 and 8 in sizes and config["block_size"] == sizes[-1] == 4
+    assert sizes[0] == 4 and 8 in sizes and config["latest"]["block_size"] == sizes[-1] == 4
     assert all(entry["applied_at"] for entry in config["history"])
 
 
