@@ -25,11 +25,22 @@ from engine.streams import (
     RequestStream,
     settle_future,
 )
-from engine.telemetry import EngineSnapshot, StepRecord, take_snapshot
+from engine.telemetry import (
+    EngineSnapshot,
+    StepRecord,
+    take_pool_base,
+    take_pool_delta,
+    take_pool_slice,
+    take_snapshot,
+)
 
 logger = logging.getLogger(__name__)
 # Knobs that would need the weights reloaded; reconfigure only rebuilds the KV cache.
 RELOAD_KNOBS = ("model", "dtype", "device")
+# Blocks per snapshot slice: a few milliseconds of the engine thread at most.
+POOL_SLICE_BLOCKS = 32_768
+# Pool records a reader may fall behind by before the oldest are dropped (it resyncs).
+POOL_CHANNEL_RECORDS = 4096
 
 
 @dataclass(slots=True)
@@ -70,6 +81,15 @@ class _LiveRequest:
 
 
 @dataclass(slots=True)
+class _PoolSnapshotJob:
+    """A full pool snapshot on its way to one reader, a slice per engine-loop turn."""
+
+    channel: Channel
+    epoch: int | None = None  # the pool being sent; None until the PoolBase goes out
+    next_start: int = 0
+
+
+@dataclass(slots=True)
 class _PendingReconfigure:
     config: EngineConfig
     result: concurrent.futures.Future
@@ -94,6 +114,8 @@ class AsyncEngine:
         self._reconfigure: _PendingReconfigure | None = None
         self._reconfigure_lock = threading.Lock()
         self._snapshot_waiters: list[concurrent.futures.Future] = []
+        self._pool_jobs: list[_PoolSnapshotJob] = []
+        self._pool_feed = Feed()
         self._step_feed = Feed()
         self._request_feed = Feed()
         self._counters = EngineCounters()
@@ -234,6 +256,18 @@ class AsyncEngine:
         """Every StepRecord from now on; past `maxsize` unread, the oldest are dropped."""
         return self._step_feed.subscribe(maxsize)
 
+    def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS) -> Channel:
+        """Records for an engine.pool_mirror.PoolMirror: a full snapshot (a PoolBase, then
+        PoolSlices, interleaved with deltas), then one PoolDelta per step. Past `maxsize`
+        unread the oldest are dropped: the reader then calls resync_pool."""
+        channel = self._pool_feed.subscribe(maxsize)
+        self.resync_pool(channel)
+        return channel
+
+    def resync_pool(self, channel: Channel) -> None:
+        """Send this subscriber a fresh full snapshot (it missed a delta)."""
+        self._enqueue(lambda: self._pool_jobs.append(_PoolSnapshotJob(channel)))
+
     def subscribe_requests(self, maxsize: int = 10_000) -> Channel:
         """A RequestRecord for every request that ends from now on."""
         return self._request_feed.subscribe(maxsize)
@@ -276,6 +310,10 @@ class AsyncEngine:
                 self._exited = self._stopping and not self._core.has_unfinished_requests()
             for command in commands:
                 self._guarded(command)
+            if self._core.kv_cache.events.pending:  # aborts between steps freed blocks
+                self._guarded(self._publish_pool_delta)
+            if self._pool_jobs:
+                self._guarded(self._send_pool_slices)
             if self._snapshot_waiters:
                 self._guarded(self._answer_snapshots)
             if self._exited:
@@ -291,7 +329,7 @@ class AsyncEngine:
         logger.info("engine thread stopped")
 
     def _has_work(self) -> bool:
-        return self._core.has_unfinished_requests() or (
+        return self._core.has_unfinished_requests() or bool(self._pool_jobs) or (
             self._reconfigure is not None or self._stopping)
 
     def _guarded(self, command: Callable[[], None]) -> None:
@@ -336,12 +374,35 @@ class AsyncEngine:
             result = core.step()
         except Exception as error:  # noqa: BLE001 -- the failure goes to the step's requests
             self._fail_step(error)
+            self._publish_pool_delta()
             return
         now = time.time()
         self._count_step(result.record)
         for output in result.outputs:
             self._deliver(output, now)
+        self._pool_feed.publish(result.pool_delta)
         self._step_feed.publish(result.record)
+
+    def _publish_pool_delta(self) -> None:
+        self._pool_feed.publish(take_pool_delta(self._core))
+
+    def _send_pool_slices(self) -> None:
+        """One slice of each pending snapshot, so no turn of the loop pauses for long."""
+        core = self._core
+        log = core.kv_cache.events
+        for job in list(self._pool_jobs):
+            if job.channel.closed:
+                self._pool_jobs.remove(job)
+                continue
+            if job.epoch != log.epoch:  # a new reader, or the pool was rebuilt meanwhile
+                if log.pending:
+                    self._publish_pool_delta()  # the base is the state after this delta
+                job.channel.put(take_pool_base(core))
+                job.epoch, job.next_start = log.epoch, 0
+            job.channel.put(take_pool_slice(core, job.next_start, POOL_SLICE_BLOCKS))
+            job.next_start += POOL_SLICE_BLOCKS
+            if job.next_start >= core.kv_cache.pool.num_blocks:
+                self._pool_jobs.remove(job)
 
     def _fail_step(self, error: Exception) -> None:
         """Abort the requests the failed step ran (all, if it got as far as none)."""
@@ -447,6 +508,7 @@ class AsyncEngine:
         else:
             core.step_index = old.step_index  # readers see one step sequence across configs
             self._core, self._base_config, self._prefix_seen = core, pending.config, (0, 0)
+            self._publish_pool_delta()  # delta 0 of the new pool: readers start it empty
             logger.info("reconfigured: %s", core.memory_plan.describe())
             settle_future(pending.result, core.memory_plan)
         held, self._held = list(self._held.values()), {}

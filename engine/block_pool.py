@@ -5,6 +5,8 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from engine.block_events import BlockEventLog
+
 
 @dataclass(frozen=True, slots=True)
 class BlockHash:
@@ -95,6 +97,7 @@ class BlockPool:
         # Kept up to date on every transition, so reading the counts never scans the pool.
         self.num_cached_free_blocks = 0
         self.num_evictions = 0
+        self.events = BlockEventLog()
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,20 +112,24 @@ class BlockPool:
         if count > len(self.free_queue):
             raise ValueError(f"asked for {count} blocks, {len(self.free_queue)} free")
         blocks = []
+        touched = self.events.blocks
         for _ in range(count):
             block = self.free_queue.popleft()
             self._evict(block)
             block.ref_count = 1
             blocks.append(block)
+            touched[block.block_id] = block
         return blocks
 
     def share(self, blocks: Iterable[KVBlock]) -> None:
         """Add a reference to each block, reviving cached-free ones out of the free queue."""
+        touched = self.events.blocks
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
                 self.num_cached_free_blocks -= block.block_hash is not None
             block.ref_count += 1
+            touched[block.block_id] = block
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; a block reaching zero rejoins the free queue.
@@ -130,8 +137,10 @@ class BlockPool:
         Callers pass a sequence's blocks tail first, so a sequence's later blocks
         (less likely to be shared by future prompts) are evicted before its earlier ones.
         """
+        touched = self.events.blocks
         for block in blocks:
             block.ref_count -= 1
+            touched[block.block_id] = block
             if block.ref_count == 0:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
@@ -156,6 +165,7 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[block_hash.value] = block
+        self.events.blocks[block.block_id] = block
 
     def _evict(self, block: KVBlock) -> None:
         """Forget a cached-free block's content (it is being reused or reset)."""
@@ -165,6 +175,7 @@ class BlockPool:
         block.block_hash = None
         self.num_cached_free_blocks -= 1
         self.num_evictions += 1
+        self.events.blocks[block.block_id] = block
 
     def reset_cache(self) -> None:
         """Forget every cached-free block's content (used blocks keep theirs)."""

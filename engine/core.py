@@ -20,7 +20,7 @@ from engine.sampler import sample, token_logprobs
 from engine.sampling_params import SamplingParams, model_sampling_defaults
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from engine.telemetry import ScheduledChunk, StepRecord
+from engine.telemetry import PoolDelta, ScheduledChunk, StepRecord, take_pool_delta
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 class StepResult:
     outputs: list[RequestOutput]
     record: StepRecord
+    pool_delta: PoolDelta  # the blocks and block tables this step changed
 
 
 class EngineCore:
@@ -176,7 +177,7 @@ class EngineCore:
             self.requests.pop(request.request_id, None)
         record = self._record(start_time, plan, finished, num_generated)
         self.step_index += 1
-        return StepResult(outputs, record)
+        return StepResult(outputs, record, take_pool_delta(self))
 
     def _sample_and_update(self, sampling: list[ScheduledSequence],
                            logits: torch.Tensor) -> tuple[list[Request], int]:

@@ -34,6 +34,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.events = self.pool.events
         self.prefix_stats = PrefixCacheStats()
         # The CPU swap pool: block ids not holding a swapped-out sequence's K/V.
         self.num_swap_blocks = num_swap_blocks
@@ -90,6 +91,8 @@ class KVCacheManager:
         if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
             return None
 
+        self.events.table_changed(seq, shared_targets[0] if shared_targets
+                                  else len(seq.block_table))
         if seq.num_computed_tokens == 0 and self.enable_caching:
             self.prefix_stats.queries += seq.num_tokens
             self.prefix_stats.hits += len(cached_prefix) * self.block_size
@@ -123,6 +126,7 @@ class KVCacheManager:
         """The child shares every block of the parent (copy-on-write on its first write)."""
         self.pool.share(self.pool.blocks[i] for i in parent.block_table)
         child.block_table = list(parent.block_table)
+        self.events.table_changed(child, 0)
         # A preempted parent (a beam swapped out) has no device blocks to share: the child
         # computes its tokens afresh.
         child.num_computed_tokens = parent.num_computed_tokens if parent.block_table else 0
@@ -134,6 +138,7 @@ class KVCacheManager:
         self.pool.release(self.pool.blocks[i] for i in reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0
+        self.events.table_changed(seq, 0)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Move the sequence's blocks to the CPU pool: (device, cpu) copies, or None if the
@@ -158,6 +163,7 @@ class KVCacheManager:
             return None
         blocks = self.pool.allocate(max(total, count))
         seq.block_table = [block.block_id for block in blocks]
+        self.events.table_changed(seq, 0)
         copies = list(zip(seq.swap_table, seq.block_table[:count]))
         self.free_swap_blocks.extend(seq.swap_table)
         seq.swap_table = []
@@ -169,6 +175,7 @@ class KVCacheManager:
         """Forget a swapped sequence's CPU copy (it finished or was aborted while out)."""
         self.free_swap_blocks.extend(seq.swap_table)
         seq.swap_table = []
+        self.events.sequence_changed(seq)
 
     @property
     def num_free_blocks(self) -> int:

@@ -43,10 +43,12 @@ class Scheduler:
         """Queue a new sequence behind the others."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.kv_cache.events.sequence_changed(seq)
 
     def resume(self, seq: Sequence) -> None:
         """Give back a sequence taken out with `detach` (or a new fork): with its blocks it
         runs again next step; without (they were freed) it recomputes, first in line."""
+        self.kv_cache.events.sequence_changed(seq)
         if seq.block_table:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

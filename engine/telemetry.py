@@ -3,6 +3,8 @@
 import time
 from dataclasses import dataclass
 
+from engine.block_pool import BlockHash
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
@@ -144,3 +146,152 @@ def take_snapshot(core) -> EngineSnapshot:
         num_waiting=len(core.scheduler.waiting), prefix_cache_queries=stats.queries,
         prefix_cache_hits=stats.hits, num_preemptions=core.scheduler.num_preemptions,
         num_evictions=pool.num_evictions)
+
+
+# ---- incremental telemetry: per-step pool deltas and a sliced full snapshot -------------
+# A reader (ui.live, /ws/events) keeps an engine.pool_mirror.PoolMirror: one PoolBase and
+# the PoolSlices that follow it when it starts (or falls behind), then one PoolDelta per
+# step. Every record holds references to the engine's immutable BlockHash objects, so the
+# engine thread never formats anything.
+
+BlockChange = tuple  # (block_id, ref_count, BlockHash | None): a touched block's new state
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounters:
+    """The scalars of the pool and scheduler after a step (cheap: copied every delta)."""
+
+    step: int
+    time: float
+    num_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_evictions: int
+    config: dict  # the same dict object for the pool's whole life: not copied
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceChange:
+    """A live sequence's new state. Idempotent: table[table_from:] = table_tail and
+    token_ids[token_from:] = new_token_ids, so applying it twice changes nothing."""
+
+    seq_id: str
+    request_id: str
+    status: str
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    arrival_time: float
+    table_from: int
+    table_tail: tuple[int, ...]
+    token_from: int
+    new_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDelta:
+    """What one step (or a batch of aborts between steps) changed in the cache."""
+
+    epoch: int  # the pool; a reconfigure starts a new epoch whose delta 0 starts empty
+    index: int  # 0, 1, 2... per epoch: a gap means the reader missed one
+    counters: PoolCounters
+    blocks: tuple[BlockChange, ...]
+    sequences: tuple[SequenceChange, ...]
+    removed: tuple[str, ...]  # sequences that left the queues (finished or aborted)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBase:
+    """Start of a full snapshot for one reader: the state after delta `index - 1`, except
+    the blocks, which come in PoolSlices interleaved with the deltas that follow."""
+
+    epoch: int
+    index: int
+    counters: PoolCounters
+    sequences: tuple[SequenceChange, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSlice:
+    """Blocks [start, start + len(ref_counts)) as they are when the slice is taken."""
+
+    epoch: int
+    start: int
+    ref_counts: tuple[int, ...]
+    hashes: tuple[tuple[int, BlockHash], ...]  # (block id, hash) of the hashed ones
+
+
+def _pool_counters(core) -> PoolCounters:
+    manager, scheduler = core.kv_cache, core.scheduler
+    log = manager.events
+    if log.config is None:
+        log.config = core.config.to_dict()
+    return PoolCounters(
+        core.step_index, time.time(), manager.pool.num_blocks, manager.block_size,
+        core.num_running, len(scheduler.waiting), manager.prefix_stats.queries,
+        manager.prefix_stats.hits, scheduler.num_preemptions, manager.pool.num_evictions,
+        log.config)
+
+
+def _sequence_change(seq, table_from: int, token_from: int) -> SequenceChange:
+    return SequenceChange(
+        seq.seq_id, seq.request.request_id, seq.status.value, seq.num_tokens,
+        seq.num_prompt_tokens, seq.num_computed_tokens, seq.request.arrival_time,
+        table_from, tuple(seq.block_table[table_from:]), token_from,
+        tuple(seq.token_ids[token_from:]))
+
+
+def take_pool_delta(core) -> PoolDelta:
+    """Drain the pool's change log (engine thread). O(blocks and sequences touched, plus
+    the sequences holding blocks, whose token counts move every step)."""
+    log = core.kv_cache.events
+    changed = log.sequences
+    for seq in (*core.scheduler.running, *core.beams.parked):
+        changed.setdefault(seq.seq_id, seq)
+    sequences, removed = [], []
+    for seq_id, seq in changed.items():
+        last = log.sent.get(seq_id)
+        if seq.status.value == "finished":
+            if log.sent.pop(seq_id, None) is not None:
+                removed.append(seq_id)
+            continue
+        state = (seq.status, seq.num_tokens, seq.num_computed_tokens)
+        table_from = log.table_from.get(seq_id)
+        if last is None:
+            table_from, token_from = 0, 0
+        elif table_from is None and last == state:
+            continue
+        else:
+            token_from = last[1]
+            if table_from is None:
+                table_from = len(seq.block_table)
+        sequences.append(_sequence_change(seq, table_from, token_from))
+        log.sent[seq_id] = state
+    delta = PoolDelta(
+        log.epoch, log.num_deltas, _pool_counters(core),
+        tuple((b.block_id, b.ref_count, b.block_hash) for b in log.blocks.values()),
+        tuple(sequences), tuple(removed))
+    log.blocks, log.sequences, log.table_from = {}, {}, {}
+    log.num_deltas += 1
+    return delta
+
+
+def take_pool_base(core) -> PoolBase:
+    """Every live sequence in full; take it right after take_pool_delta, so it is the
+    state after that delta (engine thread; O(live sequences' tokens))."""
+    log = core.kv_cache.events
+    return PoolBase(log.epoch, log.num_deltas, _pool_counters(core), tuple(
+        _sequence_change(seq, 0, 0) for seq in core.live_sequences()))
+
+
+def take_pool_slice(core, start: int, size: int) -> PoolSlice:
+    """Blocks [start, start + size): O(size) on the engine thread."""
+    blocks = core.kv_cache.pool.blocks[start:start + size]
+    return PoolSlice(core.kv_cache.events.epoch, start,
+                     tuple(block.ref_count for block in blocks),
+                     tuple((block.block_id, block.block_hash) for block in blocks
+                           if block.block_hash is not None))

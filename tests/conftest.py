@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models made on the fly (no downloads)."""
 
+import base64
 import itertools
 import os
 import socket
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import uvicorn
@@ -229,6 +231,26 @@ def all_cpu_threads():
     torch.set_num_threads(DEFAULT_NUM_THREADS)
     yield
     torch.set_num_threads(previous)
+
+
+def plotly_array(value) -> np.ndarray:
+    """A data array of a figure's JSON: a plain list, or plotly's typed-array spec
+    ({"dtype", "bdata", "shape"}) as numpy arrays are sent."""
+    if not isinstance(value, dict):
+        return np.array(value, dtype=object)
+    array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
+    shape = value.get("shape")
+    if shape is not None:
+        array = array.reshape([int(n) for n in str(shape).split(",")])
+    return array
+
+
+def heatmap_state_codes(figure: dict) -> np.ndarray:
+    """Per-cell state codes (0 free .. 3 shared, NaN for no block) of a state heatmap's two
+    traces, as ui.figures draws them: unshared codes, and shared cells' ref counts."""
+    unshared = plotly_array(figure["data"][0]["z"]).astype(np.float32)
+    shared = plotly_array(figure["data"][1]["z"]).astype(np.float32)
+    return np.where(np.isnan(unshared), np.where(np.isnan(shared), np.nan, 3), unshared)
 
 
 def save_tiny_byte_level_model(folder: Path) -> Path:

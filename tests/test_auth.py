@@ -285,6 +285,28 @@ def test_login_page_sets_a_session_and_logout_ends_it(guarded) -> None:
         assert httpx.get(f"{guarded.url}/config", cookies=token).status_code == 401
 
 
+def test_a_session_counts_only_from_the_dashboards_own_origin(guarded) -> None:
+    """Pages of other origins (of the same site, which SameSite=Lax lets the cookie reach)
+    must not drive the dashboard with its user's session."""
+    own = guarded.url.removeprefix("http://")
+    config = guarded.engine.config
+    with httpx.Client(base_url=guarded.url) as browser:
+        browser.post("/login", data={"password": API_KEY})
+        foreign = {"Origin": "http://127.0.0.1:1"}
+        refused = browser.post("/gradio_api/call/apply_knobs", headers=foreign,
+                               json={"data": GRADIO_CALLS["apply_knobs"]})
+        assert refused.status_code == 403 and "Host header" in refused.text
+        assert browser.get("/config", headers={"Origin": f"http://{own}"}).status_code == 200
+        cookie = "; ".join(f"{name}={value}" for name, value in browser.cookies.items())
+    assert guarded.engine.config is config
+    # The bearer key is not something another origin's page can send for its user.
+    assert httpx.get(f"{guarded.url}/config", headers={**BEARER, **foreign}).status_code == 200
+    ws_url = guarded.url.replace("http", "ws") + "/ws/events"
+    with pytest.raises(Exception, match="403|rejected"):
+        with ws_connect(ws_url, additional_headers={"Cookie": cookie, **foreign}) as websocket:
+            websocket.recv(timeout=5)
+
+
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed")
 def test_browser_logs_in_through_the_page(guarded) -> None:
     from playwright.sync_api import expect, sync_playwright
@@ -298,7 +320,8 @@ def test_browser_logs_in_through_the_page(guarded) -> None:
         page.locator("#login").click()
         expect(page.locator("#login-error")).to_contain_text("Wrong API key")
         refused = []
-        page.on("response", lambda r: refused.append(r.url) if r.status == 401 else None)
+        page.on("response",
+                lambda r: refused.append(r.url) if r.status in (401, 403) else None)
         page.locator("#password").fill(API_KEY)
         page.locator("#login").click()
         page.locator("#kv-message textarea").fill("Hi through the login")

@@ -6,7 +6,9 @@ import socket
 import sqlite3
 from pathlib import Path
 
+import numpy as np
 import pytest
+from conftest import heatmap_state_codes
 from gradio_client import Client
 
 from engine.async_engine import AsyncEngine
@@ -85,11 +87,11 @@ def test_browser_empty_state_says_so_instead_of_drawing_empty_axes(served, brows
 
 
 def heatmap_cells(client: Client) -> tuple[list, dict]:
-    """The live handler's heatmap as Plotly JSON: its non-empty cells and the figure."""
+    """The live handler's heatmap as Plotly JSON: its cells' state codes and the figure."""
     panels = client.predict(api_name="/refresh_live")
     figure = json.loads(panels[1]["plot"])
-    cells = [v for row in figure["data"][0]["z"] for v in row if v is not None]
-    return cells, figure
+    codes = heatmap_state_codes(figure).ravel()
+    return [int(code) for code in codes if not np.isnan(code)], figure
 
 
 def test_chat_streams_a_reply_with_its_stats(client: Client) -> None:

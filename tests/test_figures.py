@@ -1,20 +1,42 @@
 """Tests for ui figures: pool heatmap, block tables, prefix tree, timelines, comparison."""
 
-import pytest
+import json
 
+import numpy as np
+import pytest
+from conftest import heatmap_state_codes, plotly_array
+
+from engine.block_pool import BlockHash
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.pool_mirror import STATES, PoolMirror
 from engine.sampling_params import SamplingParams
-from engine.telemetry import ScheduledChunk, StepRecord, take_snapshot
+from engine.telemetry import (
+    PoolBase,
+    PoolCounters,
+    PoolSlice,
+    ScheduledChunk,
+    SequenceChange,
+    StepRecord,
+    take_pool_base,
+    take_pool_slice,
+    take_snapshot,
+)
 from ui.figures import (
     HEATMAP_COLUMNS,
+    MAX_CELLS,
+    MAX_TABLE_COLUMNS,
+    MAX_TABLE_ROWS,
+    MAX_TREE_NODES,
+    TableView,
     block_table_map,
+    cell_counts,
     compare_memory,
     paged_vs_contiguous,
     pool_heatmap,
     prefix_tree,
 )
-from ui.palette import code_state
+from ui.palette import hover_text
 from ui.timeline import latency_stats, pool_series, request_timeline, timeline_spans
 
 NUM_BLOCKS = 100
@@ -39,68 +61,90 @@ def run(tiny_chat_model_path):
     a = core.add_request(SYSTEM + "A?", SamplingParams(max_tokens=4, temperature=0))
     arrivals[a.request_id] = a.arrival_time
     step_until(lambda: not core.has_unfinished_requests())
-    after_a = take_snapshot(core)
+    after_a = mirror_of(core), take_snapshot(core)
     b = core.add_request(SYSTEM + "B?", SamplingParams(max_tokens=8, temperature=0, n=2))
     arrivals[b.request_id] = b.arrival_time
     step_until(lambda: len(b.sequences) == 2)
-    during_b = take_snapshot(core)
+    during_b = mirror_of(core), take_snapshot(core)
     step_until(lambda: not core.has_unfinished_requests())
     return after_a, during_b, records, arrivals
 
 
-def heatmap_cells(figure) -> dict[int, float]:
-    z = figure.data[0].z
-    return {row * HEATMAP_COLUMNS + column: value for row, values in enumerate(z)
-            for column, value in enumerate(values) if value is not None}
+def mirror_of(core: EngineCore) -> PoolMirror:
+    """A reader's mirror of the core's pool, as a new reader gets it (base, then slices)."""
+    mirror = PoolMirror()
+    mirror.apply(take_pool_base(core))
+    for start in range(0, core.kv_cache.pool.num_blocks, 64):
+        mirror.apply(take_pool_slice(core, start, 64))
+    assert mirror.ready
+    return mirror
+
+
+def heatmap_cells(figure) -> dict[int, int]:
+    """Block id -> state code of an exact (one cell per block) heatmap."""
+    codes = heatmap_state_codes(figure)
+    first_row = int(figure["data"][0]["y"][0])
+    return {first_row + row * HEATMAP_COLUMNS + column: int(code)
+            for (row, column), code in np.ndenumerate(codes) if not np.isnan(code)}
 
 
 def test_heatmap_has_one_cell_per_block_coloured_by_state(run) -> None:
     after_a, during_b, _, _ = run
-    for snapshot in (after_a, during_b):
-        cells = heatmap_cells(pool_heatmap(snapshot))
+    for mirror, snapshot in (after_a, during_b):
+        cells = heatmap_cells(pool_heatmap(mirror))
         assert sorted(cells) == list(range(NUM_BLOCKS))
-        assert {i: code_state(v) for i, v in cells.items()} == {
+        assert {i: STATES[code] for i, code in cells.items()} == {
             block.block_id: block.state for block in snapshot.blocks}
     # A's finished prompt stays cached; B forked into two samples sharing its blocks.
-    assert after_a.count("cached") > 0 and after_a.count("used") == 0
-    first_block = during_b.sequences[0].block_table[0]
-    assert during_b.blocks[first_block].state == "shared"
-    assert heatmap_cells(pool_heatmap(during_b))[first_block] >= 3
+    mirror, snapshot = after_a
+    assert snapshot.count("cached") > 0 and snapshot.count("used") == 0
+    mirror, snapshot = during_b
+    first_block = snapshot.sequences[0].block_table[0]
+    assert snapshot.blocks[first_block].state == "shared"
+    figure = pool_heatmap(mirror)
+    assert heatmap_cells(figure)[first_block] == 3
+    row, column = divmod(first_block, HEATMAP_COLUMNS)
+    assert plotly_array(figure["data"][1]["z"])[row, column] == 2  # the ref-count scale
+    assert figure["data"][1]["colorbar"]["title"]["text"] == "ref count"
 
 
 def test_heatmap_hover_names_block_owners_and_text(run) -> None:
-    _, during_b, _, _ = run
-    figure = pool_heatmap(during_b, decode=lambda ids: "".join(map(chr, ids)))
-    first_block = during_b.sequences[0].block_table[0]
+    _, (mirror, snapshot), _, _ = run
+    figure = pool_heatmap(mirror, decode=lambda ids: "".join(map(chr, ids)))
+    first_block = snapshot.sequences[0].block_table[0]
     row, column = divmod(first_block, HEATMAP_COLUMNS)
-    block_id, ref_count, state, owners, hash_prefix, _ = figure.data[0].customdata[row][column]
+    block_id, ref_count, state, owners, hash_prefix, text = (
+        figure["data"][0]["customdata"][row][column])
     assert (block_id, state) == (first_block, "shared")
-    assert ref_count == 2 and set(owners.split(", ")) == {s.seq_id for s in during_b.sequences}
-    assert hash_prefix == during_b.blocks[first_block].block_hash[:12]
+    assert ref_count == 2 and set(owners.split(", ")) == {s.seq_id for s in snapshot.sequences}
+    assert hash_prefix == snapshot.blocks[first_block].block_hash[:12]
+    assert text == hover_text("".join(map(chr, snapshot.blocks[first_block].token_ids)), 32)
 
 
 def test_block_table_map_lines_up_shared_prefixes(run) -> None:
-    _, during_b, _, _ = run
-    figure = block_table_map(during_b)
-    heatmap = figure.data[0]
-    holders = [seq for seq in during_b.sequences if seq.block_table]
-    assert len(heatmap.z) == len(holders) == 2
-    for seq, texts in zip(holders, heatmap.text):
+    _, (mirror, snapshot), _, _ = run
+    figure = block_table_map(mirror)
+    heatmap = figure["data"][0]
+    holders = sorted((seq for seq in snapshot.sequences if seq.block_table),
+                     key=lambda seq: seq.arrival_time, reverse=True)
+    assert len(heatmap["y"]) == len(holders) == 2
+    for seq, texts in zip(holders, heatmap["text"]):
         assert [int(text.split("·")[0]) for text in texts] == list(seq.block_table)
-    assert heatmap.text[0][0] == heatmap.text[1][0]  # the same physical block in both rows
-    assert "/" in heatmap.text[0][-1]  # the last block shows its fill
+    assert heatmap["text"][0][0] == heatmap["text"][1][0]  # the same physical block in both
+    assert "/" in heatmap["text"][0][-1]  # the last block shows its fill
+    assert figure["layout"]["title"]["text"].startswith("Block tables: 2 of 2 sequences")
 
 
 def test_prefix_tree_follows_the_hash_chain(run) -> None:
-    after_a, _, _, _ = run
-    icicle = prefix_tree(after_a).data[0]
-    hashed = {block.block_hash: block for block in after_a.blocks if block.block_hash}
-    assert set(icicle.ids) == set(hashed) | {"root"}
-    for node, parent in zip(icicle.ids, icicle.parents):
+    (mirror, snapshot), _, _, _ = run
+    icicle = prefix_tree(mirror)["data"][0]
+    hashed = {block.block_hash: block for block in snapshot.blocks if block.block_hash}
+    assert set(icicle["ids"]) == set(hashed) | {"root"}
+    for node, parent in zip(icicle["ids"], icicle["parents"]):
         if node != "root":
             expected = hashed[node].parent_hash
             assert parent == (expected if expected in hashed else "root")
-    assert sum(parent == "root" for parent in icicle.parents) == 1  # one chain from A
+    assert sum(parent == "root" for parent in icicle["parents"]) == 1  # one chain from A
 
 
 def test_timeline_shows_chunked_prefill_decode_and_finish(run) -> None:
@@ -143,10 +187,124 @@ def test_latency_stats_and_series(run) -> None:
 
 
 def test_paged_memory_beats_a_contiguous_reservation(run) -> None:
-    _, during_b, _, _ = run
+    _, (during_b, _), _, _ = run
     comparison = compare_memory(during_b)
     assert comparison.num_sequences == 2
     assert comparison.contiguous_reserved_tokens == 2 * 128
     assert comparison.paged_reserved_tokens < comparison.contiguous_reserved_tokens
     assert comparison.paged_useful > comparison.contiguous_useful
-    assert "20.4–38.2%" in paged_vs_contiguous(during_b).layout.title.text
+    figure = paged_vs_contiguous(during_b)
+    assert "20.4–38.2%" in figure["layout"]["title"]["text"]
+    assert figure["layout"]["annotations"][0]["xanchor"] == "right"  # inside the plot
+
+
+# ---- pools far larger than the screen -------------------------------------------------------
+LARGE = 100_003  # not a multiple of anything, so the last cell and row are partial
+
+
+def synthetic_mirror(num_blocks: int, sequences=(), seed: int = 0) -> PoolMirror:
+    """A mirror of a made-up pool: random ref counts (free, used, shared) and hashes
+    (cached when free), chained in a few long prefixes so the prefix tree is deep."""
+    rng = np.random.default_rng(seed)
+    refs = rng.choice([0, 0, 0, 1, 2, 5], size=num_blocks)
+    hashed = rng.random(num_blocks) < 0.3
+    hashes, parent = [], None
+    for block_id in np.flatnonzero(hashed).tolist():
+        value = block_id.to_bytes(16, "little")
+        hashes.append((block_id, BlockHash(value, parent, (block_id,))))
+        parent = value if rng.random() < 0.9 else None  # a new chain now and then
+    counters = PoolCounters(0, 0.0, num_blocks, 1, len(sequences), 0, 0, 0, 0, 0,
+                            {"max_model_len": 64})
+    mirror = PoolMirror()
+    mirror.apply(PoolBase(0, 0, counters, tuple(sequences)))
+    mirror.apply(PoolSlice(0, 0, tuple(refs.tolist()), tuple(hashes)))
+    assert mirror.ready
+    return mirror
+
+
+def sequence(seq_id: str, table: list[int], arrival: float) -> SequenceChange:
+    return SequenceChange(seq_id, seq_id, "running", len(table), len(table), len(table),
+                          arrival, 0, tuple(table), 0, tuple(range(len(table))))
+
+
+def test_a_large_pool_is_drawn_in_aggregate_cells_that_count_every_block() -> None:
+    mirror = synthetic_mirror(LARGE)
+    figure = pool_heatmap(mirror)
+    image = figure["data"][0]
+    cell = -(-LARGE // MAX_CELLS)
+    assert image["type"] == "image" and image["dx"] == cell
+    counts = plotly_array(image["customdata"]).reshape(-1, len(STATES)).astype(int)
+    assert counts.shape[0] <= MAX_CELLS + HEATMAP_COLUMNS  # padding of the last row only
+    # The cells' counts add up to the pool's, state by state, and each cell is its range.
+    assert dict(zip(STATES, counts.sum(axis=0).tolist())) == mirror.counts()
+    codes = mirror.state_codes()
+    for index in (0, 17, len(cell_counts(mirror, 0, LARGE, cell)) - 1):
+        expected = np.bincount(codes[index * cell:(index + 1) * cell], minlength=4)
+        assert counts[index].tolist() == expected.tolist()
+    assert f"one cell = {cell} blocks" in figure["layout"]["title"]["text"]
+    # Compact: numpy arrays go out as typed arrays, not per-cell strings.
+    assert len(json.dumps(figure)) < 60_000
+
+
+def test_zooming_shows_exact_blocks_with_hover_detail() -> None:
+    mirror = synthetic_mirror(LARGE)
+    figure = pool_heatmap(mirror, view="block range", start=50_000, stop=50_100)
+    cells = heatmap_cells(figure)
+    assert sorted(cells) == list(range(50_000, 50_100))
+    assert [cells[b] for b in range(50_000, 50_100)] == mirror.state_codes(50_000, 50_100).tolist()
+    assert figure["data"][0]["customdata"][0][5][0] == 50_005  # hover: the block itself
+    assert "blocks 50000–50099: one cell per block" in figure["layout"]["title"]["text"]
+    # Wider exact views keep block, state and ref count in the hover, as typed arrays.
+    wide = pool_heatmap(mirror, view="block range", start=10_000, stop=10_000 + MAX_CELLS)
+    assert len(heatmap_cells(wide)) == MAX_CELLS
+    hover = plotly_array(wide["data"][0]["customdata"]).reshape(-1, 2)
+    assert hover[:3].tolist() == [[b, mirror.ref_counts[b]] for b in range(10_000, 10_003)]
+    # Out-of-pool ranges are clamped to the pool.
+    assert sorted(heatmap_cells(pool_heatmap(mirror, view="block range", start=LARGE - 3,
+                                             stop=LARGE + 50))) == list(range(LARGE - 3, LARGE))
+
+
+def test_used_region_view_skips_the_idle_tail() -> None:
+    refs = [0] * 10_000
+    refs[700:900] = [1] * 200
+    counters = PoolCounters(0, 0.0, 10_000, 1, 0, 0, 0, 0, 0, 0, {})
+    mirror = PoolMirror()
+    mirror.apply(PoolBase(0, 0, counters, ()))
+    mirror.apply(PoolSlice(0, 0, tuple(refs), ()))
+    cells = heatmap_cells(pool_heatmap(mirror, view="used region"))
+    assert min(cells) == 640 and max(cells) == 899  # from the row holding block 700
+
+
+def test_block_tables_say_how_many_they_leave_out_and_page() -> None:
+    tables = [[i, 1000 + i] for i in range(43)]
+    tables[5] = list(range(2000, 2000 + 3 * MAX_TABLE_COLUMNS))  # one long table
+    mirror = synthetic_mirror(5000, [sequence(f"seq-{i}", table, float(i))
+                                     for i, table in enumerate(tables)])
+    figure = block_table_map(mirror)
+    assert len(figure["data"][0]["y"]) == MAX_TABLE_ROWS
+    assert figure["data"][0]["y"][0] == "seq-42 (running)"  # most recent first
+    assert "32 of 43 sequences" in figure["layout"]["title"]["text"]
+    assert "page 1 of 2" in figure["layout"]["title"]["text"]
+    second = block_table_map(mirror, view=TableView(page=2))
+    assert len(second["data"][0]["y"]) == 43 - MAX_TABLE_ROWS
+    longest = block_table_map(mirror, view=TableView(order="longest"))
+    assert longest["data"][0]["y"][0] == "seq-5 (running)"
+    texts = [int(text.split("·")[0]) for text in longest["data"][0]["text"][0]]
+    assert len(texts) == MAX_TABLE_COLUMNS  # first and last halves of the long table
+    assert texts[0] == 2000 and texts[-1] == 2000 + 3 * MAX_TABLE_COLUMNS - 1
+    assert "first and last" in longest["layout"]["xaxis"]["title"]["text"]
+    only = block_table_map(mirror, view=TableView(filter="seq-4"))
+    assert sorted(only["data"][0]["y"]) == sorted(f"seq-{i} (running)" for i in (4, 40, 41, 42))
+    with pytest.raises(ValueError, match="page=0"):
+        TableView(page=0)
+
+
+def test_a_large_prefix_tree_is_bounded_and_folds_small_subtrees() -> None:
+    mirror = synthetic_mirror(20_000)
+    icicle = prefix_tree(mirror)["data"][0]
+    assert len(icicle["ids"]) <= MAX_TREE_NODES + 1
+    hashed = np.flatnonzero(mirror.hashed)
+    # Folding keeps the sizes: the drawn values sum to the whole tree's.
+    assert sum(icicle["values"]) == sum(1 + int(mirror.ref_counts[b]) for b in hashed)
+    assert any(label.endswith("more branches") for label in icicle["labels"])
+    assert f"{len(hashed)} hashed blocks" in prefix_tree(mirror)["layout"]["title"]["text"]

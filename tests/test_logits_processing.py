@@ -277,3 +277,24 @@ def test_generation_config_supplies_the_default_sampling(tiny_model, tmp_path):
             defaults.max_tokens) == (0.25, 0.8, 1.1, 7)
     output = llm.generate([PROMPT], use_tqdm=False)[0].outputs[0]
     assert len(output.token_ids) == 7  # max_new_tokens, not SamplingParams' 16
+
+
+def test_the_chat_accordion_starts_from_the_models_defaults(tiny_model, tmp_path):
+    import shutil
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from ui import chat
+
+    folder = shutil.copytree(tiny_model("llama").path, tmp_path / "model")
+    knobs = {"dtype": "float32", "device": "cpu", "device_memory_gb": 0.05, "max_model_len": 64}
+    plain = AsyncEngine.from_config(EngineConfig(model=str(folder), **knobs))
+    values, note = chat.sampling_defaults(plain)
+    assert values == chat.CHAT_DEFAULTS and "sets no sampling defaults" in note
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3,
+                                                                "repetition_penalty": 1.2}))
+    tuned = AsyncEngine.from_config(EngineConfig(model=str(folder), **knobs))
+    values, note = chat.sampling_defaults(tuned)
+    assert values["temperature"] == 0.3 and values["repetition_penalty"] == 1.2
+    assert values["top_p"] == chat.CHAT_DEFAULTS["top_p"]
+    assert "temperature 0.3" in note and "repetition_penalty 1.2" in note

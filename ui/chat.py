@@ -13,6 +13,25 @@ from engine.streams import RequestFailed
 ACCEPT_TIMEOUT_S = 120
 
 
+# The chat's own defaults, for what the model's generation_config leaves unset.
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 128,
+                 "repetition_penalty": 1.0, "min_p": 0.0}
+
+
+def sampling_defaults(engine) -> tuple[dict, str]:
+    """The Sampling accordion's starting values, and a line saying where they come from:
+    the model's generation_config where it sets them (as vLLM does), else the chat's."""
+    from_model = {k: v for k, v in engine.default_sampling.items() if k in CHAT_DEFAULTS}
+    values = {**CHAT_DEFAULTS, **from_model}
+    if from_model:
+        listed = ", ".join(f"{k} {v}" for k, v in from_model.items())
+        note = f"From the model's generation_config: {listed}. The rest are the chat's defaults."
+    else:
+        note = ("The model's generation_config sets no sampling defaults; these are the "
+                "chat's.")
+    return values, note
+
+
 def new_conversation() -> dict:
     return {"id": uuid.uuid4().hex[:12], "messages": []}
 
@@ -53,7 +72,8 @@ def _display(messages: list[dict], stats: list[str]) -> list[dict]:
 
 
 def chat_reply(engine, session_log, message: str, conversation: dict,
-               temperature: float, top_p: float, max_tokens: int):
+               temperature: float, top_p: float, max_tokens: int,
+               repetition_penalty: float = 1.0, min_p: float = 0.0):
     """Yields (chatbot, conversation, textbox, status). Bad input warns and changes nothing."""
     received = time.monotonic()
     conversation = conversation or new_conversation()
@@ -66,7 +86,8 @@ def chat_reply(engine, session_log, message: str, conversation: dict,
     messages = [*conversation["messages"], {"role": "user", "content": message}]
     try:
         params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
-                                max_tokens=int(max_tokens))
+                                max_tokens=int(max_tokens), min_p=float(min_p),
+                                repetition_penalty=float(repetition_penalty))
         stream = engine.submit_chat(messages, params, source="chat")
         # A conversation longer than max_model_len is refused here, naming both numbers.
         stream.wait_accepted(timeout=ACCEPT_TIMEOUT_S)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from ui import chat, knobs, loadgen, panels, sessions
+from ui import chat, figures, knobs, loadgen, panels, sessions
 from ui.live import LiveFeed
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
@@ -35,10 +35,14 @@ def build_ui(engine, session_log=None) -> gr.Blocks:
                        api_visibility="private")
         timer = gr.Timer(panels.REFRESH_S)
         outputs = [summary, *(live[name] for name in panels.PANELS[1:]), shown]
-        timer.tick(renderer.refresh, [shown, watching], outputs, show_progress="hidden",
+        inputs = [shown, watching, *live["view_controls"]]
+        timer.tick(renderer.refresh, inputs, outputs, show_progress="hidden",
                    api_name="refresh_live", concurrency_limit=None, trigger_mode="always_last")
-        blocks.load(renderer.refresh, [shown, watching], outputs, show_progress="hidden",
+        blocks.load(renderer.refresh, inputs, outputs, show_progress="hidden",
                     api_visibility="private")
+        for control in live["view_controls"]:  # a new view shows at once, not at the tick
+            control.change(renderer.refresh, inputs, outputs, show_progress="hidden",
+                           api_visibility="private", trigger_mode="always_last")
     return blocks
 
 
@@ -50,16 +54,30 @@ def _live_tab(engine, session_log) -> dict:
                                  submit_btn=True, elem_id="kv-message")
             status = gr.Markdown(elem_classes="kv-status", elem_id="kv-chat-status")
             with gr.Accordion("Sampling", open=False):
-                temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="temperature")
-                top_p = gr.Slider(0.05, 1, value=0.95, step=0.05, label="top-p")
-                max_tokens = gr.Slider(1, 1024, value=128, step=1, label="max tokens")
+                defaults, source = chat.sampling_defaults(engine)
+                gr.Markdown(source, elem_id="kv-sampling-source")
+                temperature = gr.Slider(0, 2, value=defaults["temperature"], step=0.05,
+                                        label="temperature")
+                top_p = gr.Slider(0.05, 1, value=defaults["top_p"], step=0.05, label="top-p")
+                max_tokens = gr.Slider(1, 1024, value=min(defaults["max_tokens"], 1024),
+                                       step=1, label="max tokens")
+                repetition_penalty = gr.Slider(0.5, 2, value=defaults["repetition_penalty"],
+                                               step=0.05, label="repetition penalty")
+                min_p = gr.Slider(0, 1, value=defaults["min_p"], step=0.01, label="min-p")
             new_chat = gr.Button("New chat", size="sm")
         with gr.Column(scale=3):
             heatmap = gr.Plot(label="Free-pool heatmap", elem_id="kv-heatmap")
+            with gr.Row():
+                heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
+                                        label="heatmap shows", elem_id="kv-heatmap-view")
+                heatmap_start = gr.Number(0, precision=0, minimum=0, label="from block")
+                heatmap_stop = gr.Number(0, precision=0, minimum=0,
+                                         label="to block (exclusive; 0 = the end)")
             stats = gr.Markdown()
     conversation = gr.State(chat.new_conversation)
     message.submit(partial(chat.chat_reply, engine, session_log),
-                   [message, conversation, temperature, top_p, max_tokens],
+                   [message, conversation, temperature, top_p, max_tokens,
+                    repetition_penalty, min_p],
                    [chatbot, conversation, message, status], concurrency_limit=None,
                    api_name="chat")
     new_chat.click(lambda: ([], chat.new_conversation(), ""), None,
@@ -69,7 +87,13 @@ def _live_tab(engine, session_log) -> dict:
     chatbot.clear(lambda: (chat.new_conversation(), ""), None, [conversation, status],
                   api_visibility="private")
     with gr.Row():
-        block_tables = gr.Plot(label="Block tables")
+        with gr.Column():
+            block_tables = gr.Plot(label="Block tables", elem_id="kv-block-tables")
+            with gr.Row():
+                table_order = gr.Radio(figures.TABLE_ORDERS, value="most recent",
+                                       label="sequences, ordered by")
+                table_page = gr.Number(1, precision=0, minimum=1, label="page")
+                table_filter = gr.Textbox("", label="sequence id contains", max_lines=1)
         prefix_tree = gr.Plot(label="Prefix-sharing tree")
     timeline_plot = gr.Plot(label="Request timelines")
     with gr.Row():
@@ -77,7 +101,9 @@ def _live_tab(engine, session_log) -> dict:
         comparison = gr.Plot(label="Paged against contiguous")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
-            "comparison": comparison}
+            "comparison": comparison,
+            "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
+                              table_page, table_filter]}
 
 
 def _engine_tab(blocks, engine, feed, session_log, load) -> None:

@@ -1,41 +1,82 @@
-"""Plotly figures of the KV cache, built from one EngineSnapshot (never the live pool)."""
+"""Plotly figures of the KV cache, read from a reader's PoolMirror (never the live pool).
 
+Every figure is bounded whatever the pool's size: the heatmap draws at most MAX_CELLS
+cells (a cell aggregates a block range when the view is larger), the block tables at most
+MAX_TABLE_ROWS sequences and MAX_TABLE_COLUMNS blocks each, the prefix tree at most
+MAX_TREE_NODES nodes. Each says what it leaves out. Bulk data goes out as numpy arrays
+(plotly sends them as compact typed arrays), and per-block hover strings are built only
+for the blocks on screen when single blocks are shown.
+"""
+
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import plotly.graph_objects as go
+import numpy as np
 
-from engine.telemetry import BlockInfo, EngineSnapshot
-from ui.palette import COLORSCALE, STATE_COLORS, hover_text, state_code
+from engine.pool_mirror import STATES, PoolMirror
+from ui.palette import (
+    MAX_SHADED_REFS,
+    SHARED_COLORSCALE,
+    STATE_COLORS,
+    TEMPLATE,
+    UNSHARED_COLORSCALE,
+    hover_text,
+    state_rgb,
+)
 
 HEATMAP_COLUMNS = 64
+MAX_CELLS = 4096
+# Owners, hash and text in the hover of single blocks only up to this many on screen:
+# beyond it the hover says block, state and ref count (typed arrays, a few bytes a cell).
+MAX_HOVER_DETAIL = 1024
 MAX_TABLE_ROWS = 32
+MAX_TABLE_COLUMNS = 32  # longer tables show their first and last half of this
+MAX_TREE_NODES = 300
+TABLE_ORDERS = ("most recent", "longest", "most shared")
+HEATMAP_VIEWS = ("whole pool", "used region", "block range")
 Decode = Callable[[tuple[int, ...]], str]
+# A figure as plotly's JSON spec: {"data": [trace dicts], "layout": {...}}. Plain dicts
+# serialise in a millisecond; plotly's object model took ~0.5 s per thousands of cells.
+Figure = dict
 
 
 def _no_decode(token_ids: tuple[int, ...]) -> str:
     return " ".join(map(str, token_ids))
 
 
-def _layout(figure: go.Figure, title: str, height: int) -> go.Figure:
-    figure.update_layout(title=title, height=height, margin={"l": 50, "r": 20, "t": 60, "b": 30},
-                         plot_bgcolor="white", uirevision="keep",  # keep zoom across ticks
-                         legend={"orientation": "h", "y": -0.15})
-    return figure
+def typed_array(array: np.ndarray) -> dict:
+    """plotly.js's typed-array spec: the raw bytes in base64 instead of a JSON number list."""
+    array = np.ascontiguousarray(array)
+    return {"dtype": array.dtype.str.lstrip("<>|="),
+            "bdata": base64.b64encode(array.tobytes()).decode("ascii"),
+            "shape": ", ".join(map(str, array.shape))}
 
 
-def _state_legend(figure: go.Figure) -> None:
+def _figure(traces: list[dict], title: str, height: int, right: int = 20,
+            **layout) -> Figure:
+    # The legend sits above the plot, where it cannot cover an axis title.
+    return {"data": traces, "layout": {
+        "template": TEMPLATE, "height": height, "plot_bgcolor": "white",
+        "title": {"text": title, "y": 0.98, "yanchor": "top"},
+        "margin": {"l": 60, "r": right, "t": 100, "b": 40},
+        "uirevision": "keep",  # keep the person's zoom across ticks
+        "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0}, **layout}}
+
+
+def _state_legend(states=tuple(STATE_COLORS)) -> list[dict]:
     """Heatmaps have no per-category legend, so invisible points carry one."""
-    for state, color in STATE_COLORS.items():
-        figure.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=state,
-                                    marker={"color": color, "size": 10, "symbol": "square"}))
+    return [{"type": "scatter", "x": [None], "y": [None], "mode": "markers", "name": state,
+             "marker": {"color": STATE_COLORS[state], "size": 10, "symbol": "square"}}
+            for state in states]
 
 
-def _block_hover(block: BlockInfo, decode: Decode) -> list:
+def _block_hover(pool: PoolMirror, block_id: int, decode: Decode) -> list:
+    block = pool.block_info(block_id)
     return [block.block_id, block.ref_count, block.state,
-            ", ".join(block.owners[:4]) + (" …" if len(block.owners) > 4 else "") or "-",
+            ", ".join(block.owners[:3]) + (" …" if len(block.owners) > 3 else "") or "-",
             (block.block_hash or "-")[:12],
-            hover_text(decode(block.token_ids)) if block.token_ids else "-"]
+            hover_text(decode(block.token_ids), limit=32) if block.token_ids else "-"]
 
 
 BLOCK_HOVER = ("block %{customdata[0]} · %{customdata[2]} · ref %{customdata[1]}<br>"
@@ -43,77 +84,282 @@ BLOCK_HOVER = ("block %{customdata[0]} · %{customdata[2]} · ref %{customdata[1
                "text: %{customdata[5]}<extra></extra>")
 
 
-def pool_heatmap(snapshot: EngineSnapshot, decode: Decode = _no_decode) -> go.Figure:
-    """Every physical block as one cell of a rows x 64 grid, coloured by state."""
-    num_rows = -(-snapshot.num_blocks // HEATMAP_COLUMNS)
-    z = [[None] * HEATMAP_COLUMNS for _ in range(num_rows)]
-    custom = [[None] * HEATMAP_COLUMNS for _ in range(num_rows)]
-    for block in snapshot.blocks:
-        row, column = divmod(block.block_id, HEATMAP_COLUMNS)
-        z[row][column] = state_code(block.state, block.ref_count)
-        custom[row][column] = _block_hover(block, decode)
-    figure = go.Figure(go.Heatmap(
-        z=z, customdata=custom, hovertemplate=BLOCK_HOVER, colorscale=COLORSCALE,
-        zmin=0, zmax=4, showscale=False, xgap=1, ygap=1, hoverongaps=False))
-    _state_legend(figure)
-    counts = {state: snapshot.count(state) for state in STATE_COLORS}
-    figure.update_yaxes(autorange="reversed", title="block id // 64", showgrid=False)
-    figure.update_xaxes(title="block id % 64", showgrid=False)
-    title = (f"Block pool: {snapshot.num_blocks} blocks x {snapshot.block_size} tokens<br>"
-             + " · ".join(f"{state} {count}" for state, count in counts.items()))
-    return _layout(figure, title, height=200 + 16 * min(num_rows, 60))
+def _state_traces(codes: np.ndarray, refs: np.ndarray, **common) -> list[dict]:
+    """Two heatmaps on one grid: the unshared states (discrete colours) and the shared
+    blocks shaded by reference count, with a colour bar saying so. NaN = no cell."""
+    unshared = np.where(codes < 3, codes, np.nan).astype(np.float32)
+    shared = np.where(codes == 3, np.minimum(refs, MAX_SHADED_REFS), np.nan).astype(np.float32)
+    return [
+        {"type": "heatmap", "z": typed_array(unshared), "colorscale": UNSHARED_COLORSCALE,
+         "zmin": 0, "zmax": 2, "showscale": False, "hoverongaps": False, **common},
+        {"type": "heatmap", "z": typed_array(shared), "colorscale": SHARED_COLORSCALE,
+         "zmin": 2, "zmax": MAX_SHADED_REFS, "hoverongaps": False, "colorbar": {
+             "title": {"text": "ref count", "side": "right"}, "thickness": 12, "len": 0.6,
+             "tickvals": list(range(2, MAX_SHADED_REFS + 1)),
+             "ticktext": [*map(str, range(2, MAX_SHADED_REFS)), f"{MAX_SHADED_REFS}+"]},
+         **common},
+    ]
 
 
-def block_table_map(snapshot: EngineSnapshot, decode: Decode = _no_decode) -> go.Figure:
+# ---- the pool heatmap ---------------------------------------------------------------------
+def heatmap_range(pool: PoolMirror, view: str = "whole pool", start: int | None = None,
+                  stop: int | None = None) -> tuple[int, int]:
+    """The blocks [start, stop) a view shows; a block range is clamped to the pool."""
+    num_blocks = pool.num_blocks
+    if view == "used region":
+        held = np.flatnonzero(pool.state_codes() != 0)
+        if not len(held):
+            return 0, min(num_blocks, HEATMAP_COLUMNS)
+        return int(held[0]) // HEATMAP_COLUMNS * HEATMAP_COLUMNS, int(held[-1]) + 1
+    if view == "block range":
+        start = min(max(int(start or 0), 0), max(num_blocks - 1, 0))
+        stop = num_blocks if stop is None else min(max(int(stop), start + 1), num_blocks)
+        return start, stop
+    if view != "whole pool":
+        raise ValueError(f"view={view!r} must be one of {list(HEATMAP_VIEWS)}")
+    return 0, num_blocks
+
+
+def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "whole pool",
+                 start: int | None = None, stop: int | None = None) -> Figure:
+    """The blocks of a view as a rows x 64 grid: one cell per block when the view holds at
+    most MAX_CELLS blocks (with hover detail), else one cell per block range."""
+    start, stop = heatmap_range(pool, view, start, stop)
+    counts = pool.counts()
+    cell = -(-(stop - start) // MAX_CELLS)
+    traces, axes = (_exact_heatmap(pool, start, stop, decode) if cell == 1
+                    else _aggregate_heatmap(pool, start, stop, cell))
+    shown = ("the whole pool" if (start, stop) == (0, pool.num_blocks)
+             else f"blocks {start}–{stop - 1}")
+    detail = ("one cell per block" + ("" if stop - start <= MAX_HOVER_DETAIL else
+                                      f" (zoom to {MAX_HOVER_DETAIL} blocks or fewer for "
+                                      "owners and text in the hover)")
+              if cell == 1 else
+              f"one cell = {cell} blocks, its colour mixes the states by share "
+              "(hover for them; zoom to a smaller range for single blocks)")
+    title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens · "
+             + " · ".join(f"{state} {count}" for state, count in counts.items())
+             + f"<br><sup>{shown}: {detail}</sup>")
+    num_rows = -(-(stop - start) // (cell * HEATMAP_COLUMNS))
+    return _figure(traces, title, height=220 + 14 * min(num_rows, 64), right=90, **axes)
+
+
+def _grid(values: np.ndarray, fill) -> np.ndarray:
+    """Per-cell values (cells first) as rows of HEATMAP_COLUMNS, the last row padded."""
+    num_rows = -(-len(values) // HEATMAP_COLUMNS)
+    grid = np.full((num_rows * HEATMAP_COLUMNS, *values.shape[1:]), fill, dtype=values.dtype)
+    grid[:len(values)] = values
+    return grid.reshape(num_rows, HEATMAP_COLUMNS, *values.shape[1:])
+
+
+def _exact_heatmap(pool: PoolMirror, start: int, stop: int, decode: Decode):
+    codes = _grid(pool.state_codes(start, stop).astype(np.float32), np.nan)
+    refs = _grid(pool.ref_counts[start:stop].astype(np.float32), np.nan)
+    rows = list(range(start, start + HEATMAP_COLUMNS * codes.shape[0], HEATMAP_COLUMNS))
+    if stop - start <= MAX_HOVER_DETAIL:
+        hover = [_block_hover(pool, block_id, decode) for block_id in range(start, stop)]
+        hover += [None] * (codes.size - len(hover))
+        custom = [hover[i:i + HEATMAP_COLUMNS] for i in range(0, len(hover), HEATMAP_COLUMNS)]
+        template = BLOCK_HOVER
+    else:
+        ids = np.arange(start, stop, dtype=np.uint32)
+        custom = typed_array(_grid(np.stack([ids, pool.ref_counts[start:stop].astype(
+            np.uint32)], axis=1), 0))
+        template = "block %{customdata[0]} · ref %{customdata[1]}<extra></extra>"
+    traces = _state_traces(codes, refs, customdata=custom, y=rows, hovertemplate=template,
+                           xgap=1, ygap=1)
+    return traces + _state_legend(("free", "cached", "used")), {
+        "yaxis": {"autorange": "reversed", "title": {"text": "first block of the row"},
+                  "showgrid": False, "type": "category"},
+        "xaxis": {"title": {"text": "block id − row start"}, "showgrid": False}}
+
+
+def cell_counts(pool: PoolMirror, start: int, stop: int, cell: int) -> np.ndarray:
+    """Blocks of each state (columns in STATES order) in each run of `cell` blocks."""
+    codes = pool.state_codes(start, stop)
+    num_cells = -(-len(codes) // cell)
+    padded = np.full(num_cells * cell, -1, np.int8)
+    padded[:len(codes)] = codes
+    per_cell = padded.reshape(num_cells, cell)
+    return np.stack([(per_cell == code).sum(axis=1) for code in range(len(STATES))], 1)
+
+
+def _aggregate_heatmap(pool: PoolMirror, start: int, stop: int, cell: int):
+    counts = cell_counts(pool, start, stop, cell)
+    shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    rgb = _grid(np.rint(shares @ state_rgb()).astype(np.uint8), 255)  # padding: white
+    image = {
+        "type": "image", "z": typed_array(rgb), "x0": 0, "dx": cell, "y0": start,
+        "dy": cell * HEATMAP_COLUMNS,
+        "customdata": typed_array(_grid(counts.astype(np.min_scalar_type(cell)), 0)),
+        "hovertemplate": (f"blocks %{{y}} + %{{x}} … +{cell - 1}<br>used %{{customdata[2]}} · "
+                          "shared %{customdata[3]} · cached %{customdata[1]} · free "
+                          "%{customdata[0]}<extra></extra>")}
+    return [image, *_state_legend()], {
+        "yaxis": {"title": {"text": "first block of the row"}, "showgrid": False},
+        "xaxis": {"title": {"text": "block id − row start"}, "showgrid": False}}
+
+
+# ---- block tables -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TableView:
+    """Which sequences the block-table panel shows: an order, a page and an id filter."""
+
+    order: str = "most recent"
+    page: int = 1
+    filter: str = ""
+
+    def __post_init__(self) -> None:
+        if self.order not in TABLE_ORDERS:
+            raise ValueError(f"order={self.order!r} must be one of {list(TABLE_ORDERS)}")
+        if self.page < 1:
+            raise ValueError(f"page={self.page} must be at least 1")
+
+
+def _chosen_sequences(pool: PoolMirror, view: TableView) -> tuple[list, int, int]:
+    """The page of sequences to draw, how many hold blocks (after the filter), the pages."""
+    holders = [seq for seq in pool.sequences
+               if seq.block_table and view.filter.lower() in seq.seq_id.lower()]
+    if view.order == "most recent":
+        holders.sort(key=lambda seq: seq.arrival_time, reverse=True)
+    elif view.order == "longest":
+        holders.sort(key=lambda seq: len(seq.block_table), reverse=True)
+    else:
+        refs = pool.ref_counts
+        holders.sort(key=lambda seq: int((refs[seq.block_table] > 1).sum()), reverse=True)
+    num_pages = max(-(-len(holders) // MAX_TABLE_ROWS), 1)
+    page = min(view.page, num_pages)
+    return holders[(page - 1) * MAX_TABLE_ROWS:page * MAX_TABLE_ROWS], len(holders), num_pages
+
+
+def _shown_columns(length: int) -> list[int]:
+    """Logical indices drawn for a table: all, or the first and last half of the limit."""
+    if length <= MAX_TABLE_COLUMNS:
+        return list(range(length))
+    half = MAX_TABLE_COLUMNS // 2
+    return [*range(half), *range(length - half, length)]
+
+
+def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
+                    view: TableView = TableView()) -> Figure:
     """One row per sequence holding blocks: logical block index -> physical block id."""
-    blocks = snapshot.blocks
-    sequences = [seq for seq in snapshot.sequences if seq.block_table][:MAX_TABLE_ROWS]
-    z, text, custom = [], [], []
-    for seq in sequences:
-        last = len(seq.block_table) - 1
-        fill = seq.num_tokens - last * snapshot.block_size
-        z.append([state_code(blocks[b].state, blocks[b].ref_count) for b in seq.block_table])
-        text.append([str(b) if index < last else f"{b}·{min(fill, snapshot.block_size)}/"
-                     f"{snapshot.block_size}" for index, b in enumerate(seq.block_table)])
-        custom.append([_block_hover(blocks[b], decode) for b in seq.block_table])
-    figure = go.Figure(go.Heatmap(
-        z=z, text=text, texttemplate="%{text}", customdata=custom, colorscale=COLORSCALE,
-        zmin=0, zmax=4, showscale=False, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER,
-        y=[f"{seq.seq_id} ({seq.status})" for seq in sequences], hoverongaps=False))
-    _state_legend(figure)
-    figure.update_yaxes(autorange="reversed", type="category")
-    figure.update_xaxes(title="logical block (cell text: physical block id · last block fill)")
-    title = f"Block tables of {len(sequences)} sequences"
+    sequences, num_holders, num_pages = _chosen_sequences(pool, view)
+    size = pool.block_size
+    width = min(max((len(seq.block_table) for seq in sequences), default=0), MAX_TABLE_COLUMNS)
+    codes = np.full((len(sequences), width), np.nan, np.float32)
+    refs = np.full((len(sequences), width), np.nan, np.float32)
+    text, custom = [], []
+    truncated = 0
+    all_codes = pool.state_codes() if sequences else None
+    for row, seq in enumerate(sequences):
+        table = seq.block_table
+        columns = _shown_columns(len(table))
+        truncated += len(columns) < len(table)
+        ids = [table[index] for index in columns]
+        codes[row, :len(ids)] = all_codes[ids]
+        refs[row, :len(ids)] = pool.ref_counts[ids]
+        last = len(table) - 1
+        fill = min(seq.num_tokens - last * size, size)
+        text.append([str(b) if index < last else f"{b}·{fill}/{size}"
+                     for index, b in zip(columns, ids)] + [""] * (width - len(ids)))
+        custom.append([[index, *_block_hover(pool, b, decode)[1:]]
+                       for index, b in zip(columns, ids)] + [None] * (width - len(ids)))
+    labels = [f"{seq.seq_id} ({seq.status})" for seq in sequences]
+    traces = _state_traces(
+        codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 11},
+        customdata=custom, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER.replace(
+            "block %{customdata[0]}", "logical block %{customdata[0]}"))
+    columns_note = (f"; tables longer than {MAX_TABLE_COLUMNS} blocks show their first and last "
+                    f"{MAX_TABLE_COLUMNS // 2} ({truncated} of them)" if truncated else "")
+    axes = {"yaxis": {"autorange": "reversed", "type": "category"},
+            "xaxis": {"title": {"text": "logical block (cell text: physical block id · last "
+                                        "block fill)" + columns_note}}}
+    filtered = f" matching “{view.filter}”" if view.filter else ""
+    title = (f"Block tables: {len(sequences)} of {num_holders} sequences holding blocks"
+             f"{filtered} · {view.order} first · page {min(view.page, num_pages)} of "
+             f"{num_pages}")
     if not sequences:
-        title += " (no request holds blocks right now)"
-    return _layout(figure, title, height=160 + 26 * len(sequences))
+        title = ("Block tables: no request holds blocks right now" if not num_holders
+                 else f"Block tables: none of {num_holders} sequences{filtered}")
+    return _figure(traces + _state_legend(("used",)), title,
+                   height=190 + 26 * len(sequences), right=90, **axes)
 
 
-def prefix_tree(snapshot: EngineSnapshot, decode: Decode = _no_decode) -> go.Figure:
-    """The hash chain of every hashed block as an icicle: shared prefixes are trunks."""
-    hashed = {block.block_hash: block for block in snapshot.blocks if block.block_hash}
+# ---- the prefix tree ----------------------------------------------------------------------
+def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> Figure:
+    """The hash chain of every hashed block as an icicle: shared prefixes are trunks. At
+    most MAX_TREE_NODES nodes: the largest subtrees first, the rest of a node's children
+    folded into one "… more" node of their total size."""
+    hashed_ids = np.flatnonzero(pool.hashed).tolist()
+    hashes = pool.hashes
+    by_value = {hashes[block_id].value: block_id for block_id in hashed_ids}
+    children: dict[bytes | None, list[int]] = {}
+    for block_id in hashed_ids:
+        parent = hashes[block_id].parent
+        children.setdefault(parent if parent in by_value else None, []).append(block_id)
+    weight = _subtree_weights(pool, children)
     ids, labels, parents, values, colors, custom = ["root"], ["cache"], [""], [0], ["white"], [
         ["-", 0, "-", "-", "-", "-"]]
-    for block_hash, block in hashed.items():
-        ids.append(block_hash)
-        # A child whose parent block was evicted still hangs off the root.
-        parents.append(block.parent_hash if block.parent_hash in hashed else "root")
-        labels.append(hover_text(decode(block.token_ids), limit=20))
-        values.append(1 + block.ref_count)
-        colors.append(STATE_COLORS[block.state])
-        custom.append(_block_hover(block, decode))
-    figure = go.Figure(go.Icicle(
-        ids=ids, labels=labels, parents=parents, values=values, branchvalues="remainder",
-        marker={"colors": colors}, customdata=custom, hovertemplate=BLOCK_HOVER,
-        tiling={"orientation": "v"}, maxdepth=12))
-    title = f"Prefix tree: {len(hashed)} hashed blocks (size = 1 + ref count)"
-    if not hashed:
+    frontier = [(None, 0)]  # (hash value, index of its node) still to expand
+    while frontier:
+        parent_key, parent_index = frontier.pop(0)
+        kids = sorted(children.get(parent_key, ()), key=lambda b: weight[b], reverse=True)
+        room = MAX_TREE_NODES + 1 - len(ids)
+        if not kids:
+            continue
+        if room <= 0:  # out of nodes: the node stands for its whole subtree
+            values[parent_index] += sum(weight[b] for b in kids)
+            labels[parent_index] += f" (+{len(kids)} below)"
+            continue
+        shown, folded = (kids, []) if len(kids) <= room else (kids[:room - 1],
+                                                              kids[room - 1:])
+        for block_id in shown:
+            block = pool.block_info(block_id)
+            frontier.append((hashes[block_id].value, len(ids)))
+            ids.append(block.block_hash)
+            parents.append(ids[parent_index])
+            labels.append(hover_text(decode(block.token_ids), limit=20))
+            values.append(1 + block.ref_count)
+            colors.append(STATE_COLORS[block.state])
+            custom.append(_block_hover(pool, block_id, decode))
+        if folded:
+            ids.append(f"{ids[parent_index]}/more")
+            parents.append(ids[parent_index])
+            labels.append(f"… {len(folded)} more branches")
+            values.append(sum(weight[b] for b in folded))
+            colors.append("#f3f4f6")
+            custom.append(["-", "-", f"{len(folded)} branches folded", "-", "-", "-"])
+    icicle = {"type": "icicle", "ids": ids, "labels": labels, "parents": parents,
+              "values": values, "branchvalues": "remainder", "marker": {"colors": colors},
+              "customdata": custom, "hovertemplate": BLOCK_HOVER,
+              "tiling": {"orientation": "v"}, "maxdepth": 12}
+    shown_nodes = len(ids) - 1
+    title = f"Prefix tree: {len(hashed_ids)} hashed blocks (size = 1 + ref count)"
+    if shown_nodes < len(hashed_ids):
+        title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"
+    if not hashed_ids:
         title += " — nothing cached yet" + (
-            "" if snapshot.config.get("enable_prefix_caching", True) else
+            "" if pool.config.get("enable_prefix_caching", True) else
             " (prefix caching is off)")
-    return _layout(figure, title, height=420)
+    return _figure([icicle], title, height=420)
 
 
+def _subtree_weights(pool: PoolMirror, children: dict) -> dict[int, int]:
+    """Sum of (1 + ref count) over each hashed block's subtree, children before parents."""
+    refs, hashes = pool.ref_counts, pool.hashes
+    order, stack = [], list(children.get(None, ()))
+    while stack:
+        block_id = stack.pop()
+        order.append(block_id)
+        stack.extend(children.get(hashes[block_id].value, ()))
+    weight: dict[int, int] = {}
+    for block_id in reversed(order):
+        weight[block_id] = 1 + int(refs[block_id]) + sum(
+            weight[child] for child in children.get(hashes[block_id].value, ()))
+    return weight
+
+
+# ---- paged against contiguous -------------------------------------------------------------
 @dataclass(slots=True)
 class MemoryComparison:
     """Live sequences held by the paged pool against a max_model_len-per-request allocator."""
@@ -128,7 +374,8 @@ class MemoryComparison:
 
     @property
     def paged_useful(self) -> float:
-        return self.paged_stored_tokens / self.paged_reserved_tokens if self.paged_reserved_tokens else 1.0
+        return (self.paged_stored_tokens / self.paged_reserved_tokens
+                if self.paged_reserved_tokens else 1.0)
 
     @property
     def contiguous_useful(self) -> float:
@@ -141,38 +388,43 @@ class MemoryComparison:
         return self.pool_tokens // self.max_model_len
 
 
-def compare_memory(snapshot: EngineSnapshot) -> MemoryComparison:
-    holders = [seq for seq in snapshot.sequences if seq.block_table]
-    max_model_len = snapshot.config.get("max_model_len") or snapshot.block_size
-    in_use = sum(1 for block in snapshot.blocks if block.ref_count > 0)
+def compare_memory(pool: PoolMirror) -> MemoryComparison:
+    holders = [seq for seq in pool.sequences if seq.block_table]
+    max_model_len = pool.config.get("max_model_len") or pool.block_size
+    in_use = int(np.count_nonzero(pool.ref_counts > 0))
     return MemoryComparison(
         num_sequences=len(holders),
         stored_tokens=sum(seq.num_computed_tokens for seq in holders),
-        paged_reserved_tokens=in_use * snapshot.block_size,
-        paged_stored_tokens=snapshot.num_used_tokens,
+        paged_reserved_tokens=in_use * pool.block_size,
+        paged_stored_tokens=pool.num_used_tokens,
         contiguous_reserved_tokens=len(holders) * max_model_len,
-        pool_tokens=snapshot.num_blocks * snapshot.block_size,
+        pool_tokens=pool.num_blocks * pool.block_size,
         max_model_len=max_model_len)
 
 
-def paged_vs_contiguous(snapshot: EngineSnapshot) -> go.Figure:
+def paged_vs_contiguous(pool: PoolMirror) -> Figure:
     """Stacked bars: useful KV rows against reserved-but-empty, for both allocators."""
-    c = compare_memory(snapshot)
+    c = compare_memory(pool)
     rows = ["contiguous<br>(max_model_len each)", "paged (kvscope)"]
     useful = [c.stored_tokens, c.paged_stored_tokens]
     wasted = [c.contiguous_reserved_tokens - c.stored_tokens,
               c.paged_reserved_tokens - c.paged_stored_tokens]
-    figure = go.Figure([
-        go.Bar(y=rows, x=useful, name="tokens stored", orientation="h",
-               marker_color=STATE_COLORS["used"]),
-        go.Bar(y=rows, x=wasted, name="reserved, empty", orientation="h",
-               marker_color="#fca5a5"),
-    ])
-    figure.add_vline(x=c.pool_tokens, line_dash="dot",
-                     annotation_text=f"pool: {c.pool_tokens} tokens")
-    figure.update_layout(barmode="stack")
+    bars = [
+        {"type": "bar", "y": rows, "x": useful, "name": "tokens stored", "orientation": "h",
+         "marker": {"color": STATE_COLORS["used"]}},
+        {"type": "bar", "y": rows, "x": wasted, "name": "reserved, empty", "orientation": "h",
+         "marker": {"color": "#f8fafc", "line": {"color": "#94a3b8", "width": 1},
+                    "pattern": {"shape": "/", "fgcolor": "#94a3b8"}}},
+    ]
+    # The pool's size as a dotted line; its label sits inside the plot, left of the line,
+    # so the right edge never cuts it off.
+    pool_line = {"type": "line", "xref": "x", "yref": "paper", "x0": c.pool_tokens,
+                 "x1": c.pool_tokens, "y0": 0, "y1": 1, "line": {"dash": "dot"}}
+    label = {"xref": "x", "yref": "paper", "x": c.pool_tokens, "y": 1, "xanchor": "right",
+             "yanchor": "top", "showarrow": False, "text": f"pool: {c.pool_tokens} tokens"}
     fits = min(c.num_sequences, c.contiguous_capacity)
     title = (f"Useful memory, {c.num_sequences} live sequences: paged {c.paged_useful:.0%}, "
              f"contiguous {c.contiguous_useful:.0%}<br>(published: 20.4–38.2%) · "
              f"contiguous fits {fits} of them (room for {c.contiguous_capacity})")
-    return _layout(figure, title, height=300)
+    return _figure(bars, title, height=320, barmode="stack", shapes=[pool_line],
+                   annotations=[label])

@@ -1,4 +1,6 @@
-"""The live panels' data: step history drained from the engine, token usage, arrivals."""
+"""The live panels' data: the pool mirror, step history from the engine, token usage,
+arrivals. After the start nothing here asks the engine thread for a full snapshot: the
+mirror follows the engine's per-step pool deltas."""
 
 import threading
 import time
@@ -6,25 +8,22 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.telemetry import EngineSnapshot, StepRecord
+from engine.pool_mirror import PoolMirror
+from engine.telemetry import StepRecord
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600
-# Tabs ticking within this long of each other share one snapshot: each snapshot is taken
-# on the engine thread, between steps, so it is time the engine does not decode.
-SNAPSHOT_MAX_AGE_S = 0.5
+# How long a refresh waits for the mirror's first snapshot (a few engine-loop turns).
+FIRST_SNAPSHOT_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
 class LiveState:
-    snapshot: EngineSnapshot
+    snapshot: PoolMirror  # the pool as of this refresh, read like an EngineSnapshot
     records: tuple[StepRecord, ...]
     token_usage: tuple[tuple[float, float], ...]
     arrivals: dict[str, float]
-
-    @property
-    def now(self) -> float:
-        return self.snapshot.time
+    now: float
 
     @property
     def busy(self) -> bool:
@@ -33,47 +32,69 @@ class LiveState:
 
 class LiveFeed:
     """Shared by every browser tab: whichever tab ticks first drains the engine's step
-    queue into one history, so tabs do not steal records from each other."""
+    queue into one history and its pool deltas into one mirror, so tabs do not steal
+    records from each other. The mirror changes at each refresh: read a state before the
+    next one (ui.panels.PanelRenderer renders under one lock)."""
 
     def __init__(self, engine):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
+        self._pool_records = engine.subscribe_pool()
+        self._pool_dropped = 0
+        self.pool = PoolMirror()
         self._requests = engine.subscribe_requests()
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._arrivals: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._state: LiveState | None = None
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
     def refresh(self) -> LiveState:
         with self._lock:
-            if self._state is not None and time.time() - self._state.now < SNAPSHOT_MAX_AGE_S:
-                return self._state
-            snapshot = self.engine.snapshot()
+            now = time.time()
+            self._update_pool()
+            snapshot = self.pool
             self._records.extend(self._steps.drain())
             # Arrival times give the timelines their waiting bars and the stats their TTFT:
-            # from finished requests, and from running ones seen in the snapshot.
+            # from finished requests, and from running ones seen in the mirror.
             for record in self._requests.drain():
                 metrics = record.output.metrics
                 if metrics is not None:
                     self._arrivals[record.output.request_id] = metrics.arrival_time
             for seq in snapshot.sequences:
                 self._arrivals.setdefault(seq.request_id, seq.arrival_time)
-            pool_tokens = snapshot.num_blocks * snapshot.block_size
-            self._token_usage.append((snapshot.time, snapshot.num_used_tokens / pool_tokens))
-            oldest = self._records[0].start_time if self._records else snapshot.time
+            pool_tokens = max(snapshot.num_blocks * snapshot.block_size, 1)
+            self._token_usage.append((now, snapshot.num_used_tokens / pool_tokens))
+            oldest = self._records[0].start_time if self._records else now
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
-            self._state = LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
-                                    dict(self._arrivals))
-            return self._state
+            return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
+                             dict(self._arrivals), now)
+
+    def _update_pool(self) -> None:
+        """Apply the deltas that arrived; on a missed one, ask for a new snapshot."""
+        records = self._pool_records
+        deadline = time.monotonic() + FIRST_SNAPSHOT_WAIT_S
+        while True:
+            for record in records.drain():
+                if not self.pool.apply(record):
+                    self._resync()
+                    break
+            if records.num_dropped != self._pool_dropped:
+                self._pool_dropped = records.num_dropped
+                self._resync()
+            if self.pool.ready or time.monotonic() > deadline or records.closed:
+                return
+            time.sleep(0.01)  # the snapshot's slices are on their way
+
+    def _resync(self) -> None:
+        self.pool.awaiting_base = True
+        self.engine.resync_pool(self._pool_records)
 
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""
         with self._lock:
             self._records.clear()
             self._token_usage.clear()
-            self._state = None
 
     def decode(self, token_ids: tuple[int, ...]) -> str:
         return self._decode(token_ids)

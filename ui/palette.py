@@ -1,6 +1,14 @@
-"""One colour per block state, shared by every figure so a block looks the same everywhere."""
+"""One colour per meaning, shared by every figure so a block looks the same everywhere.
+
+Block states are grey / blue / green / amber-to-brown (shared: darker = more references,
+with a colour bar); request phases use colours no block state uses, and red means only
+"preempted".
+"""
 
 import html
+
+import numpy as np
+import plotly.io as pio
 
 STATE_COLORS = {
     "free": "#e5e7eb",
@@ -8,36 +16,36 @@ STATE_COLORS = {
     "used": "#22c55e",
     "shared": "#f59e0b",
 }
-SHARED_MAX_COLOR = "#b91c1c"
-# Heatmap cells carry a number: free 0, cached 1, used 2, shared 3..4 (darker = more refs).
-STATE_CODES = {"free": 0.0, "cached": 1.0, "used": 2.0, "shared": 3.0}
+STATE_CODES = {"free": 0, "cached": 1, "used": 2, "shared": 3}  # as PoolMirror.state_codes
+# Shared blocks are shaded by reference count from 2 (amber) to MAX_SHADED_REFS+ (brown).
 MAX_SHADED_REFS = 8
-COLORSCALE = [
-    [0.0, STATE_COLORS["free"]], [0.125, STATE_COLORS["free"]],
-    [0.125, STATE_COLORS["cached"]], [0.375, STATE_COLORS["cached"]],
-    [0.375, STATE_COLORS["used"]], [0.625, STATE_COLORS["used"]],
-    [0.625, STATE_COLORS["shared"]], [0.75, STATE_COLORS["shared"]],
-    [1.0, SHARED_MAX_COLOR],
+SHARED_COLORSCALE = [[0.0, STATE_COLORS["shared"]], [1.0, "#78350f"]]
+# The unshared states as a discrete scale over their codes 0..2.
+UNSHARED_COLORSCALE = [
+    [0.0, STATE_COLORS["free"]], [1 / 3, STATE_COLORS["free"]],
+    [1 / 3, STATE_COLORS["cached"]], [2 / 3, STATE_COLORS["cached"]],
+    [2 / 3, STATE_COLORS["used"]], [1.0, STATE_COLORS["used"]],
 ]
 PHASE_COLORS = {
     "waiting": "#d1d5db",
     "prefill": "#8b5cf6",
-    "decode": "#22c55e",
-    "preempted": "#ef4444",
+    "decode": "#0d9488",
+    "preempted": "#dc2626",
     "finished": "#111827",
 }
 
 
-def state_code(state: str, ref_count: int) -> float:
-    """The heatmap value of a block: its state, and for shared blocks how shared."""
-    if state != "shared":
-        return STATE_CODES[state]
-    return 3.0 + min(ref_count - 2, MAX_SHADED_REFS - 2) / (MAX_SHADED_REFS - 2)
+# Plotly's default look without its per-trace-type defaults: every figure carries its
+# template, and the full one is 7 KB of every refresh.
+TEMPLATE = {"layout": {
+    key: value for key, value in pio.templates["plotly"].layout.to_plotly_json().items()
+    if key not in ("colorscale", "coloraxis", "polar", "ternary", "scene", "geo")}}
 
 
-def code_state(code: float) -> str:
-    """Inverse of state_code (for tests and hover)."""
-    return "shared" if code >= 3 else next(s for s, c in STATE_CODES.items() if c == code)
+def state_rgb() -> np.ndarray:
+    """The four state colours as a (4, 3) array in code order, for mixing by share."""
+    return np.array([[int(color[i:i + 2], 16) for i in (1, 3, 5)]
+                     for color in STATE_COLORS.values()], dtype=np.float32)
 
 
 def hover_text(text: str, limit: int = 48) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from engine.telemetry import EngineSnapshot
+from engine.pool_mirror import PoolMirror
 from ui import figures, timeline
 from ui.live import LiveFeed, LiveState
 from ui.plotdata import placeholder, to_plot
@@ -25,17 +25,38 @@ TICK_SLACK_S = 0.2
 COST_SMOOTHING = 0.3
 
 
-def _pool_signature(snapshot: EngineSnapshot) -> tuple:
-    return (snapshot.num_blocks, snapshot.block_size,
-            tuple((b.ref_count, b.state, b.block_hash, len(b.token_ids), b.owners)
-                  for b in snapshot.blocks))
+@dataclass(frozen=True, slots=True)
+class PanelViews:
+    """What a tab chose to look at: the heatmap's range and the block tables' page."""
+
+    heatmap_view: str = "whole pool"
+    heatmap_start: int | None = None
+    heatmap_stop: int | None = None
+    tables: figures.TableView = figures.TableView()
+
+    def of(self, name: str) -> object:
+        """The part of the view a panel depends on (None: it has no view)."""
+        if name == "heatmap":
+            return self.heatmap_view, self.heatmap_start, self.heatmap_stop
+        return self.tables if name == "block_tables" else None
+
+
+def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
+                table_page=None, table_filter=None) -> PanelViews:
+    """The views from the controls' raw values (None or blank = the default)."""
+    return PanelViews(
+        heatmap_view or "whole pool",
+        None if heatmap_start in (None, "") else int(heatmap_start),
+        None if heatmap_stop in (None, "", 0) else int(heatmap_stop),  # 0: to the end
+        figures.TableView(table_order or "most recent", max(int(table_page or 1), 1),
+                          (table_filter or "").strip()))
 
 
 def _signatures(state: LiveState) -> dict[str, object]:
     snapshot = state.snapshot
-    pool = hash(_pool_signature(snapshot))
-    sequences = hash(tuple((s.seq_id, s.status, s.block_table, s.num_tokens)
-                           for s in snapshot.sequences))
+    # The mirror counts its own changes, so an unchanged pool costs nothing to notice.
+    pool = (snapshot.epoch, snapshot.blocks_version, snapshot.ready)
+    sequences = (snapshot.epoch, snapshot.sequences_version)
     last = state.records[-1] if state.records else None
     last_step = last.step if last else -1
     # The rolling rate keeps falling after the last step, until its window has passed.
@@ -44,7 +65,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
     return {
         "summary": (snapshot.num_blocks, snapshot.block_size, snapshot.num_running,
                     snapshot.num_waiting, hash(str(snapshot.config))),
-        "heatmap": pool,
+        "heatmap": (pool, sequences),  # hover names the owners
         "block_tables": (pool, sequences),
         "prefix_tree": pool,
         "timeline": (last_step, len(state.arrivals)),
@@ -54,7 +75,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
     }
 
 
-def summary_markdown(snapshot: EngineSnapshot) -> str:
+def summary_markdown(snapshot: PoolMirror) -> str:
     config = snapshot.config
     max_model_len = config.get("max_model_len") or 0
     per_sequence = -(-max_model_len // snapshot.block_size) if max_model_len else 0
@@ -67,18 +88,19 @@ def summary_markdown(snapshot: EngineSnapshot) -> str:
             f"{'on' if config.get('enable_chunked_prefill') else 'off'}")
 
 
-def _render(name: str, state: LiveState, decode):
+def _render(name: str, state: LiveState, decode, views: PanelViews):
     snapshot = state.snapshot
     holders = any(seq.block_table for seq in snapshot.sequences)
     window = timeline.live_window(state.records, state.now)
     if name == "summary":
         return summary_markdown(snapshot)
     if name == "heatmap":
-        return figures.pool_heatmap(snapshot, decode)
+        return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
+                                    views.heatmap_stop)
     if name == "block_tables":
         if not holders:
             return placeholder("Block tables", "No sequence holds blocks right now.")
-        return figures.block_table_map(snapshot, decode)
+        return figures.block_table_map(snapshot, decode, views.tables)
     if name == "prefix_tree":
         return figures.prefix_tree(snapshot, decode)
     if name == "timeline":
@@ -121,26 +143,35 @@ class PanelRenderer:
     def interval(self, name: str) -> float:
         return min(max(REFRESH_S, self._cost.get(name, 0.0) / PANEL_DUTY), MAX_INTERVAL_S)
 
-    def _due(self, name: str, signature: object, state: LiveState, now: float) -> bool:
+    def _due(self, name: str, signature: tuple, state: LiveState, now: float) -> bool:
+        """signature: (what the panel shows, the view the tab chose)."""
         rendered = self._rendered.get(name)
-        if rendered is None:
-            return True
+        if rendered is None or rendered.signature[1] != signature[1]:
+            return True  # a new view is drawn at once
         if rendered.signature == signature:
             return False
         return not state.busy or now - rendered.at >= self.interval(name) - TICK_SLACK_S
 
-    def refresh(self, shown: dict | None, watching: bool = True):
+    def refresh(self, shown: dict | None, watching: bool = True, *view_controls):
         """One value per panel in PANELS order (gr.skip() where this tab is up to date),
         then the signatures the tab now shows. With `watching` False (the Live tab is
-        not selected) only the summary line is refreshed."""
+        not selected) only the summary line is refreshed. `view_controls` are the
+        heatmap's and block tables' controls (see panel_views); a bad value draws the
+        default view and says why in a warning."""
         shown = shown or {}
+        try:
+            views = panel_views(*view_controls)
+        except (TypeError, ValueError) as error:
+            gr.Warning(f"View not changed: {error}")
+            views = PanelViews()
         with self._lock:
             state = self.feed.refresh()
-            signatures = _signatures(state)
+            signatures = {name: (data, views.of(name))
+                          for name, data in _signatures(state).items()}
             for name in PANELS if watching else PANELS[:1]:
                 now = time.monotonic()
                 if self._due(name, signatures[name], state, now):
-                    value = _render(name, state, self.feed.decode)
+                    value = _render(name, state, self.feed.decode, views)
                     value = to_plot(value) if name not in ("summary", "stats") else value
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)

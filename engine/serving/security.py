@@ -3,6 +3,7 @@
 import hmac
 import ipaddress
 import os
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -55,8 +56,9 @@ class AccessGuard:
     /v1/* wants `Authorization: Bearer KEY` (OpenAI clients send it) and answers 401 in
     OpenAI's shape. Everything else (the dashboard page, every Gradio route: config, info,
     queue, predict, upload, file downloads; /ws/events; /docs) takes the bearer key or the
-    session cookie set by POST /login; a browser asking for a page is sent to /login, any
-    other request gets a 401 and reaches no handler. Open without a key: `open_paths`.
+    session cookie set by POST /login, the cookie only from the dashboard's own origin; a
+    browser asking for a page is sent to /login, any other request gets a 401 and reaches
+    no handler. Open without a key: `open_paths`.
     """
 
     def __init__(self, app: ASGIApp, auth: APIKeyCheck, sessions: SessionStore,
@@ -72,16 +74,36 @@ class AccessGuard:
             return
         connection = HTTPConnection(scope)
         api_route = scope["path"] == "/v1" or scope["path"].startswith("/v1/")
+        session = not api_route and self.sessions.valid(
+            connection.cookies.get(session_cookie_name(scope)))
+        cross_origin = session and not _same_origin(connection.headers)
         if self.auth.allows(connection.headers.get("authorization")) or (
-                not api_route and self.sessions.valid(
-                    connection.cookies.get(session_cookie_name(scope)))):
+                session and not cross_origin):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":  # closing before accepting answers HTTP 403
             await send({"type": "websocket.close", "code": POLICY_VIOLATION,
                         "reason": "Incorrect API key provided"})
             return
-        await _refusal(scope, api_route)(scope, receive, send)
+        if cross_origin:
+            refusal = JSONResponse({"detail": "cross-origin request refused: its Origin is "
+                                    "not this server's Host (a reverse proxy must pass the "
+                                    "Host header on)"}, status_code=403)
+        else:
+            refusal = _refusal(scope, api_route)
+        await refusal(scope, receive, send)
+
+
+def _same_origin(headers: Headers) -> bool:
+    """A browser sends the cookie with requests that pages of other origins make (of the
+    same site, despite SameSite=Lax; and on a non-loopback host Gradio's CORS lets any
+    origin read the answer), so a cookie counts only from the dashboard's own origin.
+    Browsers send Origin on every cross-origin request, websocket handshakes included."""
+    origin = headers.get("origin")
+    if origin is None:
+        return True
+    own_hosts = {headers.get("host"), headers.get("x-forwarded-host")} - {None}
+    return urlsplit(origin).netloc in own_hosts
 
 
 def _refusal(scope: Scope, api_route: bool):

@@ -1,0 +1,228 @@
+"""The live views at GPU-scale pools: what telemetry costs the engine thread, what one
+dashboard refresh costs its reader, and how many bytes a refresh sends, for pools of
+3k to 1M blocks (block_size 1, num_gpu_blocks_override, a tiny random model).
+
+Per pool size: an AsyncEngine on a 2-layer random Llama, the dashboard's LiveFeed and its
+refresh handler (the function gr.Timer calls), and 16 requests kept in flight (a shared
+32-token prefix, so blocks are shared and cached; finished ones are replaced).
+
+Reported per size (JSON on stdout):
+- engine_telemetry_ms_per_step: time the engine thread spends on telemetry, summed over
+  the run and divided by its steps (step records, pool deltas, snapshots for readers);
+- engine_max_pause_ms: the longest single telemetry call on the engine thread;
+- refresh_ms: one refresh of every panel for a new tab (all panels built) and the mean
+  refresh of an open tab under load (only changed panels built);
+- bytes: payload of a new tab's refresh, of an open tab's refresh under load (mean) and
+  while idle (nothing running, nothing changed).
+
+Usage:
+  flock /work/bench.lock .venv/bin/python bench/dashboard_scale.py            # 3k..1M
+  .venv/bin/python bench/dashboard_scale.py --sizes 3000 --refreshes 3       # a quick look
+"""
+
+import argparse
+import functools
+import importlib
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+from conftest import save_tiny_chat_model  # noqa: E402
+
+from engine.async_engine import AsyncEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from ui import panels  # noqa: E402
+from ui.live import LiveFeed  # noqa: E402
+
+ENGINE_THREAD = "kvscope-engine"
+# Engine-thread telemetry entry points (module, class or None for a module function, name),
+# of the code before pool deltas and after; those that exist are timed.
+TELEMETRY_CALLS = (
+    ("engine.async_engine", "AsyncEngine", "_answer_snapshots"),
+    ("engine.async_engine", "AsyncEngine", "_publish_pool_delta"),
+    ("engine.async_engine", "AsyncEngine", "_send_pool_slices"),
+    ("engine.core", "EngineCore", "_record"),
+    ("engine.core", None, "take_pool_delta"),
+)
+IN_FLIGHT = 16
+PREFIX_TOKENS = 32
+PROMPT_TOKENS = 96
+MAX_MODEL_LEN = 480
+
+
+class TelemetryClock:
+    """Wraps the engine's telemetry methods and sums their time on the engine thread."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.max_pause = 0.0
+        self.lock = threading.Lock()
+        for module_name, class_name, name in TELEMETRY_CALLS:
+            owner = importlib.import_module(module_name)
+            if class_name is not None:
+                owner = getattr(owner, class_name)
+            if hasattr(owner, name):
+                setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, function):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            if threading.current_thread().name != ENGINE_THREAD:
+                return function(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                with self.lock:
+                    self.total += elapsed
+                    self.max_pause = max(self.max_pause, elapsed)
+        return timed
+
+    def reset(self) -> None:
+        with self.lock:
+            self.total = self.max_pause = 0.0
+
+
+class Load:
+    """Keeps IN_FLIGHT requests running (a finished one is replaced at once)."""
+
+    def __init__(self, engine: AsyncEngine, vocab_size: int) -> None:
+        self.engine, self.vocab_size = engine, vocab_size
+        self.stopping = False
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
+                        for i in range(IN_FLIGHT)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for thread in self.threads:
+            thread.join()
+
+    def _client(self, index: int) -> None:
+        prefix = [3 + (7 * i) % (self.vocab_size - 3) for i in range(PREFIX_TOKENS)]
+        turn = 0
+        while not self.stopping:
+            tail = [3 + (index * 131 + turn * 17 + 5 * i) % (self.vocab_size - 3)
+                    for i in range(PROMPT_TOKENS - PREFIX_TOKENS)]
+            stream = self.engine.submit(prefix + tail, SamplingParams(
+                max_tokens=MAX_MODEL_LEN - PROMPT_TOKENS - 1, ignore_eos=True,
+                temperature=1.0, seed=index * 1000 + turn))
+            for _ in stream:
+                if self.stopping:
+                    stream.abort()
+                    break
+            turn += 1
+
+
+def payload_bytes(values) -> int:
+    """What gradio sends for the panel values (skipped panels send nothing)."""
+    total = 0
+    for value in values:
+        if isinstance(value, dict) and value.get("__type__") == "update" and len(value) == 1:
+            continue  # gr.skip()
+        if hasattr(value, "to_json"):
+            total += len(gr.Plot().postprocess(value).plot)
+        elif isinstance(value, str):
+            total += len(value)
+    return total
+
+
+def refresh(feed: LiveFeed, shown):
+    started = time.perf_counter()
+    *values, signatures = panels.refresh_panels(feed, shown)
+    size = payload_bytes(values)  # serialising is part of the refresh's cost
+    return time.perf_counter() - started, size, signatures
+
+
+def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
+    clock = TelemetryClock.instance
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(model), dtype="float32", device="cpu", block_size=1,
+        num_gpu_blocks_override=num_blocks, max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=512, device_memory_gb=4.0)).start()
+    feed = LiveFeed(engine)
+    load = Load(engine, engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size")
+                else 64)
+    try:
+        load.start()
+        time.sleep(3.0)  # every request admitted and decoding
+        clock.reset()
+        steps_before = engine.counters().num_steps
+        first_s, first_bytes, shown = refresh(feed, None)
+        load_s, load_bytes = [], []
+        for _ in range(refreshes):
+            time.sleep(1.0)
+            seconds, size, shown = refresh(feed, shown)
+            load_s.append(seconds)
+            load_bytes.append(size)
+        steps = engine.counters().num_steps - steps_before
+        engine_total, engine_max = clock.total, clock.max_pause
+        load.stop()
+        time.sleep(0.5)
+        refresh(feed, shown)  # the tab catches up with the end of the load
+        idle_s, idle_bytes, _ = refresh(feed, refresh(feed, shown)[2])
+        return {
+            "num_blocks": num_blocks, "steps": steps,
+            "engine_telemetry_ms_per_step": round(1e3 * engine_total / max(steps, 1), 3),
+            "engine_max_pause_ms": round(1e3 * engine_max, 2),
+            "refresh_ms": {"new_tab": round(1e3 * first_s, 1),
+                           "under_load_mean": round(1e3 * statistics.mean(load_s), 1),
+                           "under_load_max": round(1e3 * max(load_s), 1),
+                           "idle": round(1e3 * idle_s, 1)},
+            "bytes": {"new_tab": first_bytes,
+                      "under_load_mean": round(statistics.mean(load_bytes)),
+                      "under_load_max": max(load_bytes), "idle": idle_bytes},
+        }
+    finally:
+        load.stopping = True
+        engine.shutdown()
+
+
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+",
+                        default=[3_000, 30_000, 100_000, 1_000_000])
+    parser.add_argument("--refreshes", type=int, default=5,
+                        help="refreshes under load per size, one a second")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    TelemetryClock.instance = TelemetryClock()
+    with tempfile.TemporaryDirectory() as folder:
+        model = save_tiny_chat_model(Path(folder))
+        results = []
+        for num_blocks in args.sizes:
+            results.append(measure(model, num_blocks, args.refreshes))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    print(json.dumps({"machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
+                      "in_flight": IN_FLIGHT, "block_size": 1, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

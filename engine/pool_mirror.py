@@ -1,0 +1,249 @@
+"""A reader's own copy of the KV pool, kept current from the engine's per-step deltas.
+
+The engine sends one PoolBase and its PoolSlices when a reader starts (or falls behind),
+then one PoolDelta per step (engine.telemetry). Applying a delta costs the reader
+O(blocks and sequences it touches); whole-pool questions (state counts, a heatmap row)
+are numpy over the mirror's arrays, never Python loops over a million block objects.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.block_pool import BlockHash
+from engine.telemetry import (
+    BlockInfo,
+    PoolBase,
+    PoolCounters,
+    PoolDelta,
+    PoolSlice,
+    SequenceChange,
+    SequenceInfo,
+)
+
+STATES = ("free", "cached", "used", "shared")  # index = the state's code
+NO_COUNTERS = PoolCounters(0, 0.0, 0, 1, 0, 0, 0, 0, 0, 0, {})
+
+
+def _counter(name: str) -> property:
+    return property(lambda mirror: getattr(mirror.counters, name))
+
+
+@dataclass(slots=True, eq=False)
+class MirroredSequence:
+    seq_id: str
+    request_id: str
+    status: str
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    arrival_time: float
+    block_table: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def info(self) -> SequenceInfo:
+        return SequenceInfo(self.seq_id, self.request_id, self.status,
+                            tuple(self.block_table), self.num_tokens, self.num_prompt_tokens,
+                            self.num_computed_tokens, self.arrival_time)
+
+
+class PoolMirror:
+    """Owned by one reader thread (not thread-safe). `apply` returns False when the
+    record cannot be applied (a missed delta, another pool): ask for a new snapshot."""
+
+    def __init__(self) -> None:
+        self.epoch: int | None = None
+        self.next_index = 0
+        self.awaiting_base = True  # deltas are ignored until a PoolBase arrives
+        self.counters = NO_COUNTERS
+        self.ref_counts = np.zeros(0, np.int32)
+        self.hashed = np.zeros(0, bool)
+        self.hashes: list[BlockHash | None] = []
+        self.live: dict[str, MirroredSequence] = {}
+        # block id -> (seq id, logical index) of every block table entry pointing at it
+        self.holders: dict[int, list[tuple[str, int]]] = {}
+        self.num_covered = 0  # blocks [0, num_covered) hold slice data
+        # Bumped by every applied change, so panels can skip what did not move.
+        self.blocks_version = 0
+        self.sequences_version = 0
+
+    # ---- applying records ----------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return not self.awaiting_base and self.num_covered >= self.num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def block_size(self) -> int:
+        return self.counters.block_size
+
+    def apply(self, record) -> bool:
+        if isinstance(record, PoolBase):
+            self._reset(record.epoch, record.counters, covered=0)
+            self.next_index = record.index
+            for change in record.sequences:
+                self._apply_sequence(change)
+            return True
+        if isinstance(record, PoolSlice):
+            if record.epoch == self.epoch and not self.awaiting_base:
+                self._apply_slice(record)
+            return True
+        if isinstance(record, PoolDelta):
+            return self._apply_delta(record)
+        raise TypeError(f"not a pool record: {type(record).__name__}")
+
+    def _reset(self, epoch: int, counters: PoolCounters, covered: int) -> None:
+        num_blocks = counters.num_blocks
+        self.epoch, self.counters, self.awaiting_base = epoch, counters, False
+        self.ref_counts = np.zeros(num_blocks, np.int32)
+        self.hashed = np.zeros(num_blocks, bool)
+        self.hashes = [None] * num_blocks
+        self.live, self.holders = {}, {}
+        self.num_covered = min(covered, num_blocks)
+        self.blocks_version += 1
+        self.sequences_version += 1
+
+    def _apply_slice(self, piece: PoolSlice) -> None:
+        start, stop = piece.start, piece.start + len(piece.ref_counts)
+        self.ref_counts[start:stop] = piece.ref_counts
+        self.hashed[start:stop] = False
+        self.hashes[start:stop] = [None] * (stop - start)
+        for block_id, block_hash in piece.hashes:
+            self.hashes[block_id] = block_hash
+            self.hashed[block_id] = True
+        self.num_covered = max(self.num_covered, stop)
+        self.blocks_version += 1
+
+    def _apply_delta(self, delta: PoolDelta) -> bool:
+        if self.awaiting_base:
+            return True  # the snapshot asked for is on its way
+        if delta.epoch != self.epoch:
+            if delta.index != 0:
+                return False
+            self._reset(delta.epoch, delta.counters, covered=delta.counters.num_blocks)
+            self.next_index = 0
+        if delta.index < self.next_index:
+            return True  # already part of the snapshot
+        if delta.index > self.next_index:
+            return False
+        self.next_index += 1
+        self.counters = delta.counters
+        refs, hashed, hashes = self.ref_counts, self.hashed, self.hashes
+        for block_id, ref_count, block_hash in delta.blocks:
+            refs[block_id] = ref_count
+            hashes[block_id] = block_hash
+            hashed[block_id] = block_hash is not None
+        if delta.blocks:
+            self.blocks_version += 1
+        for change in delta.sequences:
+            self._apply_sequence(change)
+        for seq_id in delta.removed:
+            seq = self.live.pop(seq_id, None)
+            if seq is not None:
+                self._drop_holders(seq, 0)
+        if delta.sequences or delta.removed:
+            self.sequences_version += 1
+        return True
+
+    def _apply_sequence(self, change: SequenceChange) -> None:
+        seq = self.live.get(change.seq_id)
+        if seq is None:
+            seq = self.live[change.seq_id] = MirroredSequence(
+                change.seq_id, change.request_id, change.status, change.num_tokens,
+                change.num_prompt_tokens, change.num_computed_tokens, change.arrival_time)
+        seq.status, seq.num_tokens = change.status, change.num_tokens
+        seq.num_computed_tokens = change.num_computed_tokens
+        self._drop_holders(seq, change.table_from)
+        del seq.block_table[change.table_from:]
+        seq.block_table.extend(change.table_tail)
+        for index, block_id in enumerate(change.table_tail, change.table_from):
+            self.holders.setdefault(block_id, []).append((seq.seq_id, index))
+        del seq.token_ids[change.token_from:]
+        seq.token_ids.extend(change.new_token_ids)
+
+    def _drop_holders(self, seq: MirroredSequence, start: int) -> None:
+        for index in range(start, len(seq.block_table)):
+            block_id = seq.block_table[index]
+            entries = self.holders.get(block_id)
+            if entries is None:
+                continue
+            entries.remove((seq.seq_id, index))
+            if not entries:
+                del self.holders[block_id]
+
+    # ---- reading: the attributes of an EngineSnapshot, so panels read either ------------
+    @property
+    def sequences(self) -> list[MirroredSequence]:
+        return list(self.live.values())
+
+    # The scalars of the latest delta, under an EngineSnapshot's names.
+    config = _counter("config")
+    step = _counter("step")
+    num_running = _counter("num_running")
+    num_waiting = _counter("num_waiting")
+    prefix_cache_queries = _counter("prefix_cache_queries")
+    prefix_cache_hits = _counter("prefix_cache_hits")
+    num_preemptions = _counter("num_preemptions")
+    num_evictions = _counter("num_evictions")
+
+    def count(self, state: str) -> int:
+        return self.counts()[state]
+
+    def state_codes(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """0 free, 1 cached (free, still holding a hash), 2 used, 3 shared, per block."""
+        refs = self.ref_counts[start:stop]
+        codes = np.where(refs > 1, 3, np.where(refs == 1, 2, 0)).astype(np.int8)
+        codes[(refs == 0) & self.hashed[start:stop]] = 1
+        return codes
+
+    def counts(self) -> dict[str, int]:
+        return dict(zip(STATES, np.bincount(self.state_codes(), minlength=4).tolist()))
+
+    def block_tokens(self, block_id: int) -> tuple[int, ...]:
+        """What the block holds: its hashed tokens, else the computed tokens a holder put
+        there (the longest, if holders computed different amounts)."""
+        block_hash = self.hashes[block_id]
+        if block_hash is not None:
+            return block_hash.token_ids
+        size, best = self.block_size, ()
+        for seq_id, index in self.holders.get(block_id, ()):
+            seq = self.live[seq_id]
+            stored = seq.token_ids[index * size:min((index + 1) * size, seq.num_computed_tokens)]
+            if len(stored) > len(best):
+                best = tuple(stored)
+        return best
+
+    def block_info(self, block_id: int) -> BlockInfo:
+        ref_count = int(self.ref_counts[block_id])
+        block_hash = self.hashes[block_id]
+        state = STATES[3 if ref_count > 1 else 2 if ref_count == 1 else
+                       1 if block_hash is not None else 0]
+        owners = tuple(dict.fromkeys(s for s, _ in self.holders.get(block_id, ())))
+        return BlockInfo(block_id, ref_count, state,
+                         block_hash.value.hex() if block_hash else None,
+                         block_hash.parent.hex() if block_hash and block_hash.parent else None,
+                         self.block_tokens(block_id), owners)
+
+    @property
+    def num_used_tokens(self) -> int:
+        """Tokens stored in blocks in use (a shared block counted once)."""
+        size = self.block_size
+        used = self.ref_counts > 0
+        total = int(np.count_nonzero(used & self.hashed)) * size
+        fill = np.zeros(self.num_blocks, np.int32)
+        for seq in self.live.values():
+            if not seq.block_table:
+                continue
+            table = np.asarray(seq.block_table)
+            stored = np.clip(seq.num_computed_tokens - np.arange(len(table)) * size, 0, size)
+            plain = ~self.hashed[table]
+            np.maximum.at(fill, table[plain], stored[plain])
+        return total + int(fill[used & ~self.hashed].sum())
+
+    @property
+    def blocks_saved_by_sharing(self) -> int:
+        held = sum(len(seq.block_table) for seq in self.live.values())
+        return held - int(np.count_nonzero(self.ref_counts > 0))

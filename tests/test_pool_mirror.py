@@ -1,0 +1,158 @@
+"""The reader's mirror of the pool, built from per-step deltas (and a sliced snapshot for a
+late reader), equals a full snapshot after random workloads on a real engine."""
+
+import random
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from engine.beam_search import BeamSearchParams
+from engine.core import EngineCore
+from engine.pool_mirror import PoolMirror
+from engine.sampling_params import SamplingParams
+from engine.telemetry import take_pool_base, take_pool_delta, take_pool_slice, take_snapshot
+
+SLICE_BLOCKS = 5  # small, so a late reader's snapshot spans several steps
+PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23], []]
+
+
+def assert_mirror_matches(mirror: PoolMirror, core: EngineCore) -> None:
+    snapshot = take_snapshot(core)
+    assert mirror.ready and mirror.num_blocks == snapshot.num_blocks
+    assert mirror.block_size == snapshot.block_size
+    for block in snapshot.blocks:
+        mirrored = mirror.block_info(block.block_id)
+        assert (mirrored.ref_count, mirrored.state, mirrored.block_hash, mirrored.parent_hash,
+                mirrored.token_ids) == (block.ref_count, block.state, block.block_hash,
+                                        block.parent_hash, block.token_ids), block.block_id
+        assert sorted(mirrored.owners) == sorted(block.owners)
+    assert {s.seq_id: s.info() for s in mirror.sequences} == {
+        s.seq_id: s for s in snapshot.sequences}
+    assert mirror.counts() == {state: snapshot.count(state)
+                               for state in ("free", "cached", "used", "shared")}
+    assert mirror.num_used_tokens == snapshot.num_used_tokens
+    assert mirror.blocks_saved_by_sharing == snapshot.blocks_saved_by_sharing
+    counters = mirror.counters
+    assert (counters.num_running, counters.num_waiting, counters.num_preemptions,
+            counters.num_evictions, counters.prefix_cache_hits) == (
+        snapshot.num_running, snapshot.num_waiting, snapshot.num_preemptions,
+        snapshot.num_evictions, snapshot.prefix_cache_hits)
+
+
+def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
+    class MirrorMachine(RuleBasedStateMachine):
+        """Requests sharing prefixes (prefix hits), n > 1 and beams (copy-on-write), a
+        pool small enough to preempt, aborts, reconfigures between the two preemption
+        modes, and a second reader that joins late through a sliced snapshot."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.core = self._engine("recompute", 14)
+            self.mirror = PoolMirror()
+            self.late: PoolMirror | None = None
+            self.late_next = 0
+            self.rng = random.Random(0)
+            self._start_reader(self.mirror)
+            self._send_slices(self.mirror, everything=True)
+
+        @staticmethod
+        def _engine(preemption_mode: str, num_blocks: int) -> EngineCore:
+            return make_engine("llama", block_size=2, max_model_len=24,
+                               num_gpu_blocks_override=num_blocks, max_num_batched_tokens=12,
+                               preemption_mode=preemption_mode, swap_space=0.001)
+
+        def _publish(self, delta) -> None:
+            for mirror in (self.mirror, self.late):
+                if mirror is not None:
+                    assert mirror.apply(delta)
+
+        def _publish_pending(self) -> None:
+            """What AsyncEngine does after commands that changed the pool between steps."""
+            if self.core.kv_cache.events.pending:
+                self._publish(take_pool_delta(self.core))
+
+        def _start_reader(self, mirror: PoolMirror) -> None:
+            self._publish_pending()
+            assert mirror.apply(take_pool_base(self.core))
+
+        def _send_slices(self, mirror: PoolMirror, everything: bool = False) -> None:
+            start = 0 if mirror is self.mirror else self.late_next
+            while start < self.core.kv_cache.pool.num_blocks:
+                assert mirror.apply(take_pool_slice(self.core, start, SLICE_BLOCKS))
+                start += SLICE_BLOCKS
+                if not everything:
+                    break
+            if mirror is self.late:
+                self.late_next = start
+
+        @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(30, 40), max_size=9),
+              n=st.integers(1, 3), beam=st.booleans(), max_tokens=st.integers(1, 12))
+        def add(self, prefix, tail, n, beam, max_tokens):
+            prompt = prefix + tail or [1]
+            params = (BeamSearchParams(beam_width=n, max_tokens=max_tokens) if beam and n > 1
+                      else SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True,
+                                          temperature=1.0, seed=len(prompt)))
+            try:
+                self.core.add_request(prompt, params)
+            except ValueError:
+                pass  # does not fit this pool: refused, nothing changed
+            self._publish_pending()
+
+        @rule(count=st.integers(1, 6))
+        def step(self, count):
+            for _ in range(count):
+                if not self.core.has_unfinished_requests():
+                    return
+                self._publish(self.core.step().pool_delta)
+                if self.late is not None:
+                    self._send_slices(self.late)
+
+        @rule(data=st.data())
+        def abort(self, data):
+            if self.core.requests:
+                request_id = data.draw(st.sampled_from(sorted(self.core.requests)))
+                self.core.abort_request(request_id)
+                self._publish_pending()
+
+        @rule(preemption_mode=st.sampled_from(["recompute", "swap"]),
+              num_blocks=st.integers(12, 20))
+        def reconfigure(self, preemption_mode, num_blocks):
+            for request_id in list(self.core.requests):
+                self.core.abort_request(request_id)
+            self._publish_pending()
+            step_index = self.core.step_index
+            self.core = self._engine(preemption_mode, num_blocks)
+            self.core.step_index = step_index
+            self._publish(take_pool_delta(self.core))  # delta 0: readers start it empty
+            if self.late is not None and not self.late.ready:
+                self.late = None  # its snapshot was of the old pool; AsyncEngine restarts it
+
+        @rule()
+        def late_reader_joins(self):
+            self.late, self.late_next = PoolMirror(), 0
+            self._start_reader(self.late)
+
+        @invariant()
+        def mirrors_match_the_pool(self):
+            assert_mirror_matches(self.mirror, self.core)
+            if self.late is not None and self.late.ready:
+                assert_mirror_matches(self.late, self.core)
+
+        def teardown(self):
+            for request_id in list(self.core.requests):
+                self.core.abort_request(request_id)
+
+    run_state_machine_as_test(MirrorMachine, settings=settings(
+        max_examples=40, stateful_step_count=30, deadline=None,
+        suppress_health_check=list(HealthCheck)))
+
+
+def test_a_missed_delta_asks_for_a_new_snapshot(make_engine) -> None:
+    core = make_engine("llama", block_size=2, max_model_len=24, num_gpu_blocks_override=12)
+    mirror = PoolMirror()
+    assert mirror.apply(take_pool_base(core))
+    assert mirror.apply(take_pool_slice(core, 0, 100)) and mirror.ready
+    core.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+    core.step()  # its delta is lost
+    assert not mirror.apply(core.step().pool_delta)
