@@ -28,7 +28,7 @@ test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not browser"
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

@@ -19,7 +19,9 @@ from storage import SessionLog
 logger = logging.getLogger("kvscope")
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
 # In-flight HTTP requests get this long to finish on SIGINT/SIGTERM before being aborted.
-GRACEFUL_SHUTDOWN_S = 5
+GRACEFUL_SHUTDOWN_S = 5.0
+# After the abort, this long for the aborted streams to send their last events.
+STREAMS_CLOSE_S = 10.0
 SESSION_LOG_POLL_S = 0.25
 
 
@@ -58,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the API only, without the Gradio dashboard")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="logging level")
+    serve.add_argument("--graceful-shutdown-s", type=float, default=GRACEFUL_SHUTDOWN_S,
+                       help="on SIGINT/SIGTERM, how long running requests may go on; then "
+                       "they end with finish_reason \"abort\" (streams get their last "
+                       "event and [DONE])")
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
@@ -84,29 +90,51 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step (default: 2048 with chunked prefill, "
                        "else max-model-len)")
-    cache.add_argument("--no-prefix-caching", action="store_true",
+    cache.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="force the pool to this many blocks instead of sizing it from "
+                       "memory")
+    cache.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false",
                        help="do not reuse KV blocks of earlier prompts with the same prefix")
-    cache.add_argument("--no-chunked-prefill", action="store_true",
+    cache.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false",
                        help="run each prompt's prefill in one step instead of budget-sized "
                        "chunks")
+    cache.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="cap on one prefill chunk: 0 = none, N = N tokens (default: a "
+                       "quarter of the budget while other requests wait)")
     cache.add_argument("--preemption-mode", default=DEFAULTS["preemption_mode"],
                        choices=PREEMPTION_MODES,
                        help="what a preempted sequence loses: its KV (recompute) or its "
                        "device copy (swap to CPU)")
     cache.add_argument("--swap-space", type=float, default=DEFAULTS["swap_space"],
                        help="CPU memory for swapped-out KV blocks, GiB")
+    cache.add_argument("--seed", type=int, default=DEFAULTS["seed"],
+                       help="seed of the sampling of requests that give no seed")
     return parser
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        device_memory_gb=args.device_memory_gb, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        preemption_mode=args.preemption_mode, swap_space=args.swap_space)
+    """Every EngineConfig knob comes from the flag whose destination is its name."""
+    return EngineConfig(**{field.name: getattr(args, field.name)
+                           for field in dataclasses.fields(EngineConfig)})
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, plus: `grace_s` after SIGINT/SIGTERM the engine aborts what still
+    runs, so open streams end with finish_reason "abort", their last SSE event and
+    [DONE] (uvicorn itself would cut the connections when its own timeout ran out)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+        super().__init__(config)
+        self._abort_later = threading.Timer(grace_s, engine.shutdown,
+                                            kwargs={"abort_running": True})
+        self._abort_later.daemon = True
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        if not self._abort_later.is_alive() and not self._abort_later.finished.is_set():
+            self._abort_later.start()
 
 
 def mount_dashboard(app: FastAPI, engine: AsyncEngine, session_log: SessionLog) -> FastAPI:
@@ -201,10 +229,13 @@ def main(argv: list[str] | None = None) -> None:
         if warning:
             logger.warning(warning)
         logging.getLogger("uvicorn.access").addFilter(QuietPolling())
-        # uvicorn turns SIGINT/SIGTERM into a graceful stop: no new connections, in-flight
-        # requests get GRACEFUL_SHUTDOWN_S, then the engine aborts what is left.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        # SIGINT/SIGTERM: no new connections; in-flight requests get graceful_shutdown_s,
+        # then the engine aborts what is left and the aborted streams close themselves.
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.log_level,
+                                timeout_graceful_shutdown=args.graceful_shutdown_s
+                                + STREAMS_CLOSE_S)
+        GracefulServer(config, engine, args.graceful_shutdown_s).run()
     finally:
         engine.shutdown(abort_running=True)
         stop_recording()  # after the engine, so its last (aborted) requests are logged

@@ -111,7 +111,7 @@ def summarize(run, arrivals, long_indexes) -> dict:
         "output_tokens_per_s": round(run.output_tokens / run.seconds, 2),
         "all_tokens_per_s": round((run.output_tokens + prompt_tokens) / run.seconds, 2),
         "prefill_tokens_computed": run.prefill_tokens,
-        "num_preemptions": run.engine.scheduler.num_preemptions,
+        "num_preemptions": sum(len(r.preempted) for r in run.records),
     }
 
 
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
         for name in ("chunked_on", "chunked_on_uncapped", "chunked_on_threshold")}
 
     if not args.skip_pressure:
-        block_size = runs["chunked_on"].engine.kv_cache.block_size
+        block_size = runs["chunked_on"].engine.config.block_size
         # The workload's need: the most blocks the uncontended run held at once.
         need = max(r.num_used_blocks for r in runs["chunked_on"].records)
         num_blocks = max(math.ceil(need * args.pressure_fraction),
@@ -171,17 +171,18 @@ def main(argv=None) -> None:
             engine = bench.engine(enable_prefix_caching=False, max_num_batched_tokens=budget,
                                   num_gpu_blocks_override=num_blocks, preemption_mode=mode)
             run = drive(engine, arrivals)
-            swaps = engine.kv_cache.swap_stats
+            blocks_out = sum(r.num_blocks_swapped_out for r in run.records)
+            blocks_in = sum(r.num_blocks_swapped_in for r in run.records)
             bytes_per_block = engine.memory_plan.bytes_per_block
             pressure[mode] = {
                 **summarize(run, arrivals, long_indexes),
                 "outputs_match_uncontended": token_ids(run) == reference,
-                "swap": {"swap_outs": swaps.swap_outs, "swap_ins": swaps.swap_ins,
-                         "blocks_out": swaps.blocks_out, "blocks_in": swaps.blocks_in,
-                         "bytes_out": swaps.blocks_out * bytes_per_block,
-                         "bytes_in": swaps.blocks_in * bytes_per_block,
-                         "swap_pool_blocks": engine.kv_cache.num_swap_blocks},
-                "blocks_in_use_at_end": engine.kv_cache.pool.num_used_blocks,
+                "swap": {"swap_outs": sum(len(r.swapped_out) for r in run.records),
+                         "swap_ins": sum(len(r.swapped_in) for r in run.records),
+                         "blocks_out": blocks_out, "blocks_in": blocks_in,
+                         "bytes_out": blocks_out * bytes_per_block,
+                         "bytes_in": blocks_in * bytes_per_block},
+                "blocks_in_use_at_end": run.records[-1].num_used_blocks,
             }
             pressure[mode]["throughput_vs_uncontended"] = ratio(
                 pressure[mode]["output_tokens_per_s"], results["chunked_on"]["output_tokens_per_s"])

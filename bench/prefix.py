@@ -69,19 +69,20 @@ def shared_system_prompt(bench, args, vocab) -> dict:
         run = drive(engine, [(i * args.arrival_interval, prompt, params)
                              for i, prompt in enumerate(prompts)])
         ttft = run.ttft()
-        stats = engine.kv_cache.prefix_stats
+        queries = sum(r.prefix_cache_queries for r in run.records)
+        hits = sum(r.prefix_cache_hits for r in run.records)
         results["caching_on" if caching else "caching_off"] = {
             "prefill_tokens_computed": run.prefill_tokens,
             "prompt_tokens": sum(map(len, prompts)),
             "cached_tokens_reported": sum(o.num_cached_tokens for o in run.outputs.values()),
-            "prefix_cache_hit_rate": round(stats.hit_rate, 4),
+            "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,
             "ttft_p50_s": rounded(percentile(ttft, 50)),
             "ttft_p99_s": rounded(percentile(ttft, 99)),
             "total_s": round(run.seconds, 2),
             "steps": len(run.records),
             "output_tokens": run.output_tokens,
-            "num_preemptions": engine.scheduler.num_preemptions,
-            "num_blocks": engine.kv_cache.pool.num_blocks,
+            "num_preemptions": sum(len(r.preempted) for r in run.records),
+            "num_blocks": engine.memory_plan.num_blocks,
         }
     on, off = results["caching_on"], results["caching_off"]
     results["ratios_off_over_on"] = {
@@ -129,7 +130,7 @@ def sharing_savings(bench, args, vocab, kind: str) -> dict:
                                                  else None, 4),
         "paper_saved_fraction_range": [low, high],
         "steps": len(run.records), "total_s": round(run.seconds, 2),
-        "blocks_in_use_at_end": engine.kv_cache.pool.num_used_blocks,
+        "blocks_in_use_at_end": run.records[-1].num_used_blocks,
     }
 
 

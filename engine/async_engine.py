@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.beam_search import BeamSearchParams
+from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.memory import MemoryPlan
@@ -120,7 +122,6 @@ class AsyncEngine:
         self._request_feed = Feed()
         self._counters = EngineCounters()
         self._counters_lock = threading.Lock()
-        self._prefix_seen = (0, 0)  # the current core's prefix stats already counted
         self._request_ids = itertools.count()
         self._accepting = True
         self._stopping = False
@@ -197,7 +198,7 @@ class AsyncEngine:
     def submit(
         self,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         *,
         request_id: str | None = None,
         source: str = "api",
@@ -212,7 +213,7 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineClosed("the engine is shutting down; it takes no new requests")
         request_id = request_id or f"{source}-{next(self._request_ids)}"
-        stream = RequestStream(self, request_id, source)
+        stream = RequestStream(request_id, source, on_abort=lambda: self.abort(request_id))
         self._enqueue(lambda: self._do_add(stream, prompt, params, priority,
                                            add_special_tokens, time.time()))
         return stream
@@ -225,15 +226,7 @@ class AsyncEngine:
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text of a conversation, ending with the assistant's turn."""
-        if not messages:
-            raise ValueError("messages: give at least one message")
-        if self.tokenizer.chat_template is None:
-            raise ValueError("messages: the model has no chat template; use completions")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as error:  # jinja raises its own types for malformed messages
-            raise ValueError(f"messages: the chat template failed: {error}") from error
+        return render_chat(self.tokenizer, messages)
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary; unknown or finished ids are ignored."""
@@ -350,10 +343,10 @@ class AsyncEngine:
                                    arrival_time=arrival_time, priority=priority,
                                    source=stream.source, add_special_tokens=add_special_tokens)
         except Exception as error:  # noqa: BLE001 -- ValueError for bad input; others refuse too
-            stream._fail(error)
+            stream.fail(error)
             return
         self._live[stream.request_id] = _LiveRequest(stream)
-        stream._accept()
+        stream.accept()
 
     def _do_abort(self, request_id: str) -> None:
         if request_id in self._held:
@@ -366,7 +359,7 @@ class AsyncEngine:
     def _refuse_held(self, request_id: str, error: Exception) -> None:
         """End a request that never reached the core (aborted, or the engine stopped)."""
         stream, _ = self._held.pop(request_id)
-        stream._fail(error)
+        stream.fail(error)
 
     def _step(self) -> None:
         core = self._core
@@ -423,7 +416,7 @@ class AsyncEngine:
             live = self._live.pop(request_id, None)
             if live is None:
                 continue
-            live.stream._fail(RequestFailed(message))
+            live.stream.fail(RequestFailed(message))
             if output is not None:
                 output.error = message
                 self._publish_request(output, live, "error")
@@ -440,7 +433,7 @@ class AsyncEngine:
             if live.last_token_time is not None:
                 live.inter_token_latencies.append(now - live.last_token_time)
             live.num_tokens_seen, live.last_token_time = num_tokens, now
-        live.stream._push(output)
+        live.stream.push(output)
         if output.finished:
             del self._live[output.request_id]
             self._publish_request(output, live, output.outputs[0].finish_reason or "abort")
@@ -455,9 +448,6 @@ class AsyncEngine:
         self._request_feed.publish(record)
 
     def _count_step(self, record: StepRecord) -> None:
-        stats = self._core.kv_cache.prefix_stats
-        seen_queries, seen_hits = self._prefix_seen
-        self._prefix_seen = (stats.queries, stats.hits)
         with self._counters_lock:
             counters = self._counters
             counters.num_steps += 1
@@ -465,8 +455,8 @@ class AsyncEngine:
             counters.preemptions += len(record.preempted)
             counters.swapped_out += len(record.swapped_out)
             counters.swapped_in += len(record.swapped_in)
-            counters.prefix_cache_queries += stats.queries - seen_queries
-            counters.prefix_cache_hits += stats.hits - seen_hits
+            counters.prefix_cache_queries += record.prefix_cache_queries
+            counters.prefix_cache_hits += record.prefix_cache_hits
 
     def _answer_snapshots(self) -> None:
         waiters, self._snapshot_waiters = self._snapshot_waiters, []
@@ -507,7 +497,7 @@ class AsyncEngine:
             settle_future(pending.result, error=error)
         else:
             core.step_index = old.step_index  # readers see one step sequence across configs
-            self._core, self._base_config, self._prefix_seen = core, pending.config, (0, 0)
+            self._core, self._base_config = core, pending.config
             self._publish_pool_delta()  # delta 0 of the new pool: readers start it empty
             logger.info("reconfigured: %s", core.memory_plan.describe())
             settle_future(pending.result, core.memory_plan)

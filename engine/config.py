@@ -7,6 +7,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 MAX_BLOCK_SIZE = 256
+BLOCK_SIZES = tuple(2 ** i for i in range(MAX_BLOCK_SIZE.bit_length()))  # 1, 2, ..., 256
 
 
 @dataclass(slots=True)

@@ -155,6 +155,7 @@ class EngineCore:
 
     def step(self) -> StepResult:
         start_time = time.time()
+        totals_before = self.kv_cache.stat_totals()
         plan = self.scheduler.schedule()
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
@@ -175,7 +176,7 @@ class EngineCore:
         outputs = [self._make_output(r) for r in touched]
         for request in finished:
             self.requests.pop(request.request_id, None)
-        record = self._record(start_time, plan, finished, num_generated)
+        record = self._record(start_time, plan, finished, num_generated, totals_before)
         self.step_index += 1
         return StepResult(outputs, record, take_pool_delta(self))
 
@@ -320,8 +321,10 @@ class EngineCore:
                              deltas=[c.text for c in completions])
 
     def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
-                num_generated: int) -> StepRecord:
+                num_generated: int, totals_before: tuple[int, ...]) -> StepRecord:
         pool = self.kv_cache.pool
+        queries, hits, blocks_out, blocks_in = (
+            now - before for now, before in zip(self.kv_cache.stat_totals(), totals_before))
         return StepRecord(
             step=self.step_index, start_time=start_time, end_time=time.time(),
             chunks=tuple(ScheduledChunk(s.seq.request.request_id, s.seq.seq_id, s.kind,
@@ -335,7 +338,9 @@ class EngineCore:
             num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_free_blocks,
             num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
             num_running=self.num_running, num_waiting=len(self.scheduler.waiting),
-            num_generated_tokens=num_generated)
+            num_generated_tokens=num_generated, prefix_cache_queries=queries,
+            prefix_cache_hits=hits, num_blocks_swapped_out=blocks_out,
+            num_blocks_swapped_in=blocks_in)
 
 
 def _eos_token_ids(runner: ModelRunner) -> set[int]:

@@ -177,6 +177,11 @@ class KVCacheManager:
         seq.swap_table = []
         self.events.sequence_changed(seq)
 
+    def stat_totals(self) -> tuple[int, int, int, int]:
+        """(prefix queries, prefix hits, blocks swapped out, blocks swapped in) so far."""
+        return (self.prefix_stats.queries, self.prefix_stats.hits,
+                self.swap_stats.blocks_out, self.swap_stats.blocks_in)
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

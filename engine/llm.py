@@ -7,6 +7,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.beam_search import BeamSearchParams
+from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
@@ -57,9 +58,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        prompts = [tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+        prompts = [render_chat(self.engine.tokenizer, conversation, add_generation_prompt)
                    for conversation in conversations]
         # The template already holds the special tokens; do not add a second BOS.
         return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)

@@ -4,13 +4,10 @@ import asyncio
 import concurrent.futures
 import threading
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from engine.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
 
 
 class EngineClosed(RuntimeError):
@@ -163,13 +160,16 @@ class RequestStream:
     Iterate it synchronously (`for`) or asynchronously (`async for`); iteration ends after
     the finished output, raises ValueError if the engine refused the request and
     RequestFailed if a step failed it. Breaking out early does not abort: call `abort()`.
+
+    The engine's side writes with `accept`, `push` and `fail` (from its own thread); the
+    stream calls `on_abort` when a reader aborts it.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, source: str) -> None:
+    def __init__(self, request_id: str, source: str, on_abort: Callable[[], None]) -> None:
         self.request_id = request_id
         self.source = source
         self.finished = False
-        self._engine = engine
+        self._on_abort = on_abort
         self._outputs = Channel()
         # Resolved on the engine thread once add_request accepted or refused the request.
         self._admission: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -185,7 +185,7 @@ class RequestStream:
     def abort(self) -> None:
         """Stop the request (a no-op once it finished); the stream then ends."""
         if not self.finished:
-            self._engine.abort(self.request_id)
+            self._on_abort()
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
@@ -208,16 +208,19 @@ class RequestStream:
         self.finished = item.finished
         return item
 
-    # ---- the engine thread's side -------------------------------------------------------
-    def _accept(self) -> None:
+    # ---- the engine's side ----------------------------------------------------------------
+    def accept(self) -> None:
+        """The engine queued the request."""
         settle_future(self._admission)
 
-    def _fail(self, error: Exception) -> None:
+    def fail(self, error: Exception) -> None:
+        """The engine refused the request, or a step failed it: readers get `error`."""
         settle_future(self._admission, error=error)
         self._outputs.put(error)
         self._outputs.close()
 
-    def _push(self, output: RequestOutput) -> None:
+    def push(self, output: RequestOutput) -> None:
+        """A new output; the finished one ends the stream."""
         self._outputs.put(output)
         if output.finished:
             self._outputs.close()

@@ -37,6 +37,13 @@ class StepRecord:
     num_running: int
     num_waiting: int
     num_generated_tokens: int = 0
+    # What this step added to the cache's statistics (readers sum them; none reaches into
+    # the KV cache manager): prompt tokens looked up in the prefix cache and found there
+    # (tokens, as vLLM counts), and blocks copied to and from the CPU swap pool.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
 
     @property
     def duration(self) -> float:

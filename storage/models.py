@@ -5,7 +5,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Bump when a table changes, and add the step from the previous version to MIGRATIONS
 # in storage.schema, so files written by older versions keep opening.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class Base(DeclarativeBase):
@@ -71,6 +71,11 @@ class StepRow(Base):
     num_running: Mapped[int] = mapped_column(Integer)
     num_waiting: Mapped[int] = mapped_column(Integer)
     num_generated_tokens: Mapped[int] = mapped_column(Integer)
+    # Added in schema version 2 (0 in rows written before).
+    prefix_cache_queries: Mapped[int] = mapped_column(Integer, default=0)
+    prefix_cache_hits: Mapped[int] = mapped_column(Integer, default=0)
+    num_blocks_swapped_out: Mapped[int] = mapped_column(Integer, default=0)
+    num_blocks_swapped_in: Mapped[int] = mapped_column(Integer, default=0)
     chunks: Mapped[list] = mapped_column(JSON, default=list)  # [request, seq, kind, start, end]
     preempted: Mapped[list] = mapped_column(JSON, default=list)
     swapped_out: Mapped[list] = mapped_column(JSON, default=list)

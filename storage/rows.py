@@ -7,7 +7,8 @@ from engine.telemetry import ScheduledChunk, StepRecord
 
 STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
                  "num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_running",
-                 "num_waiting", "num_generated_tokens")
+                 "num_waiting", "num_generated_tokens", "prefix_cache_queries",
+                 "prefix_cache_hits", "num_blocks_swapped_out", "num_blocks_swapped_in")
 STEP_ID_LISTS = ("preempted", "swapped_out", "swapped_in", "finished")
 
 

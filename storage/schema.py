@@ -11,9 +11,19 @@ from storage.models import SCHEMA_VERSION, Base, SchemaVersion
 logger = logging.getLogger(__name__)
 BUSY_TIMEOUT_MS = 5000
 
-# MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction; version 1 is
-# the first schema, so there is nothing to upgrade from yet.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+# Version 2 added the per-step cache statistics of StepRecord to the steps table.
+STEP_COLUMNS_OF_VERSION_2 = ("prefix_cache_queries", "prefix_cache_hits",
+                             "num_blocks_swapped_out", "num_blocks_swapped_in")
+
+
+def _add_step_statistics(connection: Connection) -> None:
+    for column in STEP_COLUMNS_OF_VERSION_2:
+        connection.exec_driver_sql(
+            f"ALTER TABLE steps ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+
+
+# MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_step_statistics}
 
 
 def open_database(path: str | Path) -> Engine:

@@ -41,6 +41,16 @@ from engine.request import Request, Sequence
 from engine.sampling_params import SamplingParams
 from engine.telemetry import StepRecord
 
+
+def pytest_collection_modifyitems(items) -> None:
+    """Tests that drive headless Chromium (named test_browser_*, or using a `browser`
+    fixture) are marked `browser`, so `make test-fast` can leave them out."""
+    for item in items:
+        if item.name.startswith("test_browser") or "browser" in getattr(item, "fixturenames",
+                                                                          ()):
+            item.add_marker(pytest.mark.browser)
+
+
 # SmolLM2's ChatML layout, so chat code paths see the same special tokens as the default model.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -173,6 +173,12 @@ COMPLETIONS = {
                                 == len(PROMPT))(1),
     "suffix": refused("!"),
     "prompt_embeds": refused("AAAA"),
+    # Two distinct beams, where greedy samples (the same request without it) are equal.
+    "use_beam_search": honoured(
+        lambda a, seen: [c["index"] for c in a["choices"]] == [0, 1]
+        and a["choices"][0]["text"] != a["choices"][1]["text"]
+        and seen.without["choices"][0]["text"] == seen.without["choices"][1]["text"],
+        ("n", 2), ("best_of", 3))(True),
 }
 CHAT = {
     "messages": no_op([{"role": "user", "content": PROMPT}]),

@@ -64,6 +64,9 @@ def test_repeated_preemption_changes_no_output(preemption_mode, enable_prefix_ca
     swapped_out = sum(len(r.swapped_out) for r in run.records)
     swapped_in = sum(len(r.swapped_in) for r in run.records)
     assert (swaps.swap_outs, swaps.swap_ins) == (swapped_out, swapped_in)
+    assert (sum(r.num_blocks_swapped_out for r in run.records),
+            sum(r.num_blocks_swapped_in for r in run.records)) == (swaps.blocks_out,
+                                                                   swaps.blocks_in)
     if preemption_mode == "swap":
         assert swaps.swap_outs > 0 and swaps.swap_ins == swaps.swap_outs
         assert swaps.blocks_in == swaps.blocks_out > 0

@@ -4,6 +4,7 @@ import os
 
 import gradio as gr
 
+from engine.view import EngineView
 from ui.dashboard import CSS_PATH, build_ui
 
 __all__ = ["CSS_PATH", "build_ui", "mount_ui"]
@@ -13,7 +14,7 @@ __all__ = ["CSS_PATH", "build_ui", "mount_ui"]
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
-def mount_ui(app, engine, session_log=None, path: str = "/"):
+def mount_ui(app, engine: EngineView, session_log=None, path: str = "/"):
     """Mount the dashboard on a FastAPI app (Gradio 6 takes the CSS at mount time)."""
     return gr.mount_gradio_app(app, build_ui(engine, session_log), path=path,
                                css_paths=[CSS_PATH])

@@ -8,6 +8,7 @@ import gradio as gr
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.streams import RequestFailed
+from engine.view import EngineView
 
 # Admission waits for the engine thread; during a reconfigure requests are held that long.
 ACCEPT_TIMEOUT_S = 120
@@ -71,7 +72,7 @@ def _display(messages: list[dict], stats: list[str]) -> list[dict]:
     return shown
 
 
-def chat_reply(engine, session_log, message: str, conversation: dict,
+def chat_reply(engine: EngineView, session_log, message: str, conversation: dict,
                temperature: float, top_p: float, max_tokens: int,
                repetition_penalty: float = 1.0, min_p: float = 0.0):
     """Yields (chatbot, conversation, textbox, status). Bad input warns and changes nothing."""

@@ -5,14 +5,16 @@ from pathlib import Path
 
 import gradio as gr
 
+from engine.config import BLOCK_SIZES, PREEMPTION_MODES
+from engine.view import EngineView
 from ui import chat, figures, knobs, loadgen, panels, sessions
 from ui.live import LiveFeed
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
 
 
-def build_ui(engine, session_log=None) -> gr.Blocks:
-    """The dashboard for a started AsyncEngine; session_log (a storage.SessionLog or None)
+def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
+    """The dashboard for a started engine (AsyncEngine); session_log (a storage.SessionLog or None)
     feeds the sessions tab and gets the chat turns and reconfigures."""
     feed = LiveFeed(engine)
     renderer = panels.PanelRenderer(feed)
@@ -46,7 +48,7 @@ def build_ui(engine, session_log=None) -> gr.Blocks:
     return blocks
 
 
-def _live_tab(engine, session_log) -> dict:
+def _live_tab(engine: EngineView, session_log) -> dict:
     with gr.Row():
         with gr.Column(scale=2):
             chatbot = gr.Chatbot(label="Chat", elem_id="kv-chat", height=420)
@@ -106,13 +108,13 @@ def _live_tab(engine, session_log) -> dict:
                               table_page, table_filter]}
 
 
-def _engine_tab(blocks, engine, feed, session_log, load) -> None:
+def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> None:
     (block_size, utilization, memory_gb, budget, prefix, chunked,
      preemption) = knobs.current_knobs(engine)
     gr.Markdown("### Knobs\nApply rebuilds the KV cache (weights stay loaded); new requests "
                 "wait and running ones finish first unless you abort them.")
     with gr.Row():
-        block_size = gr.Dropdown(knobs.BLOCK_SIZES, value=block_size, label="block_size",
+        block_size = gr.Dropdown(list(BLOCK_SIZES), value=block_size, label="block_size",
                                  elem_id="kv-block-size")
         utilization = gr.Slider(0.01, 1.0, value=utilization, step=0.01,
                                 label="gpu_memory_utilization")
@@ -123,7 +125,7 @@ def _engine_tab(blocks, engine, feed, session_log, load) -> None:
     with gr.Row():
         prefix = gr.Checkbox(value=prefix, label="prefix caching")
         chunked = gr.Checkbox(value=chunked, label="chunked prefill")
-        preemption = gr.Radio(knobs.PREEMPTION_MODES, value=preemption,
+        preemption = gr.Radio(list(PREEMPTION_MODES), value=preemption,
                               label="preemption mode")
         abort_running = gr.Checkbox(value=False, label="abort running requests")
     apply = gr.Button("Apply", variant="primary", elem_id="kv-apply")

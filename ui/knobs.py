@@ -3,21 +3,20 @@
 import gradio as gr
 
 from engine.memory import GiB, PoolTooSmall
+from engine.view import EngineView
 
-BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
-PREEMPTION_MODES = ["recompute", "swap"]
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
 KNOBS = ("block_size", "gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens",
          "enable_prefix_caching", "enable_chunked_prefill", "preemption_mode")
 
 
-def current_knobs(engine) -> tuple:
+def current_knobs(engine: EngineView) -> tuple:
     """The knob widgets' values for the engine's live config, in KNOBS order."""
     config = engine.config
     return tuple(getattr(config, name) for name in KNOBS)
 
 
-def live_form(engine) -> tuple:
+def live_form(engine: EngineView) -> tuple:
     """What a newly opened (or reloaded) tab shows: the live knobs and the live pool, so
     Apply there never reverts a reconfigure made from another tab."""
     return (*current_knobs(engine), pool_markdown(engine.memory_plan))
@@ -59,7 +58,7 @@ def _too_small(error: PoolTooSmall) -> str:
             "activation memory)")
 
 
-def apply_knobs(engine, feed, session_log, *values) -> str:
+def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
     """Rebuild the KV cache; a refused knob leaves the engine as it was and says why,
     next to the live and the asked-for values. The last value is "abort running"."""
     *knob_values, abort_running = values

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 from engine.pool_mirror import PoolMirror
 from engine.telemetry import StepRecord
+from engine.view import EngineView
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600
@@ -36,7 +37,7 @@ class LiveFeed:
     records from each other. The mirror changes at each refresh: read a state before the
     next one (ui.panels.PanelRenderer renders under one lock)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineView):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
         self._pool_records = engine.subscribe_pool()

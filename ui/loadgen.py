@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.view import EngineView
 
 # Ordinary prose to cut prompts from, so block hover texts read as words.
 CORPUS = (
@@ -68,7 +69,7 @@ class LoadGenerator:
     """Sends in a background thread; counts per run what was sent, finished, refused or
     failed."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineView):
         self.engine = engine
         self.runs: list[LoadRun] = []
         self._lock = threading.Lock()

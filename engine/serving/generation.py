@@ -47,7 +47,7 @@ class Generation:
         choices = []
         for prompt_index, output in enumerate(finals):
             self.latest[prompt_index] = output
-            for sample in output.outputs:
+            for sample in output.outputs[:self.n]:  # beam search ranks more, best first
                 if self.chat:
                     choice = {"message": {"role": "assistant", "content": sample.text},
                               "logprobs": self._logprobs(sample, 0, 0)}

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 ANY = None  # a no-op field whose every value changes nothing
@@ -164,6 +165,9 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     prompt_logprobs: int | None = None
     add_special_tokens: bool = True
+    # vLLM's beam search: best_of (else n) beams, the n best returned, best first.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def prompts(self) -> list[str | list[int]]:
         """One engine prompt per entry: a string, or a list of token ids."""
@@ -173,6 +177,25 @@ class CompletionRequest(SamplingFields):
         if not prompt:
             raise ValueError("prompt: give a string, a list of strings or token ids")
         return list(prompt)
+
+    def to_params(self, defaults: dict) -> SamplingParams | BeamSearchParams:
+        if self.use_beam_search:
+            return self.beam_search_params(defaults)
+        if self.length_penalty != 1.0:  # refused, not silently ignored
+            raise ValueError("length_penalty: it scores beams; set use_beam_search=true")
+        return self.to_sampling_params(defaults)
+
+    def beam_search_params(self, defaults: dict) -> BeamSearchParams:
+        if self.stream:
+            raise ValueError("use_beam_search: beams are ranked only at the end, so beam "
+                             "search cannot stream; set stream=false")
+        if self.max_tokens is None:
+            raise ValueError("max_tokens: required with use_beam_search")
+        self.to_sampling_params(defaults)  # the other fields are checked all the same
+        width = self.best_of if self.best_of is not None else self.n
+        return BeamSearchParams(beam_width=width, max_tokens=self.max_tokens,
+                                length_penalty=self.length_penalty,
+                                ignore_eos=self.ignore_eos)
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.stream and self.best_of is not None and self.best_of > self.n:

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.async_engine import AsyncEngine
+from engine.beam_search import BeamSearchParams
 from engine.sampling_params import SamplingParams
 from engine.serving.errors import APIError
 from engine.serving.generation import Generation
@@ -63,7 +64,7 @@ def openai_router(engine: AsyncEngine, model: ServedModel) -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         model.check(body.model)
-        params = body.to_sampling_params(engine.default_sampling)
+        params = body.to_params(engine.default_sampling)
         prompts = body.prompts()
         return await _serve(request, engine, model, body, params,
                             lambda: [engine.submit(prompt, params,
@@ -98,7 +99,8 @@ def _named_for_client(error: ValueError, body: SamplingFields) -> ValueError | A
 
 
 async def _serve(request: Request, engine: AsyncEngine, model: ServedModel,
-                 body: SamplingFields, params: SamplingParams, submit, chat: bool,
+                 body: SamplingFields, params: SamplingParams | BeamSearchParams, submit,
+                 chat: bool,
                  logprobs: int | None):
     """Submit, wait until the engine accepted every request (400 if not), then answer."""
     if engine.is_reconfiguring:
@@ -106,7 +108,7 @@ async def _serve(request: Request, engine: AsyncEngine, model: ServedModel,
                        code="reconfiguring", headers={"Retry-After": str(RETRY_AFTER_S)})
     streams: list[RequestStream] = submit()
     generation = Generation(chat, f"{'chatcmpl' if chat else 'cmpl'}-{streams[0].request_id}",
-                            model.name, streams, params.n, engine.tokenizer, logprobs,
+                            model.name, streams, body.n, engine.tokenizer, logprobs,
                             body.include_usage, echo=getattr(body, "echo", False),
                             prompt_logprobs=getattr(body, "prompt_logprobs", None) is not None)
     try:

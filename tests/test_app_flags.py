@@ -1,0 +1,36 @@
+"""Every EngineConfig knob has an app.py flag, and the README's knob table names it."""
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+from app import build_parser, engine_config
+from engine.config import EngineConfig
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+KNOBS = {field.name for field in fields(EngineConfig)}
+
+
+def test_every_knob_is_a_flags_destination_and_defaults_agree():
+    parser = build_parser()
+    assert KNOBS <= {action.dest for action in parser._actions}
+    assert engine_config(parser.parse_args([])) == EngineConfig()
+
+
+def test_the_newer_flags_reach_the_config():
+    args = build_parser().parse_args([
+        "--seed", "7", "--long-prefill-token-threshold", "64",
+        "--num-gpu-blocks-override", "100", "--no-prefix-caching", "--no-chunked-prefill"])
+    config = engine_config(args)
+    assert (config.seed, config.long_prefill_token_threshold,
+            config.num_gpu_blocks_override) == (7, 64, 100)
+    assert not config.enable_prefix_caching and not config.enable_chunked_prefill
+
+
+def test_the_readme_knob_table_maps_each_knob_to_its_flag():
+    flags = {option: action.dest for action in build_parser()._actions
+             for option in action.option_strings}
+    rows = re.findall(r"^\| `(\w+)` \| `(--[\w-]+)`", README.read_text(), re.M)
+    assert {knob for knob, _ in rows} == KNOBS
+    for knob, flag in rows:
+        assert flags.get(flag) == knob, f"README: {flag} does not set {knob}"
