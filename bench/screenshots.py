@@ -38,7 +38,7 @@ def main() -> None:
             page.locator("#kv-message textarea").fill("What is a paged KV cache?")
             page.locator("#kv-message textarea").press("Enter")
             time.sleep(args.load_s)
-            page.screenshot(path=args.out / "dashboard.png", full_page=True)
+            page.screenshot(path=args.out / "dashboard.png", full_page=True, timeout=120_000)
     finally:
         stop_app(app)
 
