@@ -10,10 +10,10 @@ Reported per size (JSON on stdout):
 - engine_telemetry_ms_per_step: time the engine thread spends on telemetry, summed over
   the run and divided by its steps (step records, pool deltas, snapshots for readers);
 - engine_max_pause_ms: the longest single telemetry call on the engine thread;
-- refresh_ms: one refresh of every panel for a new tab (all panels built) and the mean
-  refresh of an open tab under load (only changed panels built);
-- bytes: payload of a new tab's refresh, of an open tab's refresh under load (mean) and
-  while idle (nothing running, nothing changed).
+- refresh_ms: a new tab's first refresh; every panel built afresh under load (a new
+  renderer: nothing cached or throttled); an open tab's refresh under load, once a second
+  (only panels whose data changed, as often as their cost allows); and while idle;
+- bytes: the payload of each of those refreshes (skipped panels send nothing).
 
 Usage:
   flock /work/bench.lock .venv/bin/python bench/dashboard_scale.py            # 3k..1M
@@ -138,16 +138,24 @@ def payload_bytes(values) -> int:
     for value in values:
         if isinstance(value, dict) and value.get("__type__") == "update" and len(value) == 1:
             continue  # gr.skip()
-        if hasattr(value, "to_json"):
+        if hasattr(value, "to_json") or hasattr(value, "plot"):  # a figure, or its PlotData
             total += len(gr.Plot().postprocess(value).plot)
         elif isinstance(value, str):
             total += len(value)
     return total
 
 
-def refresh(feed: LiveFeed, shown):
+def refresher(feed: LiveFeed):
+    """The timer's handler for one tab: PanelRenderer.refresh (one render per change for
+    all tabs, throttled by each panel's cost while busy), or before it refresh_panels."""
+    if hasattr(panels, "PanelRenderer"):
+        return panels.PanelRenderer(feed).refresh
+    return functools.partial(panels.refresh_panels, feed)
+
+
+def refresh(handler, shown):
     started = time.perf_counter()
-    *values, signatures = panels.refresh_panels(feed, shown)
+    *values, signatures = handler(shown)
     size = payload_bytes(values)  # serialising is part of the refresh's cost
     return time.perf_counter() - started, size, signatures
 
@@ -166,28 +174,36 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
         time.sleep(3.0)  # every request admitted and decoding
         clock.reset()
         steps_before = engine.counters().num_steps
-        first_s, first_bytes, shown = refresh(feed, None)
-        load_s, load_bytes = [], []
+        tab = refresher(feed)
+        first_s, first_bytes, shown = refresh(tab, None)
+        load_s, load_bytes, every_s, every_bytes = [], [], [], []
         for _ in range(refreshes):
             time.sleep(1.0)
-            seconds, size, shown = refresh(feed, shown)
+            seconds, size, shown = refresh(tab, shown)
             load_s.append(seconds)
             load_bytes.append(size)
+            # Every panel built afresh (a new renderer, nothing cached or throttled).
+            seconds, size, _ = refresh(refresher(feed), None)
+            every_s.append(seconds)
+            every_bytes.append(size)
         steps = engine.counters().num_steps - steps_before
         engine_total, engine_max = clock.total, clock.max_pause
         load.stop()
         time.sleep(0.5)
-        refresh(feed, shown)  # the tab catches up with the end of the load
-        idle_s, idle_bytes, _ = refresh(feed, refresh(feed, shown)[2])
+        refresh(tab, shown)  # the tab catches up with the end of the load
+        idle_s, idle_bytes, _ = refresh(tab, refresh(tab, shown)[2])
         return {
             "num_blocks": num_blocks, "steps": steps,
             "engine_telemetry_ms_per_step": round(1e3 * engine_total / max(steps, 1), 3),
             "engine_max_pause_ms": round(1e3 * engine_max, 2),
             "refresh_ms": {"new_tab": round(1e3 * first_s, 1),
+                           "every_panel_under_load_mean": round(1e3 * statistics.mean(every_s), 1),
+                           "every_panel_under_load_max": round(1e3 * max(every_s), 1),
                            "under_load_mean": round(1e3 * statistics.mean(load_s), 1),
                            "under_load_max": round(1e3 * max(load_s), 1),
                            "idle": round(1e3 * idle_s, 1)},
             "bytes": {"new_tab": first_bytes,
+                      "every_panel_under_load_mean": round(statistics.mean(every_bytes)),
                       "under_load_mean": round(statistics.mean(load_bytes)),
                       "under_load_max": max(load_bytes), "idle": idle_bytes},
         }

@@ -5,9 +5,9 @@ masked), logit_bias, then the repetition / frequency / presence penalties. Tempe
 min_p, top-k and top-p follow in the sampler.
 
 Penalties need each sequence's output-token counts. They live on the device in one
-[slots, vocab] tensor (plus a prompt-token mask for the repetition penalty); a sequence gets
-a slot the first time it samples and a step updates every slot with one scatter, so
-nothing is rebuilt from Python lists per step.
+[slots, vocab] tensor, beside a mask of the tokens seen in the prompt or the output (the
+repetition penalty's set); a sequence gets a slot the first time it samples and a step
+updates every slot with one scatter each, so nothing is rebuilt from Python lists per step.
 """
 
 from dataclasses import dataclass
@@ -47,7 +47,7 @@ class LogitsProcessor:
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
-        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.seen_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.slots: dict[Sequence, int] = {}
         self.free_slots: list[int] = []
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer, vocab_size,
@@ -124,6 +124,7 @@ class LogitsProcessor:
             tokens = torch.tensor([token_ids[i] for i in rows], device=self.device)
             self.output_counts.index_put_((slots, tokens), torch.ones_like(
                 tokens, dtype=torch.int32), accumulate=True)
+            self.seen_mask[slots, tokens] = True
         self.structured.accept(seqs, token_ids)
 
     def grammar_finished(self, seq: Sequence) -> bool:
@@ -170,26 +171,37 @@ class LogitsProcessor:
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """vLLM's formulas: repetition divides positive logits (multiplies negative ones) of
         every token seen in the prompt or output; frequency subtracts penalty x count,
-        presence subtracts the penalty once for each token in the output."""
+        presence subtracts the penalty once for each token in the output. A penalty no row
+        asks for costs nothing."""
         rows = [i for i, seq in enumerate(seqs) if seq.request.params.has_penalties]
         if not rows:
             return
         slots = torch.tensor([self._slot(seqs[i]) for i in rows], device=self.device)
-        counts = self.output_counts[slots]
-        in_output = counts > 0
-        seen = in_output | self.prompt_mask[slots]
         params = [seqs[i].request.params for i in rows]
+        whole = len(rows) == logits.shape[0]  # the common case: no gather, no scatter
+        penalised = logits if whole else logits[rows]
 
-        def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype,
-                                device=self.device).unsqueeze(1)
+        def column(name: str, neutral: float) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in params]
+            if all(value == neutral for value in values):
+                return None
+            return torch.tensor(values, dtype=logits.dtype, device=self.device).unsqueeze(1)
 
-        repetition = torch.where(seen, column("repetition_penalty"), 1.0)
-        penalised = logits[rows]
-        penalised = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
-        penalised -= column("frequency_penalty") * counts
-        penalised -= column("presence_penalty") * in_output
-        logits[rows] = penalised
+        repetition = column("repetition_penalty", 1.0)
+        if repetition is not None:
+            factor = torch.where(self.seen_mask[slots], repetition, 1.0)
+            penalised = torch.where(penalised > 0, penalised / factor, penalised * factor)
+        frequency, presence = column("frequency_penalty", 0.0), column("presence_penalty", 0.0)
+        if frequency is not None or presence is not None:
+            counts = self.output_counts[slots]
+            if frequency is not None:
+                penalised = penalised - frequency * counts
+            if presence is not None:
+                penalised = penalised - presence * (counts > 0)
+        if whole:
+            logits.copy_(penalised)
+        else:
+            logits[rows] = penalised
 
     # ---- per-sequence state ----------------------------------------------------------------
     def _slot(self, seq: Sequence) -> int:
@@ -204,9 +216,8 @@ class LogitsProcessor:
         self.slots[seq] = slot
         output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=self.device)
         self.output_counts[slot] = torch.bincount(output, minlength=self.vocab_size)
-        self.prompt_mask[slot] = False
-        prompt = torch.tensor(seq.token_ids[:seq.num_prompt_tokens], device=self.device)
-        self.prompt_mask[slot, prompt] = True
+        self.seen_mask[slot] = False
+        self.seen_mask[slot, torch.tensor(seq.token_ids, device=self.device)] = True
         return slot
 
     def _grow(self) -> None:
@@ -214,7 +225,7 @@ class LogitsProcessor:
         new = max(8, 2 * old)
         self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(
             new - old, self.vocab_size)])
-        self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(
+        self.seen_mask = torch.cat([self.seen_mask, self.seen_mask.new_zeros(
             new - old, self.vocab_size)])
         self.free_slots.extend(range(new - 1, old - 1, -1))
 

@@ -46,15 +46,19 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """Softmax after temperature, then min-p, top-k and top-p masks (vLLM's order)."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temperature.unsqueeze(1)
+    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+    top_p = [p.top_p for p in params]
+    truncates = any(k < logits.shape[1] for k in top_k) or any(p < 1 for p in top_p)
     if any(p.min_p > 0 for p in params):
         # Drop tokens less likely than min_p times the most likely one.
         min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
         probs = logits.softmax(dim=-1)
-        threshold = min_p * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k < logits.shape[1] for k in top_k) or any(p < 1 for p in top_p):
+        dropped = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        if not truncates:  # renormalise what is left rather than a second softmax
+            probs = probs.masked_fill(dropped, 0)
+            return probs / probs.sum(dim=-1, keepdim=True)
+        logits = logits.masked_fill(dropped, float("-inf"))
+    if truncates:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
         keep = ranks < torch.tensor(top_k, device=logits.device).unsqueeze(1)

@@ -7,10 +7,11 @@ outlines-core precompiles an index per schema that grows with the schema), and i
 maintained by the guidance team and used by vLLM as its `guidance` backend.
 
 Each constrained sequence owns an LLMatcher. Before a step samples, the matchers of all
-constrained rows write one bitmask (one bit per token) that masks the batch's logits in a
-single op; after it, each matcher consumes its sequence's token. A matcher whose count of
-consumed tokens differs from its sequence's output (a sequence it has not seen yet, such
-as a fork, or anything that rewound it) is rebuilt from the output tokens.
+constrained rows write one bitmask (one bit per token, filled in parallel on native
+threads) that masks the batch's logits in a single op; after it, each matcher consumes
+its sequence's token. A matcher whose count of consumed tokens differs from its
+sequence's output (a sequence it has not seen yet, such as a fork, or anything that
+rewound it) is rebuilt from the output tokens.
 """
 
 import json
@@ -21,7 +22,7 @@ import llguidance
 import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
-from llguidance.torch import fill_next_token_bitmask
+from llguidance.torch import fill_next_token_bitmask_par
 
 from engine.request import Sequence
 from engine.sampling_params import StructuredOutputsParams
@@ -94,6 +95,8 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self.states: dict[Sequence, GrammarState] = {}
+        # Fills the rows' masks on a pool of native threads, outside the GIL.
+        self.executor = llguidance.LLExecutor()
 
     def apply_bitmask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """-inf on every token any constrained row's grammar forbids, in one masked fill."""
@@ -102,8 +105,8 @@ class StructuredOutputs:
             return
         words = (logits.shape[1] + 31) // 32
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
-        for index, row in enumerate(rows):
-            fill_next_token_bitmask(self._state(seqs[row]).matcher, bitmask, index)
+        fill_next_token_bitmask_par(self.executor, [(self._state(seqs[row]).matcher, index)
+                                                    for index, row in enumerate(rows)], bitmask)
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)
         allowed = allowed[:, :logits.shape[1]].to(device=logits.device, dtype=torch.bool)

@@ -1,5 +1,6 @@
 """Read side of the session log: the sessions list and one session's rows."""
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sqlalchemy import Engine, func, select
@@ -7,6 +8,8 @@ from sqlalchemy import Engine, func, select
 from engine.telemetry import StepRecord
 from storage.models import ChatMessageRow, ConfigRow, RequestRow, SessionRow, StepRow
 from storage.rows import step_record
+
+ROWS_PER_FETCH = 2000
 
 
 @dataclass(slots=True)
@@ -38,11 +41,18 @@ def _counts(engine: Engine, table) -> list[tuple[int, int]]:
 
 def table_rows(engine: Engine, table, session_id: int) -> list[dict]:
     """One session's rows of a table, in insertion order, as plain dicts."""
+    return list(iter_table_rows(engine, table, session_id))
+
+
+def iter_table_rows(engine: Engine, table, session_id: int) -> Iterator[dict]:
+    """The same rows, fetched ROWS_PER_FETCH at a time: a long session is never all in
+    memory at once."""
     key = table.id if table is SessionRow else table.session_id
     with engine.connect() as connection:
-        result = connection.execute(select(table.__table__).where(key == session_id)
-                                    .order_by(table.id))
-        return [dict(row._mapping) for row in result]
+        result = connection.execution_options(yield_per=ROWS_PER_FETCH).execute(
+            select(table.__table__).where(key == session_id).order_by(table.id))
+        for row in result:
+            yield dict(row._mapping)
 
 
 def load_session(engine: Engine, session_id: int) -> StoredSession:

@@ -166,12 +166,12 @@ def test_websocket_needs_the_key_or_a_session(guarded) -> None:
             with ws_connect(ws_url, additional_headers=headers) as websocket:
                 websocket.recv(timeout=5)
     with ws_connect(ws_url, additional_headers=BEARER) as websocket:
-        assert json.loads(websocket.recv(timeout=10))["type"] == "snapshot"
+        assert json.loads(websocket.recv(timeout=10))["type"] == "pool_base"
     with httpx.Client(base_url=guarded.url) as browser:
         browser.post("/login", data={"password": API_KEY})
         cookie = "; ".join(f"{name}={value}" for name, value in browser.cookies.items())
     with ws_connect(ws_url, additional_headers={"Cookie": cookie}) as websocket:
-        assert json.loads(websocket.recv(timeout=10))["type"] == "snapshot"
+        assert json.loads(websocket.recv(timeout=10))["type"] == "pool_base"
 
 
 def test_probes_stay_open_and_metrics_auth_closes_metrics(guarded, engine) -> None:

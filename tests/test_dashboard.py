@@ -13,6 +13,7 @@ from gradio_client import Client
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
 from storage import SessionLog
 from ui import CSS_PATH, build_ui
 
@@ -229,3 +230,37 @@ def test_browser_chat_heatmap_and_export(served, browser, tmp_path: Path) -> Non
     page.close()
     assert json.loads(saved.read_text())["sessions"][0]["id"] == served[1].session_id
     assert (tmp_path / "live.png").stat().st_size > 0
+
+
+def test_browser_on_a_100k_block_pool_loads_refreshes_and_zooms(tiny_chat_model_path,
+                                                               browser) -> None:
+    """GPU scale on the CPU: 100,000 blocks of one token. The heatmap draws aggregate cells,
+    a running request shows up at the next refresh, and the used region zooms to blocks."""
+    from playwright.sync_api import expect
+
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_chat_model_path), dtype="float32", device="cpu", block_size=1,
+        num_gpu_blocks_override=100_000, max_model_len=256, max_num_batched_tokens=64,
+    )).start()
+    blocks = build_ui(engine)
+    port = free_port()
+    blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
+                  quiet=True, css_paths=[CSS_PATH])
+    try:
+        page = open_page(browser, f"http://127.0.0.1:{port}/")
+        heatmap = page.locator("#kv-heatmap")
+        expect(heatmap).to_contain_text("Block pool: 100000 blocks", timeout=30_000)
+        expect(heatmap).to_contain_text("one cell = 25 blocks")
+        expect(heatmap).to_contain_text("free 100000 ·")
+        stream = engine.submit("a prompt that holds blocks " * 4,
+                               SamplingParams(max_tokens=150, ignore_eos=True))
+        # The next refresh shows the request's blocks (in use, or cached once it ended).
+        expect(heatmap).not_to_contain_text("free 100000 ·", timeout=20_000)
+        page.locator("#kv-heatmap-view").get_by_text("used region").click()
+        expect(heatmap).to_contain_text("one cell per block", timeout=20_000)
+        expect(heatmap.locator(".heatmaplayer image")).to_have_count(1)
+        page.close()
+        stream.abort()
+    finally:
+        blocks.close()
+        engine.shutdown()

@@ -10,6 +10,7 @@ from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    TopKLogitsWarper,
 )
 
 from engine import LLM, SamplingParams
@@ -147,11 +148,16 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name(processor, field, 
 
 
 # ---- min_p --------------------------------------------------------------------------------
+@pytest.mark.parametrize("top_k", [0, 5])
 @pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
-def test_min_p_keeps_the_tokens_transformers_min_p_keeps(min_p):
+def test_min_p_keeps_the_tokens_transformers_min_p_keeps(min_p, top_k):
     logits = random_logits(3, seed=1)
-    probs = _filtered_probs(logits, [SamplingParams(min_p=min_p, temperature=0.8)] * 3)
-    expected = MinPLogitsWarper(min_p)(None, logits / 0.8).softmax(dim=-1)
+    probs = _filtered_probs(logits, [SamplingParams(min_p=min_p, temperature=0.8,
+                                                    top_k=top_k)] * 3)
+    expected = MinPLogitsWarper(min_p)(None, logits / 0.8)
+    if top_k:  # vLLM's order: min-p, then top-k
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    expected = expected.softmax(dim=-1)
     assert torch.equal(probs > 0, expected > 0)
     torch.testing.assert_close(probs, expected)
 
@@ -298,3 +304,30 @@ def test_the_chat_accordion_starts_from_the_models_defaults(tiny_model, tmp_path
     assert values["temperature"] == 0.3 and values["repetition_penalty"] == 1.2
     assert values["top_p"] == chat.CHAT_DEFAULTS["top_p"]
     assert "temperature 0.3" in note and "repetition_penalty 1.2" in note
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prompt_logprobs_and_penalties_survive_preemption(make_engine, run_engine, tiny_model,
+                                                          mode):
+    """A tight pool and small chunks: sequences are preempted mid-prefill and mid-decode;
+    prompt logprobs still equal a dense forward's, entry for entry, and penalised greedy
+    outputs equal their uncontended selves."""
+    hf = tiny_model("llama").hf_model
+    prompts = [[(11 * i + 5 * j) % VOCAB for j in range(30)] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1,
+                             repetition_penalty=1.5, frequency_penalty=0.5)] * len(prompts)
+    alone = run_engine(make_engine("llama", max_model_len=64), prompts, params)
+    pressed = make_engine("llama", block_size=8, max_model_len=64, num_gpu_blocks_override=9,
+                          swap_space=0.001, preemption_mode=mode, max_num_batched_tokens=16,
+                          long_prefill_token_threshold=8)
+    run = run_engine(pressed, prompts, params)
+    assert sum(o.metrics.num_preemptions for o in run.outputs) >= 2
+    for prompt, output, reference in zip(prompts, run.outputs, alone.outputs, strict=True):
+        assert output.outputs[0].token_ids == reference.outputs[0].token_ids
+        with torch.no_grad():
+            dense = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        assert len(output.prompt_logprobs) == len(prompt)
+        for position in range(1, len(prompt)):
+            assert output.prompt_logprobs[position][prompt[position]] == pytest.approx(
+                float(dense[position - 1, prompt[position]]), abs=1e-4)
+    assert pressed.kv_cache.pool.num_used_blocks == 0

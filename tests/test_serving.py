@@ -340,32 +340,94 @@ def test_metrics_parse_and_counters_match_the_requests(server) -> None:
 
 
 # ---- the websocket event feed -----------------------------------------------------------
-def test_websocket_sends_a_snapshot_then_coalesced_step_records(server) -> None:
+class ClientPool:
+    """What a websocket client keeps from the pool messages: ref counts and hashes."""
+
+    def __init__(self) -> None:
+        self.refs: list[int] = []
+        self.hashes: dict[int, list] = {}
+        self.covered = 0
+        self.next_index = None
+
+    def apply(self, message: dict) -> None:
+        if message["type"] == "pool_base":
+            self.refs = [0] * message["counters"]["num_blocks"]
+            self.hashes, self.covered, self.next_index = {}, 0, message["index"]
+        elif message["type"] == "pool_slice":
+            start, refs = message["start"], message["ref_counts"]
+            self.refs[start:start + len(refs)] = refs
+            for block_id in range(start, start + len(refs)):
+                self.hashes.pop(block_id, None)
+            self.hashes.update((block_id, h) for block_id, h in message["hashes"])
+            self.covered = start + len(refs)
+        elif message["type"] == "pool":
+            for delta in message["deltas"]:
+                if delta["index"] < self.next_index:
+                    continue  # already in the snapshot
+                assert delta["index"] == self.next_index
+                self.next_index += 1
+                for block_id, ref_count, block_hash in delta["blocks"]:
+                    self.refs[block_id] = ref_count
+                    if block_hash is None:
+                        self.hashes.pop(block_id, None)
+                    else:
+                        self.hashes[block_id] = block_hash
+
+    def counts(self) -> dict[str, int]:
+        states = ["shared" if ref > 1 else "used" if ref == 1 else
+                  "cached" if block_id in self.hashes else "free"
+                  for block_id, ref in enumerate(self.refs)]
+        return {state: states.count(state) for state in ("free", "cached", "used", "shared")}
+
+
+def test_websocket_sends_pool_deltas_and_coalesced_step_records(server) -> None:
     with ws_connect(server.url.replace("http", "ws") + "/ws/events") as websocket:
         first = json.loads(websocket.recv(timeout=10))
-        assert first["type"] == "snapshot"
-        assert first["snapshot"]["num_blocks"] == NUM_BLOCKS == len(first["snapshot"]["blocks"])
+        assert first["type"] == "pool_base" and first["counters"]["num_blocks"] == NUM_BLOCKS
+        client_pool = ClientPool()
+        client_pool.apply(first)
         response = server.client().completions.create(model=server.model, prompt="watch me",
                                                       max_tokens=40, extra_body=IGNORE_EOS)
         request_id = response.id.removeprefix("cmpl-")
-        messages, seen_steps = [], []
-        while request_id not in {r for m in messages for rec in m["records"]
+        steps, seen_steps, pool_messages = [], [], 0
+        while request_id not in {r for m in steps for rec in m["records"]
                                  for r in rec["finished"]}:
-            messages.append(json.loads(websocket.recv(timeout=10)))
-            assert messages[-1]["type"] == "steps"
-            seen_steps += [record["step"] for record in messages[-1]["records"]]
-        ran = [chunk for m in messages for rec in m["records"] for chunk in rec["chunks"]
+            message = json.loads(websocket.recv(timeout=10))
+            if message["type"] == "steps":
+                steps.append(message)
+                seen_steps += [record["step"] for record in message["records"]]
+            else:
+                client_pool.apply(message)
+                pool_messages += message["type"] == "pool"
+        ran = [chunk for m in steps for rec in m["records"] for chunk in rec["chunks"]
                if chunk["request_id"] == request_id]
         assert {chunk["kind"] for chunk in ran} == {"prefill", "decode"}
         assert seen_steps == sorted(seen_steps)
         # 40+ steps (a few ms each) arrive in far fewer messages: at most 10 a second.
-        assert len(messages) < len(seen_steps)
+        assert len(steps) < len(seen_steps) and 0 < pool_messages < len(seen_steps)
 
+        # The client's pool, kept from the deltas alone, is the engine's (once the last
+        # coalesced pool message is in: the engine is idle now, nothing more follows).
+        try:
+            while True:
+                message = json.loads(websocket.recv(timeout=1.0))
+                if message["type"] != "steps":
+                    client_pool.apply(message)
+        except TimeoutError:
+            pass
         websocket.send(json.dumps({"type": "snapshot"}))
         reply = json.loads(websocket.recv(timeout=10))
         while reply["type"] != "snapshot":
+            if reply["type"] != "steps":
+                client_pool.apply(reply)
             reply = json.loads(websocket.recv(timeout=10))
-        assert reply["snapshot"]["counts"]["used"] == 0
+        snapshot = reply["snapshot"]
+        assert client_pool.covered == NUM_BLOCKS
+        assert client_pool.counts() == snapshot["counts"] and snapshot["counts"]["used"] == 0
+        assert client_pool.refs == [block["ref_count"] for block in snapshot["blocks"]]
+        assert {i: h[0] for i, h in client_pool.hashes.items()} == {
+            block["block_id"]: block["block_hash"] for block in snapshot["blocks"]
+            if block["block_hash"]}
 
 
 def test_stalled_websocket_client_does_not_hold_up_generation(server) -> None:

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import tracemalloc
 import zipfile
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.telemetry import StepRecord
 from storage import SessionLog, export_session, load_session, open_database, schema
+from storage.models import StepRow
+from storage.reader import ROWS_PER_FETCH, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -239,6 +242,38 @@ def test_schema_upgrades_from_the_previous_version(tmp_path: Path, monkeypatch) 
     monkeypatch.setattr(schema, "SCHEMA_VERSION", current)
     with pytest.raises(ValueError, match="newer kvscope"):
         schema.open_database(db_path)
+
+
+def test_exports_of_a_long_session_stream_instead_of_holding_it(tmp_path: Path) -> None:
+    """Each format writes rows a batch at a time: exporting takes far less memory than
+    holding the session's step rows does."""
+    log = SessionLog(tmp_path / "long.db")
+    session_id = log.start_session({}, model="tiny")
+    num_steps = 3 * ROWS_PER_FETCH
+    for step in range(num_steps):
+        log.record_step(fake_record(step, 1000.0 + step))
+    assert log.flush(timeout=60)
+
+    def peak_bytes(work) -> tuple[int, object]:
+        tracemalloc.start()
+        try:
+            result = work()
+            return tracemalloc.get_traced_memory()[1], result
+        finally:
+            tracemalloc.stop()
+
+    held, rows = peak_bytes(lambda: table_rows(log.engine, StepRow, session_id))
+    assert len(rows) == num_steps
+    for fmt in ("json", "csv", "sqlite"):
+        peak, path = peak_bytes(lambda fmt=fmt: log.export(session_id, fmt, tmp_path / "out"))
+        assert peak < held / 2, fmt
+    assert len(json.loads(path.with_suffix(".json").read_text())["steps"]) == num_steps
+    with sqlite3.connect(path) as connection:
+        assert connection.execute("SELECT count(*) FROM steps").fetchone()[0] == num_steps
+    with zipfile.ZipFile(path.with_suffix(".zip")) as archive:
+        steps_csv = archive.read("steps.csv").decode()
+    assert len(list(csv.DictReader(io.StringIO(steps_csv)))) == num_steps
+    log.close()
 
 
 def test_a_version_1_log_gains_the_step_statistics(tmp_path: Path, engine_run) -> None:

@@ -1,14 +1,18 @@
-"""WS /ws/events: step records (at most 10 messages a second) and block-pool snapshots."""
+"""WS /ws/events: step records and the pool's per-step deltas (each at most 10 messages
+a second), a sliced pool snapshot when a client connects or falls behind, and a full
+EngineSnapshot on request ({"type": "snapshot"}: costly on a large pool)."""
 
 import asyncio
 import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from engine.async_engine import AsyncEngine
+from engine.serving.pool_messages import pool_messages
 from engine.streams import Channel
 from engine.telemetry import EngineSnapshot, StepRecord
 
@@ -45,17 +49,18 @@ def events_router(engine: AsyncEngine) -> APIRouter:
         await websocket.accept()
         # The client's bounded queue: the engine drops its oldest records if it lags.
         records = engine.subscribe_steps(CLIENT_QUEUE_RECORDS)
-        send_lock = asyncio.Lock()  # the two tasks below share one socket
-        tasks = [asyncio.create_task(_send_steps(websocket, records, send_lock)),
+        pool = engine.subscribe_pool(CLIENT_QUEUE_RECORDS)  # starts with a pool snapshot
+        send_lock = asyncio.Lock()  # the tasks below share one socket
+        tasks = [asyncio.create_task(_send_pool(websocket, engine, pool, send_lock)),
+                 asyncio.create_task(_send_steps(websocket, records, send_lock)),
                  asyncio.create_task(_answer_requests(websocket, engine, send_lock))]
         try:
-            async with send_lock:
-                await websocket.send_text(snapshot_message(await engine.snapshot_async()))
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         except WebSocketDisconnect:
             pass
         finally:
             records.close()
+            pool.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -63,21 +68,41 @@ def events_router(engine: AsyncEngine) -> APIRouter:
     return router
 
 
-async def _send_steps(websocket: WebSocket, records: Channel, send_lock: asyncio.Lock) -> None:
-    """Coalesce what arrived since the last message into one, at most every 100 ms."""
+async def _forward(websocket: WebSocket, channel: Channel, send_lock: asyncio.Lock,
+                   messages: Callable[[list, int], list[str]]) -> None:
+    """Coalesce what arrived since the last send into `messages(batch, newly dropped)`,
+    at most every 100 ms."""
     last_sent = 0.0
     dropped_reported = 0
     try:
-        async for first in records:
+        async for first in channel:
             await asyncio.sleep(max(0.0, last_sent + MIN_MESSAGE_INTERVAL_S - time.monotonic()))
-            batch = [first, *records.drain()]
-            dropped = records.num_dropped - dropped_reported
+            batch = [first, *channel.drain()]
+            dropped = channel.num_dropped - dropped_reported
             dropped_reported += dropped
             async with send_lock:
-                await websocket.send_text(step_message(batch, dropped))
+                for message in messages(batch, dropped):
+                    await websocket.send_text(message)
             last_sent = time.monotonic()
     except WebSocketDisconnect:
         return
+
+
+def _send_steps(websocket: WebSocket, records: Channel, send_lock: asyncio.Lock):
+    return _forward(websocket, records, send_lock,
+                    lambda batch, dropped: [step_message(batch, dropped)])
+
+
+def _send_pool(websocket: WebSocket, engine: AsyncEngine, pool: Channel,
+               send_lock: asyncio.Lock):
+    """The pool records, deltas coalesced; a client that fell behind (its queue dropped
+    records) gets a new snapshot instead of a gap."""
+    def messages(batch: list, dropped: int) -> list[str]:
+        if dropped:
+            engine.resync_pool(pool)
+        return [json.dumps(message) for message in pool_messages(batch)]
+
+    return _forward(websocket, pool, send_lock, messages)
 
 
 async def _answer_requests(websocket: WebSocket, engine: AsyncEngine,
