@@ -6,6 +6,8 @@ O(blocks and sequences it touches); whole-pool questions (state counts, a heatma
 are numpy over the mirror's arrays, never Python loops over a million block objects.
 """
 
+import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -247,3 +249,40 @@ class PoolMirror:
     def blocks_saved_by_sharing(self) -> int:
         held = sum(len(seq.block_table) for seq in self.live.values())
         return held - int(np.count_nonzero(self.ref_counts > 0))
+
+
+class PoolReader:
+    """A PoolMirror kept current from an engine's pool feed (AsyncEngine.subscribe_pool):
+    `update` applies what arrived and asks for a new snapshot after a missed record, so
+    a reader never makes the engine thread copy the whole pool at once."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.records = engine.subscribe_pool()
+        self.mirror = PoolMirror()
+        self._dropped = 0
+        self._lock = threading.Lock()
+
+    def update(self, first_snapshot_wait_s: float = 5.0) -> PoolMirror:
+        """The mirror with every record so far applied; while its snapshot is still on
+        its way (a few engine-loop turns) wait up to `first_snapshot_wait_s` for it."""
+        deadline = time.monotonic() + first_snapshot_wait_s
+        with self._lock:
+            while True:
+                for record in self.records.drain():
+                    if not self.mirror.apply(record):
+                        self._resync()
+                        break
+                if self.records.num_dropped != self._dropped:
+                    self._dropped = self.records.num_dropped
+                    self._resync()
+                if self.mirror.ready or time.monotonic() > deadline or self.records.closed:
+                    return self.mirror
+                time.sleep(0.01)  # the snapshot's slices are on their way
+
+    def _resync(self) -> None:
+        self.mirror.awaiting_base = True
+        self.engine.resync_pool(self.records)
+
+    def close(self) -> None:
+        self.records.close()

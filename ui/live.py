@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.pool_mirror import PoolMirror
+from engine.pool_mirror import PoolMirror, PoolReader
 from engine.telemetry import StepRecord
 from engine.view import EngineView
 
@@ -40,9 +40,7 @@ class LiveFeed:
     def __init__(self, engine: EngineView):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
-        self._pool_records = engine.subscribe_pool()
-        self._pool_dropped = 0
-        self.pool = PoolMirror()
+        self._pool = PoolReader(engine)
         self._requests = engine.subscribe_requests()
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
@@ -53,8 +51,7 @@ class LiveFeed:
     def refresh(self) -> LiveState:
         with self._lock:
             now = time.time()
-            self._update_pool()
-            snapshot = self.pool
+            snapshot = self._pool.update(FIRST_SNAPSHOT_WAIT_S)
             self._records.extend(self._steps.drain())
             # Arrival times give the timelines their waiting bars and the stats their TTFT:
             # from finished requests, and from running ones seen in the mirror.
@@ -70,26 +67,6 @@ class LiveFeed:
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
                              dict(self._arrivals), now)
-
-    def _update_pool(self) -> None:
-        """Apply the deltas that arrived; on a missed one, ask for a new snapshot."""
-        records = self._pool_records
-        deadline = time.monotonic() + FIRST_SNAPSHOT_WAIT_S
-        while True:
-            for record in records.drain():
-                if not self.pool.apply(record):
-                    self._resync()
-                    break
-            if records.num_dropped != self._pool_dropped:
-                self._pool_dropped = records.num_dropped
-                self._resync()
-            if self.pool.ready or time.monotonic() > deadline or records.closed:
-                return
-            time.sleep(0.01)  # the snapshot's slices are on their way
-
-    def _resync(self) -> None:
-        self.pool.awaiting_base = True
-        self.engine.resync_pool(self._pool_records)
 
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""

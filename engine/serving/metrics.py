@@ -1,5 +1,6 @@
 """/metrics: the engine in Prometheus' text format, from its own registry per app."""
 
+import asyncio
 from collections.abc import Iterator
 
 from fastapi import APIRouter
@@ -19,7 +20,7 @@ from prometheus_client.core import (
 )
 
 from engine.async_engine import AsyncEngine
-from engine.telemetry import EngineSnapshot
+from engine.pool_mirror import PoolMirror, PoolReader
 
 # vLLM's buckets, so dashboards built for it read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -37,8 +38,9 @@ disable_created_metrics()
 class EngineMetrics:
     """A Prometheus collector over one AsyncEngine.
 
-    Gauges come from a snapshot taken for each scrape, counters from the engine's
-    monotonic totals, histograms from the finished-request feed drained at each scrape.
+    Gauges come from a mirror of the pool kept from the engine's per-step deltas (a scrape
+    never makes the engine thread copy the pool), counters from the engine's monotonic
+    totals, histograms from the finished-request feed drained at each scrape.
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
@@ -55,13 +57,16 @@ class EngineMetrics:
                 ("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS),
                 ("request_queue_time_seconds", "Arrival to first scheduling.",
                  LATENCY_BUCKETS))}
-        self._snapshot: EngineSnapshot | None = None
+        self._pool = PoolReader(engine)
+        self._snapshot: PoolMirror | None = None
+        self._scrape_lock = asyncio.Lock()  # the mirror moves only between scrapes
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
     async def render(self) -> bytes:
-        self._snapshot = await self.engine.snapshot_async()
-        return generate_latest(self.registry)
+        async with self._scrape_lock:
+            self._snapshot = await asyncio.to_thread(self._pool.update)
+            return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._gauges()
