@@ -11,7 +11,14 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
-from engine.config import DEVICES, DTYPES, PREEMPTION_MODES, EngineConfig
+from engine.config import (
+    DEVICES,
+    DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from engine.serving import create_app
 from engine.serving.security import exposure_warning, read_api_key
 from storage import SessionLog
@@ -73,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weight and KV cache dtype")
     model.add_argument("--device", default=DEFAULTS["device"], choices=DEVICES,
                        help="where the model runs")
+    model.add_argument("--quantization", default=DEFAULTS["quantization"], choices=QUANTIZATIONS,
+                       help="weight-only quantization: int4 (a scale and zero per group; a Q4_1 "
+                       "GGUF loads as it ships) or int8 (per output channel); embedding and "
+                       "lm_head are int8 in both")
+    model.add_argument("--quantization-group-size", type=int,
+                       default=DEFAULTS["quantization_group_size"],
+                       choices=QUANTIZATION_GROUP_SIZES, help="inputs per int4 scale and zero")
 
     cache = parser.add_argument_group("KV cache and scheduler")
     cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],

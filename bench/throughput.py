@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import QUANTIZATIONS  # noqa: E402
 from engine.loader import load_tokenizer, resolve_model_path  # noqa: E402
 from engine.model_runner import resolve_dtype  # noqa: E402
 
@@ -95,13 +96,15 @@ class KVScope:
 
     sampling = {"temperature": 0}
 
-    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path,
+                 llm: LLM | None = None):
+        """Loads the model per args, unless given an `llm` already loaded."""
         started = time.perf_counter()
         knobs = {"dtype": args.dtype, "device": args.device}
-        for knob in ("max_num_seqs", "max_num_batched_tokens", "device_memory_gb"):
+        for knob in ("max_num_seqs", "max_num_batched_tokens", "device_memory_gb", "quantization"):
             if getattr(args, knob) is not None:
                 knobs[knob] = getattr(args, knob)
-        self.llm = _shared_llm(str(model_path), tuple(sorted(knobs.items())))
+        self.llm = llm or _shared_llm(str(model_path), tuple(sorted(knobs.items())))
         # One tiny untimed request pays the first call's one-time costs.
         self.llm.generate(workload.prompts[0][:16], SamplingParams(max_tokens=2), use_tqdm=False)
         self.setup_seconds = time.perf_counter() - started
@@ -262,6 +265,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="kvscope knob")
     parser.add_argument("--device-memory-gb", type=float, default=None,
                         help="kvscope knob (CPU pool size)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="kvscope knob (weight-only; the transformers backends stay dense)")
     args = parser.parse_args(argv)
     args.min_prompt = min(args.min_prompt, args.max_prompt)
     args.min_output = min(args.min_output, args.max_output)

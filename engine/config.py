@@ -7,6 +7,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 MAX_BLOCK_SIZE = 256
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 CPU matmul accepts
 BLOCK_SIZES = tuple(2 ** i for i in range(MAX_BLOCK_SIZE.bit_length()))  # 1, 2, ..., 256
 
 
@@ -17,6 +19,10 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    # Weight-only: int8 per output channel, or int4 with a scale and zero per group of
+    # quantization_group_size inputs; activations and the KV cache keep `dtype`.
+    quantization: str = "none"
+    quantization_group_size: int = 32
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     # The CPU has no device memory to measure, so the utilization applies to this size;
@@ -42,6 +48,11 @@ class EngineConfig:
         """Raise ValueError naming the knob, its value and the allowed range."""
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        if (type(self.quantization_group_size) is not int
+                or self.quantization_group_size not in QUANTIZATION_GROUP_SIZES):
+            raise ValueError(f"quantization_group_size={self.quantization_group_size!r} must be "
+                             f"one of {list(QUANTIZATION_GROUP_SIZES)}")
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         bs = self.block_size
         if (isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK_SIZE

@@ -83,6 +83,14 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
+def gguf_file(model: str | os.PathLike[str] | None) -> Path | None:
+    """The GGUF file behind the `model` knob (the default model's included), else None."""
+    if model is None:
+        return find_default_gguf()
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def hub_cache_snapshot(repo_id: str) -> Path | None:
     """A hub name such as "facebook/opt-125m" that was downloaded before (offline lookup)."""
     from huggingface_hub import snapshot_download

@@ -42,7 +42,8 @@ class MemoryPlan:
         return self.num_blocks / blocks_per_seq
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+        return (f"weights {self.weight_bytes / (1 << 20):.1f} MiB; "
+                f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
                 f"({self.bytes_per_block} bytes/block); max concurrency at "
                 f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")

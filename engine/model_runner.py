@@ -8,7 +8,9 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
+from engine.gguf_weights import GGUF_ARCHITECTURES, gguf_architecture, iter_gguf_weights
 from engine.loader import (
+    gguf_file,
     iter_weights,
     load_config,
     load_generation_config,
@@ -18,6 +20,7 @@ from engine.loader import (
 from engine.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
 from engine.models import model_class
 from engine.models.attention import AttentionMetadata
+from engine.models.quantized import pack_model, quantize_model
 from engine.profile_cache import load_peak, profile_key, store_peak
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
@@ -76,10 +79,16 @@ class ModelRunner:
         self.max_positions = self.hf_config.max_position_embeddings
         architecture = model_class(self.hf_config)
         resolved = config.resolved(self.max_positions)
+        # Quantized layers allocate other temporaries, so the profiled peak depends on these.
+        self.quantization = {"quantization": config.quantization,
+                             "quantization_group_size": config.quantization_group_size}
         with default_dtype(self.dtype), torch.device(self.device):
             self.model = architecture(self.hf_config, resolved.max_model_len)
-        self.model.load_weights(iter_weights(self.model_path))
+            quantize_model(self.model, config.quantization, config.quantization_group_size)
+        self.model.load_weights(self.checkpoint_weights(config))
+        pack_model(self.model, self.dtype, self.device)
         self.model.eval()
+        # Packed quantized weights are (integer) parameters too, so this is what they occupy.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attention_layers = self.model.attention_layers()
         first = self.attention_layers[0]
@@ -87,10 +96,19 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
-        logger.info("loaded %s (%s, %.1f M parameters, %s on %s) in %.1f s; attention: %s",
-                    self.model_path, type(self.model).__name__, self.weight_bytes /
-                    self.dtype.itemsize / 1e6, self.dtype, self.device,
+        logger.info("loaded %s (%s, %.1f MiB of weights, quantization=%s, %s on %s) in %.1f s;"
+                    " attention: %s", self.model_path, type(self.model).__name__,
+                    self.weight_bytes / (1 << 20), config.quantization, self.dtype, self.device,
                     time.perf_counter() - started, kernels.attention_backend_name(self.device))
+
+    def checkpoint_weights(self, config: EngineConfig):
+        """The HF folder's tensors; for a quantized Llama GGUF, the file's own blocks instead
+        (Q4_1 layers then pack into int4 without a round trip through fp32)."""
+        source = gguf_file(config.model) if config.quantization != "none" else None
+        if source is not None and gguf_architecture(source) in GGUF_ARCHITECTURES:
+            logger.info("reading the quantized blocks of %s directly", source)
+            return iter_gguf_weights(source, self.hf_config)
+        return iter_weights(self.model_path)
 
     def bytes_per_block(self, block_size: int) -> int:
         """K and V for block_size tokens in every layer."""
@@ -115,7 +133,7 @@ class ModelRunner:
         key = profile_key(self.model_path, self.dtype, self.device,
                           kernels.attention_backend_name(self.device),
                           {"num_tokens": num_tokens, "max_model_len": max_model_len,
-                           "max_num_seqs": max_seqs})
+                           "max_num_seqs": max_seqs, **self.quantization})
         peak = load_peak(key)
         if peak is None:
             peak = self.profile_peak_activations(num_tokens, max_model_len, max_seqs)

@@ -39,6 +39,7 @@ def test_override_replaces_the_computed_number():
 def test_describe_states_blocks_tokens_bytes_and_concurrency():
     text = plan_blocks(4 * GiB, 0.5, 512 * MiB, 256 * MiB, MiB, 16, 1024).describe()
     assert "1280 blocks x 16 tokens = 20480 tokens" in text
+    assert "weights 512.0 MiB" in text
     assert "1.250 GiB" in text
     assert "max_model_len=1024: 20.00x" in text
 

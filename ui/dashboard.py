@@ -129,7 +129,8 @@ def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> None:
                               label="preemption mode")
         abort_running = gr.Checkbox(value=False, label="abort running requests")
     apply = gr.Button("Apply", variant="primary", elem_id="kv-apply")
-    knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan), elem_id="kv-knob-status")
+    knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan, engine.config),
+                              elem_id="kv-knob-status")
     form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption]
     apply.click(partial(knobs.apply_knobs, engine, feed, session_log), [*form, abort_running],
                 knob_status, api_name="apply_knobs")

@@ -19,11 +19,13 @@ def current_knobs(engine: EngineView) -> tuple:
 def live_form(engine: EngineView) -> tuple:
     """What a newly opened (or reloaded) tab shows: the live knobs and the live pool, so
     Apply there never reverts a reconfigure made from another tab."""
-    return (*current_knobs(engine), pool_markdown(engine.memory_plan))
+    return (*current_knobs(engine), pool_markdown(engine.memory_plan, engine.config))
 
 
-def pool_markdown(plan) -> str:
-    return (f"**Pool:** {plan.num_blocks} blocks x {plan.block_size} tokens = "
+def pool_markdown(plan, config) -> str:
+    """The pool, and the weights it was sized around (their quantization sets their bytes)."""
+    return (f"**Weights:** {plan.weight_bytes / 2**20:.1f} MiB (quantization "
+            f"{config.quantization}) · **Pool:** {plan.num_blocks} blocks x {plan.block_size} tokens = "
             f"{plan.num_tokens} tokens ({plan.kv_cache_bytes / 2**20:.1f} MiB) · "
             f"**max concurrency** {plan.max_concurrency:.2f} x {plan.max_model_len} tokens")
 
@@ -76,7 +78,7 @@ def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
     feed.clear()
     if session_log is not None:
         session_log.record_config(engine.config.to_dict())
-    return "Applied. " + pool_markdown(plan)
+    return "Applied. " + pool_markdown(plan, engine.config)
 
 
 def _refused(message: str) -> str:

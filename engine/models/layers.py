@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from engine.models.quantized import GroupQuantized, QuantizedLinear, dense
+
 
 class MergedLinear(nn.Linear):
     """Several projections of the same input as one matmul (q/k/v, gate/up).
@@ -15,9 +17,9 @@ class MergedLinear(nn.Linear):
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = output_sizes
 
-    def load_part(self, param_name: str, index: int, tensor: torch.Tensor) -> None:
+    def load_part(self, param_name: str, index: int, tensor: "torch.Tensor | GroupQuantized") -> None:
         start = sum(self.output_sizes[:index])
-        getattr(self, param_name).data[start:start + self.output_sizes[index]].copy_(tensor)
+        getattr(self, param_name).data[start:start + self.output_sizes[index]].copy_(dense(tensor))
 
     def split(self, output: torch.Tensor) -> list[torch.Tensor]:
         return list(output.split(self.output_sizes, dim=-1))
@@ -48,6 +50,9 @@ def load_weights(
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    # Quantized layers stage their weight until packing, so it is no parameter yet.
+    expected = set(params) | {f"{path}.weight" for path, module in modules.items()
+                              if isinstance(module, QuantizedLinear)}
     loaded: set[str] = set()
     for name, tensor in weights:
         if name in skip or "rotary_emb" in name:
@@ -56,14 +61,15 @@ def load_weights(
         parent, _, leaf = module_path.rpartition(".")
         if leaf in packed:
             merged_leaf, index = packed[leaf]
-            merged_path = f"{parent}.{merged_leaf}"
-            modules[merged_path].load_part(param_name, index, tensor)
-            loaded.add(f"{merged_path}.{param_name}")
+            module_path = f"{parent}.{merged_leaf}"
+            modules[module_path].load_part(param_name, index, tensor)
+        elif isinstance(modules.get(module_path), QuantizedLinear):
+            modules[module_path].load_part(param_name, 0, tensor)
         elif name in params:
-            params[name].data.copy_(tensor)
-            loaded.add(name)
+            params[name].data.copy_(dense(tensor))
         else:
             raise ValueError(f"model: checkpoint tensor {name!r} has no place in {type(model).__name__}")
-    missing = sorted(set(params) - loaded - skip)
+        loaded.add(f"{module_path}.{param_name}")
+    missing = sorted(expected - loaded - skip)
     if missing:
         raise ValueError(f"model: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

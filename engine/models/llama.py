@@ -8,6 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import MergedLinear, RMSNorm, load_weights
+from engine.models.quantized import tied_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -120,8 +121,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.tied:
+            return tied_logits(self.model.embed_tokens, hidden).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights) -> None:
         load_weights(self, weights, PACKED, skip={"lm_head.weight"} if self.tied else set())

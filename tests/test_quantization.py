@@ -1,0 +1,221 @@
+"""Weight-only int4 / int8: packed layers, GGUF blocks, the engine on quantized weights."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.gguf_weights import iter_gguf_weights, read_tensor
+from engine.model_runner import ModelRunner
+from engine.models.quantized import (
+    GroupQuantized,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    pack_model,
+    quantize_int4,
+    quantize_int8,
+)
+from engine.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+# Packed matmuls reorder the sums; bf16 activations round every product.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def random_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = expected.abs().max().item()
+    assert (actual.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[32, 16, 16], [8]])  # merged q/k/v rows; 8 = no CPU kernel
+def test_int4_linear_equals_its_dequantized_weight(rows, dtype):
+    parts = [random_weight(n, 64, seed) for seed, n in enumerate(rows)]
+    layer = Int4Linear(64, rows, bias=True, group_size=32)
+    for index, part in enumerate(parts):
+        layer.load_part("weight", index, part)
+    layer.bias.data = torch.arange(sum(rows), dtype=dtype)
+    pack_model(layer, dtype, CPU)
+    assert layer.use_kernel == (sum(rows) % 16 == 0)
+
+    dequantized = torch.cat([quantize_int4(part, 32).dequantize() for part in parts])
+    x = torch.randn(5, 64).to(dtype)
+    assert_close(layer(x), x.float() @ dequantized.T + layer.bias.float(), dtype)
+    # Asymmetric min/max rounding is off by at most half a step of its group.
+    step = torch.cat([quantize_int4(part, 32).scale for part in parts]).repeat_interleave(32, 1)
+    assert ((dequantized - torch.cat(parts)).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_and_embedding_equal_their_dequantized_weight(dtype):
+    weight = random_weight(48, 32)
+    q, scale = quantize_int8(weight)
+    dequantized = q.float() * scale.unsqueeze(-1)
+    assert ((dequantized - weight).abs() <= scale.unsqueeze(-1) / 2 + 1e-6).all()
+
+    linear, embedding = Int8Linear(32, [48], bias=False), Int8Embedding(48, 32)
+    for layer in (linear, embedding):
+        layer.load_part("weight", 0, weight)
+        pack_model(layer, dtype, CPU)
+    x = torch.randn(3, 32).to(dtype)
+    assert_close(linear(x), x.float() @ dequantized.T, dtype)
+    assert_close(embedding.project(x), x.float() @ dequantized.T, dtype)
+    ids = torch.tensor([[0, 47], [5, 5]])
+    assert_close(embedding(ids), dequantized[ids], dtype)
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]]) -> None:
+    writer = GGUFWriter(path, "llama")
+    for name, (values, kind) in tensors.items():
+        if kind == GGMLQuantizationType.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, quants.quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_blocks_decode_exactly_and_q4_1_packs_without_loss(tmp_path):
+    rng = np.random.default_rng(0)
+    values = {"blk.0.ffn_up.weight": GGMLQuantizationType.Q4_1,
+              "blk.0.ffn_gate.weight": GGMLQuantizationType.Q4_0,
+              "token_embd.weight": GGMLQuantizationType.Q8_0,
+              "blk.0.ffn_norm.weight": GGMLQuantizationType.F32}
+    tensors = {name: (rng.standard_normal((32,) if "norm" in name else (48, 64))
+                      .astype(np.float32), kind) for name, kind in values.items()}
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tensors)
+
+    for tensor in GGUFReader(path).tensors:
+        value = read_tensor(path, tensor)
+        expected = torch.from_numpy(np.array(quants.dequantize(tensor.data, tensor.tensor_type)))
+        actual = value.dequantize() if isinstance(value, GroupQuantized) else value
+        assert torch.equal(actual, expected), tensor.name  # gguf's own de-quantization
+        if tensor.tensor_type == GGMLQuantizationType.Q4_1:
+            layer = Int4Linear(64, [48], bias=False, group_size=32)
+            layer.load_part("weight", 0, value)
+            assert torch.equal(layer.staged_q, value.q)  # copied, not re-quantized
+            pack_model(layer, torch.float32, CPU)
+            # (q - 8) * d + (m + 8d) re-associates d * q + m: equal up to fp32 rounding.
+            unpacked = layer(torch.eye(64)).T
+            assert torch.allclose(unpacked, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("gguf_name", ["attn_q", "attn_k"])
+def test_gguf_q_and_k_rows_are_unpermuted_as_transformers_does(gguf_name, tmp_path):
+    from transformers import LlamaConfig
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    rows = 64 if gguf_name == "attn_q" else 32
+    values = np.random.default_rng(1).standard_normal((rows, 64)).astype(np.float32)
+    path = tmp_path / "qk.gguf"
+    write_gguf(path, {f"blk.0.{gguf_name}.weight": (values, GGMLQuantizationType.Q4_1)})
+    (name, value), = iter_gguf_weights(path, config)
+    assert name.endswith("q_proj.weight" if gguf_name == "attn_q" else "k_proj.weight")
+
+    stored = GGUFReader(path).tensors[0]
+    dequantized = quants.dequantize(stored.data, stored.tensor_type)
+    processor = LlamaTensorProcessor({"num_attention_heads": 4, "num_key_value_heads": 2})
+    expected = processor.process(dequantized, stored.name).weights
+    assert torch.equal(value.dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
+
+
+def test_unsupported_gguf_type_names_the_tensor_and_its_type(tmp_path):
+    values = np.zeros((16, 64), dtype=np.float32)
+    path = tmp_path / "q5.gguf"
+    write_gguf(path, {"blk.0.ffn_up.weight": (values, GGMLQuantizationType.Q5_0)})
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' is Q5_0.*Q4_1"):
+        list(iter_gguf_weights(path, None))
+
+
+@pytest.mark.parametrize(("knob", "value"), [("quantization", "int3"), ("quantization", None),
+                                             ("quantization_group_size", 48),
+                                             ("quantization_group_size", 32.0)])
+def test_bad_quantization_knobs_name_the_knob_and_the_choices(knob, value):
+    with pytest.raises(ValueError, match=rf"{knob}=.*must be one of"):
+        EngineConfig(**{knob: value})
+
+
+def test_group_size_that_does_not_fit_a_layer_is_refused(tiny_model):
+    config = EngineConfig(model=str(tiny_model("llama").path), dtype="float32", device="cpu",
+                          device_memory_gb=0.05, quantization="int4",
+                          quantization_group_size=128)  # the layers have 64 inputs
+    with pytest.raises(ValueError, match=r"quantization_group_size=128 .* 64; use one of \[32, 64\]"):
+        ModelRunner(config)
+
+
+def fake_quantized(model: nn.Module, quantization: str) -> nn.Module:
+    """A transformers model whose weights are replaced by what the engine's packed layers
+    de-quantize to: int4 (or int8) linears, int8 embedding and lm_head."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and quantization == "int4" and "lm_head" not in name:
+                module.weight.copy_(quantize_int4(module.weight, 32).dequantize())
+            elif isinstance(module, nn.Linear) or name.endswith("embed_tokens"):
+                q, scale = quantize_int8(module.weight)
+                module.weight.copy_(q.float() * scale.unsqueeze(-1))
+    return model
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+def test_quantized_engine_is_greedy_equal_to_its_dequantized_weights(arch, quantization,
+                                                                    tiny_model, run_engine):
+    tiny = tiny_model(arch)
+    reference = fake_quantized(tiny.hf_model, quantization)
+    prompts = [[5, 17, 200, 31, 9], list(range(40, 90))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    knobs = {"model": str(tiny.path), "dtype": "float32", "device": "cpu",
+             "device_memory_gb": 0.05}
+    engine = EngineCore(EngineConfig(**knobs, quantization=quantization))
+    dense = EngineCore(EngineConfig(**knobs))
+    for prompt, output in zip(prompts, run_engine(engine, prompts, params).outputs):
+        with torch.inference_mode():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8,
+                                          min_new_tokens=8, do_sample=False)
+        assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+    # The packed weights are what the memory plan subtracts, so the pool grows.
+    assert engine.runner.weight_bytes < dense.runner.weight_bytes / 2
+    assert engine.memory_plan.num_blocks > dense.memory_plan.num_blocks
+
+
+@pytest.mark.slow
+def test_default_gguf_blocks_equal_the_transformers_conversion():
+    """Every tensor read block by block from the shipped Q4_1 file de-quantizes to exactly
+    the fp32 value transformers' one-time conversion wrote (Q/K un-permuted included)."""
+    from engine import loader
+
+    folder = loader.resolve_model_path(None)
+    converted = dict(loader.iter_weights(folder))
+    read = dict(iter_gguf_weights(loader.find_default_gguf(), loader.load_config(folder)))
+    assert read.keys() == converted.keys()
+    kinds = {type(value).__name__ for value in read.values()}
+    assert kinds == {"GroupQuantized", "Tensor"}
+    for name, value in read.items():
+        actual = value.dequantize() if isinstance(value, GroupQuantized) else value
+        assert torch.equal(actual, converted[name].float()), name
+
+
+@pytest.mark.slow
+def test_default_model_in_int4_knows_the_capital_of_france(all_cpu_threads):
+    from engine import LLM
+
+    llm = LLM(quantization="int4")
+    assert llm.engine.runner.weight_bytes < 100e6  # 257 MiB in bf16
+    outputs = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in outputs[0].outputs[0].text
