@@ -19,6 +19,7 @@ from engine.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from engine.replicas.router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from engine.serving import create_app
 from engine.serving.security import exposure_warning, read_api_key
 from storage import SessionLog
@@ -125,6 +126,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU memory for swapped-out KV blocks, GiB")
     cache.add_argument("--seed", type=int, default=DEFAULTS["seed"],
                        help="seed of the sampling of requests that give no seed")
+
+    replicas = parser.add_argument_group(
+        "replicas (Ray)", "Several engines, each a Ray actor with its own weights and pool, "
+        "behind a router in this process. With one replica and no --ray-address, the engine "
+        "runs in this process and Ray is never imported.")
+    replicas.add_argument("--replicas", type=int, default=1, help="engine replicas")
+    replicas.add_argument("--ray-address", default=None,
+                          help="join this Ray cluster (e.g. `auto` or `HEAD_IP:6379`) instead "
+                          "of starting a local one")
+    replicas.add_argument("--routing", default="kv-aware", choices=ROUTING_POLICIES,
+                          help="how the router picks a replica (changeable at run time)")
+    replicas.add_argument("--routing-load-weight", type=float, default=DEFAULT_LOAD_WEIGHT,
+                          help="kv-aware: score = matched prompt blocks / prompt blocks - "
+                          "weight * (in-flight / max-num-seqs + KV usage)")
+    replicas.add_argument("--replica-cpus", type=int, default=1,
+                          help="CPU threads (Ray CPUs) per replica; each also takes a GPU "
+                          "when the cluster has them")
+    replicas.add_argument("--restart-replicas", action="store_true",
+                          help="Ray restarts a dead replica's actor (weights reload, empty "
+                          "pool); without it a dead replica stays down")
     return parser
 
 
@@ -132,6 +153,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Every EngineConfig knob comes from the flag whose destination is its name."""
     return EngineConfig(**{field.name: getattr(args, field.name)
                            for field in dataclasses.fields(EngineConfig)})
+
+
+def start_engine(args: argparse.Namespace):
+    """The embedded AsyncEngine, or a ReplicaSet on Ray (imported only then)."""
+    config = engine_config(args)
+    if args.replicas == 1 and args.ray_address is None:
+        return AsyncEngine.from_config(config).start()
+    from engine.replicas.replica_set import ReplicaSet
+
+    return ReplicaSet(config, args.replicas, routing=args.routing,
+                      load_weight=args.routing_load_weight, ray_address=args.ray_address,
+                      restart_replicas=args.restart_replicas,
+                      replica_cpus=args.replica_cpus).start()
 
 
 class GracefulServer(uvicorn.Server):
@@ -175,7 +209,8 @@ def record_sessions(engine: AsyncEngine, session_log: SessionLog) -> Callable[[]
             for record in steps.drain():
                 session_log.record_step(record)
             for finished in requests.drain():
-                session_log.record_request(finished.output, finished.source)
+                session_log.record_request(finished.output, finished.source,
+                                           replica=finished.replica)
             if engine.config is not config:
                 config = engine.config
                 session_log.record_config(config.to_dict())
@@ -223,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:  # bad knobs, a missing model, a pool too small: the message names the knob
         api_key = read_api_key(args.api_key)
-        engine = AsyncEngine.from_config(engine_config(args)).start()
+        engine = start_engine(args)
     except ValueError as error:
         parser.error(str(error))
     session_log = SessionLog(args.db)

@@ -81,10 +81,11 @@ def idle_cpu_share(pid: int, seconds: float) -> float:
 
 
 class DashboardTab:
-    """One headless Chromium with one dashboard tab, open while inside the `with`."""
+    """One headless Chromium with one dashboard tab (`page`), open inside the `with`."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, viewport: tuple[int, int] = (1400, 1100)) -> None:
         self.url = url
+        self.viewport = viewport
 
     def __enter__(self) -> "DashboardTab":
         from playwright.sync_api import sync_playwright
@@ -92,9 +93,10 @@ class DashboardTab:
         self._playwright = sync_playwright().start()
         self._browser = self._playwright.chromium.launch(executable_path=CHROMIUM,
                                                          args=CHROMIUM_ARGS)
-        page = self._browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.goto(self.url)
-        page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=120_000)
+        width, height = self.viewport
+        self.page = self._browser.new_page(viewport={"width": width, "height": height})
+        self.page.goto(self.url)
+        self.page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=120_000)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.dashboard_overhead import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from bench.dashboard_overhead import DashboardTab  # noqa: E402
 from bench.served import ROOT, start_app, stop_app  # noqa: E402
 
 
@@ -22,14 +22,12 @@ def main() -> None:
                         help="seconds of traffic before the loaded screenshot")
     parser.add_argument("app_args", nargs="*", help="extra app.py flags (after --)")
     args = parser.parse_args()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     app = start_app(args.app_args)
     try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(app.url)
+        with DashboardTab(app.url, viewport=(1400, 1000)) as tab:
+            page = tab.page
             expect(page.get_by_text("No requests in this window yet")).to_be_visible(
                 timeout=60_000)
             time.sleep(2)
@@ -40,8 +38,7 @@ def main() -> None:
             page.locator("#kv-message textarea").fill("What is a paged KV cache?")
             page.locator("#kv-message textarea").press("Enter")
             time.sleep(args.load_s)
-            page.screenshot(path=args.out / "dashboard.png", full_page=True)
-            browser.close()
+            page.screenshot(path=args.out / "dashboard.png", full_page=True, timeout=120_000)
     finally:
         stop_app(app)
 

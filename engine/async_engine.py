@@ -45,6 +45,25 @@ POOL_SLICE_BLOCKS = 32_768
 POOL_CHANNEL_RECORDS = 4096
 
 
+class ChatSubmit:
+    """Chat on top of a class's own `submit` and `tokenizer` (AsyncEngine, ReplicaSet)."""
+
+    def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    **kwargs: Any) -> RequestStream:
+        """Apply the model's chat template, then submit (the template holds the BOS)."""
+        return self.submit(self.render_chat(messages), params, add_special_tokens=False,
+                           **kwargs)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn."""
+        return render_chat(self.tokenizer, messages)
+
+
+def _check_replica(replica: int | None) -> None:
+    if replica not in (None, 0):
+        raise ValueError(f"replica={replica}: this engine is one replica, number 0")
+
+
 @dataclass(slots=True)
 class EngineCounters:
     """Totals since the AsyncEngine started; they survive reconfigures (monotonic)."""
@@ -62,6 +81,21 @@ class EngineCounters:
 
 
 @dataclass(slots=True)
+class ReplicaStatus:
+    """One engine replica as /health, /metrics and the dashboard see it (a single engine
+    is replica 0; engine.replicas.ReplicaSet reports one per Ray actor)."""
+
+    replica: int
+    alive: bool
+    error: str | None  # why it is down
+    restarts: int
+    in_flight: int  # requests routed to it and not finished
+    kv_usage: float  # fraction of its KV blocks in use at its last step
+    counters: EngineCounters
+    num_indexed_blocks: int = 0  # block hashes the router's prefix index has for it
+
+
+@dataclass(slots=True)
 class RequestRecord:
     """A finished (or aborted, or failed) request, for readers such as metrics and logs."""
 
@@ -70,6 +104,7 @@ class RequestRecord:
     finish_reason: str  # the first sample's, or "error"
     inter_token_latencies: list[float]  # seconds between consecutive steps with new tokens
     error: str | None = None
+    replica: int = 0  # which engine replica served it (engine.replicas)
 
 
 @dataclass(slots=True)
@@ -97,7 +132,7 @@ class _PendingReconfigure:
     result: concurrent.futures.Future
 
 
-class AsyncEngine:
+class AsyncEngine(ChatSubmit):
     """Runs an EngineCore on a background thread; other threads only enqueue commands.
 
     The thread steps while requests are unfinished and sleeps on a condition when idle.
@@ -121,6 +156,7 @@ class AsyncEngine:
         self._step_feed = Feed()
         self._request_feed = Feed()
         self._counters = EngineCounters()
+        self._last_step: StepRecord | None = None
         self._counters_lock = threading.Lock()
         self._request_ids = itertools.count()
         self._accepting = True
@@ -188,6 +224,14 @@ class AsyncEngine:
         """True from the reconfigure() call until the new pool is in place (or refused)."""
         return self._reconfigure_lock.locked()
 
+    num_replicas = 1
+
+    def replica_statuses(self) -> list[ReplicaStatus]:
+        step, num_blocks = self._last_step, self._core.memory_plan.num_blocks
+        return [ReplicaStatus(0, self.is_running, None, 0, len(self._live),
+                              step.num_used_blocks / num_blocks if step else 0.0,
+                              self.counters())]
+
     def counters(self) -> EngineCounters:
         """A consistent copy of the totals."""
         with self._counters_lock:
@@ -218,16 +262,6 @@ class AsyncEngine:
                                            add_special_tokens, time.time()))
         return stream
 
-    def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-                    **kwargs: Any) -> RequestStream:
-        """Apply the model's chat template, then submit (the template holds the BOS)."""
-        return self.submit(self.render_chat(messages), params, add_special_tokens=False,
-                           **kwargs)
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of a conversation, ending with the assistant's turn."""
-        return render_chat(self.tokenizer, messages)
-
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary; unknown or finished ids are ignored."""
         self._enqueue(lambda: self._do_abort(request_id))
@@ -239,20 +273,24 @@ class AsyncEngine:
         self._enqueue(lambda: self._snapshot_waiters.append(future))
         return future
 
-    def snapshot(self, timeout: float | None = 10.0) -> EngineSnapshot:
+    def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:
+        _check_replica(replica)
         return self.snapshot_future().result(timeout)
 
-    async def snapshot_async(self) -> EngineSnapshot:
+    async def snapshot_async(self, replica: int | None = None) -> EngineSnapshot:
+        _check_replica(replica)
         return await asyncio.wrap_future(self.snapshot_future())
 
     def subscribe_steps(self, maxsize: int = 1024) -> Channel:
         """Every StepRecord from now on; past `maxsize` unread, the oldest are dropped."""
         return self._step_feed.subscribe(maxsize)
 
-    def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS) -> Channel:
+    def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS,
+                       replica: int | None = None) -> Channel:
         """Records for an engine.pool_mirror.PoolMirror: a full snapshot (a PoolBase, then
         PoolSlices, interleaved with deltas), then one PoolDelta per step. Past `maxsize`
         unread the oldest are dropped: the reader then calls resync_pool."""
+        _check_replica(replica)
         channel = self._pool_feed.subscribe(maxsize)
         self.resync_pool(channel)
         return channel
@@ -370,6 +408,7 @@ class AsyncEngine:
             self._publish_pool_delta()
             return
         now = time.time()
+        self._last_step = result.record
         self._count_step(result.record)
         for output in result.outputs:
             self._deliver(output, now)

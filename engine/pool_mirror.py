@@ -256,9 +256,10 @@ class PoolReader:
     `update` applies what arrived and asks for a new snapshot after a missed record, so
     a reader never makes the engine thread copy the whole pool at once."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, replica: int = 0) -> None:
         self.engine = engine
-        self.records = engine.subscribe_pool()
+        self.replica = replica  # which engine replica's pool (engine.replicas.ReplicaSet)
+        self.records = engine.subscribe_pool(replica=replica)
         self.mirror = PoolMirror()
         self._dropped = 0
         self._lock = threading.Lock()
@@ -283,6 +284,15 @@ class PoolReader:
     def _resync(self) -> None:
         self.mirror.awaiting_base = True
         self.engine.resync_pool(self.records)
+
+    def focus(self, replica: int) -> None:
+        """Follow another replica's pool; the same mirror, so its versions keep counting
+        up and every reader sees the change."""
+        with self._lock:
+            old, self.records = self.records, self.engine.subscribe_pool(replica=replica)
+            old.close()
+            self.replica, self._dropped = replica, 0
+            self.mirror.awaiting_base = True
 
     def close(self) -> None:
         self.records.close()

@@ -44,6 +44,7 @@ class StepRecord:
     prefix_cache_hits: int = 0
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
+    replica: int = 0  # which engine replica stepped (engine.replicas)
 
     @property
     def duration(self) -> float:
@@ -92,6 +93,7 @@ class EngineSnapshot:
     prefix_cache_hits: int
     num_preemptions: int
     num_evictions: int
+    replica: int = 0  # which engine replica this is (engine.replicas)
 
     def count(self, state: str) -> int:
         return sum(1 for block in self.blocks if block.state == state)

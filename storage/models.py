@@ -5,7 +5,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Bump when a table changes, and add the step from the previous version to MIGRATIONS
 # in storage.schema, so files written by older versions keep opening.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 2: per-step cache statistics; 3: the engine replica
 
 
 class Base(DeclarativeBase):
@@ -51,6 +51,7 @@ class RequestRow(Base):
     first_token_time: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_time: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    replica: Mapped[int] = mapped_column(Integer, default=0)  # the engine replica that ran it
 
 
 class StepRow(Base):
@@ -76,6 +77,7 @@ class StepRow(Base):
     prefix_cache_hits: Mapped[int] = mapped_column(Integer, default=0)
     num_blocks_swapped_out: Mapped[int] = mapped_column(Integer, default=0)
     num_blocks_swapped_in: Mapped[int] = mapped_column(Integer, default=0)
+    replica: Mapped[int] = mapped_column(Integer, default=0)  # the engine replica that stepped
     chunks: Mapped[list] = mapped_column(JSON, default=list)  # [request, seq, kind, start, end]
     preempted: Mapped[list] = mapped_column(JSON, default=list)
     swapped_out: Mapped[list] = mapped_column(JSON, default=list)

@@ -8,7 +8,8 @@ from engine.telemetry import ScheduledChunk, StepRecord
 STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
                  "num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_running",
                  "num_waiting", "num_generated_tokens", "prefix_cache_queries",
-                 "prefix_cache_hits", "num_blocks_swapped_out", "num_blocks_swapped_in")
+                 "prefix_cache_hits", "num_blocks_swapped_out", "num_blocks_swapped_in",
+                 "replica")
 STEP_ID_LISTS = ("preempted", "swapped_out", "swapped_in", "finished")
 
 
@@ -29,7 +30,7 @@ def step_record(row: dict) -> StepRecord:
 
 
 def request_row(session_id: int, output: RequestOutput, source: str,
-                prompt_text: str | None) -> dict:
+                prompt_text: str | None, replica: int = 0) -> dict:
     metrics = output.metrics
     return {
         "session_id": session_id, "request_id": output.request_id, "source": source,
@@ -46,4 +47,5 @@ def request_row(session_id: int, output: RequestOutput, source: str,
         "first_token_time": metrics.first_token_time if metrics else None,
         "finished_time": (metrics.finished_time if metrics else None) or time.time(),
         "error": output.error,
+        "replica": replica,
     }

@@ -22,8 +22,16 @@ def _add_step_statistics(connection: Connection) -> None:
             f"ALTER TABLE steps ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
 
 
+def _add_replica_columns(connection: Connection) -> None:
+    """Version 3: requests and steps record the engine replica (0 for a single engine)."""
+    for table in ("requests", "steps"):
+        connection.exec_driver_sql(
+            f"ALTER TABLE {table} ADD COLUMN replica INTEGER NOT NULL DEFAULT 0")
+
+
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_step_statistics}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    1: _add_step_statistics, 2: _add_replica_columns}
 
 
 def open_database(path: str | Path) -> Engine:

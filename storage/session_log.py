@@ -64,7 +64,8 @@ class SessionLog:
         steps, requests = engine.subscribe_steps(maxsize=QUEUE_SIZE), engine.subscribe_requests()
         self._subscriptions += [steps, requests]
         for feed, record in ((steps, self.record_step),
-                             (requests, lambda r: self.record_request(r.output, r.source))):
+                             (requests, lambda r: self.record_request(r.output, r.source,
+                                                                       replica=r.replica))):
             pump = threading.Thread(target=_pump, args=(feed, record), daemon=True,
                                     name="kvscope-session-log-follow")
             pump.start()
@@ -84,9 +85,10 @@ class SessionLog:
         self._put((StepRow, record))
 
     def record_request(self, output: RequestOutput, source: str,
-                       prompt_text: str | None = None) -> None:
+                       prompt_text: str | None = None, replica: int = 0) -> None:
         """A finished request; prompt_text overrides output.prompt (e.g. the chat text)."""
-        self._put((RequestRow, request_row(self._current(), output, source, prompt_text)))
+        self._put((RequestRow, request_row(self._current(), output, source, prompt_text,
+                                           replica)))
 
     def record_chat_message(self, conversation_id: str, role: str, content: str,
                             request_id: str | None = None) -> None:

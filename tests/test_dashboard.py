@@ -198,6 +198,11 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
         assert connection.execute("SELECT count(*) FROM steps").fetchone()[0] > 0
     path, status = client.predict(999, "json", api_name="/export_session")
     assert path is None and "session_id=999: no such session" in status
+    *_, config = client.predict(log.session_id, api_name="/show_session")
+    # The earlier tests' reconfigures, each kept with its time, after the start's config.
+    sizes = [entry["block_size"] for entry in config["history"]]
+    assert sizes[0] == 4 and 8 in sizes and config["latest"]["block_size"] == sizes[-1] == 4
+    assert all(entry["applied_at"] for entry in config["history"])
 
 
 def test_browser_chat_heatmap_and_export(served, browser, tmp_path: Path) -> None:

@@ -43,13 +43,14 @@ class LiveServer:
                              timeout=60)
 
     def metrics(self) -> dict[str, float]:
-        """Every sample as `name{label=value,...}` -> value (labels sorted, model left out)."""
+        """Every sample as `name{label=value,...}` -> value (labels sorted; the model and
+        the replica, always 0 for this one engine, left out)."""
         text = httpx.get(f"{self.url}/metrics").text
         samples = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                                  if k != "model_name")
+                                  if k not in ("model_name", "replica"))
                 samples[f"{sample.name}{{{labels}}}"] = sample.value
         return samples
 

@@ -1,6 +1,7 @@
 """Tests for storage: the session log's rows, exports, durability and schema upgrades."""
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -86,6 +87,22 @@ def test_every_request_and_step_of_a_run_is_stored(tmp_path: Path, engine_run) -
         assert row["first_token_time"] == output.metrics.first_token_time
     assert sum(row["num_cached_tokens"] for row in stored.requests) > 0  # the shared prefix
     assert [m["role"] for m in stored.chat_messages] == ["user", "assistant"]
+
+
+def test_requests_and_steps_keep_their_replica(tmp_path: Path, engine_run) -> None:
+    _, records, finished = engine_run
+    log = SessionLog(tmp_path / "log.db")
+    session_id = log.start_session({}, model="tiny")
+    on_replica_1 = [dataclasses.replace(record, replica=1) for record in records[:2]]
+    for record in [*on_replica_1, *records[2:4]]:
+        log.record_step(record)
+    log.record_request(finished[0], source="api", replica=1)
+    log.record_request(finished[1], source="api")
+    log.close()
+    stored = load_session(open_database(tmp_path / "log.db"), session_id)
+    assert [step.replica for step in stored.steps] == [1, 1, 0, 0]
+    assert {row["request_id"]: row["replica"] for row in stored.requests} == {
+        finished[0].request_id: 1, finished[1].request_id: 0}
 
 
 def test_every_config_of_a_session_is_kept_with_its_time(tmp_path: Path, engine_run) -> None:
@@ -219,6 +236,22 @@ def test_sigkill_mid_run_loses_at_most_the_last_second(tmp_path: Path) -> None:
     assert steps[-1].start_time >= killed_at - 1.0
 
 
+def test_a_version_2_log_gains_the_replica_columns(tmp_path: Path) -> None:
+    db_path = tmp_path / "old.db"
+    log = SessionLog(db_path)
+    log.start_session({}, model="tiny")
+    log.close()
+    with sqlite3.connect(db_path) as connection:  # the file as version 2 wrote it
+        for table in ("requests", "steps"):
+            connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
+        connection.execute("UPDATE schema_version SET version = 2")
+    engine = schema.open_database(db_path)
+    for table in ("requests", "steps"):
+        assert "replica" in {c["name"] for c in inspect(engine).get_columns(table)}
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql("SELECT version FROM schema_version").scalar() == 3
+
+
 def test_schema_upgrades_from_the_previous_version(tmp_path: Path, monkeypatch) -> None:
     db_path = tmp_path / "log.db"
     log = SessionLog(db_path)
@@ -284,6 +317,8 @@ def test_a_version_1_log_gains_the_step_statistics(tmp_path: Path, engine_run) -
     with sqlite3.connect(db_path) as connection:  # make it a version-1 file
         for column in schema.STEP_COLUMNS_OF_VERSION_2:
             connection.execute(f"ALTER TABLE steps DROP COLUMN {column}")
+        for table in ("requests", "steps"):  # and what version 3 added
+            connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
         connection.execute("UPDATE schema_version SET version = 1")
 
     steps = load_session(open_database(db_path), session_id).steps

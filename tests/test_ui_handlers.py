@@ -158,3 +158,9 @@ def test_the_access_log_drops_dashboard_polling_only(path, status, kept):
                                '%s - "%s %s HTTP/%s" %d', ("1.2.3.4", "GET", path, "1.1",
                                                            status), None)
     assert QuietPolling().filter(record) is kept
+
+
+def test_a_long_step_is_work_not_an_idle_gap():
+    slow = [StepRecord(i, 10.0 + 5 * i, 15.0 + 5 * i, (), (), (), (), (), 1, 8, 4, 0, 4, 1,
+                       0) for i in range(3)]  # 5 s steps back to back
+    assert None not in timeline.pool_series(slow)["data"][0]["y"]

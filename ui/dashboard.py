@@ -29,10 +29,17 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
                 _engine_tab(blocks, engine, feed, session_log, load)
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 _sessions_tab(blocks, session_log)
+            other_tabs = [engine_tab, sessions_tab]
+            if engine.num_replicas > 1:  # an engine.replicas.ReplicaSet
+                from ui.replicas import replicas_tab  # the router's names; Ray is loaded
+
+                with gr.Tab("Replicas", id="replicas") as replicas:
+                    replicas_tab(engine, feed)
+                other_tabs.append(replicas)
         shown = gr.State(None)
         # The Live tab's panels are built only while it is the selected tab.
         watching = gr.State(True)
-        for tab, selected in ((live_tab, True), (engine_tab, False), (sessions_tab, False)):
+        for tab, selected in ((live_tab, True), *((tab, False) for tab in other_tabs)):
             tab.select(lambda selected=selected: selected, None, watching,
                        api_visibility="private")
         timer = gr.Timer(panels.REFRESH_S)

@@ -52,10 +52,13 @@ class LiveFeed:
         with self._lock:
             now = time.time()
             snapshot = self._pool.update(FIRST_SNAPSHOT_WAIT_S)
-            self._records.extend(self._steps.drain())
+            replica = self._pool.replica
+            self._records.extend(r for r in self._steps.drain() if r.replica == replica)
             # Arrival times give the timelines their waiting bars and the stats their TTFT:
             # from finished requests, and from running ones seen in the mirror.
             for record in self._requests.drain():
+                if record.replica != replica:
+                    continue
                 metrics = record.output.metrics
                 if metrics is not None:
                     self._arrivals[record.output.request_id] = metrics.arrival_time
@@ -67,6 +70,19 @@ class LiveFeed:
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
                              dict(self._arrivals), now)
+
+    @property
+    def replica(self) -> int:
+        """The engine replica the panels show (always 0 for a single engine)."""
+        return self._pool.replica
+
+    def focus(self, replica: int) -> None:
+        """Point the panels at another replica (engine.replicas.ReplicaSet)."""
+        with self._lock:
+            self._pool.focus(replica)
+            self._records.clear()
+            self._token_usage.clear()
+            self._arrivals.clear()
 
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""

@@ -43,7 +43,8 @@ def show_session(session_log, session_id):
         return gr.skip(), gr.skip(), str(error), {}
     arrivals = {row["request_id"]: row["arrival_time"] for row in stored.requests
                 if row["arrival_time"] is not None}
-    # Every config the session ran with, each with the time it took effect.
+    # The latest config, and every config the session ran with, each with the time it
+    # took effect.
     config = {"latest": stored.session["config"],
               "history": [{"applied_at": _time(entry["applied_at"]), **entry["config"]}
                           for entry in stored.configs]}

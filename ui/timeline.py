@@ -242,14 +242,16 @@ def stats_markdown(stats: LatencyStats, hit_rate: float | None,
     return "\n".join(lines)
 
 
-def _with_breaks(times: list[float], values: list[float | None],
-                 gap_s: float) -> tuple[list[float], list[float | None]]:
-    """Insert a gap point wherever consecutive samples are more than gap_s apart, so a
-    line stops at an idle period instead of sliding across it."""
+def _with_breaks(times: list[float], values: list[float | None], gap_s: float,
+                 starts: list[float] | None = None) -> tuple[list[float], list[float | None]]:
+    """Insert a gap point wherever more than gap_s passed between one sample and the start
+    of the next (a step's start: a long step is work, not idleness), so a line stops at
+    an idle period instead of sliding across it."""
+    starts = starts or times
     xs: list[float] = []
     ys: list[float | None] = []
     for index, (t, value) in enumerate(zip(times, values)):
-        if index and t - times[index - 1] > gap_s:
+        if index and starts[index] - times[index - 1] > gap_s:
             xs.append(epoch_ms((t + times[index - 1]) / 2))
             ys.append(None)
         xs.append(epoch_ms(t))
@@ -270,11 +272,15 @@ def pool_series(records: Sequence[StepRecord],
         return placeholder("KV usage, queues, throughput", "No engine steps in this window "
                            "yet: the series start with the first request.")
     times = [r.end_time for r in records]
+    starts = [r.start_time for r in records]
 
     def step_line(values, name: str, axis: str, samples=None, gap_s=IDLE_GAP_S) -> dict:
-        xs, ys = _with_breaks(samples or times, values, gap_s)
-        return {"type": "scatter", "mode": "lines", "line": {"shape": "hv"}, "x": xs,
-                "y": ys, "name": name, "yaxis": axis, "connectgaps": False}
+        xs, ys = _with_breaks(samples or times, values, gap_s,
+                              None if samples else starts)
+        # Markers too: a lone sample between two breaks would draw nothing as a line.
+        return {"type": "scatter", "mode": "lines+markers", "line": {"shape": "hv"},
+                "marker": {"size": 3}, "x": xs, "y": ys, "name": name, "yaxis": axis,
+                "connectgaps": False}
 
     blocks = [round(100 * r.num_used_blocks / max(r.num_used_blocks + r.num_cached_blocks
                                                   + r.num_free_blocks, 1), 2)

@@ -79,6 +79,12 @@ class EngineMetrics:
                                 labels=LABELS)
         info.add_metric([self.model_name], config)
         yield info
+        up = GaugeMetricFamily("kvscope:replica_up", "1 while the engine replica serves, 0 "
+                               "when it is down (engine.replicas).",
+                               labels=[*LABELS, "replica"])
+        for status in self.engine.replica_statuses():
+            up.add_metric([self.model_name, str(status.replica)], float(status.alive))
+        yield up
 
     def _gauges(self) -> Iterator[Metric]:
         snapshot = self._snapshot

@@ -144,13 +144,21 @@ def health_router(engine: AsyncEngine) -> APIRouter:
 
     @router.get("/health")
     async def health() -> JSONResponse:
+        """200 while any replica serves ("degraded" if some are down), else 503."""
         counters = engine.counters()
-        healthy = engine.is_running
+        statuses = engine.replica_statuses()
+        num_up = sum(status.alive for status in statuses)
+        healthy = engine.is_running and num_up > 0
+        status = ("ok" if num_up == len(statuses) else "degraded") if healthy else (
+            "engine stopped")
         return JSONResponse(
-            {"status": "ok" if healthy else "engine stopped",
+            {"status": status,
              "step_failures": counters.step_failures,
              "reconfiguring": engine.is_reconfiguring,
-             "num_steps": counters.num_steps},
+             "num_steps": counters.num_steps,
+             "replicas": [{"replica": s.replica, "alive": s.alive, "error": s.error,
+                           "restarts": s.restarts, "in_flight": s.in_flight}
+                          for s in statuses]},
             status_code=200 if healthy else 503)
 
     @router.get("/version")

@@ -1,0 +1,185 @@
+"""EngineReplica: the body of one Ray actor, owning one AsyncEngine (weights, pool,
+scheduler, engine thread) and streaming its outputs and events to the API process."""
+
+import asyncio
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.async_engine import AsyncEngine, EngineCounters, RequestRecord
+from engine.config import EngineConfig
+from engine.memory import MemoryPlan
+from engine.pool_mirror import PoolMirror
+from engine.sampling_params import SamplingParams
+from engine.streams import Channel
+from engine.telemetry import EngineSnapshot, PoolBase, PoolDelta, StepRecord
+
+logger = logging.getLogger(__name__)
+# Records a replica keeps for the API process between two polls; past this the oldest go.
+EVENT_BACKLOG = 50_000
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    """What the API process learns about a replica when it is (re)started."""
+
+    replica: int
+    pid: int
+    node: str
+    config: EngineConfig
+    memory_plan: MemoryPlan
+    identity: dict[str, str]
+    default_sampling: dict  # what the model's generation_config sets
+
+
+@dataclass(slots=True)
+class ReplicaEvents:
+    """What happened on a replica since the last poll.
+
+    `stored` / `evicted` are the block hashes (BlockHash.value, the prefix cache's chained
+    hash) that entered or left the replica's pool; the router's prefix index applies them.
+    `pool` holds the pool records (engine.telemetry) for the API process's mirrors, while
+    one is watching this replica.
+    """
+
+    steps: list[StepRecord] = field(default_factory=list)
+    requests: list[RequestRecord] = field(default_factory=list)
+    stored: list[bytes] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
+    pool: list = field(default_factory=list)
+    counters: EngineCounters | None = None
+
+
+class BlockHashTracker:
+    """Follows the engine's pool records (a PoolMirror) and turns each change of a block's
+    hash into stored / evicted events. A new pool (a reconfigure, or a resync after a
+    missed delta) evicts every hash the old one held."""
+
+    def __init__(self) -> None:
+        self.mirror = PoolMirror()
+
+    def apply(self, record, events: ReplicaEvents) -> bool:
+        """False when the record cannot be applied: ask the engine for a new snapshot."""
+        mirror = self.mirror
+        if isinstance(record, PoolDelta) and record.epoch == mirror.epoch:
+            touched = [block_id for block_id, _, _ in record.blocks]
+        elif isinstance(record, PoolBase) or isinstance(record, PoolDelta):
+            touched = range(mirror.num_blocks)  # the whole old pool goes
+        else:  # a PoolSlice
+            touched = range(record.start, record.start + len(record.ref_counts))
+        before = {i: mirror.hashes[i] for i in touched if i < mirror.num_blocks}
+        applied = mirror.apply(record)
+        if isinstance(record, PoolDelta):
+            touched = {*before, *(block_id for block_id, _, _ in record.blocks)}
+        hashes = mirror.hashes
+        for block_id in touched:
+            old = before.get(block_id)
+            new = hashes[block_id] if block_id < len(hashes) else None
+            old_value, new_value = old and old.value, new and new.value
+            if old_value != new_value:
+                if old_value is not None:
+                    events.evicted.append(old_value)
+                if new_value is not None:
+                    events.stored.append(new_value)
+        return applied
+
+
+class EngineReplica:
+    """Made remote by engine.replicas.ReplicaSet (ray.remote with per-replica resources).
+
+    An async actor: `generate` streams one request's outputs (a Ray streaming generator),
+    `next_events` long-polls the step / request / block-hash (and pool) events.
+    """
+
+    def __init__(self, replica: int, config: EngineConfig, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        self.replica = replica
+        self.engine = AsyncEngine.from_config(config).start()
+        self.steps = self.engine.subscribe_steps(EVENT_BACKLOG)
+        self.finished = self.engine.subscribe_requests(EVENT_BACKLOG)
+        self.tracker = BlockHashTracker()
+        self.pool_records = self.engine.subscribe_pool(EVENT_BACKLOG)
+        self.pool_dropped = 0
+        self.forwarded: Channel | None = None  # pool records for the API process's mirrors
+
+    def info(self) -> ReplicaInfo:
+        import ray  # the actor runs under Ray; the module stays importable without it
+
+        engine = self.engine
+        return ReplicaInfo(self.replica, os.getpid(), ray.get_runtime_context().get_node_id(),
+                           engine.config, engine.memory_plan, engine.resolved_identity(),
+                           engine.default_sampling)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int, add_special_tokens: bool, source: str):
+        """Yields None once the engine accepted the request (or the ValueError refusing
+        it), then every RequestOutput; a failed step ends it with its RequestFailed."""
+        stream = self.engine.submit(prompt, params, request_id=request_id, source=source,
+                                    priority=priority, add_special_tokens=add_special_tokens)
+        try:
+            await stream.accepted()
+        except ValueError as error:
+            yield error
+            return
+        yield None
+        try:
+            async for output in stream:
+                yield output
+        except Exception as error:  # noqa: BLE001 -- a failed step: handed to the client
+            yield error
+        finally:
+            stream.abort()  # the client went away (the generator was closed) mid-stream
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def watch_pool(self) -> None:
+        """Forward pool records from now on, starting with a full snapshot (again, when
+        called again: a reader on the API side missed a record)."""
+        if self.forwarded is None:
+            self.forwarded = self.engine.subscribe_pool(EVENT_BACKLOG)
+        else:
+            self.engine.resync_pool(self.forwarded)
+
+    async def next_events(self, wait_s: float) -> ReplicaEvents:
+        """Events since the last call, waiting up to `wait_s` for a step if none came."""
+        events = ReplicaEvents()
+        try:
+            first = await asyncio.wait_for(self.steps.aget(), wait_s)
+            events.steps.append(first)
+        except (TimeoutError, StopAsyncIteration):
+            pass
+        events.steps.extend(self.steps.drain())
+        events.steps = [dataclasses.replace(step, replica=self.replica) for step in events.steps]
+        events.requests = [dataclasses.replace(record, replica=self.replica)
+                           for record in self.finished.drain()]
+        self._track_blocks(events)
+        if self.forwarded is not None:
+            events.pool = self.forwarded.drain()
+        events.counters = self.engine.counters()
+        return events
+
+    def _track_blocks(self, events: ReplicaEvents) -> None:
+        records = self.pool_records
+        missed = records.num_dropped != self.pool_dropped
+        self.pool_dropped = records.num_dropped
+        for record in records.drain():
+            if not self.tracker.apply(record, events):
+                missed = True
+                break
+        if missed:
+            self.tracker.mirror.awaiting_base = True
+            self.engine.resync_pool(records)
+
+    async def snapshot(self) -> EngineSnapshot:
+        return dataclasses.replace(await self.engine.snapshot_async(), replica=self.replica)
+
+    async def reconfigure(self, abort_running: bool, knobs: dict) -> MemoryPlan:
+        # Off the actor's event loop: the running requests' streams must keep flowing.
+        return await asyncio.to_thread(self.engine.reconfigure, abort_running, **knobs)
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown, True)

@@ -1,0 +1,436 @@
+"""ReplicaSet: N engine replicas as Ray actors behind a router, shaped like AsyncEngine so
+the API, /metrics, /ws/events, the session log and the dashboard serve it unchanged."""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+import engine
+import kernels
+from engine.async_engine import POOL_CHANNEL_RECORDS, RELOAD_KNOBS, ChatSubmit, EngineCounters, ReplicaStatus
+from engine.config import EngineConfig
+from engine.loader import load_tokenizer, resolve_model_path
+from engine.memory import MemoryPlan
+from engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
+from engine.replicas.replica import EngineReplica, ReplicaInfo
+from engine.replicas.router import ReplicaLoad, Router, RoutingDecision, check_load_weight
+from engine.sampling_params import SamplingParams
+from engine.streams import EngineClosed, Feed, RequestFailed, RequestStream
+from engine.telemetry import EngineSnapshot, StepRecord
+
+logger = logging.getLogger(__name__)
+EVENT_POLL_S = 0.2  # how long a replica's event poll waits for a step before answering
+RESTART_POLL_S = 0.5
+RECENT_DECISIONS = 200
+STOP_TIMEOUT_S = 30.0
+
+
+class ReplicaDown(RequestFailed):
+    """The replica serving the request died (its actor or process was killed)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Replica:
+    index: int
+    actor: Any
+    info: ReplicaInfo | None = None
+    alive: bool = False
+    error: str | None = None
+    restarts: int = 0
+    streams: dict[str, RequestStream] = field(default_factory=dict)
+    pool_feed: Feed = field(default_factory=Feed)  # its pool records, while watched
+    watched: bool = False
+    last_step: StepRecord | None = None
+    counters: EngineCounters = field(default_factory=EngineCounters)
+    # The totals of earlier incarnations (a restarted actor counts from zero again).
+    carried: EngineCounters = field(default_factory=EngineCounters)
+
+    @property
+    def kv_usage(self) -> float:
+        step = self.last_step
+        if step is None or self.info is None:
+            return 0.0
+        return step.num_used_blocks / max(1, self.info.memory_plan.num_blocks)
+
+
+def add_counters(a: EngineCounters, b: EngineCounters) -> EngineCounters:
+    total = EngineCounters()
+    for name in (f.name for f in dataclasses.fields(EngineCounters)):
+        left, right = getattr(a, name), getattr(b, name)
+        if isinstance(left, dict):
+            merged = dict(left)
+            for key, value in right.items():
+                merged[key] = merged.get(key, 0) + value
+            setattr(total, name, merged)
+        else:
+            setattr(total, name, left + right)
+    return total
+
+
+def connect_ray(address: str | None = None) -> bool:
+    """Join the Ray cluster at `address` (else start a local one) unless this process is
+    connected already; True if it connected. The engine's packages travel with the job,
+    so a cluster's nodes need only the dependencies (and the model at the same path)."""
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, logging_level=logging.WARNING, runtime_env={
+        "py_modules": [os.path.dirname(module.__file__) for module in (engine, kernels)]})
+    return True
+
+
+def replica_resources(num_cpus: int) -> dict:
+    """num_cpus threads per replica, and one GPU each when the cluster has GPUs."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    return {"num_cpus": num_cpus, "num_gpus": 1 if gpus >= 1 else 0}
+
+
+class ReplicaSet(ChatSubmit):
+    """Starts `replicas` EngineReplica actors (joining the Ray cluster at `ray_address`,
+    else the one this process is connected to, else a new local one) and routes requests
+    to them. Public methods are thread-safe; Ray calls run on one event loop thread."""
+
+    def __init__(self, config: EngineConfig, replicas: int, *, routing: str = "kv-aware",
+                 load_weight: float = 1.0, ray_address: str | None = None,
+                 restart_replicas: bool = False, replica_cpus: int = 1) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas={replicas!r} must be an integer >= 1")
+        if isinstance(replica_cpus, bool) or not isinstance(replica_cpus, int) or replica_cpus < 1:
+            raise ValueError(f"replica_cpus={replica_cpus!r} must be an integer >= 1")
+        self._base_config = config
+        self._knob_changes: dict[str, Any] = {}
+        self.restart_replicas = restart_replicas
+        self.index = PrefixIndex()
+        self.router = Router(self.index, routing, load_weight)
+        self.tokenizer = load_tokenizer(resolve_model_path(config.model))
+        self._owns_ray = connect_ray(ray_address)
+        self._step_feed, self._request_feed, self._decision_feed = Feed(), Feed(), Feed()
+        self.recent_decisions: deque[RoutingDecision] = deque(maxlen=RECENT_DECISIONS)
+        self._request_ids = itertools.count()
+        self._accepting = True
+        self._stopping = False
+        self._reconfiguring = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvscope-replicas",
+                                        daemon=True)
+        self._thread.start()
+        remote = ray.remote(EngineReplica).options(
+            **replica_resources(replica_cpus), max_restarts=-1 if restart_replicas else 0,
+            # The engine's packages travel with each actor, so a cluster's nodes need only
+            # the dependencies (and the model at the same path).
+            )
+        self._replicas = [_Replica(i, remote.remote(i, config, replica_cpus))
+                          for i in range(replicas)]
+        self._pollers: list[concurrent.futures.Future] = []
+        self._pool_channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        try:
+            self._call(self._start_all())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "ReplicaSet":
+        """Already started by the constructor (AsyncEngine's shape: `X(...).start()`)."""
+        return self
+
+    async def _start_all(self) -> None:
+        infos = await asyncio.gather(*(r.actor.info.remote() for r in self._replicas),
+                                     return_exceptions=True)
+        for replica, info in zip(self._replicas, infos, strict=True):
+            if isinstance(info, BaseException):
+                raise ValueError(f"replica {replica.index} failed to start: {info}") from info
+            replica.info, replica.alive = info, True
+        self._pollers = [asyncio.ensure_future(self._poll(r)) for r in self._replicas]
+
+    def _call(self, coroutine: Coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def shutdown(self, abort_running: bool = True, timeout: float | None = STOP_TIMEOUT_S) -> None:
+        """Stop taking requests, abort the ones in flight, stop the actors."""
+        if self._stopping:
+            return
+        self._accepting = False
+        self._stopping = True
+        live = [r for r in self._replicas if r.alive]
+        try:
+            ray.get([r.actor.shutdown.remote() for r in live], timeout=timeout)
+        except RayError as error:
+            logger.warning("stopping replicas: %s", error)
+        for replica in self._replicas:
+            ray.kill(replica.actor, no_restart=True)
+            replica.alive = False
+            self._fail_streams(replica, EngineClosed("the engine stopped"))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        if self._owns_ray:
+            ray.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopping and any(r.alive for r in self._replicas)
+
+    # ---- what the replicas serve -------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return len(self._replicas)
+
+    @property
+    def _reference(self) -> ReplicaInfo:
+        """A started replica's info: every replica runs the same config and model."""
+        return next(r.info for r in self._replicas if r.info is not None)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._reference.config
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        return self._reference.memory_plan
+
+    @property
+    def default_sampling(self) -> dict:
+        return self._reference.default_sampling
+
+    @property
+    def model_path(self) -> str:
+        return self._reference.identity["model"]
+
+    def resolved_identity(self) -> dict[str, str]:
+        return dict(self._reference.identity)
+
+    @property
+    def is_reconfiguring(self) -> bool:
+        return self._reconfiguring.locked()
+
+    def counters(self) -> EngineCounters:
+        """Totals over every replica, dead ones' last known included (monotonic)."""
+        total = EngineCounters()
+        for replica in self._replicas:
+            total = add_counters(total, add_counters(replica.carried, replica.counters))
+        return total
+
+    def replica_statuses(self) -> list[ReplicaStatus]:
+        return [ReplicaStatus(r.index, r.alive, r.error, r.restarts, len(r.streams), r.kv_usage,
+                              add_counters(r.carried, r.counters), self.index.num_blocks(r.index))
+                for r in self._replicas]
+
+    # ---- routing knobs -----------------------------------------------------------------
+    @property
+    def routing(self) -> str:
+        return self.router.policy
+
+    def set_routing(self, policy: str | None = None, load_weight: float | None = None) -> None:
+        """Change the policy and / or the kv-aware load weight; later requests use them."""
+        from engine.replicas.router import check_policy
+
+        if policy is not None:
+            self.router.policy = check_policy(policy)
+        if load_weight is not None:
+            self.router.load_weight = check_load_weight(load_weight)
+
+    def subscribe_decisions(self, maxsize: int = 1024):
+        """Every RoutingDecision from now on."""
+        return self._decision_feed.subscribe(maxsize)
+
+    # ---- requests ----------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None, source: str = "api", priority: int = 0,
+               add_special_tokens: bool = True) -> RequestStream:
+        """Route and queue a request; returns its stream at once (see AsyncEngine.submit).
+        A request whose replica dies ends with ReplicaDown."""
+        if not self._accepting:
+            raise EngineClosed("the engine is shutting down; it takes no new requests")
+        request_id = request_id or f"{source}-{next(self._request_ids)}"
+        stream = RequestStream(request_id, source, lambda: self.abort(request_id))
+        asyncio.run_coroutine_threadsafe(
+            self._serve(stream, prompt, params or SamplingParams(), priority,
+                        add_special_tokens), self._loop)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort on the replica that owns the request; unknown ids are ignored."""
+        for replica in self._replicas:
+            if request_id in replica.streams:
+                replica.actor.abort.remote(request_id)
+
+    def _route(self, request_id: str, prompt: str | list[int],
+               add_special_tokens: bool) -> RoutingDecision:
+        live = [r for r in self._replicas if r.alive]
+        if not live:
+            raise EngineClosed("no replica is alive to serve the request")
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        else:
+            token_ids = prompt
+        hashes = prompt_block_hashes(token_ids, self.config.block_size)
+        max_num_seqs = self.config.max_num_seqs
+        loads = [ReplicaLoad(r.index, len(r.streams), r.kv_usage, max_num_seqs) for r in live]
+        decision = self.router.choose(request_id, hashes, loads)
+        self.recent_decisions.append(decision)
+        self._decision_feed.publish(decision)
+        return decision
+
+    async def _serve(self, stream: RequestStream, prompt, params: SamplingParams,
+                     priority: int, add_special_tokens: bool) -> None:
+        try:
+            replica = self._replicas[self._route(stream.request_id, prompt,
+                                                 add_special_tokens).replica]
+        except Exception as error:  # noqa: BLE001 -- the stream's reader gets it
+            stream.fail(error)
+            return
+        replica.streams[stream.request_id] = stream
+        try:
+            outputs = replica.actor.generate.options(num_returns="streaming").remote(
+                stream.request_id, prompt, params, priority, add_special_tokens, stream.source)
+            accepted = False
+            async for ref in outputs:
+                item = await ref
+                if isinstance(item, Exception):
+                    stream.fail(item)
+                    return
+                if not accepted:
+                    accepted = True
+                    stream.accept()
+                    continue
+                stream.push(item)
+        except RayError as error:
+            self._mark_down(replica, error)
+        finally:
+            replica.streams.pop(stream.request_id, None)
+
+    # ---- events and faults ---------------------------------------------------------------
+    async def _poll(self, replica: _Replica) -> None:
+        while not self._stopping:
+            try:
+                events = await replica.actor.next_events.remote(EVENT_POLL_S)
+            except RayError as error:
+                if self._stopping:
+                    return
+                self._mark_down(replica, error)
+                if not self.restart_replicas:
+                    return
+                await self._await_restart(replica)
+                continue
+            self.index.apply(replica.index, events.stored, events.evicted)
+            for step in events.steps:
+                replica.last_step = step
+                self._step_feed.publish(step)
+            for record in events.requests:
+                self._request_feed.publish(record)
+            for record in events.pool:
+                replica.pool_feed.publish(record)
+            replica.counters = events.counters
+
+    def _mark_down(self, replica: _Replica, error: BaseException) -> None:
+        if not replica.alive:
+            return
+        replica.alive = False
+        replica.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        logger.error("replica %d is down (%s); %d request(s) fail", replica.index,
+                     replica.error, len(replica.streams))
+        self.index.drop(replica.index)
+        self._fail_streams(replica, ReplicaDown(
+            f"replica {replica.index} died while serving the request ({replica.error}); "
+            "retry: the router sends new requests to the live replicas"))
+
+    def _fail_streams(self, replica: _Replica, error: Exception) -> None:
+        streams, replica.streams = replica.streams, {}
+        for stream in streams.values():
+            stream.fail(error)
+
+    async def _await_restart(self, replica: _Replica) -> None:
+        """Ray restarts the actor (a fresh engine: new weights load, empty pool)."""
+        while not self._stopping:
+            try:
+                info = await replica.actor.info.remote()
+                if self._knob_changes:  # Ray re-runs the constructor with the first config
+                    await replica.actor.reconfigure.remote(False, self._knob_changes)
+                    info = await replica.actor.info.remote()
+            except RayError:
+                await asyncio.sleep(RESTART_POLL_S)
+                continue
+            replica.carried = add_counters(replica.carried, replica.counters)
+            replica.counters, replica.last_step = EngineCounters(), None
+            replica.info, replica.alive, replica.error = info, True, None
+            replica.restarts += 1
+            if replica.watched:
+                replica.actor.watch_pool.remote()
+            logger.info("replica %d restarted (restart %d)", replica.index, replica.restarts)
+            return
+
+    # ---- readers -----------------------------------------------------------------------
+    def _pick(self, replica: int | None) -> _Replica:
+        if replica is None:
+            return next((r for r in self._replicas if r.alive), self._replicas[0])
+        if not 0 <= replica < len(self._replicas):
+            raise ValueError(f"replica={replica} must be in [0, {len(self._replicas)})")
+        return self._replicas[replica]
+
+    async def _snapshot(self, replica: int | None) -> EngineSnapshot:
+        return await self._pick(replica).actor.snapshot.remote()
+
+    def snapshot_future(self, replica: int | None = None) -> concurrent.futures.Future:
+        """A future of one replica's EngineSnapshot (the first live one by default)."""
+        return asyncio.run_coroutine_threadsafe(self._snapshot(replica), self._loop)
+
+    def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:
+        return self.snapshot_future(replica).result(timeout)
+
+    async def snapshot_async(self, replica: int | None = None) -> EngineSnapshot:
+        return await asyncio.wrap_future(self.snapshot_future(replica))
+
+    def subscribe_steps(self, maxsize: int = 1024):
+        """Every replica's StepRecords (each carries its `replica`)."""
+        return self._step_feed.subscribe(maxsize)
+
+    def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS, replica: int | None = None):
+        """One replica's pool records (the first live one by default) for a PoolMirror: a
+        full snapshot, then one PoolDelta per step (see AsyncEngine.subscribe_pool)."""
+        target = self._pick(replica)
+        channel = target.pool_feed.subscribe(maxsize)
+        self._pool_channels[channel] = target
+        target.watched = True
+        target.actor.watch_pool.remote()
+        return channel
+
+    def resync_pool(self, channel) -> None:
+        """Send the channel's replica's watchers a fresh full snapshot (one missed a delta)."""
+        self._pool_channels[channel].actor.watch_pool.remote()
+
+    def subscribe_requests(self, maxsize: int = 10_000):
+        """A RequestRecord (with its `replica`) for every request that ends."""
+        return self._request_feed.subscribe(maxsize)
+
+    # ---- reconfigure -------------------------------------------------------------------
+    def reconfigure(self, abort_running: bool = False, timeout: float | None = None,
+                    **knobs: Any) -> MemoryPlan:
+        """Rebuild every live replica's KV cache with new knobs (see AsyncEngine)."""
+        reload = sorted(set(knobs) & set(RELOAD_KNOBS))
+        if reload:
+            raise ValueError(f"{reload[0]}: changing {reload} reloads the weights; "
+                             "restart the app instead")
+        self._base_config.with_changes(**{**self._knob_changes, **knobs})  # fail fast
+        with self._reconfiguring:
+            return self._call(self._reconfigure(abort_running, knobs), timeout)
+
+    async def _reconfigure(self, abort_running: bool, knobs: dict) -> MemoryPlan:
+        live = [r for r in self._replicas if r.alive]
+        plans = await asyncio.gather(*(r.actor.reconfigure.remote(abort_running, knobs)
+                                       for r in live))
+        self._knob_changes.update(knobs)
+        infos = await asyncio.gather(*(r.actor.info.remote() for r in live))
+        for replica, info in zip(live, infos, strict=True):
+            replica.info = info
+        return plans[0]

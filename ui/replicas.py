@@ -1,0 +1,105 @@
+"""The Replicas tab (engine.replicas.ReplicaSet only): one small pool heatmap per replica
+with its hit rate and load, the recent routing decisions, the routing knobs, and the
+selector that points the Live tab's panels at one replica."""
+
+import threading
+
+import gradio as gr
+
+from engine.pool_mirror import PoolReader
+from engine.replicas.router import ROUTING_POLICIES
+from ui import figures
+from ui.live import LiveFeed
+from ui.plotdata import placeholder, to_plot
+
+REFRESH_S = 2.0
+SHOWN_DECISIONS = 20
+DECISION_COLUMNS = ["request", "policy", "replica", "matched blocks", "candidates (score, matched)"]
+
+
+class ReplicaOverview:
+    """A PoolReader per replica (the same per-step pool deltas the Live tab reads)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.pools = [PoolReader(engine, replica) for replica in range(engine.num_replicas)]
+        self._lock = threading.Lock()
+
+    def refresh(self) -> list:
+        with self._lock:
+            statuses = self.engine.replica_statuses()
+            heatmaps = []
+            for follower, status in zip(self.pools, statuses, strict=True):
+                title = f"replica {status.replica}"
+                if not status.alive:
+                    heatmaps.append(to_plot(placeholder(title, f"down: {status.error}")))
+                    continue
+                pool = follower.update(0.0)
+                heatmaps.append(to_plot(figures.pool_heatmap(pool) if pool.ready else
+                                        placeholder(title, "waiting for the pool")))
+        return [overview_markdown(self.engine, statuses), decision_rows(self.engine), *heatmaps]
+
+
+def overview_markdown(engine, statuses) -> str:
+    router = engine.router
+    lines = [f"**{engine.num_replicas} replicas** · routing **{router.policy}** (load weight "
+             f"{router.load_weight:g}) · {sum(s.alive for s in statuses)} up", "",
+             "| replica | state | in flight | KV usage | prefix hit rate | indexed blocks | "
+             "restarts |", "|---|---|---|---|---|---|---|"]
+    for s in statuses:
+        counters = s.counters
+        hit_rate = (f"{counters.prefix_cache_hits / counters.prefix_cache_queries:.0%}"
+                    if counters.prefix_cache_queries else "–")
+        state = "up" if s.alive else f"**down** ({s.error})"
+        lines.append(f"| {s.replica} | {state} | {s.in_flight} | {s.kv_usage:.0%} | "
+                     f"{hit_rate} | {s.num_indexed_blocks} | {s.restarts} |")
+    return "\n".join(lines)
+
+
+def decision_rows(engine) -> list[list]:
+    rows = []
+    for decision in reversed(list(engine.recent_decisions)[-SHOWN_DECISIONS:]):
+        candidates = ", ".join(f"r{c.replica}: {c.score:+.2f} ({c.matched_blocks})"
+                               for c in decision.candidates)
+        rows.append([decision.request_id, decision.policy, decision.replica,
+                     f"{decision.matched_blocks}/{decision.num_prompt_blocks}", candidates])
+    return rows
+
+
+def set_routing(engine, policy: str, load_weight: float) -> str:
+    try:
+        engine.set_routing(policy, load_weight)
+    except ValueError as error:
+        gr.Warning(str(error))
+        return f"**Not changed:** {error}"
+    return f"Routing: **{engine.router.policy}**, load weight {engine.router.load_weight:g}"
+
+
+def focus_live(feed: LiveFeed, replica: int) -> str:
+    feed.focus(int(replica))
+    return f"The Live tab shows replica {int(replica)}."
+
+
+def replicas_tab(engine, feed: LiveFeed) -> None:
+    overview = ReplicaOverview(engine)
+    summary = gr.Markdown(elem_id="kv-replicas-summary")
+    with gr.Row():
+        heatmaps = [gr.Plot(label=f"replica {replica} pool", elem_id=f"kv-replica-{replica}")
+                    for replica in range(engine.num_replicas)]
+    with gr.Row():
+        policy = gr.Radio(list(ROUTING_POLICIES), value=engine.router.policy, label="routing",
+                          elem_id="kv-routing")
+        weight = gr.Number(engine.router.load_weight, minimum=0, label="kv-aware load weight")
+        apply = gr.Button("Apply routing", elem_id="kv-routing-apply")
+        live_replica = gr.Dropdown(list(range(engine.num_replicas)), value=feed.replica,
+                                   label="Live tab shows replica", elem_id="kv-live-replica")
+    status = gr.Markdown(elem_id="kv-replicas-status")
+    decisions = gr.Dataframe(headers=DECISION_COLUMNS, interactive=False,
+                             label="Recent routing decisions (newest first)")
+    apply.click(lambda p, w: set_routing(engine, p, w), [policy, weight], status,
+                api_name="set_routing")
+    live_replica.change(lambda r: focus_live(feed, r), live_replica, status,
+                        api_name="focus_replica")
+    outputs = [summary, decisions, *heatmaps]
+    gr.Timer(REFRESH_S).tick(overview.refresh, None, outputs, show_progress="hidden",
+                             api_name="refresh_replicas", trigger_mode="always_last")
