@@ -65,6 +65,10 @@ class EngineMetrics:
 
     async def render(self) -> bytes:
         async with self._scrape_lock:
+            # A dead replica's pool feed ends: follow a live one so the gauges stay current.
+            live = [status.replica for status in self.engine.replica_statuses() if status.alive]
+            if live and self._pool.replica not in live:
+                self._pool.focus(live[0])
             self._snapshot = await asyncio.to_thread(self._pool.update)
             return generate_latest(self.registry)
 
