@@ -19,6 +19,7 @@ from websockets.sync.client import connect as ws_connect
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.llm import LLM
 from engine.replicas.replica_set import ReplicaDown, ReplicaSet, connect_ray
 from engine.sampling_params import SamplingParams
 from engine.serving import create_app
@@ -57,15 +58,39 @@ def run(replicas: ReplicaSet, prompt: str, params: SamplingParams = GREEDY):
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_chat_model_path):
-    """Two replicas on one local Ray cluster, shared by the module's tests (in order: the
-    last ones kill a replica, once to restart it, then for good)."""
+def ray_cluster():
+    """One local Ray cluster for the module (each replica takes one of its CPUs)."""
     assert connect_ray()
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_cluster, tiny_chat_model_path):
+    """Two replicas, shared by the module's tests from the first that asks (in order: the
+    last ones kill a replica, once to restart it, then for good)."""
     # Restarts on, as --restart-replicas: the last test's kill (no_restart) stays down.
     replica_set = ReplicaSet(config(tiny_chat_model_path), 2, restart_replicas=True)
     yield replica_set
     replica_set.shutdown()
-    ray.shutdown()
+
+
+def test_offline_llm_on_replicas_equals_one_engine(ray_cluster, tiny_chat_model_path) -> None:
+    """First in the module: its two replicas are stopped before the shared ones start."""
+    prompts = [SHARED_PREFIX + "offline", "Hello there", [5, 6, 7, 8, 9]]
+    knobs = {"dtype": "float32", "device": "cpu", "block_size": BLOCK_SIZE,
+             "num_gpu_blocks_override": NUM_BLOCKS, "max_model_len": 256}
+    llm = LLM(str(tiny_chat_model_path), replicas=2, routing="round-robin", **knobs)
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert {d.replica for d in llm.replicas.recent_decisions} == {0, 1}
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate("x" * 300, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    expected = LLM(str(tiny_chat_model_path), **knobs).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
 
 
 def test_shared_prefixes_stick_under_kv_aware_and_spread_under_round_robin(replicas) -> None:
