@@ -66,18 +66,19 @@ def make_random_llama(folder: Path) -> Path:
     return folder
 
 
-def workload(rng: random.Random, args, vocab_size: int) -> list[list[int]]:
-    """Prompts in arrival order: tenants interleaved at random, each tenant's requests
-    sharing its system prompt."""
+def workload(rng: random.Random, args, vocab_size: int) -> tuple[list[int], list[list[int]]]:
+    """Each request's tenant and prompt, in arrival order: tenants interleaved at random,
+    each tenant's requests sharing its system prompt."""
     systems = [[rng.randrange(vocab_size) for _ in range(rng.randint(*args.system_tokens))]
                for _ in range(args.tenants)]
     order = [t for t in range(args.tenants) for _ in range(args.requests_per_tenant)]
     rng.shuffle(order)
-    return [systems[t] + [rng.randrange(vocab_size) for _ in range(rng.randint(*args.user_tokens))]
-            for t in order]
+    return order, [systems[t] + [rng.randrange(vocab_size)
+                                 for _ in range(rng.randint(*args.user_tokens))] for t in order]
 
 
-def run_policy(replicas: ReplicaSet, policy: str, prompts: list[list[int]], args) -> dict:
+def run_policy(replicas: ReplicaSet, policy: str, tenants: list[int], prompts: list[list[int]],
+               args) -> dict:
     replicas.set_routing(policy)
     # Empty pools: the same knobs rebuild every replica's KV cache.
     replicas.reconfigure(num_gpu_blocks_override=replicas.config.num_gpu_blocks_override)
@@ -121,6 +122,10 @@ def run_policy(replicas: ReplicaSet, policy: str, prompts: list[list[int]], args
         "wall_s": round(elapsed, 2),
         "requests_per_replica": [sum(d.replica == r for d in decisions)
                                  for r in range(replicas.num_replicas)],
+        # Per tenant, its requests on each replica: kv-aware should keep a tenant on one.
+        "tenant_requests_per_replica": [
+            [sum(d.replica == r for d, t in zip(decisions, tenants, strict=True) if t == tenant)
+             for r in range(replicas.num_replicas)] for tenant in range(args.tenants)],
         "preemptions": after.preemptions - before.preemptions,
     }
 
@@ -143,7 +148,7 @@ def main(argv=None) -> None:
     replicas = ReplicaSet(config, args.replicas)
     try:
         vocab_size = len(replicas.tokenizer)
-        results = [run_policy(replicas, policy, workload(rng, args, vocab_size), args)
+        results = [run_policy(replicas, policy, *workload(rng, args, vocab_size), args)
                    for policy in POLICIES]
     finally:
         replicas.shutdown()
