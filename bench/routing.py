@@ -143,8 +143,10 @@ def main(argv=None) -> None:
     model = args.model or str(make_random_llama(Path(tempfile.mkdtemp(prefix="kvscope-routing-"))))
     system_blocks = args.tenants * sum(args.system_tokens) / 2 / args.block_size
     blocks = args.num_gpu_blocks_override or int(system_blocks / args.replicas * 1.25)
+    # The longest request fits (a longer max_model_len than the small pool holds is refused).
+    max_model_len = args.system_tokens[1] + args.user_tokens[1] + args.max_tokens
     config = EngineConfig(model=model, dtype="float32", device="cpu", block_size=args.block_size,
-                          num_gpu_blocks_override=blocks, max_model_len=2048)
+                          num_gpu_blocks_override=blocks, max_model_len=max_model_len)
     replicas = ReplicaSet(config, args.replicas)
     try:
         vocab_size = len(replicas.tokenizer)
