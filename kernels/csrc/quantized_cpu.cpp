@@ -1,0 +1,382 @@
+// Linears over weight-only quantized weights (engine/models/quantized.py) for a few rows of
+// activations: a single stream's decode reads every weight once per token, so these
+// kernels stream the packed bytes once, de-quantize them in registers and dot them with
+// every row of x while they are there. Many rows are compute-bound instead: those
+// de-quantize the weight (int4_dequantize) and run a GEMM.
+//
+// int4: byte j of each 16-byte chunk holds weight j (low nibble) and weight j + 16 (high
+// nibble) of 32 consecutive inputs (GGUF's Q4 order); weight = q * scale + offset with an
+// fp16 scale and offset per group of inputs (Q4_0 / Q4_1 blocks copy in exactly).
+// int8: one int8 per weight, weight = q * scale with one fp32 scale per output row.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using kvscope::load;
+using kvscope::store;
+
+// GCC/Clang vector extensions rather than intrinsics: 16 fp32 lanes are one AVX-512
+// register (two AVX2 ones), and the file still builds for any CPU -march=native names.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+// An unaligned vector load: memcpy into a byte vector makes GCC 12 load it through
+// general registers and widen it byte by byte.
+template <typename Vector, typename Element>
+inline Vector load_vector(const Element* p) {
+  typedef Vector Unaligned __attribute__((aligned(1), may_alias));
+  return *reinterpret_cast<const Unaligned*>(p);
+}
+
+constexpr int kMaxRows = 8;          // rows of x dotted with each weight while it is loaded
+constexpr int64_t kChunk = 32;       // int4 weights in one 16-byte chunk
+// Fewest weight bytes one thread streams per call: a parallel region costs more than a
+// small layer's whole read on a busy 2-core machine, so small layers stay on one thread.
+constexpr int64_t kBytesPerTask = 1 << 20;
+
+template <typename Vector, typename Element>
+inline void store_vector(Element* p, Vector v) {
+  typedef Vector Unaligned __attribute__((aligned(1), may_alias));
+  *reinterpret_cast<Unaligned*>(p) = v;
+}
+
+inline f32x16 load16(const float* p) { return load_vector<f32x16>(p); }
+
+inline f32x16 broadcast16(float value) {
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = value;
+  return v;
+}
+
+// Unsigned bytes to fp32 lanes through int32: GCC 12 converts bytes straight to floats one
+// by one.
+template <typename Bytes>
+inline f32x16 widen16(Bytes bytes) {
+  return __builtin_convertvector(__builtin_convertvector(bytes, i32x16), f32x16);
+}
+
+// Signed bytes flipped to q + 128 widen as unsigned ones (one instruction; GCC 12 widens
+// signed byte vectors element by element), then the 128 comes off exactly in fp32.
+inline f32x16 widen_signed16(const int8_t* p) {
+  return widen16(load_vector<u8x16>(p) ^ 0x80) - 128.f;
+}
+
+// A tree of halves: a chain of 16 scalar adds would cost as much as a short row's dots.
+inline float sum16(f32x16 v) {
+  f32x8 low, high;
+  std::memcpy(&low, &v, sizeof(low));
+  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(low), sizeof(high));
+  const f32x8 eight = low + high;
+  return ((eight[0] + eight[4]) + (eight[1] + eight[5])) +
+         ((eight[2] + eight[6]) + (eight[3] + eight[7]));
+}
+int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kBytesPerTask / row_bytes); }
+
+// Rows of x widened to fp32 once per call, [rows, in].
+template <typename T>
+std::vector<float> widen(const T* x, int64_t x_stride, int64_t rows, int64_t in) {
+  std::vector<float> xf(rows * in);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t k = 0; k < in; ++k) xf[m * in + k] = load(x[m * x_stride + k]);
+  return xf;
+}
+
+template <typename T>
+void store_row_outputs(T* out, int64_t out_stride, int64_t n, const float* y, int rows,
+                       const T* bias) {
+  const float b = bias != nullptr ? load(bias[n]) : 0.f;
+  for (int m = 0; m < rows; ++m) store(out[m * out_stride + n], y[m] + b);
+}
+
+// out[m, n] for M rows of x and output rows [begin, end). With weight = q * scale + offset,
+// x . w = sum over groups of scale * (x . q) + offset * sum(x): the second sum is per group
+// of x only (xsum), so the inner loop is just the nibbles' dot products.
+template <int M, typename T>
+void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* weight,
+               const at::Half* scales, const at::Half* offsets, int64_t group_size,
+               const T* bias, T* out, int64_t out_stride, int64_t begin, int64_t end) {
+  const int64_t groups = in / group_size;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = weight + n * in / 2;
+    const at::Half* scale = scales + n * groups;
+    const at::Half* offset = offsets + n * groups;
+    f32x16 acc[M] = {};
+    float shift[M] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      f32x16 dot[M] = {};
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kChunk) {
+        const u8x16 packed = load_vector<u8x16>(row + k / 2);
+        const f32x16 low = widen16(packed & 15);
+        const f32x16 high = widen16(packed >> 4);
+        for (int m = 0; m < M; ++m)
+          dot[m] += low * load16(xf + m * in + k) + high * load16(xf + m * in + k + 16);
+      }
+      const float s = static_cast<float>(scale[g]), o = static_cast<float>(offset[g]);
+      for (int m = 0; m < M; ++m) {
+        acc[m] += dot[m] * s;
+        shift[m] += o * xsum[m * groups + g];
+      }
+    }
+    float y[M];
+    for (int m = 0; m < M; ++m) y[m] = sum16(acc[m]) + shift[m];
+    store_row_outputs(out, out_stride, n, y, M, bias);
+  }
+}
+
+template <int M, typename T>
+void int8_rows(const float* xf, int64_t in, const int8_t* weight, const float* scales,
+               const T* bias, T* out, int64_t out_stride, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* row = weight + n * in;
+    f32x16 acc[M] = {};
+    int64_t k = 0;
+    // Two chunks per step: the adds into acc are one dependent chain per row of x.
+    for (; k + 32 <= in; k += 32) {
+      const f32x16 a = widen_signed16(row + k);
+      const f32x16 b = widen_signed16(row + k + 16);
+      for (int m = 0; m < M; ++m)
+        acc[m] += a * load16(xf + m * in + k) + b * load16(xf + m * in + k + 16);
+    }
+    float y[M];
+    for (int m = 0; m < M; ++m) {
+      float sum = sum16(acc[m]);
+      for (int64_t tail = k; tail < in; ++tail) sum += row[tail] * xf[m * in + tail];
+      y[m] = sum * scales[n];
+    }
+    store_row_outputs(out, out_stride, n, y, M, bias);
+  }
+}
+
+// Calls body(std::integral_constant<int, rows>) for rows in 1..kMaxRows: each row count
+// is a compile-time constant, so its accumulators stay in registers.
+template <int M = kMaxRows, typename Body>
+void with_rows(int rows, Body&& body) {
+  if constexpr (M > 1) {
+    if (rows < M) return with_rows<M - 1>(rows, body);
+  }
+  body(std::integral_constant<int, M>{});
+}
+
+template <typename T>
+void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                      const at::Tensor& offsets, int64_t group_size, const T* bias,
+                      at::Tensor& out) {
+  const int64_t in = x.size(1), out_features = weight.size(0), groups = in / group_size;
+  for (int64_t first = 0; first < x.size(0); first += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
+    const std::vector<float> xf = widen(x.data_ptr<T>() + first * x.stride(0), x.stride(0),
+                                        rows, in);
+    std::vector<float> xsum(rows * groups, 0.f);
+    for (int m = 0; m < rows; ++m)
+      for (int64_t k = 0; k < in; ++k) xsum[m * groups + k / group_size] += xf[m * in + k];
+    T* y = out.data_ptr<T>() + first * out.stride(0);
+    with_rows(rows, [&](auto rows_constant) {
+      constexpr int M = decltype(rows_constant)::value;
+      at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
+        int4_rows<M, T>(xf.data(), xsum.data(), in, weight.data_ptr<uint8_t>(),
+                        scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
+                        group_size, bias, y, out.stride(0), begin, end);
+      });
+    });
+  }
+}
+
+template <typename T>
+void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                      const T* bias, at::Tensor& out) {
+  const int64_t in = x.size(1), out_features = weight.size(0);
+  for (int64_t first = 0; first < x.size(0); first += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
+    const std::vector<float> xf = widen(x.data_ptr<T>() + first * x.stride(0), x.stride(0),
+                                        rows, in);
+    T* y = out.data_ptr<T>() + first * out.stride(0);
+    with_rows(rows, [&](auto rows_constant) {
+      constexpr int M = decltype(rows_constant)::value;
+      at::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
+        int8_rows<M, T>(xf.data(), in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                        bias, y, out.stride(0), begin, end);
+      });
+    });
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight, int64_t in,
+                const std::optional<at::Tensor>& bias, const at::Tensor& out, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == in, op,
+              ": x [rows, in] with contiguous features");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x float32 or bfloat16");
+  TORCH_CHECK(weight.is_contiguous() && out.is_contiguous() && out.dim() == 2 &&
+              out.size(0) == x.size(0) && out.size(1) == weight.size(0) &&
+              out.scalar_type() == x.scalar_type(), op, ": out [rows, out_features] of x's dtype");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == weight.size(0) &&
+                        bias->scalar_type() == x.scalar_type()), op, ": bias [out_features]");
+}
+
+void check_int4_weight(const at::Tensor& weight, const at::Tensor& scales,
+                       const at::Tensor& offsets, int64_t group_size, int64_t in, const char* op) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 &&
+              weight.size(1) * 2 == in, op, ": weight uint8 [out_features, in / 2]");
+  TORCH_CHECK(group_size % kChunk == 0 && in % group_size == 0, op,
+              ": group_size a multiple of 32 that divides in");
+  for (const at::Tensor* part : {&scales, &offsets})
+    TORCH_CHECK(part->scalar_type() == at::kHalf && part->is_contiguous() &&
+                part->dim() == 2 && part->size(0) == weight.size(0) &&
+                part->size(1) == in / group_size, op,
+                ": scales and offsets float16 [out_features, in / group_size]");
+}
+
+void check_int8_weight(const at::Tensor& weight, const at::Tensor& scales, const char* op) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
+              op, ": weight int8 [out_features, in]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+              scales.numel() == weight.size(0), op, ": scales float32 [out_features]");
+}
+
+template <typename T>
+const T* bias_data(const std::optional<at::Tensor>& bias) {
+  return bias ? bias->data_ptr<T>() : nullptr;
+}
+
+}  // namespace
+
+// out = x @ W.T + bias with W the de-quantized int4 weight (see the top of the file).
+void int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                 const at::Tensor& offsets, int64_t group_size,
+                 const std::optional<at::Tensor>& bias, at::Tensor out) {
+  check_rows(x, weight, weight.size(1) * 2, bias, out, "int4_linear");
+  check_int4_weight(weight, scales, offsets, group_size, x.size(1), "int4_linear");
+  if (x.scalar_type() == at::kFloat)
+    int4_linear_impl<float>(x, weight, scales, offsets, group_size, bias_data<float>(bias), out);
+  else
+    int4_linear_impl<c10::BFloat16>(x, weight, scales, offsets, group_size,
+                                    bias_data<c10::BFloat16>(bias), out);
+}
+
+// out = x @ (q * scale).T + bias with int8 q [out_features, in] and fp32 scale per row.
+void int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& bias, at::Tensor out) {
+  check_rows(x, weight, weight.size(1), bias, out, "int8_linear");
+  check_int8_weight(weight, scales, "int8_linear");
+  if (x.scalar_type() == at::kFloat)
+    int8_linear_impl<float>(x, weight, scales, bias_data<float>(bias), out);
+  else
+    int8_linear_impl<c10::BFloat16>(x, weight, scales, bias_data<c10::BFloat16>(bias), out);
+}
+
+namespace {
+
+inline void store16(float* p, f32x16 v) { store_vector(p, v); }
+
+// Round to nearest even, as c10::BFloat16(float) does for every finite value.
+inline void store16(c10::BFloat16* p, f32x16 v) {
+  u32x16 bits = reinterpret_cast<u32x16&>(v);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  store_vector(p, __builtin_convertvector(bits >> 16, u16x16));
+}
+
+// Rows [begin, end) of weights, de-quantized (computed in fp32, rounded once to T).
+template <typename T>
+void int4_dequantize_rows(const uint8_t* weight, const at::Half* scales,
+                          const at::Half* offsets, int64_t group_size, int64_t in, T* out,
+                          int64_t begin, int64_t end) {
+  const int64_t groups = in / group_size;
+  for (int64_t n = begin; n < end; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const f32x16 s = broadcast16(static_cast<float>(scales[n * groups + g]));
+      const f32x16 o = broadcast16(static_cast<float>(offsets[n * groups + g]));
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kChunk) {
+        const u8x16 packed = load_vector<u8x16>(weight + (n * in + k) / 2);
+        store16(out + n * in + k, widen16(packed & 15) * s + o);
+        store16(out + n * in + k + 16, widen16(packed >> 4) * s + o);
+      }
+    }
+  }
+}
+
+template <typename T>
+void int8_dequantize_rows(const int8_t* weight, const float* scales, int64_t in, T* out,
+                          int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* row = weight + n * in;
+    T* y = out + n * in;
+    int64_t k = 0;
+    for (; k + 16 <= in; k += 16) store16(y + k, widen_signed16(row + k) * scales[n]);
+    for (; k < in; ++k) store(y[k], row[k] * scales[n]);
+  }
+}
+
+// Calls body(T* out) with out's data as float or c10::BFloat16.
+template <typename Body>
+void with_out_dtype(at::Tensor& out, const char* op, Body&& body) {
+  if (out.scalar_type() == at::kFloat) return body(out.data_ptr<float>());
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16, op, ": out float32 or bfloat16");
+  body(out.data_ptr<c10::BFloat16>());
+}
+
+void check_dense_out(const at::Tensor& weight, int64_t in, const at::Tensor& out,
+                     const char* op) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == weight.size(0) &&
+              out.size(1) == in, op, ": out [out_features, in]");
+}
+
+}  // namespace
+
+// out [out_features, in] = the de-quantized int4 weight, for the GEMM of many rows.
+void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales,
+                     const at::Tensor& offsets, int64_t group_size, at::Tensor out) {
+  const int64_t in = weight.size(1) * 2;
+  check_int4_weight(weight, scales, offsets, group_size, in, "int4_dequantize");
+  check_dense_out(weight, in, out, "int4_dequantize");
+  with_out_dtype(out, "int4_dequantize", [&](auto* y) {
+    at::parallel_for(0, weight.size(0), grain(in / 2), [&](int64_t begin, int64_t end) {
+      int4_dequantize_rows(weight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                           offsets.data_ptr<at::Half>(), group_size, in, y, begin, end);
+    });
+  });
+}
+
+// out [out_features, in] = the de-quantized int8 weight, for the GEMM of many rows.
+void int8_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::Tensor out) {
+  check_int8_weight(weight, scales, "int8_dequantize");
+  const int64_t in = weight.size(1);
+  check_dense_out(weight, in, out, "int8_dequantize");
+  with_out_dtype(out, "int8_dequantize", [&](auto* y) {
+    at::parallel_for(0, weight.size(0), grain(in), [&](int64_t begin, int64_t end) {
+      int8_dequantize_rows(weight.data_ptr<int8_t>(), scales.data_ptr<float>(), in, y, begin,
+                           end);
+    });
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(kvscope, m) {
+  m.def("int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, "
+        "Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, "
+        "Tensor(a!) out) -> ()");
+  m.def("int4_dequantize(Tensor weight, Tensor scales, Tensor offsets, int group_size, "
+        "Tensor(a!) out) -> ()");
+  m.def("int8_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int8_dequantize", &int8_dequantize);
+}
