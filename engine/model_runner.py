@@ -22,6 +22,7 @@ from engine.models import model_class
 from engine.models.attention import AttentionMetadata
 from engine.models.layers import bind_forward_ops
 from engine.models.quantized import pack_model, quantize_model
+from engine.packed_cache import packed_path, read_packed, store_packed
 from engine.profile_cache import load_peak, profile_key, store_peak
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kernels.forward_ops import TORCH_OPS
@@ -88,8 +89,7 @@ class ModelRunner:
         with default_dtype(self.dtype), torch.device(self.device):
             self.model = architecture(self.hf_config, resolved.max_model_len)
             quantize_model(self.model, config.quantization, config.quantization_group_size)
-        self.model.load_weights(self.checkpoint_weights(config))
-        pack_model(self.model, self.dtype, self.device)
+        self.load_weights(config)
         self.model.eval()
         # Packed quantized weights are (integer) parameters too, so this is what they occupy.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -110,6 +110,23 @@ class ModelRunner:
                     type(self.model).__name__, self.weight_bytes / (1 << 20), config.quantization,
                     self.dtype, self.device, time.perf_counter() - started,
                     self.attention_backend.name, self.forward_ops.name)
+
+    def load_weights(self, config: EngineConfig) -> None:
+        """The checkpoint into the model, packed for its quantization. A quantized GGUF
+        model is packed once: later starts read its packed state from the cache."""
+        source = gguf_file(config.model) if config.quantization != "none" else None
+        cache = None if source is None else packed_path(
+            source, config.quantization, config.quantization_group_size, self.dtype)
+        state = None if cache is None else read_packed(cache)
+        if state is not None:
+            pack_model(self.model, self.dtype, self.device)  # the layout, then the values
+            self.model.load_state_dict(state)
+            logger.info("packed %s weights read from %s", config.quantization, cache)
+            return
+        self.model.load_weights(self.checkpoint_weights(config))
+        pack_model(self.model, self.dtype, self.device)
+        if cache is not None:
+            store_packed(self.model, cache)
 
     def checkpoint_weights(self, config: EngineConfig):
         """The HF folder's tensors; for a quantized Llama GGUF, the file's own blocks instead

@@ -1,6 +1,7 @@
 """Weight-only int4 / int8: packed layers, GGUF blocks, the engine on quantized weights."""
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -307,3 +308,37 @@ def test_default_model_in_int4_knows_the_capital_of_france(all_cpu_threads):
     outputs = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_packed_weights_of_a_gguf_model_are_cached_for_the_next_start(tiny_model, tmp_path,
+                                                                       monkeypatch):
+    """The first start packs and saves; the next reads the packed state without touching the
+    checkpoint; a changed file (new mtime) packs afresh."""
+    from engine import model_runner, packed_cache
+
+    gguf = tmp_path / "model.gguf"  # stands in for the file: its size and mtime key the cache
+    gguf.write_bytes(b"not read")
+    monkeypatch.setattr(packed_cache, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(model_runner, "gguf_file", lambda model: gguf)
+    monkeypatch.setattr(model_runner, "gguf_architecture", lambda path: "opt")  # HF folder
+    config = EngineConfig(model=str(tiny_model("llama").path), dtype="float32", device="cpu",
+                          device_memory_gb=0.05, quantization="int4")
+    first = ModelRunner(config)
+    assert len(list((tmp_path / "cache" / "packed").glob("*.pt"))) == 1
+
+    def unread(self, config):
+        raise AssertionError("the checkpoint was read despite the cache")
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelRunner, "checkpoint_weights", unread)
+        second = ModelRunner(config)
+    expected = first.model.state_dict()
+    assert all(torch.equal(value, expected[name])
+               for name, value in second.model.state_dict().items())
+    layer = second.model.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(3, layer.in_features)
+    assert layer.use_kernel
+    assert torch.equal(layer(x), first.model.model.layers[0].mlp.gate_up_proj(x))
+
+    os.utime(gguf, ns=(0, 0))
+    ModelRunner(config)
+    assert len(list((tmp_path / "cache" / "packed").glob("*.pt"))) == 2
