@@ -1,12 +1,13 @@
-"""The model's linears on packed int4 / int8 weights against dense bf16, per row count.
+"""The model's linears on packed int4 / int8 weights against dense ones, per row count.
 
 It builds every linear of the model (the default one unless --model) with random weights
 in each form, so one pass reads as many weight bytes from memory as a decode step does
 (one layer timed alone would sit in the caches), and times passes over all of them with
 x of each number of rows:
 
-  bf16             dense F.linear (oneDNN); for one row also the engine's dense one-row
-                   kernel (kvscope::linear_small_batch, the bf16 single stream's path)
+  dense            F.linear (oneDNN) on the weight in --dtype (bf16 unless told), and for
+  dense_row_kernel one row the engine's dense one-row kernel (kvscope::linear_small_batch,
+                   the dense single stream's path)
   int8, int4       the engine's Int8Linear / Int4Linear (streaming kernel up to
                    KERNEL_MAX_ROWS rows, GEMM beyond); int4 reads the lm_head as int8
   torch_int8, torch_int4   PyTorch's packed CPU matmuls (_weight_int8pack_mm,
@@ -57,22 +58,23 @@ def random_weight(out_features: int, in_features: int) -> torch.Tensor:
     return torch.randn(out_features, in_features) / in_features ** 0.5
 
 
-def packed(layer, weight: torch.Tensor):
+def packed(layer, weight: torch.Tensor, dtype: torch.dtype):
     layer.load_part("weight", 0, weight)
-    pack_model(layer, torch.bfloat16, CPU)
+    pack_model(layer, dtype, CPU)
     return layer
 
 
-def forms(out_features: int, in_features: int, group_size: int, is_lm_head: bool) -> dict:
-    """form -> (forward, weight bytes it reads) for one random weight."""
+def forms(out_features: int, in_features: int, group_size: int, is_lm_head: bool,
+          dtype: torch.dtype) -> dict:
+    """form -> (forward, weight bytes it reads) for one random weight, activations `dtype`."""
     weight = random_weight(out_features, in_features)
-    dense = weight.to(torch.bfloat16)
-    int8 = packed(Int8Linear(in_features, [out_features], bias=False), weight)
-    int8_scales = int8.scales.to(torch.bfloat16)  # the torch op wants x's dtype
+    dense = weight.to(dtype)
+    int8 = packed(Int8Linear(in_features, [out_features], bias=False), weight, dtype)
+    int8_scales = int8.scales.to(dtype)  # the torch op wants x's dtype
     row_kernel = forward_ops.cpu_ops().linear
     found = {
-        "bf16": (lambda x: F.linear(x, dense), dense.nbytes),
-        "bf16_row_kernel": (lambda x: row_kernel(x, dense), dense.nbytes),
+        "dense": (lambda x: F.linear(x, dense), dense.nbytes),
+        "dense_row_kernel": (lambda x: row_kernel(x, dense), dense.nbytes),
         "int8": (int8, int8.weight.nbytes + int8.scales.nbytes),
         "torch_int8": (lambda x: torch.ops.aten._weight_int8pack_mm(x, int8.weight, int8_scales),
                        int8.weight.nbytes + int8_scales.nbytes),
@@ -81,20 +83,20 @@ def forms(out_features: int, in_features: int, group_size: int, is_lm_head: bool
         found["int4"], found["torch_int4"] = found["int8"], found["torch_int8"]
         return found
     int4 = packed(Int4Linear(in_features, [out_features], bias=False, group_size=group_size),
-                  weight)
+                  weight, dtype)
     found["int4"] = (int4, int4.weight.nbytes + int4.scales.nbytes + int4.offsets.nbytes)
-    found["torch_int4"] = torch_int4(int4)
+    found["torch_int4"] = torch_int4(int4, dtype)
     return found
 
 
-def torch_int4(layer: Int4Linear):
+def torch_int4(layer: Int4Linear, dtype: torch.dtype):
     """PyTorch's packed int4 matmul on the same q, scale and offset."""
     chunks = layer.weight.view(layer.out_features, -1, 16)
     q = torch.cat([chunks & 15, chunks >> 4], dim=-1).view(layer.out_features, -1)
     weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
     scale, offset = layer.scales.float(), layer.offsets.float()
     # Its formula is (q - 8) * scale + zero, so zero = offset + 8 * scale.
-    scales_and_zeros = torch.stack([scale.t(), (offset + 8 * scale).t()], -1).to(torch.bfloat16)
+    scales_and_zeros = torch.stack([scale.t(), (offset + 8 * scale).t()], -1).to(dtype)
     group = layer.group_size
 
     def forward(x):
@@ -138,27 +140,31 @@ def main() -> None:
     parser.add_argument("--rows", default=f"1,{KERNEL_MAX_ROWS},16,64")
     parser.add_argument("--threads", default=str(torch.get_num_threads()))
     parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="activations (and the dense weights)")
     parser.add_argument("--seconds", type=float, default=2.0,
                         help="timing per form and row count")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
+    dtype = getattr(torch, args.dtype)
     linears = model_linears(load_config(resolve_model_path(args.model)))
     report = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "kernel_max_rows": KERNEL_MAX_ROWS, "group_size": args.group_size,
+              "dtype": args.dtype,
               "roofline": roofline.measure(), "results": {}}
     with torch.inference_mode():
         models, nbytes = {}, {}
         for kind, out_features, in_features in linears:
             for form, (forward, size) in forms(out_features, in_features, args.group_size,
-                                                kind == "lm_head").items():
+                                                kind == "lm_head", dtype).items():
                 models.setdefault(form, []).append((kind, Forward(forward, in_features)))
                 nbytes[form] = nbytes.get(form, 0) + size
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
             for rows in rows_list:
-                x = torch.randn(rows, max(inp for _, _, inp in linears)).to(torch.bfloat16)
+                x = torch.randn(rows, max(inp for _, _, inp in linears)).to(dtype)
                 for form, model in models.items():
-                    if form == "bf16_row_kernel" and rows != 1:
+                    if form == "dense_row_kernel" and rows != 1:
                         continue
                     timing = time_passes(model, x, args.seconds)
                     report["results"][f"{form} rows={rows} threads={threads}"] = {
