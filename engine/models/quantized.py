@@ -118,7 +118,9 @@ class QuantizedLinear(nn.Module):
         return list(output.split(self.output_sizes, dim=-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(-1) != 1:  # the kernels take rows with contiguous features, strided
+            flat = flat.contiguous()
         if not self.use_kernel:
             out = F.linear(flat, self.dequantized_weight(flat.dtype), self.bias)
         elif flat.shape[0] <= KERNEL_MAX_ROWS:

@@ -26,6 +26,14 @@ namespace {
 using kvscope::load;
 using kvscope::store;
 
+constexpr int kMaxRows = 8;     // rows of x dotted with each weight while it is loaded
+constexpr int64_t kChunk = 32;  // int4 weights in one 16-byte chunk
+// Fewest weight bytes one thread streams per call: a parallel region costs more than a
+// small layer's whole read on a busy 2-core machine, so small layers stay on one thread.
+constexpr int64_t kBytesPerTask = 1 << 20;
+
+int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kBytesPerTask / row_bytes); }
+
 // GCC/Clang vector extensions rather than intrinsics: 16 fp32 lanes are one AVX-512
 // register (two AVX2 ones), and the file still builds for any CPU -march=native names.
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -35,19 +43,13 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
-// An unaligned vector load: memcpy into a byte vector makes GCC 12 load it through
-// general registers and widen it byte by byte.
+// Unaligned vector loads and stores: memcpy into a byte vector makes GCC 12 load it
+// through general registers and widen it byte by byte.
 template <typename Vector, typename Element>
 inline Vector load_vector(const Element* p) {
   typedef Vector Unaligned __attribute__((aligned(1), may_alias));
   return *reinterpret_cast<const Unaligned*>(p);
 }
-
-constexpr int kMaxRows = 8;          // rows of x dotted with each weight while it is loaded
-constexpr int64_t kChunk = 32;       // int4 weights in one 16-byte chunk
-// Fewest weight bytes one thread streams per call: a parallel region costs more than a
-// small layer's whole read on a busy 2-core machine, so small layers stay on one thread.
-constexpr int64_t kBytesPerTask = 1 << 20;
 
 template <typename Vector, typename Element>
 inline void store_vector(Element* p, Vector v) {
@@ -56,12 +58,6 @@ inline void store_vector(Element* p, Vector v) {
 }
 
 inline f32x16 load16(const float* p) { return load_vector<f32x16>(p); }
-
-inline f32x16 broadcast16(float value) {
-  f32x16 v;
-  for (int i = 0; i < 16; ++i) v[i] = value;
-  return v;
-}
 
 // Unsigned bytes to fp32 lanes through int32: GCC 12 converts bytes straight to floats one
 // by one.
@@ -85,7 +81,6 @@ inline float sum16(f32x16 v) {
   return ((eight[0] + eight[4]) + (eight[1] + eight[5])) +
          ((eight[2] + eight[6]) + (eight[3] + eight[7]));
 }
-int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kBytesPerTask / row_bytes); }
 
 // Rows of x widened to fp32 once per call, [rows, in].
 template <typename T>
@@ -103,37 +98,61 @@ void store_row_outputs(T* out, int64_t out_stride, int64_t n, const float* y, in
   for (int m = 0; m < rows; ++m) store(out[m * out_stride + n], y[m] + b);
 }
 
+// float16 bits to fp32, 16 at a time (a rebias of the exponent by multiplying with 2^112):
+// exact for every finite value, subnormals included, and scales and offsets are finite.
+inline f32x16 widen_halves16(const at::Half* p) {
+  const u32x16 bits = __builtin_convertvector(load_vector<u16x16>(p), u32x16);
+  const f32x16 magnitude = (f32x16)((bits & 0x7fff) << 13) * 0x1p112f;
+  return (f32x16)((u32x16)magnitude | ((bits & 0x8000) << 16));
+}
+
+void widen_halves(const at::Half* p, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) store_vector(out + i, widen_halves16(p + i));
+  for (; i < count; ++i) out[i] = static_cast<float>(p[i]);
+}
+
+int64_t padded_groups(int64_t groups) { return (groups + 15) / 16 * 16; }
+
 // out[m, n] for M rows of x and output rows [begin, end). With weight = q * scale + offset,
-// x . w = sum over groups of scale * (x . q) + offset * sum(x): the second sum is per group
-// of x only (xsum), so the inner loop is just the nibbles' dot products.
+// x . w = sum over chunks of scale * (x . q) + sum over groups of offset * sum(x): the
+// second sum needs x's group sums only (xsum), so the inner loop is the nibbles' dots.
 template <int M, typename T>
 void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* weight,
-               const at::Half* scales, const at::Half* offsets, int64_t group_size,
+               const at::Half* scales, const at::Half* offsets, int group_shift,
                const T* bias, T* out, int64_t out_stride, int64_t begin, int64_t end) {
-  const int64_t groups = in / group_size;
+  const int64_t chunks = in / kChunk, groups = chunks >> group_shift;
+  const int64_t padded = padded_groups(groups);
+  // Zeros past `groups`: the offsets' dot with xsum runs in whole vectors.
+  std::vector<float> scale(groups), offset(padded, 0.f);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = weight + n * in / 2;
-    const at::Half* scale = scales + n * groups;
-    const at::Half* offset = offsets + n * groups;
-    f32x16 acc[M] = {};
-    float shift[M] = {};
-    for (int64_t g = 0; g < groups; ++g) {
-      f32x16 dot[M] = {};
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kChunk) {
-        const u8x16 packed = load_vector<u8x16>(row + k / 2);
-        const f32x16 low = widen16(packed & 15);
-        const f32x16 high = widen16(packed >> 4);
-        for (int m = 0; m < M; ++m)
-          dot[m] += low * load16(xf + m * in + k) + high * load16(xf + m * in + k + 16);
-      }
-      const float s = static_cast<float>(scale[g]), o = static_cast<float>(offset[g]);
+    widen_halves(scales + n * groups, groups, scale.data());
+    widen_halves(offsets + n * groups, groups, offset.data());
+    // Even and odd chunks add into separate accumulators: two dependent chains, not one.
+    f32x16 even[M] = {}, odd[M] = {};
+    auto add_chunk = [&](int64_t c, f32x16* acc) {
+      const u8x16 packed = load_vector<u8x16>(row + c * kChunk / 2);
+      const f32x16 low = widen16(packed & 15), high = widen16(packed >> 4);
+      const float s = scale[c >> group_shift];  // a scalar operand: broadcast in the op
       for (int m = 0; m < M; ++m) {
-        acc[m] += dot[m] * s;
-        shift[m] += o * xsum[m * groups + g];
+        const float* x = xf + m * in + c * kChunk;
+        acc[m] += (low * load16(x) + high * load16(x + 16)) * s;
       }
+    };
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+      add_chunk(c, even);
+      add_chunk(c + 1, odd);
     }
+    if (c < chunks) add_chunk(c, even);
     float y[M];
-    for (int m = 0; m < M; ++m) y[m] = sum16(acc[m]) + shift[m];
+    for (int m = 0; m < M; ++m) {
+      f32x16 total = even[m] + odd[m];
+      for (int64_t g = 0; g < padded; g += 16)
+        total += load16(offset.data() + g) * load16(xsum + m * padded + g);
+      y[m] = sum16(total);
+    }
     store_row_outputs(out, out_stride, n, y, M, bias);
   }
 }
@@ -181,16 +200,19 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
     const std::vector<float> xf = widen(x.data_ptr<T>() + first * x.stride(0), x.stride(0),
                                         rows, in);
-    std::vector<float> xsum(rows * groups, 0.f);
+    std::vector<float> xsum(rows * padded_groups(groups), 0.f);
     for (int m = 0; m < rows; ++m)
-      for (int64_t k = 0; k < in; ++k) xsum[m * groups + k / group_size] += xf[m * in + k];
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k)
+          xsum[m * padded_groups(groups) + g] += xf[m * in + k];
+    const int group_shift = __builtin_ctzll(group_size / kChunk);
     T* y = out.data_ptr<T>() + first * out.stride(0);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
         int4_rows<M, T>(xf.data(), xsum.data(), in, weight.data_ptr<uint8_t>(),
                         scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
-                        group_size, bias, y, out.stride(0), begin, end);
+                        group_shift, bias, y, out.stride(0), begin, end);
       });
     });
   }
@@ -232,8 +254,8 @@ void check_int4_weight(const at::Tensor& weight, const at::Tensor& scales,
                        const at::Tensor& offsets, int64_t group_size, int64_t in, const char* op) {
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 &&
               weight.size(1) * 2 == in, op, ": weight uint8 [out_features, in / 2]");
-  TORCH_CHECK(group_size % kChunk == 0 && in % group_size == 0, op,
-              ": group_size a multiple of 32 that divides in");
+  TORCH_CHECK(group_size >= kChunk && (group_size & (group_size - 1)) == 0 &&
+              in % group_size == 0, op, ": group_size a power of two >= 32 that divides in");
   for (const at::Tensor* part : {&scales, &offsets})
     TORCH_CHECK(part->scalar_type() == at::kHalf && part->is_contiguous() &&
                 part->dim() == 2 && part->size(0) == weight.size(0) &&
@@ -298,8 +320,8 @@ void int4_dequantize_rows(const uint8_t* weight, const at::Half* scales,
   const int64_t groups = in / group_size;
   for (int64_t n = begin; n < end; ++n) {
     for (int64_t g = 0; g < groups; ++g) {
-      const f32x16 s = broadcast16(static_cast<float>(scales[n * groups + g]));
-      const f32x16 o = broadcast16(static_cast<float>(offsets[n * groups + g]));
+      const float s = static_cast<float>(scales[n * groups + g]);
+      const float o = static_cast<float>(offsets[n * groups + g]);
       for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kChunk) {
         const u8x16 packed = load_vector<u8x16>(weight + (n * in + k) / 2);
         store16(out + n * in + k, widen16(packed & 15) * s + o);
