@@ -15,6 +15,10 @@
 
 #include "cpu_common.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -72,14 +76,16 @@ inline f32x16 widen_signed16(const int8_t* p) {
   return widen16(load_vector<u8x16>(p) ^ 0x80) - 128.f;
 }
 
-// A tree of halves: a chain of 16 scalar adds would cost as much as a short row's dots.
-inline float sum16(f32x16 v) {
+// Trees of halves: a chain of 16 scalar adds would cost as much as a short row's dots.
+inline float sum_lanes(f32x8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+inline float sum_lanes(f32x16 v) {
   f32x8 low, high;
   std::memcpy(&low, &v, sizeof(low));
   std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(low), sizeof(high));
-  const f32x8 eight = low + high;
-  return ((eight[0] + eight[4]) + (eight[1] + eight[5])) +
-         ((eight[2] + eight[6]) + (eight[3] + eight[7]));
+  return sum_lanes(low + high);
 }
 
 // Rows of x widened to fp32 once per call, [rows, in].
@@ -91,11 +97,48 @@ std::vector<float> widen(const T* x, int64_t x_stride, int64_t rows, int64_t in)
   return xf;
 }
 
-template <typename T>
-void store_row_outputs(T* out, int64_t out_stride, int64_t n, const float* y, int rows,
-                       const T* bias) {
-  const float b = bias != nullptr ? load(bias[n]) : 0.f;
-  for (int m = 0; m < rows; ++m) store(out[m * out_stride + n], y[m] + b);
+// Outputs are computed for blocks of 16 consecutive output rows: the block's scales and
+// offsets widen in whole vectors, and its outputs (+ bias) are stored as vectors too.
+constexpr int64_t kRowBlock = 16;
+
+inline void store16(float* p, f32x16 v) { store_vector(p, v); }
+
+// Round to nearest even, as c10::BFloat16(float) does for every finite value.
+inline void store16(c10::BFloat16* p, f32x16 v) {
+  u32x16 bits = (u32x16)v;
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  store_vector(p, __builtin_convertvector(bits >> 16, u16x16));
+}
+
+inline f32x16 load16(const c10::BFloat16* p) {
+  return (f32x16)(__builtin_convertvector(load_vector<u16x16>(p), u32x16) << 16);
+}
+
+// out[m, first + i] = y[m][i] + bias[first + i] for the `count` rows of one block.
+template <int M, typename T>
+void store_block(T* out, int64_t out_stride, int64_t first, int64_t count,
+                 const float (&y)[M][kRowBlock], const T* bias) {
+  for (int m = 0; m < M; ++m) {
+    T* row = out + m * out_stride + first;
+    if (count == kRowBlock) {
+      const f32x16 b = bias != nullptr ? load16(bias + first) : f32x16{};
+      store16(row, load16(y[m]) + b);
+    } else {
+      for (int64_t i = 0; i < count; ++i)
+        store(row[i], y[m][i] + (bias != nullptr ? load(bias[first + i]) : 0.f));
+    }
+  }
+}
+
+int64_t padded_groups(int64_t groups) { return (groups + 15) / 16 * 16; }
+
+// `extra` folded into `lanes`' width, added to it.
+inline f32x16 fold(f32x16 extra, f32x16 lanes) { return lanes + extra; }
+inline f32x8 fold(f32x16 extra, f32x8 lanes) {
+  f32x8 low, high;
+  std::memcpy(&low, &extra, sizeof(low));
+  std::memcpy(&high, reinterpret_cast<const char*>(&extra) + sizeof(low), sizeof(high));
+  return lanes + low + high;
 }
 
 // float16 bits to fp32, 16 at a time (a rebias of the exponent by multiplying with 2^112):
@@ -112,72 +155,121 @@ void widen_halves(const at::Half* p, int64_t count, float* out) {
   for (; i < count; ++i) out[i] = static_cast<float>(p[i]);
 }
 
-int64_t padded_groups(int64_t groups) { return (groups + 15) / 16 * 16; }
-
 // out[m, n] for M rows of x and output rows [begin, end). With weight = q * scale + offset,
 // x . w = sum over chunks of scale * (x . q) + sum over groups of offset * sum(x): the
 // second sum needs x's group sums only (xsum), so the inner loop is the nibbles' dots.
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+constexpr bool kBf16Dot = true;
+
+// The dot of one 32-weight chunk with 32 bf16 values of x, on a CPU with AVX512-BF16
+// (Zen 4, Sapphire Rapids): each nibble q becomes the bf16 number 128 + q by OR-ing 0x4300
+// into it (exact: 128..143 need 8 significant bits, bf16's count), and vdpbf16ps multiplies
+// 16 of those by 16 of x's values and adds pairs into 8 fp32 lanes in one instruction, a
+// third of the work of widening both to fp32. The extra 128 * sum(x) comes off with the
+// offsets (int4_rows). The products are exact; only the fp32 sums round.
+inline __m256 bf16_chunk_dot(__m256i bytes, const c10::BFloat16* x) {
+  const __m256i bf16_128 = _mm256_set1_epi16(0x4300);
+  const __m256i low = _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi16(15)), bf16_128);
+  const __m256i high = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), bf16_128);
+  const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+  const __m256 dot = _mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)low, (__m256bh)x_low);
+  return _mm256_dpbf16_ps(dot, (__m256bh)high, (__m256bh)x_high);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// out[m, n] for M rows of x and output rows [begin, end). With weight = q * scale + offset,
+// x . w = sum over chunks of scale * (x . q) + sum over groups of offset * sum(x): the
+// second sum needs x's group sums only (xsum), so the inner loop is the nibbles' dots,
+// in fp32 (xf, x widened) or, for bf16 x where the CPU has it, as bf16 dot products.
 template <int M, typename T>
-void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* weight,
-               const at::Half* scales, const at::Half* offsets, int group_shift,
-               const T* bias, T* out, int64_t out_stride, int64_t begin, int64_t end) {
+void int4_rows(const T* x, int64_t x_stride, const float* xf, const float* xsum, int64_t in,
+               const uint8_t* weight, const at::Half* scales, const at::Half* offsets,
+               int group_shift, const T* bias, T* out, int64_t out_stride, int64_t begin,
+               int64_t end) {
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  using Lanes = std::conditional_t<bf16_dot, f32x8, f32x16>;  // what a chunk's dot fills
   const int64_t chunks = in / kChunk, groups = chunks >> group_shift;
-  const int64_t padded = padded_groups(groups);
-  // Zeros past `groups`: the offsets' dot with xsum runs in whole vectors.
-  std::vector<float> scale(groups), offset(padded, 0.f);
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = weight + n * in / 2;
-    widen_halves(scales + n * groups, groups, scale.data());
-    widen_halves(offsets + n * groups, groups, offset.data());
-    // Even and odd chunks add into separate accumulators: two dependent chains, not one.
-    f32x16 even[M] = {}, odd[M] = {};
-    auto add_chunk = [&](int64_t c, f32x16* acc) {
-      const u8x16 packed = load_vector<u8x16>(row + c * kChunk / 2);
-      const f32x16 low = widen16(packed & 15), high = widen16(packed >> 4);
-      const float s = scale[c >> group_shift];  // a scalar operand: broadcast in the op
-      for (int m = 0; m < M; ++m) {
-        const float* x = xf + m * in + c * kChunk;
-        acc[m] += (low * load16(x) + high * load16(x + 16)) * s;
+  // One block's scales and offsets, [row][group], with 16 zeros after the last row: a
+  // row's offsets are read in whole vectors, whatever ran past `groups` meets zeros in xsum.
+  std::vector<float> scale(kRowBlock * groups + 16, 0.f), offset(kRowBlock * groups + 16, 0.f);
+  for (int64_t first = begin; first < end; first += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, end - first);
+    widen_halves(scales + first * groups, count * groups, scale.data());
+    widen_halves(offsets + first * groups, count * groups, offset.data());
+    float y[M][kRowBlock];
+    for (int64_t i = 0; i < count; ++i) {
+      const uint8_t* row = weight + (first + i) * in / 2;
+      const float* row_scale = scale.data() + i * groups;
+      // Even and odd chunks add into separate accumulators: two dependent chains, not one.
+      Lanes even[M] = {}, odd[M] = {};
+      auto add_chunk = [&](int64_t c, Lanes* acc) {
+        const float s = row_scale[c >> group_shift];  // a scalar operand: broadcast in the op
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+        if constexpr (bf16_dot) {
+          const __m256i bytes = _mm256_cvtepu8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * kChunk / 2)));
+          for (int m = 0; m < M; ++m)
+            acc[m] += (f32x8)bf16_chunk_dot(bytes, x + m * x_stride + c * kChunk) * s;
+          return;
+        }
+#endif
+        if constexpr (!bf16_dot) {
+          const u8x16 packed = load_vector<u8x16>(row + c * kChunk / 2);
+          const f32x16 low = widen16(packed & 15), high = widen16(packed >> 4);
+          for (int m = 0; m < M; ++m) {
+            const float* xm = xf + m * in + c * kChunk;
+            acc[m] += (low * load16(xm) + high * load16(xm + 16)) * s;
+          }
+        }
+      };
+      int64_t c = 0;
+      for (; c + 2 <= chunks; c += 2) {
+        add_chunk(c, even);
+        add_chunk(c + 1, odd);
       }
-    };
-    int64_t c = 0;
-    for (; c + 2 <= chunks; c += 2) {
-      add_chunk(c, even);
-      add_chunk(c + 1, odd);
+      if (c < chunks) add_chunk(c, even);
+      const float* row_offset = offset.data() + i * groups;
+      for (int m = 0; m < M; ++m) {
+        f32x16 shift = {};
+        for (int64_t g = 0; g < groups; g += 16) {
+          f32x16 o = load16(row_offset + g);
+          if constexpr (bf16_dot) o -= 128.f * load16(row_scale + g);  // dots summed 128 + q
+          shift += o * load16(xsum + m * padded_groups(groups) + g);
+        }
+        y[m][i] = sum_lanes(fold(shift, even[m] + odd[m]));
+      }
     }
-    if (c < chunks) add_chunk(c, even);
-    float y[M];
-    for (int m = 0; m < M; ++m) {
-      f32x16 total = even[m] + odd[m];
-      for (int64_t g = 0; g < padded; g += 16)
-        total += load16(offset.data() + g) * load16(xsum + m * padded + g);
-      y[m] = sum16(total);
-    }
-    store_row_outputs(out, out_stride, n, y, M, bias);
+    store_block<M>(out, out_stride, first, count, y, bias);
   }
 }
 
 template <int M, typename T>
 void int8_rows(const float* xf, int64_t in, const int8_t* weight, const float* scales,
                const T* bias, T* out, int64_t out_stride, int64_t begin, int64_t end) {
-  for (int64_t n = begin; n < end; ++n) {
-    const int8_t* row = weight + n * in;
-    f32x16 acc[M] = {};
-    int64_t k = 0;
-    // Two chunks per step: the adds into acc are one dependent chain per row of x.
-    for (; k + 32 <= in; k += 32) {
-      const f32x16 a = widen_signed16(row + k);
-      const f32x16 b = widen_signed16(row + k + 16);
-      for (int m = 0; m < M; ++m)
-        acc[m] += a * load16(xf + m * in + k) + b * load16(xf + m * in + k + 16);
+  for (int64_t first = begin; first < end; first += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, end - first);
+    float y[M][kRowBlock];
+    for (int64_t i = 0; i < count; ++i) {
+      const int8_t* row = weight + (first + i) * in;
+      f32x16 acc[M] = {};
+      int64_t k = 0;
+      // Two chunks per step: the adds into acc are one dependent chain per row of x.
+      for (; k + 32 <= in; k += 32) {
+        const f32x16 a = widen_signed16(row + k);
+        const f32x16 b = widen_signed16(row + k + 16);
+        for (int m = 0; m < M; ++m)
+          acc[m] += a * load16(xf + m * in + k) + b * load16(xf + m * in + k + 16);
+      }
+      for (int m = 0; m < M; ++m) {
+        float sum = sum_lanes(acc[m]);
+        for (int64_t tail = k; tail < in; ++tail) sum += row[tail] * xf[m * in + tail];
+        y[m][i] = sum * scales[first + i];
+      }
     }
-    float y[M];
-    for (int m = 0; m < M; ++m) {
-      float sum = sum16(acc[m]);
-      for (int64_t tail = k; tail < in; ++tail) sum += row[tail] * xf[m * in + tail];
-      y[m] = sum * scales[n];
-    }
-    store_row_outputs(out, out_stride, n, y, M, bias);
+    store_block<M>(out, out_stride, first, count, y, bias);
   }
 }
 
@@ -200,6 +292,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
     const std::vector<float> xf = widen(x.data_ptr<T>() + first * x.stride(0), x.stride(0),
                                         rows, in);
+    // Zeros past `groups` in each row (int4_rows reads whole vectors).
     std::vector<float> xsum(rows * padded_groups(groups), 0.f);
     for (int m = 0; m < rows; ++m)
       for (int64_t g = 0; g < groups; ++g)
@@ -210,7 +303,8 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
-        int4_rows<M, T>(xf.data(), xsum.data(), in, weight.data_ptr<uint8_t>(),
+        int4_rows<M, T>(x.data_ptr<T>() + first * x.stride(0), x.stride(0), xf.data(),
+                        xsum.data(), in, weight.data_ptr<uint8_t>(),
                         scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
                         group_shift, bias, y, out.stride(0), begin, end);
       });
@@ -302,15 +396,6 @@ void int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 }
 
 namespace {
-
-inline void store16(float* p, f32x16 v) { store_vector(p, v); }
-
-// Round to nearest even, as c10::BFloat16(float) does for every finite value.
-inline void store16(c10::BFloat16* p, f32x16 v) {
-  u32x16 bits = reinterpret_cast<u32x16&>(v);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  store_vector(p, __builtin_convertvector(bits >> 16, u16x16));
-}
 
 // Rows [begin, end) of weights, de-quantized (computed in fp32, rounded once to T).
 template <typename T>
