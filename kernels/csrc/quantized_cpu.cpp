@@ -32,9 +32,11 @@ using kvscope::store;
 
 constexpr int kMaxRows = 8;     // rows of x dotted with each weight while it is loaded
 constexpr int64_t kChunk = 32;  // int4 weights in one 16-byte chunk
-// Fewest weight bytes one thread streams per call: a parallel region costs more than a
-// small layer's whole read on a busy 2-core machine, so small layers stay on one thread.
-constexpr int64_t kBytesPerTask = 1 << 20;
+// Fewest weight bytes one thread streams per call. On a busy 2-core machine a parallel
+// region waits for a descheduled worker: measured (bench/quantized_linear.py), a 1.8 MB
+// layer took 2.3x longer on 2 threads than on 1, the 28 MB lm_head half as long. So only
+// layers of several MB split.
+constexpr int64_t kBytesPerTask = 4 << 20;
 
 int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kBytesPerTask / row_bytes); }
 
@@ -246,25 +248,69 @@ void int4_rows(const T* x, int64_t x_stride, const float* xf, const float* xsum,
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// The dot of 32 int8 weights with 32 bf16 values of x, with AVX512-BF16: u = q + 128 splits
+// into nibbles, u = 16 * high + low; the high ones become the exact bf16 number
+// 2048 + 16 * high (bits 0x4500 | high), the low ones 128 + low (as in int4), and two dot
+// products with the same x sum (2048 + 16 * high + 128 + low) * x = (q + 2304) * x.
+inline __m256 bf16_int8_dot(const int8_t* w, const c10::BFloat16* x) {
+  const __m256i bytes = _mm256_xor_si256(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), _mm256_set1_epi8(-128));
+  __m256 dot = _mm256_setzero_ps();
+  for (int half = 0; half < 2; ++half) {
+    const __m256i u = _mm256_cvtepu8_epi16(half == 0 ? _mm256_castsi256_si128(bytes)
+                                                     : _mm256_extracti128_si256(bytes, 1));
+    const __m256i low = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi16(15)),
+                                        _mm256_set1_epi16(0x4300));
+    const __m256i high = _mm256_or_si256(_mm256_srli_epi16(u, 4), _mm256_set1_epi16(0x4500));
+    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * half));
+    dot = _mm256_dpbf16_ps(dot, (__m256bh)low, (__m256bh)xs);
+    dot = _mm256_dpbf16_ps(dot, (__m256bh)high, (__m256bh)xs);
+  }
+  return dot;
+}
+#endif
+
+// xmain[m]: the sum of x's first in / 32 * 32 values, which the bf16 dots count 2304 times.
 template <int M, typename T>
-void int8_rows(const float* xf, int64_t in, const int8_t* weight, const float* scales,
-               const T* bias, T* out, int64_t out_stride, int64_t begin, int64_t end) {
+void int8_rows(const T* x, int64_t x_stride, const float* xf, const float* xmain, int64_t in,
+               const int8_t* weight, const float* scales, const T* bias, T* out,
+               int64_t out_stride, int64_t begin, int64_t end) {
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  using Lanes = std::conditional_t<bf16_dot, f32x8, f32x16>;
   for (int64_t first = begin; first < end; first += kRowBlock) {
     const int64_t count = std::min(kRowBlock, end - first);
     float y[M][kRowBlock];
     for (int64_t i = 0; i < count; ++i) {
       const int8_t* row = weight + (first + i) * in;
-      f32x16 acc[M] = {};
+      // Even and odd 32-weight chunks add into separate accumulators (two chains).
+      Lanes even[M] = {}, odd[M] = {};
+      auto add_chunk = [&](int64_t k, Lanes* acc) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+        if constexpr (bf16_dot) {
+          for (int m = 0; m < M; ++m)
+            acc[m] += (f32x8)bf16_int8_dot(row + k, x + m * x_stride + k);
+          return;
+        }
+#endif
+        if constexpr (!bf16_dot) {
+          const f32x16 a = widen_signed16(row + k);
+          const f32x16 b = widen_signed16(row + k + 16);
+          for (int m = 0; m < M; ++m)
+            acc[m] += a * load16(xf + m * in + k) + b * load16(xf + m * in + k + 16);
+        }
+      };
       int64_t k = 0;
-      // Two chunks per step: the adds into acc are one dependent chain per row of x.
-      for (; k + 32 <= in; k += 32) {
-        const f32x16 a = widen_signed16(row + k);
-        const f32x16 b = widen_signed16(row + k + 16);
-        for (int m = 0; m < M; ++m)
-          acc[m] += a * load16(xf + m * in + k) + b * load16(xf + m * in + k + 16);
+      for (; k + 64 <= in; k += 64) {
+        add_chunk(k, even);
+        add_chunk(k + 32, odd);
+      }
+      if (k + 32 <= in) {
+        add_chunk(k, even);
+        k += 32;
       }
       for (int m = 0; m < M; ++m) {
-        float sum = sum_lanes(acc[m]);
+        float sum = sum_lanes(even[m] + odd[m]) - (bf16_dot ? 2304.f * xmain[m] : 0.f);
         for (int64_t tail = k; tail < in; ++tail) sum += row[tail] * xf[m * in + tail];
         y[m][i] = sum * scales[first + i];
       }
@@ -320,12 +366,16 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
     const std::vector<float> xf = widen(x.data_ptr<T>() + first * x.stride(0), x.stride(0),
                                         rows, in);
+    float xmain[kMaxRows] = {};
+    for (int m = 0; m < rows; ++m)
+      for (int64_t k = 0; k < in / 32 * 32; ++k) xmain[m] += xf[m * in + k];
     T* y = out.data_ptr<T>() + first * out.stride(0);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       at::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
-        int8_rows<M, T>(xf.data(), in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                        bias, y, out.stride(0), begin, end);
+        int8_rows<M, T>(x.data_ptr<T>() + first * x.stride(0), x.stride(0), xf.data(), xmain,
+                        in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y,
+                        out.stride(0), begin, end);
       });
     });
   }
