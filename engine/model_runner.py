@@ -81,12 +81,13 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_positions = self.hf_config.max_position_embeddings
         architecture = model_class(self.hf_config)
-        resolved = config.resolved(self.max_positions)
+        config.resolved(self.max_positions)  # bad length knobs fail before the weights load
         # Quantized layers allocate other temporaries, so the profiled peak depends on these.
         self.quantization = {"quantization": config.quantization,
                              "quantization_group_size": config.quantization_group_size}
         with default_dtype(self.dtype), torch.device(self.device):
-            self.model = architecture(self.hf_config, resolved.max_model_len)
+            # Every position the model supports: a reconfigure may raise max_model_len later.
+            self.model = architecture(self.hf_config, self.max_positions)
             quantize_model(self.model, config.quantization, config.quantization_group_size)
         self.model.load_weights(self.checkpoint_weights(config))
         pack_model(self.model, self.dtype, self.device)
