@@ -103,14 +103,21 @@ class ModelRunner:
         # The fused C++ forward ops come with the C++ attention (same extension, same CPU).
         self.forward_ops = cpu_forward_ops() if self.attention_backend.name == "cpu" else TORCH_OPS
         bind_forward_ops(self.model, self.forward_ops)
+        fuse = getattr(self.model, "fuse_decoder_stack", None)
+        self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
+                                    and self.forward_ops.name == "cpu"
+                                    and config.quantization == "none")
+        if self.fused_decoder_stack:
+            fuse()
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
         logger.info("loaded %s (%s, %.1f MiB of weights, quantization=%s, %s on %s) in %.1f s;"
-                    " kernels: %s attention, %s forward ops", self.model_path,
+                    " kernels: %s attention, %s forward ops, %s", self.model_path,
                     type(self.model).__name__, self.weight_bytes / (1 << 20), config.quantization,
                     self.dtype, self.device, time.perf_counter() - started,
-                    self.attention_backend.name, self.forward_ops.name)
+                    self.attention_backend.name, self.forward_ops.name,
+                    "one-call decoder stack" if self.fused_decoder_stack else "eager layers")
 
     def checkpoint_weights(self, config: EngineConfig):
         """The HF folder's tensors; for a quantized Llama GGUF, the file's own blocks instead

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
