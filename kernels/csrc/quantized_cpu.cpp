@@ -27,6 +27,8 @@
 
 namespace {
 
+using kvscope::bf16;
+using kvscope::elements;
 using kvscope::load;
 using kvscope::store;
 
@@ -105,14 +107,14 @@ constexpr int64_t kRowBlock = 16;
 
 inline void store16(float* p, f32x16 v) { store_vector(p, v); }
 
-// Round to nearest even, as c10::BFloat16(float) does for every finite value.
-inline void store16(c10::BFloat16* p, f32x16 v) {
+// Round to nearest even, as kvscope::bf16_bits does for every finite value.
+inline void store16(bf16* p, f32x16 v) {
   u32x16 bits = (u32x16)v;
   bits += 0x7FFF + ((bits >> 16) & 1);
   store_vector(p, __builtin_convertvector(bits >> 16, u16x16));
 }
 
-inline f32x16 load16(const c10::BFloat16* p) {
+inline f32x16 load16(const bf16* p) {
   return (f32x16)(__builtin_convertvector(load_vector<u16x16>(p), u32x16) << 16);
 }
 
@@ -169,7 +171,7 @@ constexpr bool kBf16Dot = true;
 // 16 of those by 16 of x's values and adds pairs into 8 fp32 lanes in one instruction, a
 // third of the work of widening both to fp32. The extra 128 * sum(x) comes off with the
 // offsets (int4_rows). The products are exact; only the fp32 sums round.
-inline __m256 bf16_chunk_dot(__m256i bytes, const c10::BFloat16* x) {
+inline __m256 bf16_chunk_dot(__m256i bytes, const bf16* x) {
   const __m256i bf16_128 = _mm256_set1_epi16(0x4300);
   const __m256i low = _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi16(15)), bf16_128);
   const __m256i high = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), bf16_128);
@@ -191,7 +193,7 @@ void int4_rows(const T* x, int64_t x_stride, const float* xf, const float* xsum,
                const uint8_t* weight, const at::Half* scales, const at::Half* offsets,
                int group_shift, const T* bias, T* out, int64_t out_stride, int64_t begin,
                int64_t end) {
-  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
   using Lanes = std::conditional_t<bf16_dot, f32x8, f32x16>;  // what a chunk's dot fills
   const int64_t chunks = in / kChunk, groups = chunks >> group_shift;
   // One block's scales and offsets, [row][group], with 16 zeros after the last row: a
@@ -253,7 +255,7 @@ void int4_rows(const T* x, int64_t x_stride, const float* xf, const float* xsum,
 // into nibbles, u = 16 * high + low; the high ones become the exact bf16 number
 // 2048 + 16 * high (bits 0x4500 | high), the low ones 128 + low (as in int4), and two dot
 // products with the same x sum (2048 + 16 * high + 128 + low) * x = (q + 2304) * x.
-inline __m256 bf16_int8_dot(const int8_t* w, const c10::BFloat16* x) {
+inline __m256 bf16_int8_dot(const int8_t* w, const bf16* x) {
   const __m256i bytes = _mm256_xor_si256(
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), _mm256_set1_epi8(-128));
   __m256 dot = _mm256_setzero_ps();
@@ -276,7 +278,7 @@ template <int M, typename T>
 void int8_rows(const T* x, int64_t x_stride, const float* xf, const float* xmain, int64_t in,
                const int8_t* weight, const float* scales, const T* bias, T* out,
                int64_t out_stride, int64_t begin, int64_t end) {
-  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
   using Lanes = std::conditional_t<bf16_dot, f32x8, f32x16>;
   for (int64_t first = begin; first < end; first += kRowBlock) {
     const int64_t count = std::min(kRowBlock, end - first);
@@ -336,7 +338,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
   const int64_t in = x.size(1), out_features = weight.size(0), groups = in / group_size;
   for (int64_t first = 0; first < x.size(0); first += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
-    const std::vector<float> xf = widen(x.data_ptr<T>() + first * x.stride(0), x.stride(0),
+    const std::vector<float> xf = widen(elements<T>(x) + first * x.stride(0), x.stride(0),
                                         rows, in);
     // Zeros past `groups` in each row (int4_rows reads whole vectors).
     std::vector<float> xsum(rows * padded_groups(groups), 0.f);
@@ -345,11 +347,11 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
         for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k)
           xsum[m * padded_groups(groups) + g] += xf[m * in + k];
     const int group_shift = __builtin_ctzll(group_size / kChunk);
-    T* y = out.data_ptr<T>() + first * out.stride(0);
+    T* y = elements<T>(out) + first * out.stride(0);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
-        int4_rows<M, T>(x.data_ptr<T>() + first * x.stride(0), x.stride(0), xf.data(),
+        int4_rows<M, T>(elements<T>(x) + first * x.stride(0), x.stride(0), xf.data(),
                         xsum.data(), in, weight.data_ptr<uint8_t>(),
                         scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
                         group_shift, bias, y, out.stride(0), begin, end);
@@ -364,16 +366,16 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
   const int64_t in = x.size(1), out_features = weight.size(0);
   for (int64_t first = 0; first < x.size(0); first += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
-    const std::vector<float> xf = widen(x.data_ptr<T>() + first * x.stride(0), x.stride(0),
+    const std::vector<float> xf = widen(elements<T>(x) + first * x.stride(0), x.stride(0),
                                         rows, in);
     float xmain[kMaxRows] = {};
     for (int m = 0; m < rows; ++m)
       for (int64_t k = 0; k < in / 32 * 32; ++k) xmain[m] += xf[m * in + k];
-    T* y = out.data_ptr<T>() + first * out.stride(0);
+    T* y = elements<T>(out) + first * out.stride(0);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       at::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
-        int8_rows<M, T>(x.data_ptr<T>() + first * x.stride(0), x.stride(0), xf.data(), xmain,
+        int8_rows<M, T>(elements<T>(x) + first * x.stride(0), x.stride(0), xf.data(), xmain,
                         in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y,
                         out.stride(0), begin, end);
       });
@@ -416,7 +418,7 @@ void check_int8_weight(const at::Tensor& weight, const at::Tensor& scales, const
 
 template <typename T>
 const T* bias_data(const std::optional<at::Tensor>& bias) {
-  return bias ? bias->data_ptr<T>() : nullptr;
+  return bias ? elements<T>(*bias) : nullptr;
 }
 
 }  // namespace
@@ -430,8 +432,7 @@ void int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   if (x.scalar_type() == at::kFloat)
     int4_linear_impl<float>(x, weight, scales, offsets, group_size, bias_data<float>(bias), out);
   else
-    int4_linear_impl<c10::BFloat16>(x, weight, scales, offsets, group_size,
-                                    bias_data<c10::BFloat16>(bias), out);
+    int4_linear_impl<bf16>(x, weight, scales, offsets, group_size, bias_data<bf16>(bias), out);
 }
 
 // out = x @ (q * scale).T + bias with int8 q [out_features, in] and fp32 scale per row.
@@ -442,7 +443,7 @@ void int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   if (x.scalar_type() == at::kFloat)
     int8_linear_impl<float>(x, weight, scales, bias_data<float>(bias), out);
   else
-    int8_linear_impl<c10::BFloat16>(x, weight, scales, bias_data<c10::BFloat16>(bias), out);
+    int8_linear_impl<bf16>(x, weight, scales, bias_data<bf16>(bias), out);
 }
 
 namespace {
@@ -478,12 +479,12 @@ void int8_dequantize_rows(const int8_t* weight, const float* scales, int64_t in,
   }
 }
 
-// Calls body(T* out) with out's data as float or c10::BFloat16.
+// Calls body(T* out) with out's data as float or bf16 bits.
 template <typename Body>
 void with_out_dtype(at::Tensor& out, const char* op, Body&& body) {
   if (out.scalar_type() == at::kFloat) return body(out.data_ptr<float>());
   TORCH_CHECK(out.scalar_type() == at::kBFloat16, op, ": out float32 or bfloat16");
-  body(out.data_ptr<c10::BFloat16>());
+  body(elements<bf16>(out));
 }
 
 void check_dense_out(const at::Tensor& weight, int64_t in, const at::Tensor& out,
