@@ -154,12 +154,16 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return logits.softmax(dim=-1)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[dict[int, float]]:
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int
+                   ) -> tuple[list[dict[int, float]], list[int]]:
     """Per row: the logprob of `token_ids[row]` and the row's top-k alternatives (the
-    prompt logprobs of a chunk: row i scores the token at the next position)."""
+    prompt logprobs of a chunk: row i scores the token at the next position), and the
+    token's rank in its row (vLLM's: 1 + how many other tokens are at least as likely)."""
     log_probs = torch.log_softmax(logits, dim=-1)
     chosen = log_probs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1))
+    ranks = (log_probs >= chosen).sum(dim=-1)
     top_values, top_ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0],) * 2
-    return [{**dict(zip(ids, values)), token: logprob}
-            for ids, values, token, logprob in zip(top_ids.tolist(), top_values.tolist(),
-                                                   token_ids, chosen.squeeze(1).tolist())]
+    entries = [{**dict(zip(ids, values)), token: logprob}
+               for ids, values, token, logprob in zip(top_ids.tolist(), top_values.tolist(),
+                                                      token_ids, chosen.squeeze(1).tolist())]
+    return entries, ranks.tolist()

@@ -281,14 +281,16 @@ def test_prompt_logprobs_equal_a_dense_forward_across_chunks(llm, tiny_model):
                                                    prompt_logprobs=3), use_tqdm=False)[0]
     with torch.no_grad():
         dense = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    entries = output.prompt_logprobs
-    assert len(entries) == len(prompt) and entries[0] is None
+    entries, ranks = output.prompt_logprobs, output.prompt_token_ranks
+    assert len(entries) == len(ranks) == len(prompt) and entries[0] is None is ranks[0]
     for position in range(1, len(prompt)):
         entry = entries[position]
         token = prompt[position]
         assert entry[token] == pytest.approx(float(dense[position - 1, token]), abs=1e-4)
         top = dense[position - 1].topk(3).indices.tolist()
         assert set(top) <= set(entry) and len(entry) <= 4
+        # vLLM's rank: how many tokens are at least as likely, the token itself included.
+        assert ranks[position] == int((dense[position - 1] >= dense[position - 1, token]).sum())
 
 
 def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(llm):
