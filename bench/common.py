@@ -35,6 +35,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default: torch's choice); on a CPU that "
                              "other work shares, 1 is often several times faster")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="the layers one by one from Python, not the one-call decoder stack")
 
 
 def setup(args: argparse.Namespace, max_model_len: int) -> "Bench":
@@ -44,7 +46,7 @@ def setup(args: argparse.Namespace, max_model_len: int) -> "Bench":
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     knobs = {"model": args.model, "dtype": args.dtype, "device": args.device,
-             "max_model_len": max_model_len}
+             "max_model_len": max_model_len, "enforce_eager": args.enforce_eager}
     if args.device_memory_gb is not None:
         knobs["device_memory_gb"] = args.device_memory_gb
     runner = ModelRunner(EngineConfig(**knobs))

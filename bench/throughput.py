@@ -126,7 +126,7 @@ class KVScope:
                  llm: LLM | None = None):
         """Loads the model per args, unless given an `llm` already loaded."""
         started = time.perf_counter()
-        knobs = {"dtype": args.dtype, "device": args.device}
+        knobs = {"dtype": args.dtype, "device": args.device, "enforce_eager": args.enforce_eager}
         for knob in ("max_num_seqs", "max_num_batched_tokens", "device_memory_gb", "quantization"):
             if getattr(args, knob) is not None:
                 knobs[knob] = getattr(args, knob)
@@ -371,6 +371,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="kvscope knob (CPU pool size)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="kvscope knob (weight-only; the transformers backends stay dense)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="kvscope knob: the layers one by one, not the one-call decoder stack")
     args = parser.parse_args(argv)
     args.min_prompt = min(args.min_prompt, args.max_prompt)
     args.min_output = min(args.min_output, args.max_output)

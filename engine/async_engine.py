@@ -38,7 +38,8 @@ from engine.telemetry import (
 
 logger = logging.getLogger(__name__)
 # Knobs that would need the weights reloaded; reconfigure only rebuilds the KV cache.
-RELOAD_KNOBS = ("model", "dtype", "device", "quantization", "quantization_group_size")
+RELOAD_KNOBS = ("model", "dtype", "device", "quantization", "quantization_group_size",
+                "enforce_eager")
 # Blocks per snapshot slice: a few milliseconds of the engine thread at most.
 POOL_SLICE_BLOCKS = 32_768
 # Pool records a reader may fall behind by before the oldest are dropped (it resyncs).

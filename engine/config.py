@@ -23,6 +23,9 @@ class EngineConfig:
     # quantization_group_size inputs; activations and the KV cache keep `dtype`.
     quantization: str = "none"
     quantization_group_size: int = 32
+    # vLLM's name: True runs the model layer by layer from Python (the oracle path); by
+    # default a Llama-family model on the C++ CPU kernels runs its decoder stack in one call.
+    enforce_eager: bool = False
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     # The CPU has no device memory to measure, so the utilization applies to this size;
@@ -54,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"quantization_group_size={self.quantization_group_size!r} must be "
                              f"one of {list(QUANTIZATION_GROUP_SIZES)}")
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         bs = self.block_size
         if (isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK_SIZE
                 or bs & (bs - 1)):

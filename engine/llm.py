@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 # vLLM knobs that mean nothing for a single-device engine; accepted so its examples run.
-IGNORED_VLLM_KNOBS = {"trust_remote_code", "enforce_eager", "tokenizer", "disable_log_stats"}
+IGNORED_VLLM_KNOBS = {"trust_remote_code", "tokenizer", "disable_log_stats"}
 
 
 class LLM:

@@ -22,6 +22,7 @@ from engine.models import model_class
 from engine.models.attention import AttentionMetadata
 from engine.models.layers import bind_forward_ops
 from engine.models.quantized import pack_model, quantize_model
+from engine.packed_cache import packed_path, read_packed, store_packed
 from engine.profile_cache import load_peak, profile_key, store_peak
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kernels.forward_ops import TORCH_OPS
@@ -81,15 +82,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.max_positions = self.hf_config.max_position_embeddings
         architecture = model_class(self.hf_config)
-        resolved = config.resolved(self.max_positions)
+        config.resolved(self.max_positions)  # bad length knobs fail before the weights load
         # Quantized layers allocate other temporaries, so the profiled peak depends on these.
         self.quantization = {"quantization": config.quantization,
                              "quantization_group_size": config.quantization_group_size}
         with default_dtype(self.dtype), torch.device(self.device):
-            self.model = architecture(self.hf_config, resolved.max_model_len)
+            # Every position the model supports: a reconfigure may raise max_model_len later.
+            self.model = architecture(self.hf_config, self.max_positions)
             quantize_model(self.model, config.quantization, config.quantization_group_size)
-        self.model.load_weights(self.checkpoint_weights(config))
-        pack_model(self.model, self.dtype, self.device)
+        self.load_weights(config)
         self.model.eval()
         # Packed quantized weights are (integer) parameters too, so this is what they occupy.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -102,14 +103,38 @@ class ModelRunner:
         # The fused C++ forward ops come with the C++ attention (same extension, same CPU).
         self.forward_ops = cpu_forward_ops() if self.attention_backend.name == "cpu" else TORCH_OPS
         bind_forward_ops(self.model, self.forward_ops)
+        fuse = getattr(self.model, "fuse_decoder_stack", None)
+        self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
+                                    and self.forward_ops.name == "cpu"
+                                    and config.quantization == "none")
+        if self.fused_decoder_stack:
+            fuse()
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
         logger.info("loaded %s (%s, %.1f MiB of weights, quantization=%s, %s on %s) in %.1f s;"
-                    " kernels: %s attention, %s forward ops", self.model_path,
+                    " kernels: %s attention, %s forward ops, %s", self.model_path,
                     type(self.model).__name__, self.weight_bytes / (1 << 20), config.quantization,
                     self.dtype, self.device, time.perf_counter() - started,
-                    self.attention_backend.name, self.forward_ops.name)
+                    self.attention_backend.name, self.forward_ops.name,
+                    "one-call decoder stack" if self.fused_decoder_stack else "eager layers")
+
+    def load_weights(self, config: EngineConfig) -> None:
+        """The checkpoint into the model, packed for its quantization. A quantized GGUF
+        model is packed once: later starts read its packed state from the cache."""
+        source = gguf_file(config.model) if config.quantization != "none" else None
+        cache = None if source is None else packed_path(
+            source, config.quantization, config.quantization_group_size, self.dtype)
+        state = None if cache is None else read_packed(cache)
+        if state is not None:
+            pack_model(self.model, self.dtype, self.device)  # the layout, then the values
+            self.model.load_state_dict(state)
+            logger.info("packed %s weights read from %s", config.quantization, cache)
+            return
+        self.model.load_weights(self.checkpoint_weights(config))
+        pack_model(self.model, self.dtype, self.device)
+        if cache is not None:
+            store_packed(self.model, cache)
 
     def checkpoint_weights(self, config: EngineConfig):
         """The HF folder's tensors; for a quantized Llama GGUF, the file's own blocks instead

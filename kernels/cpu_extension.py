@@ -82,3 +82,8 @@ def load() -> None:
         is_python_module=False, verbose=False)
     logger.info("CPU attention kernels ready in %.1f s (%s)", time.perf_counter() - started,
                 build_dir)
+
+
+if __name__ == "__main__":  # `make install` builds the kernels ahead of the first start
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load()

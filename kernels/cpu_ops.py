@@ -44,6 +44,38 @@ def store_kv(
                                key_cache, value_cache, slot_mapping.to(torch.int64))
 
 
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                offsets: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ W.T + bias for the int4 layout of engine/models/quantized.Int4Linear,
+    streaming the packed weight once for up to 8 rows at a time (decode batches)."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    torch.ops.kvscope.int4_linear(x, weight, scales, offsets, group_size, bias, out)
+    return out
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ (weight * scales[:, None]).T + bias with int8 weight, fp32 scales."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    torch.ops.kvscope.int8_linear(x, weight, scales, bias, out)
+    return out
+
+
+def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                    group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [out, in] weight of Int4Linear's layout, for a GEMM over many rows."""
+    out = torch.empty(weight.shape[0], weight.shape[1] * 2, dtype=dtype)
+    torch.ops.kvscope.int4_dequantize(weight, scales, offsets, group_size, out)
+    return out
+
+
+def int8_dequantize(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [out, in] weight of Int8Linear's layout, for a GEMM over many rows."""
+    out = torch.empty(weight.shape, dtype=dtype)
+    torch.ops.kvscope.int8_dequantize(weight, scales, out)
+    return out
+
+
 _fakes_registered = False
 
 
@@ -51,7 +83,8 @@ def _register_fakes() -> None:
     global _fakes_registered
     if _fakes_registered:
         return
-    # Both ops only write into tensors they are given: nothing to allocate when tracing.
-    torch.library.register_fake("kvscope::paged_attention")(lambda *args: None)
-    torch.library.register_fake("kvscope::store_kv")(lambda *args: None)
+    # These ops only write into tensors they are given: nothing to allocate when tracing.
+    for op in ("paged_attention", "store_kv", "int4_linear", "int8_linear", "int4_dequantize",
+               "int8_dequantize"):
+        torch.library.register_fake(f"kvscope::{op}")(lambda *args: None)
     _fakes_registered = True

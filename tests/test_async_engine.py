@@ -253,3 +253,21 @@ def test_shutdown_aborts_in_flight_and_refuses_new_requests(engine) -> None:
         engine.submit("too late", short())
     with pytest.raises(EngineClosed):
         engine.snapshot()
+
+
+def test_reconfigure_to_a_longer_max_model_len_serves_the_longer_prompts(tiny_llama_path):
+    """The weights (and the rotary table) outlive a reconfigure, so they must cover every
+    position the model supports, not just the first max_model_len."""
+    engine = AsyncEngine(EngineCore(EngineConfig(
+        model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,
+        num_gpu_blocks_override=128, max_model_len=32, max_num_batched_tokens=256))).start()
+    try:
+        prompt = "hello world " * 8  # ~100 tokens
+        with pytest.raises(ValueError, match="max_model_len=32"):
+            list(engine.submit(prompt, short(4)))
+        engine.reconfigure(max_model_len=256)
+        outputs = list(engine.submit(prompt, short(4)))
+        assert len(outputs[-1].outputs[0].token_ids) == 4
+        assert_pool_idle(engine)
+    finally:
+        engine.shutdown()

@@ -3,6 +3,7 @@
 import importlib.util
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -14,13 +15,20 @@ from engine.sampling_params import SamplingParams
 PROMPTS = [[5, 9, 13], list(range(1, 9)), list(range(40, 61))]
 
 
-def greedy_tokens(monkeypatch, tiny_model, run_engine, backend: str) -> list[list[int]]:
-    """A runner of its own (the backend is chosen when a runner starts) on the tiny Llama."""
+def runner_for(monkeypatch, tiny_model, backend: str, arch: str = "llama", **knobs):
+    """A runner of its own (the backend is chosen when a runner starts) on a tiny model."""
     monkeypatch.setenv("KVSCOPE_ATTENTION_BACKEND", backend)
-    config = EngineConfig(model=str(tiny_model("llama").path), dtype="float32", device="cpu",
-                          device_memory_gb=0.05, block_size=8, max_num_batched_tokens=24)
+    config = EngineConfig(model=str(tiny_model(arch).path), device="cpu", device_memory_gb=0.05,
+                          block_size=8, max_num_batched_tokens=24,
+                          **{"dtype": "float32", **knobs})
     runner = ModelRunner(config)
     assert runner.attention_backend.name == backend
+    return config, runner
+
+
+def greedy_tokens(monkeypatch, tiny_model, run_engine, backend: str, arch: str = "llama",
+                  **knobs) -> list[list[int]]:
+    config, runner = runner_for(monkeypatch, tiny_model, backend, arch, **knobs)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outputs = run_engine(EngineCore(config, runner=runner), PROMPTS, params).outputs
     return [o.outputs[0].token_ids for o in outputs]
@@ -37,3 +45,42 @@ def test_cpu_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkey
     """The C++ attention and fused forward ops against the plain-torch path, end to end."""
     expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch")
     assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu") == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: qkv biases, tied embeddings
+def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
+        tiny_model, run_engine, monkeypatch, arch):
+    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch,
+                             enforce_eager=True)
+    assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch) == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype):
+    """Same C++ ops in the same order: equal outputs and equal K/V written, for a ragged
+    batch of prefill chunks and decodes (several rows take the GEMM, one row the GEMV)."""
+    _, runner = runner_for(monkeypatch, tiny_model, "cpu", "qwen2", dtype=dtype)
+    assert runner.fused_decoder_stack
+    runner.allocate_kv_cache(8, 16)
+    pieces = [(0, 11, [0, 1]), (7, 8, [2]), (16, 21, [3, 4, 5])]
+    inputs = runner._flat_inputs(pieces, 8, token_ids=lambda i, start, end: list(range(start + 3, end + 3)))
+    model = runner.model
+    with torch.inference_mode():
+        fused = model(*inputs)
+        fused_cache = runner.kv_cache.clone()
+        runner.kv_cache.zero_()
+        stack, model.decoder_stack = model.decoder_stack, None
+        eager = model(*inputs)
+        model.decoder_stack = stack
+    assert torch.equal(fused, eager)
+    assert torch.equal(fused_cache, runner.kv_cache)
+
+
+def test_enforce_eager_or_quantized_weights_keep_the_layers(tiny_model, monkeypatch):
+    _, eager = runner_for(monkeypatch, tiny_model, "cpu", enforce_eager=True)
+    _, torch_backend = runner_for(monkeypatch, tiny_model, "torch")
+    _, quantized = runner_for(monkeypatch, tiny_model, "cpu", quantization="int8")
+    for runner in (eager, torch_backend, quantized):
+        assert not runner.fused_decoder_stack and runner.model.decoder_stack is None
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(enforce_eager="yes")

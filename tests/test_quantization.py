@@ -1,6 +1,7 @@
 """Weight-only int4 / int8: packed layers, GGUF blocks, the engine on quantized weights."""
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -12,8 +13,10 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.gguf_weights import iter_gguf_weights, read_tensor
 from engine.model_runner import ModelRunner
+from engine.models import quantized
 from engine.models.layers import UsesForwardOps
 from engine.models.quantized import (
+    KERNEL_MAX_ROWS,
     GroupQuantized,
     Int4Linear,
     Int8Embedding,
@@ -23,6 +26,7 @@ from engine.models.quantized import (
     quantize_int8,
 )
 from engine.sampling_params import SamplingParams
+from kernels import cpu_ops
 
 CPU = torch.device("cpu")
 # Packed matmuls reorder the sums; bf16 activations round every product.
@@ -39,26 +43,99 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [[32, 16, 16], [8]])  # merged q/k/v rows; 8 = no CPU kernel
-def test_int4_linear_equals_its_dequantized_weight(rows, dtype):
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "fallback"])
+@pytest.mark.parametrize("batch", [5, KERNEL_MAX_ROWS + 3])  # streaming kernel, GEMM
+def test_int4_linear_equals_its_dequantized_weight(batch, kernels, dtype, monkeypatch):
+    if not kernels:  # what CUDA or a machine without a C++ compiler runs
+        monkeypatch.setattr(quantized, "packed_kernels_available", lambda device: False)
+    rows = [32, 16, 8]  # merged q/k/v rows
     parts = [random_weight(n, 64, seed) for seed, n in enumerate(rows)]
     layer = Int4Linear(64, rows, bias=True, group_size=32)
     for index, part in enumerate(parts):
         layer.load_part("weight", index, part)
     layer.bias.data = torch.arange(sum(rows), dtype=dtype)
     pack_model(layer, dtype, CPU)
-    assert layer.use_kernel == (sum(rows) % 16 == 0)
+    assert layer.use_kernel == kernels
 
     dequantized = torch.cat([quantize_int4(part, 32).dequantize() for part in parts])
-    x = torch.randn(5, 64).to(dtype)
+    x = torch.randn(batch, 64).to(dtype)
     assert_close(layer(x), x.float() @ dequantized.T + layer.bias.float(), dtype)
     # Asymmetric min/max rounding is off by at most half a step of its group.
     step = torch.cat([quantize_int4(part, 32).scale for part in parts]).repeat_interleave(32, 1)
     assert ((dequantized - torch.cat(parts)).abs() <= step / 2 + 1e-6).all()
 
 
+def test_int4_scale_and_offset_are_float16_and_cover_the_group():
+    # A group far from zero: rounding its offset to float16 the nearest way would leave
+    # the smallest weight below the grid.
+    weight = 1000 + torch.linspace(-0.3, 0.7, 64).view(2, 32)
+    blocks = quantize_int4(weight, 32)
+    for value in (blocks.scale, blocks.offset):
+        assert torch.equal(value.half().float(), value)
+    assert ((blocks.dequantize() - weight).abs() <= blocks.scale[:, :1] / 2 + 1e-3).all()
+
+
+def packed_int4_layer(out_features: int, in_features: int, group_size: int,
+                      bias: bool) -> Int4Linear:
+    layer = Int4Linear(in_features, [out_features], bias=bias, group_size=group_size)
+    layer.load_part("weight", 0, random_weight(out_features, in_features, seed=out_features))
+    if bias:
+        layer.bias.data.normal_()
+    pack_model(layer, torch.float32, CPU)
+    return layer
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_and_embedding_equal_their_dequantized_weight(dtype):
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"),
+                         [(37, 256, 256), (1, 128, 64), (70, 384, 128), (13, 96, 32)])
+def test_int4_kernels_equal_the_plain_torch_twin(out_features, in_features, group_size, dtype):
+    layer = packed_int4_layer(out_features, in_features, group_size, bias=out_features > 1)
+    bias = None if layer.bias is None else layer.bias.to(dtype)
+    dense = layer.dequantized_weight(torch.float32)
+    # The kernels' de-quantization is the twin's, value for value.
+    assert torch.equal(cpu_ops.int4_dequantize(layer.weight, layer.scales, layer.offsets,
+                                               group_size, dtype), layer.dequantized_weight(dtype))
+    for rows in range(1, KERNEL_MAX_ROWS + 2):  # every specialised row count, and 8 + 1
+        x = torch.randn(rows, in_features).to(dtype)
+        out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, bias)
+        expected = x.float() @ dense.T + (0 if bias is None else bias.float())
+        assert out.dtype == dtype
+        assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 75), (5, 32), (64, 8)])
+def test_int8_kernel_equals_the_plain_torch_twin(out_features, in_features, dtype):
+    layer = Int8Linear(in_features, [out_features], bias=True)
+    layer.load_part("weight", 0, random_weight(out_features, in_features))
+    layer.bias.data.normal_()
+    pack_model(layer, torch.float32, CPU)
+    assert layer.use_kernel
+    dense, bias = layer.dequantized_weight(torch.float32), layer.bias.to(dtype)
+    assert torch.equal(cpu_ops.int8_dequantize(layer.weight, layer.scales, dtype),
+                       layer.dequantized_weight(dtype))
+    for rows in range(1, KERNEL_MAX_ROWS + 2):
+        x = torch.randn(rows, in_features).to(dtype)
+        out = cpu_ops.int8_linear(x, layer.weight, layer.scales, bias)
+        assert_close(out, x.float() @ dense.T + bias.float(), dtype)
+
+
+def test_int4_kernel_reads_strided_rows_and_refuses_bad_layouts():
+    layer = packed_int4_layer(16, 64, 32, bias=False)
+    wide = torch.randn(3, 100)
+    x = wide[:, 10:74]  # rows of a bigger activation, as a fused projection's views are
+    out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, 32, None)
+    assert_close(out, x @ layer.dequantized_weight(torch.float32).T, torch.float32)
+    with pytest.raises(RuntimeError, match="group_size"):
+        cpu_ops.int4_linear(x.contiguous(), layer.weight, layer.scales, layer.offsets, 48, None)
+    with pytest.raises(RuntimeError, match="float16"):
+        cpu_ops.int4_linear(x.contiguous(), layer.weight, layer.scales.float(), layer.offsets,
+                            32, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [3, KERNEL_MAX_ROWS + 3])  # streaming kernel, GEMM
+def test_int8_linear_and_embedding_equal_their_dequantized_weight(batch, dtype):
     weight = random_weight(48, 32)
     q, scale = quantize_int8(weight)
     dequantized = q.float() * scale.unsqueeze(-1)
@@ -68,10 +145,11 @@ def test_int8_linear_and_embedding_equal_their_dequantized_weight(dtype):
     for layer in (linear, embedding):
         layer.load_part("weight", 0, weight)
         pack_model(layer, dtype, CPU)
-    x = torch.randn(3, 32).to(dtype)
+    x = torch.randn(batch, 32).to(dtype)
     assert_close(linear(x), x.float() @ dequantized.T, dtype)
     assert_close(embedding.project(x), x.float() @ dequantized.T, dtype)
     ids = torch.tensor([[0, 47], [5, 5]])
+    assert embedding(ids).dtype == dtype
     assert_close(embedding(ids), dequantized[ids], dtype)
 
 
@@ -109,9 +187,12 @@ def test_gguf_blocks_decode_exactly_and_q4_1_packs_without_loss(tmp_path):
             layer.load_part("weight", 0, value)
             assert torch.equal(layer.staged_q, value.q)  # copied, not re-quantized
             pack_model(layer, torch.float32, CPU)
-            # (q - 8) * d + (m + 8d) re-associates d * q + m: equal up to fp32 rounding.
-            unpacked = layer(torch.eye(64)).T
-            assert torch.allclose(unpacked, expected, rtol=0, atol=1e-6)
+            # d and m stay float16 values: q * d + m as gguf computes it, up to fp32 rounding
+            # (the identity's rows run the GEMM path; its first rows the streaming kernel).
+            identity = torch.eye(64)
+            assert torch.allclose(layer(identity).T, expected, rtol=0, atol=1e-6)
+            streamed = layer(identity[:KERNEL_MAX_ROWS]).T
+            assert torch.allclose(streamed, expected[:, :KERNEL_MAX_ROWS], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("gguf_name", ["attn_q", "attn_k"])
@@ -227,3 +308,37 @@ def test_default_model_in_int4_knows_the_capital_of_france(all_cpu_threads):
     outputs = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_packed_weights_of_a_gguf_model_are_cached_for_the_next_start(tiny_model, tmp_path,
+                                                                       monkeypatch):
+    """The first start packs and saves; the next reads the packed state without touching the
+    checkpoint; a changed file (new mtime) packs afresh."""
+    from engine import model_runner, packed_cache
+
+    gguf = tmp_path / "model.gguf"  # stands in for the file: its size and mtime key the cache
+    gguf.write_bytes(b"not read")
+    monkeypatch.setattr(packed_cache, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(model_runner, "gguf_file", lambda model: gguf)
+    monkeypatch.setattr(model_runner, "gguf_architecture", lambda path: "opt")  # HF folder
+    config = EngineConfig(model=str(tiny_model("llama").path), dtype="float32", device="cpu",
+                          device_memory_gb=0.05, quantization="int4")
+    first = ModelRunner(config)
+    assert len(list((tmp_path / "cache" / "packed").glob("*.pt"))) == 1
+
+    def unread(self, config):
+        raise AssertionError("the checkpoint was read despite the cache")
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelRunner, "checkpoint_weights", unread)
+        second = ModelRunner(config)
+    expected = first.model.state_dict()
+    assert all(torch.equal(value, expected[name])
+               for name, value in second.model.state_dict().items())
+    layer = second.model.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(3, layer.in_features)
+    assert layer.use_kernel
+    assert torch.equal(layer(x), first.model.model.layers[0].mlp.gate_up_proj(x))
+
+    os.utime(gguf, ns=(0, 0))
+    ModelRunner(config)
+    assert len(list((tmp_path / "cache" / "packed").glob("*.pt"))) == 2

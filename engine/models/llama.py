@@ -98,6 +98,41 @@ class LlamaBody(nn.Module):
         self.rotary = RotaryTable(config, max_positions)
 
 
+class FusedDecoderStack:
+    """Every decoder layer and the final norm in one C++ call (kvscope::llama_decoder_stack).
+
+    It chains the same C++ ops the modules call, with the same weights, so the result is
+    the modules' result; what it saves is the Python between ~300 module and op calls,
+    which costs a batch-1 decode step milliseconds. The model runner binds it for the CPU
+    kernels and dense weights unless enforce_eager is set.
+    """
+
+    def __init__(self, model: "LlamaForCausalLM") -> None:
+        body = model.model
+        self.attention = [layer.self_attn.attn for layer in body.layers]
+        self.weights, self.biases = [], []
+        for layer in body.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            self.weights += [layer.input_layernorm.weight, attention.qkv_proj.weight,
+                             attention.o_proj.weight, layer.post_attention_layernorm.weight,
+                             mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            self.biases += [attention.qkv_proj.bias, attention.o_proj.bias,
+                            mlp.gate_up_proj.bias, mlp.down_proj.bias]
+        first = self.attention[0]
+        self.final_norm, self.eps = body.norm.weight, body.norm.eps
+        self.shape = (first.num_heads, first.num_kv_heads, first.head_dim)
+        self.scale = first.scale
+
+    def __call__(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        # The cache views change when the pool is resized, so they are read per call.
+        return torch.ops.kvscope.llama_decoder_stack(
+            hidden, cos, sin, self.weights, self.biases,
+            [layer.key_cache for layer in self.attention],
+            [layer.value_cache for layer in self.attention], meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.final_norm,
+            *self.shape, self.eps, self.scale)
+
+
 class LlamaForCausalLM(UsesForwardOps):
     """Parameter names follow transformers', so checkpoints load by name."""
 
@@ -108,6 +143,11 @@ class LlamaForCausalLM(UsesForwardOps):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decoder_stack: FusedDecoderStack | None = None
+
+    def fuse_decoder_stack(self) -> None:
+        """Run the layers as one C++ call from now on (needs the C++ CPU ops loaded)."""
+        self.decoder_stack = FusedDecoderStack(self)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -115,6 +155,8 @@ class LlamaForCausalLM(UsesForwardOps):
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions)
+        if self.decoder_stack is not None:
+            return self.decoder_stack(hidden, cos, sin, meta)
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)

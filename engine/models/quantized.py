@@ -1,13 +1,16 @@
-"""Weight-only quantization: int4 (grouped, scale and zero per group) and int8 (per output
+"""Weight-only quantization: int4 (grouped, scale and offset per group) and int8 (per output
 channel) linears and embeddings that keep activations in the model's dtype.
 
 A model is built dense, `quantize_model` swaps its linears and token embedding for empty
 quantized twins, the weights are loaded into those (dense tensors are quantized as they
 arrive; GGUF blocks of the same format are copied exactly), and `pack_model` converts them
-into the layout of PyTorch's packed CPU matmuls. Elsewhere (CUDA, or shapes those kernels
-refuse) the packed weights are de-quantized on every forward, with a warning.
+into the layout of the C++ kernels (kernels/csrc/quantized_cpu.cpp). Up to
+`KERNEL_MAX_ROWS` rows of activations (decode steps) stream the packed weights through
+those kernels; more rows are compute-bound and run a GEMM instead. Where the kernels do not
+run (CUDA, no C++ compiler) the weights are de-quantized on every forward, with a warning.
 """
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,10 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QUANTIZATION_GROUP_SIZES
+from kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
-INT4_MID = 8  # the int4 kernels compute (q - 8) * scale + zero
-CPU_INT4_ROWS_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
+INT4_CHUNK = 32  # int4 weights per 16 packed bytes (GGUF's Q4 nibble order)
+# Rows of activations the streaming kernels take; more go to a GEMM (see bench/quantization.py
+# --kernels for the crossover on this machine).
+KERNEL_MAX_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +54,27 @@ def dense(tensor: "torch.Tensor | GroupQuantized") -> torch.Tensor:
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> GroupQuantized:
-    """Asymmetric min/max int4 per group (llama.cpp's Q4_1 rule): q in 0..15."""
+    """Asymmetric min/max int4 per group (llama.cpp's Q4_1 rule): q in 0..15, with the scale
+    and offset rounded to the float16 they are stored in (the offset down and the scale up,
+    so the group's range stays covered and no weight is off by more than half a step)."""
     rows, cols = weight.shape
     grouped = weight.float().view(rows, -1, group_size)
     low, high = grouped.amin(-1), grouped.amax(-1)
-    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    low = float16_toward(low, float("-inf"))
+    scale = float16_toward(((high - low) / 15).clamp(min=FLOAT16_SMALLEST), float("inf"))
     q = ((grouped - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
     return GroupQuantized(q.to(torch.uint8).view(rows, cols), scale, low, group_size, 4)
+
+
+FLOAT16_SMALLEST = 2.0 ** -24  # the smallest positive (subnormal) float16
+
+
+def float16_toward(values: torch.Tensor, bound: float) -> torch.Tensor:
+    """fp32 values rounded to float16 in the direction of `bound` (as fp32 again)."""
+    rounded = values.half()
+    off = (rounded.float() - values) * (1 if bound > 0 else -1) < 0
+    rounded = torch.where(off, torch.nextafter(rounded, torch.tensor(bound).half()), rounded)
+    return rounded.float()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +92,11 @@ def frozen(tensor: torch.Tensor) -> nn.Parameter:
 
 class QuantizedLinear(nn.Module):
     """Base of the quantized twins of nn.Linear / MergedLinear: same in/out sizes, same
-    `load_part` and `split`, weights staged in fp32-scaled integers until `pack`."""
+    `load_part` and `split`, weights staged in fp32-scaled integers until `pack`.
+
+    Subclasses give `stream` (the C++ kernel for a few rows), `dequantize` (the C++
+    de-quantization for a GEMM over many) and `dequantized_weight`, their plain-torch twin
+    (the fallback where the kernels do not run, and the tests' oracle)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__()
@@ -93,17 +117,26 @@ class QuantizedLinear(nn.Module):
     def split(self, output: torch.Tensor) -> list[torch.Tensor]:
         return list(output.split(self.output_sizes, dim=-1))
 
-    def add_bias(self, output: torch.Tensor) -> torch.Tensor:
-        # In place: the matmul's output is fresh, and a copy would raise the profiled peak.
-        return output if self.bias is None else output.add_(self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(-1) != 1:  # the kernels take rows with contiguous features, strided
+            flat = flat.contiguous()
+        if not self.use_kernel:
+            out = F.linear(flat, self.dequantized_weight(flat.dtype), self.bias)
+        elif flat.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.stream(flat)
+        else:
+            out = F.linear(flat, self.dequantize(flat.dtype), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int4Linear(QuantizedLinear):
-    """y = x @ ((q - 8) * scale + zero).T with q int4 packed two to a byte, one scale and
-    zero per `group_size` inputs of each output row."""
+    """y = x @ (q * scale + offset).T with q int4 packed two to a byte (byte j of each
+    32-input chunk holds weight j and weight j + 16, GGUF's order) and a float16 scale and
+    offset per `group_size` inputs of each output row."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
                  group_size: int) -> None:
@@ -119,51 +152,42 @@ class Int4Linear(QuantizedLinear):
     def stage_rows(self, rows: slice, tensor) -> None:
         matches = (isinstance(tensor, GroupQuantized) and tensor.bits == 4
                    and tensor.group_size == self.group_size and tensor.offset is not None)
-        # Blocks of the same shape (GGUF Q4_0 / Q4_1 at group 32) copy exactly; anything
-        # else is re-quantized from its de-quantized values.
+        # Blocks of the same shape (GGUF Q4_0 / Q4_1 at group 32, whose scales are float16
+        # already) copy exactly; anything else is re-quantized from its de-quantized values.
         blocks = tensor if matches else quantize_int4(dense(tensor), self.group_size)
         self.staged_q[rows] = blocks.q
         self.staged_scale[rows] = blocks.scale
         self.staged_offset[rows] = blocks.offset
 
     def pack(self, dtype: torch.dtype, device: torch.device) -> None:
-        q, scale, offset = self.staged_q, self.staged_scale, self.staged_offset
+        chunks = self.staged_q.view(self.out_features, -1, 2, INT4_CHUNK // 2)
+        packed = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).view(self.out_features, -1)
+        self.weight = frozen(packed.to(device))
+        self.scales = frozen(self.staged_scale.to(device, torch.float16))
+        self.offsets = frozen(self.staged_offset.to(device, torch.float16))
         del self.staged_q, self.staged_scale, self.staged_offset
-        # q * scale + offset == (q - 8) * scale + zero with zero = offset + 8 * scale
-        zero = offset + INT4_MID * scale
-        self.use_kernel = (device.type == "cpu"
-                           and self.out_features % CPU_INT4_ROWS_MULTIPLE == 0)
-        if self.use_kernel:
-            self.weight = frozen(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                q.to(torch.int32), 2).to(device))
-            # [groups, out, 2]: the scale and zero of one group sit next to each other.
-            self.scales_and_zeros = frozen(
-                torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(device, dtype))
-        else:
-            warn_fallback(self, device)
-            self.weight = frozen((q[:, 0::2] | (q[:, 1::2] << 4)).to(device))
-            self.scales_and_zeros = frozen(torch.stack([scale, zero], dim=-1).to(device, dtype))
+        self.use_kernel = packed_kernels_available(device)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        """The fallback's weight: unpacked nibbles as a dense matrix of the activation dtype."""
-        packed = self.weight
-        q = torch.stack([packed & 15, packed >> 4], dim=-1).view(self.out_features, -1)
-        grouped = q.view(self.out_features, -1, self.group_size).to(self.scales_and_zeros.dtype)
-        scale, zero = self.scales_and_zeros.unbind(-1)
-        return ((grouped - INT4_MID) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(1)
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The plain-torch twin of the kernels' de-quantization (the fallback and the
+        tests' oracle): the dense weight, computed in fp32 and rounded to `dtype`."""
+        chunks = self.weight.view(self.out_features, -1, INT4_CHUNK // 2)
+        q = torch.cat([chunks & 15, chunks >> 4], dim=-1).view(self.out_features, -1,
+                                                               self.group_size)
+        weight = q.float() * self.scales.float().unsqueeze(-1) + self.offsets.float().unsqueeze(-1)
+        return weight.view(self.out_features, self.in_features).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()
-        if self.use_kernel:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, self.weight, self.group_size, self.scales_and_zeros)
-        else:
-            out = F.linear(flat, self.dequantized_weight())
-        return self.add_bias(out.view(*x.shape[:-1], self.out_features))
+    def stream(self, flat: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.int4_linear(flat, self.weight, self.scales, self.offsets,
+                                   self.group_size, self.bias)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return cpu_ops.int4_dequantize(self.weight, self.scales, self.offsets, self.group_size,
+                                       dtype)
 
 
 class Int8Linear(QuantizedLinear):
-    """y = x @ (q * scale).T with q int8 and one scale per output row."""
+    """y = x @ (q * scale).T with q int8 and one fp32 scale per output row."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, output_sizes, bias)
@@ -176,23 +200,20 @@ class Int8Linear(QuantizedLinear):
         self.staged_q[rows], self.staged_scale[rows] = quantize_int8(dense(tensor))
 
     def pack(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.use_kernel = device.type == "cpu"
-        if not self.use_kernel:
-            warn_fallback(self, device)
         self.weight = frozen(self.staged_q.to(device))
-        self.scales = frozen(self.staged_scale.to(device, dtype))
+        self.scales = frozen(self.staged_scale.to(device))
         del self.staged_q, self.staged_scale
+        self.use_kernel = packed_kernels_available(device)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.weight.to(self.scales.dtype) * self.scales.unsqueeze(-1)
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight, computed in fp32 and rounded to `dtype` (fallback and oracle)."""
+        return (self.weight.float() * self.scales.unsqueeze(-1)).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()
-        if self.use_kernel:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
-        else:
-            out = F.linear(flat, self.dequantized_weight())
-        return self.add_bias(out.view(*x.shape[:-1], self.out_features))
+    def stream(self, flat: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.int8_linear(flat, self.weight, self.scales, self.bias)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return cpu_ops.int8_dequantize(self.weight, self.scales, dtype)
 
 
 class Int8Embedding(Int8Linear):
@@ -202,10 +223,14 @@ class Int8Embedding(Int8Linear):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(embedding_dim, [num_embeddings], bias=False)
 
+    def pack(self, dtype: torch.dtype, device: torch.device) -> None:
+        super().pack(dtype, device)
+        self.dtype = dtype
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.index_select(0, input_ids.flatten()).to(self.scales.dtype)
-        rows = rows * self.scales.index_select(0, input_ids.flatten()).unsqueeze(-1)
-        return rows.view(*input_ids.shape, self.in_features)
+        ids = input_ids.flatten()
+        rows = self.weight.index_select(0, ids).float() * self.scales.index_select(0, ids)[:, None]
+        return rows.to(self.dtype).view(*input_ids.shape, self.in_features)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().forward(hidden)
@@ -220,10 +245,17 @@ def tied_logits(embedding: nn.Module, hidden: torch.Tensor,
     return linear(hidden, embedding.weight)
 
 
-def warn_fallback(layer: QuantizedLinear, device: torch.device) -> None:
-    logger.warning("no packed %s matmul for a %dx%d layer on %s: de-quantizing its weight "
-                   "on every forward (correct, but slower than dense)", type(layer).__name__,
-                   layer.out_features, layer.in_features, device)
+@functools.cache
+def packed_kernels_available(device: torch.device) -> bool:
+    """Whether the C++ kernels for packed weights run on `device` (the CPU, once they build)."""
+    if device.type != "cpu":
+        return False
+    try:
+        cpu_ops.load()
+    except RuntimeError as error:
+        logger.warning("the C++ kernels for quantized weights do not build here (%s)", error)
+        return False
+    return True
 
 
 def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None:
@@ -259,7 +291,7 @@ def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> No
     layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
     for layer in layers:
         layer.pack(dtype, device)
-    if layers and device.type == "cpu" and dtype == torch.float32:
-        logger.warning("the packed int4/int8 CPU matmuls run one to two orders of magnitude "
-                       "slower than dense layers with float32 activations: use "
-                       "dtype='bfloat16' (or 'auto' on a CPU with native bf16)")
+    if layers and not packed_kernels_available(device):
+        logger.warning("no kernels for packed weights on %s: the %d quantized layers "
+                       "de-quantize their weights on every forward (correct, but slower than "
+                       "dense)", device, len(layers))

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -63,17 +64,17 @@ void rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   if (residual) TORCH_CHECK(residual->stride(1) == 1 && residual->scalar_type() == hidden.scalar_type(), "rms_norm: residual layout");
   if (hidden.scalar_type() == at::kFloat) {
-    rms_norm_rows<float>(hidden.data_ptr<float>(), hidden.stride(0),
-                         residual ? residual->data_ptr<float>() : nullptr,
-                         residual ? residual->stride(0) : 0, weight.data_ptr<float>(),
-                         out.data_ptr<float>(), out.stride(0), rows, width, static_cast<float>(eps));
+    rms_norm_rows<float>(kvscope::elements<float>(hidden), hidden.stride(0),
+                         residual ? kvscope::elements<float>(*residual) : nullptr,
+                         residual ? residual->stride(0) : 0, kvscope::elements<float>(weight),
+                         kvscope::elements<float>(out), out.stride(0), rows, width, static_cast<float>(eps));
   } else {
     TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16");
-    using B = c10::BFloat16;
-    rms_norm_rows<B>(hidden.data_ptr<B>(), hidden.stride(0),
-                     residual ? residual->data_ptr<B>() : nullptr,
-                     residual ? residual->stride(0) : 0, weight.data_ptr<B>(),
-                     out.data_ptr<B>(), out.stride(0), rows, width, static_cast<float>(eps));
+    using B = kvscope::bf16;
+    rms_norm_rows<B>(kvscope::elements<B>(hidden), hidden.stride(0),
+                     residual ? kvscope::elements<B>(*residual) : nullptr,
+                     residual ? residual->stride(0) : 0, kvscope::elements<B>(weight),
+                     kvscope::elements<B>(out), out.stride(0), rows, width, static_cast<float>(eps));
   }
 }
 
@@ -113,11 +114,11 @@ void rotary_embedding(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& s
               cos.size(-1) == head_dim && cos.sizes() == sin.sizes(),
               "rotary_embedding: contiguous fp32 cos/sin [tokens, head_dim]");
   if (qkv.scalar_type() == at::kFloat)
-    rotate_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(),
-                       sin.data_ptr<float>(), qkv.size(0), heads, head_dim);
+    rotate_rows<float>(kvscope::elements<float>(qkv), qkv.stride(0), kvscope::elements<float>(cos),
+                       kvscope::elements<float>(sin), qkv.size(0), heads, head_dim);
   else
-    rotate_rows<c10::BFloat16>(qkv.data_ptr<c10::BFloat16>(), qkv.stride(0),
-                               cos.data_ptr<float>(), sin.data_ptr<float>(), qkv.size(0),
+    rotate_rows<kvscope::bf16>(kvscope::elements<kvscope::bf16>(qkv), qkv.stride(0),
+                               kvscope::elements<float>(cos), kvscope::elements<float>(sin), qkv.size(0),
                                heads, head_dim);
 }
 
@@ -131,9 +132,13 @@ void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, int
       const T* gate = x + r * x_stride;
       const T* up = gate + width;
       T* y = out + r * out_stride;
+#pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
         const float g = load(gate[i]);
-        const float silu = round_to(g / (1.f + std::exp(-g)), static_cast<T*>(nullptr));
+        // sigmoid(g) from e = exp(-|g|), which never overflows: 1/(1+e) or e/(1+e)
+        const float e = kvscope::exp_nonpositive(-std::abs(g));
+        const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
+        const float silu = round_to(g * sigmoid, static_cast<T*>(nullptr));
         store(y[i], silu * load(up[i]));
       }
     }
@@ -148,11 +153,11 @@ void silu_and_mul(const at::Tensor& x, at::Tensor out) {
               x.size(1) == 2 * out.size(1) && out.scalar_type() == x.scalar_type(),
               "silu_and_mul: x [tokens, 2 * width] -> out [tokens, width]");
   if (x.scalar_type() == at::kFloat)
-    silu_mul_rows<float>(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(),
+    silu_mul_rows<float>(kvscope::elements<float>(x), x.stride(0), kvscope::elements<float>(out),
                          out.stride(0), x.size(0), out.size(1));
   else
-    silu_mul_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.stride(0),
-                                 out.data_ptr<c10::BFloat16>(), out.stride(0), x.size(0),
+    silu_mul_rows<kvscope::bf16>(kvscope::elements<kvscope::bf16>(x), x.stride(0),
+                                 kvscope::elements<kvscope::bf16>(out), out.stride(0), x.size(0),
                                  out.size(1));
 }
 
@@ -174,6 +179,25 @@ namespace {
 
 // y[m, n] = x[m] . w[n] + bias[n] for a few rows m: every weight row is read from memory
 // once, streamed, and dotted with all rows of x while it sits in L1.
+// x . w over `size` elements. Independent partial sums: one vector accumulator would
+// chain every FMA on the previous one, and that latency, not memory, would bound the
+// weight stream.
+template <typename T>
+inline float dot_row(const float* __restrict x, const T* __restrict w, int64_t size) {
+  constexpr int kLanes = 32;
+  float partial[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= size; k += kLanes) {
+#pragma omp simd
+    for (int lane = 0; lane < kLanes; ++lane) partial[lane] += x[k + lane] * load(w[k + lane]);
+  }
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int lane = 0; lane < kLanes; ++lane) sum += partial[lane];
+  for (; k < size; ++k) sum += x[k] * load(w[k]);
+  return sum;
+}
+
 template <typename T>
 void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, T* out,
                         int64_t out_stride, int64_t rows, int64_t in_features,
@@ -188,10 +212,7 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
       const float b = bias != nullptr ? load(bias[n]) : 0.f;
       for (int64_t m = 0; m < rows; ++m) {
         const float* xm = xf.data() + m * in_features;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t k = 0; k < in_features; ++k) sum += xm[k] * load(w[k]);
-        store(out[m * out_stride + n], sum + b);
+        store(out[m * out_stride + n], dot_row(xm, w, in_features) + b);
       }
     }
   });
@@ -210,13 +231,13 @@ void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
               (!bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type())),
               "linear_small_batch: one dtype for all");
   if (x.scalar_type() == at::kFloat)
-    small_batch_linear<float>(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(),
-                              bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+    small_batch_linear<float>(kvscope::elements<float>(x), x.stride(0), kvscope::elements<float>(weight),
+                              bias ? kvscope::elements<float>(*bias) : nullptr, kvscope::elements<float>(out),
                               out.stride(0), x.size(0), x.size(1), weight.size(0));
   else
-    small_batch_linear<c10::BFloat16>(
-        x.data_ptr<c10::BFloat16>(), x.stride(0), weight.data_ptr<c10::BFloat16>(),
-        bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out.data_ptr<c10::BFloat16>(),
+    small_batch_linear<kvscope::bf16>(
+        kvscope::elements<kvscope::bf16>(x), x.stride(0), kvscope::elements<kvscope::bf16>(weight),
+        bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr, kvscope::elements<kvscope::bf16>(out),
         out.stride(0), x.size(0), x.size(1), weight.size(0));
 }
 

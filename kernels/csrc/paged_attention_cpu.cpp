@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -24,18 +25,48 @@ constexpr int kMinSplitKeys = 256;  // fewest keys one KV split of a decode gets
 using kvscope::load;
 using kvscope::store;
 
-template <typename KV>
-inline float dot(const float* __restrict q, const KV* __restrict k, int dim) {
+inline float dot(const float* __restrict a, const float* __restrict b, int dim) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int d = 0; d < dim; ++d) sum += q[d] * load(k[d]);
+  for (int d = 0; d < dim; ++d) sum += a[d] * b[d];
   return sum;
 }
 
+// Rows of a key or value chunk, widened to fp32 once and then read by every query row of
+// the tile (a GQA group's heads, prefill tokens): the conversion is paid once per element.
 template <typename KV>
-inline void axpy(float* __restrict acc, float p, const KV* __restrict v, int dim) {
+inline void widen_rows(const KV* const* rows, int n, int dim, float* __restrict out) {
+  for (int i = 0; i < n; ++i) {
+    const KV* __restrict row = rows[i];
+    float* __restrict dst = out + static_cast<int64_t>(i) * dim;
 #pragma omp simd
-  for (int d = 0; d < dim; ++d) acc[d] += p * load(v[d]);
+    for (int d = 0; d < dim; ++d) dst[d] = load(row[d]);
+  }
+}
+
+// acc += sum_i weights[i] * values[i]. With head_dim known at compile time the
+// accumulator lives in registers across the keys instead of going through memory per key.
+template <int kDim>
+inline void accumulate_values(float* __restrict acc, const float* __restrict weights,
+                              const float* __restrict values, int n, int dim) {
+  if constexpr (kDim > 0) {
+    float local[kDim];
+#pragma omp simd
+    for (int d = 0; d < kDim; ++d) local[d] = acc[d];
+    for (int i = 0; i < n; ++i) {
+      const float* __restrict v = values + static_cast<int64_t>(i) * kDim;
+#pragma omp simd
+      for (int d = 0; d < kDim; ++d) local[d] += weights[i] * v[d];
+    }
+#pragma omp simd
+    for (int d = 0; d < kDim; ++d) acc[d] = local[d];
+  } else {
+    for (int i = 0; i < n; ++i) {
+      const float* __restrict v = values + static_cast<int64_t>(i) * dim;
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) acc[d] += weights[i] * v[d];
+    }
+  }
 }
 
 // One unit of work: query tokens [q_begin, q_end) of sequence `seq` (offsets within its
@@ -52,50 +83,69 @@ struct Layout {
   int64_t query_stride;  // between tokens: rows may be views into a fused projection
 };
 
-template <typename Q, typename KV>
+// Per-thread scratch, sized once for the largest item and reused across items.
+struct Scratch {
+  std::vector<float> q, acc, row_max, row_sum, keys, values, scores;
+  Scratch(const Layout& L)
+      : q(kQueryTile * L.group * L.dim), acc(q.size()), row_max(kQueryTile * L.group),
+        row_sum(row_max.size()), keys(kKeyChunk * L.dim), values(keys.size()),
+        scores(kKeyChunk) {}
+};
+
+// kDim > 0 fixes head_dim at compile time (64 and 128, the common sizes), so the per-key
+// dot products and updates unroll into straight vector code; 0 reads it from the layout.
+template <typename Q, typename KV, int kDim>
 void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
               const KV* value_cache, const int32_t* tables, const int32_t* seq_lens,
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
-              float* part_sum) {
-  const int G = L.group, D = L.dim;
+              float* part_sum, Scratch& scratch) {
+  const int G = L.group, D = kDim > 0 ? kDim : L.dim;
   const int start = starts[item.seq];
   const int query_len = starts[item.seq + 1] - start;
   const int context = seq_lens[item.seq] - query_len;  // keys before the first new token
   const int num_q = (item.q_end - item.q_begin) * G;
-  std::vector<float> q(static_cast<size_t>(num_q) * D), acc(static_cast<size_t>(num_q) * D, 0.f);
-  std::vector<float> row_max(num_q, -std::numeric_limits<float>::infinity()), row_sum(num_q, 0.f);
+  float* q = scratch.q.data();
+  float* acc = scratch.acc.data();
+  float* row_max = scratch.row_max.data();
+  float* row_sum = scratch.row_sum.data();
+  std::fill_n(acc, static_cast<int64_t>(num_q) * D, 0.f);
+  std::fill_n(row_max, num_q, -std::numeric_limits<float>::infinity());
+  std::fill_n(row_sum, num_q, 0.f);
   for (int t = item.q_begin; t < item.q_end; ++t)
     for (int g = 0; g < G; ++g) {
       const Q* src = query + static_cast<int64_t>(start + t) * L.query_stride + (item.kv_head * G + g) * D;
-      float* dst = q.data() + (static_cast<int64_t>(t - item.q_begin) * G + g) * D;
+      float* dst = q + (static_cast<int64_t>(t - item.q_begin) * G + g) * D;
       for (int d = 0; d < D; ++d) dst[d] = load(src[d]) * scale;
     }
   // The last query token sees keys up to its own position.
   const int k_end = std::min(item.k_end, context + item.q_end);
   const int32_t* table = tables + static_cast<int64_t>(item.seq) * L.table_stride;
-  const KV* keys[kKeyChunk];
-  const KV* values[kKeyChunk];
-  float scores[kKeyChunk];
+  const KV* key_rows[kKeyChunk];
+  const KV* value_rows[kKeyChunk];
+  float* keys = scratch.keys.data();
+  float* values = scratch.values.data();
+  float* scores = scratch.scores.data();
   for (int chunk = item.k_begin; chunk < k_end; chunk += kKeyChunk) {
     const int n = std::min(kKeyChunk, k_end - chunk);
     for (int i = 0; i < n; ++i) {
       const int pos = chunk + i;
       const int64_t offset = static_cast<int64_t>(table[pos / L.block_size]) * L.block_stride +
                              (pos % L.block_size) * L.slot_stride + item.kv_head * L.head_stride;
-      keys[i] = key_cache + offset;
-      values[i] = value_cache + offset;
+      key_rows[i] = key_cache + offset;
+      value_rows[i] = value_cache + offset;
     }
+    widen_rows(key_rows, n, D, keys);
+    widen_rows(value_rows, n, D, values);
     for (int j = 0; j < num_q; ++j) {
       const int visible = context + item.q_begin + j / G + 1;  // keys [0, visible)
       const int m = std::min(n, visible - chunk);
       if (m <= 0) continue;
-      const float* qj = q.data() + static_cast<int64_t>(j) * D;
+      const float* qj = q + static_cast<int64_t>(j) * D;
+      for (int i = 0; i < m; ++i) scores[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
       float chunk_max = row_max[j];
-      for (int i = 0; i < m; ++i) {
-        scores[i] = dot(qj, keys[i], D);
-        chunk_max = std::max(chunk_max, scores[i]);
-      }
-      float* accj = acc.data() + static_cast<int64_t>(j) * D;
+#pragma omp simd reduction(max : chunk_max)
+      for (int i = 0; i < m; ++i) chunk_max = std::max(chunk_max, scores[i]);
+      float* accj = acc + static_cast<int64_t>(j) * D;
       if (chunk_max > row_max[j]) {
         const float correction = std::exp(row_max[j] - chunk_max);  // 0 for the first chunk
         row_sum[j] *= correction;
@@ -104,16 +154,17 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
         row_max[j] = chunk_max;
       }
       float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int i = 0; i < m; ++i) {
-        const float p = std::exp(scores[i] - chunk_max);
-        sum += p;
-        axpy(accj, p, values[i], D);
+        scores[i] = kvscope::exp_nonpositive(scores[i] - chunk_max);
+        sum += scores[i];
       }
       row_sum[j] += sum;
+      accumulate_values<kDim>(accj, scores, values, m, D);
     }
   }
   for (int j = 0; j < num_q; ++j) {
-    const float* accj = acc.data() + static_cast<int64_t>(j) * D;
+    const float* accj = acc + static_cast<int64_t>(j) * D;
     if (item.partial < 0) {
       const int t = item.q_begin + j / G, head = item.kv_head * G + j % G;
       Q* dst = out + (static_cast<int64_t>(start + t) * L.num_heads + head) * D;
@@ -191,16 +242,25 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
     }
   }
   std::vector<float> part_acc(partial_rows * L.dim), part_max(partial_rows), part_sum(partial_rows);
-  const Q* q = query.data_ptr<Q>();
-  const KV* k = key_cache.data_ptr<KV>();
-  const KV* v = value_cache.data_ptr<KV>();
+  const Q* q = kvscope::elements<Q>(query);
+  const KV* k = kvscope::elements<KV>(key_cache);
+  const KV* v = kvscope::elements<KV>(value_cache);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  Q* o = out.data_ptr<Q>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      run_item<Q, KV>(items[i], L, q, k, v, tables, lens, starts, static_cast<float>(scale), o,
-                      part_acc.data(), part_max.data(), part_sum.data());
-  });
+  Q* o = kvscope::elements<Q>(out);
+  auto run_items = [&](auto run) {
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch(L);
+      for (int64_t i = begin; i < end; ++i)
+        run(items[i], L, q, k, v, tables, lens, starts, static_cast<float>(scale), o,
+            part_acc.data(), part_max.data(), part_sum.data(), scratch);
+    });
+  };
+  if (L.dim == 64)
+    run_items(run_item<Q, KV, 64>);
+  else if (L.dim == 128)
+    run_items(run_item<Q, KV, 128>);
+  else
+    run_items(run_item<Q, KV, 0>);
   for (const SplitGroup& group : groups) {
     for (int g = 0; g < L.group; ++g) {
       float merged_max = -std::numeric_limits<float>::infinity();
@@ -252,9 +312,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   if (q_type == at::kFloat && kv_type == at::kFloat)
     attention<float, float>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
   else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16)
-    attention<c10::BFloat16, c10::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    attention<kvscope::bf16, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
   else if (q_type == at::kFloat && kv_type == at::kBFloat16)
-    attention<float, c10::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    attention<float, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
   else
     TORCH_CHECK(false, "paged_attention_cpu: unsupported query/cache dtypes ", q_type, "/", kv_type);
 }
