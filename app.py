@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=QUANTIZATION_GROUP_SIZES, help="inputs per int4 scale and zero")
     model.add_argument("--enforce-eager", action="store_true",
                        help="run the model layer by layer from Python instead of the one-call "
-                       "C++ decoder stack (CPU, Llama family, unquantized)")
+                       "C++ decoder stack (CPU kernels, Llama family)")
 
     cache = parser.add_argument_group("KV cache and scheduler")
     cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
