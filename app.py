@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=QUANTIZATION_GROUP_SIZES, help="inputs per int4 scale and zero")
     model.add_argument("--enforce-eager", action="store_true",
                        help="run the model layer by layer from Python instead of the one-call "
-                       "C++ decoder stack (CPU, Llama family, unquantized)")
+                       "C++ decoder stack (CPU kernels, Llama family)")
 
     cache = parser.add_argument_group("KV cache and scheduler")
     cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
@@ -199,21 +199,23 @@ def mount_dashboard(app: FastAPI, engine: AsyncEngine, session_log: SessionLog) 
 
 
 def record_sessions(engine: AsyncEngine, session_log: SessionLog) -> Callable[[], None]:
-    """Copy the engine's step records and finished requests (and config changes) into the
-    session log from a thread of its own; returns the function that stops it, after a
-    last drain."""
-    steps, requests = engine.subscribe_steps(maxsize=50_000), engine.subscribe_requests()
+    """Copy the engine's step records and finished requests (and config changes, and a
+    ReplicaSet's routing decisions) into the session log from a thread of its own; returns
+    the function that stops it, after a last drain."""
+    feeds = [(engine.subscribe_steps(maxsize=50_000), session_log.record_step),
+             (engine.subscribe_requests(), lambda finished: session_log.record_request(
+                 finished.output, finished.source, replica=finished.replica))]
+    if hasattr(engine, "subscribe_decisions"):  # only engine.replicas.ReplicaSet routes
+        feeds.append((engine.subscribe_decisions(50_000), session_log.record_routing))
     stop = threading.Event()
 
     def drain() -> None:
         config = engine.config
         while True:
             stopping = stop.wait(SESSION_LOG_POLL_S)
-            for record in steps.drain():
-                session_log.record_step(record)
-            for finished in requests.drain():
-                session_log.record_request(finished.output, finished.source,
-                                           replica=finished.replica)
+            for channel, record in feeds:
+                for item in channel.drain():
+                    record(item)
             if engine.config is not config:
                 config = engine.config
                 session_log.record_config(config.to_dict())

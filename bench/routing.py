@@ -66,18 +66,19 @@ def make_random_llama(folder: Path) -> Path:
     return folder
 
 
-def workload(rng: random.Random, args, vocab_size: int) -> list[list[int]]:
-    """Prompts in arrival order: tenants interleaved at random, each tenant's requests
-    sharing its system prompt."""
+def workload(rng: random.Random, args, vocab_size: int) -> tuple[list[int], list[list[int]]]:
+    """Each request's tenant and prompt, in arrival order: tenants interleaved at random,
+    each tenant's requests sharing its system prompt."""
     systems = [[rng.randrange(vocab_size) for _ in range(rng.randint(*args.system_tokens))]
                for _ in range(args.tenants)]
     order = [t for t in range(args.tenants) for _ in range(args.requests_per_tenant)]
     rng.shuffle(order)
-    return [systems[t] + [rng.randrange(vocab_size) for _ in range(rng.randint(*args.user_tokens))]
-            for t in order]
+    return order, [systems[t] + [rng.randrange(vocab_size)
+                                 for _ in range(rng.randint(*args.user_tokens))] for t in order]
 
 
-def run_policy(replicas: ReplicaSet, policy: str, prompts: list[list[int]], args) -> dict:
+def run_policy(replicas: ReplicaSet, policy: str, tenants: list[int], prompts: list[list[int]],
+               args) -> dict:
     replicas.set_routing(policy)
     # Empty pools: the same knobs rebuild every replica's KV cache.
     replicas.reconfigure(num_gpu_blocks_override=replicas.config.num_gpu_blocks_override)
@@ -121,6 +122,10 @@ def run_policy(replicas: ReplicaSet, policy: str, prompts: list[list[int]], args
         "wall_s": round(elapsed, 2),
         "requests_per_replica": [sum(d.replica == r for d in decisions)
                                  for r in range(replicas.num_replicas)],
+        # Per tenant, its requests on each replica: kv-aware should keep a tenant on one.
+        "tenant_requests_per_replica": [
+            [sum(d.replica == r for d, t in zip(decisions, tenants, strict=True) if t == tenant)
+             for r in range(replicas.num_replicas)] for tenant in range(args.tenants)],
         "preemptions": after.preemptions - before.preemptions,
     }
 
@@ -138,12 +143,14 @@ def main(argv=None) -> None:
     model = args.model or str(make_random_llama(Path(tempfile.mkdtemp(prefix="kvscope-routing-"))))
     system_blocks = args.tenants * sum(args.system_tokens) / 2 / args.block_size
     blocks = args.num_gpu_blocks_override or int(system_blocks / args.replicas * 1.25)
+    # The longest request fits (a longer max_model_len than the small pool holds is refused).
+    max_model_len = args.system_tokens[1] + args.user_tokens[1] + args.max_tokens
     config = EngineConfig(model=model, dtype="float32", device="cpu", block_size=args.block_size,
-                          num_gpu_blocks_override=blocks, max_model_len=2048)
+                          num_gpu_blocks_override=blocks, max_model_len=max_model_len)
     replicas = ReplicaSet(config, args.replicas)
     try:
         vocab_size = len(replicas.tokenizer)
-        results = [run_policy(replicas, policy, workload(rng, args, vocab_size), args)
+        results = [run_policy(replicas, policy, *workload(rng, args, vocab_size), args)
                    for policy in POLICIES]
     finally:
         replicas.shutdown()

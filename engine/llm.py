@@ -20,16 +20,36 @@ IGNORED_VLLM_KNOBS = {"trust_remote_code", "tokenizer", "disable_log_stats"}
 
 
 class LLM:
-    """Load a model once, then generate for batches of prompts with continuous batching."""
+    """Load a model once, then generate for batches of prompts with continuous batching.
 
-    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, **knobs: Any):
+    With `replicas` > 1 (or a `ray_address`) the model runs in that many engine replicas on
+    Ray (engine.replicas.ReplicaSet: a local cluster unless `ray_address` names one) and a
+    batch's requests are routed among them by `routing`; call shutdown() when done.
+    """
+
+    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, *,
+                 replicas: int = 1, ray_address: str | None = None, routing: str = "kv-aware",
+                 **knobs: Any):
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: kvscope runs on "
                              "one device; use 1")
         for name in IGNORED_VLLM_KNOBS & set(knobs):
             logger.info("ignoring vLLM knob %s=%r", name, knobs.pop(name))
-        self.engine = EngineCore(EngineConfig(model=model, **knobs))
+        config = EngineConfig(model=model, **knobs)
+        self.replicas = None
+        if replicas == 1 and ray_address is None:
+            self.engine = EngineCore(config)
+        else:
+            from engine.replicas.replica_set import ReplicaSet  # imports Ray: only here
+
+            self.engine = self.replicas = ReplicaSet(config, replicas, routing=routing,
+                                                     ray_address=ray_address)
         self.config = self.engine.config
+
+    def shutdown(self) -> None:
+        """Stop the replicas' Ray actors (an in-process engine holds nothing to stop)."""
+        if self.replicas is not None:
+            self.replicas.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -83,18 +103,39 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} "
                                  "prompts; give one, or one per prompt")
+        jobs = [(prompt.get("prompt_token_ids") or prompt.get("prompt")
+                 if isinstance(prompt, dict) else prompt, p, not templated)
+                for (prompt, templated), p in zip(prompts, params)]
+        if self.replicas is not None:
+            return self._run_on_replicas(jobs, use_tqdm)
         request_ids = []
         try:
-            for (prompt, templated), p in zip(prompts, params):
-                if isinstance(prompt, dict):
-                    prompt = prompt.get("prompt_token_ids") or prompt.get("prompt")
-                request = self.engine.add_request(prompt, p, add_special_tokens=not templated,
+            for prompt, p, add_special_tokens in jobs:
+                request = self.engine.add_request(prompt, p, add_special_tokens=add_special_tokens,
                                                   source="offline")
                 request_ids.append(request.request_id)
             return self._drain(request_ids, use_tqdm)
         except BaseException:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
+            raise
+
+    def _run_on_replicas(self, jobs: list, use_tqdm: bool) -> list[RequestOutput]:
+        """Submit every request at once (the router spreads them), then read each stream
+        to its final output; a request a replica refused or lost raises its error."""
+        streams = []
+        try:
+            for prompt, params, add_special_tokens in jobs:
+                streams.append(self.replicas.submit(prompt, params, source="offline",
+                                                    add_special_tokens=add_special_tokens))
+            outputs = []
+            for stream in tqdm(streams, desc="Processed prompts", disable=not use_tqdm,
+                               dynamic_ncols=True):
+                outputs.append(list(stream)[-1])
+            return outputs
+        except BaseException:
+            for stream in streams:
+                stream.abort()
             raise
 
     def _drain(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

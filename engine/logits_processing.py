@@ -4,10 +4,13 @@ vLLM v1's order: the grammar bitmask, allowed_token_ids, bad_words, min_tokens (
 masked), logit_bias, then the repetition / frequency / presence penalties. Temperature,
 min_p, top-k and top-p follow in the sampler.
 
-Penalties need each sequence's output-token counts. They live on the device in one
-[slots, vocab] tensor, beside a mask of the tokens seen in the prompt or the output (the
-repetition penalty's set); a sequence gets a slot the first time it samples and a step
-updates every slot with one scatter each, so nothing is rebuilt from Python lists per step.
+Penalties touch only the tokens a sequence holds, never the whole vocabulary: each
+penalised sequence keeps a row of its token ids (prompt, then output) on the device, padded
+with repeats of its first token, and a flag on each output token that occurs there for the
+first time. A step gathers the batch's logits at those ids, applies the repetition penalty
+and scatters them back (a repeated id writes the same value twice), then adds the frequency
+and presence terms with one accumulating scatter. Sampled tokens are appended on the device,
+so nothing is rebuilt from Python lists per step.
 """
 
 from dataclasses import dataclass
@@ -46,10 +49,17 @@ class LogitsProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
-        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
-        self.seen_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        # Per slot: token ids (prompt then output, padded with the first token), which output
+        # positions hold a token's first occurrence, and the prompt and total lengths.
+        self.token_ids = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.first_in_output = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.num_prompt_tokens: list[int] = []
+        self.num_tokens: list[int] = []
         self.slots: dict[Sequence, int] = {}
         self.free_slots: list[int] = []
+        # The edited copy of a step's logits. A fresh tensor per step (12 MB at 64 rows of a
+        # 49k vocabulary) cost more in page faults on a CPU than all the edits together.
+        self.buffer = torch.empty(0, vocab_size, device=device)
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer, vocab_size,
                                                             eos_token_ids))
 
@@ -97,7 +107,9 @@ class LogitsProcessor:
 
     # ---- one step ----------------------------------------------------------------------
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The processed logits of rows `seqs` (a new tensor if anything applies)."""
+        """The processed logits of rows `seqs`; `logits` itself is left alone. When anything
+        applies they are written to a buffer this processor reuses: valid until its next
+        call."""
         self._release_finished()
         params = [seq.request.params for seq in seqs]
         edited = [i for i, (seq, p) in enumerate(zip(seqs, params, strict=True))
@@ -105,7 +117,7 @@ class LogitsProcessor:
                   or seq.num_output_tokens < p.min_tokens]
         if not edited:
             return logits
-        logits = logits.clone()
+        logits = self._copy_to_buffer(logits)
         self.structured.apply_bitmask(logits, seqs)
         self._mask_disallowed(logits, seqs)
         banned = self._banned_tokens(seqs)
@@ -116,15 +128,28 @@ class LogitsProcessor:
         self._apply_penalties(logits, seqs)
         return logits
 
+    def _copy_to_buffer(self, logits: torch.Tensor) -> torch.Tensor:
+        rows = logits.shape[0]
+        if self.buffer.shape[0] < rows or self.buffer.dtype != logits.dtype:
+            self.buffer = logits.new_empty(rows, logits.shape[1])
+        return self.buffer[:rows].copy_(logits)
+
     def accept(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        """Count the sampled tokens and advance the grammars (before the tokens are appended)."""
+        """Record the sampled tokens and advance the grammars (before the tokens are appended)."""
         rows = [i for i, seq in enumerate(seqs) if seq in self.slots]
         if rows:
-            slots = torch.tensor([self.slots[seqs[i]] for i in rows], device=self.device)
+            slot_list = [self.slots[seqs[i]] for i in rows]
+            positions = [self.num_tokens[slot] for slot in slot_list]
+            self._widen(max(positions) + 1)
+            slots = torch.tensor(slot_list, device=self.device)
             tokens = torch.tensor([token_ids[i] for i in rows], device=self.device)
-            self.output_counts.index_put_((slots, tokens), torch.ones_like(
-                tokens, dtype=torch.int32), accumulate=True)
-            self.seen_mask[slots, tokens] = True
+            held = self.token_ids[slots] == tokens.unsqueeze(1)
+            held &= self._output_positions(slot_list, self.token_ids.shape[1])
+            where = torch.tensor(positions, device=self.device)
+            self.token_ids[slots, where] = tokens
+            self.first_in_output[slots, where] = ~held.any(dim=1)
+            for slot in slot_list:
+                self.num_tokens[slot] += 1
         self.structured.accept(seqs, token_ids)
 
     def grammar_finished(self, seq: Sequence) -> bool:
@@ -176,10 +201,12 @@ class LogitsProcessor:
         rows = [i for i, seq in enumerate(seqs) if seq.request.params.has_penalties]
         if not rows:
             return
-        slots = torch.tensor([self._slot(seqs[i]) for i in rows], device=self.device)
+        slot_list = [self._slot(seqs[i]) for i in rows]
+        width = max(self.num_tokens[slot] for slot in slot_list)
+        slots = torch.tensor(slot_list, device=self.device)
+        ids = self.token_ids[slots, :width]
+        at = (torch.tensor(rows, device=self.device).unsqueeze(1).expand_as(ids), ids)
         params = [seqs[i].request.params for i in rows]
-        whole = len(rows) == logits.shape[0]  # the common case: no gather, no scatter
-        penalised = logits if whole else logits[rows]
 
         def column(name: str, neutral: float) -> torch.Tensor | None:
             values = [getattr(p, name) for p in params]
@@ -189,45 +216,73 @@ class LogitsProcessor:
 
         repetition = column("repetition_penalty", 1.0)
         if repetition is not None:
-            factor = torch.where(self.seen_mask[slots], repetition, 1.0)
-            penalised = torch.where(penalised > 0, penalised / factor, penalised * factor)
+            seen = logits[at]
+            logits[at] = torch.where(seen > 0, seen / repetition, seen * repetition)
         frequency, presence = column("frequency_penalty", 0.0), column("presence_penalty", 0.0)
-        if frequency is not None or presence is not None:
-            counts = self.output_counts[slots]
-            if frequency is not None:
-                penalised = penalised - frequency * counts
-            if presence is not None:
-                penalised = penalised - presence * (counts > 0)
-        if whole:
-            logits.copy_(penalised)
-        else:
-            logits[rows] = penalised
+        if frequency is None and presence is None:
+            return
+        change = torch.zeros_like(ids, dtype=logits.dtype)
+        if frequency is not None:  # once per occurrence: the accumulation counts them
+            change -= frequency * self._output_positions(slot_list, width)
+        if presence is not None:
+            change -= presence * self.first_in_output[slots, :width]
+        logits.index_put_(at, change, accumulate=True)
+
+    def _output_positions(self, slot_list: list[int], width: int) -> torch.Tensor:
+        """bool [len(slot_list), width]: True where a slot's row holds an output token."""
+        columns = torch.arange(width, device=self.device)
+        bounds = torch.tensor([[self.num_prompt_tokens[slot], self.num_tokens[slot]]
+                               for slot in slot_list], device=self.device)
+        return (columns >= bounds[:, :1]) & (columns < bounds[:, 1:])
 
     # ---- per-sequence state ----------------------------------------------------------------
     def _slot(self, seq: Sequence) -> int:
-        """The sequence's row of counts, made on its first use from the tokens it holds (a
-        forked sample starts from its parent's prompt)."""
+        """The sequence's row of token ids, written from the tokens it holds on first use
+        (a forked sample starts from its parent's) and again if they ever disagree."""
         slot = self.slots.get(seq)
-        if slot is not None:
+        if slot is not None and self.num_tokens[slot] == seq.num_tokens:
             return slot
-        if not self.free_slots:
-            self._grow()
-        slot = self.free_slots.pop()
-        self.slots[seq] = slot
-        output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=self.device)
-        self.output_counts[slot] = torch.bincount(output, minlength=self.vocab_size)
-        self.seen_mask[slot] = False
-        self.seen_mask[slot, torch.tensor(seq.token_ids, device=self.device)] = True
+        if slot is None:
+            if not self.free_slots:
+                self._grow()
+            slot = self.slots[seq] = self.free_slots.pop()
+        tokens = seq.token_ids
+        self._widen(len(tokens))
+        self.token_ids[slot] = tokens[0]
+        self.token_ids[slot, :len(tokens)] = torch.tensor(tokens, device=self.device)
+        first, seen = [], set()
+        for token in seq.output_token_ids:
+            first.append(token not in seen)
+            seen.add(token)
+        self.first_in_output[slot] = False
+        self.first_in_output[slot, seq.num_prompt_tokens:len(tokens)] = torch.tensor(
+            first, dtype=torch.bool, device=self.device)
+        self.num_prompt_tokens[slot], self.num_tokens[slot] = seq.num_prompt_tokens, len(tokens)
         return slot
 
     def _grow(self) -> None:
-        old = self.output_counts.shape[0]
+        """Twice the slots (at least 8)."""
+        old = self.token_ids.shape[0]
         new = max(8, 2 * old)
-        self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(
-            new - old, self.vocab_size)])
-        self.seen_mask = torch.cat([self.seen_mask, self.seen_mask.new_zeros(
-            new - old, self.vocab_size)])
+        self.token_ids = torch.cat([self.token_ids, self.token_ids.new_zeros(
+            new - old, self.token_ids.shape[1])])
+        self.first_in_output = torch.cat([self.first_in_output, self.first_in_output.new_zeros(
+            new - old, self.first_in_output.shape[1])])
+        self.num_prompt_tokens += [0] * (new - old)
+        self.num_tokens += [0] * (new - old)
         self.free_slots.extend(range(new - 1, old - 1, -1))
+
+    def _widen(self, width: int) -> None:
+        """Room for `width` tokens per slot; new columns repeat each row's first token."""
+        old = self.token_ids.shape[1]
+        if width <= old:
+            return
+        new = max(width, 2 * old, 64)
+        first = self.token_ids[:, :1] if old else self.token_ids.new_zeros(
+            self.token_ids.shape[0], 1)
+        self.token_ids = torch.cat([self.token_ids, first.expand(-1, new - old)], dim=1)
+        self.first_in_output = torch.cat([self.first_in_output, self.first_in_output.new_zeros(
+            self.first_in_output.shape[0], new - old)], dim=1)
 
     def _release_finished(self) -> None:
         for seq in [seq for seq in self.slots if seq.is_finished]:

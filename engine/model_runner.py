@@ -105,8 +105,7 @@ class ModelRunner:
         bind_forward_ops(self.model, self.forward_ops)
         fuse = getattr(self.model, "fuse_decoder_stack", None)
         self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
-                                    and self.forward_ops.name == "cpu"
-                                    and config.quantization == "none")
+                                    and self.forward_ops.name == "cpu")
         if self.fused_decoder_stack:
             fuse()
         self.kv_cache: torch.Tensor | None = None

@@ -45,5 +45,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Beside prompt_logprobs: each prompt token's rank among all tokens at its position.
+    prompt_token_ranks: list[int | None] | None = None
     # Per sample, the text added since the previous output of this request (for streaming).
     deltas: list[str] = field(default_factory=list)

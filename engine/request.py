@@ -121,6 +121,7 @@ class Request:
     # With params.prompt_logprobs: None for the first prompt token, then one entry per
     # prompt token (its logprob and the top alternatives), filled as prefill chunks run.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None  # each prompt token's rank, alongside
 
     @property
     def finished(self) -> bool:

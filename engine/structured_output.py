@@ -6,16 +6,21 @@ binary with no dependencies (xgrammar pulls in its own torch/triton requirements
 outlines-core precompiles an index per schema that grows with the schema), and it is
 maintained by the guidance team and used by vLLM as its `guidance` backend.
 
-Each constrained sequence owns an LLMatcher. Before a step samples, the matchers of all
-constrained rows write one bitmask (one bit per token, filled in parallel on native
-threads) that masks the batch's logits in a single op; after it, each matcher consumes
-its sequence's token. A matcher whose count of consumed tokens differs from its
+Each constrained sequence owns an LLMatcher. Before a step samples, the matchers of the
+constrained rows (only those) write one bitmask (one bit per token, filled in parallel on
+native threads). A 256-row table turns each byte of it into eight 0 / -inf biases, and
+one add masks the rows' logits; after sampling, each matcher consumes its sequence's
+token. llguidance's view of a tokenizer is built once per process and shared by every
+engine with the same tokenizer. A matcher whose count of consumed tokens differs from its
 sequence's output (a sequence it has not seen yet, such as a fork, or anything that
 rewound it) is rebuilt from the output tokens.
 """
 
+import hashlib
 import json
 import logging
+import threading
+import time
 from dataclasses import dataclass
 
 import llguidance
@@ -23,6 +28,7 @@ import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 from llguidance.torch import fill_next_token_bitmask_par
+from torch.nn.functional import embedding
 
 from engine.request import Sequence
 from engine.sampling_params import StructuredOutputsParams
@@ -30,6 +36,29 @@ from engine.sampling_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 # Compact JSON: small models otherwise loop on whitespace (vLLM's disable_any_whitespace).
 JSON_OPTIONS = {"whitespace_flexible": False}
+# Row b: the bias of the 8 tokens whose bits byte b of the bitmask holds (bit j, lowest
+# first, is token 8 * byte_index + j on a little-endian host): 0 if allowed, else -inf.
+BYTE_BIAS = torch.where((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 1, 0.0,
+                        float("-inf"))
+# llguidance's tokenizers by (serialized tokenizer's digest, vocab size, EOS ids): building
+# one takes ~0.3 s for a 49k vocabulary on an idle core and seconds on a busy machine.
+_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], llguidance.LLTokenizer] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def llguidance_tokenizer(hf_tokenizer, vocab_size: int,
+                         eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of `hf_tokenizer`, built once per process for each distinct
+    tokenizer: engines created again in one process (the server's, the tests') reuse it."""
+    serialized = hf_tokenizer.backend_tokenizer.to_str()  # ~20 ms for 49k tokens
+    key = (hashlib.sha256(serialized.encode()).hexdigest(), vocab_size, tuple(eos_token_ids))
+    with _TOKENIZERS_LOCK:
+        if key not in _TOKENIZERS:
+            started = time.perf_counter()
+            _TOKENIZERS[key] = llguidance.hf.from_tokenizer(
+                hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+            logger.info("llguidance tokenizer built in %.2f s", time.perf_counter() - started)
+        return _TOKENIZERS[key]
 
 
 class GrammarCompiler:
@@ -43,14 +72,14 @@ class GrammarCompiler:
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        """Built on first use (~0.5 s for a 49k vocabulary)."""
+        """Looked up (or built) on first use."""
         if self._tokenizer is None:
             if not self.eos_token_ids:
                 raise ValueError("structured_outputs: the model has no EOS token to end a "
                                  "constrained output with")
             try:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                self._tokenizer = llguidance_tokenizer(self.hf_tokenizer, self.vocab_size,
+                                                       self.eos_token_ids)
             except (ValueError, AttributeError) as error:
                 raise ValueError(f"structured_outputs: llguidance cannot use this model's "
                                  f"tokenizer: {error}") from None
@@ -99,18 +128,20 @@ class StructuredOutputs:
         self.executor = llguidance.LLExecutor()
 
     def apply_bitmask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """-inf on every token any constrained row's grammar forbids, in one masked fill."""
+        """-inf on every token a constrained row's grammar forbids (in place)."""
         rows = [i for i, seq in enumerate(seqs) if _grammar(seq) is not None]
         if not rows:
             return
-        words = (logits.shape[1] + 31) // 32
-        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        vocab_size = logits.shape[1]
+        bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
         fill_next_token_bitmask_par(self.executor, [(self._state(seqs[row]).matcher, index)
                                                     for index, row in enumerate(rows)], bitmask)
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)
-        allowed = allowed[:, :logits.shape[1]].to(device=logits.device, dtype=torch.bool)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        byte_ids = bitmask.view(torch.uint8).to(device=logits.device, dtype=torch.long)
+        bias = embedding(byte_ids, BYTE_BIAS.to(logits.device)).view(len(rows), -1)
+        if len(rows) == logits.shape[0]:
+            logits += bias[:, :vocab_size]
+        else:
+            logits[rows] += bias[:, :vocab_size]
 
     def accept(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         for seq, token in zip(seqs, token_ids, strict=True):

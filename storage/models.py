@@ -5,7 +5,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Bump when a table changes, and add the step from the previous version to MIGRATIONS
 # in storage.schema, so files written by older versions keep opening.
-SCHEMA_VERSION = 3  # 2: per-step cache statistics; 3: the engine replica
+# 2: per-step cache statistics; 3: the engine replica; 4: routing decisions.
+SCHEMA_VERSION = 4
 
 
 class Base(DeclarativeBase):
@@ -112,4 +113,23 @@ class ConfigRow(Base):
     config: Mapped[dict] = mapped_column(JSON, default=dict)
 
 
-SESSION_TABLES = (SessionRow, RequestRow, StepRow, ChatMessageRow, ConfigRow)
+class RoutingDecisionRow(Base):
+    """Where the router (engine.replicas) sent one request, and why: every candidate
+    replica's matched prefix blocks, load and score. Added in schema version 4."""
+
+    __tablename__ = "routing_decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
+    request_id: Mapped[str] = mapped_column(String)
+    time: Mapped[float] = mapped_column(Float)
+    policy: Mapped[str] = mapped_column(String)
+    replica: Mapped[int] = mapped_column(Integer)  # the chosen one
+    num_prompt_blocks: Mapped[int] = mapped_column(Integer)  # the prompt's full blocks
+    matched_blocks: Mapped[int] = mapped_column(Integer)  # held by the chosen replica
+    # [{"replica", "matched_blocks", "load", "score"}] for every live replica
+    candidates: Mapped[list] = mapped_column(JSON, default=list)
+
+
+SESSION_TABLES = (SessionRow, RequestRow, StepRow, ChatMessageRow, ConfigRow,
+                  RoutingDecisionRow)

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, func, select
 
 from engine.telemetry import StepRecord
-from storage.models import ChatMessageRow, ConfigRow, RequestRow, SessionRow, StepRow
+from storage.models import (
+    ChatMessageRow,
+    ConfigRow,
+    RequestRow,
+    RoutingDecisionRow,
+    SessionRow,
+    StepRow,
+)
 from storage.rows import step_record
 
 ROWS_PER_FETCH = 2000
@@ -19,6 +26,7 @@ class StoredSession:
     steps: list[StepRecord]
     chat_messages: list[dict]
     configs: list[dict]  # {"applied_at", "config"}, oldest first
+    routing_decisions: list[dict]  # a ReplicaSet's, one per routed request
 
 
 def list_sessions(engine: Engine) -> list[dict]:
@@ -64,4 +72,5 @@ def load_session(engine: Engine, session_id: int) -> StoredSession:
     configs = [{"applied_at": row["applied_at"], "config": row["config"]}
                for row in table_rows(engine, ConfigRow, session_id)]
     return StoredSession(sessions[0], table_rows(engine, RequestRow, session_id), steps,
-                         table_rows(engine, ChatMessageRow, session_id), configs)
+                         table_rows(engine, ChatMessageRow, session_id), configs,
+                         table_rows(engine, RoutingDecisionRow, session_id))

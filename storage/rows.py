@@ -1,8 +1,10 @@
 """Engine records <-> plain row dicts of the session log tables."""
 
+import dataclasses
 import time
 
 from engine.outputs import RequestOutput
+from engine.replicas.router import RoutingDecision
 from engine.telemetry import ScheduledChunk, StepRecord
 
 STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
@@ -48,4 +50,14 @@ def request_row(session_id: int, output: RequestOutput, source: str,
         "finished_time": (metrics.finished_time if metrics else None) or time.time(),
         "error": output.error,
         "replica": replica,
+    }
+
+
+def routing_decision_row(session_id: int, decision: RoutingDecision) -> dict:
+    return {
+        "session_id": session_id, "request_id": decision.request_id, "time": decision.time,
+        "policy": decision.policy, "replica": decision.replica,
+        "num_prompt_blocks": decision.num_prompt_blocks,
+        "matched_blocks": decision.matched_blocks,
+        "candidates": [dataclasses.asdict(candidate) for candidate in decision.candidates],
     }

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, select
 
-from storage.models import SCHEMA_VERSION, Base, SchemaVersion
+from storage.models import SCHEMA_VERSION, Base, RoutingDecisionRow, SchemaVersion
 
 logger = logging.getLogger(__name__)
 BUSY_TIMEOUT_MS = 5000
@@ -29,9 +29,14 @@ def _add_replica_columns(connection: Connection) -> None:
             f"ALTER TABLE {table} ADD COLUMN replica INTEGER NOT NULL DEFAULT 0")
 
 
+def _add_routing_decisions(connection: Connection) -> None:
+    """Version 4: the router's decision for every request (empty for a single engine)."""
+    RoutingDecisionRow.__table__.create(connection)
+
+
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
-    1: _add_step_statistics, 2: _add_replica_columns}
+    1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions}
 
 
 def open_database(path: str | Path) -> Engine:

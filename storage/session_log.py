@@ -10,11 +10,19 @@ from pathlib import Path
 from sqlalchemy import insert, update
 
 from engine.outputs import RequestOutput
+from engine.replicas.router import RoutingDecision
 from engine.telemetry import StepRecord
 from storage import reader
 from storage.exports import export_session
-from storage.models import ChatMessageRow, ConfigRow, RequestRow, SessionRow, StepRow
-from storage.rows import request_row, step_row
+from storage.models import (
+    ChatMessageRow,
+    ConfigRow,
+    RequestRow,
+    RoutingDecisionRow,
+    SessionRow,
+    StepRow,
+)
+from storage.rows import request_row, routing_decision_row, step_row
 from storage.schema import open_database
 
 logger = logging.getLogger(__name__)
@@ -59,13 +67,16 @@ class SessionLog:
         return self.session_id
 
     def follow(self, engine) -> None:
-        """Log every step and every ended request of an AsyncEngine, from two reader
-        threads fed by its subscriptions (which drop the oldest rather than block it)."""
+        """Log every step and every ended request of an AsyncEngine (and every routing
+        decision of a ReplicaSet), from reader threads fed by its subscriptions (which drop
+        the oldest rather than block it)."""
         steps, requests = engine.subscribe_steps(maxsize=QUEUE_SIZE), engine.subscribe_requests()
-        self._subscriptions += [steps, requests]
-        for feed, record in ((steps, self.record_step),
-                             (requests, lambda r: self.record_request(r.output, r.source,
-                                                                       replica=r.replica))):
+        feeds = [(steps, self.record_step),
+                 (requests, lambda r: self.record_request(r.output, r.source, replica=r.replica))]
+        if hasattr(engine, "subscribe_decisions"):  # only engine.replicas.ReplicaSet routes
+            feeds.append((engine.subscribe_decisions(QUEUE_SIZE), self.record_routing))
+        self._subscriptions += [feed for feed, _ in feeds]
+        for feed, record in feeds:
             pump = threading.Thread(target=_pump, args=(feed, record), daemon=True,
                                     name="kvscope-session-log-follow")
             pump.start()
@@ -89,6 +100,10 @@ class SessionLog:
         """A finished request; prompt_text overrides output.prompt (e.g. the chat text)."""
         self._put((RequestRow, request_row(self._current(), output, source, prompt_text,
                                            replica)))
+
+    def record_routing(self, decision: RoutingDecision) -> None:
+        """Where the router sent a request (engine.replicas.ReplicaSet), with the scores."""
+        self._put((RoutingDecisionRow, routing_decision_row(self._current(), decision)))
 
     def record_chat_message(self, conversation_id: str, role: str, content: str,
                             request_id: str | None = None) -> None:
@@ -147,7 +162,7 @@ class SessionLog:
 
     def _write(self, batch: list) -> None:
         rows: dict[type, list[dict]] = {RequestRow: [], StepRow: [], ChatMessageRow: [],
-                                        ConfigRow: []}
+                                        ConfigRow: [], RoutingDecisionRow: []}
         config = None
         for kind, payload in batch:
             if kind == "config":

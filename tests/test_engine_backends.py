@@ -55,32 +55,36 @@ def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
     assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch) == expected
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype):
+def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype,
+                                                            quantization):
     """Same C++ ops in the same order: equal outputs and equal K/V written, for a ragged
-    batch of prefill chunks and decodes (several rows take the GEMM, one row the GEMV)."""
-    _, runner = runner_for(monkeypatch, tiny_model, "cpu", "qwen2", dtype=dtype)
+    batch of prefill chunks and decodes (17 rows take the GEMM, after de-quantizing packed
+    weights) and for a decode batch (one row: the dense GEMV; 3 rows: the packed kernels)."""
+    _, runner = runner_for(monkeypatch, tiny_model, "cpu", "qwen2", dtype=dtype,
+                           quantization=quantization)
     assert runner.fused_decoder_stack
     runner.allocate_kv_cache(8, 16)
-    pieces = [(0, 11, [0, 1]), (7, 8, [2]), (16, 21, [3, 4, 5])]
-    inputs = runner._flat_inputs(pieces, 8, token_ids=lambda i, start, end: list(range(start + 3, end + 3)))
     model = runner.model
-    with torch.inference_mode():
-        fused = model(*inputs)
-        fused_cache = runner.kv_cache.clone()
-        runner.kv_cache.zero_()
-        stack, model.decoder_stack = model.decoder_stack, None
-        eager = model(*inputs)
-        model.decoder_stack = stack
-    assert torch.equal(fused, eager)
-    assert torch.equal(fused_cache, runner.kv_cache)
+    for pieces in ([(0, 11, [0, 1]), (7, 8, [2]), (16, 21, [3, 4, 5])],
+                   [(11, 12, [0, 1])], [(11, 12, [0, 1]), (8, 9, [2, 6]), (21, 22, [3, 4, 5])]):
+        inputs = runner._flat_inputs(pieces, 8, token_ids=lambda i, start, end: list(
+            range(start + 3, end + 3)))
+        with torch.inference_mode():
+            fused = model(*inputs)
+            fused_cache = runner.kv_cache.clone()
+            stack, model.decoder_stack = model.decoder_stack, None
+            eager = model(*inputs)
+            model.decoder_stack = stack
+        assert torch.equal(fused, eager)
+        assert torch.equal(fused_cache, runner.kv_cache)
 
 
-def test_enforce_eager_or_quantized_weights_keep_the_layers(tiny_model, monkeypatch):
+def test_enforce_eager_or_the_torch_kernels_keep_the_layers(tiny_model, monkeypatch):
     _, eager = runner_for(monkeypatch, tiny_model, "cpu", enforce_eager=True)
     _, torch_backend = runner_for(monkeypatch, tiny_model, "torch")
-    _, quantized = runner_for(monkeypatch, tiny_model, "cpu", quantization="int8")
-    for runner in (eager, torch_backend, quantized):
+    for runner in (eager, torch_backend):
         assert not runner.fused_decoder_stack and runner.model.decoder_stack is None
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig(enforce_eager="yes")

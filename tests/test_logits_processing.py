@@ -16,7 +16,7 @@ from transformers import (
 from engine import LLM, SamplingParams
 from engine.logits_processing import LogitsProcessor
 from engine.request import Request, Sequence
-from engine.sampler import _filtered_probs
+from engine.sampler import _filtered_probs, min_p_candidates
 
 VOCAB = 256
 EOS = 7
@@ -71,13 +71,39 @@ def test_penalties_over_a_mixed_batch_match_transformers_and_vllms_formulas(proc
     logits = random_logits(len(seqs))
     processed = processor.apply(logits, seqs)
 
-    for row, ((repetition, frequency, presence), seq) in enumerate(zip(PENALTIES, seqs)):
-        ids = torch.tensor([seq.token_ids])
-        expected = RepetitionPenaltyLogitsProcessor(repetition)(ids, logits[row:row + 1].clone())[0]
-        counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=VOCAB).float()
-        expected = expected - frequency * counts - presence * (counts > 0).float()
-        torch.testing.assert_close(processed[row], expected)
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(processed[row], reference_penalties(logits[row], seq))
     assert torch.equal(logits, random_logits(len(seqs))), "the raw logits are left alone"
+
+
+def reference_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """transformers' repetition penalty, then vLLM's frequency and presence formulas."""
+    params = seq.request.params
+    ids = torch.tensor([seq.token_ids])
+    expected = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, logits[None])[0]
+    counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long),
+                            minlength=VOCAB).float()
+    return expected - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
+def test_penalty_state_grows_with_the_batch_and_the_sequences(processor):
+    """Ten sequences (more than the first 8 slots) whose tokens outgrow the first 64
+    columns while they sample, some joining late and one with an output it already had:
+    every step's penalised logits still match the reference."""
+    generator = torch.Generator().manual_seed(5)
+    seqs = [sequence(processor, SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3,
+                                               presence_penalty=0.2),
+                     output=torch.randint(0, VOCAB, (i % 3,), generator=generator).tolist(),
+                     prompt=torch.randint(0, VOCAB, (40 + 3 * i,), generator=generator).tolist())
+            for i in range(10)]
+    for position in range(12):
+        batch = seqs[:5] if position < 4 else seqs
+        logits = random_logits(len(batch), seed=position)
+        processed = processor.apply(logits, batch)
+        for row, seq in enumerate(batch):
+            torch.testing.assert_close(processed[row], reference_penalties(logits[row], seq))
+        step(processor, batch, torch.randint(0, 20, (len(batch),), generator=generator).tolist())
+    assert processor.token_ids.shape == (16, 128)
 
 
 def test_a_batch_without_edits_is_returned_as_is(processor):
@@ -162,6 +188,20 @@ def test_min_p_keeps_the_tokens_transformers_min_p_keeps(min_p, top_k):
     torch.testing.assert_close(probs, expected)
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
+def test_min_p_candidates_are_the_tokens_transformers_min_p_keeps(min_p):
+    """The sampler's path for rows filtered by min-p alone: the kept tokens, and weights
+    proportional to their probabilities."""
+    logits = random_logits(3, seed=1)
+    logits[2, 40] = logits[2].max()  # a tie with the most likely token: both stay
+    rows, tokens, weights = min_p_candidates(logits, [SamplingParams(min_p=min_p,
+                                                                     temperature=0.8)] * 3)
+    expected = MinPLogitsWarper(min_p)(None, logits / 0.8).softmax(dim=-1)
+    probs = torch.zeros_like(expected).index_put_((rows, tokens), weights)
+    assert torch.equal(probs > 0, expected > 0)
+    torch.testing.assert_close(probs / probs.sum(dim=1, keepdim=True), expected)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"repetition_penalty": 0}, "repetition_penalty=0 must be > 0"),
     ({"presence_penalty": 2.5}, r"presence_penalty=2.5 must be in \[-2, 2\]"),
@@ -241,14 +281,16 @@ def test_prompt_logprobs_equal_a_dense_forward_across_chunks(llm, tiny_model):
                                                    prompt_logprobs=3), use_tqdm=False)[0]
     with torch.no_grad():
         dense = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    entries = output.prompt_logprobs
-    assert len(entries) == len(prompt) and entries[0] is None
+    entries, ranks = output.prompt_logprobs, output.prompt_token_ranks
+    assert len(entries) == len(ranks) == len(prompt) and entries[0] is None is ranks[0]
     for position in range(1, len(prompt)):
         entry = entries[position]
         token = prompt[position]
         assert entry[token] == pytest.approx(float(dense[position - 1, token]), abs=1e-4)
         top = dense[position - 1].topk(3).indices.tolist()
         assert set(top) <= set(entry) and len(entry) <= 4
+        # vLLM's rank: how many tokens are at least as likely, the token itself included.
+        assert ranks[position] == int((dense[position - 1] >= dense[position - 1, token]).sum())
 
 
 def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(llm):

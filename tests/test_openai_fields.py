@@ -213,7 +213,8 @@ CHAT = {
     "chat_template_kwargs": refused({"enable_thinking": True}),
     "documents": refused([{"text": "x"}]),
     "mm_processor_kwargs": refused({"x": 1}),
-    "prompt_logprobs": refused(1),
+    "prompt_logprobs": honoured(lambda a, seen: len(a["prompt_logprobs"])
+                                == a["usage"]["prompt_tokens"])(1),
 }
 OPENAI_FIELDS = {
     "completions": set(completion_create_params.CompletionCreateParamsBase.__annotations__),
@@ -318,6 +319,37 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_too(server):
     assert all(isinstance(v, float) for v in logprobs["token_logprobs"][1:])
     assert "".join(logprobs["tokens"][:len(PROMPT)]) == PROMPT  # one token per character
     assert logprobs["text_offset"][len(PROMPT)] == len(PROMPT)
+
+
+def test_prompt_logprobs_carry_vllms_rank_on_both_routes(server):
+    """Per prompt position: the prompt token and its two likeliest alternatives, each with
+    logprob, rank and decoded text. The alternatives rank 1 and 2; the prompt token ranks
+    at its place among them, or beyond them. Chat puts the list on the response, and
+    refuses the field with stream=true (a chat chunk has no place for it)."""
+    chat_request = {**base_request("chat", server), "prompt_logprobs": 2}
+    answers = [
+        (call(server, "completions", {**base_request("completions", server),
+                                      "prompt_logprobs": 2})["choices"][0]["prompt_logprobs"],
+         server.engine.tokenizer(PROMPT).input_ids),
+        (call(server, "chat", chat_request)["prompt_logprobs"],
+         server.engine.tokenizer(server.engine.render_chat(chat_request["messages"]),
+                                 add_special_tokens=False).input_ids)]
+    for entries, prompt_ids in answers:
+        assert len(entries) == len(prompt_ids) and entries[0] is None
+        for entry, token in zip(entries[1:], prompt_ids[1:], strict=True):
+            assert all(set(value) == {"logprob", "rank", "decoded_token"}
+                       for value in entry.values())
+            by_likelihood = sorted(entry.values(), key=lambda value: -value["logprob"])
+            assert [value["rank"] for value in by_likelihood[:2]] == [1, 2]
+            assert str(token) in entry
+            if len(entry) == 3:  # the prompt token is not among the two likeliest
+                assert entry[str(token)] is by_likelihood[2] and entry[str(token)]["rank"] > 2
+    with pytest.raises(openai.BadRequestError) as refusal:
+        list(server.client().chat.completions.create(
+            model=server.model, messages=chat_request["messages"], stream=True,
+            extra_body={"prompt_logprobs": 1}))
+    assert refusal.value.body["param"] == "prompt_logprobs"
+    assert_idle(server)
 
 
 def test_best_of_cannot_stream(server):

@@ -1,6 +1,8 @@
 """Engine replicas on a local Ray cluster (one for the whole module): routing, greedy parity
-with one engine, a replica killed mid-stream, and no Ray at all for one replica."""
+with one engine, routing decisions on /ws/events and in the log, per-replica /metrics, a
+replica restarted and one killed mid-stream, and no Ray at all for one replica."""
 
+import json
 import os
 import socket
 import subprocess
@@ -12,12 +14,17 @@ import openai
 import pytest
 import ray
 from conftest import serve
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.sync.client import connect as ws_connect
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.replicas.replica_set import ReplicaSet, connect_ray
+from engine.llm import LLM
+from engine.replicas.replica_set import ReplicaDown, ReplicaSet, connect_ray
 from engine.sampling_params import SamplingParams
 from engine.serving import create_app
+from storage import SessionLog
+from ui.replicas import overview_markdown
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
@@ -51,14 +58,39 @@ def run(replicas: ReplicaSet, prompt: str, params: SamplingParams = GREEDY):
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_chat_model_path):
-    """Two replicas on one local Ray cluster, shared by the module's tests (in order: the
-    last one kills replica 1)."""
+def ray_cluster():
+    """One local Ray cluster for the module (each replica takes one of its CPUs)."""
     assert connect_ray()
-    replica_set = ReplicaSet(config(tiny_chat_model_path), 2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_cluster, tiny_chat_model_path):
+    """Two replicas, shared by the module's tests from the first that asks (in order: the
+    last ones kill a replica, once to restart it, then for good)."""
+    # Restarts on, as --restart-replicas: the last test's kill (no_restart) stays down.
+    replica_set = ReplicaSet(config(tiny_chat_model_path), 2, restart_replicas=True)
     yield replica_set
     replica_set.shutdown()
-    ray.shutdown()
+
+
+def test_offline_llm_on_replicas_equals_one_engine(ray_cluster, tiny_chat_model_path) -> None:
+    """First in the module: its two replicas are stopped before the shared ones start."""
+    prompts = [SHARED_PREFIX + "offline", "Hello there", [5, 6, 7, 8, 9]]
+    knobs = {"dtype": "float32", "device": "cpu", "block_size": BLOCK_SIZE,
+             "num_gpu_blocks_override": NUM_BLOCKS, "max_model_len": 256}
+    llm = LLM(str(tiny_chat_model_path), replicas=2, routing="round-robin", **knobs)
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert {d.replica for d in llm.replicas.recent_decisions} == {0, 1}
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate("x" * 300, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    expected = LLM(str(tiny_chat_model_path), **knobs).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
 
 
 def test_shared_prefixes_stick_under_kv_aware_and_spread_under_round_robin(replicas) -> None:
@@ -131,6 +163,103 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
         assert f"{NUM_BLOCKS} blocks" in live[1]["plot"]  # the other replica's pool
     finally:
         blocks.close()
+
+
+def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
+        replicas, tmp_path) -> None:
+    from app import record_sessions
+
+    url, server, thread = serve(create_app(replicas))
+    session_log, followed = SessionLog(tmp_path / "app.db"), SessionLog(tmp_path / "follow.db")
+    session_log.start_session({}, model="tiny")
+    followed.start_session({}, model="tiny")
+    stop_recording = record_sessions(replicas, session_log)  # the app's recorder
+    followed.follow(replicas)
+    try:
+        with ws_connect(url.replace("http", "ws") + "/ws/events") as websocket:
+            websocket.recv(timeout=10)  # the pool snapshot: the feeds are subscribed
+            replicas.set_routing("round-robin")  # both replicas serve one
+            decisions = [run(replicas, SHARED_PREFIX + word)[0] for word in ("ws", "log")]
+            replicas.set_routing("kv-aware")
+            sent = {}
+            while len(sent) < 2:
+                message = json.loads(websocket.recv(timeout=10))
+                if message["type"] == "routing":
+                    sent.update((d["request_id"], d) for d in message["decisions"])
+        for decision in decisions:
+            assert sent[decision.request_id] == {
+                "request_id": decision.request_id, "time": decision.time,
+                "policy": "round-robin", "replica": decision.replica,
+                "num_prompt_blocks": decision.num_prompt_blocks,
+                "matched_blocks": decision.matched_blocks,
+                "candidates": [{"replica": c.replica, "matched_blocks": c.matched_blocks,
+                                "load": c.load, "score": c.score}
+                               for c in decision.candidates]}
+        assert {decision.replica for decision in decisions} == {0, 1}
+
+        stop_recording()
+        assert session_log.flush()
+        followed.close()  # its reader threads drain what is left
+        for log in (session_log, followed):
+            logged = {row["request_id"]: row
+                      for row in log.load_session(log.session_id).routing_decisions}
+            for decision in decisions:
+                row = sent[decision.request_id]
+                assert {key: logged[decision.request_id][key] for key in row} == row
+
+        # Every engine series is per replica; both replicas' gauges and counters are there.
+        wait_until(lambda: all(s.counters.prompt_tokens for s in replicas.replica_statuses()))
+        families = list(text_string_to_metric_families(httpx.get(f"{url}/metrics").text))
+        per_replica = [family for family in families  # one engine config for all replicas
+                       if not family.name.startswith("kvscope:engine_config")]
+        for family in per_replica:
+            assert all("replica" in sample.labels for sample in family.samples), family.name
+        replicas_of = {family.name: {sample.labels["replica"] for sample in family.samples}
+                       for family in per_replica}
+        for name in ("kvscope:kv_cache_usage_perc", "kvscope:num_requests_running",
+                     "kvscope:prompt_tokens", "kvscope:prefix_cache_hits", "kvscope:replica_up"):
+            assert replicas_of[name] == {"0", "1"}, name
+        assert replicas_of["kvscope:time_to_first_token_seconds"] >= {"0", "1"}
+    finally:
+        session_log.close()
+        followed.close()
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_restarted_replica_serves_again_and_nothing_is_lost(replicas) -> None:
+    """--restart-replicas: Ray restarts a killed replica's actor; its in-flight stream
+    fails, the other replica's finishes, and the restarted one takes requests again."""
+    url, server, thread = serve(create_app(replicas))
+    try:
+        replicas.set_routing("round-robin")
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        streams = [iter(replicas.submit(f"restart {i}", long)) for i in range(2)]
+        firsts = [next(stream) for stream in streams]  # both are generating
+        assert all(first.outputs[0].token_ids for first in firsts)
+        victim = replicas.recent_decisions[-1].replica  # the second request's replica
+        ray.kill(replicas._replicas[victim].actor, no_restart=False)
+        with pytest.raises(ReplicaDown, match=f"replica {victim} died"):
+            list(streams[1])
+        assert list(streams[0])[-1].outputs[0].finish_reason == "length"  # not lost
+        wait_until(lambda: replicas.replica_statuses()[victim].restarts == 1, timeout=120)
+        status = replicas.replica_statuses()[victim]
+        assert status.alive and status.error is None
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        assert f'replica="{victim}"}} 1.0' in next(
+            line for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith("kvscope:replica_up") and f'replica="{victim}"' in line)
+        assert f"| {victim} | up |" in overview_markdown(replicas, replicas.replica_statuses())
+        served = {run(replicas, f"again {i}")[0].replica for i in range(2)}
+        assert served == {0, 1}  # round-robin sends the restarted replica its turn
+        replicas.set_routing("kv-aware")
+        for replica in (0, 1):
+            wait_until(lambda r=replica: replicas.replica_statuses()[r].in_flight == 0)
+            snapshot = replicas.snapshot(replica=replica)
+            assert snapshot.count("used") + snapshot.count("shared") == 0  # no leaked block
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) -> None:

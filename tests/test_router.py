@@ -43,6 +43,18 @@ def test_kv_aware_goes_where_the_prefix_is_and_matches_stop_at_the_first_miss() 
     assert index.matched_blocks(1, hashes) == 1
 
 
+def test_idle_replicas_take_new_prefixes_in_turn_under_kv_aware() -> None:
+    """A prompt no replica holds goes to the emptier cache: new tenants spread out."""
+    index = PrefixIndex()
+    router = Router(index)
+    first, second = (prompt_block_hashes([tenant] * 16, 4) for tenant in (1, 2))
+    assert router.choose("a", first, idle(0, 1)).replica == 0
+    index.apply(0, stored=first, evicted=[])
+    decision = router.choose("b", second, idle(0, 1))
+    assert decision.replica == 1 and decision.matched_blocks == 0
+    assert router.choose("c", first, idle(0, 1)).replica == 0  # a match still wins
+
+
 def test_load_weight_trades_hits_against_balance() -> None:
     index = PrefixIndex()
     hashes = prompt_block_hashes(list(range(16)), 4)

@@ -3,11 +3,17 @@
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    MinPLogitsWarper,
+    PreTrainedTokenizerFast,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import detokenize_incrementally
 from engine.request import Request, Sequence
+from engine.sampler import sample
 
 PROMPT = [17, 3, 99, 4, 250, 8, 61]
 
@@ -39,6 +45,48 @@ def test_sampling_defaults_are_vllms():
     assert params.stop_strings == () and params.stop_token_ids == []
     assert SamplingParams(stop="x").stop_strings == ("x",)
     assert SamplingParams(top_k=-1).top_k == -1  # vLLM's "no cap"
+
+
+# ---- the draws ------------------------------------------------------------------------------
+DRAW_CASES = {  # every path of the sampler: argmax, whole-vocabulary draws, min-p candidates
+    "greedy": SamplingParams(temperature=0),
+    "temperature": SamplingParams(temperature=0.7),
+    "min_p": SamplingParams(temperature=1.3, min_p=0.1),
+    "min_p+top_k": SamplingParams(min_p=0.2, top_k=5),
+    "top_p": SamplingParams(temperature=0.9, top_p=0.8),
+}
+DRAWS = 4000
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """transformers' warpers in the sampler's order: temperature, min-p, top-k, top-p."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[0]).float()
+    scores = logits[None] / params.temperature
+    if params.min_p:
+        scores = MinPLogitsWarper(params.min_p)(None, scores)
+    if params.top_k > 0:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return scores.softmax(dim=-1)[0]
+
+
+def test_draws_follow_transformers_distributions_in_a_mixed_batch():
+    """Each kind of row, DRAWS times over in one interleaved batch: its token frequencies
+    are within 4.5 standard errors of transformers' filtered probabilities, and a token
+    they drop is never drawn."""
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(3)) * 2
+    params = list(DRAW_CASES.values()) * DRAWS
+    result = sample(logits.expand(len(params), -1).contiguous(), params, [None] * len(params),
+                    torch.Generator().manual_seed(0))
+    tokens = torch.tensor(result.token_ids).view(DRAWS, len(DRAW_CASES))
+    for column, (name, case) in enumerate(DRAW_CASES.items()):
+        frequencies = torch.bincount(tokens[:, column], minlength=12) / DRAWS
+        expected = reference_probs(logits, case)
+        assert (frequencies[expected == 0] == 0).all(), name
+        tolerance = 4.5 * (expected * (1 - expected) / DRAWS).sqrt() + 1e-3
+        assert ((frequencies - expected).abs() <= tolerance).all(), (name, frequencies, expected)
 
 
 # ---- the engine's sampling and stopping --------------------------------------------------

@@ -21,6 +21,7 @@ from sqlalchemy import inspect
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.replicas.router import CandidateScore, RoutingDecision
 from engine.sampling_params import SamplingParams
 from engine.telemetry import StepRecord
 from storage import SessionLog, export_session, load_session, open_database, schema
@@ -105,6 +106,26 @@ def test_requests_and_steps_keep_their_replica(tmp_path: Path, engine_run) -> No
         finished[0].request_id: 1, finished[1].request_id: 0}
 
 
+def test_routing_decisions_are_logged_with_every_candidate(tmp_path: Path) -> None:
+    log = SessionLog(tmp_path / "log.db")
+    session_id = log.start_session({}, model="tiny")
+    decision = RoutingDecision("api-7", 1000.0, "kv-aware", 1, 12, (
+        CandidateScore(0, 0, 0.25, -0.25), CandidateScore(1, 12, 0.5, 0.5)))
+    log.record_routing(decision)
+    log.close()
+    engine = open_database(tmp_path / "log.db")
+    [row] = load_session(engine, session_id).routing_decisions
+    assert {key: row[key] for key in ("request_id", "time", "policy", "replica",
+                                      "num_prompt_blocks", "matched_blocks")} == {
+        "request_id": "api-7", "time": 1000.0, "policy": "kv-aware", "replica": 1,
+        "num_prompt_blocks": 12, "matched_blocks": 12}
+    assert row["candidates"] == [
+        {"replica": 0, "matched_blocks": 0, "load": 0.25, "score": -0.25},
+        {"replica": 1, "matched_blocks": 12, "load": 0.5, "score": 0.5}]
+    exported = json.loads(export_session(engine, session_id, "json", tmp_path).read_text())
+    assert exported["routing_decisions"][0]["candidates"] == row["candidates"]
+
+
 def test_every_config_of_a_session_is_kept_with_its_time(tmp_path: Path, engine_run) -> None:
     config = engine_run[0]
     log = SessionLog(tmp_path / "log.db")
@@ -133,7 +154,8 @@ def test_exports_round_trip(tmp_path: Path, engine_run) -> None:
     with zipfile.ZipFile(log.export(session_id, "csv", tmp_path / "out")) as archive:
         steps = list(csv.DictReader(io.StringIO(archive.read("steps.csv").decode())))
         assert set(archive.namelist()) == {"sessions.csv", "requests.csv", "steps.csv",
-                                           "chat_messages.csv", "session_configs.csv"}
+                                           "chat_messages.csv", "session_configs.csv",
+                                           "routing_decisions.csv"}
     assert [int(row["step"]) for row in steps] == [r.step for r in original.steps]
     assert json.loads(steps[0]["chunks"]) == [[c.request_id, c.seq_id, c.kind, c.start, c.end]
                                               for c in original.steps[0].chunks]
@@ -236,7 +258,7 @@ def test_sigkill_mid_run_loses_at_most_the_last_second(tmp_path: Path) -> None:
     assert steps[-1].start_time >= killed_at - 1.0
 
 
-def test_a_version_2_log_gains_the_replica_columns(tmp_path: Path) -> None:
+def test_a_version_2_log_gains_the_replica_columns_and_the_routing_table(tmp_path: Path) -> None:
     db_path = tmp_path / "old.db"
     log = SessionLog(db_path)
     log.start_session({}, model="tiny")
@@ -244,12 +266,14 @@ def test_a_version_2_log_gains_the_replica_columns(tmp_path: Path) -> None:
     with sqlite3.connect(db_path) as connection:  # the file as version 2 wrote it
         for table in ("requests", "steps"):
             connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
+        connection.execute("DROP TABLE routing_decisions")  # and what version 4 added
         connection.execute("UPDATE schema_version SET version = 2")
     engine = schema.open_database(db_path)
     for table in ("requests", "steps"):
         assert "replica" in {c["name"] for c in inspect(engine).get_columns(table)}
+    assert inspect(engine).has_table("routing_decisions")
     with engine.connect() as connection:
-        assert connection.exec_driver_sql("SELECT version FROM schema_version").scalar() == 3
+        assert connection.exec_driver_sql("SELECT version FROM schema_version").scalar() == 4
 
 
 def test_schema_upgrades_from_the_previous_version(tmp_path: Path, monkeypatch) -> None:
@@ -317,8 +341,9 @@ def test_a_version_1_log_gains_the_step_statistics(tmp_path: Path, engine_run) -
     with sqlite3.connect(db_path) as connection:  # make it a version-1 file
         for column in schema.STEP_COLUMNS_OF_VERSION_2:
             connection.execute(f"ALTER TABLE steps DROP COLUMN {column}")
-        for table in ("requests", "steps"):  # and what version 3 added
+        for table in ("requests", "steps"):  # and what versions 3 and 4 added
             connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
+        connection.execute("DROP TABLE routing_decisions")
         connection.execute("UPDATE schema_version SET version = 1")
 
     steps = load_session(open_database(db_path), session_id).steps

@@ -5,11 +5,18 @@ import json
 import re
 
 import jsonschema
+import llguidance
+import llguidance.numpy
+import numpy as np
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.loader import load_tokenizer
+from engine.request import Request, Sequence
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_output import llguidance_tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -108,6 +115,48 @@ def test_outputs_stay_valid_when_sequences_are_preempted(tiny_byte_level_model_p
         else:
             assert re.fullmatch(r"[a-z]{20,40}", text), text
     assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+def test_the_batch_mask_equals_llguidances_own(engine):
+    """Constrained rows part-way through their grammars, between free rows: the rows
+    llguidance's numpy reference masks with each matcher's own bitmask, the free rows as
+    they were."""
+    processor = engine.logits_processor
+    rows = [(constrained(json=SCHEMA), '{"name":"ab'), (SamplingParams(), "free"),
+            (constrained(regex=r"[a-z]{2,5}-\d{3}"), "abc-1"),
+            (constrained(choice=["yes", "no"]), ""), (SamplingParams(), "free"),
+            (constrained(json=SCHEMA), '{"name":"x","age":1')]
+    seqs = []
+    for index, (params, output) in enumerate(rows):
+        request = Request(f"mask-{index}", None, [1, 2], params,
+                          constraints=processor.prepare(params))
+        output_ids = engine.tokenizer.encode(output, add_special_tokens=False)
+        seqs.append(Sequence(request.request_id, request, 0, [1, 2] + output_ids, 2))
+    logits = torch.randn(len(rows), processor.vocab_size,
+                         generator=torch.Generator().manual_seed(0))
+    masked = logits.clone()
+    processor.structured.apply_bitmask(masked, seqs)
+
+    expected = logits.numpy().copy()
+    for row, seq in enumerate(seqs):
+        if seq.request.constraints is None:
+            continue
+        matcher = llguidance.LLMatcher(processor.structured.compiler.tokenizer,
+                                       seq.request.constraints.grammar)
+        assert matcher.consume_tokens(seq.output_token_ids), matcher.get_error()
+        bitmask = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+        llguidance.numpy.apply_token_bitmask_inplace(expected[row], bitmask)
+    assert torch.equal(masked, torch.from_numpy(expected))
+    assert all(masked[row].isinf().any() for row in (0, 2, 3, 5))
+
+
+def test_llguidances_tokenizer_is_built_once_per_tokenizer(tiny_byte_level_model_path):
+    first = load_tokenizer(tiny_byte_level_model_path)
+    again = load_tokenizer(tiny_byte_level_model_path)  # another object, the same tokenizer
+    built = llguidance_tokenizer(first, len(first), [0])
+    assert llguidance_tokenizer(again, len(again), [0]) is built
+    assert llguidance_tokenizer(again, len(again), [1]) is not built  # other EOS ids
+    assert llguidance_tokenizer(again, len(again) + 8, [0]) is not built  # a larger vocab
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, MergedLinear, RMSNorm, UsesForwardOps, load_weights
-from engine.models.quantized import tied_logits
+from engine.models.quantized import KERNEL_MAX_ROWS, tied_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -101,23 +101,27 @@ class LlamaBody(nn.Module):
 class FusedDecoderStack:
     """Every decoder layer and the final norm in one C++ call (kvscope::llama_decoder_stack).
 
-    It chains the same C++ ops the modules call, with the same weights, so the result is
-    the modules' result; what it saves is the Python between ~300 module and op calls,
-    which costs a batch-1 decode step milliseconds. The model runner binds it for the CPU
-    kernels and dense weights unless enforce_eager is set.
+    It chains the same C++ ops the modules call, with the same weights (dense, or int4 /
+    int8 packed), so the result is the modules' result; what it saves is the Python
+    between ~300 module and op calls, which costs a batch-1 decode step milliseconds. The
+    model runner binds it for the CPU kernels unless enforce_eager is set.
     """
 
     def __init__(self, model: "LlamaForCausalLM") -> None:
         body = model.model
         self.attention = [layer.self_attn.attn for layer in body.layers]
-        self.weights, self.biases = [], []
+        self.weights, self.biases, self.scales, self.offsets = [], [], [], []
         for layer in body.layers:
             attention, mlp = layer.self_attn, layer.mlp
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self.weights += [layer.input_layernorm.weight, attention.qkv_proj.weight,
                              attention.o_proj.weight, layer.post_attention_layernorm.weight,
                              mlp.gate_up_proj.weight, mlp.down_proj.weight]
-            self.biases += [attention.qkv_proj.bias, attention.o_proj.bias,
-                            mlp.gate_up_proj.bias, mlp.down_proj.bias]
+            self.biases += [linear.bias for linear in linears]
+            # Packed int4 / int8 weights come with scales (and int4 with offsets).
+            self.scales += [getattr(linear, "scales", None) for linear in linears]
+            self.offsets += [getattr(linear, "offsets", None) for linear in linears]
+        self.group_size = getattr(body.layers[0].mlp.down_proj, "group_size", 0)
         first = self.attention[0]
         self.final_norm, self.eps = body.norm.weight, body.norm.eps
         self.shape = (first.num_heads, first.num_kv_heads, first.head_dim)
@@ -126,8 +130,8 @@ class FusedDecoderStack:
     def __call__(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         # The cache views change when the pool is resized, so they are read per call.
         return torch.ops.kvscope.llama_decoder_stack(
-            hidden, cos, sin, self.weights, self.biases,
-            [layer.key_cache for layer in self.attention],
+            hidden, cos, sin, self.weights, self.biases, self.scales, self.offsets,
+            self.group_size, KERNEL_MAX_ROWS, [layer.key_cache for layer in self.attention],
             [layer.value_cache for layer in self.attention], meta.slot_mapping,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.final_norm,
             *self.shape, self.eps, self.scale)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, RayError
 
 import engine
 import kernels
@@ -291,6 +291,7 @@ class ReplicaSet(ChatSubmit):
             stream.fail(error)
             return
         replica.streams[stream.request_id] = stream
+        incarnation = replica.restarts
         try:
             outputs = replica.actor.generate.options(num_returns="streaming").remote(
                 stream.request_id, prompt, params, priority, add_special_tokens, stream.source)
@@ -306,7 +307,7 @@ class ReplicaSet(ChatSubmit):
                     continue
                 stream.push(item)
         except RayError as error:
-            self._mark_down(replica, error)
+            self._mark_down(replica, error, incarnation)
         finally:
             replica.streams.pop(stream.request_id, None)
 
@@ -319,9 +320,8 @@ class ReplicaSet(ChatSubmit):
                 if self._stopping:
                     return
                 self._mark_down(replica, error)
-                if not self.restart_replicas:
+                if not self.restart_replicas or not await self._await_restart(replica):
                     return
-                await self._await_restart(replica)
                 continue
             self.index.apply(replica.index, events.stored, events.evicted)
             for step in events.steps:
@@ -333,8 +333,12 @@ class ReplicaSet(ChatSubmit):
                 replica.pool_feed.publish(record)
             replica.counters = events.counters
 
-    def _mark_down(self, replica: _Replica, error: BaseException) -> None:
-        if not replica.alive:
+    def _mark_down(self, replica: _Replica, error: BaseException,
+                   incarnation: int | None = None) -> None:
+        """`incarnation`: the replica's restart count when the failed call began; an error
+        from an incarnation that has since been replaced says nothing about the new one
+        (its streams were failed when the old one went down)."""
+        if not replica.alive or incarnation not in (None, replica.restarts):
             return
         replica.alive = False
         replica.error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
@@ -350,15 +354,21 @@ class ReplicaSet(ChatSubmit):
         for stream in streams.values():
             stream.fail(error)
 
-    async def _await_restart(self, replica: _Replica) -> None:
-        """Ray restarts the actor (a fresh engine: new weights load, empty pool)."""
+    async def _await_restart(self, replica: _Replica) -> bool:
+        """Ray restarts the actor (a fresh engine: new weights load, empty pool); calls to
+        it wait meanwhile. False when it will not come back (ActorDiedError: killed with
+        no_restart, or out of restarts) or the set is stopping."""
         while not self._stopping:
             try:
                 info = await replica.actor.info.remote()
                 if self._knob_changes:  # Ray re-runs the constructor with the first config
                     await replica.actor.reconfigure.remote(False, self._knob_changes)
                     info = await replica.actor.info.remote()
-            except RayError:
+            except ActorDiedError as error:
+                logger.error("replica %d will not restart: %s", replica.index,
+                             str(error).splitlines()[0][:300])
+                return False
+            except RayError:  # unavailable for a moment (its restart is under way)
                 await asyncio.sleep(RESTART_POLL_S)
                 continue
             replica.carried = add_counters(replica.carried, replica.counters)
@@ -368,7 +378,8 @@ class ReplicaSet(ChatSubmit):
             if replica.watched:
                 replica.actor.watch_pool.remote()
             logger.info("replica %d restarted (restart %d)", replica.index, replica.restarts)
-            return
+            return True
+        return False
 
     # ---- readers -----------------------------------------------------------------------
     def _pick(self, replica: int | None) -> _Replica:

@@ -10,7 +10,10 @@ the PrefixIndex), in_flight its routed, unfinished requests (running and waiting
 kv_usage the fraction of its KV blocks in use at its last step. `load_weight` (default
 1.0, `--routing-load-weight`) trades cache hits against balance: 0 sends every request
 to the replica with the longest match whatever its queue, large values make kv-aware
-least-loaded. Ties go to the less loaded, then the lower-numbered replica.
+least-loaded. Ties go to the less loaded, then (kv-aware) to the replica whose cache
+holds fewer indexed blocks, so idle replicas take new prefixes in turn instead of the
+first one collecting them all (as SGLang's router sends unmatched prompts to the smallest
+cache), then to the lower-numbered replica.
 """
 
 import itertools
@@ -99,6 +102,9 @@ class Router:
             candidates.append(CandidateScore(load.replica, matched, load.load, score))
         if policy == "round-robin":
             chosen = candidates[next(self._turns) % len(candidates)]
+        elif policy == "kv-aware":
+            chosen = max(candidates, key=lambda c: (c.score, -c.load,
+                                                    -self.index.num_blocks(c.replica), -c.replica))
         else:
             chosen = max(candidates, key=lambda c: (c.score, -c.load, -c.replica))
         if policy == "kv-aware":

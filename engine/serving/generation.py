@@ -24,7 +24,8 @@ class Generation:
     logprobs: int | None = None
     include_usage: bool = False
     echo: bool = False  # completions: the prompt opens each choice's text
-    prompt_logprobs: bool = False  # completions: each choice carries the prompt's logprobs
+    # vLLM's prompt_logprobs: on each completions choice, or once on a chat response.
+    prompt_logprobs: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     # Streaming state: the newest output of each stream, and per choice what was sent.
     latest: dict[int, RequestOutput] = field(default_factory=dict)
@@ -58,8 +59,11 @@ class Generation:
                         sample, 0, len(choice["text"]) - len(sample.text)))
                 choices.append({"index": prompt_index * self.n + sample.index, **choice,
                                 "finish_reason": sample.finish_reason})
-        return {"id": self.response_id, "object": self.object_name, "created": self.created,
+        body = {"id": self.response_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage()}
+        if self.chat and self.prompt_logprobs:  # one conversation, so one prompt
+            body["prompt_logprobs"] = self._prompt_logprobs(finals[0])
+        return body
 
     def usage(self) -> dict:
         outputs = list(self.latest.values())
@@ -143,10 +147,26 @@ class Generation:
             if self.logprobs is not None and entries is not None:
                 opening["logprobs"] = self._completion_logprobs(ids, entries, 0)
         if self.prompt_logprobs and entries is not None:
-            opening["prompt_logprobs"] = [None if entry is None else {
-                str(token): {"logprob": logprob, "decoded_token": self._token_text(token)}
-                for token, logprob in entry.items()} for entry in entries]
+            opening["prompt_logprobs"] = self._prompt_logprobs(output)
         return opening
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list[dict | None]:
+        """vLLM's shape: per prompt token (None for the first), token id -> logprob, rank
+        and decoded text. The prompt token's rank comes from the engine; an alternative's is
+        its place among the entry's (every more likely token is among them too)."""
+        result = []
+        for entry, token, rank in zip(output.prompt_logprobs, output.prompt_token_ids,
+                                      output.prompt_token_ranks, strict=True):
+            if entry is None:
+                result.append(None)
+                continue
+            ranks = {t: place for place, t in enumerate(sorted(entry, key=entry.get,
+                                                               reverse=True), start=1)}
+            ranks[token] = rank
+            result.append({str(t): {"logprob": logprob, "rank": ranks[t],
+                                    "decoded_token": self._token_text(t)}
+                           for t, logprob in entry.items()})
+        return result
 
     def _envelope(self) -> dict:
         return {"id": self.response_id,

@@ -19,7 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, ReplicaStatus
 from engine.pool_mirror import PoolMirror, PoolReader
 
 # vLLM's buckets, so dashboards built for it read ours the same way.
@@ -29,18 +29,38 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-LABELS = ["model_name"]
+# Every engine series carries the replica that produced it ("0" for a single engine).
+LABELS = ["model_name", "replica"]
+GAUGES = (
+    ("num_requests_running", "Requests with a sequence in the running batch."),
+    ("num_requests_waiting", "Requests waiting for their (re)admission."),
+    ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
+    # Tokens stored over token slots: the gap to block usage is the free room in partly
+    # filled last blocks, which block_size trades against.
+    ("kv_cache_token_usage_perc", "Fraction of KV token slots holding a token (0-1)."),
+)
+COUNTERS = (  # (series, EngineCounters field, help)
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests that got a first token."),
+    ("generation_tokens", "generation_tokens", "Generated tokens."),
+    ("prefix_cache_queries", "prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "preemptions", "Sequences preempted."),
+    ("step_failures", "step_failures", "Engine steps that raised."),
+    ("engine_steps", "num_steps", "Engine steps run."),
+)
 # As vLLM does: no `_created` series next to every counter and histogram (they double the
 # output and no dashboard reads them).
 disable_created_metrics()
 
 
 class EngineMetrics:
-    """A Prometheus collector over one AsyncEngine.
+    """A Prometheus collector over an AsyncEngine or a ReplicaSet, one series per replica.
 
-    Gauges come from a mirror of the pool kept from the engine's per-step deltas (a scrape
-    never makes the engine thread copy the pool), counters from the engine's monotonic
-    totals, histograms from the finished-request feed drained at each scrape.
+    Gauges come from a mirror of each live replica's pool kept from its per-step deltas (a
+    scrape never makes an engine thread copy its pool), counters from each replica's
+    monotonic totals, histograms from the finished-request feed drained at each scrape
+    (each record names its replica).
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
@@ -57,19 +77,22 @@ class EngineMetrics:
                 ("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS),
                 ("request_queue_time_seconds", "Arrival to first scheduling.",
                  LATENCY_BUCKETS))}
-        self._pool = PoolReader(engine)
-        self._snapshot: PoolMirror | None = None
+        self._pools = [PoolReader(engine, replica) for replica in range(engine.num_replicas)]
+        self._mirrors: list[tuple[int, PoolMirror]] = []  # (replica, its pool)
+        self._statuses: list[ReplicaStatus] = []
         self._scrape_lock = asyncio.Lock()  # the mirror moves only between scrapes
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
     async def render(self) -> bytes:
         async with self._scrape_lock:
-            # A dead replica's pool feed ends: follow a live one so the gauges stay current.
-            live = [status.replica for status in self.engine.replica_statuses() if status.alive]
-            if live and self._pool.replica not in live:
-                self._pool.focus(live[0])
-            self._snapshot = await asyncio.to_thread(self._pool.update)
+            self._statuses = self.engine.replica_statuses()
+            # A dead replica's pool feed is silent (waiting on it would stall the scrape):
+            # it has no gauges until it serves again.
+            live = [self._pools[status.replica] for status in self._statuses if status.alive]
+            mirrors = await asyncio.gather(*(asyncio.to_thread(pool.update) for pool in live))
+            self._mirrors = [(pool.replica, mirror) for pool, mirror in zip(live, mirrors, strict=True)
+                             if mirror.ready]
             return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
@@ -79,87 +102,74 @@ class EngineMetrics:
         config = {name: str(value) for name, value in self.engine.config.to_dict().items()}
         config.update(self.engine.resolved_identity())  # what "auto" and None became
         config["num_blocks"] = str(self.engine.memory_plan.num_blocks)
+        # Every replica runs the same config: one series, labelled by model only.
         info = InfoMetricFamily("kvscope:engine_config", "The engine's resolved knobs.",
-                                labels=LABELS)
+                                labels=["model_name"])
         info.add_metric([self.model_name], config)
         yield info
         up = GaugeMetricFamily("kvscope:replica_up", "1 while the engine replica serves, 0 "
                                "when it is down (engine.replicas).",
-                               labels=[*LABELS, "replica"])
-        for status in self.engine.replica_statuses():
+                               labels=LABELS)
+        for status in self._statuses:
             up.add_metric([self.model_name, str(status.replica)], float(status.alive))
         yield up
 
     def _gauges(self) -> Iterator[Metric]:
-        snapshot = self._snapshot
-        if snapshot is None:
-            return
-        running = {seq.request_id for seq in snapshot.sequences if seq.status == "running"}
-        waiting = {seq.request_id for seq in snapshot.sequences} - running
-        used_blocks = snapshot.count("used") + snapshot.count("shared")
-        token_slots = snapshot.num_blocks * snapshot.block_size
-        for name, doc, value in (
-            ("num_requests_running", "Requests with a sequence in the running batch.",
-             len(running)),
-            ("num_requests_waiting", "Requests waiting for their (re)admission.", len(waiting)),
-            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-             used_blocks / snapshot.num_blocks),
-            # Tokens stored over token slots: the gap to block usage is the free room in
-            # partly filled last blocks, which block_size trades against.
-            ("kv_cache_token_usage_perc", "Fraction of KV token slots holding a token (0-1).",
-             snapshot.num_used_tokens / token_slots),
-        ):
-            gauge = GaugeMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
-            gauge.add_metric([self.model_name], value)
-            yield gauge
+        gauges = {name: GaugeMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
+                  for name, doc in GAUGES}
+        for replica, pool in self._mirrors:
+            running = {seq.request_id for seq in pool.sequences if seq.status == "running"}
+            waiting = {seq.request_id for seq in pool.sequences} - running
+            used_blocks = pool.count("used") + pool.count("shared")
+            labels = [self.model_name, str(replica)]
+            gauges["num_requests_running"].add_metric(labels, len(running))
+            gauges["num_requests_waiting"].add_metric(labels, len(waiting))
+            gauges["kv_cache_usage_perc"].add_metric(labels, used_blocks / pool.num_blocks)
+            gauges["kv_cache_token_usage_perc"].add_metric(
+                labels, pool.num_used_tokens / (pool.num_blocks * pool.block_size))
+        yield from gauges.values()
 
     def _counters(self) -> Iterator[Metric]:
-        totals = self.engine.counters()
-        for name, doc, value in (
-            ("prompt_tokens", "Prompt tokens of requests that got a first token.",
-             totals.prompt_tokens),
-            ("generation_tokens", "Generated tokens.", totals.generation_tokens),
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             totals.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             totals.prefix_cache_hits),
-            ("num_preemptions", "Sequences preempted.", totals.preemptions),
-            ("step_failures", "Engine steps that raised.", totals.step_failures),
-            ("engine_steps", "Engine steps run.", totals.num_steps),
-        ):
-            counter = CounterMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
-            counter.add_metric([self.model_name], value)
-            yield counter
+        counters = {name: CounterMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
+                    for name, _, doc in COUNTERS}
         swaps = CounterMetricFamily("kvscope:swaps", "Sequences swapped out to or in from "
                                     "CPU memory.", labels=[*LABELS, "direction"])
-        swaps.add_metric([self.model_name, "out"], totals.swapped_out)
-        swaps.add_metric([self.model_name, "in"], totals.swapped_in)
-        yield swaps
         finished = CounterMetricFamily("kvscope:request_success", "Requests ended, by reason.",
                                        labels=[*LABELS, "finished_reason"])
-        for reason, count in sorted(totals.requests_finished.items()):
-            finished.add_metric([self.model_name, reason], count)
+        for status in self._statuses:  # a dead replica keeps its last totals (monotonic)
+            totals, labels = status.counters, [self.model_name, str(status.replica)]
+            for name, field, _ in COUNTERS:
+                counters[name].add_metric(labels, getattr(totals, field))
+            swaps.add_metric([*labels, "out"], totals.swapped_out)
+            swaps.add_metric([*labels, "in"], totals.swapped_in)
+            for reason, count in sorted(totals.requests_finished.items()):
+                finished.add_metric([*labels, reason], count)
+        yield from counters.values()
+        yield swaps
         yield finished
 
     def _histograms(self) -> Iterator[Metric]:
-        histograms = {name: h.labels(self.model_name) for name, h in self.histograms.items()}
         for record in self.finished_requests.drain():
             metrics = record.output.metrics
             if metrics is None:
                 continue
+            labels = (self.model_name, str(record.replica))
             if metrics.first_token_time is not None:
-                histograms["time_to_first_token_seconds"].observe(
+                self._histogram("time_to_first_token_seconds", labels).observe(
                     metrics.first_token_time - metrics.arrival_time)
             if metrics.first_scheduled_time is not None:
-                histograms["request_queue_time_seconds"].observe(
+                self._histogram("request_queue_time_seconds", labels).observe(
                     metrics.first_scheduled_time - metrics.arrival_time)
             if metrics.finished_time is not None:
-                histograms["e2e_request_latency_seconds"].observe(
+                self._histogram("e2e_request_latency_seconds", labels).observe(
                     metrics.finished_time - metrics.arrival_time)
             for latency in record.inter_token_latencies:
-                histograms["inter_token_latency_seconds"].observe(latency)
+                self._histogram("inter_token_latency_seconds", labels).observe(latency)
         for histogram in self.histograms.values():
             yield from histogram.collect()
+
+    def _histogram(self, name: str, labels: tuple[str, str]):
+        return self.histograms[name].labels(*labels)
 
 
 def metrics_router(metrics: EngineMetrics) -> APIRouter:

@@ -232,6 +232,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = None  # vLLM's: on the response, not on its choices
     add_special_tokens: bool = False  # the chat template holds the special tokens
 
     def conversation(self) -> list[dict[str, str]]:
@@ -240,5 +241,9 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         max_tokens = (self.max_tokens if self.max_completion_tokens is None
                       else self.max_completion_tokens)
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: a chat chunk has no place for them, so they "
+                             "are not available with stream=true (as in vLLM)")
         return self.sampling_params(defaults, max_tokens,
-                                    (self.top_logprobs or 0) if self.logprobs else None)
+                                    (self.top_logprobs or 0) if self.logprobs else None,
+                                    prompt_logprobs=self.prompt_logprobs)

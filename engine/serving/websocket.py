@@ -1,6 +1,7 @@
 """WS /ws/events: step records and the pool's per-step deltas (each at most 10 messages
-a second), a sliced pool snapshot when a client connects or falls behind, and a full
-EngineSnapshot on request ({"type": "snapshot"}: costly on a large pool)."""
+a second), a sliced pool snapshot when a client connects or falls behind, a ReplicaSet's
+routing decisions, and a full EngineSnapshot on request ({"type": "snapshot"}: costly on
+a large pool)."""
 
 import asyncio
 import dataclasses
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from engine.async_engine import AsyncEngine
+from engine.replicas.router import RoutingDecision
 from engine.serving.pool_messages import pool_messages
 from engine.streams import Channel
 from engine.telemetry import EngineSnapshot, StepRecord
@@ -30,6 +32,14 @@ def step_message(records: list[StepRecord], num_dropped: int) -> str:
 
 def _record_dict(record: StepRecord) -> dict:
     return {**dataclasses.asdict(record), "duration": record.duration}
+
+
+def routing_message(decisions: list[RoutingDecision], num_dropped: int) -> str:
+    """Where the router sent each request: the chosen replica, the prompt's full blocks,
+    and every candidate's matched prefix blocks, load and score (engine.replicas.router)."""
+    return json.dumps({"type": "routing", "num_dropped": num_dropped, "decisions": [
+        {**dataclasses.asdict(decision), "matched_blocks": decision.matched_blocks}
+        for decision in decisions]})
 
 
 def snapshot_message(snapshot: EngineSnapshot) -> str:
@@ -51,16 +61,23 @@ def events_router(engine: AsyncEngine) -> APIRouter:
         records = engine.subscribe_steps(CLIENT_QUEUE_RECORDS)
         pool = engine.subscribe_pool(CLIENT_QUEUE_RECORDS)  # starts with a pool snapshot
         send_lock = asyncio.Lock()  # the tasks below share one socket
+        channels = [records, pool]
         tasks = [asyncio.create_task(_send_pool(websocket, engine, pool, send_lock)),
                  asyncio.create_task(_send_steps(websocket, records, send_lock)),
                  asyncio.create_task(_answer_requests(websocket, engine, send_lock))]
+        if hasattr(engine, "subscribe_decisions"):  # only engine.replicas.ReplicaSet routes
+            decisions = engine.subscribe_decisions(CLIENT_QUEUE_RECORDS)
+            channels.append(decisions)
+            tasks.append(asyncio.create_task(_forward(
+                websocket, decisions, send_lock,
+                lambda batch, dropped: [routing_message(batch, dropped)])))
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         except WebSocketDisconnect:
             pass
         finally:
-            records.close()
-            pool.close()
+            for channel in channels:
+                channel.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -19,3 +19,11 @@ void rotary_embedding(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& s
 void silu_and_mul(const at::Tensor& x, at::Tensor out);
 void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias, at::Tensor out);
+void int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                 const at::Tensor& offsets, int64_t group_size,
+                 const std::optional<at::Tensor>& bias, at::Tensor out);
+void int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& bias, at::Tensor out);
+void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales,
+                     const at::Tensor& offsets, int64_t group_size, at::Tensor out);
+void int8_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::Tensor out);
