@@ -145,6 +145,16 @@ class KVScope:
         config["attention_backend"] = engine.runner.attention_backend.name
         return config
 
+    def weight_bytes_per_step(self) -> int:
+        """What one decode step reads of this engine's (possibly packed) weights: every
+        parameter, less the embedding table unless the logits reuse it (tied)."""
+        runner = self.llm.engine.runner
+        model = runner.model
+        if getattr(model, "tied", True):  # OPT has no flag: its output projection is tied
+            return runner.weight_bytes
+        table = model.get_submodule("model.embed_tokens")
+        return runner.weight_bytes - sum(p.numel() * p.element_size() for p in table.parameters())
+
     def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
         if self.llm.engine.config.enable_prefix_caching:
             self.llm.engine.kv_cache.pool.reset_cache()
@@ -446,6 +456,12 @@ def single_stream(args, workload: Workload, backends: dict, report: dict) -> Non
     for name, result_ in results.items():
         if name != "llama_cpp":  # its weights are a 4-bit GGUF: another byte count
             result_["share_of_bandwidth_limit"] = round(result_[key] / limit, 3)
+    if args.quantization not in (None, "none") and "kvscope" in backends:
+        # Packed weights: kvscope's own limit counts the bytes it actually reads.
+        packed = backends["kvscope"].weight_bytes_per_step()
+        report["model_costs"]["kvscope_weight_bytes_per_step"] = packed
+        results["kvscope"]["share_of_bandwidth_limit"] = round(
+            results["kvscope"][key] * packed / bandwidth, 3)
 
 
 def main(argv=None) -> None:
