@@ -130,15 +130,15 @@ class ModelRunner:
             self.model.load_state_dict(state)
             logger.info("packed %s weights read from %s", config.quantization, cache)
             return
-        self.model.load_weights(self.checkpoint_weights(config))
+        self.model.load_weights(self.checkpoint_weights(source))
         pack_model(self.model, self.dtype, self.device)
         if cache is not None:
             store_packed(self.model, cache)
 
-    def checkpoint_weights(self, config: EngineConfig):
-        """The HF folder's tensors; for a quantized Llama GGUF, the file's own blocks instead
-        (Q4_1 layers then pack into int4 without a round trip through fp32)."""
-        source = gguf_file(config.model) if config.quantization != "none" else None
+    def checkpoint_weights(self, source):
+        """The HF folder's tensors; for a quantized model's Llama GGUF (`source`, else None),
+        the file's own blocks instead (Q4_1 layers then pack into int4 without a round trip
+        through fp32)."""
         if source is not None and gguf_architecture(source) in GGUF_ARCHITECTURES:
             logger.info("reading the quantized blocks of %s directly", source)
             return iter_gguf_weights(source, self.hf_config)
@@ -165,7 +165,7 @@ class ModelRunner:
     def _cached_peak_activations(self, num_tokens: int, max_model_len: int,
                                  max_seqs: int) -> int:
         key = profile_key(self.model_path, self.dtype, self.device,
-                          kernels.attention_backend_name(self.device),
+                          self.attention_backend.name,
                           {"num_tokens": num_tokens, "max_model_len": max_model_len,
                            "max_num_seqs": max_seqs, **self.quantization})
         peak = load_peak(key)
