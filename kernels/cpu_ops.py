@@ -76,6 +76,12 @@ def int8_dequantize(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     return out
 
 
+def rounds_activations_to_int8() -> bool:
+    """Whether this build's int4 / int8 linears round bf16 activations to int8, one scale per
+    32 values (llama.cpp's Q8_0), for VNNI dot products; otherwise they compute exactly."""
+    return torch.ops.kvscope.rounds_activations_to_int8()
+
+
 _fakes_registered = False
 
 

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 from torch import nn
 
@@ -118,6 +119,75 @@ def test_int8_kernel_equals_the_plain_torch_twin(out_features, in_features, dtyp
         x = torch.randn(rows, in_features).to(dtype)
         out = cpu_ops.int8_linear(x, layer.weight, layer.scales, bias)
         assert_close(out, x.float() @ dense.T + bias.float(), dtype)
+
+
+def blockwise_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded as the VNNI kernels round it: per block of 32 values d = max|x| / 127 and
+    q = round(x * (1 / d)), ties to even. Returns (q * d, d per value)."""
+    rows, width = x.shape
+    blocks = F.pad(x.float(), (0, -width % 32)).view(rows, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = (blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))).round()
+    return ((q * d).view(rows, -1)[:, :width],
+            d.expand_as(blocks).reshape(rows, -1)[:, :width])
+
+
+def uneven_activations(rows: int, width: int) -> torch.Tensor:
+    """bf16 rows whose 32-value blocks differ in magnitude by up to 1000x: a block dotted
+    with another block's scale shows."""
+    generator = torch.Generator().manual_seed(rows * 1000 + width)
+    magnitude = 10 ** torch.empty(rows, -(-width // 32)).uniform_(-2, 1, generator=generator)
+    x = torch.randn(rows, width, generator=generator)
+    return (x * magnitude.repeat_interleave(32, 1)[:, :width]).bfloat16()
+
+
+def assert_activation_rounding(out: torch.Tensor, x: torch.Tensor, scaled: torch.Tensor,
+                               exact_rest: torch.Tensor) -> None:
+    """out = x @ scaled.T + exact_rest, with x rounded per block (blockwise_int8) in the
+    VNNI build and exact otherwise; bf16 output, so up to its rounding (2^-8 relative)."""
+    exact = x.float() @ scaled.T + exact_rest
+    rounded, d = blockwise_int8(x)
+    bf16_rounding = 2.0 ** -8 * exact.abs() + 1e-6 * exact.abs().max()
+    # Half a step of each value's block, times its weight: the most rounding can move it.
+    bound = (d / 2) @ scaled.abs().T
+    assert ((out.float() - exact).abs() <= bound * 1.001 + bf16_rounding).all()
+    if cpu_ops.rounds_activations_to_int8():
+        expected = rounded @ scaled.T + exact_rest
+        assert ((out.float() - expected).abs() <= 2.0 ** -8 * expected.abs()
+                + 1e-5 * expected.abs().max()).all()
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "group_size"),
+                         [(37, 256, 32), (70, 96, 32), (21, 384, 128), (16, 576, 64)])
+def test_int4_kernel_with_bf16_rounds_activations_per_block(out_features, in_features,
+                                                            group_size):
+    blocks = quantize_int4(random_weight(out_features, in_features, seed=3), group_size)
+    layer = Int4Linear(in_features, [out_features], bias=False, group_size=group_size)
+    layer.load_part("weight", 0, blocks)
+    pack_model(layer, torch.bfloat16, CPU)
+    scaled = (blocks.q.float().view(out_features, -1, group_size)
+              * blocks.scale.unsqueeze(-1)).view(out_features, in_features)
+    for rows in range(1, KERNEL_MAX_ROWS + 2):
+        x = uneven_activations(rows, in_features)
+        out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, None)
+        # The offsets multiply x's exact group sums.
+        offsets = x.float().view(rows, -1, group_size).sum(-1) @ blocks.offset.T
+        assert_activation_rounding(out, x, scaled, offsets)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 75), (5, 32), (64, 8),
+                                                           (19, 576), (3, 200)])
+def test_int8_kernel_with_bf16_rounds_activations_per_block(out_features, in_features):
+    q, scale = quantize_int8(random_weight(out_features, in_features, seed=4))
+    layer = Int8Linear(in_features, [out_features], bias=False)
+    layer.load_part("weight", 0, q.float() * scale.unsqueeze(-1))
+    pack_model(layer, torch.bfloat16, CPU)
+    assert torch.equal(layer.weight, q)
+    for rows in range(1, KERNEL_MAX_ROWS + 2):
+        x = uneven_activations(rows, in_features)
+        out = cpu_ops.int8_linear(x, layer.weight, layer.scales, None)
+        assert_activation_rounding(out, x, q.float() * layer.scales.unsqueeze(-1),
+                                   torch.zeros(rows, out_features))
 
 
 def test_int4_kernel_reads_strided_rows_and_refuses_bad_layouts():

@@ -8,6 +8,13 @@
 // nibble) of 32 consecutive inputs (GGUF's Q4 order); weight = q * scale + offset with an
 // fp16 scale and offset per group of inputs (Q4_0 / Q4_1 blocks copy in exactly).
 // int8: one int8 per weight, weight = q * scale with one fp32 scale per output row.
+//
+// bf16 activations on a CPU with AVX512-VNNI (Zen 4, Ice Lake and later) take llama.cpp's
+// route: each row of x is rounded to int8 once per call, with one scale per 32 values (Q8_0),
+// and vpdpbusd multiplies 64 raw weight bytes by 64 of those per instruction, summing into
+// int32; only the block sums are scaled in fp32. That rounding of the activations is the one
+// approximation (tests/test_quantization.py bounds it). fp32 activations, and CPUs without
+// VNNI, keep the exact path: weights widened to fp32 (GCC vector extensions, any CPU).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -15,7 +22,10 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// The build is -march=native (kernels/cpu_extension.py, cached per CPU), so these are the
+// running CPU's own features; elsewhere the portable path compiles alone.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVSCOPE_VNNI_DOTS 1
 #include <immintrin.h>
 #endif
 
@@ -34,11 +44,12 @@ using kvscope::store;
 
 constexpr int kMaxRows = 8;     // rows of x dotted with each weight while it is loaded
 constexpr int64_t kChunk = 32;  // int4 weights in one 16-byte chunk
-// Fewest weight bytes one thread streams per call. On a busy 2-core machine a parallel
-// region waits for a descheduled worker: measured (bench/quantized_linear.py), a 1.8 MB
-// layer took 2.3x longer on 2 threads than on 1, the 28 MB lm_head half as long. So only
-// layers of several MB split.
-constexpr int64_t kBytesPerTask = 4 << 20;
+// Fewest weight bytes one thread streams per call: every layer of a small model splits
+// across the threads, as the dense one-row kernel's (64 rows of bf16 weights, ~72 KB for a
+// 576-wide layer) do. Splitting costs a parallel region (a few us on an idle core) and halves
+// the layer's streaming time; on a busy machine a region can wait for a descheduled worker,
+// but then the dense path waits the same way.
+constexpr int64_t kBytesPerTask = 64 << 10;
 
 int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kBytesPerTask / row_bytes); }
 
@@ -136,15 +147,6 @@ void store_block(T* out, int64_t out_stride, int64_t first, int64_t count,
 
 int64_t padded_groups(int64_t groups) { return (groups + 15) / 16 * 16; }
 
-// `extra` folded into `lanes`' width, added to it.
-inline f32x16 fold(f32x16 extra, f32x16 lanes) { return lanes + extra; }
-inline f32x8 fold(f32x16 extra, f32x8 lanes) {
-  f32x8 low, high;
-  std::memcpy(&low, &extra, sizeof(low));
-  std::memcpy(&high, reinterpret_cast<const char*>(&extra) + sizeof(low), sizeof(high));
-  return lanes + low + high;
-}
-
 // float16 bits to fp32, 16 at a time (a rebias of the exponent by multiplying with 2^112):
 // exact for every finite value, subnormals included, and scales and offsets are finite.
 inline f32x16 widen_halves16(const at::Half* p) {
@@ -159,42 +161,14 @@ void widen_halves(const at::Half* p, int64_t count, float* out) {
   for (; i < count; ++i) out[i] = static_cast<float>(p[i]);
 }
 
-// out[m, n] for M rows of x and output rows [begin, end). With weight = q * scale + offset,
-// x . w = sum over chunks of scale * (x . q) + sum over groups of offset * sum(x): the
-// second sum needs x's group sums only (xsum), so the inner loop is the nibbles' dots.
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-constexpr bool kBf16Dot = true;
-
-// The dot of one 32-weight chunk with 32 bf16 values of x, on a CPU with AVX512-BF16
-// (Zen 4, Sapphire Rapids): each nibble q becomes the bf16 number 128 + q by OR-ing 0x4300
-// into it (exact: 128..143 need 8 significant bits, bf16's count), and vdpbf16ps multiplies
-// 16 of those by 16 of x's values and adds pairs into 8 fp32 lanes in one instruction, a
-// third of the work of widening both to fp32. The extra 128 * sum(x) comes off with the
-// offsets (int4_rows). The products are exact; only the fp32 sums round.
-inline __m256 bf16_chunk_dot(__m256i bytes, const bf16* x) {
-  const __m256i bf16_128 = _mm256_set1_epi16(0x4300);
-  const __m256i low = _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi16(15)), bf16_128);
-  const __m256i high = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), bf16_128);
-  const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-  const __m256 dot = _mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)low, (__m256bh)x_low);
-  return _mm256_dpbf16_ps(dot, (__m256bh)high, (__m256bh)x_high);
-}
-#else
-constexpr bool kBf16Dot = false;
-#endif
-
-// out[m, n] for M rows of x and output rows [begin, end). With weight = q * scale + offset,
-// x . w = sum over chunks of scale * (x . q) + sum over groups of offset * sum(x): the
-// second sum needs x's group sums only (xsum), so the inner loop is the nibbles' dots,
-// in fp32 (xf, x widened) or, for bf16 x where the CPU has it, as bf16 dot products.
+// out[m, n] for M rows of x and output rows [begin, end), exactly: weights widened to fp32.
+// With weight = q * scale + offset, x . w = sum over chunks of scale * (x . q) + sum over
+// groups of offset * sum(x): the second sum needs x's group sums only (xsum), so the inner
+// loop is the nibbles' dots.
 template <int M, typename T>
-void int4_rows(const T* x, int64_t x_stride, const float* xf, const float* xsum, int64_t in,
-               const uint8_t* weight, const at::Half* scales, const at::Half* offsets,
-               int group_shift, const T* bias, T* out, int64_t out_stride, int64_t begin,
-               int64_t end) {
-  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
-  using Lanes = std::conditional_t<bf16_dot, f32x8, f32x16>;  // what a chunk's dot fills
+void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* weight,
+               const at::Half* scales, const at::Half* offsets, int group_shift, const T* bias,
+               T* out, int64_t out_stride, int64_t begin, int64_t end) {
   const int64_t chunks = in / kChunk, groups = chunks >> group_shift;
   // One block's scales and offsets, [row][group], with 16 zeros after the last row: a
   // row's offsets are read in whole vectors, whatever ran past `groups` meets zeros in xsum.
@@ -208,25 +182,14 @@ void int4_rows(const T* x, int64_t x_stride, const float* xf, const float* xsum,
       const uint8_t* row = weight + (first + i) * in / 2;
       const float* row_scale = scale.data() + i * groups;
       // Even and odd chunks add into separate accumulators: two dependent chains, not one.
-      Lanes even[M] = {}, odd[M] = {};
-      auto add_chunk = [&](int64_t c, Lanes* acc) {
+      f32x16 even[M] = {}, odd[M] = {};
+      auto add_chunk = [&](int64_t c, f32x16* acc) {
         const float s = row_scale[c >> group_shift];  // a scalar operand: broadcast in the op
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-        if constexpr (bf16_dot) {
-          const __m256i bytes = _mm256_cvtepu8_epi16(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * kChunk / 2)));
-          for (int m = 0; m < M; ++m)
-            acc[m] += (f32x8)bf16_chunk_dot(bytes, x + m * x_stride + c * kChunk) * s;
-          return;
-        }
-#endif
-        if constexpr (!bf16_dot) {
-          const u8x16 packed = load_vector<u8x16>(row + c * kChunk / 2);
-          const f32x16 low = widen16(packed & 15), high = widen16(packed >> 4);
-          for (int m = 0; m < M; ++m) {
-            const float* xm = xf + m * in + c * kChunk;
-            acc[m] += (low * load16(xm) + high * load16(xm + 16)) * s;
-          }
+        const u8x16 packed = load_vector<u8x16>(row + c * kChunk / 2);
+        const f32x16 low = widen16(packed & 15), high = widen16(packed >> 4);
+        for (int m = 0; m < M; ++m) {
+          const float* xm = xf + m * in + c * kChunk;
+          acc[m] += (low * load16(xm) + high * load16(xm + 16)) * s;
         }
       };
       int64_t c = 0;
@@ -238,69 +201,30 @@ void int4_rows(const T* x, int64_t x_stride, const float* xf, const float* xsum,
       const float* row_offset = offset.data() + i * groups;
       for (int m = 0; m < M; ++m) {
         f32x16 shift = {};
-        for (int64_t g = 0; g < groups; g += 16) {
-          f32x16 o = load16(row_offset + g);
-          if constexpr (bf16_dot) o -= 128.f * load16(row_scale + g);  // dots summed 128 + q
-          shift += o * load16(xsum + m * padded_groups(groups) + g);
-        }
-        y[m][i] = sum_lanes(fold(shift, even[m] + odd[m]));
+        for (int64_t g = 0; g < groups; g += 16)
+          shift += load16(row_offset + g) * load16(xsum + m * padded_groups(groups) + g);
+        y[m][i] = sum_lanes(even[m] + odd[m] + shift);
       }
     }
     store_block<M>(out, out_stride, first, count, y, bias);
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// The dot of 32 int8 weights with 32 bf16 values of x, with AVX512-BF16: u = q + 128 splits
-// into nibbles, u = 16 * high + low; the high ones become the exact bf16 number
-// 2048 + 16 * high (bits 0x4500 | high), the low ones 128 + low (as in int4), and two dot
-// products with the same x sum (2048 + 16 * high + 128 + low) * x = (q + 2304) * x.
-inline __m256 bf16_int8_dot(const int8_t* w, const bf16* x) {
-  const __m256i bytes = _mm256_xor_si256(
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), _mm256_set1_epi8(-128));
-  __m256 dot = _mm256_setzero_ps();
-  for (int half = 0; half < 2; ++half) {
-    const __m256i u = _mm256_cvtepu8_epi16(half == 0 ? _mm256_castsi256_si128(bytes)
-                                                     : _mm256_extracti128_si256(bytes, 1));
-    const __m256i low = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi16(15)),
-                                        _mm256_set1_epi16(0x4300));
-    const __m256i high = _mm256_or_si256(_mm256_srli_epi16(u, 4), _mm256_set1_epi16(0x4500));
-    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * half));
-    dot = _mm256_dpbf16_ps(dot, (__m256bh)low, (__m256bh)xs);
-    dot = _mm256_dpbf16_ps(dot, (__m256bh)high, (__m256bh)xs);
-  }
-  return dot;
-}
-#endif
-
-// xmain[m]: the sum of x's first in / 32 * 32 values, which the bf16 dots count 2304 times.
 template <int M, typename T>
-void int8_rows(const T* x, int64_t x_stride, const float* xf, const float* xmain, int64_t in,
-               const int8_t* weight, const float* scales, const T* bias, T* out,
-               int64_t out_stride, int64_t begin, int64_t end) {
-  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, bf16>;
-  using Lanes = std::conditional_t<bf16_dot, f32x8, f32x16>;
+void int8_rows(const float* xf, int64_t in, const int8_t* weight, const float* scales,
+               const T* bias, T* out, int64_t out_stride, int64_t begin, int64_t end) {
   for (int64_t first = begin; first < end; first += kRowBlock) {
     const int64_t count = std::min(kRowBlock, end - first);
     float y[M][kRowBlock];
     for (int64_t i = 0; i < count; ++i) {
       const int8_t* row = weight + (first + i) * in;
       // Even and odd 32-weight chunks add into separate accumulators (two chains).
-      Lanes even[M] = {}, odd[M] = {};
-      auto add_chunk = [&](int64_t k, Lanes* acc) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-        if constexpr (bf16_dot) {
-          for (int m = 0; m < M; ++m)
-            acc[m] += (f32x8)bf16_int8_dot(row + k, x + m * x_stride + k);
-          return;
-        }
-#endif
-        if constexpr (!bf16_dot) {
-          const f32x16 a = widen_signed16(row + k);
-          const f32x16 b = widen_signed16(row + k + 16);
-          for (int m = 0; m < M; ++m)
-            acc[m] += a * load16(xf + m * in + k) + b * load16(xf + m * in + k + 16);
-        }
+      f32x16 even[M] = {}, odd[M] = {};
+      auto add_chunk = [&](int64_t k, f32x16* acc) {
+        const f32x16 a = widen_signed16(row + k);
+        const f32x16 b = widen_signed16(row + k + 16);
+        for (int m = 0; m < M; ++m)
+          acc[m] += a * load16(xf + m * in + k) + b * load16(xf + m * in + k + 16);
       };
       int64_t k = 0;
       for (; k + 64 <= in; k += 64) {
@@ -312,7 +236,7 @@ void int8_rows(const T* x, int64_t x_stride, const float* xf, const float* xmain
         k += 32;
       }
       for (int m = 0; m < M; ++m) {
-        float sum = sum_lanes(even[m] + odd[m]) - (bf16_dot ? 2304.f * xmain[m] : 0.f);
+        float sum = sum_lanes(even[m] + odd[m]);
         for (int64_t tail = k; tail < in; ++tail) sum += row[tail] * xf[m * in + tail];
         y[m][i] = sum * scales[first + i];
       }
@@ -320,6 +244,171 @@ void int8_rows(const T* x, int64_t x_stride, const float* xf, const float* xmain
     store_block<M>(out, out_stride, first, count, y, bias);
   }
 }
+
+#if defined(KVSCOPE_VNNI_DOTS)
+constexpr int64_t kBlock = 32;  // activations share one int8 scale per 32 values (Q8_0)
+
+// Rows of bf16 x rounded to int8, llama.cpp's Q8_0: per block of 32 values d = max|x| / 127
+// and q = round(x * (1 / d)), ties to even; values past `in` are zeros. A block is one
+// 256-bit vpdpbusd operand, in x's own order, which is also the order a Q4 chunk unpacks in
+// (low nibbles: weights 0..15, high nibbles: 16..31). 256-bit rather than 512-bit dots: on
+// Zen 4 both move the same bytes per cycle, and one block per dot needs only its scalar
+// scales (broadcast in the multiply), where two would need a lane shuffle per dot.
+struct Int8Rows {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;           // [rows][blocks * 32]
+  std::vector<float> scales;       // [rows][blocks]: d
+  std::vector<float> block_sums;   // [rows][blocks]: fp32 sums of x's own values
+  float scaled_q_sums[kMaxRows] = {};  // per row: sum over blocks of d * sum(q)
+};
+
+inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? 0xFFFF : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
+
+Int8Rows quantize_rows(const bf16* x, int64_t x_stride, int rows, int64_t in) {
+  Int8Rows r;
+  r.blocks = (in + kBlock - 1) / kBlock;
+  r.q.assign(rows * r.blocks * kBlock, 0);
+  r.scales.assign(rows * r.blocks, 0.f);
+  r.block_sums.assign(rows * r.blocks, 0.f);
+  for (int m = 0; m < rows; ++m) {
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const bf16* values = x + m * x_stride + b * kBlock;
+      const int64_t count = std::min(kBlock, in - b * kBlock);
+      const __m512 low = load_bf16x16(values, first_lanes(count));
+      const __m512 high = load_bf16x16(values + 16, first_lanes(count - 16));
+      const float d =
+          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high))) / 127.f;
+      const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+      const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+      const int64_t at = m * r.blocks + b;
+      r.scales[at] = d;
+      r.block_sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
+      r.scaled_q_sums[m] +=
+          d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
+      int8_t* block = r.q.data() + at * kBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block), _mm512_cvtsepi32_epi8(q_low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + 16), _mm512_cvtsepi32_epi8(q_high));
+    }
+  }
+  return r;
+}
+
+// int4 rows with VNNI: per chunk, its 32 nibbles (u8 0..15) times the 32 int8 of x in one
+// vpdpbusd per row of x; the int32 sums are scaled by the block's activation scale and the
+// chunk's weight scale. The offsets' term uses x's exact group sums.
+template <int M>
+void int4_rows_vnni(const Int8Rows& xq, const float* xsum, int64_t in, const uint8_t* weight,
+                    const at::Half* scales, const at::Half* offsets, int group_shift,
+                    const bf16* bias, bf16* out, int64_t out_stride, int64_t begin,
+                    int64_t end) {
+  const int64_t chunks = in / kChunk, groups = chunks >> group_shift;
+  // One block's scales and offsets, [row][group], with 16 zeros after the last row: a
+  // row's offsets are read in whole vectors, whatever ran past `groups` meets zeros in xsum.
+  std::vector<float> scale(kRowBlock * groups + 16, 0.f), offset(kRowBlock * groups + 16, 0.f);
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int64_t first = begin; first < end; first += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, end - first);
+    widen_halves(scales + first * groups, count * groups, scale.data());
+    widen_halves(offsets + first * groups, count * groups, offset.data());
+    float y[M][kRowBlock];
+    for (int64_t i = 0; i < count; ++i) {
+      const uint8_t* row = weight + (first + i) * in / 2;
+      const float* row_scale = scale.data() + i * groups;
+      __m256 even[M], odd[M];  // two dependent chains per row of x, not one
+      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+      auto add_chunk = [&](int64_t c, __m256* acc) {
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+        const __m256i q = _mm256_and_si256(
+            _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1),
+            nibble);
+        const __m256 w_scale = _mm256_set1_ps(row_scale[c >> group_shift]);
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * xq.blocks + c;
+          const __m256i dot = _mm256_dpbusd_epi32(
+              _mm256_setzero_si256(), q,
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock)));
+          acc[m] = _mm256_fmadd_ps(
+              _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.scales[at])), w_scale,
+              acc[m]);
+        }
+      };
+      int64_t c = 0;
+      for (; c + 2 <= chunks; c += 2) {
+        add_chunk(c, even);
+        add_chunk(c + 1, odd);
+      }
+      if (c < chunks) add_chunk(c, even);
+      const float* row_offset = offset.data() + i * groups;
+      for (int m = 0; m < M; ++m) {
+        __m512 shift = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g += 16)
+          shift = _mm512_fmadd_ps(_mm512_loadu_ps(row_offset + g),
+                                  _mm512_loadu_ps(xsum + m * padded_groups(groups) + g), shift);
+        const __m256 folded = _mm256_add_ps(_mm512_castps512_ps256(shift),
+                                            _mm512_extractf32x8_ps(shift, 1));
+        y[m][i] = sum_lanes(_mm256_add_ps(_mm256_add_ps(even[m], odd[m]), folded));
+      }
+    }
+    store_block<M>(out, out_stride, first, count, y, bias);
+  }
+}
+
+// int8 rows with VNNI: vpdpbusd wants one unsigned operand, so the weights are flipped to
+// u = q + 128 (one xor per block) and the extra 128 * (x's rounded sum) comes off once per
+// output: sum_b d_b * (u . q_x) = x . w + 128 * sum_b d_b * sum(q_x), the last independent of
+// the weight row (scaled_q_sums).
+template <int M>
+void int8_rows_vnni(const Int8Rows& xq, int64_t in, const int8_t* weight, const float* scales,
+                    const bf16* bias, bf16* out, int64_t out_stride, int64_t begin,
+                    int64_t end) {
+  const int64_t blocks = xq.blocks, full_blocks = in / kBlock;
+  const __mmask32 tail = static_cast<__mmask32>((1ull << (in % kBlock)) - 1);
+  const __m256i flip = _mm256_set1_epi8(-128);
+  for (int64_t first = begin; first < end; first += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, end - first);
+    float y[M][kRowBlock];
+    for (int64_t i = 0; i < count; ++i) {
+      const int8_t* row = weight + (first + i) * in;
+      __m256 even[M], odd[M];
+      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+      auto add_block = [&](int64_t b, __m256* acc) {
+        // Bytes past `in` load as zeros (their x is zero too).
+        const __m256i w = b < full_blocks
+            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock))
+            : _mm256_maskz_loadu_epi8(tail, row + b * kBlock);
+        const __m256i u = _mm256_xor_si256(w, flip);
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * blocks + b;
+          const __m256i dot = _mm256_dpbusd_epi32(
+              _mm256_setzero_si256(), u,
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock)));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.scales[at]),
+                                   acc[m]);
+        }
+      };
+      int64_t b = 0;
+      for (; b + 2 <= blocks; b += 2) {
+        add_block(b, even);
+        add_block(b + 1, odd);
+      }
+      if (b < blocks) add_block(b, even);
+      for (int m = 0; m < M; ++m)
+        y[m][i] = (sum_lanes(_mm256_add_ps(even[m], odd[m])) - 128.f * xq.scaled_q_sums[m]) *
+                  scales[first + i];
+    }
+    store_block<M>(out, out_stride, first, count, y, bias);
+  }
+}
+#endif
+
 
 // Calls body(std::integral_constant<int, rows>) for rows in 1..kMaxRows: each row count
 // is a compile-time constant, so its accumulators stay in registers.
@@ -331,28 +420,53 @@ void with_rows(int rows, Body&& body) {
   body(std::integral_constant<int, M>{});
 }
 
+// Whether bf16 activations are rounded to int8 for VNNI dot products on this build.
+bool rounds_activations_to_int8() {
+#if defined(KVSCOPE_VNNI_DOTS)
+  return true;
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                       const at::Tensor& offsets, int64_t group_size, const T* bias,
                       at::Tensor& out) {
   const int64_t in = x.size(1), out_features = weight.size(0), groups = in / group_size;
+  const int group_shift = __builtin_ctzll(group_size / kChunk);
   for (int64_t first = 0; first < x.size(0); first += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
-    const std::vector<float> xf = widen(elements<T>(x) + first * x.stride(0), x.stride(0),
-                                        rows, in);
-    // Zeros past `groups` in each row (int4_rows reads whole vectors).
+    const T* x_rows = elements<T>(x) + first * x.stride(0);
+    T* y = elements<T>(out) + first * out.stride(0);
+    // x's group sums (for the offsets), zeros past `groups` in each row (read as vectors).
     std::vector<float> xsum(rows * padded_groups(groups), 0.f);
+#if defined(KVSCOPE_VNNI_DOTS)
+    if constexpr (std::is_same_v<T, bf16>) {
+      const Int8Rows xq = quantize_rows(x_rows, x.stride(0), rows, in);
+      for (int m = 0; m < rows; ++m)
+        for (int64_t c = 0; c < xq.blocks; ++c)
+          xsum[m * padded_groups(groups) + (c >> group_shift)] += xq.block_sums[m * xq.blocks + c];
+      with_rows(rows, [&](auto rows_constant) {
+        constexpr int M = decltype(rows_constant)::value;
+        at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
+          int4_rows_vnni<M>(xq, xsum.data(), in, weight.data_ptr<uint8_t>(),
+                            scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
+                            group_shift, bias, y, out.stride(0), begin, end);
+        });
+      });
+      continue;
+    }
+#endif
+    const std::vector<float> xf = widen(x_rows, x.stride(0), rows, in);
     for (int m = 0; m < rows; ++m)
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k)
           xsum[m * padded_groups(groups) + g] += xf[m * in + k];
-    const int group_shift = __builtin_ctzll(group_size / kChunk);
-    T* y = elements<T>(out) + first * out.stride(0);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
-        int4_rows<M, T>(elements<T>(x) + first * x.stride(0), x.stride(0), xf.data(),
-                        xsum.data(), in, weight.data_ptr<uint8_t>(),
+        int4_rows<M, T>(xf.data(), xsum.data(), in, weight.data_ptr<uint8_t>(),
                         scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
                         group_shift, bias, y, out.stride(0), begin, end);
       });
@@ -366,22 +480,32 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
   const int64_t in = x.size(1), out_features = weight.size(0);
   for (int64_t first = 0; first < x.size(0); first += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
-    const std::vector<float> xf = widen(elements<T>(x) + first * x.stride(0), x.stride(0),
-                                        rows, in);
-    float xmain[kMaxRows] = {};
-    for (int m = 0; m < rows; ++m)
-      for (int64_t k = 0; k < in / 32 * 32; ++k) xmain[m] += xf[m * in + k];
+    const T* x_rows = elements<T>(x) + first * x.stride(0);
     T* y = elements<T>(out) + first * out.stride(0);
+#if defined(KVSCOPE_VNNI_DOTS)
+    if constexpr (std::is_same_v<T, bf16>) {
+      const Int8Rows xq = quantize_rows(x_rows, x.stride(0), rows, in);
+      with_rows(rows, [&](auto rows_constant) {
+        constexpr int M = decltype(rows_constant)::value;
+        at::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
+          int8_rows_vnni<M>(xq, in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
+                            y, out.stride(0), begin, end);
+        });
+      });
+      continue;
+    }
+#endif
+    const std::vector<float> xf = widen(x_rows, x.stride(0), rows, in);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       at::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
-        int8_rows<M, T>(elements<T>(x) + first * x.stride(0), x.stride(0), xf.data(), xmain,
-                        in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y,
-                        out.stride(0), begin, end);
+        int8_rows<M, T>(xf.data(), in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                        bias, y, out.stride(0), begin, end);
       });
     });
   }
 }
+
 
 void check_rows(const at::Tensor& x, const at::Tensor& weight, int64_t in,
                 const std::optional<at::Tensor>& bias, const at::Tensor& out, const char* op) {
@@ -530,6 +654,7 @@ TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.def("int4_dequantize(Tensor weight, Tensor scales, Tensor offsets, int group_size, "
         "Tensor(a!) out) -> ()");
   m.def("int8_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("rounds_activations_to_int8() -> bool", &rounds_activations_to_int8);
 }
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
