@@ -8,9 +8,14 @@ as JSON:
   batched_tok_s         bench/throughput.py's kvscope workload (its defaults unless the
                         --num-requests / --max-prompt / --max-output flags shrink it)
   perplexity            of the model on a fixed English text that ships with Python
-                        (its LICENSE.txt), first --ppl-tokens tokens, teacher-forced
-  agreement             greedy continuations of 16 prompts against the first mode's
-                        (fp32): mean position of the first differing token (= the
+                        (its LICENSE.txt), first --ppl-tokens tokens, teacher-forced in
+                        one prefill (many rows: the packed layers' de-quantize + GEMM path)
+  perplexity_streamed   the same, fed KERNEL_MAX_ROWS tokens per forward: the streaming
+                        kernels a decode runs, whose bf16 activations are rounded to int8
+                        per 32 values on VNNI CPUs (so that rounding's cost shows here)
+  agreement             greedy continuations of 16 prompts, KERNEL_MAX_ROWS at a time (so
+                        decode steps stream, as a single stream does), against the first
+                        mode's (fp32): mean position of the first differing token (= the
                         length when none differs) and how many are identical
   weight_mb, pool_blocks the packed weights the memory plan subtracted, and the KV pool
 
@@ -37,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.throughput import KVScope, make_workload  # noqa: E402
 from bench.throughput import parse_args as throughput_args  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.models.quantized import KERNEL_MAX_ROWS  # noqa: E402
 
 logger = logging.getLogger("bench.quantization")
 DEFAULT_MODES = "fp32=none/float32,bf16=none/bfloat16,int8=int8/bfloat16,int4=int4/bfloat16"
@@ -74,24 +80,31 @@ def single_stream(llm: LLM, tokens: int, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def perplexity(llm: LLM, token_ids: list[int]) -> float:
-    """exp(mean negative log-likelihood) of each token given the ones before it, in one
-    prefill over the engine's own KV cache (no request holds a block at this point)."""
+def perplexity(llm: LLM, token_ids: list[int], tokens_per_forward: int) -> float:
+    """exp(mean negative log-likelihood) of each token given the ones before it, in
+    forwards of `tokens_per_forward` tokens over the engine's own KV cache (no request
+    holds a block at this point)."""
     runner = llm.engine.runner
     block_size = runner.block_size
     table = list(range(-(-len(token_ids) // block_size)))
-    input_ids, positions, meta = runner._flat_inputs(
-        [(0, len(token_ids), table)], block_size, token_ids=lambda *_: token_ids)
-    logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
+    logits = []
+    for start in range(0, len(token_ids), tokens_per_forward):
+        end = min(start + tokens_per_forward, len(token_ids))
+        input_ids, positions, meta = runner._flat_inputs(
+            [(start, end, table)], block_size, token_ids=lambda _, a, b: token_ids[a:b])
+        logits.append(runner.model.compute_logits(runner.model(input_ids, positions, meta)))
     targets = torch.tensor(token_ids[1:])
-    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), targets)
+    nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1].float(), targets)
     llm.engine.kv_cache.pool.reset_cache()
     return float(torch.exp(nll))
 
 
 def greedy_continuations(llm: LLM, tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids
+            for start in range(0, len(PROMPTS), KERNEL_MAX_ROWS)
+            for o in llm.generate(PROMPTS[start:start + KERNEL_MAX_ROWS], params,
+                                  use_tqdm=False)]
 
 
 def first_divergence(reference: list[int], other: list[int]) -> int:
@@ -148,7 +161,8 @@ def main() -> None:
                "pool_blocks": llm.engine.memory_plan.num_blocks}
         tokens = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"][:args.ppl_tokens]
         report["perplexity_text"]["tokens"] = len(tokens)
-        row["perplexity"] = round(perplexity(llm, tokens), 3)
+        row["perplexity"] = round(perplexity(llm, tokens, len(tokens)), 3)
+        row["perplexity_streamed"] = round(perplexity(llm, tokens, KERNEL_MAX_ROWS), 3)
         continuations = greedy_continuations(llm, args.agreement_tokens)
         reference = reference or continuations
         positions = [first_divergence(r, c) for r, c in zip(reference, continuations)]
