@@ -46,14 +46,38 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def move_module(module: torch.nn.Module) -> None:
-    """Re-home the module's CPU parameters and buffers of at least one huge page (tied ones
-    once: they are the same tensor)."""
+    """Re-home the module's CPU parameters and buffers on huge pages (tied ones once: they
+    are the same tensor): each of at least one huge page on its own, the smaller ones side by
+    side in one shared region, in the module's order. A packed int4 layer is well under one
+    huge page, and a decode step streams every one of them."""
     seen: set[int] = set()
+    small = []
     for tensor in [*module.parameters(), *module.buffers()]:
-        if (id(tensor) in seen or tensor.device.type != "cpu"
-                or tensor.numel() * tensor.element_size() < HUGE_PAGE_BYTES):
+        if id(tensor) in seen or tensor.device.type != "cpu" or not tensor.is_contiguous():
             continue
         seen.add(id(tensor))
+        if tensor.numel() * tensor.element_size() < HUGE_PAGE_BYTES:
+            small.append(tensor)
+            continue
         moved = empty(tuple(tensor.shape), tensor.dtype)
+        moved.copy_(tensor.data)
+        tensor.data = moved
+    _share_region(small)
+
+
+_ALIGNMENT = 64  # a cache line: every tensor in a shared region starts on one
+
+
+def _share_region(tensors: list[torch.Tensor]) -> None:
+    starts, total = [], 0
+    for tensor in tensors:
+        starts.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // _ALIGNMENT) * _ALIGNMENT
+    if total < HUGE_PAGE_BYTES:
+        return
+    region = empty((total,), torch.uint8)
+    for tensor, start in zip(tensors, starts):
+        moved = region[start:start + tensor.numel() * tensor.element_size()]
+        moved = moved.view(tensor.dtype).view(tuple(tensor.shape))
         moved.copy_(tensor.data)
         tensor.data = moved

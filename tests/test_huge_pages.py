@@ -50,3 +50,16 @@ def test_moving_a_module_keeps_values_and_ties():
     assert head.weight is embedding.weight
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name])
+
+
+def test_small_tensors_share_one_huge_page_region():
+    layers = torch.nn.Sequential(*[torch.nn.Linear(256, 512) for _ in range(8)])  # 512 KiB each
+    before = [p.detach().clone() for p in layers.parameters()]
+    huge_pages.move_module(layers)
+    weights = [layer.weight for layer in layers]
+    assert weights[0].data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0  # the region's start
+    storage = weights[0].untyped_storage().data_ptr()
+    assert all(w.untyped_storage().data_ptr() == storage for w in weights)
+    assert all(p.data_ptr() % 64 == 0 for p in layers.parameters())
+    for p, value in zip(layers.parameters(), before):
+        assert torch.equal(p, value)
