@@ -141,53 +141,49 @@ def uneven_activations(rows: int, width: int) -> torch.Tensor:
     return (x * magnitude.repeat_interleave(32, 1)[:, :width]).bfloat16()
 
 
-def assert_activation_rounding(out: torch.Tensor, x: torch.Tensor, scaled: torch.Tensor,
-                               exact_rest: torch.Tensor) -> None:
-    """out = x @ scaled.T + exact_rest, with x rounded per block (blockwise_int8) in the
-    VNNI build and exact otherwise; bf16 output, so up to its rounding (2^-8 relative)."""
-    exact = x.float() @ scaled.T + exact_rest
+def assert_activation_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """out = x @ weight.T with x rounded per block (blockwise_int8) in the VNNI build, and
+    exact otherwise; the output is bf16, so up to its rounding (2^-8 relative)."""
+    exact = x.float() @ weight.T
     rounded, d = blockwise_int8(x)
     bf16_rounding = 2.0 ** -8 * exact.abs() + 1e-6 * exact.abs().max()
     # Half a step of each value's block, times its weight: the most rounding can move it.
-    bound = (d / 2) @ scaled.abs().T
+    bound = (d / 2) @ weight.abs().T
     assert ((out.float() - exact).abs() <= bound * 1.001 + bf16_rounding).all()
     if cpu_ops.rounds_activations_to_int8():
-        expected = rounded @ scaled.T + exact_rest
+        expected = rounded @ weight.T
         assert ((out.float() - expected).abs() <= 2.0 ** -8 * expected.abs()
                 + 1e-5 * expected.abs().max()).all()
 
 
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"),
-                         [(37, 256, 32), (70, 96, 32), (21, 384, 128), (16, 576, 64)])
+                         [(37, 256, 32), (70, 96, 32), (21, 384, 128), (16, 576, 64),
+                          (1, 128, 64)])
 def test_int4_kernel_with_bf16_rounds_activations_per_block(out_features, in_features,
                                                             group_size):
-    blocks = quantize_int4(random_weight(out_features, in_features, seed=3), group_size)
+    # Weights far from zero: the offsets carry most of each weight, and the rounded x's
+    # sums must meet them (x's own sums would leave an error of the offsets' size).
+    weight = random_weight(out_features, in_features, seed=3) + 4
     layer = Int4Linear(in_features, [out_features], bias=False, group_size=group_size)
-    layer.load_part("weight", 0, blocks)
+    layer.load_part("weight", 0, weight)
     pack_model(layer, torch.bfloat16, CPU)
-    scaled = (blocks.q.float().view(out_features, -1, group_size)
-              * blocks.scale.unsqueeze(-1)).view(out_features, in_features)
+    dense = layer.dequantized_weight(torch.float32)
     for rows in range(1, KERNEL_MAX_ROWS + 2):
         x = uneven_activations(rows, in_features)
         out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, None)
-        # The offsets multiply x's exact group sums.
-        offsets = x.float().view(rows, -1, group_size).sum(-1) @ blocks.offset.T
-        assert_activation_rounding(out, x, scaled, offsets)
+        assert_activation_rounding(out, x, dense)
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 75), (5, 32), (64, 8),
                                                            (19, 576), (3, 200)])
 def test_int8_kernel_with_bf16_rounds_activations_per_block(out_features, in_features):
-    q, scale = quantize_int8(random_weight(out_features, in_features, seed=4))
     layer = Int8Linear(in_features, [out_features], bias=False)
-    layer.load_part("weight", 0, q.float() * scale.unsqueeze(-1))
+    layer.load_part("weight", 0, random_weight(out_features, in_features, seed=4))
     pack_model(layer, torch.bfloat16, CPU)
-    assert torch.equal(layer.weight, q)
     for rows in range(1, KERNEL_MAX_ROWS + 2):
         x = uneven_activations(rows, in_features)
         out = cpu_ops.int8_linear(x, layer.weight, layer.scales, None)
-        assert_activation_rounding(out, x, q.float() * layer.scales.unsqueeze(-1),
-                                   torch.zeros(rows, out_features))
+        assert_activation_rounding(out, x, layer.dequantized_weight(torch.float32))
 
 
 def test_int4_kernel_reads_strided_rows_and_refuses_bad_layouts():

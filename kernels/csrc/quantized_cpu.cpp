@@ -258,8 +258,8 @@ struct Int8Rows {
   int64_t blocks = 0;
   std::vector<int8_t> q;           // [rows][blocks * 32]
   std::vector<float> scales;       // [rows][blocks]: d
-  std::vector<float> block_sums;   // [rows][blocks]: fp32 sums of x's own values
-  float scaled_q_sums[kMaxRows] = {};  // per row: sum over blocks of d * sum(q)
+  std::vector<float> block_sums;   // [rows][blocks]: d * sum(q), the rounded block's sum
+  float scaled_q_sums[kMaxRows] = {};  // per row: the rounded row's sum
 };
 
 inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
@@ -290,9 +290,9 @@ Int8Rows quantize_rows(const bf16* x, int64_t x_stride, int rows, int64_t in) {
       const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
       const int64_t at = m * r.blocks + b;
       r.scales[at] = d;
-      r.block_sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
-      r.scaled_q_sums[m] +=
+      r.block_sums[at] =
           d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
+      r.scaled_q_sums[m] += r.block_sums[at];
       int8_t* block = r.q.data() + at * kBlock;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(block), _mm512_cvtsepi32_epi8(q_low));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(block + 16), _mm512_cvtsepi32_epi8(q_high));
@@ -303,7 +303,10 @@ Int8Rows quantize_rows(const bf16* x, int64_t x_stride, int rows, int64_t in) {
 
 // int4 rows with VNNI: per chunk, its 32 nibbles (u8 0..15) times the 32 int8 of x in one
 // vpdpbusd per row of x; the int32 sums are scaled by the block's activation scale and the
-// chunk's weight scale. The offsets' term uses x's exact group sums.
+// chunk's weight scale. The offsets' term uses the rounded x's group sums (as llama.cpp's
+// Q8_1 does), so the result is the rounded x's exact dot with the de-quantized weights:
+// with x's own sums, the rounding would meet q * scale (0 to the group's range) instead of
+// the weight itself (centred near zero), a several times larger error.
 template <int M>
 void int4_rows_vnni(const Int8Rows& xq, const float* xsum, int64_t in, const uint8_t* weight,
                     const at::Half* scales, const at::Half* offsets, int group_shift,
