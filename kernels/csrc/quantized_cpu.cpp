@@ -9,7 +9,7 @@
 // fp16 scale and offset per group of inputs (Q4_0 / Q4_1 blocks copy in exactly).
 // int8: one int8 per weight, weight = q * scale with one fp32 scale per output row.
 #include <ATen/core/Tensor.h>
-#include "work_pool.h"
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -350,7 +350,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
     T* y = elements<T>(out) + first * out.stride(0);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
-      kvscope::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
         int4_rows<M, T>(elements<T>(x) + first * x.stride(0), x.stride(0), xf.data(),
                         xsum.data(), in, weight.data_ptr<uint8_t>(),
                         scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
@@ -374,7 +374,7 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
     T* y = elements<T>(out) + first * out.stride(0);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
-      kvscope::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
         int8_rows<M, T>(elements<T>(x) + first * x.stride(0), x.stride(0), xf.data(), xmain,
                         in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y,
                         out.stride(0), begin, end);
@@ -502,7 +502,7 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales,
   check_int4_weight(weight, scales, offsets, group_size, in, "int4_dequantize");
   check_dense_out(weight, in, out, "int4_dequantize");
   with_out_dtype(out, "int4_dequantize", [&](auto* y) {
-    kvscope::parallel_for(0, weight.size(0), grain(in / 2), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, weight.size(0), grain(in / 2), [&](int64_t begin, int64_t end) {
       int4_dequantize_rows(weight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
                            offsets.data_ptr<at::Half>(), group_size, in, y, begin, end);
     });
@@ -515,7 +515,7 @@ void int8_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::Ten
   const int64_t in = weight.size(1);
   check_dense_out(weight, in, out, "int8_dequantize");
   with_out_dtype(out, "int8_dequantize", [&](auto* y) {
-    kvscope::parallel_for(0, weight.size(0), grain(in), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, weight.size(0), grain(in), [&](int64_t begin, int64_t end) {
       int8_dequantize_rows(weight.data_ptr<int8_t>(), scales.data_ptr<float>(), in, y, begin,
                            end);
     });
