@@ -9,7 +9,11 @@ refresh handler (the function gr.Timer calls), and 16 requests kept in flight (a
 Reported per size (JSON on stdout):
 - engine_telemetry_ms_per_step: time the engine thread spends on telemetry, summed over
   the run and divided by its steps (step records, pool deltas, snapshots for readers);
-- engine_max_pause_ms: the longest single telemetry call on the engine thread;
+- engine_max_pause_ms: the longest single telemetry call on the engine thread, and what
+  it was: engine_max_pause_gc_ms of it went to garbage collections (on any thread: one
+  holds the GIL throughout) and engine_max_pause_gc_generation says the oldest collected;
+- gc: Python's collections during the measured part, per generation, the longest full
+  (generation 2) one and the objects a full collection walks (tracked minus frozen);
 - refresh_ms: a new tab's first refresh; every panel built afresh under load (a new
   renderer: nothing cached or throttled); an open tab's refresh under load, once a second
   (only panels whose data changed, as often as their cost allows); and while idle;
@@ -22,6 +26,7 @@ Usage:
 
 import argparse
 import functools
+import gc
 import importlib
 import json
 import logging
@@ -64,12 +69,56 @@ PROMPT_TOKENS = 96
 MAX_MODEL_LEN = 480
 
 
+class GcClock:
+    """Every garbage collection while installed: (generation, start, end, thread)."""
+
+    def __init__(self) -> None:
+        self.collections: list[tuple[int, float, float, str]] = []
+        self._started: dict[str, float] = {}
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        thread, now = threading.current_thread().name, time.perf_counter()
+        if phase == "start":
+            self._started[thread] = now
+        elif thread in self._started:
+            self.collections.append((info["generation"], self._started.pop(thread), now,
+                                     thread))
+
+    def reset(self) -> None:
+        self.collections = []
+
+    def within(self, start: float, end: float) -> tuple[float, int | None]:
+        """Seconds of [start, end] spent collecting, and the oldest generation collected."""
+        spent, oldest = 0.0, None
+        for generation, began, ended, _ in list(self.collections):
+            overlap = min(end, ended) - max(start, began)
+            if overlap > 0:
+                spent += overlap
+                oldest = max(generation, oldest if oldest is not None else -1)
+        return spent, oldest
+
+    def report(self) -> dict:
+        collections = list(self.collections)
+        full = [c for c in collections if c[0] == 2]
+        longest = max(full, key=lambda c: c[2] - c[1], default=None)
+        return {
+            "collections_per_generation": [sum(c[0] == g for c in collections)
+                                           for g in range(3)],
+            "full_max_ms": round(1e3 * (longest[2] - longest[1]), 1) if longest else 0.0,
+            "full_max_thread": longest[3] if longest else None,
+            "objects_a_full_collection_walks": len(gc.get_objects()) - gc.get_freeze_count(),
+            "frozen_objects": gc.get_freeze_count(),
+        }
+
+
 class TelemetryClock:
     """Wraps the engine's telemetry methods and sums their time on the engine thread."""
 
     def __init__(self) -> None:
         self.total = 0.0
         self.max_pause = 0.0
+        self.max_pause_window = (0.0, 0.0)
         self.lock = threading.Lock()
         for module_name, class_name, name in TELEMETRY_CALLS:
             owner = importlib.import_module(module_name)
@@ -87,15 +136,18 @@ class TelemetryClock:
             try:
                 return function(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - started
+                ended = time.perf_counter()
+                elapsed = ended - started
                 with self.lock:
                     self.total += elapsed
-                    self.max_pause = max(self.max_pause, elapsed)
+                    if elapsed > self.max_pause:
+                        self.max_pause, self.max_pause_window = elapsed, (started, ended)
         return timed
 
     def reset(self) -> None:
         with self.lock:
             self.total = self.max_pause = 0.0
+            self.max_pause_window = (0.0, 0.0)
 
 
 class Load:
@@ -161,7 +213,7 @@ def refresh(handler, shown):
 
 
 def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
-    clock = TelemetryClock.instance
+    clock, gc_clock = TelemetryClock.instance, GcClock.instance
     engine = AsyncEngine.from_config(EngineConfig(
         model=str(model), dtype="float32", device="cpu", block_size=1,
         num_gpu_blocks_override=num_blocks, max_model_len=MAX_MODEL_LEN,
@@ -173,6 +225,7 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
         load.start()
         time.sleep(3.0)  # every request admitted and decoding
         clock.reset()
+        gc_clock.reset()
         steps_before = engine.counters().num_steps
         tab = refresher(feed)
         first_s, first_bytes, shown = refresh(tab, None)
@@ -188,6 +241,8 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
             every_bytes.append(size)
         steps = engine.counters().num_steps - steps_before
         engine_total, engine_max = clock.total, clock.max_pause
+        pause_gc_s, pause_gc_generation = gc_clock.within(*clock.max_pause_window)
+        gc_report = gc_clock.report()
         load.stop()
         time.sleep(0.5)
         refresh(tab, shown)  # the tab catches up with the end of the load
@@ -196,6 +251,9 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
             "num_blocks": num_blocks, "steps": steps,
             "engine_telemetry_ms_per_step": round(1e3 * engine_total / max(steps, 1), 3),
             "engine_max_pause_ms": round(1e3 * engine_max, 2),
+            "engine_max_pause_gc_ms": round(1e3 * pause_gc_s, 2),
+            "engine_max_pause_gc_generation": pause_gc_generation,
+            "gc": gc_report,
             "refresh_ms": {"new_tab": round(1e3 * first_s, 1),
                            "every_panel_under_load_mean": round(1e3 * statistics.mean(every_s), 1),
                            "every_panel_under_load_max": round(1e3 * max(every_s), 1),
@@ -230,6 +288,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     TelemetryClock.instance = TelemetryClock()
+    GcClock.instance = GcClock()
     with tempfile.TemporaryDirectory() as folder:
         model = save_tiny_chat_model(Path(folder))
         results = []

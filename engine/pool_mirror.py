@@ -24,6 +24,13 @@ from engine.telemetry import (
 )
 
 STATES = ("free", "cached", "used", "shared")  # index = the state's code
+
+
+def hash_key(value: bytes) -> int:
+    """A block hash's first 8 bytes as an integer: numpy can sort and match a million of
+    them at once (hash values are unique among cached blocks; sha256 prefixes of 64 bits
+    collide with odds of ~1e-8 in a million-block pool, and only the drawing would err)."""
+    return int.from_bytes(value[:8], "little")
 NO_COUNTERS = PoolCounters(0, 0.0, 0, 1, 0, 0, 0, 0, 0, 0, {})
 
 
@@ -61,6 +68,11 @@ class PoolMirror:
         self.ref_counts = np.zeros(0, np.int32)
         self.hashed = np.zeros(0, bool)
         self.hashes: list[BlockHash | None] = []
+        # Each hashed block's hash_key and its parent's (has_parent False: a first block),
+        # kept with the hashes so the prefix tree links a million blocks in numpy.
+        self.hash_keys = np.zeros(0, np.uint64)
+        self.parent_keys = np.zeros(0, np.uint64)
+        self.has_parent = np.zeros(0, bool)
         self.live: dict[str, MirroredSequence] = {}
         # block id -> (seq id, logical index) of every block table entry pointing at it
         self.holders: dict[int, list[tuple[str, int]]] = {}
@@ -103,6 +115,9 @@ class PoolMirror:
         self.ref_counts = np.zeros(num_blocks, np.int32)
         self.hashed = np.zeros(num_blocks, bool)
         self.hashes = [None] * num_blocks
+        self.hash_keys = np.zeros(num_blocks, np.uint64)
+        self.parent_keys = np.zeros(num_blocks, np.uint64)
+        self.has_parent = np.zeros(num_blocks, bool)
         self.live, self.holders = {}, {}
         self.num_covered = min(covered, num_blocks)
         self.blocks_version += 1
@@ -114,8 +129,7 @@ class PoolMirror:
         self.hashed[start:stop] = False
         self.hashes[start:stop] = [None] * (stop - start)
         for block_id, block_hash in piece.hashes:
-            self.hashes[block_id] = block_hash
-            self.hashed[block_id] = True
+            self._set_hash(block_id, block_hash)
         self.num_covered = max(self.num_covered, stop)
         self.blocks_version += 1
 
@@ -133,11 +147,11 @@ class PoolMirror:
             return False
         self.next_index += 1
         self.counters = delta.counters
-        refs, hashed, hashes = self.ref_counts, self.hashed, self.hashes
+        refs, hashes = self.ref_counts, self.hashes
         for block_id, ref_count, block_hash in delta.blocks:
             refs[block_id] = ref_count
-            hashes[block_id] = block_hash
-            hashed[block_id] = block_hash is not None
+            if hashes[block_id] is not block_hash:  # most touches change the ref only
+                self._set_hash(block_id, block_hash)
         if delta.blocks:
             self.blocks_version += 1
         for change in delta.sequences:
@@ -149,6 +163,15 @@ class PoolMirror:
         if delta.sequences or delta.removed:
             self.sequences_version += 1
         return True
+
+    def _set_hash(self, block_id: int, block_hash: BlockHash | None) -> None:
+        self.hashes[block_id] = block_hash
+        self.hashed[block_id] = block_hash is not None
+        if block_hash is not None:
+            self.hash_keys[block_id] = hash_key(block_hash.value)
+            self.has_parent[block_id] = block_hash.parent is not None
+            if block_hash.parent is not None:
+                self.parent_keys[block_id] = hash_key(block_hash.parent)
 
     def _apply_sequence(self, change: SequenceChange) -> None:
         seq = self.live.get(change.seq_id)

@@ -37,7 +37,13 @@ from ui.figures import (
     prefix_tree,
 )
 from ui.palette import hover_text
-from ui.timeline import latency_stats, pool_series, request_timeline, timeline_spans
+from ui.timeline import (
+    MAX_TIMELINE_ROWS,
+    latency_stats,
+    pool_series,
+    request_timeline,
+    timeline_spans,
+)
 
 NUM_BLOCKS = 100
 BLOCK_SIZE = 4
@@ -174,6 +180,20 @@ def test_preemption_becomes_a_span_until_the_sequence_resumes() -> None:
     ])
     preempted = [s for s in spans if s.phase == "preempted"]
     assert [(s.start, s.end) for s in preempted] == [(1.5, 3)]
+
+
+def test_a_timeline_of_many_sequences_says_how_many_it_leaves_out() -> None:
+    records = [StepRecord(step, step, step + 0.5, (ScheduledChunk(
+        f"r{step}", f"r{step}", "prefill", 0, 4),), (), (), (), (), 4, 8, 1, 0, 7, 1, 0)
+        for step in range(MAX_TIMELINE_ROWS + 5)]
+    figure = request_timeline(records)
+    drawn = {row for trace in figure["data"] for row in trace["y"]}
+    assert drawn == {f"r{step}" for step in range(5, MAX_TIMELINE_ROWS + 5)}  # the latest
+    title = figure["layout"]["title"]["text"]
+    assert f"{MAX_TIMELINE_ROWS} latest of {MAX_TIMELINE_ROWS + 5} sequences" in title
+    assert "5 earlier in this window not drawn" in title
+    whole = request_timeline(records[-3:])["layout"]["title"]["text"]
+    assert whole == "Request timelines: 3 latest sequences"
 
 
 def test_latency_stats_and_series(run) -> None:
