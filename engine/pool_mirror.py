@@ -15,6 +15,7 @@ import numpy as np
 from engine.block_pool import BlockHash
 from engine.telemetry import (
     BlockInfo,
+    EngineSnapshot,
     PoolBase,
     PoolCounters,
     PoolDelta,
@@ -267,6 +268,17 @@ class PoolMirror:
             plain = ~self.hashed[table]
             np.maximum.at(fill, table[plain], stored[plain])
         return total + int(fill[used & ~self.hashed].sum())
+
+    def snapshot(self, replica: int = 0) -> EngineSnapshot:
+        """The mirror as a full EngineSnapshot (O(pool): for a reader that asked for one,
+        off the engine thread; the pool as of the last delta applied)."""
+        counters = self.counters
+        return EngineSnapshot(
+            counters.time, counters.step, counters.config, self.block_size, self.num_blocks,
+            tuple(self.block_info(block_id) for block_id in range(self.num_blocks)),
+            tuple(seq.info() for seq in self.live.values()), counters.num_running,
+            counters.num_waiting, counters.prefix_cache_queries, counters.prefix_cache_hits,
+            counters.num_preemptions, counters.num_evictions, replica)
 
     @property
     def blocks_saved_by_sharing(self) -> int:
