@@ -107,7 +107,7 @@ class GcClock:
                                            for g in range(3)],
             "full_max_ms": round(1e3 * (longest[2] - longest[1]), 1) if longest else 0.0,
             "full_max_thread": longest[3] if longest else None,
-            "objects_a_full_collection_walks": len(gc.get_objects()) - gc.get_freeze_count(),
+            "objects_a_full_collection_walks": len(gc.get_objects()),  # frozen excluded
             "frozen_objects": gc.get_freeze_count(),
         }
 

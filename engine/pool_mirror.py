@@ -169,10 +169,11 @@ class PoolMirror:
         self.hashes[block_id] = block_hash
         self.hashed[block_id] = block_hash is not None
         if block_hash is not None:
-            self.hash_keys[block_id] = hash_key(block_hash.value)
-            self.has_parent[block_id] = block_hash.parent is not None
-            if block_hash.parent is not None:
-                self.parent_keys[block_id] = hash_key(block_hash.parent)
+            value, parent, _ = block_hash
+            self.hash_keys[block_id] = hash_key(value)
+            self.has_parent[block_id] = parent is not None
+            if parent is not None:
+                self.parent_keys[block_id] = hash_key(parent)
 
     def _apply_sequence(self, change: SequenceChange) -> None:
         seq = self.live.get(change.seq_id)
@@ -233,7 +234,7 @@ class PoolMirror:
         there (the longest, if holders computed different amounts)."""
         block_hash = self.hashes[block_id]
         if block_hash is not None:
-            return block_hash.token_ids
+            return block_hash[2]
         size, best = self.block_size, ()
         for seq_id, index in self.holders.get(block_id, ()):
             seq = self.live[seq_id]
@@ -248,10 +249,9 @@ class PoolMirror:
         state = STATES[3 if ref_count > 1 else 2 if ref_count == 1 else
                        1 if block_hash is not None else 0]
         owners = tuple(dict.fromkeys(s for s, _ in self.holders.get(block_id, ())))
-        return BlockInfo(block_id, ref_count, state,
-                         block_hash.value.hex() if block_hash else None,
-                         block_hash.parent.hex() if block_hash and block_hash.parent else None,
-                         self.block_tokens(block_id), owners)
+        value, parent, _ = block_hash or (None, None, None)
+        return BlockInfo(block_id, ref_count, state, value.hex() if value else None,
+                         parent.hex() if parent else None, self.block_tokens(block_id), owners)
 
     @property
     def num_used_tokens(self) -> int:

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from conftest import heatmap_state_codes, plotly_array
 
-from engine.block_pool import BlockHash
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.pool_mirror import STATES, PoolMirror
@@ -231,7 +230,7 @@ def synthetic_mirror(num_blocks: int, sequences=(), seed: int = 0) -> PoolMirror
     hashes, parent = [], None
     for block_id in np.flatnonzero(hashed).tolist():
         value = block_id.to_bytes(16, "little")
-        hashes.append((block_id, BlockHash(value, parent, (block_id,))))
+        hashes.append((block_id, (value, parent, (block_id,))))
         parent = value if rng.random() < 0.9 else None  # a new chain now and then
     counters = PoolCounters(0, 0.0, num_blocks, 1, len(sequences), 0, 0, 0, 0, 0,
                             {"max_model_len": 64})
