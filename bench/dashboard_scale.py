@@ -12,8 +12,11 @@ Reported per size (JSON on stdout):
 - engine_max_pause_ms: the longest single telemetry call on the engine thread, and what
   it was: engine_max_pause_gc_ms of it went to garbage collections (on any thread: one
   holds the GIL throughout) and engine_max_pause_gc_generation says the oldest collected;
+  engine_max_pause_cpu_ms: the most CPU time the engine thread spent in one telemetry
+  call (on a shared machine the wall-clock pause also counts time the OS gave to others);
 - gc: Python's collections during the measured part, per generation, the longest full
-  (generation 2) one and the objects a full collection walks (tracked minus frozen);
+  (generation 2) one, in wall and CPU time, and the objects a full collection walks
+  (the tracked ones; frozen objects are not walked);
 - refresh_ms: a new tab's first refresh; every panel built afresh under load (a new
   renderer: nothing cached or throttled); an open tab's refresh under load, once a second
   (only panels whose data changed, as often as their cost allows); and while idle;
@@ -73,17 +76,17 @@ class GcClock:
     """Every garbage collection while installed: (generation, start, end, thread)."""
 
     def __init__(self) -> None:
-        self.collections: list[tuple[int, float, float, str]] = []
-        self._started: dict[str, float] = {}
+        self.collections: list[tuple[int, float, float, str, float]] = []
+        self._started: dict[str, tuple[float, float]] = {}
         gc.callbacks.append(self._note)
 
     def _note(self, phase: str, info: dict) -> None:
-        thread, now = threading.current_thread().name, time.perf_counter()
+        thread, now, cpu = threading.current_thread().name, time.perf_counter(), time.thread_time()
         if phase == "start":
-            self._started[thread] = now
+            self._started[thread] = now, cpu
         elif thread in self._started:
-            self.collections.append((info["generation"], self._started.pop(thread), now,
-                                     thread))
+            started, started_cpu = self._started.pop(thread)
+            self.collections.append((info["generation"], started, now, thread, cpu - started_cpu))
 
     def reset(self) -> None:
         self.collections = []
@@ -91,7 +94,7 @@ class GcClock:
     def within(self, start: float, end: float) -> tuple[float, int | None]:
         """Seconds of [start, end] spent collecting, and the oldest generation collected."""
         spent, oldest = 0.0, None
-        for generation, began, ended, _ in list(self.collections):
+        for generation, began, ended, *_ in list(self.collections):
             overlap = min(end, ended) - max(start, began)
             if overlap > 0:
                 spent += overlap
@@ -107,6 +110,7 @@ class GcClock:
                                            for g in range(3)],
             "full_max_ms": round(1e3 * (longest[2] - longest[1]), 1) if longest else 0.0,
             "full_max_thread": longest[3] if longest else None,
+            "full_max_cpu_ms": round(1e3 * max((c[4] for c in full), default=0.0), 1),
             "objects_a_full_collection_walks": len(gc.get_objects()),  # frozen excluded
             "frozen_objects": gc.get_freeze_count(),
         }
@@ -119,6 +123,7 @@ class TelemetryClock:
         self.total = 0.0
         self.max_pause = 0.0
         self.max_pause_window = (0.0, 0.0)
+        self.max_pause_cpu = 0.0
         self.lock = threading.Lock()
         for module_name, class_name, name in TELEMETRY_CALLS:
             owner = importlib.import_module(module_name)
@@ -132,21 +137,22 @@ class TelemetryClock:
         def timed(*args, **kwargs):
             if threading.current_thread().name != ENGINE_THREAD:
                 return function(*args, **kwargs)
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 return function(*args, **kwargs)
             finally:
                 ended = time.perf_counter()
-                elapsed = ended - started
+                elapsed, cpu = ended - started, time.thread_time() - started_cpu
                 with self.lock:
                     self.total += elapsed
+                    self.max_pause_cpu = max(self.max_pause_cpu, cpu)
                     if elapsed > self.max_pause:
                         self.max_pause, self.max_pause_window = elapsed, (started, ended)
         return timed
 
     def reset(self) -> None:
         with self.lock:
-            self.total = self.max_pause = 0.0
+            self.total = self.max_pause = self.max_pause_cpu = 0.0
             self.max_pause_window = (0.0, 0.0)
 
 
@@ -240,7 +246,7 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
             every_s.append(seconds)
             every_bytes.append(size)
         steps = engine.counters().num_steps - steps_before
-        engine_total, engine_max = clock.total, clock.max_pause
+        engine_total, engine_max, engine_max_cpu = clock.total, clock.max_pause, clock.max_pause_cpu
         pause_gc_s, pause_gc_generation = gc_clock.within(*clock.max_pause_window)
         gc_report = gc_clock.report()
         load.stop()
@@ -253,6 +259,7 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
             "engine_max_pause_ms": round(1e3 * engine_max, 2),
             "engine_max_pause_gc_ms": round(1e3 * pause_gc_s, 2),
             "engine_max_pause_gc_generation": pause_gc_generation,
+            "engine_max_pause_cpu_ms": round(1e3 * engine_max_cpu, 2),
             "gc": gc_report,
             "refresh_ms": {"new_tab": round(1e3 * first_s, 1),
                            "every_panel_under_load_mean": round(1e3 * statistics.mean(every_s), 1),
