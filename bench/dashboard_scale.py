@@ -19,7 +19,9 @@ Reported per size (JSON on stdout):
   (the tracked ones; frozen objects are not walked);
 - refresh_ms: a new tab's first refresh; every panel built afresh under load (a new
   renderer: nothing cached or throttled); an open tab's refresh under load, once a second
-  (only panels whose data changed, as often as their cost allows); and while idle;
+  (only panels whose data changed, as often as their cost allows); and while idle. Wall
+  clock, and *_cpu_mean: the refreshing thread's CPU time (without its waits for the GIL
+  and for a core);
 - bytes: the payload of each of those refreshes (skipped panels send nothing).
 
 Usage:
@@ -212,10 +214,11 @@ def refresher(feed: LiveFeed):
 
 
 def refresh(handler, shown):
-    started = time.perf_counter()
+    """(wall seconds, CPU seconds of this thread, payload bytes, the tab's signatures)."""
+    started, started_cpu = time.perf_counter(), time.thread_time()
     *values, signatures = handler(shown)
     size = payload_bytes(values)  # serialising is part of the refresh's cost
-    return time.perf_counter() - started, size, signatures
+    return time.perf_counter() - started, time.thread_time() - started_cpu, size, signatures
 
 
 def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
@@ -234,16 +237,18 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
         gc_clock.reset()
         steps_before = engine.counters().num_steps
         tab = refresher(feed)
-        first_s, first_bytes, shown = refresh(tab, None)
-        load_s, load_bytes, every_s, every_bytes = [], [], [], []
+        first_s, _, first_bytes, shown = refresh(tab, None)
+        load_s, load_cpu, load_bytes, every_s, every_cpu, every_bytes = [], [], [], [], [], []
         for _ in range(refreshes):
             time.sleep(1.0)
-            seconds, size, shown = refresh(tab, shown)
+            seconds, cpu, size, shown = refresh(tab, shown)
             load_s.append(seconds)
+            load_cpu.append(cpu)
             load_bytes.append(size)
             # Every panel built afresh (a new renderer, nothing cached or throttled).
-            seconds, size, _ = refresh(refresher(feed), None)
+            seconds, cpu, size, _ = refresh(refresher(feed), None)
             every_s.append(seconds)
+            every_cpu.append(cpu)
             every_bytes.append(size)
         steps = engine.counters().num_steps - steps_before
         engine_total, engine_max, engine_max_cpu = clock.total, clock.max_pause, clock.max_pause_cpu
@@ -252,7 +257,7 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
         load.stop()
         time.sleep(0.5)
         refresh(tab, shown)  # the tab catches up with the end of the load
-        idle_s, idle_bytes, _ = refresh(tab, refresh(tab, shown)[2])
+        idle_s, _, idle_bytes, _ = refresh(tab, refresh(tab, shown)[3])
         return {
             "num_blocks": num_blocks, "steps": steps,
             "engine_telemetry_ms_per_step": round(1e3 * engine_total / max(steps, 1), 3),
@@ -264,8 +269,11 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
             "refresh_ms": {"new_tab": round(1e3 * first_s, 1),
                            "every_panel_under_load_mean": round(1e3 * statistics.mean(every_s), 1),
                            "every_panel_under_load_max": round(1e3 * max(every_s), 1),
+                           "every_panel_under_load_cpu_mean": round(
+                               1e3 * statistics.mean(every_cpu), 1),
                            "under_load_mean": round(1e3 * statistics.mean(load_s), 1),
                            "under_load_max": round(1e3 * max(load_s), 1),
+                           "under_load_cpu_mean": round(1e3 * statistics.mean(load_cpu), 1),
                            "idle": round(1e3 * idle_s, 1)},
             "bytes": {"new_tab": first_bytes,
                       "every_panel_under_load_mean": round(statistics.mean(every_bytes)),
