@@ -68,7 +68,9 @@ class PoolMirror:
         self.counters = NO_COUNTERS
         self.ref_counts = np.zeros(0, np.int32)
         self.hashed = np.zeros(0, bool)
-        self.hashes: list[BlockHash | None] = []
+        # An object array, not a list: the garbage collector does not traverse numpy
+        # arrays, and a full collection would visit each of a list's million entries.
+        self.hashes = np.full(0, None, object)  # BlockHash | None per block
         # Each hashed block's hash_key and its parent's (has_parent False: a first block),
         # kept with the hashes so the prefix tree links a million blocks in numpy.
         self.hash_keys = np.zeros(0, np.uint64)
@@ -115,7 +117,7 @@ class PoolMirror:
         self.epoch, self.counters, self.awaiting_base = epoch, counters, False
         self.ref_counts = np.zeros(num_blocks, np.int32)
         self.hashed = np.zeros(num_blocks, bool)
-        self.hashes = [None] * num_blocks
+        self.hashes = np.full(num_blocks, None, object)
         self.hash_keys = np.zeros(num_blocks, np.uint64)
         self.parent_keys = np.zeros(num_blocks, np.uint64)
         self.has_parent = np.zeros(num_blocks, bool)
@@ -128,7 +130,7 @@ class PoolMirror:
         start, stop = piece.start, piece.start + len(piece.ref_counts)
         self.ref_counts[start:stop] = piece.ref_counts
         self.hashed[start:stop] = False
-        self.hashes[start:stop] = [None] * (stop - start)
+        self.hashes[start:stop] = None
         for block_id, block_hash in piece.hashes:
             self._set_hash(block_id, block_hash)
         self.num_covered = max(self.num_covered, stop)
