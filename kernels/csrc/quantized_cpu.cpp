@@ -16,7 +16,7 @@
 // approximation (tests/test_quantization.py bounds it). fp32 activations, and CPUs without
 // VNNI, keep the exact path: weights widened to fp32 (GCC vector extensions, any CPU).
 #include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -44,11 +44,11 @@ using kvscope::store;
 
 constexpr int kMaxRows = 8;     // rows of x dotted with each weight while it is loaded
 constexpr int64_t kChunk = 32;  // int4 weights in one 16-byte chunk
-// Fewest weight bytes one thread streams per call: every layer of a small model splits
-// across the threads, as the dense one-row kernel's (64 rows of bf16 weights, ~72 KB for a
-// 576-wide layer) do. Splitting costs a parallel region (a few us on an idle core) and halves
-// the layer's streaming time; on a busy machine a region can wait for a descheduled worker,
-// but then the dense path waits the same way.
+// Fewest weight bytes one chunk of work streams: every layer of a small model splits across
+// the threads, as the dense one-row kernel's (64 rows of bf16 weights, ~72 KB for a 576-wide
+// layer) do. kvscope::parallel_for lets the caller take every chunk no helper has started,
+// so a descheduled helper no longer stalls a layer (the 4 MB gate this replaces was set
+// when at::parallel_for did).
 constexpr int64_t kBytesPerTask = 64 << 10;
 
 int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kBytesPerTask / row_bytes); }
@@ -452,7 +452,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
           xsum[m * padded_groups(groups) + (c >> group_shift)] += xq.block_sums[m * xq.blocks + c];
       with_rows(rows, [&](auto rows_constant) {
         constexpr int M = decltype(rows_constant)::value;
-        at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
+        kvscope::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
           int4_rows_vnni<M>(xq, xsum.data(), in, weight.data_ptr<uint8_t>(),
                             scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
                             group_shift, bias, y, out.stride(0), begin, end);
@@ -468,7 +468,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
           xsum[m * padded_groups(groups) + g] += xf[m * in + k];
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
-      at::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
+      kvscope::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
         int4_rows<M, T>(xf.data(), xsum.data(), in, weight.data_ptr<uint8_t>(),
                         scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
                         group_shift, bias, y, out.stride(0), begin, end);
@@ -490,7 +490,7 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
       const Int8Rows xq = quantize_rows(x_rows, x.stride(0), rows, in);
       with_rows(rows, [&](auto rows_constant) {
         constexpr int M = decltype(rows_constant)::value;
-        at::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
+        kvscope::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
           int8_rows_vnni<M>(xq, in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
                             y, out.stride(0), begin, end);
         });
@@ -501,7 +501,7 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
     const std::vector<float> xf = widen(x_rows, x.stride(0), rows, in);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
-      at::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
+      kvscope::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
         int8_rows<M, T>(xf.data(), in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                         bias, y, out.stride(0), begin, end);
       });
@@ -629,7 +629,7 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales,
   check_int4_weight(weight, scales, offsets, group_size, in, "int4_dequantize");
   check_dense_out(weight, in, out, "int4_dequantize");
   with_out_dtype(out, "int4_dequantize", [&](auto* y) {
-    at::parallel_for(0, weight.size(0), grain(in / 2), [&](int64_t begin, int64_t end) {
+    kvscope::parallel_for(0, weight.size(0), grain(in / 2), [&](int64_t begin, int64_t end) {
       int4_dequantize_rows(weight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
                            offsets.data_ptr<at::Half>(), group_size, in, y, begin, end);
     });
@@ -642,7 +642,7 @@ void int8_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::Ten
   const int64_t in = weight.size(1);
   check_dense_out(weight, in, out, "int8_dequantize");
   with_out_dtype(out, "int8_dequantize", [&](auto* y) {
-    at::parallel_for(0, weight.size(0), grain(in), [&](int64_t begin, int64_t end) {
+    kvscope::parallel_for(0, weight.size(0), grain(in), [&](int64_t begin, int64_t end) {
       int8_dequantize_rows(weight.data_ptr<int8_t>(), scales.data_ptr<float>(), in, y, begin,
                            end);
     });
