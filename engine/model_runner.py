@@ -7,6 +7,7 @@ import time
 import torch
 
 import kernels
+from engine import huge_pages
 from engine.config import EngineConfig
 from engine.gguf_weights import GGUF_ARCHITECTURES, gguf_architecture, iter_gguf_weights
 from engine.loader import (
@@ -91,6 +92,8 @@ class ModelRunner:
             self.model = architecture(self.hf_config, self.max_positions)
             quantize_model(self.model, config.quantization, config.quantization_group_size)
         self.load_weights(config)
+        if self.device.type == "cpu":
+            huge_pages.move_module(self.model)
         self.model.eval()
         # Packed quantized weights are (integer) parameters too, so this is what they occupy.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -206,9 +209,10 @@ class ModelRunner:
         self.kv_cache = None
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = None
-        self.kv_cache = torch.zeros(
-            2, len(self.attention_layers), num_blocks, block_size, self.num_kv_heads,
-            self.head_dim, dtype=self.dtype, device=self.device)
+        shape = (2, len(self.attention_layers), num_blocks, block_size, self.num_kv_heads,
+                 self.head_dim)
+        self.kv_cache = (huge_pages.zeros(shape, self.dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
         for index, layer in enumerate(self.attention_layers):
             layer.key_cache = self.kv_cache[0, index]
             layer.value_cache = self.kv_cache[1, index]

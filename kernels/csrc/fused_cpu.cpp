@@ -8,9 +8,12 @@
 #include "cpu_common.h"
 #include "cpu_ops.h"
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -198,23 +201,59 @@ inline float dot_row(const float* __restrict x, const T* __restrict w, int64_t s
   return sum;
 }
 
+#if defined(__AVX512BF16__)
+// bf16 x . bf16 w with vdpbf16ps: one instruction multiplies 32 pairs and adds them into 16
+// fp32 sums, so the weights need no widening to fp32 first. With the widening, one core
+// read the weights at ~75 % of its streaming bandwidth; with this, at about all of it. The
+// products are exact in fp32, as in dot_row; only the order of the fp32 sums differs.
+inline float dot_row_bf16(const kvscope::bf16* __restrict x, const kvscope::bf16* __restrict w,
+                          int64_t size) {
+  auto pairs = [](const kvscope::bf16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                    _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 128 <= size; k += 128)
+    for (int part = 0; part < 4; ++part)
+      sums[part] = _mm512_dpbf16_ps(sums[part], pairs(x + k + 32 * part), pairs(w + k + 32 * part));
+  for (; k + 32 <= size; k += 32) sums[0] = _mm512_dpbf16_ps(sums[0], pairs(x + k), pairs(w + k));
+  if (k < size) {  // the last < 32 elements, the rest of the vector zero
+    const __mmask32 tail = (1u << (size - k)) - 1u;
+    sums[1] = _mm512_dpbf16_ps(sums[1], (__m512bh)_mm512_maskz_loadu_epi16(tail, x + k),
+                               (__m512bh)_mm512_maskz_loadu_epi16(tail, w + k));
+  }
+  return _mm512_reduce_add_ps(
+      _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3])));
+}
+#endif
+
 template <typename T>
 void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, T* out,
                         int64_t out_stride, int64_t rows, int64_t in_features,
                         int64_t out_features) {
+  // dot(m, w): row m of x . weight row w.
+  auto each_output = [&](auto dot) {
+    at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const T* w = weight + n * in_features;
+        const float b = bias != nullptr ? load(bias[n]) : 0.f;
+        for (int64_t m = 0; m < rows; ++m) store(out[m * out_stride + n], dot(m, w) + b);
+      }
+    });
+  };
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, kvscope::bf16>) {
+    each_output([&](int64_t m, const T* w) {
+      return dot_row_bf16(x + m * x_stride, w, in_features);
+    });
+    return;
+  }
+#endif
   std::vector<float> xf(rows * in_features);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t k = 0; k < in_features; ++k)
       xf[m * in_features + k] = load(x[m * x_stride + k]);
-  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const T* w = weight + n * in_features;
-      const float b = bias != nullptr ? load(bias[n]) : 0.f;
-      for (int64_t m = 0; m < rows; ++m) {
-        const float* xm = xf.data() + m * in_features;
-        store(out[m * out_stride + n], dot_row(xm, w, in_features) + b);
-      }
-    }
+  each_output([&](int64_t m, const T* w) {
+    return dot_row(xf.data() + m * in_features, w, in_features);
   });
 }
 

@@ -9,11 +9,14 @@
 #include "cpu_ops.h"
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -69,6 +72,52 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict wei
   }
 }
 
+#if defined(__AVX512BF16__)
+// The lane sums of 16 vectors as one vector: out[i] = sum of partial[i]'s lanes. Each level
+// adds pairs of vectors after interleaving them, halving the count, so 16 scores cost 45
+// shuffles and adds instead of a horizontal sum apiece.
+inline __m512 sum_lanes_of_16(__m512* partial) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(partial[2 * i], partial[2 * i + 1]),
+                             _mm512_unpackhi_ps(partial[2 * i], partial[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d], each that lane's share
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // lanes [v(L0+L1), v(L2+L3), w(L0+L1), w(L2+L3)]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+// scores[i] = scale * (q . key_rows[i]) for i < n, bf16 query and keys: vdpbf16ps takes the
+// keys as they lie in the cache, with no widening to fp32, 32 products per instruction; the
+// products are exact and summed in fp32, like the portable path's.
+template <int kDim>
+inline void score_keys_bf16(const kvscope::bf16* query, const kvscope::bf16* const* key_rows,
+                            int n, float scale, float* scores) {
+  constexpr int kPairs = kDim / 32;
+  __m512bh q[kPairs];
+  for (int c = 0; c < kPairs; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
+  for (int first = 0; first < n; first += 16) {
+    const int count = std::min(16, n - first);
+    __m512 partial[16];
+    for (int i = 0; i < 16; ++i) {
+      partial[i] = _mm512_setzero_ps();
+      if (i >= count) continue;
+      for (int c = 0; c < kPairs; ++c)
+        partial[i] = _mm512_dpbf16_ps(
+            partial[i], q[c], (__m512bh)_mm512_loadu_si512(key_rows[first + i] + 32 * c));
+    }
+    _mm512_mask_storeu_ps(scores + first, static_cast<__mmask16>((1u << count) - 1u),
+                          _mm512_mul_ps(sum_lanes_of_16(partial), _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
 // One unit of work: query tokens [q_begin, q_end) of sequence `seq` (offsets within its
 // query), every query head of KV head `kv_head`, over keys [k_begin, k_end).
 struct WorkItem {
@@ -99,6 +148,12 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
               const KV* value_cache, const int32_t* tables, const int32_t* seq_lens,
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
               float* part_sum, Scratch& scratch) {
+#if defined(__AVX512BF16__)
+  constexpr bool kPairDots = std::is_same_v<Q, kvscope::bf16> &&
+                             std::is_same_v<KV, kvscope::bf16> && kDim > 0 && kDim % 32 == 0;
+#else
+  constexpr bool kPairDots = false;
+#endif
   const int G = L.group, D = kDim > 0 ? kDim : L.dim;
   const int start = starts[item.seq];
   const int query_len = starts[item.seq + 1] - start;
@@ -111,12 +166,14 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   std::fill_n(acc, static_cast<int64_t>(num_q) * D, 0.f);
   std::fill_n(row_max, num_q, -std::numeric_limits<float>::infinity());
   std::fill_n(row_sum, num_q, 0.f);
-  for (int t = item.q_begin; t < item.q_end; ++t)
-    for (int g = 0; g < G; ++g) {
-      const Q* src = query + static_cast<int64_t>(start + t) * L.query_stride + (item.kv_head * G + g) * D;
-      float* dst = q + (static_cast<int64_t>(t - item.q_begin) * G + g) * D;
-      for (int d = 0; d < D; ++d) dst[d] = load(src[d]) * scale;
-    }
+  // The query row j of this item: token q_begin + j / G, head kv_head * G + j % G.
+  auto query_row = [&](int j) {
+    const int t = item.q_begin + j / G, head = item.kv_head * G + j % G;
+    return query + static_cast<int64_t>(start + t) * L.query_stride + head * D;
+  };
+  if constexpr (!kPairDots)  // the portable path scores against scaled fp32 rows
+    for (int j = 0; j < num_q; ++j)
+      for (int d = 0; d < D; ++d) q[static_cast<int64_t>(j) * D + d] = load(query_row(j)[d]) * scale;
   // The last query token sees keys up to its own position.
   const int k_end = std::min(item.k_end, context + item.q_end);
   const int32_t* table = tables + static_cast<int64_t>(item.seq) * L.table_stride;
@@ -125,23 +182,45 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   float* keys = scratch.keys.data();
   float* values = scratch.values.data();
   float* scores = scratch.scores.data();
+  auto slot_offset = [&](int pos) {
+    return static_cast<int64_t>(table[pos / L.block_size]) * L.block_stride +
+           (pos % L.block_size) * L.slot_stride + item.kv_head * L.head_stride;
+  };
+  // Ask for the next chunk's rows while this one is computed: they sit in blocks anywhere
+  // in the pool, a pattern the hardware prefetcher cannot follow.
+  const int64_t row_bytes = static_cast<int64_t>(D) * sizeof(KV);
+  auto prefetch_chunk = [&](int chunk) {
+    for (int pos = chunk; pos < std::min(chunk + kKeyChunk, k_end); ++pos) {
+      const int64_t offset = slot_offset(pos);
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(key_cache + offset) + line);
+        __builtin_prefetch(reinterpret_cast<const char*>(value_cache + offset) + line);
+      }
+    }
+  };
   for (int chunk = item.k_begin; chunk < k_end; chunk += kKeyChunk) {
     const int n = std::min(kKeyChunk, k_end - chunk);
     for (int i = 0; i < n; ++i) {
-      const int pos = chunk + i;
-      const int64_t offset = static_cast<int64_t>(table[pos / L.block_size]) * L.block_stride +
-                             (pos % L.block_size) * L.slot_stride + item.kv_head * L.head_stride;
+      const int64_t offset = slot_offset(chunk + i);
       key_rows[i] = key_cache + offset;
       value_rows[i] = value_cache + offset;
     }
-    widen_rows(key_rows, n, D, keys);
+    prefetch_chunk(chunk + kKeyChunk);
+    if constexpr (!kPairDots) widen_rows(key_rows, n, D, keys);
     widen_rows(value_rows, n, D, values);
     for (int j = 0; j < num_q; ++j) {
       const int visible = context + item.q_begin + j / G + 1;  // keys [0, visible)
       const int m = std::min(n, visible - chunk);
       if (m <= 0) continue;
-      const float* qj = q + static_cast<int64_t>(j) * D;
-      for (int i = 0; i < m; ++i) scores[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
+#if defined(__AVX512BF16__)
+      if constexpr (kPairDots) {
+        score_keys_bf16<kDim>(query_row(j), key_rows, m, scale, scores);
+      }
+#endif
+      if constexpr (!kPairDots) {
+        const float* qj = q + static_cast<int64_t>(j) * D;
+        for (int i = 0; i < m; ++i) scores[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
+      }
       float chunk_max = row_max[j];
 #pragma omp simd reduction(max : chunk_max)
       for (int i = 0; i < m; ++i) chunk_max = std::max(chunk_max, scores[i]);
