@@ -309,3 +309,13 @@ def test_an_engine_never_started_shuts_down_at_once(core) -> None:
     idle.shutdown(timeout=1)
     idle._thread.join(5)
     assert not idle._thread.is_alive()
+
+
+def test_the_engine_thread_and_its_openmp_workers_carry_the_engine_name(engine) -> None:
+    list(engine.submit("name the threads", short(3)))
+    tasks = Path("/proc/self/task")
+    named = {task.name for task in tasks.iterdir()
+             if (task / "comm").read_text().strip() == "kvscope-engine"}
+    assert str(engine._thread.native_id) in named
+    assert (tasks / str(threading.get_native_id()) / "comm").read_text().strip() \
+        != "kvscope-engine"
