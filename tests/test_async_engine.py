@@ -159,6 +159,16 @@ def test_idle_engine_sleeps(engine) -> None:
     assert engine_thread_cpu_ticks(engine) - ticks <= 1  # one tick of rounding at most
 
 
+def test_the_engine_thread_and_its_openmp_workers_carry_the_engine_name(engine) -> None:
+    list(engine.submit("name the threads", short(3)))
+    tasks = Path("/proc/self/task")
+    named = {task.name for task in tasks.iterdir()
+             if (task / "comm").read_text().strip() == "kvscope-engine"}
+    assert str(engine._thread.native_id) in named
+    assert (tasks / str(threading.get_native_id()) / "comm").read_text().strip() \
+        != "kvscope-engine"
+
+
 def test_step_subscribers_get_records_and_a_slow_one_loses_the_oldest(engine) -> None:
     reader, laggard = engine.subscribe_steps(), engine.subscribe_steps(maxsize=3)
     list(engine.submit("feed me", short(10)))
@@ -310,12 +320,3 @@ def test_an_engine_never_started_shuts_down_at_once(core) -> None:
     idle._thread.join(5)
     assert not idle._thread.is_alive()
 
-
-def test_the_engine_thread_and_its_openmp_workers_carry_the_engine_name(engine) -> None:
-    list(engine.submit("name the threads", short(3)))
-    tasks = Path("/proc/self/task")
-    named = {task.name for task in tasks.iterdir()
-             if (task / "comm").read_text().strip() == "kvscope-engine"}
-    assert str(engine._thread.native_id) in named
-    assert (tasks / str(threading.get_native_id()) / "comm").read_text().strip() \
-        != "kvscope-engine"
