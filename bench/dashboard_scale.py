@@ -9,10 +9,19 @@ refresh handler (the function gr.Timer calls), and 16 requests kept in flight (a
 Reported per size (JSON on stdout):
 - engine_telemetry_ms_per_step: time the engine thread spends on telemetry, summed over
   the run and divided by its steps (step records, pool deltas, snapshots for readers);
-- engine_max_pause_ms: the longest single telemetry call on the engine thread;
+- engine_max_pause_ms: the longest single telemetry call on the engine thread, and what
+  it was: engine_max_pause_gc_ms of it went to garbage collections (on any thread: one
+  holds the GIL throughout) and engine_max_pause_gc_generation says the oldest collected;
+  engine_max_pause_cpu_ms: the most CPU time the engine thread spent in one telemetry
+  call (on a shared machine the wall-clock pause also counts time the OS gave to others);
+- gc: Python's collections during the measured part, per generation, the longest full
+  (generation 2) one, in wall and CPU time, and the objects a full collection walks
+  (the tracked ones; frozen objects are not walked);
 - refresh_ms: a new tab's first refresh; every panel built afresh under load (a new
   renderer: nothing cached or throttled); an open tab's refresh under load, once a second
-  (only panels whose data changed, as often as their cost allows); and while idle;
+  (only panels whose data changed, as often as their cost allows); and while idle. Wall
+  clock, and *_cpu_mean: the refreshing thread's CPU time (without its waits for the GIL
+  and for a core);
 - bytes: the payload of each of those refreshes (skipped panels send nothing).
 
 Usage:
@@ -22,6 +31,7 @@ Usage:
 
 import argparse
 import functools
+import gc
 import importlib
 import json
 import logging
@@ -64,12 +74,58 @@ PROMPT_TOKENS = 96
 MAX_MODEL_LEN = 480
 
 
+class GcClock:
+    """Every garbage collection while installed: (generation, start, end, thread)."""
+
+    def __init__(self) -> None:
+        self.collections: list[tuple[int, float, float, str, float]] = []
+        self._started: dict[str, tuple[float, float]] = {}
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        thread, now, cpu = threading.current_thread().name, time.perf_counter(), time.thread_time()
+        if phase == "start":
+            self._started[thread] = now, cpu
+        elif thread in self._started:
+            started, started_cpu = self._started.pop(thread)
+            self.collections.append((info["generation"], started, now, thread, cpu - started_cpu))
+
+    def reset(self) -> None:
+        self.collections = []
+
+    def within(self, start: float, end: float) -> tuple[float, int | None]:
+        """Seconds of [start, end] spent collecting, and the oldest generation collected."""
+        spent, oldest = 0.0, None
+        for generation, began, ended, *_ in list(self.collections):
+            overlap = min(end, ended) - max(start, began)
+            if overlap > 0:
+                spent += overlap
+                oldest = max(generation, oldest if oldest is not None else -1)
+        return spent, oldest
+
+    def report(self) -> dict:
+        collections = list(self.collections)
+        full = [c for c in collections if c[0] == 2]
+        longest = max(full, key=lambda c: c[2] - c[1], default=None)
+        return {
+            "collections_per_generation": [sum(c[0] == g for c in collections)
+                                           for g in range(3)],
+            "full_max_ms": round(1e3 * (longest[2] - longest[1]), 1) if longest else 0.0,
+            "full_max_thread": longest[3] if longest else None,
+            "full_max_cpu_ms": round(1e3 * max((c[4] for c in full), default=0.0), 1),
+            "objects_a_full_collection_walks": len(gc.get_objects()),  # frozen excluded
+            "frozen_objects": gc.get_freeze_count(),
+        }
+
+
 class TelemetryClock:
     """Wraps the engine's telemetry methods and sums their time on the engine thread."""
 
     def __init__(self) -> None:
         self.total = 0.0
         self.max_pause = 0.0
+        self.max_pause_window = (0.0, 0.0)
+        self.max_pause_cpu = 0.0
         self.lock = threading.Lock()
         for module_name, class_name, name in TELEMETRY_CALLS:
             owner = importlib.import_module(module_name)
@@ -83,19 +139,23 @@ class TelemetryClock:
         def timed(*args, **kwargs):
             if threading.current_thread().name != ENGINE_THREAD:
                 return function(*args, **kwargs)
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 return function(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - started
+                ended = time.perf_counter()
+                elapsed, cpu = ended - started, time.thread_time() - started_cpu
                 with self.lock:
                     self.total += elapsed
-                    self.max_pause = max(self.max_pause, elapsed)
+                    self.max_pause_cpu = max(self.max_pause_cpu, cpu)
+                    if elapsed > self.max_pause:
+                        self.max_pause, self.max_pause_window = elapsed, (started, ended)
         return timed
 
     def reset(self) -> None:
         with self.lock:
-            self.total = self.max_pause = 0.0
+            self.total = self.max_pause = self.max_pause_cpu = 0.0
+            self.max_pause_window = (0.0, 0.0)
 
 
 class Load:
@@ -154,14 +214,15 @@ def refresher(feed: LiveFeed):
 
 
 def refresh(handler, shown):
-    started = time.perf_counter()
+    """(wall seconds, CPU seconds of this thread, payload bytes, the tab's signatures)."""
+    started, started_cpu = time.perf_counter(), time.thread_time()
     *values, signatures = handler(shown)
     size = payload_bytes(values)  # serialising is part of the refresh's cost
-    return time.perf_counter() - started, size, signatures
+    return time.perf_counter() - started, time.thread_time() - started_cpu, size, signatures
 
 
 def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
-    clock = TelemetryClock.instance
+    clock, gc_clock = TelemetryClock.instance, GcClock.instance
     engine = AsyncEngine.from_config(EngineConfig(
         model=str(model), dtype="float32", device="cpu", block_size=1,
         num_gpu_blocks_override=num_blocks, max_model_len=MAX_MODEL_LEN,
@@ -173,34 +234,46 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
         load.start()
         time.sleep(3.0)  # every request admitted and decoding
         clock.reset()
+        gc_clock.reset()
         steps_before = engine.counters().num_steps
         tab = refresher(feed)
-        first_s, first_bytes, shown = refresh(tab, None)
-        load_s, load_bytes, every_s, every_bytes = [], [], [], []
+        first_s, _, first_bytes, shown = refresh(tab, None)
+        load_s, load_cpu, load_bytes, every_s, every_cpu, every_bytes = [], [], [], [], [], []
         for _ in range(refreshes):
             time.sleep(1.0)
-            seconds, size, shown = refresh(tab, shown)
+            seconds, cpu, size, shown = refresh(tab, shown)
             load_s.append(seconds)
+            load_cpu.append(cpu)
             load_bytes.append(size)
             # Every panel built afresh (a new renderer, nothing cached or throttled).
-            seconds, size, _ = refresh(refresher(feed), None)
+            seconds, cpu, size, _ = refresh(refresher(feed), None)
             every_s.append(seconds)
+            every_cpu.append(cpu)
             every_bytes.append(size)
         steps = engine.counters().num_steps - steps_before
-        engine_total, engine_max = clock.total, clock.max_pause
+        engine_total, engine_max, engine_max_cpu = clock.total, clock.max_pause, clock.max_pause_cpu
+        pause_gc_s, pause_gc_generation = gc_clock.within(*clock.max_pause_window)
+        gc_report = gc_clock.report()
         load.stop()
         time.sleep(0.5)
         refresh(tab, shown)  # the tab catches up with the end of the load
-        idle_s, idle_bytes, _ = refresh(tab, refresh(tab, shown)[2])
+        idle_s, _, idle_bytes, _ = refresh(tab, refresh(tab, shown)[3])
         return {
             "num_blocks": num_blocks, "steps": steps,
             "engine_telemetry_ms_per_step": round(1e3 * engine_total / max(steps, 1), 3),
             "engine_max_pause_ms": round(1e3 * engine_max, 2),
+            "engine_max_pause_gc_ms": round(1e3 * pause_gc_s, 2),
+            "engine_max_pause_gc_generation": pause_gc_generation,
+            "engine_max_pause_cpu_ms": round(1e3 * engine_max_cpu, 2),
+            "gc": gc_report,
             "refresh_ms": {"new_tab": round(1e3 * first_s, 1),
                            "every_panel_under_load_mean": round(1e3 * statistics.mean(every_s), 1),
                            "every_panel_under_load_max": round(1e3 * max(every_s), 1),
+                           "every_panel_under_load_cpu_mean": round(
+                               1e3 * statistics.mean(every_cpu), 1),
                            "under_load_mean": round(1e3 * statistics.mean(load_s), 1),
                            "under_load_max": round(1e3 * max(load_s), 1),
+                           "under_load_cpu_mean": round(1e3 * statistics.mean(load_cpu), 1),
                            "idle": round(1e3 * idle_s, 1)},
             "bytes": {"new_tab": first_bytes,
                       "every_panel_under_load_mean": round(statistics.mean(every_bytes)),
@@ -230,6 +303,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     TelemetryClock.instance = TelemetryClock()
+    GcClock.instance = GcClock()
     with tempfile.TemporaryDirectory() as folder:
         model = save_tiny_chat_model(Path(folder))
         results = []

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine import heap
 from engine.beam_search import BeamSearchParams
 from engine.chat import render_chat
 from engine.config import EngineConfig
@@ -188,6 +189,7 @@ class AsyncEngine(ChatSubmit):
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
+        heap.freeze_long_lived()  # the pool's blocks and the model are here to stay
         self._loop = self._thread.call(self._run)
         self._loop.add_done_callback(_log_loop_crash)
         self._thread.finish()
@@ -207,6 +209,7 @@ class AsyncEngine(ChatSubmit):
             return
         self._enqueue(lambda: self._do_stop(abort_running))
         self._thread.join(timeout)
+        heap.thaw()  # this engine's pool may be collected once dropped
         if self._thread.is_alive():
             logger.warning("engine thread still busy after %.0f s", timeout)
 
@@ -562,6 +565,8 @@ class AsyncEngine(ChatSubmit):
             self._publish_pool_delta()  # delta 0 of the new pool: readers start it empty
             logger.info("reconfigured: %s", core.memory_plan.describe())
             settle_future(pending.result, core.memory_plan)
+        old = core = None
+        heap.rebase()  # one full collection per reconfigure, none per step
         held, self._held = list(self._held.values()), {}
         for _, add in held:
             add()

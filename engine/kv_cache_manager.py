@@ -53,8 +53,9 @@ class KVCacheManager:
         if not self.enable_caching or seq.request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed (as in vLLM)
         hits: list[KVBlock] = []
-        for block_hash in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
-            block = self.pool.lookup(block_hash.value, block_hash.token_ids, block_hash.parent)
+        for value, parent, token_ids in self._block_hashes(
+                seq, (seq.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(value, token_ids, parent)
             if block is None:
                 break
             hits.append(block)
@@ -66,8 +67,8 @@ class KVCacheManager:
         hashes, bs = seq.block_hashes, self.block_size
         for index in range(len(hashes), num_blocks):
             tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
-            parent = hashes[-1].value if hashes else None
-            hashes.append(BlockHash(hash_block_tokens(parent, tokens), parent, tokens))
+            parent = hashes[-1][0] if hashes else None
+            hashes.append((hash_block_tokens(parent, tokens), parent, tokens))
         return hashes[:num_blocks]
 
     def allocate_slots(

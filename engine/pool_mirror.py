@@ -15,6 +15,7 @@ import numpy as np
 from engine.block_pool import BlockHash
 from engine.telemetry import (
     BlockInfo,
+    EngineSnapshot,
     PoolBase,
     PoolCounters,
     PoolDelta,
@@ -24,6 +25,13 @@ from engine.telemetry import (
 )
 
 STATES = ("free", "cached", "used", "shared")  # index = the state's code
+
+
+def hash_key(value: bytes) -> int:
+    """A block hash's first 8 bytes as an integer: numpy can sort and match a million of
+    them at once (hash values are unique among cached blocks; sha256 prefixes of 64 bits
+    collide with odds of ~1e-8 in a million-block pool, and only the drawing would err)."""
+    return int.from_bytes(value[:8], "little")
 NO_COUNTERS = PoolCounters(0, 0.0, 0, 1, 0, 0, 0, 0, 0, 0, {})
 
 
@@ -60,7 +68,14 @@ class PoolMirror:
         self.counters = NO_COUNTERS
         self.ref_counts = np.zeros(0, np.int32)
         self.hashed = np.zeros(0, bool)
-        self.hashes: list[BlockHash | None] = []
+        # An object array, not a list: the garbage collector does not traverse numpy
+        # arrays, and a full collection would visit each of a list's million entries.
+        self.hashes = np.full(0, None, object)  # BlockHash | None per block
+        # Each hashed block's hash_key and its parent's (has_parent False: a first block),
+        # kept with the hashes so the prefix tree links a million blocks in numpy.
+        self.hash_keys = np.zeros(0, np.uint64)
+        self.parent_keys = np.zeros(0, np.uint64)
+        self.has_parent = np.zeros(0, bool)
         self.live: dict[str, MirroredSequence] = {}
         # block id -> (seq id, logical index) of every block table entry pointing at it
         self.holders: dict[int, list[tuple[str, int]]] = {}
@@ -102,7 +117,10 @@ class PoolMirror:
         self.epoch, self.counters, self.awaiting_base = epoch, counters, False
         self.ref_counts = np.zeros(num_blocks, np.int32)
         self.hashed = np.zeros(num_blocks, bool)
-        self.hashes = [None] * num_blocks
+        self.hashes = np.full(num_blocks, None, object)
+        self.hash_keys = np.zeros(num_blocks, np.uint64)
+        self.parent_keys = np.zeros(num_blocks, np.uint64)
+        self.has_parent = np.zeros(num_blocks, bool)
         self.live, self.holders = {}, {}
         self.num_covered = min(covered, num_blocks)
         self.blocks_version += 1
@@ -112,10 +130,9 @@ class PoolMirror:
         start, stop = piece.start, piece.start + len(piece.ref_counts)
         self.ref_counts[start:stop] = piece.ref_counts
         self.hashed[start:stop] = False
-        self.hashes[start:stop] = [None] * (stop - start)
+        self.hashes[start:stop] = None
         for block_id, block_hash in piece.hashes:
-            self.hashes[block_id] = block_hash
-            self.hashed[block_id] = True
+            self._set_hash(block_id, block_hash)
         self.num_covered = max(self.num_covered, stop)
         self.blocks_version += 1
 
@@ -133,11 +150,11 @@ class PoolMirror:
             return False
         self.next_index += 1
         self.counters = delta.counters
-        refs, hashed, hashes = self.ref_counts, self.hashed, self.hashes
+        refs, hashes = self.ref_counts, self.hashes
         for block_id, ref_count, block_hash in delta.blocks:
             refs[block_id] = ref_count
-            hashes[block_id] = block_hash
-            hashed[block_id] = block_hash is not None
+            if hashes[block_id] is not block_hash:  # most touches change the ref only
+                self._set_hash(block_id, block_hash)
         if delta.blocks:
             self.blocks_version += 1
         for change in delta.sequences:
@@ -149,6 +166,16 @@ class PoolMirror:
         if delta.sequences or delta.removed:
             self.sequences_version += 1
         return True
+
+    def _set_hash(self, block_id: int, block_hash: BlockHash | None) -> None:
+        self.hashes[block_id] = block_hash
+        self.hashed[block_id] = block_hash is not None
+        if block_hash is not None:
+            value, parent, _ = block_hash
+            self.hash_keys[block_id] = hash_key(value)
+            self.has_parent[block_id] = parent is not None
+            if parent is not None:
+                self.parent_keys[block_id] = hash_key(parent)
 
     def _apply_sequence(self, change: SequenceChange) -> None:
         seq = self.live.get(change.seq_id)
@@ -209,7 +236,7 @@ class PoolMirror:
         there (the longest, if holders computed different amounts)."""
         block_hash = self.hashes[block_id]
         if block_hash is not None:
-            return block_hash.token_ids
+            return block_hash[2]
         size, best = self.block_size, ()
         for seq_id, index in self.holders.get(block_id, ()):
             seq = self.live[seq_id]
@@ -224,10 +251,9 @@ class PoolMirror:
         state = STATES[3 if ref_count > 1 else 2 if ref_count == 1 else
                        1 if block_hash is not None else 0]
         owners = tuple(dict.fromkeys(s for s, _ in self.holders.get(block_id, ())))
-        return BlockInfo(block_id, ref_count, state,
-                         block_hash.value.hex() if block_hash else None,
-                         block_hash.parent.hex() if block_hash and block_hash.parent else None,
-                         self.block_tokens(block_id), owners)
+        value, parent, _ = block_hash or (None, None, None)
+        return BlockInfo(block_id, ref_count, state, value.hex() if value else None,
+                         parent.hex() if parent else None, self.block_tokens(block_id), owners)
 
     @property
     def num_used_tokens(self) -> int:
@@ -244,6 +270,17 @@ class PoolMirror:
             plain = ~self.hashed[table]
             np.maximum.at(fill, table[plain], stored[plain])
         return total + int(fill[used & ~self.hashed].sum())
+
+    def snapshot(self, replica: int = 0) -> EngineSnapshot:
+        """The mirror as a full EngineSnapshot (O(pool): for a reader that asked for one,
+        off the engine thread; the pool as of the last delta applied)."""
+        counters = self.counters
+        return EngineSnapshot(
+            counters.time, counters.step, counters.config, self.block_size, self.num_blocks,
+            tuple(self.block_info(block_id) for block_id in range(self.num_blocks)),
+            tuple(seq.info() for seq in self.live.values()), counters.num_running,
+            counters.num_waiting, counters.prefix_cache_queries, counters.prefix_cache_hits,
+            counters.num_preemptions, counters.num_evictions, replica)
 
     @property
     def blocks_saved_by_sharing(self) -> int:

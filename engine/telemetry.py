@@ -136,12 +136,10 @@ def take_snapshot(core) -> EngineSnapshot:
             state = "used"
         else:
             state = "cached" if block_hash is not None else "free"
-        tokens = block_hash.token_ids if block_hash else contents.get(block.block_id, ())
+        value, parent, tokens = block_hash or (None, None, contents.get(block.block_id, ()))
         blocks.append(BlockInfo(
-            block.block_id, block.ref_count, state,
-            block_hash.value.hex() if block_hash else None,
-            block_hash.parent.hex() if block_hash and block_hash.parent else None,
-            tokens, tuple(owners.get(block.block_id, ()))))
+            block.block_id, block.ref_count, state, value.hex() if value else None,
+            parent.hex() if parent else None, tokens, tuple(owners.get(block.block_id, ()))))
     sequences = tuple(
         SequenceInfo(seq.seq_id, seq.request.request_id, seq.status.value,
                      tuple(seq.block_table), seq.num_tokens, seq.num_prompt_tokens,

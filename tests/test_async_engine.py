@@ -1,8 +1,10 @@
 """Tests for engine.async_engine: streams, abort, failures, feeds, snapshots, reconfigure."""
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -320,3 +322,28 @@ def test_an_engine_never_started_shuts_down_at_once(core) -> None:
     idle._thread.join(5)
     assert not idle._thread.is_alive()
 
+
+def test_the_pool_is_frozen_out_of_collections_and_a_replaced_one_is_reclaimed(
+        tiny_llama_path) -> None:
+    """A full garbage collection walks every tracked object: the started engine's blocks
+    are frozen out of it (engine.heap), yet a pool dropped by reconfigure is still
+    reclaimed (its free queue links its blocks in cycles) and shutdown thaws the rest."""
+    engine = AsyncEngine(EngineCore(EngineConfig(
+        model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,
+        num_gpu_blocks_override=64, max_model_len=64, max_num_batched_tokens=64)))
+    try:
+        engine.start()
+        frozen = gc.get_freeze_count()
+        assert frozen >= 64  # at least the blocks
+        old_pool = weakref.ref(engine._core.kv_cache.pool)
+        block = old_pool().blocks[0]
+        assert not any(tracked is block for tracked in gc.get_objects())  # frozen
+        del block
+        engine.reconfigure(num_gpu_blocks_override=48)
+        assert old_pool() is None
+        assert engine.snapshot().num_blocks == 48
+        assert gc.get_freeze_count() > 0
+        assert len(list(engine.submit("still serving", short(3)))[-1].outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -64,7 +64,7 @@ def check_pool_invariants(pool: BlockPool, live: list[Sequence]) -> None:
 
     # The hash map points at blocks that carry that very hash.
     for key, block in pool.cached_blocks.items():
-        assert block.block_hash is not None and block.block_hash.value == key
+        assert block.block_hash is not None and block.block_hash[0] == key
 
 
 class BlockPoolMachine(RuleBasedStateMachine):

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from conftest import heatmap_state_codes, plotly_array
 
-from engine.block_pool import BlockHash
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.pool_mirror import STATES, PoolMirror
@@ -37,7 +36,13 @@ from ui.figures import (
     prefix_tree,
 )
 from ui.palette import hover_text
-from ui.timeline import latency_stats, pool_series, request_timeline, timeline_spans
+from ui.timeline import (
+    MAX_TIMELINE_ROWS,
+    latency_stats,
+    pool_series,
+    request_timeline,
+    timeline_spans,
+)
 
 NUM_BLOCKS = 100
 BLOCK_SIZE = 4
@@ -176,6 +181,20 @@ def test_preemption_becomes_a_span_until_the_sequence_resumes() -> None:
     assert [(s.start, s.end) for s in preempted] == [(1.5, 3)]
 
 
+def test_a_timeline_of_many_sequences_says_how_many_it_leaves_out() -> None:
+    records = [StepRecord(step, step, step + 0.5, (ScheduledChunk(
+        f"r{step}", f"r{step}", "prefill", 0, 4),), (), (), (), (), 4, 8, 1, 0, 7, 1, 0)
+        for step in range(MAX_TIMELINE_ROWS + 5)]
+    figure = request_timeline(records)
+    drawn = {row for trace in figure["data"] for row in trace["y"]}
+    assert drawn == {f"r{step}" for step in range(5, MAX_TIMELINE_ROWS + 5)}  # the latest
+    title = figure["layout"]["title"]["text"]
+    assert f"{MAX_TIMELINE_ROWS} latest of {MAX_TIMELINE_ROWS + 5} sequences" in title
+    assert "5 earlier in this window not drawn" in title
+    whole = request_timeline(records[-3:])["layout"]["title"]["text"]
+    assert whole == "Request timelines: 3 latest sequences"
+
+
 def test_latency_stats_and_series(run) -> None:
     _, _, records, arrivals = run
     stats = latency_stats(records, arrivals)
@@ -211,7 +230,7 @@ def synthetic_mirror(num_blocks: int, sequences=(), seed: int = 0) -> PoolMirror
     hashes, parent = [], None
     for block_id in np.flatnonzero(hashed).tolist():
         value = block_id.to_bytes(16, "little")
-        hashes.append((block_id, BlockHash(value, parent, (block_id,))))
+        hashes.append((block_id, (value, parent, (block_id,))))
         parent = value if rng.random() < 0.9 else None  # a new chain now and then
     counters = PoolCounters(0, 0.0, num_blocks, 1, len(sequences), 0, 0, 0, 0, 0,
                             {"max_model_len": 64})

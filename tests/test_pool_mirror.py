@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from engine.beam_search import BeamSearchParams
 from engine.core import EngineCore
-from engine.pool_mirror import PoolMirror
+from engine.pool_mirror import PoolMirror, hash_key
 from engine.sampling_params import SamplingParams
 from engine.telemetry import take_pool_base, take_pool_delta, take_pool_slice, take_snapshot
 
@@ -27,6 +27,12 @@ def assert_mirror_matches(mirror: PoolMirror, core: EngineCore) -> None:
                 mirrored.token_ids) == (block.ref_count, block.state, block.block_hash,
                                         block.parent_hash, block.token_ids), block.block_id
         assert sorted(mirrored.owners) == sorted(block.owners)
+        if block.block_hash is not None:  # the prefix tree's numpy links
+            assert mirror.hash_keys[block.block_id] == hash_key(bytes.fromhex(block.block_hash))
+            assert mirror.has_parent[block.block_id] == (block.parent_hash is not None)
+            if block.parent_hash is not None:
+                assert mirror.parent_keys[block.block_id] == hash_key(
+                    bytes.fromhex(block.parent_hash))
     assert {s.seq_id: s.info() for s in mirror.sequences} == {
         s.seq_id: s for s in snapshot.sequences}
     assert mirror.counts() == {state: snapshot.count(state)

@@ -431,6 +431,24 @@ def test_websocket_sends_pool_deltas_and_coalesced_step_records(server) -> None:
             if block["block_hash"]}
 
 
+def test_a_websocket_snapshot_is_the_connections_mirror_not_an_engine_copy(
+        server, monkeypatch) -> None:
+    """{"type": "snapshot"} is answered from the pool the connection was sent (kept in a
+    mirror, built in a worker thread): the engine thread never copies its pool for it."""
+    def no_engine_snapshot(*args, **kwargs):
+        raise AssertionError("the engine thread was asked for a full snapshot")
+
+    monkeypatch.setattr(server.engine, "snapshot_future", no_engine_snapshot)
+    with ws_connect(server.url.replace("http", "ws") + "/ws/events", max_size=None) as websocket:
+        websocket.send(json.dumps({"type": "snapshot"}))
+        reply = json.loads(websocket.recv(timeout=10))
+        while reply["type"] != "snapshot":
+            reply = json.loads(websocket.recv(timeout=10))
+    snapshot = reply["snapshot"]
+    assert snapshot["num_blocks"] == len(snapshot["blocks"]) == NUM_BLOCKS
+    assert sum(snapshot["counts"].values()) == NUM_BLOCKS
+
+
 def test_stalled_websocket_client_does_not_hold_up_generation(server) -> None:
     """Generation runs to the end while a websocket client that never reads keeps the
     buffers between it and the server full (how much it slows steps is for a benchmark,

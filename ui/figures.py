@@ -9,6 +9,7 @@ for the blocks on screen when single blocks are shown.
 """
 
 import base64
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from ui.palette import (
     hover_text,
     state_rgb,
 )
+from ui.prefix_forest import prefix_forest
 
 HEATMAP_COLUMNS = 64
 MAX_CELLS = 4096
@@ -289,44 +291,39 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
 def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> Figure:
     """The hash chain of every hashed block as an icicle: shared prefixes are trunks. At
     most MAX_TREE_NODES nodes: the largest subtrees first, the rest of a node's children
-    folded into one "… more" node of their total size."""
-    hashed_ids = np.flatnonzero(pool.hashed).tolist()
-    hashes = pool.hashes
-    by_value = {hashes[block_id].value: block_id for block_id in hashed_ids}
-    children: dict[bytes | None, list[int]] = {}
-    for block_id in hashed_ids:
-        parent = hashes[block_id].parent
-        children.setdefault(parent if parent in by_value else None, []).append(block_id)
-    weight = _subtree_weights(pool, children)
+    folded into one "… more" node of their total size. Linking and weighing the chains is
+    numpy (ui.prefix_forest); Python touches only the nodes drawn."""
+    forest = prefix_forest(pool)
+    weight = forest.subtree_weight
     ids, labels, parents, values, colors, custom = ["root"], ["cache"], [""], [0], ["white"], [
         ["-", 0, "-", "-", "-", "-"]]
-    frontier = [(None, 0)]  # (hash value, index of its node) still to expand
+    frontier = deque([(-1, 0)])  # (forest node, index of its drawn node) still to expand
     while frontier:
-        parent_key, parent_index = frontier.pop(0)
-        kids = sorted(children.get(parent_key, ()), key=lambda b: weight[b], reverse=True)
+        node, parent_index = frontier.popleft()
+        kids = forest.children(node)
         room = MAX_TREE_NODES + 1 - len(ids)
-        if not kids:
+        if not kids.size:
             continue
         if room <= 0:  # out of nodes: the node stands for its whole subtree
-            values[parent_index] += sum(weight[b] for b in kids)
+            values[parent_index] += int(weight[kids].sum())
             labels[parent_index] += f" (+{len(kids)} below)"
             continue
-        shown, folded = (kids, []) if len(kids) <= room else (kids[:room - 1],
-                                                              kids[room - 1:])
-        for block_id in shown:
-            block = pool.block_info(block_id)
-            frontier.append((hashes[block_id].value, len(ids)))
+        shown, folded = (kids, kids[:0]) if len(kids) <= room else (kids[:room - 1],
+                                                                    kids[room - 1:])
+        for kid in shown.tolist():
+            block = pool.block_info(int(forest.block_ids[kid]))
+            frontier.append((kid, len(ids)))
             ids.append(block.block_hash)
             parents.append(ids[parent_index])
             labels.append(hover_text(decode(block.token_ids), limit=20))
             values.append(1 + block.ref_count)
             colors.append(STATE_COLORS[block.state])
-            custom.append(_block_hover(pool, block_id, decode))
-        if folded:
+            custom.append(_block_hover(pool, block.block_id, decode))
+        if folded.size:
             ids.append(f"{ids[parent_index]}/more")
             parents.append(ids[parent_index])
             labels.append(f"… {len(folded)} more branches")
-            values.append(sum(weight[b] for b in folded))
+            values.append(int(weight[folded].sum()))
             colors.append("#f3f4f6")
             custom.append(["-", "-", f"{len(folded)} branches folded", "-", "-", "-"])
     icicle = {"type": "icicle", "ids": ids, "labels": labels, "parents": parents,
@@ -334,29 +331,14 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> Figure:
               "customdata": custom, "hovertemplate": BLOCK_HOVER,
               "tiling": {"orientation": "v"}, "maxdepth": 12}
     shown_nodes = len(ids) - 1
-    title = f"Prefix tree: {len(hashed_ids)} hashed blocks (size = 1 + ref count)"
-    if shown_nodes < len(hashed_ids):
+    title = f"Prefix tree: {len(forest)} hashed blocks (size = 1 + ref count)"
+    if shown_nodes < len(forest):
         title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"
-    if not hashed_ids:
+    if not len(forest):
         title += " — nothing cached yet" + (
             "" if pool.config.get("enable_prefix_caching", True) else
             " (prefix caching is off)")
     return _figure([icicle], title, height=420)
-
-
-def _subtree_weights(pool: PoolMirror, children: dict) -> dict[int, int]:
-    """Sum of (1 + ref count) over each hashed block's subtree, children before parents."""
-    refs, hashes = pool.ref_counts, pool.hashes
-    order, stack = [], list(children.get(None, ()))
-    while stack:
-        block_id = stack.pop()
-        order.append(block_id)
-        stack.extend(children.get(hashes[block_id].value, ()))
-    weight: dict[int, int] = {}
-    for block_id in reversed(order):
-        weight[block_id] = 1 + int(refs[block_id]) + sum(
-            weight[child] for child in children.get(hashes[block_id].value, ()))
-    return weight
 
 
 # ---- paged against contiguous -------------------------------------------------------------

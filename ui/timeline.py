@@ -152,9 +152,13 @@ def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] |
         "y": [s for s, _ in finished], "x": [epoch_ms(t) for _, t in finished],
         "hovertemplate": "%{y} finished<extra></extra>",
         "marker": {"symbol": "line-ns-open", "size": 14, "color": PHASE_COLORS["finished"]}})
+    title = f"Request timelines: {len(rows)} latest sequences"
+    left_out = len(first_start) - len(rows)
+    if left_out:
+        title = (f"Request timelines: {len(rows)} latest of {len(first_start)} sequences"
+                 f"<br><sup>{left_out} earlier in this window not drawn</sup>")
     return {"data": data, "layout": {
-        "barmode": "overlay", "title": {"text": f"Request timelines ({len(rows)} latest "
-                                        "sequences)"},
+        "barmode": "overlay", "title": {"text": title},
         "height": 180 + 22 * len(rows), "margin": {"l": 90, "r": 20, "t": 50, "b": 40},
         "uirevision": "keep", "xaxis": _date_axis(window),
         # Category 0 sits at the bottom: reversed, the earliest sequence is the top row.

@@ -39,7 +39,7 @@ class ReplicaInfo:
 class ReplicaEvents:
     """What happened on a replica since the last poll.
 
-    `stored` / `evicted` are the block hashes (BlockHash.value, the prefix cache's chained
+    `stored` / `evicted` are the block hashes (the value of a BlockHash, the prefix cache's chained
     hash) that entered or left the replica's pool; the router's prefix index applies them.
     `pool` holds the pool records (engine.telemetry) for the API process's mirrors, while
     one is watching this replica.
@@ -78,7 +78,7 @@ class BlockHashTracker:
         for block_id in touched:
             old = before.get(block_id)
             new = hashes[block_id] if block_id < len(hashes) else None
-            old_value, new_value = old and old.value, new and new.value
+            old_value, new_value = old and old[0], new and new[0]
             if old_value != new_value:
                 if old_value is not None:
                     events.evicted.append(old_value)

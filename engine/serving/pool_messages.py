@@ -20,8 +20,8 @@ from engine.telemetry import PoolBase, PoolCounters, PoolDelta, PoolSlice
 def _hash(block_hash: BlockHash | None) -> list | None:
     if block_hash is None:
         return None
-    return [block_hash.value.hex(), block_hash.parent.hex() if block_hash.parent else None,
-            list(block_hash.token_ids)]
+    value, parent, token_ids = block_hash
+    return [value.hex(), parent.hex() if parent else None, list(token_ids)]
 
 
 def _counters(counters: PoolCounters, with_config: bool) -> dict:

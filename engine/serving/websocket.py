@@ -1,7 +1,9 @@
 """WS /ws/events: step records and the pool's per-step deltas (each at most 10 messages
 a second), a sliced pool snapshot when a client connects or falls behind, a ReplicaSet's
-routing decisions, and a full EngineSnapshot on request ({"type": "snapshot"}: costly on
-a large pool)."""
+routing decisions, and a full EngineSnapshot on request ({"type": "snapshot"}). The
+snapshot comes from the connection's own PoolMirror, kept from the deltas it sends, and is
+built in a worker thread: it costs O(pool) there, never a copy of the pool on the engine
+thread."""
 
 import asyncio
 import dataclasses
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from engine.async_engine import AsyncEngine
+from engine.pool_mirror import PoolMirror
 from engine.replicas.router import RoutingDecision
 from engine.serving.pool_messages import pool_messages
 from engine.streams import Channel
@@ -60,11 +63,13 @@ def events_router(engine: AsyncEngine) -> APIRouter:
         # The client's bounded queue: the engine drops its oldest records if it lags.
         records = engine.subscribe_steps(CLIENT_QUEUE_RECORDS)
         pool = engine.subscribe_pool(CLIENT_QUEUE_RECORDS)  # starts with a pool snapshot
+        # The pool as this client was sent it; changed only under send_lock.
+        mirror = PoolMirror()
         send_lock = asyncio.Lock()  # the tasks below share one socket
         channels = [records, pool]
-        tasks = [asyncio.create_task(_send_pool(websocket, engine, pool, send_lock)),
+        tasks = [asyncio.create_task(_send_pool(websocket, engine, pool, mirror, send_lock)),
                  asyncio.create_task(_send_steps(websocket, records, send_lock)),
-                 asyncio.create_task(_answer_requests(websocket, engine, send_lock))]
+                 asyncio.create_task(_answer_requests(websocket, mirror, send_lock))]
         if hasattr(engine, "subscribe_decisions"):  # only engine.replicas.ReplicaSet routes
             decisions = engine.subscribe_decisions(CLIENT_QUEUE_RECORDS)
             channels.append(decisions)
@@ -110,19 +115,31 @@ def _send_steps(websocket: WebSocket, records: Channel, send_lock: asyncio.Lock)
                     lambda batch, dropped: [step_message(batch, dropped)])
 
 
-def _send_pool(websocket: WebSocket, engine: AsyncEngine, pool: Channel,
+def _send_pool(websocket: WebSocket, engine: AsyncEngine, pool: Channel, mirror: PoolMirror,
                send_lock: asyncio.Lock):
     """The pool records, deltas coalesced; a client that fell behind (its queue dropped
-    records) gets a new snapshot instead of a gap."""
+    records) gets a new snapshot instead of a gap. The mirror follows what is sent."""
     def messages(batch: list, dropped: int) -> list[str]:
-        if dropped:
+        if dropped or not all(mirror.apply(record) for record in batch):
+            mirror.awaiting_base = True
             engine.resync_pool(pool)
         return [json.dumps(message) for message in pool_messages(batch)]
 
     return _forward(websocket, pool, send_lock, messages)
 
 
-async def _answer_requests(websocket: WebSocket, engine: AsyncEngine,
+async def _mirror_snapshot(mirror: PoolMirror, send_lock: asyncio.Lock) -> str:
+    """The snapshot message of the connection's mirror once it holds the whole pool (a
+    few engine-loop turns after connecting or a resync); the pool's deltas wait
+    meanwhile, so it is the pool as of one delta."""
+    while True:
+        async with send_lock:
+            if mirror.ready:
+                return await asyncio.to_thread(lambda: snapshot_message(mirror.snapshot()))
+        await asyncio.sleep(MIN_MESSAGE_INTERVAL_S)
+
+
+async def _answer_requests(websocket: WebSocket, mirror: PoolMirror,
                            send_lock: asyncio.Lock) -> None:
     """Clients ask for a fresh snapshot with {"type": "snapshot"}."""
     try:
@@ -132,7 +149,7 @@ async def _answer_requests(websocket: WebSocket, engine: AsyncEngine,
                 wanted = json.loads(text).get("type")
             except (ValueError, AttributeError):
                 wanted = None
-            reply = (snapshot_message(await engine.snapshot_async()) if wanted == "snapshot"
+            reply = (await _mirror_snapshot(mirror, send_lock) if wanted == "snapshot"
                      else json.dumps({"type": "error",
                                       "message": 'send {"type": "snapshot"} for a snapshot'}))
             async with send_lock:
