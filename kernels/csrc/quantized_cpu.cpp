@@ -301,6 +301,27 @@ Int8Rows quantize_rows(const bf16* x, int64_t x_stride, int rows, int64_t in) {
   return r;
 }
 
+// d * (weights . q) for block `at` of the rounded x: 32 unsigned weight bytes times its 32
+// int8 in one vpdpbusd, the int32 sums scaled in fp32.
+inline __m256 scaled_block_dot(const Int8Rows& xq, int64_t at, __m256i weights) {
+  const __m256i dot = _mm256_dpbusd_epi32(
+      _mm256_setzero_si256(), weights,
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.scales[at]));
+}
+
+// add(k, chain) for k in [0, count), even k into `even` and odd k into `odd`: two
+// dependent chains of accumulators, not one.
+template <typename Add, typename Chain>
+inline void in_two_chains(int64_t count, Add&& add, Chain* even, Chain* odd) {
+  int64_t k = 0;
+  for (; k + 2 <= count; k += 2) {
+    add(k, even);
+    add(k + 1, odd);
+  }
+  if (k < count) add(k, even);
+}
+
 // int4 rows with VNNI: per chunk, its 32 nibbles (u8 0..15) times the 32 int8 of x in one
 // vpdpbusd per row of x; the int32 sums are scaled by the block's activation scale and the
 // chunk's weight scale. The offsets' term uses the rounded x's group sums (as llama.cpp's
@@ -325,7 +346,7 @@ void int4_rows_vnni(const Int8Rows& xq, const float* xsum, int64_t in, const uin
     for (int64_t i = 0; i < count; ++i) {
       const uint8_t* row = weight + (first + i) * in / 2;
       const float* row_scale = scale.data() + i * groups;
-      __m256 even[M], odd[M];  // two dependent chains per row of x, not one
+      __m256 even[M], odd[M];
       for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
       auto add_chunk = [&](int64_t c, __m256* acc) {
         const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
@@ -333,22 +354,10 @@ void int4_rows_vnni(const Int8Rows& xq, const float* xsum, int64_t in, const uin
             _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1),
             nibble);
         const __m256 w_scale = _mm256_set1_ps(row_scale[c >> group_shift]);
-        for (int m = 0; m < M; ++m) {
-          const int64_t at = m * xq.blocks + c;
-          const __m256i dot = _mm256_dpbusd_epi32(
-              _mm256_setzero_si256(), q,
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock)));
-          acc[m] = _mm256_fmadd_ps(
-              _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.scales[at])), w_scale,
-              acc[m]);
-        }
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm256_fmadd_ps(scaled_block_dot(xq, m * xq.blocks + c, q), w_scale, acc[m]);
       };
-      int64_t c = 0;
-      for (; c + 2 <= chunks; c += 2) {
-        add_chunk(c, even);
-        add_chunk(c + 1, odd);
-      }
-      if (c < chunks) add_chunk(c, even);
+      in_two_chains(chunks, add_chunk, even, odd);
       const float* row_offset = offset.data() + i * groups;
       for (int m = 0; m < M; ++m) {
         __m512 shift = _mm512_setzero_ps();
@@ -388,21 +397,10 @@ void int8_rows_vnni(const Int8Rows& xq, int64_t in, const int8_t* weight, const 
             ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock))
             : _mm256_maskz_loadu_epi8(tail, row + b * kBlock);
         const __m256i u = _mm256_xor_si256(w, flip);
-        for (int m = 0; m < M; ++m) {
-          const int64_t at = m * blocks + b;
-          const __m256i dot = _mm256_dpbusd_epi32(
-              _mm256_setzero_si256(), u,
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock)));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.scales[at]),
-                                   acc[m]);
-        }
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm256_add_ps(acc[m], scaled_block_dot(xq, m * blocks + b, u));
       };
-      int64_t b = 0;
-      for (; b + 2 <= blocks; b += 2) {
-        add_block(b, even);
-        add_block(b + 1, odd);
-      }
-      if (b < blocks) add_block(b, even);
+      in_two_chains(blocks, add_block, even, odd);
       for (int m = 0; m < M; ++m)
         y[m][i] = (sum_lanes(_mm256_add_ps(even[m], odd[m])) - 128.f * xq.scaled_q_sums[m]) *
                   scales[first + i];
