@@ -5,44 +5,40 @@ core's stream prefetchers stop at every page boundary, and a paged KV cache miss
 almost every block it visits; on 2 MiB pages the same loops read measurably faster
 (`bench/roofline.py` reports both). Linux backs a range with huge pages only when asked with
 madvise(MADV_HUGEPAGE) in its common THP mode ("madvise"), and only if asked before the pages
-are first touched, so the big tensors are allocated here, advised, and only then filled.
+are first touched, so the big tensors are mapped here, advised, and only then filled.
 Where THP is off or the platform is not Linux, these are ordinary tensors.
 """
 
-import ctypes
-import ctypes.util
-import sys
+import contextlib
+import mmap
 
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose pages the kernel is asked to make huge (when it is
-    big enough to hold one); the caller fills it."""
+    """A zero-filled CPU tensor whose pages the kernel is asked to make huge (when it is big
+    enough to hold one). It lives in a fresh anonymous mapping: memory the allocator reuses is
+    already backed by small pages, which advice no longer changes."""
     numel = 1
     for size in shape:
         numel *= size
     nbytes = numel * dtype.itemsize
-    if _libc is None or nbytes < HUGE_PAGE_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    # Over-allocate by one huge page and start the tensor on a 2 MiB boundary, so every page
-    # of it can be a huge page.
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    if _ADVICE is None or nbytes < HUGE_PAGE_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    # One huge page more than needed, so the tensor can start on a 2 MiB boundary and every
+    # page of it can be huge. The tensor keeps the mapping alive; freeing it unmaps it.
+    # Private: a shared anonymous mapping is shmem, which THP's usual setting leaves alone.
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    region = raw[offset:offset + nbytes]
-    advised = nbytes - nbytes % HUGE_PAGE_BYTES
-    # A refusal (THP disabled: EINVAL) leaves ordinary pages, which is still correct.
-    _libc.madvise(ctypes.c_void_p(region.data_ptr()), ctypes.c_size_t(advised), _MADV_HUGEPAGE)
-    return region.view(dtype).view(shape)
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return empty(shape, dtype).zero_()
+    # A refusal (THP disabled) leaves ordinary pages, which is still correct.
+    with contextlib.suppress(OSError):
+        mapping.madvise(_ADVICE, offset, nbytes - nbytes % HUGE_PAGE_BYTES)
+    return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
 def move_module(module: torch.nn.Module) -> None:

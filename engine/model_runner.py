@@ -211,7 +211,7 @@ class ModelRunner:
             layer.key_cache = layer.value_cache = None
         shape = (2, len(self.attention_layers), num_blocks, block_size, self.num_kv_heads,
                  self.head_dim)
-        self.kv_cache = (huge_pages.zeros(shape, self.dtype) if self.device.type == "cpu"
+        self.kv_cache = (huge_pages.empty(shape, self.dtype) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
         for index, layer in enumerate(self.attention_layers):
             layer.key_cache = self.kv_cache[0, index]

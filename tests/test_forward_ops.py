@@ -88,3 +88,24 @@ def test_linear_one_row_streams_and_more_rows_match_too(fused, dtype, rows):
         assert out.shape == (rows, 300)
         torch.testing.assert_close(out.float(), TORCH_OPS.linear(x, weight, b).float(),
                                    atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
+
+
+def test_results_do_not_depend_on_threads_or_concurrent_callers(fused):
+    """kernels/csrc/work_pool: every output comes from exactly one chunk, so 1 or 2 threads,
+    and two Python threads calling at once (the second runs its loops serially), agree bit
+    for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x = randn(1, 576, dtype=torch.bfloat16)
+    weight = randn(3000, 576, dtype=torch.bfloat16, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = fused.linear(x, weight)
+        torch.set_num_threads(2)
+        assert torch.equal(fused.linear(x, weight), serial)
+        with ThreadPoolExecutor(2) as callers:
+            results = list(callers.map(lambda _: fused.linear(x, weight), range(16)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(result, serial) for result in results)

@@ -23,19 +23,19 @@ def huge_page_bytes_at(address: int) -> int:
     return 0
 
 
-def test_big_tensors_are_aligned_and_small_ones_ordinary():
-    big = huge_pages.zeros((3, 1 << 20), torch.bfloat16)  # 6 MiB
+def test_tensors_are_zeroed_and_big_ones_aligned():
+    big = huge_pages.empty((3, 1 << 20), torch.bfloat16)  # 6 MiB
     assert big.shape == (3, 1 << 20) and big.dtype == torch.bfloat16
     assert big.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
     assert big.is_contiguous() and not big.any()
-    small = huge_pages.zeros((10,), torch.float32)
+    small = huge_pages.empty((10,), torch.float32)
     assert small.shape == (10,) and not small.any()
 
 
 @pytest.mark.skipif(not THP_SETTING.exists() or "[never]" in THP_SETTING.read_text(),
                     reason="transparent huge pages are off on this machine")
 def test_the_kernel_backs_them_with_huge_pages():
-    tensor = huge_pages.zeros((8 << 20,), torch.uint8)
+    tensor = huge_pages.empty((8 << 20,), torch.uint8).fill_(1)  # pages exist once touched
     assert huge_page_bytes_at(tensor.data_ptr()) >= huge_pages.HUGE_PAGE_BYTES
 
 

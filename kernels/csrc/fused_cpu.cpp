@@ -2,11 +2,11 @@
 // dispatch costs more than their math at decode batch sizes) with one pass over the data.
 // Every op computes in fp32 and rounds to the tensor's dtype where the eager code rounds.
 #include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "work_pool.h"
 
 #include <immintrin.h>
 
@@ -26,7 +26,7 @@ template <typename T>
 void rms_norm_rows(T* hidden, int64_t hidden_stride, T* residual, int64_t residual_stride,
                    const T* weight, T* out, int64_t out_stride, int64_t rows, int64_t width,
                    float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  kvscope::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
     for (int64_t r = begin; r < end; ++r) {
       const T* x = hidden + r * hidden_stride;
@@ -87,7 +87,7 @@ template <typename T>
 void rotate_rows(T* qkv, int64_t row_stride, const float* cos, const float* sin,
                  int64_t tokens, int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  kvscope::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + t * dim;
       const float* s = sin + t * dim;
@@ -130,7 +130,7 @@ namespace {
 template <typename T>
 void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows,
                    int64_t width) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  kvscope::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * x_stride;
       const T* up = gate + width;
@@ -232,7 +232,7 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
                         int64_t out_features) {
   // dot(m, w): row m of x . weight row w.
   auto each_output = [&](auto dot) {
-    at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    kvscope::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         const T* w = weight + n * in_features;
         const float b = bias != nullptr ? load(bias[n]) : 0.f;

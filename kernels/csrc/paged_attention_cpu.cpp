@@ -2,12 +2,13 @@
 // block table (no gather copy, no padding), one call covers a ragged batch of decodes and
 // prefill chunks, query heads of a GQA group share each K/V row, and the softmax runs
 // online in fp32. Built by kernels/cpu_extension.py with -march=native for the host CPU.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
-#include <ATen/Parallel.h>
+#include "work_pool.h"
 
 #include <immintrin.h>
 
@@ -327,7 +328,7 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   Q* o = kvscope::elements<Q>(out);
   auto run_items = [&](auto run) {
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    kvscope::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       Scratch scratch(L);
       for (int64_t i = begin; i < end; ++i)
         run(items[i], L, q, k, v, tables, lens, starts, static_cast<float>(scale), o,
