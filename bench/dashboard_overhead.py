@@ -9,6 +9,11 @@ falls on both sides:
 - batched: `--batch` concurrent requests of `--batch-tokens` tokens; output tok/s;
 - idle: the app process's CPU share over `--idle-s` seconds with no request.
 
+Each also reports where the CPU went, in cores (CPU seconds per wall second; the
+dashboard refreshes once a second, so also CPU seconds per refresh): the engine's
+threads (named kvscope-engine, with the OpenMP workers they started), the app's other
+threads (server, dashboard handlers, session log) and this bench's Chromium processes.
+
 Run it under the bench lock (the machine is shared):
 
     flock /work/bench.lock .venv/bin/python bench/dashboard_overhead.py
@@ -16,6 +21,7 @@ Run it under the bench lock (the machine is shared):
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -73,6 +79,56 @@ def batched_rate(url: str, batch: int, max_tokens: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
+def cpu_seconds_by_part(app_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the engine's threads, the app's other threads, and the
+    Chromium processes this bench started (Linux /proc)."""
+    parts = dict.fromkeys(("engine", "app_other", "chromium"), 0.0)
+    for task in Path(f"/proc/{app_pid}/task").iterdir():
+        try:
+            engine = (task / "comm").read_text().strip() == "kvscope-engine"
+            parts["engine" if engine else "app_other"] += _cpu_seconds(task / "stat")
+        except OSError:  # the thread ended meanwhile
+            continue
+    for pid in _descendants(os.getpid()):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            if b"chrom" in command:
+                parts["chromium"] += _cpu_seconds(Path(f"/proc/{pid}/stat"))
+        except OSError:
+            continue
+    return parts
+
+
+def _cpu_seconds(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def with_cpu_shares(app_pid: int, work) -> tuple[float, dict[str, float]]:
+    """work()'s result, and each part's cores (CPU seconds per wall second) meanwhile."""
+    before, started = cpu_seconds_by_part(app_pid), time.perf_counter()
+    result = work()
+    after, wall = cpu_seconds_by_part(app_pid), time.perf_counter() - started
+    return result, {part: round((after[part] - before[part]) / wall, 4) for part in after}
+
+
 def idle_cpu_share(pid: int, seconds: float) -> float:
     """The app process's CPU seconds per wall second (1.0 = one core busy)."""
     before, started = process_cpu_seconds(pid), time.perf_counter()
@@ -105,15 +161,24 @@ class DashboardTab:
 
 
 def measure(app, args) -> dict:
-    return {"single_decode_tok_s": stream_decode_rate(app.url, args.tokens),
-            "batched_tok_s": batched_rate(app.url, args.batch, args.batch_tokens),
-            "idle_cpu_share": idle_cpu_share(app.process.pid, args.idle_s)}
+    pid = app.process.pid
+    single, single_cores = with_cpu_shares(pid, lambda: stream_decode_rate(app.url, args.tokens))
+    batched, batched_cores = with_cpu_shares(
+        pid, lambda: batched_rate(app.url, args.batch, args.batch_tokens))
+    idle, idle_cores = with_cpu_shares(pid, lambda: idle_cpu_share(pid, args.idle_s))
+    return {"single_decode_tok_s": single, "batched_tok_s": batched, "idle_cpu_share": idle,
+            "cores": {"single": single_cores, "batched": batched_cores, "idle": idle_cores}}
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
     medians = {condition: {key: statistics.median(run[key] for run in condition_runs)
-                           for key in condition_runs[0]}
+                           for key in condition_runs[0] if key != "cores"}
                for condition, condition_runs in runs.items()}
+    for condition, condition_runs in runs.items():
+        medians[condition]["cores"] = {
+            phase: {part: statistics.median(run["cores"][phase][part] for run in condition_runs)
+                    for part in condition_runs[0]["cores"][phase]}
+            for phase in condition_runs[0]["cores"]}
     cost = {key: 1 - medians["one_tab"][key] / medians["no_tab"][key]
             for key in ("single_decode_tok_s", "batched_tok_s")}
     return {"median": medians, "cost_of_one_tab": cost,

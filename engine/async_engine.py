@@ -17,6 +17,7 @@ from engine.beam_search import BeamSearchParams
 from engine.chat import render_chat
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.engine_thread import EngineThread
 from engine.memory import MemoryPlan
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -134,13 +135,20 @@ class _PendingReconfigure:
     result: concurrent.futures.Future
 
 
+def _log_loop_crash(loop: concurrent.futures.Future) -> None:
+    if loop.exception() is not None:
+        logger.error("the engine loop crashed", exc_info=loop.exception())
+
+
 class AsyncEngine(ChatSubmit):
     """Runs an EngineCore on a background thread; other threads only enqueue commands.
 
     The thread steps while requests are unfinished and sleeps on a condition when idle.
+    `from_config` builds the core on that same thread (see engine.engine_thread).
     """
 
-    def __init__(self, core: EngineCore, base_config: EngineConfig | None = None) -> None:
+    def __init__(self, core: EngineCore, base_config: EngineConfig | None = None,
+                 thread: EngineThread | None = None) -> None:
         self._core = core
         # Reconfigure applies knobs to the unresolved config, so derived knobs (the token
         # budget, max_model_len) are derived again for the new values.
@@ -164,27 +172,40 @@ class AsyncEngine(ChatSubmit):
         self._accepting = True
         self._stopping = False
         self._exited = False
-        self._thread = threading.Thread(target=self._run, name="kvscope-engine", daemon=True)
+        self._thread = thread or EngineThread()
+        self._loop: concurrent.futures.Future | None = None  # _run's, once started
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        """Load the model and build the engine (not started)."""
-        return cls(EngineCore(config), base_config=config)
+        """Load the model and build the engine (not started), on the thread that will step
+        it: one OpenMP team for the model's whole life."""
+        thread = EngineThread()
+        try:
+            core = thread.call(EngineCore, config).result()
+        except BaseException:
+            thread.finish()
+            raise
+        return cls(core, base_config=config, thread=thread)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
         heap.freeze_long_lived()  # the pool's blocks and the model are here to stay
-        self._thread.start()
+        self._loop = self._thread.call(self._run)
+        self._loop.add_done_callback(_log_loop_crash)
+        self._thread.finish()
         return self
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._loop is not None and not self._loop.done()
 
     def shutdown(self, abort_running: bool = True, timeout: float | None = 30.0) -> None:
         """Stop taking requests, abort (or finish) the ones in flight, stop the thread."""
         self._accepting = False
-        if not self._thread.is_alive():
+        if self._loop is None:  # never started: the thread only waits for calls
+            self._thread.finish()
+            return
+        if self._loop.done():
             return
         self._enqueue(lambda: self._do_stop(abort_running))
         self._thread.join(timeout)

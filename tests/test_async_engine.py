@@ -161,6 +161,16 @@ def test_idle_engine_sleeps(engine) -> None:
     assert engine_thread_cpu_ticks(engine) - ticks <= 1  # one tick of rounding at most
 
 
+def test_the_engine_thread_and_its_openmp_workers_carry_the_engine_name(engine) -> None:
+    list(engine.submit("name the threads", short(3)))
+    tasks = Path("/proc/self/task")
+    named = {task.name for task in tasks.iterdir()
+             if (task / "comm").read_text().strip() == "kvscope-engine"}
+    assert str(engine._thread.native_id) in named
+    assert (tasks / str(threading.get_native_id()) / "comm").read_text().strip() \
+        != "kvscope-engine"
+
+
 def test_step_subscribers_get_records_and_a_slow_one_loses_the_oldest(engine) -> None:
     reader, laggard = engine.subscribe_steps(), engine.subscribe_steps(maxsize=3)
     list(engine.submit("feed me", short(10)))
@@ -273,6 +283,44 @@ def test_reconfigure_to_a_longer_max_model_len_serves_the_longer_prompts(tiny_ll
         assert_pool_idle(engine)
     finally:
         engine.shutdown()
+
+
+def test_from_config_loads_and_steps_the_model_on_one_thread(tiny_llama_path, monkeypatch):
+    """libgomp keeps an OpenMP team per thread that runs parallel regions and stops
+    spin-waiting once it manages more threads than cores: the model must be built and
+    stepped on the same thread (a stream decoded at half speed in the server otherwise)."""
+    import engine.async_engine as async_engine_module
+
+    built_on, stepped_on = [], set()
+
+    class RecordingCore(EngineCore):
+        def __init__(self, config):
+            built_on.append(threading.get_native_id())
+            super().__init__(config)
+
+        def step(self):
+            stepped_on.add(threading.get_native_id())
+            return super().step()
+
+    monkeypatch.setattr(async_engine_module, "EngineCore", RecordingCore)
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,
+        num_gpu_blocks_override=64, max_model_len=128, max_num_batched_tokens=128)).start()
+    try:
+        list(engine.submit("hello", short(3)))
+        assert built_on != [threading.get_native_id()]
+        assert stepped_on == set(built_on) == {engine._thread.native_id}
+    finally:
+        engine.shutdown()
+    assert not engine.is_running
+
+
+def test_an_engine_never_started_shuts_down_at_once(core) -> None:
+    idle = AsyncEngine(core)
+    assert not idle.is_running
+    idle.shutdown(timeout=1)
+    idle._thread.join(5)
+    assert not idle._thread.is_alive()
 
 
 def test_the_pool_is_frozen_out_of_collections_and_a_replaced_one_is_reclaimed(

@@ -189,6 +189,34 @@ def test_browser_trash_icon_starts_a_new_conversation(served, browser) -> None:
     page.close()
 
 
+def test_browser_panels_out_of_view_wait_until_scrolled_into_view(served, browser) -> None:
+    """A tab refreshes only the panels on screen (ui.dashboard.visible_panels_js): one
+    scrolled out of view keeps its last drawing, and is drawn anew once it comes into
+    view, while the panels on screen stay live meanwhile."""
+    from playwright.sync_api import expect
+
+    page = browser.new_page(viewport={"width": 1400, "height": 700})
+    page.goto(served[2])
+    timeline = page.locator("#kv-timeline .js-plotly-plot")
+    timeline.wait_for(state="attached", timeout=20_000)
+    drawn = "el => JSON.stringify([el.data, el.layout.title])"
+    assert page.evaluate("document.getElementById('kv-timeline').getBoundingClientRect().top"
+                         " > window.innerHeight")
+    page.wait_for_timeout(1500)  # the page's first drawing of every panel is in
+    before, stats = timeline.evaluate(drawn), page.locator("#kv-stats").inner_text()
+    engine = served[0]
+    list(engine.submit("out of view", SamplingParams(max_tokens=6, ignore_eos=True)))
+    expect(page.locator("#kv-stats")).not_to_have_text(stats, timeout=15_000)  # on screen
+    page.wait_for_timeout(2500)  # two more ticks
+    assert timeline.evaluate(drawn) == before  # out of view: not redrawn
+    timeline.scroll_into_view_if_needed()
+    page.wait_for_function(
+        "before => JSON.stringify([document.querySelector('#kv-timeline .js-plotly-plot')"
+        ".data, document.querySelector('#kv-timeline .js-plotly-plot').layout.title])"
+        " !== before", arg=before, timeout=15_000)
+    page.close()
+
+
 def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     log = served[1]
     table, _, _ = client.predict(api_name="/list_sessions")

@@ -64,7 +64,7 @@ def test_load_progress_is_per_run(engine):
             generator.status().splitlines()[0]
 
 
-def test_tabs_share_one_render_and_a_hidden_live_tab_costs_only_the_summary(engine):
+def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engine):
     renderer = panels.PanelRenderer(LiveFeed(engine))
     *first, shown = renderer.refresh(None)
     assert all(not _skipped(value) for value in first)  # a new tab gets every panel
@@ -79,7 +79,7 @@ def test_tabs_share_one_render_and_a_hidden_live_tab_costs_only_the_summary(engi
     time.sleep(0.6)  # past the shared snapshot's age
     series = renderer._rendered["series"]
     no_summary = {name: value for name, value in shown.items() if name != "summary"}
-    *hidden, _ = renderer.refresh(no_summary, watching=False)
+    *hidden, _ = renderer.refresh(no_summary, [])
     assert not _skipped(hidden[0]) and all(_skipped(value) for value in hidden[1:])
     assert renderer._rendered["series"] is series  # new steps, but not built while hidden
     *visible, _ = renderer.refresh(shown)

@@ -1,5 +1,6 @@
 """build_ui(engine, session_log): the one gr.Blocks of the dashboard, wiring handlers."""
 
+import json
 from functools import partial
 from pathlib import Path
 
@@ -23,36 +24,52 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
         gr.Markdown("# kvscope — the paged KV cache, live")
         summary = gr.Markdown(elem_classes="kv-summary")
         with gr.Tabs():
-            with gr.Tab("Live", id="live") as live_tab:
+            with gr.Tab("Live", id="live"):
                 live = _live_tab(engine, session_log)
-            with gr.Tab("Engine & load", id="engine") as engine_tab:
+            with gr.Tab("Engine & load", id="engine"):
                 _engine_tab(blocks, engine, feed, session_log, load)
-            with gr.Tab("Sessions", id="sessions") as sessions_tab:
+            with gr.Tab("Sessions", id="sessions"):
                 _sessions_tab(blocks, session_log)
-            other_tabs = [engine_tab, sessions_tab]
             if engine.num_replicas > 1:  # an engine.replicas.ReplicaSet
                 from ui.replicas import replicas_tab  # the router's names; Ray is loaded
 
-                with gr.Tab("Replicas", id="replicas") as replicas:
+                with gr.Tab("Replicas", id="replicas"):
                     replicas_tab(engine, feed)
-                other_tabs.append(replicas)
         shown = gr.State(None)
-        # The Live tab's panels are built only while it is the selected tab.
-        watching = gr.State(True)
-        for tab, selected in ((live_tab, True), *((tab, False) for tab in other_tabs)):
-            tab.select(lambda selected=selected: selected, None, watching,
-                       api_visibility="private")
+        # Filled in the browser before each refresh (visible_panels_js); an API caller
+        # that sends nothing gets every panel.
+        visible = gr.JSON(None, visible="hidden")
         timer = gr.Timer(panels.REFRESH_S)
         outputs = [summary, *(live[name] for name in panels.PANELS[1:]), shown]
-        inputs = [shown, watching, *live["view_controls"]]
-        timer.tick(renderer.refresh, inputs, outputs, show_progress="hidden",
+        inputs = [shown, visible, *live["view_controls"]]
+        on_screen = visible_panels_js(len(live["view_controls"]))
+        timer.tick(renderer.refresh, inputs, outputs, show_progress="hidden", js=on_screen,
                    api_name="refresh_live", concurrency_limit=None, trigger_mode="always_last")
+        # A page opens with every panel drawn; then the ticks keep the ones on screen live.
         blocks.load(renderer.refresh, inputs, outputs, show_progress="hidden",
                     api_visibility="private")
         for control in live["view_controls"]:  # a new view shows at once, not at the tick
             control.change(renderer.refresh, inputs, outputs, show_progress="hidden",
-                           api_visibility="private", trigger_mode="always_last")
+                           js=on_screen, api_visibility="private", trigger_mode="always_last")
     return blocks
+
+
+def visible_panels_js(num_view_controls: int) -> str:
+    """The browser's side of each refresh: it names the panels on screen, so a panel on a
+    hidden page (another browser tab, a minimized window), under the Engine or Sessions
+    tab, or scrolled out of view costs neither the server a build nor the browser a
+    redraw (Plotly's react and resize, the dashboard's largest cost on a machine that
+    also runs the engine). A panel coming into view is drawn at the next tick."""
+    return f"""(shown, visible, ...rest) => {{
+      const onScreen = (id) => {{
+        const box = document.getElementById(id)?.getBoundingClientRect();
+        return !!box && box.width > 0 && box.height > 0 && box.bottom > 0
+          && box.top < window.innerHeight;
+      }};
+      const panels = document.hidden ? [] : Object.entries({json.dumps(panels.PANEL_ELEMENTS)})
+        .filter(([, id]) => onScreen(id)).map(([name]) => name);
+      return [shown, panels, ...rest.slice(0, {num_view_controls})];
+    }}"""
 
 
 def _live_tab(engine: EngineView, session_log) -> dict:
@@ -82,7 +99,7 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                 heatmap_start = gr.Number(0, precision=0, minimum=0, label="from block")
                 heatmap_stop = gr.Number(0, precision=0, minimum=0,
                                          label="to block (exclusive; 0 = the end)")
-            stats = gr.Markdown()
+            stats = gr.Markdown(elem_id="kv-stats")
     conversation = gr.State(chat.new_conversation)
     message.submit(partial(chat.chat_reply, engine, session_log),
                    [message, conversation, temperature, top_p, max_tokens,
@@ -103,11 +120,11 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                                        label="sequences, ordered by")
                 table_page = gr.Number(1, precision=0, minimum=1, label="page")
                 table_filter = gr.Textbox("", label="sequence id contains", max_lines=1)
-        prefix_tree = gr.Plot(label="Prefix-sharing tree")
-    timeline_plot = gr.Plot(label="Request timelines")
+        prefix_tree = gr.Plot(label="Prefix-sharing tree", elem_id="kv-prefix-tree")
+    timeline_plot = gr.Plot(label="Request timelines", elem_id="kv-timeline")
     with gr.Row():
-        series = gr.Plot(label="KV usage, queues, throughput")
-        comparison = gr.Plot(label="Paged against contiguous")
+        series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series")
+        comparison = gr.Plot(label="Paged against contiguous", elem_id="kv-comparison")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison,

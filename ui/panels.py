@@ -14,6 +14,8 @@ from ui.plotdata import placeholder, to_plot
 
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
           "comparison")
+# Each panel's element (the summary line sits above the tabs and is always sent).
+PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
 # While the engine is busy a panel may use this share of one core: a panel that takes
 # 30 ms to build refreshes every second, one that takes 200 ms every 6.7 s. The engine
@@ -152,11 +154,12 @@ class PanelRenderer:
             return False
         return not state.busy or now - rendered.at >= self.interval(name) - TICK_SLACK_S
 
-    def refresh(self, shown: dict | None, watching: bool = True, *view_controls):
+    def refresh(self, shown: dict | None, visible: list[str] | None = None, *view_controls):
         """One value per panel in PANELS order (gr.skip() where this tab is up to date),
-        then the signatures the tab now shows. With `watching` False (the Live tab is
-        not selected) only the summary line is refreshed. `view_controls` are the
-        heatmap's and block tables' controls (see panel_views); a bad value draws the
+        then the signatures the tab now shows. `visible` names the panels the tab can see
+        (None: all; the browser sends the ones on screen, ui.dashboard.visible_panels_js):
+        only those are built and sent, and the summary line always is. `view_controls` are
+        the heatmap's and block tables' controls (see panel_views); a bad value draws the
         default view and says why in a warning."""
         shown = shown or {}
         try:
@@ -164,11 +167,13 @@ class PanelRenderer:
         except (TypeError, ValueError) as error:
             gr.Warning(f"View not changed: {error}")
             views = PanelViews()
+        wanted = [name for name in PANELS
+                  if name == "summary" or visible is None or name in visible]
         with self._lock:
             state = self.feed.refresh()
             signatures = {name: (data, views.of(name))
                           for name, data in _signatures(state).items()}
-            for name in PANELS if watching else PANELS[:1]:
+            for name in wanted:
                 now = time.monotonic()
                 if self._due(name, signatures[name], state, now):
                     value = _render(name, state, self.feed.decode, views)
@@ -177,7 +182,7 @@ class PanelRenderer:
                     cost = self._cost.get(name, done - now)
                     self._cost[name] = cost + COST_SMOOTHING * (done - now - cost)
                     self._rendered[name] = _Rendered(signatures[name], value, done)
-            sent = {name: self._rendered[name] for name in (PANELS if watching else PANELS[:1])
+            sent = {name: self._rendered[name] for name in wanted
                     if name in self._rendered and shown.get(name) !=
                     self._rendered[name].signature}
         values = [sent[name].value if name in sent else gr.skip() for name in PANELS]
