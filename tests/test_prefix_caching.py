@@ -343,7 +343,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_what_their_hash_says(self):
-        for block in self.manager.pool.cached_blocks.values():
+        pool = self.manager.pool
+        for block in map(pool.blocks.__getitem__, pool.cached_blocks.values()):
             assert tuple(self.device[block.block_id]) == block.block_hash[2]
 
     def teardown(self):
