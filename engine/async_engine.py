@@ -144,11 +144,9 @@ class AsyncEngine(ChatSubmit):
     """Runs an EngineCore on a background thread; other threads only enqueue commands.
 
     The thread steps while requests are unfinished and sleeps on a condition when idle.
-    `from_config` builds the core on that same thread (see engine.engine_thread).
     """
 
-    def __init__(self, core: EngineCore, base_config: EngineConfig | None = None,
-                 thread: EngineThread | None = None) -> None:
+    def __init__(self, core: EngineCore, base_config: EngineConfig | None = None) -> None:
         self._core = core
         # Reconfigure applies knobs to the unresolved config, so derived knobs (the token
         # budget, max_model_len) are derived again for the new values.
@@ -172,20 +170,13 @@ class AsyncEngine(ChatSubmit):
         self._accepting = True
         self._stopping = False
         self._exited = False
-        self._thread = thread or EngineThread()
+        self._thread = EngineThread()
         self._loop: concurrent.futures.Future | None = None  # _run's, once started
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        """Load the model and build the engine (not started), on the thread that will step
-        it: one OpenMP team for the model's whole life."""
-        thread = EngineThread()
-        try:
-            core = thread.call(EngineCore, config).result()
-        except BaseException:
-            thread.finish()
-            raise
-        return cls(core, base_config=config, thread=thread)
+        """Load the model and build the engine (not started)."""
+        return cls(EngineCore(config), base_config=config)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> "AsyncEngine":

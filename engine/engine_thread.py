@@ -1,12 +1,14 @@
-"""The one OS thread that loads, profiles and steps a served engine.
+"""The OS thread that steps a served engine, named so that `top -H` and the benches can
+tell it (and the OpenMP workers it starts, which inherit the name) from the server's.
 
-libgomp (PyTorch's OpenMP on Linux) keeps a team of worker threads for every thread that
-has run a parallel region, and once it manages more threads than there are cores it
-stops spin-waiting between regions (its "throttled" spin count of 1000). Loading the model
-on the main thread and stepping it on another made two teams, so on a 2-core machine
-every one of a step's hundreds of parallel regions ended with its worker asleep on a futex
-and began by waking it: one stream decoded at ~50 tok/s in the server against ~95 with
-`LLM.generate`. Building the core on the thread that steps it keeps one team.
+Where the model is loaded matters for OpenMP: libgomp keeps a worker team for every
+thread that has run a parallel region, and with more OpenMP threads than cores it stops
+spin-waiting between regions. Loaded on the main thread and stepped here, the engine has
+two teams, so torch's OpenMP workers sleep between regions. Before the kernels had their
+own work pool that halved a served stream (~50 against ~100 tok/s on 2 cores); with the
+pool, workers that sleep leave the second core to the pool's helper, and on the shared
+2-core machine a core built here (one team, spinning workers) decoded slower (13-29
+against 24-88 tok/s), so the model is still loaded on the caller's thread.
 """
 
 import concurrent.futures

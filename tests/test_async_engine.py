@@ -285,36 +285,6 @@ def test_reconfigure_to_a_longer_max_model_len_serves_the_longer_prompts(tiny_ll
         engine.shutdown()
 
 
-def test_from_config_loads_and_steps_the_model_on_one_thread(tiny_llama_path, monkeypatch):
-    """libgomp keeps an OpenMP team per thread that runs parallel regions and stops
-    spin-waiting once it manages more threads than cores: the model must be built and
-    stepped on the same thread (a stream decoded at half speed in the server otherwise)."""
-    import engine.async_engine as async_engine_module
-
-    built_on, stepped_on = [], set()
-
-    class RecordingCore(EngineCore):
-        def __init__(self, config):
-            built_on.append(threading.get_native_id())
-            super().__init__(config)
-
-        def step(self):
-            stepped_on.add(threading.get_native_id())
-            return super().step()
-
-    monkeypatch.setattr(async_engine_module, "EngineCore", RecordingCore)
-    engine = AsyncEngine.from_config(EngineConfig(
-        model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,
-        num_gpu_blocks_override=64, max_model_len=128, max_num_batched_tokens=128)).start()
-    try:
-        list(engine.submit("hello", short(3)))
-        assert built_on != [threading.get_native_id()]
-        assert stepped_on == set(built_on) == {engine._thread.native_id}
-    finally:
-        engine.shutdown()
-    assert not engine.is_running
-
-
 def test_an_engine_never_started_shuts_down_at_once(core) -> None:
     idle = AsyncEngine(core)
     assert not idle.is_running
