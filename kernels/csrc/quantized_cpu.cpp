@@ -161,6 +161,22 @@ void widen_halves(const at::Half* p, int64_t count, float* out) {
   for (; i < count; ++i) out[i] = static_cast<float>(p[i]);
 }
 
+// body(first, count, scale, offset) for each block of up to kRowBlock int4 output rows in
+// [begin, end), with the block's scales and offsets widened to fp32, [row][group], and 16
+// zeros after the last row: a row's offsets are read in whole vectors, whatever runs past
+// `groups` meets zeros in x's group sums.
+template <typename Body>
+void int4_row_blocks(const at::Half* scales, const at::Half* offsets, int64_t groups,
+                     int64_t begin, int64_t end, Body&& body) {
+  std::vector<float> scale(kRowBlock * groups + 16, 0.f), offset(kRowBlock * groups + 16, 0.f);
+  for (int64_t first = begin; first < end; first += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, end - first);
+    widen_halves(scales + first * groups, count * groups, scale.data());
+    widen_halves(offsets + first * groups, count * groups, offset.data());
+    body(first, count, scale.data(), offset.data());
+  }
+}
+
 // out[m, n] for M rows of x and output rows [begin, end), exactly: weights widened to fp32.
 // With weight = q * scale + offset, x . w = sum over chunks of scale * (x . q) + sum over
 // groups of offset * sum(x): the second sum needs x's group sums only (xsum), so the inner
@@ -170,17 +186,13 @@ void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* we
                const at::Half* scales, const at::Half* offsets, int group_shift, const T* bias,
                T* out, int64_t out_stride, int64_t begin, int64_t end) {
   const int64_t chunks = in / kChunk, groups = chunks >> group_shift;
-  // One block's scales and offsets, [row][group], with 16 zeros after the last row: a
-  // row's offsets are read in whole vectors, whatever ran past `groups` meets zeros in xsum.
-  std::vector<float> scale(kRowBlock * groups + 16, 0.f), offset(kRowBlock * groups + 16, 0.f);
-  for (int64_t first = begin; first < end; first += kRowBlock) {
-    const int64_t count = std::min(kRowBlock, end - first);
-    widen_halves(scales + first * groups, count * groups, scale.data());
-    widen_halves(offsets + first * groups, count * groups, offset.data());
+  int4_row_blocks(scales, offsets, groups, begin, end, [&](int64_t first, int64_t count,
+                                                           const float* scale,
+                                                           const float* offset) {
     float y[M][kRowBlock];
     for (int64_t i = 0; i < count; ++i) {
       const uint8_t* row = weight + (first + i) * in / 2;
-      const float* row_scale = scale.data() + i * groups;
+      const float* row_scale = scale + i * groups;
       // Even and odd chunks add into separate accumulators: two dependent chains, not one.
       f32x16 even[M] = {}, odd[M] = {};
       auto add_chunk = [&](int64_t c, f32x16* acc) {
@@ -198,7 +210,7 @@ void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* we
         add_chunk(c + 1, odd);
       }
       if (c < chunks) add_chunk(c, even);
-      const float* row_offset = offset.data() + i * groups;
+      const float* row_offset = offset + i * groups;
       for (int m = 0; m < M; ++m) {
         f32x16 shift = {};
         for (int64_t g = 0; g < groups; g += 16)
@@ -207,7 +219,7 @@ void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* we
       }
     }
     store_block<M>(out, out_stride, first, count, y, bias);
-  }
+  });
 }
 
 template <int M, typename T>
@@ -334,18 +346,14 @@ void int4_rows_vnni(const Int8Rows& xq, const float* xsum, int64_t in, const uin
                     const bf16* bias, bf16* out, int64_t out_stride, int64_t begin,
                     int64_t end) {
   const int64_t chunks = in / kChunk, groups = chunks >> group_shift;
-  // One block's scales and offsets, [row][group], with 16 zeros after the last row: a
-  // row's offsets are read in whole vectors, whatever ran past `groups` meets zeros in xsum.
-  std::vector<float> scale(kRowBlock * groups + 16, 0.f), offset(kRowBlock * groups + 16, 0.f);
   const __m256i nibble = _mm256_set1_epi8(15);
-  for (int64_t first = begin; first < end; first += kRowBlock) {
-    const int64_t count = std::min(kRowBlock, end - first);
-    widen_halves(scales + first * groups, count * groups, scale.data());
-    widen_halves(offsets + first * groups, count * groups, offset.data());
+  int4_row_blocks(scales, offsets, groups, begin, end, [&](int64_t first, int64_t count,
+                                                           const float* scale,
+                                                           const float* offset) {
     float y[M][kRowBlock];
     for (int64_t i = 0; i < count; ++i) {
       const uint8_t* row = weight + (first + i) * in / 2;
-      const float* row_scale = scale.data() + i * groups;
+      const float* row_scale = scale + i * groups;
       __m256 even[M], odd[M];
       for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
       auto add_chunk = [&](int64_t c, __m256* acc) {
@@ -358,7 +366,7 @@ void int4_rows_vnni(const Int8Rows& xq, const float* xsum, int64_t in, const uin
           acc[m] = _mm256_fmadd_ps(scaled_block_dot(xq, m * xq.blocks + c, q), w_scale, acc[m]);
       };
       in_two_chains(chunks, add_chunk, even, odd);
-      const float* row_offset = offset.data() + i * groups;
+      const float* row_offset = offset + i * groups;
       for (int m = 0; m < M; ++m) {
         __m512 shift = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g += 16)
@@ -370,7 +378,7 @@ void int4_rows_vnni(const Int8Rows& xq, const float* xsum, int64_t in, const uin
       }
     }
     store_block<M>(out, out_stride, first, count, y, bias);
-  }
+  });
 }
 
 // int8 rows with VNNI: vpdpbusd wants one unsigned operand, so the weights are flipped to
