@@ -1,4 +1,4 @@
-"""The engine's big CPU tensors start on 2 MiB boundaries and, where THP is on, get huge pages."""
+"""The CPU runtime around the kernels: big tensors on huge pages, passive OpenMP workers."""
 
 from pathlib import Path
 
@@ -63,3 +63,24 @@ def test_small_tensors_share_one_huge_page_region():
     assert all(p.data_ptr() % 64 == 0 for p in layers.parameters())
     for p, value in zip(layers.parameters(), before):
         assert torch.equal(p, value)
+
+
+def test_engine_asks_for_passive_openmp_workers_before_torch_loads():
+    """engine/__init__.py: spinning OpenMP workers take the cores the kernels' pool needs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    first = subprocess.run([sys.executable, "-c",
+                            "import engine, os; print(os.environ['OMP_WAIT_POLICY'])"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert first.stdout.strip() == "PASSIVE" and "OMP_WAIT_POLICY" not in first.stderr
+    late = subprocess.run([sys.executable, "-c", "import torch, engine"],
+                          env=env, capture_output=True, text=True, check=True)
+    assert "OMP_WAIT_POLICY=PASSIVE" in late.stderr
+    chosen = subprocess.run([sys.executable, "-c", "import torch, engine, os; "
+                             "print(os.environ['OMP_WAIT_POLICY'])"],
+                            env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
+                            text=True, check=True)
+    assert chosen.stdout.strip() == "ACTIVE" and "OMP_WAIT_POLICY" not in chosen.stderr
