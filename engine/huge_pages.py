@@ -10,6 +10,7 @@ Where THP is off or the platform is not Linux, these are ordinary tensors.
 """
 
 import contextlib
+import math
 import mmap
 
 import torch
@@ -22,10 +23,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor whose pages the kernel is asked to make huge (when it is big
     enough to hold one). It lives in a fresh anonymous mapping: memory the allocator reuses is
     already backed by small pages, which advice no longer changes."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if _ADVICE is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than needed, so the tensor can start on a 2 MiB boundary and every
@@ -43,9 +41,9 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def move_module(module: torch.nn.Module) -> None:
     """Re-home the module's CPU parameters and buffers on huge pages (tied ones once: they
-    are the same tensor): each of at least one huge page on its own, the smaller ones side by
-    side in one shared region, in the module's order. A packed int4 layer is well under one
-    huge page, and a decode step streams every one of them."""
+    are the same tensor): each of at least one huge page in a region of its own, the smaller
+    ones side by side in one shared region, in the module's order. A packed int4 layer is
+    well under one huge page, and a decode step streams every one of them."""
     seen: set[int] = set()
     small = []
     for tensor in [*module.parameters(), *module.buffers()]:
@@ -54,10 +52,8 @@ def move_module(module: torch.nn.Module) -> None:
         seen.add(id(tensor))
         if tensor.numel() * tensor.element_size() < HUGE_PAGE_BYTES:
             small.append(tensor)
-            continue
-        moved = empty(tuple(tensor.shape), tensor.dtype)
-        moved.copy_(tensor.data)
-        tensor.data = moved
+        else:
+            _share_region([tensor])
     _share_region(small)
 
 
@@ -65,6 +61,8 @@ _ALIGNMENT = 64  # a cache line: every tensor in a shared region starts on one
 
 
 def _share_region(tensors: list[torch.Tensor]) -> None:
+    """Copy the tensors into one huge-page region, side by side, if together they fill at
+    least one huge page (else they stay where they are)."""
     starts, total = [], 0
     for tensor in tensors:
         starts.append(total)
