@@ -190,7 +190,7 @@ def test_browser_trash_icon_starts_a_new_conversation(served, browser) -> None:
 
 
 def test_browser_panels_out_of_view_wait_until_scrolled_into_view(served, browser) -> None:
-    """A tab refreshes only the panels on screen (ui.dashboard.visible_panels_js): one
+    """A tab refreshes only the panels on screen (ui/live_poller.js): one
     scrolled out of view keeps its last drawing, and is drawn anew once it comes into
     view, while the panels on screen stay live meanwhile."""
     from playwright.sync_api import expect
@@ -214,6 +214,37 @@ def test_browser_panels_out_of_view_wait_until_scrolled_into_view(served, browse
         "before => JSON.stringify([document.querySelector('#kv-timeline .js-plotly-plot')"
         ".data, document.querySelector('#kv-timeline .js-plotly-plot').layout.title])"
         " !== before", arg=before, timeout=15_000)
+    page.close()
+
+
+def test_browser_live_tab_polls_once_a_second_and_redraws_only_what_changed(served,
+                                                                           browser) -> None:
+    """ui/live_poller.js: an open Live tab makes one unqueued POST a second and no Gradio
+    queue event; an idle engine redraws no figure; a request redraws the heatmap."""
+    from playwright.sync_api import expect
+
+    page = open_page(browser, served[2])
+    page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=20_000)
+    page.wait_for_timeout(1500)  # the page's first drawing of every panel is in
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    page.evaluate("""() => {
+      window.redraws = {};
+      for (const div of document.querySelectorAll('.js-plotly-plot')) {
+        const id = div.closest('[id^="kv-"]').id;
+        window.redraws[id] = 0;
+        div.on('plotly_afterplot', () => { window.redraws[id] += 1; });
+      }
+    }""")
+    page.wait_for_timeout(3500)
+    polls = [url for url in requests if url.endswith("/gradio_api/run/refresh_live")]
+    assert 2 <= len(polls) <= 5
+    assert not [url for url in requests if "/queue/" in url]  # no Gradio event round trip
+    assert sum(page.evaluate("window.redraws").values()) == 0  # nothing changed: no redraw
+    stats = page.locator("#kv-stats").inner_text()
+    list(served[0].submit("poll me", SamplingParams(max_tokens=6, ignore_eos=True)))
+    expect(page.locator("#kv-stats")).not_to_have_text(stats, timeout=15_000)
+    page.wait_for_function("window.redraws['kv-heatmap'] > 0", timeout=15_000)
     page.close()
 
 

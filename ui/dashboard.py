@@ -12,6 +12,8 @@ from ui import chat, figures, knobs, loadgen, panels, sessions
 from ui.live import LiveFeed
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
+POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
+REFRESH_ENDPOINT = "refresh_live"
 
 
 def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
@@ -22,54 +24,53 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
     load = loadgen.LoadGenerator(engine)
     with gr.Blocks(title="kvscope") as blocks:
         gr.Markdown("# kvscope — the paged KV cache, live")
-        summary = gr.Markdown(elem_classes="kv-summary")
+        summary = gr.HTML(panels.text_html(""), elem_id="kv-summary", elem_classes="kv-summary")
         with gr.Tabs():
-            with gr.Tab("Live", id="live"):
+            with gr.Tab("Live", id="live") as live_tab:
                 live = _live_tab(engine, session_log)
-            with gr.Tab("Engine & load", id="engine"):
-                _engine_tab(blocks, engine, feed, session_log, load)
-            with gr.Tab("Sessions", id="sessions"):
+            with gr.Tab("Engine & load", id="engine") as engine_tab:
+                load_timer = _engine_tab(blocks, engine, feed, session_log, load)
+            with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 _sessions_tab(blocks, session_log)
+            other_tabs = [live_tab, sessions_tab]
             if engine.num_replicas > 1:  # an engine.replicas.ReplicaSet
                 from ui.replicas import replicas_tab  # the router's names; Ray is loaded
 
-                with gr.Tab("Replicas", id="replicas"):
+                with gr.Tab("Replicas", id="replicas") as replicas:
                     replicas_tab(engine, feed)
-        shown = gr.State(None)
-        # Filled in the browser before each refresh (visible_panels_js); an API caller
-        # that sends nothing gets every panel.
+                other_tabs.append(replicas)
+        # The load generator's progress polls only while its tab is shown: a Gradio event
+        # every 2 s cost an open Live tab CPU (round trip, status trackers) for nothing.
+        engine_tab.select(lambda: gr.Timer(active=True), None, load_timer,
+                          show_progress="hidden", api_visibility="private")
+        for other in other_tabs:
+            other.select(lambda: gr.Timer(active=False), None, load_timer,
+                         show_progress="hidden", api_visibility="private")
+        # What the tab shows ({panel: render version}) and which panels are on screen: the
+        # browser's poller sends both; an API caller that sends nothing gets every panel.
+        shown = gr.JSON(None, visible="hidden")
         visible = gr.JSON(None, visible="hidden")
-        timer = gr.Timer(panels.REFRESH_S)
         outputs = [summary, *(live[name] for name in panels.PANELS[1:]), shown]
         inputs = [shown, visible, *live["view_controls"]]
-        on_screen = visible_panels_js(len(live["view_controls"]))
-        timer.tick(renderer.refresh, inputs, outputs, show_progress="hidden", js=on_screen,
-                   api_name="refresh_live", concurrency_limit=None, trigger_mode="always_last")
-        # A page opens with every panel drawn; then the ticks keep the ones on screen live.
-        blocks.load(renderer.refresh, inputs, outputs, show_progress="hidden",
-                    api_visibility="private")
+        # A page opens with every panel drawn through Gradio (which also loads Plotly);
+        # from then on ui/live_poller.js asks this same endpoint once a second.
+        blocks.load(renderer.refresh, inputs, outputs, show_progress="hidden", queue=False,
+                    api_name=REFRESH_ENDPOINT).then(
+            None, [shown, *live["view_controls"]], None, js=live_poller_js(),
+            show_progress="hidden")
         for control in live["view_controls"]:  # a new view shows at once, not at the tick
-            control.change(renderer.refresh, inputs, outputs, show_progress="hidden",
-                           js=on_screen, api_visibility="private", trigger_mode="always_last")
+            control.change(None, live["view_controls"], None, show_progress="hidden",
+                           js="(...views) => { window.kvscopeLive?.setViews(views); }")
     return blocks
 
 
-def visible_panels_js(num_view_controls: int) -> str:
-    """The browser's side of each refresh: it names the panels on screen, so a panel on a
-    hidden page (another browser tab, a minimized window), under the Engine or Sessions
-    tab, or scrolled out of view costs neither the server a build nor the browser a
-    redraw (Plotly's react and resize, the dashboard's largest cost on a machine that
-    also runs the engine). A panel coming into view is drawn at the next tick."""
-    return f"""(shown, visible, ...rest) => {{
-      const onScreen = (id) => {{
-        const box = document.getElementById(id)?.getBoundingClientRect();
-        return !!box && box.width > 0 && box.height > 0 && box.bottom > 0
-          && box.top < window.innerHeight;
-      }};
-      const panels = document.hidden ? [] : Object.entries({json.dumps(panels.PANEL_ELEMENTS)})
-        .filter(([, id]) => onScreen(id)).map(([name]) => name);
-      return [shown, panels, ...rest.slice(0, {num_view_controls})];
-    }}"""
+def live_poller_js() -> str:
+    """The page's refresh loop (ui/live_poller.js) with this dashboard's panels in it."""
+    config = {"endpoint": f"gradio_api/run/{REFRESH_ENDPOINT}", "panels": panels.PANELS,
+              "text": panels.TEXT_PANELS, "refresh_ms": int(panels.REFRESH_S * 1000),
+              "elements": {"summary": "kv-summary", **panels.PANEL_ELEMENTS}}
+    return (f"(shown, ...views) => ({POLLER_PATH.read_text()})"
+            f"({json.dumps(config)}, shown, views)")
 
 
 def _live_tab(engine: EngineView, session_log) -> dict:
@@ -99,7 +100,7 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                 heatmap_start = gr.Number(0, precision=0, minimum=0, label="from block")
                 heatmap_stop = gr.Number(0, precision=0, minimum=0,
                                          label="to block (exclusive; 0 = the end)")
-            stats = gr.Markdown(elem_id="kv-stats")
+            stats = gr.HTML(panels.text_html(""), elem_id="kv-stats")
     conversation = gr.State(chat.new_conversation)
     message.submit(partial(chat.chat_reply, engine, session_log),
                    [message, conversation, temperature, top_p, max_tokens,
@@ -132,7 +133,8 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                               table_page, table_filter]}
 
 
-def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> None:
+def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> gr.Timer:
+    """The knobs and the load generator; returns the timer of the load's progress line."""
     (block_size, utilization, memory_gb, budget, prefix, chunked,
      preemption) = knobs.current_knobs(engine)
     gr.Markdown("### Knobs\nApply rebuilds the KV cache (weights stay loaded); new requests "
@@ -179,8 +181,9 @@ def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> None:
     send.click(partial(_start_load, load), [count, rate, shared, prompt_min, prompt_max,
                                             output_min, output_max, n], load_status,
                api_name="start_load")
-    gr.Timer(2.0).tick(load.status, None, load_status, show_progress="hidden",
-                       api_visibility="private")
+    timer = gr.Timer(2.0, active=False)
+    timer.tick(load.status, None, load_status, show_progress="hidden", api_visibility="private")
+    return timer
 
 
 def _start_load(load, count, rate, shared, prompt_min, prompt_max, output_min, output_max,

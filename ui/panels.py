@@ -1,11 +1,13 @@
-"""The timer's handler: every live panel, rendered once per change for all tabs, and no
+"""The live panels' handler: every panel rendered once per change for all tabs, and no
 more often than its cost allows while the engine is busy."""
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
 
 import gradio as gr
+from markdown_it import MarkdownIt
 
 from engine.pool_mirror import PoolMirror
 from ui import figures, timeline
@@ -25,6 +27,10 @@ MAX_INTERVAL_S = 8.0
 # Timer ticks jitter; without slack a 1 s panel would land on every other tick.
 TICK_SLACK_S = 0.2
 COST_SMOOTHING = 0.3
+# The summary and stats lines as HTML made here: the browser's poller (ui/live_poller.js)
+# puts them in place without Gradio's Markdown renderer. Raw HTML in the text stays text.
+_MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
+TEXT_PANELS = ("summary", "stats")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,11 @@ def summary_markdown(snapshot: PoolMirror) -> str:
             f"{'on' if config.get('enable_chunked_prefill') else 'off'}")
 
 
+def text_html(markdown: str) -> str:
+    """A text panel's HTML, in the wrapper the poller replaces (class kv-html)."""
+    return f'<div class="kv-html">{_MARKDOWN.render(markdown)}</div>'
+
+
 def _render(name: str, state: LiveState, decode, views: PanelViews):
     snapshot = state.snapshot
     holders = any(seq.block_table for seq in snapshot.sequences)
@@ -128,6 +139,7 @@ class _Rendered:
     signature: object
     value: object
     at: float
+    version: int  # what a tab says it shows: unique per render, and plain JSON
 
 
 class PanelRenderer:
@@ -141,6 +153,7 @@ class PanelRenderer:
         self._lock = threading.Lock()  # one render pass at a time, whatever the tab count
         self._rendered: dict[str, _Rendered] = {}
         self._cost: dict[str, float] = {}
+        self._versions = itertools.count(1)
 
     def interval(self, name: str) -> float:
         return min(max(REFRESH_S, self._cost.get(name, 0.0) / PANEL_DUTY), MAX_INTERVAL_S)
@@ -154,10 +167,12 @@ class PanelRenderer:
             return False
         return not state.busy or now - rendered.at >= self.interval(name) - TICK_SLACK_S
 
-    def refresh(self, shown: dict | None, visible: list[str] | None = None, *view_controls):
+    def refresh(self, shown: dict | None = None, visible: list[str] | None = None,
+                *view_controls):
         """One value per panel in PANELS order (gr.skip() where this tab is up to date),
-        then the signatures the tab now shows. `visible` names the panels the tab can see
-        (None: all; the browser sends the ones on screen, ui.dashboard.visible_panels_js):
+        then the render versions the tab now shows (`shown`, {panel: version}, is what it
+        sent back from its previous refresh; None: nothing yet). `visible` names the panels the tab can see
+        (None: all; the browser sends the ones on screen, ui/live_poller.js):
         only those are built and sent, and the summary line always is. `view_controls` are
         the heatmap's and block tables' controls (see panel_views); a bad value draws the
         default view and says why in a warning."""
@@ -177,13 +192,14 @@ class PanelRenderer:
                 now = time.monotonic()
                 if self._due(name, signatures[name], state, now):
                     value = _render(name, state, self.feed.decode, views)
-                    value = to_plot(value) if name not in ("summary", "stats") else value
+                    value = text_html(value) if name in TEXT_PANELS else to_plot(value)
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)
                     self._cost[name] = cost + COST_SMOOTHING * (done - now - cost)
-                    self._rendered[name] = _Rendered(signatures[name], value, done)
+                    self._rendered[name] = _Rendered(signatures[name], value, done,
+                                                     next(self._versions))
             sent = {name: self._rendered[name] for name in wanted
                     if name in self._rendered and shown.get(name) !=
-                    self._rendered[name].signature}
+                    self._rendered[name].version}
         values = [sent[name].value if name in sent else gr.skip() for name in PANELS]
-        return *values, {**shown, **{name: r.signature for name, r in sent.items()}}
+        return *values, {**shown, **{name: r.version for name, r in sent.items()}}

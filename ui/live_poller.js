@@ -1,0 +1,84 @@
+// The live panels' refresh in the browser (started once per page by ui.dashboard).
+//
+// Why not a gr.Timer: each Gradio event round trip costs the browser ~0.1 of a core even
+// when every output is skipped (queue join and stream, state and status-tracker updates
+// for each output), and gr.Plot redraws a new value twice (Plotly.react, then
+// Plots.resize). On a machine that also runs the engine that came out of the engine's
+// tok/s. This loop makes one plain POST to the same Gradio endpoint (refresh_live,
+// unqueued) per tick, and puts only the changed panels in place: Plotly.react on the
+// plot's own div, the text panels' HTML into their wrapper.
+function startLivePoller(config, shown, views) {
+  const live = (window.kvscopeLive ??= {});
+  live.shown = shown || {};
+  live.views = views;
+  if (live.started) return;
+  live.started = true;
+  const root = (window.gradio_config?.root || location.href.split(/[?#]/)[0]).replace(/\/?$/, "/");
+  const url = new URL(config.endpoint, root);
+  let timer = null, inFlight = false, again = false;
+
+  const onScreen = (id) => {
+    const box = document.getElementById(id)?.getBoundingClientRect();
+    return !!box && box.width > 0 && box.height > 0 && box.bottom > 0
+      && box.top < window.innerHeight;
+  };
+  // A panel scrolled out of view, under another tab or on a hidden page is neither built
+  // by the server nor redrawn here; it is drawn once it is on screen again.
+  const visiblePanels = () => document.hidden ? [] : Object.entries(config.elements)
+    .filter(([name, id]) => name !== "summary" && onScreen(id)).map(([name]) => name);
+
+  const drawPlot = (id, value) => {
+    const div = document.querySelector(`#${id} [data-testid="plotly"]`);
+    if (!div || !window.Plotly) return false;  // not mounted yet: asked again next tick
+    const figure = JSON.parse(value.plot);
+    // As gr.Plot lays a figure out (its label sits over the plot's top margin).
+    const layout = figure.layout;
+    layout.autosize = true;
+    layout.margin ??= {};
+    if (layout.title) layout.margin.t = Math.max(100, layout.margin.t || 0);
+    layout.margin.autoexpand = true;
+    window.Plotly.react(div, figure.data, layout, {...figure.config, responsive: true});
+    return true;
+  };
+  const drawText = (id, html) => {
+    const wrapper = document.querySelector(`#${id} .kv-html`);
+    if (!wrapper) return false;
+    wrapper.outerHTML = html;
+    return true;
+  };
+
+  const poll = async () => {
+    if (inFlight) { again = true; return; }
+    clearTimeout(timer);
+    inFlight = true;
+    try {
+      const response = await fetch(url, {
+        method: "POST", headers: {"Content-Type": "application/json"},
+        body: JSON.stringify({data: [live.shown, visiblePanels(), ...live.views]}),
+      });
+      if (response.ok) {
+        const {data} = await response.json();
+        const next = data[config.panels.length] || {};
+        config.panels.forEach((name, index) => {
+          const value = data[index];
+          if (value == null || value.__type__ === "update") return;  // gr.skip(): unchanged
+          const id = config.elements[name];
+          const drawn = config.text.includes(name) ? drawText(id, value) : drawPlot(id, value);
+          if (!drawn) {
+            if (name in live.shown) next[name] = live.shown[name]; else delete next[name];
+          }
+        });
+        live.shown = next;
+      }
+    } catch (error) {
+      // The server restarting, or the network: the next tick tries again.
+    } finally {
+      inFlight = false;
+      timer = setTimeout(poll, again ? 0 : config.refresh_ms);
+      again = false;
+    }
+  };
+  // A new heatmap range or table page is drawn at once, not at the next tick.
+  live.setViews = (values) => { live.views = values; poll(); };
+  timer = setTimeout(poll, config.refresh_ms);
+}
