@@ -11,8 +11,11 @@ falls on both sides:
 
 Each also reports where the CPU went, in cores (CPU seconds per wall second; the
 dashboard refreshes once a second, so also CPU seconds per refresh): the engine's
-threads (named kvscope-engine, with the OpenMP workers they started), the app's other
-threads (server, dashboard handlers, session log) and this bench's Chromium processes.
+threads (named kvscope-engine, with the OpenMP workers they started), the app's main
+thread (uvicorn's event loop: HTTP, SSE, Gradio's routes), the app's other threads
+(Gradio's handler threads, session log, and the kernels' work-pool helpers when they were
+started on the main thread, as at model load: unnamed, so engine work counts here too)
+and this bench's Chromium processes.
 
 Run it under the bench lock (the machine is shared):
 
@@ -80,13 +83,16 @@ def batched_rate(url: str, batch: int, max_tokens: int) -> float:
 
 
 def cpu_seconds_by_part(app_pid: int) -> dict[str, float]:
-    """CPU seconds so far of the engine's threads, the app's other threads, and the
-    Chromium processes this bench started (Linux /proc)."""
-    parts = dict.fromkeys(("engine", "app_other", "chromium"), 0.0)
+    """CPU seconds so far of the engine's threads, the app's main thread, its other
+    threads, and the Chromium processes this bench started (Linux /proc)."""
+    parts = dict.fromkeys(("engine", "app_main", "app_other", "chromium"), 0.0)
     for task in Path(f"/proc/{app_pid}/task").iterdir():
         try:
-            engine = (task / "comm").read_text().strip() == "kvscope-engine"
-            parts["engine" if engine else "app_other"] += _cpu_seconds(task / "stat")
+            if (task / "comm").read_text().strip() == "kvscope-engine":
+                part = "engine"
+            else:
+                part = "app_main" if task.name == str(app_pid) else "app_other"
+            parts[part] += _cpu_seconds(task / "stat")
         except OSError:  # the thread ended meanwhile
             continue
     for pid in _descendants(os.getpid()):
