@@ -73,15 +73,16 @@ class Run:
         prompt_len = {rid: len(o.prompt_token_ids) for rid, o in self.outputs.items()}
         found: dict[str, int] = {}
         for record in self.records:
-            for chunk in record.chunks:
-                if (chunk.request_id not in found and chunk.kind == "prefill"
-                        and chunk.end >= prompt_len.get(chunk.request_id, 1 << 62)):
-                    found[chunk.request_id] = record.step
+            for request_id, _, kind, _, end in record.chunks:
+                if (request_id not in found and kind == "prefill"
+                        and end >= prompt_len.get(request_id, 1 << 62)):
+                    found[request_id] = record.step
         return found
 
     @property
     def prefill_tokens(self) -> int:
-        return sum(c.end - c.start for r in self.records for c in r.chunks if c.kind == "prefill")
+        return sum(end - start for r in self.records for _, _, kind, start, end in r.chunks
+                   if kind == "prefill")
 
     @property
     def output_tokens(self) -> int:

@@ -36,7 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import roofline  # noqa: E402
 from engine.loader import load_config, resolve_model_path  # noqa: E402
-from engine.models.quantized import KERNEL_MAX_ROWS, Int4Linear, Int8Linear, pack_model  # noqa: E402
+from engine.models.quantized import (  # noqa: E402
+    KERNEL_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    int4_wide_blocks,
+    pack_model,
+)
 from kernels import forward_ops  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -91,7 +97,7 @@ def forms(out_features: int, in_features: int, group_size: int, is_lm_head: bool
 
 def torch_int4(layer: Int4Linear, dtype: torch.dtype):
     """PyTorch's packed int4 matmul on the same q, scale and offset."""
-    chunks = layer.weight.view(layer.out_features, -1, 16)
+    chunks = int4_wide_blocks(layer.weight, inverse=True).view(layer.out_features, -1, 16)
     q = torch.cat([chunks & 15, chunks >> 4], dim=-1).view(layer.out_features, -1)
     weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
     scale, offset = layer.scales.float(), layer.offsets.float()

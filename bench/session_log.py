@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.telemetry import ScheduledChunk, StepRecord  # noqa: E402
+from engine.telemetry import StepRecord  # noqa: E402
 from storage import SessionLog  # noqa: E402
 
 RUNNING = 16
@@ -32,7 +32,7 @@ RUNNING = 16
 
 def step_record(step: int) -> StepRecord:
     now = time.time()
-    chunks = tuple(ScheduledChunk(f"req-{i}", f"req-{i}", "decode", 100 + step, 101 + step)
+    chunks = tuple((f"req-{i}", f"req-{i}", "decode", 100 + step, 101 + step)
                    for i in range(RUNNING))
     return StepRecord(step=step, start_time=now, end_time=now + 0.001, chunks=chunks,
                       preempted=(), swapped_out=(), swapped_in=(), finished=(),

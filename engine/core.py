@@ -15,12 +15,12 @@ from engine.logits_processing import LogitsProcessor
 from engine.memory import GiB
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request import Chunk, FinishReason, Request, Sequence
+from engine.request import FinishReason, Request, Sequence
 from engine.sampler import sample, token_logprobs
 from engine.sampling_params import SamplingParams, model_sampling_defaults
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from engine.telemetry import PoolDelta, ScheduledChunk, StepRecord, take_pool_delta
+from engine.telemetry import PoolDelta, StepRecord, take_pool_delta
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,6 @@ class EngineCore:
             _record_prompt_logprobs(plan.scheduled[index], chunk_logits)
         for item in plan.scheduled:
             item.seq.num_computed_tokens = item.end
-            item.seq.chunks.append(Chunk(self.step_index, item.start, item.end, item.kind))
             self.kv_cache.cache_full_blocks(item.seq)
         touched, num_generated = (self._sample_and_update(sampling, logits)
                                   if sampling else ([], 0))
@@ -245,7 +244,7 @@ class EngineCore:
                          cumulative_logprob=parent.cumulative_logprob, text=parent.text,
                          prefix_offset=parent.prefix_offset, read_offset=parent.read_offset,
                          first_scheduled_time=parent.first_scheduled_time,
-                         first_token_time=parent.first_token_time, chunks=list(parent.chunks))
+                         first_token_time=parent.first_token_time)
         self.scheduler.fork(parent, child)
         request.sequences.append(child)
         return child
@@ -330,8 +329,8 @@ class EngineCore:
             now - before for now, before in zip(self.kv_cache.stat_totals(), totals_before))
         return StepRecord(
             step=self.step_index, start_time=start_time, end_time=time.time(),
-            chunks=tuple(ScheduledChunk(s.seq.request.request_id, s.seq.seq_id, s.kind,
-                                        s.start, s.end) for s in plan.scheduled),
+            chunks=tuple((s.seq.request.request_id, s.seq.seq_id, s.kind.value, s.start, s.end)
+                         for s in plan.scheduled),
             preempted=tuple(s.seq_id for s in plan.preempted),
             swapped_out=tuple(s.seq_id for s in plan.swapped_out),
             swapped_in=tuple(s.seq_id for s in plan.swapped_in),

@@ -8,6 +8,7 @@ are numpy over the mirror's arrays, never Python loops over a million block obje
 
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,10 @@ def _counter(name: str) -> property:
     return property(lambda mirror: getattr(mirror.counters, name))
 
 
+def _int_array() -> array:
+    return array("q")
+
+
 @dataclass(slots=True, eq=False)
 class MirroredSequence:
     seq_id: str
@@ -48,8 +53,10 @@ class MirroredSequence:
     num_prompt_tokens: int
     num_computed_tokens: int
     arrival_time: float
-    block_table: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    # Arrays, not lists: a full garbage collection visits every entry of a list (a mirror
+    # holds every live token id) but an array's entries not at all.
+    block_table: array = field(default_factory=_int_array)
+    token_ids: array = field(default_factory=_int_array)
 
     def info(self) -> SequenceInfo:
         return SequenceInfo(self.seq_id, self.request_id, self.status,
@@ -77,8 +84,7 @@ class PoolMirror:
         self.parent_keys = np.zeros(0, np.uint64)
         self.has_parent = np.zeros(0, bool)
         self.live: dict[str, MirroredSequence] = {}
-        # block id -> (seq id, logical index) of every block table entry pointing at it
-        self.holders: dict[int, list[tuple[str, int]]] = {}
+        self._holders: HolderIndex | None = None  # built on demand from the block tables
         self.num_covered = 0  # blocks [0, num_covered) hold slice data
         # Bumped by every applied change, so panels can skip what did not move.
         self.blocks_version = 0
@@ -121,7 +127,7 @@ class PoolMirror:
         self.hash_keys = np.zeros(num_blocks, np.uint64)
         self.parent_keys = np.zeros(num_blocks, np.uint64)
         self.has_parent = np.zeros(num_blocks, bool)
-        self.live, self.holders = {}, {}
+        self.live, self._holders = {}, None
         self.num_covered = min(covered, num_blocks)
         self.blocks_version += 1
         self.sequences_version += 1
@@ -160,9 +166,8 @@ class PoolMirror:
         for change in delta.sequences:
             self._apply_sequence(change)
         for seq_id in delta.removed:
-            seq = self.live.pop(seq_id, None)
-            if seq is not None:
-                self._drop_holders(seq, 0)
+            if self.live.pop(seq_id, None) is not None:
+                self._holders = None
         if delta.sequences or delta.removed:
             self.sequences_version += 1
         return True
@@ -185,23 +190,12 @@ class PoolMirror:
                 change.num_prompt_tokens, change.num_computed_tokens, change.arrival_time)
         seq.status, seq.num_tokens = change.status, change.num_tokens
         seq.num_computed_tokens = change.num_computed_tokens
-        self._drop_holders(seq, change.table_from)
+        if change.table_tail or change.table_from < len(seq.block_table):
+            self._holders = None
         del seq.block_table[change.table_from:]
         seq.block_table.extend(change.table_tail)
-        for index, block_id in enumerate(change.table_tail, change.table_from):
-            self.holders.setdefault(block_id, []).append((seq.seq_id, index))
         del seq.token_ids[change.token_from:]
         seq.token_ids.extend(change.new_token_ids)
-
-    def _drop_holders(self, seq: MirroredSequence, start: int) -> None:
-        for index in range(start, len(seq.block_table)):
-            block_id = seq.block_table[index]
-            entries = self.holders.get(block_id)
-            if entries is None:
-                continue
-            entries.remove((seq.seq_id, index))
-            if not entries:
-                del self.holders[block_id]
 
     # ---- reading: the attributes of an EngineSnapshot, so panels read either ------------
     @property
@@ -238,19 +232,24 @@ class PoolMirror:
         if block_hash is not None:
             return block_hash[2]
         size, best = self.block_size, ()
-        for seq_id, index in self.holders.get(block_id, ()):
-            seq = self.live[seq_id]
+        for seq, index in self.holders(block_id):
             stored = seq.token_ids[index * size:min((index + 1) * size, seq.num_computed_tokens)]
             if len(stored) > len(best):
                 best = tuple(stored)
         return best
+
+    def holders(self, block_id: int) -> list[tuple[MirroredSequence, int]]:
+        """(sequence, logical index) of every block table entry pointing at the block."""
+        if self._holders is None:
+            self._holders = HolderIndex.of(self.live.values())
+        return self._holders.entries(block_id)
 
     def block_info(self, block_id: int) -> BlockInfo:
         ref_count = int(self.ref_counts[block_id])
         block_hash = self.hashes[block_id]
         state = STATES[3 if ref_count > 1 else 2 if ref_count == 1 else
                        1 if block_hash is not None else 0]
-        owners = tuple(dict.fromkeys(s for s, _ in self.holders.get(block_id, ())))
+        owners = tuple(dict.fromkeys(seq.seq_id for seq, _ in self.holders(block_id)))
         value, parent, _ = block_hash or (None, None, None)
         return BlockInfo(block_id, ref_count, state, value.hex() if value else None,
                          parent.hex() if parent else None, self.block_tokens(block_id), owners)
@@ -265,7 +264,7 @@ class PoolMirror:
         for seq in self.live.values():
             if not seq.block_table:
                 continue
-            table = np.asarray(seq.block_table)
+            table = np.array(seq.block_table)  # a copy: a view would pin the array's size
             stored = np.clip(seq.num_computed_tokens - np.arange(len(table)) * size, 0, size)
             plain = ~self.hashed[table]
             np.maximum.at(fill, table[plain], stored[plain])
@@ -286,6 +285,35 @@ class PoolMirror:
     def blocks_saved_by_sharing(self) -> int:
         held = sum(len(seq.block_table) for seq in self.live.values())
         return held - int(np.count_nonzero(self.ref_counts > 0))
+
+
+@dataclass(frozen=True, slots=True)
+class HolderIndex:
+    """Every block table entry of the live sequences, sorted by block id. Built in numpy
+    when a reader asks who holds a block (hover, snapshot) after the tables changed: kept
+    current per held block, it would be a Python list per block, and at a million held
+    blocks a million objects for every full garbage collection to walk."""
+
+    block_ids: np.ndarray  # sorted
+    owners: np.ndarray  # per entry: its sequence's position in `sequences`
+    indexes: np.ndarray  # per entry: the logical index in that sequence's block table
+    sequences: tuple[MirroredSequence, ...]
+
+    @classmethod
+    def of(cls, live) -> "HolderIndex":
+        sequences = tuple(seq for seq in live if seq.block_table)
+        lengths = np.array([len(seq.block_table) for seq in sequences], np.int64)
+        tables = [np.array(seq.block_table) for seq in sequences]
+        block_ids = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+        owners = np.repeat(np.arange(len(sequences)), lengths)
+        indexes = np.arange(len(block_ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        order = np.argsort(block_ids, kind="stable")
+        return cls(block_ids[order], owners[order], indexes[order], sequences)
+
+    def entries(self, block_id: int) -> list[tuple[MirroredSequence, int]]:
+        start, stop = np.searchsorted(self.block_ids, (block_id, block_id + 1))
+        return [(self.sequences[owner], index) for owner, index in
+                zip(self.owners[start:stop].tolist(), self.indexes[start:stop].tolist())]
 
 
 class PoolReader:

@@ -36,16 +36,6 @@ class FinishReason(enum.StrEnum):
     BEAM_DROPPED = "beam_dropped"  # a beam that fell out of the top beam_width
 
 
-@dataclass(slots=True)
-class Chunk:
-    """One scheduled piece of a sequence: tokens [start, end) computed in step `step`."""
-
-    step: int
-    start: int
-    end: int
-    kind: ChunkKind
-
-
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One token stream with its own block table; a request holds `n` of them."""
@@ -75,7 +65,6 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
-    chunks: list[Chunk] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

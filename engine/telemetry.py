@@ -5,16 +5,15 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockHash
 
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Tokens [start, end) of one sequence computed in a step; kind is prefill or decode."""
-
-    request_id: str
-    seq_id: str
-    kind: str
-    start: int
-    end: int
+# One chunk a step computed: (request_id, seq_id, kind, start, end), i.e. tokens
+# [start, end) of one sequence, kind "prefill" or "decode". A plain tuple of str and int,
+# not a record class: Python's cyclic garbage collector untracks such a tuple (and a tuple
+# of them) within the first collections it survives, while an instance of any class, even a
+# NamedTuple, stays tracked. A dashboard keeps 3,000 steps of 16 chunks here (hundreds at
+# GPU batch sizes), and as dataclasses every full collection walked each of them: 10-30 ms
+# at a time, on whichever thread triggered it, the engine's included (bench/gc_pause.py).
+ScheduledChunk = tuple[str, str, str, int, int]
+CHUNK_FIELDS = ("request_id", "seq_id", "kind", "start", "end")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +23,7 @@ class StepRecord:
     step: int
     start_time: float
     end_time: float
-    chunks: tuple[ScheduledChunk, ...]
+    chunks: tuple[ScheduledChunk, ...]  # plain tuples: see ScheduledChunk
     preempted: tuple[str, ...]
     swapped_out: tuple[str, ...]
     swapped_in: tuple[str, ...]

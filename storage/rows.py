@@ -5,7 +5,7 @@ import time
 
 from engine.outputs import RequestOutput
 from engine.replicas.router import RoutingDecision
-from engine.telemetry import ScheduledChunk, StepRecord
+from engine.telemetry import StepRecord
 
 STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
                  "num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_running",
@@ -18,7 +18,7 @@ STEP_ID_LISTS = ("preempted", "swapped_out", "swapped_in", "finished")
 def step_row(session_id: int, record: StepRecord) -> dict:
     row = {name: getattr(record, name) for name in STEP_COUNTERS}
     row.update({name: list(getattr(record, name)) for name in STEP_ID_LISTS})
-    row["chunks"] = [[c.request_id, c.seq_id, c.kind, c.start, c.end] for c in record.chunks]
+    row["chunks"] = [list(chunk) for chunk in record.chunks]
     row["session_id"] = session_id
     return row
 
@@ -28,7 +28,7 @@ def step_record(row: dict) -> StepRecord:
     return StepRecord(
         **{name: row[name] for name in STEP_COUNTERS},
         **{name: tuple(row[name]) for name in STEP_ID_LISTS},
-        chunks=tuple(ScheduledChunk(*chunk) for chunk in row["chunks"]))
+        chunks=tuple(tuple(chunk) for chunk in row["chunks"]))
 
 
 def request_row(session_id: int, output: RequestOutput, source: str,

@@ -38,8 +38,8 @@ def chunks_by_sequence(records) -> dict[str, list[tuple[int, int, int, str]]]:
     """(step, start, end, kind) of every scheduled piece, per sequence, in step order."""
     chunks = defaultdict(list)
     for record in records:
-        for chunk in record.chunks:
-            chunks[chunk.seq_id].append((record.step, chunk.start, chunk.end, chunk.kind))
+        for _, seq_id, kind, start, end in record.chunks:
+            chunks[seq_id].append((record.step, start, end, kind))
     return chunks
 
 
@@ -50,7 +50,7 @@ def assert_records_add_up(records, budget: int, prompt_lengths: dict[str, int],
     and then one decode token per step up to the last generated token."""
     for record in records:
         assert record.token_budget == budget
-        assert record.num_scheduled_tokens == sum(c.end - c.start for c in record.chunks)
+        assert record.num_scheduled_tokens == sum(end - start for *_, start, end in record.chunks)
         assert record.num_scheduled_tokens <= budget
     for seq_id, chunks in chunks_by_sequence(records).items():
         prompt_length = prompt_lengths[seq_id]
@@ -82,8 +82,8 @@ def test_greedy_parity_and_step_records_at_any_budget(knobs, budget, make_engine
     assert [o.outputs[0].token_ids for o in run.outputs] == expected
     lengths = {o.request_id: len(p) for o, p in zip(run.outputs, PROMPTS)}
     assert_records_add_up(run.records, budget, lengths, MAX_TOKENS)
-    prefill_chunks = [(c.request_id, c.end - c.start) for r in run.records for c in r.chunks
-                      if c.kind == "prefill"]
+    prefill_chunks = [(request_id, end - start) for r in run.records
+                      for request_id, _, kind, start, end in r.chunks if kind == "prefill"]
     if knobs.get("enable_chunked_prefill", True):
         cap = min(budget, knobs.get("long_prefill_token_threshold") or budget)
         assert all(size <= cap for _, size in prefill_chunks)
@@ -99,7 +99,7 @@ def test_prefill_chunks_and_decodes_share_a_step(make_engine, run_engine, expect
     run = run_engine(engine, PROMPTS, GREEDY)
 
     mixed = [r for r in run.records
-             if {c.kind for c in r.chunks} == {"prefill", "decode"}]
+             if {kind for _, _, kind, *_ in r.chunks} == {"prefill", "decode"}]
     assert mixed
     assert [o.outputs[0].token_ids for o in run.outputs] == expected
 
@@ -144,9 +144,9 @@ def run_long_and_short(runner, **knobs):
     for record in records:
         work_so_far.append((work_so_far[-1] if work_so_far else 0)
                            + record.num_scheduled_tokens)
-        for chunk in record.chunks:
-            if chunk.kind == "prefill" and chunk.end == len(prompts[ids.index(chunk.request_id)]):
-                first_token_step[chunk.request_id] = record.step
+        for request_id, _, kind, _, end in record.chunks:
+            if kind == "prefill" and end == len(prompts[ids.index(request_id)]):
+                first_token_step[request_id] = record.step
     long_done = first_token_step.pop(ids[0])
     return ({rid: (step, work_so_far[step]) for rid, step in first_token_step.items()},
             long_done, records)

@@ -90,10 +90,11 @@ def test_greedy_matches_transformers_with_chunked_prefill(
     assert _token_ids(run) == expected(arch)
     assert all(record.num_scheduled_tokens <= budget for record in run.records)
     longest_id = run.outputs[LONGEST].request_id
-    prefill_chunks = [chunk for record in run.records for chunk in record.chunks
-                      if chunk.request_id == longest_id and chunk.kind == "prefill"]
+    prefill_chunks = [(start, end) for record in run.records
+                      for request_id, _, kind, start, end in record.chunks
+                      if request_id == longest_id and kind == "prefill"]
     assert len(prefill_chunks) > 1  # the 71-token prompt was split across steps
-    assert prefill_chunks[-1].end == len(PROMPTS[LONGEST])
+    assert prefill_chunks[-1][1] == len(PROMPTS[LONGEST])
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])

@@ -14,7 +14,6 @@ from engine.telemetry import (
     PoolBase,
     PoolCounters,
     PoolSlice,
-    ScheduledChunk,
     SequenceChange,
     StepRecord,
     take_pool_base,
@@ -172,17 +171,17 @@ def test_preemption_becomes_a_span_until_the_sequence_resumes() -> None:
                           1, 8, 1, 0, 7, 1, 0)
 
     spans = timeline_spans([
-        record(0, [ScheduledChunk("r", "r", "prefill", 0, 4)]),
-        record(1, [ScheduledChunk("r", "r", "decode", 4, 5)], preempted=["r"]),
+        record(0, [("r", "r", "prefill", 0, 4)]),
+        record(1, [("r", "r", "decode", 4, 5)], preempted=["r"]),
         record(2, []),
-        record(3, [ScheduledChunk("r", "r", "prefill", 0, 5)]),
+        record(3, [("r", "r", "prefill", 0, 5)]),
     ])
     preempted = [s for s in spans if s.phase == "preempted"]
     assert [(s.start, s.end) for s in preempted] == [(1.5, 3)]
 
 
 def test_a_timeline_of_many_sequences_says_how_many_it_leaves_out() -> None:
-    records = [StepRecord(step, step, step + 0.5, (ScheduledChunk(
+    records = [StepRecord(step, step, step + 0.5, ((
         f"r{step}", f"r{step}", "prefill", 0, 4),), (), (), (), (), 4, 8, 1, 0, 7, 1, 0)
         for step in range(MAX_TIMELINE_ROWS + 5)]
     figure = request_timeline(records)

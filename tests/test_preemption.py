@@ -113,20 +113,20 @@ def test_step_records_account_for_every_token_and_preemption(
     for record in run.records:
         assert record.num_scheduled_tokens <= budget
         assert set(record.swapped_out) <= set(record.preempted)
-        for chunk in record.chunks:
-            seq_id, length = chunk.seq_id, chunk.end - chunk.start
+        for _, seq_id, _, start, end in record.chunks:
+            length = end - start
             how = preempted_by.pop(seq_id, None)
             if how == "recompute":
-                assert chunk.start % BLOCK_SIZE == 0 and chunk.start < positions[seq_id]
+                assert start % BLOCK_SIZE == 0 and start < positions[seq_id]
                 if not enable_prefix_caching:
-                    assert chunk.start == 0
-                recomputed[seq_id] += positions[seq_id] - chunk.start
+                    assert start == 0
+                recomputed[seq_id] += positions[seq_id] - start
             else:
-                assert chunk.start == positions[seq_id]
+                assert start == positions[seq_id]
             if record.preempted:
                 assert seq_id in started  # nobody new starts in a step that preempted
             started.add(seq_id)
-            positions[seq_id] = chunk.end
+            positions[seq_id] = end
             computed[seq_id] += length
         for seq_id in record.preempted:
             preempted_by[seq_id] = "swap" if seq_id in record.swapped_out else "recompute"

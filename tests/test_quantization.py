@@ -22,6 +22,7 @@ from engine.models.quantized import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
+    int4_wide_blocks,
     pack_model,
     quantize_int4,
     quantize_int8,
@@ -88,7 +89,9 @@ def packed_int4_layer(out_features: int, in_features: int, group_size: int,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"),
-                         [(37, 256, 256), (1, 128, 64), (70, 384, 128), (13, 96, 32)])
+                         [(37, 256, 256), (1, 128, 64), (70, 384, 128), (13, 96, 32),
+                          # wide blocks of 16 chunks: alone, + a whole quad, + a tail quad
+                          (19, 1536, 256), (33, 640, 32), (5, 576, 64), (3, 1152, 128)])
 def test_int4_kernels_equal_the_plain_torch_twin(out_features, in_features, group_size, dtype):
     layer = packed_int4_layer(out_features, in_features, group_size, bias=out_features > 1)
     bias = None if layer.bias is None else layer.bias.to(dtype)
@@ -102,6 +105,19 @@ def test_int4_kernels_equal_the_plain_torch_twin(out_features, in_features, grou
         expected = x.float() @ dense.T + (0 if bias is None else bias.float())
         assert out.dtype == dtype
         assert_close(out, expected, dtype)
+
+
+def test_int4_wide_blocks_put_each_chunk_in_its_own_lane_and_come_back():
+    # 2 rows of 18 chunks: one wide block of 16, then 2 chunks in GGUF's order.
+    packed = torch.randint(0, 256, (2, 18 * 16), dtype=torch.uint8)
+    wide = int4_wide_blocks(packed)
+    for t in range(4):
+        for chunk in range(16):
+            # Load t's int32 lane `chunk` holds bytes 4t..4t+3 of that chunk.
+            assert torch.equal(wide[:, 64 * t + 4 * chunk:64 * t + 4 * chunk + 4],
+                               packed[:, 16 * chunk + 4 * t:16 * chunk + 4 * t + 4])
+    assert torch.equal(wide[:, 256:], packed[:, 256:])
+    assert torch.equal(int4_wide_blocks(wide, inverse=True), packed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -158,7 +174,7 @@ def assert_activation_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch
 
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"),
                          [(37, 256, 32), (70, 96, 32), (21, 384, 128), (16, 576, 64),
-                          (1, 128, 64)])
+                          (1, 128, 64), (24, 1536, 32), (9, 640, 128), (7, 1024, 256)])
 def test_int4_kernel_with_bf16_rounds_activations_per_block(out_features, in_features,
                                                             group_size):
     # Weights far from zero: the offsets carry most of each weight, and the rounded x's

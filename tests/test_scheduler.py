@@ -34,7 +34,7 @@ def test_no_running_sequence_silently_misses_a_step_when_an_earlier_one_is_the_v
         # in `running`, are not expected to run.)
         before = [s for s in engine.scheduler.running if s.num_computed_tokens < s.num_tokens]
         record = engine.step().record
-        scheduled = {chunk.seq_id for chunk in record.chunks}
+        scheduled = {seq_id for _, seq_id, *_ in record.chunks}
         victims += len(record.preempted)
         for seq in before:  # the budget never runs out here: each must run or be preempted
             assert seq.seq_id in scheduled or seq.seq_id in record.preempted, (
@@ -87,7 +87,7 @@ def test_fair_default_cannot_livelock_in_a_tiny_pool_with_recompute(make_engine,
     run = run_engine(engine, prompts, params[:len(prompts)])
 
     assert engine.scheduler.num_preemptions > 0
-    assert any(chunk.end - chunk.start == 8 for r in run.records for chunk in r.chunks)  # capped
+    assert any(end - start == 8 for r in run.records for *_, start, end in r.chunks)  # capped
     assert ([[c.token_ids for c in o.outputs] for o in run.outputs]
             == [[c.token_ids for c in o.outputs] for o in alone])
     assert engine.kv_cache.pool.num_used_blocks == 0

@@ -157,8 +157,7 @@ def test_exports_round_trip(tmp_path: Path, engine_run) -> None:
                                            "chat_messages.csv", "session_configs.csv",
                                            "routing_decisions.csv"}
     assert [int(row["step"]) for row in steps] == [r.step for r in original.steps]
-    assert json.loads(steps[0]["chunks"]) == [[c.request_id, c.seq_id, c.kind, c.start, c.end]
-                                              for c in original.steps[0].chunks]
+    assert json.loads(steps[0]["chunks"]) == [list(chunk) for chunk in original.steps[0].chunks]
 
     standalone = log.export(session_id, "sqlite", tmp_path / "out")
     log.close()

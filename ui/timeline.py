@@ -52,27 +52,27 @@ def timeline_spans(records: Sequence[StepRecord],
             track.decode_steps = []
 
     for record in records:
-        for chunk in record.chunks:
-            track = tracks.get(chunk.seq_id)
+        for request_id, seq_id, kind, start, end in record.chunks:
+            track = tracks.get(seq_id)
             if track is None:
-                track = tracks[chunk.seq_id] = _SeqTrack()
-                arrival = arrivals.get(chunk.request_id)
+                track = tracks[seq_id] = _SeqTrack()
+                arrival = arrivals.get(request_id)
                 if arrival is not None and arrival < record.start_time:
-                    spans.append(Span(chunk.seq_id, "waiting", arrival, record.start_time,
+                    spans.append(Span(seq_id, "waiting", arrival, record.start_time,
                                       "waiting for a slot"))
             if track.preempted_at is not None:
-                spans.append(Span(chunk.seq_id, "preempted", track.preempted_at,
+                spans.append(Span(seq_id, "preempted", track.preempted_at,
                                   record.start_time, "preempted (blocks freed)"))
                 track.preempted_at = None
-            if chunk.kind == "decode":
+            if kind == "decode":
                 if not track.decode_steps or track.decode_steps[-1] != record.step - 1:
-                    close_decode(chunk.seq_id, track)
+                    close_decode(seq_id, track)
                     track.decode_start = record.start_time
                 track.decode_steps.append(record.step)
             else:
-                close_decode(chunk.seq_id, track)
-                spans.append(Span(chunk.seq_id, "prefill", record.start_time, record.end_time,
-                                  f"step {record.step}: tokens [{chunk.start}, {chunk.end})"))
+                close_decode(seq_id, track)
+                spans.append(Span(seq_id, "prefill", record.start_time, record.end_time,
+                                  f"step {record.step}: tokens [{start}, {end})"))
             track.last_end = record.end_time
         for seq_id in record.preempted:
             track = tracks.setdefault(seq_id, _SeqTrack())
@@ -144,8 +144,8 @@ def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] |
             "x": [max(round((s.end - s.start) * 1000, 1), 0.1) for s in chosen],
             "marker": {"color": PHASE_COLORS[phase]}, "customdata": [s.label for s in chosen],
             "hovertemplate": "%{y}: %{customdata}<br>%{x:.0f} ms<extra></extra>"})
-    finished = [(chunk.seq_id, record.end_time) for record in records
-                for chunk in record.chunks if chunk.request_id in record.finished]
+    finished = [(seq_id, record.end_time) for record in records
+                for request_id, seq_id, *_ in record.chunks if request_id in record.finished]
     finished = [(seq_id, t) for seq_id, t in finished if seq_id in keep]
     data.append({
         "type": "scatter", "name": "finished", "mode": "markers",
@@ -193,17 +193,16 @@ def latency_stats(records: Sequence[StepRecord],
     last_token: dict[str, float] = {}
     itl: list[float] = []
     for record in records:
-        for chunk in record.chunks:
-            seq = chunk.seq_id
-            if chunk.kind == "prefill":
+        for request_id, seq, kind, _, _ in record.chunks:
+            if kind == "prefill":
                 last_prefill_end[seq] = record.end_time
-                if chunk.request_id in record.finished:
-                    first_token.setdefault(chunk.request_id, record.end_time)
+                if request_id in record.finished:
+                    first_token.setdefault(request_id, record.end_time)
                 continue
-            if chunk.request_id not in first_token and seq in last_prefill_end:
-                first_token[chunk.request_id] = last_prefill_end[seq]
+            if request_id not in first_token and seq in last_prefill_end:
+                first_token[request_id] = last_prefill_end[seq]
             # A forked sample's first token is its request's: it had no prefill of its own.
-            previous = last_token.get(seq, first_token.get(chunk.request_id))
+            previous = last_token.get(seq, first_token.get(request_id))
             if previous is not None:
                 itl.append(record.end_time - previous)
             last_token[seq] = record.end_time

@@ -24,6 +24,7 @@ from kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
 INT4_CHUNK = 32  # int4 weights per 16 packed bytes (GGUF's Q4 nibble order)
+INT4_WIDE_BLOCK = 16  # chunks per wide block of the kernels' layout (see int4_wide_blocks)
 # Rows of activations the streaming kernels take; more go to a GEMM (see bench/quantization.py
 # --kernels for the crossover on this machine).
 KERNEL_MAX_ROWS = 8
@@ -162,7 +163,7 @@ class Int4Linear(QuantizedLinear):
     def pack(self, dtype: torch.dtype, device: torch.device) -> None:
         chunks = self.staged_q.view(self.out_features, -1, 2, INT4_CHUNK // 2)
         packed = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).view(self.out_features, -1)
-        self.weight = frozen(packed.to(device))
+        self.weight = frozen(int4_wide_blocks(packed).to(device))
         self.scales = frozen(self.staged_scale.to(device, torch.float16))
         self.offsets = frozen(self.staged_offset.to(device, torch.float16))
         del self.staged_q, self.staged_scale, self.staged_offset
@@ -171,7 +172,8 @@ class Int4Linear(QuantizedLinear):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The plain-torch twin of the kernels' de-quantization (the fallback and the
         tests' oracle): the dense weight, computed in fp32 and rounded to `dtype`."""
-        chunks = self.weight.view(self.out_features, -1, INT4_CHUNK // 2)
+        chunks = int4_wide_blocks(self.weight, inverse=True).view(self.out_features, -1,
+                                                                 INT4_CHUNK // 2)
         q = torch.cat([chunks & 15, chunks >> 4], dim=-1).view(self.out_features, -1,
                                                                self.group_size)
         weight = q.float() * self.scales.float().unsqueeze(-1) + self.offsets.float().unsqueeze(-1)
@@ -184,6 +186,22 @@ class Int4Linear(QuantizedLinear):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return cpu_ops.int4_dequantize(self.weight, self.scales, self.offsets, self.group_size,
                                        dtype)
+
+
+def int4_wide_blocks(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rows of GGUF-order int4 chunks (16 bytes each) in the kernels' layout, or back with
+    `inverse`: each run of INT4_WIDE_BLOCK chunks is stored as [t 0..3][chunk][4 bytes], so
+    one 64-byte load holds bytes 4t..4t+3 of all 16 chunks and every chunk's dot sums in its
+    own int32 lane of a vpdpbusd (kernels/csrc/quantized_cpu.cpp); the chunks after the
+    last whole block keep GGUF's order."""
+    rows, width = packed.shape
+    wide = width // (INT4_WIDE_BLOCK * INT4_CHUNK // 2) * (INT4_WIDE_BLOCK * INT4_CHUNK // 2)
+    blocks = packed[:, :wide].reshape(rows, -1, INT4_WIDE_BLOCK, 4, 4)
+    if inverse:
+        blocks = blocks.view(rows, -1, 4, INT4_WIDE_BLOCK, 4)
+    out = packed.clone()
+    out[:, :wide] = blocks.transpose(2, 3).reshape(rows, wide)
+    return out
 
 
 class Int8Linear(QuantizedLinear):

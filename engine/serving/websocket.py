@@ -19,7 +19,7 @@ from engine.pool_mirror import PoolMirror
 from engine.replicas.router import RoutingDecision
 from engine.serving.pool_messages import pool_messages
 from engine.streams import Channel
-from engine.telemetry import EngineSnapshot, StepRecord
+from engine.telemetry import CHUNK_FIELDS, EngineSnapshot, StepRecord
 
 logger = logging.getLogger(__name__)
 MIN_MESSAGE_INTERVAL_S = 0.1
@@ -34,7 +34,8 @@ def step_message(records: list[StepRecord], num_dropped: int) -> str:
 
 
 def _record_dict(record: StepRecord) -> dict:
-    return {**dataclasses.asdict(record), "duration": record.duration}
+    return {**dataclasses.asdict(record), "duration": record.duration,
+            "chunks": [dict(zip(CHUNK_FIELDS, chunk)) for chunk in record.chunks]}
 
 
 def routing_message(decisions: list[RoutingDecision], num_dropped: int) -> str:

@@ -4,9 +4,13 @@
 // every row of x while they are there. Many rows are compute-bound instead: those
 // de-quantize the weight (int4_dequantize) and run a GEMM.
 //
-// int4: byte j of each 16-byte chunk holds weight j (low nibble) and weight j + 16 (high
-// nibble) of 32 consecutive inputs (GGUF's Q4 order); weight = q * scale + offset with an
-// fp16 scale and offset per group of inputs (Q4_0 / Q4_1 blocks copy in exactly).
+// int4: GGUF's Q4 chunks, byte j of each 16-byte chunk holding weight j (low nibble) and
+// weight j + 16 (high nibble) of 32 consecutive inputs; weight = q * scale + offset with an
+// fp16 scale and offset per group of inputs (Q4_0 / Q4_1 blocks copy in exactly). Each row's
+// chunks are repacked (engine/models/quantized.py, once at load time) in "wide blocks" of 16
+// chunks, [t 0..3][chunk 0..15][4 bytes] (bytes 4t..4t+3 of every chunk in one 64-byte
+// load, chunk j in int32 lane j of a vpdpbusd); the chunks after the last whole block stay
+// in GGUF's order.
 // int8: one int8 per weight, weight = q * scale with one fp32 scale per output row.
 //
 // bf16 activations on a CPU with AVX512-VNNI (Zen 4, Ice Lake and later) take llama.cpp's
@@ -112,6 +116,20 @@ std::vector<float> widen(const T* x, int64_t x_stride, int64_t rows, int64_t in)
   return xf;
 }
 
+constexpr int64_t kWideChunks = 16;  // int4 chunks in one wide block (see the top)
+
+// One int4 row in GGUF's chunk order again: the wide blocks un-transposed, the rest copied.
+void gguf_order_row(const uint8_t* row, int64_t chunks, uint8_t* out) {
+  const int64_t wide = chunks / kWideChunks;
+  for (int64_t k = 0; k < wide; ++k)
+    for (int64_t j = 0; j < kWideChunks; ++j)
+      for (int64_t t = 0; t < 4; ++t)
+        std::memcpy(out + (k * kWideChunks + j) * 16 + 4 * t,
+                    row + k * kWideChunks * 16 + t * 64 + 4 * j, 4);
+  std::memcpy(out + wide * kWideChunks * 16, row + wide * kWideChunks * 16,
+              (chunks - wide * kWideChunks) * 16);
+}
+
 // Outputs are computed for blocks of 16 consecutive output rows: the block's scales and
 // offsets widen in whole vectors, and its outputs (+ bias) are stored as vectors too.
 constexpr int64_t kRowBlock = 16;
@@ -190,8 +208,10 @@ void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* we
                                                            const float* scale,
                                                            const float* offset) {
     float y[M][kRowBlock];
+    std::vector<uint8_t> ordered(in / 2);
     for (int64_t i = 0; i < count; ++i) {
-      const uint8_t* row = weight + (first + i) * in / 2;
+      gguf_order_row(weight + (first + i) * in / 2, chunks, ordered.data());
+      const uint8_t* row = ordered.data();
       const float* row_scale = scale + i * groups;
       // Even and odd chunks add into separate accumulators: two dependent chains, not one.
       f32x16 even[M] = {}, odd[M] = {};
@@ -261,11 +281,8 @@ void int8_rows(const float* xf, int64_t in, const int8_t* weight, const float* s
 constexpr int64_t kBlock = 32;  // activations share one int8 scale per 32 values (Q8_0)
 
 // Rows of bf16 x rounded to int8, llama.cpp's Q8_0: per block of 32 values d = max|x| / 127
-// and q = round(x * (1 / d)), ties to even; values past `in` are zeros. A block is one
-// 256-bit vpdpbusd operand, in x's own order, which is also the order a Q4 chunk unpacks in
-// (low nibbles: weights 0..15, high nibbles: 16..31). 256-bit rather than 512-bit dots: on
-// Zen 4 both move the same bytes per cycle, and one block per dot needs only its scalar
-// scales (broadcast in the multiply), where two would need a lane shuffle per dot.
+// and q = round(x * (1 / d)), ties to even; values past `in` are zeros. The kernels read
+// them re-laid for their weight layouts (int4_lanes, int8_lanes).
 struct Int8Rows {
   int64_t blocks = 0;
   std::vector<int8_t> q;           // [rows][blocks * 32]
@@ -313,105 +330,273 @@ Int8Rows quantize_rows(const bf16* x, int64_t x_stride, int rows, int64_t in) {
   return r;
 }
 
-// d * (weights . q) for block `at` of the rounded x: 32 unsigned weight bytes times its 32
-// int8 in one vpdpbusd, the int32 sums scaled in fp32.
-inline __m256 scaled_block_dot(const Int8Rows& xq, int64_t at, __m256i weights) {
-  const __m256i dot = _mm256_dpbusd_epi32(
-      _mm256_setzero_si256(), weights,
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * kBlock)));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xq.scales[at]));
-}
+// The rounded x laid out for 512-bit dots against 64 packed weight bytes at once, [rows]
+// of `row_bytes` each, on 64-byte lines; chunks past `in` are zeros (q and d), so a tail
+// needs only a masked weight load.
+struct Int8Lanes {
+  int64_t row_bytes = 0;
+  std::vector<uint8_t> storage;
+  uint8_t* data = nullptr;
 
-// add(k, chain) for k in [0, count), even k into `even` and odd k into `odd`: two
-// dependent chains of accumulators, not one.
-template <typename Add, typename Chain>
-inline void in_two_chains(int64_t count, Add&& add, Chain* even, Chain* odd) {
-  int64_t k = 0;
-  for (; k + 2 <= count; k += 2) {
-    add(k, even);
-    add(k + 1, odd);
+  Int8Lanes(int rows, int64_t bytes_per_row)
+      : row_bytes(bytes_per_row), storage(rows * bytes_per_row + 63, 0) {
+    data = storage.data() + (-reinterpret_cast<uintptr_t>(storage.data()) & 63);
   }
-  if (k < count) add(k, even);
+  Int8Lanes(Int8Lanes&&) = default;  // the buffer moves with `storage`, so `data` stays valid
+
+  uint8_t* row(int m) const { return data + m * row_bytes; }
+};
+
+constexpr int64_t kStepBytes = 64;  // weight bytes one 512-bit dot reads
+
+// int4, wide blocks (see the layout at the top of the file): per block of 16 chunks and
+// per t in 0..3, `low` holds x[chunk j][4t..4t+3] in int32 lane j and `high` x[chunk j]
+// [16+4t..+3]; then each chunk's d in its lane. 8 vpdpbusd sum a chunk's dot in its lane.
+constexpr int64_t kWideBytes = kWideChunks * kChunk / 2;
+constexpr int64_t kWideLaneBytes = 8 * kStepBytes + 64;
+// int4, the chunks after the wide blocks in GGUF's order, 4 per 64-byte load (a quad):
+// `& 15` gives each chunk's weights 0..15 in its 16-byte lane and `>> 4 & 15` its weights
+// 16..31, so `low` holds the 4 chunks' x 0..15, `high` x 16..31, and each chunk's d fills
+// the 4 int32 lanes its dot lands in.
+constexpr int64_t kQuadLaneBytes = 2 * kStepBytes + 64;
+
+Int8Lanes int4_lanes(const Int8Rows& xq, int rows) {
+  const int64_t wide = xq.blocks / kWideChunks, tail = xq.blocks % kWideChunks;
+  Int8Lanes lanes(rows, wide * kWideLaneBytes + (tail + 3) / 4 * kQuadLaneBytes);
+  for (int m = 0; m < rows; ++m)
+    for (int64_t c = 0; c < xq.blocks; ++c) {
+      const int8_t* block = xq.q.data() + (m * xq.blocks + c) * kBlock;
+      const float d = xq.scales[m * xq.blocks + c];
+      if (c < wide * kWideChunks) {
+        uint8_t* at = lanes.row(m) + c / kWideChunks * kWideLaneBytes;
+        const int64_t j = c % kWideChunks;
+        for (int t = 0; t < 4; ++t) {
+          std::memcpy(at + 2 * t * kStepBytes + 4 * j, block + 4 * t, 4);
+          std::memcpy(at + (2 * t + 1) * kStepBytes + 4 * j, block + 16 + 4 * t, 4);
+        }
+        reinterpret_cast<float*>(at + 8 * kStepBytes)[j] = d;
+      } else {
+        const int64_t r = c - wide * kWideChunks;
+        uint8_t* step = lanes.row(m) + wide * kWideLaneBytes + r / 4 * kQuadLaneBytes;
+        std::memcpy(step + (r % 4) * 16, block, 16);
+        std::memcpy(step + kStepBytes + (r % 4) * 16, block + 16, 16);
+        float* lane_d = reinterpret_cast<float*>(step + 2 * kStepBytes) + (r % 4) * 4;
+        std::fill(lane_d, lane_d + 4, d);
+      }
+    }
+  return lanes;
 }
 
-// int4 rows with VNNI: per chunk, its 32 nibbles (u8 0..15) times the 32 int8 of x in one
-// vpdpbusd per row of x; the int32 sums are scaled by the block's activation scale and the
-// chunk's weight scale. The offsets' term uses the rounded x's group sums (as llama.cpp's
-// Q8_1 does), so the result is the rounded x's exact dot with the de-quantized weights:
-// with x's own sums, the rounding would meet q * scale (0 to the group's range) instead of
-// the weight itself (centred near zero), a several times larger error.
+// int8: 64 bytes are 2 blocks in x's own order, then each block's d in its 8 int32 lanes.
+constexpr int64_t kPairLaneBytes = kStepBytes + 64;
+
+Int8Lanes int8_lanes(const Int8Rows& xq, int rows) {
+  Int8Lanes lanes(rows, (xq.blocks + 1) / 2 * kPairLaneBytes);
+  for (int m = 0; m < rows; ++m)
+    for (int64_t b = 0; b < xq.blocks; ++b) {
+      uint8_t* step = lanes.row(m) + b / 2 * kPairLaneBytes;
+      std::memcpy(step + (b % 2) * kBlock, xq.q.data() + (m * xq.blocks + b) * kBlock, kBlock);
+      float* d = reinterpret_cast<float*>(step + kStepBytes) + (b % 2) * 8;
+      std::fill(d, d + 8, xq.scales[m * xq.blocks + b]);
+    }
+  return lanes;
+}
+
+inline __m512i load_operand(const uint8_t* p) {
+  return _mm512_load_si512(reinterpret_cast<const __m512i*>(p));
+}
+
+inline __m512 load_lane_scales(const uint8_t* step, int64_t at) {
+  return _mm512_load_ps(reinterpret_cast<const float*>(step + at));
+}
+
+// Lane i of a quad's dots belongs to chunk i / 4, whose group is (i / 4) >> group_shift
+// groups past the quad's first (4l is a multiple of 4, so a quad starts on a group of up to
+// 4 chunks and a bigger group spans whole quads): the vpermps index that spreads a quad's
+// widened group scales over its lanes.
+__m512i quad_scale_lanes(int group_shift) {
+  alignas(64) int32_t index[16];
+  for (int i = 0; i < 16; ++i) index[i] = (i / 4) >> group_shift;
+  return _mm512_load_si512(index);
+}
+
+// The weight scales of quad l (chunks 4l..4l+3) of a row in their dots' lanes; `real` masks
+// the groups the quad's chunks use (the rest read nothing).
+inline __m512 quad_weight_scales(const at::Half* scales, int64_t l, int group_shift,
+                                 __mmask8 real, __m512i lanes) {
+  const __m128 widened = _mm_cvtph_ps(_mm_maskz_loadu_epi16(real, scales + ((4 * l) >> group_shift)));
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(widened));
+}
+
+// The groups (of up to 4 per quad) that `chunks` chunks of a quad use, as a load mask.
+inline __mmask8 quad_groups(int64_t chunks, int group_shift) {
+  return static_cast<__mmask8>((1u << (((chunks - 1) >> group_shift) + 1)) - 1);
+}
+
+inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// int4 rows with VNNI: per quad of chunks one 64-byte weight load, two nibble masks, and per
+// row of x two vpdpbusd (low and high nibbles) into 16 int32 lanes, 4 per chunk, scaled by
+// d_x * scale_w lane by lane. The offsets' term uses the rounded x's group sums (as
+// llama.cpp's Q8_1 does), so the result is the rounded x's exact dot with the de-quantized
+// weights: with x's own sums, the rounding would meet q * scale (0 to the group's range)
+// instead of the weight itself (centred near zero), a several times larger error.
+// The scales of wide block k (chunks 16k..16k+15) of a row, chunk j's in lane j.
+inline __m512 wide_weight_scales(const at::Half* scales, int64_t k, int group_shift,
+                                 __m512i lanes) {
+  const __m512 widened = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+      static_cast<__mmask16>((1u << (group_shift < 4 ? kWideChunks >> group_shift : 1)) - 1),
+      scales + ((k * kWideChunks) >> group_shift)));
+  return group_shift ? _mm512_permutexvar_ps(lanes, widened) : widened;
+}
+
+// The layout facts of one int4 layer that every row's dots use.
+struct Int4Layout {
+  int64_t chunks, groups, wide, tail_quads, tail_chunks;
+  int group_shift;
+  __mmask64 tail_bytes;
+  __mmask8 full_groups, tail_groups;
+  __m512i quad_lanes, wide_lanes;
+
+  Int4Layout(int64_t in, int shift)
+      : chunks(in / kChunk), groups(chunks >> shift), wide(chunks / kWideChunks),
+        tail_quads(chunks % kWideChunks / 4), tail_chunks(chunks % 4), group_shift(shift),
+        tail_bytes(tail_chunks ? ~0ull >> (64 - 16 * tail_chunks) : 0),
+        full_groups(quad_groups(4, shift)),
+        tail_groups(tail_chunks ? quad_groups(tail_chunks, shift) : 0),
+        quad_lanes(quad_scale_lanes(shift)), wide_lanes(_mm512_srlv_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(shift))) {}
+};
+
+// y[m][i] = output row n for M rows of x. Wide blocks: per 64-byte load two nibble masks
+// and per row of x two vpdpbusd (low and high nibbles, two int32 chains), each chunk's dot
+// summing in its own lane over the block's 4 loads; then one convert and one fma with
+// d_x * scale_w per 16 chunks. Tail quads: 4 chunks per load, a chunk's dot in 4 lanes.
+// The offsets' term uses the rounded x's group sums (as llama.cpp's Q8_1 does), so the
+// result is the rounded x's exact dot with the de-quantized weights: with x's own sums, the
+// rounding would meet q * scale (0 to the group's range) instead of the weight itself
+// (centred near zero), a several times larger error.
 template <int M>
-void int4_rows_vnni(const Int8Rows& xq, const float* xsum, int64_t in, const uint8_t* weight,
+inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows)[M],
+                         const float* xsum, const uint8_t* weight, const at::Half* scales,
+                         const at::Half* offsets, int64_t n, int64_t i,
+                         float (&y)[M][kRowBlock]) {
+  const __m512i nibble = _mm512_set1_epi8(15);
+  const uint8_t* row = weight + n * layout.chunks * (kChunk / 2);
+  const at::Half* row_scales = scales + n * layout.groups;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < layout.wide; ++k) {
+    __m512i low_dots[M], high_dots[M];
+    for (int m = 0; m < M; ++m) low_dots[m] = high_dots[m] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      const __m512i packed = _mm512_loadu_si512(row + k * kWideBytes + t * kStepBytes);
+      const __m512i low = _mm512_and_si512(packed, nibble);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      for (int m = 0; m < M; ++m) {
+        const uint8_t* lanes = x_rows[m] + k * kWideLaneBytes + 2 * t * kStepBytes;
+        low_dots[m] = _mm512_dpbusd_epi32(low_dots[m], low, load_operand(lanes));
+        high_dots[m] = _mm512_dpbusd_epi32(high_dots[m], high, load_operand(lanes + kStepBytes));
+      }
+    }
+    const __m512 w_scale =
+        wide_weight_scales(row_scales, k, layout.group_shift, layout.wide_lanes);
+    for (int m = 0; m < M; ++m) {
+      const __m512 x_scale = load_lane_scales(x_rows[m] + k * kWideLaneBytes, 8 * kStepBytes);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(low_dots[m], high_dots[m])),
+                               _mm512_mul_ps(w_scale, x_scale), acc[m]);
+    }
+  }
+  // The quads after the wide blocks, their scales from the first group past them.
+  const uint8_t* tail = row + layout.wide * kWideBytes;
+  const at::Half* tail_scales = row_scales + ((layout.wide * kWideChunks) >> layout.group_shift);
+  auto add_quad = [&](int64_t l, __m512i packed, __mmask8 real_groups)
+                      __attribute__((always_inline)) {
+    const __m512i low = _mm512_and_si512(packed, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    const __m512 w_scale = quad_weight_scales(tail_scales, l, layout.group_shift, real_groups,
+                                              layout.quad_lanes);
+    for (int m = 0; m < M; ++m) {
+      const uint8_t* step = x_rows[m] + layout.wide * kWideLaneBytes + l * kQuadLaneBytes;
+      const __m512i dot = _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, load_operand(step)), high,
+          load_operand(step + kStepBytes));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                               _mm512_mul_ps(w_scale, load_lane_scales(step, 2 * kStepBytes)),
+                               acc[m]);
+    }
+  };
+  for (int64_t l = 0; l < layout.tail_quads; ++l)
+    add_quad(l, _mm512_loadu_si512(tail + l * kStepBytes), layout.full_groups);
+  if (layout.tail_chunks) {
+    const int64_t l = layout.tail_quads;
+    add_quad(l, _mm512_maskz_loadu_epi8(layout.tail_bytes, tail + l * kStepBytes),
+             layout.tail_groups);
+  }
+  const int64_t groups = layout.groups;
+  const at::Half* row_offsets = offsets + n * groups;
+  for (int m = 0; m < M; ++m) {
+    __m512 shift = acc[m];
+    for (int64_t g = 0; g < groups; g += 16)
+      shift = _mm512_fmadd_ps(
+          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(groups - g), row_offsets + g)),
+          _mm512_loadu_ps(xsum + m * padded_groups(groups) + g), shift);
+    y[m][i] = reduce(shift);
+  }
+}
+
+template <int M>
+void int4_rows_vnni(const Int8Lanes& xl, const float* xsum, int64_t in, const uint8_t* weight,
                     const at::Half* scales, const at::Half* offsets, int group_shift,
                     const bf16* bias, bf16* out, int64_t out_stride, int64_t begin,
                     int64_t end) {
-  const int64_t chunks = in / kChunk, groups = chunks >> group_shift;
-  const __m256i nibble = _mm256_set1_epi8(15);
-  int4_row_blocks(scales, offsets, groups, begin, end, [&](int64_t first, int64_t count,
-                                                           const float* scale,
-                                                           const float* offset) {
+  const Int4Layout layout(in, group_shift);
+  const uint8_t* x_rows[M];
+  for (int m = 0; m < M; ++m) x_rows[m] = xl.row(m);
+  for (int64_t first = begin; first < end; first += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, end - first);
     float y[M][kRowBlock];
-    for (int64_t i = 0; i < count; ++i) {
-      const uint8_t* row = weight + (first + i) * in / 2;
-      const float* row_scale = scale + i * groups;
-      __m256 even[M], odd[M];
-      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
-      auto add_chunk = [&](int64_t c, __m256* acc) {
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
-        const __m256i q = _mm256_and_si256(
-            _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1),
-            nibble);
-        const __m256 w_scale = _mm256_set1_ps(row_scale[c >> group_shift]);
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm256_fmadd_ps(scaled_block_dot(xq, m * xq.blocks + c, q), w_scale, acc[m]);
-      };
-      in_two_chains(chunks, add_chunk, even, odd);
-      const float* row_offset = offset + i * groups;
-      for (int m = 0; m < M; ++m) {
-        __m512 shift = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; g += 16)
-          shift = _mm512_fmadd_ps(_mm512_loadu_ps(row_offset + g),
-                                  _mm512_loadu_ps(xsum + m * padded_groups(groups) + g), shift);
-        const __m256 folded = _mm256_add_ps(_mm512_castps512_ps256(shift),
-                                            _mm512_extractf32x8_ps(shift, 1));
-        y[m][i] = sum_lanes(_mm256_add_ps(_mm256_add_ps(even[m], odd[m]), folded));
-      }
-    }
+    for (int64_t i = 0; i < count; ++i)
+      int4_dot_row<M>(layout, x_rows, xsum, weight, scales, offsets, first + i, i, y);
     store_block<M>(out, out_stride, first, count, y, bias);
-  });
+  }
 }
 
 // int8 rows with VNNI: vpdpbusd wants one unsigned operand, so the weights are flipped to
-// u = q + 128 (one xor per block) and the extra 128 * (x's rounded sum) comes off once per
-// output: sum_b d_b * (u . q_x) = x . w + 128 * sum_b d_b * sum(q_x), the last independent of
-// the weight row (scaled_q_sums).
+// u = q + 128 (one xor per 64 bytes) and the extra 128 * (x's rounded sum) comes off once
+// per output: sum_b d_b * (u . q_x) = x . w + 128 * sum_b d_b * sum(q_x), the last
+// independent of the weight row (scaled_q_sums).
 template <int M>
-void int8_rows_vnni(const Int8Rows& xq, int64_t in, const int8_t* weight, const float* scales,
-                    const bf16* bias, bf16* out, int64_t out_stride, int64_t begin,
-                    int64_t end) {
-  const int64_t blocks = xq.blocks, full_blocks = in / kBlock;
-  const __mmask32 tail = static_cast<__mmask32>((1ull << (in % kBlock)) - 1);
-  const __m256i flip = _mm256_set1_epi8(-128);
+void int8_rows_vnni(const Int8Lanes& xl, const Int8Rows& xq, int64_t in, const int8_t* weight,
+                    const float* scales, const bf16* bias, bf16* out, int64_t out_stride,
+                    int64_t begin, int64_t end) {
+  const int64_t full = in / kStepBytes;
+  const __mmask64 tail = in % kStepBytes ? (~0ull >> (64 - in % kStepBytes)) : 0;
+  const __m512i flip = _mm512_set1_epi8(-128);
+  const uint8_t* x_rows[M];
+  for (int m = 0; m < M; ++m) x_rows[m] = xl.row(m);
   for (int64_t first = begin; first < end; first += kRowBlock) {
     const int64_t count = std::min(kRowBlock, end - first);
     float y[M][kRowBlock];
     for (int64_t i = 0; i < count; ++i) {
       const int8_t* row = weight + (first + i) * in;
-      __m256 even[M], odd[M];
-      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
-      auto add_block = [&](int64_t b, __m256* acc) {
-        // Bytes past `in` load as zeros (their x is zero too).
-        const __m256i w = b < full_blocks
-            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock))
-            : _mm256_maskz_loadu_epi8(tail, row + b * kBlock);
-        const __m256i u = _mm256_xor_si256(w, flip);
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm256_add_ps(acc[m], scaled_block_dot(xq, m * blocks + b, u));
+      __m512 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      // Bytes past `in` load as zeros and flip to 128, but their x is zero.
+      auto add_pair = [&](int64_t l, __m512i w) __attribute__((always_inline)) {
+        const __m512i u = _mm512_xor_si512(w, flip);
+        for (int m = 0; m < M; ++m) {
+          const uint8_t* step = x_rows[m] + l * kPairLaneBytes;
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, load_operand(step));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), load_lane_scales(step, kStepBytes),
+                                   acc[m]);
+        }
       };
-      in_two_chains(blocks, add_block, even, odd);
+      for (int64_t l = 0; l < full; ++l) add_pair(l, _mm512_loadu_si512(row + l * kStepBytes));
+      if (tail) add_pair(full, _mm512_maskz_loadu_epi8(tail, row + full * kStepBytes));
       for (int m = 0; m < M; ++m)
-        y[m][i] = (sum_lanes(_mm256_add_ps(even[m], odd[m])) - 128.f * xq.scaled_q_sums[m]) *
-                  scales[first + i];
+        y[m][i] = (reduce(acc[m]) - 128.f * xq.scaled_q_sums[m]) * scales[first + i];
     }
     store_block<M>(out, out_stride, first, count, y, bias);
   }
@@ -456,10 +641,11 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
       for (int m = 0; m < rows; ++m)
         for (int64_t c = 0; c < xq.blocks; ++c)
           xsum[m * padded_groups(groups) + (c >> group_shift)] += xq.block_sums[m * xq.blocks + c];
+      const Int8Lanes xl = int4_lanes(xq, rows);
       with_rows(rows, [&](auto rows_constant) {
         constexpr int M = decltype(rows_constant)::value;
         kvscope::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
-          int4_rows_vnni<M>(xq, xsum.data(), in, weight.data_ptr<uint8_t>(),
+          int4_rows_vnni<M>(xl, xsum.data(), in, weight.data_ptr<uint8_t>(),
                             scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
                             group_shift, bias, y, out.stride(0), begin, end);
         });
@@ -494,10 +680,11 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
 #if defined(KVSCOPE_VNNI_DOTS)
     if constexpr (std::is_same_v<T, bf16>) {
       const Int8Rows xq = quantize_rows(x_rows, x.stride(0), rows, in);
+      const Int8Lanes xl = int8_lanes(xq, rows);
       with_rows(rows, [&](auto rows_constant) {
         constexpr int M = decltype(rows_constant)::value;
         kvscope::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
-          int8_rows_vnni<M>(xq, in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
+          int8_rows_vnni<M>(xl, xq, in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
                             y, out.stride(0), begin, end);
         });
       });
@@ -587,12 +774,14 @@ void int4_dequantize_rows(const uint8_t* weight, const at::Half* scales,
                           const at::Half* offsets, int64_t group_size, int64_t in, T* out,
                           int64_t begin, int64_t end) {
   const int64_t groups = in / group_size;
+  std::vector<uint8_t> ordered(in / 2);
   for (int64_t n = begin; n < end; ++n) {
+    gguf_order_row(weight + n * in / 2, in / kChunk, ordered.data());
     for (int64_t g = 0; g < groups; ++g) {
       const float s = static_cast<float>(scales[n * groups + g]);
       const float o = static_cast<float>(offsets[n * groups + g]);
       for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kChunk) {
-        const u8x16 packed = load_vector<u8x16>(weight + (n * in + k) / 2);
+        const u8x16 packed = load_vector<u8x16>(ordered.data() + k / 2);
         store16(out + n * in + k, widen16(packed & 15) * s + o);
         store16(out + n * in + k + 16, widen16(packed >> 4) * s + o);
       }
