@@ -15,8 +15,11 @@ Reported per size (JSON on stdout):
   engine_max_pause_cpu_ms: the most CPU time the engine thread spent in one telemetry
   call (on a shared machine the wall-clock pause also counts time the OS gave to others);
 - gc: Python's collections during the measured part, per generation, the longest full
-  (generation 2) one, in wall and CPU time, and the objects a full collection walks
-  (the tracked ones; frozen objects are not walked);
+  (generation 2) one, in wall and CPU time, the longest on the engine thread (a collection
+  holds the GIL, so one on another thread pauses the engine too, unless it is inside
+  torch), and the objects a full collection walks (the tracked ones, generation 2 of them;
+  frozen objects are not walked). The measured part starts once the dashboard's step
+  history is full (ui.live.HISTORY_STEPS steps), as after a long run;
 - refresh_ms: a new tab's first refresh; every panel built afresh under load (a new
   renderer: nothing cached or throttled); an open tab's refresh under load, once a second
   (only panels whose data changed, as often as their cost allows); and while idle. Wall
@@ -56,7 +59,7 @@ from engine.async_engine import AsyncEngine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from ui import panels  # noqa: E402
-from ui.live import LiveFeed  # noqa: E402
+from ui.live import HISTORY_STEPS, LiveFeed  # noqa: E402
 
 ENGINE_THREAD = "kvscope-engine"
 # Engine-thread telemetry entry points (module, class or None for a module function, name),
@@ -72,6 +75,7 @@ IN_FLIGHT = 16
 PREFIX_TOKENS = 32
 PROMPT_TOKENS = 96
 MAX_MODEL_LEN = 480
+HISTORY_FILL_S = 60.0  # the longest wait for the step history to fill
 
 
 class GcClock:
@@ -107,13 +111,20 @@ class GcClock:
         collections = list(self.collections)
         full = [c for c in collections if c[0] == 2]
         longest = max(full, key=lambda c: c[2] - c[1], default=None)
+        on_engine = [c for c in full if c[3] == ENGINE_THREAD]
         return {
             "collections_per_generation": [sum(c[0] == g for c in collections)
                                            for g in range(3)],
             "full_max_ms": round(1e3 * (longest[2] - longest[1]), 1) if longest else 0.0,
             "full_max_thread": longest[3] if longest else None,
             "full_max_cpu_ms": round(1e3 * max((c[4] for c in full), default=0.0), 1),
+            "engine_thread_full_collections": len(on_engine),
+            "engine_thread_full_max_ms": round(1e3 * max(
+                (c[2] - c[1] for c in on_engine), default=0.0), 2),
+            "engine_thread_full_max_cpu_ms": round(1e3 * max(
+                (c[4] for c in on_engine), default=0.0), 2),
             "objects_a_full_collection_walks": len(gc.get_objects()),  # frozen excluded
+            "generation_2_objects": len(gc.get_objects(generation=2)),
             "frozen_objects": gc.get_freeze_count(),
         }
 
@@ -232,7 +243,12 @@ def measure(model: Path, num_blocks: int, refreshes: int) -> dict:
                 else 64)
     try:
         load.start()
-        time.sleep(3.0)  # every request admitted and decoding
+        # Every request admitted and decoding, and the dashboard's step history full.
+        time.sleep(3.0)
+        deadline = time.monotonic() + HISTORY_FILL_S
+        while engine.counters().num_steps < HISTORY_STEPS and time.monotonic() < deadline:
+            feed.refresh()
+            time.sleep(1.0)
         clock.reset()
         gc_clock.reset()
         steps_before = engine.counters().num_steps

@@ -108,7 +108,7 @@ class PoolMirror:
             self._reset(record.epoch, record.counters, covered=0)
             self.next_index = record.index
             for change in record.sequences:
-                self._apply_sequence(change)
+                self._apply_sequence(SequenceChange._make(change))
             return True
         if isinstance(record, PoolSlice):
             if record.epoch == self.epoch and not self.awaiting_base:
@@ -164,7 +164,7 @@ class PoolMirror:
         if delta.blocks:
             self.blocks_version += 1
         for change in delta.sequences:
-            self._apply_sequence(change)
+            self._apply_sequence(SequenceChange._make(change))
         for seq_id in delta.removed:
             if self.live.pop(seq_id, None) is not None:
                 self._holders = None

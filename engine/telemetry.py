@@ -2,6 +2,7 @@
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.block_pool import BlockHash
 
@@ -180,10 +181,13 @@ class PoolCounters:
     config: dict  # the same dict object for the pool's whole life: not copied
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceChange:
+class SequenceChange(NamedTuple):
     """A live sequence's new state. Idempotent: table[table_from:] = table_tail and
-    token_ids[token_from:] = new_token_ids, so applying it twice changes nothing."""
+    token_ids[token_from:] = new_token_ids, so applying it twice changes nothing.
+
+    Deltas carry these fields as a plain tuple (`SequenceChange._make(row)` names them):
+    a reader's queue holds a second of deltas, ~16 changes a step, and like the step
+    chunks (ScheduledChunk) plain tuples are untracked by the garbage collector."""
 
     seq_id: str
     request_id: str
@@ -206,7 +210,7 @@ class PoolDelta:
     index: int  # 0, 1, 2... per epoch: a gap means the reader missed one
     counters: PoolCounters
     blocks: tuple[BlockChange, ...]
-    sequences: tuple[SequenceChange, ...]
+    sequences: tuple[tuple, ...]  # SequenceChange fields, as plain tuples
     removed: tuple[str, ...]  # sequences that left the queues (finished or aborted)
 
 
@@ -218,7 +222,7 @@ class PoolBase:
     epoch: int
     index: int
     counters: PoolCounters
-    sequences: tuple[SequenceChange, ...]
+    sequences: tuple[tuple, ...]  # SequenceChange fields, as plain tuples
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +247,9 @@ def _pool_counters(core) -> PoolCounters:
         log.config)
 
 
-def _sequence_change(seq, table_from: int, token_from: int) -> SequenceChange:
-    return SequenceChange(
+def _sequence_change(seq, table_from: int, token_from: int) -> tuple:
+    """A SequenceChange's fields, as a plain tuple."""
+    return (
         seq.seq_id, seq.request.request_id, seq.status.value, seq.num_tokens,
         seq.num_prompt_tokens, seq.num_computed_tokens, seq.request.arrival_time,
         table_from, tuple(seq.block_table[table_from:]), token_from,

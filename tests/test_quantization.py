@@ -18,11 +18,13 @@ from engine.models import quantized
 from engine.models.layers import UsesForwardOps
 from engine.models.quantized import (
     KERNEL_MAX_ROWS,
+    TILED_KERNEL_MAX_ROWS,
     GroupQuantized,
     Int4Linear,
     Int8Embedding,
     Int8Linear,
     int4_wide_blocks,
+    kernel_max_rows,
     pack_model,
     quantize_int4,
     quantize_int8,
@@ -46,8 +48,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "fallback"])
-@pytest.mark.parametrize("batch", [5, KERNEL_MAX_ROWS + 3])  # streaming kernel, GEMM
-def test_int4_linear_equals_its_dequantized_weight(batch, kernels, dtype, monkeypatch):
+@pytest.mark.parametrize("path", ["stream", "gemm"])
+def test_int4_linear_equals_its_dequantized_weight(path, kernels, dtype, monkeypatch):
+    batch = 5 if path == "stream" else kernel_max_rows(dtype) + 3
     if not kernels:  # what CUDA or a machine without a C++ compiler runs
         monkeypatch.setattr(quantized, "packed_kernels_available", lambda device: False)
     rows = [32, 16, 8]  # merged q/k/v rows
@@ -172,6 +175,11 @@ def assert_activation_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch
                 + 1e-5 * expected.abs().max()).all()
 
 
+# Every row count the kernels specialise (1..8), then batches the VNNI kernels take in groups
+# of 8 against each tile of output rows: a whole and a partial last group.
+TILE_ROW_COUNTS = [*range(1, KERNEL_MAX_ROWS + 2), 16, 21, TILED_KERNEL_MAX_ROWS]
+
+
 @pytest.mark.parametrize(("out_features", "in_features", "group_size"),
                          [(37, 256, 32), (70, 96, 32), (21, 384, 128), (16, 576, 64),
                           (1, 128, 64), (24, 1536, 32), (9, 640, 128), (7, 1024, 256)])
@@ -184,7 +192,7 @@ def test_int4_kernel_with_bf16_rounds_activations_per_block(out_features, in_fea
     layer.load_part("weight", 0, weight)
     pack_model(layer, torch.bfloat16, CPU)
     dense = layer.dequantized_weight(torch.float32)
-    for rows in range(1, KERNEL_MAX_ROWS + 2):
+    for rows in TILE_ROW_COUNTS:
         x = uneven_activations(rows, in_features)
         out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, None)
         assert_activation_rounding(out, x, dense)
@@ -196,7 +204,7 @@ def test_int8_kernel_with_bf16_rounds_activations_per_block(out_features, in_fea
     layer = Int8Linear(in_features, [out_features], bias=False)
     layer.load_part("weight", 0, random_weight(out_features, in_features, seed=4))
     pack_model(layer, torch.bfloat16, CPU)
-    for rows in range(1, KERNEL_MAX_ROWS + 2):
+    for rows in TILE_ROW_COUNTS:
         x = uneven_activations(rows, in_features)
         out = cpu_ops.int8_linear(x, layer.weight, layer.scales, None)
         assert_activation_rounding(out, x, layer.dequantized_weight(torch.float32))
@@ -216,8 +224,9 @@ def test_int4_kernel_reads_strided_rows_and_refuses_bad_layouts():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [3, KERNEL_MAX_ROWS + 3])  # streaming kernel, GEMM
-def test_int8_linear_and_embedding_equal_their_dequantized_weight(batch, dtype):
+@pytest.mark.parametrize("path", ["stream", "gemm"])
+def test_int8_linear_and_embedding_equal_their_dequantized_weight(path, dtype):
+    batch = 3 if path == "stream" else kernel_max_rows(dtype) + 3
     weight = random_weight(48, 32)
     q, scale = quantize_int8(weight)
     dequantized = q.float() * scale.unsqueeze(-1)

@@ -8,7 +8,13 @@ import json
 from engine.pool_mirror import PoolMirror
 from engine.sampling_params import SamplingParams
 from engine.serving.websocket import step_message
-from engine.telemetry import CHUNK_FIELDS, take_pool_base, take_pool_delta, take_pool_slice
+from engine.telemetry import (
+    CHUNK_FIELDS,
+    SequenceChange,
+    take_pool_base,
+    take_pool_delta,
+    take_pool_slice,
+)
 from storage.rows import step_record, step_row
 from ui.timeline import timeline_spans
 
@@ -24,6 +30,13 @@ def tracked_objects_reachable(root) -> int:
                 seen.add(id(referent))
                 stack.append(referent)
     return tracked
+
+
+def settle() -> None:
+    """A collection untracks a tuple whose items it has already found untracked; it walks
+    objects in an order it reshuffles as it goes, so nesting settles within a few."""
+    for _ in range(3):
+        gc.collect()
 
 
 def run_recording_plans(engine) -> tuple[list, list]:
@@ -54,10 +67,7 @@ def test_step_history_is_what_was_scheduled_and_untracked_by_the_collector(make_
 
     assert [list(record.chunks) for record in records] == planned
     assert any(len(chunks) > 1 for chunks in planned)  # mixed and parallel steps
-    # A tuple is untracked when a collection finds its items untracked; a tuple built
-    # before its items is seen before them, so the second collection untracks it.
-    gc.collect()
-    gc.collect()
+    settle()
     for record in records:  # chunks are plain tuples of str and int: untracked
         assert not gc.is_tracked(record.chunks)
         assert all(type(kind) is str for _, _, kind, _, _ in record.chunks)  # not an enum
@@ -87,13 +97,18 @@ def test_a_mirror_holds_no_python_object_per_held_block(make_engine):
         take_pool_delta(engine)
         mirror.apply(take_pool_base(engine))
         mirror.apply(take_pool_slice(engine, 0, 256))
-        for _ in range(2):
-            assert mirror.apply(engine.step().pool_delta)
+        deltas = [engine.step().pool_delta for _ in range(2)]
+        for delta in deltas:
+            assert mirror.apply(delta)
         seq = mirror.sequences[0]
         assert len(seq.block_table) >= prompt_length
         last = seq.block_table[-1]
         assert mirror.block_info(last).owners == (seq.seq_id,)
         assert mirror.holders(last) == [(seq, len(seq.block_table) - 1)]
-        gc.collect()
+        settle()
         counts[prompt_length] = tracked_objects_reachable(mirror)
+        # A reader's queue of deltas: their sequence changes are plain tuples, untracked.
+        assert all(not gc.is_tracked(delta.sequences) for delta in deltas)
+        assert deltas[-1].sequences and all(
+            SequenceChange._make(change).seq_id == seq.seq_id for change in deltas[-1].sequences)
     assert counts[200] == counts[8]

@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, MergedLinear, RMSNorm, UsesForwardOps, load_weights
-from engine.models.quantized import KERNEL_MAX_ROWS, tied_logits
+from engine.models.quantized import kernel_max_rows, tied_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -131,7 +131,7 @@ class FusedDecoderStack:
         # The cache views change when the pool is resized, so they are read per call.
         return torch.ops.kvscope.llama_decoder_stack(
             hidden, cos, sin, self.weights, self.biases, self.scales, self.offsets,
-            self.group_size, KERNEL_MAX_ROWS, [layer.key_cache for layer in self.attention],
+            self.group_size, kernel_max_rows(hidden.dtype), [layer.key_cache for layer in self.attention],
             [layer.value_cache for layer in self.attention], meta.slot_mapping,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.final_norm,
             *self.shape, self.eps, self.scale)

@@ -14,7 +14,7 @@ mirror of the pool (engine.pool_mirror does the same in Python).
 import dataclasses
 
 from engine.block_pool import BlockHash
-from engine.telemetry import PoolBase, PoolCounters, PoolDelta, PoolSlice
+from engine.telemetry import PoolBase, PoolCounters, PoolDelta, PoolSlice, SequenceChange
 
 
 def _hash(block_hash: BlockHash | None) -> list | None:
@@ -36,7 +36,7 @@ def delta_dict(delta: PoolDelta) -> dict:
             "counters": _counters(delta.counters, with_config=delta.index == 0),
             "blocks": [[block_id, ref_count, _hash(block_hash)]
                        for block_id, ref_count, block_hash in delta.blocks],
-            "sequences": [dataclasses.asdict(change) for change in delta.sequences],
+            "sequences": [SequenceChange._make(change)._asdict() for change in delta.sequences],
             "removed": list(delta.removed)}
 
 
@@ -51,7 +51,8 @@ def pool_messages(records: list) -> list[dict]:
         elif isinstance(record, PoolBase):
             messages.append({"type": "pool_base", "epoch": record.epoch, "index": record.index,
                              "counters": _counters(record.counters, with_config=True),
-                             "sequences": [dataclasses.asdict(s) for s in record.sequences]})
+                             "sequences": [SequenceChange._make(change)._asdict()
+                                           for change in record.sequences]})
         elif isinstance(record, PoolSlice):
             messages.append({"type": "pool_slice", "epoch": record.epoch,
                              "start": record.start, "ref_counts": list(record.ref_counts),

@@ -11,7 +11,7 @@
 // chunks, [t 0..3][chunk 0..15][4 bytes] (bytes 4t..4t+3 of every chunk in one 64-byte
 // load, chunk j in int32 lane j of a vpdpbusd); the chunks after the last whole block stay
 // in GGUF's order.
-// int8: one int8 per weight, weight = q * scale with one fp32 scale per output row.
+// int8: one int8 per weight in x's order, weight = q * scale with one fp32 scale per output row.
 //
 // bf16 activations on a CPU with AVX512-VNNI (Zen 4, Ice Lake and later) take llama.cpp's
 // route: each row of x is rounded to int8 once per call, with one scale per 32 values (Q8_0),
@@ -288,7 +288,7 @@ struct Int8Rows {
   std::vector<int8_t> q;           // [rows][blocks * 32]
   std::vector<float> scales;       // [rows][blocks]: d
   std::vector<float> block_sums;   // [rows][blocks]: d * sum(q), the rounded block's sum
-  float scaled_q_sums[kMaxRows] = {};  // per row: the rounded row's sum
+  std::vector<float> scaled_q_sums;  // per row: the rounded row's sum
 };
 
 inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
@@ -306,6 +306,7 @@ Int8Rows quantize_rows(const bf16* x, int64_t x_stride, int rows, int64_t in) {
   r.q.assign(rows * r.blocks * kBlock, 0);
   r.scales.assign(rows * r.blocks, 0.f);
   r.block_sums.assign(rows * r.blocks, 0.f);
+  r.scaled_q_sums.assign(rows, 0.f);
   for (int m = 0; m < rows; ++m) {
     for (int64_t b = 0; b < r.blocks; ++b) {
       const bf16* values = x + m * x_stride + b * kBlock;
@@ -546,14 +547,15 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
   }
 }
 
+// Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
 template <int M>
-void int4_rows_vnni(const Int8Lanes& xl, const float* xsum, int64_t in, const uint8_t* weight,
-                    const at::Half* scales, const at::Half* offsets, int group_shift,
-                    const bf16* bias, bf16* out, int64_t out_stride, int64_t begin,
-                    int64_t end) {
+void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t in,
+                    const uint8_t* weight, const at::Half* scales, const at::Half* offsets,
+                    int group_shift, const bf16* bias, bf16* out, int64_t out_stride,
+                    int64_t begin, int64_t end) {
   const Int4Layout layout(in, group_shift);
   const uint8_t* x_rows[M];
-  for (int m = 0; m < M; ++m) x_rows[m] = xl.row(m);
+  for (int m = 0; m < M; ++m) x_rows[m] = xl.row(x_first + m);
   for (int64_t first = begin; first < end; first += kRowBlock) {
     const int64_t count = std::min(kRowBlock, end - first);
     float y[M][kRowBlock];
@@ -568,14 +570,14 @@ void int4_rows_vnni(const Int8Lanes& xl, const float* xsum, int64_t in, const ui
 // per output: sum_b d_b * (u . q_x) = x . w + 128 * sum_b d_b * sum(q_x), the last
 // independent of the weight row (scaled_q_sums).
 template <int M>
-void int8_rows_vnni(const Int8Lanes& xl, const Int8Rows& xq, int64_t in, const int8_t* weight,
-                    const float* scales, const bf16* bias, bf16* out, int64_t out_stride,
-                    int64_t begin, int64_t end) {
+void int8_rows_vnni(const Int8Lanes& xl, int x_first, const float* q_sums, int64_t in,
+                    const int8_t* weight, const float* scales, const bf16* bias, bf16* out,
+                    int64_t out_stride, int64_t begin, int64_t end) {
   const int64_t full = in / kStepBytes;
   const __mmask64 tail = in % kStepBytes ? (~0ull >> (64 - in % kStepBytes)) : 0;
   const __m512i flip = _mm512_set1_epi8(-128);
   const uint8_t* x_rows[M];
-  for (int m = 0; m < M; ++m) x_rows[m] = xl.row(m);
+  for (int m = 0; m < M; ++m) x_rows[m] = xl.row(x_first + m);
   for (int64_t first = begin; first < end; first += kRowBlock) {
     const int64_t count = std::min(kRowBlock, end - first);
     float y[M][kRowBlock];
@@ -596,13 +598,12 @@ void int8_rows_vnni(const Int8Lanes& xl, const Int8Rows& xq, int64_t in, const i
       for (int64_t l = 0; l < full; ++l) add_pair(l, _mm512_loadu_si512(row + l * kStepBytes));
       if (tail) add_pair(full, _mm512_maskz_loadu_epi8(tail, row + full * kStepBytes));
       for (int m = 0; m < M; ++m)
-        y[m][i] = (reduce(acc[m]) - 128.f * xq.scaled_q_sums[m]) * scales[first + i];
+        y[m][i] = (reduce(acc[m]) - 128.f * q_sums[m]) * scales[first + i];
     }
     store_block<M>(out, out_stride, first, count, y, bias);
   }
 }
 #endif
-
 
 // Calls body(std::integral_constant<int, rows>) for rows in 1..kMaxRows: each row count
 // is a compile-time constant, so its accumulators stay in registers.
@@ -612,6 +613,26 @@ void with_rows(int rows, Body&& body) {
     if (rows < M) return with_rows<M - 1>(rows, body);
   }
   body(std::integral_constant<int, M>{});
+}
+
+// All rows of x against the weights, tile by tile: each tile of kRowBlock output rows
+// (at most 12 KB of int4, 24 KB of int8 for a 1536-wide layer) stays in L1 while every
+// group of up to kMaxRows rows of x meets it, so a decode batch of any size reads the
+// weights from memory once, with no de-quantized copy (the tile-fused GEMM of a few dozen
+// rows). rows_kernel(M constant, x_first, begin, end) computes one group against one tile.
+template <typename RowsKernel>
+void all_rows_by_tiles(int64_t rows, int64_t out_features, int64_t row_bytes,
+                       RowsKernel&& rows_kernel) {
+  kvscope::parallel_for(0, out_features, grain(row_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t first = begin; first < end; first += kRowBlock) {
+      const int64_t last = std::min(first + kRowBlock, end);
+      for (int64_t x_first = 0; x_first < rows; x_first += kMaxRows)
+        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, rows - x_first)),
+                  [&](auto rows_constant) {
+                    rows_kernel(rows_constant, static_cast<int>(x_first), first, last);
+                  });
+    }
+  });
 }
 
 // Whether bf16 activations are rounded to int8 for VNNI dot products on this build.
@@ -629,30 +650,33 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
                       at::Tensor& out) {
   const int64_t in = x.size(1), out_features = weight.size(0), groups = in / group_size;
   const int group_shift = __builtin_ctzll(group_size / kChunk);
+#if defined(KVSCOPE_VNNI_DOTS)
+  if constexpr (std::is_same_v<T, bf16>) {
+    const int rows = static_cast<int>(x.size(0));
+    const Int8Rows xq = quantize_rows(elements<T>(x), x.stride(0), rows, in);
+    // The rounded x's group sums (for the offsets), zeros past `groups` (read as vectors).
+    std::vector<float> xsum(rows * padded_groups(groups), 0.f);
+    for (int m = 0; m < rows; ++m)
+      for (int64_t c = 0; c < xq.blocks; ++c)
+        xsum[m * padded_groups(groups) + (c >> group_shift)] += xq.block_sums[m * xq.blocks + c];
+    const Int8Lanes xl = int4_lanes(xq, rows);
+    all_rows_by_tiles(rows, out_features, in / 2, [&](auto rows_constant, int x_first,
+                                                      int64_t begin, int64_t end) {
+      constexpr int M = decltype(rows_constant)::value;
+      int4_rows_vnni<M>(xl, x_first, xsum.data() + x_first * padded_groups(groups), in,
+                        weight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                        offsets.data_ptr<at::Half>(), group_shift, bias,
+                        elements<T>(out) + x_first * out.stride(0), out.stride(0), begin, end);
+    });
+    return;
+  }
+#endif
   for (int64_t first = 0; first < x.size(0); first += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
     const T* x_rows = elements<T>(x) + first * x.stride(0);
     T* y = elements<T>(out) + first * out.stride(0);
     // x's group sums (for the offsets), zeros past `groups` in each row (read as vectors).
     std::vector<float> xsum(rows * padded_groups(groups), 0.f);
-#if defined(KVSCOPE_VNNI_DOTS)
-    if constexpr (std::is_same_v<T, bf16>) {
-      const Int8Rows xq = quantize_rows(x_rows, x.stride(0), rows, in);
-      for (int m = 0; m < rows; ++m)
-        for (int64_t c = 0; c < xq.blocks; ++c)
-          xsum[m * padded_groups(groups) + (c >> group_shift)] += xq.block_sums[m * xq.blocks + c];
-      const Int8Lanes xl = int4_lanes(xq, rows);
-      with_rows(rows, [&](auto rows_constant) {
-        constexpr int M = decltype(rows_constant)::value;
-        kvscope::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
-          int4_rows_vnni<M>(xl, xsum.data(), in, weight.data_ptr<uint8_t>(),
-                            scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
-                            group_shift, bias, y, out.stride(0), begin, end);
-        });
-      });
-      continue;
-    }
-#endif
     const std::vector<float> xf = widen(x_rows, x.stride(0), rows, in);
     for (int m = 0; m < rows; ++m)
       for (int64_t g = 0; g < groups; ++g)
@@ -673,24 +697,25 @@ template <typename T>
 void int8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                       const T* bias, at::Tensor& out) {
   const int64_t in = x.size(1), out_features = weight.size(0);
+#if defined(KVSCOPE_VNNI_DOTS)
+  if constexpr (std::is_same_v<T, bf16>) {
+    const int rows = static_cast<int>(x.size(0));
+    const Int8Rows xq = quantize_rows(elements<T>(x), x.stride(0), rows, in);
+    const Int8Lanes xl = int8_lanes(xq, rows);
+    all_rows_by_tiles(rows, out_features, in, [&](auto rows_constant, int x_first,
+                                                  int64_t begin, int64_t end) {
+      constexpr int M = decltype(rows_constant)::value;
+      int8_rows_vnni<M>(xl, x_first, xq.scaled_q_sums.data() + x_first, in,
+                        weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
+                        elements<T>(out) + x_first * out.stride(0), out.stride(0), begin, end);
+    });
+    return;
+  }
+#endif
   for (int64_t first = 0; first < x.size(0); first += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, x.size(0) - first));
     const T* x_rows = elements<T>(x) + first * x.stride(0);
     T* y = elements<T>(out) + first * out.stride(0);
-#if defined(KVSCOPE_VNNI_DOTS)
-    if constexpr (std::is_same_v<T, bf16>) {
-      const Int8Rows xq = quantize_rows(x_rows, x.stride(0), rows, in);
-      const Int8Lanes xl = int8_lanes(xq, rows);
-      with_rows(rows, [&](auto rows_constant) {
-        constexpr int M = decltype(rows_constant)::value;
-        kvscope::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
-          int8_rows_vnni<M>(xl, xq, in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias,
-                            y, out.stride(0), begin, end);
-        });
-      });
-      continue;
-    }
-#endif
     const std::vector<float> xf = widen(x_rows, x.stride(0), rows, in);
     with_rows(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
