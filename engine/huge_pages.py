@@ -26,35 +26,35 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if _ADVICE is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
-    # One huge page more than needed, so the tensor can start on a 2 MiB boundary and every
-    # page of it can be huge. The tensor keeps the mapping alive; freeing it unmaps it.
-    # Private: a shared anonymous mapping is shmem, which THP's usual setting leaves alone.
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
+    # Whole huge pages, the last one partly used: were the tail left on small pages, a 3.4 MiB
+    # weight would stream 40 % of itself through 4 KiB pages. One huge page more, so the
+    # tensor can start on a 2 MiB boundary. The tensor keeps the mapping alive; freeing it
+    # unmaps it. Private: a shared anonymous mapping is shmem, which THP's usual setting
+    # leaves alone.
+    huge_bytes = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    mapping = mmap.mmap(-1, huge_bytes + HUGE_PAGE_BYTES,
                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     # A refusal (THP disabled) leaves ordinary pages, which is still correct.
     with contextlib.suppress(OSError):
-        mapping.madvise(_ADVICE, offset, nbytes - nbytes % HUGE_PAGE_BYTES)
+        mapping.madvise(_ADVICE, offset, huge_bytes)
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
 def move_module(module: torch.nn.Module) -> None:
-    """Re-home the module's CPU parameters and buffers on huge pages (tied ones once: they
-    are the same tensor): each of at least one huge page in a region of its own, the smaller
-    ones side by side in one shared region, in the module's order. A packed int4 layer is
-    well under one huge page, and a decode step streams every one of them."""
+    """Re-home the module's CPU parameters and buffers (tied ones once: they are the same
+    tensor) side by side in one huge-page region, in the module's order, which is the order a
+    forward streams them in. One region rather than one per tensor: a tensor's last partial
+    huge page would otherwise be wasted, and a packed int4 layer is well under one page."""
     seen: set[int] = set()
-    small = []
+    tensors = []
     for tensor in [*module.parameters(), *module.buffers()]:
         if id(tensor) in seen or tensor.device.type != "cpu" or not tensor.is_contiguous():
             continue
         seen.add(id(tensor))
-        if tensor.numel() * tensor.element_size() < HUGE_PAGE_BYTES:
-            small.append(tensor)
-        else:
-            _share_region([tensor])
-    _share_region(small)
+        tensors.append(tensor)
+    _share_region(tensors)
 
 
 _ALIGNMENT = 64  # a cache line: every tensor in a shared region starts on one

@@ -80,12 +80,17 @@ def test_fused_ops_take_rows_of_a_wider_tensor(fused):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_linear_one_row_streams_and_more_rows_match_too(fused, dtype, rows):
-    x = randn(rows, 200, dtype=dtype)
-    weight, bias = randn(300, 200, dtype=dtype, seed=1), randn(300, dtype=dtype, seed=2)
+# in_features: whole 64-element steps, one 32-element step more, a masked tail; out_features
+# odd (a thread's share is read as two streams; an odd last row pairs with itself).
+@pytest.mark.parametrize("in_features,out_features", [(200, 300), (96, 301), (576, 7)])
+def test_linear_one_row_streams_and_more_rows_match_too(fused, dtype, rows, in_features,
+                                                         out_features):
+    x = randn(rows, in_features, dtype=dtype)
+    weight = randn(out_features, in_features, dtype=dtype, seed=1)
+    bias = randn(out_features, dtype=dtype, seed=2)
     for b in (bias, None):
         out = fused.linear(x, weight, b)
-        assert out.shape == (rows, 300)
+        assert out.shape == (rows, out_features)
         torch.testing.assert_close(out.float(), TORCH_OPS.linear(x, weight, b).float(),
                                    atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
 

@@ -135,14 +135,30 @@ struct Layout {
   int64_t query_stride;  // between tokens: rows may be views into a fused projection
 };
 
-// Per-thread scratch, sized once for the largest item and reused across items.
+// Per-thread scratch, kept between calls and grown to the largest layout seen: a decode step
+// calls the op once per layer, and allocating and zeroing it each time cost a sizeable part
+// of a short sequence's attention. run_item writes every element before reading it.
 struct Scratch {
   std::vector<float> q, acc, row_max, row_sum, keys, values, scores;
-  Scratch(const Layout& L)
-      : q(kQueryTile * L.group * L.dim), acc(q.size()), row_max(kQueryTile * L.group),
-        row_sum(row_max.size()), keys(kKeyChunk * L.dim), values(keys.size()),
-        scores(kKeyChunk) {}
+  void fit(const Layout& L) {
+    auto at_least = [](std::vector<float>& buffer, int64_t size) {
+      if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    };
+    at_least(q, static_cast<int64_t>(kQueryTile) * L.group * L.dim);
+    at_least(acc, q.size());
+    at_least(row_max, static_cast<int64_t>(kQueryTile) * L.group);
+    at_least(row_sum, row_max.size());
+    at_least(keys, static_cast<int64_t>(kKeyChunk) * L.dim);
+    at_least(values, keys.size());
+    at_least(scores, kKeyChunk);
+  }
 };
+
+Scratch& thread_scratch(const Layout& L) {
+  thread_local Scratch scratch;
+  scratch.fit(L);
+  return scratch;
+}
 
 // kDim > 0 fixes head_dim at compile time (64 and 128, the common sizes), so the per-key
 // dot products and updates unroll into straight vector code; 0 reads it from the layout.
@@ -331,7 +347,7 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   Q* o = kvscope::elements<Q>(out);
   auto run_items = [&](auto run) {
     kvscope::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(L);
+      Scratch& scratch = thread_scratch(L);
       for (int64_t i = begin; i < end; ++i)
         run(items[i], L, q, k, v, tables, lens, starts, static_cast<float>(scale), o,
             part_acc.data(), part_max.data(), part_sum.data(), scratch);
