@@ -141,6 +141,16 @@ def test_usage_is_measured_against_each_steps_own_pool():
     assert timeline.pool_series([large, small])["data"][0]["y"] == [12.5, 100.0]
 
 
+def test_a_full_history_draws_a_bounded_line_that_keeps_every_spike():
+    records = [_record(i, 1000.0 + i * 0.01, used=8 if i == 1234 else 4,
+                       free=0 if i == 1234 else 4) for i in range(3000)]
+    usage = timeline.pool_series(records)["data"][0]
+    assert len(usage["y"]) <= timeline.MAX_SERIES_POINTS + 1
+    assert max(usage["y"]) == 100.0 and min(usage["y"]) == 50.0  # the one-step spike stays
+    assert usage["x"] == sorted(usage["x"])
+    assert usage["x"][-1] == pytest.approx(records[-1].end_time * 1000)  # up to the last step
+
+
 def test_the_stats_rate_is_a_rolling_one():
     records = [_record(i, 100.0 + i, generated=5) for i in range(20)]
     assert timeline.recent_output_rate(records, now=120.0) == pytest.approx(

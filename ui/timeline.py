@@ -18,6 +18,7 @@ IDLE_GAP_S = 2.0  # steps further apart than this are an idle period: the lines 
 USAGE_GAP_S = 5.0  # token usage is sampled once a refresh; a closed tab leaves gaps
 THROUGHPUT_BUCKET_S = 1.0
 RATE_WINDOW_S = 10.0  # the stats line's rolling output rate
+MAX_SERIES_POINTS = 600  # per line of the usage series; a wide chart is ~1,000 pixels
 
 
 @dataclass(slots=True)
@@ -262,6 +263,28 @@ def _with_breaks(times: list[float], values: list[float | None], gap_s: float,
     return xs, ys
 
 
+def _thinned(xs: list[float], ys: list[float | None],
+             max_points: int = MAX_SERIES_POINTS) -> tuple[list[float], list[float | None]]:
+    """At most about max_points of a line (a full step history is 3,000 points per trace,
+    more than a chart has pixels for, and most of a refresh's bytes): each stretch of
+    consecutive samples keeps its lowest and its highest, in time order, so no spike
+    disappears; breaks (None) and the last sample stay."""
+    if len(xs) <= max_points:
+        return xs, ys
+    stretch = -(-len(xs) // (max_points // 2))
+    kept: list[int] = []
+    for begin in range(0, len(xs), stretch):
+        indices = range(begin, min(begin + stretch, len(xs)))
+        samples = [i for i in indices if ys[i] is not None]
+        chosen = {i for i in indices if ys[i] is None}
+        if samples:
+            chosen.update((min(samples, key=ys.__getitem__), max(samples, key=ys.__getitem__)))
+        kept.extend(sorted(chosen))
+    if kept[-1] != len(xs) - 1:
+        kept.append(len(xs) - 1)
+    return [xs[i] for i in kept], [ys[i] for i in kept]
+
+
 def pool_series(records: Sequence[StepRecord],
                 token_usage: Sequence[tuple[float, float]] = (),
                 window: tuple[float, float] | None = None) -> Figure:
@@ -278,8 +301,8 @@ def pool_series(records: Sequence[StepRecord],
     starts = [r.start_time for r in records]
 
     def step_line(values, name: str, axis: str, samples=None, gap_s=IDLE_GAP_S) -> dict:
-        xs, ys = _with_breaks(samples or times, values, gap_s,
-                              None if samples else starts)
+        xs, ys = _thinned(*_with_breaks(samples or times, values, gap_s,
+                                        None if samples else starts))
         # Markers too: a lone sample between two breaks would draw nothing as a line.
         return {"type": "scatter", "mode": "lines+markers", "line": {"shape": "hv"},
                 "marker": {"size": 3}, "x": xs, "y": ys, "name": name, "yaxis": axis,
