@@ -436,12 +436,6 @@ inline __mmask8 quad_groups(int64_t chunks, int group_shift) {
 
 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// int4 rows with VNNI: per quad of chunks one 64-byte weight load, two nibble masks, and per
-// row of x two vpdpbusd (low and high nibbles) into 16 int32 lanes, 4 per chunk, scaled by
-// d_x * scale_w lane by lane. The offsets' term uses the rounded x's group sums (as
-// llama.cpp's Q8_1 does), so the result is the rounded x's exact dot with the de-quantized
-// weights: with x's own sums, the rounding would meet q * scale (0 to the group's range)
-// instead of the weight itself (centred near zero), a several times larger error.
 // The scales of wide block k (chunks 16k..16k+15) of a row, chunk j's in lane j.
 inline __m512 wide_weight_scales(const at::Half* scales, int64_t k, int group_shift,
                                  __m512i lanes) {
