@@ -86,6 +86,18 @@ def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engi
     assert not _skipped(visible[panels.PANELS.index("series")])
 
 
+def test_a_rebuilt_panel_that_draws_the_same_is_not_sent_again(engine):
+    renderer = panels.PanelRenderer(LiveFeed(engine))
+    *_, shown = renderer.refresh(None)
+    before = {name: (r.at, r.version) for name, r in renderer._rendered.items()}
+    for rendered in renderer._rendered.values():  # as if the pool had moved on: all due
+        rendered.signature = ("moved on", rendered.signature[1])
+    *again, now_shown = renderer.refresh(shown)
+    assert all(renderer._rendered[name].at > at for name, (at, _) in before.items())  # rebuilt
+    assert {name: r.version for name, r in renderer._rendered.items()} == \
+        {name: version for name, (_, version) in before.items()}
+    assert all(_skipped(value) for value in again) and now_shown == shown
+
 def test_a_busy_engine_rebuilds_a_costly_panel_less_often(engine):
     renderer = panels.PanelRenderer(LiveFeed(engine))
     renderer._cost.update(heatmap=0.2, stats=0.001)

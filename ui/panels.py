@@ -196,8 +196,13 @@ class PanelRenderer:
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)
                     self._cost[name] = cost + COST_SMOOTHING * (done - now - cost)
-                    self._rendered[name] = _Rendered(signatures[name], value, done,
-                                                     next(self._versions))
+                    # A render that draws what the tabs already show keeps its version,
+                    # so no tab is sent it or redraws it (the pool's counters move on
+                    # every step; a panel's picture often does not).
+                    previous = self._rendered.get(name)
+                    version = (previous.version if previous is not None
+                               and previous.value == value else next(self._versions))
+                    self._rendered[name] = _Rendered(signatures[name], value, done, version)
             sent = {name: self._rendered[name] for name in wanted
                     if name in self._rendered and shown.get(name) !=
                     self._rendered[name].version}
