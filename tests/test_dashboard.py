@@ -248,6 +248,35 @@ def test_browser_live_tab_polls_once_a_second_and_redraws_only_what_changed(serv
     page.close()
 
 
+def test_browser_a_figure_slow_to_draw_is_asked_for_less_often(served, browser) -> None:
+    """ui/live_poller.js keeps each figure's drawing under a share of a core: after a
+    heatmap that took 300 ms to draw, the next ticks leave it out (the server neither
+    builds nor sends it) while the cheap panels stay live."""
+    page = open_page(browser, served[2])
+    page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=20_000)
+    page.wait_for_timeout(1500)  # the page's first drawing of every panel is in
+    page.evaluate("""() => {
+      window.slowDraws = 0;
+      const react = window.Plotly.react;
+      window.Plotly.react = function (div, ...rest) {
+        if (div.closest('#kv-heatmap')) {
+          const until = performance.now() + 300;
+          while (performance.now() < until) {}
+          window.slowDraws += 1;
+        }
+        return react.call(this, div, ...rest);
+      };
+    }""")
+    list(served[0].submit("draw me slowly", SamplingParams(max_tokens=6, ignore_eos=True)))
+    page.wait_for_function("window.slowDraws > 0", timeout=15_000)
+    asked: list[list[str]] = []
+    page.on("request", lambda request: asked.append(json.loads(request.post_data)["data"][1])
+            if request.url.endswith("/gradio_api/run/refresh_live") else None)
+    page.wait_for_timeout(3500)
+    assert len(asked) >= 2
+    assert all("stats" in panels and "heatmap" not in panels for panels in asked)
+    page.close()
+
 def test_browser_idle_page_draws_no_frames(served, browser) -> None:
     """An idle, loaded page asks for no animation frames. Gradio's loading screen leaves a
     status tracker's requestAnimationFrame loop running at 60 frames a second on every

@@ -14,6 +14,8 @@ from ui.live import LiveFeed
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
 POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
 REFRESH_ENDPOINT = "refresh_live"
+# The share of one core the browser may spend drawing each figure (ui/live_poller.js).
+DRAW_DUTY = 0.03
 
 
 def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
@@ -68,6 +70,8 @@ def live_poller_js() -> str:
     """The page's refresh loop (ui/live_poller.js) with this dashboard's panels in it."""
     config = {"endpoint": f"gradio_api/run/{REFRESH_ENDPOINT}", "panels": panels.PANELS,
               "text": panels.TEXT_PANELS, "refresh_ms": int(panels.REFRESH_S * 1000),
+              "draw_duty": DRAW_DUTY, "max_interval_ms": int(panels.MAX_INTERVAL_S * 1000),
+              "slack_ms": int(panels.TICK_SLACK_S * 1000),
               "elements": {"summary": "kv-summary", **panels.PANEL_ELEMENTS}}
     return (f"(shown, ...views) => ({POLLER_PATH.read_text()})"
             f"({json.dumps(config)}, shown, views)")

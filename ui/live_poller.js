@@ -16,6 +16,15 @@ function startLivePoller(config, shown, views) {
   const root = (window.gradio_config?.root || location.href.split(/[?#]/)[0]).replace(/\/?$/, "/");
   const url = new URL(config.endpoint, root);
   let timer = null, inFlight = false, again = false;
+  // What drawing each figure costs this browser (ms, smoothed) and when it was last drawn.
+  // A figure is asked for again after at least cost / draw_duty (1 s at most 30 ms a
+  // draw with a 3 % duty, capped at max_interval_ms), the browser's side of the server's
+  // PANEL_DUTY: on a machine that also runs the engine, a big figure that takes 100 ms
+  // to draw is redrawn every ~3 s instead of costing a tenth of a core.
+  const drawCost = {}, drawnAt = {};
+  const due = (name, now) => !(name in drawnAt) || now - drawnAt[name] >= Math.min(
+    Math.max(config.refresh_ms, drawCost[name] / config.draw_duty), config.max_interval_ms)
+    - config.slack_ms;
 
   const onScreen = (id) => {
     const box = document.getElementById(id)?.getBoundingClientRect();
@@ -24,8 +33,9 @@ function startLivePoller(config, shown, views) {
   };
   // A panel scrolled out of view, under another tab or on a hidden page is neither built
   // by the server nor redrawn here; it is drawn once it is on screen again.
-  const visiblePanels = () => document.hidden ? [] : Object.entries(config.elements)
-    .filter(([name, id]) => name !== "summary" && onScreen(id)).map(([name]) => name);
+  const visiblePanels = (now) => document.hidden ? [] : Object.entries(config.elements)
+    .filter(([name, id]) => name !== "summary" && onScreen(id) && due(name, now))
+    .map(([name]) => name);
 
   const drawPlot = (id, value) => {
     const div = document.querySelector(`#${id} [data-testid="plotly"]`);
@@ -54,7 +64,8 @@ function startLivePoller(config, shown, views) {
     try {
       const response = await fetch(url, {
         method: "POST", headers: {"Content-Type": "application/json"},
-        body: JSON.stringify({data: [live.shown, visiblePanels(), ...live.views]}),
+        body: JSON.stringify({data: [live.shown, visiblePanels(performance.now()),
+                                     ...live.views]}),
       });
       if (response.ok) {
         const {data} = await response.json();
@@ -63,8 +74,14 @@ function startLivePoller(config, shown, views) {
           const value = data[index];
           if (value == null || value.__type__ === "update") return;  // gr.skip(): unchanged
           const id = config.elements[name];
+          const started = performance.now();
           const drawn = config.text.includes(name) ? drawText(id, value) : drawPlot(id, value);
-          if (!drawn) {
+          if (drawn) {
+            const cost = performance.now() - started;
+            drawCost[name] = name in drawCost ? drawCost[name] + 0.3 * (cost - drawCost[name])
+              : cost;
+            drawnAt[name] = started;
+          } else {
             if (name in live.shown) next[name] = live.shown[name]; else delete next[name];
           }
         });
@@ -79,6 +96,11 @@ function startLivePoller(config, shown, views) {
     }
   };
   // A new heatmap range or table page is drawn at once, not at the next tick.
-  live.setViews = (values) => { live.views = values; poll(); };
+  live.setViews = (values) => {
+    live.views = values;
+    delete drawnAt.heatmap;  // the views' figures: due at once
+    delete drawnAt.block_tables;
+    poll();
+  };
   timer = setTimeout(poll, config.refresh_ms);
 }
