@@ -110,7 +110,7 @@ class ModelRunner:
         self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
                                     and self.forward_ops.name == "cpu")
         if self.fused_decoder_stack:
-            fuse()
+            fuse(self.dtype)
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}

@@ -15,7 +15,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from storage import SessionLog
-from ui import CSS_PATH, build_ui
+from ui import build_ui, page_options
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
@@ -44,7 +44,7 @@ def served(tiny_chat_model_path, tmp_path_factory):
     blocks = build_ui(engine, log)
     port = free_port()
     blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
-                  quiet=True, css_paths=[CSS_PATH])
+                  quiet=True, **page_options())
     yield engine, log, f"http://127.0.0.1:{port}/"
     blocks.close()
     log.close()
@@ -248,6 +248,29 @@ def test_browser_live_tab_polls_once_a_second_and_redraws_only_what_changed(serv
     page.close()
 
 
+def test_browser_idle_page_draws_no_frames(served, browser) -> None:
+    """An idle, loaded page asks for no animation frames. Gradio's loading screen leaves a
+    status tracker's requestAnimationFrame loop running at 60 frames a second on every
+    page (ui/frame_guard.js ends it); any loop like it fails this test."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1100})
+    # Runs before the page's own scripts: counts every animation-frame callback it runs.
+    context.add_init_script("""
+      window.framesRun = 0;
+      const request = window.requestAnimationFrame.bind(window);
+      window.requestAnimationFrame = (callback) =>
+        request((time) => { window.framesRun += 1; callback(time); });
+    """)
+    page = context.new_page()
+    page.goto(served[2])
+    page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=20_000)
+    page.wait_for_timeout(1500)  # the page's first drawing of every panel is in
+    before = page.evaluate("window.framesRun")
+    assert before > 0  # the counter sees the page's frames (the first drawing asked some)
+    page.wait_for_timeout(3000)  # three of the poller's ticks, the engine idle
+    assert page.evaluate("window.framesRun") - before <= 5  # a leaked loop runs ~180
+    context.close()
+
+
 def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     log = served[1]
     table, _, _ = client.predict(api_name="/list_sessions")
@@ -304,7 +327,7 @@ def test_browser_on_a_100k_block_pool_loads_refreshes_and_zooms(tiny_chat_model_
     blocks = build_ui(engine)
     port = free_port()
     blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
-                  quiet=True, css_paths=[CSS_PATH])
+                  quiet=True, **page_options())
     try:
         page = open_page(browser, f"http://127.0.0.1:{port}/")
         heatmap = page.locator("#kv-heatmap")
