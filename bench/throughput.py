@@ -28,8 +28,10 @@ bench/roofline.py) and reports the share of its roofline each backend reached.
 
 --single-stream: one request instead (a --stream-prompt-len prompt, --stream-output
 greedy tokens): time to first token and decode tokens/s for kvscope, transformers'
-`generate` on one stream (hf_generate) and llama_cpp, against the weight-bandwidth limit
-(measured bandwidth / weight bytes read per token).
+`generate` on one stream (hf_generate) and llama_cpp, each against its own weight-bandwidth
+limit: measured bandwidth / the weight bytes one token reads as that backend stores them
+(kvscope --quantization int4/int8: the packed weights with their scales and offsets;
+llama_cpp: the GGUF's blocks; otherwise the dense model in --dtype).
 
 Usage:
   python bench/throughput.py                               # 64 requests, the default model
@@ -146,14 +148,18 @@ class KVScope:
         return config
 
     def weight_bytes_per_step(self) -> int:
-        """What one decode step reads of this engine's (possibly packed) weights: every
-        parameter, less the embedding table unless the logits reuse it (tied)."""
+        """What one decode step reads of this engine's weights as it stores them (packed
+        int4 / int8 with their scales and offsets, or dense in --dtype): every parameter,
+        less the embedding table unless the logits reuse it (tied)."""
         runner = self.llm.engine.runner
         model = runner.model
         if getattr(model, "tied", True):  # OPT has no flag: its output projection is tied
             return runner.weight_bytes
         table = model.get_submodule("model.embed_tokens")
         return runner.weight_bytes - sum(p.numel() * p.element_size() for p in table.parameters())
+
+    def weights_read_bandwidth(self) -> float:
+        return roofline.weights_read_bandwidth(self.llm.engine.runner.model.parameters())
 
     def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
         if self.llm.engine.config.enable_prefix_caching:
@@ -286,6 +292,8 @@ class HFGenerate:
         started = time.perf_counter()
         self.model = load_hf_model(args, model_path)
         self.device = args.device
+        self.dense_bytes = roofline.model_costs(model_path, getattr(torch, args.dtype))[
+            "weight_bytes_per_step"]
         self.single_stream(workload.prompts[0][:16], 2)  # untimed: one-time costs
         self.setup_seconds = time.perf_counter() - started
 
@@ -295,6 +303,10 @@ class HFGenerate:
             self.model.generate(input_ids, do_sample=False, max_new_tokens=num_tokens,
                                 min_new_tokens=num_tokens, pad_token_id=0)
         return time.perf_counter() - started
+
+    def weight_bytes_per_step(self) -> int:
+        """The dense model in --dtype, every parameter read once (bench/roofline.py)."""
+        return self.dense_bytes
 
     def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
         input_ids = torch.tensor([prompt], device=self.device)
@@ -317,8 +329,12 @@ class LlamaCpp:
         self.llm = Llama(model_path=str(find_default_gguf()), n_ctx=max(context, 512),
                          n_threads=torch.get_num_threads(), verbose=False)
         self.gguf = find_default_gguf().name
+        self.gguf_bytes = gguf_bytes_per_step(find_default_gguf())
         self.workload = workload
         self.setup_seconds = time.perf_counter() - started
+
+    def weight_bytes_per_step(self) -> int:
+        return self.gguf_bytes
 
     def _complete(self, prompt: list[int], num_tokens: int) -> int:
         self.llm.reset()
@@ -340,6 +356,17 @@ class LlamaCpp:
                         in zip(self.workload.prompts, self.workload.output_lens))
         return result(time.perf_counter() - started, generated, weights=self.gguf,
                       note="stops at EOS; one request at a time")
+
+
+def gguf_bytes_per_step(path: Path) -> int:
+    """The bytes of a GGUF's tensors as stored (Q4_1 blocks, the Q8_0 table...), less the
+    token embedding table when a separate output.weight makes the logits read that one."""
+    from gguf import GGUFReader
+
+    sizes = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(path).tensors}
+    if "output.weight" in sizes:
+        return sum(sizes.values()) - sizes["token_embd.weight"]
+    return sum(sizes.values())
 
 
 BACKEND_CLASSES = {"kvscope": KVScope, "kvscope_penalties": KVScopePenalties,
@@ -452,16 +479,25 @@ def single_stream(args, workload: Workload, backends: dict, report: dict) -> Non
     report["ratios"] = ratios_to_kvscope(results, key)
     bandwidth = report["machine_roofline"]["read_bandwidth_gb_s"] * 1e9
     limit = bandwidth / report["model_costs"]["weight_bytes_per_step"]
-    report["weight_bandwidth_limit_tokens_per_s"] = round(limit, 1)
+    report["weight_bandwidth_limit_tokens_per_s"] = round(limit, 1)  # the dense model's
+    report["weight_bytes_counted"] = (
+        "per backend, the weight bytes one decode token reads as that backend stores them: "
+        "kvscope's parameters (int4/int8 packed weights with their scales and offsets, the "
+        "embedding table once where the tied logits read it), hf_generate's dense model in "
+        "--dtype, llama_cpp's GGUF tensors; bandwidth_limit_tokens_per_s = measured read "
+        "bandwidth / those bytes, share_of_bandwidth_limit = tok/s / that limit; "
+        "share_of_weights_read_limit: the same with the bandwidth at which a reduction reads "
+        "the memory the weights themselves sit in (weights_read_bandwidth_gb_s)")
     for name, result_ in results.items():
-        if name != "llama_cpp":  # its weights are a 4-bit GGUF: another byte count
-            result_["share_of_bandwidth_limit"] = round(result_[key] / limit, 3)
-    if args.quantization not in (None, "none") and "kvscope" in backends:
-        # Packed weights: kvscope's own limit counts the bytes it actually reads.
-        packed = backends["kvscope"].weight_bytes_per_step()
-        report["model_costs"]["kvscope_weight_bytes_per_step"] = packed
-        results["kvscope"]["share_of_bandwidth_limit"] = round(
-            results["kvscope"][key] * packed / bandwidth, 3)
+        weight_bytes = backends[name].weight_bytes_per_step()
+        result_["weight_bytes_per_step"] = weight_bytes
+        result_["bandwidth_limit_tokens_per_s"] = round(bandwidth / weight_bytes, 1)
+        result_["share_of_bandwidth_limit"] = round(result_[key] * weight_bytes / bandwidth, 3)
+        if hasattr(backends[name], "weights_read_bandwidth"):
+            # The same limit with the bandwidth of the memory the weights sit in.
+            own = backends[name].weights_read_bandwidth()
+            result_["weights_read_bandwidth_gb_s"] = round(own / 1e9, 2)
+            result_["share_of_weights_read_limit"] = round(result_[key] * weight_bytes / own, 3)
 
 
 def main(argv=None) -> None:

@@ -433,3 +433,28 @@ def test_packed_weights_of_a_gguf_model_are_cached_for_the_next_start(tiny_model
     os.utime(gguf, ns=(0, 0))
     ModelRunner(config)
     assert len(list((tmp_path / "cache" / "packed").glob("*.pt"))) == 2
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_single_stream_bench_counts_a_gguf_as_its_blocks_read_per_token(untied, tmp_path):
+    """bench/throughput.py's bandwidth limit for llama_cpp: the GGUF's tensors as stored
+    (34 bytes per 32 Q8_0 weights, 20 per 32 Q4_1), the embedding table counted only when
+    the logits read it (tied)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.throughput import gguf_bytes_per_step
+
+    rng = np.random.default_rng(0)
+    tensors = {"token_embd.weight": (rng.standard_normal((96, 64), np.float32),
+                                     GGMLQuantizationType.Q8_0),
+               "blk.0.ffn_down.weight": (rng.standard_normal((48, 64), np.float32),
+                                         GGMLQuantizationType.Q4_1),
+               "output_norm.weight": (np.ones(64, np.float32), GGMLQuantizationType.F32)}
+    if untied:
+        tensors["output.weight"] = (rng.standard_normal((96, 64), np.float32),
+                                    GGMLQuantizationType.Q8_0)
+    write_gguf(tmp_path / "model.gguf", tensors)
+    table, layer, norm = 96 * 2 * 34, 48 * 2 * 20, 64 * 4
+    assert gguf_bytes_per_step(tmp_path / "model.gguf") == table + layer + norm

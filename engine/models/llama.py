@@ -99,42 +99,42 @@ class LlamaBody(nn.Module):
 
 
 class FusedDecoderStack:
-    """Every decoder layer and the final norm in one C++ call (kvscope::llama_decoder_stack).
+    """Every decoder layer and the final norm in one C++ call (kvscope.LlamaDecoderStack).
 
     It chains the same C++ ops the modules call, with the same weights (dense, or int4 /
     int8 packed), so the result is the modules' result; what it saves is the Python
     between ~300 module and op calls, which costs a batch-1 decode step milliseconds. The
-    model runner binds it for the CPU kernels unless enforce_eager is set.
+    weights are handed over once, here; a step passes only its own inputs. The model
+    runner binds it for the CPU kernels unless enforce_eager is set.
     """
 
-    def __init__(self, model: "LlamaForCausalLM") -> None:
+    def __init__(self, model: "LlamaForCausalLM", dtype: torch.dtype) -> None:
         body = model.model
         self.attention = [layer.self_attn.attn for layer in body.layers]
-        self.weights, self.biases, self.scales, self.offsets = [], [], [], []
+        weights, biases, scales, offsets = [], [], [], []
         for layer in body.layers:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            self.weights += [layer.input_layernorm.weight, attention.qkv_proj.weight,
-                             attention.o_proj.weight, layer.post_attention_layernorm.weight,
-                             mlp.gate_up_proj.weight, mlp.down_proj.weight]
-            self.biases += [linear.bias for linear in linears]
+            weights += [layer.input_layernorm.weight, attention.qkv_proj.weight,
+                        attention.o_proj.weight, layer.post_attention_layernorm.weight,
+                        mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            biases += [linear.bias for linear in linears]
             # Packed int4 / int8 weights come with scales (and int4 with offsets).
-            self.scales += [getattr(linear, "scales", None) for linear in linears]
-            self.offsets += [getattr(linear, "offsets", None) for linear in linears]
-        self.group_size = getattr(body.layers[0].mlp.down_proj, "group_size", 0)
+            scales += [getattr(linear, "scales", None) for linear in linears]
+            offsets += [getattr(linear, "offsets", None) for linear in linears]
         first = self.attention[0]
-        self.final_norm, self.eps = body.norm.weight, body.norm.eps
-        self.shape = (first.num_heads, first.num_kv_heads, first.head_dim)
-        self.scale = first.scale
+        self.layers = torch.classes.kvscope.LlamaDecoderStack(
+            weights, biases, scales, offsets,
+            getattr(body.layers[0].mlp.down_proj, "group_size", 0), kernel_max_rows(dtype),
+            body.norm.weight, [first.num_heads, first.num_kv_heads, first.head_dim],
+            body.norm.eps, first.scale)
 
     def __call__(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         # The cache views change when the pool is resized, so they are read per call.
-        return torch.ops.kvscope.llama_decoder_stack(
-            hidden, cos, sin, self.weights, self.biases, self.scales, self.offsets,
-            self.group_size, kernel_max_rows(hidden.dtype), [layer.key_cache for layer in self.attention],
+        return self.layers.forward(
+            hidden, cos, sin, [layer.key_cache for layer in self.attention],
             [layer.value_cache for layer in self.attention], meta.slot_mapping,
-            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.final_norm,
-            *self.shape, self.eps, self.scale)
+            meta.block_tables, meta.seq_lens, meta.query_start_loc)
 
 
 class LlamaForCausalLM(UsesForwardOps):
@@ -149,9 +149,9 @@ class LlamaForCausalLM(UsesForwardOps):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decoder_stack: FusedDecoderStack | None = None
 
-    def fuse_decoder_stack(self) -> None:
+    def fuse_decoder_stack(self, dtype: torch.dtype) -> None:
         """Run the layers as one C++ call from now on (needs the C++ CPU ops loaded)."""
-        self.decoder_stack = FusedDecoderStack(self)
+        self.decoder_stack = FusedDecoderStack(self, dtype)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -168,7 +168,7 @@ class LlamaForCausalLM(UsesForwardOps):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tied:
-            return tied_logits(self.model.embed_tokens, hidden, self.ops.linear).float()
+            return tied_logits(self.model.embed_tokens, hidden, self.ops.logits).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights) -> None:

@@ -8,11 +8,13 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 #include <ATen/record_function.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
 
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -37,11 +39,11 @@ struct LinearWeights {
   int64_t kernel_max_rows;  // packed weights: up to this many rows stream through a kernel
 };
 
-at::Tensor quantized_project(const at::Tensor& x, const LinearWeights& linear) {
+// out = x @ weight.T (+ bias) for packed weights: up to kernel_max_rows rows stream the packed
+// weight through a kernel; more rows are compute-bound and de-quantize once for a GEMM.
+void quantized_project(const at::Tensor& x, const LinearWeights& linear, at::Tensor& out) {
   const bool int4 = linear.weight.scalar_type() == at::kByte;
-  const int64_t out_features = linear.weight.size(0);
   if (x.size(0) <= linear.kernel_max_rows) {
-    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
     if (int4)
       traced("kvscope::int4_linear", [&] {
         int4_linear(x, linear.weight, *linear.scales, *linear.offsets, linear.group_size,
@@ -50,10 +52,9 @@ at::Tensor quantized_project(const at::Tensor& x, const LinearWeights& linear) {
     else
       traced("kvscope::int8_linear",
              [&] { int8_linear(x, linear.weight, *linear.scales, linear.bias, out); });
-    return out;
+    return;
   }
-  // Many rows are compute-bound: de-quantize once for a GEMM.
-  at::Tensor dense = at::empty({out_features, x.size(1)}, x.options());
+  at::Tensor dense = at::empty({linear.weight.size(0), x.size(1)}, x.options());
   if (int4)
     traced("kvscope::int4_dequantize", [&] {
       int4_dequantize(linear.weight, *linear.scales, *linear.offsets, linear.group_size, dense);
@@ -61,97 +62,145 @@ at::Tensor quantized_project(const at::Tensor& x, const LinearWeights& linear) {
   else
     traced("kvscope::int8_dequantize",
            [&] { int8_dequantize(linear.weight, *linear.scales, dense); });
-  return at::linear(x, dense, linear.bias);
+  at::linear_out(out, x, dense, linear.bias);
 }
 
-// Dense weights: one row streams its weights through the dot-product kernel, more rows go to
-// oneDNN's GEMM (as kernels/forward_ops.py's linear does); packed ones as their modules do.
-at::Tensor project(const at::Tensor& x, const LinearWeights& linear) {
-  if (linear.scales) return quantized_project(x, linear);
-  if (x.size(0) != 1) return at::linear(x, linear.weight, linear.bias);
-  at::Tensor out = at::empty({1, linear.weight.size(0)}, x.options());
+// out = x @ weight.T (+ bias). Dense weights: one row streams its weights through the
+// dot-product kernel, more rows go to oneDNN's GEMM (as kernels/forward_ops.py's linear
+// does); packed ones as their modules do.
+void project(const at::Tensor& x, const LinearWeights& linear, at::Tensor& out) {
+  if (linear.scales) return quantized_project(x, linear, out);
+  if (x.size(0) != 1) {
+    at::linear_out(out, x, linear.weight, linear.bias);
+    return;
+  }
   traced("kvscope::linear_small_batch",
          [&] { linear_small_batch(x, linear.weight, linear.bias, out); });
-  return out;
 }
 
-at::Tensor normed(const at::Tensor& hidden, const at::Tensor& weight, double eps,
-                  const std::optional<at::Tensor>& residual) {
-  at::Tensor out = at::empty_like(hidden);
+void normed(const at::Tensor& hidden, const at::Tensor& weight, double eps,
+            const std::optional<at::Tensor>& residual, at::Tensor& out) {
   traced("kvscope::rms_norm", [&] { rms_norm(hidden, weight, eps, out, residual); });
-  return out;
 }
+
+// Every intermediate of a layer, allocated once per call and reused by each layer in turn
+// (a layer consumes its inputs before it writes these). Creating ~200 small tensors and views
+// per step instead cost a one-token decode ~0.4 ms, twice its norms.
+struct Workspace {
+  at::Tensor normed, qkv, query, key, value, attended, projected, gate_up, activated;
+
+  Workspace(const at::Tensor& hidden, int64_t num_heads, int64_t num_kv_heads,
+            int64_t head_dim, int64_t intermediate_size) {
+    const int64_t tokens = hidden.size(0);
+    const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    normed = at::empty_like(hidden);
+    qkv = at::empty({tokens, q_width + 2 * kv_width}, hidden.options());
+    query = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
+    key = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    value = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    attended = at::empty({tokens, q_width}, hidden.options());
+    projected = at::empty_like(hidden);
+    gate_up = at::empty({tokens, 2 * intermediate_size}, hidden.options());
+    activated = at::empty({tokens, intermediate_size}, hidden.options());
+  }
+};
 
 }  // namespace
 
-// hidden: the token embeddings [tokens, hidden_size], used as the residual stream (updated
-// in place). weights: kWeightsPerLayer per layer; biases, scales and offsets:
-// kLinearsPerLayer per layer (None where a projection has none; scales only for packed
-// weights, offsets only for int4). Returns the final norm's output.
-at::Tensor llama_decoder_stack(
-    at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-    const c10::List<std::optional<at::Tensor>>& biases,
-    const c10::List<std::optional<at::Tensor>>& scales,
-    const c10::List<std::optional<at::Tensor>>& offsets, int64_t group_size,
-    int64_t kernel_max_rows, at::TensorList key_caches, at::TensorList value_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    const at::Tensor& query_start_loc, const at::Tensor& final_norm, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
-  const int64_t layers = static_cast<int64_t>(key_caches.size());
-  const int64_t linears = layers * kLinearsPerLayer;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer &&
-              static_cast<int64_t>(biases.size()) == linears &&
-              static_cast<int64_t>(scales.size()) == linears &&
-              static_cast<int64_t>(offsets.size()) == linears &&
-              static_cast<int64_t>(value_caches.size()) == layers,
-              "llama_decoder_stack: ", kWeightsPerLayer, " weights, ", kLinearsPerLayer,
-              " biases, scales and offsets, and one K and V cache per layer");
-  const int64_t tokens = hidden.size(0);
-  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
-  at::Tensor residual = hidden;
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    auto linear = [&](int64_t index) {
-      const int64_t at = layer * kLinearsPerLayer + index;
-      return LinearWeights{w[kLinearWeight[index]], biases.get(at), scales.get(at),
-                           offsets.get(at), group_size, kernel_max_rows};
-    };
-    // The first layer's norm reads the embeddings; later ones first add the previous
-    // layer's output into the residual stream.
-    at::Tensor x = normed(hidden, w[0], eps,
-                          layer == 0 ? std::nullopt : std::optional<at::Tensor>(residual));
-    at::Tensor qkv = project(x, linear(0));
-    traced("kvscope::rotary_embedding",
-           [&] { rotary_embedding(qkv, cos, sin, num_heads + num_kv_heads, head_dim); });
-    at::Tensor query = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
-    at::Tensor key = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
-    at::Tensor value = qkv.narrow(1, q_width + kv_width, kv_width)
-                           .view({tokens, num_kv_heads, head_dim});
-    traced("kvscope::store_kv", [&] {
-      store_kv(key, value, key_caches[layer], value_caches[layer], slot_mapping);
-    });
-    at::Tensor attended = at::empty({tokens, num_heads, head_dim}, query.options());
-    traced("kvscope::paged_attention", [&] {
-      paged_attention(query, key_caches[layer], value_caches[layer], block_tables, seq_lens,
-                      query_start_loc, scale, attended);
-    });
-    hidden = project(attended.view({tokens, q_width}), linear(1));
-    x = normed(hidden, w[3], eps, residual);
-    at::Tensor gate_up = project(x, linear(2));
-    at::Tensor activated = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-    traced("kvscope::silu_and_mul", [&] { silu_and_mul(gate_up, activated); });
-    hidden = project(activated, linear(3));
+// A model's decoder layers bound once (kvscope.LlamaDecoderStack): the weights cross from
+// Python when the model is loaded; a step passes only its own inputs (converting ~500
+// weights and Nones to call arguments cost every step ~40 us).
+class LlamaDecoderStack : public torch::CustomClassHolder {
+ public:
+  // weights: kWeightsPerLayer per layer; biases, scales and offsets: kLinearsPerLayer per
+  // layer (None where a projection has none; scales only for packed weights, offsets only
+  // for int4). shape: num_heads, num_kv_heads, head_dim.
+  LlamaDecoderStack(std::vector<at::Tensor> weights, c10::List<std::optional<at::Tensor>> biases,
+                    c10::List<std::optional<at::Tensor>> scales,
+                    c10::List<std::optional<at::Tensor>> offsets, int64_t group_size,
+                    int64_t kernel_max_rows, at::Tensor final_norm, std::vector<int64_t> shape,
+                    double eps, double scale)
+      : weights_(std::move(weights)), group_size_(group_size), kernel_max_rows_(kernel_max_rows),
+        final_norm_(std::move(final_norm)), eps_(eps), scale_(scale) {
+    const int64_t linears = static_cast<int64_t>(weights_.size()) / kWeightsPerLayer * kLinearsPerLayer;
+    TORCH_CHECK(static_cast<int64_t>(weights_.size()) % kWeightsPerLayer == 0 &&
+                static_cast<int64_t>(biases.size()) == linears &&
+                static_cast<int64_t>(scales.size()) == linears &&
+                static_cast<int64_t>(offsets.size()) == linears && shape.size() == 3,
+                "LlamaDecoderStack: ", kWeightsPerLayer, " weights and ", kLinearsPerLayer,
+                " biases, scales and offsets per layer, and [heads, kv_heads, head_dim]");
+    for (int64_t i = 0; i < linears; ++i) {
+      biases_.push_back(biases.get(i));
+      scales_.push_back(scales.get(i));
+      offsets_.push_back(offsets.get(i));
+    }
+    num_heads_ = shape[0];
+    num_kv_heads_ = shape[1];
+    head_dim_ = shape[2];
   }
-  return normed(hidden, final_norm, eps, residual);
-}
+
+  // hidden: the token embeddings [tokens, hidden_size], used as the residual stream (updated
+  // in place); one K and one V cache per layer. Returns the final norm's output.
+  at::Tensor forward(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& key_caches,
+                     const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc) const {
+    const int64_t layers = static_cast<int64_t>(weights_.size()) / kWeightsPerLayer;
+    TORCH_CHECK(static_cast<int64_t>(key_caches.size()) == layers &&
+                static_cast<int64_t>(value_caches.size()) == layers,
+                "LlamaDecoderStack.forward: one K and one V cache per layer");
+    const int64_t tokens = hidden.size(0);
+    const int64_t intermediate_size = weights_[kLinearWeight[2]].size(0) / 2;  // gate_up's rows
+    Workspace work(hidden, num_heads_, num_kv_heads_, head_dim_, intermediate_size);
+    const at::Tensor attended = work.attended.view({tokens, num_heads_, head_dim_});
+    const at::Tensor& residual = hidden;
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const at::Tensor* w = weights_.data() + layer * kWeightsPerLayer;
+      auto linear = [&](int64_t index) {
+        const int64_t at = layer * kLinearsPerLayer + index;
+        return LinearWeights{w[kLinearWeight[index]], biases_[at], scales_[at], offsets_[at],
+                             group_size_, kernel_max_rows_};
+      };
+      // The first layer's norm reads the embeddings; later ones first add the previous
+      // layer's output into the residual stream.
+      normed(layer == 0 ? hidden : work.projected, w[0], eps_,
+             layer == 0 ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
+      project(work.normed, linear(0), work.qkv);
+      traced("kvscope::rotary_embedding", [&] {
+        rotary_embedding(work.qkv, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
+      });
+      traced("kvscope::store_kv", [&] {
+        store_kv(work.key, work.value, key_caches[layer], value_caches[layer], slot_mapping);
+      });
+      traced("kvscope::paged_attention", [&] {
+        paged_attention(work.query, key_caches[layer], value_caches[layer], block_tables,
+                        seq_lens, query_start_loc, scale_, attended);
+      });
+      project(work.attended, linear(1), work.projected);
+      normed(work.projected, w[3], eps_, residual, work.normed);
+      project(work.normed, linear(2), work.gate_up);
+      traced("kvscope::silu_and_mul", [&] { silu_and_mul(work.gate_up, work.activated); });
+      project(work.activated, linear(3), work.projected);
+    }
+    at::Tensor out = at::empty_like(hidden);
+    normed(work.projected, final_norm_, eps_, residual, out);
+    return out;
+  }
+
+ private:
+  std::vector<at::Tensor> weights_;
+  std::vector<std::optional<at::Tensor>> biases_, scales_, offsets_;
+  int64_t group_size_, kernel_max_rows_;
+  at::Tensor final_norm_;
+  int64_t num_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
+  double eps_, scale_;
+};
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
-  m.def("llama_decoder_stack(Tensor(a!) hidden, Tensor cos, Tensor sin, Tensor[] weights, "
-        "Tensor?[] biases, Tensor?[] scales, Tensor?[] offsets, int group_size, "
-        "int kernel_max_rows, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-        "Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, "
-        "float scale) -> Tensor");
+  m.class_<LlamaDecoderStack>("LlamaDecoderStack")
+      .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
+                       c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
+                       int64_t, int64_t, at::Tensor, std::vector<int64_t>, double, double>())
+      .def("forward", &LlamaDecoderStack::forward);
 }
-
-TORCH_LIBRARY_IMPL(kvscope, CPU, m) { m.impl("llama_decoder_stack", &llama_decoder_stack); }
