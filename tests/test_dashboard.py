@@ -292,7 +292,9 @@ def test_browser_idle_page_draws_no_frames(served, browser) -> None:
     page = context.new_page()
     page.goto(served[2])
     page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=20_000)
-    page.wait_for_timeout(1500)  # the page's first drawing of every panel is in
+    # The first drawing of every panel, and the removed loading spinner's last spring
+    # animation (~3 s), are over.
+    page.wait_for_timeout(5000)
     before = page.evaluate("window.framesRun")
     assert before > 0  # the counter sees the page's frames (the first drawing asked some)
     page.wait_for_timeout(3000)  # three of the poller's ticks, the engine idle

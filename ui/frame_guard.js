@@ -15,10 +15,16 @@
 // pending again later starts a loop of its own.
 (() => {
   const request = window.requestAnimationFrame.bind(window);
-  const fromStatusTracker = () => /\/statustracker-[^/]*\.js/.test(new Error().stack);
+  const statusTracker = /\/statustracker-[^/]*\.js/;
   const trackerShown = () =>
     document.querySelector('[data-testid="status-tracker"]:not(.hide)') !== null;
-  window.requestAnimationFrame = (callback) => fromStatusTracker()
-    ? request((time) => { if (trackerShown()) callback(time); })
-    : request(callback);
+  window.requestAnimationFrame = function (callback) {
+    // Only a frame the tracker module asks for itself: the stack's lines are "Error",
+    // this function, then its caller (a frame asked for by anything the tracker merely
+    // started, a Svelte transition say, passes untouched).
+    const caller = new Error().stack.split("\n")[2] ?? "";
+    return statusTracker.test(caller)
+      ? request((time) => { if (trackerShown()) callback(time); })
+      : request(callback);
+  };
 })();
