@@ -30,6 +30,27 @@ def read_bandwidth(huge: bool, repeats: int = 5) -> float:
     return BANDWIDTH_BYTES / best_seconds(data.sum, repeats)
 
 
+def weights_read_bandwidth(tensors, repeats: int = 5) -> float:
+    """Bytes/s that the same reduction reads the memory holding `tensors` at (each storage
+    whole, as int64 words). On some hosts the memory behind one buffer reads at twice the
+    speed of another's, so the probe buffer of read_bandwidth can land apart from the
+    weights; this measures the weights' own."""
+    words = storage_words(tensors)
+    total = sum(word.numel() * 8 for word in words)
+    return total / best_seconds(lambda: [word.sum() for word in words], repeats)
+
+
+def storage_words(tensors) -> list[torch.Tensor]:
+    """Each distinct storage under `tensors` once, whole, viewed as int64 words (an integer
+    sum has no slow path for the bit patterns that bf16 pairs make as floats)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage
+    return [torch.empty(0, dtype=torch.int64).set_(storage, 0, (storage.nbytes() // 8,))
+            for storage in storages.values()]
+
+
 def gemm_flops(dtype: torch.dtype, size: int = GEMM_SIZE, repeats: int = 5) -> float:
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)

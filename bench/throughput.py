@@ -158,6 +158,9 @@ class KVScope:
         table = model.get_submodule("model.embed_tokens")
         return runner.weight_bytes - sum(p.numel() * p.element_size() for p in table.parameters())
 
+    def weights_read_bandwidth(self) -> float:
+        return roofline.weights_read_bandwidth(self.llm.engine.runner.model.parameters())
+
     def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
         if self.llm.engine.config.enable_prefix_caching:
             self.llm.engine.kv_cache.pool.reset_cache()
@@ -482,12 +485,19 @@ def single_stream(args, workload: Workload, backends: dict, report: dict) -> Non
         "kvscope's parameters (int4/int8 packed weights with their scales and offsets, the "
         "embedding table once where the tied logits read it), hf_generate's dense model in "
         "--dtype, llama_cpp's GGUF tensors; bandwidth_limit_tokens_per_s = measured read "
-        "bandwidth / those bytes, share_of_bandwidth_limit = tok/s / that limit")
+        "bandwidth / those bytes, share_of_bandwidth_limit = tok/s / that limit; "
+        "share_of_weights_read_limit: the same with the bandwidth at which a reduction reads "
+        "the memory the weights themselves sit in (weights_read_bandwidth_gb_s)")
     for name, result_ in results.items():
         weight_bytes = backends[name].weight_bytes_per_step()
         result_["weight_bytes_per_step"] = weight_bytes
         result_["bandwidth_limit_tokens_per_s"] = round(bandwidth / weight_bytes, 1)
         result_["share_of_bandwidth_limit"] = round(result_[key] * weight_bytes / bandwidth, 3)
+        if hasattr(backends[name], "weights_read_bandwidth"):
+            # The same limit with the bandwidth of the memory the weights sit in.
+            own = backends[name].weights_read_bandwidth()
+            result_["weights_read_bandwidth_gb_s"] = round(own / 1e9, 2)
+            result_["share_of_weights_read_limit"] = round(result_[key] * weight_bytes / own, 3)
 
 
 def main(argv=None) -> None:

@@ -285,6 +285,11 @@ class ModelRunner:
         starts = meta.query_start_loc.tolist() if all_positions else []
         chunk_logits = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
                         for i in all_positions}
-        ends = meta.query_start_loc[1:].long() - 1
-        rows = [i for i, s in enumerate(scheduled) if s.samples]
-        return self.model.compute_logits(hidden[ends[rows]]), chunk_logits
+        last_rows, end = [], 0  # each sampling sequence's last token in the flat batch
+        for item in scheduled:
+            end += item.end - item.start
+            if item.samples:
+                last_rows.append(end - 1)
+        # A batch of decodes that all sample is every row, in order: no gather.
+        sampled = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
+        return self.model.compute_logits(sampled), chunk_logits

@@ -33,8 +33,13 @@ def sample(
     """Pick one token per row of `logits` [rows, vocab] (fp32), each row with its params.
     Logprobs come from `raw_logits` when given: the model's, before penalties, biases and
     masks edited `logits` (vLLM's default logprobs mode)."""
-    log_probs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
     greedy = [i for i, p in enumerate(params) if p.greedy]
+    if (len(greedy) == len(params) and all(p.logprobs is None for p in params)
+            and (raw_logits is None or raw_logits is logits)):
+        picked = _greedy_in_one_pass(logits)
+        if picked is not None:
+            return picked
+    log_probs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
     if len(greedy) == len(params):
         chosen = logits.argmax(dim=-1)
     else:
@@ -49,6 +54,19 @@ def sample(
             values, ids = log_probs[row].topk(p.logprobs)
             top[row] = dict(zip(ids.tolist(), values.tolist()))
     return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), top)
+
+
+def _greedy_in_one_pass(logits: torch.Tensor) -> SampleResult | None:
+    """Every row greedy, no alternatives asked for, the logits as the model gave them: where
+    the C++ CPU kernels are loaded, each row's token and logprob come from one op
+    (kvscope::greedy_tokens) instead of log_softmax, argmax and gather. None elsewhere."""
+    if logits.device.type != "cpu" or not hasattr(torch.ops.kvscope, "greedy_tokens"):
+        return None
+    rows = logits.shape[0]
+    tokens = torch.empty(rows, dtype=torch.long)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    torch.ops.kvscope.greedy_tokens(logits.float().contiguous(), tokens, logprobs)
+    return SampleResult(tokens.tolist(), logprobs.tolist(), [None] * rows)
 
 
 def _draw_random_rows(

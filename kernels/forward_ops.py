@@ -12,6 +12,9 @@ computing them; the fused versions do each group in one call:
   linear(x, weight, bias) -> x @ weight.T + bias
       one row (a single stream's decode) streams the weights through a dot-product
       kernel: oneDNN's bf16 matmul reads them at well under the memory bandwidth there
+  logits(hidden, weight) -> (hidden @ weight.T).float()
+      the output projection in the model's dtype, handed over in fp32; the kernel writes
+      one row's fp32 values itself (torch's conversion woke its OpenMP threads for it)
 
 `TORCH_OPS` is the eager twin (any device, and the oracle); `CPU_OPS` calls the C++
 kernels (kernels/csrc/fused_cpu.cpp), which compute in fp32 and round where eager does.
@@ -31,6 +34,7 @@ class ForwardOps:
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _torch_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -56,8 +60,12 @@ def _torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _torch_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden, weight).float()
+
+
 TORCH_OPS = ForwardOps("torch", _torch_rms_norm, _torch_rotary_embedding, _torch_silu_and_mul,
-                       F.linear)
+                       F.linear, _torch_logits)
 
 
 def _cpu_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -82,10 +90,18 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+def _cpu_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if hidden.shape[0] != 1 or hidden.dim() != 2 or hidden.dtype != weight.dtype:
+        return _torch_logits(hidden, weight)
+    out = hidden.new_empty(1, weight.shape[0], dtype=torch.float32)
+    torch.ops.kvscope.linear_small_batch(hidden, weight, None, out)
+    return out
+
+
 def cpu_ops() -> ForwardOps:
     """The C++ versions (builds or loads the extension; raises RuntimeError if it cannot)."""
     from kernels import cpu_ops as extension
 
     extension.load()
     return ForwardOps("cpu", _cpu_rms_norm, torch.ops.kvscope.rotary_embedding.default,
-                      _cpu_silu_and_mul, _cpu_linear)
+                      _cpu_silu_and_mul, _cpu_linear, _cpu_logits)

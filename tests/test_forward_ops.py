@@ -95,6 +95,20 @@ def test_linear_one_row_streams_and_more_rows_match_too(fused, dtype, rows, in_f
                                    atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_logits_are_the_model_dtype_projection_in_fp32(fused, dtype, rows):
+    """The one-row kernel writes fp32 itself: exactly the model-dtype result widened, as
+    more rows (and the torch twin) compute it."""
+    hidden = randn(rows, 576, dtype=dtype)
+    weight = randn(301, 576, dtype=dtype, seed=1)
+    logits = fused.logits(hidden, weight)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 301)
+    assert torch.equal(logits, fused.linear(hidden, weight).float())
+    torch.testing.assert_close(logits, TORCH_OPS.logits(hidden, weight),
+                               atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
+
+
 def test_results_do_not_depend_on_threads_or_concurrent_callers(fused):
     """kernels/csrc/work_pool: every output comes from exactly one chunk, so 1 or 2 threads,
     and two Python threads calling at once (the second runs its loops serially), agree bit

@@ -281,6 +281,35 @@ def test_cpu_store_kv_matches_reference(cpu_ops, dtype, block_size):
     assert torch.equal(value_cache, expected_values)
 
 
+def test_cpu_greedy_tokens_are_argmax_and_its_log_softmax(cpu_ops):
+    """Each row's first largest logit (ties included, and in the rows' last partial vector)
+    and that token's log_softmax, as torch computes them."""
+    logits = torch.randn(5, 49157, generator=torch.Generator().manual_seed(0)) * 4
+    logits[1, 40000] = logits[1, 100] = logits[1].max() + 1  # a tie: the first one wins
+    logits[2] = 0.0
+    logits[3, -1] = 50.0  # beyond the last whole vector of 16
+    logits[4, :1000] = float("-inf")
+    tokens, logprobs = torch.empty(5, dtype=torch.long), torch.empty(5)
+    torch.ops.kvscope.greedy_tokens(logits, tokens, logprobs)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    expected = torch.log_softmax(logits.double(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_sampler_picks_greedy_rows_alike_with_and_without_the_cpu_op(cpu_ops):
+    """With unedited logits an all-greedy batch goes through kvscope::greedy_tokens; logits
+    given apart from the raw ones take the log_softmax path: both pick the same."""
+    from engine import SamplingParams
+    from engine.sampler import sample
+
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * 3
+    params = [SamplingParams(temperature=0)] * 3
+    one_pass = sample(logits, params, [None] * 3)
+    general = sample(logits, params, [None] * 3, raw_logits=logits.clone())
+    assert one_pass.token_ids == general.token_ids
+    torch.testing.assert_close(torch.tensor(one_pass.logprobs), torch.tensor(general.logprobs))
+
+
 def test_cpu_build_key_names_the_cpu_and_torch(monkeypatch):
     from kernels import cpu_extension
 

@@ -168,7 +168,7 @@ class LlamaForCausalLM(UsesForwardOps):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tied:
-            return tied_logits(self.model.embed_tokens, hidden, self.ops.linear).float()
+            return tied_logits(self.model.embed_tokens, hidden, self.ops.logits).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights) -> None:

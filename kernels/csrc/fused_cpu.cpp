@@ -239,8 +239,10 @@ inline std::pair<float, float> dot_two_rows_bf16(const kvscope::bf16* __restrict
 }
 #endif
 
-template <typename T>
-void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, T* out,
+// Out is T, or fp32 for bf16 T (logits): each value is rounded to T first either way, so an
+// fp32 out holds exactly what converting the T result would give, without a pass for it.
+template <typename T, typename Out>
+void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, Out* out,
                         int64_t out_stride, int64_t rows, int64_t in_features,
                         int64_t out_features) {
   // dot_pair(m, w0, w1): row m of x . weight rows w0 and w1. A thread's share of the outputs
@@ -251,7 +253,8 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
     kvscope::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
       const int64_t half = (end - begin) / 2;
       auto write = [&](int64_t n, int64_t m, float sum) {
-        store(out[m * out_stride + n], sum + (bias != nullptr ? load(bias[n]) : 0.f));
+        const float value = sum + (bias != nullptr ? load(bias[n]) : 0.f);
+        store(out[m * out_stride + n], round_to(value, static_cast<T*>(nullptr)));
       };
       for (int64_t i = 0; i < half; ++i) {
         const int64_t n0 = begin + i, n1 = begin + half + i;
@@ -288,25 +291,30 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
 
 }  // namespace
 
-// out = x @ weight.T + bias for x [rows, in] with few rows (decode batches).
+// out = x @ weight.T + bias for x [rows, in] with few rows (decode batches). out has x's
+// dtype, or is fp32 (bf16 x: the bf16 result widened, e.g. logits for the sampler).
 void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
               out.is_contiguous() && x.size(1) == weight.size(1) &&
               out.size(0) == x.size(0) && out.size(1) == weight.size(0),
               "linear_small_batch: x [rows, in], weight [out, in], out [rows, out]");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() &&
+              (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat) &&
               (!bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type())),
-              "linear_small_batch: one dtype for all");
+              "linear_small_batch: x, weight and bias of one dtype, out of it or fp32");
+  auto run = [&](auto* typed_x, auto* typed_out) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
+    small_batch_linear<T>(typed_x, x.stride(0), kvscope::elements<T>(weight),
+                          bias ? kvscope::elements<T>(*bias) : nullptr, typed_out, out.stride(0),
+                          x.size(0), x.size(1), weight.size(0));
+  };
   if (x.scalar_type() == at::kFloat)
-    small_batch_linear<float>(kvscope::elements<float>(x), x.stride(0), kvscope::elements<float>(weight),
-                              bias ? kvscope::elements<float>(*bias) : nullptr, kvscope::elements<float>(out),
-                              out.stride(0), x.size(0), x.size(1), weight.size(0));
+    run(kvscope::elements<float>(x), kvscope::elements<float>(out));
+  else if (out.scalar_type() == at::kFloat)
+    run(kvscope::elements<kvscope::bf16>(x), kvscope::elements<float>(out));
   else
-    small_batch_linear<kvscope::bf16>(
-        kvscope::elements<kvscope::bf16>(x), x.stride(0), kvscope::elements<kvscope::bf16>(weight),
-        bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr, kvscope::elements<kvscope::bf16>(out),
-        out.stride(0), x.size(0), x.size(1), weight.size(0));
+    run(kvscope::elements<kvscope::bf16>(x), kvscope::elements<kvscope::bf16>(out));
 }
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
