@@ -11,11 +11,11 @@ falls on both sides:
 
 Each also reports where the CPU went, in cores (CPU seconds per wall second; the
 dashboard refreshes once a second, so also CPU seconds per refresh): the engine's
-threads (named kvscope-engine, with the OpenMP workers they started), the app's main
-thread (uvicorn's event loop: HTTP, SSE, Gradio's routes), the app's other threads
-(Gradio's handler threads, session log, and the kernels' work-pool helpers when they were
-started on the main thread, as at model load: unnamed, so engine work counts here too)
-and this bench's Chromium processes.
+threads (named kvscope-engine, and the kernels' work-pool helpers, kvscope-pool), the
+app's main thread (uvicorn's event loop: HTTP, SSE, Gradio's routes), the app's other
+threads (Gradio's handler threads, session log, and torch's OpenMP workers, which are
+unnamed: the batched GEMMs' engine work counts here too) and this bench's Chromium
+processes.
 
 Run it under the bench lock (the machine is shared):
 
@@ -88,7 +88,7 @@ def cpu_seconds_by_part(app_pid: int) -> dict[str, float]:
     parts = dict.fromkeys(("engine", "app_main", "app_other", "chromium"), 0.0)
     for task in Path(f"/proc/{app_pid}/task").iterdir():
         try:
-            if (task / "comm").read_text().strip() == "kvscope-engine":
+            if (task / "comm").read_text().strip() in ("kvscope-engine", "kvscope-pool"):
                 part = "engine"
             else:
                 part = "app_main" if task.name == str(app_pid) else "app_other"

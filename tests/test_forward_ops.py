@@ -1,5 +1,7 @@
 """The fused C++ forward ops against their eager twins (kernels/forward_ops.py)."""
 
+import os
+
 import pytest
 import torch
 
@@ -107,6 +109,20 @@ def test_logits_are_the_model_dtype_projection_in_fp32(fused, dtype, rows):
     assert torch.equal(logits, fused.linear(hidden, weight).float())
     torch.testing.assert_close(logits, TORCH_OPS.logits(hidden, weight),
                                atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux thread names")
+def test_the_work_pool_threads_are_named_for_the_engine(fused):
+    """top -H, py-spy and bench/dashboard_overhead.py tell the pool's helpers by name."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        fused.linear(randn(1, 576, dtype=torch.float32), randn(3000, 576, dtype=torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+    names = [open(f"/proc/self/task/{task}/comm").read().strip()
+             for task in os.listdir("/proc/self/task")]
+    assert "kvscope-pool" in names
 
 
 def test_results_do_not_depend_on_threads_or_concurrent_callers(fused):
