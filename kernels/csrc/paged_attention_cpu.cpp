@@ -23,9 +23,11 @@
 namespace {
 
 constexpr int kQueryTile = 16;   // query tokens of one sequence that share each K/V read
-// Keys scored before one online-softmax update, and prefetched one chunk ahead (32 keys
-// took ~9 % longer at batch 64: more rescales, a shallower prefetch).
-constexpr int kKeyChunk = 64;
+// Keys scored before one online-softmax update, and prefetched one chunk ahead. At batch 64
+// over 300-token contexts, 32 keys took ~9 % longer than 64 (more rescales, a shallower
+// prefetch), and 128 lowered attention's share of the decode step from 0.31-0.33 to
+// 0.30 (bench/decode_step.py, three runs each).
+constexpr int kKeyChunk = 128;
 // Fewest keys one KV split of a decode gets. At 256, a chat decode of a few hundred tokens
 // ran its 3 KV heads unsplit on 2 threads, one thread taking two; split at 64, the six
 // halves share out evenly and the step's attention took ~17 % less.
