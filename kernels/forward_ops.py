@@ -81,21 +81,19 @@ def _cpu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _cpu_linear(x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One row through the streaming kernel, more rows through F.linear; out_dtype float32
+    widens the result (the kernel writes it so itself)."""
     if x.shape[0] != 1 or x.dim() != 2 or x.dtype != weight.dtype:
-        return F.linear(x, weight, bias)
-    out = x.new_empty(1, weight.shape[0])
+        return F.linear(x, weight, bias).to(out_dtype or x.dtype)
+    out = x.new_empty(1, weight.shape[0], dtype=out_dtype or x.dtype)
     torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
     return out
 
 
 def _cpu_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if hidden.shape[0] != 1 or hidden.dim() != 2 or hidden.dtype != weight.dtype:
-        return _torch_logits(hidden, weight)
-    out = hidden.new_empty(1, weight.shape[0], dtype=torch.float32)
-    torch.ops.kvscope.linear_small_batch(hidden, weight, None, out)
-    return out
+    return _cpu_linear(hidden, weight, out_dtype=torch.float32)
 
 
 def cpu_ops() -> ForwardOps:
