@@ -29,6 +29,16 @@ inline float round_to(float x, bf16*) {
   return __builtin_bit_cast(float, static_cast<uint32_t>(bf16_bits(x)) << 16);
 }
 
+// Asks for the cache line holding p. Not __builtin_prefetch: GCC 12 drops that from loops it
+// transforms (an earlier KV prefetch of the CPU attention never reached the binary).
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
 // exp(x) for x <= 0 (softmax weights, silu's exp(-|g|)) in a form the compiler vectorizes
 // (std::exp is a scalar call unless -ffast-math): 2^n * 2^f with Cephes' exp2f polynomial,
 // within ~2 ulp of std::exp. Below -87 the result underflows to ~1e-38, i.e. 0 here.

@@ -23,14 +23,13 @@
 namespace {
 
 constexpr int kQueryTile = 16;   // query tokens of one sequence that share each K/V read
-// Keys scored before one online-softmax update, and prefetched one chunk ahead. At batch 64
-// over 300-token contexts, 32 keys took ~9 % longer than 64 (more rescales, a shallower
-// prefetch), and 128 lowered attention's share of the decode step from 0.31-0.33 to
-// 0.30 (bench/decode_step.py, three runs each).
+// Keys scored before one online-softmax update (and asked for one chunk ahead: RowsAhead).
+// At batch 64 over 300-token contexts, 32 keys took ~9 % longer than 64 (more rescales), and
+// 128 lowered attention's share of the decode step from 0.31-0.33 to 0.30
+// (bench/decode_step.py, three runs each).
 constexpr int kKeyChunk = 128;
-// Fewest keys one KV split of a decode gets. At 256, a chat decode of a few hundred tokens
-// ran its 3 KV heads unsplit on 2 threads, one thread taking two; split at 64, the six
-// halves share out evenly and the step's attention took ~17 % less.
+// Fewest keys one KV split of a decode gets: a chat decode of a few hundred tokens still
+// splits, so both threads share its attention.
 constexpr int kMinSplitKeys = 64;
 
 using kvscope::load;
@@ -43,8 +42,8 @@ inline float dot(const float* __restrict a, const float* __restrict b, int dim) 
   return sum;
 }
 
-// Rows of a key or value chunk, widened to fp32 once and then read by every query row of
-// the tile (a GQA group's heads, prefill tokens): the conversion is paid once per element.
+// Rows of a key chunk, widened to fp32 once and then read by every query row of the tile (a
+// GQA group's heads, prefill tokens): the conversion is paid once per element.
 template <typename KV>
 inline void widen_rows(const KV* const* rows, int n, int dim, float* __restrict out) {
   for (int i = 0; i < n; ++i) {
@@ -55,27 +54,84 @@ inline void widen_rows(const KV* const* rows, int n, int dim, float* __restrict 
   }
 }
 
-// acc += sum_i weights[i] * values[i]. With head_dim known at compile time the
-// accumulator lives in registers across the keys instead of going through memory per key.
-template <int kDim>
-inline void accumulate_values(float* __restrict acc, const float* __restrict weights,
-                              const float* __restrict values, int n, int dim) {
-  if constexpr (kDim > 0) {
-    float local[kDim];
-#pragma omp simd
-    for (int d = 0; d < kDim; ++d) local[d] = acc[d];
-    for (int i = 0; i < n; ++i) {
-      const float* __restrict v = values + static_cast<int64_t>(i) * kDim;
-#pragma omp simd
-      for (int d = 0; d < kDim; ++d) local[d] += weights[i] * v[d];
+// The K and V rows of the next chunk (of the same KV head), asked for while the value pass
+// of this one runs, one key's rows per key it adds up: spread out so, the requests overlap
+// the arithmetic. Asking for a whole chunk at once (1,536 lines for 3 KV heads) filled the
+// core's miss buffers, stalled it until they drained and saved nothing; spread, a batch-64
+// decode's attention took ~12 % less.
+template <typename KV>
+struct RowsAhead {
+  const KV* const* keys = nullptr;
+  const KV* const* values = nullptr;
+  int n = 0;
+
+  void prefetch(int i, int64_t row_bytes) const {
+    if (i >= n) return;
+    for (int64_t line = 0; line < row_bytes; line += 64) {
+      kvscope::prefetch_line(reinterpret_cast<const char*>(keys[i]) + line);
+      kvscope::prefetch_line(reinterpret_cast<const char*>(values[i]) + line);
     }
+  }
+};
+
+// acc[r] += sum_i weights[r * kKeyChunk + i] * value_rows[i] for R query rows at once: each
+// value row is widened to fp32 in registers and used by all R rows, whose accumulators stay
+// in registers across the chunk. One pass per query row instead (through an fp32 copy of the
+// chunk) re-read every value from the cache G times and made the value pass most of a
+// batch-64 decode's attention.
+template <int kDim, int R, typename KV>
+inline void accumulate_rows(float* __restrict acc, const float* __restrict weights,
+                            const KV* const* value_rows, int n, const RowsAhead<KV>& ahead) {
+  float local[R][kDim];
+  for (int r = 0; r < R; ++r)
 #pragma omp simd
-    for (int d = 0; d < kDim; ++d) acc[d] = local[d];
+    for (int d = 0; d < kDim; ++d) local[r][d] = acc[r * kDim + d];
+  for (int i = 0; i < n; ++i) {
+    ahead.prefetch(i, kDim * sizeof(KV));
+    const KV* __restrict row = value_rows[i];
+    float value[kDim];
+#pragma omp simd
+    for (int d = 0; d < kDim; ++d) value[d] = load(row[d]);
+    for (int r = 0; r < R; ++r) {
+      const float w = weights[r * kKeyChunk + i];
+#pragma omp simd
+      for (int d = 0; d < kDim; ++d) local[r][d] += w * value[d];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+#pragma omp simd
+    for (int d = 0; d < kDim; ++d) acc[r * kDim + d] = local[r][d];
+}
+
+// The value pass of one chunk for all `rows` query rows (weights: row r's at r * kKeyChunk,
+// zero past the keys it sees). With head_dim known at compile time, up to 256 / kDim rows
+// (16 vector registers of accumulators) share each value row's load. The first pass over
+// the chunk asks for the rows `ahead`.
+template <int kDim, typename KV, int kRows = (kDim > 0 ? std::max(1, 256 / kDim) : 1)>
+inline void accumulate_values(float* __restrict acc, const float* __restrict weights,
+                              int rows, const KV* const* value_rows, int n, int dim,
+                              RowsAhead<KV> ahead) {
+  if constexpr (kDim > 0) {
+    for (int r = 0; r < rows; r += kRows, ahead.n = 0) {
+      if (rows - r < kRows) {  // the last few rows, as a smaller compile-time count
+        if constexpr (kRows > 1)
+          accumulate_values<kDim, KV, kRows - 1>(acc + r * kDim, weights + r * kKeyChunk,
+                                                 rows - r, value_rows, n, dim, ahead);
+        return;
+      }
+      accumulate_rows<kDim, kRows>(acc + r * kDim, weights + r * kKeyChunk, value_rows, n,
+                                   ahead);
+    }
   } else {
-    for (int i = 0; i < n; ++i) {
-      const float* __restrict v = values + static_cast<int64_t>(i) * dim;
+    for (int r = 0; r < rows; ++r, ahead.n = 0) {
+      float* __restrict accr = acc + static_cast<int64_t>(r) * dim;
+      for (int i = 0; i < n; ++i) {
+        ahead.prefetch(i, dim * sizeof(KV));
+        const float w = weights[r * kKeyChunk + i];
+        const KV* __restrict row = value_rows[i];
 #pragma omp simd
-      for (int d = 0; d < dim; ++d) acc[d] += weights[i] * v[d];
+        for (int d = 0; d < dim; ++d) accr[d] += w * load(row[d]);
+      }
     }
   }
 }
@@ -127,10 +183,14 @@ inline void score_keys_bf16(const kvscope::bf16* query, const kvscope::bf16* con
 #endif
 
 // One unit of work: query tokens [q_begin, q_end) of sequence `seq` (offsets within its
-// query), every query head of KV head `kv_head`, over keys [k_begin, k_end).
+// query), every query head of KV heads [kv_begin, kv_end), over keys [k_begin, k_end).
+// Its query rows are ordered by KV head, then token, then head within the GQA group.
 struct WorkItem {
-  int seq, kv_head, q_begin, q_end, k_begin, k_end;
+  int seq, kv_begin, kv_end, q_begin, q_end, k_begin, k_end;
   int64_t partial;  // -1: normalise into `out`; else the first row of the split buffers
+
+  int rows_per_kv_head(int group) const { return (q_end - q_begin) * group; }
+  int rows(int group) const { return (kv_end - kv_begin) * rows_per_kv_head(group); }
 };
 
 struct Layout {
@@ -144,18 +204,19 @@ struct Layout {
 // calls the op once per layer, and allocating and zeroing it each time cost a sizeable part
 // of a short sequence's attention. run_item writes every element before reading it.
 struct Scratch {
-  std::vector<float> q, acc, row_max, row_sum, keys, values, scores;
+  std::vector<float> q, acc, row_max, row_sum, keys, scores;
   void fit(const Layout& L) {
     auto at_least = [](std::vector<float>& buffer, int64_t size) {
       if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
     };
-    at_least(q, static_cast<int64_t>(kQueryTile) * L.group * L.dim);
+    // Query rows of the largest item: a prefill tile of one KV head or a decode of all.
+    const int64_t rows = std::max(kQueryTile * L.group, L.num_heads);
+    at_least(q, rows * L.dim);
     at_least(acc, q.size());
-    at_least(row_max, static_cast<int64_t>(kQueryTile) * L.group);
-    at_least(row_sum, row_max.size());
+    at_least(row_max, rows);
+    at_least(row_sum, rows);
     at_least(keys, static_cast<int64_t>(kKeyChunk) * L.dim);
-    at_least(values, keys.size());
-    at_least(scores, kKeyChunk);
+    at_least(scores, rows * kKeyChunk);
   }
 };
 
@@ -165,13 +226,36 @@ Scratch& thread_scratch(const Layout& L) {
   return scratch;
 }
 
+// The end of the keys an item reads: its last query token sees keys up to its own position.
+inline int visible_end(const WorkItem& item, const int32_t* seq_lens, const int32_t* starts) {
+  const int query_len = starts[item.seq + 1] - starts[item.seq];
+  return std::min(item.k_end, seq_lens[item.seq] - query_len + item.q_end);
+}
+
+// The cache offsets (K's and V's alike, at the item's first KV head) of up to kKeyChunk of an
+// item's keys from `first`,
+// walking its block table block by block rather than dividing each position by the block
+// size; returns how many keys that is.
+inline int key_offsets(const WorkItem& item, const Layout& L, const int32_t* tables,
+                       const int32_t* seq_lens, const int32_t* starts, int first,
+                       int64_t* offsets) {
+  const int n = std::min(kKeyChunk, visible_end(item, seq_lens, starts) - first);
+  const int32_t* table = tables + static_cast<int64_t>(item.seq) * L.table_stride;
+  int block = first / L.block_size, slot = first % L.block_size;
+  for (int i = 0; i < n; ++block, slot = 0) {
+    const int64_t base = table[block] * L.block_stride + item.kv_begin * L.head_stride;
+    for (; slot < L.block_size && i < n; ++slot, ++i) offsets[i] = base + slot * L.slot_stride;
+  }
+  return std::max(n, 0);
+}
+
 // kDim > 0 fixes head_dim at compile time (64 and 128, the common sizes), so the per-key
 // dot products and updates unroll into straight vector code; 0 reads it from the layout.
 template <typename Q, typename KV, int kDim>
 void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
               const KV* value_cache, const int32_t* tables, const int32_t* seq_lens,
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
-              float* part_sum, Scratch& scratch) {
+              float* part_sum, Scratch& scratch, const WorkItem* next) {
 #if defined(__AVX512BF16__)
   constexpr bool kPairDots = std::is_same_v<Q, kvscope::bf16> &&
                              std::is_same_v<KV, kvscope::bf16> && kDim > 0 && kDim % 32 == 0;
@@ -182,7 +266,7 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   const int start = starts[item.seq];
   const int query_len = starts[item.seq + 1] - start;
   const int context = seq_lens[item.seq] - query_len;  // keys before the first new token
-  const int num_q = (item.q_end - item.q_begin) * G;
+  const int num_q = item.rows(G), rows_per_kv_head = item.rows_per_kv_head(G);
   float* q = scratch.q.data();
   float* acc = scratch.acc.data();
   float* row_max = scratch.row_max.data();
@@ -190,87 +274,100 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   std::fill_n(acc, static_cast<int64_t>(num_q) * D, 0.f);
   std::fill_n(row_max, num_q, -std::numeric_limits<float>::infinity());
   std::fill_n(row_sum, num_q, 0.f);
-  // The query row j of this item: token q_begin + j / G, head kv_head * G + j % G.
+  // Query row j of this item: its token (an offset within the sequence's query) and head.
+  auto token_of = [&](int j) { return item.q_begin + j % rows_per_kv_head / G; };
+  auto head_of = [&](int j) {
+    return (item.kv_begin + j / rows_per_kv_head) * G + j % rows_per_kv_head % G;
+  };
   auto query_row = [&](int j) {
-    const int t = item.q_begin + j / G, head = item.kv_head * G + j % G;
-    return query + static_cast<int64_t>(start + t) * L.query_stride + head * D;
+    return query + static_cast<int64_t>(start + token_of(j)) * L.query_stride + head_of(j) * D;
   };
   if constexpr (!kPairDots)  // the portable path scores against scaled fp32 rows
     for (int j = 0; j < num_q; ++j)
       for (int d = 0; d < D; ++d) q[static_cast<int64_t>(j) * D + d] = load(query_row(j)[d]) * scale;
-  // The last query token sees keys up to its own position.
-  const int k_end = std::min(item.k_end, context + item.q_end);
-  const int32_t* table = tables + static_cast<int64_t>(item.seq) * L.table_stride;
+  const int k_end = visible_end(item, seq_lens, starts);
   const KV* key_rows[kKeyChunk];
   const KV* value_rows[kKeyChunk];
   float* keys = scratch.keys.data();
-  float* values = scratch.values.data();
-  float* scores = scratch.scores.data();
-  auto slot_offset = [&](int pos) {
-    return static_cast<int64_t>(table[pos / L.block_size]) * L.block_stride +
-           (pos % L.block_size) * L.slot_stride + item.kv_head * L.head_stride;
-  };
-  // Ask for the next chunk's rows while this one is computed: they sit in blocks anywhere
-  // in the pool, a pattern the hardware prefetcher cannot follow.
-  const int64_t row_bytes = static_cast<int64_t>(D) * sizeof(KV);
-  auto prefetch_chunk = [&](int chunk) {
-    for (int pos = chunk; pos < std::min(chunk + kKeyChunk, k_end); ++pos) {
-      const int64_t offset = slot_offset(pos);
-      for (int64_t line = 0; line < row_bytes; line += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(key_cache + offset) + line);
-        __builtin_prefetch(reinterpret_cast<const char*>(value_cache + offset) + line);
-      }
-    }
-  };
-  for (int chunk = item.k_begin; chunk < k_end; chunk += kKeyChunk) {
-    const int n = std::min(kKeyChunk, k_end - chunk);
-    for (int i = 0; i < n; ++i) {
-      const int64_t offset = slot_offset(chunk + i);
-      key_rows[i] = key_cache + offset;
-      value_rows[i] = value_cache + offset;
-    }
-    prefetch_chunk(chunk + kKeyChunk);
-    if constexpr (!kPairDots) widen_rows(key_rows, n, D, keys);
-    widen_rows(value_rows, n, D, values);
-    for (int j = 0; j < num_q; ++j) {
-      const int visible = context + item.q_begin + j / G + 1;  // keys [0, visible)
-      const int m = std::min(n, visible - chunk);
-      if (m <= 0) continue;
+  float* scores = scratch.scores.data();  // row j's at j * kKeyChunk
+  // Row j's softmax weights for the n keys from `chunk` (key_rows, or `keys` widened), its
+  // statistics updated; zeros past the keys it sees, so the value pass treats rows alike.
+  auto chunk_weights = [&](int j, int chunk, int n) {
+    float* weights = scores + static_cast<int64_t>(j) * kKeyChunk;
+    const int visible = context + token_of(j) + 1;  // keys [0, visible)
+    const int m = std::max(0, std::min(n, visible - chunk));
+    std::fill(weights + m, weights + n, 0.f);
+    if (m == 0) return;
 #if defined(__AVX512BF16__)
-      if constexpr (kPairDots) {
-        score_keys_bf16<kDim>(query_row(j), key_rows, m, scale, scores);
-      }
-#endif
-      if constexpr (!kPairDots) {
-        const float* qj = q + static_cast<int64_t>(j) * D;
-        for (int i = 0; i < m; ++i) scores[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
-      }
-      float chunk_max = row_max[j];
-#pragma omp simd reduction(max : chunk_max)
-      for (int i = 0; i < m; ++i) chunk_max = std::max(chunk_max, scores[i]);
-      float* accj = acc + static_cast<int64_t>(j) * D;
-      if (chunk_max > row_max[j]) {
-        const float correction = std::exp(row_max[j] - chunk_max);  // 0 for the first chunk
-        row_sum[j] *= correction;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) accj[d] *= correction;
-        row_max[j] = chunk_max;
-      }
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int i = 0; i < m; ++i) {
-        scores[i] = kvscope::exp_nonpositive(scores[i] - chunk_max);
-        sum += scores[i];
-      }
-      row_sum[j] += sum;
-      accumulate_values<kDim>(accj, scores, values, m, D);
+    if constexpr (kPairDots) {
+      score_keys_bf16<kDim>(query_row(j), key_rows, m, scale, weights);
     }
+#endif
+    if constexpr (!kPairDots) {
+      const float* qj = q + static_cast<int64_t>(j) * D;
+      for (int i = 0; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
+    }
+    float chunk_max = row_max[j];
+#pragma omp simd reduction(max : chunk_max)
+    for (int i = 0; i < m; ++i) chunk_max = std::max(chunk_max, weights[i]);
+    if (chunk_max > row_max[j]) {
+      const float correction = std::exp(row_max[j] - chunk_max);  // 0 for the first chunk
+      row_sum[j] *= correction;
+      float* accj = acc + static_cast<int64_t>(j) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) accj[d] *= correction;
+      row_max[j] = chunk_max;
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < m; ++i) {
+      weights[i] = kvscope::exp_nonpositive(weights[i] - chunk_max);
+      sum += weights[i];
+    }
+    row_sum[j] += sum;
+  };
+  // Keys [chunk, chunk + kKeyChunk) sit in blocks anywhere in the pool, a pattern the
+  // hardware prefetcher cannot follow: each chunk's rows are asked for while the chunk before
+  // it is computed (RowsAhead), and the last chunk asks for the first one of the thread's
+  // next item.
+  int64_t offsets[2][kKeyChunk];
+  const KV* keys_ahead[kKeyChunk];
+  const KV* values_ahead[kKeyChunk];
+  int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0]);
+  for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
+    const int next_n =
+        chunk + kKeyChunk < k_end
+            ? key_offsets(item, L, tables, seq_lens, starts, chunk + kKeyChunk, offsets[now ^ 1])
+            : (next ? key_offsets(*next, L, tables, seq_lens, starts, next->k_begin,
+                                  offsets[now ^ 1])
+                    : 0);
+    const int heads_ahead = chunk + kKeyChunk < k_end ? item.kv_end - item.kv_begin
+                            : next                    ? next->kv_end - next->kv_begin
+                                                      : 0;
+    for (int h = 0; h < item.kv_end - item.kv_begin; ++h) {  // a run of rows_per_kv_head rows
+      const int64_t head_offset = h * L.head_stride;
+      for (int i = 0; i < n; ++i) {
+        key_rows[i] = key_cache + offsets[now][i] + head_offset;
+        value_rows[i] = value_cache + offsets[now][i] + head_offset;
+      }
+      if constexpr (!kPairDots) widen_rows(key_rows, n, D, keys);
+      for (int j = h * rows_per_kv_head; j < (h + 1) * rows_per_kv_head; ++j)
+        chunk_weights(j, chunk, n);
+      RowsAhead<KV> ahead{keys_ahead, values_ahead, h < heads_ahead ? next_n : 0};
+      for (int i = 0; i < ahead.n; ++i) {
+        keys_ahead[i] = key_cache + offsets[now ^ 1][i] + head_offset;
+        values_ahead[i] = value_cache + offsets[now ^ 1][i] + head_offset;
+      }
+      const int64_t first_row = static_cast<int64_t>(h) * rows_per_kv_head;
+      accumulate_values<kDim>(acc + first_row * D, scores + first_row * kKeyChunk,
+                              rows_per_kv_head, value_rows, n, D, ahead);
+    }
+    n = chunk + kKeyChunk < k_end ? next_n : 0;
   }
   for (int j = 0; j < num_q; ++j) {
     const float* accj = acc + static_cast<int64_t>(j) * D;
     if (item.partial < 0) {
-      const int t = item.q_begin + j / G, head = item.kv_head * G + j % G;
-      Q* dst = out + (static_cast<int64_t>(start + t) * L.num_heads + head) * D;
+      Q* dst = out + (static_cast<int64_t>(start + token_of(j)) * L.num_heads + head_of(j)) * D;
       const float inverse = row_sum[j] > 0.f ? 1.f / row_sum[j] : 0.f;
       for (int d = 0; d < D; ++d) store(dst[d], accj[d] * inverse);
     } else {
@@ -282,10 +379,10 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   }
 }
 
-// Several KV splits of one decode (sequence, KV head) merged by their softmax statistics.
+// Several KV splits of one decode merged by their softmax statistics.
 struct SplitGroup {
-  int seq, kv_head, num_splits;
-  int64_t first_row;  // split s, query head g: row first_row + s * group + g
+  int seq, num_splits;
+  int64_t first_row;  // split s, query head h: row first_row + s * num_heads + h
 };
 
 template <typename Q, typename KV>
@@ -308,13 +405,19 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
 
-  // Few long decodes leave threads idle: split their keys so every thread has work.
-  const int threads = at::get_num_threads();
+  // A decode is one item over all its KV heads, so it reads each slot's K and V rows
+  // (every head) in one contiguous run: one head at a time read a third of every slot, and a
+  // batch-64 decode read its KV at ~10 GB/s. A prefill chunk is compute-bound and tiles by
+  // KV head and kQueryTile tokens.
+  auto is_decode = [&](int s) { return starts[s + 1] - starts[s] == 1; };
   int64_t base_items = 0;
   for (int s = 0; s < num_seqs; ++s) {
     const int query_len = starts[s + 1] - starts[s];
-    base_items += static_cast<int64_t>(L.num_kv_heads) * ((query_len + kQueryTile - 1) / kQueryTile);
+    base_items += is_decode(s) ? 1 : L.num_kv_heads * ((query_len + kQueryTile - 1) / kQueryTile);
   }
+  // Few long decodes leave threads idle: split their keys so every thread has work, in a
+  // multiple of the thread count where there are more splits than threads.
+  const int threads = at::get_num_threads();
   const int64_t wanted_items = 2 * static_cast<int64_t>(threads);
   std::vector<WorkItem> items;
   std::vector<SplitGroup> groups;
@@ -323,26 +426,30 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
     const int query_len = starts[s + 1] - starts[s];
     if (query_len <= 0) continue;
     const int seq_len = lens[s];
+    if (!is_decode(s)) {
+      for (int h = 0; h < L.num_kv_heads; ++h)
+        for (int t = 0; t < query_len; t += kQueryTile)
+          items.push_back({s, h, h + 1, t, std::min(query_len, t + kQueryTile), 0, seq_len, -1});
+      continue;
+    }
     int splits = 1;
-    if (query_len == 1 && base_items < wanted_items && base_items > 0) {
+    if (base_items < wanted_items) {
       const int64_t by_work = (wanted_items + base_items - 1) / base_items;
       splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(by_work, seq_len / kMinSplitKeys)));
+      if (splits > threads) splits -= splits % threads;
     }
-    for (int h = 0; h < L.num_kv_heads; ++h) {
-      if (splits == 1) {
-        for (int t = 0; t < query_len; t += kQueryTile)
-          items.push_back({s, h, t, std::min(query_len, t + kQueryTile), 0, seq_len, -1});
-        continue;
-      }
-      groups.push_back({s, h, splits, partial_rows});
-      const int per_split = (seq_len + splits - 1) / splits;
-      for (int split = 0; split < splits; ++split) {
-        const int k_begin = split * per_split;
-        items.push_back({s, h, 0, 1, k_begin, std::min(seq_len, k_begin + per_split),
-                         partial_rows + static_cast<int64_t>(split) * L.group});
-      }
-      partial_rows += static_cast<int64_t>(splits) * L.group;
+    if (splits == 1) {
+      items.push_back({s, 0, L.num_kv_heads, 0, 1, 0, seq_len, -1});
+      continue;
     }
+    groups.push_back({s, splits, partial_rows});
+    const int per_split = (seq_len + splits - 1) / splits;
+    for (int split = 0; split < splits; ++split) {
+      const int k_begin = split * per_split;
+      items.push_back({s, 0, L.num_kv_heads, 0, 1, k_begin, std::min(seq_len, k_begin + per_split),
+                       partial_rows + static_cast<int64_t>(split) * L.num_heads});
+    }
+    partial_rows += static_cast<int64_t>(splits) * L.num_heads;
   }
   std::vector<float> part_acc(partial_rows * L.dim), part_max(partial_rows), part_sum(partial_rows);
   const Q* q = kvscope::elements<Q>(query);
@@ -353,9 +460,10 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   auto run_items = [&](auto run) {
     kvscope::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       Scratch& scratch = thread_scratch(L);
-      for (int64_t i = begin; i < end; ++i)
+      for (int64_t i = begin; i < end; ++i)  // `next`: the item this thread runs after it
         run(items[i], L, q, k, v, tables, lens, starts, static_cast<float>(scale), o,
-            part_acc.data(), part_max.data(), part_sum.data(), scratch);
+            part_acc.data(), part_max.data(), part_sum.data(), scratch,
+            i + 1 < end ? &items[i + 1] : nullptr);
     });
   };
   if (L.dim == 64)
@@ -365,20 +473,20 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   else
     run_items(run_item<Q, KV, 0>);
   for (const SplitGroup& group : groups) {
-    for (int g = 0; g < L.group; ++g) {
+    for (int head = 0; head < L.num_heads; ++head) {
+      auto row = [&](int split) { return group.first_row + split * L.num_heads + head; };
       float merged_max = -std::numeric_limits<float>::infinity();
       for (int split = 0; split < group.num_splits; ++split)
-        merged_max = std::max(merged_max, part_max[group.first_row + split * L.group + g]);
+        merged_max = std::max(merged_max, part_max[row(split)]);
       std::vector<float> acc(L.dim, 0.f);
       float total = 0.f;
       for (int split = 0; split < group.num_splits; ++split) {
-        const int64_t row = group.first_row + split * L.group + g;
-        if (part_sum[row] == 0.f) continue;
-        const float weight = std::exp(part_max[row] - merged_max);
-        total += part_sum[row] * weight;
-        for (int d = 0; d < L.dim; ++d) acc[d] += part_acc[row * L.dim + d] * weight;
+        if (part_sum[row(split)] == 0.f) continue;
+        const float weight = std::exp(part_max[row(split)] - merged_max);
+        total += part_sum[row(split)] * weight;
+        for (int d = 0; d < L.dim; ++d) acc[d] += part_acc[row(split) * L.dim + d] * weight;
       }
-      Q* dst = o + (static_cast<int64_t>(starts[group.seq]) * L.num_heads + group.kv_head * L.group + g) * L.dim;
+      Q* dst = o + (static_cast<int64_t>(starts[group.seq]) * L.num_heads + head) * L.dim;
       for (int d = 0; d < L.dim; ++d) store(dst[d], acc[d] / total);
     }
   }
