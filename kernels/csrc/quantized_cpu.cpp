@@ -624,6 +624,14 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
   }
 }
 
+// Weight bytes ahead of the row being dotted that one row of x requests with a software
+// prefetch. With the hardware prefetchers alone, one thread streamed the default model's 120
+// int4 layers from DRAM at ~16.5 GB/s against ~32 hot in the caches and ~25 for torch.sum's
+// read: compute and memory took turns instead of overlapping. 4 KB ahead (14 rows of a
+// 576-wide layer, 5 of the 1536-wide one) made it ~21 GB/s; 2-6 KB measured alike, 8 KB and
+// prefetching the scales and offsets too (one line per 1-2 rows) a little worse.
+constexpr int64_t kPrefetchBytes = 4096;
+
 // Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
 template <int M>
 void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t in,
@@ -638,7 +646,14 @@ void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t
     __m512 lanes[M][kRowBlock];
     if constexpr (M == 1) {  // x's first parts in registers across the block's rows
       const HeldX held = hold_x(layout, x_rows[0], xsum);
+      const int64_t row_bytes = layout.chunks * (kChunk / 2);
+      const uint8_t* const last_byte = weight + end * row_bytes;
       for (int64_t i = 0; i < count; ++i) {
+        // This row's bytes, kPrefetchBytes on: rows on rows, every line of [begin, end).
+        const uint8_t* ahead = weight + (first + i) * row_bytes + kPrefetchBytes;
+        for (const uint8_t* line = ahead; line < std::min(ahead + row_bytes, last_byte);
+             line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
         __m512 row_lanes[1];
         int4_dot_row<1>(layout, x_rows, xsum, &held, weight, scales, offsets, first + i,
                         row_lanes);
@@ -715,11 +730,19 @@ void with_rows(int rows, Body&& body) {
 // (at most 12 KB of int4, 24 KB of int8 for a 1536-wide layer) stays in L1 while every
 // group of up to kMaxRows rows of x meets it, so a decode batch of any size reads the
 // weights from memory once, with no de-quantized copy (the tile-fused GEMM of a few dozen
-// rows). rows_kernel(M constant, x_first, begin, end) computes one group against one tile.
+// rows). rows_kernel(M constant, x_first, begin, end) computes one group against output rows
+// [begin, end), tile by tile.
 template <typename RowsKernel>
 void all_rows_by_tiles(int64_t rows, int64_t out_features, int64_t row_bytes,
                        RowsKernel&& rows_kernel) {
   kvscope::parallel_for(0, out_features, grain(row_bytes), [&](int64_t begin, int64_t end) {
+    // One group (a single stream's decode): the kernel walks the thread's whole share in one
+    // call, setting its layout and held x up once rather than per tile (one thread, the
+    // default model's 120 int4 layers hot in the caches: 13% less time).
+    if (rows <= kMaxRows)
+      return with_rows(static_cast<int>(rows), [&](auto rows_constant) {
+        rows_kernel(rows_constant, 0, begin, end);
+      });
     for (int64_t first = begin; first < end; first += kRowBlock) {
       const int64_t last = std::min(first + kRowBlock, end);
       for (int64_t x_first = 0; x_first < rows; x_first += kMaxRows)
