@@ -54,9 +54,10 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ (weight * scales[:, None]).T + bias with int8 weight, fp32 scales."""
-    out = x.new_empty(x.shape[0], weight.shape[0])
+                bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [rows, in] @ (weight * scales[:, None]).T + bias with int8 weight, fp32 scales;
+    out_dtype float32 widens a bf16 result (the kernel writes it so itself: logits)."""
+    out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
     torch.ops.kvscope.int8_linear(x, weight, scales, bias, out)
     return out
 

@@ -25,6 +25,7 @@ from engine.models.quantized import (
     Int8Linear,
     int4_wide_blocks,
     kernel_max_rows,
+    output_logits,
     pack_model,
     quantize_int4,
     quantize_int8,
@@ -208,6 +209,34 @@ def test_int8_kernel_with_bf16_rounds_activations_per_block(out_features, in_fea
         x = uneven_activations(rows, in_features)
         out = cpu_ops.int8_linear(x, layer.weight, layer.scales, None)
         assert_activation_rounding(out, x, layer.dequantized_weight(torch.float32))
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 75), (19, 576), (3, 200)])
+def test_int8_kernel_writes_bf16_logits_widened_into_fp32_bit_for_bit(out_features,
+                                                                      in_features):
+    # The logits: an fp32 out holds exactly the bf16 result widened (what .float() gave),
+    # in whole 16-row blocks, a partial last block and every tile of rows.
+    layer = Int8Linear(in_features, [out_features], bias=True)
+    layer.load_part("weight", 0, random_weight(out_features, in_features, seed=5))
+    layer.bias.data = torch.randn(out_features).bfloat16()  # the model's dtype, as loaded
+    pack_model(layer, torch.bfloat16, CPU)
+    bias = layer.bias
+    embedding = Int8Embedding(out_features, in_features)
+    embedding.load_part("weight", 0, random_weight(out_features, in_features, seed=6))
+    pack_model(embedding, torch.bfloat16, CPU)
+    for rows in [*TILE_ROW_COUNTS, kernel_max_rows(torch.bfloat16) + 3]:
+        x = uneven_activations(rows, in_features)
+        if rows <= kernel_max_rows(torch.bfloat16):
+            widened = cpu_ops.int8_linear(x, layer.weight, layer.scales, bias, torch.float32)
+            assert widened.dtype == torch.float32
+            assert torch.equal(widened, cpu_ops.int8_linear(x, layer.weight, layer.scales,
+                                                            bias).float())
+        for projection, bf16_logits in ((layer, layer(x)), (embedding, embedding.project(x))):
+            logits = output_logits(projection, x)
+            assert logits.dtype == torch.float32
+            assert torch.equal(logits, bf16_logits.float())
+    with pytest.raises(RuntimeError, match="out .rows, out_features. of x's dtype"):
+        cpu_ops.int8_linear(x[:1], layer.weight, layer.scales, bias, torch.float16)
 
 
 def test_int4_kernel_reads_strided_rows_and_refuses_bad_layouts():

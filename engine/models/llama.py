@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, MergedLinear, RMSNorm, UsesForwardOps, load_weights
-from engine.models.quantized import kernel_max_rows, tied_logits
+from engine.models.quantized import kernel_max_rows, output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -167,9 +167,8 @@ class LlamaForCausalLM(UsesForwardOps):
         return self.model.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.tied:
-            return tied_logits(self.model.embed_tokens, hidden, self.ops.logits).float()
-        return self.lm_head(hidden).float()
+        projection = self.model.embed_tokens if self.tied else self.lm_head
+        return output_logits(projection, hidden, self.ops.logits)
 
     def load_weights(self, weights) -> None:
         load_weights(self, weights, PACKED, skip={"lm_head.weight"} if self.tied else set())

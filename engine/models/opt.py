@@ -7,7 +7,7 @@ from transformers.activations import ACT2FN
 
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import MergedLinear, load_weights
-from engine.models.quantized import tied_logits
+from engine.models.quantized import output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 POSITION_OFFSET = 2  # OPT's learned positions start at index 2
@@ -103,7 +103,7 @@ class OPTForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return tied_logits(self.model.decoder.embed_tokens, hidden).float()
+        return output_logits(self.model.decoder.embed_tokens, hidden)
 
     def load_weights(self, weights) -> None:
         # Some OPT checkpoints name tensors without the leading "model.".

@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.config import QUANTIZATION_GROUP_SIZES
 from kernels import cpu_ops
+from kernels.forward_ops import TORCH_OPS
 
 logger = logging.getLogger(__name__)
 INT4_CHUNK = 32  # int4 weights per 16 packed bytes (GGUF's Q4 nibble order)
@@ -135,16 +136,18 @@ class QuantizedLinear(nn.Module):
     def split(self, output: torch.Tensor) -> list[torch.Tensor]:
         return list(output.split(self.output_sizes, dim=-1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T + bias in x's dtype, widened to out_dtype (float32: logits) after."""
         flat = x.reshape(-1, self.in_features)
         if flat.stride(-1) != 1:  # the kernels take rows with contiguous features, strided
             flat = flat.contiguous()
+        out_dtype = out_dtype or flat.dtype
         if not self.use_kernel:
-            out = F.linear(flat, self.dequantized_weight(flat.dtype), self.bias)
+            out = F.linear(flat, self.dequantized_weight(flat.dtype), self.bias).to(out_dtype)
         elif flat.shape[0] <= kernel_max_rows(flat.dtype):
-            out = self.stream(flat)
+            out = self.stream(flat, out_dtype)
         else:
-            out = F.linear(flat, self.dequantize(flat.dtype), self.bias)
+            out = F.linear(flat, self.dequantize(flat.dtype), self.bias).to(out_dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -196,9 +199,10 @@ class Int4Linear(QuantizedLinear):
         weight = q.float() * self.scales.float().unsqueeze(-1) + self.offsets.float().unsqueeze(-1)
         return weight.view(self.out_features, self.in_features).to(dtype)
 
-    def stream(self, flat: torch.Tensor) -> torch.Tensor:
+    def stream(self, flat: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        # The output projections are int8 (quantize_model), so torch widens here.
         return cpu_ops.int4_linear(flat, self.weight, self.scales, self.offsets,
-                                   self.group_size, self.bias)
+                                   self.group_size, self.bias).to(out_dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return cpu_ops.int4_dequantize(self.weight, self.scales, self.offsets, self.group_size,
@@ -244,8 +248,8 @@ class Int8Linear(QuantizedLinear):
         """The dense weight, computed in fp32 and rounded to `dtype` (fallback and oracle)."""
         return (self.weight.float() * self.scales.unsqueeze(-1)).to(dtype)
 
-    def stream(self, flat: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.int8_linear(flat, self.weight, self.scales, self.bias)
+    def stream(self, flat: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return cpu_ops.int8_linear(flat, self.weight, self.scales, self.bias, out_dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return cpu_ops.int8_dequantize(self.weight, self.scales, dtype)
@@ -267,17 +271,21 @@ class Int8Embedding(Int8Linear):
         rows = self.weight.index_select(0, ids).float() * self.scales.index_select(0, ids)[:, None]
         return rows.to(self.dtype).view(*input_ids.shape, self.in_features)
 
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(hidden)
+    def project(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return super().forward(hidden, out_dtype)
 
 
-def tied_logits(embedding: nn.Module, hidden: torch.Tensor,
-                linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
-    """hidden @ embedding.T for an output projection tied to the token embedding; a dense
-    embedding goes through `linear` (the model's bound forward ops, where it has them)."""
-    if isinstance(embedding, Int8Embedding):
-        return embedding.project(hidden)
-    return linear(hidden, embedding.weight)
+def output_logits(projection: nn.Module, hidden: torch.Tensor,
+                  dense_logits: Callable[..., torch.Tensor] = TORCH_OPS.logits) -> torch.Tensor:
+    """The fp32 logits hidden @ W.T of an output projection: an lm_head (bias-free) or the
+    token embedding it is tied to. Each value is rounded to hidden's dtype first (the result
+    widened exactly); the int8 kernel and `dense_logits` (the model's bound forward ops,
+    where it has them) write fp32 themselves."""
+    if isinstance(projection, Int8Embedding):
+        return projection.project(hidden, torch.float32)
+    if isinstance(projection, QuantizedLinear):
+        return projection(hidden, torch.float32)
+    return dense_logits(hidden, projection.weight)
 
 
 @functools.cache
