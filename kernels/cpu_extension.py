@@ -7,6 +7,8 @@ for (an AVX2-only machine gets its own AVX2 build). Loading registers
 the torch.ops.kvscope ops (attention, KV store and the fused forward ops).
 """
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -61,6 +63,21 @@ def compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None and ninja_on_path()
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Holds an OS lock on the build folder while this process builds or loads from it.
+
+    torch's own lock is a file that exists while a build runs: a process killed mid-build
+    (Ctrl-C during the first start's compile) leaves it behind, and every later start then
+    waited for it forever. An OS lock ends with its process, so its holder knows that any
+    such file left over is stale and removes it.
+    """
+    with open(build_dir / "kvscope.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def load() -> None:
     """Compile (first use on this CPU) or load the cached build; registers the ops.
@@ -76,10 +93,11 @@ def load() -> None:
     build_dir = cache_dir() / "cpu_kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    cpp_extension.load(
-        name=NAME, sources=[str(source) for source in SOURCES], build_directory=str(build_dir),
-        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        is_python_module=False, verbose=False)
+    with build_lock(build_dir):
+        cpp_extension.load(
+            name=NAME, sources=[str(source) for source in SOURCES],
+            build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     logger.info("CPU attention kernels ready in %.1f s (%s)", time.perf_counter() - started,
                 build_dir)
 

@@ -320,6 +320,21 @@ def test_cpu_build_key_names_the_cpu_and_torch(monkeypatch):
     assert cpu_extension.build_key() != key
 
 
+def test_cpu_kernels_load_past_a_build_lock_left_by_a_killed_build(cpu_ops):
+    """torch's build lock is a file: one left by a build killed midway (Ctrl-C on the first
+    start) made every later start wait forever. A start now removes it and loads."""
+    from engine.loader import cache_dir
+    from kernels import cpu_extension
+
+    build_dir = cache_dir() / "cpu_kernels" / cpu_extension.build_key()
+    (build_dir / "lock").touch()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from kernels import cpu_ops; cpu_ops.load()"],
+        cwd=Path(__file__).resolve().parents[1], timeout=120, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert not (build_dir / "lock").exists()
+
+
 # --- the Triton paged-attention kernel ----------------------------------------------------
 
 ATTENTION_CASES = [  # (block_size, queries_per_kv, head_dim, dtype): every value of each
