@@ -36,6 +36,7 @@ from kernels import cpu_ops
 CPU = torch.device("cpu")
 # Packed matmuls reorder the sums; bf16 activations round every product.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+DOT_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # of sum |x| |w| (see its test)
 
 
 def random_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -108,7 +109,14 @@ def test_int4_kernels_equal_the_plain_torch_twin(out_features, in_features, grou
         out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, bias)
         expected = x.float() @ dense.T + (0 if bias is None else bias.float())
         assert out.dtype == dtype
-        assert_close(out, expected, dtype)
+        # Rounding x (bf16 rows to int8 for the VNNI dots) errs in proportion to sum |x| |w|,
+        # not to the output, which can cancel to near zero: against the largest output, a
+        # single output row erred by up to 13 % (bf16) in 3,200 random cases, while the error
+        # stayed under 0.3 % (bf16) and 5e-7 (fp32) of this magnitude.
+        bias_magnitude = 0 if bias is None else bias.float().abs()
+        magnitude = (x.float().abs() @ dense.abs().T + bias_magnitude).max().item()
+        error = (out.float() - expected).abs().max().item()
+        assert error <= DOT_TOLERANCE[dtype] * magnitude
 
 
 def test_int4_wide_blocks_put_each_chunk_in_its_own_lane_and_come_back():

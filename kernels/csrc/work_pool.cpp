@@ -51,9 +51,11 @@ class WorkPool {
     const int helpers = at::get_num_threads() - 1;
     int64_t chunks = std::min({(size + grain - 1) / grain,
                                (helpers + 1) * kChunksPerThread, kMaxChunks});
-    // Nested loops, a second calling thread, or nothing to share: run here, serially.
-    std::unique_lock<std::mutex> caller(caller_mutex_, std::try_to_lock);
-    if (helpers <= 0 || chunks <= 1 || inside_pool_loop || !caller.owns_lock()) {
+    // Nothing to share, a loop inside a chunk, or a second calling thread while one uses the
+    // pool: run here, serially. A loop that runs serially anyway does not take the pool, so a
+    // one-thread caller elsewhere never keeps this one from sharing its loops.
+    std::unique_lock<std::mutex> caller(caller_mutex_, std::defer_lock);
+    if (helpers <= 0 || chunks <= 1 || inside_pool_loop || !caller.try_lock()) {
       body(begin, end);
       return;
     }
