@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kvscope {
 
 // Written with bit casts rather than c10::BFloat16's own conversions, whose branches and
@@ -38,6 +42,29 @@ inline void prefetch_line(const void* p) {
   __builtin_prefetch(p);
 #endif
 }
+
+#if defined(__AVX512F__)
+// The lane sums of 16 vectors as one vector: lane i of the result is the sum of partial[i]'s
+// lanes (16 scores, or 16 output rows). Each level adds pairs of vectors after interleaving
+// them, halving the count: 45 shuffles and adds for all 16, against ~8 ops and a ~20-cycle
+// chain for a horizontal sum of each on its own.
+inline __m512 sum_lanes_of_16(const __m512* partial) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(partial[2 * i], partial[2 * i + 1]),
+                             _mm512_unpackhi_ps(partial[2 * i], partial[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d], each that lane's share
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // lanes [v(L0+L1), v(L2+L3), w(L0+L1), w(L2+L3)]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+#endif
 
 // exp(x) for x <= 0 (softmax weights, silu's exp(-|g|)) in a form the compiler vectorizes
 // (std::exp is a scalar call unless -ffast-math): 2^n * 2^f with Cephes' exp2f polynomial,

@@ -137,26 +137,6 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict wei
 }
 
 #if defined(__AVX512BF16__)
-// The lane sums of 16 vectors as one vector: out[i] = sum of partial[i]'s lanes. Each level
-// adds pairs of vectors after interleaving them, halving the count, so 16 scores cost 45
-// shuffles and adds instead of a horizontal sum apiece.
-inline __m512 sum_lanes_of_16(__m512* partial) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(partial[2 * i], partial[2 * i + 1]),
-                             _mm512_unpackhi_ps(partial[2 * i], partial[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d], each that lane's share
-    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)  // lanes [v(L0+L1), v(L2+L3), w(L0+L1), w(L2+L3)]
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
-}
-
 // scores[i] = scale * (q . key_rows[i]) for i < n, bf16 query and keys: vdpbf16ps takes the
 // keys as they lie in the cache, with no widening to fp32, 32 products per instruction; the
 // products are exact and summed in fp32, like the portable path's.
@@ -177,7 +157,7 @@ inline void score_keys_bf16(const kvscope::bf16* query, const kvscope::bf16* con
             partial[i], q[c], (__m512bh)_mm512_loadu_si512(key_rows[first + i] + 32 * c));
     }
     _mm512_mask_storeu_ps(scores + first, static_cast<__mmask16>((1u << count) - 1u),
-                          _mm512_mul_ps(sum_lanes_of_16(partial), _mm512_set1_ps(scale)));
+                          _mm512_mul_ps(kvscope::sum_lanes_of_16(partial), _mm512_set1_ps(scale)));
   }
 }
 #endif

@@ -477,26 +477,6 @@ struct Int4Layout {
             _mm512_set1_epi32(shift))) {}
 };
 
-// The 16 fp32 lanes of acc[0..15] (one output row each) summed: lane r of the result is
-// row r's sum. Four levels of pairwise shuffles and adds, 45 vector ops for 16 rows, against
-// ~8 ops and a ~20-cycle chain per row for a reduce of each on its own.
-inline __m512 sum_lanes_of_16(const __m512 (&acc)[kRowBlock]) {
-  __m512 pairs[8], quads[4], octets[2];
-  for (int r = 0; r < 8; ++r)  // per 128-bit lane: rows 2r, 2r + 1 interleaved
-    pairs[r] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * r], acc[2 * r + 1]),
-                             _mm512_unpackhi_ps(acc[2 * r], acc[2 * r + 1]));
-  for (int r = 0; r < 4; ++r) {  // per 128-bit lane: rows 4r..4r+3 in order
-    const __m512d a = _mm512_castps_pd(pairs[2 * r]), b = _mm512_castps_pd(pairs[2 * r + 1]);
-    quads[r] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int r = 0; r < 2; ++r)  // 128-bit lanes: (rows 8r..8r+3, 8r+4..8r+7) twice over
-    octets[r] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * r], quads[2 * r + 1], 0x88),
-                              _mm512_shuffle_f32x4(quads[2 * r], quads[2 * r + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], 0x88),
-                       _mm512_shuffle_f32x4(octets[0], octets[1], 0xDD));
-}
-
 // One row of x's rounded values for the first wide block, the first tail quad and the first
 // 16 groups' sums, held in registers across the output rows of a call: a 576-wide layer's
 // whole x (14 vectors), so a row's loads are its weights only: with one row of x, x's
@@ -670,7 +650,7 @@ void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t
     alignas(64) float y[M][kRowBlock];
     for (int m = 0; m < M; ++m) {
       for (int64_t i = count; i < kRowBlock; ++i) lanes[m][i] = _mm512_setzero_ps();
-      _mm512_store_ps(y[m], sum_lanes_of_16(lanes[m]));
+      _mm512_store_ps(y[m], kvscope::sum_lanes_of_16(lanes[m]));
     }
     store_block<M>(out, out_stride, first, count, y, bias);
   }
