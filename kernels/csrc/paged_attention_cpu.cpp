@@ -54,11 +54,25 @@ inline void widen_rows(const KV* const* rows, int n, int dim, float* __restrict 
   }
 }
 
+// Asks for the K and V rows of `n` keys at `offsets` (cache offsets at a KV head),
+// `heads` KV heads each, into L2 (kvscope::prefetch_to_l2).
+template <typename KV>
+void request_rows(const KV* key_cache, const KV* value_cache, const int64_t* offsets, int n,
+                  int heads, int64_t head_stride, int64_t row_bytes) {
+  for (int i = 0; i < n; ++i)
+    for (int h = 0; h < heads; ++h)
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        kvscope::prefetch_to_l2(
+            reinterpret_cast<const char*>(key_cache + offsets[i] + h * head_stride) + line);
+        kvscope::prefetch_to_l2(
+            reinterpret_cast<const char*>(value_cache + offsets[i] + h * head_stride) + line);
+      }
+}
+
 // The K and V rows of the next chunk (of the same KV head), asked for while the value pass
 // of this one runs, one key's rows per key it adds up: spread out so, the requests overlap
-// the arithmetic. Asking for a whole chunk at once (1,536 lines for 3 KV heads) filled the
-// core's miss buffers, stalled it until they drained and saved nothing; spread, a batch-64
-// decode's attention took ~12 % less.
+// the arithmetic (into L1, a whole chunk at once filled the core's miss buffers and stalled
+// it; spread, a batch-64 decode's attention took ~12 % less).
 // The rows as pointers, not cache offsets: adding each offset in the value pass measured
 // ~3 % slower.
 template <typename KV>
@@ -70,8 +84,8 @@ struct RowsAhead {
   void prefetch(int i, int64_t row_bytes) const {
     if (i >= n) return;
     for (int64_t line = 0; line < row_bytes; line += 64) {
-      kvscope::prefetch_line(reinterpret_cast<const char*>(keys[i]) + line);
-      kvscope::prefetch_line(reinterpret_cast<const char*>(values[i]) + line);
+      kvscope::prefetch_to_l2(reinterpret_cast<const char*>(keys[i]) + line);
+      kvscope::prefetch_to_l2(reinterpret_cast<const char*>(values[i]) + line);
     }
   }
 };
@@ -84,6 +98,35 @@ struct RowsAhead {
 template <int kDim, int R, typename KV>
 inline void accumulate_rows(float* __restrict acc, const float* __restrict weights,
                             const KV* const* value_rows, int n, const RowsAhead<KV>& ahead) {
+#if defined(__AVX512F__)
+  // As vector registers by name: GCC kept the float arrays below on the stack, so every
+  // multiply-add loaded and stored its accumulator.
+  if constexpr (kDim % 16 == 0) {
+    constexpr int kVectors = kDim / 16;
+    __m512 sums[R][kVectors];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_loadu_ps(acc + r * kDim + 16 * v);
+    for (int i = 0; i < n; ++i) {
+      ahead.prefetch(i, kDim * sizeof(KV));
+      __m512 value[kVectors];
+#pragma GCC unroll 16
+      for (int v = 0; v < kVectors; ++v) value[v] = kvscope::load_fp32x16(value_rows[i] + 16 * v);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(weights[r * kKeyChunk + i]);
+#pragma GCC unroll 16
+        for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_fmadd_ps(w, value[v], sums[r][v]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(acc + r * kDim + 16 * v, sums[r][v]);
+    return;
+  }
+#endif
   float local[R][kDim];
   for (int r = 0; r < R; ++r)
 #pragma omp simd
@@ -237,7 +280,7 @@ template <typename Q, typename KV, int kDim>
 void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
               const KV* value_cache, const int32_t* tables, const int32_t* seq_lens,
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
-              float* part_sum, Scratch& scratch, const WorkItem* next) {
+              float* part_sum, Scratch& scratch, const WorkItem* next, bool first_asked_for) {
 #if defined(__AVX512BF16__)
   constexpr bool kPairDots = std::is_same_v<Q, kvscope::bf16> &&
                              std::is_same_v<KV, kvscope::bf16> && kDim > 0 && kDim % 32 == 0;
@@ -316,6 +359,13 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   const KV* keys_ahead[kKeyChunk];
   const KV* values_ahead[kKeyChunk];
   int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0]);
+  // Every later chunk is asked for while the one before it is computed; the first, when no
+  // item before it on this thread asked for it, now, all at once: a single decode of a few
+  // hundred keys is one or two chunks per thread, and read on demand they came from DRAM at
+  // ~10 GB/s (the limit of the L1 miss buffers).
+  if (!first_asked_for)
+    request_rows(key_cache, value_cache, offsets[0], n, item.kv_end - item.kv_begin,
+                 L.head_stride, D * static_cast<int64_t>(sizeof(KV)));
   for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
     const bool last = chunk + kKeyChunk >= k_end;
     const WorkItem* ahead_item = last ? next : &item;  // whose keys come next, if any
@@ -440,10 +490,11 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   auto run_items = [&](auto run) {
     kvscope::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       Scratch& scratch = thread_scratch(L);
-      for (int64_t i = begin; i < end; ++i)  // `next`: the item this thread runs after it
+      // `next`: the item this thread runs after it, whose first keys this one asks for.
+      for (int64_t i = begin; i < end; ++i)
         run(items[i], L, q, k, v, tables, lens, starts, static_cast<float>(scale), o,
             part_acc.data(), part_max.data(), part_sum.data(), scratch,
-            i + 1 < end ? &items[i + 1] : nullptr);
+            i + 1 < end ? &items[i + 1] : nullptr, i > begin);
     });
   };
   if (L.dim == 64)

@@ -91,14 +91,14 @@ class WorkPool {
     }
     while (static_cast<int>(threads_.size()) < helpers) {
       const int index = static_cast<int>(threads_.size());
-      threads_.emplace_back([this, index] {
+      threads_.emplace_back([this, index] { helper_loop(index); });
 #if defined(__linux__)
-        // Named, so that top -H, py-spy and bench/dashboard_overhead.py count it as the
-        // engine's: it does half of every decode step's loops.
-        pthread_setname_np(pthread_self(), "kvscope-pool");
+      // Named, so that top -H, py-spy and bench/dashboard_overhead.py count it as the
+      // engine's: it does half of every decode step's loops. Named here, not by the thread
+      // itself, so the name is there when the loop that started it returns (the caller may
+      // take every chunk before the new thread first runs).
+      pthread_setname_np(threads_.back().native_handle(), "kvscope-pool");
 #endif
-        helper_loop(index);
-      });
       threads_.back().detach();
     }
   }
