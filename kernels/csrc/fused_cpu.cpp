@@ -32,10 +32,13 @@ void rms_norm_rows(T* hidden, int64_t hidden_stride, T* residual, int64_t residu
     std::vector<float> row(width);
     for (int64_t r = begin; r < end; ++r) {
       const T* x = hidden + r * hidden_stride;
+      // The sums of squares vectorized (in lanes, then added up): summed in order, one
+      // dependent add per element made a 576-wide norm cost ~1.5 us, 61 of them per token.
       float sum = 0.f;
       if (residual != nullptr) {
         // residual <- residual + hidden, rounded as the eager `residual + hidden` is
         T* res = residual + r * residual_stride;
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < width; ++i) {
           const float value = round_to(load(res[i]) + load(x[i]), static_cast<T*>(nullptr));
           store(res[i], value);
@@ -43,6 +46,7 @@ void rms_norm_rows(T* hidden, int64_t hidden_stride, T* residual, int64_t residu
           sum += value * value;
         }
       } else {
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < width; ++i) {
           row[i] = load(x[i]);
           sum += row[i] * row[i];
@@ -50,6 +54,7 @@ void rms_norm_rows(T* hidden, int64_t hidden_stride, T* residual, int64_t residu
       }
       const float inverse = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
       T* y = out + r * out_stride;
+#pragma omp simd
       for (int64_t i = 0; i < width; ++i)
         store(y[i], load(weight[i]) * round_to(row[i] * inverse, static_cast<T*>(nullptr)));
     }
