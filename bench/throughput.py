@@ -16,7 +16,8 @@ seed, every request generating exactly its length: ignore_eos) runs through
                         runs until its longest request is done, so only each request's
                         own tokens count as output
   llama_cpp             llama-cpp-python on the default model's GGUF (its Q4_1 weights,
-                        one request at a time), only when that package is installed
+                        one request at a time, in a process of its own), only when that
+                        package is installed
 
 on the same model, dtype and device, and prints JSON: output tokens/s for each backend
 (generation only: model loading, profiling and warm-up are reported apart) and the ratios.
@@ -46,8 +47,10 @@ import functools
 import importlib.util
 import json
 import logging
+import os
 import platform
 import random
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -316,18 +319,22 @@ class HFGenerate:
 
 class LlamaCpp:
     """llama-cpp-python on the default model's GGUF: its own (Q4_1) weights, one request at
-    a time (it has no batching across requests). EOS cannot be switched off, so only the
-    tokens it really generated count."""
+    a time (it has no batching across requests), in a worker process of its own
+    (bench/llama_cpp_worker.py says why). EOS cannot be switched off, so only the tokens it
+    really generated count; times are the worker's own, without the pipe."""
 
     def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
-        from llama_cpp import Llama
-
         from engine.loader import find_default_gguf
 
         started = time.perf_counter()
         context = max(len(p) for p in workload.prompts) + max(workload.output_lens) + 8
-        self.llm = Llama(model_path=str(find_default_gguf()), n_ctx=max(context, 512),
-                         n_threads=torch.get_num_threads(), verbose=False)
+        environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        self.worker = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")),
+             str(find_default_gguf()), str(max(context, 512)), str(torch.get_num_threads())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
+        if not self.worker.stdout.readline():
+            raise RuntimeError("bench/llama_cpp_worker.py exited before it was ready")
         self.gguf = find_default_gguf().name
         self.gguf_bytes = gguf_bytes_per_step(find_default_gguf())
         self.workload = workload
@@ -336,25 +343,24 @@ class LlamaCpp:
     def weight_bytes_per_step(self) -> int:
         return self.gguf_bytes
 
-    def _complete(self, prompt: list[int], num_tokens: int) -> int:
-        self.llm.reset()
-        completion = self.llm.create_completion(prompt, max_tokens=num_tokens, temperature=0.0)
-        return completion["usage"]["completion_tokens"]
+    def _complete(self, prompt: list[int], num_tokens: int) -> tuple[int, float]:
+        """(tokens generated, seconds) of one completion from an empty cache."""
+        self.worker.stdin.write(json.dumps({"prompt": prompt, "max_tokens": num_tokens}) + "\n")
+        self.worker.stdin.flush()
+        answer = json.loads(self.worker.stdout.readline())
+        return answer["tokens"], answer["seconds"]
 
     def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
-        started = time.perf_counter()
-        self._complete(prompt, 1)
-        ttft = time.perf_counter() - started
-        started = time.perf_counter()
-        generated = self._complete(prompt, num_tokens)
-        return {**stream_result(ttft, time.perf_counter() - started - ttft, generated),
+        _, ttft = self._complete(prompt, 1)
+        generated, seconds = self._complete(prompt, num_tokens)
+        return {**stream_result(ttft, seconds - ttft, generated),
                 "generated_tokens": generated, "weights": self.gguf}
 
     def run(self) -> dict:
-        started = time.perf_counter()
-        generated = sum(self._complete(prompt, n) for prompt, n
-                        in zip(self.workload.prompts, self.workload.output_lens))
-        return result(time.perf_counter() - started, generated, weights=self.gguf,
+        completions = [self._complete(prompt, n) for prompt, n
+                       in zip(self.workload.prompts, self.workload.output_lens)]
+        return result(sum(seconds for _, seconds in completions),
+                      sum(tokens for tokens, _ in completions), weights=self.gguf,
                       note="stops at EOS; one request at a time")
 
 
