@@ -1,7 +1,6 @@
 // Fused CPU ops for the Llama-family forward: each replaces several small eager ops (whose
 // dispatch costs more than their math at decode batch sizes) with one pass over the data.
 // Every op computes in fp32 and rounds to the tensor's dtype where the eager code rounds.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -258,9 +257,9 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   // One share per thread: each share starts its two streams anew, and four per thread
   // (the pool's default) made a bf16 single stream's token ~4 % slower (in-process A/B of
   // decode steps). A helper that has not started leaves its share to the caller.
-  const int64_t share = (out_features + at::get_num_threads() - 1) / at::get_num_threads();
   auto each_output = [&](auto dot_pair) {
-    kvscope::parallel_for(0, out_features, std::max<int64_t>(64, share),
+    kvscope::parallel_for(0, out_features,
+                          std::max<int64_t>(64, kvscope::one_share_per_thread(out_features)),
                           [&](int64_t begin, int64_t end) {
       const int64_t half = (end - begin) / 2;
       auto write = [&](int64_t n, int64_t m, float sum) {

@@ -54,19 +54,24 @@ inline void widen_rows(const KV* const* rows, int n, int dim, float* __restrict 
   }
 }
 
-// Asks for the K and V rows of `n` keys at `offsets` (cache offsets at a KV head),
-// `heads` KV heads each, into L2 (kvscope::prefetch_to_l2).
+// Asks for one key's K and V rows, `row_bytes` each, into L2 (kvscope::prefetch_to_l2).
+template <typename KV>
+inline void request_key(const KV* key_row, const KV* value_row, int64_t row_bytes) {
+  for (int64_t line = 0; line < row_bytes; line += 64) {
+    kvscope::prefetch_to_l2(reinterpret_cast<const char*>(key_row) + line);
+    kvscope::prefetch_to_l2(reinterpret_cast<const char*>(value_row) + line);
+  }
+}
+
+// Asks for the K and V rows of `n` keys at `offsets` (cache offsets at a KV head), `heads`
+// KV heads each.
 template <typename KV>
 void request_rows(const KV* key_cache, const KV* value_cache, const int64_t* offsets, int n,
                   int heads, int64_t head_stride, int64_t row_bytes) {
   for (int i = 0; i < n; ++i)
     for (int h = 0; h < heads; ++h)
-      for (int64_t line = 0; line < row_bytes; line += 64) {
-        kvscope::prefetch_to_l2(
-            reinterpret_cast<const char*>(key_cache + offsets[i] + h * head_stride) + line);
-        kvscope::prefetch_to_l2(
-            reinterpret_cast<const char*>(value_cache + offsets[i] + h * head_stride) + line);
-      }
+      request_key(key_cache + offsets[i] + h * head_stride,
+                  value_cache + offsets[i] + h * head_stride, row_bytes);
 }
 
 // The K and V rows of the next chunk (of the same KV head), asked for while the value pass
@@ -82,11 +87,7 @@ struct RowsAhead {
   int n = 0;
 
   void prefetch(int i, int64_t row_bytes) const {
-    if (i >= n) return;
-    for (int64_t line = 0; line < row_bytes; line += 64) {
-      kvscope::prefetch_to_l2(reinterpret_cast<const char*>(keys[i]) + line);
-      kvscope::prefetch_to_l2(reinterpret_cast<const char*>(values[i]) + line);
-    }
+    if (i < n) request_key(keys[i], values[i], row_bytes);
   }
 };
 

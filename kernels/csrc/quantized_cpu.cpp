@@ -19,7 +19,6 @@
 // int32; only the block sums are scaled in fp32. That rounding of the activations is the one
 // approximation (tests/test_quantization.py bounds it). fp32 activations, and CPUs without
 // VNNI, keep the exact path: weights widened to fp32 (GCC vector extensions, any CPU).
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include "work_pool.h"
 #include <c10/util/Half.h>
@@ -752,8 +751,7 @@ bool rounds_activations_to_int8() {
 // its share to the caller.
 int64_t int4_chunk_rows(int64_t rows, int64_t out_features, int64_t row_bytes) {
   if (rows > kMaxRows) return grain(row_bytes);
-  const int64_t threads = at::get_num_threads();
-  return std::max(grain(row_bytes), (out_features + threads - 1) / threads);
+  return std::max(grain(row_bytes), kvscope::one_share_per_thread(out_features));
 }
 
 template <typename T>

@@ -163,6 +163,11 @@ class WorkPool {
 
 }  // namespace
 
+int64_t one_share_per_thread(int64_t size) {
+  const int64_t threads = at::get_num_threads();
+  return (size + threads - 1) / threads;
+}
+
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const Body& body) {
   if (end <= begin) return;
   // Never destroyed: detached helpers may still spin on it while the process exits.

@@ -21,4 +21,9 @@ namespace kvscope {
 void parallel_for(int64_t begin, int64_t end, int64_t grain,
                   const std::function<void(int64_t, int64_t)>& body);
 
+// The grain that gives each of at::get_num_threads() threads one chunk of `size` elements:
+// for loops whose chunks each start their weight streams anew, where the pool's several
+// chunks per thread cost more in cold starts than they win in balance.
+int64_t one_share_per_thread(int64_t size);
+
 }  // namespace kvscope
