@@ -327,16 +327,16 @@ class LlamaCpp:
         from engine.loader import find_default_gguf
 
         started = time.perf_counter()
+        gguf = find_default_gguf()
         context = max(len(p) for p in workload.prompts) + max(workload.output_lens) + 8
         environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         self.worker = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")),
-             str(find_default_gguf()), str(max(context, 512)), str(torch.get_num_threads())],
+            [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), str(gguf),
+             str(max(context, 512)), str(torch.get_num_threads())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
-        if not self.worker.stdout.readline():
-            raise RuntimeError("bench/llama_cpp_worker.py exited before it was ready")
-        self.gguf = find_default_gguf().name
-        self.gguf_bytes = gguf_bytes_per_step(find_default_gguf())
+        self._answer()  # {"ready": true} once the model is loaded
+        self.gguf = gguf.name
+        self.gguf_bytes = gguf_bytes_per_step(gguf)
         self.workload = workload
         self.setup_seconds = time.perf_counter() - started
 
@@ -347,8 +347,14 @@ class LlamaCpp:
         """(tokens generated, seconds) of one completion from an empty cache."""
         self.worker.stdin.write(json.dumps({"prompt": prompt, "max_tokens": num_tokens}) + "\n")
         self.worker.stdin.flush()
-        answer = json.loads(self.worker.stdout.readline())
+        answer = self._answer()
         return answer["tokens"], answer["seconds"]
+
+    def _answer(self) -> dict:
+        line = self.worker.stdout.readline()
+        if not line:  # its error went to stderr
+            raise RuntimeError(f"bench/llama_cpp_worker.py exited ({self.worker.wait()})")
+        return json.loads(line)
 
     def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
         _, ttft = self._complete(prompt, 1)
