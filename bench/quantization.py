@@ -3,8 +3,15 @@
 For each mode (a quantization and an activation dtype) it loads the model once and prints,
 as JSON:
 
-  single_stream_tok_s   one greedy request of --single-tokens output tokens (best of
-                        --repeats), prefill of a short chat prompt included
+  single_stream_tok_s   one greedy request of --single-tokens output tokens after a short chat
+                        prompt: its decode rate (first token to last, bench/throughput.py's
+                        single-stream metric), the median of --repeats rounds. Every mode
+                        stays loaded and each round runs every mode once, back to back: this
+                        host's memory speed drifts (one bf16 decode ran at ~100 tok/s, the
+                        next minute's at ~150), so modes measured minutes apart compare
+                        drift, and vs_bf16 is the median of each round's own ratios.
+  single_stream         every round's decode rate, first-token latency and end-to-end rate
+                        (output tokens over the whole call: chat template, prefill, decode)
   batched_tok_s         bench/throughput.py's kvscope workload (its defaults unless the
                         --num-requests / --max-prompt / --max-output flags shrink it)
   perplexity            of the model on a fixed English text that ships with Python
@@ -29,6 +36,7 @@ import hashlib
 import json
 import logging
 import platform
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -39,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.throughput import KVScope, make_workload  # noqa: E402
+from bench.throughput import KVScope, make_workload, stream_result  # noqa: E402
 from bench.throughput import parse_args as throughput_args  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.quantized import KERNEL_MAX_ROWS  # noqa: E402
@@ -67,16 +75,27 @@ def parse_modes(text: str) -> dict[str, tuple[str, str]]:
     return modes
 
 
-def single_stream(llm: LLM, tokens: int, repeats: int) -> float:
+def single_stream(llm: LLM, tokens: int) -> dict:
+    """One greedy chat reply: its decode rate and first-token latency (bench/throughput.py's
+    stream_result), and its output tokens over the whole call."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    best = 0.0
-    for _ in range(repeats):
-        llm.engine.kv_cache.pool.reset_cache()  # no repeat may reuse the last one's prefix
-        started = time.perf_counter()
-        output = llm.chat(CHAT, params, use_tqdm=False)[0]
-        seconds = time.perf_counter() - started
-        best = max(best, len(output.outputs[0].token_ids) / seconds)
-    return best
+    llm.engine.kv_cache.pool.reset_cache()  # no run may reuse the last one's prefix
+    started = time.perf_counter()
+    output = llm.chat(CHAT, params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - started
+    metrics = output.metrics
+    return {**stream_result(metrics.time_to_first_token,
+                            metrics.finished_time - metrics.first_token_time, tokens),
+            "end_to_end_tok_s": round(len(output.outputs[0].token_ids) / seconds, 2)}
+
+
+def single_streams_in_rounds(llms: dict[str, LLM], tokens: int, rounds: int) -> dict:
+    """Each mode's single stream `rounds` times, every round running each mode once."""
+    runs = {name: [] for name in llms}
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            runs[name].append(single_stream(llm, tokens))
+    return runs
 
 
 @torch.inference_mode()
@@ -128,7 +147,8 @@ def main() -> None:
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help="name=quantization/dtype,...; the first is the agreement reference")
     parser.add_argument("--single-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds of single streams (every mode once per round)")
     parser.add_argument("--ppl-tokens", type=int, default=1024)
     parser.add_argument("--agreement-tokens", type=int, default=64)
     parser.add_argument("--skip-batched", action="store_true")
@@ -150,7 +170,7 @@ def main() -> None:
               "perplexity_text": {"path": str(TEXT),
                                   "sha256": hashlib.sha256(text.encode()).hexdigest()[:16]},
               "modes": {}}
-    reference = None
+    reference, llms = None, {}
     for name, (quantization, dtype) in parse_modes(args.modes).items():
         logger.info("mode %s: quantization=%s dtype=%s", name, quantization, dtype)
         started = time.perf_counter()
@@ -169,18 +189,24 @@ def main() -> None:
         row["agreement"] = {"mean_first_divergence": sum(positions) / len(positions),
                             "identical": sum(p == args.agreement_tokens for p in positions),
                             "of": len(positions), "tokens": args.agreement_tokens}
-        row["single_stream_tok_s"] = round(single_stream(llm, args.single_tokens, args.repeats), 2)
         if not args.skip_batched:
             row["batched"] = batched(llm, args)
             row["batched_tok_s"] = row["batched"]["output_tokens_per_s"]
         logger.info("%s: %s", name, {k: v for k, v in row.items() if k != "batched"})
         report["modes"][name] = row
-        del llm
+        llms[name] = llm  # kept for the single streams, run in rounds across the modes
+    runs = single_streams_in_rounds(llms, args.single_tokens, args.repeats)
+    decode = {name: [run["decode_tokens_per_s"] for run in runs[name]] for name in runs}
+    for name, row in report["modes"].items():
+        row["single_stream"] = runs[name]
+        row["single_stream_tok_s"] = round(statistics.median(decode[name]), 2)
     if "bf16" in report["modes"]:
         base = report["modes"]["bf16"]
         report["vs_bf16"] = {
-            name: {metric: round(row[metric] / base[metric], 3)
-                   for metric in ("single_stream_tok_s", "batched_tok_s") if metric in row}
+            name: {"single_stream_tok_s": round(statistics.median(
+                       [mine / theirs for mine, theirs in zip(decode[name], decode["bf16"])]), 3),
+                   **({"batched_tok_s": round(row["batched_tok_s"] / base["batched_tok_s"], 3)}
+                      if "batched_tok_s" in row else {})}
             for name, row in report["modes"].items()}
     print(json.dumps(report, indent=2))
 
