@@ -1,4 +1,5 @@
-// A Llama-family decoder stack (every layer, then the final norm) as one call on the CPU.
+// A Llama-family decoder stack (the token embedding and rotary lookups, every layer, then the
+// final norm) as one call on the CPU.
 // It chains the same C++ ops the Python layers call one by one (cpu_ops.h), in the same
 // order and with the same roundings, so its output matches theirs; what it removes is the
 // Python between them: a decode step of a small model spends milliseconds dispatching
@@ -11,8 +12,10 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
 #include "cpu_ops.h"
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -83,6 +86,44 @@ void normed(const at::Tensor& hidden, const at::Tensor& weight, double eps,
   traced("kvscope::rms_norm", [&] { rms_norm(hidden, weight, eps, out, residual); });
 }
 
+// Rows `ids` of a contiguous 2-D table, in its dtype: index_select's result, without a trip
+// through Python and the dispatcher. That matters here because a decode step streams the
+// whole model first: by then its weights have pushed the interpreter's and the dispatcher's
+// code and data out of the caches, and a single op called from Python took ~40-55 us where
+// it takes ~3 us warm (a ~5-op embedding lookup ~70-80 us per token, either dtype).
+at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& ids) {
+  const int64_t count = ids.size(0), rows = table.size(0), width = table.size(1);
+  const int64_t row_bytes = width * table.element_size();
+  at::Tensor out = at::empty({count, width}, table.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const char* source = static_cast<const char*>(table.data_ptr());
+  char* target = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " out of range for ", rows, " rows");
+    std::memcpy(target + i * row_bytes, source + id[i] * row_bytes, row_bytes);
+  }
+  return out;
+}
+
+// Rows `ids` of an int8 table with one fp32 scale per row (engine/models/quantized.py's
+// Int8Embedding), de-quantized to T as that module does: q * scale in fp32, then rounded.
+template <typename T>
+at::Tensor dequantized_rows(const at::Tensor& table, const at::Tensor& scales,
+                            const at::Tensor& ids, at::ScalarType dtype) {
+  const int64_t count = ids.size(0), rows = table.size(0), width = table.size(1);
+  at::Tensor out = at::empty({count, width}, table.options().dtype(dtype));
+  const int64_t* id = ids.data_ptr<int64_t>();
+  T* target = kvscope::elements<T>(out);
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " out of range for ", rows, " rows");
+    const int8_t* row = table.data_ptr<int8_t>() + id[i] * width;
+    const float scale = scales.data_ptr<float>()[id[i]];
+    for (int64_t k = 0; k < width; ++k)
+      kvscope::store(target[i * width + k], static_cast<float>(row[k]) * scale);
+  }
+  return out;
+}
+
 // Every intermediate of a layer, allocated once per call and reused by each layer in turn
 // (a layer consumes its inputs before it writes these). Creating ~200 small tensors and views
 // per step instead cost a one-token decode ~0.4 ms, twice its norms.
@@ -112,16 +153,29 @@ struct Workspace {
 // weights and Nones to call arguments cost every step ~40 us).
 class LlamaDecoderStack : public torch::CustomClassHolder {
  public:
-  // weights: kWeightsPerLayer per layer; biases, scales and offsets: kLinearsPerLayer per
-  // layer (None where a projection has none; scales only for packed weights, offsets only
-  // for int4). shape: num_heads, num_kv_heads, head_dim.
-  LlamaDecoderStack(std::vector<at::Tensor> weights, c10::List<std::optional<at::Tensor>> biases,
+  // embedding: the token embedding table, dense or int8 with embedding_scales (one per row);
+  // cos, sin: the rotary tables, a row per position. weights: kWeightsPerLayer per layer;
+  // biases, scales and offsets: kLinearsPerLayer per layer (None where a projection has
+  // none; scales only for packed weights, offsets only for int4). shape: num_heads,
+  // num_kv_heads, head_dim.
+  LlamaDecoderStack(at::Tensor embedding, std::optional<at::Tensor> embedding_scales,
+                    at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> weights,
+                    c10::List<std::optional<at::Tensor>> biases,
                     c10::List<std::optional<at::Tensor>> scales,
                     c10::List<std::optional<at::Tensor>> offsets, int64_t group_size,
                     int64_t kernel_max_rows, at::Tensor final_norm, std::vector<int64_t> shape,
                     double eps, double scale)
-      : weights_(std::move(weights)), group_size_(group_size), kernel_max_rows_(kernel_max_rows),
+      : embedding_(std::move(embedding)), embedding_scales_(std::move(embedding_scales)),
+        cos_(std::move(cos)), sin_(std::move(sin)), weights_(std::move(weights)),
+        group_size_(group_size), kernel_max_rows_(kernel_max_rows),
         final_norm_(std::move(final_norm)), eps_(eps), scale_(scale) {
+    for (const at::Tensor* table : {&embedding_, &cos_, &sin_})
+      TORCH_CHECK(table->dim() == 2 && table->is_contiguous(),
+                  "LlamaDecoderStack: the embedding and rotary tables are contiguous [rows, width]");
+    TORCH_CHECK(!embedding_scales_ || (embedding_.scalar_type() == at::kChar &&
+                                       embedding_scales_->scalar_type() == at::kFloat &&
+                                       embedding_scales_->is_contiguous()),
+                "LlamaDecoderStack: a packed embedding is int8 with fp32 scales");
     const int64_t linears = static_cast<int64_t>(weights_.size()) / kWeightsPerLayer * kLinearsPerLayer;
     TORCH_CHECK(static_cast<int64_t>(weights_.size()) % kWeightsPerLayer == 0 &&
                 static_cast<int64_t>(biases.size()) == linears &&
@@ -139,9 +193,9 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
     head_dim_ = shape[2];
   }
 
-  // hidden: the token embeddings [tokens, hidden_size], used as the residual stream (updated
-  // in place); one K and one V cache per layer. Returns the final norm's output.
-  at::Tensor forward(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+  // input_ids, positions: int64 [tokens]; one K and one V cache per layer. The embeddings
+  // become the residual stream (updated in place). Returns the final norm's output.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
                      const std::vector<at::Tensor>& key_caches,
                      const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -150,6 +204,11 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(key_caches.size()) == layers &&
                 static_cast<int64_t>(value_caches.size()) == layers,
                 "LlamaDecoderStack.forward: one K and one V cache per layer");
+    TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                input_ids.is_contiguous() && positions.is_contiguous(),
+                "LlamaDecoderStack.forward: contiguous int64 input_ids and positions");
+    at::Tensor hidden = embed(input_ids);
+    const at::Tensor cos = gather_rows(cos_, positions), sin = gather_rows(sin_, positions);
     const int64_t tokens = hidden.size(0);
     const int64_t intermediate_size = weights_[kLinearWeight[2]].size(0) / 2;  // gate_up's rows
     Workspace work(hidden, num_heads_, num_kv_heads_, head_dim_, intermediate_size);
@@ -189,6 +248,21 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   }
 
  private:
+  // The embeddings of `ids` in the model's dtype (the final norm's), as the embedding module
+  // computes them.
+  at::Tensor embed(const at::Tensor& ids) const {
+    if (!embedding_scales_) return gather_rows(embedding_, ids);
+    const at::ScalarType dtype = final_norm_.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+                "LlamaDecoderStack: int8 embeddings de-quantize to float32 or bfloat16");
+    return dtype == at::kFloat
+               ? dequantized_rows<float>(embedding_, *embedding_scales_, ids, dtype)
+               : dequantized_rows<kvscope::bf16>(embedding_, *embedding_scales_, ids, dtype);
+  }
+
+  at::Tensor embedding_;
+  std::optional<at::Tensor> embedding_scales_;
+  at::Tensor cos_, sin_;
   std::vector<at::Tensor> weights_;
   std::vector<std::optional<at::Tensor>> biases_, scales_, offsets_;
   int64_t group_size_, kernel_max_rows_;
@@ -199,7 +273,8 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.class_<LlamaDecoderStack>("LlamaDecoderStack")
-      .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
+      .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor,
+                       std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
                        c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
                        int64_t, int64_t, at::Tensor, std::vector<int64_t>, double, double>())
       .def("forward", &LlamaDecoderStack::forward);
