@@ -62,11 +62,11 @@ def _greedy_in_one_pass(logits: torch.Tensor) -> SampleResult | None:
     (kvscope::greedy_tokens) instead of log_softmax, argmax and gather. None elsewhere."""
     if logits.device.type != "cpu" or not hasattr(torch.ops.kvscope, "greedy_tokens"):
         return None
-    rows = logits.shape[0]
-    tokens = torch.empty(rows, dtype=torch.long)
-    logprobs = torch.empty(rows, dtype=torch.float32)
-    torch.ops.kvscope.greedy_tokens(logits.float().contiguous(), tokens, logprobs)
-    return SampleResult(tokens.tolist(), logprobs.tolist(), [None] * rows)
+    # The model's logits are contiguous fp32 already; converting costs an op call even then.
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        logits = logits.float().contiguous()
+    tokens, logprobs = torch.ops.kvscope.greedy_tokens(logits)
+    return SampleResult(tokens, logprobs, [None] * len(tokens))
 
 
 def _draw_random_rows(

@@ -6,6 +6,7 @@ so the file stays quick); with CUDA they run natively on CUDA tensors (bench/gpu
 The C++ kernels are built once per CPU and source and cached (kernels/cpu_extension.py).
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -289,11 +290,19 @@ def test_cpu_greedy_tokens_are_argmax_and_its_log_softmax(cpu_ops):
     logits[2] = 0.0
     logits[3, -1] = 50.0  # beyond the last whole vector of 16
     logits[4, :1000] = float("-inf")
-    tokens, logprobs = torch.empty(5, dtype=torch.long), torch.empty(5)
-    torch.ops.kvscope.greedy_tokens(logits, tokens, logprobs)
-    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
-    expected = torch.log_softmax(logits.double(), dim=-1).gather(1, tokens[:, None])[:, 0]
-    torch.testing.assert_close(logprobs.double(), expected, rtol=1e-5, atol=1e-5)
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    threads = torch.get_num_threads()
+    try:
+        # Fewer rows than threads split each row in pieces (3 threads: uneven ones).
+        for num_threads, (first, last) in itertools.product((1, 3), ((0, 5), (1, 2), (3, 5))):
+            torch.set_num_threads(num_threads)
+            tokens, logprobs = torch.ops.kvscope.greedy_tokens(logits[first:last].contiguous())
+            assert tokens == logits[first:last].argmax(dim=-1).tolist()
+            chosen = expected[first:last].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.double), chosen,
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_sampler_picks_greedy_rows_alike_with_and_without_the_cpu_op(cpu_ops):

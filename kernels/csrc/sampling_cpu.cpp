@@ -2,27 +2,38 @@
 // log-probability, in two passes over the row (the largest value and where it is; then the
 // sum of exp(x - max)). torch's argmax, log_softmax and gather took ~0.2 ms of a one-token
 // decode step over a 49k vocabulary: argmax is a scalar loop, and log_softmax writes the
-// whole row and wakes torch's sleeping OpenMP threads for it.
+// whole row and wakes torch's sleeping OpenMP threads for it. A single row is split across
+// the threads (each piece sums against its own largest value; the pieces are rescaled to the
+// row's when they meet), and the picks come back as Python lists, not tensors to convert.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "cpu_common.h"
 #include "work_pool.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
 constexpr int kLanes = 16;
 
-struct Pick {
+// A piece of a row: its first largest value, where that is (`size` of the row if none: every
+// value -inf or NaN), and the sum of exp(x - that value) over the piece.
+struct Piece {
+  float best;
   int64_t token;
-  float logprob;
+  float sum;
 };
 
-Pick greedy_row(const float* __restrict row, int64_t size) {
+Piece greedy_piece(const float* __restrict row, int64_t first, int64_t last, int64_t size) {
   // Pass 1, per lane: the largest value and the first index holding it.
   float lane_max[kLanes];
   int64_t lane_index[kLanes];
@@ -30,8 +41,8 @@ Pick greedy_row(const float* __restrict row, int64_t size) {
     lane_max[lane] = -std::numeric_limits<float>::infinity();
     lane_index[lane] = size;
   }
-  int64_t k = 0;
-  for (; k + kLanes <= size; k += kLanes)
+  int64_t k = first;
+  for (; k + kLanes <= last; k += kLanes)
 #pragma omp simd
     for (int lane = 0; lane < kLanes; ++lane) {
       const float value = row[k + lane];
@@ -39,53 +50,75 @@ Pick greedy_row(const float* __restrict row, int64_t size) {
       lane_max[lane] = larger ? value : lane_max[lane];
       lane_index[lane] = larger ? k + lane : lane_index[lane];
     }
+  Piece piece{-std::numeric_limits<float>::infinity(), size, 0.f};
+  for (int lane = 0; lane < kLanes; ++lane)
+    if (lane_max[lane] > piece.best ||
+        (lane_max[lane] == piece.best && lane_index[lane] < piece.token)) {
+      piece.best = lane_max[lane];
+      piece.token = lane_index[lane];
+    }
+  for (; k < last; ++k)
+    if (row[k] > piece.best) {
+      piece.best = row[k];
+      piece.token = k;
+    }
+  if (piece.token == size) return piece;
+  // Pass 2: sum exp(x - best), every term at most 1.
+  float sum = 0.f;
+  const float best = piece.best;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = first; i < last; ++i) sum += kvscope::exp_nonpositive(row[i] - best);
+  piece.sum = sum;
+  return piece;
+}
+
+// The row's token and logprob from its pieces, in order (so the first largest value wins).
+std::pair<int64_t, float> combine(const Piece* pieces, int64_t count, int64_t size) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t token = size;
-  for (int lane = 0; lane < kLanes; ++lane)
-    if (lane_max[lane] > best || (lane_max[lane] == best && lane_index[lane] < token)) {
-      best = lane_max[lane];
-      token = lane_index[lane];
-    }
-  for (; k < size; ++k)
-    if (row[k] > best) {
-      best = row[k];
-      token = k;
+  for (int64_t p = 0; p < count; ++p)
+    if (pieces[p].token != size && pieces[p].best > best) {
+      best = pieces[p].best;
+      token = pieces[p].token;
     }
   if (token == size)  // every logit -inf (or NaN): log_softmax gives NaN
     return {0, std::numeric_limits<float>::quiet_NaN()};
-  // Pass 2: log sum exp(x - max), every term at most 1.
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < size; ++i) sum += kvscope::exp_nonpositive(row[i] - best);
+  for (int64_t p = 0; p < count; ++p)
+    if (pieces[p].token != size) sum += pieces[p].sum * std::exp(pieces[p].best - best);
   return {token, -std::log(sum)};
 }
 
 }  // namespace
 
-// tokens[r] = argmax(logits[r]) (the first on ties, as torch.argmax), logprobs[r] =
-// log_softmax(logits[r])[tokens[r]], for contiguous fp32 logits [rows, vocab].
-void greedy_tokens(const at::Tensor& logits, at::Tensor tokens, at::Tensor logprobs) {
+// For contiguous fp32 logits [rows, vocab]: argmax(logits[r]) (the first on ties, as
+// torch.argmax) and log_softmax(logits[r]) at it, for every row, as two lists.
+std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "greedy_tokens: contiguous fp32 logits [rows, vocab]");
-  TORCH_CHECK(tokens.scalar_type() == at::kLong && logprobs.scalar_type() == at::kFloat &&
-              tokens.numel() == logits.size(0) && logprobs.numel() == logits.size(0) &&
-              tokens.is_contiguous() && logprobs.is_contiguous(),
-              "greedy_tokens: tokens int64 [rows], logprobs fp32 [rows]");
-  const int64_t vocab = logits.size(1);
-  const float* rows = logits.data_ptr<float>();
-  int64_t* token_out = tokens.data_ptr<int64_t>();
-  float* logprob_out = logprobs.data_ptr<float>();
-  kvscope::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const Pick pick = greedy_row(rows + r * vocab, vocab);
-      token_out[r] = pick.token;
-      logprob_out[r] = pick.logprob;
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  // Fewer rows than threads: each row in as many pieces as there are threads per row. The
+  // count depends only on rows and threads, so a row's sum is the same whoever runs a piece.
+  const int64_t per_row = std::max<int64_t>(1, at::get_num_threads() / std::max<int64_t>(rows, 1));
+  const int64_t length = (vocab + per_row - 1) / per_row;
+  std::vector<Piece> pieces(rows * per_row);
+  const float* data = logits.data_ptr<float>();
+  kvscope::parallel_for(0, rows * per_row, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t first = task % per_row * length;
+      pieces[task] = greedy_piece(data + task / per_row * vocab, first,
+                                  std::min(vocab, first + length), vocab);
     }
   });
+  std::vector<int64_t> tokens(rows);
+  std::vector<double> logprobs(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    std::tie(tokens[r], logprobs[r]) = combine(pieces.data() + r * per_row, per_row, vocab);
+  return {tokens, logprobs};
 }
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
-  m.def("greedy_tokens(Tensor logits, Tensor(a!) tokens, Tensor(b!) logprobs) -> ()");
+  m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 }
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) { m.impl("greedy_tokens", &greedy_tokens); }
