@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import platform
 import random
 import sys
@@ -9,6 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
 
 import torch
 

@@ -12,9 +12,12 @@ Usage:
 
 import argparse
 import json
+import os
 import random
 import time
 from dataclasses import replace
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
 
 import torch
 from common import add_model_args, ordinary_token_ids, random_prompt, setup

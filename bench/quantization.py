@@ -35,6 +35,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import platform
 import statistics
 import subprocess
@@ -42,6 +43,8 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
 
 import torch
 

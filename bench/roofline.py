@@ -2,7 +2,10 @@
 memory read bandwidth and dense GEMM throughput (fp32 and bf16), best of a few tries, on
 torch's threads."""
 
+import os
 import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
 
 import torch
 

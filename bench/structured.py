@@ -21,12 +21,16 @@ Usage:
 import argparse
 import json
 import logging
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 import jsonschema
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

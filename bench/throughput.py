@@ -56,6 +56,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

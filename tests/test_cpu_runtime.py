@@ -84,3 +84,22 @@ def test_engine_asks_for_passive_openmp_workers_before_torch_loads():
                             env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
                             text=True, check=True)
     assert chosen.stdout.strip() == "ACTIVE" and "OMP_WAIT_POLICY" not in chosen.stderr
+
+
+def test_the_benches_load_torch_with_passive_openmp_workers():
+    """A bench run as documented (`python bench/throughput.py ...`, no OMP_WAIT_POLICY set)
+    must not load torch before the policy is set, or it measures spinning workers."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    scripts = [path for path in sorted(bench.glob("*.py"))
+               if "import torch" in path.read_text() and "engine" in path.read_text()]
+    assert any(path.name == "throughput.py" for path in scripts)
+    for path in scripts:
+        loaded = subprocess.run(
+            [sys.executable, "-c", f"import runpy; runpy.run_path({str(path)!r})"],
+            env=env, capture_output=True, text=True, cwd=bench.parent)
+        assert "OMP_WAIT_POLICY=PASSIVE" not in loaded.stderr, path.name
