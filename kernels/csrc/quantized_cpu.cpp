@@ -607,10 +607,13 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
 // Weight bytes ahead of the row being dotted that one row of x requests with a software
 // prefetch. With the hardware prefetchers alone, one thread streamed the default model's 120
 // int4 layers from DRAM at ~16.5 GB/s against ~32 hot in the caches and ~25 for torch.sum's
-// read: compute and memory took turns instead of overlapping. 4 KB ahead (14 rows of a
-// 576-wide layer, 5 of the 1536-wide one) made it ~21 GB/s; 2-6 KB measured alike, 8 KB and
-// prefetching the scales and offsets too (one line per 1-2 rows) a little worse.
-constexpr int64_t kPrefetchBytes = 4096;
+// read: compute and memory took turns instead of overlapping. 4 KB ahead into L1 (14 rows of
+// a 576-wide layer, 5 of the 1536-wide one) made it ~21 GB/s. Asking into L2 instead
+// (kvscope::prefetch_to_l2: a core's few L1 miss buffers cap requests into L1) from 8 KB
+// ahead took a one-token forward of that model, two threads, from 2.80-2.87 to 2.64-2.69 ms
+// (in-process alternation, every round faster); into L2 from 4 KB gained little, and 6-12 KB
+// measured alike. Prefetching the scales and offsets too was a little worse.
+constexpr int64_t kPrefetchBytes = 8192;
 
 // Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
 template <int M>
@@ -633,7 +636,7 @@ void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t
         const uint8_t* ahead = weight + (first + i) * row_bytes + kPrefetchBytes;
         for (const uint8_t* line = ahead; line < std::min(ahead + row_bytes, last_byte);
              line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+          kvscope::prefetch_to_l2(line);
         __m512 row_lanes[1];
         int4_dot_row<1>(layout, x_rows, xsum, &held, weight, scales, offsets, first + i,
                         row_lanes);
