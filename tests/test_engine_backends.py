@@ -57,12 +57,13 @@ def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied output projections
 def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype,
-                                                            quantization):
-    """Same C++ ops in the same order: equal outputs and equal K/V written, for a ragged
+                                                            quantization, arch):
+    """Same C++ ops in the same order: equal outputs, logits and K/V written, for a ragged
     batch of prefill chunks and decodes (17 rows take the GEMM, after de-quantizing packed
     weights) and for a decode batch (one row: the dense GEMV; 3 rows: the packed kernels)."""
-    _, runner = runner_for(monkeypatch, tiny_model, "cpu", "qwen2", dtype=dtype,
+    _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
                            quantization=quantization)
     assert runner.fused_decoder_stack
     runner.allocate_kv_cache(8, 16)
@@ -73,12 +74,15 @@ def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypa
             range(start + 3, end + 3)))
         with torch.inference_mode():
             fused = model(*inputs)
+            fused_logits = model.compute_logits(fused)
             fused_cache = runner.kv_cache.clone()
             stack, model.decoder_stack = model.decoder_stack, None
             eager = model(*inputs)
+            eager_logits = model.compute_logits(eager)
             model.decoder_stack = stack
         assert torch.equal(fused, eager)
         assert torch.equal(fused_cache, runner.kv_cache)
+        assert fused_logits.dtype == torch.float32 and torch.equal(fused_logits, eager_logits)
 
 
 def test_enforce_eager_or_the_torch_kernels_keep_the_layers(tiny_model, monkeypatch):

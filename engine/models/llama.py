@@ -100,7 +100,7 @@ class LlamaBody(nn.Module):
 
 class FusedDecoderStack:
     """The token embedding, every decoder layer and the final norm in one C++ call
-    (kvscope.LlamaDecoderStack).
+    (kvscope.LlamaDecoderStack), and the output projection in another.
 
     It chains the same C++ ops the modules call, with the same weights (dense, or int4 /
     int8 packed), so the result is the modules' result; what it saves is the Python
@@ -126,12 +126,18 @@ class FusedDecoderStack:
         first = self.attention[0]
         # The token embedding and the rotary lookups run in the same call: called from
         # Python after a step has streamed the weights, their ~7 small ops cost ~0.1 ms.
+        head = body.embed_tokens if model.tied else model.lm_head
         self.layers = torch.classes.kvscope.LlamaDecoderStack(
             body.embed_tokens.weight, getattr(body.embed_tokens, "scales", None),
+            head.weight, getattr(head, "scales", None),
             body.rotary.cos, body.rotary.sin, weights, biases, scales, offsets,
             getattr(body.layers[0].mlp.down_proj, "group_size", 0), kernel_max_rows(dtype),
             body.norm.weight, [first.num_heads, first.num_kv_heads, first.head_dim],
             body.norm.eps, first.scale)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final norm's rows, as output_logits computes them."""
+        return self.layers.logits(hidden)
 
     def __call__(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         # The cache views change when the pool is resized, so they are read per call.
@@ -171,6 +177,8 @@ class LlamaForCausalLM(UsesForwardOps):
         return self.model.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.decoder_stack is not None:
+            return self.decoder_stack.logits(hidden)
         projection = self.model.embed_tokens if self.tied else self.lm_head
         return output_logits(projection, hidden, self.ops.logits)
 

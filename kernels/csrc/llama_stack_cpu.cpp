@@ -1,5 +1,5 @@
 // A Llama-family decoder stack (the token embedding and rotary lookups, every layer, then the
-// final norm) as one call on the CPU.
+// final norm) as one call on the CPU, and the output projection (the logits) as another.
 // It chains the same C++ ops the Python layers call one by one (cpu_ops.h), in the same
 // order and with the same roundings, so its output matches theirs; what it removes is the
 // Python between them: a decode step of a small model spends milliseconds dispatching
@@ -154,11 +154,13 @@ struct Workspace {
 class LlamaDecoderStack : public torch::CustomClassHolder {
  public:
   // embedding: the token embedding table, dense or int8 with embedding_scales (one per row);
+  // head, head_scales: the output projection alike (the embedding's own when they are tied);
   // cos, sin: the rotary tables, a row per position. weights: kWeightsPerLayer per layer;
   // biases, scales and offsets: kLinearsPerLayer per layer (None where a projection has
   // none; scales only for packed weights, offsets only for int4). shape: num_heads,
   // num_kv_heads, head_dim.
   LlamaDecoderStack(at::Tensor embedding, std::optional<at::Tensor> embedding_scales,
+                    at::Tensor head, std::optional<at::Tensor> head_scales,
                     at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> weights,
                     c10::List<std::optional<at::Tensor>> biases,
                     c10::List<std::optional<at::Tensor>> scales,
@@ -166,7 +168,7 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
                     int64_t kernel_max_rows, at::Tensor final_norm, std::vector<int64_t> shape,
                     double eps, double scale)
       : embedding_(std::move(embedding)), embedding_scales_(std::move(embedding_scales)),
-        cos_(std::move(cos)), sin_(std::move(sin)), weights_(std::move(weights)),
+        head_(std::move(head)), head_scales_(std::move(head_scales)), cos_(std::move(cos)), sin_(std::move(sin)), weights_(std::move(weights)),
         group_size_(group_size), kernel_max_rows_(kernel_max_rows),
         final_norm_(std::move(final_norm)), eps_(eps), scale_(scale) {
     for (const at::Tensor* table : {&embedding_, &cos_, &sin_})
@@ -247,6 +249,34 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
     return out;
   }
 
+  // hidden @ head.T in fp32 [rows, vocab], each value rounded to hidden's dtype first, as
+  // engine/models/quantized.output_logits computes it from Python: packed, up to
+  // kernel_max_rows rows stream through the int8 kernel and more de-quantize the head for a
+  // GEMM; dense, one row goes through the one-row kernel and more through a GEMM. Called
+  // right after the stack, when the Python and ops around the head cost ~50 us a token.
+  at::Tensor logits(const at::Tensor& hidden) const {
+    const int64_t rows = hidden.size(0), vocab = head_.size(0);
+    const at::TensorOptions fp32 = hidden.options().dtype(at::kFloat);
+    if (head_scales_) {
+      const at::Tensor x = hidden.stride(-1) == 1 ? hidden : hidden.contiguous();
+      if (rows <= kernel_max_rows_) {
+        at::Tensor out = at::empty({rows, vocab}, fp32);
+        traced("kvscope::int8_linear",
+               [&] { int8_linear(x, head_, *head_scales_, std::nullopt, out); });
+        return out;
+      }
+      at::Tensor dense = at::empty({vocab, x.size(1)}, x.options());
+      traced("kvscope::int8_dequantize", [&] { int8_dequantize(head_, *head_scales_, dense); });
+      return at::linear(x, dense).to(at::kFloat);
+    }
+    if (rows != 1 || hidden.scalar_type() != head_.scalar_type())
+      return at::linear(hidden, head_).to(at::kFloat);
+    at::Tensor out = at::empty({1, vocab}, fp32);
+    traced("kvscope::linear_small_batch",
+           [&] { linear_small_batch(hidden, head_, std::nullopt, out); });
+    return out;
+  }
+
  private:
   // The embeddings of `ids` in the model's dtype (the final norm's), as the embedding module
   // computes them.
@@ -262,6 +292,8 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
 
   at::Tensor embedding_;
   std::optional<at::Tensor> embedding_scales_;
+  at::Tensor head_;
+  std::optional<at::Tensor> head_scales_;
   at::Tensor cos_, sin_;
   std::vector<at::Tensor> weights_;
   std::vector<std::optional<at::Tensor>> biases_, scales_, offsets_;
@@ -273,9 +305,11 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(kvscope, m) {
   m.class_<LlamaDecoderStack>("LlamaDecoderStack")
-      .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor,
+      .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor,
+                       std::optional<at::Tensor>, at::Tensor, at::Tensor,
                        std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
                        c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
                        int64_t, int64_t, at::Tensor, std::vector<int64_t>, double, double>())
-      .def("forward", &LlamaDecoderStack::forward);
+      .def("forward", &LlamaDecoderStack::forward)
+      .def("logits", &LlamaDecoderStack::logits);
 }
