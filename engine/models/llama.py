@@ -124,8 +124,9 @@ class FusedDecoderStack:
             scales += [getattr(linear, "scales", None) for linear in linears]
             offsets += [getattr(linear, "offsets", None) for linear in linears]
         first = self.attention[0]
-        # The token embedding and the rotary lookups run in the same call: called from
-        # Python after a step has streamed the weights, their ~7 small ops cost ~0.1 ms.
+        # The token embedding and the rotary lookups run in the same call, the output
+        # projection in a second: called from Python after a step has streamed the weights,
+        # their small ops and the Python around them cost ~0.15 ms a token.
         head = body.embed_tokens if model.tied else model.lm_head
         self.layers = torch.classes.kvscope.LlamaDecoderStack(
             body.embed_tokens.weight, getattr(body.embed_tokens, "scales", None),

@@ -42,6 +42,16 @@ struct LinearWeights {
   int64_t kernel_max_rows;  // packed weights: up to this many rows stream through a kernel
 };
 
+// out = x @ weight.T (+ bias) through oneDNN's GEMM, in x's dtype; an fp32 out of bf16 x (the
+// logits) holds that result widened, as `.float()` of it from Python would.
+void gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+          at::Tensor& out) {
+  if (out.scalar_type() == x.scalar_type())
+    at::linear_out(out, x, weight, bias);
+  else
+    out.copy_(at::linear(x, weight, bias));
+}
+
 // out = x @ weight.T (+ bias) for packed weights: up to kernel_max_rows rows stream the packed
 // weight through a kernel; more rows are compute-bound and de-quantize once for a GEMM.
 void quantized_project(const at::Tensor& x, const LinearWeights& linear, at::Tensor& out) {
@@ -65,18 +75,15 @@ void quantized_project(const at::Tensor& x, const LinearWeights& linear, at::Ten
   else
     traced("kvscope::int8_dequantize",
            [&] { int8_dequantize(linear.weight, *linear.scales, dense); });
-  at::linear_out(out, x, dense, linear.bias);
+  gemm(x, dense, linear.bias, out);
 }
 
-// out = x @ weight.T (+ bias). Dense weights: one row streams its weights through the
-// dot-product kernel, more rows go to oneDNN's GEMM (as kernels/forward_ops.py's linear
-// does); packed ones as their modules do.
+// out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: one row
+// streams its weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
+// kernels/forward_ops.py's linear does); packed ones as their modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, at::Tensor& out) {
   if (linear.scales) return quantized_project(x, linear, out);
-  if (x.size(0) != 1) {
-    at::linear_out(out, x, linear.weight, linear.bias);
-    return;
-  }
+  if (x.size(0) != 1) return gemm(x, linear.weight, linear.bias, out);
   traced("kvscope::linear_small_batch",
          [&] { linear_small_batch(x, linear.weight, linear.bias, out); });
 }
@@ -168,7 +175,8 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
                     int64_t kernel_max_rows, at::Tensor final_norm, std::vector<int64_t> shape,
                     double eps, double scale)
       : embedding_(std::move(embedding)), embedding_scales_(std::move(embedding_scales)),
-        head_(std::move(head)), head_scales_(std::move(head_scales)), cos_(std::move(cos)), sin_(std::move(sin)), weights_(std::move(weights)),
+        head_(std::move(head)), head_scales_(std::move(head_scales)), cos_(std::move(cos)),
+        sin_(std::move(sin)), weights_(std::move(weights)),
         group_size_(group_size), kernel_max_rows_(kernel_max_rows),
         final_norm_(std::move(final_norm)), eps_(eps), scale_(scale) {
     for (const at::Tensor* table : {&embedding_, &cos_, &sin_})
@@ -250,30 +258,14 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   }
 
   // hidden @ head.T in fp32 [rows, vocab], each value rounded to hidden's dtype first, as
-  // engine/models/quantized.output_logits computes it from Python: packed, up to
-  // kernel_max_rows rows stream through the int8 kernel and more de-quantize the head for a
-  // GEMM; dense, one row goes through the one-row kernel and more through a GEMM. Called
-  // right after the stack, when the Python and ops around the head cost ~50 us a token.
+  // engine/models/quantized.output_logits computes it from Python (project's paths, with an
+  // fp32 out). Called right after the stack, when the Python and ops around the head cost
+  // ~50 us a token.
   at::Tensor logits(const at::Tensor& hidden) const {
-    const int64_t rows = hidden.size(0), vocab = head_.size(0);
-    const at::TensorOptions fp32 = hidden.options().dtype(at::kFloat);
-    if (head_scales_) {
-      const at::Tensor x = hidden.stride(-1) == 1 ? hidden : hidden.contiguous();
-      if (rows <= kernel_max_rows_) {
-        at::Tensor out = at::empty({rows, vocab}, fp32);
-        traced("kvscope::int8_linear",
-               [&] { int8_linear(x, head_, *head_scales_, std::nullopt, out); });
-        return out;
-      }
-      at::Tensor dense = at::empty({vocab, x.size(1)}, x.options());
-      traced("kvscope::int8_dequantize", [&] { int8_dequantize(head_, *head_scales_, dense); });
-      return at::linear(x, dense).to(at::kFloat);
-    }
-    if (rows != 1 || hidden.scalar_type() != head_.scalar_type())
-      return at::linear(hidden, head_).to(at::kFloat);
-    at::Tensor out = at::empty({1, vocab}, fp32);
-    traced("kvscope::linear_small_batch",
-           [&] { linear_small_batch(hidden, head_, std::nullopt, out); });
+    const at::Tensor x = hidden.stride(-1) == 1 ? hidden : hidden.contiguous();
+    at::Tensor out = at::empty({x.size(0), head_.size(0)}, x.options().dtype(at::kFloat));
+    project(x, LinearWeights{head_, std::nullopt, head_scales_, std::nullopt, 0, kernel_max_rows_},
+            out);
     return out;
   }
 
