@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1 round of single streams")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
