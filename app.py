@@ -10,8 +10,7 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
-from engine.async_engine import AsyncEngine
-from engine.config import (
+from kvscope.engine.config import (
     DEVICES,
     DTYPES,
     PREEMPTION_MODES,
@@ -19,10 +18,11 @@ from engine.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
-from engine.replicas.router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
-from engine.serving import create_app
-from engine.serving.security import exposure_warning, read_api_key
-from storage import SessionLog
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.replicas.router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
+from kvscope.engine.serving import create_app
+from kvscope.engine.serving.security import exposure_warning, read_api_key
+from kvscope.storage import SessionLog
 
 logger = logging.getLogger("kvscope")
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
@@ -163,7 +163,7 @@ def start_engine(args: argparse.Namespace):
     config = engine_config(args)
     if args.replicas == 1 and args.ray_address is None:
         return AsyncEngine.from_config(config).start()
-    from engine.replicas.replica_set import ReplicaSet
+    from kvscope.engine.replicas.replica_set import ReplicaSet
 
     return ReplicaSet(config, args.replicas, routing=args.routing,
                       load_weight=args.routing_load_weight, ray_address=args.ray_address,
@@ -191,7 +191,7 @@ class GracefulServer(uvicorn.Server):
 def mount_dashboard(app: FastAPI, engine: AsyncEngine, session_log: SessionLog) -> FastAPI:
     """The Gradio dashboard at "/", when the ui package provides one."""
     try:
-        from ui import mount_ui
+        from kvscope.ui import mount_ui
     except ImportError as error:
         logger.warning("no dashboard (%s); serving the API only", error)
         return app

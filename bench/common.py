@@ -9,20 +9,17 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.outputs import RequestOutput  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.telemetry import StepRecord  # noqa: E402
+from kvscope.engine.config import EngineConfig  # noqa: E402
+from kvscope.engine.core.engine_core import EngineCore  # noqa: E402
+from kvscope.engine.outputs import RequestOutput  # noqa: E402
+from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.telemetry.records import StepRecord  # noqa: E402
+from kvscope.engine.worker.model_runner import ModelRunner  # noqa: E402
 
 logger = logging.getLogger("bench")
 

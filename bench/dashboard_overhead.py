@@ -32,10 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.served import cpu_name, process_cpu_seconds, start_app, stop_app  # noqa: E402
+from served import cpu_name, process_cpu_seconds, start_app, stop_app  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",

@@ -55,21 +55,21 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 from conftest import save_tiny_chat_model  # noqa: E402
 
-from engine.async_engine import AsyncEngine  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from ui import panels  # noqa: E402
-from ui.live import HISTORY_STEPS, LiveFeed  # noqa: E402
+from kvscope.engine.config import EngineConfig  # noqa: E402
+from kvscope.engine.frontend.async_engine import AsyncEngine  # noqa: E402
+from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
+from kvscope.ui import panels  # noqa: E402
+from kvscope.ui.live import HISTORY_STEPS, LiveFeed  # noqa: E402
 
 ENGINE_THREAD = "kvscope-engine"
 # Engine-thread telemetry entry points (module, class or None for a module function, name),
 # of the code before pool deltas and after; those that exist are timed.
 TELEMETRY_CALLS = (
-    ("engine.async_engine", "AsyncEngine", "_answer_snapshots"),
-    ("engine.async_engine", "AsyncEngine", "_publish_pool_delta"),
-    ("engine.async_engine", "AsyncEngine", "_send_pool_slices"),
-    ("engine.core", "EngineCore", "_record"),
-    ("engine.core", None, "take_pool_delta"),
+    ("kvscope.engine.frontend.async_engine", "AsyncEngine", "_answer_snapshots"),
+    ("kvscope.engine.frontend.async_engine", "AsyncEngine", "_publish_pool_delta"),
+    ("kvscope.engine.frontend.async_engine", "AsyncEngine", "_send_pool_slices"),
+    ("kvscope.engine.core.engine_core", "EngineCore", "_record"),
+    ("kvscope.engine.core.engine_core", None, "take_pool_delta"),
 )
 IN_FLIGHT = 16
 PREFIX_TOKENS = 32

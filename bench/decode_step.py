@@ -17,13 +17,13 @@ import random
 import time
 from dataclasses import replace
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
 from common import add_model_args, ordinary_token_ids, random_prompt, setup
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engine.sampling_params import SamplingParams
+from kvscope.engine.sample.sampling_params import SamplingParams
 
 ATTENTION_LABEL = "attention (store_kv + paged_attention)"
 

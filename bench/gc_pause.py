@@ -22,18 +22,14 @@ import argparse
 import collections
 import gc
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from engine import heap  # noqa: E402
-from engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from engine.request import Request, Sequence  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from kvscope.engine.core.request import Request, Sequence  # noqa: E402
+from kvscope.engine.frontend import heap  # noqa: E402
+from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
 
 
 def cache_every_block(manager: KVCacheManager) -> None:

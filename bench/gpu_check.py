@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
-import torch
-import torch.nn.functional as F
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kvscope import kernels  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-import kernels  # noqa: E402  (needs the repository root on sys.path)
 
 logger = logging.getLogger("gpu_check")
 

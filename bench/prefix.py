@@ -28,9 +28,9 @@ import random
 
 from common import add_model_args, drive, ordinary_token_ids, percentile, random_prompt, ratio, rounded, setup
 
-from engine.beam_search import BeamSearchParams
-from engine.sampling_params import SamplingParams
-from engine.telemetry import take_snapshot
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import take_snapshot
 
 PAPER_SAVINGS = {"parallel_sampling": [0.061, 0.098], "beam_search": [0.376, 0.552]}
 

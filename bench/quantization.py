@@ -44,16 +44,14 @@ import sysconfig
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
+from throughput import KVScope, make_workload, stream_result  # noqa: E402
+from throughput import parse_args as throughput_args  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.throughput import KVScope, make_workload, stream_result  # noqa: E402
-from bench.throughput import parse_args as throughput_args  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.models.quantized import KERNEL_MAX_ROWS  # noqa: E402
+from kvscope import LLM, SamplingParams  # noqa: E402
+from kvscope.engine.worker.models.quantized import KERNEL_MAX_ROWS  # noqa: E402
 
 logger = logging.getLogger("bench.quantization")
 DEFAULT_MODES = "fp32=none/float32,bf16=none/bfloat16,int8=int8/bfloat16,int4=int4/bfloat16"

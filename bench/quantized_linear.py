@@ -26,27 +26,23 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench import roofline  # noqa: E402
-from engine.loader import load_config, resolve_model_path  # noqa: E402
-from engine.models.quantized import (  # noqa: E402
+from kvscope.engine.worker.loader import load_config, resolve_model_path  # noqa: E402
+from kvscope.engine.worker.models.quantized import (  # noqa: E402
     KERNEL_MAX_ROWS,
     Int4Linear,
     Int8Linear,
     int4_wide_blocks,
     pack_model,
 )
-from kernels import forward_ops  # noqa: E402
+from kvscope.kernels import forward_ops  # noqa: E402
 
 CPU = torch.device("cpu")
 

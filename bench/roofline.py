@@ -5,11 +5,11 @@ torch's threads."""
 import os
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
 
-from engine import huge_pages
+from kvscope.engine.worker import huge_pages
 
 BANDWIDTH_BYTES = 512 << 20  # well past every cache level
 GEMM_SIZE = 1024
@@ -79,7 +79,7 @@ def model_costs(model_path, dtype: torch.dtype) -> dict:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    from engine.models import model_class
+    from kvscope.engine.worker.models import model_class
 
     with torch.device("meta"):
         model = model_class(config)(config, 16)

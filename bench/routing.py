@@ -15,17 +15,14 @@ import argparse
 import json
 import platform
 import random
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.replicas.replica_set import ReplicaSet  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.config import EngineConfig  # noqa: E402
+from kvscope.engine.replicas.replica_set import ReplicaSet  # noqa: E402
+from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
 
 POLICIES = ("kv-aware", "least-loaded", "round-robin")
 

@@ -5,14 +5,11 @@
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.dashboard_overhead import DashboardTab  # noqa: E402
-from bench.served import ROOT, start_app, stop_app  # noqa: E402
+from dashboard_overhead import DashboardTab  # noqa: E402
+from served import ROOT, start_app, stop_app  # noqa: E402
 
 
 def main() -> None:

@@ -16,16 +16,13 @@ Usage:
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.telemetry import StepRecord  # noqa: E402
-from storage import SessionLog  # noqa: E402
+from kvscope.engine.telemetry.records import StepRecord  # noqa: E402
+from kvscope.storage import SessionLog  # noqa: E402
 
 RUNNING = 16
 

@@ -9,13 +9,9 @@ budget; later starts reuse both. Run it under the bench lock:
 import argparse
 import json
 import platform
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.served import cpu_name, start_app, stop_app  # noqa: E402
+from served import cpu_name, start_app, stop_app  # noqa: E402
 
 
 def main() -> None:

@@ -25,18 +25,15 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 import jsonschema
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.sampling_params import StructuredOutputsParams  # noqa: E402
+from kvscope import LLM, SamplingParams  # noqa: E402
+from kvscope.engine.sample.sampling_params import StructuredOutputsParams  # noqa: E402
 
 logger = logging.getLogger("bench.structured")
 SCHEMA = {

@@ -56,20 +56,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as engine/__init__.py asks
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.served import cpu_name  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import QUANTIZATIONS  # noqa: E402
-from engine.loader import load_tokenizer, resolve_model_path  # noqa: E402
-from engine.model_runner import resolve_dtype  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
+import torch
+from served import cpu_name  # noqa: E402
+
+from kvscope import LLM, SamplingParams  # noqa: E402
+from kvscope.engine.config import QUANTIZATIONS  # noqa: E402
+from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path  # noqa: E402
+from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 
 logger = logging.getLogger("bench.throughput")
 BACKENDS = ("kvscope", "kvscope_penalties", "hf_continuous_batching", "hf_static_generate",
@@ -326,7 +322,7 @@ class LlamaCpp:
     really generated count; times are the worker's own, without the pipe."""
 
     def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
-        from engine.loader import find_default_gguf
+        from kvscope.engine.worker.loader import find_default_gguf
 
         started = time.perf_counter()
         gguf = find_default_gguf()

@@ -1,25 +1,22 @@
-"""kvscope's engine: paged KV cache, continuous batching and the offline LLM API."""
+"""kvscope's engine, by stage in the order a request meets them:
 
-import os
-import sys
-import warnings
+  core/       the request, the scheduler, the KV-cache manager and its block pool, beam
+              search, and EngineCore.step() that runs one step of them all
+  worker/     the model runner, the models, the weight loaders and the memory plan
+  sample/     sampling params, logit edits, structured outputs and the sampler
+  telemetry/  what a step leaves for readers: records, pool deltas, the pool's mirror
+  frontend/   the engine thread and the streams that carry outputs to callers
+  serving/    the OpenAI-compatible HTTP edge
+  replicas/   engine replicas on Ray behind a KV-aware router
 
-# libgomp (torch's OpenMP) reads its wait policy once, when torch loads it. By default its
-# workers spin for a while after every parallel region, and on a machine with few cores
-# they take the core that the C++ kernels' own work pool (kernels/csrc/work_pool.cpp) needs
-# next: on 2 cores a single stream decoded 65-69 tok/s with spinning workers and 93-111
-# with passive ones. So kvscope asks for passive workers, unless the user chose a policy.
-if "OMP_WAIT_POLICY" not in os.environ:
-    if "torch" in sys.modules:
-        warnings.warn("torch was imported before kvscope's engine, so its OpenMP workers spin "
-                      "between parallel regions and slow the CPU kernels; import engine first "
-                      "or set OMP_WAIT_POLICY=PASSIVE", stacklevel=2)
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+Its top level holds the public entry points: LLM (llm.py), EngineConfig (config.py), the
+outputs (outputs.py) and EngineView, the interface the front ends read (view.py).
+"""
 
-from engine.beam_search import BeamSearchParams  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.llm import LLM
+from kvscope.engine.outputs import CompletionOutput, RequestOutput
+from kvscope.engine.sample.sampling_params import SamplingParams
 
 __all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

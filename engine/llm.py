@@ -6,12 +6,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.beam_search import BeamSearchParams
-from engine.chat import render_chat
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.frontend.chat import render_chat
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
@@ -40,7 +40,7 @@ class LLM:
         if replicas == 1 and ray_address is None:
             self.engine = EngineCore(config)
         else:
-            from engine.replicas.replica_set import ReplicaSet  # imports Ray: only here
+            from kvscope.engine.replicas.replica_set import ReplicaSet  # imports Ray: only here
 
             self.engine = self.replicas = ReplicaSet(config, replicas, routing=routing,
                                                      ray_address=ray_address)

@@ -2,11 +2,11 @@
 
 from typing import Any, Protocol, runtime_checkable
 
-from engine.config import EngineConfig
-from engine.memory import MemoryPlan
-from engine.sampling_params import SamplingParams
-from engine.streams import Channel, RequestStream
-from engine.telemetry import EngineSnapshot
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.frontend.streams import Channel, RequestStream
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import EngineSnapshot
+from kvscope.engine.worker.memory import MemoryPlan
 
 
 @runtime_checkable

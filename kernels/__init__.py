@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kvscope.kernels import reference
 
 __all__ = ["AttentionBackend", "BACKENDS", "BACKEND_ENV", "attention_backend_name",
            "select_backend", "triton_available"]
@@ -31,7 +31,7 @@ __all__ = ["AttentionBackend", "BACKENDS", "BACKEND_ENV", "attention_backend_nam
 logger = logging.getLogger(__name__)
 BACKEND_ENV = "KVSCOPE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
-_TRITON_MODULE_NAMES = ("kernels.triton_attention", "kernels.triton_kv_store")
+_TRITON_MODULE_NAMES = ("kvscope.kernels.triton_attention", "kvscope.kernels.triton_kv_store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,7 @@ def _triton_interpreted() -> bool:
 
 def _cpu_kernels_build() -> bool:
     """Whether the C++ CPU kernels are (or can now be) built and loaded."""
-    from kernels import cpu_ops
+    from kvscope.kernels import cpu_ops
 
     try:
         cpu_ops.load()
@@ -114,11 +114,11 @@ def select_backend(device: torch.device | str) -> AttentionBackend:
     """The ops for tensors on this device (see attention_backend_name for the choice)."""
     name = attention_backend_name(device)
     if name == "triton":
-        attention = importlib.import_module("kernels.triton_attention")
-        store = importlib.import_module("kernels.triton_kv_store")
+        attention = importlib.import_module("kvscope.kernels.triton_attention")
+        store = importlib.import_module("kvscope.kernels.triton_kv_store")
         return AttentionBackend(name, attention.paged_attention, store.store_kv)
     if name == "cpu":
-        from kernels import cpu_ops
+        from kvscope.kernels import cpu_ops
 
         return AttentionBackend(name, cpu_ops.paged_attention, cpu_ops.store_kv)
     return AttentionBackend(name, reference.paged_attention, reference.store_kv)

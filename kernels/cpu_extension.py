@@ -88,7 +88,7 @@ def load() -> None:
         raise RuntimeError("the CPU attention kernels need a C++ compiler (c++) and ninja")
     from torch.utils import cpp_extension
 
-    from engine.loader import cache_dir
+    from kvscope.engine.worker.loader import cache_dir
 
     build_dir = cache_dir() / "cpu_kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 import torch
 
-from kernels import cpu_extension
+from kvscope.kernels import cpu_extension
 
 
 def load() -> None:

@@ -98,7 +98,7 @@ def _cpu_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def cpu_ops() -> ForwardOps:
     """The C++ versions (builds or loads the extension; raises RuntimeError if it cannot)."""
-    from kernels import cpu_ops as extension
+    from kvscope.kernels import cpu_ops as extension
 
     extension.load()
     return ForwardOps("cpu", _cpu_rms_norm, torch.ops.kvscope.rotary_embedding.default,

@@ -1,10 +1,10 @@
 """The SQLite session log: sessions, requests, steps and chat messages, with exports."""
 
-from storage.exports import FORMATS, export_session
-from storage.models import SCHEMA_VERSION
-from storage.reader import StoredSession, list_sessions, load_session
-from storage.schema import open_database
-from storage.session_log import SessionLog
+from kvscope.storage.exports import FORMATS, export_session
+from kvscope.storage.models import SCHEMA_VERSION
+from kvscope.storage.reader import StoredSession, list_sessions, load_session
+from kvscope.storage.schema import open_database
+from kvscope.storage.session_log import SessionLog
 
 __all__ = ["FORMATS", "SCHEMA_VERSION", "SessionLog", "StoredSession", "export_session",
            "list_sessions", "load_session", "open_database"]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from sqlalchemy import Engine, insert
 
-from storage.models import SCHEMA_VERSION, SESSION_TABLES, SessionRow
-from storage.reader import iter_table_rows
-from storage.schema import open_database
+from kvscope.storage.models import SCHEMA_VERSION, SESSION_TABLES, SessionRow
+from kvscope.storage.reader import iter_table_rows
+from kvscope.storage.schema import open_database
 
 FORMATS = ("csv", "json", "sqlite")
 # Rows per INSERT into an exported SQLite file: SQLAlchemy holds a batch's parameters

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, func, select
 
-from engine.telemetry import StepRecord
-from storage.models import (
+from kvscope.engine.telemetry.records import StepRecord
+from kvscope.storage.models import (
     ChatMessageRow,
     ConfigRow,
     RequestRow,
@@ -14,7 +14,7 @@ from storage.models import (
     SessionRow,
     StepRow,
 )
-from storage.rows import step_record
+from kvscope.storage.rows import step_record
 
 ROWS_PER_FETCH = 2000
 

@@ -3,9 +3,9 @@
 import dataclasses
 import time
 
-from engine.outputs import RequestOutput
-from engine.replicas.router import RoutingDecision
-from engine.telemetry import StepRecord
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.replicas.router import RoutingDecision
+from kvscope.engine.telemetry.records import StepRecord
 
 STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
                  "num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_running",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, select
 
-from storage.models import SCHEMA_VERSION, Base, RoutingDecisionRow, SchemaVersion
+from kvscope.storage.models import SCHEMA_VERSION, Base, RoutingDecisionRow, SchemaVersion
 
 logger = logging.getLogger(__name__)
 BUSY_TIMEOUT_MS = 5000

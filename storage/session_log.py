@@ -9,12 +9,12 @@ from pathlib import Path
 
 from sqlalchemy import insert, update
 
-from engine.outputs import RequestOutput
-from engine.replicas.router import RoutingDecision
-from engine.telemetry import StepRecord
-from storage import reader
-from storage.exports import export_session
-from storage.models import (
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.replicas.router import RoutingDecision
+from kvscope.engine.telemetry.records import StepRecord
+from kvscope.storage import reader
+from kvscope.storage.exports import export_session
+from kvscope.storage.models import (
     ChatMessageRow,
     ConfigRow,
     RequestRow,
@@ -22,8 +22,8 @@ from storage.models import (
     SessionRow,
     StepRow,
 )
-from storage.rows import request_row, routing_decision_row, step_row
-from storage.schema import open_database
+from kvscope.storage.rows import request_row, routing_decision_row, step_row
+from kvscope.storage.schema import open_database
 
 logger = logging.getLogger(__name__)
 # A commit at least this often bounds what a killed process loses to about one second.

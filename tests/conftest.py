@@ -33,13 +33,13 @@ from transformers import (
     Qwen2Config,
 )
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
-from engine.request import Request, Sequence
-from engine.sampling_params import SamplingParams
-from engine.telemetry import StepRecord
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.core.request import Request, Sequence
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.worker.model_runner import ModelRunner
 
 
 def pytest_collection_modifyitems(items) -> None:

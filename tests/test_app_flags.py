@@ -5,7 +5,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from app import build_parser, engine_config
-from engine.config import EngineConfig
+from kvscope.engine.config import EngineConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 KNOBS = {field.name for field in fields(EngineConfig)}

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.streams import EngineClosed, RequestFailed
-from engine.view import EngineView
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.frontend.streams import EngineClosed, RequestFailed
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.view import EngineView
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 

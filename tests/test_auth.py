@@ -25,13 +25,13 @@ from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
 from websockets.sync.client import connect as ws_connect
 
-import ui
 from app import build_parser, mount_dashboard
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.serving import create_app
-from engine.serving.security import exposure_warning, read_api_key
-from storage import SessionLog
+from kvscope import ui
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.serving import create_app
+from kvscope.engine.serving.security import exposure_warning, read_api_key
+from kvscope.storage import SessionLog
 
 API_KEY = "kvscope-test-key-7f3a9c"  # distinctive, so any leak is found by a plain search
 BEARER = {"Authorization": f"Bearer {API_KEY}"}

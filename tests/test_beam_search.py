@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM
-from engine.beam_search import BeamSearchParams
-from engine.telemetry import take_snapshot
+from kvscope import LLM
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.telemetry.records import take_snapshot
 
 WIDTH = 4
 MAX_TOKENS = 8

@@ -16,10 +16,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-import engine.kv_cache_manager as kv_cache_manager_module
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Sequence
+import kvscope.engine.core.kv_cache_manager as kv_cache_manager_module
+from kvscope.engine.core.block_pool import BlockPool
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.request import Sequence
 
 
 def admit(manager: KVCacheManager, seq: Sequence) -> bool:

@@ -10,10 +10,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.worker.model_runner import ModelRunner
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.config import MAX_BLOCK_SIZE
+from kvscope import LLM, EngineConfig, SamplingParams
+from kvscope.engine.config import MAX_BLOCK_SIZE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import huge_pages
+from kvscope.engine.worker import huge_pages
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -66,20 +66,20 @@ def test_small_tensors_share_one_huge_page_region():
 
 
 def test_engine_asks_for_passive_openmp_workers_before_torch_loads():
-    """engine/__init__.py: spinning OpenMP workers take the cores the kernels' pool needs."""
+    """kvscope/__init__.py: spinning OpenMP workers take the cores the kernels' pool needs."""
     import os
     import subprocess
     import sys
 
     env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
     first = subprocess.run([sys.executable, "-c",
-                            "import engine, os; print(os.environ['OMP_WAIT_POLICY'])"],
+                            "import kvscope, os; print(os.environ['OMP_WAIT_POLICY'])"],
                            env=env, capture_output=True, text=True, check=True)
     assert first.stdout.strip() == "PASSIVE" and "OMP_WAIT_POLICY" not in first.stderr
-    late = subprocess.run([sys.executable, "-c", "import torch, engine"],
+    late = subprocess.run([sys.executable, "-c", "import torch, kvscope"],
                           env=env, capture_output=True, text=True, check=True)
     assert "OMP_WAIT_POLICY=PASSIVE" in late.stderr
-    chosen = subprocess.run([sys.executable, "-c", "import torch, engine, os; "
+    chosen = subprocess.run([sys.executable, "-c", "import torch, kvscope, os; "
                              "print(os.environ['OMP_WAIT_POLICY'])"],
                             env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
                             text=True, check=True)
@@ -96,10 +96,11 @@ def test_the_benches_load_torch_with_passive_openmp_workers():
     env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
     bench = Path(__file__).resolve().parent.parent / "bench"
     scripts = [path for path in sorted(bench.glob("*.py"))
-               if "import torch" in path.read_text() and "engine" in path.read_text()]
+               if "import torch" in path.read_text() and "kvscope" in path.read_text()]
     assert any(path.name == "throughput.py" for path in scripts)
     for path in scripts:
         loaded = subprocess.run(
-            [sys.executable, "-c", f"import runpy; runpy.run_path({str(path)!r})"],
+            [sys.executable, "-c", f"import runpy, sys; sys.path.insert(0, {str(bench)!r}); "
+                              f"runpy.run_path({str(path)!r})"],
             env=env, capture_output=True, text=True, cwd=bench.parent)
         assert "OMP_WAIT_POLICY=PASSIVE" not in loaded.stderr, path.name

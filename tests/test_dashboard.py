@@ -11,11 +11,11 @@ import pytest
 from conftest import heatmap_state_codes
 from gradio_client import Client
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from storage import SessionLog
-from ui import build_ui, page_options
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.storage import SessionLog
+from kvscope.ui import build_ui, page_options
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",

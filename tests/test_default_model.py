@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import LLM, SamplingParams
+from kvscope import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 

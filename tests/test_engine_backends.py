@@ -5,10 +5,10 @@ import importlib.util
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.worker.model_runner import ModelRunner
 
 # Prompts that end mid-block, exactly on a block, and span several blocks, run as a mix of
 # chunked prefills (budget 24) and decodes.

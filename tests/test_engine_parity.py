@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from kvscope.engine.sample.sampling_params import SamplingParams
 
 ARCHITECTURES = ["llama", "qwen2", "opt"]
 MAX_TOKENS = 12

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from conftest import heatmap_state_codes, plotly_array
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.pool_mirror import STATES, PoolMirror
-from engine.sampling_params import SamplingParams
-from engine.telemetry import (
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.pool_mirror import STATES, PoolMirror
+from kvscope.engine.telemetry.records import (
     PoolBase,
     PoolCounters,
     PoolSlice,
@@ -20,7 +20,7 @@ from engine.telemetry import (
     take_pool_slice,
     take_snapshot,
 )
-from ui.figures import (
+from kvscope.ui.figures import (
     HEATMAP_COLUMNS,
     MAX_CELLS,
     MAX_TABLE_COLUMNS,
@@ -34,8 +34,8 @@ from ui.figures import (
     pool_heatmap,
     prefix_tree,
 )
-from ui.palette import hover_text
-from ui.timeline import (
+from kvscope.ui.palette import hover_text
+from kvscope.ui.timeline import (
     MAX_TIMELINE_ROWS,
     latency_stats,
     pool_series,

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kernels.forward_ops import TORCH_OPS, cpu_ops
+from kvscope.kernels.forward_ops import TORCH_OPS, cpu_ops
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ if not torch.cuda.is_available():
     # before that; it changes nothing for the torch path other tests use.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernels
-from kernels import reference
+from kvscope import kernels
+from kvscope.kernels import reference
 
 try:
-    from kernels.triton_attention import INTERPRETED
-    from kernels.triton_attention import paged_attention as triton_paged_attention
-    from kernels.triton_kv_store import store_kv as triton_store_kv
+    from kvscope.kernels.triton_attention import INTERPRETED
+    from kvscope.kernels.triton_attention import paged_attention as triton_paged_attention
+    from kvscope.kernels.triton_kv_store import store_kv as triton_store_kv
 except ImportError:  # triton is not installed: only the torch twins are tested
     triton_store_kv = triton_paged_attention = None
     INTERPRETED = False
@@ -206,7 +206,7 @@ def test_reference_attention_writes_into_out():
 @pytest.fixture(scope="module")
 def cpu_ops():
     """The C++ kernels, built (or loaded from the cache) once for this file."""
-    from kernels import cpu_ops
+    from kvscope.kernels import cpu_ops
 
     try:
         cpu_ops.load()
@@ -308,8 +308,8 @@ def test_cpu_greedy_tokens_are_argmax_and_its_log_softmax(cpu_ops):
 def test_the_sampler_picks_greedy_rows_alike_with_and_without_the_cpu_op(cpu_ops):
     """With unedited logits an all-greedy batch goes through kvscope::greedy_tokens; logits
     given apart from the raw ones take the log_softmax path: both pick the same."""
-    from engine import SamplingParams
-    from engine.sampler import sample
+    from kvscope import SamplingParams
+    from kvscope.engine.sample.sampler import sample
 
     logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * 3
     params = [SamplingParams(temperature=0)] * 3
@@ -320,7 +320,7 @@ def test_the_sampler_picks_greedy_rows_alike_with_and_without_the_cpu_op(cpu_ops
 
 
 def test_cpu_build_key_names_the_cpu_and_torch(monkeypatch):
-    from kernels import cpu_extension
+    from kvscope.kernels import cpu_extension
 
     key = cpu_extension.build_key()
     monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: "fpu sse avx2")
@@ -332,8 +332,8 @@ def test_cpu_build_key_names_the_cpu_and_torch(monkeypatch):
 def test_cpu_kernels_load_past_a_build_lock_left_by_a_killed_build(cpu_ops):
     """torch's build lock is a file: one left by a build killed midway (Ctrl-C on the first
     start) made every later start wait forever. A start now removes it and loads."""
-    from engine.loader import cache_dir
-    from kernels import cpu_extension
+    from kvscope.engine.worker.loader import cache_dir
+    from kvscope.kernels import cpu_extension
 
     build_dir = cache_dir() / "cpu_kernels" / cpu_extension.build_key()
     (build_dir / "lock").touch()
@@ -573,7 +573,7 @@ import torch
 # 1. Triton forced on CPU tensors without the interpreter: a clear error.
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["KVSCOPE_ATTENTION_BACKEND"] = "triton"
-import kernels
+from kvscope import kernels
 try:
     kernels.attention_backend_name("cpu")
 except ValueError as error:
@@ -586,7 +586,7 @@ _NO_TRITON_CHECKS = r"""
 import os, sys
 sys.modules["triton"] = None  # as if triton were not installed
 import torch
-import kernels
+from kvscope import kernels
 assert kernels.attention_backend_name("cuda") == "torch"
 assert not kernels.triton_available()
 os.environ["KVSCOPE_ATTENTION_BACKEND"] = "torch"

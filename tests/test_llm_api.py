@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+from kvscope import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 

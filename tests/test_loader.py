@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import loader
+from kvscope.engine.worker import loader
 
 
 @pytest.fixture

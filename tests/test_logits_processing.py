@@ -13,10 +13,10 @@ from transformers import (
     TopKLogitsWarper,
 )
 
-from engine import LLM, SamplingParams
-from engine.logits_processing import LogitsProcessor
-from engine.request import Request, Sequence
-from engine.sampler import _filtered_probs, min_p_candidates
+from kvscope import LLM, SamplingParams
+from kvscope.engine.core.request import Request, Sequence
+from kvscope.engine.sample.logits_processing import LogitsProcessor
+from kvscope.engine.sample.sampler import _filtered_probs, min_p_candidates
 
 VOCAB = 256
 EOS = 7
@@ -25,7 +25,7 @@ PROMPT = [17, 3, 99, 4, 250, 8, 61, 3, 3]
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
-    from engine.loader import load_tokenizer
+    from kvscope.engine.worker.loader import load_tokenizer
     return load_tokenizer(tiny_model("llama").path)
 
 
@@ -116,7 +116,7 @@ def test_finished_sequences_give_their_count_rows_back(processor):
     seqs = [sequence(processor, SamplingParams(frequency_penalty=1.0)) for _ in range(3)]
     processor.apply(random_logits(3), seqs)
     assert len(processor.slots) == 3
-    from engine.request import SequenceStatus
+    from kvscope.engine.core.request import SequenceStatus
     seqs[1].status = SequenceStatus.FINISHED
     processor.apply(random_logits(2), [seqs[0], seqs[2]])
     assert set(processor.slots) == {seqs[0], seqs[2]} and len(processor.free_slots) >= 1
@@ -330,9 +330,9 @@ def test_generation_config_supplies_the_default_sampling(tiny_model, tmp_path):
 def test_the_chat_accordion_starts_from_the_models_defaults(tiny_model, tmp_path):
     import shutil
 
-    from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from ui import chat
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.frontend.async_engine import AsyncEngine
+    from kvscope.ui import chat
 
     folder = shutil.copytree(tiny_model("llama").path, tmp_path / "model")
     knobs = {"dtype": "float32", "device": "cpu", "device_memory_gb": 0.05, "max_model_len": 64}

@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import TINY_MAX_POSITIONS
 
-from engine.config import EngineConfig
-from engine.memory import GiB, measure_peak_bytes, plan_blocks
-from engine.model_runner import ModelRunner
-from engine.profile_cache import profile_key
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.worker.memory import GiB, measure_peak_bytes, plan_blocks
+from kvscope.engine.worker.model_runner import ModelRunner
+from kvscope.engine.worker.profile_cache import profile_key
 
 MiB = 1 << 20
 
@@ -118,7 +118,7 @@ def test_a_repeated_start_reads_the_profiled_peak_instead_of_profiling(tiny_mode
     again = ModelRunner(config)
     monkeypatch.setattr(again, "profile_peak_activations",
                         lambda *shape: pytest.fail("profiled although the peak was cached"))
-    with caplog.at_level("INFO", logger="engine.profile_cache"):
+    with caplog.at_level("INFO", logger="kvscope.engine.worker.profile_cache"):
         assert again.plan_memory(config) == first
     assert "reused the profiled activation peak" in caplog.text
 

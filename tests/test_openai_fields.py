@@ -16,9 +16,9 @@ from openai.types.chat import completion_create_params as chat_create_params
 from test_serving import LiveServer, assert_idle
 from tokenizers import pre_tokenizers
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.serving import create_app
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.serving import create_app
 
 SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.telemetry import take_snapshot
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import take_snapshot
 
 N = 4
 SEED = 11

@@ -7,11 +7,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from engine.beam_search import BeamSearchParams
-from engine.core import EngineCore
-from engine.pool_mirror import PoolMirror, hash_key
-from engine.sampling_params import SamplingParams
-from engine.telemetry import take_pool_base, take_pool_delta, take_pool_slice, take_snapshot
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.pool_mirror import PoolMirror, hash_key
+from kvscope.engine.telemetry.records import take_pool_base, take_pool_delta, take_pool_slice, take_snapshot
 
 SLICE_BLOCKS = 5  # small, so a late reader's snapshot spans several steps
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23], []]

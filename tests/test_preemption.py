@@ -5,8 +5,8 @@ from collections import defaultdict
 
 import pytest
 
-from engine.memory import GiB
-from engine.sampling_params import SamplingParams
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.worker.memory import GiB
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 72

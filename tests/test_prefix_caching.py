@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import engine.kv_cache_manager as kv_cache_manager_module
-from engine import LLM
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Sequence
-from engine.sampling_params import SamplingParams
-from engine.telemetry import take_snapshot
+import kvscope.engine.core.kv_cache_manager as kv_cache_manager_module
+from kvscope import LLM
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.request import Sequence
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import take_snapshot
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 from torch import nn
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.gguf_weights import iter_gguf_weights, read_tensor
-from engine.model_runner import ModelRunner
-from engine.models import quantized
-from engine.models.layers import UsesForwardOps
-from engine.models.quantized import (
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.worker.gguf_weights import iter_gguf_weights, read_tensor
+from kvscope.engine.worker.model_runner import ModelRunner
+from kvscope.engine.worker.models import quantized
+from kvscope.engine.worker.models.layers import UsesForwardOps
+from kvscope.engine.worker.models.quantized import (
     KERNEL_MAX_ROWS,
     TILED_KERNEL_MAX_ROWS,
     GroupQuantized,
@@ -30,8 +31,7 @@ from engine.models.quantized import (
     quantize_int4,
     quantize_int8,
 )
-from engine.sampling_params import SamplingParams
-from kernels import cpu_ops
+from kvscope.kernels import cpu_ops
 
 CPU = torch.device("cpu")
 # Packed matmuls reorder the sums; bf16 activations round every product.
@@ -414,7 +414,7 @@ def test_quantized_engine_is_greedy_equal_to_its_dequantized_weights(arch, quant
 def test_default_gguf_blocks_equal_the_transformers_conversion():
     """Every tensor read block by block from the shipped Q4_1 file de-quantizes to exactly
     the fp32 value transformers' one-time conversion wrote (Q/K un-permuted included)."""
-    from engine import loader
+    from kvscope.engine.worker import loader
 
     folder = loader.resolve_model_path(None)
     converted = dict(loader.iter_weights(folder))
@@ -429,7 +429,7 @@ def test_default_gguf_blocks_equal_the_transformers_conversion():
 
 @pytest.mark.slow
 def test_default_model_in_int4_knows_the_capital_of_france(all_cpu_threads):
-    from engine import LLM
+    from kvscope import LLM
 
     llm = LLM(quantization="int4")
     assert llm.engine.runner.weight_bytes < 100e6  # 257 MiB in bf16
@@ -442,7 +442,7 @@ def test_packed_weights_of_a_gguf_model_are_cached_for_the_next_start(tiny_model
                                                                        monkeypatch):
     """The first start packs and saves; the next reads the packed state without touching the
     checkpoint; a changed file (new mtime) packs afresh."""
-    from engine import model_runner, packed_cache
+    from kvscope.engine.worker import model_runner, packed_cache
 
     gguf = tmp_path / "model.gguf"  # stands in for the file: its size and mtime key the cache
     gguf.write_bytes(b"not read")
@@ -480,8 +480,8 @@ def test_single_stream_bench_counts_a_gguf_as_its_blocks_read_per_token(untied, 
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.throughput import gguf_bytes_per_step
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from throughput import gguf_bytes_per_step
 
     rng = np.random.default_rng(0)
     tensors = {"token_embd.weight": (rng.standard_normal((96, 64), np.float32),

@@ -17,14 +17,14 @@ from conftest import serve
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.llm import LLM
-from engine.replicas.replica_set import ReplicaDown, ReplicaSet, connect_ray
-from engine.sampling_params import SamplingParams
-from engine.serving import create_app
-from storage import SessionLog
-from ui.replicas import overview_markdown
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.llm import LLM
+from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, connect_ray
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.serving import create_app
+from kvscope.storage import SessionLog
+from kvscope.ui.replicas import overview_markdown
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
@@ -132,7 +132,7 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from gradio_client import Client
 
-    from ui import build_ui
+    from kvscope.ui import build_ui
 
     blocks = build_ui(replicas)
     port = free_port()

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.roofline import storage_words, weights_read_bandwidth  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from roofline import storage_words, weights_read_bandwidth  # noqa: E402
 
 
 def test_the_weights_read_bandwidth_reads_each_storage_once_and_whole():

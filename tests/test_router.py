@@ -2,13 +2,13 @@
 
 import pytest
 
-from engine.block_pool import hash_block_tokens
-from engine.replicas import prefix_index
-from engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
-from engine.replicas.replica import BlockHashTracker, ReplicaEvents
-from engine.replicas.router import ReplicaLoad, Router
-from engine.sampling_params import SamplingParams
-from engine.telemetry import take_pool_base, take_pool_slice
+from kvscope.engine.core.block_pool import hash_block_tokens
+from kvscope.engine.replicas import prefix_index
+from kvscope.engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
+from kvscope.engine.replicas.replica import BlockHashTracker, ReplicaEvents
+from kvscope.engine.replicas.router import ReplicaLoad, Router
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import take_pool_base, take_pool_slice
 
 
 class Clock:

@@ -10,10 +10,10 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from engine import LLM, SamplingParams
-from engine.detokenizer import detokenize_incrementally
-from engine.request import Request, Sequence
-from engine.sampler import sample
+from kvscope import LLM, SamplingParams
+from kvscope.engine.core.detokenizer import detokenize_incrementally
+from kvscope.engine.core.request import Request, Sequence
+from kvscope.engine.sample.sampler import sample
 
 PROMPT = [17, 3, 99, 4, 250, 8, 61]
 
@@ -253,7 +253,7 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def smollm2_tokenizer():
-    from engine.loader import default_model_path, load_tokenizer
+    from kvscope.engine.worker.loader import default_model_path, load_tokenizer
 
     return load_tokenizer(default_model_path())
 

@@ -20,11 +20,11 @@ from conftest import serve
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
-from engine.async_engine import AsyncEngine
-from engine.beam_search import BeamSearchParams
-from engine.config import EngineConfig
-from engine.serving import create_app
-from engine.serving.metrics import EngineMetrics
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.serving import create_app
+from kvscope.engine.serving.metrics import EngineMetrics
 
 NUM_BLOCKS = 256
 MAX_MODEL_LEN = 256

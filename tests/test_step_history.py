@@ -5,18 +5,18 @@ the compact form (storage, /ws/events, timelines) reads what the scheduler plann
 import gc
 import json
 
-from engine.pool_mirror import PoolMirror
-from engine.sampling_params import SamplingParams
-from engine.serving.websocket import step_message
-from engine.telemetry import (
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.serving.websocket import step_message
+from kvscope.engine.telemetry.pool_mirror import PoolMirror
+from kvscope.engine.telemetry.records import (
     CHUNK_FIELDS,
     SequenceChange,
     take_pool_base,
     take_pool_delta,
     take_pool_slice,
 )
-from storage.rows import step_record, step_row
-from ui.timeline import timeline_spans
+from kvscope.storage.rows import step_record, step_row
+from kvscope.ui.timeline import timeline_spans
 
 
 def tracked_objects_reachable(root) -> int:

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.replicas.router import CandidateScore, RoutingDecision
-from engine.sampling_params import SamplingParams
-from engine.telemetry import StepRecord
-from storage import SessionLog, export_session, load_session, open_database, schema
-from storage.models import StepRow
-from storage.reader import ROWS_PER_FETCH, table_rows
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.replicas.router import CandidateScore, RoutingDecision
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import StepRecord
+from kvscope.storage import SessionLog, export_session, load_session, open_database, schema
+from kvscope.storage.models import StepRow
+from kvscope.storage.reader import ROWS_PER_FETCH, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,8 +224,8 @@ def test_two_apps_share_one_file(tmp_path: Path) -> None:
 
 KILLED_WRITER = textwrap.dedent("""
     import sys, time
-    from engine.telemetry import StepRecord
-    from storage import SessionLog
+    from kvscope.engine.telemetry.records import StepRecord
+    from kvscope.storage import SessionLog
     log = SessionLog(sys.argv[1])
     log.start_session({}, model="tiny")
     step = 0

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.loader import load_tokenizer
-from engine.request import Request, Sequence
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_output import llguidance_tokenizer
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.core.request import Request, Sequence
+from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscope.engine.sample.structured_output import llguidance_tokenizer
+from kvscope.engine.worker.loader import load_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from app import QuietPolling
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.telemetry import StepRecord
-from ui import knobs, loadgen, panels, timeline
-from ui.live import LiveFeed
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.telemetry.records import StepRecord
+from kvscope.ui import knobs, loadgen, panels, timeline
+from kvscope.ui.live import LiveFeed
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_a_busy_engine_rebuilds_a_costly_panel_less_often(engine):
 
 
 def _params(max_tokens: int):
-    from engine.sampling_params import SamplingParams
+    from kvscope.engine.sample.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
 

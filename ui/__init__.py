@@ -5,9 +5,9 @@ import os
 import gradio as gr
 from starlette.middleware import Middleware
 
-from engine.view import EngineView
-from ui.dashboard import CSS_PATH, build_ui
-from ui.frame_guard import FrameGuard
+from kvscope.engine.view import EngineView
+from kvscope.ui.dashboard import CSS_PATH, build_ui
+from kvscope.ui.frame_guard import FrameGuard
 
 __all__ = ["CSS_PATH", "build_ui", "mount_ui", "page_options"]
 

@@ -5,10 +5,10 @@ import uuid
 
 import gradio as gr
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.streams import RequestFailed
-from engine.view import EngineView
+from kvscope.engine.frontend.streams import RequestFailed
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.view import EngineView
 
 # Admission waits for the engine thread; during a reconfigure requests are held that long.
 ACCEPT_TIMEOUT_S = 120

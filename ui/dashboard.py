@@ -6,10 +6,10 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.config import BLOCK_SIZES, PREEMPTION_MODES
-from engine.view import EngineView
-from ui import chat, figures, knobs, loadgen, panels, sessions
-from ui.live import LiveFeed
+from kvscope.engine.config import BLOCK_SIZES, PREEMPTION_MODES
+from kvscope.engine.view import EngineView
+from kvscope.ui import chat, figures, knobs, loadgen, panels, sessions
+from kvscope.ui.live import LiveFeed
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
 POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
@@ -36,7 +36,7 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
                 _sessions_tab(blocks, session_log)
             other_tabs = [live_tab, sessions_tab]
             if engine.num_replicas > 1:  # an engine.replicas.ReplicaSet
-                from ui.replicas import replicas_tab  # the router's names; Ray is loaded
+                from kvscope.ui.replicas import replicas_tab  # the router's names; Ray is loaded
 
                 with gr.Tab("Replicas", id="replicas") as replicas:
                     replicas_tab(engine, feed)

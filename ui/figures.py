@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.pool_mirror import STATES, PoolMirror
-from ui.palette import (
+from kvscope.engine.telemetry.pool_mirror import STATES, PoolMirror
+from kvscope.ui.palette import (
     MAX_SHADED_REFS,
     SHARED_COLORSCALE,
     STATE_COLORS,
@@ -25,7 +25,7 @@ from ui.palette import (
     hover_text,
     state_rgb,
 )
-from ui.prefix_forest import prefix_forest
+from kvscope.ui.prefix_forest import prefix_forest
 
 HEATMAP_COLUMNS = 64
 MAX_CELLS = 4096

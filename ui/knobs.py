@@ -2,8 +2,8 @@
 
 import gradio as gr
 
-from engine.memory import GiB, PoolTooSmall
-from engine.view import EngineView
+from kvscope.engine.view import EngineView
+from kvscope.engine.worker.memory import GiB, PoolTooSmall
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
 KNOBS = ("block_size", "gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens",

@@ -8,9 +8,9 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.pool_mirror import PoolMirror, PoolReader
-from engine.telemetry import StepRecord
-from engine.view import EngineView
+from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
+from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.view import EngineView
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600

@@ -6,8 +6,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from engine.view import EngineView
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.view import EngineView
 
 # Ordinary prose to cut prompts from, so block hover texts read as words.
 CORPUS = (

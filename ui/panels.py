@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import gradio as gr
 from markdown_it import MarkdownIt
 
-from engine.pool_mirror import PoolMirror
-from ui import figures, timeline
-from ui.live import LiveFeed, LiveState
-from ui.plotdata import placeholder, to_plot
+from kvscope.engine.telemetry.pool_mirror import PoolMirror
+from kvscope.ui import figures, timeline
+from kvscope.ui.live import LiveFeed, LiveState
+from kvscope.ui.plotdata import placeholder, to_plot
 
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
           "comparison")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.pool_mirror import PoolMirror
+from kvscope.engine.telemetry.pool_mirror import PoolMirror
 
 
 @dataclass(frozen=True, slots=True)

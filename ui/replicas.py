@@ -6,11 +6,11 @@ import threading
 
 import gradio as gr
 
-from engine.pool_mirror import PoolReader
-from engine.replicas.router import ROUTING_POLICIES
-from ui import figures
-from ui.live import LiveFeed
-from ui.plotdata import placeholder, to_plot
+from kvscope.engine.replicas.router import ROUTING_POLICIES
+from kvscope.engine.telemetry.pool_mirror import PoolReader
+from kvscope.ui import figures
+from kvscope.ui.live import LiveFeed
+from kvscope.ui.plotdata import placeholder, to_plot
 
 REFRESH_S = 2.0
 SHOWN_DECISIONS = 20

@@ -5,8 +5,8 @@ from datetime import datetime
 
 import gradio as gr
 
-from ui import timeline
-from ui.plotdata import to_plot
+from kvscope.ui import timeline
+from kvscope.ui.plotdata import to_plot
 
 SESSION_COLUMNS = ["id", "model", "started", "ended", "requests", "steps", "chat messages",
                    "block size", "prefix caching"]

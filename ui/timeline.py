@@ -6,9 +6,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.telemetry import StepRecord
-from ui.palette import PHASE_COLORS
-from ui.plotdata import Figure, epoch_ms, placeholder
+from kvscope.engine.telemetry.records import StepRecord
+from kvscope.ui.palette import PHASE_COLORS
+from kvscope.ui.plotdata import Figure, epoch_ms, placeholder
 
 MAX_TIMELINE_ROWS = 30
 WINDOW_S = 120.0  # the live panels' rolling window

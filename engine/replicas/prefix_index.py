@@ -8,7 +8,7 @@ leading full blocks can be matched against every replica without asking any of t
 import time
 from collections.abc import Iterable, Sequence
 
-from engine.block_pool import hash_block_tokens
+from kvscope.engine.core.block_pool import hash_block_tokens
 
 # A routed prompt's blocks count as held by its replica this long before the replica's
 # own events confirm them: a burst of requests sharing a new prefix then sticks to the

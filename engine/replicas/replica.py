@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.async_engine import AsyncEngine, EngineCounters, RequestRecord
-from engine.config import EngineConfig
-from engine.memory import MemoryPlan
-from engine.pool_mirror import PoolMirror
-from engine.sampling_params import SamplingParams
-from engine.streams import Channel
-from engine.telemetry import EngineSnapshot, PoolBase, PoolDelta, StepRecord
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.frontend.async_engine import AsyncEngine, EngineCounters, RequestRecord
+from kvscope.engine.frontend.streams import Channel
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.pool_mirror import PoolMirror
+from kvscope.engine.telemetry.records import EngineSnapshot, PoolBase, PoolDelta, StepRecord
+from kvscope.engine.worker.memory import MemoryPlan
 
 logger = logging.getLogger(__name__)
 # Records a replica keeps for the API process between two polls; past this the oldest go.

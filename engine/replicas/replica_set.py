@@ -4,31 +4,40 @@ the API, /metrics, /ws/events, the session log and the dashboard serve it unchan
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
+import importlib.util
 import itertools
 import logging
-import os
+import shutil
+import tempfile
 import threading
 import weakref
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, RayError
 
-import engine
-import kernels
-from engine.async_engine import POOL_CHANNEL_RECORDS, RELOAD_KNOBS, ChatSubmit, EngineCounters, ReplicaStatus
-from engine.config import EngineConfig
-from engine.loader import load_tokenizer, resolve_model_path
-from engine.memory import MemoryPlan
-from engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
-from engine.replicas.replica import EngineReplica, ReplicaInfo
-from engine.replicas.router import ReplicaLoad, Router, RoutingDecision, check_load_weight
-from engine.sampling_params import SamplingParams
-from engine.streams import EngineClosed, Feed, RequestFailed, RequestStream
-from engine.telemetry import EngineSnapshot, StepRecord
+import kvscope
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.frontend.async_engine import (
+    POOL_CHANNEL_RECORDS,
+    RELOAD_KNOBS,
+    ChatSubmit,
+    EngineCounters,
+    ReplicaStatus,
+)
+from kvscope.engine.frontend.streams import EngineClosed, Feed, RequestFailed, RequestStream
+from kvscope.engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
+from kvscope.engine.replicas.replica import EngineReplica, ReplicaInfo
+from kvscope.engine.replicas.router import ReplicaLoad, Router, RoutingDecision, check_load_weight
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import EngineSnapshot, StepRecord
+from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
+from kvscope.engine.worker.memory import MemoryPlan
 
 logger = logging.getLogger(__name__)
 EVENT_POLL_S = 0.2  # how long a replica's event poll waits for a step before answering
@@ -85,9 +94,22 @@ def connect_ray(address: str | None = None) -> bool:
     so a cluster's nodes need only the dependencies (and the model at the same path)."""
     if ray.is_initialized():
         return False
-    ray.init(address=address, logging_level=logging.WARNING, runtime_env={
-        "py_modules": [os.path.dirname(module.__file__) for module in (engine, kernels)]})
+    ray.init(address=address, logging_level=logging.WARNING,
+             runtime_env={"py_modules": [shippable_package()]})
     return True
+
+
+@functools.cache
+def shippable_package() -> str:
+    """kvscope as one folder for Ray's py_modules, with the parts a replica runs (engine/,
+    kernels/) inside it: the repository keeps them beside kvscope/, not in it."""
+    root = Path(tempfile.mkdtemp(prefix="kvscope-ray-")) / "kvscope"
+    package = Path(kvscope.__file__).resolve().parent
+    shutil.copytree(package, root, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("engine", "kernels"):
+        source = Path(importlib.util.find_spec(f"kvscope.{part}").origin).parent
+        shutil.copytree(source, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    return str(root)
 
 
 def replica_resources(num_cpus: int) -> dict:
@@ -233,7 +255,7 @@ class ReplicaSet(ChatSubmit):
 
     def set_routing(self, policy: str | None = None, load_weight: float | None = None) -> None:
         """Change the policy and / or the kv-aware load weight; later requests use them."""
-        from engine.replicas.router import check_policy
+        from kvscope.engine.replicas.router import check_policy
 
         if policy is not None:
             self.router.policy = check_policy(policy)

@@ -20,7 +20,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from engine.replicas.prefix_index import PrefixIndex
+from kvscope.engine.replicas.prefix_index import PrefixIndex
 
 ROUTING_POLICIES = ("kv-aware", "least-loaded", "round-robin")
 DEFAULT_LOAD_WEIGHT = 1.0

@@ -1,5 +1,5 @@
 """The HTTP edge: OpenAI-compatible routes, SSE, /metrics, /health and /ws/events."""
 
-from engine.serving.app import create_app
+from kvscope.engine.serving.app import create_app
 
 __all__ = ["create_app"]

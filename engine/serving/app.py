@@ -2,13 +2,13 @@
 
 from fastapi import FastAPI
 
-from engine.async_engine import AsyncEngine
-from engine.serving.errors import install_error_handlers
-from engine.serving.metrics import EngineMetrics, metrics_router
-from engine.serving.routes import ServedModel, health_router, openai_router, version
-from engine.serving.security import ALWAYS_OPEN_PATHS, AccessGuard, APIKeyCheck, BodySizeLimit
-from engine.serving.sessions import SessionStore, login_router
-from engine.serving.websocket import events_router
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.serving.errors import install_error_handlers
+from kvscope.engine.serving.metrics import EngineMetrics, metrics_router
+from kvscope.engine.serving.routes import ServedModel, health_router, openai_router, version
+from kvscope.engine.serving.security import ALWAYS_OPEN_PATHS, AccessGuard, APIKeyCheck, BodySizeLimit
+from kvscope.engine.serving.sessions import SessionStore, login_router
+from kvscope.engine.serving.websocket import events_router
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 

@@ -6,9 +6,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.serving.errors import error_body, from_exception
-from engine.streams import RequestStream
+from kvscope.engine.frontend.streams import RequestStream
+from kvscope.engine.outputs import CompletionOutput, RequestOutput
+from kvscope.engine.serving.errors import error_body, from_exception
 
 
 @dataclass

@@ -13,8 +13,8 @@ mirror of the pool (engine.pool_mirror does the same in Python).
 
 import dataclasses
 
-from engine.block_pool import BlockHash
-from engine.telemetry import PoolBase, PoolCounters, PoolDelta, PoolSlice, SequenceChange
+from kvscope.engine.core.block_pool import BlockHash
+from kvscope.engine.telemetry.records import PoolBase, PoolCounters, PoolDelta, PoolSlice, SequenceChange
 
 
 def _hash(block_hash: BlockHash | None) -> list | None:

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.beam_search import BeamSearchParams
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 ANY = None  # a no-op field whose every value changes nothing
 # Fields kvscope accepts without acting on them, with the values at which that is true;

@@ -11,13 +11,13 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.async_engine import AsyncEngine
-from engine.beam_search import BeamSearchParams
-from engine.sampling_params import SamplingParams
-from engine.serving.errors import APIError
-from engine.serving.generation import Generation
-from engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from engine.streams import RequestStream
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.frontend.streams import RequestStream
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.serving.errors import APIError
+from kvscope.engine.serving.generation import Generation
+from kvscope.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 2

@@ -11,8 +11,8 @@ from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse, RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.serving.errors import APIError, error_response
-from engine.serving.sessions import SessionStore, session_cookie_name
+from kvscope.engine.serving.errors import APIError, error_response
+from kvscope.engine.serving.sessions import SessionStore, session_cookie_name
 
 API_KEY_ENV = "KVSCOPE_API_KEY"
 # Probes need no secret (as in vLLM); the login routes are how a browser gets a session.

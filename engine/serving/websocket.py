@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from engine.async_engine import AsyncEngine
-from engine.pool_mirror import PoolMirror
-from engine.replicas.router import RoutingDecision
-from engine.serving.pool_messages import pool_messages
-from engine.streams import Channel
-from engine.telemetry import CHUNK_FIELDS, EngineSnapshot, StepRecord
+from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.frontend.streams import Channel
+from kvscope.engine.replicas.router import RoutingDecision
+from kvscope.engine.serving.pool_messages import pool_messages
+from kvscope.engine.telemetry.pool_mirror import PoolMirror
+from kvscope.engine.telemetry.records import CHUNK_FIELDS, EngineSnapshot, StepRecord
 
 logger = logging.getLogger(__name__)
 MIN_MESSAGE_INTERVAL_S = 0.1

@@ -1,0 +1,2 @@
+"""What decides: the request, the scheduler, the KV-cache manager and its block pool, beam
+search, and EngineCore, which runs one step of schedule -> run -> sample -> update."""

@@ -1,0 +1,188 @@
+"""Physical KV blocks: ref counts, the LRU free queue and the hash -> block map."""
+
+import hashlib
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvscope.engine.telemetry.block_events import BlockEventLog
+
+# Identity of a full block's content, (value, parent, token_ids): value hashes the tokens
+# chained to the parent's value, so a hit means the whole prefix matches. A plain tuple of
+# bytes and ints, not a dataclass: Python's garbage collector stops tracking such a tuple
+# at its first pass, while every full collection walks each dataclass instance (~110 ns
+# apiece on the 2-core EPYC: 113 ms per million cached blocks, on whichever thread).
+BlockHash = tuple[bytes, bytes | None, tuple[int, ...]]
+
+
+def hash_block_tokens(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Stable across processes (unlike Python's salted hash): sha256 of parent + tokens."""
+    digest = hashlib.sha256(parent or b"root")
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()[:16]
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One physical block; the prev/next links thread it through the free queue."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    prev_free: "KVBlock | None" = None
+    next_free: "KVBlock | None" = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) removal from anywhere (a cache hit).
+
+    Plain free blocks sit at the front, cached-free blocks join at the back, so
+    allocation takes plain blocks first and then evicts the least recently used cached one.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self.head = KVBlock(-1)  # sentinels: no None checks at the ends
+        self.tail = KVBlock(-1)
+        self.head.next_free, self.tail.prev_free = self.tail, self.head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self.head.next_free
+        while block is not self.tail:
+            yield block
+            block = block.next_free
+
+    def popleft(self) -> KVBlock:
+        block = self.head.next_free
+        if block is self.tail:
+            raise ValueError("no free block left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        self._insert_after(self.tail.prev_free, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self.head, block)
+
+    def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        block.prev_free, block.next_free = anchor, anchor.next_free
+        anchor.next_free.prev_free = block
+        anchor.next_free = block
+        self.num_free_blocks += 1
+
+
+class BlockPool:
+    """All physical blocks. Each is free, cached-free (hash, ref 0, queued) or used (ref >= 1)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # hash value -> block id. Ids, not blocks: a dict of bytes and ints is one the
+        # garbage collector never tracks, where a full collection would walk every entry
+        # of a map to block objects (~47 ms CPU per million cached blocks on the EPYC).
+        self.cached_blocks: dict[bytes, int] = {}
+        # Kept up to date on every transition, so reading the counts never scans the pool.
+        self.num_cached_free_blocks = 0
+        self.num_evictions = 0
+        self.events = BlockEventLog()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now: plain free plus evictable cached-free."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        if count > len(self.free_queue):
+            raise ValueError(f"asked for {count} blocks, {len(self.free_queue)} free")
+        blocks = []
+        touched = self.events.blocks
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_count = 1
+            blocks.append(block)
+            touched[block.block_id] = block
+        return blocks
+
+    def share(self, blocks: Iterable[KVBlock]) -> None:
+        """Add a reference to each block, reviving cached-free ones out of the free queue."""
+        touched = self.events.blocks
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+                self.num_cached_free_blocks -= block.block_hash is not None
+            block.ref_count += 1
+            touched[block.block_id] = block
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; a block reaching zero rejoins the free queue.
+
+        Callers pass a sequence's blocks tail first, so a sequence's later blocks
+        (less likely to be shared by future prompts) are evicted before its earlier ones.
+        """
+        touched = self.events.blocks
+        for block in blocks:
+            block.ref_count -= 1
+            touched[block.block_id] = block
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+                    self.num_cached_free_blocks += 1
+
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...],
+               parent: bytes | None = None) -> KVBlock | None:
+        """The cached block with this hash, but only if it truly holds these tokens after
+        this parent (a hash collision must not hand out another prefix's KV)."""
+        block_id = self.cached_blocks.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.block_hash[1:] == (parent, token_ids) else None
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Mark a full block as holding this content, findable by later prompts."""
+        # An equal block cached earlier stays the one found; this one stays a plain block.
+        value = block_hash[0]
+        if not self.enable_caching or value in self.cached_blocks:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks[value] = block.block_id
+        self.events.blocks[block.block_id] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        """Forget a cached-free block's content (it is being reused or reset)."""
+        if block.block_hash is None:
+            return
+        del self.cached_blocks[block.block_hash[0]]
+        block.block_hash = None
+        self.num_cached_free_blocks -= 1
+        self.num_evictions += 1
+        self.events.blocks[block.block_id] = block
+
+    def reset_cache(self) -> None:
+        """Forget every cached-free block's content (used blocks keep theirs)."""
+        for block in list(self.free_queue):
+            if block.block_hash is not None:
+                self._evict(block)
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)

@@ -1,0 +1,395 @@
+"""EngineCore.step(): schedule -> run -> sample -> update -> outputs and one StepRecord."""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
+from kvscope.engine.core.detokenizer import detokenize_incrementally
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.request import FinishReason, Request, Sequence
+from kvscope.engine.core.scheduler import Scheduler
+from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvscope.engine.sample.logits_processing import LogitsProcessor
+from kvscope.engine.sample.sampler import sample, token_logprobs
+from kvscope.engine.sample.sampling_params import SamplingParams, model_sampling_defaults
+from kvscope.engine.telemetry.records import PoolDelta, StepRecord, take_pool_delta
+from kvscope.engine.worker.memory import GiB
+from kvscope.engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[RequestOutput]
+    record: StepRecord
+    pool_delta: PoolDelta  # the blocks and block tables this step changed
+
+
+class EngineCore:
+    """One engine: a model runner (weights stay loaded), a block pool and a scheduler."""
+
+    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+        config = config or EngineConfig()
+        self.runner = runner or ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.config = config.resolved(self.runner.max_positions)
+        self.memory_plan = self.runner.plan_memory(self.config)
+        self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks)
+        logger.info(self.memory_plan.describe())
+        num_swap_blocks = 0
+        if self.config.preemption_mode == "swap":
+            num_swap_blocks = int(self.config.swap_space * GiB) // self.memory_plan.bytes_per_block
+        self.runner.allocate_swap_space(num_swap_blocks)
+        self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
+                                       self.config.enable_prefix_caching, num_swap_blocks)
+        self.scheduler = Scheduler(self.config, self.kv_cache)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = _eos_token_ids(self.runner)
+        self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
+        self.scheduler.reclaim = self.beams.release_parked
+        # Sampling fields the model's generation_config sets: defaults where a request is silent.
+        self.default_sampling = model_sampling_defaults(self.runner.generation_config)
+        self.logits_processor = LogitsProcessor(self.runner.hf_config.vocab_size, self.tokenizer,
+                                                self.eos_token_ids, self.runner.device)
+        self.generator = torch.Generator(self.runner.device).manual_seed(self.config.seed)
+        self.step_index = 0
+        self._request_counter = itertools.count()
+
+    # ---- requests in -------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        source: str = "api",
+        add_special_tokens: bool = True,
+    ) -> Request:
+        """Validate and queue one request; bad input raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam, params = BeamState(params), params.sampling_params()
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already running")
+        if isinstance(prompt, str):
+            prompt_text = prompt
+            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        else:
+            prompt_text, token_ids = None, list(prompt)
+            vocab = self.runner.hf_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if params.truncate_prompt_tokens is not None and \
+                len(token_ids) > params.truncate_prompt_tokens:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]  # keep the end, as vLLM
+            prompt_text = self.tokenizer.decode(token_ids)
+        self._check_fits(token_ids, beam.params.beam_width if beam else params.num_sequences)
+        constraints = self.logits_processor.prepare(params)
+        request = Request(request_id, prompt_text, token_ids, params,
+                          arrival_time=arrival_time or time.time(), priority=priority,
+                          source=source, beam=beam, constraints=constraints)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs, request.prompt_token_ranks = [None], [None]
+        seq = Sequence(f"{request_id}", request, 0, list(token_ids), len(token_ids))
+        seq.generator = self._sample_generator(params, 0)
+        request.sequences.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def _check_fits(self, token_ids: list[int], num_samples: int) -> None:
+        max_len = self.config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt: empty prompt; give at least one token")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens, but max_model_len={max_len} "
+                             "leaves no room to generate; shorten the prompt or raise "
+                             "max_model_len")
+        # One full sequence plus a copy-on-write block per extra sample must fit the pool.
+        needed = self.kv_cache.blocks_needed(len(token_ids) + 1) + num_samples - 1
+        if needed > self.kv_cache.pool.num_blocks:
+            raise ValueError(f"n={num_samples} (samples or beam_width): a {len(token_ids)}-token"
+                             f" prompt needs {needed} KV blocks at least, the pool has "
+                             f"{self.kv_cache.pool.num_blocks}")
+
+    def _sample_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample i of a seeded request draws from its own generator seeded with seed + i."""
+        if params.seed is None:
+            return None
+        return torch.Generator(self.runner.device).manual_seed(params.seed + index)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and return its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.aborted = True
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.finish(seq, FinishReason.ABORT)
+        self.beams.forget(request)
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        """Every unfinished sequence: running, waiting, and beams parked between steps."""
+        return [*self.scheduler.running, *self.scheduler.waiting, *self.beams.parked]
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding device blocks: running ones and parked beams."""
+        return len(self.scheduler.running) + len(self.beams.parked)
+
+    def step(self) -> StepResult:
+        start_time = time.time()
+        totals_before = self.kv_cache.stat_totals()
+        plan = self.scheduler.schedule()
+        for item in plan.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = start_time
+        sampling = [item for item in plan.scheduled if item.samples]
+        self.runner.move_blocks(plan)
+        logits, prompt_logits = (self.runner.execute(plan.scheduled, _prompt_logprob_items(plan))
+                                 if plan.scheduled else (None, {}))
+        for index, chunk_logits in prompt_logits.items():
+            _record_prompt_logprobs(plan.scheduled[index], chunk_logits)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens = item.end
+            self.kv_cache.cache_full_blocks(item.seq)
+        touched, num_generated = (self._sample_and_update(sampling, logits)
+                                  if sampling else ([], 0))
+        finished = [r for r in touched if r.finished]
+        outputs = [self._make_output(r) for r in touched]
+        for request in finished:
+            self.requests.pop(request.request_id, None)
+        record = self._record(start_time, plan, finished, num_generated, totals_before)
+        self.step_index += 1
+        return StepResult(outputs, record, take_pool_delta(self))
+
+    def _sample_and_update(self, sampling: list[ScheduledSequence],
+                           logits: torch.Tensor) -> tuple[list[Request], int]:
+        """Sample a token for every sequence that reached its end (beams collect ranked
+        candidates instead); returns the requests touched and the tokens generated."""
+        rows: list[tuple[Sequence, int]] = []
+        touched: dict[str, Request] = {}
+        for row, item in enumerate(sampling):
+            seq = item.seq
+            touched[seq.request.request_id] = seq.request
+            if seq.request.beam is not None:
+                self.beams.rank(seq, logits[row])
+                continue
+            family = [seq]
+            num_sequences = seq.request.params.num_sequences
+            if num_sequences > 1 and len(seq.request.sequences) == 1:
+                family += [self.fork(seq, index) for index in range(1, num_sequences)]
+            rows.extend((member, row) for member in family)
+        if rows:
+            seqs = [seq for seq, _ in rows]
+            row_ids = [row for _, row in rows]
+            # Usually every row samples once, in order: no 12 MB copy (64 rows, 49k vocab).
+            raw = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
+            result = sample(self.logits_processor.apply(raw, seqs),
+                            [seq.request.params for seq in seqs],
+                            [seq.generator for seq in seqs], self.generator, raw_logits=raw)
+            self.logits_processor.accept(seqs, result.token_ids)
+            for i, seq in enumerate(seqs):
+                top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None
+                self.append_token(seq, result.token_ids[i], result.logprobs[i], top)
+        num_generated = len(rows)
+        for request in touched.values():
+            if request.beam is not None and self.beams.ready(request):
+                num_generated += self.beams.advance(request, self)
+        return list(touched.values()), num_generated
+
+    # ---- the update path: the only code that changes sequences after a step -------------
+    def append_token(self, seq: Sequence, token: int, logprob: float,
+                     top_logprobs: dict[int, float] | None = None) -> None:
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            seq.logprobs = (seq.logprobs or []) + [{**top_logprobs, token: logprob}]
+        if seq.first_token_time is None:
+            seq.first_token_time = time.time()
+        detokenize_incrementally(self.tokenizer, seq, seq.request.params.skip_special_tokens)
+        if seq.request.beam is None:
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self.finish(seq, seq.finish_reason)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        seq.finished_time = time.time()
+        self.scheduler.finish(seq)
+
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        """A new sequence sharing all of the parent's blocks (copy-on-write on first write):
+        sample `index` of a parallel-sampling request, or a beam that branches."""
+        request = parent.request
+        child = Sequence(f"{request.request_id}#{index}", request, index,
+                         list(parent.token_ids), parent.num_prompt_tokens,
+                         generator=self._sample_generator(request.params, index),
+                         cumulative_logprob=parent.cumulative_logprob, text=parent.text,
+                         prefix_offset=parent.prefix_offset, read_offset=parent.read_offset,
+                         first_scheduled_time=parent.first_scheduled_time,
+                         first_token_time=parent.first_token_time)
+        self.scheduler.fork(parent, child)
+        request.sequences.append(child)
+        return child
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.request.params
+        if seq.num_output_tokens < params.min_tokens:  # only the length limits apply
+            if seq.num_tokens >= self.config.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+        elif params.stop_strings and self._truncate_at_stop_string(seq):
+            seq.finish_reason = FinishReason.STOP
+        elif self.logits_processor.grammar_finished(seq):
+            seq.finish_reason = FinishReason.STOP
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+              or seq.num_tokens >= self.config.max_model_len):
+            seq.finish_reason = FinishReason.LENGTH
+
+    @staticmethod
+    def _truncate_at_stop_string(seq: Sequence) -> bool:
+        """Cut the text before the first stop string (which is not part of the output)."""
+        found = [(seq.text.find(stop), stop) for stop in seq.request.params.stop_strings]
+        found = [(index, stop) for index, stop in found if index >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        seq.text = seq.text[:index]
+        seq.stop_reason = stop
+        return True
+
+    # ---- outputs -----------------------------------------------------------------------
+    def _make_output(self, request: Request) -> RequestOutput:
+        if request.beam is not None and request.beam.done:
+            return self._beam_output(request)
+        completions, deltas = [], []
+        hold_back = max((len(s) for s in request.params.stop_strings), default=1) - 1
+        for seq in request.sequences:
+            # While running, hold back text that could still turn out to start a stop string.
+            visible = len(seq.text) if seq.is_finished else max(len(seq.text) - hold_back, 0)
+            deltas.append(seq.text[seq.num_emitted_chars:visible])
+            seq.num_emitted_chars = max(seq.num_emitted_chars, visible)
+            completions.append(CompletionOutput(
+                seq.index, seq.text[:visible], seq.output_token_ids,
+                seq.cumulative_logprob, seq.logprobs, seq.finish_reason, seq.stop_reason))
+        first = request.sequences[0]
+        metrics = RequestMetrics(
+            request.arrival_time, first.first_scheduled_time, first.first_token_time,
+            max((s.finished_time or 0) for s in request.sequences) or None,
+            sum(s.num_preemptions for s in request.sequences))
+        if request.params.num_sequences > request.params.n:
+            completions, deltas = _best_of(completions, deltas, request.params.n,
+                                           request.finished)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, request.finished, request.num_cached_tokens,
+                             metrics, deltas=deltas, prompt_logprobs=request.prompt_logprobs,
+                             prompt_token_ranks=request.prompt_token_ranks)
+
+    def _beam_output(self, request: Request) -> RequestOutput:
+        """The best beam_width hypotheses, best first."""
+        completions = []
+        for index, hypothesis in enumerate(request.beam.best()):
+            ended_by_eos = hypothesis.token_ids[-1] in self.eos_token_ids
+            completions.append(CompletionOutput(
+                index, self.tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True),
+                hypothesis.token_ids, hypothesis.cumulative_logprob,
+                finish_reason=FinishReason.STOP if ended_by_eos else FinishReason.LENGTH))
+        first = request.sequences[0] if request.sequences else None
+        metrics = RequestMetrics(request.arrival_time,
+                                 first.first_scheduled_time if first else None,
+                                 first.first_token_time if first else None, time.time())
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, True, request.num_cached_tokens, metrics,
+                             deltas=[c.text for c in completions])
+
+    def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
+                num_generated: int, totals_before: tuple[int, ...]) -> StepRecord:
+        pool = self.kv_cache.pool
+        queries, hits, blocks_out, blocks_in = (
+            now - before for now, before in zip(self.kv_cache.stat_totals(), totals_before))
+        return StepRecord(
+            step=self.step_index, start_time=start_time, end_time=time.time(),
+            chunks=tuple((s.seq.request.request_id, s.seq.seq_id, s.kind.value, s.start, s.end)
+                         for s in plan.scheduled),
+            preempted=tuple(s.seq_id for s in plan.preempted),
+            swapped_out=tuple(s.seq_id for s in plan.swapped_out),
+            swapped_in=tuple(s.seq_id for s in plan.swapped_in),
+            finished=tuple(r.request_id for r in finished),
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            token_budget=self.config.max_num_batched_tokens,
+            num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_free_blocks,
+            num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
+            num_running=self.num_running, num_waiting=len(self.scheduler.waiting),
+            num_generated_tokens=num_generated, prefix_cache_queries=queries,
+            prefix_cache_hits=hits, num_blocks_swapped_out=blocks_out,
+            num_blocks_swapped_in=blocks_in)
+
+
+def _eos_token_ids(runner: ModelRunner) -> set[int]:
+    """EOS from the generation config (may be a list) and from the tokenizer."""
+    ids = set()
+    for source in (runner.hf_config.eos_token_id, runner.tokenizer.eos_token_id,
+                   runner.generation_config.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+# ---- prompt logprobs and best_of -----------------------------------------------------------
+def _prompt_logprob_items(plan: SchedulerOutput) -> tuple[int, ...]:
+    """Scheduled chunks whose positions score prompt tokens not scored yet (a sequence
+    recomputed after preemption has some or all of them already)."""
+    return tuple(index for index, item in enumerate(plan.scheduled)
+                 if item.seq.request.prompt_logprobs is not None
+                 and len(item.seq.request.prompt_logprobs) < _scored_end(item) + 1)
+
+
+def _scored_end(item: ScheduledSequence) -> int:
+    """Positions [start, end) score tokens start+1..end; the last prompt token scores nothing."""
+    return min(item.end, item.seq.num_prompt_tokens - 1)
+
+
+def _record_prompt_logprobs(item: ScheduledSequence, chunk_logits: torch.Tensor) -> None:
+    """Position p's logits score prompt token p + 1; entries so far cover tokens < first."""
+    seq, request = item.seq, item.seq.request
+    first, end = len(request.prompt_logprobs), _scored_end(item)
+    entries, ranks = token_logprobs(
+        chunk_logits[first - 1 - item.start:end - item.start], seq.token_ids[first:end + 1],
+        request.params.prompt_logprobs)
+    request.prompt_logprobs.extend(entries)
+    request.prompt_token_ranks.extend(ranks)
+
+
+def _best_of(completions: list[CompletionOutput], deltas: list[str], n: int,
+             finished: bool) -> tuple[list[CompletionOutput], list[str]]:
+    """The n samples of the highest cumulative logprob, re-indexed 0..n-1 (the first n
+    while they still run)."""
+    order = list(range(len(completions)))
+    if finished:
+        order.sort(key=lambda i: -completions[i].cumulative_logprob)
+    chosen = order[:n]
+    for index, i in enumerate(chosen):
+        completions[i].index = index
+    return [completions[i] for i in chosen], [deltas[i] for i in chosen]

@@ -1,0 +1,117 @@
+"""Request / Sequence state: token ids, status, timings and the block table."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvscope.engine.core.block_pool import BlockHash
+from kvscope.engine.sample.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvscope.engine.core.beam_search import BeamState
+    from kvscope.engine.sample.logits_processing import RequestConstraints
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no device blocks
+    RUNNING = "running"  # holds device blocks
+    SWAPPED = "swapped"  # queued; its K/V sits in the CPU swap pool
+    FINISHED = "finished"
+
+
+class ChunkKind(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended; a str, so outputs and logs keep vLLM's plain strings."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    BEAM_DROPPED = "beam_dropped"  # a beam that fell out of the top beam_width
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One token stream with its own block table; a request holds `n` of them."""
+
+    seq_id: str
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_table: list[int] = field(default_factory=list)
+    swap_table: list[int] = field(default_factory=list)  # CPU blocks while swapped out
+    num_computed_tokens: int = 0
+    # Content hashes of the full blocks of token_ids, in order, each computed once
+    # (prefix-cache lookups and registration read them); the first num_cached_blocks of
+    # the block table are registered in the pool's cache.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    # Output text, detokenized incrementally (see engine.detokenizer).
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    num_emitted_chars: int = 0  # text already handed out in streaming deltas
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """Larger is less important: preempted first (vLLM: higher priority value, later arrival)."""
+        return (self.request.priority, self.request.arrival_time)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """What a caller asked for: one prompt, its sampling params and its sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    source: str = "api"
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    aborted: bool = False
+    beam: "BeamState | None" = None  # set for beam search: its sequences are the beams
+    constraints: "RequestConstraints | None" = None  # compiled logit edits and grammar
+    # With params.prompt_logprobs: None for the first prompt token, then one entry per
+    # prompt token (its logprob and the top alternatives), filled as prefill chunks run.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None  # each prompt token's rank, alongside
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)

@@ -1,0 +1,43 @@
+"""What one scheduling step decided: data only, read by the model runner and the core."""
+
+from dataclasses import dataclass, field
+
+from kvscope.engine.core.request import ChunkKind, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step: compute tokens [start, start + num_tokens)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    # Fixed when scheduled: read after the step samples, the sequence's new output token
+    # would make a prompt's last one-token chunk look like a decode.
+    kind: ChunkKind = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kind = (ChunkKind.DECODE if self.num_tokens == 1 and self.seq.num_output_tokens > 0
+                     else ChunkKind.PREFILL)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last token, so its logits pick the next one."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    # Block moves the device must do before the forward, in this order:
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    preempted: list[Sequence] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: int = 0

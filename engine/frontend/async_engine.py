@@ -1,0 +1,569 @@
+"""AsyncEngine: EngineCore on its own thread, with request streams, abort, reconfigure and feeds."""
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.frontend import heap
+from kvscope.engine.frontend.chat import render_chat
+from kvscope.engine.frontend.engine_thread import EngineThread
+from kvscope.engine.frontend.streams import (
+    Channel,
+    EngineClosed,
+    Feed,
+    RequestFailed,
+    RequestStream,
+    settle_future,
+)
+from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import (
+    EngineSnapshot,
+    StepRecord,
+    take_pool_base,
+    take_pool_delta,
+    take_pool_slice,
+    take_snapshot,
+)
+from kvscope.engine.worker.memory import MemoryPlan
+
+logger = logging.getLogger(__name__)
+# Knobs that would need the weights reloaded; reconfigure only rebuilds the KV cache.
+RELOAD_KNOBS = ("model", "dtype", "device", "quantization", "quantization_group_size",
+                "enforce_eager")
+# Blocks per snapshot slice: a few milliseconds of the engine thread at most.
+POOL_SLICE_BLOCKS = 32_768
+# Pool records a reader may fall behind by before the oldest are dropped (it resyncs).
+POOL_CHANNEL_RECORDS = 4096
+
+
+class ChatSubmit:
+    """Chat on top of a class's own `submit` and `tokenizer` (AsyncEngine, ReplicaSet)."""
+
+    def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    **kwargs: Any) -> RequestStream:
+        """Apply the model's chat template, then submit (the template holds the BOS)."""
+        return self.submit(self.render_chat(messages), params, add_special_tokens=False,
+                           **kwargs)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn."""
+        return render_chat(self.tokenizer, messages)
+
+
+def _check_replica(replica: int | None) -> None:
+    if replica not in (None, 0):
+        raise ValueError(f"replica={replica}: this engine is one replica, number 0")
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Totals since the AsyncEngine started; they survive reconfigures (monotonic)."""
+
+    num_steps: int = 0
+    step_failures: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
+    prefix_cache_queries: int = 0  # tokens, as vLLM counts them
+    prefix_cache_hits: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+
+@dataclass(slots=True)
+class ReplicaStatus:
+    """One engine replica as /health, /metrics and the dashboard see it (a single engine
+    is replica 0; engine.replicas.ReplicaSet reports one per Ray actor)."""
+
+    replica: int
+    alive: bool
+    error: str | None  # why it is down
+    restarts: int
+    in_flight: int  # requests routed to it and not finished
+    kv_usage: float  # fraction of its KV blocks in use at its last step
+    counters: EngineCounters
+    num_indexed_blocks: int = 0  # block hashes the router's prefix index has for it
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """A finished (or aborted, or failed) request, for readers such as metrics and logs."""
+
+    output: RequestOutput
+    source: str
+    finish_reason: str  # the first sample's, or "error"
+    inter_token_latencies: list[float]  # seconds between consecutive steps with new tokens
+    error: str | None = None
+    replica: int = 0  # which engine replica served it (engine.replicas)
+
+
+@dataclass(slots=True)
+class _LiveRequest:
+    """Engine-thread bookkeeping of one request between add and finish."""
+
+    stream: RequestStream
+    num_tokens_seen: int = 0
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _PoolSnapshotJob:
+    """A full pool snapshot on its way to one reader, a slice per engine-loop turn."""
+
+    channel: Channel
+    epoch: int | None = None  # the pool being sent; None until the PoolBase goes out
+    next_start: int = 0
+
+
+@dataclass(slots=True)
+class _PendingReconfigure:
+    config: EngineConfig
+    result: concurrent.futures.Future
+
+
+def _log_loop_crash(loop: concurrent.futures.Future) -> None:
+    if loop.exception() is not None:
+        logger.error("the engine loop crashed", exc_info=loop.exception())
+
+
+class AsyncEngine(ChatSubmit):
+    """Runs an EngineCore on a background thread; other threads only enqueue commands.
+
+    The thread steps while requests are unfinished and sleeps on a condition when idle.
+    """
+
+    def __init__(self, core: EngineCore, base_config: EngineConfig | None = None) -> None:
+        self._core = core
+        # Reconfigure applies knobs to the unresolved config, so derived knobs (the token
+        # budget, max_model_len) are derived again for the new values.
+        self._base_config = base_config or core.config
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Condition()
+        self._live: dict[str, _LiveRequest] = {}
+        # Adds waiting out a reconfigure: request id -> (stream, the add to replay).
+        self._held: dict[str, tuple[RequestStream, Callable[[], None]]] = {}
+        self._reconfigure: _PendingReconfigure | None = None
+        self._reconfigure_lock = threading.Lock()
+        self._snapshot_waiters: list[concurrent.futures.Future] = []
+        self._pool_jobs: list[_PoolSnapshotJob] = []
+        self._pool_feed = Feed()
+        self._step_feed = Feed()
+        self._request_feed = Feed()
+        self._counters = EngineCounters()
+        self._last_step: StepRecord | None = None
+        self._counters_lock = threading.Lock()
+        self._request_ids = itertools.count()
+        self._accepting = True
+        self._stopping = False
+        self._exited = False
+        self._thread = EngineThread()
+        self._loop: concurrent.futures.Future | None = None  # _run's, once started
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        """Load the model and build the engine (not started)."""
+        return cls(EngineCore(config), base_config=config)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        heap.freeze_long_lived()  # the pool's blocks and the model are here to stay
+        self._loop = self._thread.call(self._run)
+        self._loop.add_done_callback(_log_loop_crash)
+        self._thread.finish()
+        return self
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop is not None and not self._loop.done()
+
+    def shutdown(self, abort_running: bool = True, timeout: float | None = 30.0) -> None:
+        """Stop taking requests, abort (or finish) the ones in flight, stop the thread."""
+        self._accepting = False
+        if self._loop is None:  # never started: the thread only waits for calls
+            self._thread.finish()
+            return
+        if self._loop.done():
+            return
+        self._enqueue(lambda: self._do_stop(abort_running))
+        self._thread.join(timeout)
+        heap.thaw()  # this engine's pool may be collected once dropped
+        if self._thread.is_alive():
+            logger.warning("engine thread still busy after %.0f s", timeout)
+
+    # ---- what the engine serves ---------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        """The current resolved config (changes on reconfigure)."""
+        return self._core.config
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        return self._core.memory_plan
+
+    @property
+    def tokenizer(self):
+        return self._core.tokenizer
+
+    @property
+    def default_sampling(self) -> dict:
+        """Sampling fields from the model's generation_config (see model_sampling_defaults)."""
+        return self._core.default_sampling
+
+    @property
+    def model_path(self) -> str:
+        return str(self._core.runner.model_path)
+
+    def resolved_identity(self) -> dict[str, str]:
+        """The model folder, dtype and device the engine runs, whatever the config said
+        ("auto", or None for the default model)."""
+        runner = self._core.runner
+        return {"model": str(runner.model_path),
+                "dtype": str(runner.dtype).removeprefix("torch."),
+                "device": str(runner.device)}
+
+    @property
+    def is_reconfiguring(self) -> bool:
+        """True from the reconfigure() call until the new pool is in place (or refused)."""
+        return self._reconfigure_lock.locked()
+
+    num_replicas = 1
+
+    def replica_statuses(self) -> list[ReplicaStatus]:
+        step, num_blocks = self._last_step, self._core.memory_plan.num_blocks
+        return [ReplicaStatus(0, self.is_running, None, 0, len(self._live),
+                              step.num_used_blocks / num_blocks if step else 0.0,
+                              self.counters())]
+
+    def counters(self) -> EngineCounters:
+        """A consistent copy of the totals."""
+        with self._counters_lock:
+            return replace(self._counters,
+                           requests_finished=dict(self._counters.requests_finished))
+
+    # ---- requests ----------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams | None = None,
+        *,
+        request_id: str | None = None,
+        source: str = "api",
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Queue a request and return its stream at once (never blocks on the engine).
+
+        Bad input surfaces from `stream.wait_accepted()` / `await stream.accepted()` or
+        from iterating the stream, as the engine's ValueError naming the knob.
+        """
+        if not self._accepting:
+            raise EngineClosed("the engine is shutting down; it takes no new requests")
+        request_id = request_id or f"{source}-{next(self._request_ids)}"
+        stream = RequestStream(request_id, source, on_abort=lambda: self.abort(request_id))
+        self._enqueue(lambda: self._do_add(stream, prompt, params, priority,
+                                           add_special_tokens, time.time()))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next step boundary; unknown or finished ids are ignored."""
+        self._enqueue(lambda: self._do_abort(request_id))
+
+    # ---- readers -----------------------------------------------------------------------
+    def snapshot_future(self) -> concurrent.futures.Future:
+        """A future of an EngineSnapshot taken on the engine thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._enqueue(lambda: self._snapshot_waiters.append(future))
+        return future
+
+    def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:
+        _check_replica(replica)
+        return self.snapshot_future().result(timeout)
+
+    async def snapshot_async(self, replica: int | None = None) -> EngineSnapshot:
+        _check_replica(replica)
+        return await asyncio.wrap_future(self.snapshot_future())
+
+    def subscribe_steps(self, maxsize: int = 1024) -> Channel:
+        """Every StepRecord from now on; past `maxsize` unread, the oldest are dropped."""
+        return self._step_feed.subscribe(maxsize)
+
+    def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS,
+                       replica: int | None = None) -> Channel:
+        """Records for an engine.pool_mirror.PoolMirror: a full snapshot (a PoolBase, then
+        PoolSlices, interleaved with deltas), then one PoolDelta per step. Past `maxsize`
+        unread the oldest are dropped: the reader then calls resync_pool."""
+        _check_replica(replica)
+        channel = self._pool_feed.subscribe(maxsize)
+        self.resync_pool(channel)
+        return channel
+
+    def resync_pool(self, channel: Channel) -> None:
+        """Send this subscriber a fresh full snapshot (it missed a delta)."""
+        self._enqueue(lambda: self._pool_jobs.append(_PoolSnapshotJob(channel)))
+
+    def subscribe_requests(self, maxsize: int = 10_000) -> Channel:
+        """A RequestRecord for every request that ends from now on."""
+        return self._request_feed.subscribe(maxsize)
+
+    # ---- reconfigure -------------------------------------------------------------------
+    def reconfigure(self, abort_running: bool = False, timeout: float | None = None,
+                    **knobs: Any) -> MemoryPlan:
+        """Rebuild the KV cache with new knobs, keeping the weights; returns the new plan.
+
+        New requests wait meanwhile; running ones finish (or are aborted with
+        `abort_running`). Invalid knobs raise ValueError and change nothing.
+        """
+        reload = sorted(set(knobs) & set(RELOAD_KNOBS))
+        if reload:
+            raise ValueError(f"{reload[0]}: changing {reload} reloads the weights; "
+                             "restart the app instead")
+        with self._reconfigure_lock:
+            config = self._base_config.with_changes(**knobs)
+            config.resolved(self._core.runner.max_positions)  # length knobs fail fast here
+            pending = _PendingReconfigure(config, concurrent.futures.Future())
+            self._enqueue(lambda: self._do_reconfigure(pending, abort_running))
+            return pending.result.result(timeout)
+
+    # ---- the engine thread -------------------------------------------------------------
+    def _enqueue(self, command: Callable[[], None]) -> None:
+        with self._wakeup:
+            if self._exited:
+                raise EngineClosed("the engine thread has stopped")
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        logger.info("engine thread started")
+        while True:
+            with self._wakeup:
+                self._wakeup.wait_for(lambda: self._commands or self._has_work())
+                commands = list(self._commands)
+                self._commands.clear()
+                # Commands that arrive after the last drain are refused by _enqueue.
+                self._exited = self._stopping and not self._core.has_unfinished_requests()
+            for command in commands:
+                self._guarded(command)
+            if self._core.kv_cache.events.pending:  # aborts between steps freed blocks
+                self._guarded(self._publish_pool_delta)
+            if self._pool_jobs:
+                self._guarded(self._send_pool_slices)
+            if self._snapshot_waiters:
+                self._guarded(self._answer_snapshots)
+            if self._exited:
+                break
+            if self._core.has_unfinished_requests():
+                self._step()
+            if self._reconfigure is not None and not self._core.has_unfinished_requests():
+                self._guarded(self._rebuild)
+        for request_id in list(self._held):
+            self._refuse_held(request_id, EngineClosed("the engine stopped before it ran"))
+        if self._reconfigure is not None:
+            settle_future(self._reconfigure.result, error=EngineClosed("the engine stopped"))
+        logger.info("engine thread stopped")
+
+    def _has_work(self) -> bool:
+        return self._core.has_unfinished_requests() or bool(self._pool_jobs) or (
+            self._reconfigure is not None or self._stopping)
+
+    def _guarded(self, command: Callable[[], None]) -> None:
+        """A bug in one command must not kill the thread every stream depends on."""
+        try:
+            command()
+        except Exception:
+            logger.exception("engine command failed")
+
+    def _do_add(self, stream: RequestStream, prompt, params, priority: int,
+                add_special_tokens: bool, arrival_time: float) -> None:
+        if self._reconfigure is not None or self._stopping:
+            self._held[stream.request_id] = (stream, lambda: self._do_add(
+                stream, prompt, params, priority, add_special_tokens, arrival_time))
+            return
+        try:
+            self._core.add_request(prompt, params, request_id=stream.request_id,
+                                   arrival_time=arrival_time, priority=priority,
+                                   source=stream.source, add_special_tokens=add_special_tokens)
+        except Exception as error:  # noqa: BLE001 -- ValueError for bad input; others refuse too
+            stream.fail(error)
+            return
+        self._live[stream.request_id] = _LiveRequest(stream)
+        stream.accept()
+
+    def _do_abort(self, request_id: str) -> None:
+        if request_id in self._held:
+            self._refuse_held(request_id, RequestFailed("aborted before it started"))
+            return
+        output = self._core.abort_request(request_id)
+        if output is not None:
+            self._deliver(output, time.time())
+
+    def _refuse_held(self, request_id: str, error: Exception) -> None:
+        """End a request that never reached the core (aborted, or the engine stopped)."""
+        stream, _ = self._held.pop(request_id)
+        stream.fail(error)
+
+    def _step(self) -> None:
+        core = self._core
+        try:
+            result = core.step()
+        except Exception as error:  # noqa: BLE001 -- the failure goes to the step's requests
+            self._fail_step(error)
+            self._publish_pool_delta()
+            return
+        now = time.time()
+        self._last_step = result.record
+        self._count_step(result.record)
+        for output in result.outputs:
+            self._deliver(output, now)
+        self._pool_feed.publish(result.pool_delta)
+        self._step_feed.publish(result.record)
+
+    def _publish_pool_delta(self) -> None:
+        self._pool_feed.publish(take_pool_delta(self._core))
+
+    def _send_pool_slices(self) -> None:
+        """One slice of each pending snapshot, so no turn of the loop pauses for long."""
+        core = self._core
+        log = core.kv_cache.events
+        for job in list(self._pool_jobs):
+            if job.channel.closed:
+                self._pool_jobs.remove(job)
+                continue
+            if job.epoch != log.epoch:  # a new reader, or the pool was rebuilt meanwhile
+                if log.pending:
+                    self._publish_pool_delta()  # the base is the state after this delta
+                job.channel.put(take_pool_base(core))
+                job.epoch, job.next_start = log.epoch, 0
+            job.channel.put(take_pool_slice(core, job.next_start, POOL_SLICE_BLOCKS))
+            job.next_start += POOL_SLICE_BLOCKS
+            if job.next_start >= core.kv_cache.pool.num_blocks:
+                self._pool_jobs.remove(job)
+
+    def _fail_step(self, error: Exception) -> None:
+        """Abort the requests the failed step ran (all, if it got as far as none)."""
+        core = self._core
+        running = {seq.request.request_id for seq in core.scheduler.running}
+        failed = running or set(core.requests)
+        logger.exception("engine step %d failed; failing %d request(s)", core.step_index,
+                         len(failed), exc_info=error)
+        with self._counters_lock:
+            self._counters.step_failures += 1
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        for request_id in failed:
+            try:
+                output = core.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting %s after a failed step", request_id)
+                output = None
+            live = self._live.pop(request_id, None)
+            if live is None:
+                continue
+            live.stream.fail(RequestFailed(message))
+            if output is not None:
+                output.error = message
+                self._publish_request(output, live, "error")
+
+    def _deliver(self, output: RequestOutput, now: float) -> None:
+        live = self._live.get(output.request_id)
+        if live is None:
+            return
+        num_tokens = sum(len(sample.token_ids) for sample in output.outputs)
+        if num_tokens > live.num_tokens_seen:
+            if live.num_tokens_seen == 0:
+                with self._counters_lock:
+                    self._counters.prompt_tokens += len(output.prompt_token_ids)
+            if live.last_token_time is not None:
+                live.inter_token_latencies.append(now - live.last_token_time)
+            live.num_tokens_seen, live.last_token_time = num_tokens, now
+        live.stream.push(output)
+        if output.finished:
+            del self._live[output.request_id]
+            self._publish_request(output, live, output.outputs[0].finish_reason or "abort")
+
+    def _publish_request(self, output: RequestOutput, live: _LiveRequest,
+                         finish_reason: str) -> None:
+        with self._counters_lock:
+            finished = self._counters.requests_finished
+            finished[finish_reason] = finished.get(finish_reason, 0) + 1
+        record = RequestRecord(output, live.stream.source, finish_reason,
+                               live.inter_token_latencies, output.error)
+        self._request_feed.publish(record)
+
+    def _count_step(self, record: StepRecord) -> None:
+        with self._counters_lock:
+            counters = self._counters
+            counters.num_steps += 1
+            counters.generation_tokens += record.num_generated_tokens
+            counters.preemptions += len(record.preempted)
+            counters.swapped_out += len(record.swapped_out)
+            counters.swapped_in += len(record.swapped_in)
+            counters.prefix_cache_queries += record.prefix_cache_queries
+            counters.prefix_cache_hits += record.prefix_cache_hits
+
+    def _answer_snapshots(self) -> None:
+        waiters, self._snapshot_waiters = self._snapshot_waiters, []
+        try:
+            snapshot = take_snapshot(self._core)
+        except Exception as error:
+            for waiter in waiters:
+                settle_future(waiter, error=error)
+            raise
+        for waiter in waiters:
+            settle_future(waiter, snapshot)
+
+    def _do_reconfigure(self, pending: _PendingReconfigure, abort_running: bool) -> None:
+        self._reconfigure = pending
+        if abort_running:
+            for request_id in list(self._core.requests):
+                self._do_abort(request_id)
+        logger.info("reconfiguring: waiting for %d request(s) to finish",
+                    len(self._core.requests))
+
+    def _rebuild(self) -> None:
+        """Swap in a core with the new config (the pool is idle); replay the held adds."""
+        pending, self._reconfigure = self._reconfigure, None
+        old = self._core
+        runner = old.runner
+        # A weak reference: holding the old tensor would double peak memory while the
+        # new one is allocated.
+        old_cache = weakref.ref(runner.kv_cache)
+        try:
+            core = EngineCore(pending.config, runner=runner)
+        except Exception as error:  # noqa: BLE001 -- handed to the caller of reconfigure()
+            if runner.kv_cache is None or runner.kv_cache is not old_cache():
+                # Profiling the new budget replaced the cache tensor: give the old core a
+                # fresh one, whose cached-free blocks no longer hold what their hashes say.
+                runner.allocate_kv_cache(old.config.block_size, old.memory_plan.num_blocks)
+                old.kv_cache.pool.reset_cache()
+            logger.warning("reconfigure refused: %s", error)
+            settle_future(pending.result, error=error)
+        else:
+            core.step_index = old.step_index  # readers see one step sequence across configs
+            self._core, self._base_config = core, pending.config
+            self._publish_pool_delta()  # delta 0 of the new pool: readers start it empty
+            logger.info("reconfigured: %s", core.memory_plan.describe())
+            settle_future(pending.result, core.memory_plan)
+        old = core = None
+        heap.rebase()  # one full collection per reconfigure, none per step
+        held, self._held = list(self._held.values()), {}
+        for _, add in held:
+            add()
+
+    def _do_stop(self, abort_running: bool) -> None:
+        self._stopping = True
+        if abort_running:
+            for request_id in list(self._core.requests):
+                self._do_abort(request_id)

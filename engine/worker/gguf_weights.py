@@ -1,0 +1,110 @@
+"""Weights read straight from a GGUF file's blocks, under transformers' names.
+
+Q4_0, Q4_1 and Q8_0 tensors arrive as `GroupQuantized` blocks (no fp32 copy); the
+quantized layers copy the 4-bit ones as they are (Q4_1 is exactly `d * q + m` per 32
+weights, the int4 layout's scale and zero) and re-quantize the rest. Only the Llama
+architecture is read this way: its Q and K rows are stored permuted for llama.cpp's rotary
+layout and are un-permuted here, as transformers does when it converts the file.
+"""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from transformers import PretrainedConfig
+
+from kvscope.engine.worker.models.quantized import GroupQuantized
+
+GGUF_ARCHITECTURES = ("llama",)
+TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+BLOCK_WEIGHTS = 32  # weights per block in Q4_0, Q4_1 and Q8_0
+DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+BLOCK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+SUPPORTED_TYPES = sorted(t.name for t in DENSE_TYPES | BLOCK_TYPES)
+
+
+def gguf_architecture(path: Path) -> str:
+    reader = GGUFReader(path)
+    return reader.fields["general.architecture"].contents()
+
+
+def iter_gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, object]]:
+    """(transformers name, tensor or GroupQuantized) for every tensor of a Llama GGUF file."""
+    reader = GGUFReader(path)
+    architecture = reader.fields["general.architecture"].contents()
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path.name}: GGUF architecture {architecture!r} is not read block by "
+                         f"block (only {list(GGUF_ARCHITECTURES)})")
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        value = read_tensor(path, tensor)
+        if name.endswith("q_proj.weight"):
+            value = unpermute_rows(value, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            value = unpermute_rows(value, config.num_key_value_heads)
+        yield name, value
+
+
+def hf_name(gguf_name: str) -> str:
+    """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        module = f"model.layers.{layer}.{BLOCK_NAMES.get(part, '')}"
+        known = part in BLOCK_NAMES
+    else:
+        module = TOP_LEVEL_NAMES.get(base, "")
+        known = base in TOP_LEVEL_NAMES
+    if not known:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama model")
+    return f"{module}.{suffix}"
+
+
+def read_tensor(path: Path, tensor) -> "torch.Tensor | GroupQuantized":
+    kind = tensor.tensor_type
+    if kind in DENSE_TYPES:
+        return torch.from_numpy(np.array(tensor.data)).float()
+    if kind not in BLOCK_TYPES:
+        raise ValueError(
+            f"{path.name}: tensor {tensor.name!r} is {kind.name}; quantization reads only "
+            f"{SUPPORTED_TYPES} blocks from a GGUF file (quantization='none' de-quantizes "
+            "any type through transformers)")
+    rows = int(np.prod(tensor.shape[1:]))
+    block_bytes = GGML_QUANT_SIZES[kind][1]
+    return decode_blocks(kind, torch.from_numpy(np.array(tensor.data)).view(rows, -1, block_bytes))
+
+
+def decode_blocks(kind: GGMLQuantizationType, blocks: torch.Tensor) -> GroupQuantized:
+    """[rows, blocks, bytes per block] of raw bytes -> q, scale and offset per block."""
+    rows = blocks.shape[0]
+    scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    if kind == GGMLQuantizationType.Q8_0:  # d (f16), 32 x int8: w = d * q
+        q = blocks[..., 2:].contiguous().view(torch.int8)
+        return GroupQuantized(q.reshape(rows, -1), scale, None, BLOCK_WEIGHTS, 8)
+    if kind == GGMLQuantizationType.Q4_1:  # d, m (f16), 16 bytes of nibbles: w = d * q + m
+        offset = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+        nibbles = blocks[..., 4:]
+    else:  # Q4_0: d (f16), 16 bytes of nibbles: w = d * (q - 8)
+        offset = -8 * scale
+        nibbles = blocks[..., 2:]
+    # Byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
+    return GroupQuantized(q.reshape(rows, -1), scale, offset, BLOCK_WEIGHTS, 4)
+
+
+def unpermute_rows(value: "torch.Tensor | GroupQuantized", num_heads: int):
+    """Undo llama.cpp's per-head interleaving of the rotary halves of Q / K rows."""
+    rows = value.q.shape[0] if isinstance(value, GroupQuantized) else value.shape[0]
+    order = torch.arange(rows).view(num_heads, -1, 2).transpose(1, 2).reshape(rows)
+    if isinstance(value, GroupQuantized):
+        offset = None if value.offset is None else value.offset[order]
+        return GroupQuantized(value.q[order], value.scale[order], offset, value.group_size,
+                              value.bits)
+    return value[order]

@@ -1,0 +1,295 @@
+"""Loads the model, sizes and owns the KV cache, turns a scheduled step into one forward."""
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from kvscope import kernels
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvscope.engine.worker import huge_pages
+from kvscope.engine.worker.gguf_weights import GGUF_ARCHITECTURES, gguf_architecture, iter_gguf_weights
+from kvscope.engine.worker.loader import (
+    gguf_file,
+    iter_weights,
+    load_config,
+    load_generation_config,
+    load_tokenizer,
+    resolve_model_path,
+)
+from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
+from kvscope.engine.worker.models import model_class
+from kvscope.engine.worker.models.attention import AttentionMetadata
+from kvscope.engine.worker.models.layers import bind_forward_ops
+from kvscope.engine.worker.models.quantized import pack_model, quantize_model
+from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
+from kvscope.engine.worker.profile_cache import load_peak, profile_key, store_peak
+from kvscope.kernels.forward_ops import TORCH_OPS
+from kvscope.kernels.forward_ops import cpu_ops as cpu_forward_ops
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16 or AMX);
+    float32 on other CPUs, where bf16 is emulated and runs several times slower than fp32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = cpuinfo.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    """Everything on the device: weights, the KV cache, batch inputs and the forward."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.generation_config = load_generation_config(self.model_path, self.hf_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.max_positions = self.hf_config.max_position_embeddings
+        architecture = model_class(self.hf_config)
+        config.resolved(self.max_positions)  # bad length knobs fail before the weights load
+        # Quantized layers allocate other temporaries, so the profiled peak depends on these.
+        self.quantization = {"quantization": config.quantization,
+                             "quantization_group_size": config.quantization_group_size}
+        with default_dtype(self.dtype), torch.device(self.device):
+            # Every position the model supports: a reconfigure may raise max_model_len later.
+            self.model = architecture(self.hf_config, self.max_positions)
+            quantize_model(self.model, config.quantization, config.quantization_group_size)
+        self.load_weights(config)
+        if self.device.type == "cpu":
+            huge_pages.move_module(self.model)
+        self.model.eval()
+        # Packed quantized weights are (integer) parameters too, so this is what they occupy.
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.attention_layers = self.model.attention_layers()
+        first = self.attention_layers[0]
+        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.attention_backend = kernels.select_backend(self.device)
+        for layer in self.attention_layers:
+            layer.backend = self.attention_backend
+        # The fused C++ forward ops come with the C++ attention (same extension, same CPU).
+        self.forward_ops = cpu_forward_ops() if self.attention_backend.name == "cpu" else TORCH_OPS
+        bind_forward_ops(self.model, self.forward_ops)
+        fuse = getattr(self.model, "fuse_decoder_stack", None)
+        self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
+                                    and self.forward_ops.name == "cpu")
+        if self.fused_decoder_stack:
+            fuse(self.dtype)
+        self.kv_cache: torch.Tensor | None = None
+        self.swap_cache: torch.Tensor | None = None
+        self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
+        logger.info("loaded %s (%s, %.1f MiB of weights, quantization=%s, %s on %s) in %.1f s;"
+                    " kernels: %s attention, %s forward ops, %s", self.model_path,
+                    type(self.model).__name__, self.weight_bytes / (1 << 20), config.quantization,
+                    self.dtype, self.device, time.perf_counter() - started,
+                    self.attention_backend.name, self.forward_ops.name,
+                    "one-call decoder stack" if self.fused_decoder_stack else "eager layers")
+
+    def load_weights(self, config: EngineConfig) -> None:
+        """The checkpoint into the model, packed for its quantization. A quantized GGUF
+        model is packed once: later starts read its packed state from the cache."""
+        source = gguf_file(config.model) if config.quantization != "none" else None
+        cache = None if source is None else packed_path(
+            source, config.quantization, config.quantization_group_size, self.dtype)
+        state = None if cache is None else read_packed(cache)
+        if state is not None:
+            pack_model(self.model, self.dtype, self.device)  # the layout, then the values
+            self.model.load_state_dict(state)
+            logger.info("packed %s weights read from %s", config.quantization, cache)
+            return
+        self.model.load_weights(self.checkpoint_weights(source))
+        pack_model(self.model, self.dtype, self.device)
+        if cache is not None:
+            store_packed(self.model, cache)
+
+    def checkpoint_weights(self, source):
+        """The HF folder's tensors; for a quantized model's Llama GGUF (`source`, else None),
+        the file's own blocks instead (Q4_1 layers then pack into int4 without a round trip
+        through fp32)."""
+        if source is not None and gguf_architecture(source) in GGUF_ARCHITECTURES:
+            logger.info("reading the quantized blocks of %s directly", source)
+            return iter_gguf_weights(source, self.hf_config)
+        return iter_weights(self.model_path)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """K and V for block_size tokens in every layer."""
+        return (2 * len(self.attention_layers) * block_size * self.num_kv_heads
+                * self.head_dim * self.dtype.itemsize)
+
+    def plan_memory(self, config: EngineConfig) -> MemoryPlan:
+        """Size the block pool for a resolved config (profiling its token budget once per
+        model, machine and code version: later starts read the peak from disk)."""
+        key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
+        if key not in self._peak_activation_bytes:
+            self._peak_activation_bytes[key] = self._cached_peak_activations(*key)
+        plan = plan_blocks(
+            device_memory_bytes(self.device, config.device_memory_gb),
+            config.gpu_memory_utilization, self.weight_bytes, self._peak_activation_bytes[key],
+            self.bytes_per_block(config.block_size), config.block_size, config.max_model_len,
+            config.num_gpu_blocks_override)
+        return plan
+
+    def _cached_peak_activations(self, num_tokens: int, max_model_len: int,
+                                 max_seqs: int) -> int:
+        key = profile_key(self.model_path, self.dtype, self.device,
+                          self.attention_backend.name,
+                          {"num_tokens": num_tokens, "max_model_len": max_model_len,
+                           "max_num_seqs": max_seqs, **self.quantization})
+        peak = load_peak(key)
+        if peak is None:
+            peak = self.profile_peak_activations(num_tokens, max_model_len, max_seqs)
+            store_peak(key, peak)
+        return peak
+
+    def profile_peak_activations(self, num_tokens: int, max_model_len: int, max_seqs: int) -> int:
+        """One forward over a full token budget (as sequences of at most max_model_len) plus
+        logits for max_num_seqs rows, measured on the device."""
+        block_size = 16
+        lengths = [max_model_len] * (num_tokens // max_model_len)
+        if num_tokens % max_model_len:
+            lengths.append(num_tokens % max_model_len)
+        blocks_per_seq = -(-max(lengths) // block_size)
+        self.allocate_kv_cache(block_size, blocks_per_seq * len(lengths))
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+                  for i in range(len(lengths))]
+        input_ids, positions, meta = self._flat_inputs(
+            [(0, n, table) for n, table in zip(lengths, tables)], block_size,
+            token_ids=lambda index, start, end: [0] * (end - start))
+
+        def forward():
+            with torch.inference_mode():
+                hidden = self.model(input_ids, positions, meta)
+                self.model.compute_logits(hidden[-1:].expand(max_seqs, -1))
+
+        peak = measure_peak_bytes(forward, self.device)
+        self.kv_cache = None
+        logger.info("profiling forward of %d tokens peaked at %.1f MiB of activations",
+                    num_tokens, peak / (1 << 20))
+        return peak
+
+    def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None:
+        """Zeroed [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer
+        gets its K and V views, so block copies and swaps move all layers at once."""
+        self.kv_cache = None
+        for layer in self.attention_layers:
+            layer.key_cache = layer.value_cache = None
+        shape = (2, len(self.attention_layers), num_blocks, block_size, self.num_kv_heads,
+                 self.head_dim)
+        self.kv_cache = (huge_pages.empty(shape, self.dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
+        for index, layer in enumerate(self.attention_layers):
+            layer.key_cache = self.kv_cache[0, index]
+            layer.value_cache = self.kv_cache[1, index]
+        self.block_size = block_size
+
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        """The CPU pool that swapped-out sequences' blocks are copied to (pinned on CUDA, so
+        copies are DMA transfers)."""
+        self.swap_cache = None
+        if num_blocks:
+            self.swap_cache = torch.zeros(
+                (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:]),
+                dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+
+    def copy_blocks(self, copies: list[tuple[int, int]], source: torch.Tensor,
+                    target: torch.Tensor) -> None:
+        """Copy whole blocks (all layers, K and V): copy-on-write, swap out, swap in."""
+        sources = torch.tensor([s for s, _ in copies], device=source.device)
+        targets = torch.tensor([t for _, t in copies], device=target.device)
+        target[:, :, targets] = source[:, :, sources].to(target.device)
+
+    def _flat_inputs(self, pieces, block_size: int, token_ids):
+        """Flatten (start, end, block_table) pieces into the attention op's ragged layout."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        for index, (start, end, table) in enumerate(pieces):
+            input_ids.extend(token_ids(index, start, end))
+            span = range(start, end)
+            positions.extend(span)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + end - start)
+        width = max(len(table) for _, _, table in pieces)
+        tables = [table + [0] * (width - len(table)) for _, _, table in pieces]
+        device = self.device
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(tables, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_start_loc=tensor(query_start_loc, torch.int32))
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta
+
+    @torch.inference_mode()
+    def move_blocks(self, plan: SchedulerOutput) -> None:
+        """Swaps and copy-on-write copies, before anything writes into the blocks: a block
+        swapped out may be handed to another sequence in this same step."""
+        for copies, source, target in ((plan.swap_out, self.kv_cache, self.swap_cache),
+                                       (plan.swap_in, self.swap_cache, self.kv_cache),
+                                       (plan.block_copies, self.kv_cache, self.kv_cache)):
+            if copies:
+                self.copy_blocks(copies, source, target)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run one forward over the ragged batch. Returns logits [sampling sequences, vocab]
+        in fp32, one row per scheduled sequence that reaches its last token, in schedule
+        order; and for each index in `all_positions` the logits of every position of its
+        chunk (prompt logprobs)."""
+        input_ids, positions, meta = self._flat_inputs(
+            [(s.start, s.end, s.seq.block_table) for s in scheduled], self.block_size,
+            token_ids=lambda index, start, end: scheduled[index].seq.token_ids[start:end])
+        hidden = self.model(input_ids, positions, meta)
+        starts = meta.query_start_loc.tolist() if all_positions else []
+        chunk_logits = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
+                        for i in all_positions}
+        last_rows, end = [], 0  # each sampling sequence's last token in the flat batch
+        for item in scheduled:
+            end += item.end - item.start
+            if item.samples:
+                last_rows.append(end - 1)
+        # A batch of decodes that all sample is every row, in order: no gather.
+        sampled = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
+        return self.model.compute_logits(sampled), chunk_logits

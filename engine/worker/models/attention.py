@@ -1,0 +1,49 @@
+"""The attention layer every model uses: store new K/V in the paged cache, attend over it."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvscope.kernels import AttentionBackend
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The flat description of one ragged batch, shared by every layer of a forward."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset, -1 = skip
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: KV length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+
+
+class PagedAttention(nn.Module):
+    """Holds one layer's K/V cache views and the attention backend; the model runner binds
+    the backend at start-up and the views after sizing the pool."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [tokens, heads * dim], key/value [tokens, kv_heads * dim] -> [tokens, heads * dim]."""
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.backend.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
+        out = self.backend.paged_attention(
+            query, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, self.scale,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,96 @@
+"""Building blocks shared by the model files: merged projections and RMSNorm."""
+
+import torch
+from torch import nn
+
+from kvscope.engine.worker.models.quantized import GroupQuantized, QuantizedLinear, dense
+from kvscope.kernels.forward_ops import TORCH_OPS, ForwardOps
+
+
+class UsesForwardOps(nn.Module):
+    """A module that calls kernels.forward_ops: eager twins until the model runner binds
+    the fused ops it chose at start-up (bind_forward_ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: ForwardOps = TORCH_OPS
+
+
+def bind_forward_ops(model: nn.Module, ops: ForwardOps) -> None:
+    for module in model.modules():
+        if isinstance(module, UsesForwardOps):
+            module.ops = ops
+
+
+class Linear(nn.Linear, UsesForwardOps):
+    """nn.Linear through the bound forward ops (a single row streams its weights)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input as one matmul (q/k/v, gate/up).
+
+    The checkpoint stores each part under its own name; `load_part` copies one into its
+    rows, so the model runs one large matmul instead of two or three small ones.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    def load_part(self, param_name: str, index: int, tensor: "torch.Tensor | GroupQuantized") -> None:
+        start = sum(self.output_sizes[:index])
+        getattr(self, param_name).data[start:start + self.output_sizes[index]].copy_(dense(tensor))
+
+    def split(self, output: torch.Tensor) -> list[torch.Tensor]:
+        return list(output.split(self.output_sizes, dim=-1))
+
+
+class RMSNorm(UsesForwardOps):
+    """Llama's RMSNorm, normalising in fp32 as transformers does; given the residual
+    stream, it first adds hidden into it (in place) and normalises the sum."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.ops.rms_norm(hidden, self.weight, self.eps, residual)
+
+
+def load_weights(
+    model: nn.Module, weights, packed: dict[str, tuple[str, int]], skip: set[str] = frozenset()
+) -> None:
+    """Copy checkpoint tensors into the model, routing packed parts into merged projections.
+
+    `packed` maps a checkpoint module name ("q_proj") to (merged module, part index);
+    names in `skip` (e.g. a tied lm_head) are ignored. Every model parameter must be set.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    # Quantized layers stage their weight until packing, so it is no parameter yet.
+    expected = set(params) | {f"{path}.weight" for path, module in modules.items()
+                              if isinstance(module, QuantizedLinear)}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name in skip or "rotary_emb" in name:
+            continue
+        module_path, _, param_name = name.rpartition(".")
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in packed:
+            merged_leaf, index = packed[leaf]
+            module_path = f"{parent}.{merged_leaf}"
+            modules[module_path].load_part(param_name, index, tensor)
+        elif isinstance(modules.get(module_path), QuantizedLinear):
+            modules[module_path].load_part(param_name, 0, tensor)
+        elif name in params:
+            params[name].data.copy_(dense(tensor))
+        else:
+            raise ValueError(f"model: checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        loaded.add(f"{module_path}.{param_name}")
+    missing = sorted(expected - loaded - skip)
+    if missing:
+        raise ValueError(f"model: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

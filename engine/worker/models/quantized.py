@@ -1,0 +1,340 @@
+"""Weight-only quantization: int4 (grouped, scale and offset per group) and int8 (per output
+channel) linears and embeddings that keep activations in the model's dtype.
+
+A model is built dense, `quantize_model` swaps its linears and token embedding for empty
+quantized twins, the weights are loaded into those (dense tensors are quantized as they
+arrive; GGUF blocks of the same format are copied exactly), and `pack_model` converts them
+into the layout of the C++ kernels (kernels/csrc/quantized_cpu.cpp). Up to
+`kernel_max_rows(dtype)` rows of activations (decode steps) stream the packed weights
+through those kernels; more rows are compute-bound and run a GEMM instead. Where the kernels do not
+run (CUDA, no C++ compiler) the weights are de-quantized on every forward, with a warning.
+"""
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvscope.engine.config import QUANTIZATION_GROUP_SIZES
+from kvscope.kernels import cpu_ops
+from kvscope.kernels.forward_ops import TORCH_OPS
+
+logger = logging.getLogger(__name__)
+INT4_CHUNK = 32  # int4 weights per 16 packed bytes (GGUF's Q4 nibble order)
+INT4_WIDE_BLOCK = 16  # chunks per wide block of the kernels' layout (see int4_wide_blocks)
+# Rows of activations the streaming kernels take; more go to a GEMM on the de-quantized
+# weight. The exact kernels (fp32 activations, CPUs without VNNI) re-read the weights for
+# every 8 rows, so they stop there. The VNNI kernels (bf16 activations rounded to int8) take
+# any number of rows tile by tile, reading the weights once: on the Zen 4 they beat
+# de-quantize + GEMM up to 32 rows (1.07x at 32, 0.89x at 64: bench/quantized_linear.py).
+KERNEL_MAX_ROWS = 8
+TILED_KERNEL_MAX_ROWS = 32
+
+
+def kernel_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of activations in `dtype` that stream through the packed kernels."""
+    if dtype == torch.bfloat16 and vnni_kernels():
+        return TILED_KERNEL_MAX_ROWS
+    return KERNEL_MAX_ROWS
+
+
+@functools.cache
+def vnni_kernels() -> bool:
+    """Whether this build's kernels round bf16 activations to int8 for VNNI dots."""
+    return cpu_ops.rounds_activations_to_int8()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupQuantized:
+    """Rows of a weight as `q * scale + offset`, one scale (and offset) per `group_size`
+    consecutive input columns: the GGUF block formats Q4_0, Q4_1 and Q8_0."""
+
+    q: torch.Tensor  # [rows, cols], integers (uint8 0..15 for 4 bits, int8 for 8 bits)
+    scale: torch.Tensor  # [rows, cols // group_size], fp32
+    offset: torch.Tensor | None  # like scale; None = symmetric
+    group_size: int
+    bits: int
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.q.shape
+        grouped = self.q.float().view(rows, -1, self.group_size) * self.scale.unsqueeze(-1)
+        if self.offset is not None:
+            grouped = grouped + self.offset.unsqueeze(-1)
+        return grouped.view(rows, cols)
+
+
+def dense(tensor: "torch.Tensor | GroupQuantized") -> torch.Tensor:
+    """A checkpoint tensor as a plain tensor, whatever form it arrived in."""
+    return tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> GroupQuantized:
+    """Asymmetric min/max int4 per group (llama.cpp's Q4_1 rule): q in 0..15, with the scale
+    and offset rounded to the float16 they are stored in (the offset down and the scale up,
+    so the group's range stays covered and no weight is off by more than half a step)."""
+    rows, cols = weight.shape
+    grouped = weight.float().view(rows, -1, group_size)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    low = float16_toward(low, float("-inf"))
+    scale = float16_toward(((high - low) / 15).clamp(min=FLOAT16_SMALLEST), float("inf"))
+    q = ((grouped - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
+    return GroupQuantized(q.to(torch.uint8).view(rows, cols), scale, low, group_size, 4)
+
+
+FLOAT16_SMALLEST = 2.0 ** -24  # the smallest positive (subnormal) float16
+
+
+def float16_toward(values: torch.Tensor, bound: float) -> torch.Tensor:
+    """fp32 values rounded to float16 in the direction of `bound` (as fp32 again)."""
+    rounded = values.half()
+    off = (rounded.float() - values) * (1 if bound > 0 else -1) < 0
+    rounded = torch.where(off, torch.nextafter(rounded, torch.tensor(bound).half()), rounded)
+    return rounded.float()
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: (q int8 [rows, cols], scale fp32 [rows])."""
+    weight = weight.float()
+    scale = (weight.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (weight / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def frozen(tensor: torch.Tensor) -> nn.Parameter:
+    """Packed weights are parameters (so weight_bytes and .to() see them) that never train."""
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class QuantizedLinear(nn.Module):
+    """Base of the quantized twins of nn.Linear / MergedLinear: same in/out sizes, same
+    `load_part` and `split`, weights staged in fp32-scaled integers until `pack`.
+
+    Subclasses give `stream` (the C++ kernel for a few rows), `dequantize` (the C++
+    de-quantization for a GEMM over many) and `dequantized_weight`, their plain-torch twin
+    (the fallback where the kernels do not run, and the tests' oracle)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = output_sizes
+        self.out_features = sum(output_sizes)
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+        self.use_kernel = False
+
+    def load_part(self, param_name: str, index: int, tensor) -> None:
+        start = sum(self.output_sizes[:index])
+        rows = slice(start, start + self.output_sizes[index])
+        if param_name == "bias":
+            self.bias.data[rows].copy_(dense(tensor))
+        else:
+            self.stage_rows(rows, tensor)
+
+    def split(self, output: torch.Tensor) -> list[torch.Tensor]:
+        return list(output.split(self.output_sizes, dim=-1))
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T + bias in x's dtype, widened to out_dtype (float32: logits) after."""
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(-1) != 1:  # the kernels take rows with contiguous features, strided
+            flat = flat.contiguous()
+        out_dtype = out_dtype or flat.dtype
+        if not self.use_kernel:
+            out = F.linear(flat, self.dequantized_weight(flat.dtype), self.bias).to(out_dtype)
+        elif flat.shape[0] <= kernel_max_rows(flat.dtype):
+            out = self.stream(flat, out_dtype)
+        else:
+            out = F.linear(flat, self.dequantize(flat.dtype), self.bias).to(out_dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int4Linear(QuantizedLinear):
+    """y = x @ (q * scale + offset).T with q int4 packed two to a byte (byte j of each
+    32-input chunk holds weight j and weight j + 16, GGUF's order) and a float16 scale and
+    offset per `group_size` inputs of each output row."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 group_size: int) -> None:
+        super().__init__(in_features, output_sizes, bias)
+        self.group_size = group_size
+        groups = in_features // group_size
+        staged = {"dtype": torch.float32, "device": "cpu"}  # not the model's default dtype
+        self.staged_q = torch.zeros(self.out_features, in_features, dtype=torch.uint8,
+                                    device="cpu")
+        self.staged_scale = torch.zeros(self.out_features, groups, **staged)
+        self.staged_offset = torch.zeros(self.out_features, groups, **staged)
+
+    def stage_rows(self, rows: slice, tensor) -> None:
+        matches = (isinstance(tensor, GroupQuantized) and tensor.bits == 4
+                   and tensor.group_size == self.group_size and tensor.offset is not None)
+        # Blocks of the same shape (GGUF Q4_0 / Q4_1 at group 32, whose scales are float16
+        # already) copy exactly; anything else is re-quantized from its de-quantized values.
+        blocks = tensor if matches else quantize_int4(dense(tensor), self.group_size)
+        self.staged_q[rows] = blocks.q
+        self.staged_scale[rows] = blocks.scale
+        self.staged_offset[rows] = blocks.offset
+
+    def pack(self, dtype: torch.dtype, device: torch.device) -> None:
+        chunks = self.staged_q.view(self.out_features, -1, 2, INT4_CHUNK // 2)
+        packed = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).view(self.out_features, -1)
+        self.weight = frozen(int4_wide_blocks(packed).to(device))
+        self.scales = frozen(self.staged_scale.to(device, torch.float16))
+        self.offsets = frozen(self.staged_offset.to(device, torch.float16))
+        del self.staged_q, self.staged_scale, self.staged_offset
+        self.use_kernel = packed_kernels_available(device)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The plain-torch twin of the kernels' de-quantization (the fallback and the
+        tests' oracle): the dense weight, computed in fp32 and rounded to `dtype`."""
+        chunks = int4_wide_blocks(self.weight, inverse=True).view(self.out_features, -1,
+                                                                 INT4_CHUNK // 2)
+        q = torch.cat([chunks & 15, chunks >> 4], dim=-1).view(self.out_features, -1,
+                                                               self.group_size)
+        weight = q.float() * self.scales.float().unsqueeze(-1) + self.offsets.float().unsqueeze(-1)
+        return weight.view(self.out_features, self.in_features).to(dtype)
+
+    def stream(self, flat: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        # The output projections are int8 (quantize_model), so torch widens here.
+        return cpu_ops.int4_linear(flat, self.weight, self.scales, self.offsets,
+                                   self.group_size, self.bias).to(out_dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return cpu_ops.int4_dequantize(self.weight, self.scales, self.offsets, self.group_size,
+                                       dtype)
+
+
+def int4_wide_blocks(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rows of GGUF-order int4 chunks (16 bytes each) in the kernels' layout, or back with
+    `inverse`: each run of INT4_WIDE_BLOCK chunks is stored as [t 0..3][chunk][4 bytes], so
+    one 64-byte load holds bytes 4t..4t+3 of all 16 chunks and every chunk's dot sums in its
+    own int32 lane of a vpdpbusd (kernels/csrc/quantized_cpu.cpp); the chunks after the
+    last whole block keep GGUF's order."""
+    rows, width = packed.shape
+    wide = width // (INT4_WIDE_BLOCK * INT4_CHUNK // 2) * (INT4_WIDE_BLOCK * INT4_CHUNK // 2)
+    blocks = packed[:, :wide].reshape(rows, -1, INT4_WIDE_BLOCK, 4, 4)
+    if inverse:
+        blocks = blocks.view(rows, -1, 4, INT4_WIDE_BLOCK, 4)
+    out = packed.clone()
+    out[:, :wide] = blocks.transpose(2, 3).reshape(rows, wide)
+    return out
+
+
+class Int8Linear(QuantizedLinear):
+    """y = x @ (q * scale).T with q int8 and one fp32 scale per output row."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, output_sizes, bias)
+        self.staged_q = torch.zeros(self.out_features, in_features, dtype=torch.int8,
+                                    device="cpu")
+        self.staged_scale = torch.zeros(self.out_features, dtype=torch.float32, device="cpu")
+
+    def stage_rows(self, rows: slice, tensor) -> None:
+        # Per-row scales fit no GGUF block format, so every source is re-quantized.
+        self.staged_q[rows], self.staged_scale[rows] = quantize_int8(dense(tensor))
+
+    def pack(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.weight = frozen(self.staged_q.to(device))
+        self.scales = frozen(self.staged_scale.to(device))
+        del self.staged_q, self.staged_scale
+        self.use_kernel = packed_kernels_available(device)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight, computed in fp32 and rounded to `dtype` (fallback and oracle)."""
+        return (self.weight.float() * self.scales.unsqueeze(-1)).to(dtype)
+
+    def stream(self, flat: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return cpu_ops.int8_linear(flat, self.weight, self.scales, self.bias, out_dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return cpu_ops.int8_dequantize(self.weight, self.scales, dtype)
+
+
+class Int8Embedding(Int8Linear):
+    """A token embedding as int8 rows with one scale each. Looking a token up de-quantizes
+    its row; `project` uses the same rows as a tied output projection (the logits)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(embedding_dim, [num_embeddings], bias=False)
+
+    def pack(self, dtype: torch.dtype, device: torch.device) -> None:
+        super().pack(dtype, device)
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.flatten()
+        rows = self.weight.index_select(0, ids).float() * self.scales.index_select(0, ids)[:, None]
+        return rows.to(self.dtype).view(*input_ids.shape, self.in_features)
+
+    def project(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return super().forward(hidden, out_dtype)
+
+
+def output_logits(projection: nn.Module, hidden: torch.Tensor,
+                  dense_logits: Callable[..., torch.Tensor] = TORCH_OPS.logits) -> torch.Tensor:
+    """The fp32 logits hidden @ W.T of an output projection: an lm_head (bias-free) or the
+    token embedding it is tied to. Each value is rounded to hidden's dtype first (the result
+    widened exactly); the int8 kernel and `dense_logits` (the model's bound forward ops,
+    where it has them) write fp32 themselves."""
+    if isinstance(projection, Int8Embedding):
+        return projection.project(hidden, torch.float32)
+    if isinstance(projection, QuantizedLinear):
+        return projection(hidden, torch.float32)
+    return dense_logits(hidden, projection.weight)
+
+
+@functools.cache
+def packed_kernels_available(device: torch.device) -> bool:
+    """Whether the C++ kernels for packed weights run on `device` (the CPU, once they build)."""
+    if device.type != "cpu":
+        return False
+    try:
+        cpu_ops.load()
+    except RuntimeError as error:
+        logger.warning("the C++ kernels for quantized weights do not build here (%s)", error)
+        return False
+    return True
+
+
+def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None:
+    """Swap every linear (merged ones included) and every token embedding for an empty
+    quantized twin; the weights are loaded afterwards. Embeddings and output projections
+    (lm_head) are int8 in both modes, as the default GGUF itself ships its embedding as
+    Q8_0: they are read once per token and their rows carry the logits."""
+    if quantization == "none":
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            output_sizes = getattr(module, "output_sizes", [module.out_features])
+            bias = module.bias is not None
+            if quantization == "int4" and not name.endswith("lm_head"):
+                if module.in_features % group_size:
+                    raise ValueError(
+                        f"quantization_group_size={group_size} must divide the input size "
+                        f"of every layer, but {name} has {module.in_features}; use one of "
+                        f"{[g for g in QUANTIZATION_GROUP_SIZES if module.in_features % g == 0]}")
+                twin = Int4Linear(module.in_features, output_sizes, bias, group_size)
+            else:
+                twin = Int8Linear(module.in_features, output_sizes, bias)
+        elif isinstance(module, nn.Embedding) and name.endswith("embed_tokens"):
+            twin = Int8Embedding(module.num_embeddings, module.embedding_dim)
+        else:
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, twin)
+
+
+def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Convert every staged quantized layer into its kernel layout on `device`."""
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    for layer in layers:
+        layer.pack(dtype, device)
+    if layers and not packed_kernels_available(device):
+        logger.warning("no kernels for packed weights on %s: the %d quantized layers "
+                       "de-quantize their weights on every forward (correct, but slower than "
+                       "dense)", device, len(layers))
