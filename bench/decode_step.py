@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def label_attention(runner) -> None:
     """Wrap every layer's attention ops in one profiler range, so eager torch ops and a
     C++ op alike count as attention."""
-    backend = runner.attention_backend
+    ops = runner.kernel_ops
 
     def labelled(function):
         def call(*args, **kwargs):
@@ -50,10 +50,10 @@ def label_attention(runner) -> None:
                 return function(*args, **kwargs)
         return call
 
-    wrapped = replace(backend, paged_attention=labelled(backend.paged_attention),
-                      store_kv=labelled(backend.store_kv))
+    wrapped = replace(ops, paged_attention=labelled(ops.paged_attention),
+                      store_kv=labelled(ops.store_kv))
     for layer in runner.attention_layers:
-        layer.backend = wrapped
+        layer.ops = wrapped
 
 
 def main(argv=None) -> None:
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     forward_total = sum(t for k, t in totals.items() if k.startswith("## forward"))
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
     print(json.dumps({
-        **bench.describe(), "attention_backend": bench.runner.attention_backend.name,
+        **bench.describe(), "attention_backend": bench.runner.kernel_ops.backend,
         "batch": args.batch, "prompt_len": args.prompt_len,
         "prefill_seconds": round(prefill_seconds, 2),
         "decode_step_ms_median": round(step * 1e3, 2),

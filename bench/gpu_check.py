@@ -59,7 +59,7 @@ def describe_environment(device: torch.device) -> dict:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "device": str(device),
-        "attention_backend": kernels.attention_backend_name(device),
+        "attention_backend": kernels.backend_name(device),
     }
     try:
         import triton
@@ -207,10 +207,10 @@ def bench_one(batch: int, seq_len: int, query_len: int, shape: AttentionShape,
     case = build_case(batch, seq_len, query_len, shape, device)
     scale = shape.head_dim ** -0.5
     out = torch.empty_like(case["query"])
-    backend = kernels.select_backend(device)
+    ops = kernels.select_ops(device)
 
     def paged() -> torch.Tensor:
-        return backend.paged_attention(
+        return ops.paged_attention(
             case["query"], case["key_cache"], case["value_cache"], case["block_tables"],
             case["seq_lens"], case["query_start_loc"], scale, out=out)
 
@@ -270,7 +270,7 @@ def bench_attention(deadline: Deadline, dry_run: bool, device: torch.device,
                     (1, 4608, 512)]  # the last: a 512-token chunk over 4096 cached tokens
     record = {
         "section": "attention",
-        "backend": kernels.attention_backend_name(device),
+        "backend": kernels.backend_name(device),
         "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim, "block_size": shape.block_size,
         "dtype": str(shape.dtype).removeprefix("torch."),

@@ -42,7 +42,7 @@ from kvscope.engine.worker.models.quantized import (  # noqa: E402
     int4_wide_blocks,
     pack_model,
 )
-from kvscope.kernels import forward_ops  # noqa: E402
+from kvscope.kernels import cpu_kernels  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -66,6 +66,7 @@ def random_weight(out_features: int, in_features: int) -> torch.Tensor:
 def packed(layer, weight: torch.Tensor, dtype: torch.dtype):
     layer.load_part("weight", 0, weight)
     pack_model(layer, dtype, CPU)
+    layer.ops = cpu_kernels.kernel_ops()
     return layer
 
 
@@ -76,7 +77,7 @@ def forms(out_features: int, in_features: int, group_size: int, is_lm_head: bool
     dense = weight.to(dtype)
     int8 = packed(Int8Linear(in_features, [out_features], bias=False), weight, dtype)
     int8_scales = int8.scales.to(dtype)  # the torch op wants x's dtype
-    row_kernel = forward_ops.cpu_ops().linear
+    row_kernel = cpu_kernels.kernel_ops().linear
     found = {
         "dense": (lambda x: F.linear(x, dense), dense.nbytes),
         "dense_row_kernel": (lambda x: row_kernel(x, dense), dense.nbytes),

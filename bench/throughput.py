@@ -145,7 +145,7 @@ class KVScope:
         engine = self.llm.engine
         config = {k: v for k, v in engine.config.to_dict().items() if v is not None}
         config["memory_plan"] = engine.memory_plan.describe()
-        config["attention_backend"] = engine.runner.attention_backend.name
+        config["attention_backend"] = engine.runner.kernel_ops.backend
         return config
 
     def weight_bytes_per_step(self) -> int:

@@ -1,15 +1,20 @@
-"""Paged-attention and KV-store ops over block tables, shared by every model.
+"""The kernels every model calls, one record of them per backend (kernels/kernel_ops.py).
 
-Three backends implement the same two ops (the contract is kernels/reference.py's):
+Three backends implement KernelOps (the contracts are kernels/reference.py's and
+kernels/kernel_ops.py's):
 
-  triton  kernels/triton_attention.py and triton_kv_store.py: CUDA tensors (CPU tensors
-          only in the Triton interpreter, TRITON_INTERPRET=1 set before triton is imported)
-  cpu     C++ kernels (kernels/csrc) compiled on first use for this CPU: kernels/cpu_ops.py
-  torch   the plain-torch twins in kernels/reference.py: the fallback and the tests' oracle
+  triton  kernels/triton_attention.py and triton_kv_store.py for attention, the torch twins
+          for the rest: CUDA tensors (CPU tensors only in the Triton interpreter,
+          TRITON_INTERPRET=1 set before triton is imported)
+  cpu     C++ kernels (kernels/csrc) compiled on first use for this CPU:
+          kernels/cpu_kernels.py, the only module that reaches torch.ops.kvscope
+  torch   the plain-torch twins (kernels/torch_ops.py, kernels/reference.py): the fallback
+          and the tests' oracle
 
-`select_backend(device)` picks one, once: the model runner calls it at start-up and hands
-the result to every attention layer. KVSCOPE_ATTENTION_BACKEND=triton|cpu|torch forces a
-backend; otherwise CUDA gets triton and the CPU gets cpu (torch if it cannot be built).
+`select_ops(device)` picks one, once: the model runner calls it at start-up and hands the
+record to the model's modules, the decoder stack and the sampler.
+KVSCOPE_ATTENTION_BACKEND=triton|cpu|torch forces a backend; otherwise CUDA gets triton and
+the CPU gets cpu (torch if it cannot be built).
 """
 
 import functools
@@ -18,29 +23,20 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
-from kvscope.kernels import reference
+from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels
+from kvscope.kernels.torch_ops import TORCH_OPS
 
-__all__ = ["AttentionBackend", "BACKENDS", "BACKEND_ENV", "attention_backend_name",
-           "select_backend", "triton_available"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "TORCH_OPS", "KernelOps", "PackedLinearKernels",
+           "backend_name", "select_ops", "triton_available"]
 
 logger = logging.getLogger(__name__)
 BACKEND_ENV = "KVSCOPE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
 _TRITON_MODULE_NAMES = ("kvscope.kernels.triton_attention", "kvscope.kernels.triton_kv_store")
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionBackend:
-    """One backend's two ops (signatures of kernels.reference.paged_attention/store_kv)."""
-
-    name: str
-    paged_attention: Callable[..., torch.Tensor]
-    store_kv: Callable[..., None]
 
 
 @functools.cache
@@ -66,10 +62,10 @@ def _triton_interpreted() -> bool:
 
 def _cpu_kernels_build() -> bool:
     """Whether the C++ CPU kernels are (or can now be) built and loaded."""
-    from kvscope.kernels import cpu_ops
+    from kvscope.kernels import cpu_kernels
 
     try:
-        cpu_ops.load()
+        cpu_kernels.load()
     except Exception as error:  # noqa: BLE001 (any build failure means: use the fallback)
         logger.warning("C++ CPU attention kernels unavailable (%s); using the torch path",
                        error)
@@ -77,8 +73,8 @@ def _cpu_kernels_build() -> bool:
     return True
 
 
-def attention_backend_name(device: torch.device | str) -> str:
-    """'triton', 'cpu' or 'torch': the backend select_backend gives for this device.
+def backend_name(device: torch.device | str) -> str:
+    """'triton', 'cpu' or 'torch': the backend select_ops gives for this device.
 
     Raises ValueError for a bad KVSCOPE_ATTENTION_BACKEND or a forced backend that
     cannot run here, so an engine that calls this at start-up fails fast. Choosing the
@@ -110,15 +106,16 @@ def attention_backend_name(device: torch.device | str) -> str:
     return "cpu" if device.type == "cpu" and _cpu_kernels_build() else "torch"
 
 
-def select_backend(device: torch.device | str) -> AttentionBackend:
-    """The ops for tensors on this device (see attention_backend_name for the choice)."""
-    name = attention_backend_name(device)
+def select_ops(device: torch.device | str) -> KernelOps:
+    """The kernels for tensors on this device (see backend_name for the choice)."""
+    name = backend_name(device)
     if name == "triton":
         attention = importlib.import_module("kvscope.kernels.triton_attention")
         store = importlib.import_module("kvscope.kernels.triton_kv_store")
-        return AttentionBackend(name, attention.paged_attention, store.store_kv)
+        return replace(TORCH_OPS, backend=name, paged_attention=attention.paged_attention,
+                       store_kv=store.store_kv)
     if name == "cpu":
-        from kvscope.kernels import cpu_ops
+        from kvscope.kernels import cpu_kernels
 
-        return AttentionBackend(name, cpu_ops.paged_attention, cpu_ops.store_kv)
-    return AttentionBackend(name, reference.paged_attention, reference.store_kv)
+        return cpu_kernels.kernel_ops()
+    return TORCH_OPS

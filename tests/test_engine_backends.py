@@ -22,7 +22,7 @@ def runner_for(monkeypatch, tiny_model, backend: str, arch: str = "llama", **kno
                           block_size=8, max_num_batched_tokens=24,
                           **{"dtype": "float32", **knobs})
     runner = ModelRunner(config)
-    assert runner.attention_backend.name == backend
+    assert runner.kernel_ops.backend == backend
     return config, runner
 
 

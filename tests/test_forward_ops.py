@@ -1,17 +1,18 @@
-"""The fused C++ forward ops against their eager twins (kernels/forward_ops.py)."""
+"""The C++ versions of the small ops around a layer's matmuls (kernels/cpu_kernels.py)
+against their plain-torch twins (kernels/torch_ops.py)."""
 
 import os
 
 import pytest
 import torch
 
-from kvscope.kernels.forward_ops import TORCH_OPS, cpu_ops
+from kvscope.kernels import TORCH_OPS, cpu_kernels
 
 
 @pytest.fixture(scope="module")
 def fused():
     try:
-        return cpu_ops()
+        return cpu_kernels.kernel_ops()
     except RuntimeError as error:
         pytest.skip(f"C++ CPU kernels cannot be built here: {error}")
 

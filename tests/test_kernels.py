@@ -204,15 +204,14 @@ def test_reference_attention_writes_into_out():
 
 
 @pytest.fixture(scope="module")
-def cpu_ops():
-    """The C++ kernels, built (or loaded from the cache) once for this file."""
-    from kvscope.kernels import cpu_ops
+def cpu_kernel_ops():
+    """The C++ kernels' record, built (or loaded from the cache) once for this file."""
+    from kvscope.kernels import cpu_kernels
 
     try:
-        cpu_ops.load()
+        return cpu_kernels.kernel_ops()
     except RuntimeError as error:
         pytest.skip(f"C++ CPU kernels cannot be built here: {error}")
-    return cpu_ops
 
 
 CPU_CASES = [  # (block_size, queries_per_kv, head_dim): every block size, GQA ratio, dim
@@ -227,10 +226,10 @@ CPU_CASES = [  # (block_size, queries_per_kv, head_dim): every block size, GQA r
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), CPU_CASES)
-def test_cpu_attention_matches_dense(cpu_ops, block_size, queries_per_kv, head_dim, dtype):
+def test_cpu_attention_matches_dense(cpu_kernel_ops, block_size, queries_per_kv, head_dim, dtype):
     for seqs in (mixed_seqs(block_size), boundary_seqs(block_size)):
         batch = make_batch(seqs, block_size, 2, queries_per_kv, head_dim, dtype=dtype)
-        out = cpu_ops.paged_attention(*batch.args())  # unused slots hold NaN: never read
+        out = cpu_kernel_ops.paged_attention(*batch.args())  # unused slots hold NaN: never read
         assert out.dtype == dtype and out.shape == batch.query.shape
         assert_close(out, dense_attention(batch), dtype)
 
@@ -242,47 +241,47 @@ def test_cpu_attention_matches_dense(cpu_ops, block_size, queries_per_kv, head_d
     pytest.param([(700, 1), (3, 1), (40, 40)], id="long-decode-beside-a-prefill"),
     pytest.param([(90, 37)], id="prefill-longer-than-a-query-tile"),
 ])
-def test_cpu_attention_edge_cases(cpu_ops, seqs):
+def test_cpu_attention_edge_cases(cpu_kernel_ops, seqs):
     batch = make_batch(seqs, 16, 3, 3, 64)
-    assert_close(cpu_ops.paged_attention(*batch.args()), dense_attention(batch), torch.float32)
+    assert_close(cpu_kernel_ops.paged_attention(*batch.args()), dense_attention(batch), torch.float32)
 
 
-def test_cpu_attention_empty_batch_and_strided_query(cpu_ops):
+def test_cpu_attention_empty_batch_and_strided_query(cpu_kernel_ops):
     batch = make_batch([(5, 1)], 8, 1, 2, 64)
     empty = torch.empty(0, 2, 64)
     no_seqs = torch.empty(0, dtype=torch.int32)
-    out = cpu_ops.paged_attention(empty, batch.key_cache, batch.value_cache,
+    out = cpu_kernel_ops.paged_attention(empty, batch.key_cache, batch.value_cache,
                                   batch.block_tables[:0], no_seqs,
                                   torch.zeros(1, dtype=torch.int32), batch.scale)
     assert out.shape == (0, 2, 64)
     fused = torch.cat([batch.query, torch.full_like(batch.query, float("nan"))], dim=1)
     strided = fused[:, :2]  # a view into fused projections, as a model's split gives
     args = batch.args()
-    out = cpu_ops.paged_attention(strided, *args[1:])
+    out = cpu_kernel_ops.paged_attention(strided, *args[1:])
     assert_close(out, dense_attention(batch), torch.float32)
 
 
-def test_cpu_attention_fp32_query_over_bf16_cache(cpu_ops):
+def test_cpu_attention_fp32_query_over_bf16_cache(cpu_kernel_ops):
     batch = make_batch(mixed_seqs(16), 16, 2, 4, 64, dtype=torch.bfloat16)
     query = batch.query.float()
-    out = cpu_ops.paged_attention(query, *batch.args()[1:])
+    out = cpu_kernel_ops.paged_attention(query, *batch.args()[1:])
     assert out.dtype == torch.float32
     assert_close(out, dense_attention(batch), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_cpu_store_kv_matches_reference(cpu_ops, dtype, block_size):
+def test_cpu_store_kv_matches_reference(cpu_kernel_ops, dtype, block_size):
     key, value, key_cache, value_cache, slots = _store_case("cpu", dtype, dtype,
                                                             block_size=block_size)
     expected_keys, expected_values = key_cache.clone(), value_cache.clone()
     reference.store_kv(key, value, expected_keys, expected_values, slots)
-    cpu_ops.store_kv(key, value, key_cache, value_cache, slots)
+    cpu_kernel_ops.store_kv(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_keys)
     assert torch.equal(value_cache, expected_values)
 
 
-def test_cpu_greedy_tokens_are_argmax_and_its_log_softmax(cpu_ops):
+def test_cpu_greedy_tokens_are_argmax_and_its_log_softmax(cpu_kernel_ops):
     """Each row's first largest logit (ties included, and in the rows' last partial vector)
     and that token's log_softmax, as torch computes them."""
     logits = torch.randn(5, 49157, generator=torch.Generator().manual_seed(0)) * 4
@@ -296,7 +295,7 @@ def test_cpu_greedy_tokens_are_argmax_and_its_log_softmax(cpu_ops):
         # Fewer rows than threads split each row in pieces (3 threads: uneven ones).
         for num_threads, (first, last) in itertools.product((1, 3), ((0, 5), (1, 2), (3, 5))):
             torch.set_num_threads(num_threads)
-            tokens, logprobs = torch.ops.kvscope.greedy_tokens(logits[first:last].contiguous())
+            tokens, logprobs = cpu_kernel_ops.greedy_tokens(logits[first:last].contiguous())
             assert tokens == logits[first:last].argmax(dim=-1).tolist()
             chosen = expected[first:last].gather(1, torch.tensor(tokens)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.double), chosen,
@@ -305,17 +304,20 @@ def test_cpu_greedy_tokens_are_argmax_and_its_log_softmax(cpu_ops):
         torch.set_num_threads(threads)
 
 
-def test_the_sampler_picks_greedy_rows_alike_with_and_without_the_cpu_op(cpu_ops):
-    """With unedited logits an all-greedy batch goes through kvscope::greedy_tokens; logits
-    given apart from the raw ones take the log_softmax path: both pick the same."""
+def test_the_sampler_picks_greedy_rows_alike_with_and_without_the_cpu_op(cpu_kernel_ops):
+    """With unedited logits an all-greedy batch goes through the kernels' greedy_tokens (the
+    C++ one, or the torch twin by default); logits given apart from the raw ones take the
+    log_softmax path: all pick the same."""
     from kvscope import SamplingParams
     from kvscope.engine.sample.sampler import sample
 
     logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * 3
     params = [SamplingParams(temperature=0)] * 3
-    one_pass = sample(logits, params, [None] * 3)
+    one_pass = sample(logits, params, [None] * 3, greedy_tokens=cpu_kernel_ops.greedy_tokens)
     general = sample(logits, params, [None] * 3, raw_logits=logits.clone())
-    assert one_pass.token_ids == general.token_ids
+    twin = sample(logits, params, [None] * 3)  # the torch backend's greedy_tokens
+    assert one_pass.token_ids == general.token_ids == twin.token_ids
+    assert twin.logprobs == general.logprobs
     torch.testing.assert_close(torch.tensor(one_pass.logprobs), torch.tensor(general.logprobs))
 
 
@@ -329,7 +331,7 @@ def test_cpu_build_key_names_the_cpu_and_torch(monkeypatch):
     assert cpu_extension.build_key() != key
 
 
-def test_cpu_kernels_load_past_a_build_lock_left_by_a_killed_build(cpu_ops):
+def test_cpu_kernels_load_past_a_build_lock_left_by_a_killed_build(cpu_kernel_ops):
     """torch's build lock is a file: one left by a build killed midway (Ctrl-C on the first
     start) made every later start wait forever. A start now removes it and loads."""
     from kvscope.engine.worker.loader import cache_dir
@@ -338,7 +340,7 @@ def test_cpu_kernels_load_past_a_build_lock_left_by_a_killed_build(cpu_ops):
     build_dir = cache_dir() / "cpu_kernels" / cpu_extension.build_key()
     (build_dir / "lock").touch()
     loaded = subprocess.run(
-        [sys.executable, "-c", "from kernels import cpu_ops; cpu_ops.load()"],
+        [sys.executable, "-c", "from kvscope.kernels import cpu_kernels; cpu_kernels.load()"],
         cwd=Path(__file__).resolve().parents[1], timeout=120, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert not (build_dir / "lock").exists()
@@ -522,47 +524,47 @@ def test_store_then_attend_with_triton_matches_dense(device):
 
 def test_cpu_tensors_use_the_cpu_kernels_by_default(monkeypatch):
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
-    backend = kernels.select_backend("cpu")
-    assert backend.name == "cpu"
+    ops = kernels.select_ops("cpu")
+    assert ops.backend == "cpu"
     batch = make_batch(mixed_seqs(8), 8, 1, 2, 64)
-    out = backend.paged_attention(*batch.args())  # NaN-filled slots: the twin would give NaN
+    out = ops.paged_attention(*batch.args())  # NaN-filled slots: the twin would give NaN
     assert_close(out, dense_attention(batch), torch.float32)
 
 
 def test_backend_env_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "cutlass")
     with pytest.raises(ValueError, match=kernels.BACKEND_ENV):
-        kernels.attention_backend_name("cpu")
+        kernels.backend_name("cpu")
 
 
 def test_backend_env_forces_torch(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
-    assert kernels.attention_backend_name("cuda") == "torch"
-    backend = kernels.select_backend("cpu")
-    assert backend.paged_attention is reference.paged_attention
-    assert backend.store_kv is reference.store_kv
+    assert kernels.backend_name("cuda") == "torch"
+    ops = kernels.select_ops("cpu")
+    assert ops.paged_attention is reference.paged_attention
+    assert ops.store_kv is reference.store_kv
 
 
 def test_backend_env_cpu_refuses_cuda(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "cpu")
-    assert kernels.attention_backend_name("cpu") == "cpu"
+    assert kernels.backend_name("cpu") == "cpu"
     with pytest.raises(ValueError, match="CPU tensors only"):
-        kernels.attention_backend_name("cuda")
+        kernels.backend_name("cuda")
 
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreted CPU path")
 def test_backend_env_forces_interpreted_triton_on_cpu(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
-    backend = kernels.select_backend("cpu")
-    assert backend.name == "triton"
+    ops = kernels.select_ops("cpu")
+    assert ops.backend == "triton"
     batch = make_batch(mixed_seqs(8), 8, 1, 2, 64)
-    out = backend.paged_attention(*batch.args())
+    out = ops.paged_attention(*batch.args())
     assert_close(out, dense_attention(batch), torch.float32)
     key, value, key_cache, value_cache, slots = _store_case("cpu", torch.float32, torch.float32)
     expected_keys, expected_values = key_cache.clone(), value_cache.clone()
     reference.store_kv(key, value, expected_keys, expected_values, slots)
-    backend.store_kv(key, value, key_cache, value_cache, slots)
+    ops.store_kv(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_keys) and torch.equal(value_cache, expected_values)
 
 
@@ -575,7 +577,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 os.environ["KVSCOPE_ATTENTION_BACKEND"] = "triton"
 from kvscope import kernels
 try:
-    kernels.attention_backend_name("cpu")
+    kernels.backend_name("cpu")
 except ValueError as error:
     assert "TRITON_INTERPRET" in str(error), error
 else:
@@ -587,18 +589,18 @@ import os, sys
 sys.modules["triton"] = None  # as if triton were not installed
 import torch
 from kvscope import kernels
-assert kernels.attention_backend_name("cuda") == "torch"
+assert kernels.backend_name("cuda") == "torch"
 assert not kernels.triton_available()
 os.environ["KVSCOPE_ATTENTION_BACKEND"] = "torch"
 query = torch.randn(3, 2, 32)
 cache = torch.randn(4, 2, 1, 32)
-out = kernels.select_backend("cpu").paged_attention(query, cache, cache, torch.tensor([[0, 1], [2, 3]],
+out = kernels.select_ops("cpu").paged_attention(query, cache, cache, torch.tensor([[0, 1], [2, 3]],
     dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32),
     torch.tensor([0, 2, 3], dtype=torch.int32), 0.2)
 assert out.shape == query.shape and not out.isnan().any()
 os.environ["KVSCOPE_ATTENTION_BACKEND"] = "triton"
 try:
-    kernels.attention_backend_name("cpu")
+    kernels.backend_name("cpu")
 except ValueError as error:
     assert "not installed" in str(error), error
 else:

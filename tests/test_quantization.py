@@ -15,8 +15,7 @@ from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.gguf_weights import iter_gguf_weights, read_tensor
 from kvscope.engine.worker.model_runner import ModelRunner
-from kvscope.engine.worker.models import quantized
-from kvscope.engine.worker.models.layers import UsesForwardOps
+from kvscope.engine.worker.models.bound_ops import UsesKernelOps, bind_kernel_ops
 from kvscope.engine.worker.models.quantized import (
     KERNEL_MAX_ROWS,
     TILED_KERNEL_MAX_ROWS,
@@ -31,7 +30,7 @@ from kvscope.engine.worker.models.quantized import (
     quantize_int4,
     quantize_int8,
 )
-from kvscope.kernels import cpu_ops
+from kvscope.kernels import TORCH_OPS, KernelOps, PackedLinearKernels, cpu_kernels
 
 CPU = torch.device("cpu")
 # Packed matmuls reorder the sums; bf16 activations round every product.
@@ -43,6 +42,17 @@ def random_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
 
 
+def packed_kernels() -> PackedLinearKernels:
+    """The C++ kernels for packed weights (built, or loaded from the cache, on first use)."""
+    return cpu_kernels.kernel_ops().packed
+
+
+def pack(layer: nn.Module, dtype: torch.dtype, ops: KernelOps | None = None) -> None:
+    """Pack a layer and bind its kernels (the C++ ones unless `ops`), as the runner does."""
+    pack_model(layer, dtype, CPU)
+    bind_kernel_ops(layer, ops or cpu_kernels.kernel_ops())
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     scale = expected.abs().max().item()
     assert (actual.float() - expected.float()).abs().max().item() <= TOLERANCE[dtype] * scale
@@ -51,18 +61,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "fallback"])
 @pytest.mark.parametrize("path", ["stream", "gemm"])
-def test_int4_linear_equals_its_dequantized_weight(path, kernels, dtype, monkeypatch):
-    batch = 5 if path == "stream" else kernel_max_rows(dtype) + 3
-    if not kernels:  # what CUDA or a machine without a C++ compiler runs
-        monkeypatch.setattr(quantized, "packed_kernels_available", lambda device: False)
+def test_int4_linear_equals_its_dequantized_weight(path, kernels, dtype):
+    batch = 5 if path == "stream" else kernel_max_rows(packed_kernels(), dtype) + 3
     rows = [32, 16, 8]  # merged q/k/v rows
     parts = [random_weight(n, 64, seed) for seed, n in enumerate(rows)]
     layer = Int4Linear(64, rows, bias=True, group_size=32)
     for index, part in enumerate(parts):
         layer.load_part("weight", index, part)
     layer.bias.data = torch.arange(sum(rows), dtype=dtype)
-    pack_model(layer, dtype, CPU)
-    assert layer.use_kernel == kernels
+    # Without packed kernels: what CUDA or a machine without a C++ compiler runs.
+    pack(layer, dtype, None if kernels else TORCH_OPS)
 
     dequantized = torch.cat([quantize_int4(part, 32).dequantize() for part in parts])
     x = torch.randn(batch, 64).to(dtype)
@@ -88,7 +96,7 @@ def packed_int4_layer(out_features: int, in_features: int, group_size: int,
     layer.load_part("weight", 0, random_weight(out_features, in_features, seed=out_features))
     if bias:
         layer.bias.data.normal_()
-    pack_model(layer, torch.float32, CPU)
+    pack(layer, torch.float32)
     return layer
 
 
@@ -102,11 +110,11 @@ def test_int4_kernels_equal_the_plain_torch_twin(out_features, in_features, grou
     bias = None if layer.bias is None else layer.bias.to(dtype)
     dense = layer.dequantized_weight(torch.float32)
     # The kernels' de-quantization is the twin's, value for value.
-    assert torch.equal(cpu_ops.int4_dequantize(layer.weight, layer.scales, layer.offsets,
+    assert torch.equal(packed_kernels().int4_dequantize(layer.weight, layer.scales, layer.offsets,
                                                group_size, dtype), layer.dequantized_weight(dtype))
     for rows in range(1, KERNEL_MAX_ROWS + 2):  # every specialised row count, and 8 + 1
         x = torch.randn(rows, in_features).to(dtype)
-        out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, bias)
+        out = packed_kernels().int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, bias)
         expected = x.float() @ dense.T + (0 if bias is None else bias.float())
         assert out.dtype == dtype
         # Rounding x (bf16 rows to int8 for the VNNI dots) errs in proportion to sum |x| |w|,
@@ -138,14 +146,13 @@ def test_int8_kernel_equals_the_plain_torch_twin(out_features, in_features, dtyp
     layer = Int8Linear(in_features, [out_features], bias=True)
     layer.load_part("weight", 0, random_weight(out_features, in_features))
     layer.bias.data.normal_()
-    pack_model(layer, torch.float32, CPU)
-    assert layer.use_kernel
+    pack(layer, torch.float32)
     dense, bias = layer.dequantized_weight(torch.float32), layer.bias.to(dtype)
-    assert torch.equal(cpu_ops.int8_dequantize(layer.weight, layer.scales, dtype),
+    assert torch.equal(packed_kernels().int8_dequantize(layer.weight, layer.scales, dtype),
                        layer.dequantized_weight(dtype))
     for rows in range(1, KERNEL_MAX_ROWS + 2):
         x = torch.randn(rows, in_features).to(dtype)
-        out = cpu_ops.int8_linear(x, layer.weight, layer.scales, bias)
+        out = packed_kernels().int8_linear(x, layer.weight, layer.scales, bias)
         assert_close(out, x.float() @ dense.T + bias.float(), dtype)
 
 
@@ -178,7 +185,7 @@ def assert_activation_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch
     # Half a step of each value's block, times its weight: the most rounding can move it.
     bound = (d / 2) @ weight.abs().T
     assert ((out.float() - exact).abs() <= bound * 1.001 + bf16_rounding).all()
-    if cpu_ops.rounds_activations_to_int8():
+    if packed_kernels().rounds_activations_to_int8:
         expected = rounded @ weight.T
         assert ((out.float() - expected).abs() <= 2.0 ** -8 * expected.abs()
                 + 1e-5 * expected.abs().max()).all()
@@ -199,11 +206,11 @@ def test_int4_kernel_with_bf16_rounds_activations_per_block(out_features, in_fea
     weight = random_weight(out_features, in_features, seed=3) + 4
     layer = Int4Linear(in_features, [out_features], bias=False, group_size=group_size)
     layer.load_part("weight", 0, weight)
-    pack_model(layer, torch.bfloat16, CPU)
+    pack(layer, torch.bfloat16)
     dense = layer.dequantized_weight(torch.float32)
     for rows in TILE_ROW_COUNTS:
         x = uneven_activations(rows, in_features)
-        out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, None)
+        out = packed_kernels().int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, None)
         assert_activation_rounding(out, x, dense)
 
 
@@ -212,10 +219,10 @@ def test_int4_kernel_with_bf16_rounds_activations_per_block(out_features, in_fea
 def test_int8_kernel_with_bf16_rounds_activations_per_block(out_features, in_features):
     layer = Int8Linear(in_features, [out_features], bias=False)
     layer.load_part("weight", 0, random_weight(out_features, in_features, seed=4))
-    pack_model(layer, torch.bfloat16, CPU)
+    pack(layer, torch.bfloat16)
     for rows in TILE_ROW_COUNTS:
         x = uneven_activations(rows, in_features)
-        out = cpu_ops.int8_linear(x, layer.weight, layer.scales, None)
+        out = packed_kernels().int8_linear(x, layer.weight, layer.scales, None)
         assert_activation_rounding(out, x, layer.dequantized_weight(torch.float32))
 
 
@@ -227,43 +234,43 @@ def test_int8_kernel_writes_bf16_logits_widened_into_fp32_bit_for_bit(out_featur
     layer = Int8Linear(in_features, [out_features], bias=True)
     layer.load_part("weight", 0, random_weight(out_features, in_features, seed=5))
     layer.bias.data = torch.randn(out_features).bfloat16()  # the model's dtype, as loaded
-    pack_model(layer, torch.bfloat16, CPU)
+    pack(layer, torch.bfloat16)
     bias = layer.bias
     embedding = Int8Embedding(out_features, in_features)
     embedding.load_part("weight", 0, random_weight(out_features, in_features, seed=6))
-    pack_model(embedding, torch.bfloat16, CPU)
-    for rows in [*TILE_ROW_COUNTS, kernel_max_rows(torch.bfloat16) + 3]:
+    pack(embedding, torch.bfloat16)
+    for rows in [*TILE_ROW_COUNTS, kernel_max_rows(packed_kernels(), torch.bfloat16) + 3]:
         x = uneven_activations(rows, in_features)
-        if rows <= kernel_max_rows(torch.bfloat16):
-            widened = cpu_ops.int8_linear(x, layer.weight, layer.scales, bias, torch.float32)
+        if rows <= kernel_max_rows(packed_kernels(), torch.bfloat16):
+            widened = packed_kernels().int8_linear(x, layer.weight, layer.scales, bias, torch.float32)
             assert widened.dtype == torch.float32
-            assert torch.equal(widened, cpu_ops.int8_linear(x, layer.weight, layer.scales,
+            assert torch.equal(widened, packed_kernels().int8_linear(x, layer.weight, layer.scales,
                                                             bias).float())
         for projection, bf16_logits in ((layer, layer(x)), (embedding, embedding.project(x))):
             logits = output_logits(projection, x)
             assert logits.dtype == torch.float32
             assert torch.equal(logits, bf16_logits.float())
     with pytest.raises(RuntimeError, match="out .rows, out_features. of x's dtype"):
-        cpu_ops.int8_linear(x[:1], layer.weight, layer.scales, bias, torch.float16)
+        packed_kernels().int8_linear(x[:1], layer.weight, layer.scales, bias, torch.float16)
 
 
 def test_int4_kernel_reads_strided_rows_and_refuses_bad_layouts():
     layer = packed_int4_layer(16, 64, 32, bias=False)
     wide = torch.randn(3, 100)
     x = wide[:, 10:74]  # rows of a bigger activation, as a fused projection's views are
-    out = cpu_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, 32, None)
+    out = packed_kernels().int4_linear(x, layer.weight, layer.scales, layer.offsets, 32, None)
     assert_close(out, x @ layer.dequantized_weight(torch.float32).T, torch.float32)
     with pytest.raises(RuntimeError, match="group_size"):
-        cpu_ops.int4_linear(x.contiguous(), layer.weight, layer.scales, layer.offsets, 48, None)
+        packed_kernels().int4_linear(x.contiguous(), layer.weight, layer.scales, layer.offsets, 48, None)
     with pytest.raises(RuntimeError, match="float16"):
-        cpu_ops.int4_linear(x.contiguous(), layer.weight, layer.scales.float(), layer.offsets,
+        packed_kernels().int4_linear(x.contiguous(), layer.weight, layer.scales.float(), layer.offsets,
                             32, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", ["stream", "gemm"])
 def test_int8_linear_and_embedding_equal_their_dequantized_weight(path, dtype):
-    batch = 3 if path == "stream" else kernel_max_rows(dtype) + 3
+    batch = 3 if path == "stream" else kernel_max_rows(packed_kernels(), dtype) + 3
     weight = random_weight(48, 32)
     q, scale = quantize_int8(weight)
     dequantized = q.float() * scale.unsqueeze(-1)
@@ -272,7 +279,7 @@ def test_int8_linear_and_embedding_equal_their_dequantized_weight(path, dtype):
     linear, embedding = Int8Linear(32, [48], bias=False), Int8Embedding(48, 32)
     for layer in (linear, embedding):
         layer.load_part("weight", 0, weight)
-        pack_model(layer, dtype, CPU)
+        pack(layer, dtype)
     x = torch.randn(batch, 32).to(dtype)
     assert_close(linear(x), x.float() @ dequantized.T, dtype)
     assert_close(embedding.project(x), x.float() @ dequantized.T, dtype)
@@ -314,7 +321,7 @@ def test_gguf_blocks_decode_exactly_and_q4_1_packs_without_loss(tmp_path):
             layer = Int4Linear(64, [48], bias=False, group_size=32)
             layer.load_part("weight", 0, value)
             assert torch.equal(layer.staged_q, value.q)  # copied, not re-quantized
-            pack_model(layer, torch.float32, CPU)
+            pack(layer, torch.float32)
             # d and m stay float16 values: q * d + m as gguf computes it, up to fp32 rounding
             # (the identity's rows run the GEMM path; its first rows the streaming kernel).
             identity = torch.eye(64)
@@ -402,9 +409,9 @@ def test_quantized_engine_is_greedy_equal_to_its_dequantized_weights(arch, quant
     # rotary, activation) are bound exactly as in the dense engine.
     modules = list(engine.runner.model.modules())
     assert not any(isinstance(module, nn.Linear) for module in modules)
-    assert engine.runner.forward_ops.name == dense.runner.forward_ops.name
-    assert all(module.ops is engine.runner.forward_ops for module in modules
-               if isinstance(module, UsesForwardOps))
+    assert engine.runner.kernel_ops is dense.runner.kernel_ops
+    assert all(module.ops is engine.runner.kernel_ops for module in modules
+               if isinstance(module, UsesKernelOps))
     # The packed weights are what the memory plan subtracts, so the pool grows.
     assert engine.runner.weight_bytes < dense.runner.weight_bytes / 2
     assert engine.memory_plan.num_blocks > dense.memory_plan.num_blocks
@@ -464,7 +471,7 @@ def test_packed_weights_of_a_gguf_model_are_cached_for_the_next_start(tiny_model
                for name, value in second.model.state_dict().items())
     layer = second.model.model.layers[0].mlp.gate_up_proj
     x = torch.randn(3, layer.in_features)
-    assert layer.use_kernel
+    assert layer.ops.packed is not None
     assert torch.equal(layer(x), first.model.model.layers[0].mlp.gate_up_proj(x))
 
     os.utime(gguf, ns=(0, 0))

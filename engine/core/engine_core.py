@@ -203,7 +203,8 @@ class EngineCore:
             raw = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
             result = sample(self.logits_processor.apply(raw, seqs),
                             [seq.request.params for seq in seqs],
-                            [seq.generator for seq in seqs], self.generator, raw_logits=raw)
+                            [seq.generator for seq in seqs], self.generator, raw_logits=raw,
+                            greedy_tokens=self.runner.kernel_ops.greedy_tokens)
             self.logits_processor.accept(seqs, result.token_ids)
             for i, seq in enumerate(seqs):
                 top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None

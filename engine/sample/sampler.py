@@ -8,11 +8,13 @@ touch the whole vocabulary again after one comparison: their few surviving candi
 gathered and drawn from directly.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.kernels import TORCH_OPS
 
 
 @dataclass(slots=True)
@@ -29,16 +31,18 @@ def sample(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None = None,
     raw_logits: torch.Tensor | None = None,
+    greedy_tokens: Callable[[torch.Tensor], tuple[list[int], list[float]]] = TORCH_OPS.greedy_tokens,
 ) -> SampleResult:
     """Pick one token per row of `logits` [rows, vocab] (fp32), each row with its params.
     Logprobs come from `raw_logits` when given: the model's, before penalties, biases and
-    masks edited `logits` (vLLM's default logprobs mode)."""
+    masks edited `logits` (vLLM's default logprobs mode). A batch of greedy rows that asks
+    for no alternatives, over the logits as the model gave them, is picked by
+    `greedy_tokens` (the engine's kernels: the C++ one picks in one pass over each row)."""
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if (len(greedy) == len(params) and all(p.logprobs is None for p in params)
             and (raw_logits is None or raw_logits is logits)):
-        picked = _greedy_in_one_pass(logits)
-        if picked is not None:
-            return picked
+        tokens, logprobs = greedy_tokens(logits)
+        return SampleResult(tokens, logprobs, [None] * len(tokens))
     log_probs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
     if len(greedy) == len(params):
         chosen = logits.argmax(dim=-1)
@@ -54,19 +58,6 @@ def sample(
             values, ids = log_probs[row].topk(p.logprobs)
             top[row] = dict(zip(ids.tolist(), values.tolist()))
     return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), top)
-
-
-def _greedy_in_one_pass(logits: torch.Tensor) -> SampleResult | None:
-    """Every row greedy, no alternatives asked for, the logits as the model gave them: where
-    the C++ CPU kernels are loaded, each row's token and logprob come from one op
-    (kvscope::greedy_tokens) instead of log_softmax, argmax and gather. None elsewhere."""
-    if logits.device.type != "cpu" or not hasattr(torch.ops.kvscope, "greedy_tokens"):
-        return None
-    # The model's logits are contiguous fp32 already; converting costs an op call even then.
-    if logits.dtype != torch.float32 or not logits.is_contiguous():
-        logits = logits.float().contiguous()
-    tokens, logprobs = torch.ops.kvscope.greedy_tokens(logits)
-    return SampleResult(tokens, logprobs, [None] * len(tokens))
 
 
 def _draw_random_rows(

@@ -22,12 +22,10 @@ from kvscope.engine.worker.loader import (
 from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
 from kvscope.engine.worker.models import model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata
-from kvscope.engine.worker.models.layers import bind_forward_ops
-from kvscope.engine.worker.models.quantized import pack_model, quantize_model
+from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
+from kvscope.engine.worker.models.quantized import QuantizedLinear, pack_model, quantize_model
 from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
 from kvscope.engine.worker.profile_cache import load_peak, profile_key, store_peak
-from kvscope.kernels.forward_ops import TORCH_OPS
-from kvscope.kernels.forward_ops import cpu_ops as cpu_forward_ops
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,6 +79,9 @@ class ModelRunner:
         self.generation_config = load_generation_config(self.model_path, self.hf_config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # Chosen once, before the weights load (a forced backend that cannot run here fails
+        # fast), and handed to everything that calls a kernel.
+        self.kernel_ops = kernels.select_ops(self.device)
         self.max_positions = self.hf_config.max_position_embeddings
         architecture = model_class(self.hf_config)
         config.resolved(self.max_positions)  # bad length knobs fail before the weights load
@@ -100,25 +101,25 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
-        self.attention_backend = kernels.select_backend(self.device)
-        for layer in self.attention_layers:
-            layer.backend = self.attention_backend
-        # The fused C++ forward ops come with the C++ attention (same extension, same CPU).
-        self.forward_ops = cpu_forward_ops() if self.attention_backend.name == "cpu" else TORCH_OPS
-        bind_forward_ops(self.model, self.forward_ops)
+        bind_kernel_ops(self.model, self.kernel_ops)
+        quantized = sum(isinstance(module, QuantizedLinear) for module in self.model.modules())
+        if quantized and self.kernel_ops.packed is None:
+            logger.warning("no kernels for packed weights on the %s backend: the %d quantized "
+                           "layers de-quantize their weights on every forward (correct, but "
+                           "slower than dense)", self.kernel_ops.backend, quantized)
         fuse = getattr(self.model, "fuse_decoder_stack", None)
         self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
-                                    and self.forward_ops.name == "cpu")
+                                    and self.kernel_ops.decoder_stack is not None)
         if self.fused_decoder_stack:
             fuse(self.dtype)
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
         logger.info("loaded %s (%s, %.1f MiB of weights, quantization=%s, %s on %s) in %.1f s;"
-                    " kernels: %s attention, %s forward ops, %s", self.model_path,
+                    " %s kernels, %s", self.model_path,
                     type(self.model).__name__, self.weight_bytes / (1 << 20), config.quantization,
                     self.dtype, self.device, time.perf_counter() - started,
-                    self.attention_backend.name, self.forward_ops.name,
+                    self.kernel_ops.backend,
                     "one-call decoder stack" if self.fused_decoder_stack else "eager layers")
 
     def load_weights(self, config: EngineConfig) -> None:
@@ -168,7 +169,7 @@ class ModelRunner:
     def _cached_peak_activations(self, num_tokens: int, max_model_len: int,
                                  max_seqs: int) -> int:
         key = profile_key(self.model_path, self.dtype, self.device,
-                          self.attention_backend.name,
+                          self.kernel_ops.backend,
                           {"num_tokens": num_tokens, "max_model_len": max_model_len,
                            "max_num_seqs": max_seqs, **self.quantization})
         peak = load_peak(key)

@@ -3,9 +3,8 @@
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from kvscope.kernels import AttentionBackend
+from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 
 
 @dataclass(slots=True)
@@ -18,9 +17,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
 
 
-class PagedAttention(nn.Module):
-    """Holds one layer's K/V cache views and the attention backend; the model runner binds
-    the backend at start-up and the views after sizing the pool."""
+class PagedAttention(UsesKernelOps):
+    """Holds one layer's K/V cache views; the model runner binds the kernels at start-up
+    and the views after sizing the pool."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -30,7 +29,6 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
-        self.backend: AttentionBackend | None = None
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -41,8 +39,8 @@ class PagedAttention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
-        out = self.backend.paged_attention(
+        self.ops.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(
             query, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, self.scale,
         )

@@ -3,27 +3,12 @@
 import torch
 from torch import nn
 
+from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.quantized import GroupQuantized, QuantizedLinear, dense
-from kvscope.kernels.forward_ops import TORCH_OPS, ForwardOps
 
 
-class UsesForwardOps(nn.Module):
-    """A module that calls kernels.forward_ops: eager twins until the model runner binds
-    the fused ops it chose at start-up (bind_forward_ops)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: ForwardOps = TORCH_OPS
-
-
-def bind_forward_ops(model: nn.Module, ops: ForwardOps) -> None:
-    for module in model.modules():
-        if isinstance(module, UsesForwardOps):
-            module.ops = ops
-
-
-class Linear(nn.Linear, UsesForwardOps):
-    """nn.Linear through the bound forward ops (a single row streams its weights)."""
+class Linear(nn.Linear, UsesKernelOps):
+    """nn.Linear through the bound kernels (a single row streams its weights)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
@@ -48,7 +33,7 @@ class MergedLinear(Linear):
         return list(output.split(self.output_sizes, dim=-1))
 
 
-class RMSNorm(UsesForwardOps):
+class RMSNorm(UsesKernelOps):
     """Llama's RMSNorm, normalising in fp32 as transformers does; given the residual
     stream, it first adds hidden into it (in place) and normalises the sum."""
 

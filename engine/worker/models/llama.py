@@ -6,7 +6,8 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kvscope.engine.worker.models.attention import AttentionMetadata, PagedAttention
-from kvscope.engine.worker.models.layers import Linear, MergedLinear, RMSNorm, UsesForwardOps, load_weights
+from kvscope.engine.worker.models.bound_ops import UsesKernelOps
+from kvscope.engine.worker.models.layers import Linear, MergedLinear, RMSNorm, load_weights
 from kvscope.engine.worker.models.quantized import kernel_max_rows, output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -30,7 +31,7 @@ class RotaryTable(nn.Module):
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
-class LlamaAttention(UsesForwardOps):
+class LlamaAttention(UsesKernelOps):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -54,7 +55,7 @@ class LlamaAttention(UsesForwardOps):
         return self.o_proj(self.attn(query, key, value, meta))
 
 
-class LlamaMLP(UsesForwardOps):
+class LlamaMLP(UsesKernelOps):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         size = config.intermediate_size
@@ -106,7 +107,8 @@ class FusedDecoderStack:
     int8 packed), so the result is the modules' result; what it saves is the Python
     between ~300 module and op calls, which costs a batch-1 decode step milliseconds. The
     weights are handed over once, here; a step passes only its own inputs. The model
-    runner binds it for the CPU kernels unless enforce_eager is set.
+    runner fuses it where the bound kernels have one (KernelOps.decoder_stack) unless
+    enforce_eager is set.
     """
 
     def __init__(self, model: "LlamaForCausalLM", dtype: torch.dtype) -> None:
@@ -128,11 +130,11 @@ class FusedDecoderStack:
         # projection in a second: called from Python after a step has streamed the weights,
         # their small ops and the Python around them cost ~0.15 ms a token.
         head = body.embed_tokens if model.tied else model.lm_head
-        self.layers = torch.classes.kvscope.LlamaDecoderStack(
+        self.layers = model.ops.decoder_stack(
             body.embed_tokens.weight, getattr(body.embed_tokens, "scales", None),
             head.weight, getattr(head, "scales", None),
             body.rotary.cos, body.rotary.sin, weights, biases, scales, offsets,
-            getattr(body.layers[0].mlp.down_proj, "group_size", 0), kernel_max_rows(dtype),
+            getattr(body.layers[0].mlp.down_proj, "group_size", 0), kernel_max_rows(model.ops.packed, dtype),
             body.norm.weight, [first.num_heads, first.num_kv_heads, first.head_dim],
             body.norm.eps, first.scale)
 
@@ -148,7 +150,7 @@ class FusedDecoderStack:
             meta.block_tables, meta.seq_lens, meta.query_start_loc)
 
 
-class LlamaForCausalLM(UsesForwardOps):
+class LlamaForCausalLM(UsesKernelOps):
     """Parameter names follow transformers', so checkpoints load by name."""
 
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
@@ -161,7 +163,7 @@ class LlamaForCausalLM(UsesForwardOps):
         self.decoder_stack: FusedDecoderStack | None = None
 
     def fuse_decoder_stack(self, dtype: torch.dtype) -> None:
-        """Run the layers as one C++ call from now on (needs the C++ CPU ops loaded)."""
+        """Run the layers as one call from now on (needs bound kernels with a decoder stack)."""
         self.decoder_stack = FusedDecoderStack(self, dtype)
 
     def attention_layers(self) -> list[PagedAttention]:

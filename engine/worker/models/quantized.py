@@ -5,13 +5,12 @@ A model is built dense, `quantize_model` swaps its linears and token embedding f
 quantized twins, the weights are loaded into those (dense tensors are quantized as they
 arrive; GGUF blocks of the same format are copied exactly), and `pack_model` converts them
 into the layout of the C++ kernels (kernels/csrc/quantized_cpu.cpp). Up to
-`kernel_max_rows(dtype)` rows of activations (decode steps) stream the packed weights
+`kernel_max_rows(packed, dtype)` rows of activations (decode steps) stream the packed weights
 through those kernels; more rows are compute-bound and run a GEMM instead. Where the kernels do not
-run (CUDA, no C++ compiler) the weights are de-quantized on every forward, with a warning.
+run (a backend without packed kernels: CUDA, no C++ compiler) the weights are de-quantized
+on every forward.
 """
 
-import functools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,10 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvscope.engine.config import QUANTIZATION_GROUP_SIZES
-from kvscope.kernels import cpu_ops
-from kvscope.kernels.forward_ops import TORCH_OPS
+from kvscope.engine.worker.models.bound_ops import UsesKernelOps
+from kvscope.kernels import TORCH_OPS, PackedLinearKernels
 
-logger = logging.getLogger(__name__)
 INT4_CHUNK = 32  # int4 weights per 16 packed bytes (GGUF's Q4 nibble order)
 INT4_WIDE_BLOCK = 16  # chunks per wide block of the kernels' layout (see int4_wide_blocks)
 # Rows of activations the streaming kernels take; more go to a GEMM on the de-quantized
@@ -35,17 +33,11 @@ KERNEL_MAX_ROWS = 8
 TILED_KERNEL_MAX_ROWS = 32
 
 
-def kernel_max_rows(dtype: torch.dtype) -> int:
+def kernel_max_rows(packed: PackedLinearKernels, dtype: torch.dtype) -> int:
     """The most rows of activations in `dtype` that stream through the packed kernels."""
-    if dtype == torch.bfloat16 and vnni_kernels():
+    if dtype == torch.bfloat16 and packed.rounds_activations_to_int8:
         return TILED_KERNEL_MAX_ROWS
     return KERNEL_MAX_ROWS
-
-
-@functools.cache
-def vnni_kernels() -> bool:
-    """Whether this build's kernels round bf16 activations to int8 for VNNI dots."""
-    return cpu_ops.rounds_activations_to_int8()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +101,13 @@ def frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(UsesKernelOps):
     """Base of the quantized twins of nn.Linear / MergedLinear: same in/out sizes, same
     `load_part` and `split`, weights staged in fp32-scaled integers until `pack`.
 
-    Subclasses give `stream` (the C++ kernel for a few rows), `dequantize` (the C++
-    de-quantization for a GEMM over many) and `dequantized_weight`, their plain-torch twin
-    (the fallback where the kernels do not run, and the tests' oracle)."""
+    Subclasses give `stream` (the bound packed kernel for a few rows), `dequantize` (the
+    kernels' de-quantization for a GEMM over many) and `dequantized_weight`, their
+    plain-torch twin (where the bound kernels have no packed ones, and the tests' oracle)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__()
@@ -123,7 +115,6 @@ class QuantizedLinear(nn.Module):
         self.output_sizes = output_sizes
         self.out_features = sum(output_sizes)
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
-        self.use_kernel = False
 
     def load_part(self, param_name: str, index: int, tensor) -> None:
         start = sum(self.output_sizes[:index])
@@ -142,12 +133,13 @@ class QuantizedLinear(nn.Module):
         if flat.stride(-1) != 1:  # the kernels take rows with contiguous features, strided
             flat = flat.contiguous()
         out_dtype = out_dtype or flat.dtype
-        if not self.use_kernel:
+        packed = self.ops.packed
+        if packed is None:
             out = F.linear(flat, self.dequantized_weight(flat.dtype), self.bias).to(out_dtype)
-        elif flat.shape[0] <= kernel_max_rows(flat.dtype):
-            out = self.stream(flat, out_dtype)
+        elif flat.shape[0] <= kernel_max_rows(packed, flat.dtype):
+            out = self.stream(packed, flat, out_dtype)
         else:
-            out = F.linear(flat, self.dequantize(flat.dtype), self.bias).to(out_dtype)
+            out = F.linear(flat, self.dequantize(packed, flat.dtype), self.bias).to(out_dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -187,7 +179,6 @@ class Int4Linear(QuantizedLinear):
         self.scales = frozen(self.staged_scale.to(device, torch.float16))
         self.offsets = frozen(self.staged_offset.to(device, torch.float16))
         del self.staged_q, self.staged_scale, self.staged_offset
-        self.use_kernel = packed_kernels_available(device)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The plain-torch twin of the kernels' de-quantization (the fallback and the
@@ -199,14 +190,15 @@ class Int4Linear(QuantizedLinear):
         weight = q.float() * self.scales.float().unsqueeze(-1) + self.offsets.float().unsqueeze(-1)
         return weight.view(self.out_features, self.in_features).to(dtype)
 
-    def stream(self, flat: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def stream(self, packed: PackedLinearKernels, flat: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
         # The output projections are int8 (quantize_model), so torch widens here.
-        return cpu_ops.int4_linear(flat, self.weight, self.scales, self.offsets,
-                                   self.group_size, self.bias).to(out_dtype)
+        return packed.int4_linear(flat, self.weight, self.scales, self.offsets,
+                                  self.group_size, self.bias).to(out_dtype)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return cpu_ops.int4_dequantize(self.weight, self.scales, self.offsets, self.group_size,
-                                       dtype)
+    def dequantize(self, packed: PackedLinearKernels, dtype: torch.dtype) -> torch.Tensor:
+        return packed.int4_dequantize(self.weight, self.scales, self.offsets, self.group_size,
+                                      dtype)
 
 
 def int4_wide_blocks(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -242,17 +234,17 @@ class Int8Linear(QuantizedLinear):
         self.weight = frozen(self.staged_q.to(device))
         self.scales = frozen(self.staged_scale.to(device))
         del self.staged_q, self.staged_scale
-        self.use_kernel = packed_kernels_available(device)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight, computed in fp32 and rounded to `dtype` (fallback and oracle)."""
         return (self.weight.float() * self.scales.unsqueeze(-1)).to(dtype)
 
-    def stream(self, flat: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return cpu_ops.int8_linear(flat, self.weight, self.scales, self.bias, out_dtype)
+    def stream(self, packed: PackedLinearKernels, flat: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+        return packed.int8_linear(flat, self.weight, self.scales, self.bias, out_dtype)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return cpu_ops.int8_dequantize(self.weight, self.scales, dtype)
+    def dequantize(self, packed: PackedLinearKernels, dtype: torch.dtype) -> torch.Tensor:
+        return packed.int8_dequantize(self.weight, self.scales, dtype)
 
 
 class Int8Embedding(Int8Linear):
@@ -279,26 +271,13 @@ def output_logits(projection: nn.Module, hidden: torch.Tensor,
                   dense_logits: Callable[..., torch.Tensor] = TORCH_OPS.logits) -> torch.Tensor:
     """The fp32 logits hidden @ W.T of an output projection: an lm_head (bias-free) or the
     token embedding it is tied to. Each value is rounded to hidden's dtype first (the result
-    widened exactly); the int8 kernel and `dense_logits` (the model's bound forward ops,
-    where it has them) write fp32 themselves."""
+    widened exactly); the int8 kernel and `dense_logits` (the model's bound kernels, where
+    it has them) write fp32 themselves."""
     if isinstance(projection, Int8Embedding):
         return projection.project(hidden, torch.float32)
     if isinstance(projection, QuantizedLinear):
         return projection(hidden, torch.float32)
     return dense_logits(hidden, projection.weight)
-
-
-@functools.cache
-def packed_kernels_available(device: torch.device) -> bool:
-    """Whether the C++ kernels for packed weights run on `device` (the CPU, once they build)."""
-    if device.type != "cpu":
-        return False
-    try:
-        cpu_ops.load()
-    except RuntimeError as error:
-        logger.warning("the C++ kernels for quantized weights do not build here (%s)", error)
-        return False
-    return True
 
 
 def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None:
@@ -331,10 +310,5 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Convert every staged quantized layer into its kernel layout on `device`."""
-    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
-    for layer in layers:
+    for layer in [module for module in model.modules() if isinstance(module, QuantizedLinear)]:
         layer.pack(dtype, device)
-    if layers and not packed_kernels_available(device):
-        logger.warning("no kernels for packed weights on %s: the %d quantized layers "
-                       "de-quantize their weights on every forward (correct, but slower than "
-                       "dense)", device, len(layers))

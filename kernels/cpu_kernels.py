@@ -1,8 +1,32 @@
-"""The C++ CPU kernels (kernels/csrc) behind the ops' Python signatures."""
+"""The cpu backend: the C++ kernels (kernels/csrc) behind KernelOps' Python signatures.
+
+The only module that reaches torch.ops.kvscope and torch.classes.kvscope: `kernel_ops()`
+builds or loads the extension and hands out its record.
+"""
+
+import functools
 
 import torch
+import torch.nn.functional as F
 
 from kvscope.kernels import cpu_extension
+from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels
+
+
+@functools.cache
+def kernel_ops() -> KernelOps:
+    """The C++ versions of every op (builds or loads the extension; raises RuntimeError
+    if it cannot)."""
+    load()
+    packed = PackedLinearKernels(
+        int4_linear=int4_linear, int8_linear=int8_linear, int4_dequantize=int4_dequantize,
+        int8_dequantize=int8_dequantize,
+        rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8())
+    return KernelOps(
+        backend="cpu", paged_attention=paged_attention, store_kv=store_kv, rms_norm=rms_norm,
+        rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
+        silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
+        packed=packed, decoder_stack=torch.classes.kvscope.LlamaDecoderStack)
 
 
 def load() -> None:
@@ -44,9 +68,45 @@ def store_kv(
                                key_cache, value_cache, slot_mapping.to(torch.int64))
 
 
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty_like(hidden)
+    torch.ops.kvscope.rms_norm(hidden, weight, eps, out, residual)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    torch.ops.kvscope.silu_and_mul(x, out)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One row through the streaming kernel, more rows through F.linear; out_dtype float32
+    widens the result (the kernel writes it so itself)."""
+    if x.shape[0] != 1 or x.dim() != 2 or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias).to(out_dtype or x.dtype)
+    out = x.new_empty(1, weight.shape[0], dtype=out_dtype or x.dtype)
+    torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
+    return out
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linear(hidden, weight, out_dtype=torch.float32)
+
+
+def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Same contract as kernels.torch_ops.greedy_tokens, in one pass over each row."""
+    # The model's logits are contiguous fp32 already; converting costs an op call even then.
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        logits = logits.float().contiguous()
+    return torch.ops.kvscope.greedy_tokens(logits)
+
+
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                 offsets: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ W.T + bias for the int4 layout of engine/models/quantized.Int4Linear,
+    """x [rows, in] @ W.T + bias for the int4 layout of engine/worker/models/quantized.Int4Linear,
     streaming the packed weight once for up to 8 rows at a time (decode batches)."""
     out = x.new_empty(x.shape[0], weight.shape[0])
     torch.ops.kvscope.int4_linear(x, weight, scales, offsets, group_size, bias, out)
@@ -75,12 +135,6 @@ def int8_dequantize(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     out = torch.empty(weight.shape, dtype=dtype)
     torch.ops.kvscope.int8_dequantize(weight, scales, out)
     return out
-
-
-def rounds_activations_to_int8() -> bool:
-    """Whether this build's int4 / int8 linears round bf16 activations to int8, one scale per
-    32 values (llama.cpp's Q8_0), for VNNI dot products; otherwise they compute exactly."""
-    return torch.ops.kvscope.rounds_activations_to_int8()
 
 
 _fakes_registered = False

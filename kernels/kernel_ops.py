@@ -1,0 +1,71 @@
+"""KernelOps: every kernel the engine calls, as one backend implements them.
+
+The model runner picks one record at start-up (kvscope.kernels.select_ops) and hands it
+down: to every module of the model (bound once, engine/worker/models/bound_ops.py), to the
+decoder stack's construction and, through the runner, to the sampler. Nothing else chooses
+or probes kernels. An op a backend lacks is either its plain-torch twin
+(kernels/reference.py) or None, and the field's comment below says what a caller does then.
+
+The small ops around a Llama-family layer's matmuls exist because eager PyTorch spends
+more time dispatching a decode step's ~1,300 small ops than computing them; the C++
+versions (kernels/csrc) do each group in one call, computing in fp32 and rounding where
+eager does:
+
+  rms_norm(hidden, weight, eps, residual=None) -> normed
+      with a residual: residual += hidden first (in place) and the sum is normalised
+  rotary_embedding(qkv, cos, sin, heads, head_dim)
+      neox rotary embedding in place on the first `heads` heads of each qkv row;
+      cos / sin are fp32 [tokens, head_dim]
+  silu_and_mul(x) -> silu(x[:, :n]) * x[:, n:]
+  linear(x, weight, bias) -> x @ weight.T + bias
+      one row (a single stream's decode) streams the weights through a dot-product
+      kernel: oneDNN's bf16 matmul reads them at well under the memory bandwidth there
+  logits(hidden, weight) -> (hidden @ weight.T).float()
+      the output projection in the model's dtype, handed over in fp32; the kernel writes
+      one row's fp32 values itself (torch's conversion woke its OpenMP threads for it)
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLinearKernels:
+    """Matmuls over int4 / int8 packed weights (the layout of
+    engine/worker/models/quantized.py), for the C++ CPU kernels only."""
+
+    # x [rows, in] @ W.T + bias, streaming the packed weight once for a few rows
+    int4_linear: Callable[..., torch.Tensor]
+    int8_linear: Callable[..., torch.Tensor]
+    # the dense [out, in] weight, for a GEMM over many rows
+    int4_dequantize: Callable[..., torch.Tensor]
+    int8_dequantize: Callable[..., torch.Tensor]
+    # whether int4_linear / int8_linear round bf16 activations to int8, one scale per 32
+    # values (llama.cpp's Q8_0), for VNNI dot products; otherwise they compute exactly
+    rounds_activations_to_int8: bool
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOps:
+    backend: str  # "triton", "cpu" or "torch" (kvscope.kernels.BACKENDS)
+    # paged attention and the KV store (contracts: reference.paged_attention, store_kv)
+    paged_attention: Callable[..., torch.Tensor]
+    store_kv: Callable[..., None]
+    # the small ops around a layer's matmuls (contracts: this module's docstring)
+    rms_norm: Callable[..., torch.Tensor]
+    rotary_embedding: Callable[..., None]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # every row's argmax token and its log_softmax, for fp32 logits [rows, vocab]:
+    # (token ids, logprobs) as lists (contract: reference.greedy_tokens)
+    greedy_tokens: Callable[[torch.Tensor], tuple[list[int], list[float]]]
+    # None: quantized layers de-quantize their weights with their plain-torch twin on
+    # every forward (correct, but slower than dense)
+    packed: PackedLinearKernels | None
+    # the constructor of the one-call Llama decoder stack (kvscope::LlamaDecoderStack);
+    # None: the model runs its layers one by one
+    decoder_stack: Callable[..., Any] | None
