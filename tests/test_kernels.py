@@ -8,6 +8,7 @@ The C++ kernels are built once per CPU and source and cached (kernels/cpu_extens
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -529,6 +530,29 @@ def test_cpu_tensors_use_the_cpu_kernels_by_default(monkeypatch):
     batch = make_batch(mixed_seqs(8), 8, 1, 2, 64)
     out = ops.paged_attention(*batch.args())  # NaN-filled slots: the twin would give NaN
     assert_close(out, dense_attention(batch), torch.float32)
+
+
+def test_only_the_cpu_backend_module_reaches_the_extension():
+    """Every caller gets its kernels from the KernelOps the model runner chose: nothing
+    else names (or probes) torch.ops.kvscope or torch.classes.kvscope."""
+    root = Path(__file__).resolve().parents[1]
+    sources = [root / "app.py", *(path for folder in ("engine", "kernels", "ui")
+                                  for path in (root / folder).rglob("*.py"))]
+    use = re.compile(r"torch\.(ops|classes)\.kvscope\.|[hg]etattr\(torch\.(ops|classes)"
+                     r"|hasattr\(torch\.(ops|classes)")
+    reaching = [str(path.relative_to(root)) for path in sources if use.search(path.read_text())]
+    assert reaching == ["kernels/cpu_kernels.py"]
+
+
+def test_the_torch_backend_lacks_the_cpu_only_kernels(monkeypatch):
+    """Packed-weight kernels and the decoder stack are None where the C++ kernels do not run
+    (quantized layers then take their torch twin, the model its layers one by one)."""
+    monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
+    assert kernels.select_ops("cpu") is kernels.TORCH_OPS
+    assert kernels.TORCH_OPS.packed is None and kernels.TORCH_OPS.decoder_stack is None
+    monkeypatch.delenv(kernels.BACKEND_ENV)
+    cpu = kernels.select_ops("cpu")
+    assert cpu.packed is not None and cpu.decoder_stack is not None
 
 
 def test_backend_env_rejects_unknown_values(monkeypatch):

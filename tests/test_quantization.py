@@ -106,15 +106,16 @@ def packed_int4_layer(out_features: int, in_features: int, group_size: int,
                           # wide blocks of 16 chunks: alone, + a whole quad, + a tail quad
                           (19, 1536, 256), (33, 640, 32), (5, 576, 64), (3, 1152, 128)])
 def test_int4_kernels_equal_the_plain_torch_twin(out_features, in_features, group_size, dtype):
+    packed_ops = packed_kernels()
     layer = packed_int4_layer(out_features, in_features, group_size, bias=out_features > 1)
     bias = None if layer.bias is None else layer.bias.to(dtype)
     dense = layer.dequantized_weight(torch.float32)
     # The kernels' de-quantization is the twin's, value for value.
-    assert torch.equal(packed_kernels().int4_dequantize(layer.weight, layer.scales, layer.offsets,
-                                               group_size, dtype), layer.dequantized_weight(dtype))
+    assert torch.equal(packed_ops.int4_dequantize(layer.weight, layer.scales, layer.offsets,
+                                                  group_size, dtype), layer.dequantized_weight(dtype))
     for rows in range(1, KERNEL_MAX_ROWS + 2):  # every specialised row count, and 8 + 1
         x = torch.randn(rows, in_features).to(dtype)
-        out = packed_kernels().int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, bias)
+        out = packed_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, bias)
         expected = x.float() @ dense.T + (0 if bias is None else bias.float())
         assert out.dtype == dtype
         # Rounding x (bf16 rows to int8 for the VNNI dots) errs in proportion to sum |x| |w|,
@@ -143,16 +144,17 @@ def test_int4_wide_blocks_put_each_chunk_in_its_own_lane_and_come_back():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 75), (5, 32), (64, 8)])
 def test_int8_kernel_equals_the_plain_torch_twin(out_features, in_features, dtype):
+    packed_ops = packed_kernels()
     layer = Int8Linear(in_features, [out_features], bias=True)
     layer.load_part("weight", 0, random_weight(out_features, in_features))
     layer.bias.data.normal_()
     pack(layer, torch.float32)
     dense, bias = layer.dequantized_weight(torch.float32), layer.bias.to(dtype)
-    assert torch.equal(packed_kernels().int8_dequantize(layer.weight, layer.scales, dtype),
+    assert torch.equal(packed_ops.int8_dequantize(layer.weight, layer.scales, dtype),
                        layer.dequantized_weight(dtype))
     for rows in range(1, KERNEL_MAX_ROWS + 2):
         x = torch.randn(rows, in_features).to(dtype)
-        out = packed_kernels().int8_linear(x, layer.weight, layer.scales, bias)
+        out = packed_ops.int8_linear(x, layer.weight, layer.scales, bias)
         assert_close(out, x.float() @ dense.T + bias.float(), dtype)
 
 
@@ -210,7 +212,8 @@ def test_int4_kernel_with_bf16_rounds_activations_per_block(out_features, in_fea
     dense = layer.dequantized_weight(torch.float32)
     for rows in TILE_ROW_COUNTS:
         x = uneven_activations(rows, in_features)
-        out = packed_kernels().int4_linear(x, layer.weight, layer.scales, layer.offsets, group_size, None)
+        out = packed_kernels().int4_linear(x, layer.weight, layer.scales, layer.offsets,
+                                           group_size, None)
         assert_activation_rounding(out, x, dense)
 
 
@@ -229,6 +232,7 @@ def test_int8_kernel_with_bf16_rounds_activations_per_block(out_features, in_fea
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 75), (19, 576), (3, 200)])
 def test_int8_kernel_writes_bf16_logits_widened_into_fp32_bit_for_bit(out_features,
                                                                       in_features):
+    packed_ops = packed_kernels()
     # The logits: an fp32 out holds exactly the bf16 result widened (what .float() gave),
     # in whole 16-row blocks, a partial last block and every tile of rows.
     layer = Int8Linear(in_features, [out_features], bias=True)
@@ -239,32 +243,33 @@ def test_int8_kernel_writes_bf16_logits_widened_into_fp32_bit_for_bit(out_featur
     embedding = Int8Embedding(out_features, in_features)
     embedding.load_part("weight", 0, random_weight(out_features, in_features, seed=6))
     pack(embedding, torch.bfloat16)
-    for rows in [*TILE_ROW_COUNTS, kernel_max_rows(packed_kernels(), torch.bfloat16) + 3]:
+    for rows in [*TILE_ROW_COUNTS, kernel_max_rows(packed_ops, torch.bfloat16) + 3]:
         x = uneven_activations(rows, in_features)
-        if rows <= kernel_max_rows(packed_kernels(), torch.bfloat16):
-            widened = packed_kernels().int8_linear(x, layer.weight, layer.scales, bias, torch.float32)
+        if rows <= kernel_max_rows(packed_ops, torch.bfloat16):
+            widened = packed_ops.int8_linear(x, layer.weight, layer.scales, bias, torch.float32)
             assert widened.dtype == torch.float32
-            assert torch.equal(widened, packed_kernels().int8_linear(x, layer.weight, layer.scales,
-                                                            bias).float())
+            assert torch.equal(widened, packed_ops.int8_linear(x, layer.weight, layer.scales,
+                                                               bias).float())
         for projection, bf16_logits in ((layer, layer(x)), (embedding, embedding.project(x))):
             logits = output_logits(projection, x)
             assert logits.dtype == torch.float32
             assert torch.equal(logits, bf16_logits.float())
     with pytest.raises(RuntimeError, match="out .rows, out_features. of x's dtype"):
-        packed_kernels().int8_linear(x[:1], layer.weight, layer.scales, bias, torch.float16)
+        packed_ops.int8_linear(x[:1], layer.weight, layer.scales, bias, torch.float16)
 
 
 def test_int4_kernel_reads_strided_rows_and_refuses_bad_layouts():
+    packed_ops = packed_kernels()
     layer = packed_int4_layer(16, 64, 32, bias=False)
     wide = torch.randn(3, 100)
     x = wide[:, 10:74]  # rows of a bigger activation, as a fused projection's views are
-    out = packed_kernels().int4_linear(x, layer.weight, layer.scales, layer.offsets, 32, None)
+    out = packed_ops.int4_linear(x, layer.weight, layer.scales, layer.offsets, 32, None)
     assert_close(out, x @ layer.dequantized_weight(torch.float32).T, torch.float32)
     with pytest.raises(RuntimeError, match="group_size"):
-        packed_kernels().int4_linear(x.contiguous(), layer.weight, layer.scales, layer.offsets, 48, None)
+        packed_ops.int4_linear(x.contiguous(), layer.weight, layer.scales, layer.offsets, 48, None)
     with pytest.raises(RuntimeError, match="float16"):
-        packed_kernels().int4_linear(x.contiguous(), layer.weight, layer.scales.float(), layer.offsets,
-                            32, None)
+        packed_ops.int4_linear(x.contiguous(), layer.weight, layer.scales.float(), layer.offsets,
+                               32, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
