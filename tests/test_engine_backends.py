@@ -1,4 +1,5 @@
-"""The whole engine on each attention backend gives the torch path's greedy tokens."""
+"""The whole engine on each kernel backend (KVSCOPE_ATTENTION_BACKEND) gives the torch
+path's greedy tokens."""
 
 import importlib.util
 
@@ -42,7 +43,7 @@ def test_triton_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, mon
 
 
 def test_cpu_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkeypatch):
-    """The C++ attention and fused forward ops against the plain-torch path, end to end."""
+    """The C++ attention and small fused ops against the plain-torch path, end to end."""
     expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch")
     assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu") == expected
 

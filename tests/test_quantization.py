@@ -410,8 +410,8 @@ def test_quantized_engine_is_greedy_equal_to_its_dequantized_weights(arch, quant
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8,
                                           min_new_tokens=8, do_sample=False)
         assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()
-    # The packed twins replaced every dense linear, and the fused forward ops (norm,
-    # rotary, activation) are bound exactly as in the dense engine.
+    # The packed twins replaced every dense linear, and every module (the packed ones too)
+    # is bound to the same kernels as in the dense engine.
     modules = list(engine.runner.model.modules())
     assert not any(isinstance(module, nn.Linear) for module in modules)
     assert engine.runner.kernel_ops is dense.runner.kernel_ops
