@@ -67,7 +67,7 @@ def _cpu_kernels_build() -> bool:
     try:
         cpu_kernels.load()
     except Exception as error:  # noqa: BLE001 (any build failure means: use the fallback)
-        logger.warning("C++ CPU attention kernels unavailable (%s); using the torch path",
+        logger.warning("C++ CPU kernels unavailable (%s); using the torch path",
                        error)
         return False
     return True
