@@ -7,13 +7,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 import ray
-from conftest import serve
+from conftest import serve, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
@@ -31,18 +30,12 @@ NUM_BLOCKS = 96
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 # 48 characters (the tiny chat model has one token per character): 12 full blocks.
 SHARED_PREFIX = "You are kvscope's helpful test assistant. Reply: "
+REPLICA_WAIT_S = 30  # what replicas report crosses Ray actors: seconds on a busy machine
 
 
 def config(path) -> EngineConfig:
     return EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=BLOCK_SIZE,
                         num_gpu_blocks_override=NUM_BLOCKS, max_model_len=256)
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -98,7 +91,8 @@ def test_shared_prefixes_stick_under_kv_aware_and_spread_under_round_robin(repli
     first, _ = run(replicas, SHARED_PREFIX + "one")
     home = first.replica
     # The replica's block events reach the router's index: every full prompt block.
-    wait_until(lambda: replicas.replica_statuses()[home].num_indexed_blocks >= 12)
+    wait_until(lambda: replicas.replica_statuses()[home].num_indexed_blocks >= 12,
+               REPLICA_WAIT_S)
     for word in ("two", "three", "four"):
         decision, output = run(replicas, SHARED_PREFIX + word)
         assert decision.replica == home and decision.matched_blocks >= 12
@@ -147,7 +141,7 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
             return client.predict(api_name="/refresh_replicas")
 
         wait_until(lambda: all(f"{NUM_BLOCKS} blocks" in plot["plot"]
-                               for plot in overview()[2:]))
+                               for plot in overview()[2:]), REPLICA_WAIT_S)
         summary, decisions, *heatmaps = overview()
         assert "2 replicas" in summary and "routing **kv-aware**" in summary
         assert len(heatmaps) == 2
@@ -208,7 +202,8 @@ def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
                 assert {key: logged[decision.request_id][key] for key in row} == row
 
         # Every engine series is per replica; both replicas' gauges and counters are there.
-        wait_until(lambda: all(s.counters.prompt_tokens for s in replicas.replica_statuses()))
+        wait_until(lambda: all(s.counters.prompt_tokens for s in replicas.replica_statuses()),
+                   REPLICA_WAIT_S)
         families = list(text_string_to_metric_families(httpx.get(f"{url}/metrics").text))
         per_replica = [family for family in families  # one engine config for all replicas
                        if not family.name.startswith("kvscope:engine_config")]
@@ -254,7 +249,8 @@ def test_a_restarted_replica_serves_again_and_nothing_is_lost(replicas) -> None:
         assert served == {0, 1}  # round-robin sends the restarted replica its turn
         replicas.set_routing("kv-aware")
         for replica in (0, 1):
-            wait_until(lambda r=replica: replicas.replica_statuses()[r].in_flight == 0)
+            wait_until(lambda r=replica: replicas.replica_statuses()[r].in_flight == 0,
+                       REPLICA_WAIT_S)
             snapshot = replicas.snapshot(replica=replica)
             assert snapshot.count("used") + snapshot.count("shared") == 0  # no leaked block
     finally:
@@ -278,7 +274,7 @@ def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) 
             for _ in streams[1]:
                 pass
         survivor = 1 - victim
-        wait_until(lambda: not replicas.replica_statuses()[victim].alive)
+        wait_until(lambda: not replicas.replica_statuses()[victim].alive, REPLICA_WAIT_S)
         health = httpx.get(f"{url}/health")
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         assert [r["alive"] for r in health.json()["replicas"]] == [victim != 0, victim != 1]
@@ -293,7 +289,7 @@ def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) 
                                              max_tokens=4)
             assert done.choices[0].text
             assert replicas.recent_decisions[-1].replica == survivor
-        wait_until(lambda: replicas.replica_statuses()[survivor].in_flight == 0)
+        wait_until(lambda: replicas.replica_statuses()[survivor].in_flight == 0, REPLICA_WAIT_S)
         snapshot = replicas.snapshot(replica=survivor)
         assert snapshot.replica == survivor
         assert snapshot.count("used") + snapshot.count("shared") == 0  # no leaked block
