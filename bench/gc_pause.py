@@ -55,7 +55,7 @@ def live_run(num_blocks: int, seconds: float) -> dict:
     clock = scale.GcClock()
     with tempfile.TemporaryDirectory() as folder:
         engine = scale.AsyncEngine.from_config(scale.EngineConfig(
-            model=str(scale.save_tiny_chat_model(Path(folder))), dtype="float32", device="cpu",
+            model=str(scale.save_tiny_model(Path(folder))), dtype="float32", device="cpu",
             block_size=1, num_gpu_blocks_override=num_blocks, max_model_len=scale.MAX_MODEL_LEN,
             max_num_batched_tokens=512, device_memory_gb=4.0)).start()
         load = scale.Load(engine, engine.tokenizer.vocab_size)
