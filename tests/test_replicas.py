@@ -23,6 +23,7 @@ from kvscope.engine.llm import LLM
 from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, connect_ray
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
+from kvscope.engine.view import EngineView
 from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui.replicas import overview_markdown
 
@@ -129,6 +130,7 @@ def test_outputs_equal_one_engines_greedy(replicas, tiny_chat_model_path) -> Non
 
 
 def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
+    assert isinstance(replicas, EngineView)  # what every front end reads
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from gradio_client import Client
 
