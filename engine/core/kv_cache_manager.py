@@ -94,8 +94,9 @@ class KVCacheManager:
         if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
             return None
 
-        self.emit(BlockTableChanged(seq, shared_targets[0] if shared_targets
-                                    else len(seq.block_table)))
+        if shared_targets or cached_prefix or num_new_blocks > 0:  # most decodes: none
+            self.emit(BlockTableChanged(seq, shared_targets[0] if shared_targets
+                                        else len(seq.block_table)))
         if seq.num_computed_tokens == 0 and self.enable_caching:
             self.prefix_stats.queries += seq.num_tokens
             self.prefix_stats.hits += len(cached_prefix) * self.block_size
