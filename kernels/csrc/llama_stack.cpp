@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -144,8 +145,8 @@ struct Workspace {
   }
 };
 
-// The tensors of a NamedTensors read once each, so that a name the stack does not know (a
-// renamed or new parameter) is an error, not a weight silently left out.
+// A NamedTensors read by name, remembering the names read: a name the stack does not read
+// (a renamed or new parameter) is an error, not a weight silently left out.
 class NameReader {
  public:
   explicit NameReader(const kvscope::NamedTensors& named) : named_(named) {}
@@ -159,38 +160,40 @@ class NameReader {
   std::optional<at::Tensor> optional(const std::string& name) {
     auto found = named_.find(name);
     if (found == named_.end()) return std::nullopt;
-    ++read_;
+    read_.insert(name);
     return found->value();
   }
 
+  // A linear module's weight, and its bias, scales and offsets where it has them.
   LinearWeights linear(const std::string& module) {
     return {required(module + ".weight"), optional(module + ".bias"), optional(module + ".scales"),
             optional(module + ".offsets")};
   }
 
   void check_all_read() const {
-    if (read_ == named_.size()) return;
-    std::string unknown;
-    for (const auto& entry : named_) unknown += " '" + entry.key() + "'";
-    TORCH_CHECK(false, "LlamaDecoderStack: a layer's tensors are not all known ones (known: ",
-                "input_layernorm.weight, post_attention_layernorm.weight and weight, bias, ",
-                "scales, offsets of self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj, ",
-                "mlp.down_proj); given:", unknown);
+    std::string unread;
+    for (const auto& entry : named_)
+      if (read_.count(entry.key()) == 0) unread += " '" + entry.key() + "'";
+    TORCH_CHECK(unread.empty(), "LlamaDecoderStack: a layer has tensors it does not know:", unread,
+                " (DecoderLayerWeights::from lists the names it reads)");
   }
 
  private:
   const kvscope::NamedTensors& named_;
-  size_t read_ = 0;
+  std::set<std::string> read_;
 };
 
 }  // namespace
 
 kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTensors& named) {
   NameReader reader(named);
-  DecoderLayerWeights layer{
-      reader.required("input_layernorm.weight"), reader.linear("self_attn.qkv_proj"),
-      reader.linear("self_attn.o_proj"),         reader.required("post_attention_layernorm.weight"),
-      reader.linear("mlp.gate_up_proj"),         reader.linear("mlp.down_proj")};
+  DecoderLayerWeights layer;
+  layer.input_layernorm = reader.required("input_layernorm.weight");
+  layer.qkv_proj = reader.linear("self_attn.qkv_proj");
+  layer.o_proj = reader.linear("self_attn.o_proj");
+  layer.post_attention_layernorm = reader.required("post_attention_layernorm.weight");
+  layer.gate_up_proj = reader.linear("mlp.gate_up_proj");
+  layer.down_proj = reader.linear("mlp.down_proj");
   reader.check_all_read();
   return layer;
 }

@@ -58,7 +58,7 @@ struct U8Vec16 {
 struct FP32Vec8 {
   f32x8 reg;
 
-  // The sum of the lanes as a tree of adjacent pairs after the halves:
+  // The sum of the lanes: lane i plus lane i + 4 first, then those four pairwise,
   // ((0+4) + (1+5)) + ((2+6) + (3+7)).
   float reduce_sum() const {
     return ((reg[0] + reg[4]) + (reg[1] + reg[5])) + ((reg[2] + reg[6]) + (reg[3] + reg[7]));
@@ -147,8 +147,8 @@ struct FP32Vec16 {
 };
 
 // a * b + c with a single rounding where the CPU has FMA (vfmadd), else two. Kernels write
-// their multiply-adds with it rather than leave `a * b + c * d` to the compiler's
-// contraction, which fuses whichever product it meets first: the rounding would then hang on
+// their multiply-adds with it rather than leave them to the compiler's contraction, which in
+// `a * b + c * d` fuses whichever product it meets first: the rounding would then hang on
 // how an expression happens to be written.
 inline FP32Vec16 fma(FP32Vec16 a, FP32Vec16 b, FP32Vec16 c) {
 #if defined(__AVX512F__)

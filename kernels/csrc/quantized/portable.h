@@ -59,12 +59,13 @@ void int4_rows(const float* xf, const float* xsum, int64_t in, const uint8_t* we
       // Even and odd chunks add into separate accumulators: two dependent chains, not one.
       FP32Vec16 even[M], odd[M];
       auto add_chunk = [&](int64_t c, FP32Vec16* acc) {
-        const float s = row_scale[c >> group_shift];  // a scalar operand: broadcast in the op
+        const FP32Vec16 s(row_scale[c >> group_shift]);
         const Int4Chunk chunk = Int4Chunk::load(row + c * kChunk / 2);
         const FP32Vec16 low = chunk.low(), high = chunk.high();
         for (int m = 0; m < M; ++m) {
           const float* xm = xf + m * in + c * kChunk;
-          acc[m] += vec::fma(low, FP32Vec16::load(xm), high * FP32Vec16::load(xm + 16)) * s;
+          const FP32Vec16 dot = vec::fma(low, FP32Vec16::load(xm), high * FP32Vec16::load(xm + 16));
+          acc[m] = vec::fma(dot, s, acc[m]);
         }
       };
       int64_t c = 0;
@@ -131,12 +132,12 @@ void int4_dequantize_rows(const uint8_t* weight, const at::Half* scales, const a
   for (int64_t n = begin; n < end; ++n) {
     gguf_order_row(weight + n * in / 2, in / kChunk, ordered.data());
     for (int64_t g = 0; g < groups; ++g) {
-      const float s = static_cast<float>(scales[n * groups + g]);
+      const FP32Vec16 s(static_cast<float>(scales[n * groups + g]));
       const FP32Vec16 o(static_cast<float>(offsets[n * groups + g]));
       for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kChunk) {
         const Int4Chunk chunk = Int4Chunk::load(ordered.data() + k / 2);
-        (chunk.low() * s + o).store(out + n * in + k);
-        (chunk.high() * s + o).store(out + n * in + k + 16);
+        vec::fma(chunk.low(), s, o).store(out + n * in + k);
+        vec::fma(chunk.high(), s, o).store(out + n * in + k + 16);
       }
     }
   }
