@@ -66,7 +66,7 @@ TELEMETRY_CALLS = (
     ("kvscope.engine.frontend.async_engine", "AsyncEngine", "_publish_pool_delta"),
     ("kvscope.engine.frontend.async_engine", "AsyncEngine", "_send_pool_slices"),
     ("kvscope.engine.core.engine_core", "EngineCore", "_record"),
-    ("kvscope.engine.core.engine_core", None, "take_pool_delta"),
+    ("kvscope.engine.telemetry.pool_recorder", "PoolRecorder", "record"),
 )
 IN_FLIGHT = 16
 PREFIX_TOKENS = 32

@@ -128,6 +128,14 @@ def engine_thread_cpu_ticks(engine: AsyncEngine) -> int:
 
 def test_the_dashboard_interface_is_the_async_engine(engine) -> None:
     assert isinstance(engine, EngineView)
+    # One engine answers the replica questions trivially: one replica, nothing routed.
+    assert engine.num_replicas == len(engine.replica_statuses()) == 1
+    assert engine.routing is None and engine.routing_load_weight is None
+    assert not engine.recent_decisions
+    decisions = engine.subscribe_decisions()
+    assert not decisions.closed and decisions.drain() == []
+    with pytest.raises(ValueError, match="routing"):
+        engine.set_routing("round-robin")
 
 
 def test_prefix_cache_counters_add_up_the_step_records(engine) -> None:

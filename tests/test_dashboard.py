@@ -14,7 +14,7 @@ from gradio_client import Client
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.storage import SessionLog
+from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui import build_ui, page_options
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -40,13 +40,14 @@ def served(tiny_chat_model_path, tmp_path_factory):
     )).start()
     log = SessionLog(tmp_path_factory.mktemp("db") / "kvscope.db")
     log.start_session(engine.config.to_dict(), engine.model_path)
-    log.follow(engine)
+    stop_recording = record_sessions(engine, log)
     blocks = build_ui(engine, log)
     port = free_port()
     blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
                   quiet=True, **page_options())
     yield engine, log, f"http://127.0.0.1:{port}/"
     blocks.close()
+    stop_recording()
     log.close()
     engine.shutdown()
 

@@ -22,7 +22,8 @@ from kvscope.engine.llm import LLM
 from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, connect_ray
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
-from kvscope.storage import SessionLog
+from kvscope.engine.view import EngineView
+from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui.replicas import overview_markdown
 
 BLOCK_SIZE = 4
@@ -123,6 +124,7 @@ def test_outputs_equal_one_engines_greedy(replicas, tiny_chat_model_path) -> Non
 
 
 def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
+    assert isinstance(replicas, EngineView)  # what every front end reads
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from gradio_client import Client
 
@@ -161,14 +163,10 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
 
 def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
         replicas, tmp_path) -> None:
-    from app import record_sessions
-
     url, server, thread = serve(create_app(replicas))
-    session_log, followed = SessionLog(tmp_path / "app.db"), SessionLog(tmp_path / "follow.db")
+    session_log = SessionLog(tmp_path / "app.db")
     session_log.start_session({}, model="tiny")
-    followed.start_session({}, model="tiny")
     stop_recording = record_sessions(replicas, session_log)  # the app's recorder
-    followed.follow(replicas)
     try:
         with ws_connect(url.replace("http", "ws") + "/ws/events") as websocket:
             websocket.recv(timeout=10)  # the pool snapshot: the feeds are subscribed
@@ -193,13 +191,11 @@ def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
 
         stop_recording()
         assert session_log.flush()
-        followed.close()  # its reader threads drain what is left
-        for log in (session_log, followed):
-            logged = {row["request_id"]: row
-                      for row in log.load_session(log.session_id).routing_decisions}
-            for decision in decisions:
-                row = sent[decision.request_id]
-                assert {key: logged[decision.request_id][key] for key in row} == row
+        logged = {row["request_id"]: row
+                  for row in session_log.load_session(session_log.session_id).routing_decisions}
+        for decision in decisions:
+            row = sent[decision.request_id]
+            assert {key: logged[decision.request_id][key] for key in row} == row
 
         # Every engine series is per replica; both replicas' gauges and counters are there.
         wait_until(lambda: all(s.counters.prompt_tokens for s in replicas.replica_statuses()),
@@ -217,7 +213,6 @@ def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
         assert replicas_of["kvscope:time_to_first_token_seconds"] >= {"0", "1"}
     finally:
         session_log.close()
-        followed.close()
         server.should_exit = True
         thread.join(timeout=10)
 

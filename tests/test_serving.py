@@ -431,7 +431,7 @@ def test_a_websocket_snapshot_is_the_connections_mirror_not_an_engine_copy(
     def no_engine_snapshot(*args, **kwargs):
         raise AssertionError("the engine thread was asked for a full snapshot")
 
-    monkeypatch.setattr(server.engine, "snapshot_future", no_engine_snapshot)
+    monkeypatch.setattr(server.engine, "snapshot_records", no_engine_snapshot)
     with ws_connect(server.url.replace("http", "ws") + "/ws/events", max_size=None) as websocket:
         websocket.send(json.dumps({"type": "snapshot"}))
         reply = json.loads(websocket.recv(timeout=10))
