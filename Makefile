@@ -40,5 +40,10 @@ bench: $(STAMP)
 browser:
 	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) || echo "chromium not installed: browser tests will be skipped"
 
+# ruff for the Python; clang-format (.clang-format) for the C++ kernels, which fails on any
+# line it would change (`$(VENV)/bin/clang-format -i FILE` applies the format).
+CXX_SOURCES = $(shell find kernels/csrc -name '*.cpp' -o -name '*.h' -o -name '*.hpp')
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/clang-format --dry-run -Werror $(CXX_SOURCES)

@@ -5,7 +5,6 @@ import dataclasses
 import logging
 import signal
 import threading
-from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -22,7 +21,8 @@ from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.replicas.router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from kvscope.engine.serving import create_app
 from kvscope.engine.serving.security import exposure_warning, read_api_key
-from kvscope.storage import SessionLog
+from kvscope.engine.view import EngineView
+from kvscope.storage import SessionLog, record_sessions
 
 logger = logging.getLogger("kvscope")
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
@@ -30,7 +30,6 @@ DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConf
 GRACEFUL_SHUTDOWN_S = 5.0
 # After the abort, this long for the aborted streams to send their last events.
 STREAMS_CLOSE_S = 10.0
-SESSION_LOG_POLL_S = 0.25
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -158,7 +157,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                            for field in dataclasses.fields(EngineConfig)})
 
 
-def start_engine(args: argparse.Namespace):
+def start_engine(args: argparse.Namespace) -> EngineView:
     """The embedded AsyncEngine, or a ReplicaSet on Ray (imported only then)."""
     config = engine_config(args)
     if args.replicas == 1 and args.ray_address is None:
@@ -176,7 +175,7 @@ class GracefulServer(uvicorn.Server):
     runs, so open streams end with finish_reason "abort", their last SSE event and
     [DONE] (uvicorn itself would cut the connections when its own timeout ran out)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineView, grace_s: float) -> None:
         super().__init__(config)
         self._abort_later = threading.Timer(grace_s, engine.shutdown,
                                             kwargs={"abort_running": True})
@@ -188,7 +187,7 @@ class GracefulServer(uvicorn.Server):
             self._abort_later.start()
 
 
-def mount_dashboard(app: FastAPI, engine: AsyncEngine, session_log: SessionLog) -> FastAPI:
+def mount_dashboard(app: FastAPI, engine: EngineView, session_log: SessionLog) -> FastAPI:
     """The Gradio dashboard at "/", when the ui package provides one."""
     try:
         from kvscope.ui import mount_ui
@@ -196,40 +195,6 @@ def mount_dashboard(app: FastAPI, engine: AsyncEngine, session_log: SessionLog) 
         logger.warning("no dashboard (%s); serving the API only", error)
         return app
     return mount_ui(app, engine, session_log, path="/")
-
-
-def record_sessions(engine: AsyncEngine, session_log: SessionLog) -> Callable[[], None]:
-    """Copy the engine's step records and finished requests (and config changes, and a
-    ReplicaSet's routing decisions) into the session log from a thread of its own; returns
-    the function that stops it, after a last drain."""
-    feeds = [(engine.subscribe_steps(maxsize=50_000), session_log.record_step),
-             (engine.subscribe_requests(), lambda finished: session_log.record_request(
-                 finished.output, finished.source, replica=finished.replica))]
-    if hasattr(engine, "subscribe_decisions"):  # only engine.replicas.ReplicaSet routes
-        feeds.append((engine.subscribe_decisions(50_000), session_log.record_routing))
-    stop = threading.Event()
-
-    def drain() -> None:
-        config = engine.config
-        while True:
-            stopping = stop.wait(SESSION_LOG_POLL_S)
-            for channel, record in feeds:
-                for item in channel.drain():
-                    record(item)
-            if engine.config is not config:
-                config = engine.config
-                session_log.record_config(config.to_dict())
-            if stopping:
-                return
-
-    recorder = threading.Thread(target=drain, name="kvscope-session-recorder", daemon=True)
-    recorder.start()
-
-    def stop_recording() -> None:
-        stop.set()
-        recorder.join()
-
-    return stop_recording
 
 
 class QuietPolling(logging.Filter):

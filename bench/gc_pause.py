@@ -4,8 +4,8 @@ A full (generation-2) collection walks every object the collector tracks and hol
 GIL while it does, pausing the engine's step on whichever thread triggers it. The engine
 freezes its start-up heap (engine.heap), so what a collection walks is what came later:
 this builds a pool of --blocks blocks, freezes it as AsyncEngine.start does, caches every
-block as a long session would (block_size 1, one chained hash per block), drains the
-step's touched-block log as take_pool_delta does, then times one full collection.
+block as a long session would (block_size 1, one chained hash per block), then times one
+full collection.
 
 With --live-seconds S it also runs the engine itself for S seconds on a pool of --blocks
 blocks (block_size 1, a tiny random model), 16 requests kept in flight and the dashboard's
@@ -45,7 +45,6 @@ def cache_every_block(manager: KVCacheManager) -> None:
     for block, block_hash in zip(blocks, manager._block_hashes(seq, num_blocks)):
         pool.cache(block, block_hash)
     pool.release(reversed(blocks))
-    pool.events.blocks.clear()  # the engine drains it every step
 
 
 def live_run(num_blocks: int, seconds: float) -> dict:
@@ -55,7 +54,7 @@ def live_run(num_blocks: int, seconds: float) -> dict:
     clock = scale.GcClock()
     with tempfile.TemporaryDirectory() as folder:
         engine = scale.AsyncEngine.from_config(scale.EngineConfig(
-            model=str(scale.save_tiny_chat_model(Path(folder))), dtype="float32", device="cpu",
+            model=str(scale.save_tiny_model(Path(folder))), dtype="float32", device="cpu",
             block_size=1, num_gpu_blocks_override=num_blocks, max_model_len=scale.MAX_MODEL_LEN,
             max_num_batched_tokens=512, device_memory_gb=4.0)).start()
         load = scale.Load(engine, engine.tokenizer.vocab_size)

@@ -30,7 +30,7 @@ from common import add_model_args, drive, ordinary_token_ids, percentile, random
 
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.telemetry.records import take_snapshot
+from kvscope.engine.telemetry.pool_recorder import mirror_of
 
 PAPER_SAVINGS = {"parallel_sampling": [0.061, 0.098], "beam_search": [0.376, 0.552]}
 
@@ -110,7 +110,7 @@ def sharing_savings(bench, args, vocab, kind: str) -> dict:
 
     def measure(engine) -> None:
         nonlocal saved_total, held_total
-        snapshot = take_snapshot(engine)
+        snapshot = mirror_of(engine)
         held = sum(len(seq.block_table) for seq in snapshot.sequences)
         if held:
             saved = snapshot.blocks_saved_by_sharing

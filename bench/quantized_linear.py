@@ -30,10 +30,10 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
+import roofline  # noqa: E402
 import torch
 import torch.nn.functional as F
 
-from bench import roofline  # noqa: E402
 from kvscope.engine.worker.loader import load_config, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.models.quantized import (  # noqa: E402
     KERNEL_MAX_ROWS,

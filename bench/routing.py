@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from random_model import save_random_llama
+
 from kvscope.engine.config import EngineConfig  # noqa: E402
 from kvscope.engine.replicas.replica_set import ReplicaSet  # noqa: E402
 from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
@@ -43,24 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="blocks per replica (default: about half the system prompts)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
-
-
-def make_random_llama(folder: Path) -> Path:
-    """hidden 256, 4 layers, 4k vocab: prefill costs enough to show in TTFT on a CPU."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    vocab_size = 4096
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)).save_pretrained(folder)
-    core = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=core).save_pretrained(folder)
-    return folder
 
 
 def workload(rng: random.Random, args, vocab_size: int) -> tuple[list[int], list[list[int]]]:
@@ -137,7 +121,10 @@ def cpu_name() -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rng = random.Random(args.seed)
-    model = args.model or str(make_random_llama(Path(tempfile.mkdtemp(prefix="kvscope-routing-"))))
+    # hidden 256, 4 layers, 4k vocab: prefill costs enough to show in TTFT on a CPU.
+    model = args.model or str(save_random_llama(
+        Path(tempfile.mkdtemp(prefix="kvscope-routing-")), vocab_size=4096, hidden_size=256,
+        intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=4, max_positions=2048))
     system_blocks = args.tenants * sum(args.system_tokens) / 2 / args.block_size
     blocks = args.num_gpu_blocks_override or int(system_blocks / args.replicas * 1.25)
     # The longest request fits (a longer max_model_len than the small pool holds is refused).

@@ -65,6 +65,7 @@ from served import cpu_name  # noqa: E402
 from kvscope import LLM, SamplingParams  # noqa: E402
 from kvscope.engine.config import QUANTIZATIONS  # noqa: E402
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path  # noqa: E402
+from kvscope.engine.worker.memory_bandwidth import weights_read_bandwidth  # noqa: E402
 from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 
 logger = logging.getLogger("bench.throughput")
@@ -160,7 +161,7 @@ class KVScope:
         return runner.weight_bytes - sum(p.numel() * p.element_size() for p in table.parameters())
 
     def weights_read_bandwidth(self) -> float:
-        return roofline.weights_read_bandwidth(self.llm.engine.runner.model.parameters())
+        return weights_read_bandwidth(self.llm.engine.runner.model.parameters())
 
     def single_stream(self, prompt: list[int], num_tokens: int) -> dict:
         if self.llm.engine.config.enable_prefix_caching:
@@ -322,6 +323,7 @@ class LlamaCpp:
     really generated count; times are the worker's own, without the pipe."""
 
     def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+        from kvscope.engine.worker.gguf_weights import gguf_bytes_per_step
         from kvscope.engine.worker.loader import find_default_gguf
 
         started = time.perf_counter()
@@ -366,17 +368,6 @@ class LlamaCpp:
         return result(sum(seconds for _, seconds in completions),
                       sum(tokens for tokens, _ in completions), weights=self.gguf,
                       note="stops at EOS; one request at a time")
-
-
-def gguf_bytes_per_step(path: Path) -> int:
-    """The bytes of a GGUF's tensors as stored (Q4_1 blocks, the Q8_0 table...), less the
-    token embedding table when a separate output.weight makes the logits read that one."""
-    from gguf import GGUFReader
-
-    sizes = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(path).tensors}
-    if "output.weight" in sizes:
-        return sum(sizes.values()) - sizes["token_embd.weight"]
-    return sum(sizes.values())
 
 
 BACKEND_CLASSES = {"kvscope": KVScope, "kvscope_penalties": KVScopePenalties,

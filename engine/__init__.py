@@ -1,10 +1,11 @@
 """kvscope's engine, by stage in the order a request meets them:
 
   core/       the request, the scheduler, the KV-cache manager and its block pool, beam
-              search, and EngineCore.step() that runs one step of them all
+              search, EngineCore.step() that runs one step of them all, and the typed
+              events they emit (kv_events)
   worker/     the model runner, the models, the weight loaders and the memory plan
   sample/     sampling params, logit edits, structured outputs and the sampler
-  telemetry/  what a step leaves for readers: records, pool deltas, the pool's mirror
+  telemetry/  beside the core, from its events: records, pool deltas, the pool's mirror
   frontend/   the engine thread and the streams that carry outputs to callers
   serving/    the OpenAI-compatible HTTP edge
   replicas/   engine replicas on Ray behind a KV-aware router

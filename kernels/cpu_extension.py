@@ -22,7 +22,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = sorted(CSRC.glob("*.cpp"))
+SOURCES = sorted(CSRC.rglob("*.cpp"))
+# Every file the build reads (sources and the headers they include), for the build key.
+INPUTS = sorted(path for path in CSRC.rglob("*") if path.suffix in {".cpp", ".h", ".hpp"})
 NAME = "kvscope_cpu_kernels"
 
 
@@ -40,7 +42,9 @@ def cpu_flags() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    parts = [source.read_bytes() for source in (*SOURCES, *sorted(CSRC.glob("*.h")))]
+    # Each file's path inside csrc as well as its text: moving a file changes the build.
+    parts = [part for path in INPUTS
+             for part in (str(path.relative_to(CSRC)).encode(), path.read_bytes())]
     for part in (*parts, torch.__version__.encode(), cpu_flags().encode(),
                  (shutil.which("c++") or "").encode()):
         digest.update(part)
@@ -96,7 +100,8 @@ def load() -> None:
     with build_lock(build_dir):
         cpp_extension.load(
             name=NAME, sources=[str(source) for source in SOURCES],
-            build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            build_directory=str(build_dir), extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     logger.info("CPU attention kernels ready in %.1f s (%s)", time.perf_counter() - started,
                 build_dir)

@@ -46,8 +46,6 @@ class SessionLog:
         self.num_written = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._closed = False
-        self._subscriptions: list = []
-        self._pumps: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._run, name="kvscope-session-log",
                                         daemon=True)
         self._thread.start()
@@ -65,22 +63,6 @@ class SessionLog:
                 session_id=self.session_id, applied_at=started_at, config=config))
         self._last_config = config
         return self.session_id
-
-    def follow(self, engine) -> None:
-        """Log every step and every ended request of an AsyncEngine (and every routing
-        decision of a ReplicaSet), from reader threads fed by its subscriptions (which drop
-        the oldest rather than block it)."""
-        steps, requests = engine.subscribe_steps(maxsize=QUEUE_SIZE), engine.subscribe_requests()
-        feeds = [(steps, self.record_step),
-                 (requests, lambda r: self.record_request(r.output, r.source, replica=r.replica))]
-        if hasattr(engine, "subscribe_decisions"):  # only engine.replicas.ReplicaSet routes
-            feeds.append((engine.subscribe_decisions(QUEUE_SIZE), self.record_routing))
-        self._subscriptions += [feed for feed, _ in feeds]
-        for feed, record in feeds:
-            pump = threading.Thread(target=_pump, args=(feed, record), daemon=True,
-                                    name="kvscope-session-log-follow")
-            pump.start()
-            self._pumps.append(pump)
 
     def record_config(self, config: dict) -> None:
         """The engine was reconfigured: the session row keeps the latest config, and the
@@ -193,10 +175,6 @@ class SessionLog:
         """Flush every queued row, stamp the session's end and stop the thread."""
         if self._closed:
             return
-        for subscription in self._subscriptions:
-            subscription.close()  # the pump threads read what is left, then end
-        for pump in self._pumps:
-            pump.join(timeout=5)
         self._closed = True
         self._queue.put(_STOP)  # blocks only while full: shutdown may wait, the engine never
         self._thread.join()
@@ -206,7 +184,3 @@ class SessionLog:
                                    .values(ended_at=time.time()))
         self.engine.dispose()
 
-
-def _pump(feed, record) -> None:
-    for item in feed:
-        record(item)

@@ -278,6 +278,16 @@ def tiny_byte_level_model_path(tmp_path_factory) -> Path:
     return save_tiny_byte_level_model(tmp_path_factory.mktemp("tiny-byte-llama"))
 
 
+def wait_until(condition: Callable[[], object], timeout: float = 10.0,
+               what: str = "the condition") -> None:
+    """Return as soon as condition() is true; fail if it is still false after `timeout`
+    seconds. For state another thread or process changes, with no event to wait on."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
 def serve(app, **uvicorn_options) -> tuple[str, uvicorn.Server, threading.Thread]:
     """Run `app` on a free loopback port in a background thread (stop: `should_exit`)."""
     sock = socket.socket()
@@ -285,8 +295,5 @@ def serve(app, **uvicorn_options) -> tuple[str, uvicorn.Server, threading.Thread
     server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", **uvicorn_options}))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
+    wait_until(lambda: server.started, timeout=30, what="the server to start")
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread

@@ -8,6 +8,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
@@ -36,12 +37,6 @@ def engine(core) -> AsyncEngine:
     yield engine
     engine.shutdown()
 
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def assert_pool_idle(engine: AsyncEngine) -> None:
@@ -133,6 +128,14 @@ def engine_thread_cpu_ticks(engine: AsyncEngine) -> int:
 
 def test_the_dashboard_interface_is_the_async_engine(engine) -> None:
     assert isinstance(engine, EngineView)
+    # One engine answers the replica questions trivially: one replica, nothing routed.
+    assert engine.num_replicas == len(engine.replica_statuses()) == 1
+    assert engine.routing is None and engine.routing_load_weight is None
+    assert not engine.recent_decisions
+    decisions = engine.subscribe_decisions()
+    assert not decisions.closed and decisions.drain() == []
+    with pytest.raises(ValueError, match="routing"):
+        engine.set_routing("round-robin")
 
 
 def test_prefix_cache_counters_add_up_the_step_records(engine) -> None:
@@ -156,7 +159,7 @@ def test_idle_engine_sleeps(engine) -> None:
     busy the machine is (CPU ticks of that thread, not a wall-clock limit)."""
     list(engine.submit("wake up", short(2)))
     steps, ticks = engine.counters().num_steps, engine_thread_cpu_ticks(engine)
-    time.sleep(0.5)
+    time.sleep(0.5)  # the window idleness is observed over: the behaviour under test
     assert engine.counters().num_steps == steps
     assert engine_thread_cpu_ticks(engine) - ticks <= 1  # one tick of rounding at most
 

@@ -31,7 +31,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
 from kvscope.engine.serving.security import exposure_warning, read_api_key
-from kvscope.storage import SessionLog
+from kvscope.storage import SessionLog, record_sessions
 
 API_KEY = "kvscope-test-key-7f3a9c"  # distinctive, so any leak is found by a plain search
 BEARER = {"Authorization": f"Bearer {API_KEY}"}
@@ -110,13 +110,14 @@ def guarded(engine, tmp_path_factory) -> Guarded:
     db_path = tmp_path_factory.mktemp("auth-db") / "kvscope.db"
     log = SessionLog(db_path)
     log.start_session(engine.config.to_dict(), engine.model_path)
-    log.follow(engine)
+    stop_recording = record_sessions(engine, log)
     app = mount_dashboard(create_app(engine, api_key=API_KEY), engine, log)
     # log_config=None: uvicorn's access log propagates to the root logger, and the handler.
     url, server, thread = serve(app, log_config=None, log_level="info")
     yield Guarded(url, engine, log, db_path, lines)
     server.should_exit = True
     thread.join(timeout=10)
+    stop_recording()
     log.close()
     root.removeHandler(handler)
     root.setLevel(previous_level)

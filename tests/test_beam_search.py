@@ -7,7 +7,7 @@ import torch
 
 from kvscope import LLM
 from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.telemetry.records import take_snapshot
+from kvscope.engine.telemetry.pool_recorder import mirror_of
 
 WIDTH = 4
 MAX_TOKENS = 8
@@ -102,7 +102,7 @@ def test_beams_share_their_history_and_release_every_block(make_engine):
     seen = []
 
     def check(engine):
-        snapshot = take_snapshot(engine)
+        snapshot = mirror_of(engine).snapshot()
         beams = snapshot.sequences
         if len(beams) < 2:
             return

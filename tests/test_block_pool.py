@@ -19,6 +19,14 @@ from hypothesis.stateful import (
 import kvscope.engine.core.kv_cache_manager as kv_cache_manager_module
 from kvscope.engine.core.block_pool import BlockPool
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.kv_events import (
+    BlockRemoved,
+    BlocksAllocated,
+    BlocksReleased,
+    BlocksShared,
+    BlockStored,
+    KVEvent,
+)
 from kvscope.engine.core.request import Sequence
 
 
@@ -70,6 +78,40 @@ def check_pool_invariants(pool: BlockPool, live: list[Sequence]) -> None:
         assert block.block_hash is not None and block.block_hash[0] == key
 
 
+class EventReplay:
+    """Each block's ref count and hash rebuilt from the pool's events alone, checking on
+    the way that every event fits the state before it (allocated blocks were free, only
+    unhashed blocks get stored, a removed hash is the one the block held)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list = [None] * num_blocks
+
+    def apply(self, event: KVEvent) -> None:
+        match event:
+            case BlocksAllocated(block_ids):
+                for block_id in block_ids:
+                    assert self.ref_counts[block_id] == 0 and self.hashes[block_id] is None
+                    self.ref_counts[block_id] = 1
+            case BlocksShared(block_ids):
+                for block_id in block_ids:
+                    self.ref_counts[block_id] += 1
+            case BlocksReleased(block_ids):
+                for block_id in block_ids:
+                    assert self.ref_counts[block_id] > 0
+                    self.ref_counts[block_id] -= 1
+            case BlockStored(block_id, block_hash):
+                assert self.hashes[block_id] is None
+                self.hashes[block_id] = block_hash
+            case BlockRemoved(block_id, block_hash):
+                assert self.hashes[block_id] == block_hash
+                self.hashes[block_id] = None
+
+    def check(self, pool: BlockPool) -> None:
+        assert self.ref_counts == [block.ref_count for block in pool.blocks]
+        assert self.hashes == [block.block_hash for block in pool.blocks]
+
+
 class BlockPoolMachine(RuleBasedStateMachine):
     """Random allocate / append / fork / free on a small pool with a small vocabulary, so
     prefix hits, evictions, copy-on-write and running out of blocks all happen."""
@@ -78,7 +120,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True)
+        self.replay = EventReplay(12)
+        self.manager = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True,
+                                      emit=self.replay.apply)
         self.live: list[Sequence] = []
 
     @rule(target=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=14))
@@ -135,6 +179,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self):
         check_pool_invariants(self.manager.pool, self.live)
+
+    @invariant()
+    def events_describe_the_pool(self):
+        self.replay.check(self.manager.pool)
 
     def teardown(self):
         for seq in self.live:

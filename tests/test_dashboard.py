@@ -14,7 +14,7 @@ from gradio_client import Client
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.storage import SessionLog
+from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui import build_ui, page_options
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -40,13 +40,14 @@ def served(tiny_chat_model_path, tmp_path_factory):
     )).start()
     log = SessionLog(tmp_path_factory.mktemp("db") / "kvscope.db")
     log.start_session(engine.config.to_dict(), engine.model_path)
-    log.follow(engine)
+    stop_recording = record_sessions(engine, log)
     blocks = build_ui(engine, log)
     port = free_port()
     blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
                   quiet=True, **page_options())
     yield engine, log, f"http://127.0.0.1:{port}/"
     blocks.close()
+    stop_recording()
     log.close()
     engine.shutdown()
 
@@ -73,6 +74,30 @@ def open_page(browser, url: str):
     page = browser.new_page(viewport={"width": 1400, "height": 1100}, accept_downloads=True)
     page.goto(url)
     return page
+
+
+class Ticks:
+    """The live poller's refreshes of a page (ui/live_poller.js): it sends one a second,
+    each only once the one before it has been answered and drawn."""
+
+    def __init__(self, page) -> None:
+        self.page = page
+        self.sent = 0
+        page.on("request", self._count)
+
+    def _count(self, request) -> None:
+        if request.url.endswith("/gradio_api/run/refresh_live"):
+            self.sent += 1
+
+    def wait(self, count: int) -> None:
+        """Until `count` more refreshes are sent: all but the last of them are drawn."""
+        target = self.sent + count
+        while self.sent < target:
+            self.page.wait_for_event("request", timeout=20_000)
+
+    def wait_for_first_drawing(self) -> None:
+        """The page's first drawing of every panel, and the poller's first tick, are in."""
+        self.wait(2)
 
 
 # First in the module: the engine has run nothing yet.
@@ -196,18 +221,19 @@ def test_browser_panels_out_of_view_wait_until_scrolled_into_view(served, browse
     from playwright.sync_api import expect
 
     page = browser.new_page(viewport={"width": 1400, "height": 700})
+    ticks = Ticks(page)
     page.goto(served[2])
     timeline = page.locator("#kv-timeline .js-plotly-plot")
     timeline.wait_for(state="attached", timeout=20_000)
     drawn = "el => JSON.stringify([el.data, el.layout.title])"
     assert page.evaluate("document.getElementById('kv-timeline').getBoundingClientRect().top"
                          " > window.innerHeight")
-    page.wait_for_timeout(1500)  # the page's first drawing of every panel is in
+    ticks.wait_for_first_drawing()
     before, stats = timeline.evaluate(drawn), page.locator("#kv-stats").inner_text()
     engine = served[0]
     list(engine.submit("out of view", SamplingParams(max_tokens=6, ignore_eos=True)))
     expect(page.locator("#kv-stats")).not_to_have_text(stats, timeout=15_000)  # on screen
-    page.wait_for_timeout(2500)  # two more ticks
+    ticks.wait(3)  # two more ticks answered
     assert timeline.evaluate(drawn) == before  # out of view: not redrawn
     timeline.scroll_into_view_if_needed()
     page.wait_for_function(
@@ -225,7 +251,7 @@ def test_browser_live_tab_polls_once_a_second_and_redraws_only_what_changed(serv
 
     page = open_page(browser, served[2])
     page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=20_000)
-    page.wait_for_timeout(1500)  # the page's first drawing of every panel is in
+    Ticks(page).wait_for_first_drawing()
     requests: list[str] = []
     page.on("request", lambda request: requests.append(request.url))
     page.evaluate("""() => {
@@ -236,7 +262,7 @@ def test_browser_live_tab_polls_once_a_second_and_redraws_only_what_changed(serv
         div.on('plotly_afterplot', () => { window.redraws[id] += 1; });
       }
     }""")
-    page.wait_for_timeout(3500)
+    page.wait_for_timeout(3500)  # the window the poll rate is counted over
     polls = [url for url in requests if url.endswith("/gradio_api/run/refresh_live")]
     assert 2 <= len(polls) <= 5
     assert not [url for url in requests if "/queue/" in url]  # no Gradio event round trip
@@ -253,8 +279,9 @@ def test_browser_a_figure_slow_to_draw_is_asked_for_less_often(served, browser) 
     heatmap that took 300 ms to draw, the next ticks leave it out (the server neither
     builds nor sends it) while the cheap panels stay live."""
     page = open_page(browser, served[2])
+    ticks = Ticks(page)
     page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=20_000)
-    page.wait_for_timeout(1500)  # the page's first drawing of every panel is in
+    ticks.wait_for_first_drawing()
     page.evaluate("""() => {
       window.slowDraws = 0;
       const react = window.Plotly.react;
@@ -272,7 +299,7 @@ def test_browser_a_figure_slow_to_draw_is_asked_for_less_often(served, browser) 
     asked: list[list[str]] = []
     page.on("request", lambda request: asked.append(json.loads(request.post_data)["data"][1])
             if request.url.endswith("/gradio_api/run/refresh_live") else None)
-    page.wait_for_timeout(3500)
+    ticks.wait(3)
     assert len(asked) >= 2
     assert all("stats" in panels and "heatmap" not in panels for panels in asked)
     page.close()
@@ -290,14 +317,20 @@ def test_browser_idle_page_draws_no_frames(served, browser) -> None:
         request((time) => { window.framesRun += 1; callback(time); });
     """)
     page = context.new_page()
+    ticks = Ticks(page)
     page.goto(served[2])
     page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=20_000)
-    # The first drawing of every panel, and the removed loading spinner's last spring
-    # animation (~3 s), are over.
-    page.wait_for_timeout(5000)
+    ticks.wait_for_first_drawing()
+    # The removed loading spinner's last spring animation (~3 s) is over once half a second
+    # passes without a frame; a leaked loop never gets there.
+    page.wait_for_function("""() => {
+      const quiet = window.framesRun === window.framesSeen;
+      window.framesSeen = window.framesRun;
+      return quiet;
+    }""", polling=500, timeout=20_000)
     before = page.evaluate("window.framesRun")
     assert before > 0  # the counter sees the page's frames (the first drawing asked some)
-    page.wait_for_timeout(3000)  # three of the poller's ticks, the engine idle
+    ticks.wait(3)  # three of the poller's ticks, the engine idle
     assert page.evaluate("window.framesRun") - before <= 5  # a leaked loop runs ~180
     context.close()
 

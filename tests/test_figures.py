@@ -10,15 +10,14 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_mirror import STATES, PoolMirror
+from kvscope.engine.telemetry.pool_recorder import mirror_of
 from kvscope.engine.telemetry.records import (
+    EngineSnapshot,
     PoolBase,
     PoolCounters,
     PoolSlice,
     SequenceChange,
     StepRecord,
-    take_pool_base,
-    take_pool_slice,
-    take_snapshot,
 )
 from kvscope.ui.figures import (
     HEATMAP_COLUMNS,
@@ -65,23 +64,20 @@ def run(tiny_chat_model_path):
     a = core.add_request(SYSTEM + "A?", SamplingParams(max_tokens=4, temperature=0))
     arrivals[a.request_id] = a.arrival_time
     step_until(lambda: not core.has_unfinished_requests())
-    after_a = mirror_of(core), take_snapshot(core)
+    after_a = mirror_and_snapshot(core)
     b = core.add_request(SYSTEM + "B?", SamplingParams(max_tokens=8, temperature=0, n=2))
     arrivals[b.request_id] = b.arrival_time
     step_until(lambda: len(b.sequences) == 2)
-    during_b = mirror_of(core), take_snapshot(core)
+    during_b = mirror_and_snapshot(core)
     step_until(lambda: not core.has_unfinished_requests())
     return after_a, during_b, records, arrivals
 
 
-def mirror_of(core: EngineCore) -> PoolMirror:
-    """A reader's mirror of the core's pool, as a new reader gets it (base, then slices)."""
-    mirror = PoolMirror()
-    mirror.apply(take_pool_base(core))
-    for start in range(0, core.kv_cache.pool.num_blocks, 64):
-        mirror.apply(take_pool_slice(core, start, 64))
+def mirror_and_snapshot(core: EngineCore) -> tuple[PoolMirror, EngineSnapshot]:
+    """A reader's mirror of the core's pool, and the full snapshot made from it."""
+    mirror = mirror_of(core)
     assert mirror.ready
-    return mirror
+    return mirror, mirror.snapshot()
 
 
 def heatmap_cells(figure) -> dict[int, int]:

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.telemetry.records import take_snapshot
+from kvscope.engine.telemetry.pool_recorder import mirror_of
 
 N = 4
 SEED = 11
@@ -52,7 +52,7 @@ def test_prompt_blocks_are_shared_n_ways_and_never_modified_by_a_child(make_engi
                         [p % block_size for p in positions]].clone()
 
     engine.step()  # the prefill; the request forks into N samples
-    snapshot = take_snapshot(engine)
+    snapshot = mirror_of(engine).snapshot()
     tables = [s.block_table for s in snapshot.sequences]
     assert len(tables) == N and all(t == tables[0] for t in tables)
     assert len(tables[0]) == num_prompt_blocks
@@ -76,7 +76,7 @@ def test_prompt_blocks_are_shared_n_ways_and_never_modified_by_a_child(make_engi
             # The partly filled prompt block was copied: each sample writes its own.
             last = [seq.block_table[num_prompt_blocks - 1] for seq in live]
             assert len(set(last)) == len(live)
-            snapshot = take_snapshot(engine)
+            snapshot = mirror_of(engine).snapshot()
             assert all(snapshot.blocks[b].ref_count == len(live) for b in full_blocks)
             assert snapshot.blocks_saved_by_sharing == (len(live) - 1) * num_full_blocks
     assert steps == 9

@@ -2,6 +2,7 @@
 late reader), equals a full snapshot after random workloads on a real engine."""
 
 import random
+import time
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -11,14 +12,57 @@ from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, hash_key
-from kvscope.engine.telemetry.records import take_pool_base, take_pool_delta, take_pool_slice, take_snapshot
+from kvscope.engine.telemetry.pool_recorder import PoolRecorder
+from kvscope.engine.telemetry.records import BlockInfo, EngineSnapshot, SequenceInfo
 
 SLICE_BLOCKS = 5  # small, so a late reader's snapshot spans several steps
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23], []]
 
 
+def pool_truth(core: EngineCore) -> EngineSnapshot:
+    """The core's pool and queues read straight from its blocks and sequences: the oracle
+    a mirror is checked against."""
+    manager = core.kv_cache
+    pool = manager.pool
+    block_size = manager.block_size
+    live = core.live_sequences()
+    owners: dict[int, list[str]] = {}
+    contents: dict[int, tuple[int, ...]] = {}
+    for seq in live:
+        for index, block_id in enumerate(seq.block_table):
+            owners.setdefault(block_id, []).append(seq.seq_id)
+            stored = seq.token_ids[index * block_size:min((index + 1) * block_size,
+                                                          seq.num_computed_tokens)]
+            contents.setdefault(block_id, tuple(stored))
+    blocks = []
+    for block in pool.blocks:
+        block_hash = block.block_hash
+        if block.ref_count > 1:
+            state = "shared"
+        elif block.ref_count == 1:
+            state = "used"
+        else:
+            state = "cached" if block_hash is not None else "free"
+        value, parent, tokens = block_hash or (None, None, contents.get(block.block_id, ()))
+        blocks.append(BlockInfo(
+            block.block_id, block.ref_count, state, value.hex() if value else None,
+            parent.hex() if parent else None, tokens, tuple(owners.get(block.block_id, ()))))
+    sequences = tuple(
+        SequenceInfo(seq.seq_id, seq.request.request_id, seq.status.value,
+                     tuple(seq.block_table), seq.num_tokens, seq.num_prompt_tokens,
+                     seq.num_computed_tokens, seq.request.arrival_time)
+        for seq in live)
+    stats = manager.prefix_stats
+    return EngineSnapshot(
+        time=time.time(), step=core.step_index, config=core.config.to_dict(),
+        block_size=block_size, num_blocks=pool.num_blocks, blocks=tuple(blocks),
+        sequences=sequences, num_running=core.num_running, num_waiting=core.num_waiting,
+        prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits,
+        num_preemptions=core.scheduler.num_preemptions, num_evictions=pool.num_evictions)
+
+
 def assert_mirror_matches(mirror: PoolMirror, core: EngineCore) -> None:
-    snapshot = take_snapshot(core)
+    snapshot = pool_truth(core)
     assert mirror.ready and mirror.num_blocks == snapshot.num_blocks
     assert mirror.block_size == snapshot.block_size
     for block in snapshot.blocks:
@@ -55,6 +99,7 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.core = self._engine("recompute", 14)
+            self.recorder = PoolRecorder(self.core).listen()
             self.mirror = PoolMirror()
             self.late: PoolMirror | None = None
             self.late_next = 0
@@ -75,17 +120,17 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
 
         def _publish_pending(self) -> None:
             """What AsyncEngine does after commands that changed the pool between steps."""
-            if self.core.kv_cache.events.pending:
-                self._publish(take_pool_delta(self.core))
+            if self.recorder.pending:
+                self._publish(self.recorder.take_delta())
 
         def _start_reader(self, mirror: PoolMirror) -> None:
             self._publish_pending()
-            assert mirror.apply(take_pool_base(self.core))
+            assert mirror.apply(self.recorder.take_base())
 
         def _send_slices(self, mirror: PoolMirror, everything: bool = False) -> None:
             start = 0 if mirror is self.mirror else self.late_next
             while start < self.core.kv_cache.pool.num_blocks:
-                assert mirror.apply(take_pool_slice(self.core, start, SLICE_BLOCKS))
+                assert mirror.apply(self.recorder.take_slice(start, SLICE_BLOCKS))
                 start += SLICE_BLOCKS
                 if not everything:
                     break
@@ -110,7 +155,8 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
             for _ in range(count):
                 if not self.core.has_unfinished_requests():
                     return
-                self._publish(self.core.step().pool_delta)
+                self.core.step()
+                self._publish(self.recorder.take_delta())
                 if self.late is not None:
                     self._send_slices(self.late)
 
@@ -130,7 +176,8 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
             step_index = self.core.step_index
             self.core = self._engine(preemption_mode, num_blocks)
             self.core.step_index = step_index
-            self._publish(take_pool_delta(self.core))  # delta 0: readers start it empty
+            self.recorder = PoolRecorder(self.core).listen()
+            self._publish(self.recorder.take_delta())  # delta 0: readers start it empty
             if self.late is not None and not self.late.ready:
                 self.late = None  # its snapshot was of the old pool; AsyncEngine restarts it
 
@@ -156,9 +203,12 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
 
 def test_a_missed_delta_asks_for_a_new_snapshot(make_engine) -> None:
     core = make_engine("llama", block_size=2, max_model_len=24, num_gpu_blocks_override=12)
+    recorder = PoolRecorder(core).listen()
     mirror = PoolMirror()
-    assert mirror.apply(take_pool_base(core))
-    assert mirror.apply(take_pool_slice(core, 0, 100)) and mirror.ready
+    assert mirror.apply(recorder.take_base())
+    assert mirror.apply(recorder.take_slice(0, 100)) and mirror.ready
     core.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
-    core.step()  # its delta is lost
-    assert not mirror.apply(core.step().pool_delta)
+    core.step()
+    recorder.take_delta()  # lost
+    core.step()
+    assert not mirror.apply(recorder.take_delta())

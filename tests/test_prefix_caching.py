@@ -14,7 +14,7 @@ from kvscope import LLM
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.request import Sequence
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.telemetry.records import take_snapshot
+from kvscope.engine.telemetry.pool_recorder import mirror_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -81,7 +81,7 @@ def test_three_prompts_sharing_five_blocks_hit_exactly_80_tokens(make_engine):
     assert stats.queries == sum(len(p) for p in prompts)
     assert stats.hits == 160
     assert stats.hit_rate == pytest.approx(160 / stats.queries)
-    snapshot = take_snapshot(engine)
+    snapshot = mirror_of(engine).snapshot()
     assert (snapshot.prefix_cache_queries, snapshot.prefix_cache_hits) == (stats.queries, 160)
     cached = {b.token_ids for b in snapshot.blocks if b.state == "cached"}
     assert {tuple(shared[i:i + 16]) for i in range(0, 80, 16)} <= cached
@@ -137,7 +137,7 @@ def test_eviction_takes_the_least_recently_used_blocks(make_engine):
     run_one_by_one(engine, [d], ONE_TOKEN)  # needs every plain block and two cached ones
 
     assert engine.kv_cache.pool.num_evictions == 2
-    cached = {block.token_ids for block in take_snapshot(engine).blocks if block.state == "cached"}
+    cached = {block.token_ids for block in mirror_of(engine).snapshot().blocks if block.state == "cached"}
     assert {tuple(a[:16]), tuple(a[16:32])} <= cached
     assert not {tuple(b[:16]), tuple(b[16:32])} & cached
     assert run_one_by_one(engine, [a], ONE_TOKEN)[0].num_cached_tokens == 32
@@ -149,14 +149,14 @@ def test_a_hit_revives_a_cached_free_block(make_engine):
     rng = random.Random(4)
     first = tokens(rng, 33)
     run_one_by_one(engine, [first], ONE_TOKEN)
-    before = take_snapshot(engine)
+    before = mirror_of(engine).snapshot()
     cached_ids = [b.block_id for b in before.blocks
                   if b.state == "cached" and b.token_ids in (tuple(first[:16]), tuple(first[16:32]))]
     assert len(cached_ids) == 2
 
     request = engine.add_request(first[:32] + tokens(rng, 5), GREEDY)
     engine.step()
-    after = take_snapshot(engine)
+    after = mirror_of(engine).snapshot()
     (seq,) = after.sequences
     assert sorted(seq.block_table[:2]) == sorted(cached_ids)
     assert all(after.blocks[i].state == "used" and after.blocks[i].ref_count == 1
@@ -198,14 +198,14 @@ def test_eviction_never_takes_a_block_in_use(make_engine, run_engine):
     pending = list(shorts)
     kv_cache = engine.runner.kv_cache
     seen_kv = None
-    previous = take_snapshot(engine)
+    previous = mirror_of(engine).snapshot()
     while engine.has_unfinished_requests():
         if pending and engine.step_index % 2 == 0:
             for prompt in pending[:2]:
                 engine.add_request(prompt, short_params)
             del pending[:2]
         engine.step()
-        snapshot = take_snapshot(engine)
+        snapshot = mirror_of(engine).snapshot()
         for old, new in zip(previous.blocks, snapshot.blocks):
             if old.ref_count > 0 and new.ref_count > 0 and old.block_hash is not None:
                 assert new.block_hash == old.block_hash

@@ -13,7 +13,7 @@ from torch import nn
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.worker.gguf_weights import iter_gguf_weights, read_tensor
+from kvscope.engine.worker.gguf_weights import gguf_bytes_per_step, iter_gguf_weights, read_tensor
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps, bind_kernel_ops
 from kvscope.engine.worker.models.quantized import (
@@ -485,16 +485,10 @@ def test_packed_weights_of_a_gguf_model_are_cached_for_the_next_start(tiny_model
 
 
 @pytest.mark.parametrize("untied", [False, True])
-def test_single_stream_bench_counts_a_gguf_as_its_blocks_read_per_token(untied, tmp_path):
+def test_a_gguf_step_reads_its_blocks_as_stored(untied, tmp_path):
     """bench/throughput.py's bandwidth limit for llama_cpp: the GGUF's tensors as stored
     (34 bytes per 32 Q8_0 weights, 20 per 32 Q4_1), the embedding table counted only when
     the logits read it (tied)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from throughput import gguf_bytes_per_step
-
     rng = np.random.default_rng(0)
     tensors = {"token_embd.weight": (rng.standard_normal((96, 64), np.float32),
                                      GGMLQuantizationType.Q8_0),

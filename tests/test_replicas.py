@@ -7,13 +7,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 import ray
-from conftest import serve
+from conftest import serve, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
@@ -23,7 +22,8 @@ from kvscope.engine.llm import LLM
 from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, connect_ray
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
-from kvscope.storage import SessionLog
+from kvscope.engine.view import EngineView
+from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui.replicas import overview_markdown
 
 BLOCK_SIZE = 4
@@ -31,18 +31,12 @@ NUM_BLOCKS = 96
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 # 48 characters (the tiny chat model has one token per character): 12 full blocks.
 SHARED_PREFIX = "You are kvscope's helpful test assistant. Reply: "
+REPLICA_WAIT_S = 30  # what replicas report crosses Ray actors: seconds on a busy machine
 
 
 def config(path) -> EngineConfig:
     return EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=BLOCK_SIZE,
                         num_gpu_blocks_override=NUM_BLOCKS, max_model_len=256)
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -98,7 +92,8 @@ def test_shared_prefixes_stick_under_kv_aware_and_spread_under_round_robin(repli
     first, _ = run(replicas, SHARED_PREFIX + "one")
     home = first.replica
     # The replica's block events reach the router's index: every full prompt block.
-    wait_until(lambda: replicas.replica_statuses()[home].num_indexed_blocks >= 12)
+    wait_until(lambda: replicas.replica_statuses()[home].num_indexed_blocks >= 12,
+               REPLICA_WAIT_S)
     for word in ("two", "three", "four"):
         decision, output = run(replicas, SHARED_PREFIX + word)
         assert decision.replica == home and decision.matched_blocks >= 12
@@ -129,6 +124,7 @@ def test_outputs_equal_one_engines_greedy(replicas, tiny_chat_model_path) -> Non
 
 
 def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
+    assert isinstance(replicas, EngineView)  # what every front end reads
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from gradio_client import Client
 
@@ -147,7 +143,7 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
             return client.predict(api_name="/refresh_replicas")
 
         wait_until(lambda: all(f"{NUM_BLOCKS} blocks" in plot["plot"]
-                               for plot in overview()[2:]))
+                               for plot in overview()[2:]), REPLICA_WAIT_S)
         summary, decisions, *heatmaps = overview()
         assert "2 replicas" in summary and "routing **kv-aware**" in summary
         assert len(heatmaps) == 2
@@ -167,14 +163,10 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
 
 def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
         replicas, tmp_path) -> None:
-    from app import record_sessions
-
     url, server, thread = serve(create_app(replicas))
-    session_log, followed = SessionLog(tmp_path / "app.db"), SessionLog(tmp_path / "follow.db")
+    session_log = SessionLog(tmp_path / "app.db")
     session_log.start_session({}, model="tiny")
-    followed.start_session({}, model="tiny")
     stop_recording = record_sessions(replicas, session_log)  # the app's recorder
-    followed.follow(replicas)
     try:
         with ws_connect(url.replace("http", "ws") + "/ws/events") as websocket:
             websocket.recv(timeout=10)  # the pool snapshot: the feeds are subscribed
@@ -199,16 +191,15 @@ def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
 
         stop_recording()
         assert session_log.flush()
-        followed.close()  # its reader threads drain what is left
-        for log in (session_log, followed):
-            logged = {row["request_id"]: row
-                      for row in log.load_session(log.session_id).routing_decisions}
-            for decision in decisions:
-                row = sent[decision.request_id]
-                assert {key: logged[decision.request_id][key] for key in row} == row
+        logged = {row["request_id"]: row
+                  for row in session_log.load_session(session_log.session_id).routing_decisions}
+        for decision in decisions:
+            row = sent[decision.request_id]
+            assert {key: logged[decision.request_id][key] for key in row} == row
 
         # Every engine series is per replica; both replicas' gauges and counters are there.
-        wait_until(lambda: all(s.counters.prompt_tokens for s in replicas.replica_statuses()))
+        wait_until(lambda: all(s.counters.prompt_tokens for s in replicas.replica_statuses()),
+                   REPLICA_WAIT_S)
         families = list(text_string_to_metric_families(httpx.get(f"{url}/metrics").text))
         per_replica = [family for family in families  # one engine config for all replicas
                        if not family.name.startswith("kvscope:engine_config")]
@@ -222,7 +213,6 @@ def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
         assert replicas_of["kvscope:time_to_first_token_seconds"] >= {"0", "1"}
     finally:
         session_log.close()
-        followed.close()
         server.should_exit = True
         thread.join(timeout=10)
 
@@ -254,7 +244,8 @@ def test_a_restarted_replica_serves_again_and_nothing_is_lost(replicas) -> None:
         assert served == {0, 1}  # round-robin sends the restarted replica its turn
         replicas.set_routing("kv-aware")
         for replica in (0, 1):
-            wait_until(lambda r=replica: replicas.replica_statuses()[r].in_flight == 0)
+            wait_until(lambda r=replica: replicas.replica_statuses()[r].in_flight == 0,
+                       REPLICA_WAIT_S)
             snapshot = replicas.snapshot(replica=replica)
             assert snapshot.count("used") + snapshot.count("shared") == 0  # no leaked block
     finally:
@@ -278,7 +269,7 @@ def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) 
             for _ in streams[1]:
                 pass
         survivor = 1 - victim
-        wait_until(lambda: not replicas.replica_statuses()[victim].alive)
+        wait_until(lambda: not replicas.replica_statuses()[victim].alive, REPLICA_WAIT_S)
         health = httpx.get(f"{url}/health")
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         assert [r["alive"] for r in health.json()["replicas"]] == [victim != 0, victim != 1]
@@ -293,7 +284,7 @@ def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) 
                                              max_tokens=4)
             assert done.choices[0].text
             assert replicas.recent_decisions[-1].replica == survivor
-        wait_until(lambda: replicas.replica_statuses()[survivor].in_flight == 0)
+        wait_until(lambda: replicas.replica_statuses()[survivor].in_flight == 0, REPLICA_WAIT_S)
         snapshot = replicas.snapshot(replica=survivor)
         assert snapshot.replica == survivor
         assert snapshot.count("used") + snapshot.count("shared") == 0  # no leaked block

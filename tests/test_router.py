@@ -8,7 +8,7 @@ from kvscope.engine.replicas.prefix_index import PrefixIndex, prompt_block_hashe
 from kvscope.engine.replicas.replica import BlockHashTracker, ReplicaEvents
 from kvscope.engine.replicas.router import ReplicaLoad, Router
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.telemetry.records import take_pool_base, take_pool_slice
+from kvscope.engine.telemetry.pool_recorder import PoolRecorder
 
 
 class Clock:
@@ -103,7 +103,7 @@ def test_block_events_follow_the_pool_the_prefix_cache_holds(make_engine) -> Non
     that equal the chained hashes the router computes for the same prompt."""
     core = make_engine("llama", block_size=4, num_gpu_blocks_override=12, max_model_len=48,
                        max_num_batched_tokens=48)
-    tracker, index = BlockHashTracker(), PrefixIndex()
+    recorder, tracker, index = PoolRecorder(core).listen(), BlockHashTracker(), PrefixIndex()
 
     def feed(records) -> None:
         for record in records:
@@ -111,17 +111,19 @@ def test_block_events_follow_the_pool_the_prefix_cache_holds(make_engine) -> Non
             assert tracker.apply(record, events)
             index.apply(0, events.stored, events.evicted)
 
-    feed([take_pool_base(core), take_pool_slice(core, 0, core.kv_cache.pool.num_blocks)])
+    feed(recorder.take_full())
     first = list(range(1, 17))  # 4 full blocks
     core.add_request(first, SamplingParams(max_tokens=1))
     while core.has_unfinished_requests():
-        feed([core.step().pool_delta])
+        core.step()
+        feed([recorder.take_delta()])
     hashes = prompt_block_hashes(first, 4)
     assert index.matched_blocks(0, hashes) == 4
     # Another prompt needing every block evicts the first one's cached blocks.
     core.add_request(list(range(100, 144)), SamplingParams(max_tokens=1))
     while core.has_unfinished_requests():
-        feed([core.step().pool_delta])
+        core.step()
+        feed([recorder.take_delta()])
     held = set(core.kv_cache.pool.cached_blocks)  # hash values the pool holds now
     leading = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
     assert index.matched_blocks(0, hashes) == leading < 4

@@ -9,14 +9,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import serve
+from conftest import serve, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
@@ -72,12 +71,6 @@ def server(engine) -> LiveServer:
     uvicorn_server.should_exit = True
     thread.join(timeout=10)
 
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def assert_idle(server: LiveServer) -> None:
@@ -438,7 +431,7 @@ def test_a_websocket_snapshot_is_the_connections_mirror_not_an_engine_copy(
     def no_engine_snapshot(*args, **kwargs):
         raise AssertionError("the engine thread was asked for a full snapshot")
 
-    monkeypatch.setattr(server.engine, "snapshot_future", no_engine_snapshot)
+    monkeypatch.setattr(server.engine, "snapshot_records", no_engine_snapshot)
     with ws_connect(server.url.replace("http", "ws") + "/ws/events", max_size=None) as websocket:
         websocket.send(json.dumps({"type": "snapshot"}))
         reply = json.loads(websocket.recv(timeout=10))

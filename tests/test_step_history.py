@@ -8,13 +8,8 @@ import json
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.serving.websocket import step_message
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
-from kvscope.engine.telemetry.records import (
-    CHUNK_FIELDS,
-    SequenceChange,
-    take_pool_base,
-    take_pool_delta,
-    take_pool_slice,
-)
+from kvscope.engine.telemetry.pool_recorder import PoolRecorder
+from kvscope.engine.telemetry.records import CHUNK_FIELDS, SequenceChange
 from kvscope.storage.rows import step_record, step_row
 from kvscope.ui.timeline import timeline_spans
 
@@ -93,11 +88,12 @@ def test_a_mirror_holds_no_python_object_per_held_block(make_engine):
         engine = make_engine("llama", block_size=1, num_gpu_blocks_override=256,
                              max_model_len=256, max_num_batched_tokens=256)
         engine.add_request(list(range(3, 3 + prompt_length)), SamplingParams(max_tokens=3))
-        mirror = PoolMirror()
-        take_pool_delta(engine)
-        mirror.apply(take_pool_base(engine))
-        mirror.apply(take_pool_slice(engine, 0, 256))
-        deltas = [engine.step().pool_delta for _ in range(2)]
+        recorder = PoolRecorder(engine).listen()
+        mirror = PoolMirror.of(recorder.take_full())
+        deltas = []
+        for _ in range(2):
+            engine.step()
+            deltas.append(recorder.take_delta())
         for delta in deltas:
             assert mirror.apply(delta)
         seq = mirror.sequences[0]

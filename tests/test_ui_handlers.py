@@ -3,9 +3,9 @@ form's refusals, per-run load progress, the shared renderer, the one clock of th
 series, and the quiet access log."""
 
 import logging
-import time
 
 import pytest
+from conftest import wait_until
 
 from app import QuietPolling
 from kvscope.engine.config import EngineConfig
@@ -56,9 +56,8 @@ def test_load_progress_is_per_run(engine):
     spec = loadgen.LoadSpec(3, 100.0, 0.5, (4, 8), (2, 3))
     for run in (1, 2):
         generator.start(spec, seed=run)
-        deadline = time.monotonic() + 60
-        while generator.runs[-1].ended is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: generator.runs[-1].ended is not None, timeout=60,
+                   what=f"load run {run} to end")
         assert f"run {run} (done" in generator.status()
         assert "sent 3 of 3 · finished 3 · refused or failed 0 · in flight 0" in \
             generator.status().splitlines()[0]
@@ -76,7 +75,9 @@ def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engi
     assert all(_skipped(value) for value in again)
 
     list(engine.submit("hidden", _params(4)))
-    time.sleep(0.6)  # past the shared snapshot's age
+    # The stream ends before the engine thread publishes that step's records and pool
+    # delta; it answers a snapshot on its next turn, after them.
+    engine.snapshot()
     series = renderer._rendered["series"]
     no_summary = {name: value for name, value in shown.items() if name != "summary"}
     *hidden, _ = renderer.refresh(no_summary, [])

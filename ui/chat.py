@@ -113,7 +113,7 @@ def chat_reply(engine: EngineView, session_log, message: str, conversation: dict
     line = reply_stats(output, first_text_s)
     conversation = {"id": conversation["id"], "stats": [*stats, line],
                     "messages": [*messages, {"role": "assistant", "content": text}]}
-    if session_log is not None:  # the request itself is logged by SessionLog.follow
+    if session_log is not None:  # the request itself is logged by storage.record_sessions
         session_log.record_chat_message(conversation["id"], "user", message)
         session_log.record_chat_message(conversation["id"], "assistant", text,
                                         request_id=output.request_id)

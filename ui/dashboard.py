@@ -19,7 +19,7 @@ DRAW_DUTY = 0.03
 
 
 def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
-    """The dashboard for a started engine (AsyncEngine); session_log (a storage.SessionLog or None)
+    """The dashboard for a started engine (an EngineView); session_log (a storage.SessionLog or None)
     feeds the sessions tab and gets the chat turns and reconfigures."""
     feed = LiveFeed(engine)
     renderer = panels.PanelRenderer(feed)

@@ -8,6 +8,7 @@ import gradio as gr
 
 from kvscope.engine.replicas.router import ROUTING_POLICIES
 from kvscope.engine.telemetry.pool_mirror import PoolReader
+from kvscope.engine.view import EngineView
 from kvscope.ui import figures
 from kvscope.ui.live import LiveFeed
 from kvscope.ui.plotdata import placeholder, to_plot
@@ -20,7 +21,7 @@ DECISION_COLUMNS = ["request", "policy", "replica", "matched blocks", "candidate
 class ReplicaOverview:
     """A PoolReader per replica (the same per-step pool deltas the Live tab reads)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: EngineView) -> None:
         self.engine = engine
         self.pools = [PoolReader(engine, replica) for replica in range(engine.num_replicas)]
         self._lock = threading.Lock()
@@ -40,10 +41,9 @@ class ReplicaOverview:
         return [overview_markdown(self.engine, statuses), decision_rows(self.engine), *heatmaps]
 
 
-def overview_markdown(engine, statuses) -> str:
-    router = engine.router
-    lines = [f"**{engine.num_replicas} replicas** · routing **{router.policy}** (load weight "
-             f"{router.load_weight:g}) · {sum(s.alive for s in statuses)} up", "",
+def overview_markdown(engine: EngineView, statuses) -> str:
+    lines = [f"**{engine.num_replicas} replicas** · routing **{engine.routing}** (load weight "
+             f"{engine.routing_load_weight:g}) · {sum(s.alive for s in statuses)} up", "",
              "| replica | state | in flight | KV usage | prefix hit rate | indexed blocks | "
              "restarts |", "|---|---|---|---|---|---|---|"]
     for s in statuses:
@@ -56,7 +56,7 @@ def overview_markdown(engine, statuses) -> str:
     return "\n".join(lines)
 
 
-def decision_rows(engine) -> list[list]:
+def decision_rows(engine: EngineView) -> list[list]:
     rows = []
     for decision in reversed(list(engine.recent_decisions)[-SHOWN_DECISIONS:]):
         candidates = ", ".join(f"r{c.replica}: {c.score:+.2f} ({c.matched_blocks})"
@@ -66,13 +66,13 @@ def decision_rows(engine) -> list[list]:
     return rows
 
 
-def set_routing(engine, policy: str, load_weight: float) -> str:
+def set_routing(engine: EngineView, policy: str, load_weight: float) -> str:
     try:
         engine.set_routing(policy, load_weight)
     except ValueError as error:
         gr.Warning(str(error))
         return f"**Not changed:** {error}"
-    return f"Routing: **{engine.router.policy}**, load weight {engine.router.load_weight:g}"
+    return f"Routing: **{engine.routing}**, load weight {engine.routing_load_weight:g}"
 
 
 def focus_live(feed: LiveFeed, replica: int) -> str:
@@ -80,16 +80,16 @@ def focus_live(feed: LiveFeed, replica: int) -> str:
     return f"The Live tab shows replica {int(replica)}."
 
 
-def replicas_tab(engine, feed: LiveFeed) -> None:
+def replicas_tab(engine: EngineView, feed: LiveFeed) -> None:
     overview = ReplicaOverview(engine)
     summary = gr.Markdown(elem_id="kv-replicas-summary")
     with gr.Row():
         heatmaps = [gr.Plot(label=f"replica {replica} pool", elem_id=f"kv-replica-{replica}")
                     for replica in range(engine.num_replicas)]
     with gr.Row():
-        policy = gr.Radio(list(ROUTING_POLICIES), value=engine.router.policy, label="routing",
+        policy = gr.Radio(list(ROUTING_POLICIES), value=engine.routing, label="routing",
                           elem_id="kv-routing")
-        weight = gr.Number(engine.router.load_weight, minimum=0, label="kv-aware load weight")
+        weight = gr.Number(engine.routing_load_weight, minimum=0, label="kv-aware load weight")
         apply = gr.Button("Apply routing", elem_id="kv-routing-apply")
         live_replica = gr.Dropdown(list(range(engine.num_replicas)), value=feed.replica,
                                    label="Live tab shows replica", elem_id="kv-live-replica")

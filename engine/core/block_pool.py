@@ -5,7 +5,15 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from kvscope.engine.telemetry.block_events import BlockEventLog
+from kvscope.engine.core.kv_events import (
+    BlockRemoved,
+    BlocksAllocated,
+    BlocksReleased,
+    BlocksShared,
+    BlockStored,
+    KVEventSink,
+    discard,
+)
 
 # Identity of a full block's content, (value, parent, token_ids): value hashes the tokens
 # chained to the parent's value, so a hit means the whole prefix matches. A plain tuple of
@@ -84,9 +92,13 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All physical blocks. Each is free, cached-free (hash, ref 0, queued) or used (ref >= 1)."""
+    """All physical blocks. Each is free, cached-free (hash, ref 0, queued) or used (ref >= 1).
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    Every change is reported to `emit` (engine.core.kv_events) as it happens.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 emit: KVEventSink = discard) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -98,7 +110,7 @@ class BlockPool:
         # Kept up to date on every transition, so reading the counts never scans the pool.
         self.num_cached_free_blocks = 0
         self.num_evictions = 0
-        self.events = BlockEventLog()
+        self.emit = emit
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,24 +125,25 @@ class BlockPool:
         if count > len(self.free_queue):
             raise ValueError(f"asked for {count} blocks, {len(self.free_queue)} free")
         blocks = []
-        touched = self.events.blocks
         for _ in range(count):
             block = self.free_queue.popleft()
             self._evict(block)
             block.ref_count = 1
             blocks.append(block)
-            touched[block.block_id] = block
+        self.emit(BlocksAllocated(tuple(block.block_id for block in blocks)))
         return blocks
 
     def share(self, blocks: Iterable[KVBlock]) -> None:
         """Add a reference to each block, reviving cached-free ones out of the free queue."""
-        touched = self.events.blocks
+        block_ids = []
         for block in blocks:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
                 self.num_cached_free_blocks -= block.block_hash is not None
             block.ref_count += 1
-            touched[block.block_id] = block
+            block_ids.append(block.block_id)
+        if block_ids:
+            self.emit(BlocksShared(tuple(block_ids)))
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each; a block reaching zero rejoins the free queue.
@@ -138,16 +151,18 @@ class BlockPool:
         Callers pass a sequence's blocks tail first, so a sequence's later blocks
         (less likely to be shared by future prompts) are evicted before its earlier ones.
         """
-        touched = self.events.blocks
+        block_ids = []
         for block in blocks:
             block.ref_count -= 1
-            touched[block.block_id] = block
+            block_ids.append(block.block_id)
             if block.ref_count == 0:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
                     self.num_cached_free_blocks += 1
+        if block_ids:
+            self.emit(BlocksReleased(tuple(block_ids)))
 
     def lookup(self, block_hash: bytes, token_ids: tuple[int, ...],
                parent: bytes | None = None) -> KVBlock | None:
@@ -167,17 +182,18 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[value] = block.block_id
-        self.events.blocks[block.block_id] = block
+        self.emit(BlockStored(block.block_id, block_hash))
 
     def _evict(self, block: KVBlock) -> None:
         """Forget a cached-free block's content (it is being reused or reset)."""
-        if block.block_hash is None:
+        block_hash = block.block_hash
+        if block_hash is None:
             return
-        del self.cached_blocks[block.block_hash[0]]
+        del self.cached_blocks[block_hash[0]]
         block.block_hash = None
         self.num_cached_free_blocks -= 1
         self.num_evictions += 1
-        self.events.blocks[block.block_id] = block
+        self.emit(BlockRemoved(block.block_id, block_hash))
 
     def reset_cache(self) -> None:
         """Forget every cached-free block's content (used blocks keep theirs)."""

@@ -11,6 +11,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
 from kvscope.engine.core.detokenizer import detokenize_incrementally
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.kv_events import EventBus
 from kvscope.engine.core.request import FinishReason, Request, Sequence
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -18,7 +19,7 @@ from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvscope.engine.sample.logits_processing import LogitsProcessor
 from kvscope.engine.sample.sampler import sample, token_logprobs
 from kvscope.engine.sample.sampling_params import SamplingParams, model_sampling_defaults
-from kvscope.engine.telemetry.records import PoolDelta, StepRecord, take_pool_delta
+from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.worker.memory import GiB
 from kvscope.engine.worker.model_runner import ModelRunner
 
@@ -29,11 +30,14 @@ logger = logging.getLogger(__name__)
 class StepResult:
     outputs: list[RequestOutput]
     record: StepRecord
-    pool_delta: PoolDelta  # the blocks and block tables this step changed
 
 
 class EngineCore:
-    """One engine: a model runner (weights stay loaded), a block pool and a scheduler."""
+    """One engine: a model runner (weights stay loaded), a block pool and a scheduler.
+
+    The pool, the cache manager and the scheduler report every change as a typed event
+    (engine.core.kv_events) on `events`; whoever wants them subscribes there.
+    """
 
     def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
         config = config or EngineConfig()
@@ -47,9 +51,11 @@ class EngineCore:
         if self.config.preemption_mode == "swap":
             num_swap_blocks = int(self.config.swap_space * GiB) // self.memory_plan.bytes_per_block
         self.runner.allocate_swap_space(num_swap_blocks)
+        self.events = EventBus()
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
-                                       self.config.enable_prefix_caching, num_swap_blocks)
-        self.scheduler = Scheduler(self.config, self.kv_cache)
+                                       self.config.enable_prefix_caching, num_swap_blocks,
+                                       emit=self.events.emit)
+        self.scheduler = Scheduler(self.config, self.kv_cache, emit=self.events.emit)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(self.runner)
         self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
@@ -148,10 +154,19 @@ class EngineCore:
         """Every unfinished sequence: running, waiting, and beams parked between steps."""
         return [*self.scheduler.running, *self.scheduler.waiting, *self.beams.parked]
 
+    def holding_sequences(self) -> list[Sequence]:
+        """Sequences holding device blocks, whose tokens move from step to step: running
+        ones and beams parked between steps."""
+        return [*self.scheduler.running, *self.beams.parked]
+
     @property
     def num_running(self) -> int:
         """Sequences holding device blocks: running ones and parked beams."""
         return len(self.scheduler.running) + len(self.beams.parked)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def step(self) -> StepResult:
         start_time = time.time()
@@ -177,7 +192,7 @@ class EngineCore:
             self.requests.pop(request.request_id, None)
         record = self._record(start_time, plan, finished, num_generated, totals_before)
         self.step_index += 1
-        return StepResult(outputs, record, take_pool_delta(self))
+        return StepResult(outputs, record)
 
     def _sample_and_update(self, sampling: list[ScheduledSequence],
                            logits: torch.Tensor) -> tuple[list[Request], int]:
@@ -340,7 +355,7 @@ class EngineCore:
             token_budget=self.config.max_num_batched_tokens,
             num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_free_blocks,
             num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
-            num_running=self.num_running, num_waiting=len(self.scheduler.waiting),
+            num_running=self.num_running, num_waiting=self.num_waiting,
             num_generated_tokens=num_generated, prefix_cache_queries=queries,
             prefix_cache_hits=hits, num_blocks_swapped_out=blocks_out,
             num_blocks_swapped_in=blocks_in)

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from kvscope.engine.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from kvscope.engine.core.kv_events import BlockTableChanged, KVEventSink, discard
 from kvscope.engine.core.request import Sequence
 
 
@@ -27,14 +28,15 @@ class SwapStats:
 
 
 class KVCacheManager:
-    """Gives each sequence the blocks it needs, sharing cached and forked blocks."""
+    """Gives each sequence the blocks it needs, sharing cached and forked blocks; reports
+    each block table change (and, through its pool, each block change) to `emit`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, emit: KVEventSink = discard) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.events = self.pool.events
+        self.emit = emit
+        self.pool = BlockPool(num_blocks, enable_caching, emit)
         self.prefix_stats = PrefixCacheStats()
         # The CPU swap pool: block ids not holding a swapped-out sequence's K/V.
         self.num_swap_blocks = num_swap_blocks
@@ -92,8 +94,9 @@ class KVCacheManager:
         if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
             return None
 
-        self.events.table_changed(seq, shared_targets[0] if shared_targets
-                                  else len(seq.block_table))
+        if shared_targets or cached_prefix or num_new_blocks > 0:  # most decodes: none
+            self.emit(BlockTableChanged(seq, shared_targets[0] if shared_targets
+                                        else len(seq.block_table)))
         if seq.num_computed_tokens == 0 and self.enable_caching:
             self.prefix_stats.queries += seq.num_tokens
             self.prefix_stats.hits += len(cached_prefix) * self.block_size
@@ -127,7 +130,7 @@ class KVCacheManager:
         """The child shares every block of the parent (copy-on-write on its first write)."""
         self.pool.share(self.pool.blocks[i] for i in parent.block_table)
         child.block_table = list(parent.block_table)
-        self.events.table_changed(child, 0)
+        self.emit(BlockTableChanged(child, 0))
         # A preempted parent (a beam swapped out) has no device blocks to share: the child
         # computes its tokens afresh.
         child.num_computed_tokens = parent.num_computed_tokens if parent.block_table else 0
@@ -139,7 +142,7 @@ class KVCacheManager:
         self.pool.release(self.pool.blocks[i] for i in reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0
-        self.events.table_changed(seq, 0)
+        self.emit(BlockTableChanged(seq, 0))
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Move the sequence's blocks to the CPU pool: (device, cpu) copies, or None if the
@@ -164,7 +167,7 @@ class KVCacheManager:
             return None
         blocks = self.pool.allocate(max(total, count))
         seq.block_table = [block.block_id for block in blocks]
-        self.events.table_changed(seq, 0)
+        self.emit(BlockTableChanged(seq, 0))
         copies = list(zip(seq.swap_table, seq.block_table[:count]))
         self.free_swap_blocks.extend(seq.swap_table)
         seq.swap_table = []
@@ -176,7 +179,6 @@ class KVCacheManager:
         """Forget a swapped sequence's CPU copy (it finished or was aborted while out)."""
         self.free_swap_blocks.extend(seq.swap_table)
         seq.swap_table = []
-        self.events.sequence_changed(seq)
 
     def stat_totals(self) -> tuple[int, int, int, int]:
         """(prefix queries, prefix hits, blocks swapped out, blocks swapped in) so far."""

@@ -5,6 +5,14 @@ from collections.abc import Callable
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.kv_events import (
+    KVEventSink,
+    SequenceFinished,
+    SequencePreempted,
+    SequenceQueued,
+    SequenceResumed,
+    discard,
+)
 from kvscope.engine.core.request import Sequence, SequenceStatus
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
 
@@ -27,12 +35,16 @@ class Scheduler:
     sequences (see `detach`) hold blocks outside both; when blocks run short, `reclaim`
     frees one of those (returning it) before anyone running is preempted or a waiting
     sequence is left out.
+
+    Each queue change (queued, resumed, preempted, finished) is reported to `emit`.
     """
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
-                 reclaim: Callable[[], Sequence | None] = lambda: None) -> None:
+                 reclaim: Callable[[], Sequence | None] = lambda: None,
+                 emit: KVEventSink = discard) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.emit = emit
         self.reclaim = reclaim
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -43,12 +55,12 @@ class Scheduler:
         """Queue a new sequence behind the others."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        self.kv_cache.events.sequence_changed(seq)
+        self.emit(SequenceQueued(seq))
 
     def resume(self, seq: Sequence) -> None:
         """Give back a sequence taken out with `detach` (or a new fork): with its blocks it
         runs again next step; without (they were freed) it recomputes, first in line."""
-        self.kv_cache.events.sequence_changed(seq)
+        self.emit(SequenceResumed(seq))
         if seq.block_table:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -76,6 +88,7 @@ class Scheduler:
         self.kv_cache.free(seq)
         self.kv_cache.drop_swapped(seq)
         seq.status = SequenceStatus.FINISHED
+        self.emit(SequenceFinished(seq))
 
     # ---- one step ----------------------------------------------------------------------
     def prefill_cap(self, others_waiting: bool) -> int | None:
@@ -175,6 +188,7 @@ class Scheduler:
         out.preempted.append(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.emit(SequencePreempted(seq))
         return True
 
     def _unscheduled_running(self, out: SchedulerOutput) -> list[Sequence]:
@@ -223,3 +237,4 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self.emit(SequencePreempted(seq))

@@ -27,15 +27,11 @@ from kvscope.engine.frontend.streams import (
     settle_future,
 )
 from kvscope.engine.outputs import RequestOutput
+from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.telemetry.records import (
-    EngineSnapshot,
-    StepRecord,
-    take_pool_base,
-    take_pool_delta,
-    take_pool_slice,
-    take_snapshot,
-)
+from kvscope.engine.telemetry.pool_mirror import PoolMirror
+from kvscope.engine.telemetry.pool_recorder import PoolRecorder
+from kvscope.engine.telemetry.records import EngineSnapshot, StepRecord
 from kvscope.engine.worker.memory import MemoryPlan
 
 logger = logging.getLogger(__name__)
@@ -144,10 +140,12 @@ class AsyncEngine(ChatSubmit):
     """Runs an EngineCore on a background thread; other threads only enqueue commands.
 
     The thread steps while requests are unfinished and sleeps on a condition when idle.
+    An EngineView (engine.view) of one replica, number 0, that routes nothing.
     """
 
     def __init__(self, core: EngineCore, base_config: EngineConfig | None = None) -> None:
         self._core = core
+        self._recorder = PoolRecorder(core).listen()
         # Reconfigure applies knobs to the unresolved config, so derived knobs (the token
         # budget, max_model_len) are derived again for the new values.
         self._base_config = base_config or core.config
@@ -241,6 +239,17 @@ class AsyncEngine(ChatSubmit):
         return self._reconfigure_lock.locked()
 
     num_replicas = 1
+    routing = None  # one engine: nothing to route
+    routing_load_weight = None
+    recent_decisions: tuple[RoutingDecision, ...] = ()
+
+    def set_routing(self, policy: str | None = None, load_weight: float | None = None) -> None:
+        raise ValueError("routing: one engine serves every request; routing needs "
+                         "--replicas 2 or more")
+
+    def subscribe_decisions(self, maxsize: int = 1024) -> Channel:
+        """An open channel that stays empty: one engine makes no routing decisions."""
+        return Channel(maxsize)
 
     def replica_statuses(self) -> list[ReplicaStatus]:
         step, num_blocks = self._last_step, self._core.memory_plan.num_blocks
@@ -283,19 +292,23 @@ class AsyncEngine(ChatSubmit):
         self._enqueue(lambda: self._do_abort(request_id))
 
     # ---- readers -----------------------------------------------------------------------
-    def snapshot_future(self) -> concurrent.futures.Future:
-        """A future of an EngineSnapshot taken on the engine thread between steps."""
+    def snapshot_records(self) -> concurrent.futures.Future:
+        """A future of the pool's records (a base and one slice of the whole pool) taken on
+        the engine thread between steps; a PoolMirror built from them is the snapshot."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._enqueue(lambda: self._snapshot_waiters.append(future))
         return future
 
     def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:
+        """The pool and queues at one instant between steps (a mirror of them, built on
+        the calling thread)."""
         _check_replica(replica)
-        return self.snapshot_future().result(timeout)
+        return PoolMirror.of(self.snapshot_records().result(timeout)).snapshot()
 
     async def snapshot_async(self, replica: int | None = None) -> EngineSnapshot:
         _check_replica(replica)
-        return await asyncio.wrap_future(self.snapshot_future())
+        records = await asyncio.wrap_future(self.snapshot_records())
+        return await asyncio.to_thread(lambda: PoolMirror.of(records).snapshot())
 
     def subscribe_steps(self, maxsize: int = 1024) -> Channel:
         """Every StepRecord from now on; past `maxsize` unread, the oldest are dropped."""
@@ -357,7 +370,7 @@ class AsyncEngine(ChatSubmit):
                 self._exited = self._stopping and not self._core.has_unfinished_requests()
             for command in commands:
                 self._guarded(command)
-            if self._core.kv_cache.events.pending:  # aborts between steps freed blocks
+            if self._recorder.pending:  # aborts between steps freed blocks
                 self._guarded(self._publish_pool_delta)
             if self._pool_jobs:
                 self._guarded(self._send_pool_slices)
@@ -428,28 +441,27 @@ class AsyncEngine(ChatSubmit):
         self._count_step(result.record)
         for output in result.outputs:
             self._deliver(output, now)
-        self._pool_feed.publish(result.pool_delta)
+        self._publish_pool_delta()
         self._step_feed.publish(result.record)
 
     def _publish_pool_delta(self) -> None:
-        self._pool_feed.publish(take_pool_delta(self._core))
+        self._pool_feed.publish(self._recorder.take_delta())
 
     def _send_pool_slices(self) -> None:
         """One slice of each pending snapshot, so no turn of the loop pauses for long."""
-        core = self._core
-        log = core.kv_cache.events
+        recorder = self._recorder
         for job in list(self._pool_jobs):
             if job.channel.closed:
                 self._pool_jobs.remove(job)
                 continue
-            if job.epoch != log.epoch:  # a new reader, or the pool was rebuilt meanwhile
-                if log.pending:
+            if job.epoch != recorder.epoch:  # a new reader, or the pool was rebuilt meanwhile
+                if recorder.pending:
                     self._publish_pool_delta()  # the base is the state after this delta
-                job.channel.put(take_pool_base(core))
-                job.epoch, job.next_start = log.epoch, 0
-            job.channel.put(take_pool_slice(core, job.next_start, POOL_SLICE_BLOCKS))
+                job.channel.put(recorder.take_base())
+                job.epoch, job.next_start = recorder.epoch, 0
+            job.channel.put(recorder.take_slice(job.next_start, POOL_SLICE_BLOCKS))
             job.next_start += POOL_SLICE_BLOCKS
-            if job.next_start >= core.kv_cache.pool.num_blocks:
+            if job.next_start >= self._core.kv_cache.pool.num_blocks:
                 self._pool_jobs.remove(job)
 
     def _fail_step(self, error: Exception) -> None:
@@ -516,13 +528,13 @@ class AsyncEngine(ChatSubmit):
     def _answer_snapshots(self) -> None:
         waiters, self._snapshot_waiters = self._snapshot_waiters, []
         try:
-            snapshot = take_snapshot(self._core)
+            records = self._recorder.take_full()
         except Exception as error:
             for waiter in waiters:
                 settle_future(waiter, error=error)
             raise
         for waiter in waiters:
-            settle_future(waiter, snapshot)
+            settle_future(waiter, records)
 
     def _do_reconfigure(self, pending: _PendingReconfigure, abort_running: bool) -> None:
         self._reconfigure = pending
@@ -553,6 +565,7 @@ class AsyncEngine(ChatSubmit):
         else:
             core.step_index = old.step_index  # readers see one step sequence across configs
             self._core, self._base_config = core, pending.config
+            self._recorder = PoolRecorder(core).listen()
             self._publish_pool_delta()  # delta 0 of the new pool: readers start it empty
             logger.info("reconfigured: %s", core.memory_plan.describe())
             settle_future(pending.result, core.memory_plan)

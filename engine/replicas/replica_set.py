@@ -1,5 +1,6 @@
-"""ReplicaSet: N engine replicas as Ray actors behind a router, shaped like AsyncEngine so
-the API, /metrics, /ws/events, the session log and the dashboard serve it unchanged."""
+"""ReplicaSet: N engine replicas as Ray actors behind a router; an EngineView (engine.view)
+like AsyncEngine, so the API, /metrics, /ws/events, the session log and the dashboard
+serve it unchanged."""
 
 import asyncio
 import concurrent.futures
@@ -252,6 +253,10 @@ class ReplicaSet(ChatSubmit):
     @property
     def routing(self) -> str:
         return self.router.policy
+
+    @property
+    def routing_load_weight(self) -> float:
+        return self.router.load_weight
 
     def set_routing(self, policy: str | None = None, load_weight: float | None = None) -> None:
         """Change the policy and / or the kv-aware load weight; later requests use them."""

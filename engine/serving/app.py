@@ -1,19 +1,19 @@
-"""create_app(): the FastAPI app serving one AsyncEngine (API, /metrics, /ws/events)."""
+"""create_app(): the FastAPI app serving one EngineView (API, /metrics, /ws/events)."""
 
 from fastapi import FastAPI
 
-from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.serving.errors import install_error_handlers
 from kvscope.engine.serving.metrics import EngineMetrics, metrics_router
 from kvscope.engine.serving.routes import ServedModel, health_router, openai_router, version
 from kvscope.engine.serving.security import ALWAYS_OPEN_PATHS, AccessGuard, APIKeyCheck, BodySizeLimit
 from kvscope.engine.serving.sessions import SessionStore, login_router
 from kvscope.engine.serving.websocket import events_router
+from kvscope.engine.view import EngineView
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-def create_app(engine: AsyncEngine, *, api_key: str | None = None, metrics_auth: bool = False,
+def create_app(engine: EngineView, *, api_key: str | None = None, metrics_auth: bool = False,
                served_model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app for a started engine; the caller owns the engine's lifetime.

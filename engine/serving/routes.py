@@ -12,12 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.frontend.streams import RequestStream
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.serving.errors import APIError
 from kvscope.engine.serving.generation import Generation
 from kvscope.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvscope.engine.view import EngineView
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 2
@@ -32,7 +32,7 @@ class ServedModel:
     aliases: frozenset[str]
 
     @classmethod
-    def of(cls, engine: AsyncEngine, name: str | None = None) -> "ServedModel":
+    def of(cls, engine: EngineView, name: str | None = None) -> "ServedModel":
         path = Path(engine.model_path)
         configured = engine.config.model
         return cls(name or path.name, frozenset(
@@ -51,7 +51,7 @@ def version() -> str:
         return "unknown"
 
 
-def openai_router(engine: AsyncEngine, model: ServedModel) -> APIRouter:
+def openai_router(engine: EngineView, model: ServedModel) -> APIRouter:
     router = APIRouter(prefix="/v1")  # the key, if any, is checked by AccessGuard
 
     @router.get("/models")
@@ -98,7 +98,7 @@ def _named_for_client(error: ValueError, body: SamplingFields) -> ValueError | A
     return error
 
 
-async def _serve(request: Request, engine: AsyncEngine, model: ServedModel,
+async def _serve(request: Request, engine: EngineView, model: ServedModel,
                  body: SamplingFields, params: SamplingParams | BeamSearchParams, submit,
                  chat: bool,
                  logprobs: int | None):
@@ -139,7 +139,7 @@ async def _unless_disconnected(request: Request, work: Awaitable):
     return task.result()
 
 
-def health_router(engine: AsyncEngine) -> APIRouter:
+def health_router(engine: EngineView) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")

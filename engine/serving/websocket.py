@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.frontend.streams import Channel
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.serving.pool_messages import pool_messages
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import CHUNK_FIELDS, EngineSnapshot, StepRecord
+from kvscope.engine.view import EngineView
 
 logger = logging.getLogger(__name__)
 MIN_MESSAGE_INTERVAL_S = 0.1
@@ -55,7 +55,7 @@ def snapshot_message(snapshot: EngineSnapshot) -> str:
                                                         **derived}})
 
 
-def events_router(engine: AsyncEngine) -> APIRouter:
+def events_router(engine: EngineView) -> APIRouter:
     router = APIRouter()
 
     @router.websocket("/ws/events")
@@ -67,16 +67,15 @@ def events_router(engine: AsyncEngine) -> APIRouter:
         # The pool as this client was sent it; changed only under send_lock.
         mirror = PoolMirror()
         send_lock = asyncio.Lock()  # the tasks below share one socket
-        channels = [records, pool]
+        # A single engine's decisions channel stays empty: nothing is sent for it.
+        decisions = engine.subscribe_decisions(CLIENT_QUEUE_RECORDS)
+        channels = [records, pool, decisions]
         tasks = [asyncio.create_task(_send_pool(websocket, engine, pool, mirror, send_lock)),
                  asyncio.create_task(_send_steps(websocket, records, send_lock)),
-                 asyncio.create_task(_answer_requests(websocket, mirror, send_lock))]
-        if hasattr(engine, "subscribe_decisions"):  # only engine.replicas.ReplicaSet routes
-            decisions = engine.subscribe_decisions(CLIENT_QUEUE_RECORDS)
-            channels.append(decisions)
-            tasks.append(asyncio.create_task(_forward(
-                websocket, decisions, send_lock,
-                lambda batch, dropped: [routing_message(batch, dropped)])))
+                 asyncio.create_task(_answer_requests(websocket, mirror, send_lock)),
+                 asyncio.create_task(_forward(
+                     websocket, decisions, send_lock,
+                     lambda batch, dropped: [routing_message(batch, dropped)]))]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         except WebSocketDisconnect:
@@ -116,7 +115,7 @@ def _send_steps(websocket: WebSocket, records: Channel, send_lock: asyncio.Lock)
                     lambda batch, dropped: [step_message(batch, dropped)])
 
 
-def _send_pool(websocket: WebSocket, engine: AsyncEngine, pool: Channel, mirror: PoolMirror,
+def _send_pool(websocket: WebSocket, engine: EngineView, pool: Channel, mirror: PoolMirror,
                send_lock: asyncio.Lock):
     """The pool records, deltas coalesced; a client that fell behind (its queue dropped
     records) gets a new snapshot instead of a gap. The mirror follows what is sent."""

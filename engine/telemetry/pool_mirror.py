@@ -10,6 +10,7 @@ import threading
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from kvscope.engine.telemetry.records import (
     SequenceChange,
     SequenceInfo,
 )
+
+if TYPE_CHECKING:  # engine.view reaches the engine thread's module, which reads this one
+    from kvscope.engine.view import EngineView
 
 STATES = ("free", "cached", "used", "shared")  # index = the state's code
 
@@ -91,6 +95,14 @@ class PoolMirror:
         self.sequences_version = 0
 
     # ---- applying records ----------------------------------------------------------------
+    @classmethod
+    def of(cls, records) -> "PoolMirror":
+        """A new mirror with these records applied (a base and its slices: a snapshot)."""
+        mirror = cls()
+        for record in records:
+            mirror.apply(record)
+        return mirror
+
     @property
     def ready(self) -> bool:
         return not self.awaiting_base and self.num_covered >= self.num_blocks
@@ -321,7 +333,7 @@ class PoolReader:
     `update` applies what arrived and asks for a new snapshot after a missed record, so
     a reader never makes the engine thread copy the whole pool at once."""
 
-    def __init__(self, engine, replica: int = 0) -> None:
+    def __init__(self, engine: "EngineView", replica: int = 0) -> None:
         self.engine = engine
         self.replica = replica  # which engine replica's pool (engine.replicas.ReplicaSet)
         self.records = engine.subscribe_pool(replica=replica)

@@ -1,6 +1,5 @@
 """Immutable records of what the engine did, for readers that must not touch its state."""
 
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -78,7 +77,8 @@ class SequenceInfo:
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """The whole cache and scheduler at one instant (taken between steps)."""
+    """The whole cache and scheduler at one instant between steps: PoolMirror.snapshot()
+    (engine.telemetry.pool_mirror), the one route to it."""
 
     time: float
     step: int
@@ -112,54 +112,12 @@ class EngineSnapshot:
         return held - in_use
 
 
-def take_snapshot(core) -> EngineSnapshot:
-    """Copy what readers need out of an EngineCore; call it between steps (engine thread)."""
-    manager = core.kv_cache
-    pool = manager.pool
-    block_size = manager.block_size
-    live = core.live_sequences()
-    holders = [seq for seq in live if seq.block_table]
-    owners: dict[int, list[str]] = {}
-    contents: dict[int, tuple[int, ...]] = {}
-    for seq in holders:
-        for index, block_id in enumerate(seq.block_table):
-            owners.setdefault(block_id, []).append(seq.seq_id)
-            stored = seq.token_ids[index * block_size:min((index + 1) * block_size,
-                                                          seq.num_computed_tokens)]
-            contents.setdefault(block_id, tuple(stored))
-    blocks = []
-    for block in pool.blocks:
-        block_hash = block.block_hash
-        if block.ref_count > 1:
-            state = "shared"
-        elif block.ref_count == 1:
-            state = "used"
-        else:
-            state = "cached" if block_hash is not None else "free"
-        value, parent, tokens = block_hash or (None, None, contents.get(block.block_id, ()))
-        blocks.append(BlockInfo(
-            block.block_id, block.ref_count, state, value.hex() if value else None,
-            parent.hex() if parent else None, tokens, tuple(owners.get(block.block_id, ()))))
-    sequences = tuple(
-        SequenceInfo(seq.seq_id, seq.request.request_id, seq.status.value,
-                     tuple(seq.block_table), seq.num_tokens, seq.num_prompt_tokens,
-                     seq.num_computed_tokens, seq.request.arrival_time)
-        for seq in live)
-    stats = manager.prefix_stats
-    return EngineSnapshot(
-        time=time.time(), step=core.step_index, config=core.config.to_dict(),
-        block_size=block_size, num_blocks=pool.num_blocks, blocks=tuple(blocks),
-        sequences=sequences, num_running=core.num_running,
-        num_waiting=len(core.scheduler.waiting), prefix_cache_queries=stats.queries,
-        prefix_cache_hits=stats.hits, num_preemptions=core.scheduler.num_preemptions,
-        num_evictions=pool.num_evictions)
-
-
 # ---- incremental telemetry: per-step pool deltas and a sliced full snapshot -------------
-# A reader (ui.live, /ws/events) keeps an engine.pool_mirror.PoolMirror: one PoolBase and
-# the PoolSlices that follow it when it starts (or falls behind), then one PoolDelta per
-# step. Every record holds references to the engine's immutable BlockHash objects, so the
-# engine thread never formats anything.
+# A reader (ui.live, /ws/events) keeps an engine.telemetry.pool_mirror.PoolMirror: one
+# PoolBase and the PoolSlices that follow it when it starts (or falls behind), then one
+# PoolDelta per step, all made by engine.telemetry.pool_recorder.PoolRecorder. Every record
+# holds references to the engine's immutable BlockHash objects, so the engine thread never
+# formats anything.
 
 BlockChange = tuple  # (block_id, ref_count, BlockHash | None): a touched block's new state
 
@@ -233,76 +191,3 @@ class PoolSlice:
     start: int
     ref_counts: tuple[int, ...]
     hashes: tuple[tuple[int, BlockHash], ...]  # (block id, hash) of the hashed ones
-
-
-def _pool_counters(core) -> PoolCounters:
-    manager, scheduler = core.kv_cache, core.scheduler
-    log = manager.events
-    if log.config is None:
-        log.config = core.config.to_dict()
-    return PoolCounters(
-        core.step_index, time.time(), manager.pool.num_blocks, manager.block_size,
-        core.num_running, len(scheduler.waiting), manager.prefix_stats.queries,
-        manager.prefix_stats.hits, scheduler.num_preemptions, manager.pool.num_evictions,
-        log.config)
-
-
-def _sequence_change(seq, table_from: int, token_from: int) -> tuple:
-    """A SequenceChange's fields, as a plain tuple."""
-    return (
-        seq.seq_id, seq.request.request_id, seq.status.value, seq.num_tokens,
-        seq.num_prompt_tokens, seq.num_computed_tokens, seq.request.arrival_time,
-        table_from, tuple(seq.block_table[table_from:]), token_from,
-        tuple(seq.token_ids[token_from:]))
-
-
-def take_pool_delta(core) -> PoolDelta:
-    """Drain the pool's change log (engine thread). O(blocks and sequences touched, plus
-    the sequences holding blocks, whose token counts move every step)."""
-    log = core.kv_cache.events
-    changed = log.sequences
-    for seq in (*core.scheduler.running, *core.beams.parked):
-        changed.setdefault(seq.seq_id, seq)
-    sequences, removed = [], []
-    for seq_id, seq in changed.items():
-        last = log.sent.get(seq_id)
-        if seq.status.value == "finished":
-            if log.sent.pop(seq_id, None) is not None:
-                removed.append(seq_id)
-            continue
-        state = (seq.status, seq.num_tokens, seq.num_computed_tokens)
-        table_from = log.table_from.get(seq_id)
-        if last is None:
-            table_from, token_from = 0, 0
-        elif table_from is None and last == state:
-            continue
-        else:
-            token_from = last[1]
-            if table_from is None:
-                table_from = len(seq.block_table)
-        sequences.append(_sequence_change(seq, table_from, token_from))
-        log.sent[seq_id] = state
-    delta = PoolDelta(
-        log.epoch, log.num_deltas, _pool_counters(core),
-        tuple((b.block_id, b.ref_count, b.block_hash) for b in log.blocks.values()),
-        tuple(sequences), tuple(removed))
-    log.blocks, log.sequences, log.table_from = {}, {}, {}
-    log.num_deltas += 1
-    return delta
-
-
-def take_pool_base(core) -> PoolBase:
-    """Every live sequence in full; take it right after take_pool_delta, so it is the
-    state after that delta (engine thread; O(live sequences' tokens))."""
-    log = core.kv_cache.events
-    return PoolBase(log.epoch, log.num_deltas, _pool_counters(core), tuple(
-        _sequence_change(seq, 0, 0) for seq in core.live_sequences()))
-
-
-def take_pool_slice(core, start: int, size: int) -> PoolSlice:
-    """Blocks [start, start + size): O(size) on the engine thread."""
-    blocks = core.kv_cache.pool.blocks[start:start + size]
-    return PoolSlice(core.kv_cache.events.epoch, start,
-                     tuple(block.ref_count for block in blocks),
-                     tuple((block.block_id, block.block_hash) for block in blocks
-                           if block.block_hash is not None))

@@ -35,6 +35,16 @@ def gguf_architecture(path: Path) -> str:
     return reader.fields["general.architecture"].contents()
 
 
+def gguf_bytes_per_step(path: Path) -> int:
+    """The bytes one decode step reads from a GGUF's tensors as stored (Q4_1 blocks, the Q8_0
+    table...): all of them, less the token embedding table when a separate output.weight
+    makes the logits read that one (a lookup reads one row of the table)."""
+    sizes = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(path).tensors}
+    if "output.weight" in sizes:
+        return sum(sizes.values()) - sizes["token_embd.weight"]
+    return sum(sizes.values())
+
+
 def iter_gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, object]]:
     """(transformers name, tensor or GroupQuantized) for every tensor of a Llama GGUF file."""
     reader = GGUFReader(path)

@@ -6,10 +6,6 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace kvscope {
 
 // Written with bit casts rather than c10::BFloat16's own conversions, whose branches and
@@ -18,7 +14,9 @@ inline float load(float x) { return x; }
 // bf16 elements are handled as their raw bits (kvscope::bf16): loops over c10::BFloat16, a
 // struct, do not vectorize.
 using bf16 = uint16_t;
-inline float load(bf16 bits) { return __builtin_bit_cast(float, static_cast<uint32_t>(bits) << 16); }
+inline float load(bf16 bits) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(bits) << 16);
+}
 // fp32 -> bf16 bits, rounding to nearest even (NaN stays a quiet NaN), as c10 does.
 inline uint16_t bf16_bits(float x) {
   const uint32_t bits = __builtin_bit_cast(uint32_t, x);
@@ -35,10 +33,9 @@ inline float round_to(float x, bf16*) {
 
 // Asks for the cache line holding p, into the core's L2 (prefetcht1) rather than L1: a core
 // has only a couple of dozen L1 miss buffers, and requests into L1 (software prefetch or
-// demand loads alike) read a single decode's scattered KV blocks at ~10 GB/s; into L2 they
-// queue past that limit. A batch-64 decode's attention took ~20 % less, a single stream's
-// ~20-35 % less with its KV in DRAM. Not __builtin_prefetch: GCC 12 drops that from loops it
-// transforms (an earlier KV prefetch of the CPU attention never reached the binary).
+// demand loads alike) cap how fast a single decode's scattered KV blocks arrive; into L2 the
+// requests queue past that limit (docs/performance.md). Not __builtin_prefetch: GCC 12 drops
+// that from loops it transforms.
 inline void prefetch_to_l2(const void* p) {
 #if defined(__x86_64__)
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
@@ -46,36 +43,6 @@ inline void prefetch_to_l2(const void* p) {
   __builtin_prefetch(p, 0, 2);
 #endif
 }
-
-#if defined(__AVX512F__)
-// 16 consecutive fp32 or bf16 elements widened to fp32 lanes.
-inline __m512 load_fp32x16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_fp32x16(const bf16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// The lane sums of 16 vectors as one vector: lane i of the result is the sum of partial[i]'s
-// lanes (16 scores, or 16 output rows). Each level adds pairs of vectors after interleaving
-// them, halving the count: 45 shuffles and adds for all 16, against ~8 ops and a ~20-cycle
-// chain for a horizontal sum of each on its own.
-inline __m512 sum_lanes_of_16(const __m512* partial) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(partial[2 * i], partial[2 * i + 1]),
-                             _mm512_unpackhi_ps(partial[2 * i], partial[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d], each that lane's share
-    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)  // lanes [v(L0+L1), v(L2+L3), w(L0+L1), w(L2+L3)]
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
-}
-#endif
 
 // exp(x) for x <= 0 (softmax weights, silu's exp(-|g|)) in a form the compiler vectorizes
 // (std::exp is a scalar call unless -ffast-math): 2^n * 2^f with Cephes' exp2f polynomial,
@@ -97,9 +64,6 @@ inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, exponent);
 }
 
-}  // namespace kvscope
-
-namespace kvscope {
 // A tensor's elements as the kernels' element type (float or bf16 bits).
 template <typename T>
 T* elements(const at::Tensor& tensor) {

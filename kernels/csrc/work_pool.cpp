@@ -8,6 +8,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <pthread.h>
+#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -15,8 +17,6 @@
 #include <mutex>
 #include <thread>
 #include <vector>
-#include <pthread.h>
-#include <unistd.h>
 
 namespace kvscope {
 namespace {
@@ -49,8 +49,8 @@ class WorkPool {
   void run(int64_t begin, int64_t end, int64_t grain, const Body& body) {
     const int64_t size = end - begin;
     const int helpers = at::get_num_threads() - 1;
-    int64_t chunks = std::min({(size + grain - 1) / grain,
-                               (helpers + 1) * kChunksPerThread, kMaxChunks});
+    int64_t chunks =
+        std::min({(size + grain - 1) / grain, (helpers + 1) * kChunksPerThread, kMaxChunks});
     // Nothing to share, a loop inside a chunk, or a second calling thread while one uses the
     // pool: run here, serially. A loop that runs serially anyway does not take the pool, so a
     // one-thread caller elsewhere never keeps this one from sharing its loops.

@@ -2,11 +2,11 @@
 // machine that other work shares.
 //
 // An OpenMP region ends at a barrier that waits for every thread of the team, including one
-// the OS has descheduled to run something else (a dashboard, a browser, another process): on
-// two cores a single stream then decoded at 3-15 tok/s instead of 87, since every one of the
-// ~200 regions of a step waited for a thread that was not running. Here the calling thread
-// takes chunks too, and it waits only for chunks a helper has actually started: a helper
-// that is not running when a loop begins leaves its share to the caller.
+// the OS has descheduled to run something else (a dashboard, a browser, another process),
+// and a decode step runs ~200 of them, each then waiting for a thread that is not running
+// (docs/performance.md has what that cost). Here the calling thread takes chunks too, and
+// it waits only for chunks a helper has actually started: a helper that is not running when
+// a loop begins leaves its share to the caller.
 #pragma once
 
 #include <cstdint>

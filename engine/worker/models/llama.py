@@ -114,29 +114,23 @@ class FusedDecoderStack:
     def __init__(self, model: "LlamaForCausalLM", dtype: torch.dtype) -> None:
         body = model.model
         self.attention = [layer.self_attn.attn for layer in body.layers]
-        weights, biases, scales, offsets = [], [], [], []
-        for layer in body.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            weights += [layer.input_layernorm.weight, attention.qkv_proj.weight,
-                        attention.o_proj.weight, layer.post_attention_layernorm.weight,
-                        mlp.gate_up_proj.weight, mlp.down_proj.weight]
-            biases += [linear.bias for linear in linears]
-            # Packed int4 / int8 weights come with scales (and int4 with offsets).
-            scales += [getattr(linear, "scales", None) for linear in linears]
-            offsets += [getattr(linear, "offsets", None) for linear in linears]
         first = self.attention[0]
         # The token embedding and the rotary lookups run in the same call, the output
         # projection in a second: called from Python after a step has streamed the weights,
-        # their small ops and the Python around them cost ~0.15 ms a token.
+        # their small ops and the Python around them would run cold (docs/performance.md).
         head = body.embed_tokens if model.tied else model.lm_head
         self.layers = model.ops.decoder_stack(
-            body.embed_tokens.weight, getattr(body.embed_tokens, "scales", None),
-            head.weight, getattr(head, "scales", None),
-            body.rotary.cos, body.rotary.sin, weights, biases, scales, offsets,
-            getattr(body.layers[0].mlp.down_proj, "group_size", 0), kernel_max_rows(model.ops.packed, dtype),
-            body.norm.weight, [first.num_heads, first.num_kv_heads, first.head_dim],
-            body.norm.eps, first.scale)
+            embedding=body.embed_tokens.weight,
+            embedding_scales=getattr(body.embed_tokens, "scales", None),
+            head=head.weight, head_scales=getattr(head, "scales", None),
+            cos=body.rotary.cos, sin=body.rotary.sin, final_norm=body.norm.weight,
+            # Each layer's tensors by their parameter names (packed int4 / int8 linears add
+            # scales, and int4 offsets, to weight and bias); the C++ side reads them by name.
+            layers=[dict(layer.named_parameters()) for layer in body.layers],
+            num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
+            group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
+            kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,
+            attention_scale=first.scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final norm's rows, as output_logits computes them."""

@@ -4,7 +4,7 @@ channel) linears and embeddings that keep activations in the model's dtype.
 A model is built dense, `quantize_model` swaps its linears and token embedding for empty
 quantized twins, the weights are loaded into those (dense tensors are quantized as they
 arrive; GGUF blocks of the same format are copied exactly), and `pack_model` converts them
-into the layout of the C++ kernels (kernels/csrc/quantized_cpu.cpp). Up to
+into the layout of the C++ kernels (kernels/csrc/quantized/). Up to
 `kernel_max_rows(packed, dtype)` rows of activations (decode steps) stream the packed weights
 through those kernels; more rows are compute-bound and run a GEMM instead. Where the kernels do not
 run (a backend without packed kernels: CUDA, no C++ compiler) the weights are de-quantized
@@ -205,7 +205,7 @@ def int4_wide_blocks(packed: torch.Tensor, inverse: bool = False) -> torch.Tenso
     """Rows of GGUF-order int4 chunks (16 bytes each) in the kernels' layout, or back with
     `inverse`: each run of INT4_WIDE_BLOCK chunks is stored as [t 0..3][chunk][4 bytes], so
     one 64-byte load holds bytes 4t..4t+3 of all 16 chunks and every chunk's dot sums in its
-    own int32 lane of a vpdpbusd (kernels/csrc/quantized_cpu.cpp); the chunks after the
+    own int32 lane of a vpdpbusd (kernels/csrc/quantized/vnni.h); the chunks after the
     last whole block keep GGUF's order."""
     rows, width = packed.shape
     wide = width // (INT4_WIDE_BLOCK * INT4_CHUNK // 2) * (INT4_WIDE_BLOCK * INT4_CHUNK // 2)

@@ -4,13 +4,6 @@
 // online in fp32. Built by kernels/cpu_extension.py with -march=native for the host CPU.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
-
-#include "cpu_common.h"
-#include "cpu_ops.h"
-#include "work_pool.h"
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,13 +13,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
+#include "cpu_ops.h"
+#include "vec.hpp"
+#include "work_pool.h"
+
 namespace {
 
-constexpr int kQueryTile = 16;   // query tokens of one sequence that share each K/V read
-// Keys scored before one online-softmax update (and asked for one chunk ahead: RowsAhead).
-// At batch 64 over 300-token contexts, 32 keys took ~9 % longer than 64 (more rescales), and
-// 128 lowered attention's share of the decode step from 0.31-0.33 to 0.30
-// (bench/decode_step.py, three runs each).
+constexpr int kQueryTile = 16;  // query tokens of one sequence that share each K/V read
+// Keys scored before one online-softmax update (and asked for one chunk ahead: RowsAhead):
+// fewer keys per chunk mean more rescales (docs/performance.md).
 constexpr int kKeyChunk = 128;
 // Fewest keys one KV split of a decode gets: a chat decode of a few hundred tokens still
 // splits, so both threads share its attention.
@@ -76,10 +72,8 @@ void request_rows(const KV* key_cache, const KV* value_cache, const int64_t* off
 
 // The K and V rows of the next chunk (of the same KV head), asked for while the value pass
 // of this one runs, one key's rows per key it adds up: spread out so, the requests overlap
-// the arithmetic (into L1, a whole chunk at once filled the core's miss buffers and stalled
-// it; spread, a batch-64 decode's attention took ~12 % less).
-// The rows as pointers, not cache offsets: adding each offset in the value pass measured
-// ~3 % slower.
+// the arithmetic rather than filling the core's miss buffers at once and stalling it.
+// The rows as pointers, not cache offsets: that keeps an add per row out of the value pass.
 template <typename KV>
 struct RowsAhead {
   const KV* const* keys = nullptr;
@@ -101,30 +95,32 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict weigh
                             const KV* const* value_rows, int n, const RowsAhead<KV>& ahead) {
 #if defined(__AVX512F__)
   // As vector registers by name: GCC kept the float arrays below on the stack, so every
-  // multiply-add loaded and stored its accumulator.
+  // multiply-add loaded and stored its accumulator. (Without AVX-512 the R x kDim / 16
+  // vectors are twice as many AVX2 registers as there are: the arrays below instead.)
   if constexpr (kDim % 16 == 0) {
+    using kvscope::vec::FP32Vec16;
     constexpr int kVectors = kDim / 16;
-    __m512 sums[R][kVectors];
+    FP32Vec16 sums[R][kVectors];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-      for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_loadu_ps(acc + r * kDim + 16 * v);
+      for (int v = 0; v < kVectors; ++v) sums[r][v] = FP32Vec16::load(acc + r * kDim + 16 * v);
     for (int i = 0; i < n; ++i) {
       ahead.prefetch(i, kDim * sizeof(KV));
-      __m512 value[kVectors];
+      FP32Vec16 value[kVectors];
 #pragma GCC unroll 16
-      for (int v = 0; v < kVectors; ++v) value[v] = kvscope::load_fp32x16(value_rows[i] + 16 * v);
+      for (int v = 0; v < kVectors; ++v) value[v] = FP32Vec16::load(value_rows[i] + 16 * v);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512 w = _mm512_set1_ps(weights[r * kKeyChunk + i]);
+        const FP32Vec16 w(weights[r * kKeyChunk + i]);
 #pragma GCC unroll 16
-        for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_fmadd_ps(w, value[v], sums[r][v]);
+        for (int v = 0; v < kVectors; ++v) sums[r][v] = kvscope::vec::fma(w, value[v], sums[r][v]);
       }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-      for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(acc + r * kDim + 16 * v, sums[r][v]);
+      for (int v = 0; v < kVectors; ++v) sums[r][v].store(acc + r * kDim + 16 * v);
     return;
   }
 #endif
@@ -154,19 +150,17 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict weigh
 // (16 vector registers of accumulators) share each value row's load. The first pass over
 // the chunk asks for the rows `ahead`.
 template <int kDim, typename KV, int kRows = (kDim > 0 ? std::max(1, 256 / kDim) : 1)>
-inline void accumulate_values(float* __restrict acc, const float* __restrict weights,
-                              int rows, const KV* const* value_rows, int n, int dim,
-                              RowsAhead<KV> ahead) {
+inline void accumulate_values(float* __restrict acc, const float* __restrict weights, int rows,
+                              const KV* const* value_rows, int n, int dim, RowsAhead<KV> ahead) {
   if constexpr (kDim > 0) {
     for (int r = 0; r < rows; r += kRows, ahead.n = 0) {
       if (rows - r < kRows) {  // the last few rows, as a smaller compile-time count
         if constexpr (kRows > 1)
-          accumulate_values<kDim, KV, kRows - 1>(acc + r * kDim, weights + r * kKeyChunk,
-                                                 rows - r, value_rows, n, dim, ahead);
+          accumulate_values<kDim, KV, kRows - 1>(acc + r * kDim, weights + r * kKeyChunk, rows - r,
+                                                 value_rows, n, dim, ahead);
         return;
       }
-      accumulate_rows<kDim, kRows>(acc + r * kDim, weights + r * kKeyChunk, value_rows, n,
-                                   ahead);
+      accumulate_rows<kDim, kRows>(acc + r * kDim, weights + r * kKeyChunk, value_rows, n, ahead);
     }
   } else {
     for (int r = 0; r < rows; ++r, ahead.n = 0) {
@@ -187,23 +181,28 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict wei
 // keys as they lie in the cache, with no widening to fp32, 32 products per instruction; the
 // products are exact and summed in fp32, like the portable path's.
 template <int kDim>
-inline void score_keys_bf16(const kvscope::bf16* query, const kvscope::bf16* const* key_rows,
-                            int n, float scale, float* scores) {
+inline void score_keys_bf16(const kvscope::bf16* query, const kvscope::bf16* const* key_rows, int n,
+                            float scale, float* scores) {
+  using kvscope::vec::BF16Vec32;
+  using kvscope::vec::FP32Vec16;
   constexpr int kPairs = kDim / 32;
-  __m512bh q[kPairs];
-  for (int c = 0; c < kPairs; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
+  BF16Vec32 q[kPairs];
+  for (int c = 0; c < kPairs; ++c) q[c] = BF16Vec32::load(query + 32 * c);
   for (int first = 0; first < n; first += 16) {
     const int count = std::min(16, n - first);
-    __m512 partial[16];
-    for (int i = 0; i < 16; ++i) {
-      partial[i] = _mm512_setzero_ps();
-      if (i >= count) continue;
+    FP32Vec16 partial[16];
+    for (int i = 0; i < count; ++i)
       for (int c = 0; c < kPairs; ++c)
-        partial[i] = _mm512_dpbf16_ps(
-            partial[i], q[c], (__m512bh)_mm512_loadu_si512(key_rows[first + i] + 32 * c));
+        partial[i] = kvscope::vec::dot_accumulate(partial[i], q[c],
+                                                  BF16Vec32::load(key_rows[first + i] + 32 * c));
+    const FP32Vec16 chunk_scores = kvscope::vec::reduce_sum_16(partial) * FP32Vec16(scale);
+    if (count == 16) {
+      chunk_scores.store(scores + first);
+    } else {
+      float all[16];
+      chunk_scores.store(all);
+      std::copy_n(all, count, scores + first);
     }
-    _mm512_mask_storeu_ps(scores + first, static_cast<__mmask16>((1u << count) - 1u),
-                          _mm512_mul_ps(kvscope::sum_lanes_of_16(partial), _mm512_set1_ps(scale)));
   }
 }
 #endif
@@ -310,7 +309,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   };
   if constexpr (!kPairDots)  // the portable path scores against scaled fp32 rows
     for (int j = 0; j < num_q; ++j)
-      for (int d = 0; d < D; ++d) q[static_cast<int64_t>(j) * D + d] = load(query_row(j)[d]) * scale;
+      for (int d = 0; d < D; ++d)
+        q[static_cast<int64_t>(j) * D + d] = load(query_row(j)[d]) * scale;
   const int k_end = visible_end(item, seq_lens, starts);
   const KV* key_rows[kKeyChunk];
   const KV* value_rows[kKeyChunk];
@@ -362,18 +362,18 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0]);
   // Every later chunk is asked for while the one before it is computed; the first, when no
   // item before it on this thread asked for it, now, all at once: a single decode of a few
-  // hundred keys is one or two chunks per thread, and read on demand they came from DRAM at
-  // ~10 GB/s (the limit of the L1 miss buffers).
+  // hundred keys is one or two chunks per thread, and read on demand they would come from
+  // DRAM at the pace the L1 miss buffers allow.
   if (!first_asked_for)
-    request_rows(key_cache, value_cache, offsets[0], n, item.kv_end - item.kv_begin,
-                 L.head_stride, D * static_cast<int64_t>(sizeof(KV)));
+    request_rows(key_cache, value_cache, offsets[0], n, item.kv_end - item.kv_begin, L.head_stride,
+                 D * static_cast<int64_t>(sizeof(KV)));
   for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
     const bool last = chunk + kKeyChunk >= k_end;
     const WorkItem* ahead_item = last ? next : &item;  // whose keys come next, if any
-    const int next_n = ahead_item ? key_offsets(*ahead_item, L, tables, seq_lens, starts,
-                                                last ? next->k_begin : chunk + kKeyChunk,
-                                                offsets[now ^ 1])
-                                  : 0;
+    const int next_n = ahead_item
+                           ? key_offsets(*ahead_item, L, tables, seq_lens, starts,
+                                         last ? next->k_begin : chunk + kKeyChunk, offsets[now ^ 1])
+                           : 0;
     const int heads_ahead = ahead_item ? ahead_item->kv_end - ahead_item->kv_begin : 0;
     for (int h = 0; h < item.kv_end - item.kv_begin; ++h) {  // a run of rows_per_kv_head rows
       const int64_t head_offset = h * L.head_stride;
@@ -390,8 +390,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
         values_ahead[i] = value_cache + offsets[now ^ 1][i] + head_offset;
       }
       const int64_t first_row = static_cast<int64_t>(h) * rows_per_kv_head;
-      accumulate_values<kDim>(acc + first_row * D, scores + first_row * kKeyChunk,
-                              rows_per_kv_head, value_rows, n, D, ahead);
+      accumulate_values<kDim>(acc + first_row * D, scores + first_row * kKeyChunk, rows_per_kv_head,
+                              value_rows, n, D, ahead);
     }
     n = last ? 0 : next_n;
   }
@@ -417,10 +417,9 @@ struct SplitGroup {
 };
 
 template <typename Q, typename KV>
-void attention(const at::Tensor& query, const at::Tensor& key_cache,
-               const at::Tensor& value_cache, const at::Tensor& block_tables,
-               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-               at::Tensor& out) {
+void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+               const at::Tensor& block_tables, const at::Tensor& seq_lens,
+               const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
   Layout L;
   L.num_heads = query.size(1);
   L.num_kv_heads = key_cache.size(2);
@@ -437,8 +436,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
 
   // A decode is one item over all its KV heads, so it reads each slot's K and V rows
-  // (every head) in one contiguous run: one head at a time read a third of every slot, and a
-  // batch-64 decode read its KV at ~10 GB/s. A prefill chunk is compute-bound and tiles by
+  // (every head) in one contiguous run: one head at a time would read a third of every slot
+  // per pass, scattered. A prefill chunk is compute-bound and tiles by
   // KV head and kQueryTile tokens.
   auto is_decode = [&](int s) { return starts[s + 1] - starts[s] == 1; };
   int64_t base_items = 0;
@@ -466,7 +465,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
     int splits = 1;
     if (base_items < wanted_items) {
       const int64_t by_work = (wanted_items + base_items - 1) / base_items;
-      splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(by_work, seq_len / kMinSplitKeys)));
+      splits = static_cast<int>(
+          std::max<int64_t>(1, std::min<int64_t>(by_work, seq_len / kMinSplitKeys)));
       if (splits > threads) splits -= splits % threads;
     }
     if (splits == 1) {
@@ -489,7 +489,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   Q* o = kvscope::elements<Q>(out);
   auto run_items = [&](auto run) {
-    kvscope::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    kvscope::parallel_for(0, static_cast<int64_t>(items.size()), 1,
+                          [&](int64_t begin, int64_t end) {
       Scratch& scratch = thread_scratch(L);
       // `next`: the item this thread runs after it, whose first keys this one asks for.
       for (int64_t i = begin; i < end; ++i)
@@ -529,17 +530,26 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                   const at::Tensor& out) {
   TORCH_CHECK(query.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [tokens, heads, dim], cache [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4,
+              "query [tokens, heads, dim], cache [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous(),
               "query rows [heads, dim] must be contiguous, out contiguous");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "out must match query");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(), "key and value caches must share a layout");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "out must match query");
+  TORCH_CHECK(
+      key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(),
+      "key and value caches must share a layout");
   TORCH_CHECK(key_cache.stride(3) == 1, "cache rows must be contiguous in head_dim");
   TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim of query and cache differ");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv_heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2, "block_tables: contiguous int32 [seqs, max_blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
-  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() && query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc: contiguous int32 [seqs + 1]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2,
+              "block_tables: contiguous int32 [seqs, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "seq_lens: contiguous int32");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1,
+              "query_start_loc: contiguous int32 [seqs + 1]");
 }
 
 }  // namespace
@@ -547,27 +557,35 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
 // out[t, h] = softmax(q[t, h] . K) V over each sequence's paged keys up to t's position.
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     double scale, at::Tensor out) {
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                     at::Tensor out) {
   check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out);
   if (query.size(0) == 0) return;
   const auto q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat)
-    attention<float, float>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    attention<float, float>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                            scale, out);
   else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16)
-    attention<kvscope::bf16, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    attention<kvscope::bf16, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens,
+                                            query_start_loc, scale, out);
   else if (q_type == at::kFloat && kv_type == at::kBFloat16)
-    attention<float, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out);
+    attention<float, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens,
+                                    query_start_loc, scale, out);
   else
-    TORCH_CHECK(false, "paged_attention_cpu: unsupported query/cache dtypes ", q_type, "/", kv_type);
+    TORCH_CHECK(false, "paged_attention_cpu: unsupported query/cache dtypes ", q_type, "/",
+                kv_type);
 }
 
 // Copy each token's K/V rows [kv_heads, dim] into its slot; slot -1 is skipped.
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
               at::Tensor value_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(), "store_kv_cpu: K/V must have the cache's dtype");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1, "store_kv_cpu: rows must be contiguous in head_dim");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: contiguous int64");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == value_cache.scalar_type(),
+              "store_kv_cpu: K/V must have the cache's dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1,
+              "store_kv_cpu: rows must be contiguous in head_dim");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping: contiguous int64");
   const int64_t tokens = key.size(0), heads = key.size(1), bytes = key.size(2) * key.element_size();
   const int64_t block_size = key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -579,22 +597,13 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0) continue;
-    const int64_t base = (slot / block_size) * key_cache.stride(0) + (slot % block_size) * key_cache.stride(1);
+    const int64_t base =
+        (slot / block_size) * key_cache.stride(0) + (slot % block_size) * key_cache.stride(1);
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + (base + h * key_cache.stride(2)) * e, k + (t * key.stride(0) + h * key.stride(1)) * e, bytes);
-      std::memcpy(vc + (base + h * value_cache.stride(2)) * e, v + (t * value.stride(0) + h * value.stride(1)) * e, bytes);
+      std::memcpy(kc + (base + h * key_cache.stride(2)) * e,
+                  k + (t * key.stride(0) + h * key.stride(1)) * e, bytes);
+      std::memcpy(vc + (base + h * value_cache.stride(2)) * e,
+                  v + (t * value.stride(0) + h * value.stride(1)) * e, bytes);
     }
   }
-}
-
-TORCH_LIBRARY(kvscope, m) {
-  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor(a!) out) -> ()");
-  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("store_kv", &store_kv);
 }

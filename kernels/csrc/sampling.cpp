@@ -1,17 +1,12 @@
 // Greedy decoding's pick from fp32 logits: each row's first largest logit and its
 // log-probability, in two passes over the row (the largest value and where it is; then the
-// sum of exp(x - max)). torch's argmax, log_softmax and gather took ~0.2 ms of a one-token
-// decode step over a 49k vocabulary: argmax is a scalar loop, and log_softmax writes the
-// whole row and wakes torch's sleeping OpenMP threads for it. A single row is split across
-// the threads (each piece sums against its own largest value; the pieces are rescaled to the
-// row's when they meet), and the picks come back as Python lists, not tensors to convert.
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
-
-#include "cpu_common.h"
-#include "work_pool.h"
-
+// sum of exp(x - max)), rather than torch's argmax, log_softmax and gather: argmax is a scalar
+// loop, and log_softmax writes the whole row and wakes torch's sleeping OpenMP threads for it. A
+// single row is split across the threads (each piece sums against its own largest value; the pieces
+// are rescaled to the row's when they meet), and the picks come back as Python lists, not tensors
+// to convert.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +15,10 @@
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "cpu_common.h"
+#include "cpu_ops.h"
+#include "work_pool.h"
 
 namespace {
 
@@ -116,9 +115,3 @@ std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Te
     std::tie(tokens[r], logprobs[r]) = combine(pieces.data() + r * per_row, per_row, vocab);
   return {tokens, logprobs};
 }
-
-TORCH_LIBRARY_FRAGMENT(kvscope, m) {
-  m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
-}
-
-TORCH_LIBRARY_IMPL(kvscope, CPU, m) { m.impl("greedy_tokens", &greedy_tokens); }

@@ -1,12 +1,8 @@
-"""bench/roofline.py: the limits the benches hold the engines against."""
-
-import sys
-from pathlib import Path
+"""engine.worker.memory_bandwidth: the read bandwidths the benches hold the engines against."""
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from roofline import storage_words, weights_read_bandwidth  # noqa: E402
+from kvscope.engine.worker.memory_bandwidth import storage_words, weights_read_bandwidth
 
 
 def test_the_weights_read_bandwidth_reads_each_storage_once_and_whole():

@@ -1,0 +1,121 @@
+"""What the block pool, the KV cache manager and the scheduler report as they change.
+
+Typed, frozen records in the spirit of vLLM's KV events (BlockStored / BlockRemoved in
+vllm/distributed/kv_events.py), emitted to an EventBus the core hands its parts. The core
+does not know who listens: telemetry (engine.telemetry.pool_recorder) turns the events
+into per-step pool deltas, and any other reader can subscribe to the same bus.
+
+Sequence events carry the Sequence itself (a listener reads its current block table and
+tokens when it needs them); block events carry ids and hashes only.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvscope.engine.core.block_pool import BlockHash
+    from kvscope.engine.core.request import Sequence
+
+
+# ---- the block pool ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BlocksAllocated:
+    """Blocks taken from the free queue, one reference each (a cached-free one loses its
+    content first: a BlockRemoved comes before)."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksShared:
+    """One more reference to each block (a prefix-cache hit or a fork)."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksReleased:
+    """One reference fewer to each block; one reaching zero is free again."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full block's content is cached: later prompts with this prefix can reuse it."""
+
+    block_id: int
+    block_hash: "BlockHash"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A cached block's content is forgotten (evicted for reuse, or the cache reset)."""
+
+    block_id: int
+    block_hash: "BlockHash"
+
+
+# ---- the KV cache manager ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BlockTableChanged:
+    """seq.block_table[from_index:] is (or is about to be) new; earlier entries stay."""
+
+    seq: "Sequence"
+    from_index: int
+
+
+# ---- the scheduler -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SequenceQueued:
+    """A new sequence joined the waiting queue."""
+
+    seq: "Sequence"
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceResumed:
+    """A detached sequence (a beam, a new fork) is back: running, or waiting to recompute."""
+
+    seq: "Sequence"
+
+
+@dataclass(frozen=True, slots=True)
+class SequencePreempted:
+    """A sequence lost its device blocks (swapped out, or to recompute)."""
+
+    seq: "Sequence"
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFinished:
+    """A sequence left the queues for good (finished or aborted); its blocks are back."""
+
+    seq: "Sequence"
+
+
+BlockEvent = BlocksAllocated | BlocksShared | BlocksReleased | BlockStored | BlockRemoved
+SequenceEvent = (BlockTableChanged | SequenceQueued | SequenceResumed | SequencePreempted
+                 | SequenceFinished)
+KVEvent = BlockEvent | SequenceEvent
+KVEventSink = Callable[[KVEvent], None]
+
+
+class EventBus:
+    """The sink the core hands its pool, cache manager and scheduler: `emit` calls every
+    listener, in the emitting thread (the engine thread), so a listener must be cheap."""
+
+    def __init__(self) -> None:
+        self._listeners: tuple[KVEventSink, ...] = ()
+
+    def subscribe(self, listener: KVEventSink) -> None:
+        self._listeners = (*self._listeners, listener)
+
+    def emit(self, event: KVEvent) -> None:
+        for listener in self._listeners:
+            listener(event)
+
+
+def discard(event: KVEvent) -> None:
+    """The sink of a pool, cache manager or scheduler built on its own: nobody listens."""

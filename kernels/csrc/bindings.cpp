@@ -1,0 +1,65 @@
+// Every op and class of the kvscope library, registered with torch: the ops are
+// torch.ops.kvscope.<name> (kernels/cpu_ops.py, kernels/forward_ops.py and
+// engine/sample/sampler.py call them), the decoder stack torch.classes.kvscope.
+// LlamaDecoderStack (engine/worker/models/llama.py). The kernels themselves are plain C++
+// functions (cpu_ops.h) in their own files.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+#include "llama_stack.h"
+
+TORCH_LIBRARY(kvscope, m) {
+  // paged_attention.cpp
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor(a!) out) -> ()");
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+  // fused_ops.cpp
+  m.def("rms_norm(Tensor hidden, Tensor weight, float eps, Tensor(a!) out, "
+        "Tensor(b!)? residual) -> ()");
+  m.def("rotary_embedding(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, "
+        "int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+  // dense_linear.cpp
+  m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  // quantized/int4.cpp, quantized/int8.cpp
+  m.def("int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, "
+        "Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, "
+        "Tensor(a!) out) -> ()");
+  m.def("int4_dequantize(Tensor weight, Tensor scales, Tensor offsets, int group_size, "
+        "Tensor(a!) out) -> ()");
+  m.def("int8_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("rounds_activations_to_int8() -> bool", &rounds_activations_to_int8);
+  // sampling.cpp
+  m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
+
+  // llama_stack.cpp; every argument by name from Python.
+  m.class_<LlamaDecoderStack>("LlamaDecoderStack")
+      .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
+                       at::Tensor, at::Tensor, at::Tensor, const c10::List<kvscope::NamedTensors>&,
+                       int64_t, int64_t, int64_t, int64_t, int64_t, double, double>(),
+           "",
+           {torch::arg("embedding"), torch::arg("embedding_scales"), torch::arg("head"),
+            torch::arg("head_scales"), torch::arg("cos"), torch::arg("sin"),
+            torch::arg("final_norm"), torch::arg("layers"), torch::arg("num_heads"),
+            torch::arg("num_kv_heads"), torch::arg("head_dim"), torch::arg("group_size"),
+            torch::arg("kernel_max_rows"), torch::arg("eps"), torch::arg("attention_scale")})
+      .def("forward", &LlamaDecoderStack::forward)
+      .def("logits", &LlamaDecoderStack::logits);
+}
+
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("store_kv", &store_kv);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("linear_small_batch", &linear_small_batch);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int8_dequantize", &int8_dequantize);
+  m.impl("greedy_tokens", &greedy_tokens);
+}

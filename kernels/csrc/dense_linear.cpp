@@ -1,0 +1,153 @@
+// The dense linear of a decode batch's few rows (linear_small_batch): every weight row is
+// read from memory once, streamed, and dotted with all rows of x while it sits in L1.
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cpu_common.h"
+#include "cpu_ops.h"
+#include "vec.hpp"
+#include "work_pool.h"
+
+namespace {
+
+using kvscope::load;
+using kvscope::round_to;
+using kvscope::store;
+
+// x . w over `size` elements. Independent partial sums: one vector accumulator would
+// chain every FMA on the previous one, and that latency, not memory, would bound the
+// weight stream.
+template <typename T>
+inline float dot_row(const float* __restrict x, const T* __restrict w, int64_t size) {
+  constexpr int kLanes = 32;
+  float partial[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= size; k += kLanes) {
+#pragma omp simd
+    for (int lane = 0; lane < kLanes; ++lane) partial[lane] += x[k + lane] * load(w[k + lane]);
+  }
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int lane = 0; lane < kLanes; ++lane) sum += partial[lane];
+  for (; k < size; ++k) sum += x[k] * load(w[k]);
+  return sum;
+}
+
+#if defined(__AVX512BF16__)
+// bf16 x . bf16 w0 and x . w1 with vdpbf16ps: one instruction multiplies 32 pairs and adds
+// them into 16 fp32 sums, so the weights need no widening to fp32 first. The products are
+// exact in fp32, as in dot_row; only the order of the fp32 sums differs.
+inline std::pair<float, float> dot_two_rows_bf16(const kvscope::bf16* __restrict x,
+                                                 const kvscope::bf16* __restrict w0,
+                                                 const kvscope::bf16* __restrict w1, int64_t size) {
+  using kvscope::vec::BF16Vec32;
+  using kvscope::vec::dot_accumulate;
+  kvscope::vec::FP32Vec16 first[2], second[2];
+  int64_t k = 0;
+  for (; k + 64 <= size; k += 64)
+    for (int part = 0; part < 2; ++part) {
+      const BF16Vec32 xs = BF16Vec32::load(x + k + 32 * part);
+      first[part] = dot_accumulate(first[part], xs, BF16Vec32::load(w0 + k + 32 * part));
+      second[part] = dot_accumulate(second[part], xs, BF16Vec32::load(w1 + k + 32 * part));
+    }
+  if (k + 32 <= size) {
+    const BF16Vec32 xs = BF16Vec32::load(x + k);
+    first[0] = dot_accumulate(first[0], xs, BF16Vec32::load(w0 + k));
+    second[0] = dot_accumulate(second[0], xs, BF16Vec32::load(w1 + k));
+    k += 32;
+  }
+  if (k < size) {  // the last < 32 elements, the rest of the vector zero
+    auto tail = [&](const kvscope::bf16* p) { return BF16Vec32::load_first(p + k, size - k); };
+    first[1] = dot_accumulate(first[1], tail(x), tail(w0));
+    second[1] = dot_accumulate(second[1], tail(x), tail(w1));
+  }
+  return {(first[0] + first[1]).reduce_sum(), (second[0] + second[1]).reduce_sum()};
+}
+#endif
+
+// Out is T, or fp32 for bf16 T (logits): each value is rounded to T first either way, so an
+// fp32 out holds exactly what converting the T result would give, without a pass for it.
+template <typename T, typename Out>
+void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, Out* out,
+                        int64_t out_stride, int64_t rows, int64_t in_features,
+                        int64_t out_features) {
+  // dot_pair(m, w0, w1): row m of x . weight rows w0 and w1. A thread's share of the outputs
+  // is read as two streams, from its first half and its second half side by side: two
+  // streams keep more reads in flight than one (docs/performance.md). An odd last row pairs
+  // with itself. One share per thread: each share starts its two streams anew, so more,
+  // smaller shares would start more cold streams. A helper that has not started leaves its
+  // share to the caller.
+  auto each_output = [&](auto dot_pair) {
+    kvscope::parallel_for(0, out_features,
+                          std::max<int64_t>(64, kvscope::one_share_per_thread(out_features)),
+                          [&](int64_t begin, int64_t end) {
+      const int64_t half = (end - begin) / 2;
+      auto write = [&](int64_t n, int64_t m, float sum) {
+        const float value = sum + (bias != nullptr ? load(bias[n]) : 0.f);
+        store(out[m * out_stride + n], round_to(value, static_cast<T*>(nullptr)));
+      };
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t n0 = begin + i, n1 = begin + half + i;
+        for (int64_t m = 0; m < rows; ++m) {
+          const auto [sum0, sum1] =
+              dot_pair(m, weight + n0 * in_features, weight + n1 * in_features);
+          write(n0, m, sum0);
+          write(n1, m, sum1);
+        }
+      }
+      if ((end - begin) % 2 != 0) {
+        const T* last = weight + (end - 1) * in_features;
+        for (int64_t m = 0; m < rows; ++m) write(end - 1, m, dot_pair(m, last, last).first);
+      }
+    });
+  };
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, kvscope::bf16>) {
+    each_output([&](int64_t m, const T* w0, const T* w1) {
+      return dot_two_rows_bf16(x + m * x_stride, w0, w1, in_features);
+    });
+    return;
+  }
+#endif
+  std::vector<float> xf(rows * in_features);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t k = 0; k < in_features; ++k) xf[m * in_features + k] = load(x[m * x_stride + k]);
+  each_output([&](int64_t m, const T* w0, const T* w1) {
+    const float* row = xf.data() + m * in_features;
+    return std::pair<float, float>(dot_row(row, w0, in_features), dot_row(row, w1, in_features));
+  });
+}
+
+}  // namespace
+
+// out = x @ weight.T + bias for x [rows, in] with few rows (decode batches). out has x's
+// dtype, or is fp32 (bf16 x: the bf16 result widened, e.g. logits for the sampler).
+void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && out.is_contiguous() &&
+                  x.size(1) == weight.size(1) && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0),
+              "linear_small_batch: x [rows, in], weight [out, in], out [rows, out]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() &&
+                  (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat) &&
+                  (!bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type())),
+              "linear_small_batch: x, weight and bias of one dtype, out of it or fp32");
+  auto run = [&](auto* typed_x, auto* typed_out) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed_x)>>;
+    small_batch_linear<T>(typed_x, x.stride(0), kvscope::elements<T>(weight),
+                          bias ? kvscope::elements<T>(*bias) : nullptr, typed_out, out.stride(0),
+                          x.size(0), x.size(1), weight.size(0));
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(kvscope::elements<float>(x), kvscope::elements<float>(out));
+  else if (out.scalar_type() == at::kFloat)
+    run(kvscope::elements<kvscope::bf16>(x), kvscope::elements<float>(out));
+  else
+    run(kvscope::elements<kvscope::bf16>(x), kvscope::elements<kvscope::bf16>(out));
+}

@@ -1,0 +1,295 @@
+// The decoder stack (llama_stack.h). It chains the same C++ ops the Python layers call one
+// by one (cpu_ops.h), in the same order and with the same roundings, so its output matches
+// theirs; what it removes is the Python between them: a decode step of a small model spends
+// milliseconds dispatching ~300 module and op calls, as much as some of its matmuls take.
+#include "llama_stack.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/record_function.h>
+
+#include <cstring>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cpu_common.h"
+#include "cpu_ops.h"
+
+namespace {
+
+using kvscope::LinearWeights;
+using kvscope::StackConfig;
+
+// Calls `op` inside a profiler range named like the op's own registration, so a profile of
+// the stack reads as a profile of the layers (torch.profiler sees no dispatcher calls here).
+template <typename Op>
+auto traced(const char* name, Op&& op) {
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  return op();
+}
+
+// out = x @ weight.T (+ bias) through oneDNN's GEMM, in x's dtype; an fp32 out of bf16 x (the
+// logits) holds that result widened, as `.float()` of it from Python would.
+void gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+          at::Tensor& out) {
+  if (out.scalar_type() == x.scalar_type())
+    at::linear_out(out, x, weight, bias);
+  else
+    out.copy_(at::linear(x, weight, bias));
+}
+
+// out = x @ weight.T (+ bias) for packed weights: up to kernel_max_rows rows stream the packed
+// weight through a kernel; more rows are compute-bound and de-quantize once for a GEMM.
+void quantized_project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
+                       at::Tensor& out) {
+  const bool int4 = linear.weight.scalar_type() == at::kByte;
+  if (x.size(0) <= config.kernel_max_rows) {
+    if (int4)
+      traced("kvscope::int4_linear", [&] {
+        int4_linear(x, linear.weight, *linear.scales, *linear.offsets, config.group_size,
+                    linear.bias, out);
+      });
+    else
+      traced("kvscope::int8_linear",
+             [&] { int8_linear(x, linear.weight, *linear.scales, linear.bias, out); });
+    return;
+  }
+  at::Tensor dense = at::empty({linear.weight.size(0), x.size(1)}, x.options());
+  if (int4)
+    traced("kvscope::int4_dequantize", [&] {
+      int4_dequantize(linear.weight, *linear.scales, *linear.offsets, config.group_size, dense);
+    });
+  else
+    traced("kvscope::int8_dequantize",
+           [&] { int8_dequantize(linear.weight, *linear.scales, dense); });
+  gemm(x, dense, linear.bias, out);
+}
+
+// out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: one row
+// streams its weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
+// kernels/forward_ops.py's linear does); packed ones as their modules do.
+void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
+             at::Tensor& out) {
+  if (linear.scales) return quantized_project(x, linear, config, out);
+  if (x.size(0) != 1) return gemm(x, linear.weight, linear.bias, out);
+  traced("kvscope::linear_small_batch",
+         [&] { linear_small_batch(x, linear.weight, linear.bias, out); });
+}
+
+void normed(const at::Tensor& hidden, const at::Tensor& weight, double eps,
+            const std::optional<at::Tensor>& residual, at::Tensor& out) {
+  traced("kvscope::rms_norm", [&] { rms_norm(hidden, weight, eps, out, residual); });
+}
+
+// Rows `ids` of a contiguous 2-D table, in its dtype: index_select's result, without a trip
+// through Python and the dispatcher. That matters here because a decode step streams the
+// whole model first: by then its weights have pushed the interpreter's and the dispatcher's
+// code and data out of the caches, and a single op called from Python costs many times what
+// it costs warm.
+at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& ids) {
+  const int64_t count = ids.size(0), rows = table.size(0), width = table.size(1);
+  const int64_t row_bytes = width * table.element_size();
+  at::Tensor out = at::empty({count, width}, table.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const char* source = static_cast<const char*>(table.data_ptr());
+  char* target = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " out of range for ", rows, " rows");
+    std::memcpy(target + i * row_bytes, source + id[i] * row_bytes, row_bytes);
+  }
+  return out;
+}
+
+// Rows `ids` of an int8 table with one fp32 scale per row (engine/worker/models/quantized.py's
+// Int8Embedding), de-quantized to T as that module does: q * scale in fp32, then rounded.
+template <typename T>
+at::Tensor dequantized_rows(const at::Tensor& table, const at::Tensor& scales,
+                            const at::Tensor& ids, at::ScalarType dtype) {
+  const int64_t count = ids.size(0), rows = table.size(0), width = table.size(1);
+  at::Tensor out = at::empty({count, width}, table.options().dtype(dtype));
+  const int64_t* id = ids.data_ptr<int64_t>();
+  T* target = kvscope::elements<T>(out);
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " out of range for ", rows, " rows");
+    const int8_t* row = table.data_ptr<int8_t>() + id[i] * width;
+    const float scale = scales.data_ptr<float>()[id[i]];
+    for (int64_t k = 0; k < width; ++k)
+      kvscope::store(target[i * width + k], static_cast<float>(row[k]) * scale);
+  }
+  return out;
+}
+
+// Every intermediate of a layer, allocated once per call and reused by each layer in turn
+// (a layer consumes its inputs before it writes these), rather than ~200 small tensors and
+// views created per step.
+struct Workspace {
+  at::Tensor normed, qkv, query, key, value, attended, projected, gate_up, activated;
+
+  Workspace(const at::Tensor& hidden, const StackConfig& config, int64_t intermediate_size) {
+    const int64_t tokens = hidden.size(0), head_dim = config.head_dim;
+    const int64_t num_heads = config.num_heads, num_kv_heads = config.num_kv_heads;
+    const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    normed = at::empty_like(hidden);
+    qkv = at::empty({tokens, q_width + 2 * kv_width}, hidden.options());
+    query = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
+    key = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    value = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    attended = at::empty({tokens, q_width}, hidden.options());
+    projected = at::empty_like(hidden);
+    gate_up = at::empty({tokens, 2 * intermediate_size}, hidden.options());
+    activated = at::empty({tokens, intermediate_size}, hidden.options());
+  }
+};
+
+// A NamedTensors read by name, remembering the names read: a name the stack does not read
+// (a renamed or new parameter) is an error, not a weight silently left out.
+class NameReader {
+ public:
+  explicit NameReader(const kvscope::NamedTensors& named) : named_(named) {}
+
+  at::Tensor required(const std::string& name) {
+    std::optional<at::Tensor> tensor = optional(name);
+    TORCH_CHECK(tensor, "LlamaDecoderStack: a layer has no '", name, "'");
+    return *tensor;
+  }
+
+  std::optional<at::Tensor> optional(const std::string& name) {
+    auto found = named_.find(name);
+    if (found == named_.end()) return std::nullopt;
+    read_.insert(name);
+    return found->value();
+  }
+
+  // A linear module's weight, and its bias, scales and offsets where it has them.
+  LinearWeights linear(const std::string& module) {
+    return {required(module + ".weight"), optional(module + ".bias"), optional(module + ".scales"),
+            optional(module + ".offsets")};
+  }
+
+  void check_all_read() const {
+    std::string unread;
+    for (const auto& entry : named_)
+      if (read_.count(entry.key()) == 0) unread += " '" + entry.key() + "'";
+    TORCH_CHECK(unread.empty(), "LlamaDecoderStack: a layer has tensors it does not know:", unread,
+                " (DecoderLayerWeights::from lists the names it reads)");
+  }
+
+ private:
+  const kvscope::NamedTensors& named_;
+  std::set<std::string> read_;
+};
+
+}  // namespace
+
+kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTensors& named) {
+  NameReader reader(named);
+  DecoderLayerWeights layer;
+  layer.input_layernorm = reader.required("input_layernorm.weight");
+  layer.qkv_proj = reader.linear("self_attn.qkv_proj");
+  layer.o_proj = reader.linear("self_attn.o_proj");
+  layer.post_attention_layernorm = reader.required("post_attention_layernorm.weight");
+  layer.gate_up_proj = reader.linear("mlp.gate_up_proj");
+  layer.down_proj = reader.linear("mlp.down_proj");
+  reader.check_all_read();
+  return layer;
+}
+
+LlamaDecoderStack::LlamaDecoderStack(at::Tensor embedding,
+                                     std::optional<at::Tensor> embedding_scales, at::Tensor head,
+                                     std::optional<at::Tensor> head_scales, at::Tensor cos,
+                                     at::Tensor sin, at::Tensor final_norm,
+                                     const c10::List<kvscope::NamedTensors>& layers,
+                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t group_size, int64_t kernel_max_rows, double eps,
+                                     double attention_scale)
+    : embedding_(std::move(embedding)),
+      embedding_scales_(std::move(embedding_scales)),
+      head_{std::move(head), std::nullopt, std::move(head_scales), std::nullopt},
+      cos_(std::move(cos)),
+      sin_(std::move(sin)),
+      final_norm_(std::move(final_norm)),
+      config_{num_heads,       num_kv_heads, head_dim,       group_size,
+              kernel_max_rows, eps,          attention_scale} {
+  for (const at::Tensor* table : {&embedding_, &cos_, &sin_})
+    TORCH_CHECK(table->dim() == 2 && table->is_contiguous(),
+                "LlamaDecoderStack: the embedding and rotary tables are contiguous [rows, width]");
+  TORCH_CHECK(!embedding_scales_ || (embedding_.scalar_type() == at::kChar &&
+                                     embedding_scales_->scalar_type() == at::kFloat &&
+                                     embedding_scales_->is_contiguous()),
+              "LlamaDecoderStack: a packed embedding is int8 with fp32 scales");
+  TORCH_CHECK(!layers.empty(), "LlamaDecoderStack: layers holds no decoder layer");
+  for (const kvscope::NamedTensors& named : layers)
+    layers_.push_back(kvscope::DecoderLayerWeights::from(named));
+}
+
+at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Tensor& positions,
+                                      const std::vector<at::Tensor>& key_caches,
+                                      const std::vector<at::Tensor>& value_caches,
+                                      const at::Tensor& slot_mapping,
+                                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                      const at::Tensor& query_start_loc) const {
+  TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
+              "LlamaDecoderStack.forward: one K and one V cache per layer (", layers_.size(),
+              " layers)");
+  TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  input_ids.is_contiguous() && positions.is_contiguous(),
+              "LlamaDecoderStack.forward: contiguous int64 input_ids and positions");
+  at::Tensor hidden = embed(input_ids);
+  const at::Tensor cos = gather_rows(cos_, positions), sin = gather_rows(sin_, positions);
+  const int64_t tokens = hidden.size(0);
+  const int64_t intermediate_size = layers_.front().gate_up_proj.weight.size(0) / 2;
+  Workspace work(hidden, config_, intermediate_size);
+  const at::Tensor attended = work.attended.view({tokens, config_.num_heads, config_.head_dim});
+  const at::Tensor& residual = hidden;
+  for (size_t index = 0; index < layers_.size(); ++index) {
+    const kvscope::DecoderLayerWeights& layer = layers_[index];
+    // The first layer's norm reads the embeddings; later ones first add the previous
+    // layer's output into the residual stream.
+    const bool first = index == 0;
+    normed(first ? hidden : work.projected, layer.input_layernorm, config_.eps,
+           first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
+    project(work.normed, layer.qkv_proj, config_, work.qkv);
+    traced("kvscope::rotary_embedding", [&] {
+      rotary_embedding(work.qkv, cos, sin, config_.num_heads + config_.num_kv_heads,
+                       config_.head_dim);
+    });
+    traced("kvscope::store_kv", [&] {
+      store_kv(work.key, work.value, key_caches[index], value_caches[index], slot_mapping);
+    });
+    traced("kvscope::paged_attention", [&] {
+      paged_attention(work.query, key_caches[index], value_caches[index], block_tables, seq_lens,
+                      query_start_loc, config_.attention_scale, attended);
+    });
+    project(work.attended, layer.o_proj, config_, work.projected);
+    normed(work.projected, layer.post_attention_layernorm, config_.eps, residual, work.normed);
+    project(work.normed, layer.gate_up_proj, config_, work.gate_up);
+    traced("kvscope::silu_and_mul", [&] { silu_and_mul(work.gate_up, work.activated); });
+    project(work.activated, layer.down_proj, config_, work.projected);
+  }
+  at::Tensor out = at::empty_like(hidden);
+  normed(work.projected, final_norm_, config_.eps, residual, out);
+  return out;
+}
+
+at::Tensor LlamaDecoderStack::logits(const at::Tensor& hidden) const {
+  const at::Tensor x = hidden.stride(-1) == 1 ? hidden : hidden.contiguous();
+  at::Tensor out = at::empty({x.size(0), head_.weight.size(0)}, x.options().dtype(at::kFloat));
+  project(x, head_, config_, out);
+  return out;
+}
+
+// The embeddings of `ids` in the model's dtype (the final norm's), as the embedding module
+// computes them.
+at::Tensor LlamaDecoderStack::embed(const at::Tensor& ids) const {
+  if (!embedding_scales_) return gather_rows(embedding_, ids);
+  const at::ScalarType dtype = final_norm_.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "LlamaDecoderStack: int8 embeddings de-quantize to float32 or bfloat16");
+  return dtype == at::kFloat
+             ? dequantized_rows<float>(embedding_, *embedding_scales_, ids, dtype)
+             : dequantized_rows<kvscope::bf16>(embedding_, *embedding_scales_, ids, dtype);
+}

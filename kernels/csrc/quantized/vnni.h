@@ -1,0 +1,470 @@
+// The int8-dot path of the int4 and int8 linears, for bf16 activations on a CPU with
+// AVX512-VNNI (Zen 4, Ice Lake and later), after llama.cpp: each row of x is rounded to int8
+// once per call, with one scale per 32 values (Q8_0), and vpdpbusd multiplies 64 raw weight
+// bytes by 64 of those per instruction, summing into int32; only the block sums are scaled
+// in fp32. That rounding of the activations is the one approximation
+// (tests/test_quantization.py bounds it). The code is VNNI's own instructions; results leave
+// it as FP32Vec16 (vec.hpp).
+#pragma once
+
+// The build is -march=native (kernels/cpu_extension.py, cached per CPU), so these are the
+// running CPU's own features; elsewhere the portable path (portable.h) compiles alone.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVSCOPE_VNNI_DOTS 1
+#endif
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quantized/common.h"
+
+#if defined(KVSCOPE_VNNI_DOTS)
+#include <immintrin.h>
+#endif
+
+namespace kvscope::quantized {
+
+#if defined(KVSCOPE_VNNI_DOTS)
+constexpr int64_t kBlock = 32;  // activations share one int8 scale per 32 values (Q8_0)
+
+// Rows of bf16 x rounded to int8, llama.cpp's Q8_0: per block of 32 values d = max|x| / 127
+// and q = round(x * (1 / d)), ties to even; values past `in` are zeros. The kernels read
+// them re-laid for their weight layouts (int4_lanes, int8_lanes).
+struct Int8Rows {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;             // [rows][blocks * 32]
+  std::vector<float> scales;         // [rows][blocks]: d
+  std::vector<float> block_sums;     // [rows][blocks]: d * sum(q), the rounded block's sum
+  std::vector<float> scaled_q_sums;  // per row: the rounded row's sum
+};
+
+inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? 0xFFFF : count <= 0 ? 0 : static_cast<__mmask16>((1u << count) - 1);
+}
+
+inline Int8Rows quantize_rows(const bf16* x, int64_t x_stride, int rows, int64_t in) {
+  Int8Rows r;
+  r.blocks = (in + kBlock - 1) / kBlock;
+  r.q.assign(rows * r.blocks * kBlock, 0);
+  r.scales.assign(rows * r.blocks, 0.f);
+  r.block_sums.assign(rows * r.blocks, 0.f);
+  r.scaled_q_sums.assign(rows, 0.f);
+  for (int m = 0; m < rows; ++m) {
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const bf16* values = x + m * x_stride + b * kBlock;
+      const int64_t count = std::min(kBlock, in - b * kBlock);
+      const __m512 low = load_bf16x16(values, first_lanes(count));
+      const __m512 high = load_bf16x16(values + 16, first_lanes(count - 16));
+      const float d =
+          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high))) / 127.f;
+      const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+      const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+      const int64_t at = m * r.blocks + b;
+      r.scales[at] = d;
+      r.block_sums[at] =
+          d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
+      r.scaled_q_sums[m] += r.block_sums[at];
+      int8_t* block = r.q.data() + at * kBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block), _mm512_cvtsepi32_epi8(q_low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + 16), _mm512_cvtsepi32_epi8(q_high));
+    }
+  }
+  return r;
+}
+
+// The rounded x laid out for 512-bit dots against 64 packed weight bytes at once, [rows]
+// of `row_bytes` each, on 64-byte lines; chunks past `in` are zeros (q and d), so a tail
+// needs only a masked weight load.
+struct Int8Lanes {
+  int64_t row_bytes = 0;
+  std::vector<uint8_t> storage;
+  uint8_t* data = nullptr;
+
+  Int8Lanes(int rows, int64_t bytes_per_row)
+      : row_bytes(bytes_per_row), storage(rows * bytes_per_row + 63, 0) {
+    data = storage.data() + (-reinterpret_cast<uintptr_t>(storage.data()) & 63);
+  }
+  Int8Lanes(Int8Lanes&&) = default;  // the buffer moves with `storage`, so `data` stays valid
+
+  uint8_t* row(int m) const { return data + m * row_bytes; }
+};
+
+constexpr int64_t kStepBytes = 64;  // weight bytes one 512-bit dot reads
+
+// int4, wide blocks (see the layout at the top of the file): per block of 16 chunks and
+// per t in 0..3, `low` holds x[chunk j][4t..4t+3] in int32 lane j and `high` x[chunk j]
+// [16+4t..+3]; then each chunk's d in its lane. 8 vpdpbusd sum a chunk's dot in its lane.
+constexpr int64_t kWideBytes = kWideChunks * kChunk / 2;
+constexpr int64_t kWideLaneBytes = 8 * kStepBytes + 64;
+// int4, the chunks after the wide blocks in GGUF's order, 4 per 64-byte load (a quad):
+// `& 15` gives each chunk's weights 0..15 in its 16-byte lane and `>> 4 & 15` its weights
+// 16..31, so `low` holds the 4 chunks' x 0..15, `high` x 16..31, and each chunk's d fills
+// the 4 int32 lanes its dot lands in.
+constexpr int64_t kQuadLaneBytes = 2 * kStepBytes + 64;
+
+inline Int8Lanes int4_lanes(const Int8Rows& xq, int rows) {
+  const int64_t wide = xq.blocks / kWideChunks, tail = xq.blocks % kWideChunks;
+  Int8Lanes lanes(rows, wide * kWideLaneBytes + (tail + 3) / 4 * kQuadLaneBytes);
+  for (int m = 0; m < rows; ++m)
+    for (int64_t c = 0; c < xq.blocks; ++c) {
+      const int8_t* block = xq.q.data() + (m * xq.blocks + c) * kBlock;
+      const float d = xq.scales[m * xq.blocks + c];
+      if (c < wide * kWideChunks) {
+        uint8_t* at = lanes.row(m) + c / kWideChunks * kWideLaneBytes;
+        const int64_t j = c % kWideChunks;
+        for (int t = 0; t < 4; ++t) {
+          std::memcpy(at + 2 * t * kStepBytes + 4 * j, block + 4 * t, 4);
+          std::memcpy(at + (2 * t + 1) * kStepBytes + 4 * j, block + 16 + 4 * t, 4);
+        }
+        reinterpret_cast<float*>(at + 8 * kStepBytes)[j] = d;
+      } else {
+        const int64_t r = c - wide * kWideChunks;
+        uint8_t* step = lanes.row(m) + wide * kWideLaneBytes + r / 4 * kQuadLaneBytes;
+        std::memcpy(step + (r % 4) * 16, block, 16);
+        std::memcpy(step + kStepBytes + (r % 4) * 16, block + 16, 16);
+        float* lane_d = reinterpret_cast<float*>(step + 2 * kStepBytes) + (r % 4) * 4;
+        std::fill(lane_d, lane_d + 4, d);
+      }
+    }
+  return lanes;
+}
+
+// int8: 64 bytes are 2 blocks in x's own order, then each block's d in its 8 int32 lanes.
+constexpr int64_t kPairLaneBytes = kStepBytes + 64;
+
+inline Int8Lanes int8_lanes(const Int8Rows& xq, int rows) {
+  Int8Lanes lanes(rows, (xq.blocks + 1) / 2 * kPairLaneBytes);
+  for (int m = 0; m < rows; ++m)
+    for (int64_t b = 0; b < xq.blocks; ++b) {
+      uint8_t* step = lanes.row(m) + b / 2 * kPairLaneBytes;
+      std::memcpy(step + (b % 2) * kBlock, xq.q.data() + (m * xq.blocks + b) * kBlock, kBlock);
+      float* d = reinterpret_cast<float*>(step + kStepBytes) + (b % 2) * 8;
+      std::fill(d, d + 8, xq.scales[m * xq.blocks + b]);
+    }
+  return lanes;
+}
+
+inline __m512i load_operand(const uint8_t* p) {
+  return _mm512_load_si512(reinterpret_cast<const __m512i*>(p));
+}
+
+inline __m512 load_lane_scales(const uint8_t* step, int64_t at) {
+  return _mm512_load_ps(reinterpret_cast<const float*>(step + at));
+}
+
+// Lane i of a quad's dots belongs to chunk i / 4, whose group is (i / 4) >> group_shift
+// groups past the quad's first (4l is a multiple of 4, so a quad starts on a group of up to
+// 4 chunks and a bigger group spans whole quads): the vpermps index that spreads a quad's
+// widened group scales over its lanes.
+inline __m512i quad_scale_lanes(int group_shift) {
+  alignas(64) int32_t index[16];
+  for (int i = 0; i < 16; ++i) index[i] = (i / 4) >> group_shift;
+  return _mm512_load_si512(index);
+}
+
+// The weight scales of quad l (chunks 4l..4l+3) of a row in their dots' lanes; `real` masks
+// the groups the quad's chunks use (the rest read nothing).
+inline __m512 quad_weight_scales(const at::Half* scales, int64_t l, int group_shift, __mmask8 real,
+                                 __m512i lanes) {
+  const __m128 widened =
+      _mm_cvtph_ps(_mm_maskz_loadu_epi16(real, scales + ((4 * l) >> group_shift)));
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(widened));
+}
+
+// The groups (of up to 4 per quad) that `chunks` chunks of a quad use, as a load mask.
+inline __mmask8 quad_groups(int64_t chunks, int group_shift) {
+  return static_cast<__mmask8>((1u << (((chunks - 1) >> group_shift) + 1)) - 1);
+}
+
+// The scales of wide block k (chunks 16k..16k+15) of a row, chunk j's in lane j.
+inline __m512 wide_weight_scales(const at::Half* scales, int64_t k, int group_shift,
+                                 __m512i lanes) {
+  const __m512 widened = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+      static_cast<__mmask16>((1u << (group_shift < 4 ? kWideChunks >> group_shift : 1)) - 1),
+      scales + ((k * kWideChunks) >> group_shift)));
+  return group_shift ? _mm512_permutexvar_ps(lanes, widened) : widened;
+}
+
+// The layout facts of one int4 layer that every row's dots use.
+struct Int4Layout {
+  int64_t chunks, groups, wide, tail_quads, tail_chunks;
+  int group_shift;
+  __mmask64 tail_bytes;
+  __mmask8 full_groups, tail_groups;
+  __m512i quad_lanes, wide_lanes;
+
+  Int4Layout(int64_t in, int shift)
+      : chunks(in / kChunk),
+        groups(chunks >> shift),
+        wide(chunks / kWideChunks),
+        tail_quads(chunks % kWideChunks / 4),
+        tail_chunks(chunks % 4),
+        group_shift(shift),
+        tail_bytes(tail_chunks ? ~0ull >> (64 - 16 * tail_chunks) : 0),
+        full_groups(quad_groups(4, shift)),
+        tail_groups(tail_chunks ? quad_groups(tail_chunks, shift) : 0),
+        quad_lanes(quad_scale_lanes(shift)),
+        wide_lanes(_mm512_srlv_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(shift))) {}
+};
+
+// One row of x's rounded values for the first wide block, the first tail quad and the first
+// 16 groups' sums, held in registers across the output rows of a call: a 576-wide layer's
+// whole x (14 vectors), so a row's loads are its weights only (with one row of x, x's
+// operands from L1 would be two of every three 64-byte loads).
+struct HeldX {
+  __m512i wide[8], quad[2];
+  __m512 wide_scale, quad_scale, group_sums;
+};
+
+inline HeldX hold_x(const Int4Layout& layout, const uint8_t* x_row, const float* xsum) {
+  HeldX held;
+  for (int j = 0; j < 8; ++j)
+    held.wide[j] = layout.wide ? load_operand(x_row + j * kStepBytes) : _mm512_setzero_si512();
+  held.wide_scale = layout.wide ? load_lane_scales(x_row, 8 * kStepBytes) : _mm512_setzero_ps();
+  const uint8_t* quad = x_row + layout.wide * kWideLaneBytes;
+  const bool has_quad = layout.tail_quads || layout.tail_chunks;
+  for (int j = 0; j < 2; ++j)
+    held.quad[j] = has_quad ? load_operand(quad + j * kStepBytes) : _mm512_setzero_si512();
+  held.quad_scale = has_quad ? load_lane_scales(quad, 2 * kStepBytes) : _mm512_setzero_ps();
+  held.group_sums = _mm512_loadu_ps(xsum);
+  return held;
+}
+
+// out[m] = lanes summing to output row n for M rows of x. Wide blocks: per 64-byte load
+// the low nibbles (`& 0x0F`) and the high ones left in place (`& 0xF0`, 16 times their
+// value: no shift) go into two vpdpbusd per row of x, each chunk's dot summing in its own
+// int32 lane over the block's 4 loads; the high sums are multiples of 16, so `>> 4` takes
+// the factor off exactly once per block. Then one convert and one fma with d_x * scale_w per
+// 16 chunks. Tail quads: 4 chunks per load, a chunk's dot in 4 lanes.
+// The offsets' term uses the rounded x's group sums (as llama.cpp's Q8_1 does), so the
+// result is the rounded x's exact dot with the de-quantized weights: with x's own sums, the
+// rounding would meet q * scale (0 to the group's range) instead of the weight itself
+// (centred near zero), a several times larger error. The three terms (blocks, quads,
+// offsets) run as separate chains and meet at the end.
+// `held` (one row of x only): x's first block, quad and group sums already in registers.
+template <int M>
+inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows)[M],
+                         const float* xsum, const HeldX* held, const uint8_t* weight,
+                         const at::Half* scales, const at::Half* offsets, int64_t n,
+                         __m512 (&out)[M]) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_nibbles = _mm512_set1_epi8(-16);
+  const uint8_t* row = weight + n * layout.chunks * (kChunk / 2);
+  const at::Half* row_scales = scales + n * layout.groups;
+  __m512 acc[M], tail_acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = tail_acc[m] = _mm512_setzero_ps();
+  // x_lane(m, j): operand j (of 8) of block k for row m of x; x_scale(m): its chunks' d.
+  auto wide_block = [&](int64_t k, auto&& x_lane, auto&& x_scale) __attribute__((always_inline)) {
+    __m512i low_dots[M], high_dots[M];
+    for (int m = 0; m < M; ++m) low_dots[m] = high_dots[m] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      __m512i packed = _mm512_loadu_si512(row + k * kWideBytes + t * kStepBytes);
+      asm("" : "+v"(packed));  // one load for both nibble masks, not one folded into each
+      const __m512i low = _mm512_and_si512(packed, low_nibbles);
+      const __m512i high = _mm512_and_si512(packed, high_nibbles);
+      for (int m = 0; m < M; ++m) {
+        low_dots[m] = _mm512_dpbusd_epi32(low_dots[m], low, x_lane(m, 2 * t));
+        high_dots[m] = _mm512_dpbusd_epi32(high_dots[m], high, x_lane(m, 2 * t + 1));
+      }
+    }
+    const __m512 w_scale = wide_weight_scales(row_scales, k, layout.group_shift, layout.wide_lanes);
+    for (int m = 0; m < M; ++m) {
+      const __m512i dots = _mm512_add_epi32(low_dots[m], _mm512_srai_epi32(high_dots[m], 4));
+      acc[m] =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(w_scale, x_scale(m)), acc[m]);
+    }
+  };
+  int64_t k = 0;
+  if (held != nullptr && layout.wide) {
+    wide_block(0, [&](int m, int j) { return held[m].wide[j]; },
+               [&](int m) { return held[m].wide_scale; });
+    k = 1;
+  }
+  for (; k < layout.wide; ++k)
+    wide_block(k, [&](int m, int j) {
+      return load_operand(x_rows[m] + k * kWideLaneBytes + j * kStepBytes);
+    }, [&](int m) { return load_lane_scales(x_rows[m] + k * kWideLaneBytes, 8 * kStepBytes); });
+  // The quads after the wide blocks, their scales from the first group past them.
+  const uint8_t* tail = row + layout.wide * kWideBytes;
+  const at::Half* tail_scales = row_scales + ((layout.wide * kWideChunks) >> layout.group_shift);
+  auto add_quad = [&](int64_t l, __m512i packed, __mmask8 real_groups)
+                      __attribute__((always_inline)) {
+    const __m512i low = _mm512_and_si512(packed, low_nibbles);
+    const __m512i high = _mm512_and_si512(packed, high_nibbles);
+    const __m512 w_scale =
+        quad_weight_scales(tail_scales, l, layout.group_shift, real_groups, layout.quad_lanes);
+    for (int m = 0; m < M; ++m) {
+      const uint8_t* step = x_rows[m] + layout.wide * kWideLaneBytes + l * kQuadLaneBytes;
+      const bool in_registers = held != nullptr && l == 0;
+      const __m512i x_low = in_registers ? held[m].quad[0] : load_operand(step);
+      const __m512i x_high = in_registers ? held[m].quad[1] : load_operand(step + kStepBytes);
+      const __m512 x_scale =
+          in_registers ? held[m].quad_scale : load_lane_scales(step, 2 * kStepBytes);
+      const __m512i dot = _mm512_add_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, x_low),
+          _mm512_srai_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), high, x_high), 4));
+      tail_acc[m] =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, x_scale), tail_acc[m]);
+    }
+  };
+  for (int64_t l = 0; l < layout.tail_quads; ++l) {
+    __m512i packed = _mm512_loadu_si512(tail + l * kStepBytes);
+    asm("" : "+v"(packed));
+    add_quad(l, packed, layout.full_groups);
+  }
+  if (layout.tail_chunks) {
+    const int64_t l = layout.tail_quads;
+    add_quad(l, _mm512_maskz_loadu_epi8(layout.tail_bytes, tail + l * kStepBytes),
+             layout.tail_groups);
+  }
+  const int64_t groups = layout.groups;
+  const at::Half* row_offsets = offsets + n * groups;
+  for (int m = 0; m < M; ++m) {
+    __m512 shift = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16)
+      shift = _mm512_fmadd_ps(
+          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(groups - g), row_offsets + g)),
+          held != nullptr && g == 0 ? held[m].group_sums
+                                    : _mm512_loadu_ps(xsum + m * padded_groups(groups) + g),
+          shift);
+    out[m] = _mm512_add_ps(_mm512_add_ps(acc[m], tail_acc[m]), shift);
+  }
+}
+
+// Weight bytes ahead of the row being dotted that one row of x requests with a software
+// prefetch: with the hardware prefetchers alone, compute and memory take turns instead of
+// overlapping. The requests go into L2 (kvscope::prefetch_to_l2: a core's few L1 miss
+// buffers cap requests into L1). docs/performance.md has the distances measured.
+constexpr int64_t kPrefetchBytes = 8192;
+
+// Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
+template <int M>
+void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t in,
+                    const uint8_t* weight, const at::Half* scales, const at::Half* offsets,
+                    int group_shift, const bf16* bias, bf16* out, int64_t out_stride, int64_t begin,
+                    int64_t end) {
+  const Int4Layout layout(in, group_shift);
+  const uint8_t* x_rows[M];
+  for (int m = 0; m < M; ++m) x_rows[m] = xl.row(x_first + m);
+  for (int64_t first = begin; first < end; first += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, end - first);
+    FP32Vec16 lanes[M][kRowBlock];
+    if constexpr (M == 1) {  // x's first parts in registers across the block's rows
+      const HeldX held = hold_x(layout, x_rows[0], xsum);
+      const int64_t row_bytes = layout.chunks * (kChunk / 2);
+      const uint8_t* const last_byte = weight + end * row_bytes;
+      for (int64_t i = 0; i < count; ++i) {
+        // This row's bytes, kPrefetchBytes on: rows on rows, every line of [begin, end).
+        const uint8_t* ahead = weight + (first + i) * row_bytes + kPrefetchBytes;
+        for (const uint8_t* line = ahead; line < std::min(ahead + row_bytes, last_byte); line += 64)
+          kvscope::prefetch_to_l2(line);
+        __m512 row_lanes[1];
+        int4_dot_row<1>(layout, x_rows, xsum, &held, weight, scales, offsets, first + i, row_lanes);
+        lanes[0][i] = row_lanes[0];
+      }
+    } else {
+      for (int64_t i = 0; i < count; ++i) {
+        __m512 row_lanes[M];
+        int4_dot_row<M>(layout, x_rows, xsum, nullptr, weight, scales, offsets, first + i,
+                        row_lanes);
+        for (int m = 0; m < M; ++m) lanes[m][i] = row_lanes[m];
+      }
+    }
+    alignas(64) float y[M][kRowBlock];
+    for (int m = 0; m < M; ++m) {
+      for (int64_t i = count; i < kRowBlock; ++i) lanes[m][i] = FP32Vec16();
+      vec::reduce_sum_16(lanes[m]).store(y[m]);
+    }
+    store_block<M>(out, out_stride, first, count, y, bias);
+  }
+}
+
+// int8 rows with VNNI: vpdpbusd wants one unsigned operand, so the weights are flipped to
+// u = q + 128 (one xor per 64 bytes) and the extra 128 * (x's rounded sum) comes off once
+// per output: sum_b d_b * (u . q_x) = x . w + 128 * sum_b d_b * sum(q_x), the last
+// independent of the weight row (scaled_q_sums).
+template <int M, typename Out>
+void int8_rows_vnni(const Int8Lanes& xl, int x_first, const float* q_sums, int64_t in,
+                    const int8_t* weight, const float* scales, const bf16* bias, Out* out,
+                    int64_t out_stride, int64_t begin, int64_t end) {
+  const int64_t full = in / kStepBytes;
+  const __mmask64 tail = in % kStepBytes ? (~0ull >> (64 - in % kStepBytes)) : 0;
+  const __m512i flip = _mm512_set1_epi8(-128);
+  const uint8_t* x_rows[M];
+  for (int m = 0; m < M; ++m) x_rows[m] = xl.row(x_first + m);
+  for (int64_t first = begin; first < end; first += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, end - first);
+    float y[M][kRowBlock];
+    for (int64_t i = 0; i < count; ++i) {
+      const int8_t* row = weight + (first + i) * in;
+      __m512 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      // Bytes past `in` load as zeros and flip to 128, but their x is zero.
+      auto add_pair = [&](int64_t l, __m512i w) __attribute__((always_inline)) {
+        const __m512i u = _mm512_xor_si512(w, flip);
+        for (int m = 0; m < M; ++m) {
+          const uint8_t* step = x_rows[m] + l * kPairLaneBytes;
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, load_operand(step));
+          acc[m] =
+              _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), load_lane_scales(step, kStepBytes), acc[m]);
+        }
+      };
+      for (int64_t l = 0; l < full; ++l) add_pair(l, _mm512_loadu_si512(row + l * kStepBytes));
+      if (tail) add_pair(full, _mm512_maskz_loadu_epi8(tail, row + full * kStepBytes));
+      for (int m = 0; m < M; ++m)
+        y[m][i] = (FP32Vec16(acc[m]).reduce_sum() - 128.f * q_sums[m]) * scales[first + i];
+    }
+    store_block<M>(out, out_stride, first, count, y, bias);
+  }
+}
+
+// All rows of x against the weights, tile by tile: each tile of kRowBlock output rows
+// (at most 12 KB of int4, 24 KB of int8 for a 1536-wide layer) stays in L1 while every
+// group of up to kMaxRows rows of x meets it, so a decode batch of any size reads the
+// weights from memory once, with no de-quantized copy (the tile-fused GEMM of a few dozen
+// rows). rows_kernel(M constant, x_first, begin, end) computes one group against output rows
+// [begin, end), tile by tile; the threads take chunks of at least `min_rows` output rows.
+template <typename RowsKernel>
+void all_rows_by_tiles(int64_t rows, int64_t out_features, int64_t min_rows,
+                       RowsKernel&& rows_kernel) {
+  kvscope::parallel_for(0, out_features, min_rows, [&](int64_t begin, int64_t end) {
+    // One group (a single stream's decode): the kernel walks the thread's whole share in one
+    // call, setting its layout and held x up once rather than per tile.
+    if (rows <= kMaxRows)
+      return with_rows(static_cast<int>(rows),
+                       [&](auto rows_constant) { rows_kernel(rows_constant, 0, begin, end); });
+    for (int64_t first = begin; first < end; first += kRowBlock) {
+      const int64_t last = std::min(first + kRowBlock, end);
+      for (int64_t x_first = 0; x_first < rows; x_first += kMaxRows)
+        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, rows - x_first)),
+                  [&](auto rows_constant) {
+          rows_kernel(rows_constant, static_cast<int>(x_first), first, last);
+        });
+    }
+  });
+}
+
+// The fewest output rows of an int4 layer per chunk of work. A single stream's layer goes
+// one share per thread: its weights stream with a software prefetch kPrefetchBytes ahead
+// within a chunk (int4_rows_vnni), so each chunk starts its stream cold, and more, smaller
+// chunks per thread would start more cold streams. A helper that has not started still
+// leaves its share to the caller.
+inline int64_t int4_chunk_rows(int64_t rows, int64_t out_features, int64_t row_bytes) {
+  if (rows > kMaxRows) return grain(row_bytes);
+  return std::max(grain(row_bytes), kvscope::one_share_per_thread(out_features));
+}
+#endif  // KVSCOPE_VNNI_DOTS
+
+}  // namespace kvscope::quantized

@@ -1,0 +1,216 @@
+// The kernels' vector layer: 16 fp32 lanes (FP32Vec16) with the loads, stores, conversions
+// and reductions the kernels share, after vLLM's csrc/cpu/cpu_types_x86.hpp.
+//
+// A vector is a GCC/Clang vector-extension value of 64 bytes: on an AVX-512 build that is
+// one zmm register and the very type of __m512, so an intrinsic takes it as it is; elsewhere
+// the compiler lowers each operation to two AVX2 registers or to scalars. Elementwise
+// arithmetic is written once, with the vector operators; what needs an instruction set
+// (horizontal sums, bf16 pair dots) is chosen at compile time, with a portable version
+// where a kernel needs one. The build is -march=native (kernels/cpu_extension.py), so the
+// branch taken is the running CPU's.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace kvscope::vec {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+// Unaligned vector loads and stores: memcpy into a byte vector makes GCC 12 load it
+// through general registers and widen it byte by byte.
+template <typename Vector, typename Element>
+inline Vector load_unaligned(const Element* p) {
+  typedef Vector Unaligned __attribute__((aligned(1), may_alias));
+  return *reinterpret_cast<const Unaligned*>(p);
+}
+
+template <typename Vector, typename Element>
+inline void store_unaligned(Element* p, Vector v) {
+  typedef Vector Unaligned __attribute__((aligned(1), may_alias));
+  *reinterpret_cast<Unaligned*>(p) = v;
+}
+
+// 16 unsigned bytes, to be widened to fp32 lanes (FP32Vec16::widen).
+struct U8Vec16 {
+  u8x16 reg;
+
+  static U8Vec16 load(const uint8_t* p) { return {load_unaligned<u8x16>(p)}; }
+  U8Vec16 operator&(uint8_t mask) const { return {reg & mask}; }
+  U8Vec16 operator>>(int shift) const { return {reg >> shift}; }
+  U8Vec16 operator^(uint8_t bits) const { return {reg ^ bits}; }
+};
+
+// 8 fp32 lanes: one AVX2 register, or half of a FP32Vec16.
+struct FP32Vec8 {
+  f32x8 reg;
+
+  // The sum of the lanes: lane i plus lane i + 4 first, then those four pairwise,
+  // ((0+4) + (1+5)) + ((2+6) + (3+7)).
+  float reduce_sum() const {
+    return ((reg[0] + reg[4]) + (reg[1] + reg[5])) + ((reg[2] + reg[6]) + (reg[3] + reg[7]));
+  }
+};
+
+struct FP32Vec16 {
+  f32x16 reg;
+
+  FP32Vec16() : reg{} {}           // zeros
+  FP32Vec16(f32x16 r) : reg(r) {}  // also __m512, the same type on an AVX-512 build
+  explicit FP32Vec16(float x) {
+#if defined(__AVX512F__)
+    reg = _mm512_set1_ps(x);
+#else
+    for (int i = 0; i < 16; ++i) reg[i] = x;
+#endif
+  }
+
+  static FP32Vec16 load(const float* p) { return load_unaligned<f32x16>(p); }
+  // bf16 bits widened: the bits shifted into the high half of each fp32 lane (exact).
+  static FP32Vec16 load(const bf16* p) {
+    return (f32x16)(__builtin_convertvector(load_unaligned<u16x16>(p), u32x16) << 16);
+  }
+  // float16 bits widened by rebiasing the exponent (a multiply by 2^112): exact for every
+  // finite value, subnormals included.
+  static FP32Vec16 load(const c10::Half* p) {
+    const u32x16 bits = __builtin_convertvector(load_unaligned<u16x16>(p), u32x16);
+    const f32x16 magnitude = (f32x16)((bits & 0x7fff) << 13) * 0x1p112f;
+    return (f32x16)((u32x16)magnitude | ((bits & 0x8000) << 16));
+  }
+  // Unsigned bytes to fp32 through int32: GCC 12 converts bytes straight to floats one by one.
+  static FP32Vec16 widen(U8Vec16 bytes) {
+    return __builtin_convertvector(__builtin_convertvector(bytes.reg, i32x16), f32x16);
+  }
+  // Signed bytes flipped to q + 128 widen as unsigned ones (one instruction; GCC 12 widens
+  // signed byte vectors element by element), then the 128 comes off exactly in fp32.
+  static FP32Vec16 widen(const int8_t* p) {
+    return widen(U8Vec16::load(reinterpret_cast<const uint8_t*>(p)) ^ 0x80).reg - 128.f;
+  }
+
+  void store(float* p) const { store_unaligned(p, reg); }
+  // Rounded to nearest even (kvscope::bf16_bits for every finite value), then narrowed.
+  void store(bf16* p) const {
+    const u32x16 bits = (u32x16)rounded_to(static_cast<bf16*>(nullptr)).reg;
+    store_unaligned(p, __builtin_convertvector(bits >> 16, u16x16));
+  }
+
+  // The lanes rounded to T's precision, still fp32 (what storing to T and loading gives).
+  FP32Vec16 rounded_to(float*) const { return *this; }
+  FP32Vec16 rounded_to(bf16*) const {
+    u32x16 bits = (u32x16)reg;
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (f32x16)(bits & 0xFFFF0000u);
+  }
+
+  FP32Vec16 operator+(FP32Vec16 other) const { return reg + other.reg; }
+  FP32Vec16 operator-(FP32Vec16 other) const { return reg - other.reg; }
+  FP32Vec16 operator*(FP32Vec16 other) const { return reg * other.reg; }
+  FP32Vec16 operator*(float x) const { return reg * x; }  // x broadcast in the operation
+  FP32Vec16& operator+=(FP32Vec16 other) {
+    reg += other.reg;
+    return *this;
+  }
+
+  // Lanes 0..7 plus lanes 8..15.
+  FP32Vec8 add_halves() const {
+    f32x8 low, high;
+    std::memcpy(&low, &reg, sizeof(low));
+    std::memcpy(&high, reinterpret_cast<const char*>(&reg) + sizeof(low), sizeof(high));
+    return {low + high};
+  }
+
+  // The sum of the lanes: halves added pairwise (upper 8 + lower 8, then 4 + 4, then
+  // [0]+[2] and [1]+[3], then those two), the order of AVX-512's reduce_add everywhere.
+  float reduce_sum() const {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps(reg);
+#else
+    float eight[8], four[4];
+    for (int i = 0; i < 8; ++i) eight[i] = reg[i + 8] + reg[i];
+    for (int i = 0; i < 4; ++i) four[i] = eight[i + 4] + eight[i];
+    return (four[0] + four[2]) + (four[1] + four[3]);
+#endif
+  }
+};
+
+// a * b + c with a single rounding where the CPU has FMA (vfmadd), else two. Kernels write
+// their multiply-adds with it rather than leave them to the compiler's contraction, which in
+// `a * b + c * d` fuses whichever product it meets first: the rounding would then hang on
+// how an expression happens to be written.
+inline FP32Vec16 fma(FP32Vec16 a, FP32Vec16 b, FP32Vec16 c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a.reg, b.reg, c.reg);
+#elif defined(__FMA__)
+  __m256 x[2], y[2], z[2];
+  std::memcpy(x, &a.reg, sizeof(x));
+  std::memcpy(y, &b.reg, sizeof(y));
+  std::memcpy(z, &c.reg, sizeof(z));
+  for (int i = 0; i < 2; ++i) z[i] = _mm256_fmadd_ps(x[i], y[i], z[i]);
+  f32x16 sum;
+  std::memcpy(&sum, z, sizeof(sum));
+  return sum;
+#else
+  return a.reg * b.reg + c.reg;
+#endif
+}
+
+// The lane sums of 16 vectors as one vector: lane i of the result is the sum of partial[i]'s
+// lanes (16 scores, or 16 output rows). On AVX-512 each level adds pairs of vectors after
+// interleaving them, halving the count: 45 shuffles and adds for all 16, against ~8 ops and a
+// ~20-cycle chain for a horizontal sum of each on its own.
+inline FP32Vec16 reduce_sum_16(const FP32Vec16 (&partial)[16]) {
+#if defined(__AVX512F__)
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(partial[2 * i].reg, partial[2 * i + 1].reg),
+                             _mm512_unpackhi_ps(partial[2 * i].reg, partial[2 * i + 1].reg));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d], each that lane's share
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // lanes [v(L0+L1), v(L2+L3), w(L0+L1), w(L2+L3)]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+#else
+  FP32Vec16 sums;
+  for (int i = 0; i < 16; ++i) sums.reg[i] = partial[i].reduce_sum();
+  return sums;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// 32 bf16 values as the pairs vdpbf16ps multiplies.
+struct BF16Vec32 {
+  __m512bh reg;
+
+  static BF16Vec32 load(const bf16* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
+  // The first `count` (< 32) values, zeros after them.
+  static BF16Vec32 load_first(const bf16* p, int64_t count) {
+    return {(__m512bh)_mm512_maskz_loadu_epi16((1u << count) - 1u, p)};
+  }
+};
+
+// acc + the products of a's and b's pairs, summed pair by pair into acc's 16 lanes: the
+// products are exact in fp32, so only the order of the fp32 sums differs from widening both.
+inline FP32Vec16 dot_accumulate(FP32Vec16 acc, BF16Vec32 a, BF16Vec32 b) {
+  return _mm512_dpbf16_ps(acc.reg, a.reg, b.reg);
+}
+#endif
+
+}  // namespace kvscope::vec

@@ -1,0 +1,48 @@
+"""record_sessions: the one recorder of an engine's feeds into the session log."""
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvscope.storage.session_log import QUEUE_SIZE, SessionLog
+
+if TYPE_CHECKING:  # the engine's modules load torch; the log itself needs none of them
+    from kvscope.engine.view import EngineView
+
+POLL_S = 0.25
+
+
+def record_sessions(engine: "EngineView", session_log: SessionLog,
+                    poll_s: float = POLL_S) -> Callable[[], None]:
+    """Copy the engine's step records, finished requests, routing decisions (a single
+    engine makes none) and config changes into the session log from a thread of its own;
+    returns the function that stops it, after a last drain."""
+    feeds = [(engine.subscribe_steps(maxsize=QUEUE_SIZE), session_log.record_step),
+             (engine.subscribe_requests(), lambda finished: session_log.record_request(
+                 finished.output, finished.source, replica=finished.replica)),
+             (engine.subscribe_decisions(QUEUE_SIZE), session_log.record_routing)]
+    stop = threading.Event()
+
+    def drain() -> None:
+        config = engine.config
+        while True:
+            stopping = stop.wait(poll_s)
+            for channel, record in feeds:
+                for item in channel.drain():
+                    record(item)
+            if engine.config is not config:
+                config = engine.config
+                session_log.record_config(config.to_dict())
+            if stopping:
+                return
+
+    recorder = threading.Thread(target=drain, name="kvscope-session-recorder", daemon=True)
+    recorder.start()
+
+    def stop_recording() -> None:
+        stop.set()
+        recorder.join()
+        for channel, _ in feeds:
+            channel.close()  # unsubscribe: the engine stops feeding them
+
+    return stop_recording
