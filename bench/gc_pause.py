@@ -2,7 +2,7 @@
 
 A full (generation-2) collection walks every object the collector tracks and holds the
 GIL while it does, pausing the engine's step on whichever thread triggers it. The engine
-freezes its start-up heap (engine.heap), so what a collection walks is what came later:
+freezes its start-up heap (kvscope.engine.frontend.heap), so what a collection walks is what came later:
 this builds a pool of --blocks blocks, freezes it as AsyncEngine.start does, caches every
 block as a long session would (block_size 1, one chained hash per block), then times one
 full collection.

@@ -45,8 +45,10 @@ def build_key() -> str:
     # Each file's path inside csrc as well as its text: moving a file changes the build.
     parts = [part for path in INPUTS
              for part in (str(path.relative_to(CSRC)).encode(), path.read_bytes())]
-    for part in (*parts, torch.__version__.encode(), cpu_flags().encode(),
-                 (shutil.which("c++") or "").encode()):
+    # The folder too: ninja's build file names the sources by absolute path, so two
+    # checkouts sharing one build folder would each rebuild it whole for the other.
+    for part in (*parts, str(CSRC).encode(), torch.__version__.encode(),
+                 cpu_flags().encode(), (shutil.which("c++") or "").encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

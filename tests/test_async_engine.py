@@ -1,4 +1,4 @@
-"""Tests for engine.async_engine: streams, abort, failures, feeds, snapshots, reconfigure."""
+"""Tests for kvscope.engine.frontend.async_engine: streams, abort, failures, feeds, snapshots, reconfigure."""
 
 import asyncio
 import gc
@@ -299,7 +299,7 @@ def test_an_engine_never_started_shuts_down_at_once(core) -> None:
 def test_the_pool_is_frozen_out_of_collections_and_a_replaced_one_is_reclaimed(
         tiny_llama_path) -> None:
     """A full garbage collection walks every tracked object: the started engine's blocks
-    are frozen out of it (engine.heap), yet a pool dropped by reconfigure is still
+    are frozen out of it (kvscope.engine.frontend.heap), yet a pool dropped by reconfigure is still
     reclaimed (its free queue links its blocks in cycles) and shutdown thaws the rest."""
     engine = AsyncEngine(EngineCore(EngineConfig(
         model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,

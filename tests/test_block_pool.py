@@ -343,7 +343,7 @@ def test_fork_then_append_copies_the_shared_partial_block():
 def test_cached_blocks_give_the_garbage_collector_nothing_to_walk():
     """A full collection walks every object the collector tracks: the prefix cache's state
     (hash tuples, the hash -> block id map) is made of untracked tuples, bytes and ints,
-    so a million cached blocks cost a collection nothing (see engine.block_pool)."""
+    so a million cached blocks cost a collection nothing (see kvscope.engine.core.block_pool)."""
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)
     seq = make_sequence(full_blocks(1, 2, 3))
     assert admit(manager, seq)

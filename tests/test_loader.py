@@ -1,4 +1,4 @@
-"""Tests for engine.loader: model folders, weights, the cache folder and the default model."""
+"""Tests for kvscope.engine.worker.loader: model folders, weights, the cache folder and the default model."""
 
 from pathlib import Path
 

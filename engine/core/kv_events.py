@@ -2,7 +2,7 @@
 
 Typed, frozen records in the spirit of vLLM's KV events (BlockStored / BlockRemoved in
 vllm/distributed/kv_events.py), emitted to an EventBus the core hands its parts. The core
-does not know who listens: telemetry (engine.telemetry.pool_recorder) turns the events
+does not know who listens: telemetry (kvscope.engine.telemetry.pool_recorder) turns the events
 into per-step pool deltas, and any other reader can subscribe to the same bus.
 
 Sequence events carry the Sequence itself (a listener reads its current block table and

@@ -57,7 +57,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
-    # Output text, detokenized incrementally (see engine.detokenizer).
+    # Output text, detokenized incrementally (see kvscope.engine.core.detokenizer).
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0

@@ -316,7 +316,7 @@ class AsyncEngine(ChatSubmit):
 
     def subscribe_pool(self, maxsize: int = POOL_CHANNEL_RECORDS,
                        replica: int | None = None) -> Channel:
-        """Records for an engine.pool_mirror.PoolMirror: a full snapshot (a PoolBase, then
+        """Records for a kvscope.engine.telemetry.pool_mirror.PoolMirror: a full snapshot (a PoolBase, then
         PoolSlices, interleaved with deltas), then one PoolDelta per step. Past `maxsize`
         unread the oldest are dropped: the reader then calls resync_pool."""
         _check_replica(replica)

@@ -1,7 +1,7 @@
 """The router's global prefix index: which replica holds which KV block hashes.
 
 Fed by each replica's block events (hashes stored in / evicted from its pool) and keyed by
-the prefix cache's own chained hash (engine.block_pool.hash_block_tokens), so a prompt's
+the prefix cache's own chained hash (kvscope.engine.core.block_pool.hash_block_tokens), so a prompt's
 leading full blocks can be matched against every replica without asking any of them.
 """
 

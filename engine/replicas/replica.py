@@ -41,7 +41,7 @@ class ReplicaEvents:
 
     `stored` / `evicted` are the block hashes (the value of a BlockHash, the prefix cache's chained
     hash) that entered or left the replica's pool; the router's prefix index applies them.
-    `pool` holds the pool records (engine.telemetry) for the API process's mirrors, while
+    `pool` holds the pool records (kvscope.engine.telemetry.records) for the API process's mirrors, while
     one is watching this replica.
     """
 

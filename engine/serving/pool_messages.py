@@ -1,5 +1,5 @@
 """The pool's telemetry records as /ws/events JSON: what a client needs to keep its own
-mirror of the pool (engine.pool_mirror does the same in Python).
+mirror of the pool (kvscope.engine.telemetry.pool_mirror does the same in Python).
 
 - {"type": "pool_base", ...}: start over: the live sequences and the scalars; the blocks
   follow in "pool_slice" messages, between the deltas.

@@ -1,7 +1,7 @@
 """A reader's own copy of the KV pool, kept current from the engine's per-step deltas.
 
 The engine sends one PoolBase and its PoolSlices when a reader starts (or falls behind),
-then one PoolDelta per step (engine.telemetry). Applying a delta costs the reader
+then one PoolDelta per step (kvscope.engine.telemetry.pool_recorder). Applying a delta costs the reader
 O(blocks and sequences it touches); whole-pool questions (state counts, a heatmap row)
 are numpy over the mirror's arrays, never Python loops over a million block objects.
 """

@@ -78,7 +78,7 @@ class SequenceInfo:
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """The whole cache and scheduler at one instant between steps: PoolMirror.snapshot()
-    (engine.telemetry.pool_mirror), the one route to it."""
+    (kvscope.engine.telemetry.pool_mirror), the one route to it."""
 
     time: float
     step: int
@@ -113,9 +113,9 @@ class EngineSnapshot:
 
 
 # ---- incremental telemetry: per-step pool deltas and a sliced full snapshot -------------
-# A reader (ui.live, /ws/events) keeps an engine.telemetry.pool_mirror.PoolMirror: one
+# A reader (ui.live, /ws/events) keeps a kvscope.engine.telemetry.pool_mirror.PoolMirror: one
 # PoolBase and the PoolSlices that follow it when it starts (or falls behind), then one
-# PoolDelta per step, all made by engine.telemetry.pool_recorder.PoolRecorder. Every record
+# PoolDelta per step, all made by kvscope.engine.telemetry.pool_recorder.PoolRecorder. Every record
 # holds references to the engine's immutable BlockHash objects, so the engine thread never
 # formats anything.
 

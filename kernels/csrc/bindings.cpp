@@ -1,8 +1,7 @@
-// Every op and class of the kvscope library, registered with torch: the ops are
-// torch.ops.kvscope.<name> (kernels/cpu_ops.py, kernels/forward_ops.py and
-// engine/sample/sampler.py call them), the decoder stack torch.classes.kvscope.
-// LlamaDecoderStack (engine/worker/models/llama.py). The kernels themselves are plain C++
-// functions (cpu_ops.h) in their own files.
+// Every op and class of the kvscope library, registered with torch: the ops as
+// torch.ops.kvscope.<name>, the decoder stack as torch.classes.kvscope.LlamaDecoderStack.
+// kernels/cpu_kernels.py is the one Python module that reaches them. The kernels themselves
+// are plain C++ functions (cpu_ops.h) in their own files.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 

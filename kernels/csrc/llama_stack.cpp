@@ -71,7 +71,7 @@ void quantized_project(const at::Tensor& x, const LinearWeights& linear, const S
 
 // out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: one row
 // streams its weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
-// kernels/forward_ops.py's linear does); packed ones as their modules do.
+// kernels/cpu_kernels.py's linear does); packed ones as their modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
   if (linear.scales) return quantized_project(x, linear, config, out);
