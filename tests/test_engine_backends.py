@@ -5,11 +5,13 @@ import importlib.util
 
 import pytest
 import torch
+from torch import nn
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
+from kvscope.engine.worker.models.llama import FusedDecoderStack
 
 # Prompts that end mid-block, exactly on a block, and span several blocks, run as a mix of
 # chunked prefills (budget 24) and decodes.
@@ -93,3 +95,20 @@ def test_enforce_eager_or_the_torch_kernels_keep_the_layers(tiny_model, monkeypa
         assert not runner.fused_decoder_stack and runner.model.decoder_stack is None
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig(enforce_eager="yes")
+
+
+def test_the_decoder_stack_names_a_layer_tensor_it_lacks_or_does_not_know(tiny_model, monkeypatch):
+    """The C++ stack reads each layer's tensors by their parameter names: a missing one is
+    refused with its name, and so is one it would silently ignore."""
+    _, runner = runner_for(monkeypatch, tiny_model, "cpu")
+    model = runner.model
+    layer = model.model.layers[1]
+    layer.register_parameter("extra", nn.Parameter(torch.zeros(1)))
+    with pytest.raises(RuntimeError, match="does not know: 'extra'"):
+        FusedDecoderStack(model, torch.float32)
+    del layer.extra
+    weight, layer.mlp.down_proj.weight = layer.mlp.down_proj.weight, None
+    with pytest.raises(RuntimeError, match="a layer has no 'mlp.down_proj.weight'"):
+        FusedDecoderStack(model, torch.float32)
+    layer.mlp.down_proj.weight = weight
+    FusedDecoderStack(model, torch.float32)  # whole again: builds
