@@ -50,7 +50,9 @@ def test_cpu_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkey
     assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu") == expected
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: qkv biases, tied embeddings
+# qwen2: qkv biases, tied embeddings; qwen3: q/k norms; smollm3: a NoPE layer; phi3: fused
+# checkpoint projections, partial rotary, LongRoPE
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
 def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
         tiny_model, run_engine, monkeypatch, arch):
     expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch,
@@ -60,7 +62,7 @@ def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied output projections
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
 def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype,
                                                             quantization, arch):
     """Same C++ ops in the same order: equal outputs, logits and K/V written, for a ragged

@@ -76,9 +76,12 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
         cached = hub_cache_snapshot(str(model))
         if cached is not None:
             return cached
+        from huggingface_hub import constants
+
         raise ValueError(
             f"model={str(model)!r}: no such local Hugging Face folder (needs config.json) "
-            "and not in the local Hugging Face cache; kvscope never downloads weights"
+            f"and no snapshot of it in the Hugging Face hub cache ({constants.HF_HUB_CACHE}); "
+            "kvscope never downloads weights, so nothing was downloaded"
         )
     return path
 
