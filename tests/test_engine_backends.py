@@ -11,7 +11,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
-from kvscope.engine.worker.models.llama import FusedDecoderStack
+from kvscope.engine.worker.models.llama import FusedDecoderStack, LayerKind
 
 # Prompts that end mid-block, exactly on a block, and span several blocks, run as a mix of
 # chunked prefills (budget 24) and decodes.
@@ -122,3 +122,7 @@ def test_the_decoder_stack_names_a_layer_tensor_it_lacks_or_does_not_know(tiny_m
         FusedDecoderStack(model, torch.float32)
     layer.mlp.down_proj.weight = weight
     FusedDecoderStack(model, torch.float32)  # whole again: builds
+    # A per-layer option the stack does not know (a feature it would leave out) is refused.
+    monkeypatch.setattr(LayerKind, "stack_options", lambda kind: {"rotary": 1, "window": 4})
+    with pytest.raises(RuntimeError, match="does not know: 'window'"):
+        FusedDecoderStack(model, torch.float32)

@@ -62,6 +62,44 @@ def test_rotary_embedding_in_place_on_query_and_key_heads(fused, dtype, head_dim
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_of_a_fused_projection_in_place(fused, dtype):
+    """Qwen3's q/k norms: [tokens, heads, head_dim] rows read from qkv rows (strided; the
+    decoder stack writes them back in place, which its own tests compare with the layers)."""
+    tokens, heads, head_dim = 5, 6, 32
+    qkv = randn(tokens, (heads + 2) * head_dim, dtype=dtype)
+    query = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    weight = randn(head_dim, dtype=dtype, seed=1)
+    normed = fused.rms_norm(query, weight, 1e-6)
+    assert normed.shape == (tokens, heads, head_dim)
+    assert_close(normed, TORCH_OPS.rms_norm(query.contiguous(), weight, 1e-6), dtype)
+    # Each head on its own: the first head's norm ignores the others.
+    assert_close(normed[:, 0], TORCH_OPS.rms_norm(query[:, 0].contiguous(), weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_partial_rotary_turns_the_first_dims_of_each_head_only(fused, dtype):
+    """Phi-4-mini rotates 3/4 of each head: cos / sin as wide as that part."""
+    tokens, heads, head_dim, rotary_dim = 5, 6, 64, 48
+    qkv = randn(tokens, 8 * head_dim, dtype=dtype)
+    angles = randn(tokens, rotary_dim // 2, dtype=torch.float32, seed=3)
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    fused_qkv, twin_qkv = qkv.clone(), qkv.clone()
+    fused.rotary_embedding(fused_qkv, cos, sin, heads, head_dim)
+    TORCH_OPS.rotary_embedding(twin_qkv, cos, sin, heads, head_dim)
+    assert_close(fused_qkv, twin_qkv, dtype)
+    by_head = fused_qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    original = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    assert torch.equal(by_head[..., rotary_dim:], original[..., rotary_dim:])
+    assert not torch.equal(by_head[..., :rotary_dim], original[..., :rotary_dim])
+    # The twin is transformers' rotate_half over the rotated part.
+    x = original[..., :rotary_dim].float()
+    half = rotary_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    reference = (x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(dtype)
+    assert_close(by_head[..., :rotary_dim], reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(fused, dtype):
     x = randn(9, 2 * 80, dtype=dtype)
     out = fused.silu_and_mul(x)
