@@ -6,14 +6,17 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_to_completion
-from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.kernels import select_ops
 
-GGUF_ARCH = {"llama": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3, "phi3": MODEL_ARCH.PHI3}
+# The tiny models' architectures -> llama.cpp's (Llama 3.2 is a llama GGUF with rope_freqs).
+GGUF_ARCH = {"llama": MODEL_ARCH.LLAMA, "llama3": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3,
+             "phi3": MODEL_ARCH.PHI3}
 PROMPTS = [[5, 17, 200, 31, 9], list(range(40, 70))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -28,7 +31,7 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32) -
     """hf_model as llama.cpp's converter writes it (names from the gguf package's own map)."""
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer = GGUFWriter(path, arch)
+    writer = GGUFWriter(path, MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -41,6 +44,10 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32) -
     rotary = config.rope_parameters
     writer.add_rope_freq_base(rotary["rope_theta"])
     writer.add_rope_dimension_count(int(head_dim * rotary.get("partial_rotary_factor", 1.0)))
+    if rotary.get("rope_type") == "llama3":  # as llama.cpp: each rotated pair's divisor
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+        default = 1.0 / rotary["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        writer.add_tensor("rope_freqs.weight", (default / scaled).numpy())
     if rotary.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(rotary["original_max_position_embeddings"])
         for which in ("long", "short"):
@@ -57,7 +64,7 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32) -
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         values = tensor.numpy()
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if GGUF_ARCH[arch] == MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = llama_cpp_permute(values, heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))

@@ -37,11 +37,9 @@ ARCHITECTURE_BLOCK_NAMES = {
 }
 GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BLOCK_NAMES)
 PERMUTED_QK_ARCHITECTURES = ("llama",)
-# Phi-3's LongRoPE factors, which the config carries (gguf_config); no weight of the model.
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-# Tensors whose meaning neither transformers' conversion nor the config carries over: the
-# model would run without them, silently wrong.
-UNREAD_TENSORS = {"rope_freqs.weight": "Llama 3.1+'s llama3 rope scaling"}
+# Rotary factors, which the config carries (gguf_config); no weight of the model: Phi-3's
+# LongRoPE factors, and Llama 3.1+'s llama3 scaling as a divisor per rotated pair.
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 BLOCK_WEIGHTS = 32  # weights per block in Q4_0, Q4_1 and Q8_0
 DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 BLOCK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
@@ -61,10 +59,6 @@ def check_gguf(path: Path) -> None:
         raise ValueError(f"model={str(path)!r}: GGUF architecture {architecture!r} is not "
                          f"supported; supported: {list(GGUF_ARCHITECTURES)}")
     for tensor in reader.tensors:
-        if tensor.name in UNREAD_TENSORS:
-            raise ValueError(f"model={str(path)!r}: tensor {tensor.name!r} "
-                             f"({UNREAD_TENSORS[tensor.name]}) is not read from a GGUF file; "
-                             "use the model's Hugging Face folder")
         if tensor.tensor_type not in DENSE_TYPES | BLOCK_TYPES:
             raise ValueError(
                 f"model={str(path)!r}: tensor {tensor.name!r} is {tensor.tensor_type.name}, "
@@ -73,8 +67,10 @@ def check_gguf(path: Path) -> None:
 
 def gguf_config(path: Path) -> PretrainedConfig:
     """transformers' config of the file, with what its conversion drops for these
-    architectures taken from llama.cpp's keys: the head size (Qwen3's is not hidden / heads)
-    and Phi-3's rotary (the rotated dims; LongRoPE's factors, stored as tensors)."""
+    architectures taken from llama.cpp's keys: the head size (Qwen3's is not hidden / heads),
+    Phi-3's rotary (the rotated dims; LongRoPE's factors, stored as tensors) and Llama
+    3.1+'s llama3 rope scaling (stored as `rope_freqs`, a divisor of each rotated pair's
+    frequency: LongRoPE's short and long factors are exactly that)."""
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     reader = GGUFReader(path)
     architecture = reader.fields["general.architecture"].contents()
@@ -83,15 +79,21 @@ def gguf_config(path: Path) -> PretrainedConfig:
         found = reader.fields.get(f"{architecture}.{key}")
         return None if found is None else found.contents()
 
+    factors = {tensor.name: np.array(tensor.data, dtype=np.float32).tolist()
+               for tensor in reader.tensors if tensor.name in CONFIG_TENSORS}
     if field("attention.key_length") is not None:
         config.head_dim = field("attention.key_length")
+    if "rope_freqs.weight" in factors:
+        divisors = factors["rope_freqs.weight"]
+        config.rope_parameters = {
+            "rope_type": "longrope", "rope_theta": config.rope_parameters["rope_theta"],
+            "short_factor": divisors, "long_factor": divisors, "attention_factor": 1.0,
+            "original_max_position_embeddings": config.max_position_embeddings}
     if architecture == "phi3":
         head_dim = config.hidden_size // config.num_attention_heads
         rotary = dict(config.rope_parameters)
         rotary["partial_rotary_factor"] = (field("rope.dimension_count") or head_dim) / head_dim
-        factors = {tensor.name: np.array(tensor.data, dtype=np.float32).tolist()
-                   for tensor in reader.tensors if tensor.name in CONFIG_TENSORS}
-        if factors:
+        if "rope_factors_long.weight" in factors:
             original = field("rope.scaling.original_context_length")
             rotary.update(rope_type="longrope", original_max_position_embeddings=original,
                           long_factor=factors["rope_factors_long.weight"],
