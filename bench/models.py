@@ -91,7 +91,7 @@ def throughput_report(folder: Path, args: argparse.Namespace, quantization: str,
                "--device-memory-gb", str(args.device_memory_gb), *extra]
     if args.threads:
         command += ["--threads", str(args.threads)]
-    return json.loads(subprocess.run(command, check=True, capture_output=True,
+    return json.loads(subprocess.run(command, check=True, stdout=subprocess.PIPE,
                                      text=True).stdout)
 
 
