@@ -12,7 +12,11 @@ from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models import MODEL_REGISTRY, model_class
-from kvscope.engine.worker.models.llama import SUPPORTED_ROPE_TYPES, RotaryTable
+from kvscope.engine.worker.models.llama import (
+    SUPPORTED_ROPE_TYPES,
+    LlamaForCausalLM,
+    RotaryTable,
+)
 
 SMALL = {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
@@ -86,3 +90,13 @@ def test_a_sharded_safetensors_folder_loads_every_shard(tiny_model, tmp_path, ru
         expected = tiny.hf_model.generate(torch.tensor([prompt]), max_new_tokens=6,
                                           min_new_tokens=6, do_sample=False)
     assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
+])
+def test_a_llama_family_config_the_layers_cannot_run_is_refused_naming_it(change, named):
+    config = LlamaConfig(**SMALL, **change)
+    with pytest.raises(ValueError, match=f"{named} is not supported; supported: "):
+        LlamaForCausalLM(config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)

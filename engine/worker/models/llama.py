@@ -21,6 +21,7 @@ PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 # cache of keys rotated once cannot follow.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 QK_NORM_MODEL_TYPES = ("qwen3",)  # RMSNorm per query / key head before the rotary
+SUPPORTED_ACTIVATIONS = ("silu",)  # the gate of the gated MLP (silu_and_mul)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -135,6 +136,10 @@ class LlamaAttention(UsesKernelOps):
 class LlamaMLP(UsesKernelOps):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
+        activation = getattr(config, "hidden_act", "silu")
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"model: hidden_act {activation!r} is not supported; supported: "
+                             f"{list(SUPPORTED_ACTIVATIONS)}")
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size],
                                          bias=getattr(config, "mlp_bias", False))
