@@ -127,3 +127,16 @@ def test_prefix_hit_inside_one_batch_after_the_sharing_prompt_finished(
 
     assert run.outputs[0].num_cached_tokens == 48
     assert run.outputs[0].outputs[0].token_ids == expected("llama")[4]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_parallel_greedy_samples_each_match_transformers(arch, make_engine, run_engine,
+                                                         expected):
+    """n=2 forks each prompt's blocks; every greedy sample still equals transformers'."""
+    engine = make_engine(arch)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    run = run_engine(engine, PROMPTS, params)
+
+    assert [[sample.token_ids for sample in output.outputs] for output in run.outputs] == [
+        [tokens, tokens] for tokens in expected(arch)]
+    assert engine.kv_cache.pool.num_used_blocks == 0
