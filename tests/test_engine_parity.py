@@ -63,19 +63,23 @@ def test_greedy_matches_transformers(arch, block_size, make_engine, run_engine, 
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
-@pytest.mark.parametrize(("block_size", "num_blocks"), [(1, 100), (16, 7)])
+@pytest.mark.parametrize(("block_size", "num_blocks", "preemption_mode"),
+                         [(1, 100, "recompute"), (16, 7, "recompute"), (16, 7, "swap")])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_matches_transformers_under_preemption(
-        arch, block_size, num_blocks, make_engine, run_engine, expected):
+        arch, block_size, num_blocks, preemption_mode, make_engine, run_engine, expected):
     # The batch needs ~240 tokens of KV at its peak; the pool holds barely one long sequence.
     # (A small token budget also keeps the start-up profiling forward cheap.)
     engine = make_engine(arch, block_size=block_size, num_gpu_blocks_override=num_blocks,
-                         max_model_len=96, max_num_batched_tokens=128)
+                         max_model_len=96, max_num_batched_tokens=128,
+                         preemption_mode=preemption_mode)
     run = run_engine(engine, PROMPTS, GREEDY)
 
     assert engine.scheduler.num_preemptions > 0
     assert any(record.preempted for record in run.records)
     assert sum(o.metrics.num_preemptions for o in run.outputs) == engine.scheduler.num_preemptions
+    if preemption_mode == "swap":
+        assert engine.kv_cache.swap_stats.swap_outs > 0
     assert _token_ids(run) == expected(arch)
     assert engine.kv_cache.pool.num_used_blocks == 0
 
