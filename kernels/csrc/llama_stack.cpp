@@ -262,7 +262,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     });
     traced("kvscope::paged_attention", [&] {
       paged_attention(work.query, key_caches[index], value_caches[index], block_tables, seq_lens,
-                      query_start_loc, config_.attention_scale, attended);
+                      query_start_loc, config_.attention_scale, attended, 0, 0.);
     });
     project(work.attended, layer.o_proj, config_, work.projected);
     normed(work.projected, layer.post_attention_layernorm, config_.eps, residual, work.normed);
