@@ -27,6 +27,7 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
     OPTConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -114,6 +115,10 @@ torch.set_num_threads(1)
 TINY_VOCAB_SIZE = 256
 TINY_MAX_POSITIONS = 256
 TINY_ARCHITECTURES = ("llama", "qwen2", "opt")
+# Sliding-window twins (window 8, so most test prompts outrun it): every Mistral layer
+# windowed; Qwen2 with its first layer global and the second windowed.
+TINY_WINDOW = 8
+SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window")
 
 
 @dataclass
@@ -136,6 +141,13 @@ def _tiny_config(arch: str):
     if arch == "qwen2":  # qkv bias and tied embeddings
         return Qwen2Config(intermediate_size=128, num_key_value_heads=2,
                            tie_word_embeddings=True, **common)
+    if arch == "mistral-window":
+        return MistralConfig(intermediate_size=128, num_key_value_heads=2,
+                             sliding_window=TINY_WINDOW, tie_word_embeddings=False, **common)
+    if arch == "qwen2-window":
+        return Qwen2Config(intermediate_size=128, num_key_value_heads=2,
+                           use_sliding_window=True, sliding_window=TINY_WINDOW,
+                           max_window_layers=1, tie_word_embeddings=True, **common)
     if arch == "opt":
         return OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
     raise ValueError(arch)

@@ -205,15 +205,15 @@ LlamaDecoderStack::LlamaDecoderStack(at::Tensor embedding,
                                      const c10::List<kvscope::NamedTensors>& layers,
                                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                      int64_t group_size, int64_t kernel_max_rows, double eps,
-                                     double attention_scale)
+                                     double attention_scale, std::vector<int64_t> sliding_windows)
     : embedding_(std::move(embedding)),
       embedding_scales_(std::move(embedding_scales)),
       head_{std::move(head), std::nullopt, std::move(head_scales), std::nullopt},
       cos_(std::move(cos)),
       sin_(std::move(sin)),
       final_norm_(std::move(final_norm)),
-      config_{num_heads,       num_kv_heads, head_dim,       group_size,
-              kernel_max_rows, eps,          attention_scale} {
+      config_{num_heads, num_kv_heads, head_dim, group_size, kernel_max_rows, eps, attention_scale},
+      sliding_windows_(std::move(sliding_windows)) {
   for (const at::Tensor* table : {&embedding_, &cos_, &sin_})
     TORCH_CHECK(table->dim() == 2 && table->is_contiguous(),
                 "LlamaDecoderStack: the embedding and rotary tables are contiguous [rows, width]");
@@ -224,6 +224,8 @@ LlamaDecoderStack::LlamaDecoderStack(at::Tensor embedding,
   TORCH_CHECK(!layers.empty(), "LlamaDecoderStack: layers holds no decoder layer");
   for (const kvscope::NamedTensors& named : layers)
     layers_.push_back(kvscope::DecoderLayerWeights::from(named));
+  TORCH_CHECK(sliding_windows_.size() == layers_.size(),
+              "LlamaDecoderStack: sliding_windows needs one window (0: none) per layer");
 }
 
 at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Tensor& positions,
@@ -262,7 +264,8 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     });
     traced("kvscope::paged_attention", [&] {
       paged_attention(work.query, key_caches[index], value_caches[index], block_tables, seq_lens,
-                      query_start_loc, config_.attention_scale, attended, 0, 0.);
+                      query_start_loc, config_.attention_scale, attended, sliding_windows_[index],
+                      0.);
     });
     project(work.attended, layer.o_proj, config_, work.projected);
     normed(work.projected, layer.post_attention_layernorm, config_.eps, residual, work.normed);

@@ -55,13 +55,14 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   // embedding: the token embedding table, dense or int8 with embedding_scales (one per row);
   // head, head_scales: the output projection alike (the embedding's own when they are tied);
   // cos, sin: the rotary tables, a row per position; layers: each decoder layer's
-  // named_parameters().
+  // named_parameters(); sliding_windows: each layer's attention window (0: full attention).
   LlamaDecoderStack(at::Tensor embedding, std::optional<at::Tensor> embedding_scales,
                     at::Tensor head, std::optional<at::Tensor> head_scales, at::Tensor cos,
                     at::Tensor sin, at::Tensor final_norm,
                     const c10::List<kvscope::NamedTensors>& layers, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t group_size,
-                    int64_t kernel_max_rows, double eps, double attention_scale);
+                    int64_t kernel_max_rows, double eps, double attention_scale,
+                    std::vector<int64_t> sliding_windows);
 
   // input_ids, positions: int64 [tokens]; one K and one V cache per layer. The embeddings
   // become the residual stream (updated in place). Returns the final norm's output.
@@ -86,4 +87,5 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   at::Tensor cos_, sin_, final_norm_;
   std::vector<kvscope::DecoderLayerWeights> layers_;
   kvscope::StackConfig config_;
+  std::vector<int64_t> sliding_windows_;
 };

@@ -5,7 +5,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kvscope.engine.worker.models.attention import AttentionMetadata, PagedAttention
+from kvscope.engine.worker.models.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    layer_windows,
+)
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.layers import Linear, MergedLinear, RMSNorm, load_weights
 from kvscope.engine.worker.models.quantized import kernel_max_rows, output_logits
@@ -32,7 +36,7 @@ class RotaryTable(nn.Module):
 
 
 class LlamaAttention(UsesKernelOps):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, sliding_window: int | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -44,7 +48,7 @@ class LlamaAttention(UsesKernelOps):
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5)
+                                   self.head_dim ** -0.5, sliding_window)
 
     def forward(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -69,9 +73,9 @@ class LlamaMLP(UsesKernelOps):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, sliding_window: int | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, sliding_window)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -93,8 +97,8 @@ class LlamaBody(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, window)
+                                    for window in layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryTable(config, max_positions)
 
@@ -130,7 +134,8 @@ class FusedDecoderStack:
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
             kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,
-            attention_scale=first.scale)
+            attention_scale=first.scale,
+            sliding_windows=[layer.sliding_window or 0 for layer in self.attention])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final norm's rows, as output_logits computes them."""
