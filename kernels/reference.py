@@ -29,7 +29,7 @@ def gather_kv(
     """The first seq_len K (or V) rows of one sequence, contiguous: [seq_len, kv_heads, dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    rows = cache.index_select(0, block_table[:num_blocks].long())
+    rows = cache.index_select(0, block_table[:num_blocks].long().clamp(min=0))
     return rows.flatten(0, 1)[:seq_len]
 
 
@@ -51,8 +51,8 @@ def paged_attention(
     query [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads,
     head_dim]; the new tokens of sequence i are its last q_len_i positions.
     sliding_window=W: the token at position p sees keys (p - W, p] only (transformers'
-    sliding-window mask); block table entries wholly before that may name any block (the
-    KV manager frees them). soft_cap=c: scores become c * tanh(scores / c) before the
+    sliding-window mask); block table entries wholly before that may be -1 (the KV
+    manager's RELEASED: it freed those blocks) and are never read. soft_cap=c: scores become c * tanh(scores / c) before the
     softmax (Gemma 2's attention-logit soft-capping).
     Decodes (one new token) run as padded batches of similar lengths; longer queries run
     one by one.
@@ -171,7 +171,7 @@ def _decode_batch(
     token_index = torch.tensor([starts[i] for i in rows], device=device)
     lens = seq_lens[row_index].long()
     num_blocks = -(-int(lens.max()) // block_size)
-    tables = block_tables[row_index, :num_blocks].long()
+    tables = block_tables[row_index, :num_blocks].long().clamp(min=0)  # RELEASED: masked
     # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, padded_len, dim]
     keys = _gather_blocks(key_cache, tables).to(query.dtype)
     values = _gather_blocks(value_cache, tables).to(query.dtype)

@@ -91,7 +91,7 @@ def make_batch(
     twice the size needed; every slot no sequence owns, including the tail of each last
     block and the blocks that pad the block tables, holds NaN, so reading one shows.
     With a sliding window, the table entries of blocks wholly before every new token's
-    window name the NaN block too, as the KV manager frees them."""
+    window are -1, as the KV manager leaves them when it frees those blocks."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-seq_len // block_size) for seq_len, _ in seqs]
     num_blocks = 2 * sum(blocks_per_seq) + 1
@@ -116,7 +116,7 @@ def make_batch(
         value_cache.view(-1, num_kv_heads, head_dim)[slots] = value
         if sliding_window:
             first_visible = max(0, seq_len - seqs[i][1] - sliding_window + 1)
-            block_tables[i, :first_visible // block_size] = unused_block
+            block_tables[i, :first_visible // block_size] = -1
         keys.append(key)
         values.append(value)
     query_lens = torch.tensor([query_len for _, query_len in seqs])
@@ -697,7 +697,7 @@ def test_reference_attention_window_and_soft_cap_match_dense(block_size, window,
 def test_cpu_attention_window_and_soft_cap_match_dense(cpu_kernel_ops, block_size, window,
                                                        soft_cap, dtype):
     batch = windowed_batch(block_size, window, dtype=dtype)
-    # freed blocks (NaN) before each window: never read
+    # freed blocks (-1) before each window: never read
     out = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=window, soft_cap=soft_cap)
     assert_close(out, dense_attention(batch, soft_cap), dtype)
 

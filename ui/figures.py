@@ -228,7 +228,8 @@ def _chosen_sequences(pool: PoolMirror, view: TableView) -> tuple[list, int, int
         holders.sort(key=lambda seq: len(seq.block_table), reverse=True)
     else:
         refs = pool.ref_counts
-        holders.sort(key=lambda seq: int((refs[seq.block_table] > 1).sum()), reverse=True)
+        holders.sort(key=lambda seq: sum(b >= 0 and refs[b] > 1 for b in seq.block_table),
+                     reverse=True)
     num_pages = max(-(-len(holders) // MAX_TABLE_ROWS), 1)
     page = min(view.page, num_pages)
     return holders[(page - 1) * MAX_TABLE_ROWS:page * MAX_TABLE_ROWS], len(holders), num_pages
@@ -257,15 +258,16 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
         table = seq.block_table
         columns = _shown_columns(len(table))
         truncated += len(columns) < len(table)
-        ids = [table[index] for index in columns]
-        codes[row, :len(ids)] = all_codes[ids]
-        refs[row, :len(ids)] = pool.ref_counts[ids]
+        ids = np.array([table[index] for index in columns], np.int64)
+        held = ids >= 0  # a sliding window's RELEASED entries (-1): freed, drawn blank
+        codes[row, :len(ids)] = np.where(held, all_codes[ids], np.nan)
+        refs[row, :len(ids)] = np.where(held, pool.ref_counts[ids], np.nan)
         last = len(table) - 1
         fill = min(seq.num_tokens - last * size, size)
-        text.append([str(b) if index < last else f"{b}·{fill}/{size}"
-                     for index, b in zip(columns, ids)] + [""] * (width - len(ids)))
-        custom.append([[index, *_block_hover(pool, b, decode)[1:]]
-                       for index, b in zip(columns, ids)] + [None] * (width - len(ids)))
+        text.append([("freed" if b < 0 else str(b) if index < last else f"{b}·{fill}/{size}")
+                     for index, b in zip(columns, ids.tolist())] + [""] * (width - len(ids)))
+        custom.append([None if b < 0 else [index, *_block_hover(pool, b, decode)[1:]]
+                       for index, b in zip(columns, ids.tolist())] + [None] * (width - len(ids)))
     labels = [f"{seq.seq_id} ({seq.status})" for seq in sequences]
     traces = _state_traces(
         codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 11},
