@@ -52,8 +52,8 @@ def paged_attention(
     head_dim]; the new tokens of sequence i are its last q_len_i positions.
     sliding_window=W: the token at position p sees keys (p - W, p] only (transformers'
     sliding-window mask); block table entries wholly before that may be -1 (the KV
-    manager's RELEASED: it freed those blocks) and are never read. soft_cap=c: scores become c * tanh(scores / c) before the
-    softmax (Gemma 2's attention-logit soft-capping).
+    manager's RELEASED: it freed those blocks) and are never read. soft_cap=c: scores
+    become c * tanh(scores / c) before the softmax (Gemma 2's attention-logit soft-capping).
     Decodes (one new token) run as padded batches of similar lengths; longer queries run
     one by one.
     The padded batch reads slots past each sequence's length and masks them, so those
