@@ -27,6 +27,8 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     MistralConfig,
     OPTConfig,
     PreTrainedModel,
@@ -118,7 +120,9 @@ TINY_ARCHITECTURES = ("llama", "qwen2", "opt")
 # Sliding-window twins (window 8, so most test prompts outrun it): every Mistral layer
 # windowed; Qwen2 with its first layer global and the second windowed.
 TINY_WINDOW = 8
-SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window")
+# Gemma 3 (two sliding layers, one global, q/k norms, two rope bases) and Gemma 2 (soft caps
+# small enough that random weights reach them).
+SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "gemma3", "gemma2")
 
 
 @dataclass
@@ -148,6 +152,21 @@ def _tiny_config(arch: str):
         return Qwen2Config(intermediate_size=128, num_key_value_heads=2,
                            use_sliding_window=True, sliding_window=TINY_WINDOW,
                            max_window_layers=1, tie_word_embeddings=True, **common)
+    if arch in ("gemma3", "gemma2"):
+        gemma = {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16,
+                 "sliding_window": TINY_WINDOW, "query_pre_attn_scalar": 24,
+                 **common, "num_hidden_layers": 3}
+        if arch == "gemma3":
+            config = Gemma3TextConfig(
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                 "full_attention": {"rope_type": "default",
+                                                    "rope_theta": 1000.0}}, **gemma)
+        else:
+            config = Gemma2Config(attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                  **gemma)
+        config._attn_implementation = "eager"  # transformers' reference path for soft caps
+        return config
     if arch == "opt":
         return OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
     raise ValueError(arch)

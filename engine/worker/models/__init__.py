@@ -2,6 +2,7 @@
 
 from transformers import PretrainedConfig
 
+from kvscope.engine.worker.models.gemma import GemmaForCausalLM
 from kvscope.engine.worker.models.llama import LlamaForCausalLM
 from kvscope.engine.worker.models.opt import OPTForCausalLM
 
@@ -10,6 +11,8 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
