@@ -25,10 +25,10 @@ if not torch.cuda.is_available():
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     OPTConfig,
     PreTrainedModel,
@@ -155,7 +155,7 @@ def _tiny_config(arch: str):
     if arch in ("gemma3", "gemma2"):
         gemma = {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16,
                  "sliding_window": TINY_WINDOW, "query_pre_attn_scalar": 24,
-                 **common, "num_hidden_layers": 3}
+                 "tie_word_embeddings": False, **common, "num_hidden_layers": 3}
         if arch == "gemma3":
             config = Gemma3TextConfig(
                 layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -163,7 +163,9 @@ def _tiny_config(arch: str):
                                  "full_attention": {"rope_type": "default",
                                                     "rope_theta": 1000.0}}, **gemma)
         else:
-            config = Gemma2Config(attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+            # weights large enough that the scores and logits reach their caps
+            config = Gemma2Config(attn_logit_softcapping=2.0, final_logit_softcapping=8.0,
+                                  initializer_range=0.3,
                                   **gemma)
         config._attn_implementation = "eager"  # transformers' reference path for soft caps
         return config
