@@ -178,12 +178,17 @@ def save_tiny_model(arch: str, folder: Path) -> TinyModel:
     """No EOS token: generation runs to max_tokens in both engines unless a test asks."""
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32).eval()
+    save_tiny_model_files(hf_model, folder)
+    return TinyModel(arch, folder, hf_model)
+
+
+def save_tiny_model_files(hf_model: PreTrainedModel, folder: Path) -> None:
+    """The model's safetensors and config, and the tiny word-level tokenizer."""
     hf_model.save_pretrained(folder)
     vocab = {f"<{i}>": i for i in range(TINY_VOCAB_SIZE)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=core).save_pretrained(folder)
-    return TinyModel(arch, folder, hf_model)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ layers, chunked prefill, both preemption modes, prefix caching and parallel samp
 
 import random
 
+import conftest
 import pytest
 import torch
 from conftest import SLIDING_WINDOW_ARCHITECTURES, TINY_WINDOW
@@ -129,3 +130,28 @@ def test_parallel_samples_fork_the_windowed_blocks(make_engine, run_engine, expe
     assert [sample.token_ids for sample in run.outputs[0].outputs] == [expected(
         "mistral-window")[2]] * 3
     assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+def test_gemma3_for_conditional_generation_serves_its_language_model(tmp_path, run_engine):
+    """The checkpoint's vision tower is left out by name; the language model equals
+    transformers' on text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = conftest._tiny_config("gemma3")
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    conftest.save_tiny_model_files(model, tmp_path)
+    engine = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                                     device_memory_gb=0.05))
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                   min_new_tokens=MAX_TOKENS, do_sample=False
+                                   )[0, len(prompt):].tolist() for prompt in PROMPTS]
+    assert _token_ids(run) == expected
+    assert engine.runner.sliding_window is None  # a global layer: every block is kept

@@ -20,7 +20,7 @@ from kvscope.engine.worker.loader import (
     resolve_model_path,
 )
 from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
-from kvscope.engine.worker.models import model_class
+from kvscope.engine.worker.models import language_model_config, model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.quantized import QuantizedLinear, pack_model, quantize_model
@@ -74,7 +74,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
-        self.hf_config = load_config(self.model_path)
+        self.hf_config = language_model_config(load_config(self.model_path))
         self.tokenizer = load_tokenizer(self.model_path)
         self.generation_config = load_generation_config(self.model_path, self.hf_config)
         self.device = resolve_device(config.device)

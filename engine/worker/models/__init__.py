@@ -13,7 +13,21 @@ MODEL_REGISTRY = {
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    # its language model only: the vision tower's weights are skipped by name
+    "Gemma3ForConditionalGeneration": GemmaForCausalLM,
 }
+
+
+def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config the engine serves: a multimodal model's text config (which carries the
+    vocabulary, lengths and layers), under the checkpoint's architecture name and with its
+    output projection tied as the whole model ties it."""
+    text = getattr(config, "text_config", None)
+    if text is None:
+        return config
+    text.architectures = config.architectures
+    text.tie_word_embeddings = config.tie_word_embeddings
+    return text
 
 
 def model_class(config: PretrainedConfig) -> type:

@@ -27,15 +27,13 @@ from kvscope.engine.worker.models.quantized import output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-# Gemma3ForConditionalGeneration's checkpoint: the language model under its own prefix,
-# beside a vision tower and projector this text-only model does not load.
-LANGUAGE_MODEL_PREFIX = "model.language_model."
-VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The language model's config (Gemma3ForConditionalGeneration nests it)."""
-    return getattr(config, "text_config", None) or config
+# Gemma3ForConditionalGeneration's checkpoint: the language model under its own prefix
+# (as published, "language_model.model.*"; as transformers 4.5x saved it,
+# "model.language_model.*"), beside a vision tower and projector this text-only model does
+# not load.
+LANGUAGE_MODEL_PREFIXES = {"language_model.": "", "model.language_model.": "model."}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.multi_modal_projector.")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -162,7 +160,6 @@ class GemmaForCausalLM(UsesKernelOps):
 
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
-        config = text_config(config)
         self.config = config
         self.model = GemmaBody(config, max_positions)
         self.embedding_scale = config.hidden_size ** 0.5
@@ -196,12 +193,14 @@ class GemmaForCausalLM(UsesKernelOps):
 
 
 def language_model_weights(weights):
-    """The checkpoint's language-model tensors under this model's names: a
-    Gemma3ForConditionalGeneration's `model.language_model.*` become `model.*`, and its
-    vision tower and projector are left out by name (anything else unknown still fails)."""
+    """The checkpoint's language-model tensors under this model's names (a
+    Gemma3ForConditionalGeneration's lose their prefix), its vision tower and projector
+    left out by name; anything else unknown still fails to load."""
     for name, tensor in weights:
         if name.startswith(VISION_PREFIXES):
             continue
-        if name.startswith(LANGUAGE_MODEL_PREFIX):
-            name = "model." + name[len(LANGUAGE_MODEL_PREFIX):]
+        for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
         yield name, tensor
