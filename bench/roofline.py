@@ -41,7 +41,7 @@ def model_costs(model_path, dtype: torch.dtype) -> dict:
     from kvscope.engine.worker.models import model_class
 
     with torch.device("meta"):
-        model = model_class(config)(config, 16)
+        model = model_class(config)(config, 16, 16)
     params = sum(p.numel() for p in model.parameters())
     embedding = config.vocab_size * config.hidden_size
     # Every parameter is read once per step; an untied lm_head is a parameter too, a tied

@@ -12,10 +12,13 @@ versions (kernels/csrc) do each group in one call, computing in fp32 and roundin
 eager does:
 
   rms_norm(hidden, weight, eps, residual=None) -> normed
-      with a residual: residual += hidden first (in place) and the sum is normalised
+      over the last dim of [tokens, hidden] or [tokens, heads, head_dim] rows (Qwen3's
+      per-head q/k norms); with a residual: residual += hidden first (in place) and the
+      sum is normalised
   rotary_embedding(qkv, cos, sin, heads, head_dim)
       neox rotary embedding in place on the first `heads` heads of each qkv row;
-      cos / sin are fp32 [tokens, head_dim]
+      cos / sin are fp32 [tokens, rotary_dim]: rotary_dim is head_dim, or less for
+      partial rotary (Phi-4-mini), which rotates each head's first rotary_dim dims
   silu_and_mul(x) -> silu(x[:, :n]) * x[:, n:]
   linear(x, weight, bias) -> x @ weight.T + bias
       one row (a single stream's decode) streams the weights through a dot-product

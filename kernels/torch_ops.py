@@ -23,8 +23,10 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      heads: int, head_dim: int) -> None:
-    rows = qkv[:, :heads * head_dim].view(qkv.shape[0], heads, head_dim)
-    half = head_dim // 2
+    # cos / sin cover the rotated dims of each head: all of them, or the first ones only
+    # (partial rotary); the rest pass through.
+    rows = qkv[:, :heads * head_dim].view(qkv.shape[0], heads, head_dim)[..., :cos.shape[-1]]
+    half = cos.shape[-1] // 2
     rotated = torch.cat((-rows[..., half:], rows[..., :half]), dim=-1)
     rows.copy_(rows * cos.unsqueeze(1) + rotated * sin.unsqueeze(1))
 

@@ -31,9 +31,12 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     OPTConfig,
+    Phi3Config,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
 )
 
 from kvscope.engine.config import EngineConfig
@@ -108,7 +111,7 @@ def tiny_chat_model_path(tmp_path_factory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"))
 
 
-# ---- tiny random Llama / Qwen2 / OPT models for the engine tests -----------------------
+# ---- tiny random models of every architecture for the engine tests -----------------------
 # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
 # spinning workers made each engine step 10-50x slower. Tests of real-sized models may
 # restore DEFAULT_NUM_THREADS.
@@ -116,7 +119,8 @@ DEFAULT_NUM_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 TINY_VOCAB_SIZE = 256
 TINY_MAX_POSITIONS = 256
-TINY_ARCHITECTURES = ("llama", "qwen2", "opt")
+TINY_ARCHITECTURES = ("llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3")
+RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3")
 # Sliding-window twins (window 8, so most test prompts outrun it): every Mistral layer
 # windowed; Qwen2 with its first layer global and the second windowed.
 TINY_WINDOW = 8
@@ -171,13 +175,53 @@ def _tiny_config(arch: str):
         return config
     if arch == "opt":
         return OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
+    # The new architectures' weights are drawn wider than transformers' default (0.02),
+    # so attention is far from uniform and a position or a norm misapplied changes tokens.
+    common = {**common, "initializer_range": 0.2}
+    if arch == "llama3":  # Llama 3.2: llama3 rope scaling, tied embeddings
+        return LlamaConfig(intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
+                           rope_scaling={"rope_type": "llama3", "rope_theta": 500000.0,
+                                         "factor": 32.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}, **common)
+    if arch == "qwen3":  # per-head q/k norms; head_dim wider than hidden / heads
+        return Qwen3Config(intermediate_size=128, num_key_value_heads=2, head_dim=32,
+                           tie_word_embeddings=False, **common)
+    if arch == "smollm3":  # a NoPE layer (no rotary) after a rotary one; tied embeddings
+        return SmolLM3Config(intermediate_size=128, num_key_value_heads=2, no_rope_layers=[1, 0],
+                             tie_word_embeddings=True, **common)
+    if arch == "phi3":  # fused qkv / gate_up, partial rotary, LongRoPE (its short factors
+        # here: transformers takes the long ones only past original_max_position_embeddings)
+        return Phi3Config(intermediate_size=128, num_key_value_heads=2,
+                          tie_word_embeddings=False, **common, **phi3_rope(common))
     raise ValueError(arch)
+
+
+def phi3_rope(common: dict, original_max_position_embeddings: int | None = None) -> dict:
+    """Phi-4-mini's rotary layout at tiny size: 3/4 of each head rotated, LongRoPE with
+    distinct short and long factors per rotated pair."""
+    partial = 0.75
+    pairs = int(common["hidden_size"] // common["num_attention_heads"] * partial) // 2
+    original = original_max_position_embeddings or common["max_position_embeddings"]
+    return {"original_max_position_embeddings": original,
+            "rope_scaling": {"rope_type": "longrope", "rope_theta": 10000.0,
+                             "partial_rotary_factor": partial,
+                             "short_factor": [1.0 + 0.25 * i for i in range(pairs)],
+                             "long_factor": [2.0 + 0.5 * i for i in range(pairs)],
+                             "original_max_position_embeddings": original}}
 
 
 def save_tiny_model(arch: str, folder: Path) -> TinyModel:
     """No EOS token: generation runs to max_tokens in both engines unless a test asks."""
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32).eval()
+    if arch in RANDOM_NORM_ARCHITECTURES:
+        # Norm weights start as ones, under which a norm's weight loaded into the wrong
+        # place (a q_norm as the k_norm) changes nothing.
+        with torch.no_grad():
+            for name, parameter in hf_model.named_parameters():
+                if "norm" in name:
+                    parameter.uniform_(0.5, 1.5)
     save_tiny_model_files(hf_model, folder)
     return TinyModel(arch, folder, hf_model)
 
@@ -193,7 +237,7 @@ def save_tiny_model_files(hf_model: PreTrainedModel, folder: Path) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Callable[[str], TinyModel]:
-    """tiny_model("llama" | "qwen2" | "opt"): made once per session."""
+    """tiny_model(arch), arch one of TINY_ARCHITECTURES: made once per session."""
     made: dict[str, TinyModel] = {}
 
     def get(arch: str) -> TinyModel:

@@ -37,20 +37,30 @@ def greedy_tokens(monkeypatch, tiny_model, run_engine, backend: str, arch: str =
     return [o.outputs[0].token_ids for o in outputs]
 
 
+# The eager layers through each backend's ops: per-head q/k norms (qwen3), a NoPE layer
+# (smollm3) and partial rotary (phi3) included.
+EAGER_ARCHITECTURES = ["llama", "qwen3", "smollm3", "phi3"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed")
-def test_triton_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkeypatch):
-    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch")
-    assert greedy_tokens(monkeypatch, tiny_model, run_engine, "triton") == expected
+@pytest.mark.parametrize("arch", EAGER_ARCHITECTURES)
+def test_triton_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkeypatch, arch):
+    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch", arch)
+    assert greedy_tokens(monkeypatch, tiny_model, run_engine, "triton", arch) == expected
 
 
-def test_cpu_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkeypatch):
+@pytest.mark.parametrize("arch", EAGER_ARCHITECTURES)
+def test_cpu_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkeypatch, arch):
     """The C++ attention and small fused ops against the plain-torch path, end to end."""
-    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch")
-    assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu") == expected
+    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch", arch)
+    assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch,
+                         enforce_eager=True) == expected
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: qkv biases, tied embeddings
+# qwen2: qkv biases, tied embeddings; qwen3: q/k norms; smollm3: a NoPE layer; phi3: fused
+# checkpoint projections, partial rotary, LongRoPE
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
 def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
         tiny_model, run_engine, monkeypatch, arch):
     expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch,
@@ -60,7 +70,7 @@ def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied output projections
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
 def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype,
                                                             quantization, arch):
     """Same C++ ops in the same order: equal outputs, logits and K/V written, for a ragged

@@ -4,10 +4,10 @@ import random
 
 import pytest
 import torch
+from conftest import TINY_ARCHITECTURES as ARCHITECTURES
 
 from kvscope.engine.sample.sampling_params import SamplingParams
 
-ARCHITECTURES = ["llama", "qwen2", "opt"]
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

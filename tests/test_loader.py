@@ -122,5 +122,8 @@ def test_hub_name_resolves_only_from_the_local_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
     assert loader.resolve_model_path("acme/tiny") == snapshot
-    with pytest.raises(ValueError, match="model='acme/other'"):
+    with pytest.raises(ValueError, match="model='acme/other'") as refused:
         loader.resolve_model_path("acme/other")
+    # It says where it looked, and that nothing was fetched.
+    assert str(tmp_path / "hub") in str(refused.value)
+    assert "nothing was downloaded" in str(refused.value)

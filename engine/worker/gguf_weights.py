@@ -1,10 +1,14 @@
-"""Weights read straight from a GGUF file's blocks, under transformers' names.
+"""GGUF files: their config (what transformers' conversion leaves out, filled in from
+llama.cpp's keys) and their weights read straight from the file's blocks, under
+transformers' names.
 
 Q4_0, Q4_1 and Q8_0 tensors arrive as `GroupQuantized` blocks (no fp32 copy); the
 quantized layers copy the 4-bit ones as they are (Q4_1 is exactly `d * q + m` per 32
-weights, the int4 layout's scale and zero) and re-quantize the rest. Only the Llama
-architecture is read this way: its Q and K rows are stored permuted for llama.cpp's rotary
-layout and are un-permuted here, as transformers does when it converts the file.
+weights, the int4 layout's scale and zero) and re-quantize the rest. F32/F16/BF16 tensors
+are dense. Any other type (the k-quants) is refused by name: it is not de-quantized to
+fp32 behind the user's back. Tensor names are llama.cpp's per architecture: Llama's Q and K
+rows are stored permuted for llama.cpp's rotary layout and are un-permuted here, as
+transformers does when it converts the file; Qwen's and Phi-3's are stored as they are.
 """
 
 from collections.abc import Iterator
@@ -13,17 +17,31 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from kvscope.engine.worker.models.quantized import GroupQuantized
 
-GGUF_ARCHITECTURES = ("llama",)
 TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
 BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+# Each architecture's block names beyond (or instead of) Llama's, as llama.cpp writes them.
+ARCHITECTURE_BLOCK_NAMES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    # Phi-3 keeps its fused projections: ffn_up holds gate and up, attn_qkv q, k and v.
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BLOCK_NAMES)
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+# Phi-3's LongRoPE factors, which the config carries (gguf_config); no weight of the model.
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Tensors whose meaning neither transformers' conversion nor the config carries over: the
+# model would run without them, silently wrong.
+UNREAD_TENSORS = {"rope_freqs.weight": "Llama 3.1+'s llama3 rope scaling"}
 BLOCK_WEIGHTS = 32  # weights per block in Q4_0, Q4_1 and Q8_0
 DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 BLOCK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
@@ -33,6 +51,54 @@ SUPPORTED_TYPES = sorted(t.name for t in DENSE_TYPES | BLOCK_TYPES)
 def gguf_architecture(path: Path) -> str:
     reader = GGUFReader(path)
     return reader.fields["general.architecture"].contents()
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse, by name, a GGUF whose architecture or tensor types kvscope does not read."""
+    reader = GGUFReader(path)
+    architecture = reader.fields["general.architecture"].contents()
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(f"model={str(path)!r}: GGUF architecture {architecture!r} is not "
+                         f"supported; supported: {list(GGUF_ARCHITECTURES)}")
+    for tensor in reader.tensors:
+        if tensor.name in UNREAD_TENSORS:
+            raise ValueError(f"model={str(path)!r}: tensor {tensor.name!r} "
+                             f"({UNREAD_TENSORS[tensor.name]}) is not read from a GGUF file; "
+                             "use the model's Hugging Face folder")
+        if tensor.tensor_type not in DENSE_TYPES | BLOCK_TYPES:
+            raise ValueError(
+                f"model={str(path)!r}: tensor {tensor.name!r} is {tensor.tensor_type.name}, "
+                f"which kvscope does not read; supported GGUF types: {SUPPORTED_TYPES}")
+
+
+def gguf_config(path: Path) -> PretrainedConfig:
+    """transformers' config of the file, with what its conversion drops for these
+    architectures taken from llama.cpp's keys: the head size (Qwen3's is not hidden / heads)
+    and Phi-3's rotary (the rotated dims; LongRoPE's factors, stored as tensors)."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    reader = GGUFReader(path)
+    architecture = reader.fields["general.architecture"].contents()
+
+    def field(key: str):
+        found = reader.fields.get(f"{architecture}.{key}")
+        return None if found is None else found.contents()
+
+    if field("attention.key_length") is not None:
+        config.head_dim = field("attention.key_length")
+    if architecture == "phi3":
+        head_dim = config.hidden_size // config.num_attention_heads
+        rotary = dict(config.rope_parameters)
+        rotary["partial_rotary_factor"] = (field("rope.dimension_count") or head_dim) / head_dim
+        factors = {tensor.name: np.array(tensor.data, dtype=np.float32).tolist()
+                   for tensor in reader.tensors if tensor.name in CONFIG_TENSORS}
+        if factors:
+            original = field("rope.scaling.original_context_length")
+            rotary.update(rope_type="longrope", original_max_position_embeddings=original,
+                          long_factor=factors["rope_factors_long.weight"],
+                          short_factor=factors["rope_factors_short.weight"])
+            config.original_max_position_embeddings = original
+        config.rope_parameters = rotary
+    return config
 
 
 def gguf_bytes_per_step(path: Path) -> int:
@@ -46,34 +112,38 @@ def gguf_bytes_per_step(path: Path) -> int:
 
 
 def iter_gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, object]]:
-    """(transformers name, tensor or GroupQuantized) for every tensor of a Llama GGUF file."""
+    """(transformers name, tensor or GroupQuantized) for every weight of a GGUF file."""
     reader = GGUFReader(path)
     architecture = reader.fields["general.architecture"].contents()
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path.name}: GGUF architecture {architecture!r} is not read block by "
                          f"block (only {list(GGUF_ARCHITECTURES)})")
+    permuted = architecture in PERMUTED_QK_ARCHITECTURES
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        if tensor.name in CONFIG_TENSORS:
+            continue
+        name = hf_name(tensor.name, architecture)
         value = read_tensor(path, tensor)
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             value = unpermute_rows(value, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             value = unpermute_rows(value, config.num_key_value_heads)
         yield name, value
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
     """"blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"."""
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        module = f"model.layers.{layer}.{BLOCK_NAMES.get(part, '')}"
-        known = part in BLOCK_NAMES
+        names = {**BLOCK_NAMES, **ARCHITECTURE_BLOCK_NAMES[architecture]}
+        module = f"model.layers.{layer}.{names.get(part, '')}"
+        known = part in names
     else:
         module = TOP_LEVEL_NAMES.get(base, "")
         known = base in TOP_LEVEL_NAMES
     if not known:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama model")
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {architecture} model")
     return f"{module}.{suffix}"
 
 

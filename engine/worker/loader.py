@@ -22,6 +22,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvscope.engine.worker.gguf_weights import check_gguf, gguf_config
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -68,6 +70,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
         return default_model_path()
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
+        check_gguf(path)
         stat = path.stat()
         # Size and mtime in the key: a replaced file of the same name gets a fresh conversion.
         target = cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
@@ -76,9 +79,12 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
         cached = hub_cache_snapshot(str(model))
         if cached is not None:
             return cached
+        from huggingface_hub import constants
+
         raise ValueError(
             f"model={str(model)!r}: no such local Hugging Face folder (needs config.json) "
-            "and not in the local Hugging Face cache; kvscope never downloads weights"
+            f"and no snapshot of it in the Hugging Face hub cache ({constants.HF_HUB_CACHE}); "
+            "kvscope never downloads weights, so nothing was downloaded"
         )
     return path
 
@@ -113,7 +119,8 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     logger.info("one-time conversion of %s into %s (de-quantizing to fp32)", gguf_path, target)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
+        gguf_path.parent, gguf_file=gguf_path.name, config=gguf_config(gguf_path),
+        dtype=torch.float32, local_files_only=True
     )
     tokenizer = AutoTokenizer.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True

@@ -84,13 +84,14 @@ class ModelRunner:
         self.kernel_ops = kernels.select_ops(self.device)
         self.max_positions = self.hf_config.max_position_embeddings
         architecture = model_class(self.hf_config)
-        config.resolved(self.max_positions)  # bad length knobs fail before the weights load
+        # Bad length knobs fail before the weights load.
+        max_model_len = config.resolved(self.max_positions).max_model_len
         # Quantized layers allocate other temporaries, so the profiled peak depends on these.
         self.quantization = {"quantization": config.quantization,
                              "quantization_group_size": config.quantization_group_size}
         with default_dtype(self.dtype), torch.device(self.device):
             # Every position the model supports: a reconfigure may raise max_model_len later.
-            self.model = architecture(self.hf_config, self.max_positions)
+            self.model = architecture(self.hf_config, self.max_positions, max_model_len)
             quantize_model(self.model, config.quantization, config.quantization_group_size)
         self.load_weights(config)
         if self.device.type == "cpu":

@@ -39,15 +39,15 @@ TORCH_LIBRARY(kvscope, m) {
   m.class_<LlamaDecoderStack>("LlamaDecoderStack")
       .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
                        at::Tensor, at::Tensor, at::Tensor, const c10::List<kvscope::NamedTensors>&,
-                       int64_t, int64_t, int64_t, int64_t, int64_t, double, double,
-                       std::vector<int64_t>>(),
+                       const c10::List<c10::Dict<std::string, int64_t>>&, int64_t, int64_t, int64_t,
+                       int64_t, int64_t, double, double>(),
            "",
            {torch::arg("embedding"), torch::arg("embedding_scales"), torch::arg("head"),
             torch::arg("head_scales"), torch::arg("cos"), torch::arg("sin"),
-            torch::arg("final_norm"), torch::arg("layers"), torch::arg("num_heads"),
-            torch::arg("num_kv_heads"), torch::arg("head_dim"), torch::arg("group_size"),
-            torch::arg("kernel_max_rows"), torch::arg("eps"), torch::arg("attention_scale"),
-            torch::arg("sliding_windows")})
+            torch::arg("final_norm"), torch::arg("layers"), torch::arg("layer_options"),
+            torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim"),
+            torch::arg("group_size"), torch::arg("kernel_max_rows"), torch::arg("eps"),
+            torch::arg("attention_scale")})
       .def("forward", &LlamaDecoderStack::forward)
       .def("logits", &LlamaDecoderStack::logits);
 }

@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -145,19 +146,20 @@ struct Workspace {
   }
 };
 
-// A NamedTensors read by name, remembering the names read: a name the stack does not read
-// (a renamed or new parameter) is an error, not a weight silently left out.
+// A dictionary from Python read by name, remembering the names read: a name the stack does
+// not read (a renamed or new parameter or option) is an error, not silently left out.
+template <typename Value>
 class NameReader {
  public:
-  explicit NameReader(const kvscope::NamedTensors& named) : named_(named) {}
+  explicit NameReader(const c10::Dict<std::string, Value>& named) : named_(named) {}
 
-  at::Tensor required(const std::string& name) {
-    std::optional<at::Tensor> tensor = optional(name);
-    TORCH_CHECK(tensor, "LlamaDecoderStack: a layer has no '", name, "'");
-    return *tensor;
+  Value required(const std::string& name) {
+    std::optional<Value> value = optional(name);
+    TORCH_CHECK(value, "LlamaDecoderStack: a layer has no '", name, "'");
+    return *value;
   }
 
-  std::optional<at::Tensor> optional(const std::string& name) {
+  std::optional<Value> optional(const std::string& name) {
     auto found = named_.find(name);
     if (found == named_.end()) return std::nullopt;
     read_.insert(name);
@@ -166,6 +168,7 @@ class NameReader {
 
   // A linear module's weight, and its bias, scales and offsets where it has them.
   LinearWeights linear(const std::string& module) {
+    static_assert(std::is_same_v<Value, at::Tensor>, "linear() reads tensors");
     return {required(module + ".weight"), optional(module + ".bias"), optional(module + ".scales"),
             optional(module + ".offsets")};
   }
@@ -174,23 +177,27 @@ class NameReader {
     std::string unread;
     for (const auto& entry : named_)
       if (read_.count(entry.key()) == 0) unread += " '" + entry.key() + "'";
-    TORCH_CHECK(unread.empty(), "LlamaDecoderStack: a layer has tensors it does not know:", unread,
-                " (DecoderLayerWeights::from lists the names it reads)");
+    TORCH_CHECK(unread.empty(), "LlamaDecoderStack: a layer has names it does not know:", unread,
+                " (DecoderLayerWeights::from and LayerOptions::from list the names they read)");
   }
 
  private:
-  const kvscope::NamedTensors& named_;
+  const c10::Dict<std::string, Value>& named_;
   std::set<std::string> read_;
 };
 
 }  // namespace
 
 kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTensors& named) {
-  NameReader reader(named);
+  NameReader<at::Tensor> reader(named);
   DecoderLayerWeights layer;
   layer.input_layernorm = reader.required("input_layernorm.weight");
   layer.qkv_proj = reader.linear("self_attn.qkv_proj");
   layer.o_proj = reader.linear("self_attn.o_proj");
+  layer.q_norm = reader.optional("self_attn.q_norm.weight");
+  layer.k_norm = reader.optional("self_attn.k_norm.weight");
+  TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
+              "LlamaDecoderStack: a layer has a q_norm without a k_norm, or the reverse");
   layer.post_attention_layernorm = reader.required("post_attention_layernorm.weight");
   layer.gate_up_proj = reader.linear("mlp.gate_up_proj");
   layer.down_proj = reader.linear("mlp.down_proj");
@@ -198,22 +205,31 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
   return layer;
 }
 
-LlamaDecoderStack::LlamaDecoderStack(at::Tensor embedding,
-                                     std::optional<at::Tensor> embedding_scales, at::Tensor head,
-                                     std::optional<at::Tensor> head_scales, at::Tensor cos,
-                                     at::Tensor sin, at::Tensor final_norm,
-                                     const c10::List<kvscope::NamedTensors>& layers,
-                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                     int64_t group_size, int64_t kernel_max_rows, double eps,
-                                     double attention_scale, std::vector<int64_t> sliding_windows)
+kvscope::LayerOptions kvscope::LayerOptions::from(const c10::Dict<std::string, int64_t>& named) {
+  NameReader<int64_t> reader(named);
+  LayerOptions options;
+  options.rotary = reader.optional("rotary").value_or(1) != 0;
+  options.sliding_window = reader.optional("sliding_window").value_or(0);
+  TORCH_CHECK(options.sliding_window >= 0, "LlamaDecoderStack: sliding_window must be >= 0");
+  reader.check_all_read();
+  return options;
+}
+
+LlamaDecoderStack::LlamaDecoderStack(
+    at::Tensor embedding, std::optional<at::Tensor> embedding_scales, at::Tensor head,
+    std::optional<at::Tensor> head_scales, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+    const c10::List<kvscope::NamedTensors>& layers,
+    const c10::List<c10::Dict<std::string, int64_t>>& layer_options, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t group_size, int64_t kernel_max_rows, double eps,
+    double attention_scale)
     : embedding_(std::move(embedding)),
       embedding_scales_(std::move(embedding_scales)),
       head_{std::move(head), std::nullopt, std::move(head_scales), std::nullopt},
       cos_(std::move(cos)),
       sin_(std::move(sin)),
       final_norm_(std::move(final_norm)),
-      config_{num_heads, num_kv_heads, head_dim, group_size, kernel_max_rows, eps, attention_scale},
-      sliding_windows_(std::move(sliding_windows)) {
+      config_{num_heads,       num_kv_heads, head_dim,       group_size,
+              kernel_max_rows, eps,          attention_scale} {
   for (const at::Tensor* table : {&embedding_, &cos_, &sin_})
     TORCH_CHECK(table->dim() == 2 && table->is_contiguous(),
                 "LlamaDecoderStack: the embedding and rotary tables are contiguous [rows, width]");
@@ -222,10 +238,12 @@ LlamaDecoderStack::LlamaDecoderStack(at::Tensor embedding,
                                      embedding_scales_->is_contiguous()),
               "LlamaDecoderStack: a packed embedding is int8 with fp32 scales");
   TORCH_CHECK(!layers.empty(), "LlamaDecoderStack: layers holds no decoder layer");
+  TORCH_CHECK(layer_options.size() == layers.size(),
+              "LlamaDecoderStack: one layer_options entry per layer (", layers.size(), ")");
   for (const kvscope::NamedTensors& named : layers)
     layers_.push_back(kvscope::DecoderLayerWeights::from(named));
-  TORCH_CHECK(sliding_windows_.size() == layers_.size(),
-              "LlamaDecoderStack: sliding_windows needs one window (0: none) per layer");
+  for (const c10::Dict<std::string, int64_t>& named : layer_options)
+    options_.push_back(kvscope::LayerOptions::from(named));
 }
 
 at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Tensor& positions,
@@ -255,17 +273,22 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     normed(first ? hidden : work.projected, layer.input_layernorm, config_.eps,
            first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
     project(work.normed, layer.qkv_proj, config_, work.qkv);
-    traced("kvscope::rotary_embedding", [&] {
-      rotary_embedding(work.qkv, cos, sin, config_.num_heads + config_.num_kv_heads,
-                       config_.head_dim);
-    });
+    if (layer.q_norm) {  // each query and key head normalised in place, before the rotary
+      normed(work.query, *layer.q_norm, config_.eps, std::nullopt, work.query);
+      normed(work.key, *layer.k_norm, config_.eps, std::nullopt, work.key);
+    }
+    if (options_[index].rotary)
+      traced("kvscope::rotary_embedding", [&] {
+        rotary_embedding(work.qkv, cos, sin, config_.num_heads + config_.num_kv_heads,
+                         config_.head_dim);
+      });
     traced("kvscope::store_kv", [&] {
       store_kv(work.key, work.value, key_caches[index], value_caches[index], slot_mapping);
     });
     traced("kvscope::paged_attention", [&] {
       paged_attention(work.query, key_caches[index], value_caches[index], block_tables, seq_lens,
-                      query_start_loc, config_.attention_scale, attended, sliding_windows_[index],
-                      0.);
+                      query_start_loc, config_.attention_scale, attended,
+                      options_[index].sliding_window, 0.);
     });
     project(work.attended, layer.o_proj, config_, work.projected);
     normed(work.projected, layer.post_attention_layernorm, config_.eps, residual, work.normed);

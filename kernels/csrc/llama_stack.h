@@ -26,15 +26,28 @@ struct LinearWeights {
 };
 
 // One decoder layer's weights, named as the module's parameters are
-// (engine/worker/models/llama.py's LlamaDecoderLayer).
+// (engine/worker/models/llama.py's LlamaDecoderLayer). A weight the model's config leaves
+// out is absent, and so is its step.
 struct DecoderLayerWeights {
   at::Tensor input_layernorm;
   LinearWeights qkv_proj, o_proj;
+  std::optional<at::Tensor> q_norm, k_norm;  // RMSNorm per query / key head (Qwen3)
   at::Tensor post_attention_layernorm;
   LinearWeights gate_up_proj, down_proj;
 
   // From the layer's named_parameters(); every name must be one of the above.
   static DecoderLayerWeights from(const NamedTensors& named);
+};
+
+// A layer's options that are no weight, from the model's config, one set per layer (models
+// mix layer kinds), named as engine/worker/models/llama.py's LlamaDecoderLayer.stack_options
+// names them. A new kind of layer adds a field here and its name in from().
+struct LayerOptions {
+  bool rotary = true;          // false: no rotary embedding (SmolLM3's NoPE layers)
+  int64_t sliding_window = 0;  // > 0: attend to the last sliding_window positions only
+
+  // Every name must be one of the above.
+  static LayerOptions from(const c10::Dict<std::string, int64_t>& named);
 };
 
 struct StackConfig {
@@ -54,15 +67,16 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
  public:
   // embedding: the token embedding table, dense or int8 with embedding_scales (one per row);
   // head, head_scales: the output projection alike (the embedding's own when they are tied);
-  // cos, sin: the rotary tables, a row per position; layers: each decoder layer's
-  // named_parameters(); sliding_windows: each layer's attention window (0: full attention).
+  // cos, sin: the rotary tables, a row per position (of the rotated width: partial rotary
+  // rotates each head's first dims); layers: each decoder layer's named_parameters();
+  // layer_options: each layer's LayerOptions by name.
   LlamaDecoderStack(at::Tensor embedding, std::optional<at::Tensor> embedding_scales,
                     at::Tensor head, std::optional<at::Tensor> head_scales, at::Tensor cos,
                     at::Tensor sin, at::Tensor final_norm,
-                    const c10::List<kvscope::NamedTensors>& layers, int64_t num_heads,
-                    int64_t num_kv_heads, int64_t head_dim, int64_t group_size,
-                    int64_t kernel_max_rows, double eps, double attention_scale,
-                    std::vector<int64_t> sliding_windows);
+                    const c10::List<kvscope::NamedTensors>& layers,
+                    const c10::List<c10::Dict<std::string, int64_t>>& layer_options,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t group_size,
+                    int64_t kernel_max_rows, double eps, double attention_scale);
 
   // input_ids, positions: int64 [tokens]; one K and one V cache per layer. The embeddings
   // become the residual stream (updated in place). Returns the final norm's output.
@@ -86,6 +100,6 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   kvscope::LinearWeights head_;
   at::Tensor cos_, sin_, final_norm_;
   std::vector<kvscope::DecoderLayerWeights> layers_;
+  std::vector<kvscope::LayerOptions> options_;
   kvscope::StackConfig config_;
-  std::vector<int64_t> sliding_windows_;
 };

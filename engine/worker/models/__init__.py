@@ -1,4 +1,5 @@
-"""Model registry: transformers architecture name -> our paged-attention implementation."""
+"""Model registry: transformers architecture name -> our paged-attention implementation,
+and the refusals of what none of them runs (named, with what is supported)."""
 
 from transformers import PretrainedConfig
 
@@ -7,34 +8,47 @@ from kvscope.engine.worker.models.llama import LlamaForCausalLM
 from kvscope.engine.worker.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3/3.1/3.2, SmolLM2
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,  # Phi-3, Phi-3.5-mini, Phi-4-mini
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     # its language model only: the vision tower's weights are skipped by name
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,
 }
+# Config fields that mark mixture-of-experts layers, by the families that use them.
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The config the engine serves: a multimodal model's text config (which carries the
+    """The config the engine serves: a supported multimodal model's text config (which carries the
     vocabulary, lengths and layers), under the checkpoint's architecture name and with its
     output projection tied as the whole model ties it."""
     text = getattr(config, "text_config", None)
-    if text is None:
-        return config
+    if text is None or not set(config.architectures or ()) & set(MODEL_REGISTRY):
+        return config  # a text model, or a multimodal one model_class refuses by name
     text.architectures = config.architectures
     text.tie_word_embeddings = config.tie_word_embeddings
     return text
 
 
 def model_class(config: PretrainedConfig) -> type:
-    """The class for the config's architecture, or a ValueError listing what is supported."""
+    """The class for the config's architecture, or a ValueError naming what is not supported
+    (the architecture, MoE layers, a vision tower) and listing what is."""
+    supported = f"supported architectures: {sorted(MODEL_REGISTRY)}"
+    experts = [f"{field}={getattr(config, field)}" for field in EXPERT_COUNT_FIELDS
+               if (getattr(config, field, None) or 0) > 1]
+    if experts:
+        raise ValueError(f"model: mixture-of-experts layers ({', '.join(experts)}) are not "
+                         f"supported; dense models only ({supported})")
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError(f"model: {config.architectures} takes vision inputs, which are not "
+                         f"supported; text-only models only ({supported})")
     for architecture in config.architectures or []:
         if architecture in MODEL_REGISTRY:
             return MODEL_REGISTRY[architecture]
-    raise ValueError(
-        f"model: unsupported architecture {config.architectures}; "
-        f"supported: {sorted(MODEL_REGISTRY)}")
+    raise ValueError(f"model: unsupported architecture {config.architectures}; {supported}")

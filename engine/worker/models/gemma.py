@@ -158,7 +158,9 @@ class GemmaForCausalLM(UsesKernelOps):
     Gemma3ForConditionalGeneration (its vision tower is not loaded: text in, text out).
     Parameter names follow transformers', so checkpoints load by name."""
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int,
+                 max_model_len: int) -> None:
+        """max_positions: the rotary tables' rows (max_model_len picks nothing here)."""
         super().__init__()
         self.config = config
         self.model = GemmaBody(config, max_positions)

@@ -4,7 +4,12 @@ import torch
 from torch import nn
 
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
-from kvscope.engine.worker.models.quantized import GroupQuantized, QuantizedLinear, dense
+from kvscope.engine.worker.models.quantized import (
+    GroupQuantized,
+    QuantizedLinear,
+    dense,
+    part_rows,
+)
 
 
 class Linear(nn.Linear, UsesKernelOps):
@@ -26,8 +31,7 @@ class MergedLinear(Linear):
         self.output_sizes = output_sizes
 
     def load_part(self, param_name: str, index: int, tensor: "torch.Tensor | GroupQuantized") -> None:
-        start = sum(self.output_sizes[:index])
-        getattr(self, param_name).data[start:start + self.output_sizes[index]].copy_(dense(tensor))
+        getattr(self, param_name).data[part_rows(self.output_sizes, index)].copy_(dense(tensor))
 
     def split(self, output: torch.Tensor) -> list[torch.Tensor]:
         return list(output.split(self.output_sizes, dim=-1))
@@ -70,7 +74,7 @@ def load_weights(
             module_path = f"{parent}.{merged_leaf}"
             modules[module_path].load_part(param_name, index, tensor)
         elif isinstance(modules.get(module_path), QuantizedLinear):
-            modules[module_path].load_part(param_name, 0, tensor)
+            modules[module_path].load_part(param_name, None, tensor)
         elif name in params:
             params[name].data.copy_(dense(tensor))
         else:

@@ -1,9 +1,13 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) over paged attention."""
+"""The Llama family (Llama 2/3/3.2, SmolLM2/3, Mistral, Qwen2/3, Phi-3/3.5/4-mini) over
+paged attention: one layer code, whose per-layer differences (LayerKind) and rotary
+table are read from the transformers config."""
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvscope.engine.worker.models.attention import (
     AttentionMetadata,
@@ -16,46 +20,120 @@ from kvscope.engine.worker.models.quantized import kernel_max_rows, output_logit
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# Rotary types whose table depends only on the config (and, for longrope, on
+# max_model_len); "dynamic" rescales per forward by the sequence's length, which a paged
+# cache of keys rotated once cannot follow.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+QK_NORM_MODEL_TYPES = ("qwen3",)  # RMSNorm per query / key head before the rotary
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """The config's rotary parameters (transformers' standardized dict), refusing a rope type
+    this table cannot compute."""
+    parameters = dict(config.rope_parameters or {})
+    rope_type = parameters.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"model: rope_type {rope_type!r} is not supported; supported: "
+                         f"{list(SUPPORTED_ROPE_TYPES)}")
+    return parameters
+
+
+def inverse_frequencies(config: PretrainedConfig, max_model_len: int) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies (of the rotated dims only: partial_rotary_factor
+    rotates the first part of each head) and the attention factor scaling cos and sin,
+    as transformers computes them.
+
+    LongRoPE (Phi-3.5, Phi-4-mini) has short and long factors. transformers switches per
+    forward by the sequence's length; a paged cache keeps keys rotated once, so, as vLLM
+    does, the engine picks one for its life: the long factors when max_model_len exceeds
+    original_max_position_embeddings, else the short ones.
+    """
+    parameters = rope_parameters(config)
+    rope_type = parameters.get("rope_type", "default")
+    if rope_type != "default":
+        return ROPE_INIT_FUNCTIONS[rope_type](config, seq_len=max_model_len)
+    dim = int(head_dim_of(config) * parameters.get("partial_rotary_factor", 1.0))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (parameters["rope_theta"] ** exponents), 1.0
 
 
 class RotaryTable(nn.Module):
-    """cos/sin for every position, from transformers' own rotary module (so every rope
-    scaling type matches it exactly), looked up by position instead of recomputed."""
+    """cos/sin for every position (computed as transformers' rotary modules do, so every
+    supported rope type matches them exactly), looked up by position instead of recomputed."""
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, max_model_len: int) -> None:
         super().__init__()
-        rotary = LlamaRotaryEmbedding(config)
-        positions = torch.arange(max_positions).unsqueeze(0)
-        cos, sin = rotary(torch.empty(0, dtype=torch.float32), positions)
-        self.register_buffer("cos", cos[0], persistent=False)
-        self.register_buffer("sin", sin[0], persistent=False)
+        inverse, attention_factor = inverse_frequencies(config, max_model_len)
+        frequencies = torch.arange(max_positions).float()[:, None] * inverse.float()[None, :]
+        angles = torch.cat((frequencies, frequencies), dim=-1)
+        self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos, sin [tokens, head_dim], once per forward for every layer."""
+        """fp32 cos, sin [tokens, rotary_dim], once per forward for every layer."""
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
+@dataclass(frozen=True)
+class LayerKind:
+    """What one decoder layer does beyond a Llama layer, read from the model's config; the
+    decoder stack takes the options that are no weight from `stack_options`."""
+
+    qkv_bias: bool  # Qwen2; models with attention_bias
+    qk_norm: bool  # Qwen3: RMSNorm per query and key head before the rotary
+    rotary: bool  # False on SmolLM3's NoPE layers (no_rope_layers marks them 0)
+    sliding_window: int | None  # Mistral, Qwen2's windowed layers (layer_windows)
+
+    def stack_options(self) -> dict[str, int]:
+        return {"rotary": int(self.rotary), "sliding_window": self.sliding_window or 0}
+
+
+def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
+    qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+    uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
+    return [LayerKind(qkv_bias=qkv_bias, qk_norm=config.model_type in QK_NORM_MODEL_TYPES,
+                      rotary=bool(uses_rope[index]), sliding_window=window)
+            for index, window in enumerate(layer_windows(config))]
+
+
 class LlamaAttention(UsesKernelOps):
-    def __init__(self, config: PretrainedConfig, sliding_window: int | None) -> None:
+    def __init__(self, config: PretrainedConfig, kind: LayerKind) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.head_dim = head_dim_of(config)
+        self.rotary = kind.rotary
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.num_heads * self.head_dim, kv_size, kv_size], bias=bias)
+            config.hidden_size, [self.num_heads * self.head_dim, kv_size, kv_size],
+            bias=kind.qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
+        if kind.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = kind.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5, sliding_window)
+                                   self.head_dim ** -0.5, kind.sliding_window)
 
     def forward(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        # In place on the query and key heads, which sit side by side in each qkv row.
-        self.ops.rotary_embedding(qkv, cos, sin, self.num_heads + self.num_kv_heads,
-                                  self.head_dim)
         query, key, value = self.qkv_proj.split(qkv)
+        # The rotary turns the query and key heads in place: side by side in each qkv row,
+        # or, after per-head norms (which write new rows), each on its own.
+        rotated = [(qkv, self.num_heads + self.num_kv_heads)]
+        if self.qk_norm:
+            tokens = qkv.shape[0]
+            query = self.q_norm(query.view(tokens, self.num_heads, self.head_dim)).view(tokens, -1)
+            key = self.k_norm(key.view(tokens, self.num_kv_heads, self.head_dim)).view(tokens, -1)
+            rotated = [(query, self.num_heads), (key, self.num_kv_heads)]
+        if self.rotary:
+            for rows, heads in rotated:
+                self.ops.rotary_embedding(rows, cos, sin, heads, self.head_dim)
         return self.o_proj(self.attn(query, key, value, meta))
 
 
@@ -73,9 +151,10 @@ class LlamaMLP(UsesKernelOps):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, sliding_window: int | None) -> None:
+    def __init__(self, config: PretrainedConfig, kind: LayerKind) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, sliding_window)
+        self.kind = kind
+        self.self_attn = LlamaAttention(config, kind)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -94,13 +173,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, max_model_len: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, window)
-                                    for window in layer_windows(config))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, kind)
+                                    for kind in layer_kinds(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryTable(config, max_positions)
+        self.rotary = RotaryTable(config, max_positions, max_model_len)
 
 
 class FusedDecoderStack:
@@ -131,11 +210,11 @@ class FusedDecoderStack:
             # Each layer's tensors by their parameter names (packed int4 / int8 linears add
             # scales, and int4 offsets, to weight and bias); the C++ side reads them by name.
             layers=[dict(layer.named_parameters()) for layer in body.layers],
+            layer_options=[layer.kind.stack_options() for layer in body.layers],
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
             kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,
-            attention_scale=first.scale,
-            sliding_windows=[layer.sliding_window or 0 for layer in self.attention])
+            attention_scale=first.scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final norm's rows, as output_logits computes them."""
@@ -152,10 +231,12 @@ class FusedDecoderStack:
 class LlamaForCausalLM(UsesKernelOps):
     """Parameter names follow transformers', so checkpoints load by name."""
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, max_model_len: int) -> None:
+        """max_positions: the rotary table's rows; max_model_len: the longest sequence the
+        engine runs as it starts, which picks LongRoPE's factors."""
         super().__init__()
         self.config = config
-        self.model = LlamaBody(config, max_positions)
+        self.model = LlamaBody(config, max_positions, max_model_len)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

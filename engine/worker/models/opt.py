@@ -80,7 +80,9 @@ class OPTBody(nn.Module):
 class OPTForCausalLM(nn.Module):
     """Parameter names follow transformers'; the output projection is tied to the embedding."""
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, max_model_len: int) -> None:
+        """As every model is built (models/__init__.py); learned positions have no choice
+        that depends on max_model_len."""
         super().__init__()
         self.config = config
         self.model = OPTBody(config)

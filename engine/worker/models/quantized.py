@@ -101,6 +101,14 @@ def frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
+def part_rows(output_sizes: list[int], index: int | None) -> slice:
+    """The rows of part `index` of a merged projection's outputs; None: every row."""
+    if index is None:
+        return slice(0, sum(output_sizes))
+    start = sum(output_sizes[:index])
+    return slice(start, start + output_sizes[index])
+
+
 class QuantizedLinear(UsesKernelOps):
     """Base of the quantized twins of nn.Linear / MergedLinear: same in/out sizes, same
     `load_part` and `split`, weights staged in fp32-scaled integers until `pack`.
@@ -116,9 +124,10 @@ class QuantizedLinear(UsesKernelOps):
         self.out_features = sum(output_sizes)
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
 
-    def load_part(self, param_name: str, index: int, tensor) -> None:
-        start = sum(self.output_sizes[:index])
-        rows = slice(start, start + self.output_sizes[index])
+    def load_part(self, param_name: str, index: int | None, tensor) -> None:
+        """Part `index` of the merged rows, or all of them (None: a checkpoint that stores
+        the parts fused, as Phi-3's qkv_proj)."""
+        rows = part_rows(self.output_sizes, index)
         if param_name == "bias":
             self.bias.data[rows].copy_(dense(tensor))
         else:

@@ -1,0 +1,141 @@
+"""Speed of the chat models' shapes: Qwen3-0.6B, Qwen3-1.7B and Phi-4-mini with random
+weights (values do not change the work), in bf16 and int4, against the targets of issue 28.
+
+Each shape is built from transformers' own config class with the real model's sizes,
+initialised at random and saved in a RAM-backed folder (/dev/shm where there is one), then
+measured by bench/throughput.py, each run in a process of its own (one model in memory at a
+time):
+  single stream   one greedy request: decode tok/s and its share of the weight-bandwidth
+                  limit (measured read bandwidth / the bytes a token reads of the weights as
+                  kvscope stores them, bf16 or packed int4); target >= 0.6
+  batched         a random workload through kvscope and transformers' continuous batching
+                  (in bf16: it has no int4) on the same model; target >= 5x
+
+Prints one JSON object: per model and quantization, the numbers above and throughput.py's
+full reports.
+
+Usage (keep it short on a shared machine):
+  python bench/models.py --models qwen3-0.6b --num-requests 8 --max-output 32
+  python bench/models.py                      # every shape, bf16 and int4
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from random_model import save_random_model
+from transformers import Phi3Config, Qwen3Config
+
+NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+# The published configs' sizes (config.json of Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B and
+# microsoft/Phi-4-mini-instruct); Phi-4-mini's LongRoPE factors are ones here.
+SHAPES = {
+    "qwen3-0.6b": lambda: Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=40960, rope_theta=1000000.0, **NO_SPECIAL_TOKENS),
+    "qwen3-1.7b": lambda: Qwen3Config(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=40960, rope_theta=1000000.0, **NO_SPECIAL_TOKENS),
+    "phi-4-mini": lambda: Phi3Config(
+        vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_scaling={"rope_type": "longrope", "rope_theta": 10000.0,
+                      "partial_rotary_factor": 0.75, "long_factor": [1.0] * 48,
+                      "short_factor": [1.0] * 48, "original_max_position_embeddings": 4096},
+        **NO_SPECIAL_TOKENS),
+}
+QUANTIZATIONS = ("none", "int4")
+THROUGHPUT = Path(__file__).with_name("throughput.py")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(SHAPES),
+                        help=f"comma-separated subset of {','.join(SHAPES)}")
+    parser.add_argument("--quantizations", default=",".join(QUANTIZATIONS),
+                        help=f"comma-separated subset of {','.join(QUANTIZATIONS)}")
+    parser.add_argument("--stream-prompt-len", type=int, default=64)
+    parser.add_argument("--stream-output", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device-memory-gb", type=float, default=8.0,
+                        help="kvscope knob (CPU pool size)")
+    parser.add_argument("--skip-batched", action="store_true",
+                        help="single stream only (transformers' batching loads a second copy)")
+    args = parser.parse_args(argv)
+    args.models = [name.strip() for name in args.models.split(",") if name.strip()]
+    args.quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
+    for flag, chosen, known in (("--models", args.models, SHAPES),
+                                ("--quantizations", args.quantizations, QUANTIZATIONS)):
+        unknown = sorted(set(chosen) - set(known))
+        if unknown:
+            parser.error(f"{flag}: unknown {unknown}; choose from {list(known)}")
+    return args
+
+
+def throughput_report(folder: Path, args: argparse.Namespace, quantization: str,
+                      *extra: str) -> dict:
+    """bench/throughput.py's JSON report, run in a process of its own."""
+    command = [sys.executable, str(THROUGHPUT), "--model", str(folder), "--dtype", "bfloat16",
+               "--quantization", quantization, "--repeats", str(args.repeats),
+               "--device-memory-gb", str(args.device_memory_gb), *extra]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    return json.loads(subprocess.run(command, check=True, capture_output=True,
+                                     text=True).stdout)
+
+
+def measure(name: str, folder: Path, args: argparse.Namespace, quantization: str) -> dict:
+    stream = throughput_report(
+        folder, args, quantization, "--single-stream", "--backends", "kvscope",
+        "--stream-prompt-len", str(args.stream_prompt_len),
+        "--stream-output", str(args.stream_output))
+    ours = stream["results"]["kvscope"]
+    summary = {"model": name, "dtype": "bfloat16", "quantization": quantization,
+               "single_stream_decode_tokens_per_s": ours["decode_tokens_per_s"],
+               "share_of_bandwidth_limit": ours["share_of_bandwidth_limit"],
+               "bandwidth_limit_tokens_per_s": ours["bandwidth_limit_tokens_per_s"],
+               "single_stream_report": stream}
+    if not args.skip_batched:
+        batched = throughput_report(
+            folder, args, quantization, "--backends", "kvscope,hf_continuous_batching",
+            "--num-requests", str(args.num_requests), "--max-prompt", str(args.max_prompt),
+            "--max-output", str(args.max_output))
+        summary["batched_output_tokens_per_s"] = {
+            backend: result["output_tokens_per_s"]
+            for backend, result in batched["results"].items()}
+        summary["batched_vs_transformers"] = batched["ratios"].get(
+            "kvscope_vs_hf_continuous_batching")
+        summary["batched_report"] = batched
+    return summary
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    shm = Path("/dev/shm")
+    results = []
+    for name in args.models:
+        with tempfile.TemporaryDirectory(prefix=f"kvscope-{name}-",
+                                         dir=shm if shm.is_dir() else None) as folder:
+            print(f"building a random {name} in {folder}", file=sys.stderr)
+            save_random_model(Path(folder), SHAPES[name](), torch.bfloat16)
+            for quantization in args.quantizations:
+                print(f"measuring {name}, quantization={quantization}", file=sys.stderr)
+                results.append(measure(name, Path(folder), args, quantization))
+    print(json.dumps({"targets": {"share_of_bandwidth_limit": 0.6,
+                                  "batched_vs_transformers": 5.0},
+                      "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
