@@ -109,3 +109,29 @@ def test_an_engine_frees_out_of_window_blocks_as_it_decodes(make_engine):
 
 def test_an_engine_with_a_full_attention_layer_keeps_every_block(make_engine):
     assert make_engine("qwen2-window", block_size=2).kv_cache.sliding_window is None
+
+
+def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
+    from kvscope.engine.telemetry.pool_recorder import mirror_of
+    from kvscope.ui.figures import block_table_map, compare_memory, paged_vs_contiguous
+
+    engine = make_engine("mistral-window", block_size=2)
+    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    mirror = mirror_of(engine)
+    assert mirror.blocks_released_by_window == seq.num_released_blocks > 0
+    comparison = compare_memory(mirror)
+    assert comparison.full_attention_reserved_tokens == (
+        comparison.paged_reserved_tokens + 2 * seq.num_released_blocks)
+    figure = paged_vs_contiguous(mirror)
+    line = figure["layout"]["shapes"][-1]
+    assert line["x0"] == comparison.full_attention_reserved_tokens
+    assert "full attention would hold" in figure["layout"]["annotations"][-1]["text"]
+    # the block table draws the released entries blank, labelled "freed"
+    table = block_table_map(mirror)
+    assert table["data"][0]["text"][0][:seq.num_released_blocks] == (
+        ["freed"] * seq.num_released_blocks)
+    while engine.has_unfinished_requests():
+        engine.step()

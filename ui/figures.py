@@ -355,6 +355,8 @@ class MemoryComparison:
     contiguous_reserved_tokens: int
     pool_tokens: int
     max_model_len: int
+    # what the paged pool would reserve had no sliding window freed a block
+    full_attention_reserved_tokens: int
 
     @property
     def paged_useful(self) -> float:
@@ -383,7 +385,9 @@ def compare_memory(pool: PoolMirror) -> MemoryComparison:
         paged_stored_tokens=pool.num_used_tokens,
         contiguous_reserved_tokens=len(holders) * max_model_len,
         pool_tokens=pool.num_blocks * pool.block_size,
-        max_model_len=max_model_len)
+        max_model_len=max_model_len,
+        full_attention_reserved_tokens=(in_use + pool.blocks_released_by_window)
+        * pool.block_size)
 
 
 def paged_vs_contiguous(pool: PoolMirror) -> Figure:
@@ -406,9 +410,17 @@ def paged_vs_contiguous(pool: PoolMirror) -> Figure:
                  "x1": c.pool_tokens, "y0": 0, "y1": 1, "line": {"dash": "dot"}}
     label = {"xref": "x", "yref": "paper", "x": c.pool_tokens, "y": 1, "xanchor": "right",
              "yanchor": "top", "showarrow": False, "text": f"pool: {c.pool_tokens} tokens"}
+    shapes, annotations = [pool_line], [label]
+    if c.full_attention_reserved_tokens > c.paged_reserved_tokens:
+        shapes.append(window_line := {**pool_line, "x0": c.full_attention_reserved_tokens,
+                                      "x1": c.full_attention_reserved_tokens,
+                                      "line": {"dash": "dash", "color": "#b45309"}})
+        annotations.append({**label, "x": window_line["x0"], "y": 0, "yanchor": "bottom",
+                            "text": "full attention would hold "
+                                    f"{c.full_attention_reserved_tokens} tokens"})
     fits = min(c.num_sequences, c.contiguous_capacity)
     title = (f"Useful memory, {c.num_sequences} live sequences: paged {c.paged_useful:.0%}, "
              f"contiguous {c.contiguous_useful:.0%}<br>(published: 20.4–38.2%) · "
              f"contiguous fits {fits} of them (room for {c.contiguous_capacity})")
-    return _figure(bars, title, height=320, barmode="stack", shapes=[pool_line],
-                   annotations=[label])
+    return _figure(bars, title, height=320, barmode="stack", shapes=shapes,
+                   annotations=annotations)

@@ -296,6 +296,13 @@ class PoolMirror:
             counters.num_preemptions, counters.num_evictions, replica)
 
     @property
+    def blocks_released_by_window(self) -> int:
+        """Table entries of live sequences whose blocks a sliding window freed (RELEASED,
+        -1): what full attention would still hold on top of the blocks in use."""
+        return sum(np.count_nonzero(np.array(seq.block_table) < 0)
+                   for seq in self.live.values())
+
+    @property
     def blocks_saved_by_sharing(self) -> int:
         held = sum(np.count_nonzero(np.array(seq.block_table) >= 0)
                    for seq in self.live.values())
