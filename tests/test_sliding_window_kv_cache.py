@@ -135,3 +135,22 @@ def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
         ["freed"] * seq.num_released_blocks)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_prefix_whose_oldest_blocks_were_evicted_still_hits_within_the_window():
+    manager = KVCacheManager(num_blocks=12, block_size=4, sliding_window=6)
+    first = make_sequence(list(range(30)))
+    assert admit(manager, first)
+    decode(manager, first, 2)  # 32 tokens: 8 full blocks, all hashed; the first 6 released
+    manager.free(first)
+    # 4 plain free blocks, then the least recently freed cached ones: the first two released
+    filler = make_sequence(list(range(100, 124)))
+    assert admit(manager, filler)
+    again = make_sequence(list(range(30)))
+    prefix = manager.find_cached_prefix(again)
+
+    assert len(prefix) == 7  # 28 of 30 tokens, though blocks 0 and 1 are gone
+    assert prefix[:2] == [None, None] and all(block is not None for block in prefix[5:])
+    assert admit(manager, again)
+    assert again.block_table[:5] == [RELEASED] * 5
+    check_pool_invariants(manager.pool, [filler, again])

@@ -88,22 +88,30 @@ class KVCacheManager:
         self.emit(BlockTableChanged(seq, start))
         self.pool.release(self.pool.blocks[i] for i in released)
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """The longest run of cached blocks matching the sequence's tokens.
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock | None]:
+        """The longest prefix of the sequence's tokens whose K/V the cache holds, as blocks.
 
         At most (num_tokens - 1) tokens are reused, so one token is always computed
-        and produces the logits to sample from.
+        and produces the logits to sample from. Under full attention every block of the
+        prefix must be cached. With a sliding window only the blocks the next token's
+        window sees must be (vLLM's SlidingWindowManager rule), so a prefix whose oldest
+        blocks were evicted after leaving the window still hits; the entries of blocks
+        before that window are None (allocate_slots takes none of them).
         """
         if not self.enable_caching or seq.request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed (as in vLLM)
-        hits: list[KVBlock] = []
+        found: list[KVBlock | None] = []
         for value, parent, token_ids in self._block_hashes(
                 seq, (seq.num_tokens - 1) // self.block_size):
             block = self.pool.lookup(value, token_ids, parent)
-            if block is None:
+            if block is None and self.sliding_window is None:
                 break
-            hits.append(block)
-        return hits
+            found.append(block)
+        for length in range(len(found), 0, -1):
+            first = self.first_kept_block(length * self.block_size)
+            if all(block is not None for block in found[first:length]):
+                return [None] * first + found[first:length]
+        return []
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """The hashes of the sequence's first `num_blocks` full blocks; each block is
@@ -116,7 +124,7 @@ class KVCacheManager:
         return hashes[:num_blocks]
 
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
+        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock | None] = ()
     ) -> list[tuple[int, int]] | None:
         """Room for `num_new_tokens` more computed tokens, after adopting `cached_prefix`.
 
@@ -128,7 +136,7 @@ class KVCacheManager:
         # Always valid, and it may free the very blocks this step needs.
         self.release_out_of_window(seq)
         num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
-        # A cached prefix is found whole, but only the blocks in the window are taken.
+        # Only the prefix blocks in the window are taken (find_cached_prefix found those).
         skipped = min(self.first_kept_block(num_computed), len(cached_prefix))
         adopted = cached_prefix[skipped:]
         first_write_block = num_computed // self.block_size
