@@ -44,6 +44,9 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention; reads K/V in place."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
@@ -52,7 +55,7 @@ def paged_attention(
         out = query.new_empty(query.shape)
     torch.ops.kvscope.paged_attention(
         query, key_cache, value_cache, block_tables.to(torch.int32), seq_lens.to(torch.int32),
-        query_start_loc.to(torch.int32), scale, out)
+        query_start_loc.to(torch.int32), scale, out, sliding_window or 0, soft_cap or 0.0)
     return out
 
 

@@ -29,7 +29,7 @@ def gather_kv(
     """The first seq_len K (or V) rows of one sequence, contiguous: [seq_len, kv_heads, dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    rows = cache.index_select(0, block_table[:num_blocks].long())
+    rows = cache.index_select(0, block_table[:num_blocks].long().clamp(min=0))
     return rows.flatten(0, 1)[:seq_len]
 
 
@@ -42,11 +42,18 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged K/V.
 
     query [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads,
     head_dim]; the new tokens of sequence i are its last q_len_i positions.
+    sliding_window=W: the token at position p sees keys (p - W, p] only (transformers'
+    sliding-window mask); block table entries wholly before that may be -1 (the KV
+    manager's RELEASED: it freed those blocks) and are never read. soft_cap=c: scores
+    become c * tanh(scores / c) before the softmax (Gemma 2's attention-logit soft-capping).
     Decodes (one new token) run as padded batches of similar lengths; longer queries run
     one by one.
     The padded batch reads slots past each sequence's length and masks them, so those
@@ -61,7 +68,7 @@ def paged_attention(
     decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
     for rows in _similar_length_groups(decode_rows, lengths):
         _decode_batch(query, key_cache, value_cache, block_tables, seq_lens, starts,
-                      rows, scale, out)
+                      rows, scale, out, sliding_window, soft_cap)
     for i, query_len in enumerate(query_lens):
         if query_len > 1:
             start, seq_len = starts[i], lengths[i]
@@ -69,30 +76,50 @@ def paged_attention(
                 query[start:start + query_len],
                 gather_kv(key_cache, block_tables[i], seq_len),
                 gather_kv(value_cache, block_tables[i], seq_len),
-                scale,
+                scale, sliding_window, soft_cap,
             )
     return out
 
 
 def _attend_one(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+    sliding_window: int | None = None, soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One sequence: query [q, heads, dim] are the last q positions of key/value [s, kv, dim]."""
     query_len, seq_len = query.shape[0], key.shape[0]
-    if query_len == seq_len:
-        mask, causal = None, True
+    if query_len == seq_len and not sliding_window and not soft_cap:
+        mask = None
     else:
         # Query i sits at position seq_len - query_len + i and sees keys up to there.
         device = query.device
         query_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
-        mask, causal = torch.arange(seq_len, device=device).unsqueeze(0) <= query_pos, False
-    result = F.scaled_dot_product_attention(
+        key_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+        mask = key_pos <= query_pos
+        if sliding_window:
+            mask &= key_pos > query_pos - sliding_window
+    result = _softmax_attention(
         query.transpose(0, 1), key.transpose(0, 1).to(query.dtype),
-        value.transpose(0, 1).to(query.dtype),
-        attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+        value.transpose(0, 1).to(query.dtype), mask, scale, soft_cap)
     return result.transpose(0, 1)
+
+
+def _softmax_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    scale: float, soft_cap: float | None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [soft-capped], masked) v over [..., heads, len, dim] tensors;
+    mask None means causal over equal lengths."""
+    if not soft_cap:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=query.shape[-3] != key.shape[-3])
+    group = query.shape[-3] // key.shape[-3]
+    key = key.repeat_interleave(group, dim=-3)
+    value = value.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(value.dtype), value)
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -134,6 +161,8 @@ def _decode_batch(
     rows: list[int],
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None,
+    soft_cap: float | None,
 ) -> None:
     """All one-token queries at once, their K/V gathered into a padded batch."""
     block_size = key_cache.shape[1]
@@ -142,14 +171,14 @@ def _decode_batch(
     token_index = torch.tensor([starts[i] for i in rows], device=device)
     lens = seq_lens[row_index].long()
     num_blocks = -(-int(lens.max()) // block_size)
-    tables = block_tables[row_index, :num_blocks].long()
+    tables = block_tables[row_index, :num_blocks].long().clamp(min=0)  # RELEASED: masked
     # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, padded_len, dim]
     keys = _gather_blocks(key_cache, tables).to(query.dtype)
     values = _gather_blocks(value_cache, tables).to(query.dtype)
-    mask = torch.arange(keys.shape[2], device=device).unsqueeze(0) < lens.unsqueeze(1)
+    key_pos = torch.arange(keys.shape[2], device=device).unsqueeze(0)
+    mask = key_pos < lens.unsqueeze(1)
+    if sliding_window:
+        mask &= key_pos >= lens.unsqueeze(1) - sliding_window
     q = query.index_select(0, token_index).unsqueeze(2)  # [batch, heads, 1, dim]
-    result = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[1],
-    )
+    result = _softmax_attention(q, keys, values, mask[:, None, None, :], scale, soft_cap)
     out.index_copy_(0, token_index, result.squeeze(2).to(out.dtype))

@@ -15,12 +15,16 @@ chunks and decodes. The grid is (query tiles over all sequences, kv heads, kv sp
 - Sequence i owns query tiles [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1); a
   binary search over query_start_loc maps a program to its sequence, so the grid size
   (num_tokens // BLOCK_Q + num_seqs) needs nothing from the device and no host sync.
+- A sliding window (sliding_window > 0) starts a tile's keys at its first token's window
+  and masks each row's keys before its own; soft-capping (SOFT_CAP) squashes the scores
+  through cap * tanh(score / cap) before the softmax.
 - Decode batches too small to fill the GPU split each sequence's keys over several
   programs (flash-decoding); a second kernel merges the partial (acc, max, sum) triples.
 """
 
 import functools
 import os
+import sys
 
 import torch
 import triton
@@ -63,12 +67,12 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 # The block size is a runtime shift (it is a power of two), not a constexpr: one compiled
 # kernel serves every block size.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "block_size_log2"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "block_size_log2", "sliding_window"])
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-    scale, num_seqs, num_splits, block_size_log2,
+    scale, num_seqs, num_splits, block_size_log2, sliding_window, soft_cap,
     stride_query_token, stride_query_head,
     stride_key_block, stride_key_slot, stride_key_head,
     stride_value_block, stride_value_slot, stride_value_head,
@@ -79,6 +83,7 @@ def _paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr, QUERIES_PER_KV_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     tile_index = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,11 +116,14 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
     )
 
-    # Keys this tile can see end at its last token's position; a split takes an equal
-    # share of those key tiles.
+    # Keys this tile can see end at its last token's position and, with a window, start at
+    # its first token's window; a split takes an equal share of those key tiles.
     kv_end = tl.minimum(seq_len, context_len + (query_tile + 1) * BLOCK_Q)
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
-    kv_start = split * tiles_per_split * BLOCK_N
+    kv_first = 0
+    if sliding_window > 0:
+        kv_first = tl.maximum(0, context_len + query_tile * BLOCK_Q - sliding_window + 1)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_first, BLOCK_N), num_splits)
+    kv_start = kv_first + split * tiles_per_split * BLOCK_N
     kv_stop = tl.minimum(kv_end, kv_start + tiles_per_split * BLOCK_N)
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -138,8 +146,16 @@ def _paged_attention_kernel(
             + dims[:, None],
             mask=kv_mask, other=0.0,
         )
-        scores = _dot(query, key, UPCAST_DOT, DOT_PRECISION) * qk_scale
+        scores = _dot(query, key, UPCAST_DOT, DOT_PRECISION)
+        if SOFT_CAP:
+            # cap * tanh(s / cap), tanh written with exp (1 - 2 / (e^2x + 1): exact at +-inf)
+            capped = scores * (scale / soft_cap)
+            scores = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)) * 1.4426950408889634
+        else:
+            scores = scores * qk_scale
         visible = pos_valid[None, :] & (pos[None, :] <= query_pos[:, None])
+        if sliding_window > 0:
+            visible = visible & (pos[None, :] > query_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -244,6 +260,8 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_kv_splits: int | None = None,
@@ -292,7 +310,8 @@ def paged_attention(
         block_n = min(64, max(16, 16384 // row_bytes))
     if num_kv_splits is None:
         num_kv_splits = _choose_num_splits(
-            num_tokens, num_seqs, num_kv_heads, block_tables.shape[1] * block_size, block_n,
+            num_tokens, num_seqs, num_kv_heads,
+            min(block_tables.shape[1] * block_size, sliding_window or sys.maxsize), block_n,
             query.device)
     split_kv = num_kv_splits > 1
 
@@ -309,7 +328,8 @@ def paged_attention(
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         target, partial_out, partial_max, partial_sum,
-        scale, num_seqs, num_kv_splits, block_size.bit_length() - 1,
+        scale, num_seqs, num_kv_splits, block_size.bit_length() - 1, sliding_window or 0,
+        soft_cap or 1.0,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -322,7 +342,7 @@ def paged_attention(
         # The interpreter (triton 3.x) multiplies bf16 dot operands as raw bits, and fp16
         # ones without BLAS; fp32 products of half inputs are exact, so this is only faster.
         UPCAST_DOT=INTERPRETED and query.dtype != torch.float32,
-        DOT_PRECISION=_fp32_dot_precision(query.device),
+        DOT_PRECISION=_fp32_dot_precision(query.device), SOFT_CAP=bool(soft_cap),
     )
     if split_kv:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -25,8 +25,11 @@ if not torch.cuda.is_available():
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
     OPTConfig,
     Phi3Config,
     PreTrainedModel,
@@ -118,6 +121,12 @@ TINY_VOCAB_SIZE = 256
 TINY_MAX_POSITIONS = 256
 TINY_ARCHITECTURES = ("llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3")
 RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3")
+# Sliding-window twins (window 8, so most test prompts outrun it): every Mistral layer
+# windowed; Qwen2 with its first layer global and the second windowed.
+TINY_WINDOW = 8
+# Gemma 3 (two sliding layers, one global, q/k norms, two rope bases) and Gemma 2 (soft caps
+# small enough that random weights reach them).
+SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "gemma3", "gemma2")
 
 
 @dataclass
@@ -140,6 +149,30 @@ def _tiny_config(arch: str):
     if arch == "qwen2":  # qkv bias and tied embeddings
         return Qwen2Config(intermediate_size=128, num_key_value_heads=2,
                            tie_word_embeddings=True, **common)
+    if arch == "mistral-window":
+        return MistralConfig(intermediate_size=128, num_key_value_heads=2,
+                             sliding_window=TINY_WINDOW, tie_word_embeddings=False, **common)
+    if arch == "qwen2-window":
+        return Qwen2Config(intermediate_size=128, num_key_value_heads=2,
+                           use_sliding_window=True, sliding_window=TINY_WINDOW,
+                           max_window_layers=1, tie_word_embeddings=True, **common)
+    if arch in ("gemma3", "gemma2"):
+        gemma = {"intermediate_size": 128, "num_key_value_heads": 2, "head_dim": 16,
+                 "sliding_window": TINY_WINDOW, "query_pre_attn_scalar": 24,
+                 "tie_word_embeddings": False, **common, "num_hidden_layers": 3}
+        if arch == "gemma3":
+            config = Gemma3TextConfig(
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                 "full_attention": {"rope_type": "default",
+                                                    "rope_theta": 1000.0}}, **gemma)
+        else:
+            # weights large enough that the scores and logits reach their caps
+            config = Gemma2Config(attn_logit_softcapping=2.0, final_logit_softcapping=8.0,
+                                  initializer_range=0.3,
+                                  **gemma)
+        config._attn_implementation = "eager"  # transformers' reference path for soft caps
+        return config
     if arch == "opt":
         return OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common)
     # The new architectures' weights are drawn wider than transformers' default (0.02),
@@ -189,12 +222,17 @@ def save_tiny_model(arch: str, folder: Path) -> TinyModel:
             for name, parameter in hf_model.named_parameters():
                 if "norm" in name:
                     parameter.uniform_(0.5, 1.5)
+    save_tiny_model_files(hf_model, folder)
+    return TinyModel(arch, folder, hf_model)
+
+
+def save_tiny_model_files(hf_model: PreTrainedModel, folder: Path) -> None:
+    """The model's safetensors and config, and the tiny word-level tokenizer."""
     hf_model.save_pretrained(folder)
     vocab = {f"<{i}>": i for i in range(TINY_VOCAB_SIZE)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=core).save_pretrained(folder)
-    return TinyModel(arch, folder, hf_model)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 
 import kvscope.engine.core.kv_cache_manager as kv_cache_manager_module
 from kvscope.engine.core.block_pool import BlockPool
-from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.kv_cache_manager import RELEASED, KVCacheManager
 from kvscope.engine.core.kv_events import (
     BlockRemoved,
     BlocksAllocated,
@@ -69,7 +69,8 @@ def check_pool_invariants(pool: BlockPool, live: list[Sequence]) -> None:
     holders = [0] * pool.num_blocks
     for seq in live:
         for block_id in seq.block_table:
-            holders[block_id] += 1
+            if block_id != RELEASED:
+                holders[block_id] += 1
     assert [b.ref_count for b in blocks] == holders
 
     # The hash map points at blocks that carry that very hash.
@@ -117,13 +118,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
     prefix hits, evictions, copy-on-write and running out of blocks all happen."""
 
     sequences = Bundle("sequences")
+    sliding_window: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.replay = EventReplay(12)
         self.manager = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True,
-                                      emit=self.replay.apply)
+                                      emit=self.replay.apply,
+                                      sliding_window=self.sliding_window)
         self.live: list[Sequence] = []
+        self.decoding: set[int] = set()  # ids of sequences whose last step was a decode
 
     @rule(target=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=14))
     def allocate(self, tokens):
@@ -134,6 +138,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert seq.block_table == []
             assert [(b.ref_count, b.block_hash) for b in self.manager.pool.blocks] == before
             return seq  # stays in the bundle; later rules skip it (empty block table)
+        self.decoding.discard(id(seq))
         self.live.append(seq)
         return seq
 
@@ -150,6 +155,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert block.ref_count == 1
         seq.num_computed_tokens += 1
         self.manager.cache_full_blocks(seq)
+        self.decoding.add(id(seq))
 
     @rule(target=sequences, parent=sequences)
     def fork(self, parent):
@@ -195,6 +201,28 @@ BlockPoolMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_block_pool_invariants = BlockPoolMachine.TestCase
+
+
+class WindowedBlockPoolMachine(BlockPoolMachine):
+    """The same workload with a sliding window of 6 tokens over blocks of 4: blocks leave
+    the window (and return to the pool) while sequences decode, forks share tables that
+    hold released entries, prefix hits adopt only the window's blocks."""
+
+    sliding_window = 6
+
+    @invariant()
+    def sequences_hold_only_their_window(self):
+        bound = -(-self.sliding_window // 4) + 1
+        for seq in self.live:
+            released = seq.num_released_blocks
+            assert all(b == RELEASED for b in seq.block_table[:released])
+            assert all(b != RELEASED for b in seq.block_table[released:])
+            if id(seq) in self.decoding:
+                assert len(seq.block_table) - released <= bound
+
+
+WindowedBlockPoolMachine.TestCase.settings = BlockPoolMachine.TestCase.settings
+test_windowed_block_pool_invariants = WindowedBlockPoolMachine.TestCase
 
 
 # ---- LRU order and prefix hits ----------------------------------------------------------

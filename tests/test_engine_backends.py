@@ -38,8 +38,9 @@ def greedy_tokens(monkeypatch, tiny_model, run_engine, backend: str, arch: str =
 
 
 # The eager layers through each backend's ops: per-head q/k norms (qwen3), a NoPE layer
-# (smollm3) and partial rotary (phi3) included.
-EAGER_ARCHITECTURES = ["llama", "qwen3", "smollm3", "phi3"]
+# (smollm3), partial rotary (phi3), a sliding window of 8 whose blocks the KV manager frees
+# (mistral-window) and a window with soft-capped scores (gemma2) included.
+EAGER_ARCHITECTURES = ["llama", "qwen3", "smollm3", "phi3", "mistral-window", "gemma2"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,

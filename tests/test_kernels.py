@@ -65,6 +65,7 @@ class PagedBatch:
     keys: list[torch.Tensor]  # per sequence [seq_len, kv_heads, head_dim]
     values: list[torch.Tensor]
     scale: float
+    sliding_window: int | None = None
 
     def args(self, finite: bool = False) -> tuple:
         """Arguments for paged_attention; finite=True zeroes the never-written slots."""
@@ -84,10 +85,13 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> PagedBatch:
     """seqs: (seq_len, query_len) per sequence. Physical blocks are shuffled over a pool
     twice the size needed; every slot no sequence owns, including the tail of each last
-    block and the blocks that pad the block tables, holds NaN, so reading one shows."""
+    block and the blocks that pad the block tables, holds NaN, so reading one shows.
+    With a sliding window, the table entries of blocks wholly before every new token's
+    window are -1, as the KV manager leaves them when it frees those blocks."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-seq_len // block_size) for seq_len, _ in seqs]
     num_blocks = 2 * sum(blocks_per_seq) + 1
@@ -110,6 +114,9 @@ def make_batch(
         slots = table[positions // block_size] * block_size + positions % block_size
         key_cache.view(-1, num_kv_heads, head_dim)[slots] = key
         value_cache.view(-1, num_kv_heads, head_dim)[slots] = value
+        if sliding_window:
+            first_visible = max(0, seq_len - seqs[i][1] - sliding_window + 1)
+            block_tables[i, :first_visible // block_size] = -1
         keys.append(key)
         values.append(value)
     query_lens = torch.tensor([query_len for _, query_len in seqs])
@@ -123,12 +130,13 @@ def make_batch(
         value_cache=value_cache.to(device), block_tables=block_tables.to(device),
         seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device),
         query_start_loc=query_start_loc.to(device), keys=keys, values=values,
-        scale=head_dim ** -0.5,
+        scale=head_dim ** -0.5, sliding_window=sliding_window,
     )
 
 
-def dense_attention(batch: PagedBatch) -> torch.Tensor:
-    """Causal attention from the unpaged K/V, in float64 on the CPU."""
+def dense_attention(batch: PagedBatch, soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention from the unpaged K/V, in float64 on the CPU (within the batch's
+    sliding window, soft-capped if asked)."""
     query = batch.query.cpu().double()
     out = torch.zeros_like(query)
     starts = batch.query_start_loc.tolist()
@@ -139,8 +147,14 @@ def dense_attention(batch: PagedBatch) -> torch.Tensor:
         key = key.double().repeat_interleave(queries_per_kv, dim=1)
         value = value.double().repeat_interleave(queries_per_kv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end], key) * batch.scale
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(seq_len).unsqueeze(0) > query_pos, float("-inf"))
+        key_pos = torch.arange(seq_len).unsqueeze(0)
+        hidden = key_pos > query_pos
+        if batch.sliding_window:
+            hidden |= key_pos <= query_pos - batch.sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
     return out
 
@@ -643,3 +657,76 @@ def test_dispatch_in_a_fresh_process(script):
     result = subprocess.run([sys.executable, "-c", script], check=False, env=env, cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# --- sliding windows and soft-capping, every backend against dense attention ----------------
+
+
+def windowed_seqs(window: int) -> list[tuple[int, int]]:
+    """(seq_len, query_len): prompts shorter than, equal to and longer than the window,
+    chunks over context already past it, a prefill longer than a query tile, and decodes
+    either side of it."""
+    return [(window - 3, window - 3), (window, window), (3 * window + 5, 3 * window + 5),
+            (2 * window + 7, 9), (90, 37), (window - 1, 1), (window + 1, 1),
+            (5 * window + 3, 1)]
+
+
+WINDOW_CASES = [  # (block_size, window, soft_cap)
+    pytest.param(4, 8, None, id="block4-window8"),
+    pytest.param(16, 20, None, id="block16-window20"),
+    pytest.param(16, None, 30.0, id="block16-softcap30"),
+    pytest.param(8, 13, 5.0, id="block8-window13-softcap5"),
+]
+
+
+def windowed_batch(block_size, window, dtype=torch.float32, device="cpu", **kwargs):
+    return make_batch(windowed_seqs(window or 16), block_size, 2, 3, 64, dtype=dtype,
+                      device=device, sliding_window=window, **kwargs)
+
+
+@pytest.mark.parametrize(("block_size", "window", "soft_cap"), WINDOW_CASES)
+def test_reference_attention_window_and_soft_cap_match_dense(block_size, window, soft_cap):
+    batch = windowed_batch(block_size, window)
+    out = reference.paged_attention(*batch.args(finite=True), sliding_window=window,
+                                    soft_cap=soft_cap)
+    assert_close(out, dense_attention(batch, soft_cap), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "window", "soft_cap"), WINDOW_CASES)
+def test_cpu_attention_window_and_soft_cap_match_dense(cpu_kernel_ops, block_size, window,
+                                                       soft_cap, dtype):
+    batch = windowed_batch(block_size, window, dtype=dtype)
+    # freed blocks (-1) before each window: never read
+    out = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=window, soft_cap=soft_cap)
+    assert_close(out, dense_attention(batch, soft_cap), dtype)
+
+
+def test_cpu_attention_window_on_a_long_decode_split_over_threads(cpu_kernel_ops):
+    batch = make_batch([(1500, 1), (700, 1)], 16, 2, 4, 128, sliding_window=400)
+    out = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=400)
+    assert_close(out, dense_attention(batch), torch.float32)
+
+
+def test_cpu_attention_refuses_a_negative_window(cpu_kernel_ops):
+    batch = windowed_batch(4, 8)
+    with pytest.raises(RuntimeError, match="window and soft_cap"):
+        cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=-1)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(("block_size", "window", "soft_cap"), WINDOW_CASES)
+def test_triton_attention_window_and_soft_cap_match_dense(device, block_size, window, soft_cap):
+    batch = windowed_batch(block_size, window, device=device)
+    out = triton_paged_attention(*batch.args(), sliding_window=window, soft_cap=soft_cap)
+    assert_close(out, dense_attention(batch, soft_cap), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_attention_window_with_split_kv(device):
+    batch = make_batch([(200, 1), (77, 1), (9, 1)], 8, 2, 2, 64, device=device,
+                       sliding_window=50)
+    out = triton_paged_attention(*batch.args(), sliding_window=50, block_n=16, num_kv_splits=3)
+    assert_close(out, dense_attention(batch), torch.float32)

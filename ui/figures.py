@@ -228,7 +228,8 @@ def _chosen_sequences(pool: PoolMirror, view: TableView) -> tuple[list, int, int
         holders.sort(key=lambda seq: len(seq.block_table), reverse=True)
     else:
         refs = pool.ref_counts
-        holders.sort(key=lambda seq: int((refs[seq.block_table] > 1).sum()), reverse=True)
+        holders.sort(key=lambda seq: sum(b >= 0 and refs[b] > 1 for b in seq.block_table),
+                     reverse=True)
     num_pages = max(-(-len(holders) // MAX_TABLE_ROWS), 1)
     page = min(view.page, num_pages)
     return holders[(page - 1) * MAX_TABLE_ROWS:page * MAX_TABLE_ROWS], len(holders), num_pages
@@ -257,15 +258,16 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
         table = seq.block_table
         columns = _shown_columns(len(table))
         truncated += len(columns) < len(table)
-        ids = [table[index] for index in columns]
-        codes[row, :len(ids)] = all_codes[ids]
-        refs[row, :len(ids)] = pool.ref_counts[ids]
+        ids = np.array([table[index] for index in columns], np.int64)
+        held = ids >= 0  # a sliding window's RELEASED entries (-1): freed, drawn blank
+        codes[row, :len(ids)] = np.where(held, all_codes[ids], np.nan)
+        refs[row, :len(ids)] = np.where(held, pool.ref_counts[ids], np.nan)
         last = len(table) - 1
         fill = min(seq.num_tokens - last * size, size)
-        text.append([str(b) if index < last else f"{b}·{fill}/{size}"
-                     for index, b in zip(columns, ids)] + [""] * (width - len(ids)))
-        custom.append([[index, *_block_hover(pool, b, decode)[1:]]
-                       for index, b in zip(columns, ids)] + [None] * (width - len(ids)))
+        text.append([("freed" if b < 0 else str(b) if index < last else f"{b}·{fill}/{size}")
+                     for index, b in zip(columns, ids.tolist())] + [""] * (width - len(ids)))
+        custom.append([None if b < 0 else [index, *_block_hover(pool, b, decode)[1:]]
+                       for index, b in zip(columns, ids.tolist())] + [None] * (width - len(ids)))
     labels = [f"{seq.seq_id} ({seq.status})" for seq in sequences]
     traces = _state_traces(
         codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 11},
@@ -353,6 +355,8 @@ class MemoryComparison:
     contiguous_reserved_tokens: int
     pool_tokens: int
     max_model_len: int
+    # what the paged pool would reserve had no sliding window freed a block
+    full_attention_reserved_tokens: int
 
     @property
     def paged_useful(self) -> float:
@@ -381,7 +385,9 @@ def compare_memory(pool: PoolMirror) -> MemoryComparison:
         paged_stored_tokens=pool.num_used_tokens,
         contiguous_reserved_tokens=len(holders) * max_model_len,
         pool_tokens=pool.num_blocks * pool.block_size,
-        max_model_len=max_model_len)
+        max_model_len=max_model_len,
+        full_attention_reserved_tokens=(in_use + pool.blocks_released_by_window)
+        * pool.block_size)
 
 
 def paged_vs_contiguous(pool: PoolMirror) -> Figure:
@@ -404,9 +410,17 @@ def paged_vs_contiguous(pool: PoolMirror) -> Figure:
                  "x1": c.pool_tokens, "y0": 0, "y1": 1, "line": {"dash": "dot"}}
     label = {"xref": "x", "yref": "paper", "x": c.pool_tokens, "y": 1, "xanchor": "right",
              "yanchor": "top", "showarrow": False, "text": f"pool: {c.pool_tokens} tokens"}
+    shapes, annotations = [pool_line], [label]
+    if c.full_attention_reserved_tokens > c.paged_reserved_tokens:
+        shapes.append(window_line := {**pool_line, "x0": c.full_attention_reserved_tokens,
+                                      "x1": c.full_attention_reserved_tokens,
+                                      "line": {"dash": "dash", "color": "#b45309"}})
+        annotations.append({**label, "x": window_line["x0"], "y": 0, "yanchor": "bottom",
+                            "text": "full attention would hold "
+                                    f"{c.full_attention_reserved_tokens} tokens"})
     fits = min(c.num_sequences, c.contiguous_capacity)
     title = (f"Useful memory, {c.num_sequences} live sequences: paged {c.paged_useful:.0%}, "
              f"contiguous {c.contiguous_useful:.0%}<br>(published: 20.4–38.2%) · "
              f"contiguous fits {fits} of them (room for {c.contiguous_capacity})")
-    return _figure(bars, title, height=320, barmode="stack", shapes=[pool_line],
-                   annotations=[label])
+    return _figure(bars, title, height=320, barmode="stack", shapes=shapes,
+                   annotations=annotations)

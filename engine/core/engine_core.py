@@ -54,7 +54,8 @@ class EngineCore:
         self.events = EventBus()
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
                                        self.config.enable_prefix_caching, num_swap_blocks,
-                                       emit=self.events.emit)
+                                       emit=self.events.emit,
+                                       sliding_window=self.runner.sliding_window)
         self.scheduler = Scheduler(self.config, self.kv_cache, emit=self.events.emit)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(self.runner)

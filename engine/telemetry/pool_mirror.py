@@ -278,6 +278,8 @@ class PoolMirror:
                 continue
             table = np.array(seq.block_table)  # a copy: a view would pin the array's size
             stored = np.clip(seq.num_computed_tokens - np.arange(len(table)) * size, 0, size)
+            held = table >= 0  # a sliding window's RELEASED entries (-1) hold no block
+            table, stored = table[held], stored[held]
             plain = ~self.hashed[table]
             np.maximum.at(fill, table[plain], stored[plain])
         return total + int(fill[used & ~self.hashed].sum())
@@ -294,8 +296,16 @@ class PoolMirror:
             counters.num_preemptions, counters.num_evictions, replica)
 
     @property
+    def blocks_released_by_window(self) -> int:
+        """Table entries of live sequences whose blocks a sliding window freed (RELEASED,
+        -1): what full attention would still hold on top of the blocks in use."""
+        return sum(np.count_nonzero(np.array(seq.block_table) < 0)
+                   for seq in self.live.values())
+
+    @property
     def blocks_saved_by_sharing(self) -> int:
-        held = sum(len(seq.block_table) for seq in self.live.values())
+        held = sum(np.count_nonzero(np.array(seq.block_table) >= 0)
+                   for seq in self.live.values())
         return held - int(np.count_nonzero(self.ref_counts > 0))
 
 

@@ -107,7 +107,8 @@ class EngineSnapshot:
     @property
     def blocks_saved_by_sharing(self) -> int:
         """Blocks the live sequences would hold without sharing, minus blocks in use."""
-        held = sum(len(seq.block_table) for seq in self.sequences)
+        # a sliding window's RELEASED entries (-1) hold no block
+        held = sum(block_id >= 0 for seq in self.sequences for block_id in seq.block_table)
         in_use = sum(1 for block in self.blocks if block.ref_count > 0)
         return held - in_use
 

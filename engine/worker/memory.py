@@ -26,6 +26,9 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     max_model_len: int
+    # every layer's window, when they share one: a sequence then holds at most
+    # ceil(W / block_size) + 1 blocks while it decodes (the KV manager frees the rest)
+    sliding_window: int | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -37,16 +40,30 @@ class MemoryPlan:
 
     @property
     def max_concurrency(self) -> float:
-        """How many max_model_len sequences the pool holds at once."""
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        return self.num_blocks / blocks_per_seq
+        """How many max_model_len sequences the pool holds at once (decoding at their
+        last token)."""
+        return self.num_blocks / self.blocks_per_max_len_seq
+
+    @property
+    def blocks_per_max_len_seq(self) -> int:
+        blocks = -(-self.max_model_len // self.block_size)
+        if self.sliding_window is None:
+            return blocks
+        return min(blocks, -(-self.sliding_window // self.block_size) + 1)
+
+    @property
+    def full_attention_concurrency(self) -> float:
+        """max_concurrency had every layer attended to the whole sequence."""
+        return self.num_blocks / -(-self.max_model_len // self.block_size)
 
     def describe(self) -> str:
         return (f"weights {self.weight_bytes / (1 << 20):.1f} MiB; "
                 f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
                 f"({self.bytes_per_block} bytes/block); max concurrency at "
-                f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
+                f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x"
+                + (f" (sliding window {self.sliding_window}; full attention "
+                   f"{self.full_attention_concurrency:.2f}x)" if self.sliding_window else ""))
 
 
 class PoolTooSmall(ValueError):
@@ -67,6 +84,7 @@ def plan_blocks(
     block_size: int,
     max_model_len: int,
     num_blocks_override: int | None = None,
+    sliding_window: int | None = None,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
@@ -76,7 +94,8 @@ def plan_blocks(
     budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - peak_activation_bytes
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
-                      peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len)
+                      peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len,
+                      sliding_window)
     if plan.num_tokens < max_model_len:
         raise PoolTooSmall(
             f"the KV cache holds {plan.num_tokens} tokens ({num_blocks} blocks of {block_size}; "

@@ -20,7 +20,7 @@ from kvscope.engine.worker.loader import (
     resolve_model_path,
 )
 from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
-from kvscope.engine.worker.models import model_class
+from kvscope.engine.worker.models import language_model_config, model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.quantized import QuantizedLinear, pack_model, quantize_model
@@ -74,7 +74,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
-        self.hf_config = load_config(self.model_path)
+        self.hf_config = language_model_config(load_config(self.model_path))
         self.tokenizer = load_tokenizer(self.model_path)
         self.generation_config = load_generation_config(self.model_path, self.hf_config)
         self.device = resolve_device(config.device)
@@ -149,6 +149,13 @@ class ModelRunner:
             return iter_gguf_weights(source, self.hf_config)
         return iter_weights(self.model_path)
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The window every attention layer shares, or None: one full-attention layer (or
+        two windows) and every block of a sequence stays needed."""
+        windows = {layer.sliding_window for layer in self.attention_layers}
+        return windows.pop() if len(windows) == 1 else None
+
     def bytes_per_block(self, block_size: int) -> int:
         """K and V for block_size tokens in every layer."""
         return (2 * len(self.attention_layers) * block_size * self.num_kv_heads
@@ -164,7 +171,7 @@ class ModelRunner:
             device_memory_bytes(self.device, config.device_memory_gb),
             config.gpu_memory_utilization, self.weight_bytes, self._peak_activation_bytes[key],
             self.bytes_per_block(config.block_size), config.block_size, config.max_model_len,
-            config.num_gpu_blocks_override)
+            config.num_gpu_blocks_override, self.sliding_window)
         return plan
 
     def _cached_peak_activations(self, num_tokens: int, max_model_len: int,

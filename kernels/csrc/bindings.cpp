@@ -11,7 +11,8 @@
 TORCH_LIBRARY(kvscope, m) {
   // paged_attention.cpp
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor(a!) out) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor(a!) out, int window=0, "
+        "float soft_cap=0.) -> ()");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   // fused_ops.cpp

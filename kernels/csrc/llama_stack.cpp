@@ -209,6 +209,8 @@ kvscope::LayerOptions kvscope::LayerOptions::from(const c10::Dict<std::string, i
   NameReader<int64_t> reader(named);
   LayerOptions options;
   options.rotary = reader.optional("rotary").value_or(1) != 0;
+  options.sliding_window = reader.optional("sliding_window").value_or(0);
+  TORCH_CHECK(options.sliding_window >= 0, "LlamaDecoderStack: sliding_window must be >= 0");
   reader.check_all_read();
   return options;
 }
@@ -285,7 +287,8 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     });
     traced("kvscope::paged_attention", [&] {
       paged_attention(work.query, key_caches[index], value_caches[index], block_tables, seq_lens,
-                      query_start_loc, config_.attention_scale, attended);
+                      query_start_loc, config_.attention_scale, attended,
+                      options_[index].sliding_window, 0.);
     });
     project(work.attended, layer.o_proj, config_, work.projected);
     normed(work.projected, layer.post_attention_layernorm, config_.eps, residual, work.normed);

@@ -43,7 +43,8 @@ struct DecoderLayerWeights {
 // mix layer kinds), named as engine/worker/models/llama.py's LlamaDecoderLayer.stack_options
 // names them. A new kind of layer adds a field here and its name in from().
 struct LayerOptions {
-  bool rotary = true;  // false: no rotary embedding (SmolLM3's NoPE layers)
+  bool rotary = true;          // false: no rotary embedding (SmolLM3's NoPE layers)
+  int64_t sliding_window = 0;  // > 0: attend to the last sliding_window positions only
 
   // Every name must be one of the above.
   static LayerOptions from(const c10::Dict<std::string, int64_t>& named);

@@ -223,6 +223,13 @@ struct Layout {
   int64_t block_stride, slot_stride, head_stride;  // cache strides
   int64_t table_stride;
   int64_t query_stride;  // between tokens: rows may be views into a fused projection
+  int window;            // > 0: position p sees keys (p - window, p] only
+  float soft_cap;        // > 0: scores become soft_cap * tanh(score / soft_cap)
+
+  // The first key position a query at `position` sees.
+  int first_visible(int position) const {
+    return window > 0 ? std::max(0, position - window + 1) : 0;
+  }
 };
 
 // Per-thread scratch, kept between calls and grown to the largest layout seen: a decode step
@@ -320,22 +327,26 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   // statistics updated; zeros past the keys it sees, so the value pass treats rows alike.
   auto chunk_weights = [&](int j, int chunk, int n) {
     float* weights = scores + static_cast<int64_t>(j) * kKeyChunk;
-    const int visible = context + token_of(j) + 1;  // keys [0, visible)
-    const int m = std::max(0, std::min(n, visible - chunk));
+    const int position = context + token_of(j);  // sees keys [first_visible, position]
+    const int m = std::max(0, std::min(n, position + 1 - chunk));
+    const int f = std::min(m, std::max(0, L.first_visible(position) - chunk));
+    std::fill(weights, weights + f, 0.f);
     std::fill(weights + m, weights + n, 0.f);
-    if (m == 0) return;
+    if (m == f) return;
 #if defined(__AVX512BF16__)
     if constexpr (kPairDots) {
-      score_keys_bf16<kDim>(query_row(j), key_rows, m, scale, weights);
+      score_keys_bf16<kDim>(query_row(j), key_rows + f, m - f, scale, weights + f);
     }
 #endif
     if constexpr (!kPairDots) {
       const float* qj = q + static_cast<int64_t>(j) * D;
-      for (int i = 0; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
+      for (int i = f; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
     }
+    if (L.soft_cap > 0.f)
+      for (int i = f; i < m; ++i) weights[i] = L.soft_cap * std::tanh(weights[i] / L.soft_cap);
     float chunk_max = row_max[j];
 #pragma omp simd reduction(max : chunk_max)
-    for (int i = 0; i < m; ++i) chunk_max = std::max(chunk_max, weights[i]);
+    for (int i = f; i < m; ++i) chunk_max = std::max(chunk_max, weights[i]);
     if (chunk_max > row_max[j]) {
       const float correction = std::exp(row_max[j] - chunk_max);  // 0 for the first chunk
       row_sum[j] *= correction;
@@ -346,7 +357,7 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     }
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < m; ++i) {
+    for (int i = f; i < m; ++i) {
       weights[i] = kvscope::exp_nonpositive(weights[i] - chunk_max);
       sum += weights[i];
     }
@@ -419,7 +430,8 @@ struct SplitGroup {
 template <typename Q, typename KV>
 void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                const at::Tensor& block_tables, const at::Tensor& seq_lens,
-               const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+               const at::Tensor& query_start_loc, double scale, int64_t window, double soft_cap,
+               at::Tensor& out) {
   Layout L;
   L.num_heads = query.size(1);
   L.num_kv_heads = key_cache.size(2);
@@ -431,6 +443,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   L.head_stride = key_cache.stride(2);
   L.table_stride = block_tables.size(1);
   L.query_stride = query.stride(0);
+  L.window = static_cast<int>(window);
+  L.soft_cap = static_cast<float>(soft_cap);
   const int num_seqs = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
@@ -455,28 +469,31 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   for (int s = 0; s < num_seqs; ++s) {
     const int query_len = starts[s + 1] - starts[s];
     if (query_len <= 0) continue;
-    const int seq_len = lens[s];
+    const int seq_len = lens[s], context = seq_len - query_len;
     if (!is_decode(s)) {
+      // A tile's keys start where its first token's window does.
       for (int h = 0; h < L.num_kv_heads; ++h)
         for (int t = 0; t < query_len; t += kQueryTile)
-          items.push_back({s, h, h + 1, t, std::min(query_len, t + kQueryTile), 0, seq_len, -1});
+          items.push_back({s, h, h + 1, t, std::min(query_len, t + kQueryTile),
+                           L.first_visible(context + t), seq_len, -1});
       continue;
     }
+    const int first_key = L.first_visible(seq_len - 1), num_keys = seq_len - first_key;
     int splits = 1;
     if (base_items < wanted_items) {
       const int64_t by_work = (wanted_items + base_items - 1) / base_items;
       splits = static_cast<int>(
-          std::max<int64_t>(1, std::min<int64_t>(by_work, seq_len / kMinSplitKeys)));
+          std::max<int64_t>(1, std::min<int64_t>(by_work, num_keys / kMinSplitKeys)));
       if (splits > threads) splits -= splits % threads;
     }
     if (splits == 1) {
-      items.push_back({s, 0, L.num_kv_heads, 0, 1, 0, seq_len, -1});
+      items.push_back({s, 0, L.num_kv_heads, 0, 1, first_key, seq_len, -1});
       continue;
     }
     groups.push_back({s, splits, partial_rows});
-    const int per_split = (seq_len + splits - 1) / splits;
+    const int per_split = (num_keys + splits - 1) / splits;
     for (int split = 0; split < splits; ++split) {
-      const int k_begin = split * per_split;
+      const int k_begin = first_key + split * per_split;
       items.push_back({s, 0, L.num_kv_heads, 0, 1, k_begin, std::min(seq_len, k_begin + per_split),
                        partial_rows + static_cast<int64_t>(split) * L.num_heads});
     }
@@ -554,23 +571,27 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
 
 }  // namespace
 
-// out[t, h] = softmax(q[t, h] . K) V over each sequence's paged keys up to t's position.
+// out[t, h] = softmax(q[t, h] . K) V over each sequence's paged keys up to t's position (the
+// last `window` of them when window > 0; table entries before those are never read), the
+// scores soft-capped when soft_cap > 0.
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     at::Tensor out) {
+                     at::Tensor out, int64_t window, double soft_cap) {
   check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out);
+  TORCH_CHECK(window >= 0 && soft_cap >= 0,
+              "paged_attention_cpu: window and soft_cap must be >= 0");
   if (query.size(0) == 0) return;
   const auto q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat)
     attention<float, float>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                            scale, out);
+                            scale, window, soft_cap, out);
   else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16)
     attention<kvscope::bf16, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens,
-                                            query_start_loc, scale, out);
+                                            query_start_loc, scale, window, soft_cap, out);
   else if (q_type == at::kFloat && kv_type == at::kBFloat16)
     attention<float, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens,
-                                    query_start_loc, scale, out);
+                                    query_start_loc, scale, window, soft_cap, out);
   else
     TORCH_CHECK(false, "paged_attention_cpu: unsupported query/cache dtypes ", q_type, "/",
                 kv_type);

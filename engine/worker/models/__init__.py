@@ -3,6 +3,7 @@ and the refusals of what none of them runs (named, with what is supported)."""
 
 from transformers import PretrainedConfig
 
+from kvscope.engine.worker.models.gemma import GemmaForCausalLM
 from kvscope.engine.worker.models.llama import LlamaForCausalLM
 from kvscope.engine.worker.models.opt import OPTForCausalLM
 
@@ -14,9 +15,25 @@ MODEL_REGISTRY = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # Phi-3, Phi-3.5-mini, Phi-4-mini
     "OPTForCausalLM": OPTForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    # its language model only: the vision tower's weights are skipped by name
+    "Gemma3ForConditionalGeneration": GemmaForCausalLM,
 }
 # Config fields that mark mixture-of-experts layers, by the families that use them.
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config the engine serves: a supported multimodal model's text config (which carries the
+    vocabulary, lengths and layers), under the checkpoint's architecture name and with its
+    output projection tied as the whole model ties it."""
+    text = getattr(config, "text_config", None)
+    if text is None or not set(config.architectures or ()) & set(MODEL_REGISTRY):
+        return config  # a text model, or a multimodal one model_class refuses by name
+    text.architectures = config.architectures
+    text.tie_word_embeddings = config.tie_word_embeddings
+    return text
 
 
 def model_class(config: PretrainedConfig) -> type:

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 
@@ -17,16 +18,31 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
 
 
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), read as transformers
+    reads it: `layer_types` where the config has them (Qwen2, Gemma), else one
+    `sliding_window` for every layer (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    return [window] * config.num_hidden_layers
+
+
 class PagedAttention(UsesKernelOps):
     """Holds one layer's K/V cache views; the model runner binds the kernels at start-up
-    and the views after sizing the pool."""
+    and the views after sizing the pool. sliding_window: the layer sees the last W
+    positions only; soft_cap: its scores are soft-capped (kernels/reference.py)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
 
@@ -42,6 +58,7 @@ class PagedAttention(UsesKernelOps):
         self.ops.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
             query, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, self.scale,
+            meta.query_start_loc, self.scale, sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)

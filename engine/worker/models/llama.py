@@ -9,7 +9,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvscope.engine.worker.models.attention import AttentionMetadata, PagedAttention
+from kvscope.engine.worker.models.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    layer_windows,
+)
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.layers import Linear, MergedLinear, RMSNorm, load_weights
 from kvscope.engine.worker.models.quantized import kernel_max_rows, output_logits
@@ -83,17 +87,18 @@ class LayerKind:
     qkv_bias: bool  # Qwen2; models with attention_bias
     qk_norm: bool  # Qwen3: RMSNorm per query and key head before the rotary
     rotary: bool  # False on SmolLM3's NoPE layers (no_rope_layers marks them 0)
+    sliding_window: int | None  # Mistral, Qwen2's windowed layers (layer_windows)
 
     def stack_options(self) -> dict[str, int]:
-        return {"rotary": int(self.rotary)}
+        return {"rotary": int(self.rotary), "sliding_window": self.sliding_window or 0}
 
 
 def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
     qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
     uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
     return [LayerKind(qkv_bias=qkv_bias, qk_norm=config.model_type in QK_NORM_MODEL_TYPES,
-                      rotary=bool(uses_rope[index]))
-            for index in range(config.num_hidden_layers)]
+                      rotary=bool(uses_rope[index]), sliding_window=window)
+            for index, window in enumerate(layer_windows(config))]
 
 
 class LlamaAttention(UsesKernelOps):
@@ -114,7 +119,7 @@ class LlamaAttention(UsesKernelOps):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = kind.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.head_dim ** -0.5)
+                                   self.head_dim ** -0.5, kind.sliding_window)
 
     def forward(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)

@@ -1,0 +1,208 @@
+"""Gemma 2 and Gemma 3 (text) over paged attention.
+
+Both alternate sliding-window and global attention layers (`layer_types`) and differ from
+Llama in the ways this file spells out: the token embedding scaled by sqrt(hidden), RMS
+norms that scale by (1 + weight) in fp32, a norm after attention and around the MLP as
+well as before, a GeGLU MLP (tanh-approximated gelu), attention scaled by
+query_pre_attn_scalar^-0.5 rather than head_dim^-0.5. Gemma 2 soft-caps the attention
+scores and the final logits; Gemma 3 normalises each query and key head instead and
+gives each layer type its own rope base.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+from kvscope.engine.worker.models.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    layer_windows,
+)
+from kvscope.engine.worker.models.bound_ops import UsesKernelOps
+from kvscope.engine.worker.models.layers import Linear, MergedLinear, load_weights
+from kvscope.engine.worker.models.quantized import output_logits
+
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# Gemma3ForConditionalGeneration's checkpoint: the language model under its own prefix
+# (as published, "language_model.model.*"; as transformers 4.5x saved it,
+# "model.language_model.*"), beside a vision tower and projector this text-only model does
+# not load.
+LANGUAGE_MODEL_PREFIXES = {"language_model.": "", "model.language_model.": "model."}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.multi_modal_projector.")
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in fp32 and rounded once at the end, as Gemma does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (wide * (1.0 + self.weight.float())).type_as(x)
+
+
+class RotaryTables(nn.Module):
+    """cos/sin for every position and layer type, from transformers' own rotary module
+    (Gemma 3 gives sliding and global layers different bases), looked up by position."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+        super().__init__()
+        positions = torch.arange(max_positions).unsqueeze(0)
+        anchor = torch.empty(0, dtype=torch.float32)
+        self.layer_types = sorted(set(config.layer_types))
+        for layer_type in self.layer_types:
+            if config.model_type == "gemma2":
+                cos, sin = Gemma2RotaryEmbedding(config)(anchor, positions)
+            else:
+                cos, sin = Gemma3RotaryEmbedding(config)(anchor, positions, layer_type)
+            self.register_buffer(f"cos_{layer_type}", cos[0], persistent=False)
+            self.register_buffer(f"sin_{layer_type}", sin[0], persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """fp32 (cos, sin) [tokens, head_dim] per layer type, once per forward."""
+        return {kind: (getattr(self, f"cos_{kind}").index_select(0, positions),
+                       getattr(self, f"sin_{kind}").index_select(0, positions))
+                for kind in self.layer_types}
+
+
+class GemmaAttention(UsesKernelOps):
+    def __init__(self, config: PretrainedConfig, sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size],
+                                     bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        self.qk_norm = config.model_type != "gemma2"
+        if self.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim,
+            config.query_pre_attn_scalar ** -0.5, sliding_window,
+            getattr(config, "attn_logit_softcapping", None))
+
+    def forward(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        query, key, value = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.qk_norm:
+            query = self.q_norm(query.reshape(tokens, self.num_heads, self.head_dim))
+            key = self.k_norm(key.reshape(tokens, self.num_kv_heads, self.head_dim))
+        # Query and key heads side by side, as the rotary kernel takes them, rotated in place.
+        query_key = torch.cat((query.reshape(tokens, -1), key.reshape(tokens, -1)), dim=-1)
+        self.ops.rotary_embedding(query_key, cos, sin, self.num_heads + self.num_kv_heads,
+                                  self.head_dim)
+        query, key = query_key.split([self.num_heads * self.head_dim,
+                                      self.num_kv_heads * self.head_dim], dim=-1)
+        return self.o_proj(self.attn(query, key, value, meta))
+
+
+class GemmaMLP(UsesKernelOps):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(hidden))
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_type: str,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = GemmaAttention(config, sliding_window)
+        self.mlp = GemmaMLP(config)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(self, hidden, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, meta)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        mixed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mixed)
+
+
+class GemmaBody(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, layer_type, window)
+            for layer_type, window in zip(config.layer_types, layer_windows(config), strict=True))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryTables(config, max_positions)
+
+
+class GemmaForCausalLM(UsesKernelOps):
+    """Gemma2ForCausalLM, Gemma3ForCausalLM, and the language model of
+    Gemma3ForConditionalGeneration (its vision tower is not loaded: text in, text out).
+    Parameter names follow transformers', so checkpoints load by name."""
+
+    def __init__(self, config: PretrainedConfig, max_positions: int,
+                 max_model_len: int) -> None:
+        """max_positions: the rotary tables' rows (max_model_len picks nothing here)."""
+        super().__init__()
+        self.config = config
+        self.model = GemmaBody(config, max_positions)
+        self.embedding_scale = config.hidden_size ** 0.5
+        self.final_soft_cap = getattr(config, "final_logit_softcapping", None)
+        self.tied = bool(getattr(config, "tie_word_embeddings", True))
+        if not self.tied:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        # The scale rounded to the model's dtype first, as transformers does.
+        hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        tables = self.model.rotary(positions)
+        for layer in self.model.layers:
+            hidden = layer(hidden, *tables[layer.layer_type], meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        projection = self.model.embed_tokens if self.tied else self.lm_head
+        logits = output_logits(projection, hidden, self.ops.logits)
+        if self.final_soft_cap:
+            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
+        return logits
+
+    def load_weights(self, weights) -> None:
+        load_weights(self, language_model_weights(weights), PACKED,
+                     skip={"lm_head.weight"} if self.tied else set())
+
+
+def language_model_weights(weights):
+    """The checkpoint's language-model tensors under this model's names (a
+    Gemma3ForConditionalGeneration's lose their prefix), its vision tower and projector
+    left out by name; anything else unknown still fails to load."""
+    for name, tensor in weights:
+        if name.startswith(VISION_PREFIXES):
+            continue
+        for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        yield name, tensor

@@ -1,0 +1,157 @@
+"""Sliding-window models served with their window: greedy tokens equal transformers' on
+prompts shorter and longer than the window (8), through the C++ decoder stack and eager
+layers, chunked prefill, both preemption modes, prefix caching and parallel samples."""
+
+import random
+
+import conftest
+import pytest
+import torch
+from conftest import SLIDING_WINDOW_ARCHITECTURES, TINY_WINDOW
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.worker.model_runner import ModelRunner
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _make_prompts() -> list[list[int]]:
+    """Shorter than the window, exactly it, a few windows long, and one sharing the long
+    prompt's first 24 tokens (a prefix-cache candidate)."""
+    rng = random.Random(29)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, 256) for _ in range(n)]
+
+    long_prompt = tokens(37)
+    return [tokens(5), tokens(TINY_WINDOW), long_prompt, long_prompt[:24] + tokens(6)]
+
+
+PROMPTS = _make_prompts()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    """expected(arch): transformers' greedy continuation of every prompt (computed once)."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            model = tiny_model(arch).hf_model
+            with torch.inference_mode():
+                cache[arch] = [
+                    model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                   min_new_tokens=MAX_TOKENS, do_sample=False
+                                   )[0, len(prompt):].tolist()
+                    for prompt in PROMPTS]
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def eager_engine(tiny_model):
+    """eager_engine(arch, **knobs): as make_engine, on a runner of its own that keeps the
+    layers (make_engine's shared runner fuses the decoder stack)."""
+    runners: dict[str, ModelRunner] = {}
+
+    def make(arch: str, **knobs) -> EngineCore:
+        base = {"model": str(tiny_model(arch).path), "dtype": "float32", "device": "cpu",
+                "device_memory_gb": 0.05, "enforce_eager": True}
+        if arch not in runners:
+            runners[arch] = ModelRunner(EngineConfig(**base))
+        return EngineCore(EngineConfig(**base, **knobs), runner=runners[arch])
+
+    return make
+
+
+def _token_ids(run) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in run.outputs]
+
+
+# Gemma runs its layers from Python only (the C++ decoder stack is the Llama family's).
+PATHS = [pytest.param(arch, eager, id=f"{arch}-{'eager' if eager else 'stack'}")
+         for arch in SLIDING_WINDOW_ARCHITECTURES for eager in (False, True)
+         if eager or not arch.startswith("gemma")]
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+@pytest.mark.parametrize(("arch", "enforce_eager"), PATHS)
+def test_greedy_matches_transformers(arch, block_size, enforce_eager, make_engine, eager_engine,
+                                     run_engine, expected):
+    engine = (eager_engine if enforce_eager else make_engine)(arch, block_size=block_size)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert engine.runner.fused_decoder_stack is not enforce_eager
+    assert _token_ids(run) == expected(arch)
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", SLIDING_WINDOW_ARCHITECTURES)
+def test_greedy_matches_transformers_with_chunked_prefill(arch, make_engine, run_engine,
+                                                          expected):
+    engine = make_engine(arch, block_size=4, max_num_batched_tokens=5)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert _token_ids(run) == expected(arch)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("arch", SLIDING_WINDOW_ARCHITECTURES)
+def test_greedy_matches_transformers_under_preemption(arch, preemption_mode, make_engine,
+                                                      run_engine, expected):
+    engine = make_engine(arch, block_size=4, num_gpu_blocks_override=14, max_model_len=48,
+                         max_num_batched_tokens=64, preemption_mode=preemption_mode)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert engine.scheduler.num_preemptions > 0
+    assert _token_ids(run) == expected(arch)
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", SLIDING_WINDOW_ARCHITECTURES)
+def test_prefix_caching_keeps_greedy_output(arch, make_engine, run_engine, expected):
+    engine = make_engine(arch, block_size=4)
+    first = run_engine(engine, PROMPTS, GREEDY)
+    second = run_engine(engine, PROMPTS, GREEDY)
+
+    assert _token_ids(first) == _token_ids(second) == expected(arch)
+    assert sum(output.num_cached_tokens for output in second.outputs) > 0
+
+
+def test_parallel_samples_fork_the_windowed_blocks(make_engine, run_engine, expected):
+    engine = make_engine("mistral-window", block_size=4)
+    run = run_engine(engine, PROMPTS[2:3], SamplingParams(
+        n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+
+    assert [sample.token_ids for sample in run.outputs[0].outputs] == [expected(
+        "mistral-window")[2]] * 3
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+def test_gemma3_for_conditional_generation_serves_its_language_model(tmp_path, run_engine):
+    """The checkpoint's vision tower is left out by name; the language model equals
+    transformers' on text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = conftest._tiny_config("gemma3")
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    conftest.save_tiny_model_files(model, tmp_path)
+    engine = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                                     device_memory_gb=0.05))
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                   min_new_tokens=MAX_TOKENS, do_sample=False
+                                   )[0, len(prompt):].tolist() for prompt in PROMPTS]
+    assert _token_ids(run) == expected
+    assert engine.runner.sliding_window is None  # a global layer: every block is kept
