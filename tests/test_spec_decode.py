@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.spec_decode.ngram_proposer import NgramProposer
 
@@ -56,3 +57,48 @@ def test_greedy_output_equals_speculation_off(arch, make_engine, run_engine):
     assert 0 < accepted < proposed  # both verdicts were exercised
     assert len(on.records) < len(off.records)
     assert on.records[-1].num_used_blocks == 0
+
+
+# Nine blocks of eight: one sequence at max_model_len fits, the batch needs ~60.
+PRESSURED = {"num_gpu_blocks_override": 9, "swap_space": 0.001}
+SHORT_PROMPTS = [_copy_prompt(n) for n in (5, 16, 40, 33, 20, 9)]
+MIXED = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=n) for n in (1, 2)] * 3
+
+
+@pytest.mark.parametrize("budget", [5, 64])
+@pytest.mark.parametrize(("preemption_mode", "enable_prefix_caching"),
+                         [("recompute", True), ("recompute", False), ("swap", True)])
+def test_greedy_equality_holds_under_preemption_chunking_and_caching(
+        preemption_mode, enable_prefix_caching, budget, make_engine, run_engine):
+    """Chunked prefill with a budget smaller than a verification chunk, repeated
+    preemption in both modes, the prefix cache on and off, and n=2."""
+    knobs = {"block_size": 8, "max_model_len": 72, "max_num_batched_tokens": budget,
+             "enable_prefix_caching": enable_prefix_caching}
+    off = run_engine(make_engine("llama", **knobs), SHORT_PROMPTS, MIXED)
+    engine = make_engine("llama", **knobs, **PRESSURED, preemption_mode=preemption_mode,
+                         speculative_config=NGRAM)
+    on = run_engine(engine, SHORT_PROMPTS, MIXED)
+
+    assert token_ids(on) == token_ids(off)
+    assert engine.scheduler.num_preemptions >= 2
+    assert drafted(on)[1] > 0
+    assert all(r.num_scheduled_tokens <= budget for r in on.records)
+    assert engine.kv_cache.pool.num_used_blocks == 0
+    assert sorted(engine.kv_cache.free_swap_blocks) == list(range(engine.kv_cache.num_swap_blocks))
+
+
+def test_beam_search_beside_speculation_is_unchanged(make_engine, run_engine):
+    """Beam search ranks every candidate itself, so its beams propose nothing; the greedy
+    request beside it still speculates."""
+    params = [BeamSearchParams(3, 12), GREEDY]
+    prompts = PROMPTS[1:3]
+    off = run_engine(make_engine("llama", block_size=4), prompts, params)
+    on = run_engine(make_engine("llama", block_size=4, speculative_config=NGRAM), prompts,
+                    params)
+
+    assert token_ids(on) == token_ids(off)
+    assert [c.cumulative_logprob for c in on.outputs[0].outputs] == pytest.approx(
+        [c.cumulative_logprob for c in off.outputs[0].outputs])
+    assert all(d[0].startswith(on.outputs[1].request_id) for r in on.records
+               for d in r.spec_drafts)
+    assert drafted(on)[0] > 0
