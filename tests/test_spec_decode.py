@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
 from kvscope.engine.spec_decode.ngram_proposer import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -102,3 +102,60 @@ def test_beam_search_beside_speculation_is_unchanged(make_engine, run_engine):
     assert all(d[0].startswith(on.outputs[1].request_id) for r in on.records
                for d in r.spec_drafts)
     assert drafted(on)[0] > 0
+
+
+FEATURES = {
+    "penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.2},
+    "logit_bias": {"logit_bias": {17: 3.0, 18: 2.0}},
+    "min_tokens_and_stops": {"min_tokens": 12, "stop_token_ids": [17, 40], "stop": ["<18>"]},
+    "logprobs": {"logprobs": 3},
+    "allowed_and_bad_words": {"allowed_token_ids": list(range(1, 60)), "bad_words": ["<7>"]},
+}
+
+
+@pytest.mark.parametrize("knobs", FEATURES.values(), ids=FEATURES)
+def test_sampling_features_apply_to_every_verified_position(knobs, make_engine, run_engine):
+    """Each verified position sees the state its tokens before it left (penalty counts,
+    min_tokens, stops), so greedy output, finish reasons and logprobs match speculation off."""
+    params = SamplingParams(temperature=0, max_tokens=40, **knobs)
+    off = run_engine(make_engine("llama", block_size=4), PROMPTS, params)
+    on = run_engine(make_engine("llama", block_size=4, speculative_config=NGRAM), PROMPTS,
+                    params)
+
+    assert token_ids(on) == token_ids(off)
+    for a, b in zip(on.outputs, off.outputs):
+        assert [(c.text, c.finish_reason, c.stop_reason) for c in a.outputs] == \
+            [(c.text, c.finish_reason, c.stop_reason) for c in b.outputs]
+        if params.logprobs:
+            for c, d in zip(a.outputs, b.outputs):
+                assert [sorted(e) for e in c.logprobs] == [sorted(e) for e in d.logprobs]
+                assert [v for e in c.logprobs for v in e.values()] == pytest.approx(
+                    [v for e in d.logprobs for v in e.values()], abs=1e-4)
+    assert drafted(on)[0] > 0
+
+
+@pytest.mark.parametrize("structured", [{"regex": r"(ab-\d{3}, ){2,4}"},
+                                        {"choice": ["ab-123, ab-123", "ab-124"]}],
+                         ids=["regex", "choice"])
+def test_structured_output_masks_apply_to_verified_positions(
+        structured, tiny_byte_level_model_path, run_engine):
+    """A proposal the grammar forbids has probability 0 and is rejected; the grammar only
+    ever advances over tokens kept."""
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.core.engine_core import EngineCore
+
+    def engine(**knobs):
+        return EngineCore(EngineConfig(model=str(tiny_byte_level_model_path), dtype="float32",
+                                       device="cpu", device_memory_gb=0.05, max_model_len=256,
+                                       **knobs))
+
+    prompts = ["codes: ab-123, ab-123, ab-124, ab-1", "ab-123, ab-12"]
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(**structured))
+    off = run_engine(engine(), prompts, params)
+    on = run_engine(engine(speculative_config=NGRAM), prompts, params)
+
+    assert [c.text for o in on.outputs for c in o.outputs] == \
+        [c.text for o in off.outputs for c in o.outputs]
+    assert token_ids(on) == token_ids(off)
+    assert drafted(on)[1] > 0
