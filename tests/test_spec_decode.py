@@ -159,3 +159,21 @@ def test_structured_output_masks_apply_to_verified_positions(
         [c.text for o in off.outputs for c in o.outputs]
     assert token_ids(on) == token_ids(off)
     assert drafted(on)[1] > 0
+
+
+def test_bfloat16_verification_rows_compute_what_decodes_compute(tiny_model, run_engine):
+    """In bf16 a GEMM rounds differently by batch shape; the few rows of a verification
+    chunk go through the streaming kernel like a decode's one row, so greedy output stays
+    equal token for token."""
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.core.engine_core import EngineCore
+    from kvscope.engine.worker.model_runner import ModelRunner
+
+    config = EngineConfig(model=str(tiny_model("llama").path), dtype="bfloat16", device="cpu",
+                          device_memory_gb=0.05, block_size=4)
+    runner = ModelRunner(config)
+    off = run_engine(EngineCore(config, runner=runner), PROMPTS, GREEDY)
+    on = run_engine(EngineCore(config.with_changes(speculative_config=NGRAM), runner=runner),
+                    PROMPTS, GREEDY)
+    assert token_ids(on) == token_ids(off)
+    assert drafted(on)[1] > 0
