@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 # One verified proposal of a step: (seq_id, tokens proposed, tokens accepted). A plain
 # tuple, as the step record's chunks are (engine.telemetry.records says why).
 SpecDraft = tuple[str, int, int]
+SPEC_DRAFT_FIELDS = ("seq_id", "num_draft_tokens", "num_accepted_tokens")
 
 
 @dataclass(slots=True)
