@@ -3,7 +3,8 @@
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+# vLLM's draft_model method (a smaller model with its own paged KV) is not built yet.
+METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 64
 
@@ -14,7 +15,7 @@ class SpeculativeConfig:
 
     ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the
     sequence's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min) in its own prompt
-    and output. draft_model: a smaller model (`model`) with the target's vocabulary.
+    and output.
     """
 
     method: str = "ngram"
@@ -38,12 +39,10 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} "
                              f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model: method='draft_model' needs the draft "
-                             "model's name or folder")
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError(f"speculative_config.model={self.model!r} is only for "
-                             "method='draft_model'")
+        if self.model is not None:
+            raise ValueError(f"speculative_config.model={self.model!r}: a draft model is for "
+                             "vLLM's draft_model method, which kvscope does not run yet; "
+                             "method='ngram' takes no model")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
         rate = self.min_acceptance_rate
