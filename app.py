@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import json
 import logging
 import signal
 import threading
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU memory for swapped-out KV blocks, GiB")
     cache.add_argument("--seed", type=int, default=DEFAULTS["seed"],
                        help="seed of the sampling of requests that give no seed")
+    cache.add_argument("--speculative-config", type=_json_object, default=None,
+                       help='speculative decoding as JSON, vLLM\'s fields, e.g. '
+                       '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
     replicas = parser.add_argument_group(
         "replicas (Ray)", "Several engines, each a Ray actor with its own weights and pool, "
@@ -149,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="Ray restarts a dead replica's actor (weights reload, empty "
                           "pool); without it a dead replica stays down")
     return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -3,6 +3,8 @@
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from kvscope.engine.spec_decode.config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -43,6 +45,9 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     preemption_mode: str = "recompute"
     swap_space: float = 1.0
+    # vLLM's speculative decoding (engine.spec_decode): a SpeculativeConfig, or a dict of
+    # its fields (method, num_speculative_tokens, prompt_lookup_min/max, model); None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -57,6 +62,7 @@ class EngineConfig:
             raise ValueError(f"quantization_group_size={self.quantization_group_size!r} must be "
                              f"one of {list(QUANTIZATION_GROUP_SIZES)}")
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         bs = self.block_size

@@ -84,13 +84,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Up to this many rows (a decode, or a speculative verification of 4 proposals) read each
+# weight once through the streaming kernel, which computes every row alike however many
+# there are: oneDNN's GEMM re-reads cold weights at a few rows (a 5-row forward of the
+# default model took 2.2x a 1-row one) and rounds differently by batch shape. More rows
+# are compute-bound: GEMM. kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows is the same.
+DENSE_KERNEL_MAX_ROWS = 5
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One row through the streaming kernel, more rows through F.linear; out_dtype float32
+    """A few rows through the streaming kernel, more through F.linear; out_dtype float32
     widens the result (the kernel writes it so itself)."""
-    if x.shape[0] != 1 or x.dim() != 2 or x.dtype != weight.dtype:
+    if x.shape[0] > DENSE_KERNEL_MAX_ROWS or x.dim() != 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias).to(out_dtype or x.dtype)
-    out = x.new_empty(1, weight.shape[0], dtype=out_dtype or x.dtype)
+    out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
     torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
     return out
 

@@ -6,7 +6,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # Bump when a table changes, and add the step from the previous version to MIGRATIONS
 # in storage.schema, so files written by older versions keep opening.
 # 2: per-step cache statistics; 3: the engine replica; 4: routing decisions.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class Base(DeclarativeBase):
@@ -84,6 +84,9 @@ class StepRow(Base):
     swapped_out: Mapped[list] = mapped_column(JSON, default=list)
     swapped_in: Mapped[list] = mapped_column(JSON, default=list)
     finished: Mapped[list] = mapped_column(JSON, default=list)
+    # Added in schema version 5: speculative decoding's [seq, proposed, accepted] per
+    # proposal the step verified.
+    spec_drafts: Mapped[list] = mapped_column(JSON, default=list)
 
 
 class ChatMessageRow(Base):

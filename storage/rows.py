@@ -19,6 +19,7 @@ def step_row(session_id: int, record: StepRecord) -> dict:
     row = {name: getattr(record, name) for name in STEP_COUNTERS}
     row.update({name: list(getattr(record, name)) for name in STEP_ID_LISTS})
     row["chunks"] = [list(chunk) for chunk in record.chunks]
+    row["spec_drafts"] = [list(draft) for draft in record.spec_drafts]
     row["session_id"] = session_id
     return row
 
@@ -28,7 +29,8 @@ def step_record(row: dict) -> StepRecord:
     return StepRecord(
         **{name: row[name] for name in STEP_COUNTERS},
         **{name: tuple(row[name]) for name in STEP_ID_LISTS},
-        chunks=tuple(tuple(chunk) for chunk in row["chunks"]))
+        chunks=tuple(tuple(chunk) for chunk in row["chunks"]),
+        spec_drafts=tuple(tuple(draft) for draft in row.get("spec_drafts") or ()))
 
 
 def request_row(session_id: int, output: RequestOutput, source: str,

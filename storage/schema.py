@@ -34,9 +34,16 @@ def _add_routing_decisions(connection: Connection) -> None:
     RoutingDecisionRow.__table__.create(connection)
 
 
+def _add_spec_drafts(connection: Connection) -> None:
+    """Version 5: each step's verified speculative proposals (empty before)."""
+    connection.exec_driver_sql("ALTER TABLE steps ADD COLUMN spec_drafts JSON NOT NULL "
+                               "DEFAULT '[]'")
+
+
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
-    1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions}
+    1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions,
+    4: _add_spec_drafts}
 
 
 def open_database(path: str | Path) -> Engine:

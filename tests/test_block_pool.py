@@ -113,9 +113,16 @@ class EventReplay:
         assert self.hashes == [block.block_hash for block in pool.blocks]
 
 
+# Speculative decoding's proposals that verification rejects: a token the machine never
+# accepts, so a slot holding it is a rejected proposal's.
+REJECTED = 9
+
+
 class BlockPoolMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free on a small pool with a small vocabulary, so
-    prefix hits, evictions, copy-on-write and running out of blocks all happen."""
+    """Random allocate / append / fork / free, and proposals verified with some rejected
+    (speculative decoding's rollback), on a small pool with a small vocabulary, so prefix
+    hits, evictions, copy-on-write and running out of blocks all happen. `slots` models
+    what the device's K/V slots hold, written as the engine writes them."""
 
     sequences = Bundle("sequences")
     sliding_window: int | None = None
@@ -128,17 +135,31 @@ class BlockPoolMachine(RuleBasedStateMachine):
                                       sliding_window=self.sliding_window)
         self.live: list[Sequence] = []
         self.decoding: set[int] = set()  # ids of sequences whose last step was a decode
+        self.slots = [[None] * 4 for _ in range(12)]
+
+    def write(self, seq: Sequence, start: int, tokens: list[int],
+              copies: list[tuple[int, int]] = ()) -> None:
+        """A step's device work: copy-on-write copies, then K/V for tokens from `start`
+        (each into a block this sequence alone holds)."""
+        for source, target in copies:
+            self.slots[target] = list(self.slots[source])
+        for position, token in enumerate(tokens, start):
+            block = seq.block_table[position // 4]
+            assert self.manager.pool.blocks[block].ref_count == 1
+            self.slots[block][position % 4] = token
 
     @rule(target=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=14))
     def allocate(self, tokens):
         seq = make_sequence(tokens)
         before = [(b.ref_count, b.block_hash) for b in self.manager.pool.blocks]
+        num_cached = len(self.manager.find_cached_prefix(seq)) * 4
         if not admit(self.manager, seq):
             # A refused allocation changes nothing.
             assert seq.block_table == []
             assert [(b.ref_count, b.block_hash) for b in self.manager.pool.blocks] == before
             return seq  # stays in the bundle; later rules skip it (empty block table)
         self.decoding.discard(id(seq))
+        self.write(seq, num_cached, tokens[num_cached:])
         self.live.append(seq)
         return seq
 
@@ -147,15 +168,37 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if seq not in self.live:
             return
         seq.token_ids.append(token)
-        if self.manager.allocate_slots(seq, 1) is None:
+        copies = self.manager.allocate_slots(seq, 1)
+        if copies is None:
             seq.token_ids.pop()
             return
         # Copy-on-write happened where needed: the block this token is written to is ours alone.
-        block = self.manager.pool.blocks[seq.block_table[seq.num_computed_tokens // 4]]
-        assert block.ref_count == 1
+        self.write(seq, seq.num_computed_tokens, [token], copies)
         seq.num_computed_tokens += 1
         self.manager.cache_full_blocks(seq)
         self.decoding.add(id(seq))
+
+    @rule(seq=sequences, accepted=st.lists(st.integers(0, 2), max_size=5),
+          num_rejected=st.integers(0, 5))
+    def propose_and_verify(self, seq, accepted, num_rejected):
+        """Write K/V for proposed tokens, accept a prefix of them and roll back the rest,
+        as EngineCore does after a verifying step."""
+        proposal = accepted + [REJECTED] * num_rejected
+        if seq not in self.live or not proposal:
+            return
+        copies = self.manager.allocate_slots(seq, len(proposal))
+        if copies is None:
+            return
+        self.write(seq, seq.num_computed_tokens, proposal, copies)
+        seq.token_ids.extend(accepted)
+        seq.num_computed_tokens += len(accepted)
+        self.manager.truncate(seq, seq.num_computed_tokens)
+        self.manager.cache_full_blocks(seq)
+        # A verification chunk holds the window of its first proposal: the decode bound
+        # on held blocks applies again after the next plain decode.
+        self.decoding.discard(id(seq))
+        # No block holds only rejected tokens.
+        assert len(seq.block_table) == self.manager.blocks_needed(seq.num_computed_tokens)
 
     @rule(target=sequences, parent=sequences)
     def fork(self, parent):
@@ -185,6 +228,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self):
         check_pool_invariants(self.manager.pool, self.live)
+
+    @invariant()
+    def cached_blocks_hold_what_their_hash_says(self):
+        """So no cached hash ever covers a rejected proposal's slot."""
+        for block in self.manager.pool.blocks:
+            if block.block_hash is not None:
+                assert self.slots[block.block_id] == list(block.block_hash[2])
 
     @invariant()
     def events_describe_the_pool(self):

@@ -76,7 +76,8 @@ def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypa
                                                             quantization, arch):
     """Same C++ ops in the same order: equal outputs, logits and K/V written, for a ragged
     batch of prefill chunks and decodes (17 rows take the GEMM, after de-quantizing packed
-    weights) and for a decode batch (one row: the dense GEMV; 3 rows: the packed kernels)."""
+    weights) and for a decode batch (one row, and 3 rows, stream the dense or packed weights
+    through the kernels)."""
     _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
                            quantization=quantization)
     assert runner.fused_decoder_stack

@@ -266,14 +266,16 @@ def test_a_version_2_log_gains_the_replica_columns_and_the_routing_table(tmp_pat
     with sqlite3.connect(db_path) as connection:  # the file as version 2 wrote it
         for table in ("requests", "steps"):
             connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
-        connection.execute("DROP TABLE routing_decisions")  # and what version 4 added
+        connection.execute("DROP TABLE routing_decisions")  # and what versions 4 and 5 added
+        connection.execute("ALTER TABLE steps DROP COLUMN spec_drafts")
         connection.execute("UPDATE schema_version SET version = 2")
     engine = schema.open_database(db_path)
     for table in ("requests", "steps"):
         assert "replica" in {c["name"] for c in inspect(engine).get_columns(table)}
+    assert "spec_drafts" in {c["name"] for c in inspect(engine).get_columns("steps")}
     assert inspect(engine).has_table("routing_decisions")
     with engine.connect() as connection:
-        assert connection.exec_driver_sql("SELECT version FROM schema_version").scalar() == 4
+        assert connection.exec_driver_sql("SELECT version FROM schema_version").scalar() == 5
 
 
 def test_schema_upgrades_from_the_previous_version(tmp_path: Path, monkeypatch) -> None:
@@ -341,9 +343,10 @@ def test_a_version_1_log_gains_the_step_statistics(tmp_path: Path, engine_run) -
     with sqlite3.connect(db_path) as connection:  # make it a version-1 file
         for column in schema.STEP_COLUMNS_OF_VERSION_2:
             connection.execute(f"ALTER TABLE steps DROP COLUMN {column}")
-        for table in ("requests", "steps"):  # and what versions 3 and 4 added
+        for table in ("requests", "steps"):  # and what versions 3, 4 and 5 added
             connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
         connection.execute("DROP TABLE routing_decisions")
+        connection.execute("ALTER TABLE steps DROP COLUMN spec_drafts")
         connection.execute("UPDATE schema_version SET version = 1")
 
     steps = load_session(open_database(db_path), session_id).steps

@@ -19,6 +19,8 @@ from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvscope.engine.sample.logits_processing import LogitsProcessor
 from kvscope.engine.sample.sampler import sample, token_logprobs
 from kvscope.engine.sample.sampling_params import SamplingParams, model_sampling_defaults
+from kvscope.engine.spec_decode.metrics import SpecDraft
+from kvscope.engine.spec_decode.proposer import Speculator
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.worker.memory import GiB
 from kvscope.engine.worker.model_runner import ModelRunner
@@ -66,6 +68,9 @@ class EngineCore:
         self.logits_processor = LogitsProcessor(self.runner.hf_config.vocab_size, self.tokenizer,
                                                 self.eos_token_ids, self.runner.device)
         self.generator = torch.Generator(self.runner.device).manual_seed(self.config.seed)
+        spec = self.config.speculative_config
+        self.speculator = (None if spec is None
+                           else Speculator(spec, self.config.max_model_len))
         self.step_index = 0
         self._request_counter = itertools.count()
 
@@ -172,6 +177,8 @@ class EngineCore:
     def step(self) -> StepResult:
         start_time = time.time()
         totals_before = self.kv_cache.stat_totals()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
@@ -183,53 +190,98 @@ class EngineCore:
         for index, chunk_logits in prompt_logits.items():
             _record_prompt_logprobs(plan.scheduled[index], chunk_logits)
         for item in plan.scheduled:
-            item.seq.num_computed_tokens = item.end
+            # Proposals count as computed only once verification accepts them.
+            item.seq.num_computed_tokens = item.start + item.num_real_tokens
             self.kv_cache.cache_full_blocks(item.seq)
-        touched, num_generated = (self._sample_and_update(sampling, logits)
-                                  if sampling else ([], 0))
+        touched, num_generated, drafts = (self._sample_and_update(sampling, logits)
+                                          if sampling else ([], 0, ()))
         finished = [r for r in touched if r.finished]
         outputs = [self._make_output(r) for r in touched]
         for request in finished:
             self.requests.pop(request.request_id, None)
-        record = self._record(start_time, plan, finished, num_generated, totals_before)
+        record = self._record(start_time, plan, finished, num_generated, totals_before, drafts)
         self.step_index += 1
         return StepResult(outputs, record)
 
-    def _sample_and_update(self, sampling: list[ScheduledSequence],
-                           logits: torch.Tensor) -> tuple[list[Request], int]:
+    def _sample_and_update(self, sampling: list[ScheduledSequence], logits: torch.Tensor
+                           ) -> tuple[list[Request], int, tuple[SpecDraft, ...]]:
         """Sample a token for every sequence that reached its end (beams collect ranked
-        candidates instead); returns the requests touched and the tokens generated."""
+        candidates instead) and verify proposals; returns the requests touched, the tokens
+        generated and the proposals verified."""
         rows: list[tuple[Sequence, int]] = []
         touched: dict[str, Request] = {}
-        for row, item in enumerate(sampling):
+        proposals: dict[Sequence, list[int]] = {}
+        row = 0  # a sequence with k proposals has k + 1 rows of logits
+        for item in sampling:
             seq = item.seq
             touched[seq.request.request_id] = seq.request
             if seq.request.beam is not None:
                 self.beams.rank(seq, logits[row])
+                row += 1
                 continue
             family = [seq]
             num_sequences = seq.request.params.num_sequences
             if num_sequences > 1 and len(seq.request.sequences) == 1:
                 family += [self.fork(seq, index) for index in range(1, num_sequences)]
             rows.extend((member, row) for member in family)
-        if rows:
-            seqs = [seq for seq, _ in rows]
-            row_ids = [row for _, row in rows]
-            # Usually every row samples once, in order: no 12 MB copy (64 rows, 49k vocab).
-            raw = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
-            result = sample(self.logits_processor.apply(raw, seqs),
-                            [seq.request.params for seq in seqs],
-                            [seq.generator for seq in seqs], self.generator, raw_logits=raw,
-                            greedy_tokens=self.runner.kernel_ops.greedy_tokens)
-            self.logits_processor.accept(seqs, result.token_ids)
-            for i, seq in enumerate(seqs):
-                top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None
-                self.append_token(seq, result.token_ids[i], result.logprobs[i], top)
-        num_generated = len(rows)
+            if item.spec_token_ids:
+                proposals[seq] = item.spec_token_ids
+            row += 1 + len(item.spec_token_ids)
+        num_generated = 0
+        accepted = dict.fromkeys(proposals, 0)
+        # Proposal by proposal: each row is sampled (or verifies its proposal) with the
+        # sequence's state after the tokens accepted before it, through the same logits
+        # edits, stop checks and update path as any step; a sequence goes on to its next
+        # row only while its proposals are accepted and it has not finished.
+        position = 0
+        while rows:
+            drafts = [_proposal_at(proposals.get(seq), position) for seq, _ in rows]
+            tokens = self._sample_rows(rows, logits, drafts)
+            num_generated += len(rows)
+            next_rows = []
+            for (seq, row), token, draft in zip(rows, tokens, drafts):
+                if token == draft:
+                    accepted[seq] += 1
+                    seq.num_computed_tokens += 1  # the proposal's K/V holds
+                    if not seq.is_finished:
+                        next_rows.append((seq, row + 1))
+            rows, position = next_rows, position + 1
         for request in touched.values():
             if request.beam is not None and self.beams.ready(request):
                 num_generated += self.beams.advance(request, self)
-        return list(touched.values()), num_generated
+        return list(touched.values()), num_generated, self._roll_back(proposals, accepted)
+
+    def _sample_rows(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
+                     drafts: list[int]) -> list[int]:
+        """One token for each (sequence, row of logits), appended through the update path;
+        a draft >= 0 is verified (the token equals it exactly when accepted)."""
+        seqs = [seq for seq, _ in rows]
+        row_ids = [row for _, row in rows]
+        # Usually every row samples once, in order: no 12 MB copy (64 rows, 49k vocab).
+        raw = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
+        result = sample(self.logits_processor.apply(raw, seqs),
+                        [seq.request.params for seq in seqs],
+                        [seq.generator for seq in seqs], self.generator, raw_logits=raw,
+                        greedy_tokens=self.runner.kernel_ops.greedy_tokens,
+                        draft_token_ids=drafts if any(d >= 0 for d in drafts) else None)
+        self.logits_processor.accept(seqs, result.token_ids)
+        for i, seq in enumerate(seqs):
+            top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None
+            self.append_token(seq, result.token_ids[i], result.logprobs[i], top)
+        return result.token_ids
+
+    def _roll_back(self, proposals: dict[Sequence, list[int]], accepted: dict[Sequence, int]
+                   ) -> tuple[SpecDraft, ...]:
+        """Release the slots of rejected proposals (blocks past the accepted tokens go back
+        to the pool), cache the blocks accepted tokens filled, and count what was kept."""
+        drafts = []
+        for seq, tokens in proposals.items():
+            drafts.append((seq.seq_id, len(tokens), accepted[seq]))
+            self.speculator.observe(seq, len(tokens), accepted[seq])
+            if not seq.is_finished:
+                self.kv_cache.truncate(seq, seq.num_computed_tokens)
+                self.kv_cache.cache_full_blocks(seq)
+        return tuple(drafts)
 
     # ---- the update path: the only code that changes sequences after a step -------------
     def append_token(self, seq: Sequence, token: int, logprob: float,
@@ -340,7 +392,8 @@ class EngineCore:
                              deltas=[c.text for c in completions])
 
     def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
-                num_generated: int, totals_before: tuple[int, ...]) -> StepRecord:
+                num_generated: int, totals_before: tuple[int, ...],
+                drafts: tuple[SpecDraft, ...]) -> StepRecord:
         pool = self.kv_cache.pool
         queries, hits, blocks_out, blocks_in = (
             now - before for now, before in zip(self.kv_cache.stat_totals(), totals_before))
@@ -359,7 +412,7 @@ class EngineCore:
             num_running=self.num_running, num_waiting=self.num_waiting,
             num_generated_tokens=num_generated, prefix_cache_queries=queries,
             prefix_cache_hits=hits, num_blocks_swapped_out=blocks_out,
-            num_blocks_swapped_in=blocks_in)
+            num_blocks_swapped_in=blocks_in, spec_drafts=drafts)
 
 
 def _eos_token_ids(runner: ModelRunner) -> set[int]:
@@ -372,6 +425,11 @@ def _eos_token_ids(runner: ModelRunner) -> set[int]:
         elif source:
             ids.update(source)
     return ids
+
+
+def _proposal_at(tokens: list[int] | None, position: int) -> int:
+    """The proposed token a sequence's row at `position` verifies, or -1 (none: it samples)."""
+    return tokens[position] if tokens is not None and position < len(tokens) else -1
 
 
 # ---- prompt logprobs and best_of -----------------------------------------------------------

@@ -186,6 +186,18 @@ class KVCacheManager:
             self.pool.cache(self.pool.blocks[seq.block_table[index]], hashes[index])
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks that hold the sequence's first `num_tokens` tokens and free the
+        ones past them, last first: speculative decoding's rollback, after verification
+        rejected the proposals written there. Those blocks were never cached (only full
+        blocks of computed tokens are, and rejected tokens never count as computed)."""
+        keep = self.blocks_needed(num_tokens)
+        if keep >= len(seq.block_table):
+            return
+        self.pool.release(self.pool.blocks[i] for i in reversed(seq.block_table[keep:]))
+        del seq.block_table[keep:]
+        self.emit(BlockTableChanged(seq, keep))
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (copy-on-write on its first write)."""
         self.pool.share(self.held_blocks(parent.block_table))

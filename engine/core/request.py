@@ -13,6 +13,7 @@ from kvscope.engine.sample.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from kvscope.engine.core.beam_search import BeamState
     from kvscope.engine.sample.logits_processing import RequestConstraints
+    from kvscope.engine.spec_decode.proposer import SpecAcceptance
 
 
 class SequenceStatus(enum.Enum):
@@ -55,6 +56,10 @@ class Sequence:
     # the block table are registered in the pool's cache.
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Speculative decoding (engine.spec_decode): the tokens proposed to follow token_ids,
+    # verified by the next step, and how this sequence's proposals have fared.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_stats: "SpecAcceptance | None" = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -127,8 +127,12 @@ class Scheduler:
                 break
             if id(seq) in preempted:
                 continue
-            num_tokens = self.chunk_size(seq, budget, cap)
+            spec = self._spec_tokens(seq, budget)
+            num_tokens = self.chunk_size(seq, budget, cap) + len(spec)
             copies = self._allocate(seq, num_tokens, out)
+            if copies is None and spec:  # proposals are the first thing to go
+                spec, num_tokens = [], num_tokens - len(spec)
+                copies = self._allocate(seq, num_tokens, out)
             while copies is None:
                 # Among equals the latest in `running` goes: the head of `running` only
                 # ever preempts itself when alone, so it always finishes (no livelock).
@@ -142,7 +146,7 @@ class Scheduler:
             if copies is None:
                 continue  # seq preempted itself
             out.block_copies.extend(copies)
-            self._add_scheduled(out, seq, num_tokens)
+            self._add_scheduled(out, seq, num_tokens, spec)
             budget -= num_tokens
 
         # A step that had to preempt admits nobody: memory is short already.
@@ -171,6 +175,14 @@ class Scheduler:
             self._add_scheduled(out, seq, num_tokens)
             budget -= num_tokens
         return out
+
+    @staticmethod
+    def _spec_tokens(seq: Sequence, budget: int) -> list[int]:
+        """A decoding sequence's proposals that fit the budget beside its own token; they
+        count against the budget and are verified as one chunk with it."""
+        if not seq.spec_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []
+        return seq.spec_token_ids[:budget - 1]
 
     def _allocate(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
                   cached_prefix: list = ()) -> list[tuple[int, int]] | None:
@@ -215,8 +227,10 @@ class Scheduler:
         out.block_copies.extend(copies)
         return num_tokens
 
-    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
-        out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_tokens))
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_tokens: int,
+                       spec_token_ids: list[int] = ()) -> None:
+        out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_tokens,
+                                               list(spec_token_ids)))
         out.num_scheduled_tokens += num_tokens
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

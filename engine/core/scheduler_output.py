@@ -7,27 +7,41 @@ from kvscope.engine.core.request import ChunkKind, Sequence
 
 @dataclass(slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step: compute tokens [start, start + num_tokens)."""
+    """One sequence's share of a step: compute tokens [start, start + num_tokens). With
+    speculative decoding its last len(spec_token_ids) positions hold proposed tokens, not
+    yet the sequence's: the step verifies them."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
     # Fixed when scheduled: read after the step samples, the sequence's new output token
     # would make a prompt's last one-token chunk look like a decode.
     kind: ChunkKind = field(init=False)
 
     def __post_init__(self) -> None:
-        self.kind = (ChunkKind.DECODE if self.num_tokens == 1 and self.seq.num_output_tokens > 0
-                     else ChunkKind.PREFILL)
+        self.kind = (ChunkKind.DECODE if self.num_real_tokens == 1
+                     and self.seq.num_output_tokens > 0 else ChunkKind.PREFILL)
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def num_real_tokens(self) -> int:
+        """The chunk's tokens that are the sequence's own (not proposals)."""
+        return self.num_tokens - len(self.spec_token_ids)
+
+    @property
     def samples(self) -> bool:
-        """The step reaches the sequence's last token, so its logits pick the next one."""
-        return self.end == self.seq.num_tokens
+        """The step reaches the sequence's last token, so its logits pick the next one (and,
+        with proposals, verify each of them)."""
+        return self.start + self.num_real_tokens == self.seq.num_tokens
+
+    def input_token_ids(self) -> list[int]:
+        """The tokens at positions [start, end): the sequence's, then the proposals."""
+        return (self.seq.token_ids[self.start:self.start + self.num_real_tokens]
+                + self.spec_token_ids)
 
 
 @dataclass(slots=True)

@@ -77,6 +77,12 @@ class EngineCounters:
     prefix_cache_queries: int = 0  # tokens, as vLLM counts them
     prefix_cache_hits: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    # Speculative decoding (vLLM's counts): proposals verified, their tokens, the tokens
+    # accepted, and per position in the proposals (0 first) how often it was accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -261,7 +267,9 @@ class AsyncEngine(ChatSubmit):
         """A consistent copy of the totals."""
         with self._counters_lock:
             return replace(self._counters,
-                           requests_finished=dict(self._counters.requests_finished))
+                           requests_finished=dict(self._counters.requests_finished),
+                           spec_decode_num_accepted_tokens_per_pos=dict(
+                               self._counters.spec_decode_num_accepted_tokens_per_pos))
 
     # ---- requests ----------------------------------------------------------------------
     def submit(
@@ -524,6 +532,13 @@ class AsyncEngine(ChatSubmit):
             counters.swapped_in += len(record.swapped_in)
             counters.prefix_cache_queries += record.prefix_cache_queries
             counters.prefix_cache_hits += record.prefix_cache_hits
+            per_pos = counters.spec_decode_num_accepted_tokens_per_pos
+            for _, num_draft_tokens, num_accepted in record.spec_drafts:
+                counters.spec_decode_num_drafts += 1
+                counters.spec_decode_num_draft_tokens += num_draft_tokens
+                counters.spec_decode_num_accepted_tokens += num_accepted
+                for position in range(num_accepted):  # accepted tokens are a prefix
+                    per_pos[position] = per_pos.get(position, 0) + 1
 
     def _answer_snapshots(self) -> None:
         waiters, self._snapshot_waiters = self._snapshot_waiters, []

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvscope.engine.sample.rejection_sampler import accept_or_residual
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.kernels import TORCH_OPS
 
@@ -32,12 +33,20 @@ def sample(
     default_generator: torch.Generator | None = None,
     raw_logits: torch.Tensor | None = None,
     greedy_tokens: Callable[[torch.Tensor], tuple[list[int], list[float]]] = TORCH_OPS.greedy_tokens,
+    draft_token_ids: list[int] | None = None,
+    draft_probs: torch.Tensor | None = None,
 ) -> SampleResult:
     """Pick one token per row of `logits` [rows, vocab] (fp32), each row with its params.
     Logprobs come from `raw_logits` when given: the model's, before penalties, biases and
     masks edited `logits` (vLLM's default logprobs mode). A batch of greedy rows that asks
     for no alternatives, over the logits as the model gave them, is picked by
-    `greedy_tokens` (the engine's kernels: the C++ one picks in one pass over each row)."""
+    `greedy_tokens` (the engine's kernels: the C++ one picks in one pass over each row).
+
+    Speculative decoding: a row whose `draft_token_ids` entry is >= 0 verifies that
+    proposed token (engine.sample.rejection_sampler; `draft_probs` [rows, vocab] is the
+    proposer's distribution, None for deterministic proposals). The token picked is the
+    proposal exactly when it was accepted, and follows the target's distribution either
+    way."""
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if (len(greedy) == len(params) and all(p.logprobs is None for p in params)
             and (raw_logits is None or raw_logits is logits)):
@@ -50,7 +59,8 @@ def sample(
         chosen = torch.empty(len(params), dtype=torch.long, device=logits.device)
         if greedy:
             chosen[greedy] = logits[greedy].argmax(dim=-1)
-        _draw_random_rows(logits, params, generators, default_generator, chosen)
+        _draw_random_rows(logits, params, generators, default_generator, chosen,
+                          draft_token_ids or [-1] * len(params), draft_probs)
     chosen_logprobs = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     top = [None] * len(params)
     for row, p in enumerate(params):
@@ -66,13 +76,20 @@ def _draw_random_rows(
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
     chosen: torch.Tensor,
+    draft_token_ids: list[int],
+    draft_probs: torch.Tensor | None,
 ) -> None:
-    """Write a draw into `chosen` for every non-greedy row: rows filtered by min-p alone
-    draw among their candidates, the others from their distribution over the vocabulary."""
-    by_min_p, by_distribution = [], []
+    """Write a draw into `chosen` for every non-greedy row: rows verifying a proposal by
+    rejection sampling, rows filtered by min-p alone among their candidates, the others
+    from their distribution over the vocabulary."""
+    by_min_p, by_distribution, verifying = [], [], []
     for row, p in enumerate(params):
-        if not p.greedy:
-            truncates = 0 < p.top_k < logits.shape[1] or p.top_p < 1
+        if p.greedy:
+            continue
+        truncates = 0 < p.top_k < logits.shape[1] or p.top_p < 1
+        if draft_token_ids[row] >= 0:
+            verifying.append(row)
+        else:
             (by_min_p if p.min_p > 0 and not truncates else by_distribution).append(row)
     for rows, draw in ((by_min_p, _draw_min_p_candidates), (by_distribution, _draw_filtered)):
         if rows:
@@ -80,6 +97,23 @@ def _draw_random_rows(
             chosen[rows] = draw(logits if whole else logits[rows], [params[i] for i in rows],
                                 _uniforms([generators[i] for i in rows], default_generator,
                                           logits.device))
+    if verifying:
+        row_generators = [generators[i] for i in verifying]
+        accept, resample = (_uniforms(row_generators, default_generator, logits.device)
+                            for _ in range(2))
+        chosen[verifying] = _draw_verified(
+            logits[verifying], [params[i] for i in verifying],
+            torch.tensor([draft_token_ids[i] for i in verifying], device=logits.device),
+            None if draft_probs is None else draft_probs[verifying], accept, resample)
+
+
+def _draw_verified(logits: torch.Tensor, params: list[SamplingParams], drafts: torch.Tensor,
+                   draft_probs: torch.Tensor | None, accept_uniforms: torch.Tensor,
+                   resample_uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's proposal where accepted, else a draw from the residual."""
+    accepted, residual = accept_or_residual(_filtered_probs(logits, params), drafts,
+                                            draft_probs, accept_uniforms)
+    return torch.where(accepted, drafts, _inverse_cdf(residual, resample_uniforms))
 
 
 def _uniforms(generators: list[torch.Generator | None], default_generator: torch.Generator | None,
@@ -100,11 +134,18 @@ def _draw_filtered(logits: torch.Tensor, params: list[SamplingParams],
     """Inverse CDF over the vocabulary: the first token whose running probability exceeds
     the row's uniform share of the total. The target stays below the total, so the token
     found always adds probability: a masked token (probability 0) is never chosen."""
-    cumulative = _filtered_probs(logits, params).cumsum_(dim=-1)
+    return _inverse_cdf(_filtered_probs(logits, params), uniforms)
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of unnormalized `weights` (consumed): the token at the row's uniform share
+    of the total (an all-zero row, whose draw is never used, gives the last token)."""
+    cumulative = weights.cumsum_(dim=-1)
     totals = cumulative[:, -1:]
     targets = torch.minimum(uniforms.to(totals.dtype).unsqueeze(1) * totals,
                             torch.nextafter(totals, torch.zeros_like(totals)))
-    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    found = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    return found.clamp_(max=weights.shape[1] - 1)
 
 
 def min_p_candidates(logits: torch.Tensor, params: list[SamplingParams]

@@ -49,6 +49,12 @@ COUNTERS = (  # (series, EngineCounters field, help)
     ("num_preemptions", "preemptions", "Sequences preempted."),
     ("step_failures", "step_failures", "Engine steps that raised."),
     ("engine_steps", "num_steps", "Engine steps run."),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Speculative proposals verified (one per sequence per verifying step)."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+     "Tokens proposed and verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Proposed tokens that verification accepted."),
 )
 # As vLLM does: no `_created` series next to every counter and histogram (they double the
 # output and no dashboard reads them).
@@ -137,6 +143,9 @@ class EngineMetrics:
                                     "CPU memory.", labels=[*LABELS, "direction"])
         finished = CounterMetricFamily("kvscope:request_success", "Requests ended, by reason.",
                                        labels=[*LABELS, "finished_reason"])
+        per_pos = CounterMetricFamily("kvscope:spec_decode_num_accepted_tokens_per_pos",
+                                      "Proposed tokens accepted, by position in the proposal "
+                                      "(0 first).", labels=[*LABELS, "position"])
         for status in self._statuses:  # a dead replica keeps its last totals (monotonic)
             totals, labels = status.counters, [self.model_name, str(status.replica)]
             for name, field, _ in COUNTERS:
@@ -145,9 +154,12 @@ class EngineMetrics:
             swaps.add_metric([*labels, "in"], totals.swapped_in)
             for reason, count in sorted(totals.requests_finished.items()):
                 finished.add_metric([*labels, reason], count)
+            for position, count in sorted(totals.spec_decode_num_accepted_tokens_per_pos.items()):
+                per_pos.add_metric([*labels, str(position)], count)
         yield from counters.values()
         yield swaps
         yield finished
+        yield per_pos
 
     def _histograms(self) -> Iterator[Metric]:
         for record in self.finished_requests.drain():

@@ -17,6 +17,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from kvscope.engine.frontend.streams import Channel
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.serving.pool_messages import pool_messages
+from kvscope.engine.spec_decode.metrics import SPEC_DRAFT_FIELDS
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import CHUNK_FIELDS, EngineSnapshot, StepRecord
 from kvscope.engine.view import EngineView
@@ -35,7 +36,8 @@ def step_message(records: list[StepRecord], num_dropped: int) -> str:
 
 def _record_dict(record: StepRecord) -> dict:
     return {**dataclasses.asdict(record), "duration": record.duration,
-            "chunks": [dict(zip(CHUNK_FIELDS, chunk)) for chunk in record.chunks]}
+            "chunks": [dict(zip(CHUNK_FIELDS, chunk)) for chunk in record.chunks],
+            "spec_drafts": [dict(zip(SPEC_DRAFT_FIELDS, draft)) for draft in record.spec_drafts]}
 
 
 def routing_message(decisions: list[RoutingDecision], num_dropped: int) -> str:

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvscope.engine.core.block_pool import BlockHash
+from kvscope.engine.spec_decode.metrics import SpecDraft
 
 # One chunk a step computed: (request_id, seq_id, kind, start, end), i.e. tokens
 # [start, end) of one sequence, kind "prefill" or "decode". A plain tuple of str and int,
@@ -44,6 +45,9 @@ class StepRecord:
     num_blocks_swapped_out: int = 0
     num_blocks_swapped_in: int = 0
     replica: int = 0  # which engine replica stepped (engine.replicas)
+    # Speculative decoding: each proposal this step verified, (seq_id, tokens proposed,
+    # tokens accepted); the rejected ones' slots were released (engine.spec_decode).
+    spec_drafts: tuple[SpecDraft, ...] = ()
 
     @property
     def duration(self) -> float:

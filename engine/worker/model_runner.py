@@ -283,22 +283,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run one forward over the ragged batch. Returns logits [sampling sequences, vocab]
-        in fp32, one row per scheduled sequence that reaches its last token, in schedule
-        order; and for each index in `all_positions` the logits of every position of its
-        chunk (prompt logprobs)."""
+        """Run one forward over the ragged batch. Returns logits [rows, vocab] in fp32 for
+        each scheduled sequence that reaches its last token, in schedule order: one row, or
+        with k proposed tokens k + 1 rows (the last own token's and each proposal's, which
+        verify the proposals and give the token after them); and for each index in
+        `all_positions` the logits of every position of its chunk (prompt logprobs)."""
         input_ids, positions, meta = self._flat_inputs(
             [(s.start, s.end, s.seq.block_table) for s in scheduled], self.block_size,
-            token_ids=lambda index, start, end: scheduled[index].seq.token_ids[start:end])
+            token_ids=lambda index, start, end: scheduled[index].input_token_ids())
         hidden = self.model(input_ids, positions, meta)
         starts = meta.query_start_loc.tolist() if all_positions else []
         chunk_logits = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
                         for i in all_positions}
-        last_rows, end = [], 0  # each sampling sequence's last token in the flat batch
+        last_rows, end = [], 0  # each sampling sequence's last tokens in the flat batch
         for item in scheduled:
             end += item.end - item.start
             if item.samples:
-                last_rows.append(end - 1)
+                last_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
         # A batch of decodes that all sample is every row, in order: no gather.
         sampled = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
         return self.model.compute_logits(sampled), chunk_logits

@@ -70,13 +70,17 @@ void quantized_project(const at::Tensor& x, const LinearWeights& linear, const S
   gemm(x, dense, linear.bias, out);
 }
 
-// out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: one row
-// streams its weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
+// Dense weights: up to this many rows stream their weights through the dot-product kernel
+// (kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS, the same rule).
+constexpr int64_t kDenseKernelMaxRows = 5;
+
+// out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: a few rows
+// stream their weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
 // kernels/cpu_kernels.py's linear does); packed ones as their modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
   if (linear.scales) return quantized_project(x, linear, config, out);
-  if (x.size(0) != 1) return gemm(x, linear.weight, linear.bias, out);
+  if (x.size(0) > kDenseKernelMaxRows) return gemm(x, linear.weight, linear.bias, out);
   traced("kvscope::linear_small_batch",
          [&] { linear_small_batch(x, linear.weight, linear.bias, out); });
 }

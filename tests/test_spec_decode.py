@@ -1,0 +1,179 @@
+"""Speculative decoding: greedy output equals speculation off token for token, proposals
+are verified exactly, rejected proposals give their slots back."""
+
+import random
+
+import pytest
+
+from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscope.engine.spec_decode.ngram_proposer import NgramProposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3, "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+_rng = random.Random(5)
+
+
+def _copy_prompt(length: int) -> list[int]:
+    """A phrase repeated with variations: prompt lookup finds matches, some of them wrong."""
+    phrase = [_rng.randrange(1, 256) for _ in range(12)]
+    tokens = []
+    while len(tokens) < length:
+        tokens += [t if _rng.random() > 0.2 else _rng.randrange(1, 256) for t in phrase]
+    return tokens[:length]
+
+
+PROMPTS = [_copy_prompt(n) for n in (7, 30, 45, 64, 20, 90)]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def token_ids(run) -> list[list[list[int]]]:
+    return [[c.token_ids for c in sorted(o.outputs, key=lambda c: c.index)] for o in run.outputs]
+
+
+def drafted(run) -> tuple[int, int]:
+    """(tokens proposed, tokens accepted) over a run."""
+    drafts = [d for record in run.records for d in record.spec_drafts]
+    return sum(d[1] for d in drafts), sum(d[2] for d in drafts)
+
+
+def test_ngram_proposer_takes_the_longest_latest_match():
+    proposer = NgramProposer(1, 3)
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    assert proposer.propose(tokens, 2) == [9, 2]  # "6 7" last seen at 5..6
+    assert proposer.propose(tokens + [8], 3) == [1, 6, 7]  # "6 7 8" beats "7 8" and "8"
+    assert proposer.propose([1, 2, 3], 4) == []
+    assert NgramProposer(2, 2).propose([4, 4, 4], 4) == [4]  # the match runs into the end
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_greedy_output_equals_speculation_off(arch, make_engine, run_engine):
+    off = run_engine(make_engine(arch, block_size=4), PROMPTS, GREEDY)
+    on = run_engine(make_engine(arch, block_size=4, speculative_config=NGRAM), PROMPTS, GREEDY)
+
+    assert token_ids(on) == token_ids(off)
+    proposed, accepted = drafted(on)
+    assert 0 < accepted < proposed  # both verdicts were exercised
+    assert len(on.records) < len(off.records)
+    assert on.records[-1].num_used_blocks == 0
+
+
+# Nine blocks of eight: one sequence at max_model_len fits, the batch needs ~60.
+PRESSURED = {"num_gpu_blocks_override": 9, "swap_space": 0.001}
+SHORT_PROMPTS = [_copy_prompt(n) for n in (5, 16, 40, 33, 20, 9)]
+MIXED = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=n) for n in (1, 2)] * 3
+
+
+@pytest.mark.parametrize("budget", [5, 64])
+@pytest.mark.parametrize(("preemption_mode", "enable_prefix_caching"),
+                         [("recompute", True), ("recompute", False), ("swap", True)])
+def test_greedy_equality_holds_under_preemption_chunking_and_caching(
+        preemption_mode, enable_prefix_caching, budget, make_engine, run_engine):
+    """Chunked prefill with a budget smaller than a verification chunk, repeated
+    preemption in both modes, the prefix cache on and off, and n=2."""
+    knobs = {"block_size": 8, "max_model_len": 72, "max_num_batched_tokens": budget,
+             "enable_prefix_caching": enable_prefix_caching}
+    off = run_engine(make_engine("llama", **knobs), SHORT_PROMPTS, MIXED)
+    engine = make_engine("llama", **knobs, **PRESSURED, preemption_mode=preemption_mode,
+                         speculative_config=NGRAM)
+    on = run_engine(engine, SHORT_PROMPTS, MIXED)
+
+    assert token_ids(on) == token_ids(off)
+    assert engine.scheduler.num_preemptions >= 2
+    assert drafted(on)[1] > 0
+    assert all(r.num_scheduled_tokens <= budget for r in on.records)
+    assert engine.kv_cache.pool.num_used_blocks == 0
+    assert sorted(engine.kv_cache.free_swap_blocks) == list(range(engine.kv_cache.num_swap_blocks))
+
+
+def test_beam_search_beside_speculation_is_unchanged(make_engine, run_engine):
+    """Beam search ranks every candidate itself, so its beams propose nothing; the greedy
+    request beside it still speculates."""
+    params = [BeamSearchParams(3, 12), GREEDY]
+    prompts = PROMPTS[1:3]
+    off = run_engine(make_engine("llama", block_size=4), prompts, params)
+    on = run_engine(make_engine("llama", block_size=4, speculative_config=NGRAM), prompts,
+                    params)
+
+    assert token_ids(on) == token_ids(off)
+    assert [c.cumulative_logprob for c in on.outputs[0].outputs] == pytest.approx(
+        [c.cumulative_logprob for c in off.outputs[0].outputs])
+    assert all(d[0].startswith(on.outputs[1].request_id) for r in on.records
+               for d in r.spec_drafts)
+    assert drafted(on)[0] > 0
+
+
+FEATURES = {
+    "penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.2},
+    "logit_bias": {"logit_bias": {17: 3.0, 18: 2.0}},
+    "min_tokens_and_stops": {"min_tokens": 12, "stop_token_ids": [17, 40], "stop": ["<18>"]},
+    "logprobs": {"logprobs": 3},
+    "allowed_and_bad_words": {"allowed_token_ids": list(range(1, 60)), "bad_words": ["<7>"]},
+}
+
+
+@pytest.mark.parametrize("knobs", FEATURES.values(), ids=FEATURES)
+def test_sampling_features_apply_to_every_verified_position(knobs, make_engine, run_engine):
+    """Each verified position sees the state its tokens before it left (penalty counts,
+    min_tokens, stops), so greedy output, finish reasons and logprobs match speculation off."""
+    params = SamplingParams(temperature=0, max_tokens=40, **knobs)
+    off = run_engine(make_engine("llama", block_size=4), PROMPTS, params)
+    on = run_engine(make_engine("llama", block_size=4, speculative_config=NGRAM), PROMPTS,
+                    params)
+
+    assert token_ids(on) == token_ids(off)
+    for a, b in zip(on.outputs, off.outputs):
+        assert [(c.text, c.finish_reason, c.stop_reason) for c in a.outputs] == \
+            [(c.text, c.finish_reason, c.stop_reason) for c in b.outputs]
+        if params.logprobs:
+            for c, d in zip(a.outputs, b.outputs):
+                assert [sorted(e) for e in c.logprobs] == [sorted(e) for e in d.logprobs]
+                assert [v for e in c.logprobs for v in e.values()] == pytest.approx(
+                    [v for e in d.logprobs for v in e.values()], abs=1e-4)
+    assert drafted(on)[0] > 0
+
+
+@pytest.mark.parametrize("structured", [{"regex": r"(ab-\d{3}, ){2,4}"},
+                                        {"choice": ["ab-123, ab-123", "ab-124"]}],
+                         ids=["regex", "choice"])
+def test_structured_output_masks_apply_to_verified_positions(
+        structured, tiny_byte_level_model_path, run_engine):
+    """A proposal the grammar forbids has probability 0 and is rejected; the grammar only
+    ever advances over tokens kept."""
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.core.engine_core import EngineCore
+
+    def engine(**knobs):
+        return EngineCore(EngineConfig(model=str(tiny_byte_level_model_path), dtype="float32",
+                                       device="cpu", device_memory_gb=0.05, max_model_len=256,
+                                       **knobs))
+
+    prompts = ["codes: ab-123, ab-123, ab-124, ab-1", "ab-123, ab-12"]
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(**structured))
+    off = run_engine(engine(), prompts, params)
+    on = run_engine(engine(speculative_config=NGRAM), prompts, params)
+
+    assert [c.text for o in on.outputs for c in o.outputs] == \
+        [c.text for o in off.outputs for c in o.outputs]
+    assert token_ids(on) == token_ids(off)
+    assert drafted(on)[1] > 0
+
+
+def test_bfloat16_verification_rows_compute_what_decodes_compute(tiny_model, run_engine):
+    """In bf16 a GEMM rounds differently by batch shape; the few rows of a verification
+    chunk go through the streaming kernel like a decode's one row, so greedy output stays
+    equal token for token."""
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.core.engine_core import EngineCore
+    from kvscope.engine.worker.model_runner import ModelRunner
+
+    config = EngineConfig(model=str(tiny_model("llama").path), dtype="bfloat16", device="cpu",
+                          device_memory_gb=0.05, block_size=4)
+    runner = ModelRunner(config)
+    off = run_engine(EngineCore(config, runner=runner), PROMPTS, GREEDY)
+    on = run_engine(EngineCore(config.with_changes(speculative_config=NGRAM), runner=runner),
+                    PROMPTS, GREEDY)
+    assert token_ids(on) == token_ids(off)
+    assert drafted(on)[1] > 0
