@@ -77,8 +77,9 @@ class EngineView(Protocol):
                     **kwargs: Any) -> RequestStream:
         """Queue a conversation, rendered with the model's chat template."""
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of a conversation, ending with the assistant's turn."""
+    def render_chat(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn (options:
+        engine.frontend.chat.render_chat's `tools`, `chat_template_kwargs`, ...)."""
 
     # ---- readers ---------------------------------------------------------------------------
     def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:

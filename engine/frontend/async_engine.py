@@ -53,9 +53,10 @@ class ChatSubmit:
         return self.submit(self.render_chat(messages), params, add_special_tokens=False,
                            **kwargs)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of a conversation, ending with the assistant's turn."""
-        return render_chat(self.tokenizer, messages)
+    def render_chat(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn (options:
+        render_chat's `tools`, `chat_template_kwargs`, `add_generation_prompt`)."""
+        return render_chat(self.tokenizer, messages, **template_options)
 
 
 def _check_replica(replica: int | None) -> None:
