@@ -88,6 +88,10 @@ class EngineView(Protocol):
     def subscribe_steps(self, maxsize: int = 1024) -> Channel:
         """Every StepRecord from now on, of every replica (a slow reader loses the oldest)."""
 
+    def subscribe_kv_events(self, listener: Any) -> None:
+        """Every KV event of the pool (engine.core.kv_events), across reconfigures; one
+        engine only (a ReplicaSet refuses: its replicas' pools are in other processes)."""
+
     def subscribe_requests(self, maxsize: int = 10_000) -> Channel:
         """A RequestRecord for every request that ends from now on."""
 

@@ -57,6 +57,12 @@ class BlockRemoved:
     block_hash: "BlockHash"
 
 
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every cached block is gone at once: a reconfigure replaced the pool. Not emitted
+    by the pool itself; AsyncEngine tells its KV-event subscribers (subscribe_kv_events)."""
+
+
 # ---- the KV cache manager ------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class BlockTableChanged:
