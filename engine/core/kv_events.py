@@ -118,6 +118,9 @@ class EventBus:
     def subscribe(self, listener: KVEventSink) -> None:
         self._listeners = (*self._listeners, listener)
 
+    def unsubscribe(self, listener: KVEventSink) -> None:
+        self._listeners = tuple(other for other in self._listeners if other is not listener)
+
     def emit(self, event: KVEvent) -> None:
         for listener in self._listeners:
             listener(event)

@@ -172,6 +172,11 @@ class ZmqEventPublisher:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))
 
+    @property
+    def num_batches(self) -> int:
+        """Batches sent so far (the next batch's sequence number)."""
+        return self._next_seq
+
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
