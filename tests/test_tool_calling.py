@@ -253,3 +253,18 @@ def test_reasoning_content_streamed_equals_whole(client):
                         for chunk in client.chat.completions.create(**request, stream=True)
                         if chunk.choices)
     assert reasoning == message.reasoning_content and reasoning
+
+
+def test_dashboard_chat_folds_reasoning_apart_from_the_answer():
+    from kvscope.ui.chat import _display
+    user = {"role": "user", "content": "hi"}
+    thinking = {"role": "assistant", "content": "<think>weighing it"}
+    shown = _display([user, thinking], [])  # still streaming
+    assert shown[1] == {"role": "assistant", "content": "weighing it",
+                        "metadata": {"title": "Reasoning", "status": "pending"}}
+    done = {"role": "assistant", "content": "<think>weighing it</think>Hello!"}
+    shown = _display([user, done], ["12 tokens"])
+    assert shown[1]["metadata"]["status"] == "done" and shown[1]["content"] == "weighing it"
+    assert shown[2] == {"role": "assistant", "content": "Hello!\n\n<sub>12 tokens</sub>"}
+    assert _display([user, {"role": "assistant", "content": "plain"}], []) == [
+        user, {"role": "assistant", "content": "plain"}]
