@@ -67,6 +67,34 @@ def test_every_dashboard_selector_matches_a_live_series(live_metrics):
                 assert all(label in s.labels for s in matching), (label, expression)
 
 
+# Every series vLLM's own dashboard (examples/observability/prometheus_grafana/grafana.json)
+# queries, by panel: with kvscope's /metrics none of its panels stays empty.
+VLLM_DASHBOARD_SERIES = {
+    "E2E Request Latency": ["vllm:e2e_request_latency_seconds_bucket",
+                            "vllm:e2e_request_latency_seconds_sum"],
+    "Token Throughput": ["vllm:prompt_tokens_total", "vllm:generation_tokens_total"],
+    "Inter Token Latency": ["vllm:inter_token_latency_seconds_bucket"],
+    "Scheduler State": ["vllm:num_requests_running", "vllm:num_requests_waiting"],
+    "Time To First Token Latency": ["vllm:time_to_first_token_seconds_bucket"],
+    "Cache Utilization": ["vllm:kv_cache_usage_perc"],
+    "Request Prompt Length": ["vllm:request_prompt_tokens_bucket"],
+    "Request Generation Length": ["vllm:request_generation_tokens_bucket"],
+    "Finish Reason": ["vllm:request_success_total"],
+    "Queue Time": ["vllm:request_queue_time_seconds_sum"],
+    "Requests Prefill and Decode Time": ["vllm:request_prefill_time_seconds_sum",
+                                         "vllm:request_decode_time_seconds_sum"],
+    "Max Generation Token in Sequence Group": ["vllm:request_max_num_generation_tokens_sum"],
+}
+
+
+def test_vllms_own_dashboard_finds_its_series(live_metrics):
+    model, samples = live_metrics
+    served = {s.name for s in samples if s.labels.get("model_name") == model
+              and s.labels.get("engine") == "0"}
+    for panel, series in VLLM_DASHBOARD_SERIES.items():
+        assert set(series) <= served, panel
+
+
 def test_the_model_variable_and_the_scrape_config(live_metrics):
     model, samples = live_metrics
     dashboard = json.loads((ASSETS / "kvscope.json").read_text())

@@ -64,7 +64,9 @@ TIME_HISTOGRAMS = (  # (series, help, buckets)
 )
 TOKEN_HISTOGRAMS = (("vllm:request_prompt_tokens", "Prompt tokens per finished request."),
                     ("vllm:request_generation_tokens",
-                     "Generated tokens per finished request (all its samples)."))
+                     "Generated tokens per finished request (all its samples)."),
+                    ("vllm:request_max_num_generation_tokens",
+                     "The longest sample's generated tokens per finished request."))
 # vLLM's cache_config_info labels that kvscope has.
 CACHE_CONFIG_KNOBS = ("block_size", "enable_prefix_caching", "gpu_memory_utilization",
                       "swap_space")
@@ -210,8 +212,10 @@ class EngineMetrics:
             output = record.output
             self._histogram("vllm:request_prompt_tokens", labels).observe(
                 len(output.prompt_token_ids or ()))
-            self._histogram("vllm:request_generation_tokens", labels).observe(
-                sum(len(sample.token_ids) for sample in output.outputs))
+            lengths = [len(sample.token_ids) for sample in output.outputs]
+            self._histogram("vllm:request_generation_tokens", labels).observe(sum(lengths))
+            self._histogram("vllm:request_max_num_generation_tokens", labels).observe(
+                max(lengths, default=0))
         for histogram in self.histograms.values():
             yield from histogram.collect()
 
