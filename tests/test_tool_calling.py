@@ -150,7 +150,7 @@ def client(tools_model_path):
         model=str(tools_model_path), dtype="float32", device="cpu", block_size=8,
         num_gpu_blocks_override=512, max_model_len=2048, max_num_batched_tokens=2048)).start()
     parsing = ChatParsing(enable_auto_tool_choice=True, tool_call_parser="hermes",
-                          reasoning_parser="deepseek_r1")
+                          reasoning_parser="qwen3")
     url, server, thread = serve(create_app(engine, chat_parsing=parsing))
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     server.should_exit = True
@@ -211,8 +211,7 @@ def test_openai_tool_loop_call_result_answer(client, stream):
         temperature=0, extra_body={"ignore_eos": True})
     assert answer.choices[0].message.tool_calls is None
     assert answer.usage.prompt_tokens > len("<tool_response>\n18 degrees, sunny")
-    # deepseek_r1: with no </think> the whole answer is thinking.
-    assert answer.choices[0].message.reasoning_content
+    assert answer.choices[0].message.content  # no thinking opened: all answer
 
 
 def test_required_calls_parse_and_validate_streamed_or_not(client):
@@ -244,15 +243,34 @@ def test_tool_choice_errors_name_the_field(client):
 
 
 def test_reasoning_content_streamed_equals_whole(client):
+    """enable_thinking reaches the template, which opens <think> in the prompt: the
+    random model never closes it, so all of its answer is thinking."""
     model = client.models.list().data[0].id
     request = {"model": model, "messages": QUESTION, "max_tokens": 12, "temperature": 0,
-               "extra_body": {"ignore_eos": True}}
+               "extra_body": {"ignore_eos": True,
+                              "chat_template_kwargs": {"enable_thinking": True}}}
     message = client.chat.completions.create(**request).choices[0].message
     assert message.content is None or message.content == ""
     reasoning = "".join(getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
                         for chunk in client.chat.completions.create(**request, stream=True)
                         if chunk.choices)
     assert reasoning == message.reasoning_content and reasoning
+    # Without the switch the prompt opens no thinking block: all of it is the answer.
+    del request["extra_body"]["chat_template_kwargs"]
+    plain = client.chat.completions.create(**request).choices[0].message
+    assert plain.reasoning_content is None and plain.content
+
+
+def test_a_schema_waits_for_the_thinking_to_end(client):
+    """With thinking opened in the prompt, response_format starts after </think> (as in
+    vLLM): the random model never ends its thinking, so nothing is held to the schema."""
+    model = client.models.list().data[0].id
+    message = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=10, temperature=0,
+        response_format={"type": "json_object"},
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": True}},
+    ).choices[0].message
+    assert message.reasoning_content and not message.reasoning_content.startswith("{")
 
 
 def test_dashboard_chat_folds_reasoning_apart_from_the_answer():
@@ -268,3 +286,20 @@ def test_dashboard_chat_folds_reasoning_apart_from_the_answer():
     assert shown[2] == {"role": "assistant", "content": "Hello!\n\n<sub>12 tokens</sub>"}
     assert _display([user, {"role": "assistant", "content": "plain"}], []) == [
         user, {"role": "assistant", "content": "plain"}]
+
+
+def test_structured_output_starts_after_the_reasoning_ends(tools_model_path):
+    from kvscope import LLM, SamplingParams
+    from kvscope.engine.sample.sampling_params import StructuredOutputsParams
+    llm = LLM(str(tools_model_path), dtype="float32", device="cpu",
+              num_gpu_blocks_override=64, max_model_len=256)
+    z = llm.engine.tokenizer.convert_tokens_to_ids("z")
+    params = [SamplingParams(
+        max_tokens=60, temperature=1.0, seed=seed, logit_bias={z: 4.0},
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"], start_after="z"))
+        for seed in range(6)]
+    texts = [o.outputs[0].text for o in llm.generate(["hi"] * len(params), params,
+                                                     use_tqdm=False)]
+    for text in texts:  # free text, the marker, then only what the grammar allows
+        assert "z" in text and text.split("z", 1)[1] in ("yes", "no"), text
+    assert any(text.index("z") > 0 for text in texts)  # some thought before the marker

@@ -1,5 +1,7 @@
 """A tiny chat model whose template renders tools and tool results (Hermes style, as Qwen's
-templates do) and Qwen3's enable_thinking switch: the tool-calling and reasoning tests'."""
+templates do) and a thinking switch: `enable_thinking` false closes an empty thinking block
+in the prompt (as Qwen3's template does), true opens one there (as DeepSeek-R1's and
+Qwen3's thinking-only templates do), unset leaves the model to choose."""
 
 import json
 from pathlib import Path
@@ -25,7 +27,7 @@ TOOLS_CHAT_TEMPLATE = (
     "{% endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-    "{% endif %}{% endif %}"
+    "{% elif enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
 
 MAX_POSITIONS = 2048

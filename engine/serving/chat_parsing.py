@@ -31,15 +31,19 @@ class ChatParsing:
                              "model's calls")
 
     def for_request(self, body: ChatCompletionRequest, template_has_tools: bool,
-                    structured: bool = False) -> ChatOutputParser:
+                    prompt: str = "", structured: bool = False) -> ChatOutputParser:
         """The request's parser; a 400 naming tool_choice for an auto choice this server or
         this model cannot honour (required and named calls are grammar-forced: any model).
 
-        A `structured` output (a forced call, response_format...) is held to its grammar
-        from the first token, so it has no thinking to split off.
+        A `structured` output (a forced call, response_format...) keeps its reasoning
+        parser only where the output starts inside the thinking (the caller then starts
+        the grammar after its end marker, as vLLM does); otherwise the grammar holds from
+        the first token and there is no thinking to split off.
         """
-        reasoning = (REASONING_PARSERS[self.reasoning_parser]()
-                     if self.reasoning_parser is not None and not structured else None)
+        reasoning = (REASONING_PARSERS[self.reasoning_parser](prompt)
+                     if self.reasoning_parser is not None else None)
+        if structured and reasoning is not None and not reasoning.thinks_without_start:
+            reasoning = None
         choice = body.effective_tool_choice
         if choice == "none":
             return ChatOutputParser(reasoning)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes (/v1/*) and /health, /version."""
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -80,10 +81,15 @@ def openai_router(engine: EngineView, model: ServedModel,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model.check(body.model)
         params = body.to_sampling_params(engine.default_sampling)
-        parser = chat_parsing.for_request(body, template_supports_tools(engine.tokenizer),
-                                          structured=params.structured_outputs is not None)
         prompt = engine.render_chat(body.conversation(), tools=body.template_tools(),
                                     chat_template_kwargs=body.chat_template_kwargs)
+        structured = params.structured_outputs
+        parser = chat_parsing.for_request(body, template_supports_tools(engine.tokenizer),
+                                          prompt, structured=structured is not None)
+        if structured is not None and parser.reasoning is not None:
+            # The model thinks first; the grammar starts once the thinking ends.
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                structured, start_after=parser.reasoning.end))
         return await _serve(request, engine, model, body, params,
                             lambda: [engine.submit(prompt, params,
                                                    add_special_tokens=body.add_special_tokens)],

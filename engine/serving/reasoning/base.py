@@ -33,6 +33,12 @@ class ReasoningParser:
     # prompt) or a plain answer (thinking was switched off).
     thinks_without_start = True
 
+    def __init__(self, prompt: str = "") -> None:
+        """`prompt`: the rendered prompt; one that leaves a thinking block open means the
+        output starts inside it, whatever the model's default."""
+        if prompt.rfind(self.start) > prompt.rfind(self.end):
+            self.thinks_without_start = True
+
     def extract(self, text: str, final: bool) -> Reasoning:
         if not final and held_back(text, self.start) == len(text) and text:
             return Reasoning("", "", False)  # perhaps the start marker, still arriving
