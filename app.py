@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
                                    args.reasoning_parser)
         kv_events = (KVEventsConfig.from_json(args.kv_events_config)
                      if args.kv_events_config else KVEventsConfig())
+        if kv_events.publishes and (args.replicas > 1 or args.ray_address is not None):
+            raise ValueError("kv_events_config: KV events are published by one engine; "
+                             "the replicas' pools live in their own processes")
         engine = start_engine(args)
         publisher = publish_kv_events(engine, kv_events)
     except ValueError as error:

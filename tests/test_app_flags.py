@@ -42,6 +42,8 @@ def test_the_readme_knob_table_maps_each_knob_to_its_flag():
     (["--enable-auto-tool-choice"], "enable_auto_tool_choice"),
     (["--kv-events-config", '{"publisher": "kafka"}'], "kv_events_config.publisher"),
     (["--kv-events-config", "[1]"], "kv_events_config"),
+    (["--replicas", "2", "--kv-events-config",
+      '{"enable_kv_cache_events": true, "publisher": "zmq"}'], "one engine"),
 ])
 def test_vllm_feature_flags_refuse_bad_values_before_loading(flags, named, capsys):
     with pytest.raises(SystemExit):

@@ -288,11 +288,25 @@ def test_dashboard_chat_folds_reasoning_apart_from_the_answer():
         user, {"role": "assistant", "content": "plain"}]
 
 
-def test_structured_output_starts_after_the_reasoning_ends(tools_model_path):
-    from kvscope import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def offline_llm(tools_model_path):
+    from kvscope import LLM
+    return LLM(str(tools_model_path), dtype="float32", device="cpu",
+               num_gpu_blocks_override=64, max_model_len=1024)
+
+
+def test_llm_chat_passes_tools_and_template_kwargs(offline_llm):
+    from kvscope import SamplingParams
+    output, = offline_llm.chat(QUESTION, SamplingParams(max_tokens=1), use_tqdm=False,
+                               chat_template_kwargs={"enable_thinking": False}, tools=[ADD])
+    assert output.prompt.endswith("<think>\n\n</think>\n\n")
+    assert '"name": "add"' in output.prompt
+
+
+def test_structured_output_starts_after_the_reasoning_ends(offline_llm):
+    from kvscope import SamplingParams
     from kvscope.engine.sample.sampling_params import StructuredOutputsParams
-    llm = LLM(str(tools_model_path), dtype="float32", device="cpu",
-              num_gpu_blocks_override=64, max_model_len=256)
+    llm = offline_llm
     z = llm.engine.tokenizer.convert_tokens_to_ids("z")
     params = [SamplingParams(
         max_tokens=60, temperature=1.0, seed=seed, logit_bias={z: 4.0},
