@@ -21,7 +21,11 @@ from kvscope.engine.config import (
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.replicas.router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from kvscope.engine.serving import create_app
+from kvscope.engine.serving.chat_parsing import ChatParsing
+from kvscope.engine.serving.reasoning import REASONING_PARSERS
 from kvscope.engine.serving.security import exposure_warning, read_api_key
+from kvscope.engine.serving.tool_parsers import TOOL_PARSERS
+from kvscope.engine.telemetry.kv_event_publisher import KVEventsConfig, publish_kv_events
 from kvscope.engine.view import EngineView
 from kvscope.storage import SessionLog, record_sessions
 
@@ -72,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM, how long running requests may go on; then "
                        "they end with finish_reason \"abort\" (streams get their last "
                        "event and [DONE])")
+
+    vllm = parser.add_argument_group("vLLM's serving features")
+    vllm.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='tool_choice "auto": parse tool calls from the model\'s text '
+                      "(needs --tool-call-parser and a chat template that renders tools)")
+    vllm.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                      help="the model's tool-call format")
+    vllm.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                      help="move the model's thinking into reasoning_content")
+    vllm.add_argument("--kv-events-config", default=None, metavar="JSON",
+                      help="publish KV events as vLLM does, e.g. "
+                      '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                      '"endpoint": "tcp://*:5557", "topic": "kv-events"}\'')
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
@@ -242,14 +259,23 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:  # bad knobs, a missing model, a pool too small: the message names the knob
         api_key = read_api_key(args.api_key)
+        chat_parsing = ChatParsing(args.enable_auto_tool_choice, args.tool_call_parser,
+                                   args.reasoning_parser)
+        kv_events = (KVEventsConfig.from_json(args.kv_events_config)
+                     if args.kv_events_config else KVEventsConfig())
+        if kv_events.publishes and (args.replicas > 1 or args.ray_address is not None):
+            raise ValueError("kv_events_config: KV events are published by one engine; "
+                             "the replicas' pools live in their own processes")
         engine = start_engine(args)
+        publisher = publish_kv_events(engine, kv_events)
     except ValueError as error:
         parser.error(str(error))
     session_log = SessionLog(args.db)
     session_log.start_session(engine.config.to_dict(), engine.model_path)
     stop_recording = record_sessions(engine, session_log)
     try:
-        app = create_app(engine, api_key=api_key, metrics_auth=args.metrics_auth)
+        app = create_app(engine, api_key=api_key, metrics_auth=args.metrics_auth,
+                         chat_parsing=chat_parsing)
         if not args.no_ui:
             app = mount_dashboard(app, engine, session_log)
         identity = engine.resolved_identity()
@@ -271,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         GracefulServer(config, engine, args.graceful_shutdown_s).run()
     finally:
         engine.shutdown(abort_running=True)
+        if publisher is not None:
+            publisher.shutdown()
         stop_recording()  # after the engine, so its last (aborted) requests are logged
         session_log.close()
 

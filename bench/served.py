@@ -43,7 +43,7 @@ def cpu_name() -> str:
     return f"unknown x {os.cpu_count()}"
 
 
-def start_app(app_args: list[str]) -> ServedApp:
+def start_app(app_args: list[str], env: dict[str, str] | None = None) -> ServedApp:
     """Start app.py on a free port with its session log in a temporary folder; return once
     /health answers 200 (raises with the log's tail if the process dies first)."""
     workdir = tempfile.TemporaryDirectory(prefix="kvscope-bench-")
@@ -53,7 +53,8 @@ def start_app(app_args: list[str]) -> ServedApp:
                "--db", str(Path(workdir.name) / "kvscope.db"), *app_args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+                                   env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
+                                        **(env or {})})
     app = ServedApp(process, f"http://127.0.0.1:{port}", log_path, workdir)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

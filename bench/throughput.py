@@ -8,6 +8,10 @@ seed, every request generating exactly its length: ignore_eos) runs through
                         min_p=0.05, sampled at temperature 1 (so min_p acts; at
                         temperature 0 it changes nothing): the cost of the penalties
                         (device-side token counts) and of min-p on top of sampling
+  kvscope_kv_events     the same as kvscope, publishing vLLM's KV events over ZMQ
+                        (--kv-events-config's publisher, bound to a free local port, no
+                        subscriber): the cost of the events on the engine thread and of
+                        encoding and sending them on the publisher's
   hf_continuous_batching transformers' continuous batching: the manager `generate_batch`
                         runs (model.continuous_batching_context_manager), fed with
                         add_request(max_new_tokens=...) per request, since generate_batch
@@ -64,13 +68,17 @@ from served import cpu_name  # noqa: E402
 
 from kvscope import LLM, SamplingParams  # noqa: E402
 from kvscope.engine.config import QUANTIZATIONS  # noqa: E402
+from kvscope.engine.telemetry.kv_event_publisher import (  # noqa: E402
+    KVEventsConfig,
+    ZmqEventPublisher,
+)
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.memory_bandwidth import weights_read_bandwidth  # noqa: E402
 from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 
 logger = logging.getLogger("bench.throughput")
-BACKENDS = ("kvscope", "kvscope_penalties", "hf_continuous_batching", "hf_static_generate",
-            "llama_cpp")
+BACKENDS = ("kvscope", "kvscope_penalties", "kvscope_kv_events", "hf_continuous_batching",
+            "hf_static_generate", "llama_cpp")
 STREAM_BACKENDS = ("kvscope", "hf_generate", "llama_cpp")
 
 
@@ -195,6 +203,24 @@ def _shared_llm(model_path: str, knobs: tuple) -> LLM:
 
 class KVScopePenalties(KVScope):
     sampling = {"temperature": 1.0, "repetition_penalty": 1.1, "min_p": 0.05}
+
+
+class KVScopeKVEvents(KVScope):
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+        super().__init__(args, workload, model_path)
+        self.publisher = ZmqEventPublisher(KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*"))
+
+    def run(self) -> dict:
+        """Publishing only while it runs: the engine is shared with the kvscope backend."""
+        events = self.llm.engine.events
+        batches = self.publisher.num_batches
+        events.subscribe(self.publisher)
+        try:
+            outcome = super().run()
+        finally:
+            events.unsubscribe(self.publisher)
+        return {**outcome, "kv_event_batches": self.publisher.num_batches - batches}
 
 
 def load_hf_model(args: argparse.Namespace, model_path: Path):
@@ -371,6 +397,7 @@ class LlamaCpp:
 
 
 BACKEND_CLASSES = {"kvscope": KVScope, "kvscope_penalties": KVScopePenalties,
+                   "kvscope_kv_events": KVScopeKVEvents,
                    "hf_continuous_batching": HFContinuousBatching,
                    "hf_static_generate": HFStaticGenerate, "hf_generate": HFGenerate,
                    "llama_cpp": LlamaCpp}
@@ -449,6 +476,9 @@ def ratios_to_kvscope(results: dict[str, dict], key: str) -> dict[str, float]:
     ours = results["kvscope"][key]
     ratios = {f"kvscope_vs_{name}": round(ours / r[key], 3)
               for name, r in results.items() if not name.startswith("kvscope")}
+    if "kvscope_kv_events" in results:  # target: >= 0.97
+        ratios["kvscope_kv_events_vs_kvscope"] = round(
+            results["kvscope_kv_events"][key] / ours, 3)
     if "kvscope_penalties" in results:  # target: >= 0.9
         ratios["kvscope_penalties_vs_kvscope"] = round(
             results["kvscope_penalties"][key] / ours, 3)

@@ -75,10 +75,15 @@ class LLM:
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them.
+        `chat_template_kwargs` (e.g. `{"enable_thinking": False}`) and `tools` reach the
+        template as variables, as in vLLM's LLM.chat."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat(self.engine.tokenizer, conversation, add_generation_prompt)
+        prompts = [render_chat(self.engine.tokenizer, conversation, add_generation_prompt,
+                               tools=tools, chat_template_kwargs=chat_template_kwargs)
                    for conversation in conversations]
         # The template already holds the special tokens; do not add a second BOS.
         return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)

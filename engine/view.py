@@ -77,8 +77,9 @@ class EngineView(Protocol):
                     **kwargs: Any) -> RequestStream:
         """Queue a conversation, rendered with the model's chat template."""
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of a conversation, ending with the assistant's turn."""
+    def render_chat(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn (options:
+        engine.frontend.chat.render_chat's `tools`, `chat_template_kwargs`, ...)."""
 
     # ---- readers ---------------------------------------------------------------------------
     def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:
@@ -86,6 +87,10 @@ class EngineView(Protocol):
 
     def subscribe_steps(self, maxsize: int = 1024) -> Channel:
         """Every StepRecord from now on, of every replica (a slow reader loses the oldest)."""
+
+    def subscribe_kv_events(self, listener: Any) -> None:
+        """Every KV event of the pool (engine.core.kv_events), across reconfigures; one
+        engine only (a ReplicaSet refuses: its replicas' pools are in other processes)."""
 
     def subscribe_requests(self, maxsize: int = 10_000) -> Channel:
         """A RequestRecord for every request that ends from now on."""

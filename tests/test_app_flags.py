@@ -4,7 +4,9 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from app import build_parser, engine_config
+import pytest
+
+from app import build_parser, engine_config, main
 from kvscope.engine.config import EngineConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -34,3 +36,16 @@ def test_the_readme_knob_table_maps_each_knob_to_its_flag():
     assert {knob for knob, _ in rows} == KNOBS
     for knob, flag in rows:
         assert flags.get(flag) == knob, f"README: {flag} does not set {knob}"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--enable-auto-tool-choice"], "enable_auto_tool_choice"),
+    (["--kv-events-config", '{"publisher": "kafka"}'], "kv_events_config.publisher"),
+    (["--kv-events-config", "[1]"], "kv_events_config"),
+    (["--replicas", "2", "--kv-events-config",
+      '{"enable_kv_cache_events": true, "publisher": "zmq"}'], "one engine"),
+])
+def test_vllm_feature_flags_refuse_bad_values_before_loading(flags, named, capsys):
+    with pytest.raises(SystemExit):
+        main(flags)
+    assert named in capsys.readouterr().err

@@ -210,7 +210,7 @@ CHAT = {
     "add_generation_prompt": refused(False),
     "continue_final_message": refused(True),
     "chat_template": refused("{{ messages }}"),
-    "chat_template_kwargs": refused({"enable_thinking": True}),
+    "chat_template_kwargs": no_op({"enable_thinking": True}),  # a template without it
     "documents": refused([{"text": "x"}]),
     "mm_processor_kwargs": refused({"x": 1}),
     "prompt_logprobs": honoured(lambda a, seen: len(a["prompt_logprobs"])

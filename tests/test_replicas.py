@@ -203,14 +203,19 @@ def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(
         families = list(text_string_to_metric_families(httpx.get(f"{url}/metrics").text))
         per_replica = [family for family in families  # one engine config for all replicas
                        if not family.name.startswith("kvscope:engine_config")]
+        # (vLLM's series name the replica as their engine, kvscope's as their replica.)
+        label = {family.name: "engine" if family.name.startswith("vllm:") else "replica"
+                 for family in per_replica}
         for family in per_replica:
-            assert all("replica" in sample.labels for sample in family.samples), family.name
-        replicas_of = {family.name: {sample.labels["replica"] for sample in family.samples}
+            assert all(label[family.name] in sample.labels for sample in family.samples), (
+                family.name)
+        replicas_of = {family.name: {sample.labels[label[family.name]]
+                                     for sample in family.samples}
                        for family in per_replica}
-        for name in ("kvscope:kv_cache_usage_perc", "kvscope:num_requests_running",
-                     "kvscope:prompt_tokens", "kvscope:prefix_cache_hits", "kvscope:replica_up"):
+        for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                     "vllm:prompt_tokens", "vllm:prefix_cache_hits", "kvscope:replica_up"):
             assert replicas_of[name] == {"0", "1"}, name
-        assert replicas_of["kvscope:time_to_first_token_seconds"] >= {"0", "1"}
+        assert replicas_of["vllm:time_to_first_token_seconds"] >= {"0", "1"}
     finally:
         session_log.close()
         server.should_exit = True

@@ -43,13 +43,13 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         """Every sample as `name{label=value,...}` -> value (labels sorted; the model and
-        the replica, always 0 for this one engine, left out)."""
+        the replica or engine, always 0 for this one engine, left out)."""
         text = httpx.get(f"{self.url}/metrics").text
         samples = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                                  if k not in ("model_name", "replica"))
+                                  if k not in ("model_name", "replica", "engine"))
                 samples[f"{sample.name}{{{labels}}}"] = sample.value
         return samples
 
@@ -78,9 +78,9 @@ def assert_idle(server: LiveServer) -> None:
     snapshot = server.engine.snapshot()
     assert snapshot.count("used") + snapshot.count("shared") == 0
     metrics = server.metrics()
-    assert metrics["kvscope:num_requests_running{}"] == 0
-    assert metrics["kvscope:num_requests_waiting{}"] == 0
-    assert metrics["kvscope:kv_cache_usage_perc{}"] == 0
+    assert metrics["vllm:num_requests_running{}"] == 0
+    assert metrics["vllm:num_requests_waiting{}"] == 0
+    assert metrics["vllm:kv_cache_usage_perc{}"] == 0
 
 
 # ---- the OpenAI API through the openai client ------------------------------------------
@@ -316,16 +316,16 @@ def test_metrics_parse_and_counters_match_the_requests(server) -> None:
     def delta(name):
         return after[name] - before.get(name, 0)
 
-    assert delta("kvscope:prompt_tokens_total{}") == sum(u.prompt_tokens for u in usages)
-    assert delta("kvscope:generation_tokens_total{}") == sum(u.completion_tokens for u in usages)
-    assert delta("kvscope:request_success_total{finished_reason=length}") == 3
+    assert delta("vllm:prompt_tokens_total{}") == sum(u.prompt_tokens for u in usages)
+    assert delta("vllm:generation_tokens_total{}") == sum(u.completion_tokens for u in usages)
+    assert delta("vllm:request_success_total{finished_reason=length}") == 3
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                       "request_queue_time_seconds"):
-        assert delta(f"kvscope:{histogram}_count{{}}") == 3
-    assert delta("kvscope:inter_token_latency_seconds_count{}") == sum(
+        assert delta(f"vllm:{histogram}_count{{}}") == 3
+    assert delta("vllm:inter_token_latency_seconds_count{}") == sum(
         u.completion_tokens - 1 for u in usages)
-    assert delta("kvscope:prefix_cache_queries_total{}") >= sum(u.prompt_tokens for u in usages)
-    assert after["kvscope:num_preemptions_total{}"] >= 0
+    assert delta("vllm:prefix_cache_queries_total{}") >= sum(u.prompt_tokens for u in usages)
+    assert after["vllm:num_preemptions_total{}"] >= 0
     assert after["kvscope:swaps_total{direction=out}"] == 0
     assert after["kvscope:kv_cache_token_usage_perc{}"] == 0
     info = next(name for name in after if name.startswith("kvscope:engine_config_info"))

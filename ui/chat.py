@@ -8,6 +8,7 @@ import gradio as gr
 from kvscope.engine.frontend.streams import RequestFailed
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.serving.reasoning.qwen3 import Qwen3ReasoningParser
 from kvscope.engine.view import EngineView
 
 # Admission waits for the engine thread; during a reconfigure requests are held that long.
@@ -60,13 +61,25 @@ def reply_stats(output: RequestOutput, first_text_s: float | None = None) -> str
     return " · ".join(part for part in parts if part)
 
 
+# Thinking a reply opens with <think> itself (a template that opens it in the prompt
+# leaves no marker in the reply, which then shows whole).
+THINKING = Qwen3ReasoningParser()
+
+
 def _display(messages: list[dict], stats: list[str]) -> list[dict]:
-    """Chatbot messages: each finished reply carries its stats line underneath."""
+    """Chatbot messages: each finished reply carries its stats line underneath, and a
+    reply's <think>...</think> is shown folded, apart from the answer."""
     shown, replies = [], iter(stats)
     for message in messages:
         content = message["content"]
         if message["role"] == "assistant":
             line = next(replies, "")
+            split = THINKING.extract(content, final=bool(line))
+            if split.reasoning:
+                shown.append({"role": "assistant", "content": split.reasoning,
+                              "metadata": {"title": "Reasoning",
+                                           "status": "done" if split.ended else "pending"}})
+                content = split.content
             content = f"{content}\n\n<sub>{line}</sub>" if line else content
         shown.append({"role": message["role"], "content": content})
     return shown

@@ -57,6 +57,12 @@ class BlockRemoved:
     block_hash: "BlockHash"
 
 
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every cached block is gone at once: a reconfigure replaced the pool. Not emitted
+    by the pool itself; AsyncEngine tells its KV-event subscribers (subscribe_kv_events)."""
+
+
 # ---- the KV cache manager ------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class BlockTableChanged:
@@ -111,6 +117,9 @@ class EventBus:
 
     def subscribe(self, listener: KVEventSink) -> None:
         self._listeners = (*self._listeners, listener)
+
+    def unsubscribe(self, listener: KVEventSink) -> None:
+        self._listeners = tuple(other for other in self._listeners if other is not listener)
 
     def emit(self, event: KVEvent) -> None:
         for listener in self._listeners:

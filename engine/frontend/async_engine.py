@@ -15,6 +15,7 @@ from typing import Any
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.core.kv_events import AllBlocksCleared, KVEventSink
 from kvscope.engine.frontend import heap
 from kvscope.engine.frontend.chat import render_chat
 from kvscope.engine.frontend.engine_thread import EngineThread
@@ -53,9 +54,10 @@ class ChatSubmit:
         return self.submit(self.render_chat(messages), params, add_special_tokens=False,
                            **kwargs)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of a conversation, ending with the assistant's turn."""
-        return render_chat(self.tokenizer, messages)
+    def render_chat(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
+        """The prompt text of a conversation, ending with the assistant's turn (options:
+        render_chat's `tools`, `chat_template_kwargs`, `add_generation_prompt`)."""
+        return render_chat(self.tokenizer, messages, **template_options)
 
 
 def _check_replica(replica: int | None) -> None:
@@ -152,6 +154,7 @@ class AsyncEngine(ChatSubmit):
     def __init__(self, core: EngineCore, base_config: EngineConfig | None = None) -> None:
         self._core = core
         self._recorder = PoolRecorder(core).listen()
+        self._kv_listeners: list[KVEventSink] = []
         # Reconfigure applies knobs to the unresolved config, so derived knobs (the token
         # budget, max_model_len) are derived again for the new values.
         self._base_config = base_config or core.config
@@ -335,6 +338,13 @@ class AsyncEngine(ChatSubmit):
     def resync_pool(self, channel: Channel) -> None:
         """Send this subscriber a fresh full snapshot (it missed a delta)."""
         self._enqueue(lambda: self._pool_jobs.append(_PoolSnapshotJob(channel)))
+
+    def subscribe_kv_events(self, listener: KVEventSink) -> None:
+        """Call `listener` with every event of the core's pool from now on (on the engine
+        thread, so it must be cheap), across reconfigures: a rebuilt pool starts with
+        AllBlocksCleared. Subscribe before start() to miss nothing."""
+        self._kv_listeners.append(listener)
+        self._core.events.subscribe(listener)
 
     def subscribe_requests(self, maxsize: int = 10_000) -> Channel:
         """A RequestRecord for every request that ends from now on."""
@@ -581,6 +591,9 @@ class AsyncEngine(ChatSubmit):
             core.step_index = old.step_index  # readers see one step sequence across configs
             self._core, self._base_config = core, pending.config
             self._recorder = PoolRecorder(core).listen()
+            for listener in self._kv_listeners:  # the old pool's cache went with it
+                listener(AllBlocksCleared())
+                core.events.subscribe(listener)
             self._publish_pool_delta()  # delta 0 of the new pool: readers start it empty
             logger.info("reconfigured: %s", core.memory_plan.describe())
             settle_future(pending.result, core.memory_plan)

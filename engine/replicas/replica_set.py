@@ -447,6 +447,10 @@ class ReplicaSet(ChatSubmit):
         """Send the channel's replica's watchers a fresh full snapshot (one missed a delta)."""
         self._pool_channels[channel].actor.watch_pool.remote()
 
+    def subscribe_kv_events(self, listener) -> None:
+        raise ValueError("kv_events_config: KV events are published by one engine; the "
+                         "replicas' pools live in their own processes (use --replicas 1)")
+
     def subscribe_requests(self, maxsize: int = 10_000):
         """A RequestRecord (with its `replica`) for every request that ends."""
         return self._request_feed.subscribe(maxsize)

@@ -33,6 +33,8 @@ class RequestConstraints:
     allowed_mask: torch.Tensor | None = None  # bool [vocab]: True where allowed
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     grammar: str | None = None  # llguidance grammar, compiled and validated
+    # The tokens after which the grammar starts (StructuredOutputsParams.start_after).
+    grammar_start_after: tuple[int, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -84,6 +86,9 @@ class LogitsProcessor:
                                  f"vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
             constraints.grammar = self.structured.compiler.compile(params.structured_outputs)
+            if params.structured_outputs.start_after is not None:
+                constraints.grammar_start_after = tuple(self.tokenizer.encode(
+                    params.structured_outputs.start_after, add_special_tokens=False))
         return None if constraints.empty else constraints
 
     def _token_ids(self, name: str, ids: list[int]) -> torch.Tensor:

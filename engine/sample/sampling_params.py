@@ -13,9 +13,13 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # Lark syntax (llguidance's dialect)
     json_object: bool | None = None  # any JSON object
+    # The constraint holds from the end of this text on (a reasoning model's "</think>",
+    # as vLLM's reasoning parsers do); the output before it is free. None: from the start.
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [f.name for f in fields(self)
+                 if f.name != "start_after" and getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, "
                              f"grammar, json_object (got {given or 'none'})")
@@ -23,9 +27,14 @@ class StructuredOutputsParams:
                 not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
 
+        if self.start_after is not None and not (isinstance(self.start_after, str)
+                                                 and self.start_after):
+            raise ValueError("structured_outputs.start_after: must be a non-empty string")
+
     @property
     def kind(self) -> str:
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        return next(f.name for f in fields(self)
+                    if f.name != "start_after" and getattr(self, f.name) not in (None, False))
 
 
 @dataclass(slots=True)

@@ -116,6 +116,7 @@ class GrammarCompiler:
 class GrammarState:
     matcher: llguidance.LLMatcher
     num_consumed: int = 0
+    start: int = 0  # the output position the grammar starts at (after start_after's tokens)
 
 
 class StructuredOutputs:
@@ -129,7 +130,8 @@ class StructuredOutputs:
 
     def apply_bitmask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """-inf on every token a constrained row's grammar forbids (in place)."""
-        rows = [i for i, seq in enumerate(seqs) if _grammar(seq) is not None]
+        rows = [i for i, seq in enumerate(seqs)
+                if _grammar(seq) is not None and self._start(seq) is not None]
         if not rows:
             return
         vocab_size = logits.shape[1]
@@ -162,15 +164,29 @@ class StructuredOutputs:
         for seq in [seq for seq in self.states if seq.is_finished]:
             del self.states[seq]
 
+    def _start(self, seq: Sequence) -> int | None:
+        """Where the sequence's grammar starts in its output: 0, or just after the first
+        start_after tokens; None while they have not come (the output is still free)."""
+        marker = seq.request.constraints.grammar_start_after
+        if not marker:
+            return 0
+        state = self.states.get(seq)
+        if state is not None and state.num_consumed + state.start == seq.num_output_tokens:
+            return state.start
+        output, width = seq.output_token_ids, len(marker)
+        return next((end for end in range(width, len(output) + 1)
+                     if tuple(output[end - width:end]) == marker), None)
+
     def _state(self, seq: Sequence) -> GrammarState:
         state = self.states.get(seq)
-        if state is None or state.num_consumed != seq.num_output_tokens:
+        if state is None or state.start + state.num_consumed != seq.num_output_tokens:
+            start = self._start(seq)
             matcher = llguidance.LLMatcher(self.compiler.tokenizer, _grammar(seq))
-            output = seq.output_token_ids
+            output = seq.output_token_ids[start:]
             if output and not matcher.consume_tokens(output):
                 logger.warning("%s: its output no longer fits the grammar: %s", seq.seq_id,
                                matcher.get_error())
-            state = self.states[seq] = GrammarState(matcher, len(output))
+            state = self.states[seq] = GrammarState(matcher, len(output), start)
         return state
 
 

@@ -2,11 +2,13 @@
 
 from fastapi import FastAPI
 
+from kvscope.engine.serving.chat_parsing import ChatParsing
 from kvscope.engine.serving.errors import install_error_handlers
 from kvscope.engine.serving.metrics import EngineMetrics, metrics_router
 from kvscope.engine.serving.routes import ServedModel, health_router, openai_router, version
 from kvscope.engine.serving.security import ALWAYS_OPEN_PATHS, AccessGuard, APIKeyCheck, BodySizeLimit
 from kvscope.engine.serving.sessions import SessionStore, login_router
+from kvscope.engine.serving.tokenization import tokenization_router
 from kvscope.engine.serving.websocket import events_router
 from kvscope.engine.view import EngineView
 
@@ -15,12 +17,14 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 def create_app(engine: EngineView, *, api_key: str | None = None, metrics_auth: bool = False,
                served_model_name: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               chat_parsing: ChatParsing = ChatParsing()) -> FastAPI:
     """The app for a started engine; the caller owns the engine's lifetime.
 
     With an `api_key`, every route, including a dashboard mounted on this app later, needs
     it (see AccessGuard), except /health and /version, and /metrics unless `metrics_auth`
-    (as in vLLM, so probes and scrapers need no secret).
+    (as in vLLM, so probes and scrapers need no secret). `chat_parsing`: the tool-call
+    and reasoning parsers chat answers go through.
     """
     app = FastAPI(title="kvscope", version=version())
     install_error_handlers(app)
@@ -32,7 +36,8 @@ def create_app(engine: EngineView, *, api_key: str | None = None, metrics_auth: 
         # Added last, so it runs first: a refused request is never read or routed.
         app.add_middleware(AccessGuard, auth=auth, sessions=sessions, open_paths=open_paths)
     model = ServedModel.of(engine, served_model_name)
-    app.include_router(openai_router(engine, model))
+    app.include_router(openai_router(engine, model, chat_parsing))
+    app.include_router(tokenization_router(engine, model))
     app.include_router(health_router(engine))
     app.include_router(metrics_router(EngineMetrics(engine, model.name)))
     app.include_router(events_router(engine))

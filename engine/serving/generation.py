@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvscope.engine.frontend.streams import RequestStream
 from kvscope.engine.outputs import CompletionOutput, RequestOutput
+from kvscope.engine.serving.chat_output import ChatDeltaStream, ChatOutputParser
 from kvscope.engine.serving.errors import error_body, from_exception
 
 
@@ -26,6 +27,8 @@ class Generation:
     echo: bool = False  # completions: the prompt opens each choice's text
     # vLLM's prompt_logprobs: on each completions choice, or once on a chat response.
     prompt_logprobs: bool = False
+    # chat: how an answer's text becomes reasoning, content and tool calls
+    chat_parser: ChatOutputParser = field(default_factory=ChatOutputParser)
     created: int = field(default_factory=lambda: int(time.time()))
     # Streaming state: the newest output of each stream, and per choice what was sent.
     latest: dict[int, RequestOutput] = field(default_factory=dict)
@@ -33,6 +36,7 @@ class Generation:
     chars_sent: dict[int, int] = field(default_factory=dict)
     finish_sent: set[int] = field(default_factory=set)
     opened: set[int] = field(default_factory=set)  # choices whose echo / prompt part went out
+    chat_deltas: dict[int, ChatDeltaStream] = field(default_factory=dict)
 
     @property
     def object_name(self) -> str:
@@ -49,16 +53,18 @@ class Generation:
         for prompt_index, output in enumerate(finals):
             self.latest[prompt_index] = output
             for sample in output.outputs[:self.n]:  # beam search ranks more, best first
+                finish_reason = sample.finish_reason
                 if self.chat:
-                    choice = {"message": {"role": "assistant", "content": sample.text},
+                    choice = {"message": self.chat_parser.message(sample.text),
                               "logprobs": self._logprobs(sample, 0, 0)}
+                    finish_reason = self.chat_parser.finish_reason(sample.text, finish_reason)
                 else:
                     choice = self._opening(output)
                     choice["text"] += sample.text
                     choice["logprobs"] = _joined(choice["logprobs"], self._logprobs(
                         sample, 0, len(choice["text"]) - len(sample.text)))
                 choices.append({"index": prompt_index * self.n + sample.index, **choice,
-                                "finish_reason": sample.finish_reason})
+                                "finish_reason": finish_reason})
         body = {"id": self.response_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage()}
         if self.chat and self.prompt_logprobs:  # one conversation, so one prompt
@@ -117,6 +123,10 @@ class Generation:
             finishing = sample.finish_reason is not None and index not in self.finish_sent
             if not delta and not finishing and len(sample.token_ids) == tokens_sent:
                 continue
+            if self.chat:
+                fields = self._chat_delta(index, sample)
+                if not any(fields.values()) and not finishing and self.logprobs is None:
+                    continue  # all of it held back (a marker may be arriving)
             opening = {"text": "", "logprobs": None}
             if not self.chat and index not in self.opened:
                 self.opened.add(index)
@@ -128,13 +138,20 @@ class Generation:
             self.chars_sent[index] = self.chars_sent.get(index, 0) + len(delta)
             if finishing:
                 self.finish_sent.add(index)
-            chunk = self._chunk(index, {"content": delta} if self.chat
-                                else opening["text"] + delta, logprobs,
-                                sample.finish_reason if finishing else None)
+            finish_reason = sample.finish_reason if finishing else None
+            if self.chat and finishing:
+                finish_reason = self.chat_parser.finish_reason(sample.text, finish_reason)
+            chunk = self._chunk(index, fields if self.chat else opening["text"] + delta,
+                                logprobs, finish_reason)
             if "prompt_logprobs" in opening:
                 chunk["choices"][0]["prompt_logprobs"] = opening["prompt_logprobs"]
             chunks.append(chunk)
         return chunks
+
+    def _chat_delta(self, index: int, sample: CompletionOutput) -> dict:
+        if index not in self.chat_deltas:
+            self.chat_deltas[index] = ChatDeltaStream(self.chat_parser)
+        return self.chat_deltas[index].delta(sample.text, sample.finish_reason is not None)
 
     # ---- what opens a completion choice: echo and prompt logprobs ------------------------
     def _opening(self, output: RequestOutput) -> dict:

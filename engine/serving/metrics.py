@@ -30,32 +30,69 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# Every engine series carries the replica that produced it ("0" for a single engine).
+# vLLM's names and labels (engine: the replica, "0" for a single engine) for everything
+# kvscope measures with vLLM's meaning, so dashboards built for vLLM read kvscope as is;
+# the `kvscope:` series are what vLLM lacks, labelled by replica.
+VLLM_LABELS = ["model_name", "engine"]
 LABELS = ["model_name", "replica"]
-GAUGES = (
-    ("num_requests_running", "Requests with a sequence in the running batch."),
-    ("num_requests_waiting", "Requests waiting for their (re)admission."),
-    ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
+GAUGES = (  # (series, help)
+    ("vllm:num_requests_running", "Requests with a sequence in the running batch."),
+    ("vllm:num_requests_waiting", "Requests waiting for their (re)admission."),
+    ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
     # Tokens stored over token slots: the gap to block usage is the free room in partly
     # filled last blocks, which block_size trades against.
-    ("kv_cache_token_usage_perc", "Fraction of KV token slots holding a token (0-1)."),
+    ("kvscope:kv_cache_token_usage_perc", "Fraction of KV token slots holding a token (0-1)."),
 )
 COUNTERS = (  # (series, EngineCounters field, help)
-    ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests that got a first token."),
-    ("generation_tokens", "generation_tokens", "Generated tokens."),
-    ("prefix_cache_queries", "prefix_cache_queries",
+    ("vllm:prompt_tokens", "prompt_tokens", "Prompt tokens of requests that got a first token."),
+    ("vllm:generation_tokens", "generation_tokens", "Generated tokens."),
+    ("vllm:prefix_cache_queries", "prefix_cache_queries",
      "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-    ("num_preemptions", "preemptions", "Sequences preempted."),
-    ("step_failures", "step_failures", "Engine steps that raised."),
-    ("engine_steps", "num_steps", "Engine steps run."),
-    ("spec_decode_num_drafts", "spec_decode_num_drafts",
+    ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("vllm:num_preemptions", "preemptions", "Sequences preempted."),
+    ("kvscope:step_failures", "step_failures", "Engine steps that raised."),
+    ("kvscope:engine_steps", "num_steps", "Engine steps run."),
+    ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
      "Speculative proposals verified (one per sequence per verifying step)."),
-    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+    ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
      "Tokens proposed and verified."),
-    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+    ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
      "Proposed tokens that verification accepted."),
 )
+TIME_HISTOGRAMS = (  # (series, help, buckets)
+    ("vllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS),
+    ("vllm:inter_token_latency_seconds", "Between consecutive output tokens.", ITL_BUCKETS),
+    ("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS),
+    ("vllm:request_queue_time_seconds", "Arrival to first scheduling.", LATENCY_BUCKETS),
+    ("vllm:request_prefill_time_seconds", "First scheduling to first token.", LATENCY_BUCKETS),
+    ("vllm:request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS),
+    ("vllm:request_inference_time_seconds", "First scheduling to finish.", LATENCY_BUCKETS),
+)
+TOKEN_HISTOGRAMS = (("vllm:request_prompt_tokens", "Prompt tokens per finished request."),
+                    ("vllm:request_generation_tokens",
+                     "Generated tokens per finished request (all its samples)."),
+                    ("vllm:request_max_num_generation_tokens",
+                     "The longest sample's generated tokens per finished request."))
+# vLLM's cache_config_info labels that kvscope has.
+CACHE_CONFIG_KNOBS = ("block_size", "enable_prefix_caching", "gpu_memory_utilization",
+                      "swap_space")
+
+
+def labels_of(name: str) -> list[str]:
+    return VLLM_LABELS if name.startswith("vllm:") else LABELS
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50... up to `limit`."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
+
+
 # As vLLM does: no `_created` series next to every counter and histogram (they double the
 # output and no dashboard reads them).
 disable_created_metrics()
@@ -75,15 +112,12 @@ class EngineMetrics:
         self.model_name = model_name
         self.finished_requests = engine.subscribe_requests()
         # Not registered: collect() drains the feed into them first, then yields them.
+        token_buckets = one_two_five_buckets(engine.config.max_model_len or 1)
         self.histograms = {
-            name: Histogram(f"kvscope:{name}", doc, LABELS, buckets=buckets, registry=None)
+            name: Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=None)
             for name, doc, buckets in (
-                ("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS),
-                ("inter_token_latency_seconds", "Between consecutive output tokens.",
-                 ITL_BUCKETS),
-                ("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS),
-                ("request_queue_time_seconds", "Arrival to first scheduling.",
-                 LATENCY_BUCKETS))}
+                *TIME_HISTOGRAMS,
+                *((name, doc, token_buckets) for name, doc in TOKEN_HISTOGRAMS))}
         self._pools = [PoolReader(engine, replica) for replica in range(engine.num_replicas)]
         self._mirrors: list[tuple[int, PoolMirror]] = []  # (replica, its pool)
         self._statuses: list[ReplicaStatus] = []
@@ -114,6 +148,13 @@ class EngineMetrics:
                                 labels=["model_name"])
         info.add_metric([self.model_name], config)
         yield info
+        cache = InfoMetricFamily("vllm:cache_config", "The KV cache's configuration.",
+                                 labels=["engine"])
+        for status in self._statuses:
+            cache.add_metric([str(status.replica)], {
+                **{knob: config[knob] for knob in CACHE_CONFIG_KNOBS},
+                "num_gpu_blocks": config["num_blocks"]})
+        yield cache
         up = GaugeMetricFamily("kvscope:replica_up", "1 while the engine replica serves, 0 "
                                "when it is down (engine.replicas).",
                                labels=LABELS)
@@ -122,30 +163,30 @@ class EngineMetrics:
         yield up
 
     def _gauges(self) -> Iterator[Metric]:
-        gauges = {name: GaugeMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
+        gauges = {name: GaugeMetricFamily(name, doc, labels=labels_of(name))
                   for name, doc in GAUGES}
         for replica, pool in self._mirrors:
             running = {seq.request_id for seq in pool.sequences if seq.status == "running"}
             waiting = {seq.request_id for seq in pool.sequences} - running
             used_blocks = pool.count("used") + pool.count("shared")
             labels = [self.model_name, str(replica)]
-            gauges["num_requests_running"].add_metric(labels, len(running))
-            gauges["num_requests_waiting"].add_metric(labels, len(waiting))
-            gauges["kv_cache_usage_perc"].add_metric(labels, used_blocks / pool.num_blocks)
-            gauges["kv_cache_token_usage_perc"].add_metric(
+            gauges["vllm:num_requests_running"].add_metric(labels, len(running))
+            gauges["vllm:num_requests_waiting"].add_metric(labels, len(waiting))
+            gauges["vllm:kv_cache_usage_perc"].add_metric(labels, used_blocks / pool.num_blocks)
+            gauges["kvscope:kv_cache_token_usage_perc"].add_metric(
                 labels, pool.num_used_tokens / (pool.num_blocks * pool.block_size))
         yield from gauges.values()
 
     def _counters(self) -> Iterator[Metric]:
-        counters = {name: CounterMetricFamily(f"kvscope:{name}", doc, labels=LABELS)
+        counters = {name: CounterMetricFamily(name, doc, labels=labels_of(name))
                     for name, _, doc in COUNTERS}
         swaps = CounterMetricFamily("kvscope:swaps", "Sequences swapped out to or in from "
                                     "CPU memory.", labels=[*LABELS, "direction"])
-        finished = CounterMetricFamily("kvscope:request_success", "Requests ended, by reason.",
-                                       labels=[*LABELS, "finished_reason"])
-        per_pos = CounterMetricFamily("kvscope:spec_decode_num_accepted_tokens_per_pos",
+        finished = CounterMetricFamily("vllm:request_success", "Requests ended, by reason.",
+                                       labels=[*VLLM_LABELS, "finished_reason"])
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Proposed tokens accepted, by position in the proposal "
-                                      "(0 first).", labels=[*LABELS, "position"])
+                                      "(0 first).", labels=[*VLLM_LABELS, "position"])
         for status in self._statuses:  # a dead replica keeps its last totals (monotonic)
             totals, labels = status.counters, [self.model_name, str(status.replica)]
             for name, field, _ in COUNTERS:
@@ -167,17 +208,26 @@ class EngineMetrics:
             if metrics is None:
                 continue
             labels = (self.model_name, str(record.replica))
-            if metrics.first_token_time is not None:
-                self._histogram("time_to_first_token_seconds", labels).observe(
-                    metrics.first_token_time - metrics.arrival_time)
-            if metrics.first_scheduled_time is not None:
-                self._histogram("request_queue_time_seconds", labels).observe(
-                    metrics.first_scheduled_time - metrics.arrival_time)
-            if metrics.finished_time is not None:
-                self._histogram("e2e_request_latency_seconds", labels).observe(
-                    metrics.finished_time - metrics.arrival_time)
+            arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
+            first_token, finished = metrics.first_token_time, metrics.finished_time
+            for name, start, end in (
+                    ("vllm:time_to_first_token_seconds", arrival, first_token),
+                    ("vllm:request_queue_time_seconds", arrival, scheduled),
+                    ("vllm:e2e_request_latency_seconds", arrival, finished),
+                    ("vllm:request_prefill_time_seconds", scheduled, first_token),
+                    ("vllm:request_decode_time_seconds", first_token, finished),
+                    ("vllm:request_inference_time_seconds", scheduled, finished)):
+                if start is not None and end is not None:
+                    self._histogram(name, labels).observe(end - start)
             for latency in record.inter_token_latencies:
-                self._histogram("inter_token_latency_seconds", labels).observe(latency)
+                self._histogram("vllm:inter_token_latency_seconds", labels).observe(latency)
+            output = record.output
+            self._histogram("vllm:request_prompt_tokens", labels).observe(
+                len(output.prompt_token_ids or ()))
+            lengths = [len(sample.token_ids) for sample in output.outputs]
+            self._histogram("vllm:request_generation_tokens", labels).observe(sum(lengths))
+            self._histogram("vllm:request_max_num_generation_tokens", labels).observe(
+                max(lengths, default=0))
         for histogram in self.histograms.values():
             yield from histogram.collect()
 

@@ -6,12 +6,15 @@ No field is silently ignored: a field is implemented, or a documented no-op (the
 lists them), or refused with a 400 that names it.
 """
 
+import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscope.engine.serving.tool_parsers.forced import ANY_OBJECT, required_schema
 
 ANY = None  # a no-op field whose every value changes nothing
 # Fields kvscope accepts without acting on them, with the values at which that is true;
@@ -22,15 +25,13 @@ NO_OPS: dict[str, tuple[Any, ...] | None] = {
     "guided_decoding_backend": ANY,  # there is one backend: llguidance
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
-    "parallel_tool_calls": ANY,  # tools are refused, so there is nothing to parallelise
-    "tool_choice": (None, "none", "auto"),  # with no tools both mean "answer in text"
-    "tools": (None, []), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),  # the old names of tools
     "suffix": (None, ""),
     "spaces_between_special_tokens": (None, True),
     "include_stop_str_in_output": (None, False),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None, []),
+    "chat_template": (None,), "documents": (None, []),
     "mm_processor_kwargs": (None, {}), "modalities": (None, ["text"]),
     "logits_processors": (None, []), "priority": (None, 0),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
@@ -213,21 +214,86 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ToolCallItem(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        if self.tool_calls:
+            # Templates index the arguments as a mapping, so they get the decoded object
+            # (vLLM does the same).
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": _decoded_arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
+
+
+def _decoded_arguments(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise ValueError(f"messages: tool call arguments {arguments[:40]!r} are not "
+                         "JSON") from None
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def tools_for_template(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tools as a chat template reads them (OpenAI's shape), or None for no tools."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = None  # None: until the model stops or max_model_len
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -235,8 +301,33 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None  # vLLM's: on the response, not on its choices
     add_special_tokens: bool = False  # the chat template holds the special tokens
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return [message.as_template_input() for message in self.messages]
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return tools_for_template(self.tools)
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must match for `required` or a named function."""
+        choice = self.effective_tool_choice
+        if choice in ("none", "auto"):
+            return None
+        if not self.tools:
+            raise ValueError("tool_choice: requires tools; give the functions to call")
+        functions = [tool.function.model_dump() for tool in self.tools]
+        if choice == "required":
+            return required_schema(functions, self.parallel_tool_calls)
+        named = [f for f in functions if f["name"] == choice.function.name]
+        if not named:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not among "
+                             "the tools")
+        return named[0]["parameters"] or ANY_OBJECT
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         max_tokens = (self.max_tokens if self.max_completion_tokens is None
@@ -244,6 +335,14 @@ class ChatCompletionRequest(SamplingFields):
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: a chat chunk has no place for them, so they "
                              "are not available with stream=true (as in vLLM)")
-        return self.sampling_params(defaults, max_tokens,
-                                    (self.top_logprobs or 0) if self.logprobs else None,
-                                    prompt_logprobs=self.prompt_logprobs)
+        params = self.sampling_params(defaults, max_tokens,
+                                      (self.top_logprobs or 0) if self.logprobs else None,
+                                      prompt_logprobs=self.prompt_logprobs)
+        schema = self.forced_tool_schema()
+        if schema is not None:
+            if params.structured_outputs is not None:
+                raise ValueError(f"tool_choice: a forced tool call is already structured "
+                                 f"output; leave out {self.structured_field}")
+            params = dataclasses.replace(params,
+                                         structured_outputs=StructuredOutputsParams(json=schema))
+        return params

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes (/v1/*) and /health, /version."""
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -12,8 +13,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.frontend.chat import template_supports_tools
 from kvscope.engine.frontend.streams import RequestStream
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.serving.chat_output import ChatOutputParser
+from kvscope.engine.serving.chat_parsing import ChatParsing
 from kvscope.engine.serving.errors import APIError
 from kvscope.engine.serving.generation import Generation
 from kvscope.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -51,7 +55,8 @@ def version() -> str:
         return "unknown"
 
 
-def openai_router(engine: EngineView, model: ServedModel) -> APIRouter:
+def openai_router(engine: EngineView, model: ServedModel,
+                  chat_parsing: ChatParsing = ChatParsing()) -> APIRouter:
     router = APIRouter(prefix="/v1")  # the key, if any, is checked by AccessGuard
 
     @router.get("/models")
@@ -76,12 +81,21 @@ def openai_router(engine: EngineView, model: ServedModel) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model.check(body.model)
         params = body.to_sampling_params(engine.default_sampling)
-        prompt = engine.render_chat(body.conversation())
+        prompt = engine.render_chat(body.conversation(), tools=body.template_tools(),
+                                    chat_template_kwargs=body.chat_template_kwargs)
+        structured = params.structured_outputs
+        parser = chat_parsing.for_request(body, template_supports_tools(engine.tokenizer),
+                                          prompt, structured=structured is not None)
+        if structured is not None and parser.reasoning is not None:
+            # The model thinks first; the grammar starts once the thinking ends.
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                structured, start_after=parser.reasoning.end))
         return await _serve(request, engine, model, body, params,
                             lambda: [engine.submit(prompt, params,
                                                    add_special_tokens=body.add_special_tokens)],
                             chat=True,
-                            logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                            chat_parser=parser)
 
     return router
 
@@ -92,6 +106,8 @@ def _named_for_client(error: ValueError, body: SamplingFields) -> ValueError | A
     if message.startswith("prompt:") and isinstance(body, ChatCompletionRequest):
         return APIError(400, message, param="messages")  # the client sent no prompt
     field = body.structured_field
+    if field is None and isinstance(body, ChatCompletionRequest) and body.tools:
+        field = "tools"  # the forced call's schema is the tools' parameters
     if field and message.startswith("structured_outputs"):
         detail = message.split(":", 1)[1].strip()
         return APIError(400, f"{field}: {detail}", param=field)
@@ -101,7 +117,7 @@ def _named_for_client(error: ValueError, body: SamplingFields) -> ValueError | A
 async def _serve(request: Request, engine: EngineView, model: ServedModel,
                  body: SamplingFields, params: SamplingParams | BeamSearchParams, submit,
                  chat: bool,
-                 logprobs: int | None):
+                 logprobs: int | None, chat_parser: ChatOutputParser = ChatOutputParser()):
     """Submit, wait until the engine accepted every request (400 if not), then answer."""
     if engine.is_reconfiguring:
         raise APIError(503, "the engine is rebuilding its KV cache; retry shortly",
@@ -110,7 +126,8 @@ async def _serve(request: Request, engine: EngineView, model: ServedModel,
     generation = Generation(chat, f"{'chatcmpl' if chat else 'cmpl'}-{streams[0].request_id}",
                             model.name, streams, body.n, engine.tokenizer, logprobs,
                             body.include_usage, echo=getattr(body, "echo", False),
-                            prompt_logprobs=getattr(body, "prompt_logprobs", None) is not None)
+                            prompt_logprobs=getattr(body, "prompt_logprobs", None) is not None,
+                            chat_parser=chat_parser)
     try:
         await asyncio.gather(*(s.accepted() for s in streams))
     except BaseException as error:
