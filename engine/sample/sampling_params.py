@@ -107,6 +107,19 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
+    def to_dict(self) -> dict:
+        """Every field, as JSON-ready values (the session log keeps them for a replay)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """The params to_dict() wrote; fields a newer version wrote are refused by name."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"sampling params: unknown field(s) {unknown}")
+        return cls(**values)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -120,6 +133,15 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def _plain(value):
+    if isinstance(value, StructuredOutputsParams):
+        return {f.name: getattr(value, f.name) for f in fields(value)
+                if getattr(value, f.name) not in (None, False)}
+    if isinstance(value, dict):  # logit_bias: JSON keys are strings; from_dict parses them
+        return {str(key): item for key, item in value.items()}
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _number(value) -> bool:
