@@ -20,6 +20,7 @@ from kvscope.engine.sample.logits_processing import LogitsProcessor
 from kvscope.engine.sample.sampler import sample, token_logprobs
 from kvscope.engine.sample.sampling_params import SamplingParams, model_sampling_defaults
 from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.worker.executor import StepExecutor, StepLogits
 from kvscope.engine.worker.memory import GiB
 from kvscope.engine.worker.model_runner import ModelRunner
 
@@ -39,7 +40,7 @@ class EngineCore:
     (engine.core.kv_events) on `events`; whoever wants them subscribes there.
     """
 
-    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig | None = None, runner: StepExecutor | None = None):
         config = config or EngineConfig()
         self.runner = runner or ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
@@ -195,7 +196,7 @@ class EngineCore:
         return StepResult(outputs, record)
 
     def _sample_and_update(self, sampling: list[ScheduledSequence],
-                           logits: torch.Tensor) -> tuple[list[Request], int]:
+                           logits: StepLogits) -> tuple[list[Request], int]:
         """Sample a token for every sequence that reached its end (beams collect ranked
         candidates instead); returns the requests touched and the tokens generated."""
         rows: list[tuple[Sequence, int]] = []
@@ -211,7 +212,10 @@ class EngineCore:
             if num_sequences > 1 and len(seq.request.sequences) == 1:
                 family += [self.fork(seq, index) for index in range(1, num_sequences)]
             rows.extend((member, row) for member in family)
-        if rows:
+        if rows and isinstance(logits, list):  # an executor without a forward chose them
+            for seq, row in rows:
+                self.append_token(seq, logits[row], 0.0)
+        elif rows:
             seqs = [seq for seq, _ in rows]
             row_ids = [row for _, row in rows]
             # Usually every row samples once, in order: no 12 MB copy (64 rows, 49k vocab).
@@ -361,7 +365,7 @@ class EngineCore:
             num_blocks_swapped_in=blocks_in)
 
 
-def _eos_token_ids(runner: ModelRunner) -> set[int]:
+def _eos_token_ids(runner: StepExecutor) -> set[int]:
     """EOS from the generation config (may be a list) and from the tokenizer."""
     ids = set()
     for source in (runner.hf_config.eos_token_id, runner.tokenizer.eos_token_id,
