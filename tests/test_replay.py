@@ -205,7 +205,7 @@ def test_a_recorded_session_replayed_live_reproduces_its_outputs_and_steps(
     stop_recording()
     log.close()
 
-    workload = load_session_workload(tmp_path / "log.db", load_tokenizer(tiny_chat_model_path))
+    workload = load_session_workload(tmp_path / "log.db")
     assert workload.config == engine.config.to_dict()
     replayed = ReplaySession(workload, base_config(workload)).run({}, "live")
     assert {r.request_id: r.output_token_ids for r in replayed.requests} == recorded

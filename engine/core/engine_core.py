@@ -94,7 +94,9 @@ class EngineCore:
         else:
             prompt_text, token_ids = None, list(prompt)
             vocab = self.runner.hf_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            # In C (map, set, min, max): a replay admits thousands of long prompts.
+            if token_ids and (not set(map(type, token_ids)) <= {int} or min(token_ids) < 0
+                              or max(token_ids) >= vocab):
                 raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         if params.truncate_prompt_tokens is not None and \
                 len(token_ids) > params.truncate_prompt_tokens:
@@ -243,7 +245,8 @@ class EngineCore:
             seq.logprobs = (seq.logprobs or []) + [{**top_logprobs, token: logprob}]
         if seq.first_token_time is None:
             seq.first_token_time = time.time()
-        detokenize_incrementally(self.tokenizer, seq, seq.request.params.skip_special_tokens)
+        if seq.request.params.detokenize:
+            detokenize_incrementally(self.tokenizer, seq, seq.request.params.skip_special_tokens)
         if seq.request.beam is None:
             self._check_stop(seq, token)
             if seq.finish_reason is not None:

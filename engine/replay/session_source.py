@@ -4,6 +4,7 @@ config they ran under and the steps they took (a step-cost model fits to those).
 from pathlib import Path
 
 from kvscope.engine.replay.workload import ReplayRequest, Workload
+from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
 from kvscope.storage.reader import list_sessions, load_session
 from kvscope.storage.schema import open_database
 
@@ -14,11 +15,12 @@ def is_session_log(path: Path) -> bool:
     return path.suffix.lower() in LOG_SUFFIXES
 
 
-def load_session_workload(path: str | Path, tokenizer, session_id: int | None = None
-                          ) -> Workload:
+def load_session_workload(path: str | Path, session_id: int | None = None,
+                          model: str | None = None) -> Workload:
     """Session `session_id` of the log (default: the latest with requests). Requests logged
     before schema version 5 kept no token ids or sampling: their prompt text is tokenized
-    again and they sample with the defaults."""
+    again (by `model`'s tokenizer, default the recorded model's) and they sample with the
+    defaults."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such session log")
@@ -33,11 +35,15 @@ def load_session_workload(path: str | Path, tokenizer, session_id: int | None = 
     finally:
         engine.dispose()
     started = stored.session["started_at"]
-    requests = [_replay_request(row, started, tokenizer) for row in stored.requests
-                if row["num_output_tokens"] > 0 and row["error"] is None]
-    if not requests:
-        raise ValueError(f"{path}: session {session_id} has no request that produced tokens")
     config = stored.configs[0]["config"] if stored.configs else stored.session["config"]
+    rows = [row for row in stored.requests
+            if row["num_output_tokens"] > 0 and row["error"] is None]
+    if not rows:
+        raise ValueError(f"{path}: session {session_id} has no request that produced tokens")
+    tokenizer = None
+    if any(row["prompt_token_ids"] is None for row in rows):
+        tokenizer = load_tokenizer(resolve_model_path(model or config.get("model")))
+    requests = [_replay_request(row, started, tokenizer) for row in rows]
     return Workload(f"{path.name} session {session_id}", requests, config=config,
                     steps=stored.steps)
 

@@ -29,9 +29,10 @@ class ReplayRequest:
         values = {**self.sampling, "max_tokens": self.num_output_tokens, "ignore_eos": True,
                   "stop": None, "stop_token_ids": None,
                   "min_tokens": min(self.sampling.get("min_tokens", 0), self.num_output_tokens)}
-        if simulated:
+        if simulated:  # placeholder tokens: nothing to constrain, no text worth decoding
             for name in TOKEN_CHOICE_FIELDS:
                 values.pop(name, None)
+            values["detokenize"] = False
         return SamplingParams.from_dict(values)
 
 

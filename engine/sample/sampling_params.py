@@ -55,6 +55,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: False leaves the output's text empty (token ids only); the replay simulator,
+    # whose tokens are placeholders, saves the tokenizer's time with it.
+    detokenize: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +98,11 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
         self.stop_strings = tuple(stops)
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize={self.detokenize!r} must be True or False")
+        if stops and not self.detokenize:
+            raise ValueError("stop: stop strings are matched in the text; they need "
+                             "detokenize=True")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words or []):
             raise ValueError(f"bad_words={self.bad_words!r} must be non-empty strings")
