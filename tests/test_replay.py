@@ -212,3 +212,66 @@ def test_a_recorded_session_replayed_live_reproduces_its_outputs_and_steps(
     assert [r.chunks for r in replayed.records] == [r.chunks for r in workload.steps]
     assert sum(r.prefix_cache_hits for r in replayed.records) == \
         sum(r.prefix_cache_hits for r in workload.steps) > 0
+
+
+# ---- the command -------------------------------------------------------------------------
+def mooncake_rows(count: int) -> list[dict]:
+    return [{"timestamp": 20 * i, "input_length": 30 + 5 * (i % 4),
+             "output_length": 5 + i % 3, "hash_ids": [i % 2]} for i in range(count)]
+
+
+def test_kvscope_replay_runs_each_config_and_writes_the_report(
+        tmp_path, tiny_chat_model_path, capsys) -> None:
+    from kvscope.cli import main
+
+    trace = write_mooncake(tmp_path / "t.jsonl", mooncake_rows(8))
+    common = ["dtype=float32", "device=cpu", "max_model_len=256"]
+    main(["replay", str(trace), "--model", str(tiny_chat_model_path), "--json",
+          "--out", str(tmp_path / "out"),
+          "--config", "block_size=4", "num_gpu_blocks_override=64", *common,
+          "--config", "block_size=16", "num_gpu_blocks_override=16", *common])
+    runs = json.loads(capsys.readouterr().out)
+    assert [run["config"]["block_size"] for run in runs] == [4, 16]
+    for run in runs:
+        assert run["mode"] == "live" and run["num_requests"] == 8
+        assert run["num_output_tokens"] == sum(r["output_length"] for r in mooncake_rows(8))
+        assert {"throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "preemptions",
+                "swapped_blocks", "prefix_hit_rate", "peak_kv_usage", "mean_kv_usage",
+                "wall_s", "kv_usage"} <= set(run)
+        assert 0 < run["peak_kv_usage"] <= 1 and run["kv_usage"]
+    assert runs[0]["num_blocks"] == 64 and runs[1]["num_blocks"] == 16
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == ["report.html", "requests.csv", "runs.csv", "runs.json"]
+    report = (tmp_path / "out" / "report.html").read_text()
+    assert "block_size=16" in report and "Plotly.newPlot" in report
+    assert "<script src" not in report  # plotly.js is inlined: the file opens offline
+
+
+@pytest.mark.parametrize("knob", ["max_model_len=16", "block_size=3"])
+def test_a_failing_replay_writes_no_report(tmp_path, tiny_chat_model_path, knob) -> None:
+    """A prompt too long for the config, or a bad knob: the message names it, and the
+    runs that did finish leave no half report behind."""
+    from kvscope.cli import main
+
+    trace = write_mooncake(tmp_path / "t.jsonl", mooncake_rows(3))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", str(trace), "--model", str(tiny_chat_model_path), "--out",
+              str(tmp_path / "out"), "--config", "dtype=float32", "device=cpu",
+              "--config", "dtype=float32", "device=cpu", knob])
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_simulating_a_trace_needs_a_cost_model(tmp_path, tiny_chat_model_path, capsys) -> None:
+    from kvscope.cli import main
+
+    trace = write_mooncake(tmp_path / "t.jsonl", mooncake_rows(3))
+    with pytest.raises(SystemExit):
+        main(["replay", str(trace), "--model", str(tiny_chat_model_path), "--simulate"])
+    assert "--cost-model" in capsys.readouterr().err
+    cost = tmp_path / "cost.json"
+    cost.write_text(STEADY_COST.to_json())
+    main(["replay", str(trace), "--model", str(tiny_chat_model_path), "--simulate",
+          "--cost-model", str(cost), "--json", "--config", "num_gpu_blocks_override=32"])
+    (run,) = json.loads(capsys.readouterr().out)
+    assert run["mode"] == "simulated" and run["num_blocks"] == 32
