@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sim-blocks", type=int, default=1_000_000)
     parser.add_argument("--error-requests", type=int, default=200)
     parser.add_argument("--calibration-requests", type=int, default=60)
-    parser.add_argument("--rate", type=float, default=4.0,
+    parser.add_argument("--rate", type=float, default=1.0,
                         help="part 2: Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -96,13 +96,14 @@ def speed(args, folder: Path) -> dict:
 def error(args, folder: Path) -> dict:
     """Live vs simulated on the default model, with a cost model fitted to another trace."""
     tokenizer = load_tokenizer(resolve_model_path(args.model))
-    shape = {"input_range": (32, 768), "output_range": (8, 48), "num_prefixes": 6}
+    shape = {"input_range": (32, 512), "output_range": (8, 48), "num_prefixes": 6}
     calibration = load_trace(mooncake_trace(folder / "calibration.jsonl",
                                             args.calibration_requests, args.rate,
                                             seed=args.seed + 1, **shape), tokenizer)
     target = load_trace(mooncake_trace(folder / "target.jsonl", args.error_requests,
                                        args.rate, seed=args.seed, **shape), tokenizer)
-    config = EngineConfig(model=args.model, max_model_len=2048)
+    # A 512-token budget: many short steps, as a served CPU engine runs them.
+    config = EngineConfig(model=args.model, max_model_len=2048, max_num_batched_tokens=512)
     session = ReplaySession(calibration, config)
     fitted = session.run({}, "live")
     cost = fit_step_cost(fitted.records, [s.duration_s for s in fitted.steps])
