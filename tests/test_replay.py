@@ -212,6 +212,10 @@ def test_a_recorded_session_replayed_live_reproduces_its_outputs_and_steps(
     assert [r.chunks for r in replayed.records] == [r.chunks for r in workload.steps]
     assert sum(r.prefix_cache_hits for r in replayed.records) == \
         sum(r.prefix_cache_hits for r in workload.steps) > 0
+    # Simulated with the cost model fitted to the session's own steps: the same schedule.
+    simulated = ReplaySession(workload, base_config(workload),
+                              fit_step_cost(workload.steps)).run({}, "simulated")
+    assert [r.chunks for r in simulated.records] == [r.chunks for r in workload.steps]
 
 
 # ---- the command -------------------------------------------------------------------------
@@ -272,6 +276,8 @@ def test_simulating_a_trace_needs_a_cost_model(tmp_path, tiny_chat_model_path, c
     cost = tmp_path / "cost.json"
     cost.write_text(STEADY_COST.to_json())
     main(["replay", str(trace), "--model", str(tiny_chat_model_path), "--simulate",
-          "--cost-model", str(cost), "--json", "--config", "num_gpu_blocks_override=32"])
+          "--cost-model", str(cost), "--json", "--config", "num_gpu_blocks_override=32",
+          "--save-cost-model", str(tmp_path / "saved.json")])
     (run,) = json.loads(capsys.readouterr().out)
     assert run["mode"] == "simulated" and run["num_blocks"] == 32
+    assert LinearStepCost.from_json((tmp_path / "saved.json").read_text()) == STEADY_COST

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cost-model", default=None,
                         help="simulate with the cost model fitted to this session log's "
                         "steps, or saved as JSON (default: the source log's own steps)")
+    parser.add_argument("--save-cost-model", default=None, metavar="FILE",
+                        help="write the cost model the simulation used as JSON (a later "
+                        "--cost-model FILE reads it)")
     parser.add_argument("--speed", type=float, default=1.0,
                         help="arrivals this many times faster than recorded")
     parser.add_argument("--session", type=int, default=None,
@@ -92,6 +95,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     mode = "simulated" if args.simulate else "live"
     if args.simulate:
         session.cost_model = cost_model_for(args, workload)
+        logger.info("step-cost model: %s", session.cost_model)
+    elif args.save_cost_model is not None:
+        raise ValueError("save_cost_model: only a simulated replay (--simulate) has one")
     results = []
     for index, knobs in enumerate(changes):
         def progress(done: int, total: int, index=index) -> None:
@@ -101,6 +107,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         results.append(session.run(knobs, mode, args.speed, progress))
     if args.out is not None:
         write_report(results, args.out, f"kvscope replay of {workload.name}")
+    if args.save_cost_model is not None:
+        Path(args.save_cost_model).write_text(session.cost_model.to_json())
     return summaries(results)
 
 

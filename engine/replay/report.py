@@ -54,8 +54,8 @@ def requests_csv(results: list[RunResult]) -> str:
     return out.getvalue()
 
 
-def run_name(result: RunResult) -> str:
-    return f"{result.label} ({result.mode})"
+def run_name(index: int, result: RunResult) -> str:
+    return f"run {index + 1}: {result.label} ({result.mode})"
 
 
 def comparison_figures(results: list[RunResult]) -> dict[str, go.Figure]:
@@ -66,7 +66,7 @@ def comparison_figures(results: list[RunResult]) -> dict[str, go.Figure]:
     latency = make_subplots(rows=1, cols=2, subplot_titles=("TTFT CDF", "TPOT CDF"))
     bars = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate", "preemptions"))
     for index, result in enumerate(results):
-        name, color = run_name(result), _color(index)
+        name, color, short = run_name(index, result), _color(index), f"run {index + 1}"
         series = result.kv_usage_series(4000)
         usage.add_scatter(x=[p[0] for p in series], y=[p[1] for p in series], name=name,
                           mode="lines", line={"color": color, "shape": "hv"})
@@ -77,10 +77,12 @@ def comparison_figures(results: list[RunResult]) -> dict[str, go.Figure]:
                                 mode="lines", line={"color": color, "shape": "hv"},
                                 row=1, col=col)
         summary = result.summary()
-        bars.add_bar(x=[name], y=[summary["prefix_hit_rate"]], marker_color=color,
-                     showlegend=False, row=1, col=1)
-        bars.add_bar(x=[name], y=[summary["preemptions"]], marker_color=color,
-                     showlegend=False, row=1, col=2)
+        bars.add_bar(x=[short], y=[summary["prefix_hit_rate"]], marker_color=color,
+                     name=name, hovertext=name, showlegend=False, row=1, col=1)
+        bars.add_bar(x=[short], y=[summary["preemptions"]], marker_color=color,
+                     name=name, hovertext=name, showlegend=False, row=1, col=2)
+    for figure in (usage, latency):  # under the plots: long config labels take no width
+        figure.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.2})
     latency.update_xaxes(title_text="seconds")
     latency.update_yaxes(title_text="fraction of requests", range=[0, 1.02], col=1)
     return {"kv_usage": usage, "latency_cdfs": latency, "hit_rate_preemptions": bars}
@@ -97,11 +99,11 @@ def html_report(results: list[RunResult], title: str) -> str:
     parts = [figure.to_html(full_html=False, include_plotlyjs=index == 0,
                             default_height="420px")
              for index, figure in enumerate(figures.values())]
-    header = "".join(f"<th>{html.escape(c)}</th>" for c in ("config", *SUMMARY_COLUMNS))
+    header = "".join(f"<th>{html.escape(c)}</th>" for c in ("run", "config", *SUMMARY_COLUMNS))
     rows = "".join(
-        "<tr>" + f"<td>{html.escape(json.dumps(s['config']))}</td>"
+        f"<tr><td>{index + 1}</td><td>{html.escape(json.dumps(s['config']))}</td>"
         + "".join(f"<td>{_cell(s[c])}</td>" for c in SUMMARY_COLUMNS) + "</tr>"
-        for s in summaries(results))
+        for index, s in enumerate(summaries(results)))
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
             "</title><style>body{font-family:sans-serif;margin:2em}table{border-collapse:"
             "collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>"
