@@ -5,8 +5,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Bump when a table changes, and add the step from the previous version to MIGRATIONS
 # in storage.schema, so files written by older versions keep opening.
-# 2: per-step cache statistics; 3: the engine replica; 4: routing decisions.
-SCHEMA_VERSION = 5
+# 2: per-step cache statistics; 3: the engine replica; 4: routing decisions;
+# 5: what a replay needs (prompt and output token ids, sampling params, arrival offset);
+# 6: each step's verified speculative proposals.
+SCHEMA_VERSION = 6
 
 
 class Base(DeclarativeBase):
@@ -53,6 +55,12 @@ class RequestRow(Base):
     finished_time: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     replica: Mapped[int] = mapped_column(Integer, default=0)  # the engine replica that ran it
+    # Added in schema version 5 (NULL in rows written before): what `kvscope replay` needs
+    # to run the request again as it ran.
+    prompt_token_ids: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    output_token_ids: Mapped[list | None] = mapped_column(JSON, nullable=True)  # per sample
+    sampling_params: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # every field
+    arrival_offset_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # from start
 
 
 class StepRow(Base):

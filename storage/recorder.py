@@ -19,7 +19,8 @@ def record_sessions(engine: "EngineView", session_log: SessionLog,
     returns the function that stops it, after a last drain."""
     feeds = [(engine.subscribe_steps(maxsize=QUEUE_SIZE), session_log.record_step),
              (engine.subscribe_requests(), lambda finished: session_log.record_request(
-                 finished.output, finished.source, replica=finished.replica)),
+                 finished.output, finished.source, replica=finished.replica,
+                 params=finished.params)),
              (engine.subscribe_decisions(QUEUE_SIZE), session_log.record_routing)]
     stop = threading.Event()
 

@@ -5,6 +5,7 @@ import time
 
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
+from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 
 STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
@@ -34,8 +35,11 @@ def step_record(row: dict) -> StepRecord:
 
 
 def request_row(session_id: int, output: RequestOutput, source: str,
-                prompt_text: str | None, replica: int = 0) -> dict:
+                prompt_text: str | None, replica: int = 0,
+                params: SamplingParams | None = None, session_start: float | None = None
+                ) -> dict:
     metrics = output.metrics
+    arrival = metrics.arrival_time if metrics else None
     return {
         "session_id": session_id, "request_id": output.request_id, "source": source,
         "prompt": prompt_text if prompt_text is not None else output.prompt,
@@ -52,6 +56,11 @@ def request_row(session_id: int, output: RequestOutput, source: str,
         "finished_time": (metrics.finished_time if metrics else None) or time.time(),
         "error": output.error,
         "replica": replica,
+        "prompt_token_ids": list(output.prompt_token_ids),
+        "output_token_ids": [list(c.token_ids) for c in output.outputs],
+        "sampling_params": params.to_dict() if params is not None else None,
+        "arrival_offset_s": (arrival - session_start
+                             if arrival is not None and session_start is not None else None),
     }
 
 

@@ -34,8 +34,20 @@ def _add_routing_decisions(connection: Connection) -> None:
     RoutingDecisionRow.__table__.create(connection)
 
 
+# Version 5 added what a replay needs to the requests table.
+REQUEST_COLUMNS_OF_VERSION_5 = (("prompt_token_ids", "JSON"), ("output_token_ids", "JSON"),
+                                ("sampling_params", "JSON"), ("arrival_offset_s", "FLOAT"))
+
+
+def _add_replay_columns(connection: Connection) -> None:
+    """Version 5: older requests read back with NULLs (a replay re-tokenizes their prompt
+    text and takes default sampling)."""
+    for column, sql_type in REQUEST_COLUMNS_OF_VERSION_5:
+        connection.exec_driver_sql(f"ALTER TABLE requests ADD COLUMN {column} {sql_type}")
+
+
 def _add_spec_drafts(connection: Connection) -> None:
-    """Version 5: each step's verified speculative proposals (empty before)."""
+    """Version 6: each step's verified speculative proposals (empty before)."""
     connection.exec_driver_sql("ALTER TABLE steps ADD COLUMN spec_drafts JSON NOT NULL "
                                "DEFAULT '[]'")
 
@@ -43,7 +55,7 @@ def _add_spec_drafts(connection: Connection) -> None:
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions,
-    4: _add_spec_drafts}
+    4: _add_replay_columns, 5: _add_spec_drafts}
 
 
 def open_database(path: str | Path) -> Engine:

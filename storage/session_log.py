@@ -11,6 +11,7 @@ from sqlalchemy import insert, update
 
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
+from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.storage import reader
 from kvscope.storage.exports import export_session
@@ -41,6 +42,7 @@ class SessionLog:
         self.db_path = Path(db_path)
         self.engine = open_database(self.db_path)
         self.session_id: int | None = None
+        self.started_at: float | None = None
         self._last_config: dict | None = None
         self.num_dropped = 0
         self.num_written = 0
@@ -55,7 +57,7 @@ class SessionLog:
     # ---- producers ---------------------------------------------------------------------
     def start_session(self, config: dict, model: str) -> int:
         """Open a session row now (synchronously: the id tags every later row)."""
-        started_at = time.time()
+        started_at = self.started_at = time.time()
         with self.engine.begin() as connection:
             self.session_id = connection.execute(insert(SessionRow).values(
                 model=model, config=config, started_at=started_at)).inserted_primary_key[0]
@@ -78,10 +80,12 @@ class SessionLog:
         self._put((StepRow, record))
 
     def record_request(self, output: RequestOutput, source: str,
-                       prompt_text: str | None = None, replica: int = 0) -> None:
-        """A finished request; prompt_text overrides output.prompt (e.g. the chat text)."""
+                       prompt_text: str | None = None, replica: int = 0,
+                       params: SamplingParams | None = None) -> None:
+        """A finished request; prompt_text overrides output.prompt (e.g. the chat text);
+        params, the sampling it ran with, let a replay run it again."""
         self._put((RequestRow, request_row(self._current(), output, source, prompt_text,
-                                           replica)))
+                                           replica, params, self.started_at)))
 
     def record_routing(self, decision: RoutingDecision) -> None:
         """Where the router sent a request (engine.replicas.ReplicaSet), with the scores."""

@@ -47,3 +47,15 @@ def test_hugging_face_kernels_beside_kvscope(tmp_path, tiny_model):
     assert Path(found["hf"]).parent.parent.name == "site-packages"
     assert Path(found["ours"]).resolve().parent == REPO / "kernels"
     assert found["model"] == "LlamaForCausalLM"
+
+
+def test_the_kvscope_command_serves_with_app_flags(tmp_path):
+    """The console script pyproject installs: `serve` takes app.py's flags (`replay` is
+    run in-process by tests/test_replay.py)."""
+    command = Path(sys.executable).parent / "kvscope"
+    serve = subprocess.run([command, "serve", "--help"], cwd=tmp_path, capture_output=True,
+                           text=True, check=True).stdout
+    assert "--block-size" in serve and "--graceful-shutdown-s" in serve
+    assert serve.startswith("usage: kvscope serve")
+    unknown = subprocess.run([command, "bogus"], cwd=tmp_path, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "serve" in unknown.stderr

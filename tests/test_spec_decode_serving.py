@@ -63,9 +63,9 @@ def test_metrics_and_the_event_feed_count_the_same_proposals(server):
     proposed = sum(d["num_draft_tokens"] for d in drafts)
     accepted = sum(d["num_accepted_tokens"] for d in drafts)
     assert proposed > 0
-    assert metrics["kvscope:spec_decode_num_drafts_total"] == len(drafts)
-    assert metrics["kvscope:spec_decode_num_draft_tokens_total"] == proposed
-    assert metrics["kvscope:spec_decode_num_accepted_tokens_total"] == accepted
+    assert metrics["vllm:spec_decode_num_drafts_total"] == len(drafts)
+    assert metrics["vllm:spec_decode_num_draft_tokens_total"] == proposed
+    assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == accepted
     per_pos = [v for k, v in sorted(metrics.items()) if "per_pos" in k]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     assert response.usage.completion_tokens == 40

@@ -69,6 +69,13 @@ def logged_session(db_path: Path, engine_run) -> tuple[int, SessionLog]:
     return session_id, log
 
 
+def drop_columns_after_version_4(connection: sqlite3.Connection) -> None:
+    """Make a file as version 4 wrote it: without the columns versions 5 and 6 added."""
+    for column, _ in schema.REQUEST_COLUMNS_OF_VERSION_5:
+        connection.execute(f"ALTER TABLE requests DROP COLUMN {column}")
+    connection.execute("ALTER TABLE steps DROP COLUMN spec_drafts")
+
+
 def test_every_request_and_step_of_a_run_is_stored(tmp_path: Path, engine_run) -> None:
     config, records, finished = engine_run
     session_id, log = logged_session(tmp_path / "log.db", engine_run)
@@ -266,8 +273,8 @@ def test_a_version_2_log_gains_the_replica_columns_and_the_routing_table(tmp_pat
     with sqlite3.connect(db_path) as connection:  # the file as version 2 wrote it
         for table in ("requests", "steps"):
             connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
-        connection.execute("DROP TABLE routing_decisions")  # and what versions 4 and 5 added
-        connection.execute("ALTER TABLE steps DROP COLUMN spec_drafts")
+        connection.execute("DROP TABLE routing_decisions")  # and what versions 4 to 6 added
+        drop_columns_after_version_4(connection)
         connection.execute("UPDATE schema_version SET version = 2")
     engine = schema.open_database(db_path)
     for table in ("requests", "steps"):
@@ -275,7 +282,8 @@ def test_a_version_2_log_gains_the_replica_columns_and_the_routing_table(tmp_pat
     assert "spec_drafts" in {c["name"] for c in inspect(engine).get_columns("steps")}
     assert inspect(engine).has_table("routing_decisions")
     with engine.connect() as connection:
-        assert connection.exec_driver_sql("SELECT version FROM schema_version").scalar() == 5
+        assert (connection.exec_driver_sql("SELECT version FROM schema_version").scalar()
+                == schema.SCHEMA_VERSION)
 
 
 def test_schema_upgrades_from_the_previous_version(tmp_path: Path, monkeypatch) -> None:
@@ -346,7 +354,7 @@ def test_a_version_1_log_gains_the_step_statistics(tmp_path: Path, engine_run) -
         for table in ("requests", "steps"):  # and what versions 3, 4 and 5 added
             connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
         connection.execute("DROP TABLE routing_decisions")
-        connection.execute("ALTER TABLE steps DROP COLUMN spec_drafts")
+        drop_columns_after_version_4(connection)
         connection.execute("UPDATE schema_version SET version = 1")
 
     steps = load_session(open_database(db_path), session_id).steps
@@ -355,3 +363,35 @@ def test_a_version_1_log_gains_the_step_statistics(tmp_path: Path, engine_run) -
     assert [r.step for r in steps] == [r.step for r in records]
     assert all(r.prefix_cache_queries == r.prefix_cache_hits == 0 for r in steps)
     assert sum(r.prefix_cache_hits for r in records) > 0  # the originals had some
+
+
+def test_requests_keep_what_a_replay_needs(tmp_path: Path, engine_run) -> None:
+    """Prompt and output token ids, every sampling field and the arrival offset."""
+    _, _, finished = engine_run
+    log = SessionLog(tmp_path / "log.db")
+    session_id = log.start_session({}, model="tiny")
+    params = SamplingParams(max_tokens=6, temperature=0.5, seed=3, stop=["x"],
+                            logit_bias={5: 1.0})
+    log.record_request(finished[0], source="api", params=params)
+    log.close()
+    row = load_session(open_database(tmp_path / "log.db"), session_id).requests[0]
+    assert row["prompt_token_ids"] == finished[0].prompt_token_ids
+    assert row["output_token_ids"] == [c.token_ids for c in finished[0].outputs]
+    assert SamplingParams.from_dict(row["sampling_params"]) == params
+    assert row["arrival_offset_s"] == pytest.approx(
+        finished[0].metrics.arrival_time - log.started_at)
+
+
+def test_a_version_4_log_opens_and_its_requests_read_back_without_replay_fields(
+        tmp_path: Path, engine_run) -> None:
+    db_path = tmp_path / "old.db"
+    session_id, log = logged_session(db_path, engine_run)
+    log.close()
+    with sqlite3.connect(db_path) as connection:
+        drop_columns_after_version_4(connection)
+        connection.execute("UPDATE schema_version SET version = 4")
+    requests = load_session(open_database(db_path), session_id).requests
+    assert len(requests) == len(engine_run[2])
+    assert all(row["prompt_token_ids"] is None and row["sampling_params"] is None
+               for row in requests)
+    assert requests[0]["prompt"]  # the text a replay re-tokenizes

@@ -8,7 +8,7 @@ import gradio as gr
 
 from kvscope.engine.config import BLOCK_SIZES, PREEMPTION_MODES
 from kvscope.engine.view import EngineView
-from kvscope.ui import chat, figures, knobs, loadgen, panels, sessions
+from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, sessions
 from kvscope.ui.live import LiveFeed
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
@@ -34,7 +34,9 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
                 load_timer = _engine_tab(blocks, engine, feed, session_log, load)
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 _sessions_tab(blocks, session_log)
-            other_tabs = [live_tab, sessions_tab]
+            with gr.Tab("Compare", id="compare") as compare_tab:
+                compare.compare_tab(engine, session_log)
+            other_tabs = [live_tab, sessions_tab, compare_tab]
             if engine.num_replicas > 1:  # an engine.replicas.ReplicaSet
                 from kvscope.ui.replicas import replicas_tab  # the router's names; Ray is loaded
 

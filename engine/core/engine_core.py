@@ -22,6 +22,7 @@ from kvscope.engine.sample.sampling_params import SamplingParams, model_sampling
 from kvscope.engine.spec_decode.metrics import SpecDraft
 from kvscope.engine.spec_decode.proposer import Speculator
 from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.worker.executor import StepExecutor, StepLogits
 from kvscope.engine.worker.memory import GiB
 from kvscope.engine.worker.model_runner import ModelRunner
 
@@ -41,7 +42,7 @@ class EngineCore:
     (engine.core.kv_events) on `events`; whoever wants them subscribes there.
     """
 
-    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig | None = None, runner: StepExecutor | None = None):
         config = config or EngineConfig()
         self.runner = runner or ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
@@ -99,7 +100,9 @@ class EngineCore:
         else:
             prompt_text, token_ids = None, list(prompt)
             vocab = self.runner.hf_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            # In C (map, set, min, max): a replay admits thousands of long prompts.
+            if token_ids and (not set(map(type, token_ids)) <= {int} or min(token_ids) < 0
+                              or max(token_ids) >= vocab):
                 raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         if params.truncate_prompt_tokens is not None and \
                 len(token_ids) > params.truncate_prompt_tokens:
@@ -203,7 +206,7 @@ class EngineCore:
         self.step_index += 1
         return StepResult(outputs, record)
 
-    def _sample_and_update(self, sampling: list[ScheduledSequence], logits: torch.Tensor
+    def _sample_and_update(self, sampling: list[ScheduledSequence], logits: StepLogits
                            ) -> tuple[list[Request], int, tuple[SpecDraft, ...]]:
         """Sample a token for every sequence that reached its end (beams collect ranked
         candidates instead) and verify proposals; returns the requests touched, the tokens
@@ -251,10 +254,15 @@ class EngineCore:
                 num_generated += self.beams.advance(request, self)
         return list(touched.values()), num_generated, self._roll_back(proposals, accepted)
 
-    def _sample_rows(self, rows: list[tuple[Sequence, int]], logits: torch.Tensor,
+    def _sample_rows(self, rows: list[tuple[Sequence, int]], logits: StepLogits,
                      drafts: list[int]) -> list[int]:
         """One token for each (sequence, row of logits), appended through the update path;
         a draft >= 0 is verified (the token equals it exactly when accepted)."""
+        if isinstance(logits, list):  # an executor without a forward chose the tokens
+            tokens = [logits[row] for _, row in rows]
+            for (seq, _), token in zip(rows, tokens):
+                self.append_token(seq, token, 0.0)
+            return tokens
         seqs = [seq for seq, _ in rows]
         row_ids = [row for _, row in rows]
         # Usually every row samples once, in order: no 12 MB copy (64 rows, 49k vocab).
@@ -292,7 +300,8 @@ class EngineCore:
             seq.logprobs = (seq.logprobs or []) + [{**top_logprobs, token: logprob}]
         if seq.first_token_time is None:
             seq.first_token_time = time.time()
-        detokenize_incrementally(self.tokenizer, seq, seq.request.params.skip_special_tokens)
+        if seq.request.params.detokenize:
+            detokenize_incrementally(self.tokenizer, seq, seq.request.params.skip_special_tokens)
         if seq.request.beam is None:
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
@@ -415,7 +424,7 @@ class EngineCore:
             num_blocks_swapped_in=blocks_in, spec_drafts=drafts)
 
 
-def _eos_token_ids(runner: ModelRunner) -> set[int]:
+def _eos_token_ids(runner: StepExecutor) -> set[int]:
     """EOS from the generation config (may be a list) and from the tokenizer."""
     ids = set()
     for source in (runner.hf_config.eos_token_id, runner.tokenizer.eos_token_id,

@@ -112,6 +112,8 @@ class RequestRecord:
     inter_token_latencies: list[float]  # seconds between consecutive steps with new tokens
     error: str | None = None
     replica: int = 0  # which engine replica served it (engine.replicas)
+    # The params the core ran it with (the session log keeps them so a replay can rerun it).
+    params: SamplingParams | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +121,7 @@ class _LiveRequest:
     """Engine-thread bookkeeping of one request between add and finish."""
 
     stream: RequestStream
+    params: SamplingParams | None = None
     num_tokens_seen: int = 0
     last_token_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -424,13 +427,13 @@ class AsyncEngine(ChatSubmit):
                 stream, prompt, params, priority, add_special_tokens, arrival_time))
             return
         try:
-            self._core.add_request(prompt, params, request_id=stream.request_id,
-                                   arrival_time=arrival_time, priority=priority,
-                                   source=stream.source, add_special_tokens=add_special_tokens)
+            request = self._core.add_request(
+                prompt, params, request_id=stream.request_id, arrival_time=arrival_time,
+                priority=priority, source=stream.source, add_special_tokens=add_special_tokens)
         except Exception as error:  # noqa: BLE001 -- ValueError for bad input; others refuse too
             stream.fail(error)
             return
-        self._live[stream.request_id] = _LiveRequest(stream)
+        self._live[stream.request_id] = _LiveRequest(stream, request.params)
         stream.accept()
 
     def _do_abort(self, request_id: str) -> None:
@@ -529,7 +532,7 @@ class AsyncEngine(ChatSubmit):
             finished = self._counters.requests_finished
             finished[finish_reason] = finished.get(finish_reason, 0) + 1
         record = RequestRecord(output, live.stream.source, finish_reason,
-                               live.inter_token_latencies, output.error)
+                               live.inter_token_latencies, output.error, params=live.params)
         self._request_feed.publish(record)
 
     def _count_step(self, record: StepRecord) -> None:

@@ -64,6 +64,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: False leaves the output's text empty (token ids only); the replay simulator,
+    # whose tokens are placeholders, saves the tokenizer's time with it.
+    detokenize: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +107,11 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
         self.stop_strings = tuple(stops)
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize={self.detokenize!r} must be True or False")
+        if stops and not self.detokenize:
+            raise ValueError("stop: stop strings are matched in the text; they need "
+                             "detokenize=True")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words or []):
             raise ValueError(f"bad_words={self.bad_words!r} must be non-empty strings")
@@ -115,6 +123,19 @@ class SamplingParams:
                              "list of token ids")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+
+    def to_dict(self) -> dict:
+        """Every field, as JSON-ready values (the session log keeps them for a replay)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """The params to_dict() wrote; fields a newer version wrote are refused by name."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"sampling params: unknown field(s) {unknown}")
+        return cls(**values)
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +150,15 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def _plain(value):
+    if isinstance(value, StructuredOutputsParams):
+        return {f.name: getattr(value, f.name) for f in fields(value)
+                if getattr(value, f.name) not in (None, False)}
+    if isinstance(value, dict):  # logit_bias: JSON keys are strings; from_dict parses them
+        return {str(key): item for key, item in value.items()}
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _number(value) -> bool:

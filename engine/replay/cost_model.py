@@ -1,0 +1,117 @@
+"""Step-cost models: how long one engine step takes, from what the step scheduled.
+
+A step's time is modelled as linear in three features of its StepRecord (what the
+scheduler decided, so the simulator knows them before any forward):
+
+    seconds = intercept + per_token * tokens scheduled + per_decode * decode chunks
+              + per_context_token * context read
+
+where "context read" sums each chunk's end position (the K/V its attention reads). The
+coefficients are fitted by least squares to the step records of real runs (a session log's
+steps table, on this machine or a bigger one); a feature whose coefficient comes out
+negative is dropped and the rest refitted, so the model never predicts that more work is
+faster.
+"""
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvscope.engine.replay.session_source import is_session_log, load_logged_steps
+from kvscope.engine.telemetry.records import StepRecord
+
+FEATURES = ("per_token", "per_decode", "per_context_token")
+
+
+def step_features(record: StepRecord) -> tuple[int, int, int]:
+    """(tokens scheduled, decode chunks, context read) of one step."""
+    decodes = context = 0
+    for _, _, kind, _, end in record.chunks:
+        decodes += kind == "decode"
+        context += end
+    return record.num_scheduled_tokens, decodes, context
+
+
+@dataclass(frozen=True, slots=True)
+class LinearStepCost:
+    """The fitted model; step_time() is what the simulator's clock advances by."""
+
+    intercept: float
+    per_token: float
+    per_decode: float
+    per_context_token: float
+    num_fit_steps: int = 0
+    fit_error: float = 0.0  # mean absolute relative error on the steps it was fitted to
+
+    def step_time(self, record: StepRecord) -> float:
+        tokens, decodes, context = step_features(record)
+        return (self.intercept + self.per_token * tokens + self.per_decode * decodes
+                + self.per_context_token * context)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "LinearStepCost":
+        return cls(**json.loads(text))
+
+
+def fit_step_cost(records: Sequence[StepRecord],
+                  durations: Sequence[float] | None = None) -> LinearStepCost:
+    """Least squares over steps that ran something. `durations` overrides the records'
+    own (end - start), e.g. with a replay loop's step-to-step intervals."""
+    pairs = [(step_features(r), d) for r, d in zip(
+        records, durations if durations is not None else [r.duration for r in records])
+        if r.num_scheduled_tokens > 0]
+    if len(pairs) < len(FEATURES) + 1:
+        raise ValueError(f"cost model: {len(pairs)} steps that ran tokens; need at least "
+                         f"{len(FEATURES) + 1} to fit (record a longer session)")
+    x = np.array([features for features, _ in pairs], dtype=np.float64)
+    y = np.array([duration for _, duration in pairs], dtype=np.float64)
+    kept = list(range(len(FEATURES)))
+    while True:
+        design = np.column_stack([np.ones(len(y)), x[:, kept]])
+        solution = np.linalg.lstsq(design, y, rcond=None)[0]
+        negative = [k for k, value in zip(kept, solution[1:]) if value < 0]
+        if not negative:
+            break
+        kept.remove(negative[0])
+    coefficients = dict.fromkeys(FEATURES, 0.0)
+    for k, value in zip(kept, solution[1:]):
+        coefficients[FEATURES[k]] = float(value)
+    predicted = design @ solution
+    error = float(np.mean(np.abs(predicted - y) / np.maximum(y, 1e-9)))
+    return LinearStepCost(max(float(solution[0]), 0.0), **coefficients,
+                          num_fit_steps=len(y), fit_error=error)
+
+
+@dataclass(slots=True)
+class RecordedStepTimes:
+    """The step times of a recorded run, in order: replaying them makes the simulator's
+    clock, and so every admission and allocation, follow that run exactly."""
+
+    durations: list[float]
+    _next: int = 0
+
+    def step_time(self, record: StepRecord) -> float:
+        if self._next >= len(self.durations):
+            raise ValueError(f"recorded step times: the run took {len(self.durations)} "
+                             "steps; the replay asked for more")
+        self._next += 1
+        return self.durations[self._next - 1]
+
+
+def load_step_cost(path: str | Path) -> LinearStepCost:
+    """A model saved as JSON, or fitted to the steps of a session log's latest session
+    that has any."""
+    path = Path(path)
+    if is_session_log(path):
+        return fit_step_cost(load_logged_steps(path))
+    try:
+        return LinearStepCost.from_json(path.read_text())
+    except (OSError, json.JSONDecodeError, TypeError) as error:
+        raise ValueError(f"cost_model={str(path)!r}: not a session log or a saved model "
+                         f"({error})") from None

@@ -1,0 +1,55 @@
+"""The workload record: what every replay source (a trace, a recorded session) becomes."""
+
+from dataclasses import dataclass, field
+
+from kvscope.engine.sample.sampling_params import SamplingParams
+
+# Fields that change what a sample's tokens are but neither its length nor what the
+# scheduler does; the simulator, which picks placeholder tokens, runs without them.
+TOKEN_CHOICE_FIELDS = ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words",
+                       "logprobs", "prompt_logprobs")
+
+
+@dataclass(slots=True)
+class ReplayRequest:
+    """One request to run again: its prompt, when it arrives and how long its output is."""
+
+    request_id: str
+    arrival_s: float  # seconds after the workload's first arrival
+    prompt_token_ids: list[int]
+    num_output_tokens: int  # per sample: the replay forces this length
+    sampling: dict = field(default_factory=dict)  # SamplingParams.to_dict(), {} = defaults
+    # The first sample's recorded tokens, when the source kept them (kvscope's own log).
+    recorded_output_token_ids: list[int] | None = None
+
+    def params(self, simulated: bool = False) -> SamplingParams:
+        """The recorded sampling with the output forced to its recorded length: EOS and
+        stop conditions ignored, max_tokens the recorded count (greedy and seeded requests
+        then reproduce their recorded tokens under the recorded config)."""
+        values = {**self.sampling, "max_tokens": self.num_output_tokens, "ignore_eos": True,
+                  "stop": None, "stop_token_ids": None,
+                  "min_tokens": min(self.sampling.get("min_tokens", 0), self.num_output_tokens)}
+        if simulated:  # placeholder tokens: nothing to constrain, no text worth decoding
+            for name in TOKEN_CHOICE_FIELDS:
+                values.pop(name, None)
+            values["detokenize"] = False
+        return SamplingParams.from_dict(values)
+
+
+@dataclass(slots=True)
+class Workload:
+    """Requests in arrival order; a recorded session also brings the config it ran under."""
+
+    name: str
+    requests: list[ReplayRequest]
+    config: dict | None = None  # the recorded engine config (kvscope's log), else None
+    # Steps of the recorded run (kvscope's log): a step-cost model can be fitted to them.
+    steps: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise ValueError(f"{self.name}: the workload has no requests")
+        self.requests.sort(key=lambda request: request.arrival_s)
+        first = self.requests[0].arrival_s
+        for request in self.requests:
+            request.arrival_s -= first

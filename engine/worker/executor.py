@@ -1,0 +1,38 @@
+"""StepExecutor: what EngineCore needs from whatever runs a step's forward.
+
+ModelRunner (model_runner.py) is the executor that serves: weights, KV tensors, a forward
+that returns logits. The replay simulator's SimulatedRunner (engine/replay) is the other:
+the same scheduler, KV-cache manager and block pool drive it, but it has no weights and no
+KV tensors, and instead of logits it returns the token of each sampling row itself.
+"""
+
+from typing import Protocol
+
+import torch
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvscope.engine.worker.memory import MemoryPlan
+
+# One row per scheduled sequence that samples, in schedule order: logits [rows, vocab] to
+# sample from, or the token ids an executor without a forward picked itself.
+StepLogits = torch.Tensor | list[int]
+
+
+class StepExecutor(Protocol):
+    tokenizer: object
+    hf_config: object
+    generation_config: object
+    device: torch.device
+    max_positions: int
+
+    def plan_memory(self, config: EngineConfig) -> MemoryPlan: ...
+
+    def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None: ...
+
+    def allocate_swap_space(self, num_blocks: int) -> None: ...
+
+    def move_blocks(self, plan: SchedulerOutput) -> None: ...
+
+    def execute(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
+                ) -> tuple[StepLogits, dict[int, torch.Tensor]]: ...
