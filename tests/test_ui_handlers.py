@@ -63,6 +63,48 @@ def test_load_progress_is_per_run(engine):
             generator.status().splitlines()[0]
 
 
+def test_load_longer_than_the_corpus_is_sent_and_longer_than_the_model_is_refused(engine):
+    import random
+
+    generator = loadgen.LoadGenerator(engine)
+    longer = 2 * len(generator._corpus) + 7  # the sample text is shorter than this prompt
+    for shared in (0.0, 1.0):
+        spec = loadgen.LoadSpec(1, 1.0, shared, (longer, longer), (1, 1))
+        assert len(generator.prompt(spec, random.Random(4))) == longer
+    with pytest.raises(ValueError, match="= 1000 is more than the engine's max_model_len=256"):
+        generator.start(loadgen.LoadSpec(3, 1.0, 0.5, (900, 900), (16, 100)))
+    # The page's 2 s progress poll keeps the refusal on top instead of overwriting it.
+    assert generator.status().startswith("**Load not sent:** prompt tokens max 900")
+    generator.start(loadgen.LoadSpec(1, 100.0, 0.0, (4, 8), (2, 2)), seed=2)
+    assert "Load not sent" not in generator.status()
+
+
+def test_a_load_thread_that_stops_early_says_why_on_the_status_line(tiny_chat_model_path):
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_chat_model_path), dtype="float32", device="cpu", block_size=4,
+        num_gpu_blocks_override=64, max_model_len=64)).start()
+    generator = loadgen.LoadGenerator(engine)
+    generator.start(loadgen.LoadSpec(50, 5.0, 0.0, (4, 8), (2, 2)), seed=3)
+    wait_until(lambda: generator.runs[-1].sent >= 1, timeout=30, what="a first request")
+    engine.shutdown()
+    wait_until(lambda: generator.runs[-1].error is not None, timeout=30,
+               what="the run to stop")
+    assert "(done" in generator.status() and "stopped sending: EngineClosed" in \
+        generator.status()
+
+
+def test_knobs_beyond_the_machine_are_refused_in_their_own_terms(engine):
+    before = engine.memory_plan
+    feed = LiveFeed(engine)
+    status = knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=10**12))
+    assert "max_num_batched_tokens=1000000000000 is more than one step can hold" in status
+    assert "device_memory_gb x gpu_memory_utilization" in status and "Errno" not in status
+    too_much = knobs.host_memory_bytes() / 2**30 + 1
+    status = knobs.apply_knobs(engine, feed, None, *form(engine, device_memory_gb=too_much))
+    assert f"device_memory_gb={too_much:g} is more than this machine's RAM" in status
+    assert status.startswith("**Not applied**") and engine.memory_plan == before
+
+
 def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engine):
     renderer = panels.PanelRenderer(LiveFeed(engine))
     *first, shown = renderer.refresh(None)

@@ -196,10 +196,11 @@ def _start_load(load, count, rate, shared, prompt_min, prompt_max, output_min, o
         spec = loadgen.LoadSpec(int(count), float(rate), float(shared),
                                 (int(prompt_min), int(prompt_max)),
                                 (int(output_min), int(output_max)), int(n))
-        return load.start(spec)
+        load.start(spec)
     except (ValueError, TypeError) as error:
+        load.refuse(str(error))
         gr.Warning(f"Load not sent: {error}")
-        return f"**Load not sent:** {error}"
+    return load.status()
 
 
 def _sessions_tab(blocks, session_log) -> None:

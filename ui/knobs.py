@@ -1,5 +1,7 @@
 """The knobs panel's handler: Apply -> AsyncEngine.reconfigure, or the refusal shown."""
 
+import os
+
 import gradio as gr
 
 from kvscope.engine.view import EngineView
@@ -60,6 +62,38 @@ def _too_small(error: PoolTooSmall) -> str:
             "activation memory)")
 
 
+def host_memory_bytes() -> int:
+    """The machine's physical RAM (where a CPU engine's pool and weights live)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_machine(engine: EngineView, pending: dict) -> None:
+    """Refuse, in the knob's own terms, what this machine cannot hold before a rebuild
+    tries (and fails deep inside an allocation): a CPU pool larger than the RAM, and a
+    token budget whose profiling step alone needs more memory than the pool may use."""
+    on_cpu = engine.resolved_identity()["device"] == "cpu"
+    memory_gb = pending["device_memory_gb"]
+    if on_cpu and memory_gb * GiB > host_memory_bytes():
+        raise ValueError(f"device_memory_gb={memory_gb:g} is more than this machine's RAM "
+                         f"({host_memory_bytes() / GiB:.1f} GiB): choose at most "
+                         f"{host_memory_bytes() / GiB:.1f}")
+    budget = pending["max_num_batched_tokens"]
+    if budget is None:
+        return
+    plan = engine.memory_plan
+    # The profiling step computes `budget` tokens at once and holds their K/V: a floor
+    # on what a step of that size needs, whatever its activations add.
+    kv_bytes_per_token = plan.bytes_per_block / plan.block_size
+    memory = (memory_gb * GiB if on_cpu else plan.device_memory_bytes) * pending[
+        "gpu_memory_utilization"]
+    if budget * kv_bytes_per_token > memory:
+        raise ValueError(
+            f"max_num_batched_tokens={budget} is more than one step can hold here: the K/V "
+            f"of {budget} tokens alone is {budget * kv_bytes_per_token / GiB:.3g} GiB, over "
+            f"the {memory / GiB:.3g} GiB that device_memory_gb x gpu_memory_utilization "
+            f"allow; at most {int(memory // kv_bytes_per_token)} tokens fit")
+
+
 def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
     """Rebuild the KV cache; a refused knob leaves the engine as it was and says why,
     next to the live and the asked-for values. The last value is "abort running"."""
@@ -70,6 +104,7 @@ def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
     except (ValueError, TypeError) as error:  # a widget left empty or holding text
         return _refused(f"{error}")
     try:
+        check_machine(engine, pending)
         plan = engine.reconfigure(abort_running=bool(abort_running), **pending)
     except PoolTooSmall as error:
         return _refused(f"{_too_small(error)}. {_changes(config, pending)}")
