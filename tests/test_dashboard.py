@@ -410,3 +410,30 @@ def test_browser_on_a_100k_block_pool_loads_refreshes_and_zooms(tiny_chat_model_
     finally:
         blocks.close()
         engine.shutdown()
+
+
+def test_a_negative_view_field_is_refused_at_the_field_and_the_refresh_keeps_running(
+        client: Client) -> None:
+    panels = client.predict(None, None, "block range", -5, -1, "most recent", 0, "",
+                            api_name="/refresh_live")
+    assert "Block pool: 96 blocks" in json.loads(panels[1]["plot"])["layout"]["title"]["text"]
+    assert client.predict(-5, -1, 0, api_name="/check_view_fields") == (0, 0, 1)
+
+
+def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
+        served, client: Client) -> None:
+    from conftest import wait_until
+
+    stream = served[0].submit("two samples", SamplingParams(n=2, max_tokens=150,
+                                                            ignore_eos=True))
+    summaries = []
+
+    def two_sequences() -> bool:
+        summaries.append(client.predict(api_name="/refresh_live")[0])
+        return "running</strong> 2 sequences (1 request)" in summaries[-1]
+    try:
+        wait_until(two_sequences, timeout=30, what="the n=2 request in the summary")
+    finally:
+        stream.abort()
+    assert "blocks in use</strong>" in summaries[-1]
+    assert "num_requests_running and num_requests_waiting count requests" in summaries[-1]

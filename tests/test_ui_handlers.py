@@ -229,3 +229,10 @@ def test_a_long_step_is_work_not_an_idle_gap():
     slow = [StepRecord(i, 10.0 + 5 * i, 15.0 + 5 * i, (), (), (), (), (), 1, 8, 4, 0, 4, 1,
                        0) for i in range(3)]  # 5 s steps back to back
     assert None not in timeline.pool_series(slow)["data"][0]["y"]
+
+
+def test_the_hit_rate_names_its_unit_and_scope_and_why_metrics_differs():
+    text = timeline.HitRates(48, 100, 90, 200).describe()
+    assert "48% of 100 prompt tokens since the pool was built" in text
+    assert "(45% of 200 since the engine started, as /metrics' prefix_cache_hits" in text
+    assert "engine started" not in timeline.HitRates(1, 2, 1, 2).describe()  # they agree

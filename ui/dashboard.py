@@ -101,8 +101,10 @@ def _live_tab(engine: EngineView, session_log) -> dict:
             with gr.Row():
                 heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
                                         label="heatmap shows", elem_id="kv-heatmap-view")
-                heatmap_start = gr.Number(0, precision=0, minimum=0, label="from block")
-                heatmap_stop = gr.Number(0, precision=0, minimum=0,
+                # No `minimum`: Gradio would refuse the whole refresh (every panel) for
+                # one field; check_view_fields refuses the value at its field instead.
+                heatmap_start = gr.Number(0, precision=0, label="from block")
+                heatmap_stop = gr.Number(0, precision=0,
                                          label="to block (exclusive; 0 = the end)")
             stats = gr.HTML(panels.text_html(""), elem_id="kv-stats")
     conversation = gr.State(chat.new_conversation)
@@ -123,13 +125,16 @@ def _live_tab(engine: EngineView, session_log) -> dict:
             with gr.Row():
                 table_order = gr.Radio(figures.TABLE_ORDERS, value="most recent",
                                        label="sequences, ordered by")
-                table_page = gr.Number(1, precision=0, minimum=1, label="page")
+                table_page = gr.Number(1, precision=0, label="page")
                 table_filter = gr.Textbox("", label="sequence id contains", max_lines=1)
         prefix_tree = gr.Plot(label="Prefix-sharing tree", elem_id="kv-prefix-tree")
     timeline_plot = gr.Plot(label="Request timelines", elem_id="kv-timeline")
     with gr.Row():
         series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series")
         comparison = gr.Plot(label="Paged against contiguous", elem_id="kv-comparison")
+    view_fields = [heatmap_start, heatmap_stop, table_page]
+    gr.on([field.change for field in view_fields], panels.check_view_fields, view_fields,
+          view_fields, show_progress="hidden", api_name="check_view_fields")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison,

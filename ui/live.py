@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
 from kvscope.engine.telemetry.records import StepRecord
-from kvscope.engine.view import EngineView
+from kvscope.engine.view import EngineCounters, EngineView
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600
@@ -25,6 +25,8 @@ class LiveState:
     token_usage: tuple[tuple[float, float], ...]
     arrivals: dict[str, float]
     now: float
+    replica: int  # the engine replica shown (0 for a single engine)
+    counters: EngineCounters  # that replica's totals since the engine started (/metrics')
 
     @property
     def busy(self) -> bool:
@@ -68,8 +70,9 @@ class LiveFeed:
             self._token_usage.append((now, snapshot.num_used_tokens / pool_tokens))
             oldest = self._records[0].start_time if self._records else now
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
+            counters = self.engine.replica_statuses()[replica].counters
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
-                             dict(self._arrivals), now)
+                             dict(self._arrivals), now, replica, counters)
 
     @property
     def replica(self) -> int:

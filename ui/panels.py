@@ -49,9 +49,33 @@ class PanelViews:
         return self.tables if name == "block_tables" else None
 
 
+# The view's number fields: (label on the page, the least value it takes).
+VIEW_FIELDS = {"heatmap_start": ("from block", 0), "heatmap_stop": ("to block", 0),
+               "table_page": ("page", 1)}
+
+
+def check_view_fields(heatmap_start, heatmap_stop, table_page) -> tuple:
+    """The number fields' values, each one out of range refused at the field: put back to
+    its least value with a warning naming it (the refresh draws the view meanwhile)."""
+    values = []
+    for name, value in zip(VIEW_FIELDS, (heatmap_start, heatmap_stop, table_page)):
+        label, least = VIEW_FIELDS[name]
+        if value is not None and value < least:
+            gr.Warning(f"{label}={value:g} refused: it must be {least} or more")
+            value = least
+        values.append(value)
+    return tuple(values)
+
+
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
                 table_page=None, table_filter=None) -> PanelViews:
-    """The views from the controls' raw values (None or blank = the default)."""
+    """The views from the controls' raw values (None or blank = the default). A value a
+    field refuses (check_view_fields) raises ValueError naming the field."""
+    for name, value in (("heatmap_start", heatmap_start), ("heatmap_stop", heatmap_stop),
+                        ("table_page", table_page)):
+        label, least = VIEW_FIELDS[name]
+        if value not in (None, "") and int(value) < least:
+            raise ValueError(f"{label}={value} must be {least} or more")
     return PanelViews(
         heatmap_view or "whole pool",
         None if heatmap_start in (None, "") else int(heatmap_start),
@@ -71,8 +95,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
     rate_clock = (int(state.now) if last and state.now - last.end_time
                   < timeline.RATE_WINDOW_S + 1 else None)
     return {
-        "summary": (snapshot.num_blocks, snapshot.block_size, snapshot.num_running,
-                    snapshot.num_waiting, hash(str(snapshot.config))),
+        "summary": (pool, sequences, state.replica, hash(str(snapshot.config))),
         "heatmap": (pool, sequences),  # hover names the owners
         "block_tables": (pool, sequences),
         "prefix_tree": pool,
@@ -83,17 +106,38 @@ def _signatures(state: LiveState) -> dict[str, object]:
     }
 
 
-def summary_markdown(snapshot: PoolMirror) -> str:
+def summary_markdown(snapshot: PoolMirror, replica: int = 0, num_replicas: int = 1) -> str:
+    """The line above the tabs: every figure with its unit, now (as of the last step);
+    where it counts differently from /metrics it says so."""
     config = snapshot.config
     max_model_len = config.get("max_model_len") or 0
     per_sequence = -(-max_model_len // snapshot.block_size) if max_model_len else 0
     concurrency = snapshot.num_blocks / per_sequence if per_sequence else 0
-    return (f"**pool** {snapshot.num_blocks} blocks x {snapshot.block_size} tokens = "
-            f"{snapshot.num_blocks * snapshot.block_size} token slots · **max concurrency** "
-            f"{concurrency:.1f} x {max_model_len} tokens · **running** {snapshot.num_running}"
-            f" · **waiting** {snapshot.num_waiting} · prefix caching "
+    in_use = snapshot.num_blocks - snapshot.count("free") - snapshot.count("cached")
+    running, waiting = snapshot.request_counts()
+    where = f"**replica {replica}** of {num_replicas} · " if num_replicas > 1 else ""
+    line = (f"{where}**pool** {snapshot.num_blocks} blocks x {snapshot.block_size} tokens = "
+            f"{snapshot.num_blocks * snapshot.block_size} token slots, **{in_use} blocks in "
+            f"use** ({in_use / max(snapshot.num_blocks, 1):.0%}) · **max concurrency** "
+            f"{concurrency:.1f} sequences of {max_model_len} tokens · **running** "
+            f"{_sequences(snapshot.num_running, running)} · **waiting** "
+            f"{_sequences(snapshot.num_waiting, waiting)} · prefix caching "
             f"{'on' if config.get('enable_prefix_caching') else 'off'} · chunked prefill "
             f"{'on' if config.get('enable_chunked_prefill') else 'off'}")
+    if (snapshot.num_running, snapshot.num_waiting) != (running, waiting):
+        line += ("\n\n*A request with n > 1 samples runs as n sequences, each with its "
+                 "own blocks: the pool counts sequences, /metrics' num_requests_running "
+                 "and num_requests_waiting count requests.*")
+    return line
+
+
+def _sequences(num_sequences: int, num_requests: int) -> str:
+    return (_count(num_sequences, "sequence") if num_sequences == num_requests else
+            f"{_count(num_sequences, 'sequence')} ({_count(num_requests, 'request')})")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def text_html(markdown: str) -> str:
@@ -101,12 +145,12 @@ def text_html(markdown: str) -> str:
     return f'<div class="kv-html">{_MARKDOWN.render(markdown)}</div>'
 
 
-def _render(name: str, state: LiveState, decode, views: PanelViews):
+def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas: int):
     snapshot = state.snapshot
     holders = any(seq.block_table for seq in snapshot.sequences)
     window = timeline.live_window(state.records, state.now)
     if name == "summary":
-        return summary_markdown(snapshot)
+        return summary_markdown(snapshot, state.replica, num_replicas)
     if name == "heatmap":
         return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
                                     views.heatmap_stop)
@@ -121,10 +165,11 @@ def _render(name: str, state: LiveState, decode, views: PanelViews):
     if name == "series":
         return timeline.pool_series(state.records, state.token_usage, window)
     if name == "stats":
-        queries = snapshot.prefix_cache_queries
+        counters = state.counters
         return timeline.stats_markdown(
             timeline.latency_stats(timeline.in_window(state.records, window), state.arrivals),
-            snapshot.prefix_cache_hits / queries if queries else None,
+            timeline.HitRates(snapshot.prefix_cache_hits, snapshot.prefix_cache_queries,
+                              counters.prefix_cache_hits, counters.prefix_cache_queries),
             snapshot.num_preemptions,
             (f"last {timeline.RATE_WINDOW_S:.0f} s",
              timeline.recent_output_rate(state.records, state.now)))
@@ -191,7 +236,8 @@ class PanelRenderer:
             for name in wanted:
                 now = time.monotonic()
                 if self._due(name, signatures[name], state, now):
-                    value = _render(name, state, self.feed.decode, views)
+                    value = _render(name, state, self.feed.decode, views,
+                                    self.feed.engine.num_replicas)
                     value = text_html(value) if name in TEXT_PANELS else to_plot(value)
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)

@@ -228,7 +228,31 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:.0f} ms"
 
 
-def stats_markdown(stats: LatencyStats, hit_rate: float | None,
+@dataclass(frozen=True, slots=True)
+class HitRates:
+    """Prompt tokens found in the prefix cache, of those looked up: counted by the pool
+    since it was built (a reconfigure starts a new one) and, as /metrics counts them,
+    since the engine started."""
+
+    pool_hits: int
+    pool_queries: int
+    total_hits: int
+    total_queries: int
+
+    def describe(self) -> str:
+        def rate(hits: int, queries: int) -> str:
+            return f"{hits / queries:.0%}" if queries else "–"
+
+        line = (f"**prefix hit rate** {rate(self.pool_hits, self.pool_queries)} of "
+                f"{self.pool_queries} prompt tokens since the pool was built")
+        if (self.pool_hits, self.pool_queries) != (self.total_hits, self.total_queries):
+            line += (f" ({rate(self.total_hits, self.total_queries)} of "
+                     f"{self.total_queries} since the engine started, as /metrics' "
+                     "prefix_cache_hits / prefix_cache_queries count)")
+        return line
+
+
+def stats_markdown(stats: LatencyStats, hit_rates: HitRates | None,
                    num_preemptions: int | None, rate: tuple[str, float]) -> str:
     """The percentile table and one line of totals; `rate` is (its label, tokens/s)."""
     def row(name: str, values: list[float]) -> str:
@@ -239,10 +263,11 @@ def stats_markdown(stats: LatencyStats, hit_rate: float | None,
     lines = ["| metric | p50 | p90 | p99 |", "|---|---|---|---|",
              row("time to first token", stats.ttft), row("inter-token latency", stats.itl),
              "", f"**output tokens/s** ({label}) {value:.1f}"]
-    if hit_rate is not None:
-        lines[-1] += f" · **prefix hit rate** {hit_rate:.0%}"
+    if hit_rates is not None:
+        lines[-1] += f" · {hit_rates.describe()}"
     if num_preemptions is not None:
-        lines[-1] += f" · **preemptions** {num_preemptions}"
+        lines[-1] += f" · **preemptions** {num_preemptions}" + (
+            " since the pool was built" if hit_rates is not None else "")
     return "\n".join(lines)
 
 
