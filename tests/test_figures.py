@@ -32,6 +32,7 @@ from kvscope.ui.figures import (
     paged_vs_contiguous,
     pool_heatmap,
     prefix_tree,
+    table_columns,
 )
 from kvscope.ui.palette import hover_text
 from kvscope.ui.timeline import (
@@ -129,7 +130,7 @@ def test_block_table_map_lines_up_shared_prefixes(run) -> None:
                      key=lambda seq: seq.arrival_time, reverse=True)
     assert len(heatmap["y"]) == len(holders) == 2
     for seq, texts in zip(holders, heatmap["text"]):
-        assert [int(text.split("·")[0]) for text in texts] == list(seq.block_table)
+        assert [int(text.split("<br>")[0]) for text in texts] == list(seq.block_table)
     assert heatmap["text"][0][0] == heatmap["text"][1][0]  # the same physical block in both
     assert "/" in heatmap["text"][0][-1]  # the last block shows its fill
     assert figure["layout"]["title"]["text"].startswith("Block tables: 2 of 2 sequences")
@@ -291,7 +292,9 @@ def test_used_region_view_skips_the_idle_tail() -> None:
 
 def test_block_tables_say_how_many_they_leave_out_and_page() -> None:
     tables = [[i, 1000 + i] for i in range(43)]
-    tables[5] = list(range(2000, 2000 + 3 * MAX_TABLE_COLUMNS))  # one long table
+    columns = table_columns(5000)
+    assert columns < table_columns(100) < table_columns(10) == MAX_TABLE_COLUMNS
+    tables[5] = list(range(2000, 2000 + 3 * columns))  # one long table
     mirror = synthetic_mirror(5000, [sequence(f"seq-{i}", table, float(i))
                                      for i, table in enumerate(tables)])
     figure = block_table_map(mirror)
@@ -303,10 +306,10 @@ def test_block_tables_say_how_many_they_leave_out_and_page() -> None:
     assert len(second["data"][0]["y"]) == 43 - MAX_TABLE_ROWS
     longest = block_table_map(mirror, view=TableView(order="longest"))
     assert longest["data"][0]["y"][0] == "seq-5 (running)"
-    texts = [int(text.split("·")[0]) for text in longest["data"][0]["text"][0]]
-    assert len(texts) == MAX_TABLE_COLUMNS  # first and last halves of the long table
-    assert texts[0] == 2000 and texts[-1] == 2000 + 3 * MAX_TABLE_COLUMNS - 1
-    assert "first and last" in longest["layout"]["xaxis"]["title"]["text"]
+    texts = [int(text.split("<br>")[0]) for text in longest["data"][0]["text"][0]]
+    assert len(texts) == columns  # first and last halves of the long table
+    assert texts[0] == 2000 and texts[-1] == 2000 + 3 * columns - 1
+    assert "their first and last" in longest["layout"]["title"]["text"]
     only = block_table_map(mirror, view=TableView(filter="seq-4"))
     assert sorted(only["data"][0]["y"]) == sorted(f"seq-{i} (running)" for i in (4, 40, 41, 42))
     with pytest.raises(ValueError, match="page=0"):

@@ -14,6 +14,9 @@ from kvscope.ui.live import LiveFeed
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
 POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
 REFRESH_ENDPOINT = "refresh_live"
+# Plots whose label sits in the page's flow, above the chart (assets/dashboard.css), not
+# over the chart's title.
+PANEL_CLASS = "kv-panel"
 # The share of one core the browser may spend drawing each figure (ui/live_poller.js).
 DRAW_DUTY = 0.03
 
@@ -97,7 +100,8 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                 min_p = gr.Slider(0, 1, value=defaults["min_p"], step=0.01, label="min-p")
             new_chat = gr.Button("New chat", size="sm")
         with gr.Column(scale=3):
-            heatmap = gr.Plot(label="Free-pool heatmap", elem_id="kv-heatmap")
+            heatmap = gr.Plot(label="Block pool", elem_id="kv-heatmap",
+                              elem_classes=PANEL_CLASS)
             with gr.Row():
                 heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
                                         label="heatmap shows", elem_id="kv-heatmap-view")
@@ -119,19 +123,23 @@ def _live_tab(engine: EngineView, session_log) -> dict:
     # message continued the hidden history.
     chatbot.clear(lambda: (chat.new_conversation(), ""), None, [conversation, status],
                   api_visibility="private")
+    # Block ids need the page's width to stay legible: the tables have a row of their own.
+    block_tables = gr.Plot(label="Block tables", elem_id="kv-block-tables",
+                           elem_classes=PANEL_CLASS)
     with gr.Row():
-        with gr.Column():
-            block_tables = gr.Plot(label="Block tables", elem_id="kv-block-tables")
-            with gr.Row():
-                table_order = gr.Radio(figures.TABLE_ORDERS, value="most recent",
-                                       label="sequences, ordered by")
-                table_page = gr.Number(1, precision=0, label="page")
-                table_filter = gr.Textbox("", label="sequence id contains", max_lines=1)
-        prefix_tree = gr.Plot(label="Prefix-sharing tree", elem_id="kv-prefix-tree")
-    timeline_plot = gr.Plot(label="Request timelines", elem_id="kv-timeline")
+        table_order = gr.Radio(figures.TABLE_ORDERS, value="most recent",
+                               label="sequences, ordered by")
+        table_page = gr.Number(1, precision=0, label="page")
+        table_filter = gr.Textbox("", label="sequence id contains", max_lines=1)
     with gr.Row():
-        series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series")
-        comparison = gr.Plot(label="Paged against contiguous", elem_id="kv-comparison")
+        prefix_tree = gr.Plot(label="Prefix-sharing tree", elem_id="kv-prefix-tree",
+                              elem_classes=PANEL_CLASS)
+        comparison = gr.Plot(label="Paged against contiguous", elem_id="kv-comparison",
+                             elem_classes=PANEL_CLASS)
+    timeline_plot = gr.Plot(label="Request timelines", elem_id="kv-timeline",
+                            elem_classes=PANEL_CLASS)
+    series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series",
+                     elem_classes=PANEL_CLASS)
     view_fields = [heatmap_start, heatmap_stop, table_page]
     gr.on([field.change for field in view_fields], panels.check_view_fields, view_fields,
           view_fields, show_progress="hidden", api_name="check_view_fields")

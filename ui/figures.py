@@ -25,6 +25,7 @@ from kvscope.ui.palette import (
     hover_text,
     state_rgb,
 )
+from kvscope.ui.plotdata import TITLE
 from kvscope.ui.prefix_forest import prefix_forest
 
 HEATMAP_COLUMNS = 64
@@ -33,7 +34,11 @@ MAX_CELLS = 4096
 # beyond it the hover says block, state and ref count (typed arrays, a few bytes a cell).
 MAX_HOVER_DETAIL = 1024
 MAX_TABLE_ROWS = 32
-MAX_TABLE_COLUMNS = 32  # longer tables show their first and last half of this
+MAX_TABLE_COLUMNS = 24  # longer tables show their first and last half of this
+# The block tables' plot width assumed at a 1024 px wide page (the panel has a row of its
+# own): a cell's id at 10 px type needs about 7 px a digit and some air, so a pool of
+# five-digit ids shows fewer columns than one of two-digit ids, and ids never overprint.
+TABLE_PLOT_WIDTH_PX = 600
 MAX_TREE_NODES = 300
 TABLE_ORDERS = ("most recent", "longest", "most shared")
 HEATMAP_VIEWS = ("whole pool", "used region", "block range")
@@ -60,7 +65,7 @@ def _figure(traces: list[dict], title: str, height: int, right: int = 20,
     # The legend sits above the plot, where it cannot cover an axis title.
     return {"data": traces, "layout": {
         "template": TEMPLATE, "height": height, "plot_bgcolor": "white",
-        "title": {"text": title, "y": 0.98, "yanchor": "top"},
+        "title": TITLE | {"text": title},
         "margin": {"l": 60, "r": right, "t": 100, "b": 40},
         "uirevision": "keep",  # keep the person's zoom across ticks
         "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0}, **layout}}
@@ -134,12 +139,12 @@ def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "who
     shown = ("the whole pool" if (start, stop) == (0, pool.num_blocks)
              else f"blocks {start}–{stop - 1}")
     detail = ("one cell per block" + ("" if stop - start <= MAX_HOVER_DETAIL else
-                                      f" (zoom to {MAX_HOVER_DETAIL} blocks or fewer for "
-                                      "owners and text in the hover)")
+                                      f"; zoom to {MAX_HOVER_DETAIL} or fewer for owners "
+                                      "and text")
               if cell == 1 else
-              f"one cell = {cell} blocks, its colour mixes the states by share "
-              "(hover for them; zoom to a smaller range for single blocks)")
-    title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens · "
+              f"one cell = {cell} blocks, coloured by their mix of states (hover)")
+    # Short lines: Plotly does not wrap a title, and a long one is cut at both ends.
+    title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens<br>"
              + " · ".join(f"{state} {count}" for state, count in counts.items())
              + f"<br><sup>{shown}: {detail}</sup>")
     num_rows = -(-(stop - start) // (cell * HEATMAP_COLUMNS))
@@ -197,8 +202,11 @@ def _aggregate_heatmap(pool: PoolMirror, start: int, stop: int, cell: int):
         "hovertemplate": (f"blocks %{{y}} + %{{x}} … +{cell - 1}<br>used %{{customdata[2]}} · "
                           "shared %{customdata[3]} · cached %{customdata[1]} · free "
                           "%{customdata[0]}<extra></extra>")}
+    # An image keeps square pixels unless told not to: a cell is `cell` wide and a row
+    # 64 x `cell` tall, so the pool would be a thin strip. Unanchored, it fills the panel.
     return [image, *_state_legend()], {
-        "yaxis": {"title": {"text": "first block of the row"}, "showgrid": False},
+        "yaxis": {"title": {"text": "first block of the row"}, "showgrid": False,
+                  "scaleanchor": False},
         "xaxis": {"title": {"text": "block id − row start"}, "showgrid": False}}
 
 
@@ -234,11 +242,18 @@ def _chosen_sequences(pool: PoolMirror, view: TableView) -> tuple[list, int, int
     return holders[(page - 1) * MAX_TABLE_ROWS:page * MAX_TABLE_ROWS], len(holders), num_pages
 
 
-def _shown_columns(length: int) -> list[int]:
+def table_columns(num_blocks: int) -> int:
+    """How many blocks of a table fit a row with ids of this pool's widest id, legibly
+    (an even number, at most MAX_TABLE_COLUMNS)."""
+    digits = len(str(max(num_blocks - 1, 0)))
+    return min(max(TABLE_PLOT_WIDTH_PX // (7 * digits + 12), 4), MAX_TABLE_COLUMNS) // 2 * 2
+
+
+def _shown_columns(length: int, limit: int) -> list[int]:
     """Logical indices drawn for a table: all, or the first and last half of the limit."""
-    if length <= MAX_TABLE_COLUMNS:
+    if length <= limit:
         return list(range(length))
-    half = MAX_TABLE_COLUMNS // 2
+    half = limit // 2
     return [*range(half), *range(length - half, length)]
 
 
@@ -247,7 +262,8 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
     """One row per sequence holding blocks: logical block index -> physical block id."""
     sequences, num_holders, num_pages = _chosen_sequences(pool, view)
     size = pool.block_size
-    width = min(max((len(seq.block_table) for seq in sequences), default=0), MAX_TABLE_COLUMNS)
+    limit = table_columns(pool.num_blocks)
+    width = min(max((len(seq.block_table) for seq in sequences), default=0), limit)
     codes = np.full((len(sequences), width), np.nan, np.float32)
     refs = np.full((len(sequences), width), np.nan, np.float32)
     text, custom = [], []
@@ -255,36 +271,38 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
     all_codes = pool.state_codes() if sequences else None
     for row, seq in enumerate(sequences):
         table = seq.block_table
-        columns = _shown_columns(len(table))
+        columns = _shown_columns(len(table), limit)
         truncated += len(columns) < len(table)
         ids = [table[index] for index in columns]
         codes[row, :len(ids)] = all_codes[ids]
         refs[row, :len(ids)] = pool.ref_counts[ids]
         last = len(table) - 1
         fill = min(seq.num_tokens - last * size, size)
-        text.append([str(b) if index < last else f"{b}·{fill}/{size}"
+        # The last block's fill on a second line: the id's width stays the id's.
+        text.append([str(b) if index < last else f"{b}<br>{fill}/{size}"
                      for index, b in zip(columns, ids)] + [""] * (width - len(ids)))
         custom.append([[index, *_block_hover(pool, b, decode)[1:]]
                        for index, b in zip(columns, ids)] + [None] * (width - len(ids)))
     labels = [f"{seq.seq_id} ({seq.status})" for seq in sequences]
     traces = _state_traces(
-        codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 11},
+        codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 10},
         customdata=custom, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER.replace(
             "block %{customdata[0]}", "logical block %{customdata[0]}"))
-    columns_note = (f"; tables longer than {MAX_TABLE_COLUMNS} blocks show their first and last "
-                    f"{MAX_TABLE_COLUMNS // 2} ({truncated} of them)" if truncated else "")
-    axes = {"yaxis": {"autorange": "reversed", "type": "category"},
-            "xaxis": {"title": {"text": "logical block (cell text: physical block id · last "
-                                        "block fill)" + columns_note}}}
+    columns_note = (f"<br><sup>{truncated} tables longer than {limit} blocks: their first and "
+                    f"last {limit // 2} shown (hover a cell for its logical index)</sup>"
+                    if truncated else "")
+    axes = {"yaxis": {"autorange": "reversed", "type": "category", "automargin": True},
+            "xaxis": {"title": {"text": "logical block → physical block id (last: tokens "
+                                        "in it / block size)"}}}
     filtered = f" matching “{view.filter}”" if view.filter else ""
     title = (f"Block tables: {len(sequences)} of {num_holders} sequences holding blocks"
-             f"{filtered} · {view.order} first · page {min(view.page, num_pages)} of "
-             f"{num_pages}")
+             f"{filtered}<br>{view.order} first · page {min(view.page, num_pages)} of "
+             f"{num_pages}" + columns_note)
     if not sequences:
         title = ("Block tables: no request holds blocks right now" if not num_holders
                  else f"Block tables: none of {num_holders} sequences{filtered}")
     return _figure(traces + _state_legend(("used",)), title,
-                   height=190 + 26 * len(sequences), right=90, **axes)
+                   height=200 + 32 * len(sequences), right=90, **axes)
 
 
 # ---- the prefix tree ----------------------------------------------------------------------
@@ -405,8 +423,9 @@ def paged_vs_contiguous(pool: PoolMirror) -> Figure:
     label = {"xref": "x", "yref": "paper", "x": c.pool_tokens, "y": 1, "xanchor": "right",
              "yanchor": "top", "showarrow": False, "text": f"pool: {c.pool_tokens} tokens"}
     fits = min(c.num_sequences, c.contiguous_capacity)
-    title = (f"Useful memory, {c.num_sequences} live sequences: paged {c.paged_useful:.0%}, "
-             f"contiguous {c.contiguous_useful:.0%}<br>(published: 20.4–38.2%) · "
-             f"contiguous fits {fits} of them (room for {c.contiguous_capacity})")
+    title = (f"Useful memory, {c.num_sequences} live sequences:<br>paged "
+             f"{c.paged_useful:.0%}, contiguous {c.contiguous_useful:.0%} (published: "
+             f"20.4–38.2%)<br><sup>contiguous fits {fits} of them (room for "
+             f"{c.contiguous_capacity})</sup>")
     return _figure(bars, title, height=320, barmode="stack", shapes=[pool_line],
                    annotations=[label])

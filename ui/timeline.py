@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.ui.palette import PHASE_COLORS
-from kvscope.ui.plotdata import Figure, epoch_ms, placeholder
+from kvscope.ui.plotdata import TITLE, Figure, epoch_ms, placeholder
 
 MAX_TIMELINE_ROWS = 30
 WINDOW_S = 120.0  # the live panels' rolling window
@@ -159,13 +159,14 @@ def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] |
         title = (f"Request timelines: {len(rows)} latest of {len(first_start)} sequences"
                  f"<br><sup>{left_out} earlier in this window not drawn</sup>")
     return {"data": data, "layout": {
-        "barmode": "overlay", "title": {"text": title},
-        "height": 180 + 22 * len(rows), "margin": {"l": 90, "r": 20, "t": 50, "b": 40},
+        # The title at the top, the legend under it on the left: side by side they met
+        # at narrow widths.
+        "barmode": "overlay", "title": TITLE | {"text": title},
+        "height": 220 + 22 * len(rows), "margin": {"l": 90, "r": 20, "t": 100, "b": 40},
         "uirevision": "keep", "xaxis": _date_axis(window),
         # Category 0 sits at the bottom: reversed, the earliest sequence is the top row.
         "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows[::-1]},
-        "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1,
-                   "xanchor": "right"}}}
+        "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0}}}
 
 
 @dataclass(slots=True)
@@ -355,7 +356,7 @@ def pool_series(records: Sequence[StepRecord],
     titles = [("KV cache usage %", 1.0), ("sequences", 0.64),
               ("output tokens/s (left) · preemptions per step (right, ▼)", 0.28)]
     return {"data": data, "layout": {
-        "height": 520, "margin": {"l": 50, "r": 50, "t": 40, "b": 40}, "uirevision": "keep",
+        "height": 560, "margin": {"l": 50, "r": 50, "t": 40, "b": 110}, "uirevision": "keep",
         "xaxis": _date_axis(window, anchor="y3"),
         "yaxis": {"domain": [0.72, 1.0], "range": [0, 100]},
         "yaxis2": {"domain": [0.36, 0.64], "rangemode": "tozero"},
@@ -366,7 +367,8 @@ def pool_series(records: Sequence[StepRecord],
         "annotations": [{"text": text, "x": 0, "y": y, "xref": "paper", "yref": "paper",
                          "xanchor": "left", "yanchor": "bottom", "showarrow": False}
                         for text, y in titles],
-        "legend": {"orientation": "h", "y": -0.12}}}
+        # Below the time axis' title, not over it.
+        "legend": {"orientation": "h", "y": -0.2, "yanchor": "top"}}}
 
 
 def _throughput(records: Sequence[StepRecord]) -> tuple[list[float], list[float]]:
