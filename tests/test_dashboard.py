@@ -130,7 +130,52 @@ def test_chat_streams_a_reply_with_its_stats(client: Client) -> None:
     assert "TTFT" in reply and "prompt tokens" in reply and "cached" in reply
     # What the person waited for the first text, next to the engine's own TTFT.
     assert "first text after" in reply and "engine TTFT" in reply
-    assert textbox == "" and "12 output tokens" in status
+    assert textbox == {"__type__": "update"}  # the box is left to the person
+    assert "12 output tokens" in status
+
+
+def test_browser_a_draft_typed_during_a_reply_survives_and_is_sent_after_it(served,
+                                                                          browser) -> None:
+    """The reply streams without touching the message box; Enter during the reply queues
+    the draft, which goes (and gets its own reply) once the first reply ends."""
+    import threading
+
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    stop = threading.Event()
+
+    def keep_busy() -> None:  # the tiny model replies in a blink on an idle engine; on a
+        # full pool the reply takes turns with others for blocks, and streams for seconds
+        while not stop.wait(0.02):
+            engine.submit("busy " * 20, SamplingParams(max_tokens=150, ignore_eos=True))
+    busy = threading.Thread(target=keep_busy, daemon=True)
+    busy.start()
+    page = open_page(browser, served[2])
+    try:
+        box = page.locator("#kv-message textarea")
+        box.fill("first message")
+        box.press("Enter")
+        expect(page.locator("#kv-chat-status")).to_contain_text("waits in the box",
+                                                                timeout=30_000)
+        box.fill("my second thought")
+        page.wait_for_timeout(500)  # tokens stream meanwhile
+        expect(box).to_have_value("my second thought")
+        status = page.locator("#kv-chat-status")
+        assert "output tokens" not in status.inner_text()  # the reply is still streaming
+        box.press("Enter")  # during the reply: queued, not dropped
+        page.wait_for_timeout(300)
+        assert "output tokens" not in status.inner_text()  # still the first reply
+        stop.set()
+        chat = page.locator("#kv-chat")
+        expect(chat).to_contain_text("my second thought", timeout=60_000)
+        expect(page.locator("#kv-chat .message-row")).to_have_count(4, timeout=60_000)
+        expect(page.locator("#kv-chat-status")).to_contain_text("output tokens",
+                                                                timeout=60_000)
+    finally:
+        stop.set()
+        busy.join()
+        page.close()
 
 
 def test_bad_chat_input_is_a_message_not_a_crash(client: Client) -> None:

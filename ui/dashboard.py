@@ -116,7 +116,7 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                    [message, conversation, temperature, top_p, max_tokens,
                     repetition_penalty, min_p],
                    [chatbot, conversation, message, status], concurrency_limit=None,
-                   api_name="chat")
+                   trigger_mode="always_last", api_name="chat")
     new_chat.click(lambda: ([], chat.new_conversation(), ""), None,
                    [chatbot, conversation, status], api_visibility="private")
     # The chat box's trash icon: without this it cleared the display only, and the next
