@@ -12,7 +12,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.ui import knobs, loadgen, panels, timeline
-from kvscope.ui.live import LiveFeed
+from kvscope.ui.live import LiveFeed, LiveFeeds
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +106,12 @@ def test_knobs_beyond_the_machine_are_refused_in_their_own_terms(engine):
 
 
 def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engine):
-    renderer = panels.PanelRenderer(LiveFeed(engine))
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
     *first, shown = renderer.refresh(None)
     assert all(not _skipped(value) for value in first)  # a new tab gets every panel
-    rendered_at = {name: r.at for name, r in renderer._rendered.items()}
+    rendered_at = {name: r.at for name, r in renderer._rendered[0].items()}
     *second, _ = renderer.refresh(None)  # a second tab, same tick: the same renders
-    assert {name: r.at for name, r in renderer._rendered.items()} == rendered_at
+    assert {name: r.at for name, r in renderer._rendered[0].items()} == rendered_at
     assert [value for value in second] == first
     *again, _ = renderer.refresh(shown)  # the first tab again: nothing new to send
     assert all(_skipped(value) for value in again)
@@ -120,29 +120,29 @@ def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engi
     # The stream ends before the engine thread publishes that step's records and pool
     # delta; it answers a snapshot on its next turn, after them.
     engine.snapshot()
-    series = renderer._rendered["series"]
+    series = renderer._rendered[0]["series"]
     no_summary = {name: value for name, value in shown.items() if name != "summary"}
     *hidden, _ = renderer.refresh(no_summary, [])
     assert not _skipped(hidden[0]) and all(_skipped(value) for value in hidden[1:])
-    assert renderer._rendered["series"] is series  # new steps, but not built while hidden
+    assert renderer._rendered[0]["series"] is series  # new steps, but not built while hidden
     *visible, _ = renderer.refresh(shown)
     assert not _skipped(visible[panels.PANELS.index("series")])
 
 
 def test_a_rebuilt_panel_that_draws_the_same_is_not_sent_again(engine):
-    renderer = panels.PanelRenderer(LiveFeed(engine))
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
     *_, shown = renderer.refresh(None)
-    before = {name: (r.at, r.version) for name, r in renderer._rendered.items()}
-    for rendered in renderer._rendered.values():  # as if the pool had moved on: all due
+    before = {name: (r.at, r.version) for name, r in renderer._rendered[0].items()}
+    for rendered in renderer._rendered[0].values():  # as if the pool had moved on: all due
         rendered.signature = ("moved on", rendered.signature[1])
     *again, now_shown = renderer.refresh(shown)
-    assert all(renderer._rendered[name].at > at for name, (at, _) in before.items())  # rebuilt
-    assert {name: r.version for name, r in renderer._rendered.items()} == \
+    assert all(renderer._rendered[0][name].at > at for name, (at, _) in before.items())  # rebuilt
+    assert {name: r.version for name, r in renderer._rendered[0].items()} == \
         {name: version for name, (_, version) in before.items()}
     assert all(_skipped(value) for value in again) and now_shown == shown
 
 def test_a_busy_engine_rebuilds_a_costly_panel_less_often(engine):
-    renderer = panels.PanelRenderer(LiveFeed(engine))
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
     renderer._cost.update(heatmap=0.2, stats=0.001)
     assert renderer.interval("heatmap") == pytest.approx(0.2 / panels.PANEL_DUTY)
     assert renderer.interval("stats") == panels.REFRESH_S

@@ -9,7 +9,7 @@ import gradio as gr
 from kvscope.engine.config import BLOCK_SIZES, PREEMPTION_MODES
 from kvscope.engine.view import EngineView
 from kvscope.ui import chat, figures, knobs, loadgen, panels, sessions
-from kvscope.ui.live import LiveFeed
+from kvscope.ui.live import LiveFeeds
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
 POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
@@ -24,8 +24,8 @@ DRAW_DUTY = 0.03
 def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
     """The dashboard for a started engine (an EngineView); session_log (a storage.SessionLog or None)
     feeds the sessions tab and gets the chat turns and reconfigures."""
-    feed = LiveFeed(engine)
-    renderer = panels.PanelRenderer(feed)
+    feeds = LiveFeeds(engine)
+    renderer = panels.PanelRenderer(feeds)
     load = loadgen.LoadGenerator(engine)
     with gr.Blocks(title="kvscope") as blocks:
         gr.Markdown("# kvscope — the paged KV cache, live")
@@ -34,7 +34,7 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
             with gr.Tab("Live", id="live") as live_tab:
                 live = _live_tab(engine, session_log)
             with gr.Tab("Engine & load", id="engine") as engine_tab:
-                load_timer = _engine_tab(blocks, engine, feed, session_log, load)
+                load_timer = _engine_tab(blocks, engine, feeds, session_log, load)
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 _sessions_tab(blocks, session_log)
             other_tabs = [live_tab, sessions_tab]
@@ -42,7 +42,7 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
                 from kvscope.ui.replicas import replicas_tab  # the router's names; Ray is loaded
 
                 with gr.Tab("Replicas", id="replicas") as replicas:
-                    replicas_tab(engine, feed)
+                    replicas_tab(engine)
                 other_tabs.append(replicas)
         # The load generator's progress polls only while its tab is shown: a Gradio event
         # every 2 s cost an open Live tab CPU (round trip, status trackers) for nothing.
@@ -111,6 +111,10 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                 heatmap_stop = gr.Number(0, precision=0,
                                          label="to block (exclusive; 0 = the end)")
             stats = gr.HTML(panels.text_html(""), elem_id="kv-stats")
+            # Each tab shows the replica it chose (the summary line names it).
+            replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
+                                  label="replica shown on this tab", elem_id="kv-replica",
+                                  visible=engine.num_replicas > 1)
     conversation = gr.State(chat.new_conversation)
     message.submit(partial(chat.chat_reply, engine, session_log),
                    [message, conversation, temperature, top_p, max_tokens,
@@ -147,10 +151,10 @@ def _live_tab(engine: EngineView, session_log) -> dict:
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
-                              table_page, table_filter]}
+                              table_page, table_filter, replica]}
 
 
-def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> gr.Timer:
+def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Timer:
     """The knobs and the load generator; returns the timer of the load's progress line."""
     (block_size, utilization, memory_gb, budget, prefix, chunked,
      preemption) = knobs.current_knobs(engine)
@@ -175,7 +179,7 @@ def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> gr.Timer
     knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan, engine.config),
                               elem_id="kv-knob-status")
     form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption]
-    apply.click(partial(knobs.apply_knobs, engine, feed, session_log), [*form, abort_running],
+    apply.click(partial(knobs.apply_knobs, engine, feeds, session_log), [*form, abort_running],
                 knob_status, api_name="apply_knobs")
     # A new or reloaded tab shows the live knobs, not those the app started with.
     blocks.load(partial(knobs.live_form, engine), None, [*form, knob_status],

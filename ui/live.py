@@ -39,10 +39,10 @@ class LiveFeed:
     records from each other. The mirror changes at each refresh: read a state before the
     next one (ui.panels.PanelRenderer renders under one lock)."""
 
-    def __init__(self, engine: EngineView):
+    def __init__(self, engine: EngineView, replica: int = 0):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
-        self._pool = PoolReader(engine)
+        self._pool = PoolReader(engine, replica)
         self._requests = engine.subscribe_requests()
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
@@ -79,14 +79,6 @@ class LiveFeed:
         """The engine replica the panels show (always 0 for a single engine)."""
         return self._pool.replica
 
-    def focus(self, replica: int) -> None:
-        """Point the panels at another replica (engine.replicas.ReplicaSet)."""
-        with self._lock:
-            self._pool.focus(replica)
-            self._records.clear()
-            self._token_usage.clear()
-            self._arrivals.clear()
-
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""
         with self._lock:
@@ -98,3 +90,28 @@ class LiveFeed:
 
     def _decode_uncached(self, token_ids: tuple[int, ...]) -> str:
         return self.engine.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
+class LiveFeeds:
+    """One LiveFeed per engine replica, made when a tab first shows that replica: each
+    tab chooses its replica (a ReplicaSet has several; a single engine has replica 0)."""
+
+    def __init__(self, engine: EngineView):
+        self.engine = engine
+        self._feeds: dict[int, LiveFeed] = {}
+        self._lock = threading.Lock()
+
+    def get(self, replica: int = 0) -> LiveFeed:
+        if not 0 <= replica < self.engine.num_replicas:
+            raise ValueError(f"replica={replica} must be in [0, {self.engine.num_replicas})")
+        with self._lock:
+            if replica not in self._feeds:
+                self._feeds[replica] = LiveFeed(self.engine, replica)
+            return self._feeds[replica]
+
+    def clear(self) -> None:
+        """After a reconfigure (see LiveFeed.clear)."""
+        with self._lock:
+            feeds = list(self._feeds.values())
+        for feed in feeds:
+            feed.clear()

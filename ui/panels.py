@@ -11,7 +11,7 @@ from markdown_it import MarkdownIt
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.ui import figures, timeline
-from kvscope.ui.live import LiveFeed, LiveState
+from kvscope.ui.live import LiveFeeds, LiveState
 from kvscope.ui.plotdata import placeholder, to_plot
 
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
@@ -35,12 +35,14 @@ TEXT_PANELS = ("summary", "stats")
 
 @dataclass(frozen=True, slots=True)
 class PanelViews:
-    """What a tab chose to look at: the heatmap's range and the block tables' page."""
+    """What a tab chose to look at: the heatmap's range, the block tables' page and the
+    engine replica (each tab its own)."""
 
     heatmap_view: str = "whole pool"
     heatmap_start: int | None = None
     heatmap_stop: int | None = None
     tables: figures.TableView = figures.TableView()
+    replica: int = 0
 
     def of(self, name: str) -> object:
         """The part of the view a panel depends on (None: it has no view)."""
@@ -68,7 +70,7 @@ def check_view_fields(heatmap_start, heatmap_stop, table_page) -> tuple:
 
 
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
-                table_page=None, table_filter=None) -> PanelViews:
+                table_page=None, table_filter=None, replica=None) -> PanelViews:
     """The views from the controls' raw values (None or blank = the default). A value a
     field refuses (check_view_fields) raises ValueError naming the field."""
     for name, value in (("heatmap_start", heatmap_start), ("heatmap_stop", heatmap_stop),
@@ -81,7 +83,8 @@ def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_
         None if heatmap_start in (None, "") else int(heatmap_start),
         None if heatmap_stop in (None, "", 0) else int(heatmap_stop),  # 0: to the end
         figures.TableView(table_order or "most recent", max(int(table_page or 1), 1),
-                          (table_filter or "").strip()))
+                          (table_filter or "").strip()),
+        int(replica or 0))
 
 
 def _signatures(state: LiveState) -> dict[str, object]:
@@ -193,19 +196,19 @@ class PanelRenderer:
     cost / PANEL_DUTY seconds (1 to 8 s), so the dashboard's cost follows its own
     measured build times, not the pool's size or the number of open tabs."""
 
-    def __init__(self, feed: LiveFeed) -> None:
-        self.feed = feed
+    def __init__(self, feeds: LiveFeeds) -> None:
+        self.feeds = feeds
         self._lock = threading.Lock()  # one render pass at a time, whatever the tab count
-        self._rendered: dict[str, _Rendered] = {}
+        self._rendered: dict[int, dict[str, _Rendered]] = {}  # per replica, per panel
         self._cost: dict[str, float] = {}
         self._versions = itertools.count(1)
 
     def interval(self, name: str) -> float:
         return min(max(REFRESH_S, self._cost.get(name, 0.0) / PANEL_DUTY), MAX_INTERVAL_S)
 
-    def _due(self, name: str, signature: tuple, state: LiveState, now: float) -> bool:
+    def _due(self, rendered: _Rendered | None, name: str, signature: tuple,
+             state: LiveState, now: float) -> bool:
         """signature: (what the panel shows, the view the tab chose)."""
-        rendered = self._rendered.get(name)
         if rendered is None or rendered.signature[1] != signature[1]:
             return True  # a new view is drawn at once
         if rendered.signature == signature:
@@ -219,8 +222,8 @@ class PanelRenderer:
         sent back from its previous refresh; None: nothing yet). `visible` names the panels the tab can see
         (None: all; the browser sends the ones on screen, ui/live_poller.js):
         only those are built and sent, and the summary line always is. `view_controls` are
-        the heatmap's and block tables' controls (see panel_views); a bad value draws the
-        default view and says why in a warning."""
+        the heatmap's and block tables' controls and the replica (see panel_views); a bad
+        value draws the default view and says why in a warning."""
         shown = shown or {}
         try:
             views = panel_views(*view_controls)
@@ -230,14 +233,16 @@ class PanelRenderer:
         wanted = [name for name in PANELS
                   if name == "summary" or visible is None or name in visible]
         with self._lock:
-            state = self.feed.refresh()
+            feed = self.feeds.get(views.replica)
+            state = feed.refresh()
+            rendered = self._rendered.setdefault(views.replica, {})
             signatures = {name: (data, views.of(name))
                           for name, data in _signatures(state).items()}
             for name in wanted:
                 now = time.monotonic()
-                if self._due(name, signatures[name], state, now):
-                    value = _render(name, state, self.feed.decode, views,
-                                    self.feed.engine.num_replicas)
+                if self._due(rendered.get(name), name, signatures[name], state, now):
+                    value = _render(name, state, feed.decode, views,
+                                    feed.engine.num_replicas)
                     value = text_html(value) if name in TEXT_PANELS else to_plot(value)
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)
@@ -245,12 +250,11 @@ class PanelRenderer:
                     # A render that draws what the tabs already show keeps its version,
                     # so no tab is sent it or redraws it (the pool's counters move on
                     # every step; a panel's picture often does not).
-                    previous = self._rendered.get(name)
+                    previous = rendered.get(name)
                     version = (previous.version if previous is not None
                                and previous.value == value else next(self._versions))
-                    self._rendered[name] = _Rendered(signatures[name], value, done, version)
-            sent = {name: self._rendered[name] for name in wanted
-                    if name in self._rendered and shown.get(name) !=
-                    self._rendered[name].version}
+                    rendered[name] = _Rendered(signatures[name], value, done, version)
+            sent = {name: rendered[name] for name in wanted
+                    if name in rendered and shown.get(name) != rendered[name].version}
         values = [sent[name].value if name in sent else gr.skip() for name in PANELS]
         return *values, {**shown, **{name: r.version for name, r in sent.items()}}

@@ -369,14 +369,5 @@ class PoolReader:
         self.mirror.awaiting_base = True
         self.engine.resync_pool(self.records)
 
-    def focus(self, replica: int) -> None:
-        """Follow another replica's pool; the same mirror, so its versions keep counting
-        up and every reader sees the change."""
-        with self._lock:
-            old, self.records = self.records, self.engine.subscribe_pool(replica=replica)
-            old.close()
-            self.replica, self._dropped = replica, 0
-            self.mirror.awaiting_base = True
-
     def close(self) -> None:
         self.records.close()
