@@ -387,6 +387,8 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     path, status = client.predict(log.session_id, "sqlite", api_name="/export_session")
     with sqlite3.connect(path) as connection:
         assert connection.execute("SELECT count(*) FROM steps").fetchone()[0] > 0
+    path, status = client.predict(log.session_id, "csv", api_name="/export_session")
+    assert path.endswith(".zip") and "a .zip holding one CSV file per table" in status
     path, status = client.predict(999, "json", api_name="/export_session")
     assert path is None and "session_id=999: no such session" in status
     *_, config = client.predict(log.session_id, api_name="/show_session")

@@ -211,6 +211,10 @@ def test_paged_memory_beats_a_contiguous_reservation(run) -> None:
     figure = paged_vs_contiguous(during_b)
     assert "20.4–38.2%" in figure["layout"]["title"]["text"]
     assert figure["layout"]["annotations"][0]["xanchor"] == "right"  # inside the plot
+    assert figure["layout"]["xaxis"]["rangemode"] == "nonnegative"  # no negative ticks
+    assert figure["data"][1]["text"] == [
+        f"{comparison.contiguous_reserved_tokens} reserved",
+        f"{comparison.paged_reserved_tokens} reserved"]  # the paged sliver says its size
 
 
 # ---- pools far larger than the screen -------------------------------------------------------

@@ -236,3 +236,23 @@ def test_the_hit_rate_names_its_unit_and_scope_and_why_metrics_differs():
     assert "48% of 100 prompt tokens since the pool was built" in text
     assert "(45% of 200 since the engine started, as /metrics' prefix_cache_hits" in text
     assert "engine started" not in timeline.HitRates(1, 2, 1, 2).describe()  # they agree
+
+
+def test_series_keep_their_colours_whatever_lines_are_drawn_and_usage_is_not_pinned():
+    records = [_record(i, 10.0 + i * 0.2) for i in range(5)]
+    live = timeline.pool_series(records, [(10.0, 0.01), (10.5, 0.02)])  # the Live tab
+    logged = timeline.pool_series(records)  # a logged session: no token-slot samples
+
+    def colours(figure):
+        return {trace["name"]: trace["line"]["color"] for trace in figure["data"]
+                if "line" in trace}
+    assert colours(logged).items() <= colours(live).items()
+    usage_axis = live["layout"]["yaxis"]
+    assert "range" not in usage_axis and usage_axis["autorangeoptions"]["maxallowed"] == 100
+
+
+def test_the_default_load_asks_for_more_than_the_pool_holds(engine):
+    spec = loadgen.default_spec(engine)
+    spec.validate(engine.memory_plan.max_model_len)
+    tokens = spec.num_requests * (sum(spec.prompt_len) + sum(spec.output_len)) / 2
+    assert tokens >= engine.memory_plan.num_tokens

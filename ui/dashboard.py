@@ -185,18 +185,25 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     blocks.load(partial(knobs.live_form, engine), None, [*form, knob_status],
                 api_visibility="private")
 
+    spec = loadgen.default_spec(engine)
     gr.Markdown("### Load generator\nDrive the pool into eviction and preemption and watch "
-                "the Live tab.")
+                f"the Live tab: the defaults ask for {loadgen.DEFAULT_POOL_FILL:g} x the "
+                "pool's token slots.")
     with gr.Row():
-        count = gr.Number(value=32, precision=0, label="requests")
-        rate = gr.Number(value=4.0, label="requests / s")
-        shared = gr.Slider(0, 1, value=0.5, step=0.05, label="shared system prompt fraction")
-        n = gr.Number(value=1, precision=0, label="n (samples)")
+        count = gr.Number(value=spec.num_requests, precision=0, label="requests")
+        rate = gr.Number(value=spec.rate, label="requests / s")
+        shared = gr.Slider(0, 1, value=spec.shared_fraction, step=0.05,
+                           label="shared system prompt fraction")
+        n = gr.Number(value=spec.n, precision=0, label="n (samples)")
     with gr.Row():
-        prompt_min = gr.Number(value=32, precision=0, label="prompt tokens min")
-        prompt_max = gr.Number(value=256, precision=0, label="prompt tokens max")
-        output_min = gr.Number(value=16, precision=0, label="output tokens min")
-        output_max = gr.Number(value=128, precision=0, label="output tokens max")
+        prompt_min = gr.Number(value=spec.prompt_len[0], precision=0,
+                               label="prompt tokens min")
+        prompt_max = gr.Number(value=spec.prompt_len[1], precision=0,
+                               label="prompt tokens max")
+        output_min = gr.Number(value=spec.output_len[0], precision=0,
+                               label="output tokens min")
+        output_max = gr.Number(value=spec.output_len[1], precision=0,
+                               label="output tokens max")
     send = gr.Button("Send load")
     load_status = gr.Markdown(load.status())
     send.click(partial(_start_load, load), [count, rate, shared, prompt_min, prompt_max,
@@ -227,7 +234,8 @@ def _sessions_tab(blocks, session_log) -> None:
     with gr.Row():
         session = gr.Dropdown(choices=[], label="session", elem_id="kv-session",
                               allow_custom_value=True)
-        fmt = gr.Radio(["csv", "json", "sqlite"], value="json", label="export format")
+        fmt = gr.Radio([("csv (a .zip: one CSV file per table)", "csv"), ("json", "json"),
+                        ("sqlite", "sqlite")], value="json", label="export format")
         export = gr.Button("Export", elem_id="kv-export")
     status = gr.Markdown(elem_id="kv-sessions-status")
     download = gr.File(label="Download", elem_id="kv-download", interactive=False)

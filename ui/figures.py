@@ -146,7 +146,7 @@ def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "who
     # Short lines: Plotly does not wrap a title, and a long one is cut at both ends.
     title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens<br>"
              + " · ".join(f"{state} {count}" for state, count in counts.items())
-             + f"<br><sup>{shown}: {detail}</sup>")
+             + f"<br><sup>{shown} as of step {pool.step}: {detail}</sup>")
     num_rows = -(-(stop - start) // (cell * HEATMAP_COLUMNS))
     return _figure(traces, title, height=220 + 14 * min(num_rows, 64), right=90, **axes)
 
@@ -409,12 +409,16 @@ def paged_vs_contiguous(pool: PoolMirror) -> Figure:
     useful = [c.stored_tokens, c.paged_stored_tokens]
     wasted = [c.contiguous_reserved_tokens - c.stored_tokens,
               c.paged_reserved_tokens - c.paged_stored_tokens]
+    # Each bar says its total: paged is a sliver next to contiguous, which is the point.
+    reserved = [c.contiguous_reserved_tokens, c.paged_reserved_tokens]
     bars = [
         {"type": "bar", "y": rows, "x": useful, "name": "tokens stored", "orientation": "h",
          "marker": {"color": STATE_COLORS["used"]}},
         {"type": "bar", "y": rows, "x": wasted, "name": "reserved, empty", "orientation": "h",
          "marker": {"color": "#f8fafc", "line": {"color": "#94a3b8", "width": 1},
-                    "pattern": {"shape": "/", "fgcolor": "#94a3b8"}}},
+                    "pattern": {"shape": "/", "fgcolor": "#94a3b8"}},
+         "text": [f"{total} reserved" for total in reserved], "textposition": "outside",
+         "cliponaxis": False},
     ]
     # The pool's size as a dotted line; its label sits inside the plot, left of the line,
     # so the right edge never cuts it off.
@@ -427,5 +431,7 @@ def paged_vs_contiguous(pool: PoolMirror) -> Figure:
              f"{c.paged_useful:.0%}, contiguous {c.contiguous_useful:.0%} (published: "
              f"20.4–38.2%)<br><sup>contiguous fits {fits} of them (room for "
              f"{c.contiguous_capacity})</sup>")
+    # Token counts are never negative: no "-100k" tick left of the bars.
     return _figure(bars, title, height=320, barmode="stack", shapes=[pool_line],
-                   annotations=[label])
+                   annotations=[label], xaxis={"rangemode": "nonnegative",
+                                               "title": {"text": "tokens"}})

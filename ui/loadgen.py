@@ -52,6 +52,23 @@ class LoadSpec:
                              f"max_model_len={max_model_len}: lower them")
 
 
+# The default load asks for this many times the pool's token slots, so it shows what the
+# tab promises (a full pool: eviction of cached prefixes, then preemption).
+DEFAULT_POOL_FILL = 1.5
+
+
+def default_spec(engine: EngineView) -> LoadSpec:
+    """A load sized to this engine's pool and max_model_len."""
+    plan = engine.memory_plan
+    prompt_max = max(min(plan.max_model_len // 2, 1024), 2)
+    output = (min(16, plan.max_model_len - prompt_max), min(256, plan.max_model_len - prompt_max))
+    spec = LoadSpec(0, 8.0, 0.5, (prompt_max // 4, prompt_max), output)
+    per_request = (sum(spec.prompt_len) + sum(spec.output_len)) / 2
+    spec.num_requests = min(max(int(DEFAULT_POOL_FILL * plan.num_tokens / per_request), 32),
+                            1000)
+    return spec
+
+
 @dataclass(slots=True)
 class LoadRun:
     """One press of "Send load": its own counters, so runs do not add up."""

@@ -119,7 +119,10 @@ def summary_markdown(snapshot: PoolMirror, replica: int = 0, num_replicas: int =
     in_use = snapshot.num_blocks - snapshot.count("free") - snapshot.count("cached")
     running, waiting = snapshot.request_counts()
     where = f"**replica {replica}** of {num_replicas} · " if num_replicas > 1 else ""
-    line = (f"{where}**pool** {snapshot.num_blocks} blocks x {snapshot.block_size} tokens = "
+    # The step says how current each panel is: under load a costly panel (the heatmap)
+    # redraws less often than this line, and its title names its own step.
+    line = (f"{where}**step** {snapshot.step} · **pool** {snapshot.num_blocks} blocks x "
+            f"{snapshot.block_size} tokens = "
             f"{snapshot.num_blocks * snapshot.block_size} token slots, **{in_use} blocks in "
             f"use** ({in_use / max(snapshot.num_blocks, 1):.0%}) · **max concurrency** "
             f"{concurrency:.1f} sequences of {max_model_len} tokens · **running** "

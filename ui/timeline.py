@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvscope.engine.telemetry.records import StepRecord
-from kvscope.ui.palette import PHASE_COLORS
+from kvscope.ui.palette import PHASE_COLORS, SERIES_COLORS
 from kvscope.ui.plotdata import TITLE, Figure, epoch_ms, placeholder
 
 MAX_TIMELINE_ROWS = 30
@@ -330,8 +330,10 @@ def pool_series(records: Sequence[StepRecord],
         xs, ys = _thinned(*_with_breaks(samples or times, values, gap_s,
                                         None if samples else starts))
         # Markers too: a lone sample between two breaks would draw nothing as a line.
-        return {"type": "scatter", "mode": "lines+markers", "line": {"shape": "hv"},
-                "marker": {"size": 3}, "x": xs, "y": ys, "name": name, "yaxis": axis,
+        return {"type": "scatter", "mode": "lines+markers",
+                "line": {"shape": "hv", "color": SERIES_COLORS[name]},
+                "marker": {"size": 3, "color": SERIES_COLORS[name]}, "x": xs, "y": ys,
+                "name": name, "yaxis": axis,
                 "connectgaps": False}
 
     blocks = [round(100 * r.num_used_blocks / max(r.num_used_blocks + r.num_cached_blocks
@@ -358,7 +360,10 @@ def pool_series(records: Sequence[StepRecord],
     return {"data": data, "layout": {
         "height": 560, "margin": {"l": 50, "r": 50, "t": 40, "b": 110}, "uirevision": "keep",
         "xaxis": _date_axis(window, anchor="y3"),
-        "yaxis": {"domain": [0.72, 1.0], "range": [0, 100]},
+        # From 0, up to what was reached (at most 100): a chat's few blocks of a large pool
+        # are a line one can read, not flat against a fixed 0-100.
+        "yaxis": {"domain": [0.72, 1.0], "rangemode": "tozero",
+                  "autorangeoptions": {"maxallowed": 100}},
         "yaxis2": {"domain": [0.36, 0.64], "rangemode": "tozero"},
         "yaxis3": {"domain": [0.0, 0.28], "rangemode": "tozero"},
         "yaxis4": {"overlaying": "y3", "side": "right", "rangemode": "tozero",
