@@ -396,6 +396,9 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     sizes = [entry["block_size"] for entry in config["history"]]
     assert sizes[0] == 4 and 8 in sizes and config["latest"]["block_size"] == sizes[-1] == 4
     assert all(entry["applied_at"] for entry in config["history"])
+    # What ran, not what the config said ("auto", None): the resolved device and dtype.
+    assert config["latest"]["device"] == "cpu" and config["latest"]["model"] == \
+        served[0].resolved_identity()["model"]
 
 
 def test_browser_chat_heatmap_and_export(served, browser, tmp_path: Path) -> None:

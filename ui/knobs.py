@@ -4,7 +4,7 @@ import os
 
 import gradio as gr
 
-from kvscope.engine.view import EngineView
+from kvscope.engine.view import EngineView, resolved_config
 from kvscope.engine.worker.memory import GiB, PoolTooSmall
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
@@ -112,7 +112,7 @@ def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
         return _refused(f"{error}. {_changes(config, pending)}")
     feed.clear()
     if session_log is not None:
-        session_log.record_config(engine.config.to_dict())
+        session_log.record_config(resolved_config(engine))
     return "Applied. " + pool_markdown(plan, engine.config)
 
 
