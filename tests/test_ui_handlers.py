@@ -256,3 +256,23 @@ def test_the_default_load_asks_for_more_than_the_pool_holds(engine):
     spec.validate(engine.memory_plan.max_model_len)
     tokens = spec.num_requests * (sum(spec.prompt_len) + sum(spec.output_len)) / 2
     assert tokens >= engine.memory_plan.num_tokens
+
+
+def test_the_event_log_says_what_happened_in_plain_words_newest_first():
+    from kvscope.ui import events
+
+    admitted = StepRecord(7, 1.0, 1.1, (("r1", "r1#0", "prefill", 0, 32),), (), (), (), (),
+                          32, 64, 8, 0, 8, 1, 0)
+    busy = StepRecord(8, 1.1, 1.2, (("r1", "r1#0", "prefill", 32, 64),), ("r2#0",), (), (),
+                      ("r3",), 32, 64, 16, 0, 0, 1, 1, prefix_cache_queries=40,
+                      prefix_cache_hits=16)
+    lines = events.event_lines([admitted, busy], [events.Evictions(8, 12)])
+    assert lines[0] == "step 8: evicted 12 cached blocks, least recently used first, to " \
+        "make room"
+    assert any(line.startswith("step 8: preempted r2#0") and "0 were free" in line
+               for line in lines)
+    assert "step 8: r1#0 prefilled its next chunk, tokens 32–64 (chunked prefill)" in lines
+    assert "step 8: the prefix cache supplied 16 of 40 prompt tokens" in " ".join(lines)
+    assert any(line.startswith("step 8: r3 finished") for line in lines)
+    assert lines[-1] == "step 7: admitted r1#0: prefilling tokens 0–32"
+    assert len(events.event_lines([busy] * 40)) == events.MAX_EVENTS

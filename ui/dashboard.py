@@ -99,6 +99,8 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                                                step=0.05, label="repetition penalty")
                 min_p = gr.Slider(0, 1, value=defaults["min_p"], step=0.01, label="min-p")
             new_chat = gr.Button("New chat", size="sm")
+            events = gr.HTML(panels.text_html(""), elem_id="kv-events",
+                             elem_classes="kv-events")
         with gr.Column(scale=3):
             heatmap = gr.Plot(label="Block pool", elem_id="kv-heatmap",
                               elem_classes=PANEL_CLASS)
@@ -149,7 +151,7 @@ def _live_tab(engine: EngineView, session_log) -> dict:
           view_fields, show_progress="hidden", api_name="check_view_fields")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
-            "comparison": comparison,
+            "comparison": comparison, "events": events,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
                               table_page, table_filter, replica]}
 

@@ -11,6 +11,7 @@ from functools import lru_cache
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.view import EngineCounters, EngineView
+from kvscope.ui.events import Evictions
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600
@@ -27,6 +28,7 @@ class LiveState:
     now: float
     replica: int  # the engine replica shown (0 for a single engine)
     counters: EngineCounters  # that replica's totals since the engine started (/metrics')
+    evictions: tuple[Evictions, ...]  # cached blocks evicted, by the step that saw them
 
     @property
     def busy(self) -> bool:
@@ -47,6 +49,8 @@ class LiveFeed:
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._arrivals: dict[str, float] = {}
+        self._evictions: deque[Evictions] = deque(maxlen=HISTORY_SAMPLES)
+        self._evicted = (None, 0)  # (pool epoch, its eviction count at the last refresh)
         self._lock = threading.Lock()
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
@@ -70,9 +74,19 @@ class LiveFeed:
             self._token_usage.append((now, snapshot.num_used_tokens / pool_tokens))
             oldest = self._records[0].start_time if self._records else now
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
+            self._count_evictions(snapshot)
             counters = self.engine.replica_statuses()[replica].counters
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
-                             dict(self._arrivals), now, replica, counters)
+                             dict(self._arrivals), now, replica, counters,
+                             tuple(self._evictions))
+
+    def _count_evictions(self, snapshot: PoolMirror) -> None:
+        """The pool counts evictions since it was built; the event log wants them per step."""
+        epoch, count = self._evicted
+        if snapshot.epoch == epoch and snapshot.num_evictions > count:
+            step = self._records[-1].step if self._records else snapshot.step
+            self._evictions.append(Evictions(step, snapshot.num_evictions - count))
+        self._evicted = (snapshot.epoch, snapshot.num_evictions)
 
     @property
     def replica(self) -> int:
@@ -84,6 +98,7 @@ class LiveFeed:
         with self._lock:
             self._records.clear()
             self._token_usage.clear()
+            self._evictions.clear()
 
     def decode(self, token_ids: tuple[int, ...]) -> str:
         return self._decode(token_ids)

@@ -10,12 +10,12 @@ import gradio as gr
 from markdown_it import MarkdownIt
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
-from kvscope.ui import figures, timeline
+from kvscope.ui import events, figures, timeline
 from kvscope.ui.live import LiveFeeds, LiveState
 from kvscope.ui.plotdata import placeholder, to_plot
 
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
-          "comparison")
+          "comparison", "events")
 # Each panel's element (the summary line sits above the tabs and is always sent).
 PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
@@ -30,7 +30,7 @@ COST_SMOOTHING = 0.3
 # The summary and stats lines as HTML made here: the browser's poller (ui/live_poller.js)
 # puts them in place without Gradio's Markdown renderer. Raw HTML in the text stays text.
 _MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
-TEXT_PANELS = ("summary", "stats")
+TEXT_PANELS = ("summary", "stats", "events")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +106,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
         "series": (last_step, snapshot.num_used_tokens),
         "stats": (last_step, snapshot.prefix_cache_hits, snapshot.num_preemptions, rate_clock),
         "comparison": (pool, sequences),
+        "events": (last_step, len(state.evictions)),
     }
 
 
@@ -179,6 +180,8 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
             snapshot.num_preemptions,
             (f"last {timeline.RATE_WINDOW_S:.0f} s",
              timeline.recent_output_rate(state.records, state.now)))
+    if name == "events":
+        return events.events_markdown(state.records, state.evictions)
     if not holders:
         return placeholder("Paged against contiguous", "No live sequences: the comparison "
                            "appears while requests hold blocks.")
