@@ -276,3 +276,22 @@ def test_the_event_log_says_what_happened_in_plain_words_newest_first():
     assert any(line.startswith("step 8: r3 finished") for line in lines)
     assert lines[-1] == "step 7: admitted r1#0: prefilling tokens 0–32"
     assert len(events.event_lines([busy] * 40)) == events.MAX_EVENTS
+
+
+def test_the_what_if_preview_predicts_the_pool_apply_builds_and_the_waste(engine):
+    memory_gb = engine.config.device_memory_gb
+    preview = knobs.what_if_markdown(engine, [5, 9], 8, 0.9, memory_gb)
+    predicted = knobs.planned_pool(engine, 8, 0.9, memory_gb).num_blocks
+    assert f"the pool would hold {predicted} blocks x 8" in preview
+    # 5 and 9 tokens: 1 + 2 blocks of 8, 10 slots empty; in blocks of 4: 2 + 3, 6 empty.
+    assert "would hold 3 blocks; the empty slots of their last blocks (internal " \
+        "fragmentation) are 10 tokens, 41.7%" in preview
+    assert "hold now 5 blocks" in preview and "6 tokens, 30.0%" in preview
+    feed = LiveFeed(engine)
+    try:
+        assert knobs.apply_knobs(engine, feed, None, *form(engine, block_size=8)) \
+            .startswith("Applied.")
+        assert engine.memory_plan.num_blocks == predicted
+    finally:
+        knobs.apply_knobs(engine, feed, None, *form(engine, block_size=4))
+    assert "Apply would be refused" in knobs.what_if_markdown(engine, [], 4, 0.001, memory_gb)

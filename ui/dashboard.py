@@ -180,6 +180,17 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     apply = gr.Button("Apply", variant="primary", elem_id="kv-apply")
     knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan, engine.config),
                               elem_id="kv-knob-status")
+    # Before Apply: what these knobs would build, and the live sequences' waste in it.
+    what_if = gr.Markdown(elem_id="kv-what-if")
+
+    def preview(block_size, utilization, memory_gb) -> str:
+        live = feeds.get(0).refresh().snapshot.sequences
+        return knobs.what_if_markdown(engine, [seq.num_tokens for seq in live if
+                                               seq.block_table], block_size, utilization,
+                                      memory_gb)
+    gr.on([block_size.change, utilization.change, memory_gb.change], preview,
+          [block_size, utilization, memory_gb], what_if, show_progress="hidden",
+          api_name="what_if")
     form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption]
     apply.click(partial(knobs.apply_knobs, engine, feeds, session_log), [*form, abort_running],
                 knob_status, api_name="apply_knobs")

@@ -5,7 +5,7 @@ import os
 import gradio as gr
 
 from kvscope.engine.view import EngineView, resolved_config
-from kvscope.engine.worker.memory import GiB, PoolTooSmall
+from kvscope.engine.worker.memory import GiB, MemoryPlan, PoolTooSmall, plan_blocks
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
 KNOBS = ("block_size", "gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens",
@@ -119,3 +119,52 @@ def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
 def _refused(message: str) -> str:
     gr.Warning(f"Not applied: {message}")
     return f"**Not applied** (the engine is unchanged): {message}"
+
+
+# ---- the what-if preview -------------------------------------------------------------------
+def planned_pool(engine: EngineView, block_size: int, utilization: float,
+                 memory_gb: float) -> MemoryPlan:
+    """The pool a rebuild with these knobs would make (the same arithmetic as the engine's,
+    with the activations measured for the live token budget); PoolTooSmall if it would be
+    refused."""
+    plan, config = engine.memory_plan, engine.config
+    on_cpu = engine.resolved_identity()["device"] == "cpu"
+    per_token = plan.bytes_per_block // plan.block_size  # K and V of one token, all layers
+    return plan_blocks(int(memory_gb * GiB) if on_cpu else plan.device_memory_bytes,
+                       utilization, plan.weight_bytes, plan.peak_activation_bytes,
+                       per_token * block_size, block_size, plan.max_model_len,
+                       config.num_gpu_blocks_override)
+
+
+def fragmentation(token_counts: list[int], block_size: int) -> tuple[int, int]:
+    """(blocks, empty slots in last blocks) that sequences of these lengths hold."""
+    blocks = sum(-(-tokens // block_size) for tokens in token_counts)
+    return blocks, blocks * block_size - sum(token_counts)
+
+
+def what_if_markdown(engine: EngineView, token_counts: list[int], block_size, utilization,
+                     memory_gb) -> str:
+    """Before Apply: the pool these knobs would build and what the live sequences
+    (`token_counts`, their lengths) would hold in it, next to now."""
+    try:
+        block_size, utilization, memory_gb = int(block_size), float(utilization), \
+            float(memory_gb)
+        plan = planned_pool(engine, block_size, utilization, memory_gb)
+    except PoolTooSmall as error:
+        return f"**What if:** Apply would be refused: {_too_small(error)}."
+    except (ValueError, TypeError) as error:
+        return f"**What if:** no preview: {error}"
+    now = engine.memory_plan
+    lines = [f"**What if** block_size {block_size}, gpu_memory_utilization {utilization:g}"
+             f", device_memory_gb {memory_gb:g}: the pool would hold {plan.num_blocks} "
+             f"blocks x {block_size} = {plan.num_tokens} token slots (now {now.num_blocks} x "
+             f"{now.block_size} = {now.num_tokens})."]
+    if not token_counts:
+        lines.append("No live sequences now: send some load to see their blocks and waste.")
+        return "  \n".join(lines)
+    for label, size in (("would hold", block_size), ("hold now", now.block_size)):
+        blocks, waste = fragmentation(token_counts, size)
+        lines.append(f"The {len(token_counts)} live sequences {label} {blocks} blocks; "
+                     f"the empty slots of their last blocks (internal fragmentation) are "
+                     f"{waste} tokens, {waste / (blocks * size):.1%} of those blocks.")
+    return "  \n".join(lines)
