@@ -295,3 +295,24 @@ def test_the_what_if_preview_predicts_the_pool_apply_builds_and_the_waste(engine
     finally:
         knobs.apply_knobs(engine, feed, None, *form(engine, block_size=4))
     assert "Apply would be refused" in knobs.what_if_markdown(engine, [], 4, 0.001, memory_gb)
+
+
+def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
+    generator = loadgen.LoadGenerator(engine)
+    # The pool run is the longest (twice the pool in requests): its size is checked, the
+    # others are sent and run to the end.
+    pushed = loadgen.SCENARIOS[1].spec(engine.memory_plan)
+    pushed.validate(engine.memory_plan.max_model_len)
+    assert pushed.num_requests * sum(pushed.prompt_len) / 2 > engine.memory_plan.num_tokens
+    for scenario in (loadgen.SCENARIOS[0], *loadgen.SCENARIOS[2:]):
+        note = generator.start_scenario(scenario.name)
+        assert note.startswith(f"**{scenario.name}** — ") and "watch" in note.lower()
+        wait_until(lambda: generator.runs[-1].ended is not None, timeout=120,
+                   what=f"the {scenario.name} scenario to end")
+        run = generator.runs[-1]
+        assert run.finished == run.spec.num_requests and run.error is None, scenario.name
+    assert generator.runs[1].spec.n == 4
+    long_prompt = generator.runs[2].spec.prompt_len[0]
+    assert long_prompt > engine.config.max_num_batched_tokens  # chunked: several steps
+    with pytest.raises(ValueError, match="scenario='nope' must be one of"):
+        generator.start_scenario("nope")

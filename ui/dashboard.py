@@ -32,7 +32,7 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
         summary = gr.HTML(panels.text_html(""), elem_id="kv-summary", elem_classes="kv-summary")
         with gr.Tabs():
             with gr.Tab("Live", id="live") as live_tab:
-                live = _live_tab(engine, session_log)
+                live = _live_tab(engine, session_log, load)
             with gr.Tab("Engine & load", id="engine") as engine_tab:
                 load_timer = _engine_tab(blocks, engine, feeds, session_log, load)
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
@@ -80,7 +80,7 @@ def live_poller_js() -> str:
             f"({json.dumps(config)}, shown, views)")
 
 
-def _live_tab(engine: EngineView, session_log) -> dict:
+def _live_tab(engine: EngineView, session_log, load) -> dict:
     with gr.Row():
         with gr.Column(scale=2):
             chatbot = gr.Chatbot(label="Chat", elem_id="kv-chat", height=420)
@@ -99,6 +99,9 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                                                step=0.05, label="repetition penalty")
                 min_p = gr.Slider(0, 1, value=defaults["min_p"], step=0.01, label="min-p")
             new_chat = gr.Button("New chat", size="sm")
+            with gr.Accordion("Guided scenarios", open=True):
+                scenario_buttons = [gr.Button(s.name, size="sm") for s in loadgen.SCENARIOS]
+                scenario_note = gr.Markdown(elem_id="kv-scenario")
             events = gr.HTML(panels.text_html(""), elem_id="kv-events",
                              elem_classes="kv-events")
         with gr.Column(scale=3):
@@ -117,6 +120,9 @@ def _live_tab(engine: EngineView, session_log) -> dict:
             replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
                                   label="replica shown on this tab", elem_id="kv-replica",
                                   visible=engine.num_replicas > 1)
+    for button, scenario in zip(scenario_buttons, loadgen.SCENARIOS, strict=True):
+        button.click(partial(_start_scenario, load, scenario.name), None, scenario_note,
+                     api_name=f"scenario_{loadgen.SCENARIOS.index(scenario)}")
     conversation = gr.State(chat.new_conversation)
     message.submit(partial(chat.chat_reply, engine, session_log),
                    [message, conversation, temperature, top_p, max_tokens,
@@ -238,6 +244,14 @@ def _start_load(load, count, rate, shared, prompt_min, prompt_max, output_min, o
         load.refuse(str(error))
         gr.Warning(f"Load not sent: {error}")
     return load.status()
+
+
+def _start_scenario(load, name: str) -> str:
+    try:
+        return load.start_scenario(name)
+    except ValueError as error:
+        gr.Warning(f"Scenario not sent: {error}")
+        return f"**Scenario not sent:** {error}"
 
 
 def _sessions_tab(blocks, session_log) -> None:

@@ -4,11 +4,13 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.view import EngineView
+from kvscope.engine.worker.memory import MemoryPlan
 
 # Ordinary prose to cut prompts from, so block hover texts read as words.
 CORPUS = (
@@ -59,14 +61,68 @@ DEFAULT_POOL_FILL = 1.5
 
 def default_spec(engine: EngineView) -> LoadSpec:
     """A load sized to this engine's pool and max_model_len."""
-    plan = engine.memory_plan
-    prompt_max = max(min(plan.max_model_len // 2, 1024), 2)
-    output = (min(16, plan.max_model_len - prompt_max), min(256, plan.max_model_len - prompt_max))
-    spec = LoadSpec(0, 8.0, 0.5, (prompt_max // 4, prompt_max), output)
+    return default_spec_for(engine.memory_plan)
+
+
+def default_spec_for(plan: MemoryPlan, fill: float = DEFAULT_POOL_FILL,
+                     rate: float = 8.0) -> LoadSpec:
+    """Requests asking for `fill` x the pool's token slots in all."""
+    spec = LoadSpec(0, rate, 0.5, _prompts(plan, 0.5), _outputs(plan, 0.5))
     per_request = (sum(spec.prompt_len) + sum(spec.output_len)) / 2
-    spec.num_requests = min(max(int(DEFAULT_POOL_FILL * plan.num_tokens / per_request), 32),
-                            1000)
+    spec.num_requests = min(max(int(fill * plan.num_tokens / per_request), 32), 1000)
     return spec
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A one-click load with a caption saying what to watch."""
+
+    name: str
+    caption: str
+    spec: Callable[[MemoryPlan], LoadSpec]
+
+
+LONG_PROMPT_TOKENS = 2048  # long enough for several chunks, short enough for a CPU
+
+
+def _long_prompt(plan: MemoryPlan) -> LoadSpec:
+    length = max(min(plan.max_model_len - 16, LONG_PROMPT_TOKENS), 1)
+    return LoadSpec(1, 1.0, 0.0, (length, length), (min(8, plan.max_model_len - length),) * 2)
+
+
+SCENARIOS = (
+    Scenario("Shared system prompt",
+             "Every request starts with the same system prompt. Watch the prefix tree grow "
+             "one trunk, the heatmap's shared (amber) blocks, the block tables' first "
+             "columns repeat one block id in every row, and the event log's prefix hits.",
+             lambda plan: LoadSpec(16, 4.0, 1.0, _prompts(plan, 0.5), _outputs(plan, 0.5))),
+    Scenario("Pool pushed into preemption",
+             "More long requests than the pool holds at once. Watch the heatmap fill, "
+             "cached blue blocks evicted first, then red preemptions in the timeline and "
+             "the event log, and the waiting line in the series climb.",
+             lambda plan: default_spec_for(plan, fill=2.0, rate=50.0)),
+    Scenario("Parallel sampling (n=4)",
+             "Each request samples 4 continuations of one prompt. Watch its 4 sequences share the "
+             "prompt's blocks (ref count 4, dark amber) until each writes its own last "
+             "block: copy-on-write. The summary counts 4 sequences per request.",
+             lambda plan: LoadSpec(4, 2.0, 0.0, _prompts(plan, 0.5), _outputs(plan, 0.5), 4)),
+    Scenario("A long prompt, chunked",
+             f"One prompt of up to {LONG_PROMPT_TOKENS} tokens (at most max_model_len). With "
+             "chunked prefill it is computed a "
+             "token budget at a time: watch its timeline row's prefill chunks, its block "
+             "table grow chunk by chunk, and the summary count it running meanwhile.",
+             _long_prompt),
+)
+
+
+def _prompts(plan: MemoryPlan, share: float) -> tuple[int, int]:
+    high = max(min(int(plan.max_model_len * share), 1024), 2)
+    return high // 4, high
+
+
+def _outputs(plan: MemoryPlan, share: float) -> tuple[int, int]:
+    room = plan.max_model_len - _prompts(plan, share)[1]
+    return min(16, room), min(256, room)
 
 
 @dataclass(slots=True)
@@ -118,6 +174,14 @@ class LoadGenerator:
             if len(self.runs) > 1:
                 lines.append(f"earlier: {self.runs[-2].describe()}")
             return "  \n".join(lines)
+
+    def start_scenario(self, name: str) -> str:
+        """Send a guided scenario's load; its caption says what to watch."""
+        scenario = next((s for s in SCENARIOS if s.name == name), None)
+        if scenario is None:
+            raise ValueError(f"scenario={name!r} must be one of {[s.name for s in SCENARIOS]}")
+        self.start(scenario.spec(self.engine.memory_plan))
+        return f"**{scenario.name}** — {scenario.caption}"
 
     def refuse(self, reason: str) -> None:
         """Keep why a "Send load" was not sent, for status()."""
