@@ -487,3 +487,68 @@ def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
         stream.abort()
     assert "blocks in use</strong>" in summaries[-1]
     assert "num_requests_running and num_requests_waiting count requests" in summaries[-1]
+
+
+def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
+        served, client: Client) -> None:
+    from conftest import wait_until
+
+    engine = served[0]
+    followed = engine.submit("follow me " * 6, SamplingParams(max_tokens=150, ignore_eos=True))
+    other = engine.submit("not me " * 6, SamplingParams(max_tokens=150, ignore_eos=True))
+    request_id = followed.request_id
+    panels: list = []
+
+    def drawn() -> bool:
+        panels[:] = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0,
+                                   request_id, api_name="/refresh_live")
+        tables = json.loads(panels[2]["plot"])["data"]
+        return bool(tables) and len(tables[0].get("y") or []) == 2
+    try:
+        wait_until(drawn, timeout=30, what="both requests holding blocks")
+        held = {block for seq in engine.snapshot().sequences if seq.request_id == request_id
+                for block in seq.block_table}
+    finally:
+        followed.abort()
+        other.abort()
+    heatmap = json.loads(panels[1]["plot"])
+    outline = [trace for trace in heatmap["data"] if trace.get("name") == request_id]
+    assert len(outline) == 1 and len(outline[0]["x"]) >= len(held) - 2  # a step may pass
+    assert f"following {request_id}" in heatmap["layout"]["title"]["text"]
+    tables = json.loads(panels[2]["plot"])["data"][0]
+    assert tables["y"][0].startswith(f"▶ {request_id}") and not tables["y"][1].startswith("▶")
+
+
+def test_browser_a_click_on_a_block_table_row_follows_its_request(served, browser) -> None:
+    import re
+    import threading
+
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    stop = threading.Event()
+
+    def send() -> None:  # one "clicked-N" request after another: one holds blocks mostly
+        number = 0
+        while not stop.is_set():
+            list(engine.submit("click me " * 6, SamplingParams(max_tokens=200, ignore_eos=True),
+                               request_id=f"clicked-{number}"))
+            number += 1
+    sender = threading.Thread(target=send, daemon=True)
+    page = open_page(browser, served[2])
+    try:
+        tables = page.locator("#kv-block-tables")
+        tables.scroll_into_view_if_needed()
+        page.get_by_label("sequence id contains").fill("clicked")
+        sender.start()
+        expect(tables).to_contain_text("clicked-", timeout=30_000)
+        tables.locator(".nsewdrag").first.click(position={"x": 10, "y": 10})
+        field = page.locator("#kv-follow textarea, #kv-follow input").first
+        expect(field).to_have_value(re.compile(r"^clicked-\d+$"), timeout=10_000)
+        page.locator("#kv-heatmap").scroll_into_view_if_needed()
+        expect(page.locator("#kv-heatmap")).to_contain_text(
+            f"following {field.input_value()}", timeout=15_000)
+    finally:
+        stop.set()
+        sender.join()
+        page.close()

@@ -75,7 +75,8 @@ def live_poller_js() -> str:
               "text": panels.TEXT_PANELS, "refresh_ms": int(panels.REFRESH_S * 1000),
               "draw_duty": DRAW_DUTY, "max_interval_ms": int(panels.MAX_INTERVAL_S * 1000),
               "slack_ms": int(panels.TICK_SLACK_S * 1000),
-              "elements": {"summary": "kv-summary", **panels.PANEL_ELEMENTS}}
+              "elements": {"summary": "kv-summary", **panels.PANEL_ELEMENTS},
+              "follow_from": ["kv-timeline", "kv-block-tables"], "follow_field": "kv-follow"}
     return (f"(shown, ...views) => ({POLLER_PATH.read_text()})"
             f"({json.dumps(config)}, shown, views)")
 
@@ -120,6 +121,11 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
             replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
                                   label="replica shown on this tab", elem_id="kv-replica",
                                   visible=engine.num_replicas > 1)
+            # Click a timeline or block-table row (ui/live_poller.js) or type a request id:
+            # its blocks are outlined in the heatmap, its rows marked in the block tables
+            # and the timeline, on every refresh until cleared.
+            follow = gr.Textbox("", label="follow request (click a timeline or block-table "
+                                "row)", max_lines=1, elem_id="kv-follow")
     for button, scenario in zip(scenario_buttons, loadgen.SCENARIOS, strict=True):
         button.click(partial(_start_scenario, load, scenario.name), None, scenario_note,
                      api_name=f"scenario_{loadgen.SCENARIOS.index(scenario)}")
@@ -159,7 +165,7 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison, "events": events,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
-                              table_page, table_filter, replica]}
+                              table_page, table_filter, replica, follow]}
 
 
 def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Timer:

@@ -25,7 +25,7 @@ from kvscope.ui.palette import (
     hover_text,
     state_rgb,
 )
-from kvscope.ui.plotdata import TITLE
+from kvscope.ui.plotdata import TITLE, of_request
 from kvscope.ui.prefix_forest import prefix_forest
 
 HEATMAP_COLUMNS = 64
@@ -46,6 +46,12 @@ Decode = Callable[[tuple[int, ...]], str]
 # A figure as plotly's JSON spec: {"data": [trace dicts], "layout": {...}}. Plain dicts
 # serialise in a millisecond; plotly's object model took ~0.5 s per thousands of cells.
 Figure = dict
+
+
+def followed_blocks(pool: PoolMirror, request_id: str) -> list[int]:
+    """The physical blocks the followed request's sequences hold, in block order."""
+    return sorted({block for seq in pool.sequences if of_request(seq.seq_id, request_id)
+                   for block in seq.block_table})
 
 
 def _no_decode(token_ids: tuple[int, ...]) -> str:
@@ -128,14 +134,21 @@ def heatmap_range(pool: PoolMirror, view: str = "whole pool", start: int | None 
 
 
 def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "whole pool",
-                 start: int | None = None, stop: int | None = None) -> Figure:
+                 start: int | None = None, stop: int | None = None,
+                 follow: str = "") -> Figure:
     """The blocks of a view as a rows x 64 grid: one cell per block when the view holds at
-    most MAX_CELLS blocks (with hover detail), else one cell per block range."""
+    most MAX_CELLS blocks (with hover detail), else one cell per block range. The blocks
+    of the followed request (`follow`, a request id) are outlined."""
     start, stop = heatmap_range(pool, view, start, stop)
     counts = pool.counts()
     cell = -(-(stop - start) // MAX_CELLS)
     traces, axes = (_exact_heatmap(pool, start, stop, decode) if cell == 1
                     else _aggregate_heatmap(pool, start, stop, cell))
+    following = ""
+    if follow:
+        blocks = [b for b in followed_blocks(pool, follow) if start <= b < stop]
+        traces.append(_outline(blocks, start, cell, follow))
+        following = f"<br>following {follow}: {len(blocks)} blocks outlined"
     shown = ("the whole pool" if (start, stop) == (0, pool.num_blocks)
              else f"blocks {start}–{stop - 1}")
     detail = ("one cell per block" + ("" if stop - start <= MAX_HOVER_DETAIL else
@@ -146,9 +159,22 @@ def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "who
     # Short lines: Plotly does not wrap a title, and a long one is cut at both ends.
     title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens<br>"
              + " · ".join(f"{state} {count}" for state, count in counts.items())
-             + f"<br><sup>{shown} as of step {pool.step}: {detail}</sup>")
+             + following + f"<br><sup>{shown} as of step {pool.step}: {detail}</sup>")
     num_rows = -(-(stop - start) // (cell * HEATMAP_COLUMNS))
     return _figure(traces, title, height=220 + 14 * min(num_rows, 64), right=90, **axes)
+
+
+def _outline(blocks: list[int], start: int, cell: int, request_id: str) -> dict:
+    """Open squares on the cells holding `blocks`, on either heatmap's coordinates: the
+    exact one's category rows (row start ids) and columns, or the image's cell centres."""
+    cells = sorted({(block - start) // cell for block in blocks})
+    columns = [index % HEATMAP_COLUMNS for index in cells]
+    rows = [index // HEATMAP_COLUMNS for index in cells]
+    xs = columns if cell == 1 else [column * cell for column in columns]
+    ys = [start + row * cell * HEATMAP_COLUMNS for row in rows]
+    return {"type": "scatter", "mode": "markers", "x": xs, "y": ys, "name": request_id,
+            "marker": {"symbol": "square-open", "size": 11, "color": "#111827",
+                       "line": {"width": 2}}, "hoverinfo": "skip"}
 
 
 def _grid(values: np.ndarray, fill) -> np.ndarray:
@@ -226,8 +252,10 @@ class TableView:
             raise ValueError(f"page={self.page} must be at least 1")
 
 
-def _chosen_sequences(pool: PoolMirror, view: TableView) -> tuple[list, int, int]:
-    """The page of sequences to draw, how many hold blocks (after the filter), the pages."""
+def _chosen_sequences(pool: PoolMirror, view: TableView,
+                      follow: str = "") -> tuple[list, int, int]:
+    """The page of sequences to draw, how many hold blocks (after the filter), the pages;
+    the followed request's sequences first."""
     holders = [seq for seq in pool.sequences
                if seq.block_table and view.filter.lower() in seq.seq_id.lower()]
     if view.order == "most recent":
@@ -237,6 +265,7 @@ def _chosen_sequences(pool: PoolMirror, view: TableView) -> tuple[list, int, int
     else:
         refs = pool.ref_counts
         holders.sort(key=lambda seq: int((refs[seq.block_table] > 1).sum()), reverse=True)
+    holders.sort(key=lambda seq: not of_request(seq.seq_id, follow))  # stable: order kept
     num_pages = max(-(-len(holders) // MAX_TABLE_ROWS), 1)
     page = min(view.page, num_pages)
     return holders[(page - 1) * MAX_TABLE_ROWS:page * MAX_TABLE_ROWS], len(holders), num_pages
@@ -258,9 +287,10 @@ def _shown_columns(length: int, limit: int) -> list[int]:
 
 
 def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
-                    view: TableView = TableView()) -> Figure:
-    """One row per sequence holding blocks: logical block index -> physical block id."""
-    sequences, num_holders, num_pages = _chosen_sequences(pool, view)
+                    view: TableView = TableView(), follow: str = "") -> Figure:
+    """One row per sequence holding blocks: logical block index -> physical block id. The
+    followed request's rows come first, marked ▶."""
+    sequences, num_holders, num_pages = _chosen_sequences(pool, view, follow)
     size = pool.block_size
     limit = table_columns(pool.num_blocks)
     width = min(max((len(seq.block_table) for seq in sequences), default=0), limit)
@@ -283,7 +313,8 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
                      for index, b in zip(columns, ids)] + [""] * (width - len(ids)))
         custom.append([[index, *_block_hover(pool, b, decode)[1:]]
                        for index, b in zip(columns, ids)] + [None] * (width - len(ids)))
-    labels = [f"{seq.seq_id} ({seq.status})" for seq in sequences]
+    labels = [("▶ " if of_request(seq.seq_id, follow) else "") + f"{seq.seq_id} ({seq.status})"
+              for seq in sequences]
     traces = _state_traces(
         codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 10},
         customdata=custom, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER.replace(

@@ -43,12 +43,15 @@ class PanelViews:
     heatmap_stop: int | None = None
     tables: figures.TableView = figures.TableView()
     replica: int = 0
+    follow: str = ""  # the request followed across the panels (its id; "" for none)
 
     def of(self, name: str) -> object:
         """The part of the view a panel depends on (None: it has no view)."""
         if name == "heatmap":
-            return self.heatmap_view, self.heatmap_start, self.heatmap_stop
-        return self.tables if name == "block_tables" else None
+            return self.heatmap_view, self.heatmap_start, self.heatmap_stop, self.follow
+        if name == "block_tables":
+            return self.tables, self.follow
+        return self.follow if name == "timeline" else None
 
 
 # The view's number fields: (label on the page, the least value it takes).
@@ -70,7 +73,7 @@ def check_view_fields(heatmap_start, heatmap_stop, table_page) -> tuple:
 
 
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
-                table_page=None, table_filter=None, replica=None) -> PanelViews:
+                table_page=None, table_filter=None, replica=None, follow=None) -> PanelViews:
     """The views from the controls' raw values (None or blank = the default). A value a
     field refuses (check_view_fields) raises ValueError naming the field."""
     for name, value in (("heatmap_start", heatmap_start), ("heatmap_stop", heatmap_stop),
@@ -84,7 +87,7 @@ def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_
         None if heatmap_stop in (None, "", 0) else int(heatmap_stop),  # 0: to the end
         figures.TableView(table_order or "most recent", max(int(table_page or 1), 1),
                           (table_filter or "").strip()),
-        int(replica or 0))
+        int(replica or 0), (follow or "").strip())
 
 
 def _signatures(state: LiveState) -> dict[str, object]:
@@ -160,15 +163,15 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
         return summary_markdown(snapshot, state.replica, num_replicas)
     if name == "heatmap":
         return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
-                                    views.heatmap_stop)
+                                    views.heatmap_stop, views.follow)
     if name == "block_tables":
         if not holders:
             return placeholder("Block tables", "No sequence holds blocks right now.")
-        return figures.block_table_map(snapshot, decode, views.tables)
+        return figures.block_table_map(snapshot, decode, views.tables, views.follow)
     if name == "prefix_tree":
         return figures.prefix_tree(snapshot, decode)
     if name == "timeline":
-        return timeline.request_timeline(state.records, state.arrivals, window)
+        return timeline.request_timeline(state.records, state.arrivals, window, views.follow)
     if name == "series":
         return timeline.pool_series(state.records, state.token_usage, window)
     if name == "stats":

@@ -41,3 +41,9 @@ def placeholder(title: str, message: str, height: int = 200) -> Figure:
 def epoch_ms(seconds: float) -> float:
     """Plotly date axes take milliseconds since the epoch."""
     return round(seconds * 1000, 1)
+
+
+def of_request(seq_id: str, request_id: str) -> bool:
+    """Whether a sequence belongs to a request (its id, or the id and #sample): how every
+    panel finds the request a tab follows."""
+    return bool(request_id) and (seq_id == request_id or seq_id.startswith(request_id + "#"))

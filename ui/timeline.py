@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.ui.palette import PHASE_COLORS, SERIES_COLORS
-from kvscope.ui.plotdata import TITLE, Figure, epoch_ms, placeholder
+from kvscope.ui.plotdata import TITLE, Figure, epoch_ms, of_request, placeholder
 
 MAX_TIMELINE_ROWS = 30
 WINDOW_S = 120.0  # the live panels' rolling window
@@ -123,9 +123,10 @@ def _date_axis(window: tuple[float, float] | None, **extra) -> dict:
 
 
 def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] | None = None,
-                     window: tuple[float, float] | None = None) -> Figure:
+                     window: tuple[float, float] | None = None, follow: str = "") -> Figure:
     """A Gantt of the latest sequences on the wall clock: chunked prefills interleaving
-    with decodes. `window` (start, end) in seconds clips it to the live view."""
+    with decodes. `window` (start, end) in seconds clips it to the live view; the followed
+    request's rows (`follow`, a request id) are marked ▶ where they start."""
     records = in_window(records, window)
     spans = timeline_spans(records, arrivals)
     if not spans:
@@ -153,6 +154,12 @@ def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] |
         "y": [s for s, _ in finished], "x": [epoch_ms(t) for _, t in finished],
         "hovertemplate": "%{y} finished<extra></extra>",
         "marker": {"symbol": "line-ns-open", "size": 14, "color": PHASE_COLORS["finished"]}})
+    followed = [row for row in rows if of_request(row, follow)]
+    if followed:
+        data.append({"type": "scatter", "name": f"following {follow}", "mode": "markers",
+                     "y": followed, "x": [epoch_ms(first_start[row]) for row in followed],
+                     "marker": {"symbol": "triangle-right", "size": 12, "color": "#111827"},
+                     "hovertemplate": "%{y}: followed<extra></extra>"})
     title = f"Request timelines: {len(rows)} latest sequences"
     left_out = len(first_start) - len(rows)
     if left_out:
