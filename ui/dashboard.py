@@ -200,7 +200,7 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
         return knobs.what_if_markdown(engine, [seq.num_tokens for seq in live if
                                                seq.block_table], block_size, utilization,
                                       memory_gb)
-    gr.on([block_size.change, utilization.change, memory_gb.change], preview,
+    gr.on([blocks.load, block_size.change, utilization.change, memory_gb.change], preview,
           [block_size, utilization, memory_gb], what_if, show_progress="hidden",
           api_name="what_if")
     form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption]
