@@ -159,7 +159,7 @@ def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "who
     # Short lines: Plotly does not wrap a title, and a long one is cut at both ends.
     title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens<br>"
              + " · ".join(f"{state} {count}" for state, count in counts.items())
-             + following + f"<br><sup>{shown} as of step {pool.step}: {detail}</sup>")
+             + following + f"<br><sup>{shown}: {detail} · as of step {pool.step}</sup>")
     num_rows = -(-(stop - start) // (cell * HEATMAP_COLUMNS))
     return _figure(traces, title, height=220 + 14 * min(num_rows, 64), right=90, **axes)
 
