@@ -142,6 +142,10 @@ def test_browser_panels_fill_their_width_and_no_text_covers_another(served_large
             assert overlaps(boxes) == [], name
             assert cut_off(page, name, boxes) == [], name
             assert tick_overlaps(page, name) == [], name
+        # A few blocks of a large pool in use: the usage axis follows them, not 0-100.
+        usage_top = page.evaluate("document.querySelector('#kv-series .js-plotly-plot')"
+                                  "._fullLayout.yaxis.range[1]")
+        assert usage_top < 50
     finally:
         page.close()
         stop.set()

@@ -248,7 +248,7 @@ def test_series_keep_their_colours_whatever_lines_are_drawn_and_usage_is_not_pin
                 if "line" in trace}
     assert colours(logged).items() <= colours(live).items()
     usage_axis = live["layout"]["yaxis"]
-    assert "range" not in usage_axis and usage_axis["autorangeoptions"]["maxallowed"] == 100
+    assert "range" not in usage_axis and usage_axis["rangemode"] == "tozero"
 
 
 def test_the_default_load_asks_for_more_than_the_pool_holds(engine):

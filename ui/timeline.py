@@ -367,10 +367,10 @@ def pool_series(records: Sequence[StepRecord],
     return {"data": data, "layout": {
         "height": 560, "margin": {"l": 50, "r": 50, "t": 40, "b": 110}, "uirevision": "keep",
         "xaxis": _date_axis(window, anchor="y3"),
-        # From 0, up to what was reached (at most 100): a chat's few blocks of a large pool
-        # are a line one can read, not flat against a fixed 0-100.
-        "yaxis": {"domain": [0.72, 1.0], "rangemode": "tozero",
-                  "autorangeoptions": {"maxallowed": 100}},
+        # From 0 up to what was reached: a chat's few blocks of a large pool are a line
+        # one can read, not flat against a fixed 0-100. (Plotly's autorangeoptions'
+        # maxallowed pinned the axis at its maximum, so the range is left to autorange.)
+        "yaxis": {"domain": [0.72, 1.0], "rangemode": "tozero"},
         "yaxis2": {"domain": [0.36, 0.64], "rangemode": "tozero"},
         "yaxis3": {"domain": [0.0, 0.28], "rangemode": "tozero"},
         "yaxis4": {"overlaying": "y3", "side": "right", "rangemode": "tozero",
