@@ -329,3 +329,12 @@ def test_a_large_prefix_tree_is_bounded_and_folds_small_subtrees() -> None:
     assert sum(icicle["values"]) == sum(1 + int(mirror.ref_counts[b]) for b in hashed)
     assert any(label.endswith("more branches") for label in icicle["labels"])
     assert f"{len(hashed)} hashed blocks" in prefix_tree(mirror)["layout"]["title"]["text"]
+
+
+def test_the_prefix_tree_counts_the_blocks_sharing_saves() -> None:
+    shared = [0, 1, 2, 3]
+    mirror = synthetic_mirror(64, [sequence(f"s{i}", [*shared, 10 + i], float(i))
+                                   for i in range(3)])
+    saved = mirror.blocks_saved_by_sharing
+    assert saved == 3 * 5 - int(np.count_nonzero(mirror.ref_counts > 0))
+    assert f"{saved} blocks saved by sharing" in prefix_tree(mirror)["layout"]["title"]["text"]

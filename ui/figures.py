@@ -380,7 +380,10 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> Figure:
               "customdata": custom, "hovertemplate": BLOCK_HOVER,
               "tiling": {"orientation": "v"}, "maxdepth": 12}
     shown_nodes = len(ids) - 1
-    title = f"Prefix tree: {len(forest)} hashed blocks (size = 1 + ref count)"
+    # Block-table entries beyond the physical blocks they point at: what sharing prefixes
+    # (and forks) saves the pool right now.
+    title = (f"Prefix tree: {len(forest)} hashed blocks (size = 1 + ref count)<br>"
+             f"{pool.blocks_saved_by_sharing} blocks saved by sharing right now")
     if shown_nodes < len(forest):
         title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"
     if not len(forest):
