@@ -314,6 +314,8 @@ def test_block_tables_say_how_many_they_leave_out_and_page() -> None:
     assert len(texts) == columns  # first and last halves of the long table
     assert texts[0] == 2000 and texts[-1] == 2000 + 3 * columns - 1
     assert "their first and last" in longest["layout"]["title"]["text"]
+    ticks = longest["layout"]["xaxis"]["ticktext"]
+    assert ticks[0] == "0" and ticks[-1] == "-1" and len(ticks) == columns  # from the end
     only = block_table_map(mirror, view=TableView(filter="seq-4"))
     assert sorted(only["data"][0]["y"]) == sorted(f"seq-{i} (running)" for i in (4, 40, 41, 42))
     with pytest.raises(ValueError, match="page=0"):

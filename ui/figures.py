@@ -320,11 +320,15 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
         customdata=custom, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER.replace(
             "block %{customdata[0]}", "logical block %{customdata[0]}"))
     columns_note = (f"<br><sup>{truncated} tables longer than {limit} blocks: their first and "
-                    f"last {limit // 2} shown (hover a cell for its logical index)</sup>"
+                    f"last {limit // 2} shown (−1 = the last; hover a cell for its index)</sup>"
                     if truncated else "")
     axes = {"yaxis": {"autorange": "reversed", "type": "category", "automargin": True},
             "xaxis": {"title": {"text": "logical block → physical block id (last: tokens "
                                         "in it / block size)"}}}
+    if truncated:  # the right half of a long table counts from its end: -1 is its last
+        half = limit // 2
+        axes["xaxis"] |= {"tickvals": list(range(width)), "ticktext": [
+            str(column) if column < half else str(column - limit) for column in range(width)]}
     filtered = f" matching “{view.filter}”" if view.filter else ""
     title = (f"Block tables: {len(sequences)} of {num_holders} sequences holding blocks"
              f"{filtered}<br>{view.order} first · page {min(view.page, num_pages)} of "
