@@ -26,7 +26,7 @@ from kvscope.engine.serving.reasoning import REASONING_PARSERS
 from kvscope.engine.serving.security import exposure_warning, read_api_key
 from kvscope.engine.serving.tool_parsers import TOOL_PARSERS
 from kvscope.engine.telemetry.kv_event_publisher import KVEventsConfig, publish_kv_events
-from kvscope.engine.view import EngineView
+from kvscope.engine.view import EngineView, resolved_config
 from kvscope.storage import SessionLog, record_sessions
 
 logger = logging.getLogger("kvscope")
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     session_log = SessionLog(args.db)
-    session_log.start_session(engine.config.to_dict(), engine.model_path)
+    session_log.start_session(resolved_config(engine), engine.model_path)
     stop_recording = record_sessions(engine, session_log)
     try:
         app = create_app(engine, api_key=api_key, metrics_auth=args.metrics_auth,

@@ -1,41 +1,68 @@
-"""The README's screenshots: the dashboard empty, then under the load generator's traffic.
+"""Screenshots of every dashboard tab, empty and under the load generator's traffic, at
+the widths a newcomer uses (1440x900 and 1024x768), to look at before landing; the
+1440-wide Live tab ones are also the README's pictures.
 
-    .venv/bin/python bench/screenshots.py            # writes assets/dashboard-empty.png
-                                                     # and assets/dashboard.png
+    .venv/bin/python bench/screenshots.py --out /tmp/shots  # look at them
+    .venv/bin/python bench/screenshots.py --out /tmp/shots --readme  # and update the README's
+
+Each file is <tab>-<state>-<width>x<height>.png (state: empty or load); --readme copies
+the 1440-wide Live tab ones to assets/dashboard-empty.png and assets/dashboard.png.
 """
 
 import argparse
+import shutil
 import time
 from pathlib import Path
 
 from dashboard_overhead import DashboardTab  # noqa: E402
 from served import ROOT, start_app, stop_app  # noqa: E402
 
+VIEWPORTS = ((1440, 900), (1024, 768))
+TABS = (("live", "Live"), ("engine", "Engine & load"), ("sessions", "Sessions"))
+
+
+def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:
+    """One full-page screenshot per tab, ending on the Live tab."""
+    size = f"{viewport[0]}x{viewport[1]}"
+    for name, label in (*TABS[1:], TABS[0]):
+        page.get_by_role("tab", name=label).click()
+        time.sleep(2)  # the tab's first refresh
+        page.screenshot(path=out / f"{name}-{state}-{size}.png", full_page=True,
+                        timeout=120_000)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "assets")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the screenshots")
+    parser.add_argument("--readme", action="store_true",
+                        help="also update the README's two pictures in assets/")
     parser.add_argument("--load-s", type=float, default=25.0,
-                        help="seconds of traffic before the loaded screenshot")
+                        help="seconds of traffic before the loaded screenshots")
     parser.add_argument("app_args", nargs="*", help="extra app.py flags (after --)")
     args = parser.parse_args()
     from playwright.sync_api import expect
 
+    args.out.mkdir(parents=True, exist_ok=True)
     app = start_app(args.app_args)
     try:
-        with DashboardTab(app.url, viewport=(1400, 1000)) as tab:
-            page = tab.page
-            expect(page.get_by_text("No requests in this window yet")).to_be_visible(
-                timeout=60_000)
-            time.sleep(2)
-            page.screenshot(path=args.out / "dashboard-empty.png", full_page=True)
-            page.get_by_role("tab", name="Engine & load").click()
-            page.get_by_role("button", name="Send load").click()
-            page.get_by_role("tab", name="Live").click()
-            page.locator("#kv-message textarea").fill("What is a paged KV cache?")
-            page.locator("#kv-message textarea").press("Enter")
-            time.sleep(args.load_s)
-            page.screenshot(path=args.out / "dashboard.png", full_page=True, timeout=120_000)
+        for index, viewport in enumerate(VIEWPORTS):
+            with DashboardTab(app.url, viewport=viewport) as tab:
+                page = tab.page
+                if index == 0:  # the engine has run nothing yet
+                    expect(page.get_by_text("No requests in this window yet")).to_be_visible(
+                        timeout=60_000)
+                    time.sleep(2)
+                    shoot_tabs(page, args.out, "empty", viewport)
+                    page.get_by_role("tab", name="Engine & load").click()
+                    page.get_by_role("button", name="Send load").click()
+                    page.get_by_role("tab", name="Live").click()
+                    page.locator("#kv-message textarea").fill("What is a paged KV cache?")
+                    page.locator("#kv-message textarea").press("Enter")
+                    time.sleep(args.load_s)
+                shoot_tabs(page, args.out, "load", viewport)
+        if args.readme:
+            shutil.copy(args.out / "live-empty-1440x900.png", ROOT / "assets/dashboard-empty.png")
+            shutil.copy(args.out / "live-load-1440x900.png", ROOT / "assets/dashboard.png")
     finally:
         stop_app(app)
 

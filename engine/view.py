@@ -129,3 +129,9 @@ class EngineView(Protocol):
 
     def shutdown(self, abort_running: bool = True, timeout: float | None = 30.0) -> None:
         """Stop taking requests, abort (or finish) the running ones, stop."""
+
+
+def resolved_config(engine: EngineView) -> dict[str, Any]:
+    """The engine's knobs as it runs them, for logs and exports: what "auto" and None
+    became for the model, dtype and device, not the words the config was given."""
+    return {**engine.config.to_dict(), **engine.resolved_identity()}

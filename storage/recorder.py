@@ -17,6 +17,9 @@ def record_sessions(engine: "EngineView", session_log: SessionLog,
     """Copy the engine's step records, finished requests, routing decisions (a single
     engine makes none) and config changes into the session log from a thread of its own;
     returns the function that stops it, after a last drain."""
+    # Here, not at the top: the storage package loads without the engine (and torch).
+    from kvscope.engine.view import resolved_config
+
     feeds = [(engine.subscribe_steps(maxsize=QUEUE_SIZE), session_log.record_step),
              (engine.subscribe_requests(), lambda finished: session_log.record_request(
                  finished.output, finished.source, replica=finished.replica,
@@ -33,7 +36,7 @@ def record_sessions(engine: "EngineView", session_log: SessionLog,
                     record(item)
             if engine.config is not config:
                 config = engine.config
-                session_log.record_config(config.to_dict())
+                session_log.record_config(resolved_config(engine))
             if stopping:
                 return
 

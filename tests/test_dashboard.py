@@ -130,7 +130,52 @@ def test_chat_streams_a_reply_with_its_stats(client: Client) -> None:
     assert "TTFT" in reply and "prompt tokens" in reply and "cached" in reply
     # What the person waited for the first text, next to the engine's own TTFT.
     assert "first text after" in reply and "engine TTFT" in reply
-    assert textbox == "" and "12 output tokens" in status
+    assert textbox == {"__type__": "update"}  # the box is left to the person
+    assert "12 output tokens" in status
+
+
+def test_browser_a_draft_typed_during_a_reply_survives_and_is_sent_after_it(served,
+                                                                          browser) -> None:
+    """The reply streams without touching the message box; Enter during the reply queues
+    the draft, which goes (and gets its own reply) once the first reply ends."""
+    import threading
+
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    stop = threading.Event()
+
+    def keep_busy() -> None:  # the tiny model replies in a blink on an idle engine; on a
+        # full pool the reply takes turns with others for blocks, and streams for seconds
+        while not stop.wait(0.02):
+            engine.submit("busy " * 20, SamplingParams(max_tokens=150, ignore_eos=True))
+    busy = threading.Thread(target=keep_busy, daemon=True)
+    busy.start()
+    page = open_page(browser, served[2])
+    try:
+        box = page.locator("#kv-message textarea")
+        box.fill("first message")
+        box.press("Enter")
+        expect(page.locator("#kv-chat-status")).to_contain_text("waits in the box",
+                                                                timeout=30_000)
+        box.fill("my second thought")
+        page.wait_for_timeout(500)  # tokens stream meanwhile
+        expect(box).to_have_value("my second thought")
+        status = page.locator("#kv-chat-status")
+        assert "output tokens" not in status.inner_text()  # the reply is still streaming
+        box.press("Enter")  # during the reply: queued, not dropped
+        page.wait_for_timeout(300)
+        assert "output tokens" not in status.inner_text()  # still the first reply
+        stop.set()
+        chat = page.locator("#kv-chat")
+        expect(chat).to_contain_text("my second thought", timeout=60_000)
+        expect(page.locator("#kv-chat .message-row")).to_have_count(4, timeout=60_000)
+        expect(page.locator("#kv-chat-status")).to_contain_text("output tokens",
+                                                                timeout=60_000)
+    finally:
+        stop.set()
+        busy.join()
+        page.close()
 
 
 def test_bad_chat_input_is_a_message_not_a_crash(client: Client) -> None:
@@ -342,6 +387,8 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     path, status = client.predict(log.session_id, "sqlite", api_name="/export_session")
     with sqlite3.connect(path) as connection:
         assert connection.execute("SELECT count(*) FROM steps").fetchone()[0] > 0
+    path, status = client.predict(log.session_id, "csv", api_name="/export_session")
+    assert path.endswith(".zip") and "a .zip holding one CSV file per table" in status
     path, status = client.predict(999, "json", api_name="/export_session")
     assert path is None and "session_id=999: no such session" in status
     *_, config = client.predict(log.session_id, api_name="/show_session")
@@ -349,6 +396,9 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
     sizes = [entry["block_size"] for entry in config["history"]]
     assert sizes[0] == 4 and 8 in sizes and config["latest"]["block_size"] == sizes[-1] == 4
     assert all(entry["applied_at"] for entry in config["history"])
+    # What ran, not what the config said ("auto", None): the resolved device and dtype.
+    assert config["latest"]["device"] == "cpu" and config["latest"]["model"] == \
+        served[0].resolved_identity()["model"]
 
 
 def test_browser_chat_heatmap_and_export(served, browser, tmp_path: Path) -> None:
@@ -410,3 +460,95 @@ def test_browser_on_a_100k_block_pool_loads_refreshes_and_zooms(tiny_chat_model_
     finally:
         blocks.close()
         engine.shutdown()
+
+
+def test_a_negative_view_field_is_refused_at_the_field_and_the_refresh_keeps_running(
+        client: Client) -> None:
+    panels = client.predict(None, None, "block range", -5, -1, "most recent", 0, "",
+                            api_name="/refresh_live")
+    assert "Block pool: 96 blocks" in json.loads(panels[1]["plot"])["layout"]["title"]["text"]
+    assert client.predict(-5, -1, 0, api_name="/check_view_fields") == (0, 0, 1)
+
+
+def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
+        served, client: Client) -> None:
+    from conftest import wait_until
+
+    stream = served[0].submit("two samples", SamplingParams(n=2, max_tokens=150,
+                                                            ignore_eos=True))
+    summaries = []
+
+    def two_sequences() -> bool:
+        summaries.append(client.predict(api_name="/refresh_live")[0])
+        return "running</strong> 2 sequences (1 request)" in summaries[-1]
+    try:
+        wait_until(two_sequences, timeout=30, what="the n=2 request in the summary")
+    finally:
+        stream.abort()
+    assert "blocks in use</strong>" in summaries[-1]
+    assert "num_requests_running and num_requests_waiting count requests" in summaries[-1]
+
+
+def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
+        served, client: Client) -> None:
+    from conftest import wait_until
+
+    engine = served[0]
+    followed = engine.submit("follow me " * 6, SamplingParams(max_tokens=150, ignore_eos=True))
+    other = engine.submit("not me " * 6, SamplingParams(max_tokens=150, ignore_eos=True))
+    request_id = followed.request_id
+    panels: list = []
+
+    def drawn() -> bool:
+        panels[:] = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0,
+                                   request_id, api_name="/refresh_live")
+        tables = json.loads(panels[2]["plot"])["data"]
+        return bool(tables) and len(tables[0].get("y") or []) == 2
+    try:
+        wait_until(drawn, timeout=30, what="both requests holding blocks")
+        held = {block for seq in engine.snapshot().sequences if seq.request_id == request_id
+                for block in seq.block_table}
+    finally:
+        followed.abort()
+        other.abort()
+    heatmap = json.loads(panels[1]["plot"])
+    outline = [trace for trace in heatmap["data"] if trace.get("name") == request_id]
+    assert len(outline) == 1 and len(outline[0]["x"]) >= len(held) - 2  # a step may pass
+    assert f"following {request_id}" in heatmap["layout"]["title"]["text"]
+    tables = json.loads(panels[2]["plot"])["data"][0]
+    assert tables["y"][0].startswith(f"▶ {request_id}") and not tables["y"][1].startswith("▶")
+
+
+def test_browser_a_click_on_a_block_table_row_follows_its_request(served, browser) -> None:
+    import re
+    import threading
+
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    stop = threading.Event()
+
+    def send() -> None:  # one "clicked-N" request after another: one holds blocks mostly
+        number = 0
+        while not stop.is_set():
+            list(engine.submit("click me " * 6, SamplingParams(max_tokens=200, ignore_eos=True),
+                               request_id=f"clicked-{number}"))
+            number += 1
+    sender = threading.Thread(target=send, daemon=True)
+    page = open_page(browser, served[2])
+    try:
+        tables = page.locator("#kv-block-tables")
+        tables.scroll_into_view_if_needed()
+        page.get_by_label("sequence id contains").fill("clicked")
+        sender.start()
+        expect(tables).to_contain_text("clicked-", timeout=30_000)
+        tables.locator(".nsewdrag").first.click(position={"x": 10, "y": 10})
+        field = page.locator("#kv-follow textarea, #kv-follow input").first
+        expect(field).to_have_value(re.compile(r"^clicked-\d+$"), timeout=10_000)
+        page.locator("#kv-heatmap").scroll_into_view_if_needed()
+        expect(page.locator("#kv-heatmap")).to_contain_text(
+            f"following {field.input_value()}", timeout=15_000)
+    finally:
+        stop.set()
+        sender.join()
+        page.close()

@@ -32,6 +32,7 @@ from kvscope.ui.figures import (
     paged_vs_contiguous,
     pool_heatmap,
     prefix_tree,
+    table_columns,
 )
 from kvscope.ui.palette import hover_text
 from kvscope.ui.timeline import (
@@ -129,7 +130,7 @@ def test_block_table_map_lines_up_shared_prefixes(run) -> None:
                      key=lambda seq: seq.arrival_time, reverse=True)
     assert len(heatmap["y"]) == len(holders) == 2
     for seq, texts in zip(holders, heatmap["text"]):
-        assert [int(text.split("·")[0]) for text in texts] == list(seq.block_table)
+        assert [int(text.split("<br>")[0]) for text in texts] == list(seq.block_table)
     assert heatmap["text"][0][0] == heatmap["text"][1][0]  # the same physical block in both
     assert "/" in heatmap["text"][0][-1]  # the last block shows its fill
     assert figure["layout"]["title"]["text"].startswith("Block tables: 2 of 2 sequences")
@@ -210,6 +211,10 @@ def test_paged_memory_beats_a_contiguous_reservation(run) -> None:
     figure = paged_vs_contiguous(during_b)
     assert "20.4–38.2%" in figure["layout"]["title"]["text"]
     assert figure["layout"]["annotations"][0]["xanchor"] == "right"  # inside the plot
+    assert figure["layout"]["xaxis"]["rangemode"] == "nonnegative"  # no negative ticks
+    assert figure["data"][1]["text"] == [
+        f"{comparison.contiguous_reserved_tokens} reserved",
+        f"{comparison.paged_reserved_tokens} reserved"]  # the paged sliver says its size
 
 
 # ---- pools far larger than the screen -------------------------------------------------------
@@ -291,7 +296,9 @@ def test_used_region_view_skips_the_idle_tail() -> None:
 
 def test_block_tables_say_how_many_they_leave_out_and_page() -> None:
     tables = [[i, 1000 + i] for i in range(43)]
-    tables[5] = list(range(2000, 2000 + 3 * MAX_TABLE_COLUMNS))  # one long table
+    columns = table_columns(5000)
+    assert columns < table_columns(100) < table_columns(10) == MAX_TABLE_COLUMNS
+    tables[5] = list(range(2000, 2000 + 3 * columns))  # one long table
     mirror = synthetic_mirror(5000, [sequence(f"seq-{i}", table, float(i))
                                      for i, table in enumerate(tables)])
     figure = block_table_map(mirror)
@@ -303,10 +310,12 @@ def test_block_tables_say_how_many_they_leave_out_and_page() -> None:
     assert len(second["data"][0]["y"]) == 43 - MAX_TABLE_ROWS
     longest = block_table_map(mirror, view=TableView(order="longest"))
     assert longest["data"][0]["y"][0] == "seq-5 (running)"
-    texts = [int(text.split("·")[0]) for text in longest["data"][0]["text"][0]]
-    assert len(texts) == MAX_TABLE_COLUMNS  # first and last halves of the long table
-    assert texts[0] == 2000 and texts[-1] == 2000 + 3 * MAX_TABLE_COLUMNS - 1
-    assert "first and last" in longest["layout"]["xaxis"]["title"]["text"]
+    texts = [int(text.split("<br>")[0]) for text in longest["data"][0]["text"][0]]
+    assert len(texts) == columns  # first and last halves of the long table
+    assert texts[0] == 2000 and texts[-1] == 2000 + 3 * columns - 1
+    assert "their first and last" in longest["layout"]["title"]["text"]
+    ticks = longest["layout"]["xaxis"]["ticktext"]
+    assert ticks[0] == "0" and ticks[-1] == "-1" and len(ticks) == columns  # from the end
     only = block_table_map(mirror, view=TableView(filter="seq-4"))
     assert sorted(only["data"][0]["y"]) == sorted(f"seq-{i} (running)" for i in (4, 40, 41, 42))
     with pytest.raises(ValueError, match="page=0"):
@@ -322,3 +331,12 @@ def test_a_large_prefix_tree_is_bounded_and_folds_small_subtrees() -> None:
     assert sum(icicle["values"]) == sum(1 + int(mirror.ref_counts[b]) for b in hashed)
     assert any(label.endswith("more branches") for label in icicle["labels"])
     assert f"{len(hashed)} hashed blocks" in prefix_tree(mirror)["layout"]["title"]["text"]
+
+
+def test_the_prefix_tree_counts_the_blocks_sharing_saves() -> None:
+    shared = [0, 1, 2, 3]
+    mirror = synthetic_mirror(64, [sequence(f"s{i}", [*shared, 10 + i], float(i))
+                                   for i in range(3)])
+    saved = mirror.blocks_saved_by_sharing
+    assert saved == 3 * 5 - int(np.count_nonzero(mirror.ref_counts > 0))
+    assert f"{saved} blocks saved by sharing" in prefix_tree(mirror)["layout"]["title"]["text"]

@@ -154,9 +154,10 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
         assert "least-loaded" in status and replicas.routing == "least-loaded"
         client.predict("kv-aware", 1.0, api_name="/set_routing")
         other = 1 - decision.replica
-        assert str(other) in client.predict(other, api_name="/focus_replica")
-        live = client.predict(api_name="/refresh_live")
+        live = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", other,
+                              api_name="/refresh_live")  # this tab's replica
         assert f"{NUM_BLOCKS} blocks" in live[1]["plot"]  # the other replica's pool
+        assert f"replica {other}</strong> of 2" in live[0]  # the summary names it
     finally:
         blocks.close()
 

@@ -12,7 +12,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.ui import knobs, loadgen, panels, timeline
-from kvscope.ui.live import LiveFeed
+from kvscope.ui.live import LiveFeed, LiveFeeds
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +63,55 @@ def test_load_progress_is_per_run(engine):
             generator.status().splitlines()[0]
 
 
+def test_load_longer_than_the_corpus_is_sent_and_longer_than_the_model_is_refused(engine):
+    import random
+
+    generator = loadgen.LoadGenerator(engine)
+    longer = 2 * len(generator._corpus) + 7  # the sample text is shorter than this prompt
+    for shared in (0.0, 1.0):
+        spec = loadgen.LoadSpec(1, 1.0, shared, (longer, longer), (1, 1))
+        assert len(generator.prompt(spec, random.Random(4))) == longer
+    with pytest.raises(ValueError, match="= 1000 is more than the engine's max_model_len=256"):
+        generator.start(loadgen.LoadSpec(3, 1.0, 0.5, (900, 900), (16, 100)))
+    # The page's 2 s progress poll keeps the refusal on top instead of overwriting it.
+    assert generator.status().startswith("**Load not sent:** prompt tokens max 900")
+    generator.start(loadgen.LoadSpec(1, 100.0, 0.0, (4, 8), (2, 2)), seed=2)
+    assert "Load not sent" not in generator.status()
+
+
+def test_a_load_thread_that_stops_early_says_why_on_the_status_line(tiny_chat_model_path):
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_chat_model_path), dtype="float32", device="cpu", block_size=4,
+        num_gpu_blocks_override=64, max_model_len=64)).start()
+    generator = loadgen.LoadGenerator(engine)
+    generator.start(loadgen.LoadSpec(50, 5.0, 0.0, (4, 8), (2, 2)), seed=3)
+    wait_until(lambda: generator.runs[-1].sent >= 1, timeout=30, what="a first request")
+    engine.shutdown()
+    wait_until(lambda: generator.runs[-1].error is not None, timeout=30,
+               what="the run to stop")
+    assert "(done" in generator.status() and "stopped sending: EngineClosed" in \
+        generator.status()
+
+
+def test_knobs_beyond_the_machine_are_refused_in_their_own_terms(engine):
+    before = engine.memory_plan
+    feed = LiveFeed(engine)
+    status = knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=10**12))
+    assert "max_num_batched_tokens=1000000000000 is more than one step can hold" in status
+    assert "device_memory_gb x gpu_memory_utilization" in status and "Errno" not in status
+    too_much = knobs.host_memory_bytes() / 2**30 + 1
+    status = knobs.apply_knobs(engine, feed, None, *form(engine, device_memory_gb=too_much))
+    assert f"device_memory_gb={too_much:g} is more than this machine's RAM" in status
+    assert status.startswith("**Not applied**") and engine.memory_plan == before
+
+
 def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engine):
-    renderer = panels.PanelRenderer(LiveFeed(engine))
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
     *first, shown = renderer.refresh(None)
     assert all(not _skipped(value) for value in first)  # a new tab gets every panel
-    rendered_at = {name: r.at for name, r in renderer._rendered.items()}
+    rendered_at = {name: r.at for name, r in renderer._rendered[0].items()}
     *second, _ = renderer.refresh(None)  # a second tab, same tick: the same renders
-    assert {name: r.at for name, r in renderer._rendered.items()} == rendered_at
+    assert {name: r.at for name, r in renderer._rendered[0].items()} == rendered_at
     assert [value for value in second] == first
     *again, _ = renderer.refresh(shown)  # the first tab again: nothing new to send
     assert all(_skipped(value) for value in again)
@@ -78,29 +120,29 @@ def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engi
     # The stream ends before the engine thread publishes that step's records and pool
     # delta; it answers a snapshot on its next turn, after them.
     engine.snapshot()
-    series = renderer._rendered["series"]
+    series = renderer._rendered[0]["series"]
     no_summary = {name: value for name, value in shown.items() if name != "summary"}
     *hidden, _ = renderer.refresh(no_summary, [])
     assert not _skipped(hidden[0]) and all(_skipped(value) for value in hidden[1:])
-    assert renderer._rendered["series"] is series  # new steps, but not built while hidden
+    assert renderer._rendered[0]["series"] is series  # new steps, but not built while hidden
     *visible, _ = renderer.refresh(shown)
     assert not _skipped(visible[panels.PANELS.index("series")])
 
 
 def test_a_rebuilt_panel_that_draws_the_same_is_not_sent_again(engine):
-    renderer = panels.PanelRenderer(LiveFeed(engine))
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
     *_, shown = renderer.refresh(None)
-    before = {name: (r.at, r.version) for name, r in renderer._rendered.items()}
-    for rendered in renderer._rendered.values():  # as if the pool had moved on: all due
+    before = {name: (r.at, r.version) for name, r in renderer._rendered[0].items()}
+    for rendered in renderer._rendered[0].values():  # as if the pool had moved on: all due
         rendered.signature = ("moved on", rendered.signature[1])
     *again, now_shown = renderer.refresh(shown)
-    assert all(renderer._rendered[name].at > at for name, (at, _) in before.items())  # rebuilt
-    assert {name: r.version for name, r in renderer._rendered.items()} == \
+    assert all(renderer._rendered[0][name].at > at for name, (at, _) in before.items())  # rebuilt
+    assert {name: r.version for name, r in renderer._rendered[0].items()} == \
         {name: version for name, (_, version) in before.items()}
     assert all(_skipped(value) for value in again) and now_shown == shown
 
 def test_a_busy_engine_rebuilds_a_costly_panel_less_often(engine):
-    renderer = panels.PanelRenderer(LiveFeed(engine))
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
     renderer._cost.update(heatmap=0.2, stats=0.001)
     assert renderer.interval("heatmap") == pytest.approx(0.2 / panels.PANEL_DUTY)
     assert renderer.interval("stats") == panels.REFRESH_S
@@ -187,3 +229,90 @@ def test_a_long_step_is_work_not_an_idle_gap():
     slow = [StepRecord(i, 10.0 + 5 * i, 15.0 + 5 * i, (), (), (), (), (), 1, 8, 4, 0, 4, 1,
                        0) for i in range(3)]  # 5 s steps back to back
     assert None not in timeline.pool_series(slow)["data"][0]["y"]
+
+
+def test_the_hit_rate_names_its_unit_and_scope_and_why_metrics_differs():
+    text = timeline.HitRates(48, 100, 90, 200).describe()
+    assert "48% of 100 prompt tokens since the pool was built" in text
+    assert "(45% of 200 since the engine started, as /metrics' prefix_cache_hits" in text
+    assert "engine started" not in timeline.HitRates(1, 2, 1, 2).describe()  # they agree
+
+
+def test_series_keep_their_colours_whatever_lines_are_drawn_and_usage_is_not_pinned():
+    records = [_record(i, 10.0 + i * 0.2) for i in range(5)]
+    live = timeline.pool_series(records, [(10.0, 0.01), (10.5, 0.02)])  # the Live tab
+    logged = timeline.pool_series(records)  # a logged session: no token-slot samples
+
+    def colours(figure):
+        return {trace["name"]: trace["line"]["color"] for trace in figure["data"]
+                if "line" in trace}
+    assert colours(logged).items() <= colours(live).items()
+    usage_axis = live["layout"]["yaxis"]
+    assert "range" not in usage_axis and usage_axis["rangemode"] == "tozero"
+
+
+def test_the_default_load_asks_for_more_than_the_pool_holds(engine):
+    spec = loadgen.default_spec(engine)
+    spec.validate(engine.memory_plan.max_model_len)
+    tokens = spec.num_requests * (sum(spec.prompt_len) + sum(spec.output_len)) / 2
+    assert tokens >= engine.memory_plan.num_tokens
+
+
+def test_the_event_log_says_what_happened_in_plain_words_newest_first():
+    from kvscope.ui import events
+
+    admitted = StepRecord(7, 1.0, 1.1, (("r1", "r1#0", "prefill", 0, 32),), (), (), (), (),
+                          32, 64, 8, 0, 8, 1, 0)
+    busy = StepRecord(8, 1.1, 1.2, (("r1", "r1#0", "prefill", 32, 64),), ("r2#0",), (), (),
+                      ("r3",), 32, 64, 16, 0, 0, 1, 1, prefix_cache_queries=40,
+                      prefix_cache_hits=16)
+    lines = events.event_lines([admitted, busy], [events.Evictions(8, 12)])
+    assert lines[0] == "step 8: evicted 12 cached blocks, least recently used first, to " \
+        "make room"
+    assert any(line.startswith("step 8: preempted r2#0") and "0 were free" in line
+               for line in lines)
+    assert "step 8: r1#0 prefilled its next chunk, tokens 32–64 (chunked prefill)" in lines
+    assert "step 8: the prefix cache supplied 16 of 40 prompt tokens" in " ".join(lines)
+    assert any(line.startswith("step 8: r3 finished") for line in lines)
+    assert lines[-1] == "step 7: admitted r1#0: prefilling tokens 0–32"
+    assert len(events.event_lines([busy] * 40)) == events.MAX_EVENTS
+
+
+def test_the_what_if_preview_predicts_the_pool_apply_builds_and_the_waste(engine):
+    memory_gb = engine.config.device_memory_gb
+    preview = knobs.what_if_markdown(engine, [5, 9], 8, 0.9, memory_gb)
+    predicted = knobs.planned_pool(engine, 8, 0.9, memory_gb).num_blocks
+    assert f"the pool would hold {predicted} blocks x 8" in preview
+    # 5 and 9 tokens: 1 + 2 blocks of 8, 10 slots empty; in blocks of 4: 2 + 3, 6 empty.
+    assert "would hold 3 blocks; the empty slots of their last blocks (internal " \
+        "fragmentation) are 10 tokens, 41.7%" in preview
+    assert "hold now 5 blocks" in preview and "6 tokens, 30.0%" in preview
+    feed = LiveFeed(engine)
+    try:
+        assert knobs.apply_knobs(engine, feed, None, *form(engine, block_size=8)) \
+            .startswith("Applied.")
+        assert engine.memory_plan.num_blocks == predicted
+    finally:
+        knobs.apply_knobs(engine, feed, None, *form(engine, block_size=4))
+    assert "Apply would be refused" in knobs.what_if_markdown(engine, [], 4, 0.001, memory_gb)
+
+
+def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
+    generator = loadgen.LoadGenerator(engine)
+    # The pool run is the longest (twice the pool in requests): its size is checked, the
+    # others are sent and run to the end.
+    pushed = loadgen.SCENARIOS[1].spec(engine.memory_plan)
+    pushed.validate(engine.memory_plan.max_model_len)
+    assert pushed.num_requests * sum(pushed.prompt_len) / 2 > engine.memory_plan.num_tokens
+    for scenario in (loadgen.SCENARIOS[0], *loadgen.SCENARIOS[2:]):
+        note = generator.start_scenario(scenario.name)
+        assert note.startswith(f"**{scenario.name}** — ") and "watch" in note.lower()
+        wait_until(lambda: generator.runs[-1].ended is not None, timeout=120,
+                   what=f"the {scenario.name} scenario to end")
+        run = generator.runs[-1]
+        assert run.finished == run.spec.num_requests and run.error is None, scenario.name
+    assert generator.runs[1].spec.n == 4
+    long_prompt = generator.runs[2].spec.prompt_len[0]
+    assert long_prompt > engine.config.max_num_batched_tokens  # chunked: several steps
+    with pytest.raises(ValueError, match="scenario='nope' must be one of"):
+        generator.start_scenario("nope")

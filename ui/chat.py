@@ -85,10 +85,18 @@ def _display(messages: list[dict], stats: list[str]) -> list[dict]:
     return shown
 
 
+# While a reply streams the message box is the person's: a message sent then waits in
+# it and goes when the reply ends (the event's trigger_mode is "always_last").
+STREAMING_STATUS = ("generating… (a message you send now waits in the box and goes when "
+                    "this reply ends)")
+
+
 def chat_reply(engine: EngineView, session_log, message: str, conversation: dict,
                temperature: float, top_p: float, max_tokens: int,
                repetition_penalty: float = 1.0, min_p: float = 0.0):
-    """Yields (chatbot, conversation, textbox, status). Bad input warns and changes nothing."""
+    """Yields (chatbot, conversation, textbox, status). Bad input warns and changes nothing.
+    The textbox is emptied once, when the message is taken; later yields leave it alone
+    (gr.skip()), so what the person types during the reply is kept."""
     received = time.monotonic()
     conversation = conversation or new_conversation()
     stats = list(conversation.get("stats", []))
@@ -110,16 +118,17 @@ def chat_reply(engine: EngineView, session_log, message: str, conversation: dict
         yield *unchanged, f"Refused: {error}"
         return
     text, output, first_text_s = "", None, None
+    yield _display(messages, stats), conversation, "", STREAMING_STATUS  # taken: box emptied
     try:
         for output in stream:
             text += output.deltas[0] if output.deltas else ""
             if first_text_s is None and text:
                 first_text_s = time.monotonic() - received
             partial = [*messages, {"role": "assistant", "content": text}]
-            yield _display(partial, stats), conversation, "", "generating…"
+            yield _display(partial, stats), conversation, gr.skip(), STREAMING_STATUS
     except RequestFailed as error:
         gr.Warning(str(error))
-        yield *unchanged, f"Generation failed: {error}"
+        yield _display(messages, stats), conversation, gr.skip(), f"Generation failed: {error}"
         return
     finally:
         stream.abort()  # a no-op once finished; else the browser left or pressed stop
@@ -130,4 +139,5 @@ def chat_reply(engine: EngineView, session_log, message: str, conversation: dict
         session_log.record_chat_message(conversation["id"], "user", message)
         session_log.record_chat_message(conversation["id"], "assistant", text,
                                         request_id=output.request_id)
-    yield _display(conversation["messages"], conversation["stats"]), conversation, "", line
+    yield (_display(conversation["messages"], conversation["stats"]), conversation, gr.skip(),
+           line)

@@ -9,11 +9,14 @@ import gradio as gr
 from kvscope.engine.config import BLOCK_SIZES, PREEMPTION_MODES
 from kvscope.engine.view import EngineView
 from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, sessions
-from kvscope.ui.live import LiveFeed
+from kvscope.ui.live import LiveFeeds
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
 POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
 REFRESH_ENDPOINT = "refresh_live"
+# Plots whose label sits in the page's flow, above the chart (assets/dashboard.css), not
+# over the chart's title.
+PANEL_CLASS = "kv-panel"
 # The share of one core the browser may spend drawing each figure (ui/live_poller.js).
 DRAW_DUTY = 0.03
 
@@ -21,17 +24,17 @@ DRAW_DUTY = 0.03
 def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
     """The dashboard for a started engine (an EngineView); session_log (a storage.SessionLog or None)
     feeds the sessions tab and gets the chat turns and reconfigures."""
-    feed = LiveFeed(engine)
-    renderer = panels.PanelRenderer(feed)
+    feeds = LiveFeeds(engine)
+    renderer = panels.PanelRenderer(feeds)
     load = loadgen.LoadGenerator(engine)
     with gr.Blocks(title="kvscope") as blocks:
         gr.Markdown("# kvscope — the paged KV cache, live")
         summary = gr.HTML(panels.text_html(""), elem_id="kv-summary", elem_classes="kv-summary")
         with gr.Tabs():
             with gr.Tab("Live", id="live") as live_tab:
-                live = _live_tab(engine, session_log)
+                live = _live_tab(engine, session_log, load)
             with gr.Tab("Engine & load", id="engine") as engine_tab:
-                load_timer = _engine_tab(blocks, engine, feed, session_log, load)
+                load_timer = _engine_tab(blocks, engine, feeds, session_log, load)
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 _sessions_tab(blocks, session_log)
             with gr.Tab("Compare", id="compare") as compare_tab:
@@ -41,7 +44,7 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
                 from kvscope.ui.replicas import replicas_tab  # the router's names; Ray is loaded
 
                 with gr.Tab("Replicas", id="replicas") as replicas:
-                    replicas_tab(engine, feed)
+                    replicas_tab(engine)
                 other_tabs.append(replicas)
         # The load generator's progress polls only while its tab is shown: a Gradio event
         # every 2 s cost an open Live tab CPU (round trip, status trackers) for nothing.
@@ -74,12 +77,13 @@ def live_poller_js() -> str:
               "text": panels.TEXT_PANELS, "refresh_ms": int(panels.REFRESH_S * 1000),
               "draw_duty": DRAW_DUTY, "max_interval_ms": int(panels.MAX_INTERVAL_S * 1000),
               "slack_ms": int(panels.TICK_SLACK_S * 1000),
-              "elements": {"summary": "kv-summary", **panels.PANEL_ELEMENTS}}
+              "elements": {"summary": "kv-summary", **panels.PANEL_ELEMENTS},
+              "follow_from": ["kv-timeline", "kv-block-tables"], "follow_field": "kv-follow"}
     return (f"(shown, ...views) => ({POLLER_PATH.read_text()})"
             f"({json.dumps(config)}, shown, views)")
 
 
-def _live_tab(engine: EngineView, session_log) -> dict:
+def _live_tab(engine: EngineView, session_log, load) -> dict:
     with gr.Row():
         with gr.Column(scale=2):
             chatbot = gr.Chatbot(label="Chat", elem_id="kv-chat", height=420)
@@ -98,48 +102,75 @@ def _live_tab(engine: EngineView, session_log) -> dict:
                                                step=0.05, label="repetition penalty")
                 min_p = gr.Slider(0, 1, value=defaults["min_p"], step=0.01, label="min-p")
             new_chat = gr.Button("New chat", size="sm")
+            with gr.Accordion("Guided scenarios", open=True):
+                scenario_buttons = [gr.Button(s.name, size="sm") for s in loadgen.SCENARIOS]
+                scenario_note = gr.Markdown(elem_id="kv-scenario")
+            events = gr.HTML(panels.text_html(""), elem_id="kv-events",
+                             elem_classes="kv-events")
         with gr.Column(scale=3):
-            heatmap = gr.Plot(label="Free-pool heatmap", elem_id="kv-heatmap")
+            heatmap = gr.Plot(label="Block pool", elem_id="kv-heatmap",
+                              elem_classes=PANEL_CLASS)
             with gr.Row():
                 heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
                                         label="heatmap shows", elem_id="kv-heatmap-view")
-                heatmap_start = gr.Number(0, precision=0, minimum=0, label="from block")
-                heatmap_stop = gr.Number(0, precision=0, minimum=0,
+                # No `minimum`: Gradio would refuse the whole refresh (every panel) for
+                # one field; check_view_fields refuses the value at its field instead.
+                heatmap_start = gr.Number(0, precision=0, label="from block")
+                heatmap_stop = gr.Number(0, precision=0,
                                          label="to block (exclusive; 0 = the end)")
             stats = gr.HTML(panels.text_html(""), elem_id="kv-stats")
+            # Each tab shows the replica it chose (the summary line names it).
+            replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
+                                  label="replica shown on this tab", elem_id="kv-replica",
+                                  visible=engine.num_replicas > 1)
+            # Click a timeline or block-table row (ui/live_poller.js) or type a request id:
+            # its blocks are outlined in the heatmap, its rows marked in the block tables
+            # and the timeline, on every refresh until cleared.
+            follow = gr.Textbox("", label="follow request (click a timeline or block-table "
+                                "row)", max_lines=1, elem_id="kv-follow")
+    for button, scenario in zip(scenario_buttons, loadgen.SCENARIOS, strict=True):
+        button.click(partial(_start_scenario, load, scenario.name), None, scenario_note,
+                     api_name=f"scenario_{loadgen.SCENARIOS.index(scenario)}")
     conversation = gr.State(chat.new_conversation)
     message.submit(partial(chat.chat_reply, engine, session_log),
                    [message, conversation, temperature, top_p, max_tokens,
                     repetition_penalty, min_p],
                    [chatbot, conversation, message, status], concurrency_limit=None,
-                   api_name="chat")
+                   trigger_mode="always_last", api_name="chat")
     new_chat.click(lambda: ([], chat.new_conversation(), ""), None,
                    [chatbot, conversation, status], api_visibility="private")
     # The chat box's trash icon: without this it cleared the display only, and the next
     # message continued the hidden history.
     chatbot.clear(lambda: (chat.new_conversation(), ""), None, [conversation, status],
                   api_visibility="private")
+    # Block ids need the page's width to stay legible: the tables have a row of their own.
+    block_tables = gr.Plot(label="Block tables", elem_id="kv-block-tables",
+                           elem_classes=PANEL_CLASS)
     with gr.Row():
-        with gr.Column():
-            block_tables = gr.Plot(label="Block tables", elem_id="kv-block-tables")
-            with gr.Row():
-                table_order = gr.Radio(figures.TABLE_ORDERS, value="most recent",
-                                       label="sequences, ordered by")
-                table_page = gr.Number(1, precision=0, minimum=1, label="page")
-                table_filter = gr.Textbox("", label="sequence id contains", max_lines=1)
-        prefix_tree = gr.Plot(label="Prefix-sharing tree", elem_id="kv-prefix-tree")
-    timeline_plot = gr.Plot(label="Request timelines", elem_id="kv-timeline")
+        table_order = gr.Radio(figures.TABLE_ORDERS, value="most recent",
+                               label="sequences, ordered by")
+        table_page = gr.Number(1, precision=0, label="page")
+        table_filter = gr.Textbox("", label="sequence id contains", max_lines=1)
     with gr.Row():
-        series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series")
-        comparison = gr.Plot(label="Paged against contiguous", elem_id="kv-comparison")
+        prefix_tree = gr.Plot(label="Prefix-sharing tree", elem_id="kv-prefix-tree",
+                              elem_classes=PANEL_CLASS)
+        comparison = gr.Plot(label="Paged against contiguous", elem_id="kv-comparison",
+                             elem_classes=PANEL_CLASS)
+    timeline_plot = gr.Plot(label="Request timelines", elem_id="kv-timeline",
+                            elem_classes=PANEL_CLASS)
+    series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series",
+                     elem_classes=PANEL_CLASS)
+    view_fields = [heatmap_start, heatmap_stop, table_page]
+    gr.on([field.change for field in view_fields], panels.check_view_fields, view_fields,
+          view_fields, show_progress="hidden", api_name="check_view_fields")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
-            "comparison": comparison,
+            "comparison": comparison, "events": events,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
-                              table_page, table_filter]}
+                              table_page, table_filter, replica, follow]}
 
 
-def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> gr.Timer:
+def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Timer:
     """The knobs and the load generator; returns the timer of the load's progress line."""
     (block_size, utilization, memory_gb, budget, prefix, chunked,
      preemption) = knobs.current_knobs(engine)
@@ -163,25 +194,43 @@ def _engine_tab(blocks, engine: EngineView, feed, session_log, load) -> gr.Timer
     apply = gr.Button("Apply", variant="primary", elem_id="kv-apply")
     knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan, engine.config),
                               elem_id="kv-knob-status")
+    # Before Apply: what these knobs would build, and the live sequences' waste in it.
+    what_if = gr.Markdown(elem_id="kv-what-if")
+
+    def preview(block_size, utilization, memory_gb) -> str:
+        live = feeds.get(0).refresh().snapshot.sequences
+        return knobs.what_if_markdown(engine, [seq.num_tokens for seq in live if
+                                               seq.block_table], block_size, utilization,
+                                      memory_gb)
+    gr.on([blocks.load, block_size.change, utilization.change, memory_gb.change], preview,
+          [block_size, utilization, memory_gb], what_if, show_progress="hidden",
+          api_name="what_if")
     form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption]
-    apply.click(partial(knobs.apply_knobs, engine, feed, session_log), [*form, abort_running],
+    apply.click(partial(knobs.apply_knobs, engine, feeds, session_log), [*form, abort_running],
                 knob_status, api_name="apply_knobs")
     # A new or reloaded tab shows the live knobs, not those the app started with.
     blocks.load(partial(knobs.live_form, engine), None, [*form, knob_status],
                 api_visibility="private")
 
+    spec = loadgen.default_spec(engine)
     gr.Markdown("### Load generator\nDrive the pool into eviction and preemption and watch "
-                "the Live tab.")
+                f"the Live tab: the defaults ask for {loadgen.DEFAULT_POOL_FILL:g} x the "
+                "pool's token slots.")
     with gr.Row():
-        count = gr.Number(value=32, precision=0, label="requests")
-        rate = gr.Number(value=4.0, label="requests / s")
-        shared = gr.Slider(0, 1, value=0.5, step=0.05, label="shared system prompt fraction")
-        n = gr.Number(value=1, precision=0, label="n (samples)")
+        count = gr.Number(value=spec.num_requests, precision=0, label="requests")
+        rate = gr.Number(value=spec.rate, label="requests / s")
+        shared = gr.Slider(0, 1, value=spec.shared_fraction, step=0.05,
+                           label="shared system prompt fraction")
+        n = gr.Number(value=spec.n, precision=0, label="n (samples)")
     with gr.Row():
-        prompt_min = gr.Number(value=32, precision=0, label="prompt tokens min")
-        prompt_max = gr.Number(value=256, precision=0, label="prompt tokens max")
-        output_min = gr.Number(value=16, precision=0, label="output tokens min")
-        output_max = gr.Number(value=128, precision=0, label="output tokens max")
+        prompt_min = gr.Number(value=spec.prompt_len[0], precision=0,
+                               label="prompt tokens min")
+        prompt_max = gr.Number(value=spec.prompt_len[1], precision=0,
+                               label="prompt tokens max")
+        output_min = gr.Number(value=spec.output_len[0], precision=0,
+                               label="output tokens min")
+        output_max = gr.Number(value=spec.output_len[1], precision=0,
+                               label="output tokens max")
     send = gr.Button("Send load")
     load_status = gr.Markdown(load.status())
     send.click(partial(_start_load, load), [count, rate, shared, prompt_min, prompt_max,
@@ -198,10 +247,19 @@ def _start_load(load, count, rate, shared, prompt_min, prompt_max, output_min, o
         spec = loadgen.LoadSpec(int(count), float(rate), float(shared),
                                 (int(prompt_min), int(prompt_max)),
                                 (int(output_min), int(output_max)), int(n))
-        return load.start(spec)
+        load.start(spec)
     except (ValueError, TypeError) as error:
+        load.refuse(str(error))
         gr.Warning(f"Load not sent: {error}")
-        return f"**Load not sent:** {error}"
+    return load.status()
+
+
+def _start_scenario(load, name: str) -> str:
+    try:
+        return load.start_scenario(name)
+    except ValueError as error:
+        gr.Warning(f"Scenario not sent: {error}")
+        return f"**Scenario not sent:** {error}"
 
 
 def _sessions_tab(blocks, session_log) -> None:
@@ -211,7 +269,8 @@ def _sessions_tab(blocks, session_log) -> None:
     with gr.Row():
         session = gr.Dropdown(choices=[], label="session", elem_id="kv-session",
                               allow_custom_value=True)
-        fmt = gr.Radio(["csv", "json", "sqlite"], value="json", label="export format")
+        fmt = gr.Radio([("csv (a .zip: one CSV file per table)", "csv"), ("json", "json"),
+                        ("sqlite", "sqlite")], value="json", label="export format")
         export = gr.Button("Export", elem_id="kv-export")
     status = gr.Markdown(elem_id="kv-sessions-status")
     download = gr.File(label="Download", elem_id="kv-download", interactive=False)

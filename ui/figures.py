@@ -25,6 +25,7 @@ from kvscope.ui.palette import (
     hover_text,
     state_rgb,
 )
+from kvscope.ui.plotdata import TITLE, of_request
 from kvscope.ui.prefix_forest import prefix_forest
 
 HEATMAP_COLUMNS = 64
@@ -33,7 +34,11 @@ MAX_CELLS = 4096
 # beyond it the hover says block, state and ref count (typed arrays, a few bytes a cell).
 MAX_HOVER_DETAIL = 1024
 MAX_TABLE_ROWS = 32
-MAX_TABLE_COLUMNS = 32  # longer tables show their first and last half of this
+MAX_TABLE_COLUMNS = 24  # longer tables show their first and last half of this
+# The block tables' plot width assumed at a 1024 px wide page (the panel has a row of its
+# own): a cell's id at 10 px type needs about 7 px a digit and some air, so a pool of
+# five-digit ids shows fewer columns than one of two-digit ids, and ids never overprint.
+TABLE_PLOT_WIDTH_PX = 600
 MAX_TREE_NODES = 300
 TABLE_ORDERS = ("most recent", "longest", "most shared")
 HEATMAP_VIEWS = ("whole pool", "used region", "block range")
@@ -41,6 +46,12 @@ Decode = Callable[[tuple[int, ...]], str]
 # A figure as plotly's JSON spec: {"data": [trace dicts], "layout": {...}}. Plain dicts
 # serialise in a millisecond; plotly's object model took ~0.5 s per thousands of cells.
 Figure = dict
+
+
+def followed_blocks(pool: PoolMirror, request_id: str) -> list[int]:
+    """The physical blocks the followed request's sequences hold, in block order."""
+    return sorted({block for seq in pool.sequences if of_request(seq.seq_id, request_id)
+                   for block in seq.block_table})
 
 
 def _no_decode(token_ids: tuple[int, ...]) -> str:
@@ -60,7 +71,7 @@ def _figure(traces: list[dict], title: str, height: int, right: int = 20,
     # The legend sits above the plot, where it cannot cover an axis title.
     return {"data": traces, "layout": {
         "template": TEMPLATE, "height": height, "plot_bgcolor": "white",
-        "title": {"text": title, "y": 0.98, "yanchor": "top"},
+        "title": TITLE | {"text": title},
         "margin": {"l": 60, "r": right, "t": 100, "b": 40},
         "uirevision": "keep",  # keep the person's zoom across ticks
         "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0}, **layout}}
@@ -123,27 +134,47 @@ def heatmap_range(pool: PoolMirror, view: str = "whole pool", start: int | None 
 
 
 def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "whole pool",
-                 start: int | None = None, stop: int | None = None) -> Figure:
+                 start: int | None = None, stop: int | None = None,
+                 follow: str = "") -> Figure:
     """The blocks of a view as a rows x 64 grid: one cell per block when the view holds at
-    most MAX_CELLS blocks (with hover detail), else one cell per block range."""
+    most MAX_CELLS blocks (with hover detail), else one cell per block range. The blocks
+    of the followed request (`follow`, a request id) are outlined."""
     start, stop = heatmap_range(pool, view, start, stop)
     counts = pool.counts()
     cell = -(-(stop - start) // MAX_CELLS)
     traces, axes = (_exact_heatmap(pool, start, stop, decode) if cell == 1
                     else _aggregate_heatmap(pool, start, stop, cell))
+    following = ""
+    if follow:
+        blocks = [b for b in followed_blocks(pool, follow) if start <= b < stop]
+        traces.append(_outline(blocks, start, cell, follow))
+        following = f"<br>following {follow}: {len(blocks)} blocks outlined"
     shown = ("the whole pool" if (start, stop) == (0, pool.num_blocks)
              else f"blocks {start}–{stop - 1}")
     detail = ("one cell per block" + ("" if stop - start <= MAX_HOVER_DETAIL else
-                                      f" (zoom to {MAX_HOVER_DETAIL} blocks or fewer for "
-                                      "owners and text in the hover)")
+                                      f"; zoom to {MAX_HOVER_DETAIL} or fewer for owners "
+                                      "and text")
               if cell == 1 else
-              f"one cell = {cell} blocks, its colour mixes the states by share "
-              "(hover for them; zoom to a smaller range for single blocks)")
-    title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens · "
+              f"one cell = {cell} blocks, coloured by their mix of states (hover)")
+    # Short lines: Plotly does not wrap a title, and a long one is cut at both ends.
+    title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens<br>"
              + " · ".join(f"{state} {count}" for state, count in counts.items())
-             + f"<br><sup>{shown}: {detail}</sup>")
+             + following + f"<br><sup>{shown}: {detail} · as of step {pool.step}</sup>")
     num_rows = -(-(stop - start) // (cell * HEATMAP_COLUMNS))
     return _figure(traces, title, height=220 + 14 * min(num_rows, 64), right=90, **axes)
+
+
+def _outline(blocks: list[int], start: int, cell: int, request_id: str) -> dict:
+    """Open squares on the cells holding `blocks`, on either heatmap's coordinates: the
+    exact one's category rows (row start ids) and columns, or the image's cell centres."""
+    cells = sorted({(block - start) // cell for block in blocks})
+    columns = [index % HEATMAP_COLUMNS for index in cells]
+    rows = [index // HEATMAP_COLUMNS for index in cells]
+    xs = columns if cell == 1 else [column * cell for column in columns]
+    ys = [start + row * cell * HEATMAP_COLUMNS for row in rows]
+    return {"type": "scatter", "mode": "markers", "x": xs, "y": ys, "name": request_id,
+            "marker": {"symbol": "square-open", "size": 11, "color": "#111827",
+                       "line": {"width": 2}}, "hoverinfo": "skip"}
 
 
 def _grid(values: np.ndarray, fill) -> np.ndarray:
@@ -197,8 +228,11 @@ def _aggregate_heatmap(pool: PoolMirror, start: int, stop: int, cell: int):
         "hovertemplate": (f"blocks %{{y}} + %{{x}} … +{cell - 1}<br>used %{{customdata[2]}} · "
                           "shared %{customdata[3]} · cached %{customdata[1]} · free "
                           "%{customdata[0]}<extra></extra>")}
+    # An image keeps square pixels unless told not to: a cell is `cell` wide and a row
+    # 64 x `cell` tall, so the pool would be a thin strip. Unanchored, it fills the panel.
     return [image, *_state_legend()], {
-        "yaxis": {"title": {"text": "first block of the row"}, "showgrid": False},
+        "yaxis": {"title": {"text": "first block of the row"}, "showgrid": False,
+                  "scaleanchor": False},
         "xaxis": {"title": {"text": "block id − row start"}, "showgrid": False}}
 
 
@@ -218,8 +252,10 @@ class TableView:
             raise ValueError(f"page={self.page} must be at least 1")
 
 
-def _chosen_sequences(pool: PoolMirror, view: TableView) -> tuple[list, int, int]:
-    """The page of sequences to draw, how many hold blocks (after the filter), the pages."""
+def _chosen_sequences(pool: PoolMirror, view: TableView,
+                      follow: str = "") -> tuple[list, int, int]:
+    """The page of sequences to draw, how many hold blocks (after the filter), the pages;
+    the followed request's sequences first."""
     holders = [seq for seq in pool.sequences
                if seq.block_table and view.filter.lower() in seq.seq_id.lower()]
     if view.order == "most recent":
@@ -230,25 +266,35 @@ def _chosen_sequences(pool: PoolMirror, view: TableView) -> tuple[list, int, int
         refs = pool.ref_counts
         holders.sort(key=lambda seq: sum(b >= 0 and refs[b] > 1 for b in seq.block_table),
                      reverse=True)
+    holders.sort(key=lambda seq: not of_request(seq.seq_id, follow))  # stable: order kept
     num_pages = max(-(-len(holders) // MAX_TABLE_ROWS), 1)
     page = min(view.page, num_pages)
     return holders[(page - 1) * MAX_TABLE_ROWS:page * MAX_TABLE_ROWS], len(holders), num_pages
 
 
-def _shown_columns(length: int) -> list[int]:
+def table_columns(num_blocks: int) -> int:
+    """How many blocks of a table fit a row with ids of this pool's widest id, legibly
+    (an even number, at most MAX_TABLE_COLUMNS)."""
+    digits = len(str(max(num_blocks - 1, 0)))
+    return min(max(TABLE_PLOT_WIDTH_PX // (7 * digits + 12), 4), MAX_TABLE_COLUMNS) // 2 * 2
+
+
+def _shown_columns(length: int, limit: int) -> list[int]:
     """Logical indices drawn for a table: all, or the first and last half of the limit."""
-    if length <= MAX_TABLE_COLUMNS:
+    if length <= limit:
         return list(range(length))
-    half = MAX_TABLE_COLUMNS // 2
+    half = limit // 2
     return [*range(half), *range(length - half, length)]
 
 
 def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
-                    view: TableView = TableView()) -> Figure:
-    """One row per sequence holding blocks: logical block index -> physical block id."""
-    sequences, num_holders, num_pages = _chosen_sequences(pool, view)
+                    view: TableView = TableView(), follow: str = "") -> Figure:
+    """One row per sequence holding blocks: logical block index -> physical block id. The
+    followed request's rows come first, marked ▶."""
+    sequences, num_holders, num_pages = _chosen_sequences(pool, view, follow)
     size = pool.block_size
-    width = min(max((len(seq.block_table) for seq in sequences), default=0), MAX_TABLE_COLUMNS)
+    limit = table_columns(pool.num_blocks)
+    width = min(max((len(seq.block_table) for seq in sequences), default=0), limit)
     codes = np.full((len(sequences), width), np.nan, np.float32)
     refs = np.full((len(sequences), width), np.nan, np.float32)
     text, custom = [], []
@@ -256,7 +302,7 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
     all_codes = pool.state_codes() if sequences else None
     for row, seq in enumerate(sequences):
         table = seq.block_table
-        columns = _shown_columns(len(table))
+        columns = _shown_columns(len(table), limit)
         truncated += len(columns) < len(table)
         ids = np.array([table[index] for index in columns], np.int64)
         held = ids >= 0  # a sliding window's RELEASED entries (-1): freed, drawn blank
@@ -264,29 +310,36 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
         refs[row, :len(ids)] = np.where(held, pool.ref_counts[ids], np.nan)
         last = len(table) - 1
         fill = min(seq.num_tokens - last * size, size)
-        text.append([("freed" if b < 0 else str(b) if index < last else f"{b}·{fill}/{size}")
+        # The last block's fill on a second line: the id's width stays the id's.
+        text.append([("freed" if b < 0 else str(b) if index < last else f"{b}<br>{fill}/{size}")
                      for index, b in zip(columns, ids.tolist())] + [""] * (width - len(ids)))
         custom.append([None if b < 0 else [index, *_block_hover(pool, b, decode)[1:]]
                        for index, b in zip(columns, ids.tolist())] + [None] * (width - len(ids)))
-    labels = [f"{seq.seq_id} ({seq.status})" for seq in sequences]
+    labels = [("▶ " if of_request(seq.seq_id, follow) else "") + f"{seq.seq_id} ({seq.status})"
+              for seq in sequences]
     traces = _state_traces(
-        codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 11},
+        codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 10},
         customdata=custom, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER.replace(
             "block %{customdata[0]}", "logical block %{customdata[0]}"))
-    columns_note = (f"; tables longer than {MAX_TABLE_COLUMNS} blocks show their first and last "
-                    f"{MAX_TABLE_COLUMNS // 2} ({truncated} of them)" if truncated else "")
-    axes = {"yaxis": {"autorange": "reversed", "type": "category"},
-            "xaxis": {"title": {"text": "logical block (cell text: physical block id · last "
-                                        "block fill)" + columns_note}}}
+    columns_note = (f"<br><sup>{truncated} tables longer than {limit} blocks: their first and "
+                    f"last {limit // 2} shown (−1 = the last; hover a cell for its index)</sup>"
+                    if truncated else "")
+    axes = {"yaxis": {"autorange": "reversed", "type": "category", "automargin": True},
+            "xaxis": {"title": {"text": "logical block → physical block id (last: tokens "
+                                        "in it / block size)"}}}
+    if truncated:  # the right half of a long table counts from its end: -1 is its last
+        half = limit // 2
+        axes["xaxis"] |= {"tickvals": list(range(width)), "ticktext": [
+            str(column) if column < half else str(column - limit) for column in range(width)]}
     filtered = f" matching “{view.filter}”" if view.filter else ""
     title = (f"Block tables: {len(sequences)} of {num_holders} sequences holding blocks"
-             f"{filtered} · {view.order} first · page {min(view.page, num_pages)} of "
-             f"{num_pages}")
+             f"{filtered}<br>{view.order} first · page {min(view.page, num_pages)} of "
+             f"{num_pages}" + columns_note)
     if not sequences:
         title = ("Block tables: no request holds blocks right now" if not num_holders
                  else f"Block tables: none of {num_holders} sequences{filtered}")
     return _figure(traces + _state_legend(("used",)), title,
-                   height=190 + 26 * len(sequences), right=90, **axes)
+                   height=200 + 32 * len(sequences), right=90, **axes)
 
 
 # ---- the prefix tree ----------------------------------------------------------------------
@@ -333,7 +386,10 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> Figure:
               "customdata": custom, "hovertemplate": BLOCK_HOVER,
               "tiling": {"orientation": "v"}, "maxdepth": 12}
     shown_nodes = len(ids) - 1
-    title = f"Prefix tree: {len(forest)} hashed blocks (size = 1 + ref count)"
+    # Block-table entries beyond the physical blocks they point at: what sharing prefixes
+    # (and forks) saves the pool right now.
+    title = (f"Prefix tree: {len(forest)} hashed blocks (size = 1 + ref count)<br>"
+             f"{pool.blocks_saved_by_sharing} blocks saved by sharing right now")
     if shown_nodes < len(forest):
         title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"
     if not len(forest):
@@ -397,12 +453,16 @@ def paged_vs_contiguous(pool: PoolMirror) -> Figure:
     useful = [c.stored_tokens, c.paged_stored_tokens]
     wasted = [c.contiguous_reserved_tokens - c.stored_tokens,
               c.paged_reserved_tokens - c.paged_stored_tokens]
+    # Each bar says its total: paged is a sliver next to contiguous, which is the point.
+    reserved = [c.contiguous_reserved_tokens, c.paged_reserved_tokens]
     bars = [
         {"type": "bar", "y": rows, "x": useful, "name": "tokens stored", "orientation": "h",
          "marker": {"color": STATE_COLORS["used"]}},
         {"type": "bar", "y": rows, "x": wasted, "name": "reserved, empty", "orientation": "h",
          "marker": {"color": "#f8fafc", "line": {"color": "#94a3b8", "width": 1},
-                    "pattern": {"shape": "/", "fgcolor": "#94a3b8"}}},
+                    "pattern": {"shape": "/", "fgcolor": "#94a3b8"}},
+         "text": [f"{total} reserved" for total in reserved], "textposition": "outside",
+         "cliponaxis": False},
     ]
     # The pool's size as a dotted line; its label sits inside the plot, left of the line,
     # so the right edge never cuts it off.
@@ -419,8 +479,11 @@ def paged_vs_contiguous(pool: PoolMirror) -> Figure:
                             "text": "full attention would hold "
                                     f"{c.full_attention_reserved_tokens} tokens"})
     fits = min(c.num_sequences, c.contiguous_capacity)
-    title = (f"Useful memory, {c.num_sequences} live sequences: paged {c.paged_useful:.0%}, "
-             f"contiguous {c.contiguous_useful:.0%}<br>(published: 20.4–38.2%) · "
-             f"contiguous fits {fits} of them (room for {c.contiguous_capacity})")
+    title = (f"Useful memory, {c.num_sequences} live sequences:<br>paged "
+             f"{c.paged_useful:.0%}, contiguous {c.contiguous_useful:.0%} (published: "
+             f"20.4–38.2%)<br><sup>contiguous fits {fits} of them (room for "
+             f"{c.contiguous_capacity})</sup>")
+    # Token counts are never negative: no "-100k" tick left of the bars.
     return _figure(bars, title, height=320, barmode="stack", shapes=shapes,
-                   annotations=annotations)
+                   annotations=annotations,
+                   xaxis={"rangemode": "nonnegative", "title": {"text": "tokens"}})

@@ -1,9 +1,11 @@
 """The knobs panel's handler: Apply -> AsyncEngine.reconfigure, or the refusal shown."""
 
+import os
+
 import gradio as gr
 
-from kvscope.engine.view import EngineView
-from kvscope.engine.worker.memory import GiB, PoolTooSmall
+from kvscope.engine.view import EngineView, resolved_config
+from kvscope.engine.worker.memory import GiB, MemoryPlan, PoolTooSmall, plan_blocks
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
 KNOBS = ("block_size", "gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens",
@@ -60,6 +62,38 @@ def _too_small(error: PoolTooSmall) -> str:
             "activation memory)")
 
 
+def host_memory_bytes() -> int:
+    """The machine's physical RAM (where a CPU engine's pool and weights live)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_machine(engine: EngineView, pending: dict) -> None:
+    """Refuse, in the knob's own terms, what this machine cannot hold before a rebuild
+    tries (and fails deep inside an allocation): a CPU pool larger than the RAM, and a
+    token budget whose profiling step alone needs more memory than the pool may use."""
+    on_cpu = engine.resolved_identity()["device"] == "cpu"
+    memory_gb = pending["device_memory_gb"]
+    if on_cpu and memory_gb * GiB > host_memory_bytes():
+        raise ValueError(f"device_memory_gb={memory_gb:g} is more than this machine's RAM "
+                         f"({host_memory_bytes() / GiB:.1f} GiB): choose at most "
+                         f"{host_memory_bytes() / GiB:.1f}")
+    budget = pending["max_num_batched_tokens"]
+    if budget is None:
+        return
+    plan = engine.memory_plan
+    # The profiling step computes `budget` tokens at once and holds their K/V: a floor
+    # on what a step of that size needs, whatever its activations add.
+    kv_bytes_per_token = plan.bytes_per_block / plan.block_size
+    memory = (memory_gb * GiB if on_cpu else plan.device_memory_bytes) * pending[
+        "gpu_memory_utilization"]
+    if budget * kv_bytes_per_token > memory:
+        raise ValueError(
+            f"max_num_batched_tokens={budget} is more than one step can hold here: the K/V "
+            f"of {budget} tokens alone is {budget * kv_bytes_per_token / GiB:.3g} GiB, over "
+            f"the {memory / GiB:.3g} GiB that device_memory_gb x gpu_memory_utilization "
+            f"allow; at most {int(memory // kv_bytes_per_token)} tokens fit")
+
+
 def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
     """Rebuild the KV cache; a refused knob leaves the engine as it was and says why,
     next to the live and the asked-for values. The last value is "abort running"."""
@@ -70,6 +104,7 @@ def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
     except (ValueError, TypeError) as error:  # a widget left empty or holding text
         return _refused(f"{error}")
     try:
+        check_machine(engine, pending)
         plan = engine.reconfigure(abort_running=bool(abort_running), **pending)
     except PoolTooSmall as error:
         return _refused(f"{_too_small(error)}. {_changes(config, pending)}")
@@ -77,10 +112,59 @@ def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
         return _refused(f"{error}. {_changes(config, pending)}")
     feed.clear()
     if session_log is not None:
-        session_log.record_config(engine.config.to_dict())
+        session_log.record_config(resolved_config(engine))
     return "Applied. " + pool_markdown(plan, engine.config)
 
 
 def _refused(message: str) -> str:
     gr.Warning(f"Not applied: {message}")
     return f"**Not applied** (the engine is unchanged): {message}"
+
+
+# ---- the what-if preview -------------------------------------------------------------------
+def planned_pool(engine: EngineView, block_size: int, utilization: float,
+                 memory_gb: float) -> MemoryPlan:
+    """The pool a rebuild with these knobs would make (the same arithmetic as the engine's,
+    with the activations measured for the live token budget); PoolTooSmall if it would be
+    refused."""
+    plan, config = engine.memory_plan, engine.config
+    on_cpu = engine.resolved_identity()["device"] == "cpu"
+    per_token = plan.bytes_per_block // plan.block_size  # K and V of one token, all layers
+    return plan_blocks(int(memory_gb * GiB) if on_cpu else plan.device_memory_bytes,
+                       utilization, plan.weight_bytes, plan.peak_activation_bytes,
+                       per_token * block_size, block_size, plan.max_model_len,
+                       config.num_gpu_blocks_override)
+
+
+def fragmentation(token_counts: list[int], block_size: int) -> tuple[int, int]:
+    """(blocks, empty slots in last blocks) that sequences of these lengths hold."""
+    blocks = sum(-(-tokens // block_size) for tokens in token_counts)
+    return blocks, blocks * block_size - sum(token_counts)
+
+
+def what_if_markdown(engine: EngineView, token_counts: list[int], block_size, utilization,
+                     memory_gb) -> str:
+    """Before Apply: the pool these knobs would build and what the live sequences
+    (`token_counts`, their lengths) would hold in it, next to now."""
+    try:
+        block_size, utilization, memory_gb = int(block_size), float(utilization), \
+            float(memory_gb)
+        plan = planned_pool(engine, block_size, utilization, memory_gb)
+    except PoolTooSmall as error:
+        return f"**What if:** Apply would be refused: {_too_small(error)}."
+    except (ValueError, TypeError) as error:
+        return f"**What if:** no preview: {error}"
+    now = engine.memory_plan
+    lines = [f"**What if** block_size {block_size}, gpu_memory_utilization {utilization:g}"
+             f", device_memory_gb {memory_gb:g}: the pool would hold {plan.num_blocks} "
+             f"blocks x {block_size} = {plan.num_tokens} token slots (now {now.num_blocks} x "
+             f"{now.block_size} = {now.num_tokens})."]
+    if not token_counts:
+        lines.append("No live sequences now: send some load to see their blocks and waste.")
+        return "  \n".join(lines)
+    for label, size in (("would hold", block_size), ("hold now", now.block_size)):
+        blocks, waste = fragmentation(token_counts, size)
+        lines.append(f"The {len(token_counts)} live sequences {label} {blocks} blocks; "
+                     f"the empty slots of their last blocks (internal fragmentation) are "
+                     f"{waste} tokens, {waste / (blocks * size):.1%} of those blocks.")
+    return "  \n".join(lines)

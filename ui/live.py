@@ -10,7 +10,8 @@ from functools import lru_cache
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
 from kvscope.engine.telemetry.records import StepRecord
-from kvscope.engine.view import EngineView
+from kvscope.engine.view import EngineCounters, EngineView
+from kvscope.ui.events import Evictions
 
 HISTORY_STEPS = 3000
 HISTORY_SAMPLES = 600
@@ -25,6 +26,9 @@ class LiveState:
     token_usage: tuple[tuple[float, float], ...]
     arrivals: dict[str, float]
     now: float
+    replica: int  # the engine replica shown (0 for a single engine)
+    counters: EngineCounters  # that replica's totals since the engine started (/metrics')
+    evictions: tuple[Evictions, ...]  # cached blocks evicted, by the step that saw them
 
     @property
     def busy(self) -> bool:
@@ -37,14 +41,16 @@ class LiveFeed:
     records from each other. The mirror changes at each refresh: read a state before the
     next one (ui.panels.PanelRenderer renders under one lock)."""
 
-    def __init__(self, engine: EngineView):
+    def __init__(self, engine: EngineView, replica: int = 0):
         self.engine = engine
         self._steps = engine.subscribe_steps(maxsize=HISTORY_STEPS)
-        self._pool = PoolReader(engine)
+        self._pool = PoolReader(engine, replica)
         self._requests = engine.subscribe_requests()
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
         self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._arrivals: dict[str, float] = {}
+        self._evictions: deque[Evictions] = deque(maxlen=HISTORY_SAMPLES)
+        self._evicted = (None, 0)  # (pool epoch, its eviction count at the last refresh)
         self._lock = threading.Lock()
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
@@ -68,30 +74,59 @@ class LiveFeed:
             self._token_usage.append((now, snapshot.num_used_tokens / pool_tokens))
             oldest = self._records[0].start_time if self._records else now
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
+            self._count_evictions(snapshot)
+            counters = self.engine.replica_statuses()[replica].counters
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
-                             dict(self._arrivals), now)
+                             dict(self._arrivals), now, replica, counters,
+                             tuple(self._evictions))
+
+    def _count_evictions(self, snapshot: PoolMirror) -> None:
+        """The pool counts evictions since it was built; the event log wants them per step."""
+        epoch, count = self._evicted
+        if snapshot.epoch == epoch and snapshot.num_evictions > count:
+            step = self._records[-1].step if self._records else snapshot.step
+            self._evictions.append(Evictions(step, snapshot.num_evictions - count))
+        self._evicted = (snapshot.epoch, snapshot.num_evictions)
 
     @property
     def replica(self) -> int:
         """The engine replica the panels show (always 0 for a single engine)."""
         return self._pool.replica
 
-    def focus(self, replica: int) -> None:
-        """Point the panels at another replica (engine.replicas.ReplicaSet)."""
-        with self._lock:
-            self._pool.focus(replica)
-            self._records.clear()
-            self._token_usage.clear()
-            self._arrivals.clear()
-
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""
         with self._lock:
             self._records.clear()
             self._token_usage.clear()
+            self._evictions.clear()
 
     def decode(self, token_ids: tuple[int, ...]) -> str:
         return self._decode(token_ids)
 
     def _decode_uncached(self, token_ids: tuple[int, ...]) -> str:
         return self.engine.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
+class LiveFeeds:
+    """One LiveFeed per engine replica, made when a tab first shows that replica: each
+    tab chooses its replica (a ReplicaSet has several; a single engine has replica 0)."""
+
+    def __init__(self, engine: EngineView):
+        self.engine = engine
+        self._feeds: dict[int, LiveFeed] = {}
+        self._lock = threading.Lock()
+
+    def get(self, replica: int = 0) -> LiveFeed:
+        if not 0 <= replica < self.engine.num_replicas:
+            raise ValueError(f"replica={replica} must be in [0, {self.engine.num_replicas})")
+        with self._lock:
+            if replica not in self._feeds:
+                self._feeds[replica] = LiveFeed(self.engine, replica)
+            return self._feeds[replica]
+
+    def clear(self) -> None:
+        """After a reconfigure (see LiveFeed.clear)."""
+        with self._lock:
+            feeds = list(self._feeds.values())
+        for feed in feeds:
+            feed.clear()

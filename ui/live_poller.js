@@ -50,6 +50,26 @@ function startLivePoller(config, shown, views) {
     window.Plotly.react(div, figure.data, layout, {...figure.config, responsive: true});
     return true;
   };
+  // Follow one request: a click on a timeline or block-table row puts its request id in
+  // the "follow request" field, whose change sends the new view (setViews) at once.
+  const requestOf = (label) => String(label).replace(/^▶ /, "").replace(/ \(.*\)$/, "")
+    .split("#")[0];
+  const followClicks = () => {
+    for (const id of config.follow_from) {
+      const div = document.querySelector(`#${id} [data-testid="plotly"]`);
+      if (!div || !div.on || div.kvFollow) continue;
+      div.kvFollow = true;
+      div.on("plotly_click", (event) => {
+        const point = event?.points?.[0];
+        const field = document.querySelector(`#${config.follow_field} textarea, `
+                                             + `#${config.follow_field} input`);
+        if (!point || !field) return;
+        field.value = requestOf(point.y);
+        field.dispatchEvent(new Event("input", {bubbles: true}));
+        field.dispatchEvent(new Event("change", {bubbles: true}));
+      });
+    }
+  };
   const drawText = (id, html) => {
     const wrapper = document.querySelector(`#${id} .kv-html`);
     if (!wrapper) return false;
@@ -86,6 +106,7 @@ function startLivePoller(config, shown, views) {
           }
         });
         live.shown = next;
+        followClicks();
       }
     } catch (error) {
       // The server restarting, or the network: the next tick tries again.

@@ -1,13 +1,16 @@
 """The load generator: N requests at a rate, sharing a system prompt, to stress the pool."""
 
+import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.view import EngineView
+from kvscope.engine.worker.memory import MemoryPlan
 
 # Ordinary prose to cut prompts from, so block hover texts read as words.
 CORPUS = (
@@ -19,6 +22,7 @@ CORPUS = (
     "recomputes it later, while prefix caching keeps finished prompts around until "
     "their blocks are needed again. ")
 MAX_WORKERS = 64
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -30,7 +34,8 @@ class LoadSpec:
     output_len: tuple[int, int]
     n: int = 1
 
-    def validate(self) -> None:
+    def validate(self, max_model_len: int) -> None:
+        """Refuse before anything is sent what the engine would refuse per request."""
         if not 1 <= self.num_requests <= 1000:
             raise ValueError(f"requests={self.num_requests} must be between 1 and 1000")
         if not 0 < self.rate <= 1000:
@@ -42,6 +47,82 @@ class LoadSpec:
                 raise ValueError(f"{name} length range {low}..{high}: need 1 <= min <= max")
         if not 1 <= self.n <= 8:
             raise ValueError(f"n={self.n} must be between 1 and 8")
+        longest = self.prompt_len[1] + self.output_len[1]
+        if longest > max_model_len:
+            raise ValueError(f"prompt tokens max {self.prompt_len[1]} + output tokens max "
+                             f"{self.output_len[1]} = {longest} is more than the engine's "
+                             f"max_model_len={max_model_len}: lower them")
+
+
+# The default load asks for this many times the pool's token slots, so it shows what the
+# tab promises (a full pool: eviction of cached prefixes, then preemption).
+DEFAULT_POOL_FILL = 1.5
+
+
+def default_spec(engine: EngineView) -> LoadSpec:
+    """A load sized to this engine's pool and max_model_len."""
+    return default_spec_for(engine.memory_plan)
+
+
+def default_spec_for(plan: MemoryPlan, fill: float = DEFAULT_POOL_FILL,
+                     rate: float = 8.0) -> LoadSpec:
+    """Requests asking for `fill` x the pool's token slots in all."""
+    spec = LoadSpec(0, rate, 0.5, _prompts(plan, 0.5), _outputs(plan, 0.5))
+    per_request = (sum(spec.prompt_len) + sum(spec.output_len)) / 2
+    spec.num_requests = min(max(int(fill * plan.num_tokens / per_request), 32), 1000)
+    return spec
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A one-click load with a caption saying what to watch."""
+
+    name: str
+    caption: str
+    spec: Callable[[MemoryPlan], LoadSpec]
+
+
+LONG_PROMPT_TOKENS = 2048  # long enough for several chunks, short enough for a CPU
+
+
+def _long_prompt(plan: MemoryPlan) -> LoadSpec:
+    length = max(min(plan.max_model_len - 16, LONG_PROMPT_TOKENS), 1)
+    return LoadSpec(1, 1.0, 0.0, (length, length), (min(8, plan.max_model_len - length),) * 2)
+
+
+SCENARIOS = (
+    Scenario("Shared system prompt",
+             "Every request starts with the same system prompt. Watch the prefix tree grow "
+             "one trunk, the heatmap's shared (amber) blocks, the block tables' first "
+             "columns repeat one block id in every row, and the event log's prefix hits.",
+             lambda plan: LoadSpec(16, 4.0, 1.0, _prompts(plan, 0.5), _outputs(plan, 0.5))),
+    Scenario("Pool pushed into preemption",
+             "More long requests than the pool holds at once. Watch the heatmap fill, "
+             "cached blue blocks evicted first, then red preemptions in the timeline and "
+             "the event log, and the waiting line in the series climb.",
+             lambda plan: default_spec_for(plan, fill=2.0, rate=50.0)),
+    Scenario("Parallel sampling (n=4)",
+             "Each request samples 4 continuations of one prompt. Watch its 4 sequences share the "
+             "prompt's blocks (ref count 4, dark amber) until each writes its own last "
+             "block: copy-on-write. The summary counts 4 sequences per request.",
+             lambda plan: LoadSpec(4, 2.0, 0.0, _prompts(plan, 0.5), _outputs(plan, 0.5), 4)),
+    Scenario("A long prompt, chunked",
+             f"One prompt of up to {LONG_PROMPT_TOKENS} tokens (at most max_model_len). With "
+             "chunked prefill it is computed a "
+             "token budget at a time: watch its timeline row's prefill chunks, its block "
+             "table grow chunk by chunk, and the summary count it running meanwhile.",
+             _long_prompt),
+)
+
+
+def _prompts(plan: MemoryPlan, share: float) -> tuple[int, int]:
+    high = max(min(int(plan.max_model_len * share), 1024), 2)
+    return high // 4, high
+
+
+def _outputs(plan: MemoryPlan, share: float) -> tuple[int, int]:
+    room = plan.max_model_len - _prompts(plan, share)[1]
+    return min(16, room), min(256, room)
 
 
 @dataclass(slots=True)
@@ -55,14 +136,16 @@ class LoadRun:
     finished: int = 0
     failed: int = 0
     ended: float | None = None
+    error: str | None = None  # why the sending thread stopped early
 
     def describe(self) -> str:
         done = self.finished + self.failed
         elapsed = (self.ended or time.monotonic()) - self.started
         state = "done" if self.ended else "running"
-        return (f"run {self.number} ({state}, {elapsed:.0f} s): sent {self.sent} of "
+        line = (f"run {self.number} ({state}, {elapsed:.0f} s): sent {self.sent} of "
                 f"{self.spec.num_requests} · finished {self.finished} · refused or failed "
                 f"{self.failed} · in flight {self.sent - done}")
+        return line + (f" · **stopped sending: {self.error}**" if self.error else "")
 
 
 class LoadGenerator:
@@ -72,6 +155,7 @@ class LoadGenerator:
     def __init__(self, engine: EngineView):
         self.engine = engine
         self.runs: list[LoadRun] = []
+        self.refusal: str | None = None  # the last "Send load" refused, until one is sent
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="kvscope-loadgen")
         corpus_ids = engine.tokenizer(CORPUS * 8, add_special_tokens=False).input_ids
@@ -79,17 +163,41 @@ class LoadGenerator:
         self._system = corpus_ids[:len(corpus_ids) // 4]
 
     def status(self) -> str:
+        """The progress line the page polls; a refused "Send load" stays on top of it
+        until a run is sent, so the poll never hides why nothing was sent."""
         with self._lock:
+            lines = [f"**Load not sent:** {self.refusal}"] if self.refusal else []
             if not self.runs:
-                return "load generator: no run yet"
-            lines = [f"**load generator** {self.runs[-1].describe()}"]
+                lines.append("load generator: no run yet")
+            else:
+                lines.append(f"**load generator** {self.runs[-1].describe()}")
             if len(self.runs) > 1:
                 lines.append(f"earlier: {self.runs[-2].describe()}")
             return "  \n".join(lines)
 
-    def start(self, spec: LoadSpec, seed: int | None = None) -> str:
-        spec.validate()
+    def start_scenario(self, name: str) -> str:
+        """Send a guided scenario's load; its caption says what to watch."""
+        scenario = next((s for s in SCENARIOS if s.name == name), None)
+        if scenario is None:
+            raise ValueError(f"scenario={name!r} must be one of {[s.name for s in SCENARIOS]}")
+        self.start(scenario.spec(self.engine.memory_plan))
+        return f"**{scenario.name}** — {scenario.caption}"
+
+    def refuse(self, reason: str) -> None:
+        """Keep why a "Send load" was not sent, for status()."""
         with self._lock:
+            self.refusal = reason
+
+    def start(self, spec: LoadSpec, seed: int | None = None) -> str:
+        """Send a run in the background, or raise ValueError (kept for status()) naming
+        the setting that cannot be sent."""
+        try:
+            spec.validate(self.engine.memory_plan.max_model_len)
+        except ValueError as error:
+            self.refuse(str(error))
+            raise
+        with self._lock:
+            self.refusal = None
             run = LoadRun(len(self.runs) + 1, spec)
             self.runs.append(run)
         threading.Thread(target=self._send_all, args=(run, random.Random(seed)),
@@ -97,22 +205,32 @@ class LoadGenerator:
         return (f"Sending {spec.num_requests} requests at {spec.rate:g}/s "
                 f"({spec.shared_fraction:.0%} with the shared system prompt).")
 
-    def _prompt(self, spec: LoadSpec, rng: random.Random) -> list[int]:
+    def prompt(self, spec: LoadSpec, rng: random.Random) -> list[int]:
+        """Prose cut from the corpus, read round and round so any length can be had."""
         length = rng.randint(*spec.prompt_len)
         prefix = self._system[:length] if rng.random() < spec.shared_fraction else []
-        start = rng.randrange(len(self._corpus) - length)
-        return prefix + self._corpus[start:start + length - len(prefix)]
+        start = rng.randrange(len(self._corpus))
+        rest = length - len(prefix)
+        laps = -(-(start + rest) // len(self._corpus))
+        return prefix + (self._corpus * laps)[start:start + rest]
 
     def _send_all(self, run: LoadRun, rng: random.Random) -> None:
+        """Whatever stops the sending early is kept on the run, for the status line."""
+        try:
+            self._send_each(run, rng)
+        except Exception as error:  # noqa: BLE001 -- shown on the page, not lost in a thread
+            logger.exception("load run %d stopped", run.number)
+            with self._lock:
+                run.error = f"{type(error).__name__}: {error}"
+                run.ended = time.monotonic()
+
+    def _send_each(self, run: LoadRun, rng: random.Random) -> None:
         spec, started = run.spec, run.started
         for index in range(spec.num_requests):
             time.sleep(max(0.0, started + index / spec.rate - time.monotonic()))
             params = SamplingParams(n=spec.n, temperature=1.0, ignore_eos=True,
                                     max_tokens=rng.randint(*spec.output_len))
-            try:
-                stream = self.engine.submit(self._prompt(spec, rng), params, source="loadgen")
-            except RuntimeError:  # the engine is shutting down: stop sending
-                return
+            stream = self.engine.submit(self.prompt(spec, rng), params, source="loadgen")
             with self._lock:
                 run.sent += 1
             self._pool.submit(self._drain, run, stream)

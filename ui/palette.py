@@ -26,6 +26,15 @@ UNSHARED_COLORSCALE = [
     [1 / 3, STATE_COLORS["cached"]], [2 / 3, STATE_COLORS["cached"]],
     [2 / 3, STATE_COLORS["used"]], [1.0, STATE_COLORS["used"]],
 ]
+# The time series' lines, by name: the Live and Sessions tabs draw different sets of lines
+# (a logged session has no token-slot samples), and colours by position then differed.
+SERIES_COLORS = {
+    "blocks in use": STATE_COLORS["used"],
+    "token slots filled": "#84cc16",
+    "running": "#0d9488",
+    "waiting": "#9ca3af",
+    "output tokens/s": "#7c3aed",
+}
 PHASE_COLORS = {
     "waiting": "#d1d5db",
     "prefill": "#8b5cf6",

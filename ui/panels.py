@@ -10,12 +10,12 @@ import gradio as gr
 from markdown_it import MarkdownIt
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
-from kvscope.ui import figures, timeline
-from kvscope.ui.live import LiveFeed, LiveState
+from kvscope.ui import events, figures, timeline
+from kvscope.ui.live import LiveFeeds, LiveState
 from kvscope.ui.plotdata import placeholder, to_plot
 
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
-          "comparison")
+          "comparison", "events")
 # Each panel's element (the summary line sits above the tabs and is always sent).
 PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
@@ -30,34 +30,64 @@ COST_SMOOTHING = 0.3
 # The summary and stats lines as HTML made here: the browser's poller (ui/live_poller.js)
 # puts them in place without Gradio's Markdown renderer. Raw HTML in the text stays text.
 _MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
-TEXT_PANELS = ("summary", "stats")
+TEXT_PANELS = ("summary", "stats", "events")
 
 
 @dataclass(frozen=True, slots=True)
 class PanelViews:
-    """What a tab chose to look at: the heatmap's range and the block tables' page."""
+    """What a tab chose to look at: the heatmap's range, the block tables' page and the
+    engine replica (each tab its own)."""
 
     heatmap_view: str = "whole pool"
     heatmap_start: int | None = None
     heatmap_stop: int | None = None
     tables: figures.TableView = figures.TableView()
+    replica: int = 0
+    follow: str = ""  # the request followed across the panels (its id; "" for none)
 
     def of(self, name: str) -> object:
         """The part of the view a panel depends on (None: it has no view)."""
         if name == "heatmap":
-            return self.heatmap_view, self.heatmap_start, self.heatmap_stop
-        return self.tables if name == "block_tables" else None
+            return self.heatmap_view, self.heatmap_start, self.heatmap_stop, self.follow
+        if name == "block_tables":
+            return self.tables, self.follow
+        return self.follow if name == "timeline" else None
+
+
+# The view's number fields: (label on the page, the least value it takes).
+VIEW_FIELDS = {"heatmap_start": ("from block", 0), "heatmap_stop": ("to block", 0),
+               "table_page": ("page", 1)}
+
+
+def check_view_fields(heatmap_start, heatmap_stop, table_page) -> tuple:
+    """The number fields' values, each one out of range refused at the field: put back to
+    its least value with a warning naming it (the refresh draws the view meanwhile)."""
+    values = []
+    for name, value in zip(VIEW_FIELDS, (heatmap_start, heatmap_stop, table_page)):
+        label, least = VIEW_FIELDS[name]
+        if value is not None and value < least:
+            gr.Warning(f"{label}={value:g} refused: it must be {least} or more")
+            value = least
+        values.append(value)
+    return tuple(values)
 
 
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
-                table_page=None, table_filter=None) -> PanelViews:
-    """The views from the controls' raw values (None or blank = the default)."""
+                table_page=None, table_filter=None, replica=None, follow=None) -> PanelViews:
+    """The views from the controls' raw values (None or blank = the default). A value a
+    field refuses (check_view_fields) raises ValueError naming the field."""
+    for name, value in (("heatmap_start", heatmap_start), ("heatmap_stop", heatmap_stop),
+                        ("table_page", table_page)):
+        label, least = VIEW_FIELDS[name]
+        if value not in (None, "") and int(value) < least:
+            raise ValueError(f"{label}={value} must be {least} or more")
     return PanelViews(
         heatmap_view or "whole pool",
         None if heatmap_start in (None, "") else int(heatmap_start),
         None if heatmap_stop in (None, "", 0) else int(heatmap_stop),  # 0: to the end
         figures.TableView(table_order or "most recent", max(int(table_page or 1), 1),
-                          (table_filter or "").strip()))
+                          (table_filter or "").strip()),
+        int(replica or 0), (follow or "").strip())
 
 
 def _signatures(state: LiveState) -> dict[str, object]:
@@ -71,8 +101,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
     rate_clock = (int(state.now) if last and state.now - last.end_time
                   < timeline.RATE_WINDOW_S + 1 else None)
     return {
-        "summary": (snapshot.num_blocks, snapshot.block_size, snapshot.num_running,
-                    snapshot.num_waiting, hash(str(snapshot.config))),
+        "summary": (pool, sequences, state.replica, hash(str(snapshot.config))),
         "heatmap": (pool, sequences),  # hover names the owners
         "block_tables": (pool, sequences),
         "prefix_tree": pool,
@@ -80,20 +109,45 @@ def _signatures(state: LiveState) -> dict[str, object]:
         "series": (last_step, snapshot.num_used_tokens),
         "stats": (last_step, snapshot.prefix_cache_hits, snapshot.num_preemptions, rate_clock),
         "comparison": (pool, sequences),
+        "events": (last_step, len(state.evictions)),
     }
 
 
-def summary_markdown(snapshot: PoolMirror) -> str:
+def summary_markdown(snapshot: PoolMirror, replica: int = 0, num_replicas: int = 1) -> str:
+    """The line above the tabs: every figure with its unit, now (as of the last step);
+    where it counts differently from /metrics it says so."""
     config = snapshot.config
     max_model_len = config.get("max_model_len") or 0
     per_sequence = -(-max_model_len // snapshot.block_size) if max_model_len else 0
     concurrency = snapshot.num_blocks / per_sequence if per_sequence else 0
-    return (f"**pool** {snapshot.num_blocks} blocks x {snapshot.block_size} tokens = "
-            f"{snapshot.num_blocks * snapshot.block_size} token slots · **max concurrency** "
-            f"{concurrency:.1f} x {max_model_len} tokens · **running** {snapshot.num_running}"
-            f" · **waiting** {snapshot.num_waiting} · prefix caching "
+    in_use = snapshot.num_blocks - snapshot.count("free") - snapshot.count("cached")
+    running, waiting = snapshot.request_counts()
+    where = f"**replica {replica}** of {num_replicas} · " if num_replicas > 1 else ""
+    # The step says how current each panel is: under load a costly panel (the heatmap)
+    # redraws less often than this line, and its title names its own step.
+    line = (f"{where}**step** {snapshot.step} · **pool** {snapshot.num_blocks} blocks x "
+            f"{snapshot.block_size} tokens = "
+            f"{snapshot.num_blocks * snapshot.block_size} token slots, **{in_use} blocks in "
+            f"use** ({in_use / max(snapshot.num_blocks, 1):.0%}) · **max concurrency** "
+            f"{concurrency:.1f} sequences of {max_model_len} tokens · **running** "
+            f"{_sequences(snapshot.num_running, running)} · **waiting** "
+            f"{_sequences(snapshot.num_waiting, waiting)} · prefix caching "
             f"{'on' if config.get('enable_prefix_caching') else 'off'} · chunked prefill "
             f"{'on' if config.get('enable_chunked_prefill') else 'off'}")
+    if (snapshot.num_running, snapshot.num_waiting) != (running, waiting):
+        line += ("\n\n*A request with n > 1 samples runs as n sequences, each with its "
+                 "own blocks: the pool counts sequences, /metrics' num_requests_running "
+                 "and num_requests_waiting count requests.*")
+    return line
+
+
+def _sequences(num_sequences: int, num_requests: int) -> str:
+    return (_count(num_sequences, "sequence") if num_sequences == num_requests else
+            f"{_count(num_sequences, 'sequence')} ({_count(num_requests, 'request')})")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def text_html(markdown: str) -> str:
@@ -101,33 +155,36 @@ def text_html(markdown: str) -> str:
     return f'<div class="kv-html">{_MARKDOWN.render(markdown)}</div>'
 
 
-def _render(name: str, state: LiveState, decode, views: PanelViews):
+def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas: int):
     snapshot = state.snapshot
     holders = any(seq.block_table for seq in snapshot.sequences)
     window = timeline.live_window(state.records, state.now)
     if name == "summary":
-        return summary_markdown(snapshot)
+        return summary_markdown(snapshot, state.replica, num_replicas)
     if name == "heatmap":
         return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
-                                    views.heatmap_stop)
+                                    views.heatmap_stop, views.follow)
     if name == "block_tables":
         if not holders:
             return placeholder("Block tables", "No sequence holds blocks right now.")
-        return figures.block_table_map(snapshot, decode, views.tables)
+        return figures.block_table_map(snapshot, decode, views.tables, views.follow)
     if name == "prefix_tree":
         return figures.prefix_tree(snapshot, decode)
     if name == "timeline":
-        return timeline.request_timeline(state.records, state.arrivals, window)
+        return timeline.request_timeline(state.records, state.arrivals, window, views.follow)
     if name == "series":
         return timeline.pool_series(state.records, state.token_usage, window)
     if name == "stats":
-        queries = snapshot.prefix_cache_queries
+        counters = state.counters
         return timeline.stats_markdown(
             timeline.latency_stats(timeline.in_window(state.records, window), state.arrivals),
-            snapshot.prefix_cache_hits / queries if queries else None,
+            timeline.HitRates(snapshot.prefix_cache_hits, snapshot.prefix_cache_queries,
+                              counters.prefix_cache_hits, counters.prefix_cache_queries),
             snapshot.num_preemptions,
             (f"last {timeline.RATE_WINDOW_S:.0f} s",
              timeline.recent_output_rate(state.records, state.now)))
+    if name == "events":
+        return events.events_markdown(state.records, state.evictions)
     if not holders:
         return placeholder("Paged against contiguous", "No live sequences: the comparison "
                            "appears while requests hold blocks.")
@@ -148,19 +205,19 @@ class PanelRenderer:
     cost / PANEL_DUTY seconds (1 to 8 s), so the dashboard's cost follows its own
     measured build times, not the pool's size or the number of open tabs."""
 
-    def __init__(self, feed: LiveFeed) -> None:
-        self.feed = feed
+    def __init__(self, feeds: LiveFeeds) -> None:
+        self.feeds = feeds
         self._lock = threading.Lock()  # one render pass at a time, whatever the tab count
-        self._rendered: dict[str, _Rendered] = {}
+        self._rendered: dict[int, dict[str, _Rendered]] = {}  # per replica, per panel
         self._cost: dict[str, float] = {}
         self._versions = itertools.count(1)
 
     def interval(self, name: str) -> float:
         return min(max(REFRESH_S, self._cost.get(name, 0.0) / PANEL_DUTY), MAX_INTERVAL_S)
 
-    def _due(self, name: str, signature: tuple, state: LiveState, now: float) -> bool:
+    def _due(self, rendered: _Rendered | None, name: str, signature: tuple,
+             state: LiveState, now: float) -> bool:
         """signature: (what the panel shows, the view the tab chose)."""
-        rendered = self._rendered.get(name)
         if rendered is None or rendered.signature[1] != signature[1]:
             return True  # a new view is drawn at once
         if rendered.signature == signature:
@@ -174,8 +231,8 @@ class PanelRenderer:
         sent back from its previous refresh; None: nothing yet). `visible` names the panels the tab can see
         (None: all; the browser sends the ones on screen, ui/live_poller.js):
         only those are built and sent, and the summary line always is. `view_controls` are
-        the heatmap's and block tables' controls (see panel_views); a bad value draws the
-        default view and says why in a warning."""
+        the heatmap's and block tables' controls and the replica (see panel_views); a bad
+        value draws the default view and says why in a warning."""
         shown = shown or {}
         try:
             views = panel_views(*view_controls)
@@ -185,13 +242,16 @@ class PanelRenderer:
         wanted = [name for name in PANELS
                   if name == "summary" or visible is None or name in visible]
         with self._lock:
-            state = self.feed.refresh()
+            feed = self.feeds.get(views.replica)
+            state = feed.refresh()
+            rendered = self._rendered.setdefault(views.replica, {})
             signatures = {name: (data, views.of(name))
                           for name, data in _signatures(state).items()}
             for name in wanted:
                 now = time.monotonic()
-                if self._due(name, signatures[name], state, now):
-                    value = _render(name, state, self.feed.decode, views)
+                if self._due(rendered.get(name), name, signatures[name], state, now):
+                    value = _render(name, state, feed.decode, views,
+                                    feed.engine.num_replicas)
                     value = text_html(value) if name in TEXT_PANELS else to_plot(value)
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)
@@ -199,12 +259,11 @@ class PanelRenderer:
                     # A render that draws what the tabs already show keeps its version,
                     # so no tab is sent it or redraws it (the pool's counters move on
                     # every step; a panel's picture often does not).
-                    previous = self._rendered.get(name)
+                    previous = rendered.get(name)
                     version = (previous.version if previous is not None
                                and previous.value == value else next(self._versions))
-                    self._rendered[name] = _Rendered(signatures[name], value, done, version)
-            sent = {name: self._rendered[name] for name in wanted
-                    if name in self._rendered and shown.get(name) !=
-                    self._rendered[name].version}
+                    rendered[name] = _Rendered(signatures[name], value, done, version)
+            sent = {name: rendered[name] for name in wanted
+                    if name in rendered and shown.get(name) != rendered[name].version}
         values = [sent[name].value if name in sent else gr.skip() for name in PANELS]
         return *values, {**shown, **{name: r.version for name, r in sent.items()}}

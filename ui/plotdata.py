@@ -10,6 +10,13 @@ from gradio.components.plot import PlotData
 
 Figure = dict
 
+# Titles start at the top left of the figure and push the plot down as far as their lines
+# need (automargin): centred, a long title was cut at both ends; placed by a fraction of
+# the height, a short figure's multi-line title was cut at its top. (Plotly sets a title's
+# first line about 15 px above its anchor: the top pad leaves room for that.)
+TITLE = {"x": 0.0, "xanchor": "left", "xref": "container", "y": 1.0, "yanchor": "top",
+         "yref": "container", "pad": {"t": 20, "l": 8}, "automargin": True}
+
 
 def to_plot(figure) -> PlotData:
     """What gr.Plot sends, serialized once (then shared by every tab): from a dict figure,
@@ -34,3 +41,9 @@ def placeholder(title: str, message: str, height: int = 200) -> Figure:
 def epoch_ms(seconds: float) -> float:
     """Plotly date axes take milliseconds since the epoch."""
     return round(seconds * 1000, 1)
+
+
+def of_request(seq_id: str, request_id: str) -> bool:
+    """Whether a sequence belongs to a request (its id, or the id and #sample): how every
+    panel finds the request a tab follows."""
+    return bool(request_id) and (seq_id == request_id or seq_id.startswith(request_id + "#"))

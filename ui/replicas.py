@@ -1,6 +1,6 @@
 """The Replicas tab (engine.replicas.ReplicaSet only): one small pool heatmap per replica
-with its hit rate and load, the recent routing decisions, the routing knobs, and the
-selector that points the Live tab's panels at one replica."""
+with its hit rate and load, the recent routing decisions and the routing knobs (the Live
+tab has its own replica selector, per browser tab)."""
 
 import threading
 
@@ -10,7 +10,6 @@ from kvscope.engine.replicas.router import ROUTING_POLICIES
 from kvscope.engine.telemetry.pool_mirror import PoolReader
 from kvscope.engine.view import EngineView
 from kvscope.ui import figures
-from kvscope.ui.live import LiveFeed
 from kvscope.ui.plotdata import placeholder, to_plot
 
 REFRESH_S = 2.0
@@ -75,12 +74,7 @@ def set_routing(engine: EngineView, policy: str, load_weight: float) -> str:
     return f"Routing: **{engine.routing}**, load weight {engine.routing_load_weight:g}"
 
 
-def focus_live(feed: LiveFeed, replica: int) -> str:
-    feed.focus(int(replica))
-    return f"The Live tab shows replica {int(replica)}."
-
-
-def replicas_tab(engine: EngineView, feed: LiveFeed) -> None:
+def replicas_tab(engine: EngineView) -> None:
     overview = ReplicaOverview(engine)
     summary = gr.Markdown(elem_id="kv-replicas-summary")
     with gr.Row():
@@ -91,15 +85,11 @@ def replicas_tab(engine: EngineView, feed: LiveFeed) -> None:
                           elem_id="kv-routing")
         weight = gr.Number(engine.routing_load_weight, minimum=0, label="kv-aware load weight")
         apply = gr.Button("Apply routing", elem_id="kv-routing-apply")
-        live_replica = gr.Dropdown(list(range(engine.num_replicas)), value=feed.replica,
-                                   label="Live tab shows replica", elem_id="kv-live-replica")
     status = gr.Markdown(elem_id="kv-replicas-status")
     decisions = gr.Dataframe(headers=DECISION_COLUMNS, interactive=False,
                              label="Recent routing decisions (newest first)")
     apply.click(lambda p, w: set_routing(engine, p, w), [policy, weight], status,
                 api_name="set_routing")
-    live_replica.change(lambda r: focus_live(feed, r), live_replica, status,
-                        api_name="focus_replica")
     outputs = [summary, decisions, *heatmaps]
     gr.Timer(REFRESH_S).tick(overview.refresh, None, outputs, show_progress="hidden",
                              api_name="refresh_replicas", trigger_mode="always_last")

@@ -69,4 +69,5 @@ def export_session(session_log, session_id, fmt: str):
                    else "Nothing exported: pick a session first.")
         gr.Warning(message)
         return None, message
-    return str(path), f"Exported session {session_id} as {fmt}: {path.name}"
+    kind = " (a .zip holding one CSV file per table)" if path.suffix == ".zip" else ""
+    return str(path), f"Exported session {session_id} as {fmt}: {path.name}{kind}"

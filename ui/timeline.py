@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvscope.engine.telemetry.records import StepRecord
-from kvscope.ui.palette import PHASE_COLORS
-from kvscope.ui.plotdata import Figure, epoch_ms, placeholder
+from kvscope.ui.palette import PHASE_COLORS, SERIES_COLORS
+from kvscope.ui.plotdata import TITLE, Figure, epoch_ms, of_request, placeholder
 
 MAX_TIMELINE_ROWS = 30
 WINDOW_S = 120.0  # the live panels' rolling window
@@ -123,9 +123,10 @@ def _date_axis(window: tuple[float, float] | None, **extra) -> dict:
 
 
 def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] | None = None,
-                     window: tuple[float, float] | None = None) -> Figure:
+                     window: tuple[float, float] | None = None, follow: str = "") -> Figure:
     """A Gantt of the latest sequences on the wall clock: chunked prefills interleaving
-    with decodes. `window` (start, end) in seconds clips it to the live view."""
+    with decodes. `window` (start, end) in seconds clips it to the live view; the followed
+    request's rows (`follow`, a request id) are marked ▶ where they start."""
     records = in_window(records, window)
     spans = timeline_spans(records, arrivals)
     if not spans:
@@ -153,19 +154,26 @@ def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] |
         "y": [s for s, _ in finished], "x": [epoch_ms(t) for _, t in finished],
         "hovertemplate": "%{y} finished<extra></extra>",
         "marker": {"symbol": "line-ns-open", "size": 14, "color": PHASE_COLORS["finished"]}})
+    followed = [row for row in rows if of_request(row, follow)]
+    if followed:
+        data.append({"type": "scatter", "name": f"following {follow}", "mode": "markers",
+                     "y": followed, "x": [epoch_ms(first_start[row]) for row in followed],
+                     "marker": {"symbol": "triangle-right", "size": 12, "color": "#111827"},
+                     "hovertemplate": "%{y}: followed<extra></extra>"})
     title = f"Request timelines: {len(rows)} latest sequences"
     left_out = len(first_start) - len(rows)
     if left_out:
         title = (f"Request timelines: {len(rows)} latest of {len(first_start)} sequences"
                  f"<br><sup>{left_out} earlier in this window not drawn</sup>")
     return {"data": data, "layout": {
-        "barmode": "overlay", "title": {"text": title},
-        "height": 180 + 22 * len(rows), "margin": {"l": 90, "r": 20, "t": 50, "b": 40},
+        # The title at the top, the legend under it on the left: side by side they met
+        # at narrow widths.
+        "barmode": "overlay", "title": TITLE | {"text": title},
+        "height": 220 + 22 * len(rows), "margin": {"l": 90, "r": 20, "t": 100, "b": 40},
         "uirevision": "keep", "xaxis": _date_axis(window),
         # Category 0 sits at the bottom: reversed, the earliest sequence is the top row.
         "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows[::-1]},
-        "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1,
-                   "xanchor": "right"}}}
+        "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0}}}
 
 
 @dataclass(slots=True)
@@ -228,7 +236,31 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:.0f} ms"
 
 
-def stats_markdown(stats: LatencyStats, hit_rate: float | None,
+@dataclass(frozen=True, slots=True)
+class HitRates:
+    """Prompt tokens found in the prefix cache, of those looked up: counted by the pool
+    since it was built (a reconfigure starts a new one) and, as /metrics counts them,
+    since the engine started."""
+
+    pool_hits: int
+    pool_queries: int
+    total_hits: int
+    total_queries: int
+
+    def describe(self) -> str:
+        def rate(hits: int, queries: int) -> str:
+            return f"{hits / queries:.0%}" if queries else "–"
+
+        line = (f"**prefix hit rate** {rate(self.pool_hits, self.pool_queries)} of "
+                f"{self.pool_queries} prompt tokens since the pool was built")
+        if (self.pool_hits, self.pool_queries) != (self.total_hits, self.total_queries):
+            line += (f" ({rate(self.total_hits, self.total_queries)} of "
+                     f"{self.total_queries} since the engine started, as /metrics' "
+                     "prefix_cache_hits / prefix_cache_queries count)")
+        return line
+
+
+def stats_markdown(stats: LatencyStats, hit_rates: HitRates | None,
                    num_preemptions: int | None, rate: tuple[str, float]) -> str:
     """The percentile table and one line of totals; `rate` is (its label, tokens/s)."""
     def row(name: str, values: list[float]) -> str:
@@ -239,10 +271,11 @@ def stats_markdown(stats: LatencyStats, hit_rate: float | None,
     lines = ["| metric | p50 | p90 | p99 |", "|---|---|---|---|",
              row("time to first token", stats.ttft), row("inter-token latency", stats.itl),
              "", f"**output tokens/s** ({label}) {value:.1f}"]
-    if hit_rate is not None:
-        lines[-1] += f" · **prefix hit rate** {hit_rate:.0%}"
+    if hit_rates is not None:
+        lines[-1] += f" · {hit_rates.describe()}"
     if num_preemptions is not None:
-        lines[-1] += f" · **preemptions** {num_preemptions}"
+        lines[-1] += f" · **preemptions** {num_preemptions}" + (
+            " since the pool was built" if hit_rates is not None else "")
     return "\n".join(lines)
 
 
@@ -304,8 +337,10 @@ def pool_series(records: Sequence[StepRecord],
         xs, ys = _thinned(*_with_breaks(samples or times, values, gap_s,
                                         None if samples else starts))
         # Markers too: a lone sample between two breaks would draw nothing as a line.
-        return {"type": "scatter", "mode": "lines+markers", "line": {"shape": "hv"},
-                "marker": {"size": 3}, "x": xs, "y": ys, "name": name, "yaxis": axis,
+        return {"type": "scatter", "mode": "lines+markers",
+                "line": {"shape": "hv", "color": SERIES_COLORS[name]},
+                "marker": {"size": 3, "color": SERIES_COLORS[name]}, "x": xs, "y": ys,
+                "name": name, "yaxis": axis,
                 "connectgaps": False}
 
     blocks = [round(100 * r.num_used_blocks / max(r.num_used_blocks + r.num_cached_blocks
@@ -330,9 +365,12 @@ def pool_series(records: Sequence[StepRecord],
     titles = [("KV cache usage %", 1.0), ("sequences", 0.64),
               ("output tokens/s (left) · preemptions per step (right, ▼)", 0.28)]
     return {"data": data, "layout": {
-        "height": 520, "margin": {"l": 50, "r": 50, "t": 40, "b": 40}, "uirevision": "keep",
+        "height": 560, "margin": {"l": 50, "r": 50, "t": 40, "b": 110}, "uirevision": "keep",
         "xaxis": _date_axis(window, anchor="y3"),
-        "yaxis": {"domain": [0.72, 1.0], "range": [0, 100]},
+        # From 0 up to what was reached: a chat's few blocks of a large pool are a line
+        # one can read, not flat against a fixed 0-100. (Plotly's autorangeoptions'
+        # maxallowed pinned the axis at its maximum, so the range is left to autorange.)
+        "yaxis": {"domain": [0.72, 1.0], "rangemode": "tozero"},
         "yaxis2": {"domain": [0.36, 0.64], "rangemode": "tozero"},
         "yaxis3": {"domain": [0.0, 0.28], "rangemode": "tozero"},
         "yaxis4": {"overlaying": "y3", "side": "right", "rangemode": "tozero",
@@ -341,7 +379,8 @@ def pool_series(records: Sequence[StepRecord],
         "annotations": [{"text": text, "x": 0, "y": y, "xref": "paper", "yref": "paper",
                          "xanchor": "left", "yanchor": "bottom", "showarrow": False}
                         for text, y in titles],
-        "legend": {"orientation": "h", "y": -0.12}}}
+        # Below the time axis' title, not over it.
+        "legend": {"orientation": "h", "y": -0.2, "yanchor": "top"}}}
 
 
 def _throughput(records: Sequence[StepRecord]) -> tuple[list[float], list[float]]:

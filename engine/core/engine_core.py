@@ -3,6 +3,7 @@
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -177,12 +178,19 @@ class EngineCore:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def step(self) -> StepResult:
+    def step(self, on_scheduled: Callable[[SchedulerOutput], None] | None = None
+             ) -> StepResult:
+        """One step. `on_scheduled` sees the plan after the scheduler admitted sequences and
+        gave them blocks, before the model runs: a served engine publishes the pool then,
+        so a long prefill reads as running, its blocks filling chunk by chunk, while the
+        step computes (not as waiting until the step ends)."""
         start_time = time.time()
         totals_before = self.kv_cache.stat_totals()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
+        if on_scheduled is not None:
+            on_scheduled(plan)
         for item in plan.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = start_time

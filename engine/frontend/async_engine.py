@@ -16,6 +16,8 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.core.kv_events import AllBlocksCleared, KVEventSink
+from kvscope.engine.core.request import ChunkKind
+from kvscope.engine.core.scheduler_output import SchedulerOutput
 from kvscope.engine.frontend import heap
 from kvscope.engine.frontend.chat import render_chat
 from kvscope.engine.frontend.engine_thread import EngineThread
@@ -452,7 +454,7 @@ class AsyncEngine(ChatSubmit):
     def _step(self) -> None:
         core = self._core
         try:
-            result = core.step()
+            result = core.step(on_scheduled=self._publish_prefill)
         except Exception as error:  # noqa: BLE001 -- the failure goes to the step's requests
             self._fail_step(error)
             self._publish_pool_delta()
@@ -467,6 +469,13 @@ class AsyncEngine(ChatSubmit):
 
     def _publish_pool_delta(self) -> None:
         self._pool_feed.publish(self._recorder.take_delta())
+
+    def _publish_prefill(self, plan: SchedulerOutput) -> None:
+        """Before a step that prefills runs: readers (dashboard, /metrics) see the
+        admitted prompt running with this chunk's blocks while the step computes, which
+        for a long prompt is seconds. Decode-only steps publish once, after the step."""
+        if any(item.kind is ChunkKind.PREFILL for item in plan.scheduled):
+            self._publish_pool_delta()
 
     def _send_pool_slices(self) -> None:
         """One slice of each pending snapshot, so no turn of the loop pauses for long."""

@@ -166,12 +166,11 @@ class EngineMetrics:
         gauges = {name: GaugeMetricFamily(name, doc, labels=labels_of(name))
                   for name, doc in GAUGES}
         for replica, pool in self._mirrors:
-            running = {seq.request_id for seq in pool.sequences if seq.status == "running"}
-            waiting = {seq.request_id for seq in pool.sequences} - running
+            running, waiting = pool.request_counts()
             used_blocks = pool.count("used") + pool.count("shared")
             labels = [self.model_name, str(replica)]
-            gauges["vllm:num_requests_running"].add_metric(labels, len(running))
-            gauges["vllm:num_requests_waiting"].add_metric(labels, len(waiting))
+            gauges["vllm:num_requests_running"].add_metric(labels, running)
+            gauges["vllm:num_requests_waiting"].add_metric(labels, waiting)
             gauges["vllm:kv_cache_usage_perc"].add_metric(labels, used_blocks / pool.num_blocks)
             gauges["kvscope:kv_cache_token_usage_perc"].add_metric(
                 labels, pool.num_used_tokens / (pool.num_blocks * pool.block_size))

@@ -227,6 +227,13 @@ class PoolMirror:
     def count(self, state: str) -> int:
         return self.counts()[state]
 
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests, as /metrics' num_requests_* count them: a request
+        runs while any of its sequences does (num_running/num_waiting count sequences,
+        and a request with n samples has n of them)."""
+        running = {seq.request_id for seq in self.live.values() if seq.status == "running"}
+        return len(running), len({seq.request_id for seq in self.live.values()} - running)
+
     def state_codes(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """0 free, 1 cached (free, still holding a hash), 2 used, 3 shared, per block."""
         refs = self.ref_counts[start:stop]
@@ -371,15 +378,6 @@ class PoolReader:
     def _resync(self) -> None:
         self.mirror.awaiting_base = True
         self.engine.resync_pool(self.records)
-
-    def focus(self, replica: int) -> None:
-        """Follow another replica's pool; the same mirror, so its versions keep counting
-        up and every reader sees the change."""
-        with self._lock:
-            old, self.records = self.records, self.engine.subscribe_pool(replica=replica)
-            old.close()
-            self.replica, self._dropped = replica, 0
-            self.mirror.awaiting_base = True
 
     def close(self) -> None:
         self.records.close()

@@ -1,0 +1,69 @@
+"""The event log beside the live panels: one line per notable event, in plain words,
+newest first, read from the engine's step records (and the pool's eviction counter)."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvscope.engine.telemetry.records import StepRecord
+
+MAX_EVENTS = 30
+
+
+@dataclass(frozen=True, slots=True)
+class Evictions:
+    """Cached blocks the pool evicted between two refreshes, seen by the step after them."""
+
+    step: int
+    num_blocks: int
+
+
+def _step_events(record: StepRecord) -> list[str]:
+    """What one step did that a newcomer should notice, in the order it happened."""
+    lines = []
+    step = f"step {record.step}:"
+    for request_id, seq_id, kind, start, end in record.chunks:
+        if kind == "prefill" and start == 0:
+            lines.append(f"{step} admitted {seq_id}: prefilling tokens 0–{end}")
+        elif kind == "prefill":
+            lines.append(f"{step} {seq_id} prefilled its next chunk, tokens {start}–{end} "
+                         "(chunked prefill)")
+    if record.prefix_cache_hits:
+        lines.append(f"{step} the prefix cache supplied {record.prefix_cache_hits} of "
+                     f"{record.prefix_cache_queries} prompt tokens looked up: their blocks "
+                     "are shared, not recomputed")
+    for seq_id in record.preempted:
+        lines.append(f"{step} preempted {seq_id} (the latest arrival of the least important "
+                     "running sequences): the running ones needed a block and "
+                     f"{record.num_free_blocks} were free; it gives its blocks back and is "
+                     "recomputed later")
+    for seq_id in record.swapped_out:
+        lines.append(f"{step} swapped {seq_id} out to CPU memory to free its device blocks")
+    for seq_id in record.swapped_in:
+        lines.append(f"{step} swapped {seq_id} back in")
+    for request_id in record.finished:
+        lines.append(f"{step} {request_id} finished: its blocks are freed, the full ones "
+                     "stay cached for a later prefix hit")
+    return lines
+
+
+def event_lines(records: Sequence[StepRecord], evictions: Sequence[Evictions] = (),
+                limit: int = MAX_EVENTS) -> list[str]:
+    """The newest `limit` events, newest first."""
+    evicted = {event.step: event.num_blocks for event in evictions}
+    lines: list[str] = []
+    for record in reversed(records):
+        if record.step in evicted:
+            lines.append(f"step {record.step}: evicted {evicted[record.step]} cached blocks, "
+                         "least recently used first, to make room")
+        lines.extend(reversed(_step_events(record)))
+        if len(lines) >= limit:
+            break
+    return lines[:limit]
+
+
+def events_markdown(records: Sequence[StepRecord], evictions: Sequence[Evictions] = ()) -> str:
+    lines = event_lines(records, evictions)
+    if not lines:
+        return "**Events** · none yet: admissions, prefix hits, preemptions and evictions " \
+               "appear here as they happen."
+    return "**Events** (newest first)\n\n" + "\n".join(f"- {line}" for line in lines)
