@@ -194,7 +194,7 @@ class KVCacheManager:
         keep = self.blocks_needed(num_tokens)
         if keep >= len(seq.block_table):
             return
-        self.pool.release(self.pool.blocks[i] for i in reversed(seq.block_table[keep:]))
+        self.pool.release(reversed(self.held_blocks(seq.block_table[keep:])))
         del seq.block_table[keep:]
         self.emit(BlockTableChanged(seq, keep))
 
