@@ -192,12 +192,15 @@ def _tiny_config(arch: str):
                              tie_word_embeddings=True, **common)
     if arch == "phi3":  # fused qkv / gate_up, partial rotary, LongRoPE (its short factors
         # here: transformers takes the long ones only past original_max_position_embeddings)
+        # with an attention factor scaling cos and sin
         return Phi3Config(intermediate_size=128, num_key_value_heads=2,
-                          tie_word_embeddings=False, **common, **phi3_rope(common))
+                          tie_word_embeddings=False, **common,
+                          **phi3_rope(common, attention_factor=1.25))
     raise ValueError(arch)
 
 
-def phi3_rope(common: dict, original_max_position_embeddings: int | None = None) -> dict:
+def phi3_rope(common: dict, original_max_position_embeddings: int | None = None,
+              **rope_parameters) -> dict:
     """Phi-4-mini's rotary layout at tiny size: 3/4 of each head rotated, LongRoPE with
     distinct short and long factors per rotated pair."""
     partial = 0.75
@@ -208,7 +211,8 @@ def phi3_rope(common: dict, original_max_position_embeddings: int | None = None)
                              "partial_rotary_factor": partial,
                              "short_factor": [1.0 + 0.25 * i for i in range(pairs)],
                              "long_factor": [2.0 + 0.5 * i for i in range(pairs)],
-                             "original_max_position_embeddings": original}}
+                             "original_max_position_embeddings": original,
+                             **rope_parameters}}
 
 
 def save_tiny_model(arch: str, folder: Path) -> TinyModel:

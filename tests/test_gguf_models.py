@@ -50,6 +50,7 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32) -
         writer.add_tensor("rope_freqs.weight", (default / scaled).numpy())
     if rotary.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(rotary["original_max_position_embeddings"])
+        writer.add_rope_scaling_attn_factors(ROPE_INIT_FUNCTIONS["longrope"](config)[1])
         for which in ("long", "short"):
             writer.add_tensor(f"rope_factors_{which}.weight",
                               np.array(rotary[f"{which}_factor"], dtype=np.float32))

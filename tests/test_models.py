@@ -4,8 +4,9 @@ refusals (architecture, MoE, vision, rope type) that name what is not supported.
 import pytest
 import torch
 from conftest import TINY_MAX_POSITIONS, TINY_VOCAB_SIZE, phi3_rope
-from transformers import LlamaConfig, LlavaConfig, Phi3Config, Qwen3MoeConfig
+from transformers import LlamaConfig, LlavaConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
@@ -100,3 +101,20 @@ def test_a_llama_family_config_the_layers_cannot_run_is_refused_naming_it(change
     config = LlamaConfig(**SMALL, **change)
     with pytest.raises(ValueError, match=f"{named} is not supported; supported: "):
         LlamaForCausalLM(config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+], ids=lambda scaling: scaling["rope_type"])
+def test_the_rotary_table_equals_transformers_for_each_static_rope_type(rope_scaling):
+    """Qwen3 with YaRN (its long-context setting), Llama 3.x's llama3, linear."""
+    config = Qwen3Config(**SMALL, head_dim=32, rope_scaling={"rope_theta": 1e6, **rope_scaling})
+    table = RotaryTable(config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)
+    with torch.inference_mode():
+        cos, sin = Qwen3RotaryEmbedding(config)(torch.empty(0, dtype=torch.float32),
+                                               torch.arange(TINY_MAX_POSITIONS).unsqueeze(0))
+    torch.testing.assert_close(table.cos, cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(table.sin, sin[0], rtol=0, atol=1e-6)

@@ -98,6 +98,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
             rotary.update(rope_type="longrope", original_max_position_embeddings=original,
                           long_factor=factors["rope_factors_long.weight"],
                           short_factor=factors["rope_factors_short.weight"])
+            if field("rope.scaling.attn_factor") is not None:  # cos and sin's scale
+                rotary["attention_factor"] = field("rope.scaling.attn_factor")
             config.original_max_position_embeddings = original
         config.rope_parameters = rotary
     return config
