@@ -199,3 +199,18 @@ def test_low_acceptance_pauses_proposals_and_large_batches_propose_nothing(make_
     assert adaptive_proposed < 0.9 * proposed
     assert adaptive_accepted / adaptive_proposed > accepted / proposed
     assert proposed > 0 and drafted(capped) == (0, 0)  # four ran together throughout
+
+
+def test_the_dashboard_panel_shows_each_steps_accepted_and_rejected_tokens(make_engine,
+                                                                           run_engine):
+    from kvscope.ui.spec_decode import spec_decode_panel
+
+    run = run_engine(make_engine("llama", block_size=4, speculative_config=NGRAM),
+                     PROMPTS[:2], GREEDY)
+    figure = spec_decode_panel(run.records)
+    traces = {trace["name"]: trace for trace in figure["data"]}
+    proposed, accepted = drafted(run)
+    assert sum(traces["accepted"]["y"]) == accepted
+    assert sum(traces["rejected"]["y"]) == proposed - accepted
+    assert all(0 <= rate <= 1 for rate in traces["acceptance rate"]["y"])
+    assert spec_decode_panel(run.records[:1])["data"] != figure["data"]  # prefill only

@@ -130,9 +130,10 @@ def _live_tab(engine: EngineView, session_log) -> dict:
     with gr.Row():
         series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series")
         comparison = gr.Plot(label="Paged against contiguous", elem_id="kv-comparison")
+    spec_plot = gr.Plot(label="Speculative decoding", elem_id="kv-spec-decode")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
-            "comparison": comparison,
+            "comparison": comparison, "spec_decode": spec_plot,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
                               table_page, table_filter]}
 
