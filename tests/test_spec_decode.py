@@ -177,3 +177,40 @@ def test_bfloat16_verification_rows_compute_what_decodes_compute(tiny_model, run
                     PROMPTS, GREEDY)
     assert token_ids(on) == token_ids(off)
     assert drafted(on)[1] > 0
+
+
+def test_low_acceptance_pauses_proposals_and_large_batches_propose_nothing(make_engine,
+                                                                          run_engine):
+    """A sequence whose recent proposals were accepted less than min_acceptance_rate sits
+    out a pause: it verifies fewer proposals, a larger share of them accepted. With more
+    sequences running than disable_by_batch_size, nobody proposes."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 256) for _ in range(40)] for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    eager = run_engine(make_engine("llama", speculative_config=NGRAM), prompts, params)
+    adaptive = run_engine(make_engine("llama", speculative_config={
+        **NGRAM, "min_acceptance_rate": 0.9}), prompts, params)
+    capped = run_engine(make_engine("llama", speculative_config={
+        **NGRAM, "disable_by_batch_size": 3}), prompts, params)
+
+    assert token_ids(adaptive) == token_ids(eager) == token_ids(capped)
+    proposed, accepted = drafted(eager)
+    adaptive_proposed, adaptive_accepted = drafted(adaptive)
+    assert adaptive_proposed < 0.9 * proposed
+    assert adaptive_accepted / adaptive_proposed > accepted / proposed
+    assert proposed > 0 and drafted(capped) == (0, 0)  # four ran together throughout
+
+
+def test_the_dashboard_panel_shows_each_steps_accepted_and_rejected_tokens(make_engine,
+                                                                           run_engine):
+    from kvscope.ui.spec_decode import spec_decode_panel
+
+    run = run_engine(make_engine("llama", block_size=4, speculative_config=NGRAM),
+                     PROMPTS[:2], GREEDY)
+    figure = spec_decode_panel(run.records)
+    traces = {trace["name"]: trace for trace in figure["data"]}
+    proposed, accepted = drafted(run)
+    assert sum(traces["accepted"]["y"]) == accepted
+    assert sum(traces["rejected"]["y"]) == proposed - accepted
+    assert all(0 <= rate <= 1 for rate in traces["acceptance rate"]["y"])
+    assert spec_decode_panel(run.records[:1])["data"] != figure["data"]  # prefill only

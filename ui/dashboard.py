@@ -160,12 +160,14 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
                             elem_classes=PANEL_CLASS)
     series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series",
                      elem_classes=PANEL_CLASS)
+    spec_plot = gr.Plot(label="Speculative decoding", elem_id="kv-spec-decode",
+                        elem_classes=PANEL_CLASS)
     view_fields = [heatmap_start, heatmap_stop, table_page]
     gr.on([field.change for field in view_fields], panels.check_view_fields, view_fields,
           view_fields, show_progress="hidden", api_name="check_view_fields")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
-            "comparison": comparison, "events": events,
+            "comparison": comparison, "events": events, "spec_decode": spec_plot,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
                               table_page, table_filter, replica, follow]}
 
