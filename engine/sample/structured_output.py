@@ -125,19 +125,23 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self.states: dict[Sequence, GrammarState] = {}
+        # Per sequence waiting for its start_after tokens: how much output was searched.
+        self.searched: dict[Sequence, int] = {}
         # Fills the rows' masks on a pool of native threads, outside the GIL.
         self.executor = llguidance.LLExecutor()
 
     def apply_bitmask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """-inf on every token a constrained row's grammar forbids (in place)."""
-        rows = [i for i, seq in enumerate(seqs)
-                if _grammar(seq) is not None and self._start(seq) is not None]
+        starts = {i: self._start(seq) for i, seq in enumerate(seqs)
+                  if _grammar(seq) is not None}
+        rows = [i for i, start in starts.items() if start is not None]
         if not rows:
             return
         vocab_size = logits.shape[1]
         bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-        fill_next_token_bitmask_par(self.executor, [(self._state(seqs[row]).matcher, index)
-                                                    for index, row in enumerate(rows)], bitmask)
+        matchers = [(self._state(seqs[row], starts[row]).matcher, index)
+                    for index, row in enumerate(rows)]
+        fill_next_token_bitmask_par(self.executor, matchers, bitmask)
         byte_ids = bitmask.view(torch.uint8).to(device=logits.device, dtype=torch.long)
         bias = embedding(byte_ids, BYTE_BIAS.to(logits.device)).view(len(rows), -1)
         if len(rows) == logits.shape[0]:
@@ -163,6 +167,8 @@ class StructuredOutputs:
     def release_finished(self) -> None:
         for seq in [seq for seq in self.states if seq.is_finished]:
             del self.states[seq]
+        for seq in [seq for seq in self.searched if seq.is_finished]:
+            del self.searched[seq]
 
     def _start(self, seq: Sequence) -> int | None:
         """Where the sequence's grammar starts in its output: 0, or just after the first
@@ -171,16 +177,20 @@ class StructuredOutputs:
         if not marker:
             return 0
         state = self.states.get(seq)
-        if state is not None and state.num_consumed + state.start == seq.num_output_tokens:
+        if state is not None:  # a sequence's output only grows: the marker stays put
             return state.start
+        # Each step looks only at what it has not searched yet (a long reasoning must not
+        # cost a scan of all its tokens per step).
         output, width = seq.output_token_ids, len(marker)
-        return next((end for end in range(width, len(output) + 1)
-                     if tuple(output[end - width:end]) == marker), None)
+        searched = min(self.searched.get(seq, 0), len(output))
+        found = next((end for end in range(max(width, searched + 1), len(output) + 1)
+                      if tuple(output[end - width:end]) == marker), None)
+        self.searched[seq] = len(output)
+        return found
 
-    def _state(self, seq: Sequence) -> GrammarState:
+    def _state(self, seq: Sequence, start: int) -> GrammarState:
         state = self.states.get(seq)
         if state is None or state.start + state.num_consumed != seq.num_output_tokens:
-            start = self._start(seq)
             matcher = llguidance.LLMatcher(self.compiler.tokenizer, _grammar(seq))
             output = seq.output_token_ids[start:]
             if output and not matcher.consume_tokens(output):
