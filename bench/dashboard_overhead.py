@@ -39,7 +39,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
-TARGET_COST = 0.10
+# What one open tab may cost (issue 36): single-stream decode 5 %, batched throughput 3 %.
+TARGET_COST = {"single_decode_tok_s": 0.05, "batched_tok_s": 0.03}
 
 
 def stream_decode_rate(url: str, max_tokens: int) -> float:
@@ -186,7 +187,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             for key in ("single_decode_tok_s", "batched_tok_s")}
     return {"median": medians, "cost_of_one_tab": cost,
             "target_cost": TARGET_COST,
-            "target_met": all(value <= TARGET_COST for value in cost.values())}
+            "target_met": all(cost[name] <= limit for name, limit in TARGET_COST.items())}
 
 
 def main() -> None:

@@ -513,7 +513,11 @@ def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
         other.abort()
     heatmap = json.loads(panels[1]["plot"])
     outline = [trace for trace in heatmap["data"] if trace.get("name") == request_id]
-    assert len(outline) == 1 and len(outline[0]["x"]) >= len(held) - 2  # a step may pass
+    assert len(outline) == 1 and outline[0]["x"]
+    codes = heatmap_state_codes(heatmap)  # the same figure: every outlined cell is held
+    assert all(codes[row // 64, column] >= 2
+               for row, column in zip(outline[0]["y"], outline[0]["x"], strict=True))
+    assert len(outline[0]["x"]) <= len(held)  # the request's, not every used block
     assert f"following {request_id}" in heatmap["layout"]["title"]["text"]
     tables = json.loads(panels[2]["plot"])["data"][0]
     assert tables["y"][0].startswith(f"▶ {request_id}") and not tables["y"][1].startswith("▶")

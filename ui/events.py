@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from kvscope.engine.telemetry.records import StepRecord
 
 MAX_EVENTS = 30
+# Decode-only steps have no events: the log looks this far back at most, so a long quiet
+# stretch costs a refresh little.
+MAX_SCANNED_STEPS = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,7 @@ def event_lines(records: Sequence[StepRecord], evictions: Sequence[Evictions] = 
     """The newest `limit` events, newest first."""
     evicted = {event.step: event.num_blocks for event in evictions}
     lines: list[str] = []
-    for record in reversed(records):
+    for record in reversed(records[-MAX_SCANNED_STEPS:]):
         if record.step in evicted:
             lines.append(f"step {record.step}: evicted {evicted[record.step]} cached blocks, "
                          "least recently used first, to make room")

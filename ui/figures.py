@@ -135,10 +135,11 @@ def heatmap_range(pool: PoolMirror, view: str = "whole pool", start: int | None 
 
 def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "whole pool",
                  start: int | None = None, stop: int | None = None,
-                 follow: str = "") -> Figure:
+                 follow: str = "", as_of: int | None = None) -> Figure:
     """The blocks of a view as a rows x 64 grid: one cell per block when the view holds at
     most MAX_CELLS blocks (with hover detail), else one cell per block range. The blocks
-    of the followed request (`follow`, a request id) are outlined."""
+    of the followed request (`follow`, a request id) are outlined; `as_of` is the step the
+    picture is of (default: the pool's latest)."""
     start, stop = heatmap_range(pool, view, start, stop)
     counts = pool.counts()
     cell = -(-(stop - start) // MAX_CELLS)
@@ -159,7 +160,8 @@ def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "who
     # Short lines: Plotly does not wrap a title, and a long one is cut at both ends.
     title = (f"Block pool: {pool.num_blocks} blocks x {pool.block_size} tokens<br>"
              + " · ".join(f"{state} {count}" for state, count in counts.items())
-             + following + f"<br><sup>{shown}: {detail} · as of step {pool.step}</sup>")
+             + following + f"<br><sup>{shown}: {detail} · as of step "
+             f"{pool.step if as_of is None else as_of}</sup>")
     num_rows = -(-(stop - start) // (cell * HEATMAP_COLUMNS))
     return _figure(traces, title, height=220 + 14 * min(num_rows, 64), right=90, **axes)
 

@@ -29,6 +29,7 @@ class LiveState:
     replica: int  # the engine replica shown (0 for a single engine)
     counters: EngineCounters  # that replica's totals since the engine started (/metrics')
     evictions: tuple[Evictions, ...]  # cached blocks evicted, by the step that saw them
+    blocks_step: int  # the step after which the pool's blocks last changed
 
     @property
     def busy(self) -> bool:
@@ -51,6 +52,7 @@ class LiveFeed:
         self._arrivals: dict[str, float] = {}
         self._evictions: deque[Evictions] = deque(maxlen=HISTORY_SAMPLES)
         self._evicted = (None, 0)  # (pool epoch, its eviction count at the last refresh)
+        self._blocks_seen = (None, 0)  # ((epoch, blocks version), the step then)
         self._lock = threading.Lock()
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
@@ -75,10 +77,15 @@ class LiveFeed:
             oldest = self._records[0].start_time if self._records else now
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
             self._count_evictions(snapshot)
+            # The heatmap names the step its picture is of; this step moves only when the
+            # blocks do, so an unchanged picture is still neither resent nor redrawn.
+            version = (snapshot.epoch, snapshot.blocks_version)
+            if version != self._blocks_seen[0]:
+                self._blocks_seen = (version, snapshot.step)
             counters = self.engine.replica_statuses()[replica].counters
             return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
                              dict(self._arrivals), now, replica, counters,
-                             tuple(self._evictions))
+                             tuple(self._evictions), self._blocks_seen[1])
 
     def _count_evictions(self, snapshot: PoolMirror) -> None:
         """The pool counts evictions since it was built; the event log wants them per step."""

@@ -164,7 +164,7 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
         return summary_markdown(snapshot, state.replica, num_replicas)
     if name == "heatmap":
         return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
-                                    views.heatmap_stop, views.follow)
+                                    views.heatmap_stop, views.follow, state.blocks_step)
     if name == "block_tables":
         if not holders:
             return placeholder("Block tables", "No sequence holds blocks right now.")
