@@ -113,7 +113,13 @@ def test_an_engine_with_a_full_attention_layer_keeps_every_block(make_engine):
 
 def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
     from kvscope.engine.telemetry.pool_recorder import mirror_of
-    from kvscope.ui.figures import block_table_map, compare_memory, paged_vs_contiguous
+    from kvscope.ui.figures import (
+        _shown_columns,
+        block_table_map,
+        compare_memory,
+        paged_vs_contiguous,
+        table_columns,
+    )
 
     engine = make_engine("mistral-window", block_size=2)
     engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
@@ -129,10 +135,12 @@ def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
     line = figure["layout"]["shapes"][-1]
     assert line["x0"] == comparison.full_attention_reserved_tokens
     assert "full attention would hold" in figure["layout"]["annotations"][-1]["text"]
-    # the block table draws the released entries blank, labelled "freed"
-    table = block_table_map(mirror)
-    assert table["data"][0]["text"][0][:seq.num_released_blocks] == (
-        ["freed"] * seq.num_released_blocks)
+    # the block table draws the released entries blank, labelled "freed" (of the columns
+    # a long table shows: its first and last ones)
+    row = block_table_map(mirror)["data"][0]["text"][0]
+    shown = _shown_columns(len(seq.block_table), table_columns(mirror.num_blocks))
+    assert [text == "freed" for text in row[:len(shown)]] == (
+        [index < seq.num_released_blocks for index in shown])
     while engine.has_unfinished_requests():
         engine.step()
 
