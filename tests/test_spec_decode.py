@@ -163,8 +163,9 @@ def test_structured_output_masks_apply_to_verified_positions(
 
 def test_bfloat16_verification_rows_compute_what_decodes_compute(tiny_model, run_engine):
     """In bf16 a GEMM rounds differently by batch shape; the few rows of a verification
-    chunk go through the streaming kernel like a decode's one row, so greedy output stays
-    equal token for token."""
+    chunk go through the streaming kernel like a decode's one row (on this tiny model
+    greedy output stays equal; on a real one the attention's multi-query path can still
+    round a near-tie the other way: bench/speculative.py)."""
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.core.engine_core import EngineCore
     from kvscope.engine.worker.model_runner import ModelRunner
