@@ -66,8 +66,8 @@ def test_compare_runs_simulated_configs_on_a_recorded_session(served, tmp_path) 
         api_name="/compare_runs")
     assert status.startswith("2 simulated runs of 6 requests")
     rows = table["data"]
-    assert [row[0] for row in rows] == ["as recorded (simulated)",
-                                        "block_size=8, num_gpu_blocks_override=32 (simulated)"]
+    assert [row[0] for row in rows] == [
+        "1: base config (simulated)", "2: block_size=8, num_gpu_blocks_override=32 (simulated)"]
     peak = TABLE_COLUMNS.index("peak_kv_usage")
     assert 0 < rows[0][peak] < rows[1][peak]  # the same tokens on a third of the pool
     assert "Plotly.newPlot" in Path(report).read_text()

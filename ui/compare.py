@@ -133,12 +133,16 @@ def compare_runs(engine: EngineView, session_log, source: str, session_id, trace
     folder = Path(tempfile.mkdtemp(prefix="kvscope-compare-"))
     write_report(results, folder, f"kvscope replay of {workload.name}")
     figures = comparison_figures(results)
-    rows = [[f"{s['label']} ({s['mode']})", *(s[c] for c in TABLE_COLUMNS[1:])]
-            for s in summaries(results)]
+    rows = [[f"{index + 1}: {s['label']} ({s['mode']})", *(_short(s[c]) for c in TABLE_COLUMNS[1:])]
+            for index, s in enumerate(summaries(results))]
     status = (f"{len(results)} {mode} runs of {len(workload.requests)} requests "
               f"({workload.name})")
     return (status, rows, *(to_plot(f) for f in figures.values()),
             str(folder / "report.html"))
+
+
+def _short(value):
+    return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
 def _replay_session(engine: EngineView, session_log, source, session_id, trace_path, mode):

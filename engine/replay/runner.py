@@ -148,7 +148,8 @@ def base_config(workload: Workload, **knobs) -> EngineConfig:
 
 
 def run_label(changes: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in changes.items()) or "as recorded"
+    """The knobs a run changed; "base config": the recorded session's, or the defaults."""
+    return ", ".join(f"{k}={v}" for k, v in changes.items()) or "base config"
 
 
 class ReplaySession:
