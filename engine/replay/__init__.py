@@ -10,4 +10,5 @@ simulated_runner.py the executor that stands in for ModelRunner: no weights, no 
 runner.py          one replay loop for both modes; a run per config
 metrics.py         a run's timings and series, summarized (the --json keys)
 report.py          JSON, CSV and a self-contained HTML report of runs side by side
+cli.py             `kvscope replay` (kvscope/cli.py dispatches to it)
 """
