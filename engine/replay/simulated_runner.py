@@ -18,6 +18,7 @@ from kvscope.engine.worker.loader import (
 )
 from kvscope.engine.worker.memory import MemoryPlan, plan_blocks
 from kvscope.engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from kvscope.engine.worker.models.attention import layer_windows, shared_window
 
 
 class SimulatedRunner:
@@ -34,6 +35,8 @@ class SimulatedRunner:
         self.tokenizer = load_tokenizer(self.model_path)
         self.generation_config = load_generation_config(self.model_path, self.hf_config)
         self.max_positions = self.hf_config.max_position_embeddings
+        # Blocks leave a shared window as they do live (the manager frees them).
+        self.sliding_window = shared_window(layer_windows(self.hf_config))
         self.device = resolve_device("cpu")
         self.dtype = resolve_dtype(config.dtype, resolve_device(config.device))
         self.sizing = sizing

@@ -25,6 +25,7 @@ class StepExecutor(Protocol):
     generation_config: object
     device: torch.device
     max_positions: int
+    sliding_window: int | None  # the window every layer shares: blocks leave it
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan: ...
 

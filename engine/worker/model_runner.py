@@ -21,7 +21,7 @@ from kvscope.engine.worker.loader import (
 )
 from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
 from kvscope.engine.worker.models import language_model_config, model_class
-from kvscope.engine.worker.models.attention import AttentionMetadata
+from kvscope.engine.worker.models.attention import AttentionMetadata, shared_window
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.quantized import QuantizedLinear, pack_model, quantize_model
 from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
@@ -151,10 +151,8 @@ class ModelRunner:
 
     @property
     def sliding_window(self) -> int | None:
-        """The window every attention layer shares, or None: one full-attention layer (or
-        two windows) and every block of a sequence stays needed."""
-        windows = {layer.sliding_window for layer in self.attention_layers}
-        return windows.pop() if len(windows) == 1 else None
+        """The window every attention layer shares (the KV manager frees what leaves it)."""
+        return shared_window(layer.sliding_window for layer in self.attention_layers)
 
     def bytes_per_block(self, block_size: int) -> int:
         """K and V for block_size tokens in every layer."""

@@ -1,5 +1,6 @@
 """The attention layer every model uses: store new K/V in the paged cache, attend over it."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,13 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
     if layer_types is not None:
         return [window if kind == "sliding_attention" else None for kind in layer_types]
     return [window] * config.num_hidden_layers
+
+
+def shared_window(windows: Iterable[int | None]) -> int | None:
+    """The window every attention layer shares, or None: with one full-attention layer (or
+    two windows) every block of a sequence stays needed."""
+    distinct = set(windows)
+    return distinct.pop() if len(distinct) == 1 else None
 
 
 class PagedAttention(UsesKernelOps):
