@@ -74,6 +74,7 @@ class EngineView(Protocol):
         """Queue a request; its outputs arrive on the returned stream."""
 
     def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    *, chat_template_kwargs: dict[str, Any] | None = None,
                     **kwargs: Any) -> RequestStream:
         """Queue a conversation, rendered with the model's chat template."""
 

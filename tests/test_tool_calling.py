@@ -288,6 +288,28 @@ def test_dashboard_chat_folds_reasoning_apart_from_the_answer():
         user, {"role": "assistant", "content": "plain"}]
 
 
+def test_dashboard_chat_thinking_toggle_reaches_the_template(tools_model_path):
+    """The chat's "thinking" checkbox is chat_template_kwargs={"enable_thinking": ...}."""
+    from kvscope.ui.chat import chat_reply, has_thinking_switch, new_conversation
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tools_model_path), dtype="float32", device="cpu", block_size=8,
+        num_gpu_blocks_override=64, max_model_len=512, max_num_batched_tokens=512)).start()
+    try:
+        assert has_thinking_switch(engine)
+        feed = engine.subscribe_requests()
+        prompts = {}
+        for thinking in (False, True):
+            for _ in chat_reply(engine, None, "hi", new_conversation(), 0.0, 1.0, 2,
+                                thinking=thinking):
+                pass
+            prompts[thinking] = feed.get(timeout=30).output.prompt
+        feed.close()
+        assert prompts[False].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert prompts[True].endswith("<|im_start|>assistant\n<think>\n")
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def offline_llm(tools_model_path):
     from kvscope import LLM

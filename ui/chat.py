@@ -34,6 +34,12 @@ def sampling_defaults(engine) -> tuple[dict, str]:
     return values, note
 
 
+def has_thinking_switch(engine: EngineView) -> bool:
+    """Whether the chat template reads `enable_thinking` (Qwen3 and templates like it);
+    other templates ignore the variable, so the toggle is shown only where it acts."""
+    return "enable_thinking" in (engine.tokenizer.chat_template or "")
+
+
 def new_conversation() -> dict:
     return {"id": uuid.uuid4().hex[:12], "messages": []}
 
@@ -93,7 +99,7 @@ STREAMING_STATUS = ("generating… (a message you send now waits in the box and 
 
 def chat_reply(engine: EngineView, session_log, message: str, conversation: dict,
                temperature: float, top_p: float, max_tokens: int,
-               repetition_penalty: float = 1.0, min_p: float = 0.0):
+               repetition_penalty: float = 1.0, min_p: float = 0.0, thinking: bool = True):
     """Yields (chatbot, conversation, textbox, status). Bad input warns and changes nothing.
     The textbox is emptied once, when the message is taken; later yields leave it alone
     (gr.skip()), so what the person types during the reply is kept."""
@@ -110,7 +116,8 @@ def chat_reply(engine: EngineView, session_log, message: str, conversation: dict
         params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
                                 max_tokens=int(max_tokens), min_p=float(min_p),
                                 repetition_penalty=float(repetition_penalty))
-        stream = engine.submit_chat(messages, params, source="chat")
+        stream = engine.submit_chat(messages, params, source="chat",
+                                    chat_template_kwargs={"enable_thinking": bool(thinking)})
         # A conversation longer than max_model_len is refused here, naming both numbers.
         stream.wait_accepted(timeout=ACCEPT_TIMEOUT_S)
     except (ValueError, TimeoutError) as error:

@@ -101,6 +101,10 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
                 repetition_penalty = gr.Slider(0.5, 2, value=defaults["repetition_penalty"],
                                                step=0.05, label="repetition penalty")
                 min_p = gr.Slider(0, 1, value=defaults["min_p"], step=0.01, label="min-p")
+                # chat_template_kwargs={"enable_thinking": ...}, as vLLM's API takes it.
+                thinking = gr.Checkbox(True, label="thinking (the template's enable_thinking)",
+                                       visible=chat.has_thinking_switch(engine),
+                                       elem_id="kv-thinking")
             new_chat = gr.Button("New chat", size="sm")
             with gr.Accordion("Guided scenarios", open=True):
                 scenario_buttons = [gr.Button(s.name, size="sm") for s in loadgen.SCENARIOS]
@@ -134,7 +138,7 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
     conversation = gr.State(chat.new_conversation)
     message.submit(partial(chat.chat_reply, engine, session_log),
                    [message, conversation, temperature, top_p, max_tokens,
-                    repetition_penalty, min_p],
+                    repetition_penalty, min_p, thinking],
                    [chatbot, conversation, message, status], concurrency_limit=None,
                    trigger_mode="always_last", api_name="chat")
     new_chat.click(lambda: ([], chat.new_conversation(), ""), None,

@@ -51,10 +51,12 @@ class ChatSubmit:
     """Chat on top of a class's own `submit` and `tokenizer` (AsyncEngine, ReplicaSet)."""
 
     def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    *, chat_template_kwargs: dict[str, Any] | None = None,
                     **kwargs: Any) -> RequestStream:
-        """Apply the model's chat template, then submit (the template holds the BOS)."""
-        return self.submit(self.render_chat(messages), params, add_special_tokens=False,
-                           **kwargs)
+        """Apply the model's chat template (with `chat_template_kwargs`, e.g. Qwen3's
+        `enable_thinking`), then submit (the template holds the BOS)."""
+        prompt = self.render_chat(messages, chat_template_kwargs=chat_template_kwargs)
+        return self.submit(prompt, params, add_special_tokens=False, **kwargs)
 
     def render_chat(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
         """The prompt text of a conversation, ending with the assistant's turn (options:
