@@ -281,3 +281,8 @@ def test_simulating_a_trace_needs_a_cost_model(tmp_path, tiny_chat_model_path, c
     (run,) = json.loads(capsys.readouterr().out)
     assert run["mode"] == "simulated" and run["num_blocks"] == 32
     assert LinearStepCost.from_json((tmp_path / "saved.json").read_text()) == STEADY_COST
+    with pytest.raises(SystemExit):  # acceptance needs real tokens: live replays only
+        main(["replay", str(trace), "--model", str(tiny_chat_model_path), "--simulate",
+              "--cost-model", str(cost), "--config", "num_gpu_blocks_override=32",
+              'speculative_config={"method": "ngram"}'])
+    assert "speculative_config: a simulated replay" in capsys.readouterr().err

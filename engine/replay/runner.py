@@ -175,6 +175,11 @@ class ReplaySession:
             if self.cost_model is None:
                 raise ValueError("cost_model: a simulated replay needs a step-cost model (a "
                                  "session log to fit one to, or a saved one)")
+            if config.speculative_config is not None:
+                # Acceptance depends on the tokens, which a simulation does not compute.
+                raise ValueError("speculative_config: a simulated replay cannot model "
+                                 "speculation (acceptance depends on real tokens); replay it "
+                                 "live")
             core = EngineCore(config, runner=self._simulator(config))
             clock = SimulatedClock(self.cost_model)
         return replay_workload(core, self.workload, clock, speed=speed,
