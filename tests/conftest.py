@@ -374,6 +374,33 @@ def wait_until(condition: Callable[[], object], timeout: float = 10.0,
         time.sleep(0.02)
 
 
+def free_port() -> int:
+    """A loopback port free right now (for servers that take a port, not a socket)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# Debian's Chromium, driven by Playwright (browser downloads are blocked here).
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for a module's browser tests (each opens its own pages)."""
+    if not CHROMIUM.exists():
+        pytest.skip("Debian chromium is not installed")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
 def serve(app, **uvicorn_options) -> tuple[str, uvicorn.Server, threading.Thread]:
     """Run `app` on a free loopback port in a background thread (stop: `should_exit`)."""
     sock = socket.socket()

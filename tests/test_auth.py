@@ -20,7 +20,7 @@ import gradio as gr
 import httpx
 import openai
 import pytest
-from conftest import serve
+from conftest import CHROMIUM, CHROMIUM_ARGS, serve
 from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
 from websockets.sync.client import connect as ws_connect
@@ -35,10 +35,6 @@ from kvscope.storage import SessionLog, record_sessions
 
 API_KEY = "kvscope-test-key-7f3a9c"  # distinctive, so any leak is found by a plain search
 BEARER = {"Authorization": f"Bearer {API_KEY}"}
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
 REPO = Path(__file__).resolve().parents[1]
 # Every named endpoint of the dashboard, with arguments that would change or reveal state.
 GRADIO_CALLS = {

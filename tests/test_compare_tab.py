@@ -4,8 +4,9 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import CHROMIUM, CHROMIUM_ARGS, free_port
 from gradio_client import Client
-from test_dashboard import CHROMIUM, CHROMIUM_ARGS, free_port, open_page
+from test_dashboard import open_page
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine

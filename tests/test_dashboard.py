@@ -2,13 +2,12 @@
 
 import json
 import os
-import socket
 import sqlite3
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import heatmap_state_codes
+from conftest import free_port, heatmap_state_codes
 from gradio_client import Client
 
 from kvscope.engine.config import EngineConfig
@@ -17,17 +16,7 @@ from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui import build_ui, page_options
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
 NUM_BLOCKS = 96
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +44,6 @@ def served(tiny_chat_model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(served) -> Client:
     return Client(served[2], verbose=False)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """One headless Chromium for the module's browser tests (each opens its own pages)."""
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 def open_page(browser, url: str):

@@ -5,7 +5,8 @@ the heatmap of a pool above the one-cell-per-block limit fills its panel, and no
 import threading
 
 import pytest
-from test_dashboard import CHROMIUM, CHROMIUM_ARGS, Ticks, free_port
+from conftest import free_port
+from test_dashboard import Ticks
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
@@ -31,18 +32,6 @@ def served_large(tiny_chat_model_path):
     yield engine, f"http://127.0.0.1:{port}/"
     blocks.close()
     engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 # Every text of a panel that must stand alone: the panel's label, the chart title, the axis

@@ -2,12 +2,11 @@
 prompt's full blocks stored (hashes equal to the prefix cache's) and their eviction, and
 the replay socket serves missed batches."""
 
-import socket
 
 import msgspec
 import pytest
 import zmq
-from conftest import wait_until
+from conftest import free_port, wait_until
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
@@ -23,12 +22,6 @@ from kvscope.engine.telemetry.kv_event_wire import (
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
 TOPIC = "kv-events"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Subscriber:

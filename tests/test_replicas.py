@@ -4,7 +4,6 @@ replica restarted and one killed mid-stream, and no Ray at all for one replica."
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import serve, wait_until
+from conftest import free_port, serve, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
@@ -37,12 +36,6 @@ REPLICA_WAIT_S = 30  # what replicas report crosses Ray actors: seconds on a bus
 def config(path) -> EngineConfig:
     return EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=BLOCK_SIZE,
                         num_gpu_blocks_override=NUM_BLOCKS, max_model_len=256)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(replicas: ReplicaSet, prompt: str, params: SamplingParams = GREEDY):
