@@ -22,18 +22,9 @@ def load_session_workload(path: str | Path, session_id: int | None = None,
     again (by `model`'s tokenizer, default the recorded model's) and they sample with the
     defaults."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such session log")
-    engine = open_database(path)
-    try:
-        if session_id is None:
-            with_requests = [s["id"] for s in list_sessions(engine) if s["num_requests"]]
-            if not with_requests:
-                raise ValueError(f"{path}: no session with requests in the log")
-            session_id = with_requests[0]
-        stored = load_session(engine, session_id)
-    finally:
-        engine.dispose()
+    stored = _load_stored_session(path, session_id, "num_requests",
+                                  "no session with requests in the log")
+    session_id = stored.session["id"]
     started = stored.session["started_at"]
     config = stored.configs[0]["config"] if stored.configs else stored.session["config"]
     rows = [row for row in stored.requests
@@ -67,16 +58,21 @@ def _replay_request(row: dict, started: float, tokenizer) -> ReplayRequest:
 
 def load_logged_steps(path: str | Path, session_id: int | None = None) -> list:
     """The step records of session `session_id` (default: the latest with steps)."""
-    path = Path(path)
+    return _load_stored_session(Path(path), session_id, "num_steps",
+                                "no session with steps to fit a cost model to").steps
+
+
+def _load_stored_session(path: Path, session_id: int | None, having: str, missing: str):
+    """Session `session_id` of the log, or the latest whose `having` count is not zero."""
     if not path.is_file():
         raise ValueError(f"{path}: no such session log")
     engine = open_database(path)
     try:
         if session_id is None:
-            with_steps = [s["id"] for s in list_sessions(engine) if s["num_steps"]]
-            if not with_steps:
-                raise ValueError(f"{path}: no session with steps to fit a cost model to")
-            session_id = with_steps[0]
-        return load_session(engine, session_id).steps
+            candidates = [s["id"] for s in list_sessions(engine) if s[having]]
+            if not candidates:
+                raise ValueError(f"{path}: {missing}")
+            session_id = candidates[0]
+        return load_session(engine, session_id)
     finally:
         engine.dispose()
