@@ -129,6 +129,11 @@ def test_browser_a_draft_typed_during_a_reply_survives_and_is_sent_after_it(serv
     busy.start()
     page = open_page(browser, served[2])
     try:
+        # Greedy: the tiny model's reply runs to its length limit (a sampled one can draw
+        # EOS within a few tokens and end before the draft is typed).
+        page.locator("#kv-chat-sampling").click()
+        page.locator("#kv-temperature input[type=number]").fill("0")
+        page.locator("#kv-temperature input[type=number]").press("Enter")
         box = page.locator("#kv-message textarea")
         box.fill("first message")
         box.press("Enter")

@@ -90,11 +90,11 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
             message = gr.Textbox(placeholder="Message the model…", show_label=False,
                                  submit_btn=True, elem_id="kv-message")
             status = gr.Markdown(elem_classes="kv-status", elem_id="kv-chat-status")
-            with gr.Accordion("Sampling", open=False):
+            with gr.Accordion("Sampling", open=False, elem_id="kv-chat-sampling"):
                 defaults, source = chat.sampling_defaults(engine)
                 gr.Markdown(source, elem_id="kv-sampling-source")
                 temperature = gr.Slider(0, 2, value=defaults["temperature"], step=0.05,
-                                        label="temperature")
+                                        label="temperature", elem_id="kv-temperature")
                 top_p = gr.Slider(0.05, 1, value=defaults["top_p"], step=0.05, label="top-p")
                 max_tokens = gr.Slider(1, 1024, value=min(defaults["max_tokens"], 1024),
                                        step=1, label="max tokens")
