@@ -283,6 +283,36 @@ def test_cpu_attention_verification_rows_equal_their_decodes(cpu_kernel_ops, seq
         assert torch.equal(chunk[starts + t], decodes), f"query token {t}"
 
 
+def test_cpu_row_ops_compute_each_row_as_alone(cpu_kernel_ops):
+    """The linears (up to 5 rows: a decode or a verification of 4 proposals), logits,
+    rms_norm, rotary and silu_and_mul give each row bit for bit what it gets alone in bf16,
+    so a verification chunk's rows are its tokens' decodes."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 192, generator=generator).bfloat16()
+    weight = torch.randn(320, 192, generator=generator).bfloat16()
+    bias = torch.randn(320, generator=generator).bfloat16()
+    residual = torch.randn(5, 192, generator=generator).bfloat16()
+    cos, sin = torch.randn(2, 5, 64, generator=generator).unbind(0)
+    ops = cpu_kernel_ops
+
+    def rotated(rows, c, s):
+        rows = rows.clone()
+        ops.rotary_embedding(rows, c, s, 3, 64)
+        return rows
+
+    row_ops = {
+        "linear": lambda r: ops.linear(x[r], weight, bias),
+        "logits": lambda r: ops.logits(x[r], weight),
+        "rms_norm": lambda r: ops.rms_norm(x[r], weight[0], 1e-5, residual[r].clone()),
+        "rotary": lambda r: rotated(x[r], cos[r], sin[r]),
+        "silu_and_mul": lambda r: ops.silu_and_mul(x[r]),
+    }
+    for name, op in row_ops.items():
+        chunk = op(slice(0, 5))
+        for row in range(5):
+            assert torch.equal(chunk[row:row + 1], op(slice(row, row + 1))), (name, row)
+
+
 def test_cpu_attention_empty_batch_and_strided_query(cpu_kernel_ops):
     batch = make_batch([(5, 1)], 8, 1, 2, 64)
     empty = torch.empty(0, 2, 64)
