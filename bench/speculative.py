@@ -11,10 +11,12 @@ default model: output tokens/s, acceptance rate and tokens per verifying forward
   throughput  bench/throughput.py's default workload (random prompts, 64 requests)
 
 Every workload's greedy outputs are compared with speculation off and on
-(outputs_equal). In bfloat16 they can drift apart after a near-tie: a verification chunk's
-attention runs the C++ kernel's multi-query (prefill) path, which sums in another order
-than a single decode's split-KV path (batch composition moves decode outputs the same
-way without speculation). In float32 the tests find them equal token for token.
+(outputs_equal). On the C++ kernels each row of a verification chunk computes bit for bit
+what a decode of its token computes, so one stream's outputs are equal in bfloat16 too. A
+batch of verifications is more rows than the streaming linears take and goes through GEMM,
+which rounds by batch shape: there bfloat16 outputs can drift apart after a near-tie, as
+batch composition moves decode outputs without speculation. In float32 the tests find
+them equal token for token.
 
 Usage:
   python bench/speculative.py                      # all three

@@ -261,6 +261,58 @@ def test_cpu_attention_edge_cases(cpu_kernel_ops, seqs):
     assert_close(cpu_kernel_ops.paged_attention(*batch.args()), dense_attention(batch), torch.float32)
 
 
+@pytest.mark.parametrize(("seqs", "head_dim", "window"), [
+    pytest.param([(300, 5)], 64, None, id="verify-4-over-300-keys"),
+    pytest.param([(1203, 5)], 128, None, id="verify-4-over-1200-keys"),
+    pytest.param([(190, 17), (40, 17)], 64, None, id="two-verify-16"),
+    pytest.param([(700, 5)], 64, 200, id="verify-4-in-a-window"),
+])
+def test_cpu_attention_verification_rows_equal_their_decodes(cpu_kernel_ops, seqs, head_dim,
+                                                             window):
+    """Each query token of a short chunk (a speculative verification) computes bit for bit
+    what a decode of that token computes, so greedy output cannot drift with speculation."""
+    batch = make_batch(seqs, 16, 3, 3, head_dim, dtype=torch.bfloat16, sliding_window=window)
+    chunk = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=window)
+    query_len = seqs[0][1]
+    starts = batch.query_start_loc[:-1].long()
+    for t in range(query_len):
+        decodes = cpu_kernel_ops.paged_attention(
+            batch.query[starts + t], batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.seq_lens - query_len + t + 1, torch.arange(len(seqs) + 1, dtype=torch.int32),
+            batch.scale, sliding_window=window)
+        assert torch.equal(chunk[starts + t], decodes), f"query token {t}"
+
+
+def test_cpu_row_ops_compute_each_row_as_alone(cpu_kernel_ops):
+    """The linears (up to 5 rows: a decode or a verification of 4 proposals), logits,
+    rms_norm, rotary and silu_and_mul give each row bit for bit what it gets alone in bf16,
+    so a verification chunk's rows are its tokens' decodes."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 192, generator=generator).bfloat16()
+    weight = torch.randn(320, 192, generator=generator).bfloat16()
+    bias = torch.randn(320, generator=generator).bfloat16()
+    residual = torch.randn(5, 192, generator=generator).bfloat16()
+    cos, sin = torch.randn(2, 5, 64, generator=generator).unbind(0)
+    ops = cpu_kernel_ops
+
+    def rotated(rows, c, s):
+        rows = rows.clone()
+        ops.rotary_embedding(rows, c, s, 3, 64)
+        return rows
+
+    row_ops = {
+        "linear": lambda r: ops.linear(x[r], weight, bias),
+        "logits": lambda r: ops.logits(x[r], weight),
+        "rms_norm": lambda r: ops.rms_norm(x[r], weight[0], 1e-5, residual[r].clone()),
+        "rotary": lambda r: rotated(x[r], cos[r], sin[r]),
+        "silu_and_mul": lambda r: ops.silu_and_mul(x[r]),
+    }
+    for name, op in row_ops.items():
+        chunk = op(slice(0, 5))
+        for row in range(5):
+            assert torch.equal(chunk[row:row + 1], op(slice(row, row + 1))), (name, row)
+
+
 def test_cpu_attention_empty_batch_and_strided_query(cpu_kernel_ops):
     batch = make_batch([(5, 1)], 8, 1, 2, 64)
     empty = torch.empty(0, 2, 64)

@@ -21,6 +21,14 @@
 namespace {
 
 constexpr int kQueryTile = 16;  // query tokens of one sequence that share each K/V read
+// A chunk of up to this many query tokens (a speculative verification of up to 16 proposals)
+// runs as decodes do: each token's rows sum their keys in the chunks and KV splits a decode
+// of that token would, so its output is bit for bit that decode's and greedy output cannot
+// drift with speculation. The tokens still share each K/V read where they split alike.
+constexpr int kDecodeQueryTokens = 17;
+// A decode's KV split is a multiple of this many keys, so the tokens of a verification chunk,
+// whose key counts differ by a few, mostly split alike.
+constexpr int kSplitAlign = 16;
 // Keys scored before one online-softmax update (and asked for one chunk ahead: RowsAhead):
 // fewer keys per chunk mean more rescales (docs/performance.md).
 constexpr int kKeyChunk = 128;
@@ -216,6 +224,11 @@ struct WorkItem {
 
   int rows_per_kv_head(int group) const { return (q_end - q_begin) * group; }
   int rows(int group) const { return (kv_end - kv_begin) * rows_per_kv_head(group); }
+  // Query row j's token (an offset within the sequence's query) and head.
+  int token_of(int j, int group) const { return q_begin + j % rows_per_kv_head(group) / group; }
+  int head_of(int j, int group) const {
+    return (kv_begin + j / rows_per_kv_head(group)) * group + j % rows_per_kv_head(group) % group;
+  }
 };
 
 struct Layout {
@@ -241,8 +254,8 @@ struct Scratch {
     auto at_least = [](std::vector<float>& buffer, int64_t size) {
       if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
     };
-    // Query rows of the largest item: a prefill tile of one KV head or a decode of all.
-    const int64_t rows = std::max(kQueryTile * L.group, L.num_heads);
+    // Query rows of the largest item: a prefill tile of one KV head or decodes of all.
+    const int64_t rows = std::max(kQueryTile * L.group, kDecodeQueryTokens * L.num_heads);
     at_least(q, rows * L.dim);
     at_least(acc, q.size());
     at_least(row_max, rows);
@@ -306,11 +319,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   std::fill_n(acc, static_cast<int64_t>(num_q) * D, 0.f);
   std::fill_n(row_max, num_q, -std::numeric_limits<float>::infinity());
   std::fill_n(row_sum, num_q, 0.f);
-  // Query row j of this item: its token (an offset within the sequence's query) and head.
-  auto token_of = [&](int j) { return item.q_begin + j % rows_per_kv_head / G; };
-  auto head_of = [&](int j) {
-    return (item.kv_begin + j / rows_per_kv_head) * G + j % rows_per_kv_head % G;
-  };
+  auto token_of = [&](int j) { return item.token_of(j, G); };
+  auto head_of = [&](int j) { return item.head_of(j, G); };
   auto query_row = [&](int j) {
     return query + static_cast<int64_t>(start + token_of(j)) * L.query_stride + head_of(j) * D;
   };
@@ -421,10 +431,20 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   }
 }
 
-// Several KV splits of one decode merged by their softmax statistics.
+// Several KV splits of decodes merged by their softmax statistics: `first` is the first
+// split's item; split s's row j is row first.partial + s * first.rows(group) + j.
 struct SplitGroup {
-  int seq, num_splits;
-  int64_t first_row;  // split s, query head h: row first_row + s * num_heads + h
+  WorkItem first;
+  int num_splits;
+};
+
+// How a decode's keys split over threads: [first_key, first_key + count * size) in `count`
+// runs of `size` keys, the last one cut at the decode's own keys.
+struct KeySplit {
+  int first_key, size, count;
+  bool operator==(const KeySplit& other) const {
+    return first_key == other.first_key && size == other.size && count == other.count;
+  }
 };
 
 template <typename Q, typename KV>
@@ -452,8 +472,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   // A decode is one item over all its KV heads, so it reads each slot's K and V rows
   // (every head) in one contiguous run: one head at a time would read a third of every slot
   // per pass, scattered. A prefill chunk is compute-bound and tiles by
-  // KV head and kQueryTile tokens.
-  auto is_decode = [&](int s) { return starts[s + 1] - starts[s] == 1; };
+  // KV head and kQueryTile tokens. A short chunk runs as decodes (kDecodeQueryTokens).
+  auto is_decode = [&](int s) { return starts[s + 1] - starts[s] <= kDecodeQueryTokens; };
   int64_t base_items = 0;
   for (int s = 0; s < num_seqs; ++s) {
     const int query_len = starts[s + 1] - starts[s];
@@ -463,6 +483,21 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   // multiple of the thread count where there are more splits than threads.
   const int threads = at::get_num_threads();
   const int64_t wanted_items = 2 * static_cast<int64_t>(threads);
+  // The split of a decode whose token sees `seq_len` keys: it depends on the batch only
+  // through base_items, which counts a decode and a verification chunk alike.
+  auto decode_split = [&](int seq_len) {
+    const int first_key = L.first_visible(seq_len - 1), num_keys = seq_len - first_key;
+    int splits = 1;
+    if (base_items < wanted_items) {
+      const int64_t by_work = (wanted_items + base_items - 1) / base_items;
+      splits = static_cast<int>(
+          std::max<int64_t>(1, std::min<int64_t>(by_work, num_keys / kMinSplitKeys)));
+      if (splits > threads) splits -= splits % threads;
+    }
+    const int size =
+        ((num_keys + splits - 1) / splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+    return KeySplit{first_key, size, (num_keys + size - 1) / size};
+  };
   std::vector<WorkItem> items;
   std::vector<SplitGroup> groups;
   int64_t partial_rows = 0;
@@ -478,26 +513,29 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
                            L.first_visible(context + t), seq_len, -1});
       continue;
     }
-    const int first_key = L.first_visible(seq_len - 1), num_keys = seq_len - first_key;
-    int splits = 1;
-    if (base_items < wanted_items) {
-      const int64_t by_work = (wanted_items + base_items - 1) / base_items;
-      splits = static_cast<int>(
-          std::max<int64_t>(1, std::min<int64_t>(by_work, num_keys / kMinSplitKeys)));
-      if (splits > threads) splits -= splits % threads;
+    // Consecutive tokens that split alike share one set of items (and each K/V read).
+    for (int t = 0; t < query_len;) {
+      const KeySplit split = decode_split(context + t + 1);
+      int end = t + 1;
+      while (end < query_len && decode_split(context + end + 1) == split) ++end;
+      WorkItem first{s, 0, L.num_kv_heads, t, end, split.first_key, context + end, -1};
+      t = end;
+      if (split.count == 1) {
+        items.push_back(first);
+        continue;
+      }
+      first.partial = partial_rows;
+      groups.push_back({first, split.count});
+      const int rows = first.rows(L.group);
+      for (int i = 0; i < split.count; ++i) {
+        WorkItem item = first;
+        item.k_begin = split.first_key + i * split.size;
+        item.k_end = std::min(first.k_end, item.k_begin + split.size);
+        item.partial = first.partial + static_cast<int64_t>(i) * rows;
+        items.push_back(item);
+      }
+      partial_rows += static_cast<int64_t>(split.count) * rows;
     }
-    if (splits == 1) {
-      items.push_back({s, 0, L.num_kv_heads, 0, 1, first_key, seq_len, -1});
-      continue;
-    }
-    groups.push_back({s, splits, partial_rows});
-    const int per_split = (num_keys + splits - 1) / splits;
-    for (int split = 0; split < splits; ++split) {
-      const int k_begin = first_key + split * per_split;
-      items.push_back({s, 0, L.num_kv_heads, 0, 1, k_begin, std::min(seq_len, k_begin + per_split),
-                       partial_rows + static_cast<int64_t>(split) * L.num_heads});
-    }
-    partial_rows += static_cast<int64_t>(splits) * L.num_heads;
   }
   std::vector<float> part_acc(partial_rows * L.dim), part_max(partial_rows), part_sum(partial_rows);
   const Q* q = kvscope::elements<Q>(query);
@@ -523,8 +561,9 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   else
     run_items(run_item<Q, KV, 0>);
   for (const SplitGroup& group : groups) {
-    for (int head = 0; head < L.num_heads; ++head) {
-      auto row = [&](int split) { return group.first_row + split * L.num_heads + head; };
+    const int rows = group.first.rows(L.group);
+    for (int j = 0; j < rows; ++j) {
+      auto row = [&](int split) { return group.first.partial + split * rows + j; };
       float merged_max = -std::numeric_limits<float>::infinity();
       for (int split = 0; split < group.num_splits; ++split)
         merged_max = std::max(merged_max, part_max[row(split)]);
@@ -536,7 +575,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
         total += part_sum[row(split)] * weight;
         for (int d = 0; d < L.dim; ++d) acc[d] += part_acc[row(split) * L.dim + d] * weight;
       }
-      Q* dst = o + (static_cast<int64_t>(starts[group.seq]) * L.num_heads + head) * L.dim;
+      const int64_t token = starts[group.first.seq] + group.first.token_of(j, L.group);
+      Q* dst = o + (token * L.num_heads + group.first.head_of(j, L.group)) * L.dim;
       for (int d = 0; d < L.dim; ++d) store(dst[d], acc[d] / total);
     }
   }
