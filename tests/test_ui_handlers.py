@@ -141,13 +141,17 @@ def test_a_rebuilt_panel_that_draws_the_same_is_not_sent_again(engine):
         {name: version for name, (_, version) in before.items()}
     assert all(_skipped(value) for value in again) and now_shown == shown
 
-def test_a_busy_engine_rebuilds_a_costly_panel_less_often(engine):
+def test_a_busy_engine_rebuilds_its_panels_within_one_budget_for_all(engine):
     renderer = panels.PanelRenderer(LiveFeeds(engine))
-    renderer._cost.update(heatmap=0.2, stats=0.001)
-    assert renderer.interval("heatmap") == pytest.approx(0.2 / panels.PANEL_DUTY)
-    assert renderer.interval("stats") == panels.REFRESH_S
+    renderer._cost.update(heatmap=0.01, stats=0.001)
+    assert renderer.interval("heatmap") == panels.REFRESH_S  # cheap in all: every tick
+    renderer._cost.update(heatmap=0.2, summary=0.5)
+    # The panels share one budget (the summary line is exempt and always rebuilt).
+    assert renderer.interval("heatmap") == pytest.approx(0.201 / panels.PANEL_DUTY)
+    assert renderer.interval("stats") == renderer.interval("heatmap")
+    assert renderer.interval("summary") == panels.REFRESH_S
     renderer._cost["heatmap"] = 10.0
-    assert renderer.interval("heatmap") == panels.MAX_INTERVAL_S
+    assert renderer.interval("stats") == panels.MAX_INTERVAL_S
 
 
 def _params(max_tokens: int):

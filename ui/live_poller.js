@@ -16,15 +16,19 @@ function startLivePoller(config, shown, views) {
   const root = (window.gradio_config?.root || location.href.split(/[?#]/)[0]).replace(/\/?$/, "/");
   const url = new URL(config.endpoint, root);
   let timer = null, inFlight = false, again = false;
-  // What drawing each figure costs this browser (ms, smoothed) and when it was last drawn.
-  // A figure is asked for again after at least cost / draw_duty (1 s at most 30 ms a
-  // draw with a 3 % duty, capped at max_interval_ms), the browser's side of the server's
-  // PANEL_DUTY: on a machine that also runs the engine, a big figure that takes 100 ms
-  // to draw is redrawn every ~3 s instead of costing a tenth of a core.
+  // What drawing each panel costs this browser (ms, smoothed) and when it was last drawn.
+  // All panels share one budget, the browser's side of the server's PANEL_DUTY: a panel
+  // is asked for again after at least (all panels' drawing cost) / draw_duty (1 s while
+  // they take 30 ms in all with a 3 % duty, capped at max_interval_ms). During decode
+  // most figures change at every step; on a machine that also runs the engine, a budget
+  // per figure would cost the engine that budget times the figure count.
   const drawCost = {}, drawnAt = {};
-  const due = (name, now) => !(name in drawnAt) || now - drawnAt[name] >= Math.min(
-    Math.max(config.refresh_ms, drawCost[name] / config.draw_duty), config.max_interval_ms)
-    - config.slack_ms;
+  const due = (name, now) => {
+    if (!(name in drawnAt)) return true;
+    const total = Object.values(drawCost).reduce((sum, cost) => sum + cost, 0);
+    return now - drawnAt[name] >= Math.min(Math.max(config.refresh_ms,
+      total / config.draw_duty), config.max_interval_ms) - config.slack_ms;
+  };
 
   const onScreen = (id) => {
     const box = document.getElementById(id)?.getBoundingClientRect();
