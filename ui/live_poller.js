@@ -17,18 +17,29 @@ function startLivePoller(config, shown, views) {
   const url = new URL(config.endpoint, root);
   let timer = null, inFlight = false, again = false;
   // What drawing each panel costs this browser (ms, smoothed) and when it was last drawn.
-  // All panels share one budget, the browser's side of the server's PANEL_DUTY: a panel
-  // is asked for again after at least (all panels' drawing cost) / draw_duty (1 s while
-  // they take 30 ms in all with a 3 % duty, capped at max_interval_ms). During decode
-  // most figures change at every step; on a machine that also runs the engine, a budget
-  // per figure would cost the engine that budget times the figure count.
+  // All panels share one drawing budget of draw_duty of a core, max-min fairly, as the
+  // server shares PANEL_DUTY (ui/panels.py shared_intervals): cheapest first, a panel
+  // whose equal share of what is left covers it is drawn every refresh_ms, the costly
+  // ones split the rest (capped at max_interval_ms). During decode most figures change
+  // at every step; on a machine that also runs the engine, a budget per figure would
+  // cost the engine that budget times the figure count.
   const drawCost = {}, drawnAt = {};
-  const due = (name, now) => {
-    if (!(name in drawnAt)) return true;
-    const total = Object.values(drawCost).reduce((sum, cost) => sum + cost, 0);
-    return now - drawnAt[name] >= Math.min(Math.max(config.refresh_ms,
-      total / config.draw_duty), config.max_interval_ms) - config.slack_ms;
+  const intervals = () => {
+    const names = Object.keys(drawCost).filter((name) => name !== "summary")
+      .sort((a, b) => drawCost[a] - drawCost[b]);
+    const result = {};
+    let left = config.draw_duty;
+    names.forEach((name, index) => {
+      const share = left / (names.length - index);
+      const interval = share > 0 ? Math.max(config.refresh_ms, drawCost[name] / share)
+        : config.max_interval_ms;
+      result[name] = Math.min(interval, config.max_interval_ms);
+      if (share > 0) left -= drawCost[name] / interval;
+    });
+    return result;
   };
+  const due = (name, now, every) => !(name in drawnAt)
+    || now - drawnAt[name] >= (every[name] ?? config.refresh_ms) - config.slack_ms;
 
   const onScreen = (id) => {
     const box = document.getElementById(id)?.getBoundingClientRect();
@@ -37,9 +48,13 @@ function startLivePoller(config, shown, views) {
   };
   // A panel scrolled out of view, under another tab or on a hidden page is neither built
   // by the server nor redrawn here; it is drawn once it is on screen again.
-  const visiblePanels = (now) => document.hidden ? [] : Object.entries(config.elements)
-    .filter(([name, id]) => name !== "summary" && onScreen(id) && due(name, now))
-    .map(([name]) => name);
+  const visiblePanels = (now) => {
+    if (document.hidden) return [];
+    const every = intervals();
+    return Object.entries(config.elements)
+      .filter(([name, id]) => name !== "summary" && onScreen(id) && due(name, now, every))
+      .map(([name]) => name);
+  };
 
   const drawPlot = (id, value) => {
     const div = document.querySelector(`#${id} [data-testid="plotly"]`);

@@ -19,9 +19,9 @@ PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "seri
 # Each panel's element (the summary line sits above the tabs and is always sent).
 PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
-# While the engine is busy the panels together may use this share of one core: while
-# they change at every step they are rebuilt every (sum of their build times) / PANEL_DUTY
-# seconds, 30 ms in all every second, 200 ms every 6.7 s. One budget for all, not one
+# While the engine is busy the panels together may use this share of one core, shared
+# between them (shared_intervals): panels that take 30 ms in all are rebuilt every
+# second; a 200 ms heatmap beside cheap panels every ~7 s. One budget for all, not one
 # per panel: during decode most panels change at every step, so a per-panel share would
 # cost that share times the panel count. The engine shares the process (and its GIL)
 # with these builders.
@@ -198,6 +198,25 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
     return figures.paged_vs_contiguous(snapshot)
 
 
+def shared_intervals(costs: dict[str, float], duty: float, least: float,
+                     most: float) -> dict[str, float]:
+    """Each panel's interval between rebuilds (or draws) while it changes at every step,
+    from its cost (seconds each time), so that all together use at most `duty` of a core:
+    the budget is shared max-min fairly. The cheapest panels go first; a panel whose
+    equal share of what is left covers it at `least` runs at `least` and leaves the rest
+    to the others; the costly ones split what remains. A slow heatmap so never slows the
+    stats line. ui/live_poller.js shares the browser's drawing budget the same way."""
+    intervals: dict[str, float] = {}
+    left = duty
+    order = sorted(costs, key=costs.get)
+    for index, name in enumerate(order):
+        share = left / (len(order) - index)
+        interval = max(least, costs[name] / share) if share > 0 else most
+        intervals[name] = min(interval, most)
+        left -= costs[name] / interval if share > 0 else 0.0
+    return intervals
+
+
 @dataclass(slots=True)
 class _Rendered:
     signature: object
@@ -208,8 +227,9 @@ class _Rendered:
 
 class PanelRenderer:
     """One render per panel change, shared by every tab (a tab receives only panels it
-    has not shown yet). While the engine is busy a changed panel is rebuilt at most every
-    (all panels' build cost) / PANEL_DUTY seconds (1 to 8 s), so the dashboard's cost
+    has not shown yet). While the engine is busy a changed panel is rebuilt at most as
+    often as keeps all panels' measured build times under PANEL_DUTY of a core together
+    (shared_intervals; 1 to 8 s), so the dashboard's cost
     follows its own measured build times, not the pool's size, the number of panels
     that change or the number of open tabs. The summary line is exempt: it is small and
     says how current the panels are."""
@@ -224,8 +244,9 @@ class PanelRenderer:
     def interval(self, name: str) -> float:
         if name == "summary":
             return REFRESH_S
-        total = sum(cost for panel, cost in self._cost.items() if panel != "summary")
-        return min(max(REFRESH_S, total / PANEL_DUTY), MAX_INTERVAL_S)
+        costs = {panel: cost for panel, cost in self._cost.items() if panel != "summary"}
+        return shared_intervals(costs, PANEL_DUTY, REFRESH_S, MAX_INTERVAL_S).get(name,
+                                                                                 REFRESH_S)
 
     def _due(self, rendered: _Rendered | None, name: str, signature: tuple,
              state: LiveState, now: float) -> bool:
