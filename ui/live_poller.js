@@ -16,6 +16,10 @@ function startLivePoller(config, shown, views) {
   const root = (window.gradio_config?.root || location.href.split(/[?#]/)[0]).replace(/\/?$/, "/");
   const url = new URL(config.endpoint, root);
   let timer = null, inFlight = false, again = false;
+  // Gradio builds a whole session state (a copy of every component's config) for a call
+  // that names no session, on the server's event loop, holding the engine's GIL: ~4 % of
+  // a core at one call a second on this page. One session per page is built once.
+  const sessionHash = `kv-live-${Math.random().toString(36).slice(2)}`;
   // What drawing each panel costs this browser (ms, smoothed) and when it was last drawn.
   // All panels share one drawing budget of draw_duty of a core, max-min fairly, as the
   // server shares PANEL_DUTY (ui/panels.py shared_intervals): cheapest first, a panel
@@ -104,7 +108,7 @@ function startLivePoller(config, shown, views) {
       const response = await fetch(url, {
         method: "POST", headers: {"Content-Type": "application/json"},
         body: JSON.stringify({data: [live.shown, visiblePanels(performance.now()),
-                                     ...live.views]}),
+                                     ...live.views], session_hash: sessionHash}),
       });
       if (response.ok) {
         const {data} = await response.json();
