@@ -141,13 +141,29 @@ def test_a_rebuilt_panel_that_draws_the_same_is_not_sent_again(engine):
         {name: version for name, (_, version) in before.items()}
     assert all(_skipped(value) for value in again) and now_shown == shown
 
-def test_a_busy_engine_rebuilds_a_costly_panel_less_often(engine):
+def test_a_busy_engine_rebuilds_its_panels_within_one_budget_for_all(engine):
     renderer = panels.PanelRenderer(LiveFeeds(engine))
-    renderer._cost.update(heatmap=0.2, stats=0.001)
-    assert renderer.interval("heatmap") == pytest.approx(0.2 / panels.PANEL_DUTY)
+    renderer._cost.update(heatmap=0.01, stats=0.001)
+    assert renderer.interval("heatmap") == panels.REFRESH_S  # cheap in all: every tick
+    renderer._cost.update(heatmap=0.2, summary=0.5)
+    # The cheap stats line keeps its tick and the heatmap takes the rest of one budget;
+    # the summary line is exempt.
     assert renderer.interval("stats") == panels.REFRESH_S
+    assert renderer.interval("heatmap") == pytest.approx(0.2 / (panels.PANEL_DUTY - 0.001))
+    assert renderer.interval("summary") == panels.REFRESH_S
     renderer._cost["heatmap"] = 10.0
     assert renderer.interval("heatmap") == panels.MAX_INTERVAL_S
+
+
+def test_panels_that_change_at_every_step_share_one_budget():
+    costs = {"a": 0.001, "b": 0.02, "c": 0.02, "d": 0.02}
+    intervals = panels.shared_intervals(costs, 0.03, 1.0, 8.0)
+    assert intervals["a"] == 1.0  # its share covers it: every tick
+    # The rest split what is left equally, each alone would have drawn every second.
+    assert [intervals[name] for name in "bcd"] == pytest.approx([0.06 / 0.029] * 3)
+    assert sum(cost / intervals[name] for name, cost in costs.items()) == \
+        pytest.approx(0.03)
+    assert panels.shared_intervals({"a": 1.0}, 0.03, 1.0, 8.0) == {"a": 8.0}
 
 
 def _params(max_tokens: int):

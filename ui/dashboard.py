@@ -17,7 +17,8 @@ REFRESH_ENDPOINT = "refresh_live"
 # Plots whose label sits in the page's flow, above the chart (assets/dashboard.css), not
 # over the chart's title.
 PANEL_CLASS = "kv-panel"
-# The share of one core the browser may spend drawing each figure (ui/live_poller.js).
+# The share of one core the browser may spend drawing the live panels, all together
+# (ui/live_poller.js).
 DRAW_DUTY = 0.03
 
 

@@ -16,15 +16,34 @@ function startLivePoller(config, shown, views) {
   const root = (window.gradio_config?.root || location.href.split(/[?#]/)[0]).replace(/\/?$/, "/");
   const url = new URL(config.endpoint, root);
   let timer = null, inFlight = false, again = false;
-  // What drawing each figure costs this browser (ms, smoothed) and when it was last drawn.
-  // A figure is asked for again after at least cost / draw_duty (1 s at most 30 ms a
-  // draw with a 3 % duty, capped at max_interval_ms), the browser's side of the server's
-  // PANEL_DUTY: on a machine that also runs the engine, a big figure that takes 100 ms
-  // to draw is redrawn every ~3 s instead of costing a tenth of a core.
+  // Gradio builds a whole session state (a copy of every component's config) for a call
+  // that names no session, on the server's event loop, holding the engine's GIL: ~4 % of
+  // a core at one call a second on this page. One session per page is built once.
+  const sessionHash = `kv-live-${Math.random().toString(36).slice(2)}`;
+  // What drawing each panel costs this browser (ms, smoothed) and when it was last drawn.
+  // All panels share one drawing budget of draw_duty of a core, max-min fairly, as the
+  // server shares PANEL_DUTY (ui/panels.py shared_intervals): cheapest first, a panel
+  // whose equal share of what is left covers it is drawn every refresh_ms, the costly
+  // ones split the rest (capped at max_interval_ms). During decode most figures change
+  // at every step; on a machine that also runs the engine, a budget per figure would
+  // cost the engine that budget times the figure count.
   const drawCost = {}, drawnAt = {};
-  const due = (name, now) => !(name in drawnAt) || now - drawnAt[name] >= Math.min(
-    Math.max(config.refresh_ms, drawCost[name] / config.draw_duty), config.max_interval_ms)
-    - config.slack_ms;
+  const intervals = () => {
+    const names = Object.keys(drawCost).filter((name) => name !== "summary")
+      .sort((a, b) => drawCost[a] - drawCost[b]);
+    const result = {};
+    let left = config.draw_duty;
+    names.forEach((name, index) => {
+      const share = left / (names.length - index);
+      const interval = share > 0 ? Math.max(config.refresh_ms, drawCost[name] / share)
+        : config.max_interval_ms;
+      result[name] = Math.min(interval, config.max_interval_ms);
+      if (share > 0) left -= drawCost[name] / interval;
+    });
+    return result;
+  };
+  const due = (name, now, every) => !(name in drawnAt)
+    || now - drawnAt[name] >= (every[name] ?? config.refresh_ms) - config.slack_ms;
 
   const onScreen = (id) => {
     const box = document.getElementById(id)?.getBoundingClientRect();
@@ -33,9 +52,13 @@ function startLivePoller(config, shown, views) {
   };
   // A panel scrolled out of view, under another tab or on a hidden page is neither built
   // by the server nor redrawn here; it is drawn once it is on screen again.
-  const visiblePanels = (now) => document.hidden ? [] : Object.entries(config.elements)
-    .filter(([name, id]) => name !== "summary" && onScreen(id) && due(name, now))
-    .map(([name]) => name);
+  const visiblePanels = (now) => {
+    if (document.hidden) return [];
+    const every = intervals();
+    return Object.entries(config.elements)
+      .filter(([name, id]) => name !== "summary" && onScreen(id) && due(name, now, every))
+      .map(([name]) => name);
+  };
 
   const drawPlot = (id, value) => {
     const div = document.querySelector(`#${id} [data-testid="plotly"]`);
@@ -85,7 +108,7 @@ function startLivePoller(config, shown, views) {
       const response = await fetch(url, {
         method: "POST", headers: {"Content-Type": "application/json"},
         body: JSON.stringify({data: [live.shown, visiblePanels(performance.now()),
-                                     ...live.views]}),
+                                     ...live.views], session_hash: sessionHash}),
       });
       if (response.ok) {
         const {data} = await response.json();

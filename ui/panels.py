@@ -19,9 +19,12 @@ PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "seri
 # Each panel's element (the summary line sits above the tabs and is always sent).
 PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
-# While the engine is busy a panel may use this share of one core: a panel that takes
-# 30 ms to build refreshes every second, one that takes 200 ms every 6.7 s. The engine
-# shares the process (and its GIL) with these builders.
+# While the engine is busy the panels together may use this share of one core, shared
+# between them (shared_intervals): panels that take 30 ms in all are rebuilt every
+# second; a 200 ms heatmap beside cheap panels every ~7 s. One budget for all, not one
+# per panel: during decode most panels change at every step, so a per-panel share would
+# cost that share times the panel count. The engine shares the process (and its GIL)
+# with these builders.
 PANEL_DUTY = 0.03
 MAX_INTERVAL_S = 8.0
 # Timer ticks jitter; without slack a 1 s panel would land on every other tick.
@@ -156,10 +159,11 @@ def text_html(markdown: str) -> str:
     return f'<div class="kv-html">{_MARKDOWN.render(markdown)}</div>'
 
 
-def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas: int):
+def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas: int,
+            window: tuple[float, float]):
+    """window: the time panels' shared x range (timeline.live_window, once per refresh)."""
     snapshot = state.snapshot
     holders = any(seq.block_table for seq in snapshot.sequences)
-    window = timeline.live_window(state.records, state.now)
     if name == "summary":
         return summary_markdown(snapshot, state.replica, num_replicas)
     if name == "heatmap":
@@ -194,6 +198,25 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
     return figures.paged_vs_contiguous(snapshot)
 
 
+def shared_intervals(costs: dict[str, float], duty: float, least: float,
+                     most: float) -> dict[str, float]:
+    """Each panel's interval between rebuilds (or draws) while it changes at every step,
+    from its cost (seconds each time), so that all together use at most `duty` of a core:
+    the budget is shared max-min fairly. The cheapest panels go first; a panel whose
+    equal share of what is left covers it at `least` runs at `least` and leaves the rest
+    to the others; the costly ones split what remains. A slow heatmap so never slows the
+    stats line. ui/live_poller.js shares the browser's drawing budget the same way."""
+    intervals: dict[str, float] = {}
+    left = duty
+    order = sorted(costs, key=costs.get)
+    for index, name in enumerate(order):
+        share = left / (len(order) - index)
+        interval = max(least, costs[name] / share) if share > 0 else most
+        intervals[name] = min(interval, most)
+        left -= costs[name] / interval if share > 0 else 0.0
+    return intervals
+
+
 @dataclass(slots=True)
 class _Rendered:
     signature: object
@@ -204,9 +227,12 @@ class _Rendered:
 
 class PanelRenderer:
     """One render per panel change, shared by every tab (a tab receives only panels it
-    has not shown yet). While the engine is busy a panel is rebuilt at most every
-    cost / PANEL_DUTY seconds (1 to 8 s), so the dashboard's cost follows its own
-    measured build times, not the pool's size or the number of open tabs."""
+    has not shown yet). While the engine is busy a changed panel is rebuilt at most as
+    often as keeps all panels' measured build times under PANEL_DUTY of a core together
+    (shared_intervals; 1 to 8 s), so the dashboard's cost
+    follows its own measured build times, not the pool's size, the number of panels
+    that change or the number of open tabs. The summary line is exempt: it is small and
+    says how current the panels are."""
 
     def __init__(self, feeds: LiveFeeds) -> None:
         self.feeds = feeds
@@ -216,7 +242,11 @@ class PanelRenderer:
         self._versions = itertools.count(1)
 
     def interval(self, name: str) -> float:
-        return min(max(REFRESH_S, self._cost.get(name, 0.0) / PANEL_DUTY), MAX_INTERVAL_S)
+        if name == "summary":
+            return REFRESH_S
+        costs = {panel: cost for panel, cost in self._cost.items() if panel != "summary"}
+        return shared_intervals(costs, PANEL_DUTY, REFRESH_S, MAX_INTERVAL_S).get(name,
+                                                                                 REFRESH_S)
 
     def _due(self, rendered: _Rendered | None, name: str, signature: tuple,
              state: LiveState, now: float) -> bool:
@@ -250,11 +280,12 @@ class PanelRenderer:
             rendered = self._rendered.setdefault(views.replica, {})
             signatures = {name: (data, views.of(name))
                           for name, data in _signatures(state).items()}
+            window = timeline.live_window(state.records, state.now)
             for name in wanted:
                 now = time.monotonic()
                 if self._due(rendered.get(name), name, signatures[name], state, now):
                     value = _render(name, state, feed.decode, views,
-                                    feed.engine.num_replicas)
+                                    feed.engine.num_replicas, window)
                     value = text_html(value) if name in TEXT_PANELS else to_plot(value)
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)
