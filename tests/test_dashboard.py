@@ -479,16 +479,20 @@ def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
     other = engine.submit("not me " * 6, SamplingParams(max_tokens=150, ignore_eos=True))
     request_id = followed.request_id
     panels: list = []
+    held: set[int] = set()
 
     def drawn() -> bool:
+        """Drawn while both hold blocks, and the followed one still held them just after
+        (a decode only adds blocks, so the drawn outline is within what it holds then)."""
         panels[:] = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0,
                                    request_id, api_name="/refresh_live")
+        held.clear()
+        held.update(block for seq in engine.snapshot().sequences
+                    if seq.request_id == request_id for block in seq.block_table)
         tables = json.loads(panels[2]["plot"])["data"]
-        return bool(tables) and len(tables[0].get("y") or []) == 2
+        return bool(tables) and len(tables[0].get("y") or []) == 2 and bool(held)
     try:
         wait_until(drawn, timeout=30, what="both requests holding blocks")
-        held = {block for seq in engine.snapshot().sequences if seq.request_id == request_id
-                for block in seq.block_table}
     finally:
         followed.abort()
         other.abort()
