@@ -131,9 +131,14 @@ def test_browser_a_draft_typed_during_a_reply_survives_and_is_sent_after_it(serv
     try:
         # Greedy: the tiny model's reply runs to its length limit (a sampled one can draw
         # EOS within a few tokens and end before the draft is typed).
-        page.locator("#kv-chat-sampling").click()
-        page.locator("#kv-temperature input[type=number]").fill("0")
-        page.locator("#kv-temperature input[type=number]").press("Enter")
+        temperature = page.locator("#kv-temperature input[type=number]")
+        for _ in range(5):  # a click before the page is live does not open the accordion
+            if temperature.is_visible():
+                break
+            page.locator("#kv-chat-sampling").click()
+            page.wait_for_timeout(1000)
+        temperature.fill("0")
+        temperature.press("Enter")
         box = page.locator("#kv-message textarea")
         box.fill("first message")
         box.press("Enter")
