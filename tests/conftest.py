@@ -364,6 +364,15 @@ def tiny_byte_level_model_path(tmp_path_factory) -> Path:
     return save_tiny_byte_level_model(tmp_path_factory.mktemp("tiny-byte-llama"))
 
 
+def transformers_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly max_tokens long: the parity
+    oracle (min_new_tokens keeps an EOS from ending it early)."""
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                               min_new_tokens=max_tokens, do_sample=False)[0, len(prompt):].tolist()
+                for prompt in prompts]
+
+
 def wait_until(condition: Callable[[], object], timeout: float = 10.0,
                what: str = "the condition") -> None:
     """Return as soon as condition() is true; fail if it is still false after `timeout`

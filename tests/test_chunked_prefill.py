@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from conftest import transformers_greedy
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -23,14 +24,7 @@ PROMPTS = [[_rng.randrange(1, 256) for _ in range(n)] for n in (5, 16, 17, 40, 3
 
 @pytest.fixture(scope="module")
 def expected(tiny_model) -> list[list[int]]:
-    model = tiny_model("llama").hf_model
-    continuations = []
-    for prompt in PROMPTS:
-        with torch.inference_mode():
-            sequence = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                      min_new_tokens=MAX_TOKENS, do_sample=False)
-        continuations.append(sequence[0, len(prompt):].tolist())
-    return continuations
+    return transformers_greedy(tiny_model("llama").hf_model, PROMPTS, MAX_TOKENS)
 
 
 def chunks_by_sequence(records) -> dict[str, list[tuple[int, int, int, str]]]:

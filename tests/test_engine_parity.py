@@ -3,8 +3,8 @@
 import random
 
 import pytest
-import torch
 from conftest import TINY_ARCHITECTURES as ARCHITECTURES
+from conftest import transformers_greedy
 
 from kvscope.engine.sample.sampling_params import SamplingParams
 
@@ -35,14 +35,7 @@ def expected(tiny_model):
 
     def get(arch: str) -> list[list[int]]:
         if arch not in cache:
-            model = tiny_model(arch).hf_model
-            cache[arch] = []
-            for prompt in PROMPTS:
-                with torch.inference_mode():
-                    sequence = model.generate(
-                        torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                        min_new_tokens=MAX_TOKENS, do_sample=False)
-                cache[arch].append(sequence[0, len(prompt):].tolist())
+            cache[arch] = transformers_greedy(tiny_model(arch).hf_model, PROMPTS, MAX_TOKENS)
         return cache[arch]
 
     return get

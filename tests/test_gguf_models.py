@@ -5,7 +5,7 @@ rotary, LongRoPE) survives the conversion, and its tensors land in the right pla
 import numpy as np
 import pytest
 import torch
-from conftest import run_to_completion
+from conftest import run_to_completion, transformers_greedy
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -96,13 +96,7 @@ def test_a_gguf_of_each_architecture_gives_transformers_greedy_tokens(
     tiny = tiny_model(arch)
     path = tmp_path / f"{arch}.gguf"
     write_model_gguf(arch, tiny.hf_model, path)
-    expected = []
-    for prompt in PROMPTS:
-        with torch.inference_mode():
-            sequence = tiny.hf_model.generate(torch.tensor([prompt]), max_new_tokens=8,
-                                              min_new_tokens=8, do_sample=False)
-        expected.append(sequence[0, len(prompt):].tolist())
-    assert greedy(str(path)) == expected
+    assert greedy(str(path)) == transformers_greedy(tiny.hf_model, PROMPTS, 8)
     assert greedy(str(path), "int8") == greedy(str(tiny.path), "int8")
 
 

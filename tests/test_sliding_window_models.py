@@ -7,7 +7,7 @@ import random
 import conftest
 import pytest
 import torch
-from conftest import SLIDING_WINDOW_ARCHITECTURES, TINY_WINDOW
+from conftest import SLIDING_WINDOW_ARCHITECTURES, TINY_WINDOW, transformers_greedy
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
@@ -40,13 +40,7 @@ def expected(tiny_model):
 
     def get(arch: str) -> list[list[int]]:
         if arch not in cache:
-            model = tiny_model(arch).hf_model
-            with torch.inference_mode():
-                cache[arch] = [
-                    model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                   min_new_tokens=MAX_TOKENS, do_sample=False
-                                   )[0, len(prompt):].tolist()
-                    for prompt in PROMPTS]
+            cache[arch] = transformers_greedy(tiny_model(arch).hf_model, PROMPTS, MAX_TOKENS)
         return cache[arch]
 
     return get
