@@ -20,6 +20,7 @@ from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvscope.engine.sample.logits_processing import LogitsProcessor
 from kvscope.engine.sample.sampler import sample, token_logprobs
 from kvscope.engine.sample.sampling_params import SamplingParams, model_sampling_defaults
+from kvscope.engine.spec_decode.drafting_executor import with_draft_model
 from kvscope.engine.spec_decode.metrics import SpecDraft
 from kvscope.engine.spec_decode.proposer import Speculator
 from kvscope.engine.telemetry.records import StepRecord
@@ -48,6 +49,7 @@ class EngineCore:
         self.runner = runner or ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         self.config = config.resolved(self.runner.max_positions)
+        self.runner = with_draft_model(self.runner, self.config)
         self.memory_plan = self.runner.plan_memory(self.config)
         self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks)
         logger.info(self.memory_plan.describe())
@@ -222,6 +224,7 @@ class EngineCore:
         rows: list[tuple[Sequence, int]] = []
         touched: dict[str, Request] = {}
         proposals: dict[Sequence, list[int]] = {}
+        proposal_probs: dict[Sequence, torch.Tensor] = {}  # a draft model's q, where sampled
         row = 0  # a sequence with k proposals has k + 1 rows of logits
         for item in sampling:
             seq = item.seq
@@ -237,6 +240,8 @@ class EngineCore:
             rows.extend((member, row) for member in family)
             if item.spec_token_ids:
                 proposals[seq] = item.spec_token_ids
+            if item.spec_probs is not None:
+                proposal_probs[seq] = item.spec_probs
             row += 1 + len(item.spec_token_ids)
         num_generated = 0
         accepted = dict.fromkeys(proposals, 0)
@@ -247,7 +252,8 @@ class EngineCore:
         position = 0
         while rows:
             drafts = [_proposal_at(proposals.get(seq), position) for seq, _ in rows]
-            tokens = self._sample_rows(rows, logits, drafts)
+            tokens = self._sample_rows(rows, logits, drafts,
+                                       _probs_at(proposal_probs, rows, position))
             num_generated += len(rows)
             next_rows = []
             for (seq, row), token, draft in zip(rows, tokens, drafts):
@@ -263,9 +269,10 @@ class EngineCore:
         return list(touched.values()), num_generated, self._roll_back(proposals, accepted)
 
     def _sample_rows(self, rows: list[tuple[Sequence, int]], logits: StepLogits,
-                     drafts: list[int]) -> list[int]:
+                     drafts: list[int], draft_probs: torch.Tensor | None = None) -> list[int]:
         """One token for each (sequence, row of logits), appended through the update path;
-        a draft >= 0 is verified (the token equals it exactly when accepted)."""
+        a draft >= 0 is verified (the token equals it exactly when accepted) against the
+        distribution it was drawn from (`draft_probs` rows; None: deterministic)."""
         if isinstance(logits, list):  # an executor without a forward chose the tokens
             tokens = [logits[row] for _, row in rows]
             for (seq, _), token in zip(rows, tokens):
@@ -279,7 +286,8 @@ class EngineCore:
                         [seq.request.params for seq in seqs],
                         [seq.generator for seq in seqs], self.generator, raw_logits=raw,
                         greedy_tokens=self.runner.kernel_ops.greedy_tokens,
-                        draft_token_ids=drafts if any(d >= 0 for d in drafts) else None)
+                        draft_token_ids=drafts if any(d >= 0 for d in drafts) else None,
+                        draft_probs=draft_probs)
         self.logits_processor.accept(seqs, result.token_ids)
         for i, seq in enumerate(seqs):
             top = result.top_logprobs[i] if seq.request.params.logprobs is not None else None
@@ -447,6 +455,21 @@ def _eos_token_ids(runner: StepExecutor) -> set[int]:
 def _proposal_at(tokens: list[int] | None, position: int) -> int:
     """The proposed token a sequence's row at `position` verifies, or -1 (none: it samples)."""
     return tokens[position] if tokens is not None and position < len(tokens) else -1
+
+
+def _probs_at(probs: dict[Sequence, torch.Tensor], rows: list[tuple[Sequence, int]],
+              position: int) -> torch.Tensor | None:
+    """The q rows of the proposals verified at `position` ([rows, vocab]; zeros where a row
+    has none: it samples, verifies greedily or verifies a deterministic proposal), or None
+    when no row has one."""
+    if not probs:
+        return None
+    first = next(iter(probs.values()))
+    q = first.new_zeros((len(rows), first.shape[1]))
+    for index, (seq, _) in enumerate(rows):
+        if seq in probs and position < len(probs[seq]):
+            q[index] = probs[seq][position]
+    return q
 
 
 # ---- prompt logprobs and best_of -----------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvscope.engine.core.request import ChunkKind, Sequence
 
 
@@ -15,6 +17,9 @@ class ScheduledSequence:
     start: int
     num_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
+    # The distribution each proposal was drawn from, [len(spec_token_ids), vocab], where a
+    # draft model sampled them (rejection sampling needs it); None: deterministic proposals.
+    spec_probs: torch.Tensor | None = None
     # Fixed when scheduled: read after the step samples, the sequence's new output token
     # would make a prompt's last one-token chunk look like a decode.
     kind: ChunkKind = field(init=False)

@@ -3,8 +3,7 @@
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-# vLLM's draft_model method (a smaller model with its own paged KV) is not built yet.
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 64
 
@@ -16,9 +15,12 @@ class SpeculativeConfig:
     ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the
     sequence's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min) in its own prompt
     and output.
+    draft_model: `model`, a smaller model on the target's vocabulary, proposes k tokens one
+    forward each, with its own paged KV (engine.spec_decode.draft_model).
+    As in vLLM, `method` left out means draft_model when a `model` is given, else ngram.
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -31,6 +33,8 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.2
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "ngram" if self.model is None else "draft_model"
         _check_choice("method", self.method, METHODS)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1,
                    MAX_SPECULATIVE_TOKENS)
@@ -39,10 +43,12 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min={self.prompt_lookup_min} "
                              f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
-        if self.model is not None:
-            raise ValueError(f"speculative_config.model={self.model!r}: a draft model is for "
-                             "vLLM's draft_model method, which kvscope does not run yet; "
-                             "method='ngram' takes no model")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"speculative_config.model={self.model!r}: method='ngram' takes "
+                             "no model; a draft model is for method='draft_model'")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config.model={self.model!r}: method='draft_model' "
+                             "needs the path or name of a draft model")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
         rate = self.min_acceptance_rate

@@ -14,6 +14,9 @@ MIN_JUDGED_DRAFT_TOKENS = 6.0
 # A sequence judged unprofitable sits out this many steps, twice as many at each repeat.
 FIRST_PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
+# A draft model's proposals are drawn after scheduling, once the budget and the blocks are
+# known (engine.spec_decode.draft_model); before, each is this placeholder.
+PENDING_TOKEN = -1
 
 
 @dataclass(slots=True)
@@ -42,7 +45,8 @@ class SpecAcceptance:
 
 
 class Speculator:
-    """Sets each running sequence's `spec_token_ids` before a step is scheduled.
+    """Sets each running sequence's `spec_token_ids` before a step is scheduled (a draft
+    model's as placeholders, to be drawn once scheduled).
 
     A sequence proposes while it decodes (its prompt done and its first token sampled, so
     parallel samples have forked), unless it is a beam (beam search ranks every candidate
@@ -55,7 +59,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                         if config.method == "ngram" else None)
 
     def propose(self, running: list[Sequence]) -> None:
         limit = self.config.disable_by_batch_size
@@ -80,7 +85,11 @@ class Speculator:
         if max_tokens is not None:
             room = min(room, max_tokens - seq.num_output_tokens - 1)
         k = min(self.config.num_speculative_tokens, room)
-        return self.proposer.propose(seq.token_ids, k) if k > 0 else []
+        if k <= 0:
+            return []
+        if self.proposer is None:
+            return [PENDING_TOKEN] * k
+        return self.proposer.propose(seq.token_ids, k)
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """What verification kept of the sequence's proposals."""

@@ -29,6 +29,10 @@ class MemoryPlan:
     # every layer's window, when they share one: a sequence then holds at most
     # ceil(W / block_size) + 1 blocks while it decodes (the KV manager frees the rest)
     sliding_window: int | None = None
+    # A draft model's share (speculative decoding), included in weight_bytes and
+    # bytes_per_block: its KV pool has a block for each of the target's.
+    draft_weight_bytes: int = 0
+    draft_bytes_per_block: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -63,7 +67,12 @@ class MemoryPlan:
                 f"({self.bytes_per_block} bytes/block); max concurrency at "
                 f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x"
                 + (f" (sliding window {self.sliding_window}; full attention "
-                   f"{self.full_attention_concurrency:.2f}x)" if self.sliding_window else ""))
+                   f"{self.full_attention_concurrency:.2f}x)" if self.sliding_window else "")
+                + (f"; of these the draft model's: weights "
+                   f"{self.draft_weight_bytes / (1 << 20):.1f} MiB, KV "
+                   f"{self.draft_bytes_per_block} bytes/block "
+                   f"({self.num_blocks * self.draft_bytes_per_block / GiB:.3f} GiB)"
+                   if self.draft_weight_bytes else ""))
 
 
 class PoolTooSmall(ValueError):
@@ -85,17 +94,20 @@ def plan_blocks(
     max_model_len: int,
     num_blocks_override: int | None = None,
     sliding_window: int | None = None,
+    draft_weight_bytes: int = 0,
+    draft_bytes_per_block: int = 0,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
     Fails if the pool cannot hold one max_model_len sequence, saying what fits and which
-    knob to turn.
+    knob to turn. A draft model's weights and per-block KV are already in weight_bytes and
+    bytes_per_block; its shares are kept for the plan's description.
     """
     budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - peak_activation_bytes
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len,
-                      sliding_window)
+                      sliding_window, draft_weight_bytes, draft_bytes_per_block)
     if plan.num_tokens < max_model_len:
         raise PoolTooSmall(
             f"the KV cache holds {plan.num_tokens} tokens ({num_blocks} blocks of {block_size}; "

@@ -159,18 +159,29 @@ class ModelRunner:
         return (2 * len(self.attention_layers) * block_size * self.num_kv_heads
                 * self.head_dim * self.dtype.itemsize)
 
-    def plan_memory(self, config: EngineConfig) -> MemoryPlan:
+    def plan_memory(self, config: EngineConfig, draft: "ModelRunner | None" = None) -> MemoryPlan:
         """Size the block pool for a resolved config (profiling its token budget once per
-        model, machine and code version: later starts read the peak from disk)."""
+        model, machine and code version: later starts read the peak from disk). A draft
+        model (speculative decoding) comes out of the same budget: its weights, its K/V for
+        every block, and its activations (its forwards run beside what the target's leave)."""
+        peak = self.peak_activation_bytes(config)
+        draft_weights = draft_per_block = 0
+        if draft is not None:
+            draft_weights = draft.weight_bytes
+            draft_per_block = draft.bytes_per_block(config.block_size)
+            peak += draft.peak_activation_bytes(config)
+        return plan_blocks(
+            device_memory_bytes(self.device, config.device_memory_gb),
+            config.gpu_memory_utilization, self.weight_bytes + draft_weights, peak,
+            self.bytes_per_block(config.block_size) + draft_per_block, config.block_size,
+            config.max_model_len, config.num_gpu_blocks_override, self.sliding_window,
+            draft_weights, draft_per_block)
+
+    def peak_activation_bytes(self, config: EngineConfig) -> int:
         key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
         if key not in self._peak_activation_bytes:
             self._peak_activation_bytes[key] = self._cached_peak_activations(*key)
-        plan = plan_blocks(
-            device_memory_bytes(self.device, config.device_memory_gb),
-            config.gpu_memory_utilization, self.weight_bytes, self._peak_activation_bytes[key],
-            self.bytes_per_block(config.block_size), config.block_size, config.max_model_len,
-            config.num_gpu_blocks_override, self.sliding_window)
-        return plan
+        return self._peak_activation_bytes[key]
 
     def _cached_peak_activations(self, num_tokens: int, max_model_len: int,
                                  max_seqs: int) -> int:
@@ -267,6 +278,17 @@ class ModelRunner:
             seq_lens=tensor(seq_lens, torch.int32),
             query_start_loc=tensor(query_start_loc, torch.int32))
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta
+
+    @torch.inference_mode()
+    def forward_rows(self, pieces: list[tuple[int, int, list[int]]], token_ids: list[list[int]],
+                     rows: list[int]) -> torch.Tensor | None:
+        """One forward over (start, end, block_table) pieces holding `token_ids` (one list
+        per piece), writing their K/V; the logits of flat rows `rows` (None if none). A
+        draft model's steps run this way (engine.spec_decode.draft_model)."""
+        input_ids, positions, meta = self._flat_inputs(
+            pieces, self.block_size, token_ids=lambda index, start, end: token_ids[index])
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[rows]) if rows else None
 
     @torch.inference_mode()
     def move_blocks(self, plan: SchedulerOutput) -> None:
