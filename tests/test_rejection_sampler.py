@@ -102,14 +102,35 @@ def peaked_model(tiny_model, tmp_path_factory):
     return folder, model.eval()
 
 
-def test_engine_second_token_follows_the_target_marginal(peaked_model):
+@pytest.fixture(scope="module")
+def peaked_draft(peaked_model, tmp_path_factory):
+    """The peaked model with noise on its output projection: a draft model whose q differs
+    from the target's p, so its proposals are accepted sometimes, not always."""
+    folder, target = peaked_model
+    draft = type(target)(target.config)
+    draft.load_state_dict(target.state_dict())
+    torch.manual_seed(4)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(torch.randn_like(draft.lm_head.weight) * 0.25)
+    draft_folder = tmp_path_factory.mktemp("peaked-draft")
+    for item in folder.iterdir():
+        shutil.copy(item, draft_folder)
+    draft.save_pretrained(draft_folder)
+    return draft_folder
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_engine_second_token_follows_the_target_marginal(method, peaked_model, peaked_draft):
     """4,096 samples of 3 tokens at temperature 1, the second token verified against a
-    prompt-lookup proposal wherever the first occurs in the prompt: its frequencies match
-    the exact marginal sum_t1 p(t1) p(t2 | t1) of the transformers model."""
+    proposal: prompt lookup's wherever the first occurs in the prompt (q one-hot), or a
+    draft model's draw from its own distribution q. Its frequencies match the exact
+    marginal sum_t1 p(t1) p(t2 | t1) of the transformers model."""
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.core.engine_core import EngineCore
 
     folder, hf_model = peaked_model
+    proposals = ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 1}
+                 if method == "ngram" else {"method": "draft_model", "model": str(peaked_draft)})
     with torch.no_grad():
         # The model's own sampled text: its transitions are ones it likes, so the proposals
         # looked up in it are often (not always) accepted.
@@ -124,8 +145,7 @@ def test_engine_second_token_follows_the_target_marginal(peaked_model):
     engine = EngineCore(EngineConfig(
         model=str(folder), dtype="float32", device="cpu", device_memory_gb=0.05,
         max_num_seqs=256, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 1, "disable_by_batch_size": None,
+            **proposals, "num_speculative_tokens": 1, "disable_by_batch_size": None,
             "min_acceptance_rate": 0.0}))
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, n=256)
     for _ in range(16):

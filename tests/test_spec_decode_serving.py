@@ -76,8 +76,8 @@ def test_metrics_and_the_event_feed_count_the_same_proposals(server):
     ('{"num_speculative_tokens": 40}', "num_speculative_tokens=40 must be an integer between"),
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}',
      "prompt_lookup_min=5 must be <= prompt_lookup_max=3"),
-    ('{"method": "draft_model", "model": "small"}', "method='draft_model' must be one of"),
-    ('{"model": "small"}', "speculative_config.model='small': a draft model is for"),
+    ('{"method": "draft_model"}', "method='draft_model' needs the path or name of a draft"),
+    ('{"method": "ngram", "model": "small"}', "model='small': method='ngram' takes no model"),
     ('{"k": 3}', "unknown field(s) ['k']"),
 ])
 def test_bad_speculative_configs_are_refused_at_start_by_name(flag, message):
