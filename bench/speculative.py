@@ -9,6 +9,13 @@ default model: output tokens/s, acceptance rate and tokens per verifying forward
             stream decoding faster than reading the weights once per token allows)
   chat      open-ended chat questions, batched, greedy (little to copy: must not lose)
   throughput  bench/throughput.py's default workload (random prompts, 64 requests)
+  draft     method='draft_model' on one stream of copy prompts, its cost per step: the
+            draft is the default model's shape with fewer layers (--draft-layers) and
+            random weights, so its acceptance means nothing; reported are the draft's
+            time per step (its k+1 forwards), the whole step's, and a decode step's
+            without speculation. --draft-copy also runs the target as its own draft
+            (every greedy proposal accepted where the rows compute alike: an upper bound
+            for acceptance at the cost of a draft as large as the target)
 
 Every workload's greedy outputs are compared with speculation off and on
 (outputs_equal). On the C++ kernels each row of a verification chunk computes bit for bit
@@ -21,13 +28,16 @@ them equal token for token.
 Usage:
   python bench/speculative.py                      # all three
   python bench/speculative.py --workloads copy --num-copy-prompts 8
+  python bench/speculative.py --workloads draft --num-copy-prompts 2 --draft-copy
 """
 
 import argparse
 import json
 import logging
 import os
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,12 +46,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import roofline  # noqa: E402
 import throughput  # noqa: E402
 import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kvscope import LLM, SamplingParams  # noqa: E402
 from kvscope.engine.spec_decode.metrics import SpecDecodingStats  # noqa: E402
 
 logger = logging.getLogger("bench.speculative")
-WORKLOADS = ("copy", "chat", "throughput")
+WORKLOADS = ("copy", "chat", "throughput")  # and "draft", on request
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 TASKS = (
     "Text:\n{text}\n\nThe same text, copied exactly:\n{start}",
@@ -129,6 +140,85 @@ def compare(name: str, engines: dict[str, LLM], prompts, params, one_at_a_time: 
                              / results["off"]["output_tokens_per_s"], 3)}
 
 
+def save_shaped_draft(folder: Path, runner, num_layers: int) -> Path:
+    """The target's architecture and tokenizer with `num_layers` layers of random bf16
+    weights: what a draft model of that depth costs, whatever it proposes."""
+    config = type(runner.hf_config).from_dict(runner.hf_config.to_dict())
+    config.num_hidden_layers = num_layers
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    runner.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def step_costs(llm: LLM, prompts, params: SamplingParams) -> dict:
+    """One stream of `prompts`, one after another: mean milliseconds per decode step, and
+    with a draft model the part of it its proposals took."""
+    engine = llm.engine
+    engine.kv_cache.pool.reset_cache()
+    proposer = getattr(engine.runner, "proposer", None)
+    draft_total = [0.0]  # seconds in the draft's forwards so far
+    if proposer is not None:
+        run = proposer.run
+
+        def timed_run(scheduled):
+            started = time.perf_counter()
+            run(scheduled)
+            draft_total[0] += time.perf_counter() - started
+
+        proposer.run = timed_run
+    step, steps, stats = engine.step, [], SpecDecodingStats()
+
+    def timed_step():
+        started, draft_before = time.perf_counter(), draft_total[0]
+        result = step()
+        if all(chunk[2] == "decode" for chunk in result.record.chunks):
+            steps.append((time.perf_counter() - started, draft_total[0] - draft_before))
+        stats.observe(result.record.spec_drafts)
+        return result
+
+    engine.step = timed_step
+    generated = 0
+    for prompt in prompts:
+        generated += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    del engine.step
+    result = {"decode_steps": len(steps), "output_tokens": generated,
+              "acceptance_rate": round(stats.acceptance_rate, 3),
+              "tokens_per_step": round(generated / max(len(steps), 1), 3),
+              "step_ms": round(1e3 * statistics.mean(s for s, _ in steps), 2)}
+    if proposer is not None:
+        del proposer.run
+        result["draft_ms"] = round(1e3 * statistics.mean(d for _, d in steps), 2)
+        result["verify_ms"] = round(result["step_ms"] - result["draft_ms"], 2)
+        result["draft_weight_mb"] = round(proposer.runner.weight_bytes / 1e6, 1)
+    return result
+
+
+def draft_costs(args, off: LLM, prompts) -> dict:
+    """Decode steps without speculation and with a draft model (and the target as its own
+    draft, if asked): what proposing k tokens by a draft costs per step."""
+    k = args.speculative_config.get("num_speculative_tokens", 4)
+    params = SamplingParams(temperature=0, max_tokens=args.copy_output)
+    report = {"off": step_costs(off, prompts, params)}
+    with tempfile.TemporaryDirectory() as folder:
+        drafts = {f"random_{args.draft_layers}_layers":
+                  str(save_shaped_draft(Path(folder), off.engine.runner, args.draft_layers))}
+        if args.draft_copy:
+            drafts["target_copy"] = str(off.engine.runner.model_path)
+        for name, path in drafts.items():
+            llm = LLM(args.model, max_model_len=2048, speculative_config={
+                "model": path, "num_speculative_tokens": k, "min_acceptance_rate": 0.0})
+            llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+            report[name] = step_costs(llm, prompts, params)
+            logger.info("draft %s: %s", name, report[name])
+            report[name]["draft_ms_per_forward"] = round(report[name]["draft_ms"] / (k + 1), 2)
+            report[name]["step_vs_decode"] = round(report[name]["step_ms"]
+                                                   / report["off"]["step_ms"], 3)
+            del llm
+    report["num_speculative_tokens"] = k
+    return report
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
@@ -141,20 +231,26 @@ def main(argv=None) -> None:
     parser.add_argument("--chat-output", type=int, default=96)
     parser.add_argument("--throughput-requests", type=int, default=64,
                         help="bench/throughput.py's default is 64; fewer to keep a run short")
+    parser.add_argument("--draft-layers", type=int, default=4,
+                        help="the random draft's depth (the default model has 30 layers)")
+    parser.add_argument("--draft-copy", action="store_true",
+                        help="also run the target as its own draft")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    engines = {"off": LLM(args.model, max_model_len=2048),
-               "on": LLM(args.model, max_model_len=2048,
-                         speculative_config=args.speculative_config)}
+    engines = {"off": LLM(args.model, max_model_len=2048)}
+    if set(workloads) & set(WORKLOADS):
+        engines["on"] = LLM(args.model, max_model_len=2048,
+                            speculative_config=args.speculative_config)
     runner = engines["off"].engine.runner
     tokenizer = runner.tokenizer
     for llm in engines.values():  # untimed: first calls' one-time costs
         llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
     report = {"model": str(runner.model_path), "dtype": str(runner.dtype),
               "torch_threads": torch.get_num_threads(),
-              "speculative_config": engines["on"].engine.config.speculative_config.to_dict(),
+              "speculative_config": (engines["on"].engine.config.speculative_config.to_dict()
+                                     if "on" in engines else args.speculative_config),
               "results": {}}
     if "copy" in workloads:
         prompts = copy_prompts(tokenizer, args.num_copy_prompts)
@@ -184,6 +280,9 @@ def main(argv=None) -> None:
         result = compare("throughput", engines, workload.prompts, params, False)
         result["workload"] = workload.describe(defaults)
         report["results"]["throughput"] = result
+    if "draft" in workloads:
+        report["results"]["draft"] = draft_costs(
+            args, engines["off"], copy_prompts(tokenizer, args.num_copy_prompts))
     print(json.dumps(report, indent=2))
 
 
