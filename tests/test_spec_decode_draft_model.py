@@ -189,3 +189,24 @@ def test_model_without_method_means_draft_model():
     assert EngineConfig(speculative_config={"model": "small"}).speculative_config.method == \
         "draft_model"
     assert EngineConfig(speculative_config={}).speculative_config.method == "ngram"
+
+
+def test_the_timeline_marks_each_steps_proposed_accepted_and_rejected_tokens(
+        noisy_draft, make_engine, run_engine):
+    from kvscope.ui.timeline import SPEC_MARK_COLORS, request_timeline
+
+    run = run_engine(make_engine("llama", block_size=4,
+                                 speculative_config=draft_config(noisy_draft)),
+                     PROMPTS[:2], GREEDY)
+    marks = {t["name"]: t for t in request_timeline(run.records)["data"]}["speculation"]
+    drafts = [d for r in run.records for d in r.spec_drafts]
+    assert len(marks["y"]) == len(drafts)
+    assert marks["y"] == [seq_id for seq_id, _, _ in drafts]
+    proposed, accepted = drafted(run)
+    labels = marks["customdata"]
+    assert sum(int(label.split(": ")[1].split(" proposed")[0]) for label in labels) == proposed
+    assert sum(int(label.split(", ")[1].split(" accepted")[0]) for label in labels) == accepted
+    assert set(marks["marker"]["color"]) == set(SPEC_MARK_COLORS.values())  # all, some, none
+    without = request_timeline(run_engine(make_engine("llama", block_size=4), PROMPTS[:2],
+                                          GREEDY).records)
+    assert "speculation" not in [t["name"] for t in without["data"]]

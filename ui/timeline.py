@@ -154,6 +154,9 @@ def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] |
         "y": [s for s, _ in finished], "x": [epoch_ms(t) for _, t in finished],
         "hovertemplate": "%{y} finished<extra></extra>",
         "marker": {"symbol": "line-ns-open", "size": 14, "color": PHASE_COLORS["finished"]}})
+    marks = speculation_marks(records, keep)
+    if marks is not None:
+        data.append(marks)
     followed = [row for row in rows if of_request(row, follow)]
     if followed:
         data.append({"type": "scatter", "name": f"following {follow}", "mode": "markers",
@@ -174,6 +177,32 @@ def request_timeline(records: Sequence[StepRecord], arrivals: dict[str, float] |
         # Category 0 sits at the bottom: reversed, the earliest sequence is the top row.
         "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows[::-1]},
         "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0}}}
+
+
+# A verifying step's mark: every proposal accepted, some, or none.
+SPEC_MARK_COLORS = {"all": "#16a34a", "some": "#f59e0b", "none": "#dc2626"}
+
+
+def speculation_marks(records: Sequence[StepRecord], rows: set[str]) -> dict | None:
+    """Speculative decoding on the timeline: a mark on a sequence's row at the end of each
+    step that verified its proposals, saying how many tokens it proposed, accepted and
+    rejected (None: no proposals among these rows)."""
+    y, x, colors, labels = [], [], [], []
+    for record in records:
+        for seq_id, proposed, accepted in record.spec_drafts:
+            if seq_id not in rows:
+                continue
+            y.append(seq_id)
+            x.append(epoch_ms(record.end_time))
+            share = "all" if accepted == proposed else "some" if accepted else "none"
+            colors.append(SPEC_MARK_COLORS[share])
+            labels.append(f"step {record.step}: {proposed} proposed, {accepted} accepted, "
+                          f"{proposed - accepted} rejected")
+    if not y:
+        return None
+    return {"type": "scatter", "name": "speculation", "mode": "markers", "y": y, "x": x,
+            "customdata": labels, "hovertemplate": "%{y}: %{customdata}<extra></extra>",
+            "marker": {"symbol": "diamond", "size": 7, "color": colors}}
 
 
 @dataclass(slots=True)
