@@ -419,3 +419,14 @@ def serve(app, **uvicorn_options) -> tuple[str, uvicorn.Server, threading.Thread
     thread.start()
     wait_until(lambda: server.started, timeout=30, what="the server to start")
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
+def noisy_output_copy(model: PreTrainedModel, std: float, seed: int) -> PreTrainedModel:
+    """`model` with Gaussian noise of `std` on its output projection: a draft model for
+    speculative decoding that agrees with it on some tokens and not on others."""
+    copy = type(model)(model.config)
+    copy.load_state_dict(model.state_dict())
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        copy.lm_head.weight.add_(torch.randn_like(copy.lm_head.weight) * std)
+    return copy.eval()

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import noisy_output_copy, save_tiny_model_files
 
 from kvscope.engine.sample.sampler import sample
 from kvscope.engine.sample.sampling_params import SamplingParams
@@ -107,15 +108,8 @@ def peaked_draft(peaked_model, tmp_path_factory):
     """The peaked model with noise on its output projection: a draft model whose q differs
     from the target's p, so its proposals are accepted sometimes, not always."""
     folder, target = peaked_model
-    draft = type(target)(target.config)
-    draft.load_state_dict(target.state_dict())
-    torch.manual_seed(4)
-    with torch.no_grad():
-        draft.lm_head.weight.add_(torch.randn_like(draft.lm_head.weight) * 0.25)
     draft_folder = tmp_path_factory.mktemp("peaked-draft")
-    for item in folder.iterdir():
-        shutil.copy(item, draft_folder)
-    draft.save_pretrained(draft_folder)
+    save_tiny_model_files(noisy_output_copy(target, std=0.15, seed=4), draft_folder)
     return draft_folder
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_VOCAB_SIZE, save_tiny_model_files
+from conftest import TINY_VOCAB_SIZE, noisy_output_copy, save_tiny_model_files
 from test_spec_decode import GREEDY, MIXED, PRESSURED, PROMPTS, SHORT_PROMPTS, drafted, token_ids
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -43,14 +43,9 @@ def small_draft(tmp_path_factory) -> Path:
 def noisy_draft(tiny_model, tmp_path_factory) -> Path:
     """The target's weights with noise on its output projection: it agrees with the
     target on some tokens and not on others, so proposals are both accepted and rejected."""
-    target = tiny_model("llama").hf_model
-    model = type(target)(target.config)
-    model.load_state_dict(target.state_dict())
-    torch.manual_seed(3)
-    with torch.no_grad():
-        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight) * 0.005)
     folder = tmp_path_factory.mktemp("draft-noisy")
-    save_tiny_model_files(model.eval(), folder)
+    save_tiny_model_files(noisy_output_copy(tiny_model("llama").hf_model, std=0.005, seed=3),
+                          folder)
     return folder
 
 
