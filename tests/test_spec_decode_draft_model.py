@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.worker.model_runner import ModelRunner
 
 EAGER = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0}
 
@@ -205,3 +206,43 @@ def test_the_timeline_marks_each_steps_proposed_accepted_and_rejected_tokens(
     without = request_timeline(run_engine(make_engine("llama", block_size=4), PROMPTS[:2],
                                           GREEDY).records)
     assert "speculation" not in [t["name"] for t in without["data"]]
+
+
+def test_a_reconfigured_engine_keeps_the_target_and_loads_its_draft_afresh(
+        small_draft, copy_draft, make_engine, run_engine):
+    """A reconfigure hands the new core the old one's executor (engine.frontend)."""
+    first = make_engine("llama", block_size=4, speculative_config=draft_config(small_draft))
+    target = first.runner.target
+    config = first.config.with_changes(speculative_config=draft_config(copy_draft))
+    second = EngineCore(config, runner=first.runner)
+    assert second.runner.target is target
+    assert second.runner.proposer.runner.model_path == copy_draft
+    proposed, accepted = drafted(run_engine(second, PROMPTS[:2], GREEDY))
+    assert proposed > 0 and accepted == proposed
+    third = EngineCore(config.with_changes(speculative_config=None), runner=second.runner)
+    assert third.runner is target
+
+
+def test_in_bfloat16_a_copy_of_the_target_has_every_proposal_accepted(tiny_model, run_engine):
+    """One bf16 stream on the C++ decoder stack: the draft's one-token forwards compute
+    bit for bit what the target's verification rows do, so greedy output is equal to
+    speculation off and a copy of the target as the draft is never rejected."""
+    path = tiny_model("llama").path
+    config = EngineConfig(model=str(path), dtype="bfloat16", device="cpu",
+                          device_memory_gb=0.05, block_size=16)
+    runner = ModelRunner(config)
+    for prompt in SHORT_PROMPTS[2:4]:
+        off = run_engine(EngineCore(config, runner=runner), [prompt], GREEDY)
+        on = run_engine(EngineCore(config.with_changes(
+            speculative_config=draft_config(path, k=4)), runner=runner), [prompt], GREEDY)
+        assert token_ids(on) == token_ids(off)
+        proposed, accepted = drafted(on)
+        assert proposed > 0 and accepted == proposed
+
+
+def test_a_draft_reading_what_the_targets_window_frees_is_refused(small_draft, tiny_model):
+    with pytest.raises(ValueError, match=r"speculative_config\.model=.*sliding window of 8 "
+                                         r"tokens and are freed, but the draft attends to every"):
+        EngineCore(EngineConfig(model=str(tiny_model("mistral-window").path), dtype="float32",
+                                device="cpu", device_memory_gb=0.05,
+                                speculative_config=draft_config(small_draft)))
