@@ -7,13 +7,23 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_VOCAB_SIZE, noisy_output_copy, save_tiny_model_files
-from test_spec_decode import GREEDY, MIXED, PRESSURED, PROMPTS, SHORT_PROMPTS, drafted, token_ids
+from test_spec_decode import (
+    FEATURES,
+    GREEDY,
+    MIXED,
+    PRESSURED,
+    PROMPTS,
+    SHORT_PROMPTS,
+    drafted,
+    token_ids,
+)
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 
 EAGER = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0}
@@ -127,6 +137,39 @@ def test_a_cached_prefix_carries_the_drafts_kv(copy_draft, make_engine, run_engi
     assert token_ids(second) == token_ids(first)
     proposed, accepted = drafted(second)
     assert proposed > 0 and accepted == proposed
+
+
+@pytest.mark.parametrize("knobs", FEATURES.values(), ids=FEATURES)
+def test_sampling_features_apply_to_a_drafts_proposals(knobs, noisy_draft, make_engine,
+                                                       run_engine):
+    params = SamplingParams(temperature=0, max_tokens=40, **knobs)
+    off = run_engine(make_engine("llama", block_size=4), PROMPTS, params)
+    on = run_engine(make_engine("llama", block_size=4,
+                                speculative_config=draft_config(noisy_draft)), PROMPTS, params)
+
+    assert token_ids(on) == token_ids(off)
+    assert [[(c.text, c.finish_reason, c.logprobs and [sorted(e) for e in c.logprobs])
+             for c in o.outputs] for o in on.outputs] == \
+        [[(c.text, c.finish_reason, c.logprobs and [sorted(e) for e in c.logprobs])
+          for c in o.outputs] for o in off.outputs]
+    assert drafted(on)[0] > 0  # (the draft knows no logit bias: there all are rejected)
+
+
+def test_greedy_requests_beside_sampled_ones_keep_their_output(noisy_draft, make_engine,
+                                                               run_engine):
+    """Sampled requests' proposals carry their q; greedy ones beside them in the same
+    verification rows carry none, and stay equal to speculation off."""
+    sampled = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)
+    params = [GREEDY, sampled] * 3
+    off = run_engine(make_engine("llama", block_size=4), PROMPTS, params)
+    on = run_engine(make_engine("llama", block_size=4,
+                                speculative_config=draft_config(noisy_draft)), PROMPTS, params)
+
+    assert token_ids(on)[::2] == token_ids(off)[::2]
+    assert all(len(c.token_ids) == 40 for o in on.outputs for c in o.outputs)
+    sampled_drafts = [d for r in on.records for d in r.spec_drafts
+                      if d[0] in {o.request_id for o in on.outputs[1::2]}]
+    assert sum(d[1] for d in sampled_drafts) > 0 and sum(d[2] for d in sampled_drafts) > 0
 
 
 def test_beam_search_beside_a_draft_model_is_unchanged(noisy_draft, make_engine, run_engine):
