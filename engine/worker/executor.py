@@ -4,6 +4,8 @@ ModelRunner (model_runner.py) is the executor that serves: weights, KV tensors, 
 that returns logits. The replay simulator's SimulatedRunner (engine/replay) is the other:
 the same scheduler, KV-cache manager and block pool drive it, but it has no weights and no
 KV tensors, and instead of logits it returns the token of each sampling row itself.
+With a draft model (speculative decoding), engine.spec_decode.drafting_executor's
+DraftingExecutor wraps the ModelRunner: the draft's pool and forwards ride along.
 """
 
 from typing import Protocol
