@@ -289,3 +289,28 @@ def test_a_draft_reading_what_the_targets_window_frees_is_refused(small_draft, t
         EngineCore(EngineConfig(model=str(tiny_model("mistral-window").path), dtype="float32",
                                 device="cpu", device_memory_gb=0.05,
                                 speculative_config=draft_config(small_draft)))
+
+
+def test_structured_output_masks_apply_to_a_drafts_proposals(tiny_byte_level_model_path,
+                                                             run_engine):
+    """The draft (here the target itself) knows no grammar: a proposal the mask forbids
+    has probability 0 and is rejected (on this random model, about every one), and the
+    grammar advances only over tokens kept."""
+    from kvscope.engine.sample.sampling_params import StructuredOutputsParams
+
+    def engine(**knobs):
+        return EngineCore(EngineConfig(model=str(tiny_byte_level_model_path), dtype="float32",
+                                       device="cpu", device_memory_gb=0.05, max_model_len=256,
+                                       **knobs))
+
+    prompts = ["codes: ab-123, ab-123, ab-124, ab-1", "ab-123, ab-12"]
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=(
+        StructuredOutputsParams(regex=r"(ab-\d{3}, ){2,4}")))
+    off = run_engine(engine(), prompts, params)
+    on = run_engine(engine(speculative_config=draft_config(tiny_byte_level_model_path)),
+                    prompts, params)
+
+    assert [c.text for o in on.outputs for c in o.outputs] == \
+        [c.text for o in off.outputs for c in o.outputs]
+    assert token_ids(on) == token_ids(off)
+    assert drafted(on)[0] > 0
