@@ -16,6 +16,10 @@ default model: output tokens/s, acceptance rate and tokens per verifying forward
             without speculation. --draft-copy also runs the target as its own draft
             (every greedy proposal accepted where the rows compute alike: an upper bound
             for acceptance at the cost of a draft as large as the target)
+  rows      what a verification costs: the target's forward over r query tokens of one
+            sequence (r = 1, 2, 3, 5, 9: k + 1 for k = 0, 1, 2, 4, 8) at position 400, its
+            median time against one row's, alternated so drifts of a shared machine hit
+            every r alike
 
 Every workload's greedy outputs are compared with speculation off and on
 (outputs_equal). On the C++ kernels each row of a verification chunk computes bit for bit
@@ -52,7 +56,8 @@ from kvscope import LLM, SamplingParams  # noqa: E402
 from kvscope.engine.spec_decode.metrics import SpecDecodingStats  # noqa: E402
 
 logger = logging.getLogger("bench.speculative")
-WORKLOADS = ("copy", "chat", "throughput")  # and "draft", on request
+WORKLOADS = ("copy", "chat", "throughput")  # and "draft" and "rows", on request
+VERIFY_ROWS = (1, 2, 3, 5, 9)
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 TASKS = (
     "Text:\n{text}\n\nThe same text, copied exactly:\n{start}",
@@ -219,6 +224,23 @@ def draft_costs(args, off: LLM, prompts) -> dict:
     return report
 
 
+def verification_rows(runner, repeats: int = 25, position: int = 400) -> dict:
+    """Median forward time of r rows of one sequence (with their logits), and its ratio to
+    one row's: what verifying k = r - 1 proposals costs against a decode."""
+    table = list(range(-(-(position + max(VERIFY_ROWS)) // runner.block_size)))
+    seconds: dict[int, list[float]] = {rows: [] for rows in VERIFY_ROWS}
+    for _ in range(repeats):
+        for rows in VERIFY_ROWS:
+            started = time.perf_counter()
+            runner.forward_rows([(position, position + rows, table)], [[100] * rows],
+                                list(range(rows)))
+            seconds[rows].append(time.perf_counter() - started)
+    one = statistics.median(seconds[1])
+    return {rows: {"median_ms": round(1e3 * statistics.median(values), 2),
+                   "vs_one_row": round(statistics.median(values) / one, 3)}
+            for rows, values in seconds.items()}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
@@ -280,6 +302,8 @@ def main(argv=None) -> None:
         result = compare("throughput", engines, workload.prompts, params, False)
         result["workload"] = workload.describe(defaults)
         report["results"]["throughput"] = result
+    if "rows" in workloads:
+        report["results"]["rows"] = verification_rows(runner)
     if "draft" in workloads:
         report["results"]["draft"] = draft_costs(
             args, engines["off"], copy_prompts(tokenizer, args.num_copy_prompts))
