@@ -11,8 +11,10 @@ from conftest import SLIDING_WINDOW_ARCHITECTURES, TINY_WINDOW, transformers_gre
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.core.kv_groups import kv_cache_groups
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
+from kvscope.engine.worker.models.attention import layer_windows
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -96,9 +98,12 @@ def test_greedy_matches_transformers_with_chunked_prefill(arch, make_engine, run
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("arch", SLIDING_WINDOW_ARCHITECTURES)
 def test_greedy_matches_transformers_under_preemption(arch, preemption_mode, make_engine,
-                                                      run_engine, expected):
-    engine = make_engine(arch, block_size=4, num_gpu_blocks_override=14, max_model_len=48,
-                         max_num_batched_tokens=64, preemption_mode=preemption_mode)
+                                                      tiny_model, run_engine, expected):
+    # 14 blocks per KV cache group: a pool too small for the four prompts at once.
+    groups = kv_cache_groups(layer_windows(tiny_model(arch).hf_model.config))
+    engine = make_engine(arch, block_size=4, num_gpu_blocks_override=14 * len(groups),
+                         max_model_len=48, max_num_batched_tokens=64,
+                         preemption_mode=preemption_mode)
     run = run_engine(engine, PROMPTS, GREEDY)
 
     assert engine.scheduler.num_preemptions > 0
@@ -148,4 +153,5 @@ def test_gemma3_for_conditional_generation_serves_its_language_model(tmp_path, r
                                    min_new_tokens=MAX_TOKENS, do_sample=False
                                    )[0, len(prompt):].tolist() for prompt in PROMPTS]
     assert _token_ids(run) == expected
-    assert engine.runner.sliding_window is None  # a global layer: every block is kept
+    # Gemma 3's two sliding layers and its global one: a block table each.
+    assert engine.runner.group_windows == (TINY_WINDOW, TINY_WINDOW, None)
