@@ -248,3 +248,46 @@ def test_a_prefix_whose_oldest_blocks_were_evicted_still_hits_within_the_window(
     assert admit(manager, again)
     assert again.block_table[:5] == [RELEASED] * 5
     check_pool_invariants(manager.pool, [filler, again])
+
+
+def test_the_dashboard_draws_each_groups_table_and_tells_the_groups_apart(make_engine):
+    """Gemma 3 (two sliding groups, one full): a block-table row per group, the sliding
+    rows' old entries freed, the full row's kept; the heatmap marks each kind of group on
+    the blocks it holds; the full-attention line counts the freed entries."""
+    from kvscope.engine.telemetry.pool_recorder import mirror_of
+    from kvscope.ui.figures import block_table_map, compare_memory, pool_heatmap
+
+    engine = make_engine("gemma3", block_size=2)
+    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    mirror = mirror_of(engine)
+    assert mirror.group_windows == [TINY_WINDOW, TINY_WINDOW, None]
+    groups = mirror.block_groups()
+    for group in range(3):
+        held = [b for b in engine.kv_cache.group_table(seq, group) if b != RELEASED]
+        assert set(groups[held].tolist()) == {group}
+
+    table = block_table_map(mirror)["data"][0]
+    labels = table["y"]
+    assert [label.split("· ")[-1] for label in labels] == [
+        f"group 0: window {TINY_WINDOW}", f"group 1: window {TINY_WINDOW}", "group 2: full"]
+    first_cells = [row[0] for row in table["text"]]
+    assert first_cells[:2] == ["freed", "freed"] and first_cells[2] != "freed"
+
+    # One cell per block (the first 256, where the pool handed out these blocks).
+    assert max(seq.block_table) < 256
+    markers = {trace["name"]: trace for trace in pool_heatmap(
+        mirror, view="block range", start=0, stop=256)["data"]
+               if trace.get("name", "").endswith(("groups", f"(W={TINY_WINDOW})"))}
+    full, sliding = (markers["full-attention groups"],
+                     markers[f"sliding-window groups (W={TINY_WINDOW})"])
+    assert len(full["x"]) == len(engine.kv_cache.held_blocks(engine.kv_cache.group_table(seq, 2)))
+    assert len(sliding["x"]) == sum(len(engine.kv_cache.held_blocks(
+        engine.kv_cache.group_table(seq, group))) for group in (0, 1))
+    comparison = compare_memory(mirror)
+    assert comparison.full_attention_reserved_tokens == (
+        comparison.paged_reserved_tokens + 2 * 2 * seq.num_released_blocks)
+    while engine.has_unfinished_requests():
+        engine.step()
