@@ -197,8 +197,18 @@ def test_an_engine_with_a_full_attention_layer_frees_only_the_sliding_groups(arc
     assert seen > 0 and kv.pool.num_used_blocks == 0
 
 
-def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
+def _decoding(engine, steps: int):
+    """The engine a few steps into one 29-token prompt: (engine, its sequence, a mirror)."""
     from kvscope.engine.telemetry.pool_recorder import mirror_of
+
+    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    return engine, seq, mirror_of(engine)
+
+
+def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
     from kvscope.ui.figures import (
         _shown_columns,
         block_table_map,
@@ -207,12 +217,7 @@ def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
         table_columns,
     )
 
-    engine = make_engine("mistral-window", block_size=2)
-    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
-    for _ in range(6):
-        engine.step()
-    (seq,) = engine.scheduler.running
-    mirror = mirror_of(engine)
+    engine, seq, mirror = _decoding(make_engine("mistral-window", block_size=2), steps=6)
     assert mirror.blocks_released_by_window == seq.num_released_blocks > 0
     comparison = compare_memory(mirror)
     assert comparison.full_attention_reserved_tokens == (
@@ -254,15 +259,9 @@ def test_the_dashboard_draws_each_groups_table_and_tells_the_groups_apart(make_e
     """Gemma 3 (two sliding groups, one full): a block-table row per group, the sliding
     rows' old entries freed, the full row's kept; the heatmap marks each kind of group on
     the blocks it holds; the full-attention line counts the freed entries."""
-    from kvscope.engine.telemetry.pool_recorder import mirror_of
     from kvscope.ui.figures import block_table_map, compare_memory, pool_heatmap
 
-    engine = make_engine("gemma3", block_size=2)
-    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
-    for _ in range(4):
-        engine.step()
-    (seq,) = engine.scheduler.running
-    mirror = mirror_of(engine)
+    engine, seq, mirror = _decoding(make_engine("gemma3", block_size=2), steps=4)
     assert mirror.group_windows == [TINY_WINDOW, TINY_WINDOW, None]
     groups = mirror.block_groups()
     for group in range(3):
