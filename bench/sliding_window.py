@@ -1,10 +1,12 @@
 """Sliding windows on a Gemma-3-1B-shaped model (random weights, bf16): what they save.
 
 Prints JSON:
-- `memory`: concurrent max-length sequences the engine's memory plan fits in the same
-  pool, with the KV manager's window rule (MemoryPlan.max_concurrency) against full
-  attention, for this Gemma 3 shape and for the same shape with every layer windowed (a
-  Mistral-like model, where the manager frees out-of-window blocks).
+- `memory`: concurrent max-length sequences in the same KV cache bytes, Gemma 3's KV cache
+  groups (one full, six sliding; engine.core.kv_groups) against full attention: the
+  engine's memory plan (MemoryPlan.max_concurrency), and the sequences the real
+  KVCacheManager admits at once when each is prefilled in chunks and then decodes (its
+  sliding groups freeing what leaves their window between chunks); and the plan for the
+  same shape with every layer windowed (a Mistral-like model).
 - `decode`: one decode step (the whole model's forward over `--batch` sequences at
   `--context` tokens of KV) with Gemma 3's windows against the same weights with every
   layer global; and the step's share of the weight-bandwidth limit (weights + KV read per
@@ -28,10 +30,14 @@ import torch
 from transformers import Gemma3TextConfig
 
 from kvscope import kernels
-from kvscope.engine.worker.memory import plan_blocks
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.kv_groups import KVCacheGroup, kv_cache_groups, layers_per_block
+from kvscope.engine.core.request import Request, Sequence
+from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.worker.memory import MemoryPlan, plan_blocks
 from kvscope.engine.worker.memory_bandwidth import weights_read_bandwidth
 from kvscope.engine.worker.model_runner import default_dtype
-from kvscope.engine.worker.models.attention import AttentionMetadata
+from kvscope.engine.worker.models.attention import AttentionMetadata, layer_windows
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.gemma import GemmaForCausalLM
 
@@ -47,24 +53,54 @@ def gemma3_1b_config(context: int) -> Gemma3TextConfig:
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def concurrency(config: Gemma3TextConfig, context: int, block_size: int,
-                pool_gib: float) -> dict:
-    """Max-length sequences the memory plan fits in `pool_gib` of KV cache."""
-    bytes_per_block = (2 * config.num_hidden_layers * block_size * config.num_key_value_heads
-                       * config.head_dim * 2)
+def concurrency(config: Gemma3TextConfig, context: int, block_size: int, pool_gib: float,
+                chunk: int) -> dict:
+    """Max-length sequences `pool_gib` of KV cache holds: planned, and admitted."""
+    layer_bytes = 2 * block_size * config.num_key_value_heads * config.head_dim * 2  # bf16
 
-    def plan(window):
-        return plan_blocks(int(pool_gib * GiB), 1.0, 0, 0, bytes_per_block, block_size,
-                           context, sliding_window=window).max_concurrency
+    def plan(groups: list[KVCacheGroup]) -> MemoryPlan:
+        return plan_blocks(int(pool_gib * GiB), 1.0, 0, 0, layers_per_block(groups) * layer_bytes,
+                           block_size, context, groups=tuple(groups))
 
-    full, windowed = plan(None), plan(config.sliding_window)
-    # A model mixing global and windowed layers keeps every block (ModelRunner.sliding_window
-    # is None for it): Gemma 3 fits what full attention fits. One whose layers all share
-    # the window frees what leaves it.
+    layers = range(config.num_hidden_layers)
+    full = plan([KVCacheGroup(None, tuple(layers))])
+    hybrid = plan(kv_cache_groups(layer_windows(config)))
+    windowed = plan([KVCacheGroup(config.sliding_window, tuple(layers))])
+    admitted_full, admitted_hybrid = admitted(full, chunk), admitted(hybrid, chunk)
     return {"pool_gib": pool_gib, "block_size": block_size, "max_model_len": context,
-            "full_attention_seqs": full, "gemma3_hybrid_seqs": full,
-            "gemma3_hybrid_vs_full": 1.0, "all_layers_windowed_seqs": windowed,
-            "all_layers_windowed_vs_full": windowed / full}
+            "prefill_chunk": chunk, "kv_cache_groups": len(hybrid.groups),
+            "layers_per_block": layers_per_block(hybrid.groups),
+            "planned_full_attention_seqs": full.max_concurrency,
+            "planned_gemma3_hybrid_seqs": hybrid.max_concurrency,
+            "planned_gemma3_hybrid_vs_full": hybrid.max_concurrency / full.max_concurrency,
+            "admitted_full_attention_seqs": admitted_full,
+            "admitted_gemma3_hybrid_seqs": admitted_hybrid,
+            "admitted_gemma3_hybrid_vs_full": admitted_hybrid / admitted_full,
+            "planned_all_layers_windowed_seqs": windowed.max_concurrency,
+            "planned_all_layers_windowed_vs_full": windowed.max_concurrency / full.max_concurrency}
+
+
+def admitted(plan: MemoryPlan, chunk: int) -> int:
+    """Sequences of max_model_len - 1 prompt tokens plus one decode the KV manager holds at
+    once: each is prefilled `chunk` tokens a step (as chunked prefill does), then decodes
+    its last token, until the pool refuses one's next chunk."""
+    manager = KVCacheManager(plan.num_blocks, plan.block_size, enable_caching=False,
+                             group_windows=plan.group_windows)
+    count = 0
+    while True:
+        request = Request(str(count), None, [0] * (plan.max_model_len - 1), SamplingParams())
+        seq = Sequence(request.request_id, request, 0, list(request.prompt_token_ids),
+                       len(request.prompt_token_ids))
+        while seq.num_computed_tokens < seq.num_tokens:
+            step = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+            if manager.allocate_slots(seq, step) is None:
+                return count
+            seq.num_computed_tokens += step
+        seq.token_ids.append(0)
+        if manager.allocate_slots(seq, 1) is None:
+            return count
+        seq.num_computed_tokens += 1
+        count += 1
 
 
 def decode_inputs(batch: int, context: int, block_size: int):
@@ -73,8 +109,9 @@ def decode_inputs(batch: int, context: int, block_size: int):
     tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, -1)
     position = context - 1
     slots = tables[:, position // block_size].long() * block_size + position % block_size
+    # One KV cache group: every layer reads these tables (the step's work is the same).
     meta = AttentionMetadata(
-        slot_mapping=slots, block_tables=tables,
+        slot_mapping=slots[None], block_tables=tables[None],
         seq_lens=torch.full((batch,), context, dtype=torch.int32),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32))
     return (torch.randint(0, 1000, (batch,)), torch.full((batch,), position),
@@ -100,12 +137,20 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--pool-gib", type=float, default=4.0)
+    parser.add_argument("--prefill-chunk", type=int, default=2048,
+                        help="tokens of a prompt prefilled per step when counting admissions")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="count sequences only; skip the decode timing")
     args = parser.parse_args(argv)
 
     config = gemma3_1b_config(args.context)
     result = {"model": "Gemma-3-1B-shaped, random weights, bf16", "threads":
               torch.get_num_threads(),
-              "memory": concurrency(config, args.context, args.block_size, args.pool_gib)}
+              "memory": concurrency(config, args.context, args.block_size, args.pool_gib,
+                                    args.prefill_chunk)}
+    if args.memory_only:
+        print(json.dumps(result, indent=2))
+        return
 
     ops = kernels.select_ops("cpu")
     with default_dtype(torch.bfloat16):

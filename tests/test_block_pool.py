@@ -125,28 +125,31 @@ class BlockPoolMachine(RuleBasedStateMachine):
     what the device's K/V slots hold, written as the engine writes them."""
 
     sequences = Bundle("sequences")
-    sliding_window: int | None = None
+    group_windows: tuple[int | None, ...] = (None,)  # the KV cache groups' windows
+    num_blocks = 12
 
     def __init__(self) -> None:
         super().__init__()
-        self.replay = EventReplay(12)
-        self.manager = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True,
-                                      emit=self.replay.apply,
-                                      sliding_window=self.sliding_window)
+        self.replay = EventReplay(self.num_blocks)
+        self.manager = KVCacheManager(num_blocks=self.num_blocks, block_size=4,
+                                      enable_caching=True, emit=self.replay.apply,
+                                      group_windows=self.group_windows)
         self.live: list[Sequence] = []
         self.decoding: set[int] = set()  # ids of sequences whose last step was a decode
-        self.slots = [[None] * 4 for _ in range(12)]
+        self.slots = [[None] * 4 for _ in range(self.num_blocks)]
 
     def write(self, seq: Sequence, start: int, tokens: list[int],
               copies: list[tuple[int, int]] = ()) -> None:
         """A step's device work: copy-on-write copies, then K/V for tokens from `start`
-        (each into a block this sequence alone holds)."""
+        (each into a block this sequence alone holds, in every KV cache group)."""
         for source, target in copies:
             self.slots[target] = list(self.slots[source])
+        groups = self.manager.num_groups
         for position, token in enumerate(tokens, start):
-            block = seq.block_table[position // 4]
-            assert self.manager.pool.blocks[block].ref_count == 1
-            self.slots[block][position % 4] = token
+            for group in range(groups):
+                block = seq.block_table[position // 4 * groups + group]
+                assert self.manager.pool.blocks[block].ref_count == 1
+                self.slots[block][position % 4] = token
 
     @rule(target=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=14))
     def allocate(self, tokens):
@@ -198,7 +201,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         # on held blocks applies again after the next plain decode.
         self.decoding.discard(id(seq))
         # No block holds only rejected tokens.
-        assert len(seq.block_table) == self.manager.blocks_needed(seq.num_computed_tokens)
+        assert len(seq.block_table) == self.manager.pool_blocks_needed(seq.num_computed_tokens)
 
     @rule(target=sequences, parent=sequences)
     def fork(self, parent):
@@ -258,21 +261,39 @@ class WindowedBlockPoolMachine(BlockPoolMachine):
     the window (and return to the pool) while sequences decode, forks share tables that
     hold released entries, prefix hits adopt only the window's blocks."""
 
-    sliding_window = 6
+    group_windows = (6,)
 
     @invariant()
     def sequences_hold_only_their_window(self):
-        bound = -(-self.sliding_window // 4) + 1
+        manager = self.manager
         for seq in self.live:
             released = seq.num_released_blocks
-            assert all(b == RELEASED for b in seq.block_table[:released])
-            assert all(b != RELEASED for b in seq.block_table[released:])
-            if id(seq) in self.decoding:
-                assert len(seq.block_table) - released <= bound
+            for group, window in enumerate(self.group_windows):
+                table = manager.group_table(seq, group)
+                if window is None:  # a full group keeps every block
+                    assert RELEASED not in table
+                    continue
+                assert all(b == RELEASED for b in table[:released])
+                assert all(b != RELEASED for b in table[released:])
+                if id(seq) in self.decoding:
+                    assert len(table) - released <= -(-window // 4) + 1
 
 
 WindowedBlockPoolMachine.TestCase.settings = BlockPoolMachine.TestCase.settings
 test_windowed_block_pool_invariants = WindowedBlockPoolMachine.TestCase
+
+
+class HybridBlockPoolMachine(WindowedBlockPoolMachine):
+    """A full group beside two sliding groups in one pool (Gemma's layout): the sliding
+    groups free their blocks while the full group keeps all, in tables interleaved by
+    position; prefix hits need the full group's whole prefix and the window's blocks."""
+
+    group_windows = (None, 6, 6)
+    num_blocks = 24
+
+
+HybridBlockPoolMachine.TestCase.settings = BlockPoolMachine.TestCase.settings
+test_hybrid_block_pool_invariants = HybridBlockPoolMachine.TestCase
 
 
 # ---- LRU order and prefix hits ----------------------------------------------------------
@@ -311,13 +332,14 @@ def test_cached_free_blocks_are_evicted_least_recently_freed_first():
     assert admit(manager, c)
     # a was freed first, and within a its last block goes before its first.
     assert c.block_table == [a_blocks[1]]
-    assert [b.block_id for b in manager.find_cached_prefix(make_sequence(
+    # (one block per position: a single KV cache group)
+    assert [b.block_id for (b,) in manager.find_cached_prefix(make_sequence(
         full_blocks(1, 2) + [0]))] == [a_blocks[0]]
     d = make_sequence(full_blocks(6))
     assert admit(manager, d)
     assert d.block_table == [a_blocks[0]]
     # b's blocks survived both evictions.
-    assert [blk.block_id for blk in manager.find_cached_prefix(make_sequence(
+    assert [blk.block_id for (blk,) in manager.find_cached_prefix(make_sequence(
         full_blocks(3, 4) + [0]))] == b_blocks
 
 
@@ -331,7 +353,7 @@ def test_prefix_hit_revives_a_cached_free_block():
 
     again = make_sequence(full_blocks(1, 2) + [8, 9])
     hits = manager.find_cached_prefix(again)
-    assert [block.block_id for block in hits] == a_blocks[:2]
+    assert [block.block_id for (block,) in hits] == a_blocks[:2]
     assert manager.allocate_slots(again, 2, hits) is not None
     assert again.block_table[:2] == a_blocks[:2]
     assert again.num_computed_tokens == 2 * BLOCK

@@ -52,6 +52,37 @@ def open_page(browser, url: str):
     return page
 
 
+class KeptRunning:
+    """A request submitted again, under the same id, each time it finishes, until the block
+    ends: a test that polls for a request's live state then cannot miss it on a fast or a
+    loaded machine (a tiny model's 150 tokens can finish between two polls)."""
+
+    def __init__(self, engine, prompt: str, params: SamplingParams,
+                 request_id: str | None = None) -> None:
+        import threading
+
+        self.runs = 0
+        self._stop = threading.Event()
+        self._stream = None
+
+        def keep() -> None:
+            while not self._stop.is_set():
+                self._stream = engine.submit(prompt, params, request_id=request_id)
+                list(self._stream)
+                self.runs += 1
+        self._thread = threading.Thread(target=keep, daemon=True)
+
+    def __enter__(self) -> "KeptRunning":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._stream is not None:
+            self._stream.abort()
+        self._thread.join(timeout=30)
+
+
 class Ticks:
     """The live poller's refreshes of a page (ui/live_poller.js): it sends one a second,
     each only once the one before it has been answered and drawn."""
@@ -460,17 +491,14 @@ def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
         served, client: Client) -> None:
     from conftest import wait_until
 
-    stream = served[0].submit("two samples", SamplingParams(n=2, max_tokens=150,
-                                                            ignore_eos=True))
     summaries = []
 
     def two_sequences() -> bool:
         summaries.append(client.predict(api_name="/refresh_live")[0])
         return "running</strong> 2 sequences (1 request)" in summaries[-1]
-    try:
+    with KeptRunning(served[0], "two samples", SamplingParams(n=2, max_tokens=150,
+                                                             ignore_eos=True)):
         wait_until(two_sequences, timeout=30, what="the n=2 request in the summary")
-    finally:
-        stream.abort()
     assert "blocks in use</strong>" in summaries[-1]
     assert "num_requests_running and num_requests_waiting count requests" in summaries[-1]
 
@@ -480,27 +508,29 @@ def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
     from conftest import wait_until
 
     engine = served[0]
-    followed = engine.submit("follow me " * 6, SamplingParams(max_tokens=150, ignore_eos=True))
-    other = engine.submit("not me " * 6, SamplingParams(max_tokens=150, ignore_eos=True))
-    request_id = followed.request_id
+    request_id = "follow-me"
+    followed = KeptRunning(engine, "follow me " * 6,
+                           SamplingParams(max_tokens=150, ignore_eos=True), request_id)
+    other = KeptRunning(engine, "not me " * 6, SamplingParams(max_tokens=150, ignore_eos=True),
+                        "not-me")
     panels: list = []
     held: set[int] = set()
 
     def drawn() -> bool:
-        """Drawn while both hold blocks, and the followed one still held them just after
-        (a decode only adds blocks, so the drawn outline is within what it holds then)."""
+        """Drawn while both hold blocks, and the same run of the followed request still held
+        them just after (a decode only adds blocks, so the drawn outline is within what it
+        holds then)."""
+        run = followed.runs
         panels[:] = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0,
                                    request_id, api_name="/refresh_live")
         held.clear()
         held.update(block for seq in engine.snapshot().sequences
                     if seq.request_id == request_id for block in seq.block_table)
         tables = json.loads(panels[2]["plot"])["data"]
-        return bool(tables) and len(tables[0].get("y") or []) == 2 and bool(held)
-    try:
+        return (bool(tables) and len(tables[0].get("y") or []) == 2 and bool(held)
+                and followed.runs == run)
+    with followed, other:
         wait_until(drawn, timeout=30, what="both requests holding blocks")
-    finally:
-        followed.abort()
-        other.abort()
     heatmap = json.loads(panels[1]["plot"])
     outline = [trace for trace in heatmap["data"] if trace.get("name") == request_id]
     assert len(outline) == 1 and outline[0]["x"]

@@ -1,12 +1,14 @@
-"""The KV manager with a sliding window: blocks that leave the window are freed while the
-sequence runs, a decoding sequence holds at most ceil(W / block_size) + 1 blocks, and the
-freed blocks stay in the prefix cache; the memory plan counts sequences by that bound."""
+"""The KV manager with sliding windows: a sliding group's blocks that leave the window are
+freed while the sequence runs (a full group beside it keeps all), a decoding sequence holds
+at most ceil(W / block_size) + 1 blocks per sliding group, and the freed blocks stay in the
+prefix cache; the memory plan counts sequences by that bound, group by group."""
 
 import pytest
 from conftest import TINY_WINDOW, make_sequence
 from test_block_pool import admit, check_pool_invariants
 
 from kvscope.engine.core.kv_cache_manager import RELEASED, KVCacheManager
+from kvscope.engine.core.kv_groups import KVCacheGroup, kv_cache_groups
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import plan_blocks
 
@@ -23,19 +25,33 @@ def decode(manager: KVCacheManager, seq, count: int) -> list[int]:
     return held
 
 
+@pytest.mark.parametrize("layout", ["sliding", "hybrid"])
 @pytest.mark.parametrize(("window", "block_size"), [(8, 2), (8, 4), (6, 4), (5, 1), (16, 16)])
-def test_a_decoding_sequence_holds_its_window_not_its_length(window, block_size):
-    manager = KVCacheManager(num_blocks=64, block_size=block_size, sliding_window=window)
+def test_a_decoding_sequence_holds_its_window_not_its_length(window, block_size, layout):
+    """Alone, or beside a full group (which keeps a block per position), a sliding group's
+    table holds at most ceil(W / block_size) + 1 blocks at every decode step."""
+    groups = (window,) if layout == "sliding" else (window, None, window)
+    manager = KVCacheManager(num_blocks=256, block_size=block_size, group_windows=groups)
     seq = make_sequence(list(range(3 * window)))
     assert admit(manager, seq)
-    held = decode(manager, seq, 10 * window)
-
     bound = -(-window // block_size) + 1
-    assert max(held) <= bound
-    assert len(seq.block_table) == -(-seq.num_tokens // block_size)  # positions keep indexes
+    held = []
+    for _ in range(10 * window):
+        decode(manager, seq, 1)
+        held.append([len(manager.held_blocks(manager.group_table(seq, group)))
+                     for group in range(len(groups))])
+
+    positions = -(-seq.num_tokens // block_size)
+    assert len(seq.block_table) == positions * len(groups)  # positions keep indexes
     released = seq.num_released_blocks
-    assert released > 0 and seq.block_table[:released] == [RELEASED] * released
-    assert manager.pool.num_used_blocks == held[-1]
+    for group, window_of_group in enumerate(groups):
+        table = manager.group_table(seq, group)
+        if window_of_group is None:
+            assert held[-1][group] == positions and RELEASED not in table
+        else:
+            assert max(step[group] for step in held) <= bound
+            assert released > 0 and table[:released] == [RELEASED] * released
+    assert manager.pool.num_used_blocks == sum(held[-1])
     check_pool_invariants(manager.pool, [seq])
     manager.free(seq)
     assert manager.pool.num_used_blocks == 0
@@ -49,7 +65,7 @@ def test_without_a_window_every_block_stays():
 
 
 def test_released_blocks_stay_cached_and_a_later_prompt_takes_only_its_window():
-    manager = KVCacheManager(num_blocks=32, block_size=4, sliding_window=6)
+    manager = KVCacheManager(num_blocks=32, block_size=4, group_windows=(6,))
     first = make_sequence(list(range(30)))
     assert admit(manager, first)
     decode(manager, first, 4)  # the first blocks leave the window (and the pool's use)
@@ -68,18 +84,54 @@ def test_released_blocks_stay_cached_and_a_later_prompt_takes_only_its_window():
 
 
 def test_swap_out_and_in_keeps_the_released_positions():
-    manager = KVCacheManager(num_blocks=32, block_size=4, num_swap_blocks=8, sliding_window=8)
+    manager = KVCacheManager(num_blocks=64, block_size=4, num_swap_blocks=24,
+                             group_windows=(8, None))
     seq = make_sequence(list(range(30)))
     assert admit(manager, seq)
     decode(manager, seq, 2)
-    table = list(seq.block_table)
+    table, released = list(seq.block_table), seq.num_released_blocks
     copies = manager.swap_out(seq)
     assert [device for device, _ in copies] == [b for b in table if b != RELEASED]
     back = manager.swap_in(seq, 1)
     assert len(back) == len(copies)
-    assert seq.block_table[:seq.num_released_blocks] == table[:seq.num_released_blocks]
-    assert seq.num_released_blocks == table.count(RELEASED)
+    # The same entries are released (the sliding group's first ones), the full group's none.
+    assert [b == RELEASED for b in seq.block_table[:len(table)]] == [b == RELEASED for b in table]
+    assert seq.num_released_blocks == released == manager.group_table(seq, 0).count(RELEASED)
+    assert RELEASED not in manager.group_table(seq, 1)
     check_pool_invariants(manager.pool, [seq])
+
+
+def test_a_full_group_beside_sliding_ones_must_hit_its_whole_prefix():
+    """With a full group, a prefix hit needs every one of its blocks; the sliding groups
+    only the window's, and a prefix hit adopts no sliding block before the window."""
+    manager = KVCacheManager(num_blocks=64, block_size=4, group_windows=(6, None))
+    first = make_sequence(list(range(30)))
+    assert admit(manager, first)
+    decode(manager, first, 2)  # 32 tokens: 8 positions, the sliding group freed 6
+    again = make_sequence(list(range(30)))
+    prefix = manager.find_cached_prefix(again)
+    assert len(prefix) == 7
+    skipped = manager.first_kept_block(7 * 4)
+    assert all(sliding is None and full is not None for sliding, full in prefix[:skipped])
+    assert all(None not in blocks for blocks in prefix[skipped:])
+    assert admit(manager, again)
+    assert manager.group_table(again, 0)[:skipped] == [RELEASED] * skipped
+    assert RELEASED not in manager.group_table(again, 1)
+    check_pool_invariants(manager.pool, [first, again])
+
+
+def test_layers_group_by_attention_type_in_equal_sizes():
+    """vLLM's grouping: each type's layers cut into groups of the smallest type's count,
+    ordered by their first layer (Gemma 3 1B: every sixth layer global)."""
+    windows = [None if layer % 6 == 5 else 512 for layer in range(26)]
+    groups = kv_cache_groups(windows)
+    assert [group.window for group in groups] == [512, 512, None, 512, 512, 512, 512]
+    assert groups[2] == KVCacheGroup(None, (5, 11, 17, 23))
+    assert sorted(layer for group in groups for layer in group.layers) == list(range(26))
+    assert {len(group.layers) for group in groups} == {4, 2}
+    assert kv_cache_groups([None] * 3) == [KVCacheGroup(None, (0, 1, 2))]
+    with pytest.raises(ValueError, match="one window"):
+        kv_cache_groups([4, 8, None])
 
 
 def test_the_memory_plan_counts_max_length_sequences_by_the_window():
@@ -87,16 +139,32 @@ def test_the_memory_plan_counts_max_length_sequences_by_the_window():
                 peak_activation_bytes=0, bytes_per_block=1 << 20, block_size=16,
                 max_model_len=8192)
     full = plan_blocks(**args)
-    windowed = plan_blocks(**args, sliding_window=512)
+    windowed = plan_blocks(**args, groups=(KVCacheGroup(512, (0, 1)),))
     assert full.max_concurrency == 1024 / 512
     assert windowed.max_concurrency == 1024 / 33
     assert windowed.full_attention_concurrency == full.max_concurrency
-    assert "sliding window 512" in windowed.describe()
+    assert "window 512 (2 layers) 33.0 MiB" in windowed.describe()
+
+
+def test_the_memory_plan_counts_each_groups_blocks():
+    """Gemma 3 1B's layout at 8k context: blocks of 4 layers; a sequence holds 512 blocks in
+    the full group and 33 in each of six sliding ones, against 26 layers x 512 blocks
+    under full attention: 13312 / (4 x 710) = 4.69x as many sequences."""
+    groups = tuple(kv_cache_groups([None if layer % 6 == 5 else 512 for layer in range(26)]))
+    plan = plan_blocks(1 << 30, 1.0, 0, 0, 1 << 18, 16, 8192, groups=groups)
+    assert plan.group_blocks_per_max_len_seq() == [33, 33, 512, 33, 33, 33, 33]
+    assert plan.max_concurrency == 4096 / 710
+    assert plan.full_attention_concurrency == 4096 * 4 / (26 * 512)
+    assert plan.max_concurrency / plan.full_attention_concurrency == pytest.approx(4.69, abs=0.01)
+    assert "full (4 layers) 128.0 MiB" in plan.describe()
+    # The pool must hold one max_model_len prompt in all seven groups before any window frees.
+    with pytest.raises(ValueError, match="in 7 KV cache groups"):
+        plan_blocks(1 << 30, 1.0, 0, 0, 1 << 20, 16, 8192, groups=groups)
 
 
 def test_an_engine_frees_out_of_window_blocks_as_it_decodes(make_engine):
     engine = make_engine("mistral-window", block_size=2)
-    assert engine.kv_cache.sliding_window == TINY_WINDOW
+    assert engine.kv_cache.group_windows == (TINY_WINDOW,)
     engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
     held = []
     while engine.has_unfinished_requests():
@@ -107,12 +175,40 @@ def test_an_engine_frees_out_of_window_blocks_as_it_decodes(make_engine):
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
-def test_an_engine_with_a_full_attention_layer_keeps_every_block(make_engine):
-    assert make_engine("qwen2-window", block_size=2).kv_cache.sliding_window is None
+@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3", "gemma2"])
+def test_an_engine_with_a_full_attention_layer_frees_only_the_sliding_groups(arch, make_engine):
+    """Qwen2's first layer, Gemma's global layers: their group keeps every block while the
+    sliding groups hold their window."""
+    engine = make_engine(arch, block_size=2)
+    kv = engine.kv_cache
+    assert None in kv.group_windows and TINY_WINDOW in kv.group_windows
+    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+    bound, seen = -(-TINY_WINDOW // 2) + 1, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            for group, window in enumerate(kv.group_windows):
+                held = len(kv.held_blocks(kv.group_table(seq, group)))
+                if window is None:
+                    assert held == -(-seq.num_computed_tokens // 2)
+                elif seq.num_output_tokens > 1:
+                    assert held <= bound
+                    seen += 1
+    assert seen > 0 and kv.pool.num_used_blocks == 0
+
+
+def _decoding(engine, steps: int):
+    """The engine a few steps into one 29-token prompt: (engine, its sequence, a mirror)."""
+    from kvscope.engine.telemetry.pool_recorder import mirror_of
+
+    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    return engine, seq, mirror_of(engine)
 
 
 def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
-    from kvscope.engine.telemetry.pool_recorder import mirror_of
     from kvscope.ui.figures import (
         _shown_columns,
         block_table_map,
@@ -121,12 +217,7 @@ def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
         table_columns,
     )
 
-    engine = make_engine("mistral-window", block_size=2)
-    engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
-    for _ in range(6):
-        engine.step()
-    (seq,) = engine.scheduler.running
-    mirror = mirror_of(engine)
+    engine, seq, mirror = _decoding(make_engine("mistral-window", block_size=2), steps=6)
     assert mirror.blocks_released_by_window == seq.num_released_blocks > 0
     comparison = compare_memory(mirror)
     assert comparison.full_attention_reserved_tokens == (
@@ -146,7 +237,7 @@ def test_the_dashboard_draws_what_full_attention_would_hold(make_engine):
 
 
 def test_a_prefix_whose_oldest_blocks_were_evicted_still_hits_within_the_window():
-    manager = KVCacheManager(num_blocks=12, block_size=4, sliding_window=6)
+    manager = KVCacheManager(num_blocks=12, block_size=4, group_windows=(6,))
     first = make_sequence(list(range(30)))
     assert admit(manager, first)
     decode(manager, first, 2)  # 32 tokens: 8 full blocks, all hashed; the first 6 released
@@ -158,7 +249,44 @@ def test_a_prefix_whose_oldest_blocks_were_evicted_still_hits_within_the_window(
     prefix = manager.find_cached_prefix(again)
 
     assert len(prefix) == 7  # 28 of 30 tokens, though blocks 0 and 1 are gone
-    assert prefix[:2] == [None, None] and all(block is not None for block in prefix[5:])
+    assert prefix[:2] == [(None,), (None,)] and all(block is not None for (block,) in prefix[5:])
     assert admit(manager, again)
     assert again.block_table[:5] == [RELEASED] * 5
     check_pool_invariants(manager.pool, [filler, again])
+
+
+def test_the_dashboard_draws_each_groups_table_and_tells_the_groups_apart(make_engine):
+    """Gemma 3 (two sliding groups, one full): a block-table row per group, the sliding
+    rows' old entries freed, the full row's kept; the heatmap marks each kind of group on
+    the blocks it holds; the full-attention line counts the freed entries."""
+    from kvscope.ui.figures import block_table_map, compare_memory, pool_heatmap
+
+    engine, seq, mirror = _decoding(make_engine("gemma3", block_size=2), steps=4)
+    assert mirror.group_windows == [TINY_WINDOW, TINY_WINDOW, None]
+    groups = mirror.block_groups()
+    for group in range(3):
+        held = [b for b in engine.kv_cache.group_table(seq, group) if b != RELEASED]
+        assert set(groups[held].tolist()) == {group}
+
+    table = block_table_map(mirror)["data"][0]
+    labels = table["y"]
+    assert [label.split("· ")[-1] for label in labels] == [
+        f"group 0: window {TINY_WINDOW}", f"group 1: window {TINY_WINDOW}", "group 2: full"]
+    first_cells = [row[0] for row in table["text"]]
+    assert first_cells[:2] == ["freed", "freed"] and first_cells[2] != "freed"
+
+    # One cell per block (the first 256, where the pool handed out these blocks).
+    assert max(seq.block_table) < 256
+    markers = {trace["name"]: trace for trace in pool_heatmap(
+        mirror, view="block range", start=0, stop=256)["data"]
+               if trace.get("name", "").endswith(("groups", f"(W={TINY_WINDOW})"))}
+    full, sliding = (markers["full-attention groups"],
+                     markers[f"sliding-window groups (W={TINY_WINDOW})"])
+    assert len(full["x"]) == len(engine.kv_cache.held_blocks(engine.kv_cache.group_table(seq, 2)))
+    assert len(sliding["x"]) == sum(len(engine.kv_cache.held_blocks(
+        engine.kv_cache.group_table(seq, group))) for group in (0, 1))
+    comparison = compare_memory(mirror)
+    assert comparison.full_attention_reserved_tokens == (
+        comparison.paged_reserved_tokens + 2 * 2 * seq.num_released_blocks)
+    while engine.has_unfinished_requests():
+        engine.step()

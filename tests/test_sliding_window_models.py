@@ -11,8 +11,10 @@ from conftest import SLIDING_WINDOW_ARCHITECTURES, TINY_WINDOW, transformers_gre
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.core.kv_groups import kv_cache_groups
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
+from kvscope.engine.worker.models.attention import layer_windows
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -96,9 +98,12 @@ def test_greedy_matches_transformers_with_chunked_prefill(arch, make_engine, run
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("arch", SLIDING_WINDOW_ARCHITECTURES)
 def test_greedy_matches_transformers_under_preemption(arch, preemption_mode, make_engine,
-                                                      run_engine, expected):
-    engine = make_engine(arch, block_size=4, num_gpu_blocks_override=14, max_model_len=48,
-                         max_num_batched_tokens=64, preemption_mode=preemption_mode)
+                                                      tiny_model, run_engine, expected):
+    # 14 blocks per KV cache group: a pool too small for the four prompts at once.
+    groups = kv_cache_groups(layer_windows(tiny_model(arch).hf_model.config))
+    engine = make_engine(arch, block_size=4, num_gpu_blocks_override=14 * len(groups),
+                         max_model_len=48, max_num_batched_tokens=64,
+                         preemption_mode=preemption_mode)
     run = run_engine(engine, PROMPTS, GREEDY)
 
     assert engine.scheduler.num_preemptions > 0
@@ -126,6 +131,67 @@ def test_parallel_samples_fork_the_windowed_blocks(make_engine, run_engine, expe
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
+def _engine_for(path_eager: bool, make_engine, eager_engine):
+    return eager_engine if path_eager else make_engine
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize(("arch", "enforce_eager"), PATHS)
+def test_kv_cache_groups_keep_greedy_output_through_every_feature(
+        arch, enforce_eager, preemption_mode, enable_prefix_caching, make_engine, eager_engine,
+        tiny_model, run_engine, expected):
+    """Chunked prefill (chunks under the window), two greedy samples per prompt (forks and
+    copy-on-write), a pool too small for the batch (preemption), prefix caching on or off
+    and a second pass over the same prompts: every sample equals transformers', and every
+    block and swap block comes back."""
+    groups = kv_cache_groups(layer_windows(tiny_model(arch).hf_model.config))
+    engine = _engine_for(enforce_eager, make_engine, eager_engine)(
+        arch, block_size=4, num_gpu_blocks_override=12 * len(groups), max_model_len=48,
+        max_num_batched_tokens=7, preemption_mode=preemption_mode, swap_space=0.01,
+        enable_prefix_caching=enable_prefix_caching)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(2):
+        run = run_engine(engine, PROMPTS, params)
+        assert [[sample.token_ids for sample in output.outputs] for output in run.outputs] == [
+            [tokens, tokens] for tokens in expected(arch)]
+    assert engine.scheduler.num_preemptions > 0
+    if enable_prefix_caching:
+        assert engine.kv_cache.prefix_stats.hits > 0
+    assert engine.kv_cache.pool.num_used_blocks == 0
+    assert len(engine.kv_cache.free_swap_blocks) == engine.kv_cache.num_swap_blocks
+
+
+@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3"])
+def test_beam_search_over_kv_cache_groups_equals_transformers(arch, make_engine, tiny_model):
+    from test_beam_search import WIDTH, hf_beams, run_beam_search
+
+    from kvscope.engine.core.beam_search import BeamSearchParams
+
+    engine = make_engine(arch, block_size=4)
+    for prompt in PROMPTS[1:3]:
+        beams, _ = hf_beams(tiny_model(arch).hf_model, prompt, max_tokens=MAX_TOKENS)
+        output = run_beam_search(engine, prompt, BeamSearchParams(WIDTH, MAX_TOKENS))
+        assert [sample.token_ids for sample in output.outputs] == beams
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(("arch", "enforce_eager"), [("qwen2-window", False), ("gemma3", True)])
+def test_speculative_rollback_over_kv_cache_groups_keeps_greedy_output(
+        arch, enforce_eager, make_engine, eager_engine, tiny_model, run_engine):
+    """Proposals written into every group's blocks, the rejected ones rolled back."""
+    from test_spec_decode import NGRAM, drafted
+
+    prompts = [[3, 4, 5, 6] * 6, [7, 8] * 9 + [9]]  # repetitive: the n-gram proposer drafts
+    engine = _engine_for(enforce_eager, make_engine, eager_engine)(
+        arch, block_size=2, speculative_config=NGRAM)
+    run = run_engine(engine, prompts, GREEDY)
+
+    assert _token_ids(run) == transformers_greedy(tiny_model(arch).hf_model, prompts, MAX_TOKENS)
+    assert drafted(run)[0] > 0
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
 def test_gemma3_for_conditional_generation_serves_its_language_model(tmp_path, run_engine):
     """The checkpoint's vision tower is left out by name; the language model equals
     transformers' on text."""
@@ -148,4 +214,5 @@ def test_gemma3_for_conditional_generation_serves_its_language_model(tmp_path, r
                                    min_new_tokens=MAX_TOKENS, do_sample=False
                                    )[0, len(prompt):].tolist() for prompt in PROMPTS]
     assert _token_ids(run) == expected
-    assert engine.runner.sliding_window is None  # a global layer: every block is kept
+    # Gemma 3's two sliding layers and its global one: a block table each.
+    assert engine.runner.group_windows == (TINY_WINDOW, TINY_WINDOW, None)

@@ -284,8 +284,9 @@ def test_in_bfloat16_a_copy_of_the_target_has_every_proposal_accepted(tiny_model
 
 
 def test_a_draft_reading_what_the_targets_window_frees_is_refused(small_draft, tiny_model):
-    with pytest.raises(ValueError, match=r"speculative_config\.model=.*sliding window of 8 "
-                                         r"tokens and are freed, but the draft attends to every"):
+    with pytest.raises(ValueError, match=r"speculative_config\.model=.*the draft's KV cache "
+                                         r"groups \(windows \[None\]\) do not fit the "
+                                         r"target's \(\[8\]\)"):
         EngineCore(EngineConfig(model=str(tiny_model("mistral-window").path), dtype="float32",
                                 device="cpu", device_memory_gb=0.05,
                                 speculative_config=draft_config(small_draft)))

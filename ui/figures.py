@@ -146,6 +146,7 @@ def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "who
     traces, axes = (_exact_heatmap(pool, start, stop, decode) if cell == 1
                     else _aggregate_heatmap(pool, start, stop, cell))
     following = ""
+    traces.extend(_group_markers(pool, start, stop, cell))
     if follow:
         blocks = [b for b in followed_blocks(pool, follow) if start <= b < stop]
         traces.append(_outline(blocks, start, cell, follow))
@@ -166,17 +167,44 @@ def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "who
     return _figure(traces, title, height=220 + 14 * min(num_rows, 64), right=90, **axes)
 
 
-def _outline(blocks: list[int], start: int, cell: int, request_id: str) -> dict:
-    """Open squares on the cells holding `blocks`, on either heatmap's coordinates: the
-    exact one's category rows (row start ids) and columns, or the image's cell centres."""
+# How the heatmap marks the blocks of a model with full and sliding-window KV cache groups.
+GROUP_MARKERS = {"full": {"symbol": "circle", "size": 5, "color": "#1f2937"},
+                 "sliding": {"symbol": "diamond", "size": 6, "color": "#b45309"}}
+
+
+def _group_markers(pool: PoolMirror, start: int, stop: int, cell: int) -> list[dict]:
+    """For a model with both full and sliding-window groups: a small marker on each cell
+    holding blocks of each kind of group, so the heatmap tells the groups apart (the
+    sliding ones' blocks come and go as their window moves; the full ones' stay)."""
+    windows = pool.group_windows
+    kinds = {window is None for window in windows}
+    if len(kinds) < 2:
+        return []
+    groups = pool.block_groups()[start:stop]
+    traces = []
+    for full in (True, False):
+        members = [g for g, window in enumerate(windows) if (window is None) == full]
+        blocks = (np.flatnonzero(np.isin(groups, members)) + start).tolist()
+        window = next(w for w in windows if w is not None)
+        name = "full-attention groups" if full else f"sliding-window groups (W={window})"
+        traces.append(_outline(blocks, start, cell, name,
+                               GROUP_MARKERS["full" if full else "sliding"]))
+    return traces
+
+
+def _outline(blocks: list[int], start: int, cell: int, request_id: str,
+             marker: dict | None = None) -> dict:
+    """Open squares (or `marker`) on the cells holding `blocks`, on either heatmap's
+    coordinates: the exact one's category rows (row start ids) and columns, or the
+    image's cell centres."""
     cells = sorted({(block - start) // cell for block in blocks})
     columns = [index % HEATMAP_COLUMNS for index in cells]
     rows = [index // HEATMAP_COLUMNS for index in cells]
     xs = columns if cell == 1 else [column * cell for column in columns]
     ys = [start + row * cell * HEATMAP_COLUMNS for row in rows]
     return {"type": "scatter", "mode": "markers", "x": xs, "y": ys, "name": request_id,
-            "marker": {"symbol": "square-open", "size": 11, "color": "#111827",
-                       "line": {"width": 2}}, "hoverinfo": "skip"}
+            "marker": marker or {"symbol": "square-open", "size": 11, "color": "#111827",
+                                 "line": {"width": 2}}, "hoverinfo": "skip"}
 
 
 def _grid(values: np.ndarray, fill) -> np.ndarray:
@@ -291,19 +319,24 @@ def _shown_columns(length: int, limit: int) -> list[int]:
 
 def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
                     view: TableView = TableView(), follow: str = "") -> Figure:
-    """One row per sequence holding blocks: logical block index -> physical block id. The
-    followed request's rows come first, marked ▶."""
+    """One row per sequence holding blocks (per KV cache group, for a model with several:
+    each group has its own table): logical block index -> physical block id. The followed
+    request's rows come first, marked ▶."""
     sequences, num_holders, num_pages = _chosen_sequences(pool, view, follow)
     size = pool.block_size
     limit = table_columns(pool.num_blocks)
-    width = min(max((len(seq.block_table) for seq in sequences), default=0), limit)
-    codes = np.full((len(sequences), width), np.nan, np.float32)
-    refs = np.full((len(sequences), width), np.nan, np.float32)
+    windows = pool.group_windows
+    num_groups = len(windows)
+    rows = [(seq, group) for seq in sequences for group in range(num_groups)]
+    width = min(max((len(seq.block_table) // num_groups for seq in sequences), default=0),
+                limit)
+    codes = np.full((len(rows), width), np.nan, np.float32)
+    refs = np.full((len(rows), width), np.nan, np.float32)
     text, custom = [], []
     truncated = 0
     all_codes = pool.state_codes() if sequences else None
-    for row, seq in enumerate(sequences):
-        table = seq.block_table
+    for row, (seq, group) in enumerate(rows):
+        table = seq.block_table[group::num_groups]
         columns = _shown_columns(len(table), limit)
         truncated += len(columns) < len(table)
         ids = np.array([table[index] for index in columns], np.int64)
@@ -318,7 +351,9 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
         custom.append([None if b < 0 else [index, *_block_hover(pool, b, decode)[1:]]
                        for index, b in zip(columns, ids.tolist())] + [None] * (width - len(ids)))
     labels = [("▶ " if of_request(seq.seq_id, follow) else "") + f"{seq.seq_id} ({seq.status})"
-              for seq in sequences]
+              + ("" if num_groups == 1 else f" · group {group}: "
+                 + ("full" if windows[group] is None else f"window {windows[group]}"))
+              for seq, group in rows]
     traces = _state_traces(
         codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 10},
         customdata=custom, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER.replace(
@@ -341,7 +376,7 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
         title = ("Block tables: no request holds blocks right now" if not num_holders
                  else f"Block tables: none of {num_holders} sequences{filtered}")
     return _figure(traces + _state_legend(("used",)), title,
-                   height=200 + 32 * len(sequences), right=90, **axes)
+                   height=200 + 32 * len(rows), right=90, **axes)
 
 
 # ---- the prefix tree ----------------------------------------------------------------------

@@ -129,11 +129,12 @@ def planned_pool(engine: EngineView, block_size: int, utilization: float,
     refused."""
     plan, config = engine.memory_plan, engine.config
     on_cpu = engine.resolved_identity()["device"] == "cpu"
-    per_token = plan.bytes_per_block // plan.block_size  # K and V of one token, all layers
+    # K and V of one token in a block's layers (all of them, for one KV cache group)
+    per_token = plan.bytes_per_block // plan.block_size
     return plan_blocks(int(memory_gb * GiB) if on_cpu else plan.device_memory_bytes,
                        utilization, plan.weight_bytes, plan.peak_activation_bytes,
                        per_token * block_size, block_size, plan.max_model_len,
-                       config.num_gpu_blocks_override)
+                       config.num_gpu_blocks_override, plan.groups)
 
 
 def fragmentation(token_counts: list[int], block_size: int) -> tuple[int, int]:

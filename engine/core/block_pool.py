@@ -30,6 +30,19 @@ def hash_block_tokens(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes
     return digest.digest()[:16]
 
 
+def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The identity of a block's content in KV cache group `group` (engine.core.kv_groups):
+    the same tokens hold other layers' K/V in another group, so each group's blocks are
+    cached under their own hashes (vLLM keys its cache by hash and group id). Group 0 keeps
+    the tokens' own hash, and each group's hashes chain to that group's parents."""
+    if group == 0:
+        return block_hash
+    value, parent, token_ids = block_hash
+    tag = group.to_bytes(2, "little")
+    return (hashlib.sha256(value + tag).digest()[:16],
+            None if parent is None else hashlib.sha256(parent + tag).digest()[:16], token_ids)
+
+
 @dataclass(slots=True, eq=False)
 class KVBlock:
     """One physical block; the prev/next links thread it through the free queue."""

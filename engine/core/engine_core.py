@@ -61,7 +61,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
                                        self.config.enable_prefix_caching, num_swap_blocks,
                                        emit=self.events.emit,
-                                       sliding_window=self.runner.sliding_window)
+                                       group_windows=self.runner.group_windows)
         self.scheduler = Scheduler(self.config, self.kv_cache, emit=self.events.emit)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(self.runner)
@@ -133,8 +133,10 @@ class EngineCore:
             raise ValueError(f"prompt: {len(token_ids)} tokens, but max_model_len={max_len} "
                              "leaves no room to generate; shorten the prompt or raise "
                              "max_model_len")
-        # One full sequence plus a copy-on-write block per extra sample must fit the pool.
-        needed = self.kv_cache.blocks_needed(len(token_ids) + 1) + num_samples - 1
+        # One full sequence plus a copy-on-write block per extra sample (in each KV cache
+        # group) must fit the pool.
+        kv = self.kv_cache
+        needed = kv.num_groups * (kv.blocks_needed(len(token_ids) + 1) + num_samples - 1)
         if needed > self.kv_cache.pool.num_blocks:
             raise ValueError(f"n={num_samples} (samples or beam_width): a {len(token_ids)}-token"
                              f" prompt needs {needed} KV blocks at least, the pool has "

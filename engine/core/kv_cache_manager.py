@@ -1,9 +1,16 @@
-"""Per-sequence block allocation, prefix-cache lookup, copy-on-write, sharing stats, and
-the freeing of blocks that leave a sliding window."""
+"""Per-sequence block allocation over the KV cache groups, prefix-cache lookup,
+copy-on-write, sharing stats, and the freeing of blocks that leave a sliding window."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvscope.engine.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from kvscope.engine.core.block_pool import (
+    BlockHash,
+    BlockPool,
+    KVBlock,
+    group_block_hash,
+    hash_block_tokens,
+)
 from kvscope.engine.core.kv_events import BlockTableChanged, KVEventSink, discard
 from kvscope.engine.core.request import Sequence
 
@@ -36,17 +43,30 @@ class KVCacheManager:
     """Gives each sequence the blocks it needs, sharing cached and forked blocks; reports
     each block table change (and, through its pool, each block change) to `emit`.
 
-    sliding_window=W (every layer attends to the last W positions only): a block wholly
-    before the window of a sequence's next token is freed while the sequence runs, and
-    its table entry becomes RELEASED, so a sequence holds at most ceil(W / block_size) + 1
-    blocks while it decodes (docs/architecture.md, "Sliding windows").
+    group_windows: each KV cache group's window (engine.core.kv_groups; None: full
+    attention). A sequence has one block table per group, kept interleaved by position in
+    `seq.block_table`: entry i * num_groups + g is group g's block for tokens
+    [i * block_size, (i + 1) * block_size) (one group: the plain table). Every group
+    allocates a block per position; a sliding group (window W) frees its blocks wholly
+    before the window of the sequence's next token while the sequence runs, their entries
+    becoming RELEASED, so it holds at most ceil(W / block_size) + 1 blocks while the
+    sequence decodes; full groups keep every block (docs/architecture.md, "Sliding
+    windows").
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_swap_blocks: int = 0, emit: KVEventSink = discard,
-                 sliding_window: int | None = None) -> None:
+                 group_windows: Iterable[int | None] = (None,)) -> None:
+        group_windows = tuple(group_windows)
+        windows = {window for window in group_windows if window is not None}
+        if not group_windows or len(windows) > 1:
+            raise ValueError(f"group_windows: one or more groups sharing at most one sliding "
+                             f"window, got {list(group_windows)}")
         self.block_size = block_size
-        self.sliding_window = sliding_window
+        self.group_windows = group_windows
+        self.num_groups = len(group_windows)
+        self.sliding_window = windows.pop() if windows else None  # every sliding group's
+        self.sliding_groups = [g for g, window in enumerate(group_windows) if window is not None]
         self.enable_caching = enable_caching
         self.emit = emit
         self.pool = BlockPool(num_blocks, enable_caching, emit)
@@ -57,11 +77,21 @@ class KVCacheManager:
         self.swap_stats = SwapStats()
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Positions (blocks per group) that num_tokens tokens fill."""
         return -(-num_tokens // self.block_size)
 
+    def pool_blocks_needed(self, num_tokens: int) -> int:
+        """Pool blocks a sequence of num_tokens tokens holds with no block freed yet."""
+        return self.blocks_needed(num_tokens) * self.num_groups
+
+    def group_table(self, seq: Sequence, group: int) -> list[int]:
+        """Group `group`'s block table of the sequence (RELEASED where a window freed one)."""
+        return seq.block_table[group::self.num_groups]
+
     def first_kept_block(self, num_computed: int) -> int:
-        """The first block a sequence with `num_computed` tokens still needs: the token at
-        position num_computed sees keys (num_computed - W, num_computed]."""
+        """The first position a sliding group still needs for a sequence with
+        `num_computed` tokens: the token at position num_computed sees keys
+        (num_computed - W, num_computed]."""
         if self.sliding_window is None:
             return 0
         return max(0, num_computed - self.sliding_window + 1) // self.block_size
@@ -71,7 +101,8 @@ class KVCacheManager:
         return [self.pool.blocks[i] for i in table if i != RELEASED]
 
     def release_out_of_window(self, seq: Sequence) -> None:
-        """Free the blocks wholly before the window of the sequence's next token.
+        """Free the sliding groups' blocks wholly before the window of the sequence's next
+        token (seq.num_released_blocks counts the positions already freed).
 
         They were hashed when they filled (cache_full_blocks), so with prefix caching they
         join the cached-free queue's tail in position order, behind the blocks freed
@@ -79,39 +110,53 @@ class KVCacheManager:
         evicted, oldest first.
         """
         start = seq.num_released_blocks
-        end = min(self.first_kept_block(seq.num_computed_tokens), len(seq.block_table))
+        end = min(self.first_kept_block(seq.num_computed_tokens),
+                  len(seq.block_table) // self.num_groups)
         if end <= start:
             return
-        released = seq.block_table[start:end]
-        seq.block_table[start:end] = [RELEASED] * (end - start)
+        table, released = seq.block_table, []
+        for position in range(start, end):
+            for group in self.sliding_groups:
+                index = position * self.num_groups + group
+                released.append(table[index])
+                table[index] = RELEASED
         seq.num_released_blocks = end
-        self.emit(BlockTableChanged(seq, start))
+        self.emit(BlockTableChanged(seq, start * self.num_groups))
         self.pool.release(self.pool.blocks[i] for i in released)
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock | None]:
-        """The longest prefix of the sequence's tokens whose K/V the cache holds, as blocks.
+    def find_cached_prefix(self, seq: Sequence) -> list[tuple[KVBlock | None, ...]]:
+        """The longest prefix of the sequence's tokens whose K/V the cache holds: per
+        position, each group's block.
 
         At most (num_tokens - 1) tokens are reused, so one token is always computed
-        and produces the logits to sample from. Under full attention every block of the
-        prefix must be cached. With a sliding window only the blocks the next token's
-        window sees must be (vLLM's SlidingWindowManager rule), so a prefix whose oldest
-        blocks were evicted after leaving the window still hits; the entries of blocks
-        before that window are None (allocate_slots takes none of them).
+        and produces the logits to sample from. A full group must have every block of the
+        prefix cached; a sliding group only the blocks the next token's window sees
+        (vLLM's SlidingWindowManager rule, and its hybrid coordinator's: a length counts
+        when every group hits). So a prefix whose sliding blocks were evicted after
+        leaving the window still hits; the sliding entries before that window are None
+        (allocate_slots takes none of them).
         """
         if not self.enable_caching or seq.request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed (as in vLLM)
-        found: list[KVBlock | None] = []
-        for value, parent, token_ids in self._block_hashes(
-                seq, (seq.num_tokens - 1) // self.block_size):
-            block = self.pool.lookup(value, token_ids, parent)
-            if block is None and self.sliding_window is None:
-                break
-            found.append(block)
+        found: list[tuple[KVBlock | None, ...]] = []
+        for block_hash in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            blocks = tuple(self._lookup(block_hash, group) for group in range(self.num_groups))
+            if any(block is None for block, window in zip(blocks, self.group_windows)
+                   if window is None):
+                break  # a full group's prefix ends here
+            found.append(blocks)
         for length in range(len(found), 0, -1):
             first = self.first_kept_block(length * self.block_size)
-            if all(block is not None for block in found[first:length]):
-                return [None] * first + found[first:length]
+            if all(block is not None for blocks in found[first:length] for block in blocks):
+                before = [tuple(None if window else block
+                                for block, window in zip(blocks, self.group_windows))
+                          for blocks in found[:first]]
+                return before + found[first:length]
         return []
+
+    def _lookup(self, block_hash: BlockHash, group: int) -> KVBlock | None:
+        value, parent, token_ids = group_block_hash(block_hash, group)
+        return self.pool.lookup(value, token_ids, parent)
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """The hashes of the sequence's first `num_blocks` full blocks; each block is
@@ -124,54 +169,54 @@ class KVCacheManager:
         return hashes[:num_blocks]
 
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[KVBlock | None] = ()
+        self, seq: Sequence, num_new_tokens: int,
+        cached_prefix: list[tuple[KVBlock | None, ...]] = (),
     ) -> list[tuple[int, int]] | None:
-        """Room for `num_new_tokens` more computed tokens, after adopting `cached_prefix`.
+        """Room for `num_new_tokens` more computed tokens, after adopting `cached_prefix`
+        (find_cached_prefix's positions).
 
         Returns the copy-on-write block copies (src, dst) the device must do before the
         step writes, or None when the pool cannot supply the blocks (then nothing changed
         but the freeing of blocks that left the sliding window).
         """
-        pool = self.pool
+        pool, groups, table = self.pool, self.num_groups, seq.block_table
         # Always valid, and it may free the very blocks this step needs.
         self.release_out_of_window(seq)
         num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
-        # Only the prefix blocks in the window are taken (find_cached_prefix found those).
-        skipped = min(self.first_kept_block(num_computed), len(cached_prefix))
-        adopted = cached_prefix[skipped:]
-        first_write_block = num_computed // self.block_size
-        shared_targets = [
-            i for i in range(first_write_block, len(seq.block_table))
-            if pool.blocks[seq.block_table[i]].ref_count > 1
-        ]
-        num_new_blocks = (self.blocks_needed(num_computed + num_new_tokens)
-                          - len(seq.block_table) - len(cached_prefix))
+        adopted = [block for blocks in cached_prefix for block in blocks if block is not None]
+        first_write = (num_computed // self.block_size) * groups
+        shared_targets = [i for i in range(first_write, len(table))
+                          if table[i] != RELEASED and pool.blocks[table[i]].ref_count > 1]
+        num_new_blocks = groups * (self.blocks_needed(num_computed + num_new_tokens)
+                                   - len(table) // groups - len(cached_prefix))
         revived = sum(1 for block in adopted if block.ref_count == 0)
         if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
             return None
 
         if shared_targets or cached_prefix or num_new_blocks > 0:  # most decodes: none
             self.emit(BlockTableChanged(seq, shared_targets[0] if shared_targets
-                                        else len(seq.block_table)))
+                                        else len(table)))
         if seq.num_computed_tokens == 0 and self.enable_caching:
             self.prefix_stats.queries += seq.num_tokens
             self.prefix_stats.hits += len(cached_prefix) * self.block_size
         if cached_prefix:
             pool.share(adopted)
-            seq.block_table.extend([RELEASED] * skipped)
-            seq.block_table.extend(block.block_id for block in adopted)
-            seq.num_released_blocks = skipped
+            table.extend(RELEASED if block is None else block.block_id
+                         for blocks in cached_prefix for block in blocks)
+            # The sliding groups' entries before the window were not adopted.
+            seq.num_released_blocks = min(self.first_kept_block(num_computed),
+                                          len(cached_prefix)) if self.sliding_groups else 0
             seq.num_cached_blocks = len(cached_prefix)
             seq.num_computed_tokens = num_computed
         copies = []
         for index in shared_targets:
-            source = pool.blocks[seq.block_table[index]]
+            source = pool.blocks[table[index]]
             (target,) = pool.allocate(1)
             pool.release([source])
-            seq.block_table[index] = target.block_id
+            table[index] = target.block_id
             copies.append((source.block_id, target.block_id))
         if num_new_blocks > 0:
-            seq.block_table.extend(b.block_id for b in pool.allocate(num_new_blocks))
+            table.extend(b.block_id for b in pool.allocate(num_new_blocks))
         return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -180,10 +225,15 @@ class KVCacheManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         hashes = self._block_hashes(seq, num_full)
-        # Released blocks were hashed before they left the window (or, after a swap-in,
-        # need no hash: their K/V is gone).
-        for index in range(max(seq.num_cached_blocks, seq.num_released_blocks), num_full):
-            self.pool.cache(self.pool.blocks[seq.block_table[index]], hashes[index])
+        groups, table = self.num_groups, seq.block_table
+        for position in range(seq.num_cached_blocks, num_full):
+            for group in range(groups):
+                # Released blocks were hashed before they left the window (or, after a
+                # swap-in, need no hash: their K/V is gone).
+                block_id = table[position * groups + group]
+                if block_id != RELEASED:
+                    self.pool.cache(self.pool.blocks[block_id],
+                                    group_block_hash(hashes[position], group))
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -191,7 +241,7 @@ class KVCacheManager:
         ones past them, last first: speculative decoding's rollback, after verification
         rejected the proposals written there. Those blocks were never cached (only full
         blocks of computed tokens are, and rejected tokens never count as computed)."""
-        keep = self.blocks_needed(num_tokens)
+        keep = self.pool_blocks_needed(num_tokens)
         if keep >= len(seq.block_table):
             return
         self.pool.release(reversed(self.held_blocks(seq.block_table[keep:])))
@@ -220,38 +270,43 @@ class KVCacheManager:
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Move the sequence's blocks to the CPU pool: (device, cpu) copies, or None if the
-        CPU pool is too small (the caller recomputes instead)."""
-        released = seq.num_released_blocks
-        held = seq.block_table[released:]
+        CPU pool is too small (the caller recomputes instead). The swap table keeps the
+        block table's layout, RELEASED entries included."""
+        table = seq.block_table
+        held = [block_id for block_id in table if block_id != RELEASED]
         if len(held) > len(self.free_swap_blocks):
             return None
-        swap_blocks = [self.free_swap_blocks.pop() for _ in held]
-        copies = list(zip(held, swap_blocks))
-        count = len(held)
+        swap_blocks = iter([self.free_swap_blocks.pop() for _ in held])
+        swap_table = [RELEASED if block_id == RELEASED else next(swap_blocks)
+                      for block_id in table]
         self.free(seq)
-        seq.swap_table = [RELEASED] * released + swap_blocks
+        seq.swap_table = swap_table
         self.swap_stats.swap_outs += 1
-        self.swap_stats.blocks_out += count
-        return copies
+        self.swap_stats.blocks_out += len(held)
+        return [(device, cpu) for device, cpu in zip(table, swap_table) if device != RELEASED]
 
     def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped sequence back into fresh device blocks, with room for
         `num_new_tokens` more: (cpu, device) copies, or None if the pool is short."""
-        released = seq.swap_table.count(RELEASED)  # the table's first entries
-        count = len(seq.swap_table) - released
-        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        if max(total, len(seq.swap_table)) - released > self.pool.num_free_blocks:
+        swapped, groups = seq.swap_table, self.num_groups
+        held = [cpu for cpu in swapped if cpu != RELEASED]
+        new_positions = max(self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+                            - len(swapped) // groups, 0)
+        count = len(held) + new_positions * groups
+        if count > self.pool.num_free_blocks:
             return None
-        blocks = self.pool.allocate(max(total, len(seq.swap_table)) - released)
-        seq.block_table = [RELEASED] * released + [block.block_id for block in blocks]
-        seq.num_released_blocks = released
+        blocks = iter(block.block_id for block in self.pool.allocate(count))
+        seq.block_table = [RELEASED if cpu == RELEASED else next(blocks) for cpu in swapped]
+        seq.block_table.extend(blocks)
+        seq.num_released_blocks = (self.group_table(seq, self.sliding_groups[0]).count(RELEASED)
+                                   if self.sliding_groups else 0)
         self.emit(BlockTableChanged(seq, 0))
-        swapped = seq.swap_table[released:]
-        copies = list(zip(swapped, seq.block_table[released:released + count]))
-        self.free_swap_blocks.extend(swapped)
+        copies = [(cpu, device) for cpu, device in zip(swapped, seq.block_table)
+                  if cpu != RELEASED]
+        self.free_swap_blocks.extend(held)
         seq.swap_table = []
         self.swap_stats.swap_ins += 1
-        self.swap_stats.blocks_in += count
+        self.swap_stats.blocks_in += len(held)
         return copies
 
     def drop_swapped(self, seq: Sequence) -> None:

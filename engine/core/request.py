@@ -46,10 +46,12 @@ class Sequence:
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
-    # Block ids by position; RELEASED (kv_cache_manager) where a sliding window freed one.
+    # Block ids by position, each KV cache group's table interleaved (entry
+    # i * num_groups + g: group g's block for position block i; one group: the plain
+    # table); RELEASED (kv_cache_manager) where a sliding window freed one.
     block_table: list[int] = field(default_factory=list)
     swap_table: list[int] = field(default_factory=list)  # CPU blocks while swapped out
-    num_released_blocks: int = 0  # the block table's first entries, RELEASED
+    num_released_blocks: int = 0  # positions whose sliding groups' entries are RELEASED
     num_computed_tokens: int = 0
     # Content hashes of the full blocks of token_ids, in order, each computed once
     # (prefix-cache lookups and registration read them); the first num_cached_blocks of

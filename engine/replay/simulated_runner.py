@@ -9,6 +9,7 @@ applied by the replay loop).
 """
 
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.kv_groups import kv_cache_groups, layers_per_block
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvscope.engine.worker.loader import (
     load_config,
@@ -18,7 +19,7 @@ from kvscope.engine.worker.loader import (
 )
 from kvscope.engine.worker.memory import MemoryPlan, plan_blocks
 from kvscope.engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
-from kvscope.engine.worker.models.attention import layer_windows, shared_window
+from kvscope.engine.worker.models.attention import layer_windows
 
 
 class SimulatedRunner:
@@ -35,8 +36,9 @@ class SimulatedRunner:
         self.tokenizer = load_tokenizer(self.model_path)
         self.generation_config = load_generation_config(self.model_path, self.hf_config)
         self.max_positions = self.hf_config.max_position_embeddings
-        # Blocks leave a shared window as they do live (the manager frees them).
-        self.sliding_window = shared_window(layer_windows(self.hf_config))
+        # The live engine's KV cache groups: blocks leave sliding windows as they do live.
+        self.kv_groups = kv_cache_groups(layer_windows(self.hf_config))
+        self.group_windows = tuple(group.window for group in self.kv_groups)
         self.device = resolve_device("cpu")
         self.dtype = resolve_dtype(config.dtype, resolve_device(config.device))
         self.sizing = sizing
@@ -45,12 +47,14 @@ class SimulatedRunner:
         self.placeholder_token = next(t for t in range(len(self.tokenizer)) if t not in special)
 
     def bytes_per_block(self, block_size: int) -> int:
-        """K and V for block_size tokens in every layer, as ModelRunner.bytes_per_block."""
+        """K and V for block_size tokens in a KV cache group's layers, as
+        ModelRunner.bytes_per_block."""
         config = self.hf_config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * self.dtype.itemsize
+        return (2 * layers_per_block(self.kv_groups) * block_size * kv_heads * head_dim
+                * self.dtype.itemsize)
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan:
         if config.num_gpu_blocks_override is None:
@@ -60,7 +64,8 @@ class SimulatedRunner:
             return self.sizing.plan_memory(config)
         return plan_blocks(0, config.gpu_memory_utilization, 0, 0,
                            self.bytes_per_block(config.block_size), config.block_size,
-                           config.max_model_len, config.num_gpu_blocks_override)
+                           config.max_model_len, config.num_gpu_blocks_override,
+                           tuple(self.kv_groups))
 
     def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None:
         """Nothing to allocate: block ids are all the simulator needs."""

@@ -129,8 +129,14 @@ def _check_compatible(name: str, draft: ModelRunner, target: ModelRunner) -> Non
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(f"{name}: the draft's tokenizer maps tokens to other ids than the "
                          "target's; a draft model must share the target's tokenizer")
-    window, draft_window = target.sliding_window, draft.sliding_window
-    if window is not None and (draft_window is None or draft_window > window):
-        raise ValueError(f"{name}: the target's KV blocks leave its sliding window of {window} "
-                         f"tokens and are freed, but the draft attends to "
-                         f"{'every token' if draft_window is None else f'{draft_window}'}")
+    # Group g of the draft's layers reads group g's block table: it must attend only to
+    # what that group of the target keeps (all of a full group; its window of a sliding one).
+    windows, draft_windows = target.group_windows, draft.group_windows
+    if len(windows) != len(draft_windows) or any(
+            window is not None and (draft_window is None or draft_window > window)
+            for window, draft_window in zip(windows, draft_windows)):
+        raise ValueError(f"{name}: the draft's KV cache groups (windows "
+                         f"{list(draft_windows)}) do not fit the target's ({list(windows)}); "
+                         "the draft is paged by the target's block tables, one per group, so "
+                         "each of its groups must attend within the target's group in the "
+                         "same place (None: every token)")

@@ -227,6 +227,23 @@ class PoolMirror:
     def count(self, state: str) -> int:
         return self.counts()[state]
 
+    @property
+    def group_windows(self) -> list[int | None]:
+        """Each KV cache group's window (None: full attention). A sequence's block table
+        interleaves the groups' tables: entry i * num_groups + g is group g's block for
+        position block i (engine.core.kv_cache_manager)."""
+        return self.config.get("kv_cache_group_windows") or [None]
+
+    def block_groups(self) -> np.ndarray:
+        """Per block, the KV cache group whose table holds it (-1: none)."""
+        groups = np.full(self.num_blocks, -1, np.int16)
+        num_groups = len(self.group_windows)
+        for seq in self.live.values():
+            table = np.array(seq.block_table, np.int64)
+            held = table >= 0
+            groups[table[held]] = (np.arange(len(table)) % num_groups)[held]
+        return groups
+
     def request_counts(self) -> tuple[int, int]:
         """(running, waiting) requests, as /metrics' num_requests_* count them: a request
         runs while any of its sequences does (num_running/num_waiting count sequences,
@@ -250,9 +267,11 @@ class PoolMirror:
         block_hash = self.hashes[block_id]
         if block_hash is not None:
             return block_hash[2]
-        size, best = self.block_size, ()
+        size, best, num_groups = self.block_size, (), len(self.group_windows)
         for seq, index in self.holders(block_id):
-            stored = seq.token_ids[index * size:min((index + 1) * size, seq.num_computed_tokens)]
+            position = index // num_groups
+            stored = seq.token_ids[position * size:min((position + 1) * size,
+                                                       seq.num_computed_tokens)]
             if len(stored) > len(best):
                 best = tuple(stored)
         return best
@@ -284,7 +303,8 @@ class PoolMirror:
             if not seq.block_table:
                 continue
             table = np.array(seq.block_table)  # a copy: a view would pin the array's size
-            stored = np.clip(seq.num_computed_tokens - np.arange(len(table)) * size, 0, size)
+            positions = np.arange(len(table)) // len(self.group_windows)
+            stored = np.clip(seq.num_computed_tokens - positions * size, 0, size)
             held = table >= 0  # a sliding window's RELEASED entries (-1) hold no block
             table, stored = table[held], stored[held]
             plain = ~self.hashed[table]

@@ -40,7 +40,10 @@ class PoolRecorder:
         self.core = core
         self.epoch = next(_epochs)
         self.num_deltas = 0  # deltas taken so far; readers spot a missed one by the gap
-        self.config = core.config.to_dict()  # the same dict in every record: not copied
+        # The same dict in every record: not copied. With the KV cache groups' windows
+        # (engine.core.kv_groups), which say how the block tables interleave.
+        self.config = {**core.config.to_dict(),
+                       "kv_cache_group_windows": list(core.kv_cache.group_windows)}
         # Since the last delta: touched block ids, in order of first touch; sequences whose
         # queue or block table changed; the lowest block-table index changed per sequence.
         self._blocks: dict[int, None] = {}

@@ -27,7 +27,7 @@ class StepExecutor(Protocol):
     generation_config: object
     device: torch.device
     max_positions: int
-    sliding_window: int | None  # the window every layer shares: blocks leave it
+    group_windows: tuple[int | None, ...]  # each KV cache group's window (engine.core.kv_groups)
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan: ...
 

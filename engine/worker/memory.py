@@ -10,8 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvscope.engine.core.kv_groups import KVCacheGroup
+
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+# The groups of a plan made without the model's layers: full attention, one block table.
+ONE_FULL_GROUP = (KVCacheGroup(None, (0,)),)
 
 
 @dataclass(slots=True)
@@ -22,13 +26,12 @@ class MemoryPlan:
     gpu_memory_utilization: float
     weight_bytes: int
     peak_activation_bytes: int
-    bytes_per_block: int
+    bytes_per_block: int  # K and V of block_size tokens in layers_per_block layers
     block_size: int
     num_blocks: int
     max_model_len: int
-    # every layer's window, when they share one: a sequence then holds at most
-    # ceil(W / block_size) + 1 blocks while it decodes (the KV manager frees the rest)
-    sliding_window: int | None = None
+    # The KV cache groups sharing the pool (engine.core.kv_groups).
+    groups: tuple[KVCacheGroup, ...] = ONE_FULL_GROUP
     # A draft model's share (speculative decoding), included in weight_bytes and
     # bytes_per_block: its KV pool has a block for each of the target's.
     draft_weight_bytes: int = 0
@@ -43,36 +46,54 @@ class MemoryPlan:
         return self.num_blocks * self.block_size
 
     @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return tuple(group.window for group in self.groups)
+
+    @property
     def max_concurrency(self) -> float:
         """How many max_model_len sequences the pool holds at once (decoding at their
-        last token)."""
+        last token, each sliding group holding only its window's blocks)."""
         return self.num_blocks / self.blocks_per_max_len_seq
+
+    def group_blocks_per_max_len_seq(self) -> list[int]:
+        """Each group's blocks for one max_model_len sequence decoding its last token: all
+        of them under full attention, ceil(W / block_size) + 1 in a sliding window W."""
+        blocks = -(-self.max_model_len // self.block_size)
+        return [blocks if window is None else min(blocks, -(-window // self.block_size) + 1)
+                for window in self.group_windows]
 
     @property
     def blocks_per_max_len_seq(self) -> int:
-        blocks = -(-self.max_model_len // self.block_size)
-        if self.sliding_window is None:
-            return blocks
-        return min(blocks, -(-self.sliding_window // self.block_size) + 1)
+        return sum(self.group_blocks_per_max_len_seq())
 
     @property
     def full_attention_concurrency(self) -> float:
-        """max_concurrency had every layer attended to the whole sequence."""
-        return self.num_blocks / -(-self.max_model_len // self.block_size)
+        """max_concurrency had every layer attended to the whole sequence: the same bytes,
+        every layer holding a block per position."""
+        layers_per_block = max(len(group.layers) for group in self.groups)
+        num_layers = sum(len(group.layers) for group in self.groups)
+        blocks = -(-self.max_model_len // self.block_size)
+        return self.num_blocks * layers_per_block / (num_layers * blocks)
 
     def describe(self) -> str:
-        return (f"weights {self.weight_bytes / (1 << 20):.1f} MiB; "
+        text = (f"weights {self.weight_bytes / (1 << 20):.1f} MiB; "
                 f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
                 f"({self.bytes_per_block} bytes/block); max concurrency at "
-                f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x"
-                + (f" (sliding window {self.sliding_window}; full attention "
-                   f"{self.full_attention_concurrency:.2f}x)" if self.sliding_window else "")
-                + (f"; of these the draft model's: weights "
-                   f"{self.draft_weight_bytes / (1 << 20):.1f} MiB, KV "
-                   f"{self.draft_bytes_per_block} bytes/block "
-                   f"({self.num_blocks * self.draft_bytes_per_block / GiB:.3f} GiB)"
-                   if self.draft_weight_bytes else ""))
+                f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
+        if self.draft_weight_bytes:
+            text += (f"; of these the draft model's: weights "
+                     f"{self.draft_weight_bytes / (1 << 20):.1f} MiB, KV "
+                     f"{self.draft_bytes_per_block} bytes/block "
+                     f"({self.num_blocks * self.draft_bytes_per_block / GiB:.3f} GiB)")
+        if all(window is None for window in self.group_windows):
+            return text
+        per_group = ", ".join(
+            f"{'full' if group.window is None else f'window {group.window}'} "
+            f"({len(group.layers)} layers) {blocks * self.bytes_per_block / (1 << 20):.1f} MiB"
+            for group, blocks in zip(self.groups, self.group_blocks_per_max_len_seq()))
+        return (f"{text} (a max_model_len sequence holds, per KV cache group: {per_group}; "
+                f"full attention {self.full_attention_concurrency:.2f}x)")
 
 
 class PoolTooSmall(ValueError):
@@ -93,25 +114,29 @@ def plan_blocks(
     block_size: int,
     max_model_len: int,
     num_blocks_override: int | None = None,
-    sliding_window: int | None = None,
+    groups: tuple[KVCacheGroup, ...] | None = None,
     draft_weight_bytes: int = 0,
     draft_bytes_per_block: int = 0,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
-    Fails if the pool cannot hold one max_model_len sequence, saying what fits and which
-    knob to turn. A draft model's weights and per-block KV are already in weight_bytes and
+    Fails if the pool cannot hold one max_model_len sequence in every KV cache group (its
+    prompt before any block leaves a window), saying what fits and which knob to turn. A
+    draft model's weights and per-block KV are already in weight_bytes and
     bytes_per_block; its shares are kept for the plan's description.
     """
     budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - peak_activation_bytes
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len,
-                      sliding_window, draft_weight_bytes, draft_bytes_per_block)
-    if plan.num_tokens < max_model_len:
+                      groups or ONE_FULL_GROUP, draft_weight_bytes, draft_bytes_per_block)
+    num_tokens = num_blocks // len(plan.groups) * block_size
+    if num_tokens < max_model_len:
+        in_groups = f" in {len(plan.groups)} KV cache groups" if len(plan.groups) > 1 else ""
         raise PoolTooSmall(
-            f"the KV cache holds {plan.num_tokens} tokens ({num_blocks} blocks of {block_size}; "
-            f"{device_memory_bytes / GiB:.2f} GiB x gpu_memory_utilization={gpu_memory_utilization}"
+            f"the KV cache holds {num_tokens} tokens ({num_blocks} blocks of {block_size}"
+            f"{in_groups}; {device_memory_bytes / GiB:.2f} GiB x "
+            f"gpu_memory_utilization={gpu_memory_utilization}"
             f" - weights {weight_bytes / GiB:.3f} GiB - activations "
             f"{peak_activation_bytes / GiB:.3f} GiB) but max_model_len={max_model_len} needs "
             f"{max_model_len}: raise gpu_memory_utilization or device_memory_gb, or lower "

@@ -8,6 +8,7 @@ import torch
 
 from kvscope import kernels
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.kv_groups import kv_cache_groups, layers_per_block
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvscope.engine.worker import huge_pages
 from kvscope.engine.worker.gguf_weights import GGUF_ARCHITECTURES, gguf_architecture, iter_gguf_weights
@@ -21,7 +22,7 @@ from kvscope.engine.worker.loader import (
 )
 from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
 from kvscope.engine.worker.models import language_model_config, model_class
-from kvscope.engine.worker.models.attention import AttentionMetadata, shared_window
+from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.quantized import QuantizedLinear, pack_model, quantize_model
 from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
@@ -102,6 +103,14 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        # Layers grouped by attention type, each group with its own block tables (set
+        # before the decoder stack fuses: it takes each layer's group as an option).
+        self.kv_groups = kv_cache_groups([layer.sliding_window for layer in self.attention_layers])
+        self.group_windows = tuple(group.window for group in self.kv_groups)
+        self.layers_per_block = layers_per_block(self.kv_groups)
+        for index, group in enumerate(self.kv_groups):
+            for layer in group.layers:
+                self.attention_layers[layer].kv_group = index
         bind_kernel_ops(self.model, self.kernel_ops)
         quantized = sum(isinstance(module, QuantizedLinear) for module in self.model.modules())
         if quantized and self.kernel_ops.packed is None:
@@ -149,14 +158,10 @@ class ModelRunner:
             return iter_gguf_weights(source, self.hf_config)
         return iter_weights(self.model_path)
 
-    @property
-    def sliding_window(self) -> int | None:
-        """The window every attention layer shares (the KV manager frees what leaves it)."""
-        return shared_window(layer.sliding_window for layer in self.attention_layers)
-
     def bytes_per_block(self, block_size: int) -> int:
-        """K and V for block_size tokens in every layer."""
-        return (2 * len(self.attention_layers) * block_size * self.num_kv_heads
+        """K and V for block_size tokens in a KV cache group's layers (every layer, for a
+        model of one attention type)."""
+        return (2 * self.layers_per_block * block_size * self.num_kv_heads
                 * self.head_dim * self.dtype.itemsize)
 
     def plan_memory(self, config: EngineConfig, draft: "ModelRunner | None" = None) -> MemoryPlan:
@@ -174,7 +179,7 @@ class ModelRunner:
             device_memory_bytes(self.device, config.device_memory_gb),
             config.gpu_memory_utilization, self.weight_bytes + draft_weights, peak,
             self.bytes_per_block(config.block_size) + draft_per_block, config.block_size,
-            config.max_model_len, config.num_gpu_blocks_override, self.sliding_window,
+            config.max_model_len, config.num_gpu_blocks_override, tuple(self.kv_groups),
             draft_weights, draft_per_block)
 
     def peak_activation_bytes(self, config: EngineConfig) -> int:
@@ -202,7 +207,7 @@ class ModelRunner:
         lengths = [max_model_len] * (num_tokens // max_model_len)
         if num_tokens % max_model_len:
             lengths.append(num_tokens % max_model_len)
-        blocks_per_seq = -(-max(lengths) // block_size)
+        blocks_per_seq = -(-max(lengths) // block_size) * len(self.kv_groups)
         self.allocate_kv_cache(block_size, blocks_per_seq * len(lengths))
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
                   for i in range(len(lengths))]
@@ -222,18 +227,21 @@ class ModelRunner:
         return peak
 
     def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None:
-        """Zeroed [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer
-        gets its K and V views, so block copies and swaps move all layers at once."""
+        """Zeroed [2, layers_per_block, blocks, block_size, kv_heads, head_dim]; each
+        attention layer gets the K and V views of its slot in its KV cache group (the i-th
+        layer of every group shares slot i: a block belongs to one group at a time), so
+        block copies and swaps move all of a block's layers at once."""
         self.kv_cache = None
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = None
-        shape = (2, len(self.attention_layers), num_blocks, block_size, self.num_kv_heads,
+        shape = (2, self.layers_per_block, num_blocks, block_size, self.num_kv_heads,
                  self.head_dim)
         self.kv_cache = (huge_pages.empty(shape, self.dtype) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
-        for index, layer in enumerate(self.attention_layers):
-            layer.key_cache = self.kv_cache[0, index]
-            layer.value_cache = self.kv_cache[1, index]
+        for group in self.kv_groups:
+            for slot, index in enumerate(group.layers):
+                self.attention_layers[index].key_cache = self.kv_cache[0, slot]
+                self.attention_layers[index].value_cache = self.kv_cache[1, slot]
         self.block_size = block_size
 
     def allocate_swap_space(self, num_blocks: int) -> None:
@@ -253,21 +261,28 @@ class ModelRunner:
         target[:, :, targets] = source[:, :, sources].to(target.device)
 
     def _flat_inputs(self, pieces, block_size: int, token_ids):
-        """Flatten (start, end, block_table) pieces into the attention op's ragged layout."""
+        """Flatten (start, end, block_table) pieces into the attention op's ragged layout,
+        one slot mapping and block table per KV cache group (each piece's table interleaves
+        its groups' tables, as Sequence.block_table does)."""
+        groups = len(self.kv_groups)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(groups)]
+        tables: list[list[list[int]]] = [[] for _ in range(groups)]
         seq_lens: list[int] = []
         query_start_loc = [0]
+        width = max(len(table) for _, _, table in pieces) // groups
         for index, (start, end, table) in enumerate(pieces):
             input_ids.extend(token_ids(index, start, end))
             span = range(start, end)
             positions.extend(span)
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            for group in range(groups):
+                own = table[group::groups]
+                slots[group].extend(own[p // block_size] * block_size + p % block_size
+                                    for p in span)
+                tables[group].append(own + [0] * (width - len(own)))
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + end - start)
-        width = max(len(table) for _, _, table in pieces)
-        tables = [table + [0] * (width - len(table)) for _, _, table in pieces]
         device = self.device
 
         def tensor(values, dtype):

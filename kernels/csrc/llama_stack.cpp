@@ -215,6 +215,8 @@ kvscope::LayerOptions kvscope::LayerOptions::from(const c10::Dict<std::string, i
   options.rotary = reader.optional("rotary").value_or(1) != 0;
   options.sliding_window = reader.optional("sliding_window").value_or(0);
   TORCH_CHECK(options.sliding_window >= 0, "LlamaDecoderStack: sliding_window must be >= 0");
+  options.kv_group = reader.optional("kv_group").value_or(0);
+  TORCH_CHECK(options.kv_group >= 0, "LlamaDecoderStack: kv_group must be >= 0");
   reader.check_all_read();
   return options;
 }
@@ -262,6 +264,13 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
   TORCH_CHECK(input_ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
                   input_ids.is_contiguous() && positions.is_contiguous(),
               "LlamaDecoderStack.forward: contiguous int64 input_ids and positions");
+  TORCH_CHECK(slot_mapping.dim() == 2 && block_tables.dim() == 3 &&
+                  slot_mapping.size(0) == block_tables.size(0),
+              "LlamaDecoderStack.forward: slot_mapping [groups, tokens] and block_tables "
+              "[groups, seqs, blocks]");
+  for (const kvscope::LayerOptions& options : options_)
+    TORCH_CHECK(options.kv_group < block_tables.size(0), "LlamaDecoderStack.forward: kv_group ",
+                options.kv_group, " but ", block_tables.size(0), " KV cache groups");
   at::Tensor hidden = embed(input_ids);
   const at::Tensor cos = gather_rows(cos_, positions), sin = gather_rows(sin_, positions);
   const int64_t tokens = hidden.size(0);
@@ -274,6 +283,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     // The first layer's norm reads the embeddings; later ones first add the previous
     // layer's output into the residual stream.
     const bool first = index == 0;
+    const int64_t group = options_[index].kv_group;
     normed(first ? hidden : work.projected, layer.input_layernorm, config_.eps,
            first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
     project(work.normed, layer.qkv_proj, config_, work.qkv);
@@ -287,11 +297,11 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
                          config_.head_dim);
       });
     traced("kvscope::store_kv", [&] {
-      store_kv(work.key, work.value, key_caches[index], value_caches[index], slot_mapping);
+      store_kv(work.key, work.value, key_caches[index], value_caches[index], slot_mapping[group]);
     });
     traced("kvscope::paged_attention", [&] {
-      paged_attention(work.query, key_caches[index], value_caches[index], block_tables, seq_lens,
-                      query_start_loc, config_.attention_scale, attended,
+      paged_attention(work.query, key_caches[index], value_caches[index], block_tables[group],
+                      seq_lens, query_start_loc, config_.attention_scale, attended,
                       options_[index].sliding_window, 0.);
     });
     project(work.attended, layer.o_proj, config_, work.projected);

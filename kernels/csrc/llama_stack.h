@@ -45,6 +45,7 @@ struct DecoderLayerWeights {
 struct LayerOptions {
   bool rotary = true;          // false: no rotary embedding (SmolLM3's NoPE layers)
   int64_t sliding_window = 0;  // > 0: attend to the last sliding_window positions only
+  int64_t kv_group = 0;        // which KV cache group's slot mapping and block tables it uses
 
   // Every name must be one of the above.
   static LayerOptions from(const c10::Dict<std::string, int64_t>& named);
@@ -78,7 +79,9 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t group_size,
                     int64_t kernel_max_rows, double eps, double attention_scale);
 
-  // input_ids, positions: int64 [tokens]; one K and one V cache per layer. The embeddings
+  // input_ids, positions: int64 [tokens]; one K and one V cache per layer; slot_mapping
+  // [groups, tokens] and block_tables [groups, seqs, blocks]: one of each per KV cache group
+  // (engine/core/kv_groups.py), a layer reading its LayerOptions::kv_group's. The embeddings
   // become the residual stream (updated in place). Returns the final norm's output.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions,
                      const std::vector<at::Tensor>& key_caches,

@@ -1,7 +1,6 @@
 """The attention layer every model uses: store new K/V in the paged cache, attend over it."""
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig
@@ -13,10 +12,20 @@ from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 class AttentionMetadata:
     """The flat description of one ragged batch, shared by every layer of a forward."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset, -1 = skip
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    # One slot mapping and one set of block tables per KV cache group (engine.core.kv_groups):
+    # each layer reads its group's (PagedAttention.kv_group).
+    slot_mapping: torch.Tensor  # [groups, num_tokens] int64: block * block_size + offset, -1 = skip
+    block_tables: torch.Tensor  # [groups, num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: KV length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    # Each group's rows as views, made once per forward (indexing a tensor per layer costs
+    # ~2 us a call, twice per layer).
+    group_slot_mappings: tuple[torch.Tensor, ...] = field(init=False)
+    group_block_tables: tuple[torch.Tensor, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group_slot_mappings = self.slot_mapping.unbind(0)
+        self.group_block_tables = self.block_tables.unbind(0)
 
 
 def layer_windows(config: PretrainedConfig) -> list[int | None]:
@@ -30,17 +39,11 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
     return [window] * config.num_hidden_layers
 
 
-def shared_window(windows: Iterable[int | None]) -> int | None:
-    """The window every attention layer shares, or None: with one full-attention layer (or
-    two windows) every block of a sequence stays needed."""
-    distinct = set(windows)
-    return distinct.pop() if len(distinct) == 1 else None
-
-
 class PagedAttention(UsesKernelOps):
     """Holds one layer's K/V cache views; the model runner binds the kernels at start-up
-    and the views after sizing the pool. sliding_window: the layer sees the last W
-    positions only; soft_cap: its scores are soft-capped (kernels/reference.py)."""
+    and the views (and the KV cache group whose block tables it reads) after sizing the
+    pool. sliding_window: the layer sees the last W positions only; soft_cap: its scores
+    are soft-capped (kernels/reference.py)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None) -> None:
@@ -53,6 +56,7 @@ class PagedAttention(UsesKernelOps):
         self.soft_cap = soft_cap
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.kv_group = 0
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,9 +67,11 @@ class PagedAttention(UsesKernelOps):
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
+        group = self.kv_group
+        self.ops.store_kv(key, value, self.key_cache, self.value_cache,
+                          meta.group_slot_mappings[group])
         out = self.ops.paged_attention(
-            query, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
+            query, self.key_cache, self.value_cache, meta.group_block_tables[group], meta.seq_lens,
             meta.query_start_loc, self.scale, sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
         )

@@ -215,7 +215,8 @@ class FusedDecoderStack:
             # Each layer's tensors by their parameter names (packed int4 / int8 linears add
             # scales, and int4 offsets, to weight and bias); the C++ side reads them by name.
             layers=[dict(layer.named_parameters()) for layer in body.layers],
-            layer_options=[layer.kind.stack_options() for layer in body.layers],
+            layer_options=[{**layer.kind.stack_options(), "kv_group": layer.self_attn.attn.kv_group}
+                           for layer in body.layers],
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
             kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,
