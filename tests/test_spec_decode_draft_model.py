@@ -315,3 +315,21 @@ def test_structured_output_masks_apply_to_a_drafts_proposals(tiny_byte_level_mod
         [c.text for o in off.outputs for c in o.outputs]
     assert token_ids(on) == token_ids(off)
     assert drafted(on)[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3"])
+def test_a_draft_is_paged_by_each_kv_cache_group(arch, tiny_model, make_engine, run_engine):
+    """A hybrid target (full and sliding-window groups, each with its own block table):
+    the target as its own draft reads each group's table as the target does, through
+    windows freeing blocks and preemption, and every proposal holds."""
+    knobs = {"block_size": 4, "max_model_len": 72, "max_num_batched_tokens": 16}
+    off = run_engine(make_engine(arch, **knobs), SHORT_PROMPTS, MIXED)
+    engine = make_engine(arch, **knobs, num_gpu_blocks_override=60,
+                         speculative_config=draft_config(tiny_model(arch).path))
+    on = run_engine(engine, SHORT_PROMPTS, MIXED)
+
+    assert token_ids(on) == token_ids(off)
+    assert engine.scheduler.num_preemptions >= 1
+    proposed, accepted = drafted(on)
+    assert proposed > 0 and accepted == proposed
+    assert engine.kv_cache.pool.num_used_blocks == 0
