@@ -3,11 +3,12 @@ one forward of its own per token, and the target verifies them all in one forwar
 
 The draft's K/V lives in a pool of its own with a block for each of the target's, named by
 the same block ids (vLLM v1 likewise puts a draft's layers in the target's KV cache group):
-one block table pages both. So whatever the KV manager does to a table, it does to the
-draft's K/V too: truncating rejected proposals, sharing a cached prefix, forking and
-copying on write, swapping out and in, recomputing after preemption. For that to hold,
-the draft writes every position the target writes, in the same step (run() below): a
-block the target holds or caches is then valid in the draft's pool as well.
+the sequence's block tables (one per KV cache group) page both. So whatever the KV manager
+does to a table, it does to the draft's K/V too: truncating rejected proposals, sharing a
+cached prefix, forking and copying on write, swapping out and in, recomputing after
+preemption. For that to hold, the draft writes every position the target writes, in the
+same step (run() below): a block the target holds or caches is then valid in the draft's
+pool as well.
 """
 
 import logging
