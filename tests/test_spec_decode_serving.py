@@ -20,11 +20,15 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 2, "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_path):
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def server(request, tiny_llama_path):
+    """A served engine speculating by prompt lookup, or with a draft model (the target's
+    own weights loaded again: its proposals are all accepted)."""
+    spec = SPEC if request.param == "ngram" else {
+        **SPEC, "method": "draft_model", "model": str(tiny_llama_path)}
     engine = AsyncEngine.from_config(EngineConfig(
         model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,
-        num_gpu_blocks_override=64, max_model_len=256, speculative_config=SPEC)).start()
+        num_gpu_blocks_override=64, max_model_len=256, speculative_config=spec)).start()
     url, uvicorn_server, thread = serve(create_app(engine))
     yield url, engine.model_path.rsplit("/", 1)[-1]
     uvicorn_server.should_exit = True
