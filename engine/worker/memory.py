@@ -6,7 +6,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,8 @@ class MemoryPlan:
     # every layer's window, when they share one: a sequence then holds at most
     # ceil(W / block_size) + 1 blocks while it decodes (the KV manager frees the rest)
     sliding_window: int | None = None
+    # weight_bytes per storage type: GGUF block types (Q4_K, Q6_K...) and dtypes
+    weight_bytes_by_type: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -56,8 +58,16 @@ class MemoryPlan:
         """max_concurrency had every layer attended to the whole sequence."""
         return self.num_blocks / -(-self.max_model_len // self.block_size)
 
+    def weights_by_type(self) -> str:
+        """"Q4_K 61.2, Q6_K 20.4, float32 0.1 MiB", largest first ("" when unknown)."""
+        largest = sorted(self.weight_bytes_by_type.items(), key=lambda item: -item[1])
+        return ", ".join(f"{name} {size / (1 << 20):.1f}" for name, size in largest) + (
+            " MiB" if largest else "")
+
     def describe(self) -> str:
-        return (f"weights {self.weight_bytes / (1 << 20):.1f} MiB; "
+        by_type = self.weights_by_type()
+        return (f"weights {self.weight_bytes / (1 << 20):.1f} MiB"
+                + (f" ({by_type})" if by_type else "") + "; "
                 f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
                 f"({self.bytes_per_block} bytes/block); max concurrency at "
@@ -85,6 +95,7 @@ def plan_blocks(
     max_model_len: int,
     num_blocks_override: int | None = None,
     sliding_window: int | None = None,
+    weight_bytes_by_type: dict[str, int] | None = None,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
@@ -95,7 +106,7 @@ def plan_blocks(
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len,
-                      sliding_window)
+                      sliding_window, dict(weight_bytes_by_type or {}))
     if plan.num_tokens < max_model_len:
         raise PoolTooSmall(
             f"the KV cache holds {plan.num_tokens} tokens ({num_blocks} blocks of {block_size}; "
