@@ -18,6 +18,7 @@ FP16_FIELDS = {Q.Q4_0: {0: 8}, Q.Q4_1: {0: 8, 2: -1}, Q.Q5_0: {0: 16}, Q.Q5_1: {
                Q.Q8_0: {0: 128}, Q.Q4_K: {0: 63 * 15 / 2, 2: 63}, Q.Q5_K: {0: 63 * 31 / 2, 2: 63},
                Q.Q6_K: {208: 32 * 127}}
 SIZE = 0.2
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, in_features: int,
@@ -30,6 +31,15 @@ def random_blocks(kind: GGMLQuantizationType, rows: int, in_features: int,
         scale = (SIZE / span * rng.uniform(0.5, 1.5, blocks.shape[:2])).astype(np.float16)
         blocks[..., at:at + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
     return blocks.reshape(rows, -1)
+
+
+def q8_k_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the VNNI kernels round it (llama.cpp's q8_K): per 256 values, int8 with
+    d = max|x| / 127 and q = round(x * (1 / d)), ties to even."""
+    blocks = x.float().view(x.shape[0], -1, 256)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).view(x.shape)
 
 
 def reference(blocks: np.ndarray, kind) -> torch.Tensor:
@@ -74,7 +84,8 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
         kind, backend, cpu_ops):
     """One row and small batches stream the blocks (cpu), more rows de-quantize and run a
     GEMM; the torch backend (and Triton's, which shares it) de-quantizes in plain torch.
-    fp32 activations give the dense matmul to rounding, bf16 ones its result to bf16's."""
+    fp32 activations give the dense matmul to rounding, bf16 ones its result to bf16's
+    (where the VNNI kernels stream a k-quant: the product of x rounded as they round it)."""
     rng = np.random.default_rng(int(kind) + 100)
     torch.manual_seed(int(kind))
     in_features = 768
@@ -94,7 +105,10 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
         # A GEMM's weight is de-quantized to bf16 first; the kernels dot fp32 weights.
         streams = backend == "cpu" and rows <= KERNEL_MAX_ROWS
         gemm_weight = weight if streams else weight.bfloat16()
-        rounded = x.bfloat16().double() @ gemm_weight.double().T + bias.bfloat16().double()
+        x_seen = x.bfloat16()
+        if streams and kind in K_QUANTS and cpu_ops.packed.rounds_activations_to_int8:
+            x_seen = q8_k_rounded(x_seen)
+        rounded = x_seen.double() @ gemm_weight.double().T + bias.bfloat16().double()
         torch.testing.assert_close(out.double(), rounded, rtol=2 ** -7, atol=1e-2)
 
 

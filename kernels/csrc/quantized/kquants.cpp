@@ -18,9 +18,11 @@
 // high (Q4_0..Q5_1); for the k-quants, each 32 bytes of nibbles hold 64 weights, the low
 // nibbles the first 32.
 //
-// A call de-quantizes each output row's blocks to fp32 once, into a buffer that stays in L1
-// while every row of x is dotted with it (x widened to fp32 once per call): one read of the
-// weights for any number of rows, the same exact result for every row. More rows than the
+// The exact path de-quantizes each output row's blocks to fp32 once, into a buffer that stays
+// in L1 while every row of x is dotted with it (x widened to fp32 once per call): one read of
+// the weights for any number of rows, the same exact result for every row. bf16 x against a
+// k-quant on a CPU with AVX512-VNNI takes kquants_vnni.h's integer dots instead, which read
+// each row once for any number of rows too. More rows than the
 // model's streaming limit (engine/worker/models/quantized.py) run a GEMM over
 // gguf_dequantize's dense weight instead.
 #include <ATen/core/Tensor.h>
@@ -30,10 +32,12 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_ops.h"
 #include "quantized/common.h"
+#include "quantized/kquants_vnni.h"
 #include "work_pool.h"
 
 namespace kvscope::quantized {
@@ -204,9 +208,57 @@ void dot_rows(const float* xf, int64_t in, const float* w, float (&sums)[M]) {
   for (int m = 0; m < M; ++m) sums[m] = (even[m] + odd[m]).add_halves().reduce_sum();
 }
 
+#if defined(KVSCOPE_VNNI_DOTS)
+// bf16 x rounded per super-block (kquants_vnni.h), each weight row dotted with every row of x
+// while it is in L1, kMaxRows rows of x at a time.
+template <typename Out>
+void kquant_linear_vnni(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                        const bf16* bias, at::Tensor& out) {
+  const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
+  const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);
+  const kquants::SuperRows xq = kquants::quantize_super_rows(
+      elements<bf16>(x), x.stride(0), static_cast<int>(rows), in, type != kQ6_K);
+  const uint8_t* blocks = weight.data_ptr<uint8_t>();
+  Out* y = elements<Out>(out);
+  constexpr bf16* precision = nullptr;
+  const int64_t chunk_rows = int4_chunk_rows(rows, out_features, row_bytes);
+  kvscope::parallel_for(0, out_features, chunk_rows, [&](int64_t begin, int64_t end) {
+    const uint8_t* const last_byte = blocks + end * row_bytes;
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = blocks + n * row_bytes;
+      // This row's bytes, kPrefetchBytes on, requested into L2 (see vnni.h).
+      for (const uint8_t* line = row + kPrefetchBytes;
+           line < std::min(row + kPrefetchBytes + row_bytes, last_byte); line += 64)
+        kvscope::prefetch_to_l2(line);
+      const float b = bias != nullptr ? load(bias[n]) : 0.f;
+      for (int64_t first = 0; first < rows; first += kMaxRows)
+        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
+                  [&](auto rows_constant) {
+          constexpr int R = decltype(rows_constant)::value;
+          float sums[R];
+          const int x_first = static_cast<int>(first);
+          if (type == kQ6_K)
+            kquants::q6_dot<R>(xq, x_first, row, sums);
+          else if (type == kQ5_K)
+            kquants::k4_dot<R, true>(xq, x_first, row, sums);
+          else
+            kquants::k4_dot<R, false>(xq, x_first, row, sums);
+          for (int m = 0; m < R; ++m)
+            store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
+        });
+    }
+  });
+}
+#endif
+
 template <typename T, typename Out>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                       BlockFormat format, const T* bias, at::Tensor& out) {
+#if defined(KVSCOPE_VNNI_DOTS)
+  if constexpr (std::is_same_v<T, bf16>)
+    if (type == kQ4_K || type == kQ5_K || type == kQ6_K)
+      return kquant_linear_vnni<Out>(x, weight, type, bias, out);
+#endif
   const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
   const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);
   const std::vector<float> xf = widen_rows(elements<T>(x), x.stride(0), rows, in);
