@@ -33,10 +33,11 @@ def random_blocks(kind: GGMLQuantizationType, rows: int, in_features: int,
     return blocks.reshape(rows, -1)
 
 
-def q8_k_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the VNNI kernels round it (llama.cpp's q8_K): per 256 values, int8 with
-    d = max|x| / 127 and q = round(x * (1 / d)), ties to even."""
-    blocks = x.float().view(x.shape[0], -1, 256)
+def int8_rounded(x: torch.Tensor, values: int) -> torch.Tensor:
+    """x rounded as the VNNI kernels round it: per `values` values (llama.cpp's q8_K for the
+    k-quants, 256; Q8_0 for the rest, 32), int8 with d = max|x| / 127 and
+    q = round(x * (1 / d)), ties to even."""
+    blocks = x.float().view(x.shape[0], -1, values)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return (torch.round(blocks * inverse) * d).view(x.shape)
@@ -85,7 +86,7 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
     """One row and small batches stream the blocks (cpu), more rows de-quantize and run a
     GEMM; the torch backend (and Triton's, which shares it) de-quantizes in plain torch.
     fp32 activations give the dense matmul to rounding, bf16 ones its result to bf16's
-    (where the VNNI kernels stream a k-quant: the product of x rounded as they round it)."""
+    (where the VNNI kernels stream: the product of x rounded as they round it)."""
     rng = np.random.default_rng(int(kind) + 100)
     torch.manual_seed(int(kind))
     in_features = 768
@@ -106,8 +107,8 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
         streams = backend == "cpu" and rows <= KERNEL_MAX_ROWS
         gemm_weight = weight if streams else weight.bfloat16()
         x_seen = x.bfloat16()
-        if streams and kind in K_QUANTS and cpu_ops.packed.rounds_activations_to_int8:
-            x_seen = q8_k_rounded(x_seen)
+        if streams and cpu_ops.packed.rounds_activations_to_int8:
+            x_seen = int8_rounded(x_seen, 256 if kind in K_QUANTS else 32)
         rounded = x_seen.double() @ gemm_weight.double().T + bias.bfloat16().double()
         torch.testing.assert_close(out.double(), rounded, rtol=2 ** -7, atol=1e-2)
 

@@ -20,9 +20,9 @@
 //
 // The exact path de-quantizes each output row's blocks to fp32 once, into a buffer that stays
 // in L1 while every row of x is dotted with it (x widened to fp32 once per call): one read of
-// the weights for any number of rows, the same exact result for every row. bf16 x against a
-// k-quant on a CPU with AVX512-VNNI takes kquants_vnni.h's integer dots instead, which read
-// each row once for any number of rows too. More rows than the
+// the weights for any number of rows, the same exact result for every row. bf16 x on a CPU
+// with AVX512-VNNI takes kquants_vnni.h's integer dots instead, which read each row once for
+// any number of rows too. More rows than the
 // model's streaming limit (engine/worker/models/quantized.py) run a GEMM over
 // gguf_dequantize's dense weight instead.
 #include <ATen/core/Tensor.h>
@@ -209,20 +209,18 @@ void dot_rows(const float* xf, int64_t in, const float* w, float (&sums)[M]) {
 }
 
 #if defined(KVSCOPE_VNNI_DOTS)
-// bf16 x rounded per super-block (kquants_vnni.h), each weight row dotted with every row of x
-// while it is in L1, kMaxRows rows of x at a time.
-template <typename Out>
-void kquant_linear_vnni(const at::Tensor& x, const at::Tensor& weight, int64_t type,
-                        const bf16* bias, at::Tensor& out) {
-  const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
-  const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);
-  const kquants::SuperRows xq = kquants::quantize_super_rows(
-      elements<bf16>(x), x.stride(0), static_cast<int>(rows), in, type != kQ6_K);
+// bf16 x rounded to int8 (kquants_vnni.h), each weight row dotted with every row of x while it
+// is in L1, kMaxRows rows of x at a time: dot(rows constant, x_first, row, sums).
+template <typename Out, typename Dot>
+void linear_vnni(const at::Tensor& weight, int64_t rows, const bf16* bias, at::Tensor& out,
+                 Dot&& dot) {
+  const int64_t out_features = weight.size(0), row_bytes = weight.size(1),
+                out_stride = out.stride(0);
   const uint8_t* blocks = weight.data_ptr<uint8_t>();
   Out* y = elements<Out>(out);
   constexpr bf16* precision = nullptr;
-  const int64_t chunk_rows = int4_chunk_rows(rows, out_features, row_bytes);
-  kvscope::parallel_for(0, out_features, chunk_rows, [&](int64_t begin, int64_t end) {
+  kvscope::parallel_for(0, out_features, int4_chunk_rows(rows, out_features, row_bytes),
+                        [&](int64_t begin, int64_t end) {
     const uint8_t* const last_byte = blocks + end * row_bytes;
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = blocks + n * row_bytes;
@@ -236,16 +234,45 @@ void kquant_linear_vnni(const at::Tensor& x, const at::Tensor& weight, int64_t t
                   [&](auto rows_constant) {
           constexpr int R = decltype(rows_constant)::value;
           float sums[R];
-          const int x_first = static_cast<int>(first);
-          if (type == kQ6_K)
-            kquants::q6_dot<R>(xq, x_first, row, sums);
-          else if (type == kQ5_K)
-            kquants::k4_dot<R, true>(xq, x_first, row, sums);
-          else
-            kquants::k4_dot<R, false>(xq, x_first, row, sums);
+          dot(rows_constant, static_cast<int>(first), row, sums);
           for (int m = 0; m < R; ++m)
             store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
         });
+    }
+  });
+}
+
+template <typename Out>
+void gguf_linear_vnni(const at::Tensor& x, const at::Tensor& weight, int64_t type, const bf16* bias,
+                      at::Tensor& out) {
+  const int64_t in = x.size(1), rows = x.size(0);
+  const bf16* xb = elements<bf16>(x);
+  if (type == kQ4_K || type == kQ5_K || type == kQ6_K) {
+    const kquants::SuperRows xq =
+        kquants::quantize_super_rows(xb, x.stride(0), static_cast<int>(rows), in, type != kQ6_K);
+    return linear_vnni<Out>(weight, rows, bias, out,
+                            [&](auto rows_constant, int first, const uint8_t* row, auto& sums) {
+      constexpr int R = decltype(rows_constant)::value;
+      if (type == kQ6_K) return kquants::q6_dot<R>(xq, first, row, sums);
+      if (type == kQ5_K) return kquants::k4_dot<R, true>(xq, first, row, sums);
+      kquants::k4_dot<R, false>(xq, first, row, sums);
+    });
+  }
+  const Int8Rows xq = quantize_rows(xb, x.stride(0), static_cast<int>(rows), in);
+  linear_vnni<Out>(weight, rows, bias, out,
+                   [&](auto rows_constant, int first, const uint8_t* row, auto& sums) {
+    constexpr int R = decltype(rows_constant)::value;
+    switch (type) {
+      case kQ4_0:
+        return kquants::block32_dot<R, kQ4_0>(xq, first, row, sums);
+      case kQ4_1:
+        return kquants::block32_dot<R, kQ4_1>(xq, first, row, sums);
+      case kQ5_0:
+        return kquants::block32_dot<R, kQ5_0>(xq, first, row, sums);
+      case kQ5_1:
+        return kquants::block32_dot<R, kQ5_1>(xq, first, row, sums);
+      default:
+        return kquants::block32_dot<R, kQ8_0>(xq, first, row, sums);
     }
   });
 }
@@ -255,9 +282,7 @@ template <typename T, typename Out>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                       BlockFormat format, const T* bias, at::Tensor& out) {
 #if defined(KVSCOPE_VNNI_DOTS)
-  if constexpr (std::is_same_v<T, bf16>)
-    if (type == kQ4_K || type == kQ5_K || type == kQ6_K)
-      return kquant_linear_vnni<Out>(x, weight, type, bias, out);
+  if constexpr (std::is_same_v<T, bf16>) return gguf_linear_vnni<Out>(x, weight, type, bias, out);
 #endif
   const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
   const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);

@@ -1,4 +1,6 @@
-// The int8-dot path of gguf_linear for the k-quants (Q4_K, Q5_K, Q6_K) with bf16 activations
+// The int8-dot path of gguf_linear for bf16 activations on a CPU with AVX512-VNNI. For the
+// 32-weight types (Q4_0..Q8_0) x is rounded per 32 values (vnni.h's Q8_0 rows), see
+// block32_dot. For the k-quants (Q4_K, Q5_K, Q6_K) with bf16 activations
 // on a CPU with AVX512-VNNI, after llama.cpp's: each row of x is rounded to int8 once per call
 // with one scale per 256 values (llama.cpp's q8_K, whose super-blocks are the weights'), and
 // per super-block every weight's unsigned quant meets x's int8 in vpmaddubsw (pairs into
@@ -218,6 +220,71 @@ inline void q6_dot(const SuperRows& xq, int x_first, const uint8_t* row, float (
     const __m256 o = offset_acc[m];
     y[m] = _mm512_reduce_add_ps(acc[m]) -
            reduce_add_128(_mm_add_ps(_mm256_castps256_ps128(o), _mm256_extractf128_ps(o, 1)));
+  }
+}
+
+// The 32-weight types (ggml ids: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8) against x rounded
+// per 32 values (vnni.h's Int8Rows, llama.cpp's Q8_0): each block is w = scale * u + c with
+// unsigned quants u (Q8_0's flipped by +128), so its dot with the rounded x is
+// scale * d_x * (u . q_x) + c * (d_x * sum(q_x)), one vpdpbusd over its 32 bytes.
+template <int64_t kType>
+struct Block32 {
+  static constexpr int64_t kBytes = kType == 2   ? 18
+                                    : kType == 3 ? 20
+                                    : kType == 6 ? 22
+                                    : kType == 7 ? 24
+                                                 : 34;
+  static constexpr bool kMin = kType == 3 || kType == 7, kFifth = kType == 6 || kType == 7;
+
+  // The block's unsigned quants, x's order, and its scale and constant term.
+  static __m256i quants(const uint8_t* block, float& scale, float& c) {
+    scale = half_float(block);
+    if constexpr (kType == 8) {
+      c = -128.f * scale;
+      return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)),
+                              _mm256_set1_epi8(-128));
+    } else {
+      c = kMin ? half_float(block + 2) : (kFifth ? -16.f : -8.f) * scale;
+      const uint8_t* qs = block + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(packed, nibble)),
+                                          _mm_and_si128(_mm_srli_epi16(packed, 4), nibble), 1);
+      if constexpr (kFifth) {
+        uint32_t bits;
+        std::memcpy(&bits, block + (kMin ? 4 : 2), 4);
+        u = _mm256_or_si256(u, _mm256_maskz_mov_epi8(_cvtu32_mask32(bits), _mm256_set1_epi8(16)));
+      }
+      return u;
+    }
+  }
+};
+
+// y[m] = row . x[x_first + m] for a row of `blocks` 32-weight blocks of type kType.
+template <int M, int64_t kType>
+inline void block32_dot(const Int8Rows& xq, int x_first, const uint8_t* row, float (&y)[M]) {
+  __m256 acc[M];
+  float constant[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    constant[m] = 0.f;
+  }
+  for (int64_t b = 0; b < xq.blocks; ++b) {
+    float scale, c;
+    const __m256i u = Block32<kType>::quants(row + b * Block32<kType>::kBytes, scale, c);
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (x_first + m) * xq.blocks + b;
+      const __m256i dot = _mm256_dpbusd_epi32(
+          _mm256_setzero_si256(), u,
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + at * 32)));
+      acc[m] =
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale * xq.scales[at]), acc[m]);
+      constant[m] += c * xq.block_sums[at];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+    y[m] = reduce_add_128(sum) + constant[m];
   }
 }
 
