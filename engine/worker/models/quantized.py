@@ -273,9 +273,10 @@ class Int8Linear(QuantizedLinear):
         return packed.int8_dequantize(self.weight, self.scales, dtype)
 
 
-class Int8Embedding(Int8Linear):
-    """A token embedding as int8 rows with one scale each. Looking a token up de-quantizes
-    its row; `project` uses the same rows as a tied output projection (the logits)."""
+class EmbeddingRows:
+    """A quantized linear's rows as a token embedding table: looking a token up
+    de-quantizes its row (the subclass's `forward`), and `project` uses the same rows as a
+    tied output projection (the logits). Mixed in before the linear it tables."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(embedding_dim, [num_embeddings], bias=False)
@@ -284,13 +285,17 @@ class Int8Embedding(Int8Linear):
         super().pack(dtype, device)
         self.dtype = dtype
 
+    def project(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return QuantizedLinear.forward(self, hidden, out_dtype)
+
+
+class Int8Embedding(EmbeddingRows, Int8Linear):
+    """A token embedding as int8 rows with one scale each."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.flatten()
         rows = self.weight.index_select(0, ids).float() * self.scales.index_select(0, ids)[:, None]
         return rows.to(self.dtype).view(*input_ids.shape, self.in_features)
-
-    def project(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return super().forward(hidden, out_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,16 +383,8 @@ class GgufLinear(QuantizedLinear):
         return out
 
 
-class GgufEmbedding(GgufLinear):
-    """A token embedding as the GGUF file stores it. Looking a token up de-quantizes its
-    row; `project` uses the same rows as a tied output projection (the logits)."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__(embedding_dim, [num_embeddings], bias=False)
-
-    def pack(self, dtype: torch.dtype, device: torch.device) -> None:
-        super().pack(dtype, device)
-        self.dtype = dtype
+class GgufEmbedding(EmbeddingRows, GgufLinear):
+    """A token embedding as the GGUF file stores it."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # One checkpoint tensor (token_embd) fills the table, so it is one part.
@@ -402,9 +399,6 @@ class GgufEmbedding(GgufLinear):
             rows = packed.gguf_dequantize(chosen, int(part.kind), self.in_features, self.dtype)
         return rows.to(self.dtype).view(*input_ids.shape, self.in_features)
 
-    def project(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return super().forward(hidden, out_dtype)
-
 
 def output_logits(projection: nn.Module, hidden: torch.Tensor,
                   dense_logits: Callable[..., torch.Tensor] = TORCH_OPS.logits) -> torch.Tensor:
@@ -412,7 +406,7 @@ def output_logits(projection: nn.Module, hidden: torch.Tensor,
     token embedding it is tied to. Each value is rounded to hidden's dtype first (the result
     widened exactly); the int8 kernel and `dense_logits` (the model's bound kernels, where
     it has them) write fp32 themselves."""
-    if isinstance(projection, Int8Embedding | GgufEmbedding):
+    if isinstance(projection, EmbeddingRows):
         return projection.project(hidden, torch.float32)
     if isinstance(projection, QuantizedLinear):
         return projection(hidden, torch.float32)
