@@ -348,12 +348,14 @@ class LlamaCpp:
     (bench/llama_cpp_worker.py says why). EOS cannot be switched off, so only the tokens it
     really generated count; times are the worker's own, without the pipe."""
 
-    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path,
+                 gguf: Path | None = None):
+        """gguf: the file to serve (bench/gguf_files.py's); by default the default model's."""
         from kvscope.engine.worker.gguf_weights import gguf_bytes_per_step
         from kvscope.engine.worker.loader import find_default_gguf
 
         started = time.perf_counter()
-        gguf = find_default_gguf()
+        gguf = gguf or find_default_gguf()
         context = max(len(p) for p in workload.prompts) + max(workload.output_lens) + 8
         environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         self.worker = subprocess.Popen(

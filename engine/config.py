@@ -9,7 +9,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 MAX_BLOCK_SIZE = 256
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 CPU matmul accepts
 BLOCK_SIZES = tuple(2 ** i for i in range(MAX_BLOCK_SIZE.bit_length()))  # 1, 2, ..., 256
 
@@ -22,7 +22,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     # Weight-only: int8 per output channel, or int4 with a scale and zero per group of
-    # quantization_group_size inputs; activations and the KV cache keep `dtype`.
+    # quantization_group_size inputs; activations and the KV cache keep `dtype`. "gguf":
+    # a GGUF model's tensors kept in the blocks its file stores (Q4_K, Q6_K, Q8_0, ...).
     quantization: str = "none"
     quantization_group_size: int = 32
     # vLLM's name: True runs the model layer by layer from Python (the oracle path); by
@@ -57,6 +58,9 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.quantization == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, so model must be a "
+                             f".gguf file (or None, the default GGUF), not {self.model!r}")
         if (type(self.quantization_group_size) is not int
                 or self.quantization_group_size not in QUANTIZATION_GROUP_SIZES):
             raise ValueError(f"quantization_group_size={self.quantization_group_size!r} must be "

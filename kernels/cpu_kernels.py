@@ -20,7 +20,7 @@ def kernel_ops() -> KernelOps:
     load()
     packed = PackedLinearKernels(
         int4_linear=int4_linear, int8_linear=int8_linear, int4_dequantize=int4_dequantize,
-        int8_dequantize=int8_dequantize,
+        int8_dequantize=int8_dequantize, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize,
         rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8())
     return KernelOps(
         backend="cpu", paged_attention=paged_attention, store_kv=store_kv, rms_norm=rms_norm,
@@ -148,6 +148,22 @@ def int8_dequantize(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     return out
 
 
+def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
+                out: torch.Tensor) -> torch.Tensor:
+    """out [rows, out_features] (x's dtype or float32; its rows may be a wider output's
+    columns) = x @ W.T + bias, W a GGUF tensor's rows of blocks as the file stores them."""
+    torch.ops.kvscope.gguf_linear(x, weight, ggml_type, bias, out)
+    return out
+
+
+def gguf_dequantize(weight: torch.Tensor, ggml_type: int, in_features: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The dense [out, in] weight of a GGUF tensor's rows of blocks."""
+    out = torch.empty(weight.shape[0], in_features, dtype=dtype)
+    torch.ops.kvscope.gguf_dequantize(weight, ggml_type, out)
+    return out
+
+
 _fakes_registered = False
 
 
@@ -157,6 +173,6 @@ def _register_fakes() -> None:
         return
     # These ops only write into tensors they are given: nothing to allocate when tracing.
     for op in ("paged_attention", "store_kv", "int4_linear", "int8_linear", "int4_dequantize",
-               "int8_dequantize"):
+               "int8_dequantize", "gguf_linear", "gguf_dequantize"):
         torch.library.register_fake(f"kvscope::{op}")(lambda *args: None)
     _fakes_registered = True

@@ -46,6 +46,11 @@ class PackedLinearKernels:
     # the dense [out, in] weight, for a GEMM over many rows
     int4_dequantize: Callable[..., torch.Tensor]
     int8_dequantize: Callable[..., torch.Tensor]
+    # a GGUF tensor's blocks as the file stores them (Q4_0..Q8_0, Q4_K, Q5_K, Q6_K; ggml's
+    # type id): gguf_linear(x, weight, type, bias, out) writes x @ W.T + bias into out,
+    # gguf_dequantize(weight, type, in_features, dtype) gives the dense weight
+    gguf_linear: Callable[..., torch.Tensor]
+    gguf_dequantize: Callable[..., torch.Tensor]
     # whether int4_linear / int8_linear round bf16 activations to int8, one scale per 32
     # values (llama.cpp's Q8_0), for VNNI dot products; otherwise they compute exactly
     rounds_activations_to_int8: bool

@@ -1,24 +1,31 @@
 """A GGUF of each architecture, written with the gguf package under llama.cpp's tensor
 names and metadata keys, loads through the real loader: its config (head size, partial
-rotary, LongRoPE) survives the conversion, and its tensors land in the right places."""
+rotary, LongRoPE) survives the conversion, and its tensors land in the right places; with
+quantization="gguf" its k-quant blocks are served as the file stores them."""
 
+import conftest
 import numpy as np
 import pytest
 import torch
 from conftest import run_to_completion, transformers_greedy
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+from test_gguf_blocks import random_blocks
+from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type
+from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.kernels import select_ops
 
 # The tiny models' architectures -> llama.cpp's (Llama 3.2 is a llama GGUF with rope_freqs).
 GGUF_ARCH = {"llama": MODEL_ARCH.LLAMA, "llama3": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3,
-             "phi3": MODEL_ARCH.PHI3}
+             "phi3": MODEL_ARCH.PHI3, "qwen2": MODEL_ARCH.QWEN2}
 PROMPTS = [[5, 17, 200, 31, 9], list(range(40, 70))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+Q = GGMLQuantizationType
 
 
 def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -27,8 +34,10 @@ def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32) -> None:
-    """hf_model as llama.cpp's converter writes it (names from the gguf package's own map)."""
+def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32,
+                     blocks: dict | None = None) -> None:
+    """hf_model as llama.cpp's converter writes it (names from the gguf package's own map);
+    `blocks`: {transformers name: (type, rows of blocks)} written as they are instead."""
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
@@ -64,12 +73,14 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32) -
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        values = tensor.numpy()
+        tensor_kind, values = (blocks or {}).get(name, (kind, tensor.numpy()))
         if GGUF_ARCH[arch] == MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = llama_cpp_permute(values, heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if values.ndim == 2 and kind != GGMLQuantizationType.F32:
+        if name in (blocks or {}):
+            writer.add_tensor(gguf_name, values, raw_dtype=tensor_kind)
+        elif values.ndim == 2 and kind != GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, values)
@@ -85,7 +96,7 @@ def greedy(model: str, quantization: str = "none") -> list[list[int]]:
     return [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS, GREEDY).outputs]
 
 
-@pytest.mark.parametrize("arch", list(GGUF_ARCH))
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen3", "phi3"])
 def test_a_gguf_of_each_architecture_gives_transformers_greedy_tokens(
         arch, tiny_model, tmp_path, monkeypatch):
     """Lossless (F32) tensors: the conversion's config and weights are the model's own, so
@@ -100,16 +111,86 @@ def test_a_gguf_of_each_architecture_gives_transformers_greedy_tokens(
     assert greedy(str(path), "int8") == greedy(str(tiny.path), "int8")
 
 
+# Q4_K_M's mix, as llama.cpp's quantizer makes it: most projections Q4_K, some Q6_K
+# (attn_v, ffn_down, the output), the rest of the types once each; a tensor whose inputs are
+# no multiple of 256 falls back to a 32-weight type, as llama.cpp's does.
+K_QUANT_MIX = {"q_proj": Q.Q4_K, "k_proj": Q.Q5_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K,
+               "qkv_proj": Q.Q4_K, "gate_proj": Q.Q5_0, "up_proj": Q.Q4_K, "gate_up_proj": Q.Q5_K,
+               "down_proj": Q.Q6_K, "embed_tokens": Q.Q8_0, "lm_head": Q.Q6_K}
+FALLBACK = {0: Q.Q4_1, 1: Q.Q4_0, 2: Q.Q5_1}
+
+
+def k_quant_model(arch: str):
+    """A tiny model at k-quant width (inputs of 256 and 512) whose every matrix is made of
+    random valid blocks in the K_QUANT_MIX type: (the blocks, transformers' model holding
+    their de-quantized values)."""
+    config = conftest._tiny_config(arch)
+    config = config.__class__.from_dict({**config.to_dict(), "hidden_size": 256,
+                                         "intermediate_size": 512, "num_attention_heads": 16})
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    blocks = {}
+    with torch.no_grad():
+        for index, (name, parameter) in enumerate(hf_model.named_parameters()):
+            if "norm" in name and arch in conftest.RANDOM_NORM_ARCHITECTURES:
+                parameter.uniform_(0.5, 1.5)
+            if parameter.dim() != 2:
+                continue
+            kind = K_QUANT_MIX[name.split(".")[-2]]
+            if parameter.shape[1] % 256 and kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+                kind = FALLBACK[index % 3]
+            rows = random_blocks(kind, parameter.shape[0], parameter.shape[1], rng)
+            blocks[name] = (kind, rows)
+            parameter.copy_(torch.from_numpy(quants.dequantize(rows, kind)))
+    return blocks, hf_model
+
+
+@pytest.mark.parametrize("arch", list(GGUF_ARCH))
+def test_a_k_quant_gguf_of_each_architecture_serves_its_blocks_as_stored(arch, tmp_path,
+                                                                         monkeypatch):
+    """quantization="gguf": the file's blocks are the weights (their bytes per type are the
+    file's, no fp32 folder is written) and greedy tokens equal transformers' on the
+    de-quantized weights, fp32 activations."""
+    select_ops(torch.device("cpu"))  # the C++ kernels' build stays in the usual cache
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    blocks, hf_model = k_quant_model(arch)
+    path = tmp_path / f"{arch}.gguf"
+    write_model_gguf(arch, hf_model, path, blocks=blocks)
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", device_memory_gb=0.05,
+                          quantization="gguf")
+    runner = ModelRunner(config)
+    on_file = gguf_tensor_bytes_by_type(path)
+    assert {kind: size for kind, size in runner.weight_bytes_by_type.items() if kind.startswith("Q")} == {
+        kind: size for kind, size in on_file.items() if kind.startswith("Q")}
+    assert not list((tmp_path / "cache").rglob("config.json"))  # no converted folder
+    outputs = run_to_completion(EngineCore(config, runner=runner), PROMPTS, GREEDY).outputs
+    assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(hf_model, PROMPTS, 8)
+
+
+def test_k_quant_blocks_through_the_triton_backend_give_the_same_tokens(tmp_path, monkeypatch):
+    """The Triton backend (in the interpreter here) de-quantizes the blocks and runs a GEMM."""
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    blocks, hf_model = k_quant_model("llama")
+    path = tmp_path / "llama.gguf"
+    write_model_gguf("llama", hf_model, path, blocks=blocks)
+    monkeypatch.setenv("KVSCOPE_ATTENTION_BACKEND", "triton")
+    assert greedy(str(path), "gguf") == transformers_greedy(hf_model, PROMPTS, 8)
+
+
 def test_gguf_architectures_and_types_kvscope_does_not_read_are_refused_by_name(tiny_model,
                                                                                tmp_path):
-    """A k-quant tensor is named, not de-quantized to fp32 behind the user's back; an
-    architecture without a reader is named with the supported ones."""
+    """A tensor type without a kernel (IQ*, TQ*, MXFP4...) is named, not de-quantized to
+    fp32 behind the user's back; an architecture without a reader is named with the
+    supported ones."""
     tiny = tiny_model("qwen3")
-    q5 = tmp_path / "q5.gguf"
-    write_model_gguf("qwen3", tiny.hf_model, q5, GGMLQuantizationType.Q5_0)
-    with pytest.raises(ValueError, match=r"'token_embd.weight' is Q5_0, which kvscope does "
-                                         r"not read; supported GGUF types: \['BF16', 'F16'"):
-        greedy(str(q5))
+    mxfp4 = tmp_path / "mxfp4.gguf"
+    write_model_gguf("qwen3", tiny.hf_model, mxfp4, GGMLQuantizationType.MXFP4)
+    for quantization in ("none", "gguf"):
+        with pytest.raises(ValueError, match=r"'token_embd.weight' is MXFP4, which kvscope does "
+                                             r"not read; supported GGUF types: \['BF16', 'F16', "
+                                             r"'F32', 'Q4_0', 'Q4_1', 'Q4_K', 'Q5_0'"):
+            greedy(str(mxfp4), quantization)
     other = tmp_path / "gemma.gguf"
     writer = GGUFWriter(other, "gemma")
     writer.write_header_to_file()

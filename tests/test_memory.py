@@ -44,6 +44,13 @@ def test_describe_states_blocks_tokens_bytes_and_concurrency():
     assert "max_model_len=1024: 20.00x" in text
 
 
+def test_describe_states_the_weight_bytes_per_type_largest_first():
+    by_type = {"float32": 2 * MiB, "Q4_K": 300 * MiB, "Q6_K": 210 * MiB}
+    plan = plan_blocks(4 * GiB, 0.5, 512 * MiB, 256 * MiB, MiB, 16, 1024,
+                       weight_bytes_by_type=by_type)
+    assert "weights 512.0 MiB (Q4_K 300.0, Q6_K 210.0, float32 2.0 MiB);" in plan.describe()
+
+
 def test_too_little_memory_says_how_many_tokens_fit_and_which_knobs_to_turn():
     with pytest.raises(ValueError) as error:
         # 1 GiB x 0.5 - 256 MiB weights - 192 MiB activations = 64 blocks of 16 = 1024 tokens.

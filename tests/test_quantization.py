@@ -357,9 +357,9 @@ def test_gguf_q_and_k_rows_are_unpermuted_as_transformers_does(gguf_name, tmp_pa
 
 def test_unsupported_gguf_type_names_the_tensor_and_its_type(tmp_path):
     values = np.zeros((16, 64), dtype=np.float32)
-    path = tmp_path / "q5.gguf"
-    write_gguf(path, {"blk.0.ffn_up.weight": (values, GGMLQuantizationType.Q5_0)})
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' is Q5_0.*Q4_1"):
+    path = tmp_path / "mxfp4.gguf"
+    write_gguf(path, {"blk.0.ffn_up.weight": (values, GGMLQuantizationType.MXFP4)})
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' is MXFP4.*Q4_1"):
         list(iter_gguf_weights(path, None))
 
 

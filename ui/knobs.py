@@ -26,8 +26,11 @@ def live_form(engine: EngineView) -> tuple:
 
 def pool_markdown(plan, config) -> str:
     """The pool, and the weights it was sized around (their quantization sets their bytes)."""
+    by_type = plan.weights_by_type()
+    by_type = f": {by_type}" if by_type else ""
     return (f"**Weights:** {plan.weight_bytes / 2**20:.1f} MiB (quantization "
-            f"{config.quantization}) · **Pool:** {plan.num_blocks} blocks x {plan.block_size} tokens = "
+            f"{config.quantization}{by_type}) · "
+            f"**Pool:** {plan.num_blocks} blocks x {plan.block_size} tokens = "
             f"{plan.num_tokens} tokens ({plan.kv_cache_bytes / 2**20:.1f} MiB) · "
             f"**max concurrency** {plan.max_concurrency:.2f} x {plan.max_model_len} tokens")
 

@@ -2,11 +2,14 @@
 llama.cpp's keys) and their weights read straight from the file's blocks, under
 transformers' names.
 
-Q4_0, Q4_1 and Q8_0 tensors arrive as `GroupQuantized` blocks (no fp32 copy); the
-quantized layers copy the 4-bit ones as they are (Q4_1 is exactly `d * q + m` per 32
-weights, the int4 layout's scale and zero) and re-quantize the rest. F32/F16/BF16 tensors
-are dense. Any other type (the k-quants) is refused by name: it is not de-quantized to
-fp32 behind the user's back. Tensor names are llama.cpp's per architecture: Llama's Q and K
+With quantization="gguf" every block tensor (Q4_0..Q8_0, Q4_K, Q5_K, Q6_K: kernels/
+gguf_blocks.PACKED_TYPES) arrives as `GgufBlocks`, its bytes as the file stores them, which
+the GGUF layers keep and the kernels read. With int4 / int8, Q4_0, Q4_1 and Q8_0 tensors
+arrive as `GroupQuantized` blocks (no fp32 copy); the quantized layers copy the 4-bit ones
+as they are (Q4_1 is exactly `d * q + m` per 32 weights, the int4 layout's scale and zero)
+and re-quantize the rest. F32/F16/BF16 tensors are dense. Any other type (IQ*, TQ*,
+MXFP4...) is refused by name at load: nothing is de-quantized to fp32 behind the user's
+back. Tensor names are llama.cpp's per architecture: Llama's Q and K
 rows are stored permuted for llama.cpp's rotary layout and are un-permuted here, as
 transformers does when it converts the file; Qwen's and Phi-3's are stored as they are.
 """
@@ -19,7 +22,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from transformers import AutoConfig, PretrainedConfig
 
-from kvscope.engine.worker.models.quantized import GroupQuantized
+from kvscope.engine.worker.models.quantized import GgufBlocks, GroupQuantized
+from kvscope.kernels.gguf_blocks import PACKED_TYPES, row_bytes
 
 TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
@@ -36,14 +40,18 @@ ARCHITECTURE_BLOCK_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BLOCK_NAMES)
+# The transformers class each one is (a config read from a GGUF file names none).
+ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 # Rotary factors, which the config carries (gguf_config); no weight of the model: Phi-3's
 # LongRoPE factors, and Llama 3.1+'s llama3 scaling as a divisor per rotated pair.
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 BLOCK_WEIGHTS = 32  # weights per block in Q4_0, Q4_1 and Q8_0
 DENSE_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+# The types int4 / int8 copy or re-quantize block by block, without a dense copy.
 BLOCK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
-SUPPORTED_TYPES = sorted(t.name for t in DENSE_TYPES | BLOCK_TYPES)
+SUPPORTED_TYPES = sorted(t.name for t in DENSE_TYPES | set(PACKED_TYPES))
 
 
 def gguf_architecture(path: Path) -> str:
@@ -59,7 +67,7 @@ def check_gguf(path: Path) -> None:
         raise ValueError(f"model={str(path)!r}: GGUF architecture {architecture!r} is not "
                          f"supported; supported: {list(GGUF_ARCHITECTURES)}")
     for tensor in reader.tensors:
-        if tensor.tensor_type not in DENSE_TYPES | BLOCK_TYPES:
+        if tensor.tensor_type not in DENSE_TYPES | set(PACKED_TYPES):
             raise ValueError(
                 f"model={str(path)!r}: tensor {tensor.name!r} is {tensor.tensor_type.name}, "
                 f"which kvscope does not read; supported GGUF types: {SUPPORTED_TYPES}")
@@ -81,6 +89,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
 
     factors = {tensor.name: np.array(tensor.data, dtype=np.float32).tolist()
                for tensor in reader.tensors if tensor.name in CONFIG_TENSORS}
+    if not config.architectures and architecture in ARCHITECTURE_CLASSES:
+        config.architectures = [ARCHITECTURE_CLASSES[architecture]]
     if field("attention.key_length") is not None:
         config.head_dim = field("attention.key_length")
     if "rope_freqs.weight" in factors:
@@ -105,6 +115,14 @@ def gguf_config(path: Path) -> PretrainedConfig:
     return config
 
 
+def gguf_tensor_bytes_by_type(path: Path) -> dict[str, int]:
+    """The bytes of the file's tensors per GGUF type name, as stored."""
+    totals: dict[str, int] = {}
+    for tensor in GGUFReader(path).tensors:
+        totals[tensor.tensor_type.name] = totals.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    return totals
+
+
 def gguf_bytes_per_step(path: Path) -> int:
     """The bytes one decode step reads from a GGUF's tensors as stored (Q4_1 blocks, the Q8_0
     table...): all of them, less the token embedding table when a separate output.weight
@@ -115,8 +133,10 @@ def gguf_bytes_per_step(path: Path) -> int:
     return sum(sizes.values())
 
 
-def iter_gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, object]]:
-    """(transformers name, tensor or GroupQuantized) for every weight of a GGUF file."""
+def iter_gguf_weights(path: Path, config: PretrainedConfig,
+                      keep_blocks: bool = False) -> Iterator[tuple[str, object]]:
+    """(transformers name, tensor, GroupQuantized or GgufBlocks) for every weight of a GGUF
+    file; `keep_blocks`: every block tensor as GgufBlocks (quantization="gguf")."""
     reader = GGUFReader(path)
     architecture = reader.fields["general.architecture"].contents()
     if architecture not in GGUF_ARCHITECTURES:
@@ -127,7 +147,7 @@ def iter_gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[st
         if tensor.name in CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name, architecture)
-        value = read_tensor(path, tensor)
+        value = read_tensor(path, tensor, keep_blocks)
         if permuted and name.endswith("q_proj.weight"):
             value = unpermute_rows(value, config.num_attention_heads)
         elif permuted and name.endswith("k_proj.weight"):
@@ -151,18 +171,19 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str:
     return f"{module}.{suffix}"
 
 
-def read_tensor(path: Path, tensor) -> "torch.Tensor | GroupQuantized":
+def read_tensor(path: Path, tensor,
+                keep_blocks: bool = False) -> "torch.Tensor | GroupQuantized | GgufBlocks":
     kind = tensor.tensor_type
     if kind in DENSE_TYPES:
         return torch.from_numpy(np.array(tensor.data)).float()
-    if kind not in BLOCK_TYPES:
-        raise ValueError(
-            f"{path.name}: tensor {tensor.name!r} is {kind.name}; quantization reads only "
-            f"{SUPPORTED_TYPES} blocks from a GGUF file (quantization='none' de-quantizes "
-            "any type through transformers)")
-    rows = int(np.prod(tensor.shape[1:]))
-    block_bytes = GGML_QUANT_SIZES[kind][1]
-    return decode_blocks(kind, torch.from_numpy(np.array(tensor.data)).view(rows, -1, block_bytes))
+    if kind not in PACKED_TYPES:
+        raise ValueError(f"{path.name}: tensor {tensor.name!r} is {kind.name}, which kvscope does "
+                         f"not read; supported GGUF types: {SUPPORTED_TYPES}")
+    rows, in_features = int(np.prod(tensor.shape[1:])), int(tensor.shape[0])
+    data = torch.from_numpy(np.array(tensor.data)).view(rows, row_bytes(kind, in_features))
+    if keep_blocks or kind not in BLOCK_TYPES:
+        return GgufBlocks(kind, data, in_features)
+    return decode_blocks(kind, data.view(rows, -1, GGML_QUANT_SIZES[kind][1]))
 
 
 def decode_blocks(kind: GGMLQuantizationType, blocks: torch.Tensor) -> GroupQuantized:
@@ -183,10 +204,13 @@ def decode_blocks(kind: GGMLQuantizationType, blocks: torch.Tensor) -> GroupQuan
     return GroupQuantized(q.reshape(rows, -1), scale, offset, BLOCK_WEIGHTS, 4)
 
 
-def unpermute_rows(value: "torch.Tensor | GroupQuantized", num_heads: int):
+def unpermute_rows(value: "torch.Tensor | GroupQuantized | GgufBlocks", num_heads: int):
     """Undo llama.cpp's per-head interleaving of the rotary halves of Q / K rows."""
-    rows = value.q.shape[0] if isinstance(value, GroupQuantized) else value.shape[0]
+    rows = (value.q.shape[0] if isinstance(value, GroupQuantized)
+            else value.data.shape[0] if isinstance(value, GgufBlocks) else value.shape[0])
     order = torch.arange(rows).view(num_heads, -1, 2).transpose(1, 2).reshape(rows)
+    if isinstance(value, GgufBlocks):
+        return GgufBlocks(value.kind, value.data[order], value.in_features)
     if isinstance(value, GroupQuantized):
         offset = None if value.offset is None else value.offset[order]
         return GroupQuantized(value.q[order], value.scale[order], offset, value.group_size,

@@ -197,6 +197,11 @@ def iter_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tens
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
+def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer and chat template, read from its metadata."""
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+
+
 def load_generation_config(path: str | os.PathLike[str], config: PretrainedConfig) -> GenerationConfig:
     """The folder's generation_config.json (EOS ids live there), else one derived from config."""
     try:

@@ -6,7 +6,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,8 @@ class MemoryPlan:
     # bytes_per_block: its KV pool has a block for each of the target's.
     draft_weight_bytes: int = 0
     draft_bytes_per_block: int = 0
+    # the target's weight_bytes per storage type: GGUF block types (Q4_K, Q6_K...) and dtypes
+    weight_bytes_by_type: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -75,8 +77,16 @@ class MemoryPlan:
         blocks = -(-self.max_model_len // self.block_size)
         return self.num_blocks * layers_per_block / (num_layers * blocks)
 
+    def weights_by_type(self) -> str:
+        """"Q4_K 61.2, Q6_K 20.4, float32 0.1 MiB", largest first ("" when unknown)."""
+        largest = sorted(self.weight_bytes_by_type.items(), key=lambda item: -item[1])
+        return ", ".join(f"{name} {size / (1 << 20):.1f}" for name, size in largest) + (
+            " MiB" if largest else "")
+
     def describe(self) -> str:
-        text = (f"weights {self.weight_bytes / (1 << 20):.1f} MiB; "
+        by_type = self.weights_by_type()
+        text = (f"weights {self.weight_bytes / (1 << 20):.1f} MiB"
+                + (f" ({by_type})" if by_type else "") + "; "
                 f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
                 f"({self.bytes_per_block} bytes/block); max concurrency at "
@@ -117,6 +127,7 @@ def plan_blocks(
     groups: tuple[KVCacheGroup, ...] | None = None,
     draft_weight_bytes: int = 0,
     draft_bytes_per_block: int = 0,
+    weight_bytes_by_type: dict[str, int] | None = None,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
@@ -129,7 +140,8 @@ def plan_blocks(
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len,
-                      groups or ONE_FULL_GROUP, draft_weight_bytes, draft_bytes_per_block)
+                      groups or ONE_FULL_GROUP, draft_weight_bytes, draft_bytes_per_block,
+                      dict(weight_bytes_by_type or {}))
     num_tokens = num_blocks // len(plan.groups) * block_size
     if num_tokens < max_model_len:
         in_groups = f" in {len(plan.groups)} KV cache groups" if len(plan.groups) > 1 else ""

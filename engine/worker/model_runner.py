@@ -5,18 +5,26 @@ import logging
 import time
 
 import torch
+from transformers import GenerationConfig
 
 from kvscope import kernels
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_groups import kv_cache_groups, layers_per_block
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvscope.engine.worker import huge_pages
-from kvscope.engine.worker.gguf_weights import GGUF_ARCHITECTURES, gguf_architecture, iter_gguf_weights
+from kvscope.engine.worker.gguf_weights import (
+    GGUF_ARCHITECTURES,
+    check_gguf,
+    gguf_architecture,
+    gguf_config,
+    iter_gguf_weights,
+)
 from kvscope.engine.worker.loader import (
     gguf_file,
     iter_weights,
     load_config,
     load_generation_config,
+    load_gguf_tokenizer,
     load_tokenizer,
     resolve_model_path,
 )
@@ -24,7 +32,13 @@ from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measur
 from kvscope.engine.worker.models import language_model_config, model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
-from kvscope.engine.worker.models.quantized import QuantizedLinear, pack_model, quantize_model
+from kvscope.engine.worker.models.quantized import (
+    GgufLinear,
+    QuantizedLinear,
+    pack_model,
+    quantize_model,
+    weight_bytes_by_type,
+)
 from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
 from kvscope.engine.worker.profile_cache import load_peak, profile_key, store_peak
 
@@ -74,10 +88,19 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        self.model_path = resolve_model_path(config.model)
-        self.hf_config = language_model_config(load_config(self.model_path))
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.generation_config = load_generation_config(self.model_path, self.hf_config)
+        if config.quantization == "gguf":
+            # The file itself, no converted folder: config, tokenizer and chat template from
+            # its metadata, the weights from its blocks.
+            self.model_path = gguf_file(config.model)
+            check_gguf(self.model_path)
+            self.hf_config = language_model_config(gguf_config(self.model_path))
+            self.tokenizer = load_gguf_tokenizer(self.model_path)
+            self.generation_config = GenerationConfig.from_model_config(self.hf_config)
+        else:
+            self.model_path = resolve_model_path(config.model)
+            self.hf_config = language_model_config(load_config(self.model_path))
+            self.tokenizer = load_tokenizer(self.model_path)
+            self.generation_config = load_generation_config(self.model_path, self.hf_config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Chosen once, before the weights load (a forced backend that cannot run here fails
@@ -100,6 +123,7 @@ class ModelRunner:
         self.model.eval()
         # Packed quantized weights are (integer) parameters too, so this is what they occupy.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes_by_type = weight_bytes_by_type(self.model)
         self.attention_layers = self.model.attention_layers()
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
@@ -118,16 +142,22 @@ class ModelRunner:
                            "layers de-quantize their weights on every forward (correct, but "
                            "slower than dense)", self.kernel_ops.backend, quantized)
         fuse = getattr(self.model, "fuse_decoder_stack", None)
+        # The C++ stack takes dense, int4 and int8 weights; GGUF blocks run layer by layer.
+        gguf_layers = any(isinstance(module, GgufLinear) for module in self.model.modules())
         self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
-                                    and self.kernel_ops.decoder_stack is not None)
+                                    and self.kernel_ops.decoder_stack is not None
+                                    and not gguf_layers)
         if self.fused_decoder_stack:
             fuse(self.dtype)
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
-        logger.info("loaded %s (%s, %.1f MiB of weights, quantization=%s, %s on %s) in %.1f s;"
+        logger.info("loaded %s (%s, %.1f MiB of weights: %s, quantization=%s, %s on %s) in %.1f s;"
                     " %s kernels, %s", self.model_path,
-                    type(self.model).__name__, self.weight_bytes / (1 << 20), config.quantization,
+                    type(self.model).__name__, self.weight_bytes / (1 << 20),
+                    ", ".join(f"{name} {size / (1 << 20):.1f} MiB"
+                              for name, size in self.weight_bytes_by_type.items()),
+                    config.quantization,
                     self.dtype, self.device, time.perf_counter() - started,
                     self.kernel_ops.backend,
                     "one-call decoder stack" if self.fused_decoder_stack else "eager layers")
@@ -136,7 +166,8 @@ class ModelRunner:
         """The checkpoint into the model, packed for its quantization. A quantized GGUF
         model is packed once: later starts read its packed state from the cache."""
         source = gguf_file(config.model) if config.quantization != "none" else None
-        cache = None if source is None else packed_path(
+        # GGUF blocks are kept as the file stores them: nothing to pack, nothing to cache.
+        cache = None if source is None or config.quantization == "gguf" else packed_path(
             source, config.quantization, config.quantization_group_size, self.dtype)
         state = None if cache is None else read_packed(cache)
         if state is not None:
@@ -144,18 +175,18 @@ class ModelRunner:
             self.model.load_state_dict(state)
             logger.info("packed %s weights read from %s", config.quantization, cache)
             return
-        self.model.load_weights(self.checkpoint_weights(source))
+        self.model.load_weights(self.checkpoint_weights(source, config.quantization == "gguf"))
         pack_model(self.model, self.dtype, self.device)
         if cache is not None:
             store_packed(self.model, cache)
 
-    def checkpoint_weights(self, source):
+    def checkpoint_weights(self, source, keep_blocks: bool):
         """The HF folder's tensors; for a quantized model's Llama GGUF (`source`, else None),
         the file's own blocks instead (Q4_1 layers then pack into int4 without a round trip
-        through fp32)."""
+        through fp32; `keep_blocks`: every block tensor kept as it is)."""
         if source is not None and gguf_architecture(source) in GGUF_ARCHITECTURES:
             logger.info("reading the quantized blocks of %s directly", source)
-            return iter_gguf_weights(source, self.hf_config)
+            return iter_gguf_weights(source, self.hf_config, keep_blocks)
         return iter_weights(self.model_path)
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -180,7 +211,7 @@ class ModelRunner:
             config.gpu_memory_utilization, self.weight_bytes + draft_weights, peak,
             self.bytes_per_block(config.block_size) + draft_per_block, config.block_size,
             config.max_model_len, config.num_gpu_blocks_override, tuple(self.kv_groups),
-            draft_weights, draft_per_block)
+            draft_weights, draft_per_block, self.weight_bytes_by_type)
 
     def peak_activation_bytes(self, config: EngineConfig) -> int:
         key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)

@@ -76,7 +76,8 @@ def _device_name(device: torch.device) -> str:
 def profile_key(model_path: Path, dtype: torch.dtype, device: torch.device,
                 attention_backend: str, shapes: dict[str, int]) -> dict:
     """Everything the profiled peak depends on, as a JSON-able dict."""
-    model_files = [p for p in Path(model_path).iterdir() if p.suffix in MODEL_FILE_SUFFIXES]
+    model_files = ([Path(model_path)] if Path(model_path).is_file()  # a GGUF served as it is
+                   else [p for p in Path(model_path).iterdir() if p.suffix in MODEL_FILE_SUFFIXES])
     code_files = {p for root, patterns in CODE_GLOBS for pattern in patterns for p in root.glob(pattern)}
     return {
         "model": str(Path(model_path).resolve()),

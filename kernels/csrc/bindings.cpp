@@ -32,6 +32,9 @@ TORCH_LIBRARY(kvscope, m) {
         "Tensor(a!) out) -> ()");
   m.def("int8_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
   m.def("rounds_activations_to_int8() -> bool", &rounds_activations_to_int8);
+  // quantized/kquants.cpp
+  m.def("gguf_linear(Tensor x, Tensor weight, int type, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("gguf_dequantize(Tensor weight, int type, Tensor(a!) out) -> ()");
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 
@@ -63,5 +66,7 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int8_dequantize", &int8_dequantize);
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("greedy_tokens", &greedy_tokens);
 }

@@ -40,5 +40,10 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales, const a
 void int8_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::Tensor out);
 bool rounds_activations_to_int8();
 
+// quantized/kquants.cpp
+void gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                 const std::optional<at::Tensor>& bias, at::Tensor out);
+void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out);
+
 // sampling.cpp
 std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Tensor& logits);

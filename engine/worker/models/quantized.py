@@ -20,7 +20,7 @@ from torch import nn
 
 from kvscope.engine.config import QUANTIZATION_GROUP_SIZES
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
-from kvscope.kernels import TORCH_OPS, PackedLinearKernels
+from kvscope.kernels import TORCH_OPS, PackedLinearKernels, gguf_blocks
 
 INT4_CHUNK = 32  # int4 weights per 16 packed bytes (GGUF's Q4 nibble order)
 INT4_WIDE_BLOCK = 16  # chunks per wide block of the kernels' layout (see int4_wide_blocks)
@@ -59,9 +59,22 @@ class GroupQuantized:
         return grouped.view(rows, cols)
 
 
-def dense(tensor: "torch.Tensor | GroupQuantized") -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class GgufBlocks:
+    """Rows of a weight exactly as a GGUF file stores them: ggml blocks of one type
+    (kernels/gguf_blocks.PACKED_TYPES), one row of blocks per output row."""
+
+    kind: gguf_blocks.GGMLQuantizationType
+    data: torch.Tensor  # uint8 [rows, row bytes]
+    in_features: int
+
+    def dequantize(self) -> torch.Tensor:
+        return gguf_blocks.dequantize(self.data, self.kind, self.in_features)
+
+
+def dense(tensor: "torch.Tensor | GroupQuantized | GgufBlocks") -> torch.Tensor:
     """A checkpoint tensor as a plain tensor, whatever form it arrived in."""
-    return tensor.dequantize() if isinstance(tensor, GroupQuantized) else tensor
+    return tensor.dequantize() if isinstance(tensor, GroupQuantized | GgufBlocks) else tensor
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> GroupQuantized:
@@ -145,11 +158,15 @@ class QuantizedLinear(UsesKernelOps):
         packed = self.ops.packed
         if packed is None:
             out = F.linear(flat, self.dequantized_weight(flat.dtype), self.bias).to(out_dtype)
-        elif flat.shape[0] <= kernel_max_rows(packed, flat.dtype):
+        elif flat.shape[0] <= self.stream_rows(packed, flat.dtype):
             out = self.stream(packed, flat, out_dtype)
         else:
             out = F.linear(flat, self.dequantize(packed, flat.dtype), self.bias).to(out_dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def stream_rows(self, packed: PackedLinearKernels, dtype: torch.dtype) -> int:
+        """The most rows of x that `stream` takes; more run a GEMM."""
+        return kernel_max_rows(packed, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -256,9 +273,10 @@ class Int8Linear(QuantizedLinear):
         return packed.int8_dequantize(self.weight, self.scales, dtype)
 
 
-class Int8Embedding(Int8Linear):
-    """A token embedding as int8 rows with one scale each. Looking a token up de-quantizes
-    its row; `project` uses the same rows as a tied output projection (the logits)."""
+class EmbeddingRows:
+    """A quantized linear's rows as a token embedding table: looking a token up
+    de-quantizes its row (the subclass's `forward`), and `project` uses the same rows as a
+    tied output projection (the logits). Mixed in before the linear it tables."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(embedding_dim, [num_embeddings], bias=False)
@@ -267,13 +285,119 @@ class Int8Embedding(Int8Linear):
         super().pack(dtype, device)
         self.dtype = dtype
 
+    def project(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return QuantizedLinear.forward(self, hidden, out_dtype)
+
+
+class Int8Embedding(EmbeddingRows, Int8Linear):
+    """A token embedding as int8 rows with one scale each."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.flatten()
         rows = self.weight.index_select(0, ids).float() * self.scales.index_select(0, ids)[:, None]
         return rows.to(self.dtype).view(*input_ids.shape, self.in_features)
 
-    def project(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return super().forward(hidden, out_dtype)
+
+@dataclass(frozen=True, slots=True)
+class GgufPart:
+    """Consecutive output rows of a GgufLinear held in one form: ggml blocks of `kind`, or
+    dense (kind None) where the file stores them as F32 / F16 / BF16."""
+
+    rows: slice
+    kind: gguf_blocks.GGMLQuantizationType | None
+
+
+class GgufLinear(QuantizedLinear):
+    """y = x @ W.T + bias with W's rows as the GGUF file stores them (quantization="gguf").
+
+    A merged projection's parts may come in different types (Q4_K_M keeps some layers'
+    attn_v in Q6_K beside Q4_K q and k): each run of consecutive rows of one type is one
+    weight tensor (`weights[i]`, described by `parts[i]`), and each writes its columns of
+    the output. Every row of x meets a row's blocks once (kernels/csrc/quantized/
+    kquants.cpp), exactly, so the streaming limit is the exact kernels' one."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, output_sizes, bias)
+        self.staged: list[tuple[slice, torch.Tensor | GgufBlocks]] = []
+
+    def stage_rows(self, rows: slice, tensor) -> None:
+        self.staged.append((rows, tensor))
+
+    def pack(self, dtype: torch.dtype, device: torch.device) -> None:
+        staged = sorted(self.staged, key=lambda part: part[0].start)
+        if [r.start for r, _ in staged] != [0] + [r.stop for r, _ in staged[:-1]] or (
+                staged[-1][0].stop != self.out_features):
+            raise ValueError(f"model: a GGUF layer's parts cover rows {[r for r, _ in staged]}"
+                             f" of {self.out_features}")
+        runs: list[tuple[slice, object, list]] = []  # consecutive parts of one type merge
+        for rows, tensor in staged:
+            kind = tensor.kind if isinstance(tensor, GgufBlocks) else None
+            if runs and runs[-1][1] == kind:
+                start, _, tensors = runs[-1]
+                runs[-1] = (slice(start.start, rows.stop), kind, [*tensors, tensor])
+            else:
+                runs.append((rows, kind, [tensor]))
+        self.parts = [GgufPart(rows, kind) for rows, kind, _ in runs]
+        self.weights = nn.ParameterList([frozen(
+            torch.cat([t.data for t in tensors]).to(device) if kind is not None
+            else torch.cat([dense(t) for t in tensors]).to(device, dtype))
+            for _, kind, tensors in runs])
+        del self.staged
+
+    def weight_bytes_by_type(self) -> dict[str, int]:
+        """Each part's bytes under its GGUF type's name (dense parts: the model dtype's)."""
+        totals: dict[str, int] = {}
+        for part, weight in zip(self.parts, self.weights):
+            name = part.kind.name if part.kind is not None else str(weight.dtype).removeprefix("torch.")
+            totals[name] = totals.get(name, 0) + weight.numel() * weight.element_size()
+        return totals
+
+    def stream_rows(self, packed: PackedLinearKernels, dtype: torch.dtype) -> int:
+        return KERNEL_MAX_ROWS
+
+    def part_weight(self, index: int, dtype: torch.dtype, packed: PackedLinearKernels | None):
+        """Part `index`'s dense weight in `dtype`: the kernels' de-quantization, else the
+        plain-torch one (the torch and Triton backends)."""
+        part, weight = self.parts[index], self.weights[index]
+        if part.kind is None:
+            return weight.to(dtype)
+        if packed is None:
+            return gguf_blocks.dequantize(weight, part.kind, self.in_features).to(dtype)
+        return packed.gguf_dequantize(weight, int(part.kind), self.in_features, dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([self.part_weight(i, dtype, None) for i in range(len(self.parts))])
+
+    def dequantize(self, packed: PackedLinearKernels, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([self.part_weight(i, dtype, packed) for i in range(len(self.parts))])
+
+    def stream(self, packed: PackedLinearKernels, flat: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+        out = flat.new_empty(flat.shape[0], self.out_features, dtype=out_dtype)
+        for part, weight in zip(self.parts, self.weights):
+            bias = None if self.bias is None else self.bias[part.rows]
+            if part.kind is None:
+                out[:, part.rows] = F.linear(flat, weight, bias)
+            else:
+                packed.gguf_linear(flat, weight, int(part.kind), bias, out[:, part.rows])
+        return out
+
+
+class GgufEmbedding(EmbeddingRows, GgufLinear):
+    """A token embedding as the GGUF file stores it."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # One checkpoint tensor (token_embd) fills the table, so it is one part.
+        (part,), (weight,) = self.parts, self.weights
+        chosen = weight.index_select(0, input_ids.flatten())
+        packed = self.ops.packed
+        if part.kind is None:
+            rows = chosen
+        elif packed is None:
+            rows = gguf_blocks.dequantize(chosen, part.kind, self.in_features)
+        else:
+            rows = packed.gguf_dequantize(chosen, int(part.kind), self.in_features, self.dtype)
+        return rows.to(self.dtype).view(*input_ids.shape, self.in_features)
 
 
 def output_logits(projection: nn.Module, hidden: torch.Tensor,
@@ -282,7 +406,7 @@ def output_logits(projection: nn.Module, hidden: torch.Tensor,
     token embedding it is tied to. Each value is rounded to hidden's dtype first (the result
     widened exactly); the int8 kernel and `dense_logits` (the model's bound kernels, where
     it has them) write fp32 themselves."""
-    if isinstance(projection, Int8Embedding):
+    if isinstance(projection, EmbeddingRows):
         return projection.project(hidden, torch.float32)
     if isinstance(projection, QuantizedLinear):
         return projection(hidden, torch.float32)
@@ -293,14 +417,17 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None
     """Swap every linear (merged ones included) and every token embedding for an empty
     quantized twin; the weights are loaded afterwards. Embeddings and output projections
     (lm_head) are int8 in both modes, as the default GGUF itself ships its embedding as
-    Q8_0: they are read once per token and their rows carry the logits."""
+    Q8_0: they are read once per token and their rows carry the logits. "gguf": every
+    layer keeps the blocks its GGUF file stores (GgufLinear, GgufEmbedding)."""
     if quantization == "none":
         return
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             output_sizes = getattr(module, "output_sizes", [module.out_features])
             bias = module.bias is not None
-            if quantization == "int4" and not name.endswith("lm_head"):
+            if quantization == "gguf":
+                twin = GgufLinear(module.in_features, output_sizes, bias)
+            elif quantization == "int4" and not name.endswith("lm_head"):
                 if module.in_features % group_size:
                     raise ValueError(
                         f"quantization_group_size={group_size} must divide the input size "
@@ -310,11 +437,29 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None
             else:
                 twin = Int8Linear(module.in_features, output_sizes, bias)
         elif isinstance(module, nn.Embedding) and name.endswith("embed_tokens"):
-            twin = Int8Embedding(module.num_embeddings, module.embedding_dim)
+            twin = (GgufEmbedding if quantization == "gguf" else Int8Embedding)(
+                module.num_embeddings, module.embedding_dim)
         else:
             continue
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, twin)
+
+
+def weight_bytes_by_type(model: nn.Module) -> dict[str, int]:
+    """The model's weight bytes per storage type: GGUF layers' parts under their GGUF type
+    names (Q4_K, Q6_K, ...), every other parameter under its dtype's name."""
+    totals: dict[str, int] = {}
+    counted: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, GgufLinear):
+            for name, size in module.weight_bytes_by_type().items():
+                totals[name] = totals.get(name, 0) + size
+            counted.update(id(weight) for weight in module.weights)
+    for parameter in model.parameters():
+        if id(parameter) not in counted:
+            name = str(parameter.dtype).removeprefix("torch.")
+            totals[name] = totals.get(name, 0) + parameter.numel() * parameter.element_size()
+    return totals
 
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -1,0 +1,158 @@
+"""GGUF files served as they ship (quantization="gguf"), against llama.cpp on the same file.
+
+Per file, kvscope:
+  load_seconds          LLM(file, quantization="gguf") from the call to a ready engine
+  weight_bytes          the memory plan's weight_bytes (and per type), against the file's
+                        tensor bytes: weight_vs_file (target <= 1.25)
+  single_stream_tok_s   one greedy chat reply's decode rate (bench/quantization.py's)
+  batched_tok_s         bench/throughput.py's kvscope workload, --num-requests (32) at once
+  perplexity            on bench/quantization.py's fixed text, one teacher-forced prefill
+and, with llama-cpp-python installed, llama.cpp in a worker process of its own
+(bench/llama_cpp_worker.py) on the same file and threads: its load time, single stream and
+its requests one at a time (it batches none across requests); kvscope's ratios to those.
+Without llama-cpp-python the report says so and holds kvscope's numbers alone.
+
+Files: --files PATH[,PATH...]; by default the shipped SmolLM2 Q4_1 file and, with
+llama-cpp-python, its requantizations (llama_model_quantize, requantizing allowed) to
+Q4_K_M, Q5_K_M, Q6_K and Q8_0 under --workdir. SmolLM2-135M's 576-wide layers are no
+multiple of 256, so llama.cpp's quantizer gives those its fallbacks (Q5_0, Q5_1, Q8_0) and
+only the 1536-wide ffn_down the k-quant itself: the per-type bytes in the report say which.
+
+Usage:
+  flock /work/bench.lock python bench/gguf_files.py   (not bench/gguf.py: that name
+  would shadow the gguf package for every script run from bench/)
+  python bench/gguf_files.py --files model.Q4_K_M.gguf --num-requests 32 --single-tokens 64
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
+
+import torch
+from quantization import TEXT, batched, perplexity, single_stream  # noqa: E402
+from throughput import LlamaCpp, make_workload  # noqa: E402
+from throughput import parse_args as throughput_args  # noqa: E402
+
+from kvscope import LLM  # noqa: E402
+from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type  # noqa: E402
+from kvscope.engine.worker.loader import find_default_gguf  # noqa: E402
+
+# llama.cpp's file types (llama.h's enum llama_ftype) the default run requantizes into.
+REQUANTIZED = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7}
+QUANTIZE = """
+import ctypes, sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])
+params.allow_requantize = True
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(),
+                                        ctypes.byref(params)))
+"""
+
+
+def llama_cpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def default_files(workdir: Path) -> list[Path]:
+    source = find_default_gguf()
+    files = [source]
+    if llama_cpp_installed():
+        for name, ftype in REQUANTIZED.items():
+            target = workdir / f"{source.stem.rsplit('.', 1)[0]}.{name}.gguf"
+            if not target.is_file():
+                subprocess.run([sys.executable, "-c", QUANTIZE, str(source), str(target), str(ftype)],
+                               check=True)
+            files.append(target)
+    return files
+
+
+def kvscope_row(path: Path, args: argparse.Namespace, text: str) -> dict:
+    started = time.perf_counter()
+    llm = LLM(str(path), quantization="gguf", dtype=args.dtype)
+    load_seconds = time.perf_counter() - started
+    plan = llm.engine.memory_plan
+    on_file = gguf_tensor_bytes_by_type(path)
+    tokens = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"][:args.ppl_tokens]
+    streams = [single_stream(llm, args.single_tokens) for _ in range(args.repeats)]
+    row = {"load_seconds": round(load_seconds, 1),
+           "weight_bytes": plan.weight_bytes, "weight_bytes_by_type": plan.weight_bytes_by_type,
+           "file_tensor_bytes": sum(on_file.values()), "file_tensor_bytes_by_type": on_file,
+           "weight_vs_file": round(plan.weight_bytes / sum(on_file.values()), 3),
+           "single_stream": streams,
+           "single_stream_tok_s": max(run["decode_tokens_per_s"] for run in streams),
+           "perplexity": round(perplexity(llm, tokens, len(tokens)), 3),
+           "perplexity_tokens": len(tokens)}
+    if not args.skip_batched:
+        row["batched"] = batched(llm, args)
+        row["batched_tok_s"] = row["batched"]["output_tokens_per_s"]
+    return row
+
+
+def llama_cpp_row(path: Path, args: argparse.Namespace, llm_tokenizer) -> dict:
+    workload_args = throughput_args(["--backends", "llama_cpp", "--num-requests",
+                                     str(args.num_requests), "--max-prompt", str(args.max_prompt),
+                                     "--max-output", str(args.max_output)])
+    workload = make_workload(workload_args, llm_tokenizer, llm_tokenizer.vocab_size)
+    backend = LlamaCpp(workload_args, workload, path, gguf=path)
+    prompt = workload.prompts[0]
+    streams = [backend.single_stream(prompt, args.single_tokens) for _ in range(args.repeats)]
+    row = {"load_seconds": round(backend.setup_seconds, 1), "single_stream": streams,
+           "single_stream_tok_s": max(run["decode_tokens_per_s"] for run in streams)}
+    if not args.skip_batched:
+        row["batched"] = backend.run()
+        row["batched_tok_s"] = row["batched"]["output_tokens_per_s"]
+    backend.worker.stdin.close()
+    backend.worker.wait()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--files", default=None, help="comma-separated GGUF paths")
+    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "kvscope-gguf-bench"))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--single-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ppl-tokens", type=int, default=512)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=128)
+    parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--skip-batched", action="store_true")
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    files = [Path(f) for f in args.files.split(",")] if args.files else default_files(workdir)
+    text = TEXT.read_text()
+    report = {"torch_threads": torch.get_num_threads(),
+              "machine": platform.processor() or platform.machine(), "files": {}}
+    if not llama_cpp_installed():
+        report["llama_cpp"] = ("llama-cpp-python is not installed (it is built from source: see "
+                               "the README), so no requantized k-quant files and no llama.cpp "
+                               "numbers; kvscope alone")
+    for path in files:
+        row = {"kvscope": kvscope_row(path, args, text)}
+        if llama_cpp_installed():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            ours, theirs = row["kvscope"], llama_cpp_row(path, args, tokenizer)
+            row["llama_cpp"] = theirs
+            row["vs_llama_cpp"] = {key: round(ours[key] / theirs[key], 3)
+                                   for key in ("single_stream_tok_s", "batched_tok_s")
+                                   if key in ours and key in theirs}
+        report["files"][path.name] = row
+        print(json.dumps({path.name: row["kvscope"]["single_stream_tok_s"]}), file=sys.stderr)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+// gguf_linear and gguf_dequantize: linears over a GGUF tensor's blocks exactly as the file
+// stores them (ggml's layouts: ggml-common.h), so a Q4_K_M model takes its file's size in
+// memory. The weight is uint8 [out_features, row bytes], one row of blocks per output row;
+// the block type is ggml's type id (GGMLQuantizationType).
+//
+//   Q4_0  32 weights, 18 bytes: d (f16), 16 bytes of nibbles; w = d * (q - 8)
+//   Q4_1  32 weights, 20 bytes: d, m (f16), nibbles; w = d * q + m
+//   Q5_0  32 weights, 22 bytes: d, 4 bytes of 5th bits, nibbles; w = d * (q - 16)
+//   Q5_1  32 weights, 24 bytes: d, m, 5th bits, nibbles; w = d * q + m
+//   Q8_0  32 weights, 34 bytes: d, 32 int8; w = d * q
+//   Q4_K  256 weights, 144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins for 8
+//         sub-blocks of 32, 128 bytes of nibbles; w = d * sc * q - dmin * m
+//   Q5_K  256 weights, 176 bytes: as Q4_K with 32 bytes of 5th bits before the nibbles
+//   Q6_K  256 weights, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
+//         int8 scales (one per 16 weights), d (f16); w = d * sc * (q - 32)
+//
+// Nibble order (every type): byte j of a 32-weight run holds weight j low and weight j + 16
+// high (Q4_0..Q5_1); for the k-quants, each 32 bytes of nibbles hold 64 weights, the low
+// nibbles the first 32.
+//
+// The exact path de-quantizes each output row's blocks to fp32 once, into a buffer that stays
+// in L1 while every row of x is dotted with it (x widened to fp32 once per call): one read of
+// the weights for any number of rows, the same exact result for every row. bf16 x on a CPU
+// with AVX512-VNNI takes kquants_vnni.h's integer dots instead, which read each row once for
+// any number of rows too. More rows than the
+// model's streaming limit (engine/worker/models/quantized.py) run a GEMM over
+// gguf_dequantize's dense weight instead.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "quantized/common.h"
+#include "quantized/kquants_vnni.h"
+#include "work_pool.h"
+
+namespace kvscope::quantized {
+namespace {
+
+// ggml's type ids (ggml.h's enum ggml_type; the gguf package's GGMLQuantizationType).
+enum GgmlType : int64_t {
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+};
+
+struct BlockFormat {
+  int64_t weights, bytes;
+};
+
+std::optional<BlockFormat> block_format(int64_t type) {
+  switch (type) {
+    case kQ4_0:
+      return BlockFormat{32, 18};
+    case kQ4_1:
+      return BlockFormat{32, 20};
+    case kQ5_0:
+      return BlockFormat{32, 22};
+    case kQ5_1:
+      return BlockFormat{32, 24};
+    case kQ8_0:
+      return BlockFormat{32, 34};
+    case kQ4_K:
+      return BlockFormat{256, 144};
+    case kQ5_K:
+      return BlockFormat{256, 176};
+    case kQ6_K:
+      return BlockFormat{256, 210};
+    default:
+      return std::nullopt;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// 16 bytes' nibbles, low or high, as fp32 lanes.
+inline FP32Vec16 low_nibbles(const uint8_t* p) {
+  return FP32Vec16::widen(vec::U8Vec16::load(p) & 15);
+}
+inline FP32Vec16 high_nibbles(const uint8_t* p) {
+  return FP32Vec16::widen(vec::U8Vec16::load(p) >> 4);
+}
+
+// Bits `first`..`first + 15` of a 32-bit word as 0.0 / 16.0 per lane (Q5_0 / Q5_1's 5th bits).
+inline FP32Vec16 fifth_bits(uint32_t bits, int first) {
+  const vec::u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vec::u32x16 shifted = (vec::u32x16{} + (bits >> first)) >> lane;
+  return __builtin_convertvector((vec::i32x16)(shifted & 1), vec::f32x16) * 16.f;
+}
+
+// Sub-block j's 6-bit scale and min of a Q4_K / Q5_K block (ggml's get_scale_min_k4).
+inline void scale_min(const uint8_t* q, int j, float& sc, float& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One block's weights in fp32, in x's order: (d * sc) * q - (dmin * m) and the like, the
+// order the gguf package's reference de-quantization computes in.
+void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+  switch (type) {
+    case kQ4_0:
+    case kQ4_1: {
+      const FP32Vec16 d(half_at(b));
+      const FP32Vec16 m(type == kQ4_1 ? half_at(b + 2) : -8.f * half_at(b));
+      const uint8_t* qs = b + (type == kQ4_1 ? 4 : 2);
+      (low_nibbles(qs) * d + m).store(y);
+      (high_nibbles(qs) * d + m).store(y + 16);
+      return;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const float scale = half_at(b);
+      const FP32Vec16 d(scale), m(type == kQ5_1 ? half_at(b + 2) : -16.f * scale);
+      const uint8_t* qh = b + (type == kQ5_1 ? 4 : 2);
+      uint32_t bits;
+      std::memcpy(&bits, qh, 4);
+      const uint8_t* qs = qh + 4;
+      ((low_nibbles(qs) + fifth_bits(bits, 0)) * d + m).store(y);
+      ((high_nibbles(qs) + fifth_bits(bits, 16)) * d + m).store(y + 16);
+      return;
+    }
+    case kQ8_0: {
+      const FP32Vec16 d(half_at(b));
+      const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+      (FP32Vec16::widen(qs) * d).store(y);
+      (FP32Vec16::widen(qs + 16) * d).store(y + 16);
+      return;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;  // Q5_K only
+      const uint8_t* qs = b + (type == kQ5_K ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles of bytes 32 * (j / 2)..
+        float sc, m;
+        scale_min(scales, j, sc, m);
+        const FP32Vec16 scale(d * sc), shift(dmin * m);
+        const uint8_t* q = qs + 32 * (j / 2);
+        for (int h = 0; h < 2; ++h) {
+          FP32Vec16 w = j % 2 ? high_nibbles(q + 16 * h) : low_nibbles(q + 16 * h);
+          if (type == kQ5_K)  // bit j of the 5th-bit bytes
+            w = w + FP32Vec16::widen((vec::U8Vec16::load(qh + 16 * h) >> j) & 1) * 16.f;
+          (w * scale - shift).store(y + 32 * j + 16 * h);
+        }
+      }
+      return;
+    }
+    case kQ6_K: {
+      const float d = half_at(b + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int half = 0; half < 2; ++half) {  // 128 weights from 64 ql and 32 qh bytes
+        const uint8_t* ql = b + 64 * half;
+        const uint8_t* qh = b + 128 + 32 * half;
+        for (int part = 0; part < 4; ++part)  // weights 32 * part.. of this half
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* low = ql + 32 * (part % 2) + 16 * h;
+            const FP32Vec16 nibble = part < 2 ? low_nibbles(low) : high_nibbles(low);
+            const FP32Vec16 top =
+                FP32Vec16::widen((vec::U8Vec16::load(qh + 16 * h) >> (2 * part)) & 3);
+            const FP32Vec16 scale(d * sc[8 * half + 2 * part + h]);
+            (scale * (nibble + top * 16.f - FP32Vec16(32.f)))
+                .store(y + 128 * half + 32 * part + 16 * h);
+          }
+      }
+      return;
+    }
+  }
+}
+
+void dequantize_row(int64_t type, BlockFormat format, const uint8_t* row, int64_t in, float* y) {
+  for (int64_t k = 0; k < in / format.weights; ++k)
+    dequantize_block(type, row + k * format.bytes, y + k * format.weights);
+}
+
+// out[m, n] for M rows of x (fp32, [M, in]) against one de-quantized weight row.
+template <int M>
+void dot_rows(const float* xf, int64_t in, const float* w, float (&sums)[M]) {
+  FP32Vec16 even[M], odd[M];  // two dependent chains per row, not one
+  int64_t k = 0;
+  for (; k + 32 <= in; k += 32) {
+    const FP32Vec16 a = FP32Vec16::load(w + k), b = FP32Vec16::load(w + k + 16);
+    for (int m = 0; m < M; ++m) {
+      even[m] = vec::fma(a, FP32Vec16::load(xf + m * in + k), even[m]);
+      odd[m] = vec::fma(b, FP32Vec16::load(xf + m * in + k + 16), odd[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) sums[m] = (even[m] + odd[m]).add_halves().reduce_sum();
+}
+
+#if defined(KVSCOPE_VNNI_DOTS)
+// bf16 x rounded to int8 (kquants_vnni.h), each weight row dotted with every row of x while it
+// is in L1, kMaxRows rows of x at a time: dot(rows constant, x_first, row, sums).
+template <typename Out, typename Dot>
+void linear_vnni(const at::Tensor& weight, int64_t rows, const bf16* bias, at::Tensor& out,
+                 Dot&& dot) {
+  const int64_t out_features = weight.size(0), row_bytes = weight.size(1),
+                out_stride = out.stride(0);
+  const uint8_t* blocks = weight.data_ptr<uint8_t>();
+  Out* y = elements<Out>(out);
+  constexpr bf16* precision = nullptr;
+  kvscope::parallel_for(0, out_features, int4_chunk_rows(rows, out_features, row_bytes),
+                        [&](int64_t begin, int64_t end) {
+    const uint8_t* const last_byte = blocks + end * row_bytes;
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = blocks + n * row_bytes;
+      // This row's bytes, kPrefetchBytes on, requested into L2 (see vnni.h).
+      for (const uint8_t* line = row + kPrefetchBytes;
+           line < std::min(row + kPrefetchBytes + row_bytes, last_byte); line += 64)
+        kvscope::prefetch_to_l2(line);
+      const float b = bias != nullptr ? load(bias[n]) : 0.f;
+      for (int64_t first = 0; first < rows; first += kMaxRows)
+        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
+                  [&](auto rows_constant) {
+          constexpr int R = decltype(rows_constant)::value;
+          float sums[R];
+          dot(rows_constant, static_cast<int>(first), row, sums);
+          for (int m = 0; m < R; ++m)
+            store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
+        });
+    }
+  });
+}
+
+template <typename Out>
+void gguf_linear_vnni(const at::Tensor& x, const at::Tensor& weight, int64_t type, const bf16* bias,
+                      at::Tensor& out) {
+  const int64_t in = x.size(1), rows = x.size(0);
+  const bf16* xb = elements<bf16>(x);
+  if (type == kQ4_K || type == kQ5_K || type == kQ6_K) {
+    const kquants::SuperRows xq =
+        kquants::quantize_super_rows(xb, x.stride(0), static_cast<int>(rows), in, type != kQ6_K);
+    return linear_vnni<Out>(weight, rows, bias, out,
+                            [&](auto rows_constant, int first, const uint8_t* row, auto& sums) {
+      constexpr int R = decltype(rows_constant)::value;
+      if (type == kQ6_K) return kquants::q6_dot<R>(xq, first, row, sums);
+      if (type == kQ5_K) return kquants::k4_dot<R, true>(xq, first, row, sums);
+      kquants::k4_dot<R, false>(xq, first, row, sums);
+    });
+  }
+  const Int8Rows xq = quantize_rows(xb, x.stride(0), static_cast<int>(rows), in);
+  linear_vnni<Out>(weight, rows, bias, out,
+                   [&](auto rows_constant, int first, const uint8_t* row, auto& sums) {
+    constexpr int R = decltype(rows_constant)::value;
+    switch (type) {
+      case kQ4_0:
+        return kquants::block32_dot<R, kQ4_0>(xq, first, row, sums);
+      case kQ4_1:
+        return kquants::block32_dot<R, kQ4_1>(xq, first, row, sums);
+      case kQ5_0:
+        return kquants::block32_dot<R, kQ5_0>(xq, first, row, sums);
+      case kQ5_1:
+        return kquants::block32_dot<R, kQ5_1>(xq, first, row, sums);
+      default:
+        return kquants::block32_dot<R, kQ8_0>(xq, first, row, sums);
+    }
+  });
+}
+#endif
+
+template <typename T, typename Out>
+void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                      BlockFormat format, const T* bias, at::Tensor& out) {
+#if defined(KVSCOPE_VNNI_DOTS)
+  if constexpr (std::is_same_v<T, bf16>) return gguf_linear_vnni<Out>(x, weight, type, bias, out);
+#endif
+  const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
+  const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);
+  const std::vector<float> xf = widen_rows(elements<T>(x), x.stride(0), rows, in);
+  const uint8_t* blocks = weight.data_ptr<uint8_t>();
+  Out* y = elements<Out>(out);
+  constexpr T* precision = nullptr;
+  kvscope::parallel_for(0, out_features, grain(row_bytes), [&](int64_t begin, int64_t end) {
+    std::vector<float> w(in);
+    for (int64_t n = begin; n < end; ++n) {
+      dequantize_row(type, format, blocks + n * row_bytes, in, w.data());
+      const float b = bias != nullptr ? load(bias[n]) : 0.f;
+      for (int64_t first = 0; first < rows; first += kMaxRows)
+        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
+                  [&](auto rows_constant) {
+          constexpr int R = decltype(rows_constant)::value;
+          float sums[R];
+          dot_rows<R>(xf.data() + first * in, in, w.data(), sums);
+          for (int m = 0; m < R; ++m)
+            store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
+        });
+    }
+  });
+}
+
+BlockFormat check_gguf_weight(const at::Tensor& weight, int64_t type, int64_t in, const char* op) {
+  const std::optional<BlockFormat> format = block_format(type);
+  TORCH_CHECK(format.has_value(), op, ": ggml type ", type,
+              " is not one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K");
+  TORCH_CHECK(in % format->weights == 0, op, ": in (", in, ") a multiple of the block's ",
+              format->weights, " weights");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.size(1) == in / format->weights * format->bytes,
+              op, ": weight uint8 [out_features, in / ", format->weights, " * ", format->bytes,
+              "]");
+  return *format;
+}
+
+}  // namespace
+}  // namespace kvscope::quantized
+
+using namespace kvscope::quantized;
+
+// out = x @ W.T + bias with W a GGUF tensor's rows of blocks of ggml type `type`. out has
+// x's dtype (or is fp32 for bf16 x: the bf16 result widened) and contiguous features; its
+// rows may be strided (a merged projection's part writes its columns of the whole output).
+void gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                 const std::optional<at::Tensor>& bias, at::Tensor out) {
+  using kvscope::bf16;
+  const char* op = "gguf_linear";
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x [rows, in] with contiguous features");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x float32 or bfloat16");
+  const BlockFormat format = check_gguf_weight(weight, type, x.size(1), op);
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0) &&
+                  (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat),
+              op, ": out [rows, out_features] of x's dtype (or float32), contiguous features");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == weight.size(0) &&
+                        bias->scalar_type() == x.scalar_type()),
+              op, ": bias [out_features] of x's dtype");
+  if (x.scalar_type() == at::kFloat)
+    gguf_linear_impl<float, float>(x, weight, type, format, bias_data<float>(bias), out);
+  else if (out.scalar_type() == at::kFloat)
+    gguf_linear_impl<bf16, float>(x, weight, type, format, bias_data<bf16>(bias), out);
+  else
+    gguf_linear_impl<bf16, bf16>(x, weight, type, format, bias_data<bf16>(bias), out);
+}
+
+// out [out_features, in] (fp32 or bf16) = the de-quantized weight, for a GEMM of many rows
+// or an embedding's looked-up rows.
+void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out) {
+  const char* op = "gguf_dequantize";
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == weight.size(0), op,
+              ": out [out_features, in]");
+  const int64_t in = out.size(1);
+  const BlockFormat format = check_gguf_weight(weight, type, in, op);
+  const uint8_t* blocks = weight.data_ptr<uint8_t>();
+  with_out_dtype(out, op, [&](auto* y) {
+    kvscope::parallel_for(0, weight.size(0), grain(weight.size(1)),
+                          [&](int64_t begin, int64_t end) {
+      std::vector<float> w(in);
+      for (int64_t n = begin; n < end; ++n) {
+        dequantize_row(type, format, blocks + n * weight.size(1), in, w.data());
+        int64_t k = 0;
+        for (; k + 16 <= in; k += 16) FP32Vec16::load(w.data() + k).store(y + n * in + k);
+        for (; k < in; ++k) kvscope::store(y[n * in + k], w[k]);
+      }
+    });
+  });
+}

@@ -1,0 +1,86 @@
+"""GGUF's block formats in plain torch: which ones kvscope keeps packed, their sizes, and
+their de-quantization on any device (the torch and Triton backends' path; the oracle of the
+C++ kernels is the gguf package's own numpy de-quantization, which this one equals bit for
+bit: tests/test_gguf_blocks.py).
+
+The layouts are ggml's (ggml-common.h); kernels/csrc/quantized/kquants.cpp describes them.
+"""
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+Q = GGMLQuantizationType
+# The block types the C++ kernels (gguf_linear) and `dequantize` read.
+PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def row_bytes(kind: GGMLQuantizationType, in_features: int) -> int:
+    weights, size = GGML_QUANT_SIZES[kind]
+    return in_features // weights * size
+
+
+def _halves(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of every block, as fp32 [..., 1]."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n] -> [..., 2n]: the low nibbles of all n bytes, then the high ones."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """Bytes [..., n] -> [..., count, n]: bit b of every byte in row b."""
+    shifts = torch.arange(count, device=qh.device, dtype=torch.uint8).view(count, 1)
+    return (qh.unsqueeze(-2) >> shifts) & 1
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and mins (fp32)."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+    mins = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return sc.float(), mins.float()
+
+
+def dequantize(weight: torch.Tensor, kind: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+    """uint8 [rows, row_bytes] of blocks -> fp32 [rows, in_features]."""
+    weights, size = GGML_QUANT_SIZES[kind]
+    rows = weight.shape[0]
+    b = weight.reshape(rows, in_features // weights, size)
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        d = _halves(b, 0)
+        offset = 2 if kind in (Q.Q4_0, Q.Q5_0) else 4
+        q = _nibbles(b[..., -16:]).float()
+        if kind in (Q.Q5_0, Q.Q5_1):  # 32 5th bits, little-endian, weight j's at bit j
+            q = q + 16 * _bits(b[..., offset:offset + 4], 8).transpose(-1, -2).reshape(
+                rows, -1, 32).float()
+        if kind == Q.Q4_0:
+            w = (q - 8) * d
+        elif kind == Q.Q5_0:
+            w = (q - 16) * d
+        else:
+            w = q * d + _halves(b, 2)
+    elif kind == Q.Q8_0:
+        w = b[..., 2:].contiguous().view(torch.int8).float() * _halves(b, 0)
+    elif kind in (Q.Q4_K, Q.Q5_K):
+        d, dmin = _halves(b, 0), _halves(b, 2)
+        sc, mins = _k_scales(b[..., 4:16])
+        qs = b[..., -128:].reshape(rows, -1, 4, 32)
+        q = _nibbles(qs).reshape(rows, -1, 8, 32)  # sub-block j: chunk j // 2, low if even
+        if kind == Q.Q5_K:
+            q = q | (_bits(b[..., 16:48], 8) << 4).reshape(rows, -1, 8, 32)
+        w = (d * sc).unsqueeze(-1) * q.float() - (dmin * mins).unsqueeze(-1)
+    elif kind == Q.Q6_K:
+        ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
+        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        low = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(rows, -1, 2, 4, 32)
+        shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(4, 1)
+        high = (qh >> shifts) & 3
+        q = (low | (high << 4)).float() - 32
+        sc = b[..., 192:208].contiguous().view(torch.int8).float().view(rows, -1, 2, 4, 2, 1)
+        w = (_halves(b, 208).view(rows, -1, 1, 1, 1, 1) * sc) * q.view(rows, -1, 2, 4, 2, 16)
+    else:
+        raise ValueError(f"GGUF type {kind.name} has no kvscope de-quantization; "
+                         f"packed types: {[t.name for t in PACKED_TYPES]}")
+    return w.reshape(rows, in_features)
