@@ -5,15 +5,18 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, func, select
 
+from kvscope.engine.telemetry.pool_history import PoolHistory, history_of
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.storage.models import (
     ChatMessageRow,
     ConfigRow,
+    PoolRecordRow,
     RequestRow,
     RoutingDecisionRow,
     SessionRow,
     StepRow,
 )
+from kvscope.storage.pool_rows import pool_records
 from kvscope.storage.rows import step_record
 
 ROWS_PER_FETCH = 2000
@@ -74,3 +77,17 @@ def load_session(engine: Engine, session_id: int) -> StoredSession:
     return StoredSession(sessions[0], table_rows(engine, RequestRow, session_id), steps,
                          table_rows(engine, ChatMessageRow, session_id), configs,
                          table_rows(engine, RoutingDecisionRow, session_id))
+
+
+def count_pool_records(engine: Engine, session_id: int) -> int:
+    with engine.connect() as connection:
+        return connection.execute(select(func.count()).select_from(PoolRecordRow).where(
+            PoolRecordRow.session_id == session_id)).scalar_one()
+
+
+def pool_history(engine: Engine, session_id: int, replica: int = 0) -> PoolHistory:
+    """The session's pool, frame by frame (engine.telemetry.pool_history.PoolHistory), from
+    its pool records; an empty history for a session logged without them."""
+    rows = (row for row in iter_table_rows(engine, PoolRecordRow, session_id)
+            if row["replica"] == replica)
+    return history_of(pool_records(rows))

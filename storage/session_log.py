@@ -18,11 +18,13 @@ from kvscope.storage.exports import export_session
 from kvscope.storage.models import (
     ChatMessageRow,
     ConfigRow,
+    PoolRecordRow,
     RequestRow,
     RoutingDecisionRow,
     SessionRow,
     StepRow,
 )
+from kvscope.storage.pool_rows import PoolRowWriter
 from kvscope.storage.rows import request_row, routing_decision_row, step_row
 from kvscope.storage.schema import open_database
 
@@ -44,6 +46,7 @@ class SessionLog:
         self.session_id: int | None = None
         self.started_at: float | None = None
         self._last_config: dict | None = None
+        self._pool_writers: dict[int, PoolRowWriter] = {}  # per replica, on the writer thread
         self.num_dropped = 0
         self.num_written = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -78,6 +81,10 @@ class SessionLog:
 
     def record_step(self, record: StepRecord) -> None:
         self._put((StepRow, record))
+
+    def record_pool(self, record, replica: int = 0) -> None:
+        """One record of a replica's pool feed (engine.telemetry.records), in feed order."""
+        self._put((PoolRecordRow, (replica, record)))
 
     def record_request(self, output: RequestOutput, source: str,
                        prompt_text: str | None = None, replica: int = 0,
@@ -119,6 +126,12 @@ class SessionLog:
     def load_session(self, session_id: int) -> reader.StoredSession:
         return reader.load_session(self.engine, session_id)
 
+    def count_pool_records(self, session_id: int) -> int:
+        return reader.count_pool_records(self.engine, session_id)
+
+    def pool_history(self, session_id: int, replica: int = 0) -> reader.PoolHistory:
+        return reader.pool_history(self.engine, session_id, replica)
+
     def export(self, session_id: int, fmt: str, out_dir: str | Path) -> Path:
         return export_session(self.engine, session_id, fmt, out_dir)
 
@@ -148,13 +161,18 @@ class SessionLog:
 
     def _write(self, batch: list) -> None:
         rows: dict[type, list[dict]] = {RequestRow: [], StepRow: [], ChatMessageRow: [],
-                                        ConfigRow: [], RoutingDecisionRow: []}
+                                        ConfigRow: [], RoutingDecisionRow: [],
+                                        PoolRecordRow: []}
         config = None
         for kind, payload in batch:
             if kind == "config":
                 config = payload
             elif kind is StepRow:
                 rows[StepRow].append(step_row(self.session_id, payload))
+            elif kind is PoolRecordRow:
+                replica, record = payload
+                writer = self._pool_writers.setdefault(replica, PoolRowWriter())
+                rows[PoolRecordRow].append(writer.row(self.session_id, replica, record))
             elif kind in rows:
                 rows[kind].append(payload)
         with self.engine.begin() as connection:

@@ -157,7 +157,7 @@ class KVCacheManager:
             self.prefix_stats.queries += seq.num_tokens
             self.prefix_stats.hits += len(cached_prefix) * self.block_size
         if cached_prefix:
-            pool.share(adopted)
+            pool.share(adopted, prefix_hit=True)
             seq.block_table.extend([RELEASED] * skipped)
             seq.block_table.extend(block.block_id for block in adopted)
             seq.num_released_blocks = skipped
