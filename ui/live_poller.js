@@ -139,11 +139,11 @@ function startLivePoller(config, shown, views) {
       again = false;
     }
   };
-  // A new heatmap range or table page is drawn at once, not at the next tick.
+  // A new heatmap range, table page or scrubber frame is drawn at once, not at the next
+  // tick (a frame changes every panel).
   live.setViews = (values) => {
     live.views = values;
-    delete drawnAt.heatmap;  // the views' figures: due at once
-    delete drawnAt.block_tables;
+    for (const name of Object.keys(drawnAt)) delete drawnAt[name];
     poll();
   };
   timer = setTimeout(poll, config.refresh_ms);
