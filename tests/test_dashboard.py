@@ -690,3 +690,58 @@ def test_a_reconfigure_is_logged_once(served, client: Client) -> None:
     time.sleep(3 * POLL_S)  # a second report would come within a recorder poll or two
     logged = configs()[before:]
     assert [entry["config"]["block_size"] for entry in logged] == [8, 4]
+
+
+def drawn_figure(page, element_id: str) -> dict:
+    """The figure a plot shows now, as its Plotly div holds it (typed arrays as lists)."""
+    return page.evaluate("""(id) => {
+        const div = document.querySelector(`#${id} [data-testid="plotly"]`);
+        if (!div || !div.data) return null;
+        const plain = (value) => ArrayBuffer.isView(value) ? Array.from(value)
+            : Array.isArray(value) ? value.map(plain) : value;
+        return {data: div.data.map((trace) => Object.fromEntries(Object.entries(trace)
+            .map(([key, value]) => [key, plain(value)]))), layout: {}};
+    }""", element_id)
+
+
+def test_browser_pause_and_step_back_show_the_pool_of_that_recorded_frame(
+        served, client: Client, browser) -> None:
+    from conftest import wait_until
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    reference = PoolReference(engine)
+    page = open_page(browser, served[2])
+    try:
+        Ticks(page).wait_for_first_drawing()  # the page's feed follows the pool from here
+        run_a_request_the_scrubber_can_step_through(engine, reference)
+        client.predict(api_name="/refresh_live")
+        latest = int(client.predict(0, api_name="/pause")[0])
+        target, status = scrub_back_to_held_blocks(  # found through the API, shown by the page
+            lambda frame: client.predict(0, frame, api_name="/step_back"), latest, reference)
+        index = delta_index(status)
+        page.locator("#kv-pause").click()
+        expect(page.locator("#kv-scrub-status")).to_contain_text("Paused at frame",
+                                                                 timeout=15_000)
+        page.locator("#kv-frame textarea, #kv-frame input").first.fill(str(target + 1))
+        page.locator("#kv-step-back").click()
+        expect(page.locator("#kv-scrub-status")).to_contain_text(
+            f"Paused at frame {target} ", timeout=15_000)
+
+        def heatmap_shown() -> bool:
+            heatmap = drawn_figure(page, "kv-heatmap")
+            codes = heatmap_state_codes(heatmap).ravel() if heatmap else []
+            return [int(code) for code in codes if not np.isnan(code)] == reference.codes[index]
+
+        def tables_shown() -> bool:  # the tables' row is drawn once it is on screen
+            tables = drawn_figure(page, "kv-block-tables")
+            return bool(tables and tables["data"] and tables["data"][0].get("text")) and (
+                drawn_tables(tables) == reference.tables[index])
+        page.locator("#kv-heatmap").scroll_into_view_if_needed()
+        wait_until(heatmap_shown, timeout=20, what="the heatmap of that frame")
+        page.locator("#kv-block-tables").scroll_into_view_if_needed()
+        wait_until(tables_shown, timeout=20, what="the block tables of that frame")
+        expect(page.locator("#kv-summary")).to_contain_text(f"paused at frame {target}")
+    finally:
+        page.close()
+        reference.close()
