@@ -332,3 +332,27 @@ def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
     assert long_prompt > engine.config.max_num_batched_tokens  # chunked: several steps
     with pytest.raises(ValueError, match="scenario='nope' must be one of"):
         generator.start_scenario("nope")
+
+
+def test_a_click_on_a_chat_turn_follows_that_turns_request(engine):
+    """The chat keeps each reply's request (the streaming one's from its start); a click
+    on a user message or on its reply (either part of a folded reasoning reply) gives it."""
+    from kvscope.ui import chat
+
+    conversation, shown = chat.new_conversation(), []
+    for message in ("first", "second"):
+        replies = chat.chat_reply(engine, None, message, conversation, 0.0, 1.0, 4)
+        shown, conversation, *_ = next(replies)
+        shown, streaming, *_ = next(replies)  # taken: the reply's request is known now
+        assert chat.turn_request(shown, streaming, len(shown) - 1) == \
+            streaming["requests"][-1] != ""
+        for shown, conversation, *_ in replies:
+            pass
+    first, second = conversation["requests"]
+    assert first != second
+    assert [chat.turn_request(shown, conversation, i) for i in range(4)] == [
+        first, first, second, second]
+    folded = [shown[0], {"role": "assistant", "content": "hmm",
+                         "metadata": {"title": "Reasoning"}}, *shown[1:]]
+    assert [chat.turn_request(folded, conversation, i) for i in range(5)] == [
+        first, first, first, second, second]

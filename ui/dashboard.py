@@ -113,6 +113,17 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
             events = gr.HTML(panels.text_html(""), elem_id="kv-events",
                              elem_classes="kv-events")
         with gr.Column(scale=3):
+            heatmap = gr.Plot(label="Block pool", elem_id="kv-heatmap",
+                              elem_classes=PANEL_CLASS)
+            with gr.Row():
+                heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
+                                        label="heatmap shows", elem_id="kv-heatmap-view")
+                # No `minimum`: Gradio would refuse the whole refresh (every panel) for
+                # one field; check_view_fields refuses the value at its field instead.
+                heatmap_start = gr.Number(0, precision=0, label="from block")
+                heatmap_stop = gr.Number(0, precision=0,
+                                         label="to block (exclusive; 0 = the end)")
+            stats = gr.HTML(panels.text_html(""), elem_id="kv-stats")
             # The step scrubber (ui/scrubber.py): every panel shows the recorded frame in
             # the field; blank = live.
             with gr.Row(elem_id="kv-scrubber"):
@@ -125,26 +136,16 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
                 frame = gr.Textbox("", label="frame shown (blank = live)", max_lines=1,
                                    elem_id="kv-frame")
             scrub_status = gr.Markdown(elem_id="kv-scrub-status")
-            heatmap = gr.Plot(label="Block pool", elem_id="kv-heatmap",
-                              elem_classes=PANEL_CLASS)
-            with gr.Row():
-                heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
-                                        label="heatmap shows", elem_id="kv-heatmap-view")
-                # No `minimum`: Gradio would refuse the whole refresh (every panel) for
-                # one field; check_view_fields refuses the value at its field instead.
-                heatmap_start = gr.Number(0, precision=0, label="from block")
-                heatmap_stop = gr.Number(0, precision=0,
-                                         label="to block (exclusive; 0 = the end)")
-            stats = gr.HTML(panels.text_html(""), elem_id="kv-stats")
             # Each tab shows the replica it chose (the summary line names it).
             replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
                                   label="replica shown on this tab", elem_id="kv-replica",
                                   visible=engine.num_replicas > 1)
-            # Click a timeline or block-table row (ui/live_poller.js) or type a request id:
-            # its blocks are outlined in the heatmap, its rows marked in the block tables
-            # and the timeline, on every refresh until cleared.
-            follow = gr.Textbox("", label="follow request (click a timeline or block-table "
-                                "row)", max_lines=1, elem_id="kv-follow")
+            # Click a chat turn, a timeline or block-table row (ui/live_poller.js) or type
+            # a request id: its blocks are outlined in the heatmap, its rows marked in the
+            # block tables and the timeline, its path in the prefix tree, on every
+            # refresh until cleared.
+            follow = gr.Textbox("", label="follow request (click a chat turn, or a timeline "
+                                "or block-table row)", max_lines=1, elem_id="kv-follow")
     for button, scenario in zip(scenario_buttons, loadgen.SCENARIOS, strict=True):
         button.click(partial(_start_scenario, load, scenario.name), None, scenario_note,
                      api_name=f"scenario_{loadgen.SCENARIOS.index(scenario)}")
@@ -154,6 +155,9 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
                     repetition_penalty, min_p, thinking],
                    [chatbot, conversation, message, status], concurrency_limit=None,
                    trigger_mode="always_last", api_name="chat")
+    # A click on a chat turn follows its request across the panels (the follow field).
+    chatbot.select(chat.follow_turn, [chatbot, conversation], follow, show_progress="hidden",
+                   api_visibility="private")
     new_chat.click(lambda: ([], chat.new_conversation(), ""), None,
                    [chatbot, conversation, status], api_visibility="private")
     # The chat box's trash icon: without this it cleared the display only, and the next

@@ -55,7 +55,7 @@ class PanelViews:
             return self.heatmap_view, self.heatmap_start, self.heatmap_stop, self.follow
         if name == "block_tables":
             return self.tables, self.follow
-        return self.follow if name == "timeline" else None
+        return self.follow if name in ("timeline", "prefix_tree") else None
 
 
 # The view's number fields: (label on the page, the least value it takes).
@@ -181,7 +181,7 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
             return placeholder("Block tables", "No sequence holds blocks right now.")
         return figures.block_table_map(snapshot, decode, views.tables, views.follow)
     if name == "prefix_tree":
-        return figures.prefix_tree(snapshot, decode)
+        return figures.prefix_tree(snapshot, decode, views.follow)
     if name == "timeline":
         return timeline.request_timeline(state.records, state.arrivals, window, views.follow)
     if name == "series":
