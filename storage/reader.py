@@ -33,15 +33,44 @@ class StoredSession:
 
 
 def list_sessions(engine: Engine) -> list[dict]:
-    """Every session, newest first, with its request / step / chat message counts."""
+    """Every session, newest first, with its request / step / chat message counts and the
+    block sizes it ran (block_size, steps run with it), the most steps first."""
     counts = {table: dict(_counts(engine, table))
               for table in (RequestRow, StepRow, ChatMessageRow)}
+    block_sizes = _block_sizes(engine)
     with engine.connect() as connection:
         sessions = connection.execute(select(SessionRow).order_by(SessionRow.id.desc()))
         return [{**row._asdict(), "num_requests": counts[RequestRow].get(row.id, 0),
                  "num_steps": counts[StepRow].get(row.id, 0),
-                 "num_chat_messages": counts[ChatMessageRow].get(row.id, 0)}
+                 "num_chat_messages": counts[ChatMessageRow].get(row.id, 0),
+                 "block_sizes": block_sizes.get(row.id, [])}
                 for row in sessions]
+
+
+# Steps per block size: each config holds from its applied_at until the next one's.
+BLOCK_SIZE_STEPS = """
+WITH spans AS (
+    SELECT session_id, id, applied_at, json_extract(config, '$.block_size') AS block_size,
+           LEAD(applied_at) OVER (PARTITION BY session_id ORDER BY applied_at, id) AS until
+    FROM session_configs)
+SELECT spans.session_id, spans.block_size, COUNT(steps.id), MIN(spans.id)
+FROM spans LEFT JOIN steps ON steps.session_id = spans.session_id
+    AND steps.start_time >= spans.applied_at
+    AND (spans.until IS NULL OR steps.start_time < spans.until)
+GROUP BY spans.session_id, spans.block_size
+"""
+
+
+def _block_sizes(engine: Engine) -> dict[int, list[tuple[int, int]]]:
+    """Per session, (block_size, steps run with it), the most steps first (ties: the one
+    applied first)."""
+    with engine.connect() as connection:
+        rows = connection.exec_driver_sql(BLOCK_SIZE_STEPS).all()
+    sizes: dict[int, list] = {}
+    for session_id, block_size, num_steps, first in sorted(rows, key=lambda r: (-r[2], r[3])):
+        if block_size is not None:
+            sizes.setdefault(session_id, []).append((block_size, num_steps))
+    return sizes
 
 
 def _counts(engine: Engine, table) -> list[tuple[int, int]]:

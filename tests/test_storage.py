@@ -396,3 +396,26 @@ def test_a_version_4_log_opens_and_its_requests_read_back_without_replay_fields(
     assert all(row["prompt_token_ids"] is None and row["sampling_params"] is None
                for row in requests)
     assert requests[0]["prompt"]  # the text a replay re-tokenizes
+
+
+def test_the_sessions_list_gives_every_block_size_a_session_ran_the_most_used_first(
+        tmp_path: Path) -> None:
+    from kvscope.ui.sessions import block_sizes
+
+    log = SessionLog(tmp_path / "log.db")
+    log.start_session({"block_size": 16}, model="tiny")
+    start = time.time()
+    for step in range(3):
+        log.record_step(fake_record(step, start + step * 1e-3))
+    time.sleep(0.01)  # the reconfigure comes after those steps
+    log.record_config({"block_size": 8})
+    time.sleep(0.01)
+    for step in range(3, 10):
+        log.record_step(fake_record(step, time.time()))
+    log.record_config({"block_size": 32})  # applied, nothing run with it yet
+    assert log.flush()
+    listed = log.list_sessions()[0]
+    assert listed["block_sizes"] == [(8, 7), (16, 3), (32, 0)]
+    assert block_sizes(listed) == "8 (7 steps), 16 (3 steps), 32 (0 steps)"
+    assert listed["config"]["block_size"] == 32  # the latest, which it mostly did not run
+    log.close()
