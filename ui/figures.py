@@ -422,12 +422,10 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "")
             "" if pool.config.get("enable_prefix_caching", True) else
             " (prefix caching is off)")
     if follow:
-        title += f" · following {follow}: {sum(on_path)} of its {len(followed)} blocks outlined"
-    notes = ["×N: prefix hits on the block · #k: its place in the eviction order (#1 is "
-             "evicted next)"]
+        title += f"<br>following {follow}: {sum(on_path)} of its {len(followed)} blocks outlined"
+    title += "<br><sup>×N: prefix hits · #k: eviction order (#1 goes next)</sup>"
     if shown_nodes < len(forest):
-        notes.append(f"{shown_nodes} nodes drawn, smaller subtrees folded")
-    title += f"<br><sup>{'; '.join(notes)}</sup>"
+        title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"
     return _figure([icicle], title, height=420)
 
 
