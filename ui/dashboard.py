@@ -76,6 +76,7 @@ def live_poller_js() -> str:
     """The page's refresh loop (ui/live_poller.js) with this dashboard's panels in it."""
     config = {"endpoint": f"gradio_api/run/{REFRESH_ENDPOINT}", "panels": panels.PANELS,
               "text": panels.TEXT_PANELS, "refresh_ms": int(panels.REFRESH_S * 1000),
+              "busy_refresh_ms": int(panels.BUSY_REFRESH_S * 1000),
               "draw_duty": DRAW_DUTY, "max_interval_ms": int(panels.MAX_INTERVAL_S * 1000),
               "slack_ms": int(panels.TICK_SLACK_S * 1000),
               "elements": {"summary": "kv-summary", **panels.PANEL_ELEMENTS},

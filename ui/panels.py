@@ -19,6 +19,8 @@ PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "seri
 # Each panel's element (the summary line sits above the tabs and is always sent).
 PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
+# The page's poll while figures change at every tick (ui/live_poller.js).
+BUSY_REFRESH_S = 2.0
 # While the engine is busy the panels together may use this share of one core, shared
 # between them (shared_intervals): panels that take 30 ms in all are rebuilt every
 # second; a 200 ms heatmap beside cheap panels every ~7 s. One budget for all, not one
