@@ -143,16 +143,16 @@ class RoutingDecisionRow(Base):
 
 
 class PoolRecordRow(Base):
-    """One record of the pool's feed (a PoolBase, PoolSlice or PoolDelta, storage.pool_rows)
-    as a live reader received it: the Sessions tab steps through the pool with them.
-    Added in schema version 7."""
+    """One record of the pool's feed (a PoolBase, PoolSlice or PoolDelta) as a live reader
+    received it, as /ws/events sends it (engine.telemetry.pool_messages): the Sessions tab
+    steps through the pool with them. Added in schema version 7."""
 
     __tablename__ = "pool_records"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
     replica: Mapped[int] = mapped_column(Integer, default=0)
-    kind: Mapped[str] = mapped_column(String)  # base, slice, delta
+    kind: Mapped[str] = mapped_column(String)  # pool_base, pool_slice, pool (a delta)
     payload: Mapped[dict] = mapped_column(JSON, default=dict)
 
 

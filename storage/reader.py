@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, func, select
 
 from kvscope.engine.telemetry.pool_history import PoolHistory, history_of
+from kvscope.engine.telemetry.pool_messages import RecordReader
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.storage.models import (
     ChatMessageRow,
@@ -16,7 +17,6 @@ from kvscope.storage.models import (
     SessionRow,
     StepRow,
 )
-from kvscope.storage.pool_rows import pool_records
 from kvscope.storage.rows import step_record
 
 ROWS_PER_FETCH = 2000
@@ -117,6 +117,7 @@ def count_pool_records(engine: Engine, session_id: int) -> int:
 def pool_history(engine: Engine, session_id: int, replica: int = 0) -> PoolHistory:
     """The session's pool, frame by frame (engine.telemetry.pool_history.PoolHistory), from
     its pool records; an empty history for a session logged without them."""
-    rows = (row for row in iter_table_rows(engine, PoolRecordRow, session_id)
-            if row["replica"] == replica)
-    return history_of(pool_records(rows))
+    messages = RecordReader()
+    return history_of(record for row in iter_table_rows(engine, PoolRecordRow, session_id)
+                      if row["replica"] == replica
+                      for record in messages.records_of(row["payload"]))

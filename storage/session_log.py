@@ -12,6 +12,7 @@ from sqlalchemy import insert, update
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.pool_messages import pool_messages
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.storage import reader
 from kvscope.storage.exports import export_session
@@ -24,7 +25,6 @@ from kvscope.storage.models import (
     SessionRow,
     StepRow,
 )
-from kvscope.storage.pool_rows import PoolRowWriter
 from kvscope.storage.rows import request_row, routing_decision_row, step_row
 from kvscope.storage.schema import open_database
 
@@ -46,7 +46,6 @@ class SessionLog:
         self.session_id: int | None = None
         self.started_at: float | None = None
         self._last_config: dict | None = None
-        self._pool_writers: dict[int, PoolRowWriter] = {}  # per replica, on the writer thread
         self.num_dropped = 0
         self.num_written = 0
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -169,10 +168,11 @@ class SessionLog:
                 config = payload
             elif kind is StepRow:
                 rows[StepRow].append(step_row(self.session_id, payload))
-            elif kind is PoolRecordRow:
+            elif kind is PoolRecordRow:  # as /ws/events sends it (one message a record)
                 replica, record = payload
-                writer = self._pool_writers.setdefault(replica, PoolRowWriter())
-                rows[PoolRecordRow].append(writer.row(self.session_id, replica, record))
+                (message,) = pool_messages([record])
+                rows[PoolRecordRow].append({"session_id": self.session_id, "replica": replica,
+                                            "kind": message["type"], "payload": message})
             elif kind in rows:
                 rows[kind].append(payload)
         with self.engine.begin() as connection:

@@ -13,10 +13,10 @@ from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_history import PoolHistory, history_of
+from kvscope.engine.telemetry.pool_messages import RecordReader, pool_messages
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, hash_key
 from kvscope.engine.telemetry.pool_recorder import PoolRecorder
 from kvscope.engine.telemetry.records import BlockInfo, EngineSnapshot, SequenceInfo
-from kvscope.storage.pool_rows import PoolRowWriter, pool_records
 
 SLICE_BLOCKS = 5  # small, so a late reader's snapshot spans several steps
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23], []]
@@ -250,11 +250,11 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
         def teardown(self):
             for request_id in list(self.core.requests):
                 self.core.abort_request(request_id)
-            # The session log's rows of the same records (as JSON, as SQLite keeps them)
-            # give every frame back.
-            writer = PoolRowWriter()
-            rows = [json.loads(json.dumps(writer.row(1, 0, record))) for record in self.records]
-            stored = history_of(pool_records(rows))
+            # The same records as JSON (as /ws/events sends them and the session log keeps
+            # them) give every frame back.
+            reader = RecordReader()
+            stored = history_of(record for message in pool_messages(self.records)
+                                for record in reader.records_of(json.loads(json.dumps(message))))
             assert stored.last == self.history.last == (len(self.truths) - 1 if self.truths
                                                          else None)
             for number in range(len(self.truths)):

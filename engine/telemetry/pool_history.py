@@ -7,7 +7,7 @@ after it applied again, through the mirror's own `apply`. Nothing here inverts a
 so stepping back shows exactly what the mirror showed then.
 
 The live dashboard feeds one from its reader (ui.live.LiveFeed); a saved session builds
-one from the pool records of its log (storage.pool_rows).
+one from the pool records of its log (storage.reader.pool_history).
 """
 
 from collections import deque
