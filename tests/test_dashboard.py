@@ -1,5 +1,6 @@
 """The dashboard served for real: gradio_client against its handlers, and headless Chromium."""
 
+import itertools
 import json
 import os
 import sqlite3
@@ -486,18 +487,17 @@ def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
     other = engine.submit("not me " * 6, SamplingParams(max_tokens=150, ignore_eos=True))
     request_id = followed.request_id
     panels: list = []
-    held: set[int] = set()
+    views = itertools.cycle(((1, 0), (2, NUM_BLOCKS)))
 
     def drawn() -> bool:
-        """Drawn while both hold blocks, and the followed one still held them just after
-        (a decode only adds blocks, so the drawn outline is within what it holds then)."""
-        panels[:] = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0,
-                                   request_id, api_name="/refresh_live")
-        held.clear()
-        held.update(block for seq in engine.snapshot().sequences
-                    if seq.request_id == request_id for block in seq.block_table)
+        """Drawn while both hold blocks. Each call names another view that draws the same
+        (table page 2 of 1 is page 1; "to block" 96 is the end): a new view is drawn at
+        once, so the heatmap and the tables are of one pool state, the same refresh's."""
+        page, stop = next(views)
+        panels[:] = client.predict(None, None, "whole pool", 0, stop, "most recent", page,
+                                   "", 0, request_id, api_name="/refresh_live")
         tables = json.loads(panels[2]["plot"])["data"]
-        return bool(tables) and len(tables[0].get("y") or []) == 2 and bool(held)
+        return bool(tables) and len(tables[0].get("y") or []) == 2
     try:
         wait_until(drawn, timeout=30, what="both requests holding blocks")
     finally:
@@ -506,10 +506,17 @@ def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
     heatmap = json.loads(panels[1]["plot"])
     outline = [trace for trace in heatmap["data"] if trace.get("name") == request_id]
     assert len(outline) == 1 and outline[0]["x"]
-    codes = heatmap_state_codes(heatmap)  # the same figure: every outlined cell is held
-    assert all(codes[row // 64, column] >= 2
-               for row, column in zip(outline[0]["y"], outline[0]["x"], strict=True))
-    assert len(outline[0]["x"]) <= len(held)  # the request's, not every used block
+    outlined = {int(row) + column for row, column in zip(outline[0]["y"], outline[0]["x"],
+                                                         strict=True)}
+    codes = heatmap_state_codes(heatmap).ravel()  # the same figure: every outlined cell is held
+    assert all(codes[block] >= 2 for block in outlined)
+    # The request's blocks as its table rows show them (a long table shows its ends).
+    tables = drawn_tables(json.loads(panels[2]["plot"]))
+    followed_ids = {block for seq_id, blocks in tables.items()
+                    if seq_id.split("#")[0] == request_id for block in blocks}
+    other_ids = {block for seq_id, blocks in tables.items()
+                 if seq_id.split("#")[0] != request_id for block in blocks}
+    assert followed_ids <= outlined and not other_ids & outlined
     assert f"following {request_id}" in heatmap["layout"]["title"]["text"]
     tables = json.loads(panels[2]["plot"])["data"][0]
     assert tables["y"][0].startswith(f"▶ {request_id}") and not tables["y"][1].startswith("▶")
