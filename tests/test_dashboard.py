@@ -467,8 +467,8 @@ def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
                                                             ignore_eos=True))
     summaries = []
 
-    def two_sequences() -> bool:
-        summaries.append(client.predict(api_name="/refresh_live")[0])
+    def two_sequences() -> bool:  # the summary alone (no panel on screen): a quick call
+        summaries.append(client.predict(None, [], api_name="/refresh_live")[0])
         return "running</strong> 2 sequences (1 request)" in summaries[-1]
     try:
         wait_until(two_sequences, timeout=30, what="the n=2 request in the summary")
