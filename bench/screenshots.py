@@ -5,7 +5,8 @@ the widths a newcomer uses (1440x900 and 1024x768), to look at before landing; t
     .venv/bin/python bench/screenshots.py --out /tmp/shots  # look at them
     .venv/bin/python bench/screenshots.py --out /tmp/shots --readme  # and update the README's
 
-Each file is <tab>-<state>-<width>x<height>.png (state: empty or load); --readme copies
+Each file is <tab>-<state>-<width>x<height>.png (state: empty, load, or paused: the Live
+tab under load, paused by the step scrubber a few frames back); --readme copies
 the 1440-wide Live tab ones to assets/dashboard-empty.png and assets/dashboard.png.
 """
 
@@ -29,6 +30,19 @@ def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:
         time.sleep(2)  # the tab's first refresh
         page.screenshot(path=out / f"{name}-{state}-{size}.png", full_page=True,
                         timeout=120_000)
+
+
+def shoot_paused(page, out: Path, viewport: tuple[int, int]) -> None:
+    """The Live tab paused by the step scrubber, a few frames back from the latest."""
+    page.locator("#kv-pause").click()
+    page.get_by_text("Paused at frame").wait_for(timeout=30_000)
+    for _ in range(3):
+        page.locator("#kv-step-back").click()
+        time.sleep(0.5)
+    time.sleep(2)  # every panel's drawing of that frame
+    page.screenshot(path=out / f"live-paused-{viewport[0]}x{viewport[1]}.png", full_page=True,
+                    timeout=120_000)
+    page.locator("#kv-resume").click()
 
 
 def main() -> None:
@@ -60,6 +74,8 @@ def main() -> None:
                     page.locator("#kv-message textarea").press("Enter")
                     time.sleep(args.load_s)
                 shoot_tabs(page, args.out, "load", viewport)
+                if index == 0:
+                    shoot_paused(page, args.out, viewport)
         if args.readme:
             shutil.copy(args.out / "live-empty-1440x900.png", ROOT / "assets/dashboard-empty.png")
             shutil.copy(args.out / "live-load-1440x900.png", ROOT / "assets/dashboard.png")

@@ -7,8 +7,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # in storage.schema, so files written by older versions keep opening.
 # 2: per-step cache statistics; 3: the engine replica; 4: routing decisions;
 # 5: what a replay needs (prompt and output token ids, sampling params, arrival offset);
-# 6: each step's verified speculative proposals.
-SCHEMA_VERSION = 6
+# 6: each step's verified speculative proposals; 7: the pool's records (pool_records).
+SCHEMA_VERSION = 7
 
 
 class Base(DeclarativeBase):
@@ -142,5 +142,19 @@ class RoutingDecisionRow(Base):
     candidates: Mapped[list] = mapped_column(JSON, default=list)
 
 
+class PoolRecordRow(Base):
+    """One record of the pool's feed (a PoolBase, PoolSlice or PoolDelta) as a live reader
+    received it, as /ws/events sends it (engine.telemetry.pool_messages): the Sessions tab
+    steps through the pool with them. Added in schema version 7."""
+
+    __tablename__ = "pool_records"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[int] = mapped_column(ForeignKey("sessions.id"), index=True)
+    replica: Mapped[int] = mapped_column(Integer, default=0)
+    kind: Mapped[str] = mapped_column(String)  # pool_base, pool_slice, pool (a delta)
+    payload: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
 SESSION_TABLES = (SessionRow, RequestRow, StepRow, ChatMessageRow, ConfigRow,
-                  RoutingDecisionRow)
+                  RoutingDecisionRow, PoolRecordRow)

@@ -5,10 +5,13 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, func, select
 
+from kvscope.engine.telemetry.pool_history import PoolHistory, history_of
+from kvscope.engine.telemetry.pool_messages import RecordReader
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.storage.models import (
     ChatMessageRow,
     ConfigRow,
+    PoolRecordRow,
     RequestRow,
     RoutingDecisionRow,
     SessionRow,
@@ -30,15 +33,44 @@ class StoredSession:
 
 
 def list_sessions(engine: Engine) -> list[dict]:
-    """Every session, newest first, with its request / step / chat message counts."""
+    """Every session, newest first, with its request / step / chat message counts and the
+    block sizes it ran (block_size, steps run with it), the most steps first."""
     counts = {table: dict(_counts(engine, table))
               for table in (RequestRow, StepRow, ChatMessageRow)}
+    block_sizes = _block_sizes(engine)
     with engine.connect() as connection:
         sessions = connection.execute(select(SessionRow).order_by(SessionRow.id.desc()))
         return [{**row._asdict(), "num_requests": counts[RequestRow].get(row.id, 0),
                  "num_steps": counts[StepRow].get(row.id, 0),
-                 "num_chat_messages": counts[ChatMessageRow].get(row.id, 0)}
+                 "num_chat_messages": counts[ChatMessageRow].get(row.id, 0),
+                 "block_sizes": block_sizes.get(row.id, [])}
                 for row in sessions]
+
+
+# Steps per block size: each config holds from its applied_at until the next one's.
+BLOCK_SIZE_STEPS = """
+WITH spans AS (
+    SELECT session_id, id, applied_at, json_extract(config, '$.block_size') AS block_size,
+           LEAD(applied_at) OVER (PARTITION BY session_id ORDER BY applied_at, id) AS until
+    FROM session_configs)
+SELECT spans.session_id, spans.block_size, COUNT(steps.id), MIN(spans.id)
+FROM spans LEFT JOIN steps ON steps.session_id = spans.session_id
+    AND steps.start_time >= spans.applied_at
+    AND (spans.until IS NULL OR steps.start_time < spans.until)
+GROUP BY spans.session_id, spans.block_size
+"""
+
+
+def _block_sizes(engine: Engine) -> dict[int, list[tuple[int, int]]]:
+    """Per session, (block_size, steps run with it), the most steps first (ties: the one
+    applied first)."""
+    with engine.connect() as connection:
+        rows = connection.exec_driver_sql(BLOCK_SIZE_STEPS).all()
+    sizes: dict[int, list] = {}
+    for session_id, block_size, num_steps, first in sorted(rows, key=lambda r: (-r[2], r[3])):
+        if block_size is not None:
+            sizes.setdefault(session_id, []).append((block_size, num_steps))
+    return sizes
 
 
 def _counts(engine: Engine, table) -> list[tuple[int, int]]:
@@ -74,3 +106,18 @@ def load_session(engine: Engine, session_id: int) -> StoredSession:
     return StoredSession(sessions[0], table_rows(engine, RequestRow, session_id), steps,
                          table_rows(engine, ChatMessageRow, session_id), configs,
                          table_rows(engine, RoutingDecisionRow, session_id))
+
+
+def count_pool_records(engine: Engine, session_id: int) -> int:
+    with engine.connect() as connection:
+        return connection.execute(select(func.count()).select_from(PoolRecordRow).where(
+            PoolRecordRow.session_id == session_id)).scalar_one()
+
+
+def pool_history(engine: Engine, session_id: int, replica: int = 0) -> PoolHistory:
+    """The session's pool, frame by frame (engine.telemetry.pool_history.PoolHistory), from
+    its pool records; an empty history for a session logged without them."""
+    messages = RecordReader()
+    return history_of(record for row in iter_table_rows(engine, PoolRecordRow, session_id)
+                      if row["replica"] == replica
+                      for record in messages.records_of(row["payload"]))

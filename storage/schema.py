@@ -6,7 +6,13 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, select
 
-from kvscope.storage.models import SCHEMA_VERSION, Base, RoutingDecisionRow, SchemaVersion
+from kvscope.storage.models import (
+    SCHEMA_VERSION,
+    Base,
+    PoolRecordRow,
+    RoutingDecisionRow,
+    SchemaVersion,
+)
 
 logger = logging.getLogger(__name__)
 BUSY_TIMEOUT_MS = 5000
@@ -52,10 +58,16 @@ def _add_spec_drafts(connection: Connection) -> None:
                                "DEFAULT '[]'")
 
 
+def _add_pool_records(connection: Connection) -> None:
+    """Version 7: the pool's records, for stepping through a saved session's pool (older
+    sessions have none)."""
+    PoolRecordRow.__table__.create(connection)
+
+
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions,
-    4: _add_replay_columns, 5: _add_spec_drafts}
+    4: _add_replay_columns, 5: _add_spec_drafts, 6: _add_pool_records}
 
 
 def open_database(path: str | Path) -> Engine:

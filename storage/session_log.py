@@ -12,12 +12,14 @@ from sqlalchemy import insert, update
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.pool_messages import pool_messages
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.storage import reader
 from kvscope.storage.exports import export_session
 from kvscope.storage.models import (
     ChatMessageRow,
     ConfigRow,
+    PoolRecordRow,
     RequestRow,
     RoutingDecisionRow,
     SessionRow,
@@ -79,6 +81,10 @@ class SessionLog:
     def record_step(self, record: StepRecord) -> None:
         self._put((StepRow, record))
 
+    def record_pool(self, record, replica: int = 0) -> None:
+        """One record of a replica's pool feed (engine.telemetry.records), in feed order."""
+        self._put((PoolRecordRow, (replica, record)))
+
     def record_request(self, output: RequestOutput, source: str,
                        prompt_text: str | None = None, replica: int = 0,
                        params: SamplingParams | None = None) -> None:
@@ -119,6 +125,12 @@ class SessionLog:
     def load_session(self, session_id: int) -> reader.StoredSession:
         return reader.load_session(self.engine, session_id)
 
+    def count_pool_records(self, session_id: int) -> int:
+        return reader.count_pool_records(self.engine, session_id)
+
+    def pool_history(self, session_id: int, replica: int = 0) -> reader.PoolHistory:
+        return reader.pool_history(self.engine, session_id, replica)
+
     def export(self, session_id: int, fmt: str, out_dir: str | Path) -> Path:
         return export_session(self.engine, session_id, fmt, out_dir)
 
@@ -148,13 +160,19 @@ class SessionLog:
 
     def _write(self, batch: list) -> None:
         rows: dict[type, list[dict]] = {RequestRow: [], StepRow: [], ChatMessageRow: [],
-                                        ConfigRow: [], RoutingDecisionRow: []}
+                                        ConfigRow: [], RoutingDecisionRow: [],
+                                        PoolRecordRow: []}
         config = None
         for kind, payload in batch:
             if kind == "config":
                 config = payload
             elif kind is StepRow:
                 rows[StepRow].append(step_row(self.session_id, payload))
+            elif kind is PoolRecordRow:  # as /ws/events sends it (one message a record)
+                replica, record = payload
+                (message,) = pool_messages([record])
+                rows[PoolRecordRow].append({"session_id": self.session_id, "replica": replica,
+                                            "kind": message["type"], "payload": message})
             elif kind in rows:
                 rows[kind].append(payload)
         with self.engine.begin() as connection:

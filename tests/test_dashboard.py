@@ -1,8 +1,10 @@
 """The dashboard served for real: gradio_client against its handlers, and headless Chromium."""
 
+import itertools
 import json
 import os
 import sqlite3
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.storage import SessionLog, record_sessions
+from kvscope.storage.recorder import POLL_S
 from kvscope.ui import build_ui, page_options
 
 NUM_BLOCKS = 96
@@ -493,8 +496,8 @@ def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
 
     summaries = []
 
-    def two_sequences() -> bool:
-        summaries.append(client.predict(api_name="/refresh_live")[0])
+    def two_sequences() -> bool:  # the summary alone (no panel on screen): a quick call
+        summaries.append(client.predict(None, [], api_name="/refresh_live")[0])
         return "running</strong> 2 sequences (1 request)" in summaries[-1]
     with KeptRunning(served[0], "two samples", SamplingParams(n=2, max_tokens=150,
                                                              ignore_eos=True)):
@@ -514,30 +517,33 @@ def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
     other = KeptRunning(engine, "not me " * 6, SamplingParams(max_tokens=150, ignore_eos=True),
                         "not-me")
     panels: list = []
-    held: set[int] = set()
+    views = itertools.cycle(((1, 0), (2, NUM_BLOCKS)))
 
     def drawn() -> bool:
-        """Drawn while both hold blocks, and the same run of the followed request still held
-        them just after (a decode only adds blocks, so the drawn outline is within what it
-        holds then)."""
-        run = followed.runs
-        panels[:] = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0,
-                                   request_id, api_name="/refresh_live")
-        held.clear()
-        held.update(block for seq in engine.snapshot().sequences
-                    if seq.request_id == request_id for block in seq.block_table)
+        """Drawn while both hold blocks. Each call names another view that draws the same
+        (table page 2 of 1 is page 1; "to block" 96 is the end): a new view is drawn at
+        once, so the heatmap and the tables are of one pool state, the same refresh's."""
+        page, stop = next(views)
+        panels[:] = client.predict(None, None, "whole pool", 0, stop, "most recent", page,
+                                   "", 0, request_id, api_name="/refresh_live")
         tables = json.loads(panels[2]["plot"])["data"]
-        return (bool(tables) and len(tables[0].get("y") or []) == 2 and bool(held)
-                and followed.runs == run)
+        return bool(tables) and len(tables[0].get("y") or []) == 2
     with followed, other:
         wait_until(drawn, timeout=30, what="both requests holding blocks")
     heatmap = json.loads(panels[1]["plot"])
     outline = [trace for trace in heatmap["data"] if trace.get("name") == request_id]
     assert len(outline) == 1 and outline[0]["x"]
-    codes = heatmap_state_codes(heatmap)  # the same figure: every outlined cell is held
-    assert all(codes[row // 64, column] >= 2
-               for row, column in zip(outline[0]["y"], outline[0]["x"], strict=True))
-    assert len(outline[0]["x"]) <= len(held)  # the request's, not every used block
+    outlined = {int(row) + column for row, column in zip(outline[0]["y"], outline[0]["x"],
+                                                         strict=True)}
+    codes = heatmap_state_codes(heatmap).ravel()  # the same figure: every outlined cell is held
+    assert all(codes[block] >= 2 for block in outlined)
+    # The request's blocks as its table rows show them (a long table shows its ends).
+    tables = drawn_tables(json.loads(panels[2]["plot"]))
+    followed_ids = {block for seq_id, blocks in tables.items()
+                    if seq_id.split("#")[0] == request_id for block in blocks}
+    other_ids = {block for seq_id, blocks in tables.items()
+                 if seq_id.split("#")[0] != request_id for block in blocks}
+    assert followed_ids <= outlined and not other_ids & outlined
     assert f"following {request_id}" in heatmap["layout"]["title"]["text"]
     tables = json.loads(panels[2]["plot"])["data"][0]
     assert tables["y"][0].startswith(f"▶ {request_id}") and not tables["y"][1].startswith("▶")
@@ -576,3 +582,200 @@ def test_browser_a_click_on_a_block_table_row_follows_its_request(served, browse
         stop.set()
         sender.join()
         page.close()
+
+
+class PoolReference:
+    """The engine's own pool after each delta, from a subscription of the test's own (the
+    same records the dashboard reads, applied by a PoolMirror, not by the scrubber): per
+    delta index of the newest pool, every block's state code and the block tables."""
+
+    def __init__(self, engine) -> None:
+        from kvscope.engine.telemetry.pool_mirror import PoolMirror
+
+        self.engine = engine
+        self.channel = engine.subscribe_pool()
+        self.mirror = PoolMirror()
+        self.epoch = None
+        self.codes: dict[int, list[int]] = {}
+        self.tables: dict[int, dict[str, tuple[int, ...]]] = {}
+
+    def drain(self) -> int | None:
+        """Apply what arrived; the newest delta index recorded (None: none yet)."""
+        from kvscope.engine.telemetry.records import PoolDelta
+
+        for record in self.channel.drain():
+            assert self.mirror.apply(record), "the reference missed a delta"
+            if isinstance(record, PoolDelta) and self.mirror.ready:
+                if record.epoch != self.epoch:
+                    self.epoch, self.codes, self.tables = record.epoch, {}, {}
+                self.codes[record.index] = self.mirror.state_codes().tolist()
+                self.tables[record.index] = {seq.seq_id: tuple(seq.block_table)
+                                             for seq in self.mirror.sequences if seq.block_table}
+        return max(self.codes, default=None)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def delta_index(status: str) -> int:
+    import re
+
+    return int(re.search(r"pool delta (\d+)", status).group(1))
+
+
+def drawn_tables(figure: dict) -> dict[str, tuple[int, ...]]:
+    """The block-table panel's rows: sequence id -> the physical block ids it shows."""
+    trace = figure["data"][0]
+    return {label.removeprefix("▶ ").split(" (")[0]: tuple(
+        int(str(cell).split("<br>")[0]) for cell in row if cell != "")
+        for label, row in zip(trace["y"], trace["text"], strict=True)}
+
+
+def scrub_back_to_held_blocks(step_back, frame: int, reference: PoolReference) -> tuple:
+    """Step back one frame at a time from `frame` until one whose pool (by the
+    reference) has a sequence holding blocks, and whose blocks differ from the frame
+    before it (so a frame off by one would show); (frame, status)."""
+    for _ in range(200):
+        frame, status = step_back(str(frame))
+        index = delta_index(status)
+        if reference.tables.get(index) and index - 1 in reference.codes and (
+                reference.codes[index], reference.tables[index]) != (
+                reference.codes[index - 1], reference.tables[index - 1]):
+            return int(frame), status
+    pytest.fail("no frame with blocks held within 200 frames back")
+
+
+def run_a_request_the_scrubber_can_step_through(engine, reference: PoolReference) -> None:
+    from conftest import wait_until
+
+    list(engine.submit("scrub me " * 6, SamplingParams(max_tokens=24, ignore_eos=True)))
+    last = engine.snapshot()  # every delta up to the request's end has been sent
+    wait_until(lambda: reference.drain() is not None and not reference.tables[
+        max(reference.codes)] and reference.mirror.step >= last.step, timeout=20,
+        what="the reference to see the request end")
+
+
+def test_the_scrubber_pauses_steps_back_and_every_panel_shows_that_recorded_frame(
+        served, client: Client) -> None:
+    engine = served[0]
+    reference = PoolReference(engine)
+    try:
+        client.predict(api_name="/refresh_live")  # the tab's feed follows the pool from here
+        run_a_request_the_scrubber_can_step_through(engine, reference)
+        client.predict(api_name="/refresh_live")  # and drains what the request did
+        latest, status = client.predict(0, api_name="/pause")
+        assert f"Paused at frame {latest}" in status
+        frame, status = scrub_back_to_held_blocks(
+            lambda frame: client.predict(0, frame, api_name="/step_back"), latest, reference)
+        index = delta_index(status)
+        panels = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0, "",
+                                str(frame), api_name="/refresh_live")
+        heatmap = json.loads(panels[1]["plot"])
+        codes = heatmap_state_codes(heatmap).ravel()
+        assert [int(code) for code in codes if not np.isnan(code)] == reference.codes[index]
+        assert reference.codes[index] != reference.codes[max(reference.codes)]  # not live
+        assert drawn_tables(json.loads(panels[2]["plot"])) == reference.tables[index]
+        assert f"paused at frame {frame}" in panels[0]
+        assert int(client.predict(0, str(frame), api_name="/step_forward")[0]) == frame + 1
+        assert client.predict(api_name="/resume")[0] == ""
+        assert "paused" not in client.predict(api_name="/refresh_live")[0]
+    finally:
+        reference.close()
+
+
+def test_a_saved_sessions_pool_steps_back_to_the_frame_the_engine_recorded(
+        served, client: Client) -> None:
+    engine, log = served[0], served[1]
+    reference = PoolReference(engine)
+    try:
+        run_a_request_the_scrubber_can_step_through(engine, reference)
+        shown = client.predict(log.session_id, "", api_name="/session_frame")
+        assert delta_index(shown[1]) >= max(reference.codes)  # the log holds the newest
+        frame, status = scrub_back_to_held_blocks(
+            lambda frame: client.predict(log.session_id, frame,
+                                         api_name="/session_frame_back")[:2],
+            shown[0], reference)
+        shown = client.predict(log.session_id, str(frame), api_name="/session_frame")
+        index = delta_index(shown[1])
+        codes = heatmap_state_codes(json.loads(shown[3]["plot"])).ravel()
+        assert [int(code) for code in codes if not np.isnan(code)] == reference.codes[index]
+        assert drawn_tables(json.loads(shown[4]["plot"])) == reference.tables[index]
+        assert "blocks in use" in shown[2] and "**Events**" in shown[6]
+    finally:
+        reference.close()
+
+
+def test_a_reconfigure_is_logged_once(served, client: Client) -> None:
+    """Apply logs nothing itself: the session recorder notices the new config and logs it,
+    once (the knobs handler and the recorder both used to report it)."""
+    from conftest import wait_until
+
+    log = served[1]
+
+    def configs() -> list[dict]:
+        log.flush()
+        return log.load_session(log.session_id).configs
+
+    before = len(configs())
+    client.predict(8, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
+    wait_until(lambda: len(configs()) > before, timeout=10, what="the new config in the log")
+    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
+    wait_until(lambda: len(configs()) > before + 1, timeout=10, what="the config after it")
+    time.sleep(3 * POLL_S)  # a second report would come within a recorder poll or two
+    logged = configs()[before:]
+    assert [entry["config"]["block_size"] for entry in logged] == [8, 4]
+
+
+def drawn_figure(page, element_id: str) -> dict:
+    """The figure a plot shows now, as its Plotly div holds it (typed arrays as lists)."""
+    return page.evaluate("""(id) => {
+        const div = document.querySelector(`#${id} [data-testid="plotly"]`);
+        if (!div || !div.data) return null;
+        const plain = (value) => ArrayBuffer.isView(value) ? Array.from(value)
+            : Array.isArray(value) ? value.map(plain) : value;
+        return {data: div.data.map((trace) => Object.fromEntries(Object.entries(trace)
+            .map(([key, value]) => [key, plain(value)]))), layout: {}};
+    }""", element_id)
+
+
+def test_browser_pause_and_step_back_show_the_pool_of_that_recorded_frame(
+        served, client: Client, browser) -> None:
+    from conftest import wait_until
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    reference = PoolReference(engine)
+    page = open_page(browser, served[2])
+    try:
+        Ticks(page).wait_for_first_drawing()  # the page's feed follows the pool from here
+        run_a_request_the_scrubber_can_step_through(engine, reference)
+        client.predict(api_name="/refresh_live")
+        latest = int(client.predict(0, api_name="/pause")[0])
+        target, status = scrub_back_to_held_blocks(  # found through the API, shown by the page
+            lambda frame: client.predict(0, frame, api_name="/step_back"), latest, reference)
+        index = delta_index(status)
+        page.locator("#kv-pause").click()
+        expect(page.locator("#kv-scrub-status")).to_contain_text("Paused at frame",
+                                                                 timeout=15_000)
+        page.locator("#kv-frame textarea, #kv-frame input").first.fill(str(target + 1))
+        page.locator("#kv-step-back").click()
+        expect(page.locator("#kv-scrub-status")).to_contain_text(
+            f"Paused at frame {target} ", timeout=15_000)
+
+        def heatmap_shown() -> bool:
+            heatmap = drawn_figure(page, "kv-heatmap")
+            codes = heatmap_state_codes(heatmap).ravel() if heatmap else []
+            return [int(code) for code in codes if not np.isnan(code)] == reference.codes[index]
+
+        def tables_shown() -> bool:  # the tables' row is drawn once it is on screen
+            tables = drawn_figure(page, "kv-block-tables")
+            return bool(tables and tables["data"] and tables["data"][0].get("text")) and (
+                drawn_tables(tables) == reference.tables[index])
+        page.locator("#kv-heatmap").scroll_into_view_if_needed()
+        wait_until(heatmap_shown, timeout=20, what="the heatmap of that frame")
+        page.locator("#kv-block-tables").scroll_into_view_if_needed()
+        wait_until(tables_shown, timeout=20, what="the block tables of that frame")
+        expect(page.locator("#kv-summary")).to_contain_text(f"paused at frame {target}")
+    finally:
+        page.close()
+        reference.close()

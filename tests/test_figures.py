@@ -340,3 +340,48 @@ def test_the_prefix_tree_counts_the_blocks_sharing_saves() -> None:
     saved = mirror.blocks_saved_by_sharing
     assert saved == 3 * 5 - int(np.count_nonzero(mirror.ref_counts > 0))
     assert f"{saved} blocks saved by sharing" in prefix_tree(mirror)["layout"]["title"]["text"]
+
+
+def test_the_prefix_tree_shows_each_nodes_hits_and_place_in_the_eviction_order(
+        make_engine) -> None:
+    """A runs, then B and C reuse A's first two blocks (two hits on each), then all finish:
+    every cached block is a node whose hover gives its hits and its place in the core's
+    free queue (the next evicted first), and whose label marks both."""
+    core = make_engine("llama", block_size=4, num_gpu_blocks_override=32, max_model_len=64)
+    a = list(range(10, 23))  # 13 tokens: three full blocks
+    for prompt in (a, a[:8] + [90, 91, 92, 93, 94], a[:8] + [95, 96, 97, 98, 99]):
+        core.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while core.has_unfinished_requests():
+            core.step()
+    pool = core.kv_cache.pool
+    queue = [block.block_id for block in pool.free_queue if block.block_hash is not None]
+    mirror = mirror_of(core)
+    icicle = prefix_tree(mirror)["data"][0]
+    by_hash = {block.block_hash[0].hex(): block for block in pool.blocks if block.block_hash}
+    nodes = [(node, label, custom) for node, label, custom in
+             zip(icicle["ids"], icicle["labels"], icicle["customdata"], strict=True)
+             if node in by_hash]
+    assert len(nodes) == len(by_hash) == len(queue)
+    for node, label, custom in nodes:
+        block = by_hash[node]
+        place = queue.index(block.block_id) + 1
+        hits = 2 if tuple(block.block_hash[2]) in (tuple(a[:4]), tuple(a[4:8])) else 0
+        assert custom[6] == hits and custom[7] == f"#{place} of {len(queue)}, 1 = evicted next"
+        assert label.endswith((f"×{hits} " if hits else "") + f"#{place}")
+
+
+def test_the_followed_requests_path_is_outlined_in_the_prefix_tree(run) -> None:
+    """B (n=2) reused A's cached prefix: following B outlines exactly the tree's nodes that
+    are B's blocks (its path from the root), A's own last blocks not."""
+    mirror, snapshot = run[1]
+    request_id = snapshot.sequences[0].request_id
+    held = {block for seq in snapshot.sequences for block in seq.block_table}
+    icicle = prefix_tree(mirror, follow=request_id)["data"][0]
+    hashed = {block.block_hash: block.block_id for block in snapshot.blocks if block.block_hash}
+    widths = icicle["marker"]["line"]["width"]
+    outlined = {node for node, width in zip(icicle["ids"], widths, strict=True) if width == 3}
+    assert outlined == {node for node, block_id in hashed.items() if block_id in held}
+    assert outlined and len(outlined) < len(hashed)  # A's own tail is not B's path
+    assert f"following {request_id}: {len(outlined)} of its" in \
+        prefix_tree(mirror, follow=request_id)["layout"]["title"]["text"]
+    assert set(prefix_tree(mirror)["data"][0]["marker"]["line"]["width"]) == {1}

@@ -1,6 +1,7 @@
 """The reader's mirror of the pool, built from per-step deltas (and a sliced snapshot for a
 late reader), equals a full snapshot after random workloads on a real engine."""
 
+import json
 import random
 import time
 
@@ -11,6 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.pool_history import PoolHistory, history_of
+from kvscope.engine.telemetry.pool_messages import RecordReader, pool_messages
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, hash_key
 from kvscope.engine.telemetry.pool_recorder import PoolRecorder
 from kvscope.engine.telemetry.records import BlockInfo, EngineSnapshot, SequenceInfo
@@ -61,6 +64,32 @@ def pool_truth(core: EngineCore) -> EngineSnapshot:
         num_preemptions=core.scheduler.num_preemptions, num_evictions=pool.num_evictions)
 
 
+def eviction_truth(core: EngineCore) -> tuple[list[int], list[int]]:
+    """The cached-free blocks in the free queue's order (the next evicted first), and
+    every block's prefix-cache hits, read from the core's pool."""
+    pool = core.kv_cache.pool
+    return ([block.block_id for block in pool.free_queue if block.block_hash is not None],
+            [block.num_hits for block in pool.blocks])
+
+
+def fingerprint(snapshot: EngineSnapshot) -> tuple:
+    """What a frame of the scrubber must show: every block, every sequence, the counters."""
+    return (tuple((b.block_id, b.ref_count, b.state, b.block_hash, b.parent_hash, b.token_ids,
+                   tuple(sorted(b.owners))) for b in snapshot.blocks),
+            tuple(sorted(snapshot.sequences, key=lambda seq: seq.seq_id)), snapshot.step,
+            snapshot.num_running, snapshot.num_waiting, snapshot.num_preemptions,
+            snapshot.num_evictions, snapshot.prefix_cache_hits)
+
+
+def mirror_fingerprint(mirror: PoolMirror) -> tuple:
+    return (fingerprint(mirror.snapshot()), mirror.eviction_order().tolist(),
+            mirror.hit_counts.tolist())
+
+
+def core_fingerprint(core: EngineCore) -> tuple:
+    return fingerprint(pool_truth(core)), *eviction_truth(core)
+
+
 def assert_mirror_matches(mirror: PoolMirror, core: EngineCore) -> None:
     snapshot = pool_truth(core)
     assert mirror.ready and mirror.num_blocks == snapshot.num_blocks
@@ -83,6 +112,9 @@ def assert_mirror_matches(mirror: PoolMirror, core: EngineCore) -> None:
                                for state in ("free", "cached", "used", "shared")}
     assert mirror.num_used_tokens == snapshot.num_used_tokens
     assert mirror.blocks_saved_by_sharing == snapshot.blocks_saved_by_sharing
+    order, hits = eviction_truth(core)
+    assert mirror.eviction_order().tolist() == order
+    assert mirror.hit_counts.tolist() == hits
     counters = mirror.counters
     assert (counters.num_running, counters.num_waiting, counters.num_preemptions,
             counters.num_evictions, counters.prefix_cache_hits) == (
@@ -94,7 +126,10 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
     class MirrorMachine(RuleBasedStateMachine):
         """Requests sharing prefixes (prefix hits), n > 1 and beams (copy-on-write), a
         pool small enough to preempt, aborts, reconfigures between the two preemption
-        modes, and a second reader that joins late through a sliced snapshot."""
+        modes, and a second reader that joins late through a sliced snapshot. The first
+        reader's deltas also feed a PoolHistory (a short one, so old frames are dropped),
+        and its records go through the session log's rows: every frame either keeps must
+        be the pool as the core had it then."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -104,6 +139,9 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
             self.late: PoolMirror | None = None
             self.late_next = 0
             self.rng = random.Random(0)
+            self.history = PoolHistory(max_frames=12)
+            self.records: list = []  # every record the first reader applied, in order
+            self.truths: list[tuple] = []  # the core's pool after each of its deltas
             self._start_reader(self.mirror)
             self._send_slices(self.mirror, everything=True)
 
@@ -117,6 +155,9 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
             for mirror in (self.mirror, self.late):
                 if mirror is not None:
                     assert mirror.apply(delta)
+            self.records.append(delta)
+            self.history.add(self.mirror, delta)
+            self.truths.append(core_fingerprint(self.core))
 
         def _publish_pending(self) -> None:
             """What AsyncEngine does after commands that changed the pool between steps."""
@@ -125,12 +166,18 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
 
         def _start_reader(self, mirror: PoolMirror) -> None:
             self._publish_pending()
-            assert mirror.apply(self.recorder.take_base())
+            base = self.recorder.take_base()
+            assert mirror.apply(base)
+            if mirror is self.mirror:
+                self.records.append(base)
 
         def _send_slices(self, mirror: PoolMirror, everything: bool = False) -> None:
             start = 0 if mirror is self.mirror else self.late_next
             while start < self.core.kv_cache.pool.num_blocks:
-                assert mirror.apply(self.recorder.take_slice(start, SLICE_BLOCKS))
+                piece = self.recorder.take_slice(start, SLICE_BLOCKS)
+                assert mirror.apply(piece)
+                if mirror is self.mirror:
+                    self.records.append(piece)
                 start += SLICE_BLOCKS
                 if not everything:
                     break
@@ -192,9 +239,26 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
             if self.late is not None and self.late.ready:
                 assert_mirror_matches(self.late, self.core)
 
+        @invariant()
+        def every_kept_frame_is_the_pool_then(self):
+            if self.history.last is None:
+                return
+            for number in range(self.history.first, self.history.last + 1):
+                assert mirror_fingerprint(self.history.mirror_at(number)) == \
+                    self.truths[number], number
+
         def teardown(self):
             for request_id in list(self.core.requests):
                 self.core.abort_request(request_id)
+            # The same records as JSON (as /ws/events sends them and the session log keeps
+            # them) give every frame back.
+            reader = RecordReader()
+            stored = history_of(record for message in pool_messages(self.records)
+                                for record in reader.records_of(json.loads(json.dumps(message))))
+            assert stored.last == self.history.last == (len(self.truths) - 1 if self.truths
+                                                         else None)
+            for number in range(len(self.truths)):
+                assert mirror_fingerprint(stored.mirror_at(number)) == self.truths[number]
 
     run_state_machine_as_test(MirrorMachine, settings=settings(
         max_examples=40, stateful_step_count=30, deadline=None,

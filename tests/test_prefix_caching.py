@@ -97,6 +97,25 @@ def test_counters_count_prompt_tokens_queried_and_found(make_engine):
     assert stats.hits == 32 + 16  # 2 blocks (one token is always computed), then 1 block
 
 
+def test_each_block_counts_its_prefix_hits_and_forks_are_not_hits(make_engine):
+    """The mirror's per-block hits (the prefix tree's "hits" per node) are the times a
+    later prompt found that block: the 40-token prompt's first block is found by both
+    later prompts, its second by the full repeat only; a fork (n=2) shares without a hit,
+    and an evicted block's count goes with its content."""
+    engine = make_engine("llama", block_size=16, num_gpu_blocks_override=8, max_model_len=128)
+    rng = random.Random(2)
+    prompt = tokens(rng, 40)
+    run_one_by_one(engine, [prompt, prompt, prompt[:20]])
+    run_one_by_one(engine, [tokens(rng, 33)], SamplingParams(n=2, max_tokens=1))
+    mirror = mirror_of(engine)
+    hits = {mirror.block_info(int(b)).token_ids: int(mirror.hit_counts[b])
+            for b in range(mirror.num_blocks) if mirror.hashed[b]}
+    assert hits[tuple(prompt[:16])] == 2 and hits[tuple(prompt[16:32])] == 1
+    assert sum(hits.values()) == 3  # the n=2 prompt's blocks: shared by a fork, not hit
+    run_one_by_one(engine, [tokens(rng, 100)], ONE_TOKEN)  # evicts every cached block
+    assert not mirror_of(engine).hit_counts.any()
+
+
 def test_a_chat_reuses_its_history_turn_after_turn(tiny_chat_model_path):
     knobs = dict(dtype="float32", device="cpu", device_memory_gb=0.05, max_model_len=512)
     params = SamplingParams(temperature=0, max_tokens=12)

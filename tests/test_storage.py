@@ -70,10 +70,11 @@ def logged_session(db_path: Path, engine_run) -> tuple[int, SessionLog]:
 
 
 def drop_columns_after_version_4(connection: sqlite3.Connection) -> None:
-    """Make a file as version 4 wrote it: without the columns versions 5 and 6 added."""
+    """Make a file as version 4 wrote it: without what versions 5 to 7 added."""
     for column, _ in schema.REQUEST_COLUMNS_OF_VERSION_5:
         connection.execute(f"ALTER TABLE requests DROP COLUMN {column}")
     connection.execute("ALTER TABLE steps DROP COLUMN spec_drafts")
+    connection.execute("DROP TABLE pool_records")
 
 
 def test_every_request_and_step_of_a_run_is_stored(tmp_path: Path, engine_run) -> None:
@@ -162,7 +163,7 @@ def test_exports_round_trip(tmp_path: Path, engine_run) -> None:
         steps = list(csv.DictReader(io.StringIO(archive.read("steps.csv").decode())))
         assert set(archive.namelist()) == {"sessions.csv", "requests.csv", "steps.csv",
                                            "chat_messages.csv", "session_configs.csv",
-                                           "routing_decisions.csv"}
+                                           "routing_decisions.csv", "pool_records.csv"}
     assert [int(row["step"]) for row in steps] == [r.step for r in original.steps]
     assert json.loads(steps[0]["chunks"]) == [list(chunk) for chunk in original.steps[0].chunks]
 
@@ -273,7 +274,7 @@ def test_a_version_2_log_gains_the_replica_columns_and_the_routing_table(tmp_pat
     with sqlite3.connect(db_path) as connection:  # the file as version 2 wrote it
         for table in ("requests", "steps"):
             connection.execute(f"ALTER TABLE {table} DROP COLUMN replica")
-        connection.execute("DROP TABLE routing_decisions")  # and what versions 4 to 6 added
+        connection.execute("DROP TABLE routing_decisions")  # and what versions 4 to 7 added
         drop_columns_after_version_4(connection)
         connection.execute("UPDATE schema_version SET version = 2")
     engine = schema.open_database(db_path)
@@ -395,3 +396,26 @@ def test_a_version_4_log_opens_and_its_requests_read_back_without_replay_fields(
     assert all(row["prompt_token_ids"] is None and row["sampling_params"] is None
                for row in requests)
     assert requests[0]["prompt"]  # the text a replay re-tokenizes
+
+
+def test_the_sessions_list_gives_every_block_size_a_session_ran_the_most_used_first(
+        tmp_path: Path) -> None:
+    from kvscope.ui.sessions import block_sizes
+
+    log = SessionLog(tmp_path / "log.db")
+    log.start_session({"block_size": 16}, model="tiny")
+    start = time.time()
+    for step in range(3):
+        log.record_step(fake_record(step, start + step * 1e-3))
+    time.sleep(0.01)  # the reconfigure comes after those steps
+    log.record_config({"block_size": 8})
+    time.sleep(0.01)
+    for step in range(3, 10):
+        log.record_step(fake_record(step, time.time()))
+    log.record_config({"block_size": 32})  # applied, nothing run with it yet
+    assert log.flush()
+    listed = log.list_sessions()[0]
+    assert listed["block_sizes"] == [(8, 7), (16, 3), (32, 0)]
+    assert block_sizes(listed) == "8 (7 steps), 16 (3 steps), 32 (0 steps)"
+    assert listed["config"]["block_size"] == 32  # the latest, which it mostly did not run
+    log.close()

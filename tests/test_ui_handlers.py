@@ -32,7 +32,7 @@ def form(engine, **changes) -> list:
 
 def test_a_pool_refusal_names_only_the_forms_knobs_with_live_and_asked_values(engine):
     before = engine.memory_plan
-    status = knobs.apply_knobs(engine, LiveFeed(engine), None,
+    status = knobs.apply_knobs(engine, LiveFeed(engine),
                                *form(engine, gpu_memory_utilization=0.001))
     assert status.startswith("**Not applied**") and "max_model_len" not in status
     assert "raise gpu_memory_utilization or device_memory_gb" in status
@@ -43,12 +43,12 @@ def test_a_pool_refusal_names_only_the_forms_knobs_with_live_and_asked_values(en
 
 def test_an_emptied_token_budget_is_derived_and_zero_is_refused(engine):
     feed = LiveFeed(engine)
-    status = knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=0))
+    status = knobs.apply_knobs(engine, feed, *form(engine, max_num_batched_tokens=0))
     assert "max_num_batched_tokens=0 must be an integer >= 1" in status
-    assert knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=None)) \
+    assert knobs.apply_knobs(engine, feed, *form(engine, max_num_batched_tokens=None)) \
         .startswith("Applied.")
     assert engine.config.max_num_batched_tokens == 2048  # the derived default
-    knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=64))
+    knobs.apply_knobs(engine, feed, *form(engine, max_num_batched_tokens=64))
 
 
 def test_load_progress_is_per_run(engine):
@@ -96,11 +96,11 @@ def test_a_load_thread_that_stops_early_says_why_on_the_status_line(tiny_chat_mo
 def test_knobs_beyond_the_machine_are_refused_in_their_own_terms(engine):
     before = engine.memory_plan
     feed = LiveFeed(engine)
-    status = knobs.apply_knobs(engine, feed, None, *form(engine, max_num_batched_tokens=10**12))
+    status = knobs.apply_knobs(engine, feed, *form(engine, max_num_batched_tokens=10**12))
     assert "max_num_batched_tokens=1000000000000 is more than one step can hold" in status
     assert "device_memory_gb x gpu_memory_utilization" in status and "Errno" not in status
     too_much = knobs.host_memory_bytes() / 2**30 + 1
-    status = knobs.apply_knobs(engine, feed, None, *form(engine, device_memory_gb=too_much))
+    status = knobs.apply_knobs(engine, feed, *form(engine, device_memory_gb=too_much))
     assert f"device_memory_gb={too_much:g} is more than this machine's RAM" in status
     assert status.startswith("**Not applied**") and engine.memory_plan == before
 
@@ -305,11 +305,11 @@ def test_the_what_if_preview_predicts_the_pool_apply_builds_and_the_waste(engine
     assert "hold now 5 blocks" in preview and "6 tokens, 30.0%" in preview
     feed = LiveFeed(engine)
     try:
-        assert knobs.apply_knobs(engine, feed, None, *form(engine, block_size=8)) \
+        assert knobs.apply_knobs(engine, feed, *form(engine, block_size=8)) \
             .startswith("Applied.")
         assert engine.memory_plan.num_blocks == predicted
     finally:
-        knobs.apply_knobs(engine, feed, None, *form(engine, block_size=4))
+        knobs.apply_knobs(engine, feed, *form(engine, block_size=4))
     assert "Apply would be refused" in knobs.what_if_markdown(engine, [], 4, 0.001, memory_gb)
 
 
@@ -332,3 +332,27 @@ def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
     assert long_prompt > engine.config.max_num_batched_tokens  # chunked: several steps
     with pytest.raises(ValueError, match="scenario='nope' must be one of"):
         generator.start_scenario("nope")
+
+
+def test_a_click_on_a_chat_turn_follows_that_turns_request(engine):
+    """The chat keeps each reply's request (the streaming one's from its start); a click
+    on a user message or on its reply (either part of a folded reasoning reply) gives it."""
+    from kvscope.ui import chat
+
+    conversation, shown = chat.new_conversation(), []
+    for message in ("first", "second"):
+        replies = chat.chat_reply(engine, None, message, conversation, 0.0, 1.0, 4)
+        shown, conversation, *_ = next(replies)
+        shown, streaming, *_ = next(replies)  # taken: the reply's request is known now
+        assert chat.turn_request(shown, streaming, len(shown) - 1) == \
+            streaming["requests"][-1] != ""
+        for shown, conversation, *_ in replies:
+            pass
+    first, second = conversation["requests"]
+    assert first != second
+    assert [chat.turn_request(shown, conversation, i) for i in range(4)] == [
+        first, first, second, second]
+    folded = [shown[0], {"role": "assistant", "content": "hmm",
+                         "metadata": {"title": "Reasoning"}}, *shown[1:]]
+    assert [chat.turn_request(folded, conversation, i) for i in range(5)] == [
+        first, first, first, second, second]

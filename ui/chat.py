@@ -125,6 +125,9 @@ def chat_reply(engine: EngineView, session_log, message: str, conversation: dict
         yield *unchanged, f"Refused: {error}"
         return
     text, output, first_text_s = "", None, None
+    # The request of each reply, the streaming one's too: a click on a turn follows it.
+    requests = [*conversation.get("requests", []), stream.request_id]
+    conversation = {**conversation, "requests": requests}
     yield _display(messages, stats), conversation, "", STREAMING_STATUS  # taken: box emptied
     try:
         for output in stream:
@@ -140,7 +143,7 @@ def chat_reply(engine: EngineView, session_log, message: str, conversation: dict
     finally:
         stream.abort()  # a no-op once finished; else the browser left or pressed stop
     line = reply_stats(output, first_text_s)
-    conversation = {"id": conversation["id"], "stats": [*stats, line],
+    conversation = {"id": conversation["id"], "stats": [*stats, line], "requests": requests,
                     "messages": [*messages, {"role": "assistant", "content": text}]}
     if session_log is not None:  # the request itself is logged by storage.record_sessions
         session_log.record_chat_message(conversation["id"], "user", message)
@@ -148,3 +151,26 @@ def chat_reply(engine: EngineView, session_log, message: str, conversation: dict
                                         request_id=output.request_id)
     yield (_display(conversation["messages"], conversation["stats"]), conversation, gr.skip(),
            line)
+
+
+def turn_request(shown: list, conversation: dict, index) -> str:
+    """The request id behind a clicked chat message (`index` into the chatbot's shown
+    messages, as its select event gives it): an assistant reply's own request, a user
+    message's reply's; "" where there is none (yet)."""
+    index = index[0] if isinstance(index, (list, tuple)) else int(index)
+    turns, reply = [], 0  # per shown message, the reply it belongs to
+    for message in shown:
+        role = message["role"] if isinstance(message, dict) else message.role
+        metadata = (message.get("metadata") if isinstance(message, dict)
+                    else message.metadata) or {}
+        turns.append(reply)
+        # A reply is its folded reasoning (titled) and then its answer, which ends it.
+        reply += role == "assistant" and not metadata.get("title")
+    requests = (conversation or {}).get("requests", [])
+    turn = turns[index] if 0 <= index < len(turns) else len(requests)
+    return requests[turn] if turn < len(requests) else ""
+
+
+def follow_turn(shown: list, conversation: dict, event: gr.SelectData):
+    """A click on a chat message: the "follow request" field gets its request."""
+    return turn_request(shown, conversation, event.index) or gr.skip()

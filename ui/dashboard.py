@@ -8,7 +8,7 @@ import gradio as gr
 
 from kvscope.engine.config import BLOCK_SIZES, PREEMPTION_MODES
 from kvscope.engine.view import EngineView
-from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, sessions
+from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, scrubber, sessions
 from kvscope.ui.live import LiveFeeds
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
@@ -33,11 +33,11 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
         summary = gr.HTML(panels.text_html(""), elem_id="kv-summary", elem_classes="kv-summary")
         with gr.Tabs():
             with gr.Tab("Live", id="live") as live_tab:
-                live = _live_tab(engine, session_log, load)
+                live = _live_tab(engine, session_log, load, feeds)
             with gr.Tab("Engine & load", id="engine") as engine_tab:
                 load_timer = _engine_tab(blocks, engine, feeds, session_log, load)
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
-                _sessions_tab(blocks, session_log)
+                _sessions_tab(blocks, session_log, engine)
             with gr.Tab("Compare", id="compare") as compare_tab:
                 compare.compare_tab(engine, session_log)
             other_tabs = [live_tab, sessions_tab, compare_tab]
@@ -76,6 +76,7 @@ def live_poller_js() -> str:
     """The page's refresh loop (ui/live_poller.js) with this dashboard's panels in it."""
     config = {"endpoint": f"gradio_api/run/{REFRESH_ENDPOINT}", "panels": panels.PANELS,
               "text": panels.TEXT_PANELS, "refresh_ms": int(panels.REFRESH_S * 1000),
+              "busy_refresh_ms": int(panels.BUSY_REFRESH_S * 1000),
               "draw_duty": DRAW_DUTY, "max_interval_ms": int(panels.MAX_INTERVAL_S * 1000),
               "slack_ms": int(panels.TICK_SLACK_S * 1000),
               "elements": {"summary": "kv-summary", **panels.PANEL_ELEMENTS},
@@ -84,7 +85,7 @@ def live_poller_js() -> str:
             f"({json.dumps(config)}, shown, views)")
 
 
-def _live_tab(engine: EngineView, session_log, load) -> dict:
+def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
     with gr.Row():
         with gr.Column(scale=2):
             chatbot = gr.Chatbot(label="Chat", elem_id="kv-chat", height=420)
@@ -124,15 +125,28 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
                 heatmap_stop = gr.Number(0, precision=0,
                                          label="to block (exclusive; 0 = the end)")
             stats = gr.HTML(panels.text_html(""), elem_id="kv-stats")
+            # The step scrubber (ui/scrubber.py): every panel shows the recorded frame in
+            # the field; blank = live.
+            with gr.Row(elem_id="kv-scrubber"):
+                pause = gr.Button("⏸ Pause", size="sm", elem_id="kv-pause")
+                back = gr.Button("◀ frame", size="sm", elem_id="kv-step-back")
+                forward = gr.Button("frame ▶", size="sm", elem_id="kv-step-forward")
+                resume = gr.Button("Live", size="sm", elem_id="kv-resume")
+                # Text, not a number field: blank (live) is its default, which API
+                # callers of refresh_live may leave out.
+                frame = gr.Textbox("", label="frame shown (blank = live)", max_lines=1,
+                                   elem_id="kv-frame")
+            scrub_status = gr.Markdown(elem_id="kv-scrub-status")
             # Each tab shows the replica it chose (the summary line names it).
             replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
                                   label="replica shown on this tab", elem_id="kv-replica",
                                   visible=engine.num_replicas > 1)
-            # Click a timeline or block-table row (ui/live_poller.js) or type a request id:
-            # its blocks are outlined in the heatmap, its rows marked in the block tables
-            # and the timeline, on every refresh until cleared.
-            follow = gr.Textbox("", label="follow request (click a timeline or block-table "
-                                "row)", max_lines=1, elem_id="kv-follow")
+            # Click a chat turn, a timeline or block-table row (ui/live_poller.js) or type
+            # a request id: its blocks are outlined in the heatmap, its rows marked in the
+            # block tables and the timeline, its path in the prefix tree, on every
+            # refresh until cleared.
+            follow = gr.Textbox("", label="follow request (click a chat turn, or a timeline "
+                                "or block-table row)", max_lines=1, elem_id="kv-follow")
     for button, scenario in zip(scenario_buttons, loadgen.SCENARIOS, strict=True):
         button.click(partial(_start_scenario, load, scenario.name), None, scenario_note,
                      api_name=f"scenario_{loadgen.SCENARIOS.index(scenario)}")
@@ -142,6 +156,9 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
                     repetition_penalty, min_p, thinking],
                    [chatbot, conversation, message, status], concurrency_limit=None,
                    trigger_mode="always_last", api_name="chat")
+    # A click on a chat turn follows its request across the panels (the follow field).
+    chatbot.select(chat.follow_turn, [chatbot, conversation], follow, show_progress="hidden",
+                   api_visibility="private")
     new_chat.click(lambda: ([], chat.new_conversation(), ""), None,
                    [chatbot, conversation, status], api_visibility="private")
     # The chat box's trash icon: without this it cleared the display only, and the next
@@ -167,6 +184,13 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
                      elem_classes=PANEL_CLASS)
     spec_plot = gr.Plot(label="Speculative decoding", elem_id="kv-spec-decode",
                         elem_classes=PANEL_CLASS)
+    scrub = [frame, scrub_status]
+    pause.click(partial(scrubber.pause, feeds), replica, scrub, api_name="pause")
+    back.click(partial(scrubber.step, feeds, by=-1), [replica, frame], scrub,
+               api_name="step_back")
+    forward.click(partial(scrubber.step, feeds, by=1), [replica, frame], scrub,
+                  api_name="step_forward")
+    resume.click(scrubber.resume, None, scrub, api_name="resume")
     view_fields = [heatmap_start, heatmap_stop, table_page]
     gr.on([field.change for field in view_fields], panels.check_view_fields, view_fields,
           view_fields, show_progress="hidden", api_name="check_view_fields")
@@ -174,7 +198,7 @@ def _live_tab(engine: EngineView, session_log, load) -> dict:
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison, "events": events, "spec_decode": spec_plot,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
-                              table_page, table_filter, replica, follow]}
+                              table_page, table_filter, replica, follow, frame]}
 
 
 def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Timer:
@@ -213,7 +237,7 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
           [block_size, utilization, memory_gb], what_if, show_progress="hidden",
           api_name="what_if")
     form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption]
-    apply.click(partial(knobs.apply_knobs, engine, feeds, session_log), [*form, abort_running],
+    apply.click(partial(knobs.apply_knobs, engine, feeds), [*form, abort_running],
                 knob_status, api_name="apply_knobs")
     # A new or reloaded tab shows the live knobs, not those the app started with.
     blocks.load(partial(knobs.live_form, engine), None, [*form, knob_status],
@@ -269,7 +293,7 @@ def _start_scenario(load, name: str) -> str:
         return f"**Scenario not sent:** {error}"
 
 
-def _sessions_tab(blocks, session_log) -> None:
+def _sessions_tab(blocks, session_log, engine: EngineView) -> None:
     refresh = gr.Button("Refresh", size="sm")
     table = gr.Dataframe(headers=sessions.SESSION_COLUMNS, interactive=False,
                          label="Sessions")
@@ -285,10 +309,33 @@ def _sessions_tab(blocks, session_log) -> None:
     past_timeline = gr.Plot(label="Request timelines")
     past_series = gr.Plot(label="KV usage, queues, throughput")
     config = gr.JSON(label="Engine config")
+    # The session's pool, frame by frame (ui/scrubber.py): the same panels as the Live tab.
+    gr.Markdown("### The pool, step by step")
+    with gr.Row():
+        back = gr.Button("◀ frame", size="sm", elem_id="kv-session-back")
+        forward = gr.Button("frame ▶", size="sm", elem_id="kv-session-forward")
+        frame = gr.Textbox("", label="frame (blank = the last)", max_lines=1,
+                           elem_id="kv-session-frame")
+    frame_status = gr.Markdown(elem_id="kv-session-frame-status")
+    frame_summary = gr.Markdown(elem_id="kv-session-summary")
+    frame_panels = [gr.Plot(label=label, elem_id=f"kv-session-{name}", elem_classes=PANEL_CLASS)
+                    for name, label in (("heatmap", "Block pool"),
+                                        ("block-tables", "Block tables"),
+                                        ("prefix-tree", "Prefix-sharing tree"))]
+    frame_events = gr.Markdown(elem_id="kv-session-events")
+    frames = scrubber.SessionFrames(session_log, lambda token_ids: engine.tokenizer.decode(
+        list(token_ids), skip_special_tokens=False))
+    frame_outputs = [frame, frame_status, frame_summary, *frame_panels, frame_events]
+    for button, by in ((back, -1), (forward, 1)):
+        button.click(partial(frames.show, by=by), [session, frame], frame_outputs,
+                     api_name=f"session_frame_{'back' if by < 0 else 'forward'}")
+    frame.submit(frames.show, [session, frame], frame_outputs, api_name="session_frame")
     listing = partial(sessions.list_sessions, session_log)
     refresh.click(listing, None, [table, session, status], api_name="list_sessions")
     blocks.load(listing, None, [table, session, status], api_visibility="private")
     session.change(partial(sessions.show_session, session_log), session,
-                   [past_timeline, past_series, stats, config], api_name="show_session")
+                   [past_timeline, past_series, stats, config], api_name="show_session").then(
+        lambda session_id: frames.show(session_id, None), session, frame_outputs,
+        api_visibility="private")
     export.click(partial(sessions.export_session, session_log), [session, fmt],
                  [download, status], api_name="export_session")

@@ -380,15 +380,31 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
 
 
 # ---- the prefix tree ----------------------------------------------------------------------
-def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> Figure:
+TREE_HOVER = BLOCK_HOVER.replace("<extra></extra>", "<br>prefix hits: %{customdata[6]} · "
+                                 "eviction order: %{customdata[7]}<extra></extra>")
+
+
+def _tree_marks(hits: int, place: int) -> str:
+    """A node's label suffix: its hits (×N) and, if cached-free, its eviction place (#k)."""
+    marks = ([f"×{hits}"] if hits else []) + ([f"#{place}"] if place else [])
+    return "<br>" + " ".join(marks) if marks else ""
+
+
+def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "") -> Figure:
     """The hash chain of every hashed block as an icicle: shared prefixes are trunks. At
     most MAX_TREE_NODES nodes: the largest subtrees first, the rest of a node's children
     folded into one "… more" node of their total size. Linking and weighing the chains is
-    numpy (ui.prefix_forest); Python touches only the nodes drawn."""
+    numpy (ui.prefix_forest); Python touches only the nodes drawn. The followed request's
+    blocks (`follow`, a request id) are outlined: its path down the tree."""
     forest = prefix_forest(pool)
     weight = forest.subtree_weight
+    order = pool.eviction_order()
+    rank = np.zeros(pool.num_blocks, np.int64)  # 1 = the next block an allocation evicts
+    rank[order] = np.arange(1, len(order) + 1)
+    followed = set(followed_blocks(pool, follow)) if follow else set()
     ids, labels, parents, values, colors, custom = ["root"], ["cache"], [""], [0], ["white"], [
-        ["-", 0, "-", "-", "-", "-"]]
+        ["-", 0, "-", "-", "-", "-", "-", "-"]]
+    on_path = [False]
     frontier = deque([(-1, 0)])  # (forest node, index of its drawn node) still to expand
     while frontier:
         node, parent_index = frontier.popleft()
@@ -404,35 +420,47 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode) -> Figure:
                                                                     kids[room - 1:])
         for kid in shown.tolist():
             block = pool.block_info(int(forest.block_ids[kid]))
+            hits, place = int(pool.hit_counts[block.block_id]), int(rank[block.block_id])
             frontier.append((kid, len(ids)))
             ids.append(block.block_hash)
             parents.append(ids[parent_index])
-            labels.append(hover_text(decode(block.token_ids), limit=20))
+            labels.append(hover_text(decode(block.token_ids), limit=20) + _tree_marks(hits, place))
             values.append(1 + block.ref_count)
             colors.append(STATE_COLORS[block.state])
-            custom.append(_block_hover(pool, block.block_id, decode))
+            on_path.append(block.block_id in followed)
+            custom.append([*_block_hover(pool, block.block_id, decode), hits,
+                           f"#{place} of {len(order)}, 1 = evicted next" if place else
+                           "in use: not evictable"])
         if folded.size:
             ids.append(f"{ids[parent_index]}/more")
             parents.append(ids[parent_index])
             labels.append(f"… {len(folded)} more branches")
             values.append(int(weight[folded].sum()))
             colors.append("#f3f4f6")
-            custom.append(["-", "-", f"{len(folded)} branches folded", "-", "-", "-"])
+            on_path.append(False)
+            custom.append(["-", "-", f"{len(folded)} branches folded", "-", "-", "-", "-",
+                           "-"])
     icicle = {"type": "icicle", "ids": ids, "labels": labels, "parents": parents,
-              "values": values, "branchvalues": "remainder", "marker": {"colors": colors},
-              "customdata": custom, "hovertemplate": BLOCK_HOVER,
+              "values": values, "branchvalues": "remainder", "marker": {
+                  "colors": colors, "line": {
+                      "color": ["#111827" if path else "white" for path in on_path],
+                      "width": [3 if path else 1 for path in on_path]}},
+              "customdata": custom, "hovertemplate": TREE_HOVER,
               "tiling": {"orientation": "v"}, "maxdepth": 12}
     shown_nodes = len(ids) - 1
     # Block-table entries beyond the physical blocks they point at: what sharing prefixes
     # (and forks) saves the pool right now.
     title = (f"Prefix tree: {len(forest)} hashed blocks (size = 1 + ref count)<br>"
              f"{pool.blocks_saved_by_sharing} blocks saved by sharing right now")
-    if shown_nodes < len(forest):
-        title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"
     if not len(forest):
         title += " — nothing cached yet" + (
             "" if pool.config.get("enable_prefix_caching", True) else
             " (prefix caching is off)")
+    if follow:
+        title += f"<br>following {follow}: {sum(on_path)} of its {len(followed)} blocks outlined"
+    title += "<br><sup>×N: prefix hits · #k: eviction order (#1 goes next)</sup>"
+    if shown_nodes < len(forest):
+        title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"
     return _figure([icicle], title, height=420)
 
 

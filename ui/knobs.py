@@ -4,7 +4,7 @@ import os
 
 import gradio as gr
 
-from kvscope.engine.view import EngineView, resolved_config
+from kvscope.engine.view import EngineView
 from kvscope.engine.worker.memory import GiB, MemoryPlan, PoolTooSmall, plan_blocks
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
@@ -97,7 +97,7 @@ def check_machine(engine: EngineView, pending: dict) -> None:
             f"allow; at most {int(memory // kv_bytes_per_token)} tokens fit")
 
 
-def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
+def apply_knobs(engine: EngineView, feed, *values) -> str:
     """Rebuild the KV cache; a refused knob leaves the engine as it was and says why,
     next to the live and the asked-for values. The last value is "abort running"."""
     *knob_values, abort_running = values
@@ -113,9 +113,7 @@ def apply_knobs(engine: EngineView, feed, session_log, *values) -> str:
         return _refused(f"{_too_small(error)}. {_changes(config, pending)}")
     except (ValueError, TypeError) as error:
         return _refused(f"{error}. {_changes(config, pending)}")
-    feed.clear()
-    if session_log is not None:
-        session_log.record_config(resolved_config(engine))
+    feed.clear()  # the session log gets the new config from storage.record_sessions
     return "Applied. " + pool_markdown(plan, engine.config)
 
 

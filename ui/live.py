@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kvscope.engine.telemetry.pool_history import Frame, PoolHistory
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.view import EngineCounters, EngineView
@@ -27,9 +28,13 @@ class LiveState:
     arrivals: dict[str, float]
     now: float
     replica: int  # the engine replica shown (0 for a single engine)
-    counters: EngineCounters  # that replica's totals since the engine started (/metrics')
+    # That replica's totals since the engine started (/metrics'); None for a past frame,
+    # whose since-start totals were not kept.
+    counters: EngineCounters | None
     evictions: tuple[Evictions, ...]  # cached blocks evicted, by the step that saw them
     blocks_step: int  # the step after which the pool's blocks last changed
+    paused: Frame | None = None  # the recorded frame shown (None: the live pool)
+    previous: PoolMirror | None = None  # a past frame's: the pool at the frame before it
 
     @property
     def busy(self) -> bool:
@@ -53,13 +58,15 @@ class LiveFeed:
         self._evictions: deque[Evictions] = deque(maxlen=HISTORY_SAMPLES)
         self._evicted = (None, 0)  # (pool epoch, its eviction count at the last refresh)
         self._blocks_seen = (None, 0)  # ((epoch, blocks version), the step then)
+        self.history = PoolHistory()  # the pool after each delta, for the step scrubber
+        self._past: tuple[int, PoolMirror, PoolMirror | None] | None = None  # the last asked
         self._lock = threading.Lock()
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
     def refresh(self) -> LiveState:
         with self._lock:
             now = time.time()
-            snapshot = self._pool.update(FIRST_SNAPSHOT_WAIT_S)
+            snapshot = self._pool.update(FIRST_SNAPSHOT_WAIT_S, self.history)
             replica = self._pool.replica
             self._records.extend(r for r in self._steps.drain() if r.replica == replica)
             # Arrival times give the timelines their waiting bars and the stats their TTFT:
@@ -87,6 +94,28 @@ class LiveFeed:
                              dict(self._arrivals), now, replica, counters,
                              tuple(self._evictions), self._blocks_seen[1])
 
+    def state_at(self, frame: int | None) -> LiveState:
+        """The panels' state as it was after a recorded frame (clamped to the frames kept;
+        None: the latest frame), drawn from the records of the steps done by then. The
+        live state while no frame is recorded yet."""
+        live = self.refresh()
+        with self._lock:
+            number = self.history.clamp(frame)
+            if number is None:
+                return live
+            if self._past is None or self._past[0] != number:
+                before = (self.history.mirror_at(number - 1)
+                          if number > self.history.first else None)
+                self._past = (number, self.history.mirror_at(number), before)
+            _, pool, before = self._past
+            shown = self.history.frame(number)
+        step = shown.step  # steps done by then: records of steps 0 .. step - 1
+        return LiveState(pool, tuple(r for r in live.records if r.step < step),
+                         tuple(u for u in live.token_usage if u[0] <= shown.time),
+                         live.arrivals, shown.time, live.replica, None,
+                         tuple(e for e in live.evictions if e.step < step), step, shown,
+                         before)
+
     def _count_evictions(self, snapshot: PoolMirror) -> None:
         """The pool counts evictions since it was built; the event log wants them per step."""
         epoch, count = self._evicted
@@ -106,6 +135,8 @@ class LiveFeed:
             self._records.clear()
             self._token_usage.clear()
             self._evictions.clear()
+            self.history = PoolHistory()
+            self._past = None
 
     def decode(self, token_ids: tuple[int, ...]) -> str:
         return self._decode(token_ids)

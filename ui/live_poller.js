@@ -16,6 +16,10 @@ function startLivePoller(config, shown, views) {
   const root = (window.gradio_config?.root || location.href.split(/[?#]/)[0]).replace(/\/?$/, "/");
   const url = new URL(config.endpoint, root);
   let timer = null, inFlight = false, again = false;
+  // While figures change (the engine is busy) the page asks every busy_refresh_ms, not
+  // every refresh_ms: each tick then redraws figures, the browser's main cost; an idle
+  // engine is still noticed within refresh_ms.
+  let drewFigure = false;
   // Gradio builds a whole session state (a copy of every component's config) for a call
   // that names no session, on the server's event loop, holding the engine's GIL: ~4 % of
   // a core at one call a second on this page. One session per page is built once.
@@ -113,6 +117,7 @@ function startLivePoller(config, shown, views) {
       if (response.ok) {
         const {data} = await response.json();
         const next = data[config.panels.length] || {};
+        drewFigure = false;
         config.panels.forEach((name, index) => {
           const value = data[index];
           if (value == null || value.__type__ === "update") return;  // gr.skip(): unchanged
@@ -120,6 +125,7 @@ function startLivePoller(config, shown, views) {
           const started = performance.now();
           const drawn = config.text.includes(name) ? drawText(id, value) : drawPlot(id, value);
           if (drawn) {
+            drewFigure ||= !config.text.includes(name);
             const cost = performance.now() - started;
             drawCost[name] = name in drawCost ? drawCost[name] + 0.3 * (cost - drawCost[name])
               : cost;
@@ -135,15 +141,16 @@ function startLivePoller(config, shown, views) {
       // The server restarting, or the network: the next tick tries again.
     } finally {
       inFlight = false;
-      timer = setTimeout(poll, again ? 0 : config.refresh_ms);
+      timer = setTimeout(poll, again ? 0 : drewFigure ? config.busy_refresh_ms
+        : config.refresh_ms);
       again = false;
     }
   };
-  // A new heatmap range or table page is drawn at once, not at the next tick.
+  // A new heatmap range, table page or scrubber frame is drawn at once, not at the next
+  // tick (a frame changes every panel).
   live.setViews = (values) => {
     live.views = values;
-    delete drawnAt.heatmap;  // the views' figures: due at once
-    delete drawnAt.block_tables;
+    for (const name of Object.keys(drawnAt)) delete drawnAt[name];
     poll();
   };
   timer = setTimeout(poll, config.refresh_ms);

@@ -19,6 +19,8 @@ PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "seri
 # Each panel's element (the summary line sits above the tabs and is always sent).
 PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
+# The page's poll while figures change at every tick (ui/live_poller.js).
+BUSY_REFRESH_S = 2.0
 # While the engine is busy the panels together may use this share of one core, shared
 # between them (shared_intervals): panels that take 30 ms in all are rebuilt every
 # second; a 200 ms heatmap beside cheap panels every ~7 s. One budget for all, not one
@@ -47,6 +49,7 @@ class PanelViews:
     tables: figures.TableView = figures.TableView()
     replica: int = 0
     follow: str = ""  # the request followed across the panels (its id; "" for none)
+    frame: int | None = None  # the recorded frame shown (ui.scrubber); None: live
 
     def of(self, name: str) -> object:
         """The part of the view a panel depends on (None: it has no view)."""
@@ -54,7 +57,7 @@ class PanelViews:
             return self.heatmap_view, self.heatmap_start, self.heatmap_stop, self.follow
         if name == "block_tables":
             return self.tables, self.follow
-        return self.follow if name == "timeline" else None
+        return self.follow if name in ("timeline", "prefix_tree") else None
 
 
 # The view's number fields: (label on the page, the least value it takes).
@@ -76,7 +79,8 @@ def check_view_fields(heatmap_start, heatmap_stop, table_page) -> tuple:
 
 
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
-                table_page=None, table_filter=None, replica=None, follow=None) -> PanelViews:
+                table_page=None, table_filter=None, replica=None, follow=None,
+                frame=None) -> PanelViews:
     """The views from the controls' raw values (None or blank = the default). A value a
     field refuses (check_view_fields) raises ValueError naming the field."""
     for name, value in (("heatmap_start", heatmap_start), ("heatmap_stop", heatmap_stop),
@@ -90,7 +94,8 @@ def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_
         None if heatmap_stop in (None, "", 0) else int(heatmap_stop),  # 0: to the end
         figures.TableView(table_order or "most recent", max(int(table_page or 1), 1),
                           (table_filter or "").strip()),
-        int(replica or 0), (follow or "").strip())
+        int(replica or 0), (follow or "").strip(),
+        None if frame is None or str(frame).strip() == "" else int(frame))
 
 
 def _signatures(state: LiveState) -> dict[str, object]:
@@ -165,7 +170,11 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
     snapshot = state.snapshot
     holders = any(seq.block_table for seq in snapshot.sequences)
     if name == "summary":
-        return summary_markdown(snapshot, state.replica, num_replicas)
+        line = summary_markdown(snapshot, state.replica, num_replicas)
+        frame = state.paused
+        return line if frame is None else (
+            f"⏸ **paused at frame {frame.number}** (the pool after step {frame.step}; the "
+            "engine runs on) · " + line)
     if name == "heatmap":
         return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
                                     views.heatmap_stop, views.follow, state.blocks_step)
@@ -174,7 +183,7 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
             return placeholder("Block tables", "No sequence holds blocks right now.")
         return figures.block_table_map(snapshot, decode, views.tables, views.follow)
     if name == "prefix_tree":
-        return figures.prefix_tree(snapshot, decode)
+        return figures.prefix_tree(snapshot, decode, views.follow)
     if name == "timeline":
         return timeline.request_timeline(state.records, state.arrivals, window, views.follow)
     if name == "series":
@@ -182,7 +191,7 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
     if name == "spec_decode":
         return spec_decode.spec_decode_panel(state.records, window)
     if name == "stats":
-        counters = state.counters
+        counters = state.counters or snapshot  # a past frame: its pool's own totals
         return timeline.stats_markdown(
             timeline.latency_stats(timeline.in_window(state.records, window), state.arrivals),
             timeline.HitRates(snapshot.prefix_cache_hits, snapshot.prefix_cache_queries,
@@ -238,6 +247,7 @@ class PanelRenderer:
         self.feeds = feeds
         self._lock = threading.Lock()  # one render pass at a time, whatever the tab count
         self._rendered: dict[int, dict[str, _Rendered]] = {}  # per replica, per panel
+        self._paused: dict[int, dict[str, _Rendered]] = {}  # the same, of a past frame
         self._cost: dict[str, float] = {}
         self._versions = itertools.count(1)
 
@@ -276,14 +286,19 @@ class PanelRenderer:
                   if name == "summary" or visible is None or name in visible]
         with self._lock:
             feed = self.feeds.get(views.replica)
-            state = feed.refresh()
-            rendered = self._rendered.setdefault(views.replica, {})
-            signatures = {name: (data, views.of(name))
+            state = feed.refresh() if views.frame is None else feed.state_at(views.frame)
+            paused = state.paused is not None
+            # A past frame never changes: its panels are drawn once per view, at once.
+            rendered = (self._paused if paused else self._rendered).setdefault(
+                views.replica, {})
+            signatures = {name: (state.paused.number if paused else data, views.of(name))
                           for name, data in _signatures(state).items()}
             window = timeline.live_window(state.records, state.now)
             for name in wanted:
                 now = time.monotonic()
-                if self._due(rendered.get(name), name, signatures[name], state, now):
+                previous = rendered.get(name)
+                if (previous is None or previous.signature != signatures[name] if paused
+                        else self._due(previous, name, signatures[name], state, now)):
                     value = _render(name, state, feed.decode, views,
                                     feed.engine.num_replicas, window)
                     value = text_html(value) if name in TEXT_PANELS else to_plot(value)
@@ -293,7 +308,6 @@ class PanelRenderer:
                     # A render that draws what the tabs already show keeps its version,
                     # so no tab is sent it or redraws it (the pool's counters move on
                     # every step; a panel's picture often does not).
-                    previous = rendered.get(name)
                     version = (previous.version if previous is not None
                                and previous.value == value else next(self._versions))
                     rendered[name] = _Rendered(signatures[name], value, done, version)

@@ -24,11 +24,20 @@ def list_sessions(session_log):
     sessions = session_log.list_sessions()
     rows = [[s["id"], s["model"].rsplit("/", 1)[-1], _time(s["started_at"]),
              _time(s["ended_at"]), s["num_requests"], s["num_steps"], s["num_chat_messages"],
-             s["config"].get("block_size"), s["config"].get("enable_prefix_caching")]
+             block_sizes(s), s["config"].get("enable_prefix_caching")]
             for s in sessions]
     choices = [s["id"] for s in sessions]
     return rows, gr.update(choices=choices, value=choices[0] if choices else None), (
         f"{len(sessions)} sessions in {session_log.db_path}")
+
+
+def block_sizes(session: dict) -> str:
+    """The block sizes a session ran, the one it ran most steps with first: "16", or
+    "16 (900 steps), 8 (100 steps)" after reconfigures."""
+    sizes = session["block_sizes"] or [(session["config"].get("block_size"), None)]
+    if len(sizes) == 1:
+        return str(sizes[0][0])
+    return ", ".join(f"{size} ({steps} steps)" for size, steps in sizes)
 
 
 def show_session(session_log, session_id):

@@ -50,6 +50,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    num_hits: int = 0  # prefix-cache hits on this content (forgotten with it)
     prev_free: "KVBlock | None" = None
     next_free: "KVBlock | None" = None
 
@@ -146,10 +147,13 @@ class BlockPool:
         self.emit(BlocksAllocated(tuple(block.block_id for block in blocks)))
         return blocks
 
-    def share(self, blocks: Iterable[KVBlock]) -> None:
-        """Add a reference to each block, reviving cached-free ones out of the free queue."""
+    def share(self, blocks: Iterable[KVBlock], prefix_hit: bool = False) -> None:
+        """Add a reference to each block, reviving cached-free ones out of the free queue;
+        `prefix_hit`: a prompt found them in the prefix cache (not a fork), so each counts
+        a hit."""
         block_ids = []
         for block in blocks:
+            block.num_hits += prefix_hit
             if block.ref_count == 0:
                 self.free_queue.remove(block)
                 self.num_cached_free_blocks -= block.block_hash is not None
@@ -204,9 +208,21 @@ class BlockPool:
             return
         del self.cached_blocks[block_hash[0]]
         block.block_hash = None
+        block.num_hits = 0
         self.num_cached_free_blocks -= 1
         self.num_evictions += 1
         self.emit(BlockRemoved(block.block_id, block_hash))
+
+    def cached_free_order(self) -> list[int]:
+        """The cached-free blocks in the order allocation evicts them (least recently used
+        first): they sit behind the plain free blocks, at the free queue's back (the head
+        sentinel, unhashed, ends the walk). O(them)."""
+        order = []
+        block = self.free_queue.tail.prev_free
+        while block.block_hash is not None:
+            order.append(block.block_id)
+            block = block.prev_free
+        return order[::-1]
 
     def reset_cache(self) -> None:
         """Forget every cached-free block's content (used blocks keep theirs)."""

@@ -200,7 +200,7 @@ class KVCacheManager:
             self.prefix_stats.queries += seq.num_tokens
             self.prefix_stats.hits += len(cached_prefix) * self.block_size
         if cached_prefix:
-            pool.share(adopted)
+            pool.share(adopted, prefix_hit=True)
             table.extend(RELEASED if block is None else block.block_id
                          for blocks in cached_prefix for block in blocks)
             # The sliding groups' entries before the window were not adopted.

@@ -16,8 +16,8 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from kvscope.engine.frontend.streams import Channel
 from kvscope.engine.replicas.router import RoutingDecision
-from kvscope.engine.serving.pool_messages import pool_messages
 from kvscope.engine.spec_decode.metrics import SPEC_DRAFT_FIELDS
+from kvscope.engine.telemetry.pool_messages import pool_messages
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import CHUNK_FIELDS, EngineSnapshot, StepRecord
 from kvscope.engine.view import EngineView

@@ -27,6 +27,7 @@ from kvscope.engine.telemetry.records import (
 )
 
 if TYPE_CHECKING:  # engine.view reaches the engine thread's module, which reads this one
+    from kvscope.engine.telemetry.pool_history import PoolHistory
     from kvscope.engine.view import EngineView
 
 STATES = ("free", "cached", "used", "shared")  # index = the state's code
@@ -87,6 +88,11 @@ class PoolMirror:
         self.hash_keys = np.zeros(0, np.uint64)
         self.parent_keys = np.zeros(0, np.uint64)
         self.has_parent = np.zeros(0, bool)
+        # Per block: prefix-cache hits on its content, and when it last joined the back of
+        # the eviction order (0: never; the order of cached blocks is by this stamp).
+        self.hit_counts = np.zeros(0, np.int64)
+        self.free_stamps = np.zeros(0, np.int64)
+        self.free_clock = 0
         self.live: dict[str, MirroredSequence] = {}
         self._holders: HolderIndex | None = None  # built on demand from the block tables
         self.num_covered = 0  # blocks [0, num_covered) hold slice data
@@ -102,6 +108,22 @@ class PoolMirror:
         for record in records:
             mirror.apply(record)
         return mirror
+
+    def copy(self) -> "PoolMirror":
+        """An independent mirror in the same state (O(pool): numpy copies, and the live
+        sequences' arrays); the BlockHash objects, immutable, are shared."""
+        twin = PoolMirror()
+        for name in ("epoch", "next_index", "awaiting_base", "counters", "num_covered",
+                     "blocks_version", "sequences_version", "free_clock"):
+            setattr(twin, name, getattr(self, name))
+        for name in ("ref_counts", "hashed", "hashes", "hash_keys", "parent_keys",
+                     "has_parent", "hit_counts", "free_stamps"):
+            setattr(twin, name, getattr(self, name).copy())
+        twin.live = {seq_id: MirroredSequence(
+            seq.seq_id, seq.request_id, seq.status, seq.num_tokens, seq.num_prompt_tokens,
+            seq.num_computed_tokens, seq.arrival_time, array("q", seq.block_table),
+            array("q", seq.token_ids)) for seq_id, seq in self.live.items()}
+        return twin
 
     @property
     def ready(self) -> bool:
@@ -121,6 +143,7 @@ class PoolMirror:
             self.next_index = record.index
             for change in record.sequences:
                 self._apply_sequence(SequenceChange._make(change))
+            self._stamp_freed(record.free_order)
             return True
         if isinstance(record, PoolSlice):
             if record.epoch == self.epoch and not self.awaiting_base:
@@ -139,6 +162,9 @@ class PoolMirror:
         self.hash_keys = np.zeros(num_blocks, np.uint64)
         self.parent_keys = np.zeros(num_blocks, np.uint64)
         self.has_parent = np.zeros(num_blocks, bool)
+        self.hit_counts = np.zeros(num_blocks, np.int64)
+        self.free_stamps = np.zeros(num_blocks, np.int64)
+        self.free_clock = 0
         self.live, self._holders = {}, None
         self.num_covered = min(covered, num_blocks)
         self.blocks_version += 1
@@ -151,6 +177,9 @@ class PoolMirror:
         self.hashes[start:stop] = None
         for block_id, block_hash in piece.hashes:
             self._set_hash(block_id, block_hash)
+        self.hit_counts[start:stop] = 0
+        for block_id, hits in piece.hits:
+            self.hit_counts[block_id] = hits
         self.num_covered = max(self.num_covered, stop)
         self.blocks_version += 1
 
@@ -173,6 +202,9 @@ class PoolMirror:
             refs[block_id] = ref_count
             if hashes[block_id] is not block_hash:  # most touches change the ref only
                 self._set_hash(block_id, block_hash)
+        for block_id, hits in delta.hits:
+            self.hit_counts[block_id] = hits
+        self._stamp_freed(delta.freed)
         if delta.blocks:
             self.blocks_version += 1
         for change in delta.sequences:
@@ -184,7 +216,15 @@ class PoolMirror:
             self.sequences_version += 1
         return True
 
+    def _stamp_freed(self, block_ids: tuple[int, ...]) -> None:
+        """These blocks joined the back of the eviction order, in this order."""
+        clock = self.free_clock
+        self.free_stamps[list(block_ids)] = np.arange(clock + 1, clock + 1 + len(block_ids))
+        self.free_clock = clock + len(block_ids)
+
     def _set_hash(self, block_id: int, block_hash: BlockHash | None) -> None:
+        if self.hashes[block_id] != block_hash:  # by value: a stored log's are new tuples
+            self.hit_counts[block_id] = 0  # new content: its hits are yet to come
         self.hashes[block_id] = block_hash
         self.hashed[block_id] = block_hash is not None
         if block_hash is not None:
@@ -257,6 +297,12 @@ class PoolMirror:
         codes = np.where(refs > 1, 3, np.where(refs == 1, 2, 0)).astype(np.int8)
         codes[(refs == 0) & self.hashed[start:stop]] = 1
         return codes
+
+    def eviction_order(self) -> np.ndarray:
+        """The cached-free blocks, the next one an allocation evicts first (least recently
+        used first; plain free blocks are taken before any of them)."""
+        cached = np.flatnonzero(self.state_codes() == 1)
+        return cached[np.argsort(self.free_stamps[cached], kind="stable")]
 
     def counts(self) -> dict[str, int]:
         return dict(zip(STATES, np.bincount(self.state_codes(), minlength=4).tolist()))
@@ -378,9 +424,11 @@ class PoolReader:
         self._dropped = 0
         self._lock = threading.Lock()
 
-    def update(self, first_snapshot_wait_s: float = 5.0) -> PoolMirror:
+    def update(self, first_snapshot_wait_s: float = 5.0,
+               history: "PoolHistory | None" = None) -> PoolMirror:
         """The mirror with every record so far applied; while its snapshot is still on
-        its way (a few engine-loop turns) wait up to `first_snapshot_wait_s` for it."""
+        its way (a few engine-loop turns) wait up to `first_snapshot_wait_s` for it.
+        `history` gets every delta applied to a ready mirror."""
         deadline = time.monotonic() + first_snapshot_wait_s
         with self._lock:
             while True:
@@ -388,6 +436,9 @@ class PoolReader:
                     if not self.mirror.apply(record):
                         self._resync()
                         break
+                    if history is not None and isinstance(record, PoolDelta) and (
+                            self.mirror.ready):
+                        history.add(self.mirror, record)
                 if self.records.num_dropped != self._dropped:
                     self._dropped = self.records.num_dropped
                     self._resync()

@@ -49,6 +49,7 @@ class PoolRecorder:
         self._blocks: dict[int, None] = {}
         self._sequences: dict[str, Sequence] = {}
         self._table_from: dict[str, int] = {}
+        self._released: dict[int, None] = {}  # released block ids, in order of release
         # What readers were last told about each live sequence:
         # (status, num_tokens, num_computed_tokens).
         self._sent: dict[str, tuple] = {}
@@ -60,7 +61,12 @@ class PoolRecorder:
 
     def record(self, event: KVEvent) -> None:
         match event:
-            case BlocksAllocated(block_ids) | BlocksShared(block_ids) | BlocksReleased(block_ids):
+            case BlocksReleased(block_ids):
+                self._blocks.update(dict.fromkeys(block_ids))
+                for block_id in block_ids:  # a block released twice: its last place counts
+                    self._released.pop(block_id, None)
+                    self._released[block_id] = None
+            case BlocksAllocated(block_ids) | BlocksShared(block_ids):
                 self._blocks.update(dict.fromkeys(block_ids))
             case BlockStored(block_id) | BlockRemoved(block_id):
                 self._blocks[block_id] = None
@@ -109,23 +115,33 @@ class PoolRecorder:
             self.epoch, self.num_deltas, self._counters(),
             tuple((block_id, blocks[block_id].ref_count, blocks[block_id].block_hash)
                   for block_id in self._blocks),
-            tuple(sequences), tuple(removed))
+            tuple(sequences), tuple(removed),
+            # Released to no reference with their content kept: the back of the free queue.
+            tuple(block_id for block_id in self._released if not blocks[block_id].ref_count
+                  and blocks[block_id].block_hash is not None),
+            tuple((block_id, blocks[block_id].num_hits) for block_id in self._blocks
+                  if blocks[block_id].num_hits))
         self._blocks, self._sequences, self._table_from = {}, {}, {}
+        self._released = {}
         self.num_deltas += 1
         return delta
 
     def take_base(self) -> PoolBase:
-        """Every live sequence in full; take it right after take_delta, so it is the state
-        after that delta (O(live sequences' tokens))."""
+        """Every live sequence in full and the eviction order; take it right after
+        take_delta, so it is the state after that delta (O(live sequences' tokens and
+        cached-free blocks))."""
         return PoolBase(self.epoch, self.num_deltas, self._counters(), tuple(
-            _sequence_change(seq, 0, 0) for seq in self.core.live_sequences()))
+            _sequence_change(seq, 0, 0) for seq in self.core.live_sequences()),
+            tuple(self.core.kv_cache.pool.cached_free_order()))
 
     def take_slice(self, start: int, size: int) -> PoolSlice:
         """Blocks [start, start + size): O(size)."""
         blocks = self.core.kv_cache.pool.blocks[start:start + size]
         return PoolSlice(self.epoch, start, tuple(block.ref_count for block in blocks),
                          tuple((block.block_id, block.block_hash) for block in blocks
-                               if block.block_hash is not None))
+                               if block.block_hash is not None),
+                         tuple((block.block_id, block.num_hits) for block in blocks
+                               if block.num_hits))
 
     def take_full(self) -> tuple[PoolBase, PoolSlice]:
         """A base and one slice of the whole pool: a full snapshot at once (O(pool), for a

@@ -175,6 +175,11 @@ class PoolDelta:
     blocks: tuple[BlockChange, ...]
     sequences: tuple[tuple, ...]  # SequenceChange fields, as plain tuples
     removed: tuple[str, ...]  # sequences that left the queues (finished or aborted)
+    # Blocks that joined the back of the eviction order (freed with their content kept),
+    # in the order they joined; and (block id, prefix-cache hits on its content) of the
+    # touched blocks that have any.
+    freed: tuple[int, ...] = ()
+    hits: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +191,7 @@ class PoolBase:
     index: int
     counters: PoolCounters
     sequences: tuple[tuple, ...]  # SequenceChange fields, as plain tuples
+    free_order: tuple[int, ...] = ()  # the cached-free blocks, next evicted first
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,3 +202,4 @@ class PoolSlice:
     start: int
     ref_counts: tuple[int, ...]
     hashes: tuple[tuple[int, BlockHash], ...]  # (block id, hash) of the hashed ones
+    hits: tuple[tuple[int, int], ...] = ()  # (block id, prefix-cache hits) where any

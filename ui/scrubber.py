@@ -1,0 +1,155 @@
+"""The step scrubber: pause the panels and step back and forth through the pool's recorded
+frames (one per delta the engine sent: a step's allocations, shares, evictions,
+preemptions and swaps), on the Live tab and for a saved session on the Sessions tab.
+
+A frame is the pool after one recorded delta (engine.telemetry.pool_history). The Live
+tab's frames come from the tab's LiveFeed; a saved session's from its log's pool records.
+"""
+
+import threading
+
+import gradio as gr
+
+from kvscope.engine.telemetry.pool_history import Frame, PoolHistory
+from kvscope.engine.telemetry.pool_mirror import PoolMirror
+from kvscope.ui import events, figures, panels
+from kvscope.ui.plotdata import placeholder, to_plot
+
+NOTHING_YET = "No frames recorded yet: the scrubber steps through the pool once the engine runs."
+
+
+def frame_changes(before: PoolMirror | None, after: PoolMirror) -> str:
+    """What one frame did to the pool, in plain words (block transitions between the
+    frame before it and this one)."""
+    if before is None:
+        return "the oldest frame kept"
+    if before.epoch != after.epoch or before.num_blocks != after.num_blocks:
+        return "the pool was rebuilt (a reconfigure)"
+    refs_before, refs_after = before.ref_counts, after.ref_counts
+    hashed_before = before.hashed
+    changed_hash = (hashed_before != after.hashed) | (after.hashed & (
+        before.hash_keys != after.hash_keys))
+    taken = (refs_before == 0) & (refs_after > 0)
+    parts = {
+        "allocated": taken & ~(hashed_before & ~changed_hash),
+        "revived from the cache (a prefix hit)": taken & hashed_before & ~changed_hash,
+        "shared one more time": (refs_before > 0) & (refs_after > refs_before),
+        "released (still held by others)": (refs_after > 0) & (refs_after < refs_before),
+        "freed": (refs_before > 0) & (refs_after == 0),
+        "cached (full, hashed)": after.hashed & changed_hash,
+    }
+    words = [f"{int(mask.sum())} blocks {name}" for name, mask in parts.items() if mask.any()]
+    evicted = after.num_evictions - before.num_evictions
+    if evicted:
+        words.append(f"{evicted} cached blocks evicted (least recently used first)")
+    preempted = after.num_preemptions - before.num_preemptions
+    if preempted:
+        words.append(f"{preempted} sequences preempted")
+    joined = set(after.live) - set(before.live)
+    left = set(before.live) - set(after.live)
+    if joined:
+        words.append(f"{len(joined)} sequences queued")
+    if left:
+        words.append(f"{len(left)} sequences left (finished or aborted)")
+    return "; ".join(words) or "no block changed (tokens were written into held blocks)"
+
+
+def frame_status(history: PoolHistory, frame: Frame | None, changes: str = "") -> str:
+    if frame is None:
+        return NOTHING_YET
+    return (f"⏸ **Paused at frame {frame.number}** (the pool after {frame.step} steps: "
+            f"pool delta {frame.index}; frames {history.first}–{history.last} kept): "
+            f"{changes}. ◀ and ▶ step one frame; Live returns to the live pool.")
+
+
+# ---- the Live tab -----------------------------------------------------------------------
+def pause(feeds, replica) -> tuple:
+    """(the frame field: the latest frame, the status line)."""
+    feed = feeds.get(int(replica or 0))
+    feed.refresh()
+    number = feed.history.last
+    return ("", NOTHING_YET) if number is None else (number, live_status(feeds, replica,
+                                                                          number))
+
+
+def step(feeds, replica, frame, by: int) -> tuple:
+    """(the frame `by` frames from `frame`, clamped, the status line); paused at the
+    latest frame if the scrubber was live."""
+    feed = feeds.get(int(replica or 0))
+    feed.refresh()
+    if feed.history.last is None:
+        return "", NOTHING_YET
+    number = feed.history.clamp(feed.history.last if _blank(frame) else _number(frame) + by)
+    return number, live_status(feeds, replica, number)
+
+
+def resume() -> tuple:
+    return "", "▶ **Live**: the panels follow the engine. Pause to step through its frames."
+
+
+def _blank(frame) -> bool:
+    return frame is None or str(frame).strip() == ""
+
+
+def _number(frame) -> int:
+    try:
+        return int(str(frame).strip())
+    except ValueError:
+        raise gr.Error(f"frame={frame!r} must be a whole number (or blank: live)") from None
+
+
+def live_status(feeds, replica, frame) -> str:
+    state = feeds.get(int(replica or 0)).state_at(int(frame))
+    return frame_status(feeds.get(state.replica).history, state.paused,
+                        frame_changes(state.previous, state.snapshot))
+
+
+# ---- the Sessions tab ---------------------------------------------------------------------
+class SessionFrames:
+    """A saved session's pool frames and step records, loaded once per session (and again
+    when the live session's log has grown)."""
+
+    def __init__(self, session_log, decode) -> None:
+        self.session_log = session_log
+        self.decode = decode  # token ids -> text, for hover and the prefix tree
+        self._lock = threading.Lock()
+        self._loaded: tuple | None = None  # (session id, pool rows, history, steps)
+
+    def load(self, session_id: int) -> tuple[PoolHistory, list]:
+        log = self.session_log
+        log.flush(timeout=2.0)  # the live session's last half second too
+        count = log.count_pool_records(session_id)
+        with self._lock:
+            if self._loaded is None or self._loaded[:2] != (session_id, count):
+                stored = log.load_session(session_id)  # ValueError: no such session
+                self._loaded = (session_id, count, log.pool_history(session_id), stored.steps)
+            return self._loaded[2], self._loaded[3]
+
+    def show(self, session_id, frame, by: int = 0) -> tuple:
+        """(frame field, status, summary, heatmap, block tables, prefix tree, events) of
+        the session's pool at `frame` + `by` (None: its last frame)."""
+        empty = (gr.skip(),) * 5
+        if self.session_log is None or session_id in (None, ""):
+            return "", "Pick a session.", *empty
+        try:
+            history, steps = self.load(int(session_id))
+        except ValueError as error:
+            gr.Warning(str(error))
+            return "", str(error), *empty
+        if history.last is None:
+            return "", ("This session has no pool records (logged before kvscope kept "
+                          "them, or by several replicas)."), *empty
+        number = history.clamp(None if _blank(frame) else _number(frame) + by)
+        shown = history.frame(number)
+        pool = history.mirror_at(number)
+        before = history.mirror_at(number - 1) if number > history.first else None
+        decode = self.decode
+        records = [record for record in steps if record.step < shown.step]
+        tables = (figures.block_table_map(pool, decode)
+                  if any(seq.block_table for seq in pool.sequences) else
+                  placeholder("Block tables", "No sequence held blocks at this frame."))
+        return (number, frame_status(history, shown, frame_changes(before, pool)),
+                panels.summary_markdown(pool),
+                to_plot(figures.pool_heatmap(pool, decode, as_of=shown.step)),
+                to_plot(tables), to_plot(figures.prefix_tree(pool, decode)),
+                events.events_markdown(records))
