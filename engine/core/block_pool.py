@@ -1,8 +1,10 @@
 """Physical KV blocks: ref counts, the LRU free queue and the hash -> block map."""
 
+import gc
 import hashlib
 import struct
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvscope.engine.core.kv_events import (
@@ -115,8 +117,9 @@ class BlockPool:
                  emit: KVEventSink = discard) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        with _collector_paused():
+            self.blocks = [KVBlock(i) for i in range(num_blocks)]
+            self.free_queue = FreeBlockQueue(self.blocks)
         # hash value -> block id. Ids, not blocks: a dict of bytes and ints is one the
         # garbage collector never tracks, where a full collection would walk every entry
         # of a map to block objects (~47 ms CPU per million cached blocks on the EPYC).
@@ -231,3 +234,18 @@ class BlockPool:
                 self._evict(block)
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: building a pool allocates one tracked object per
+    block, and each collection its allocations trigger walks the blocks built so far, so
+    a 1M-block pool took 1.4 s to build with collections and 0.2 s without (the blocks are
+    all alive; a collection could free none of them)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -379,7 +379,8 @@ class EngineCore:
         if request.beam is not None and request.beam.done:
             return self._beam_output(request)
         completions, deltas = [], []
-        hold_back = max((len(s) for s in request.params.stop_strings), default=1) - 1
+        stop_strings = request.params.stop_strings
+        hold_back = max(map(len, stop_strings)) - 1 if stop_strings else 0
         for seq in request.sequences:
             # While running, hold back text that could still turn out to start a stop string.
             visible = len(seq.text) if seq.is_finished else max(len(seq.text) - hold_back, 0)
@@ -388,16 +389,15 @@ class EngineCore:
             completions.append(CompletionOutput(
                 seq.index, seq.text[:visible], seq.output_token_ids,
                 seq.cumulative_logprob, seq.logprobs, seq.finish_reason, seq.stop_reason))
-        first = request.sequences[0]
+        first, finished = request.sequences[0], request.finished
         metrics = RequestMetrics(
             request.arrival_time, first.first_scheduled_time, first.first_token_time,
-            max((s.finished_time or 0) for s in request.sequences) or None,
-            sum(s.num_preemptions for s in request.sequences))
+            max([s.finished_time or 0 for s in request.sequences]) or None,
+            sum([s.num_preemptions for s in request.sequences]))
         if request.params.num_sequences > request.params.n:
-            completions, deltas = _best_of(completions, deltas, request.params.n,
-                                           request.finished)
+            completions, deltas = _best_of(completions, deltas, request.params.n, finished)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             completions, request.finished, request.num_cached_tokens,
+                             completions, finished, request.num_cached_tokens,
                              metrics, deltas=deltas, prompt_logprobs=request.prompt_logprobs,
                              prompt_token_ranks=request.prompt_token_ranks)
 

@@ -109,6 +109,8 @@ class KVCacheManager:
         before them: a later prompt with the same prefix still finds them until they are
         evicted, oldest first.
         """
+        if not self.sliding_groups:
+            return
         start = seq.num_released_blocks
         end = min(self.first_kept_block(seq.num_computed_tokens),
                   len(seq.block_table) // self.num_groups)
@@ -189,7 +191,7 @@ class KVCacheManager:
                           if table[i] != RELEASED and pool.blocks[table[i]].ref_count > 1]
         num_new_blocks = groups * (self.blocks_needed(num_computed + num_new_tokens)
                                    - len(table) // groups - len(cached_prefix))
-        revived = sum(1 for block in adopted if block.ref_count == 0)
+        revived = sum([block.ref_count == 0 for block in adopted])
         if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
             return None
 
@@ -221,9 +223,9 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash the sequence's newly full, computed blocks so later prompts can reuse them."""
-        if not self.enable_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_caching or num_full <= seq.num_cached_blocks:
+            return  # most decode steps fill no block
         hashes = self._block_hashes(seq, num_full)
         groups, table = self.num_groups, seq.block_table
         for position in range(seq.num_cached_blocks, num_full):

@@ -123,4 +123,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.sequences)
+        # A loop, not all() over a generator: read for every request each step it samples.
+        for seq in self.sequences:
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
