@@ -537,6 +537,22 @@ def test_completions_beam_search_returns_the_engines_best_n_beams(server) -> Non
     assert_idle(server)
 
 
+# Found by tests/fuzz: field names that are no identifier, and bodies that are no JSON
+# (or not even UTF-8), were refused with param null.
+@pytest.mark.parametrize(("content", "param"), [
+    (json.dumps({"prompt": "x", "": 1}).encode(), ""),
+    (json.dumps({"prompt": "x", "max tokens": 1}).encode(), "max tokens"),
+    (b"{nope", "body"),
+    (b"\xff\xfe", "body"),
+])
+def test_a_refused_body_or_field_is_named_whatever_its_name(server, content, param) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", content=content,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}:"), error
+
+
 @pytest.mark.parametrize(("extra", "named"), [
     ({"stream": True}, "use_beam_search"),
     ({"max_tokens": None}, "max_tokens"),
