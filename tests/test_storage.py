@@ -183,6 +183,13 @@ def test_export_of_a_missing_session_or_format_is_refused(tmp_path: Path) -> Non
         export_session(engine, 1, "xml", tmp_path)
     with pytest.raises(ValueError, match="session_id=42"):
         load_session(engine, 42)
+    # Found by tests/fuzz (the dashboard's session picker takes any number): an id SQLite
+    # cannot hold is a missing session too, not an OverflowError.
+    for too_big in (2 ** 63, -(2 ** 63) - 1, 10 ** 30):
+        with pytest.raises(ValueError, match=f"session_id={too_big}: no such session"):
+            export_session(engine, too_big, "json", tmp_path)
+        with pytest.raises(ValueError, match=f"session_id={too_big}: no such session"):
+            load_session(engine, too_big)
 
 
 def test_a_stalled_disk_drops_rows_instead_of_blocking(tmp_path: Path) -> None:
