@@ -16,8 +16,10 @@ from schemathesis.generation.modes import GenerationMode
 from fuzz.conftest import FuzzedServer, fuzz_budget
 from kvscope.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 
-# A refused request is decided before any model step; it must answer at once.
-REJECTION_BOUND_S = 2.0
+# A refused request is decided before any model step, so it answers at once; the bound
+# leaves room for a CI machine's (or a shared 2-core machine's) stalls: a long `make fuzz`
+# saw a 3.3 s refusal at nice 10 under others' benchmarks.
+REJECTION_BOUND_S = 5.0
 # An accepted one runs at most MAX_MODEL_LEN tokens of the tiny model, n and beams included.
 ANSWER_BOUND_S = 60.0
 BUDGET = fuzz_budget()
