@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from conftest import free_port, serve, wait_until
+from conftest import dashboard_served, serve, wait_until
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
-from kvscope.storage import SessionLog, record_sessions
-from kvscope.ui import build_ui, page_options
+from kvscope.storage import SessionLog
 
 SHORT_BUDGET = 12
 BUDGET_ENV = "KVSCOPE_FUZZ_CASES"
@@ -84,18 +83,8 @@ class FuzzedDashboard:
 def dashboard(tiny_chat_model_path, tmp_path_factory) -> FuzzedDashboard:
     """The dashboard as app.py serves it (engine, session log, recorder), on a short
     max_model_len so that even the largest generated load is over in seconds."""
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     engine = tiny_engine(tiny_chat_model_path, block_size=4, max_model_len=DASHBOARD_MAX_LEN,
                          max_num_batched_tokens=64)
-    log = SessionLog(tmp_path_factory.mktemp("db") / "kvscope.db")
-    log.start_session(engine.config.to_dict(), engine.model_path)
-    stop_recording = record_sessions(engine, log)
-    blocks = build_ui(engine, log)
-    port = free_port()
-    blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
-                  quiet=True, **page_options())
-    yield FuzzedDashboard(f"http://127.0.0.1:{port}/", engine, log)
-    blocks.close()
-    stop_recording()
-    log.close()
+    with dashboard_served(engine, tmp_path_factory.mktemp("db") / "kvscope.db") as (log, url):
+        yield FuzzedDashboard(url, engine, log)
     engine.shutdown()
