@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvscope-installed
 
-.PHONY: run test test-fast bench install browser lint
+.PHONY: run test test-fast fuzz bench install browser lint
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ test: $(STAMP) browser
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not browser"
+
+# The long fuzz: this many generated cases per route and handler (>= 20,000 in all);
+# `make test` runs the same tests on a short budget.
+FUZZ_CASES ?= 1500
+
+fuzz: $(STAMP)
+	KVSCOPE_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest -q -s -m fuzz tests/fuzz
 
 bench: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(PY) bench/throughput.py

@@ -272,10 +272,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     session_log = SessionLog(args.db)
     session_log.start_session(resolved_config(engine), engine.model_path)
-    stop_recording = record_sessions(engine, session_log)
+    recorder = record_sessions(engine, session_log)
     try:
         app = create_app(engine, api_key=api_key, metrics_auth=args.metrics_auth,
-                         chat_parsing=chat_parsing)
+                         chat_parsing=chat_parsing, durable=recorder.sync)
         if not args.no_ui:
             app = mount_dashboard(app, engine, session_log)
         identity = engine.resolved_identity()
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.shutdown(abort_running=True)
         if publisher is not None:
             publisher.shutdown()
-        stop_recording()  # after the engine, so its last (aborted) requests are logged
+        recorder.stop()  # after the engine, so its last (aborted) requests are logged
         session_log.close()
 
 

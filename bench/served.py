@@ -43,13 +43,15 @@ def cpu_name() -> str:
     return f"unknown x {os.cpu_count()}"
 
 
-def start_app(app_args: list[str], env: dict[str, str] | None = None) -> ServedApp:
+def start_app(app_args: list[str], env: dict[str, str] | None = None,
+              wrapper: list[str] = ()) -> ServedApp:
     """Start app.py on a free port with its session log in a temporary folder; return once
-    /health answers 200 (raises with the log's tail if the process dies first)."""
+    /health answers 200 (raises with the log's tail if the process dies first). `wrapper`:
+    a script (and its arguments) that runs app.py in its own process (bench/soak_probe.py)."""
     workdir = tempfile.TemporaryDirectory(prefix="kvscope-bench-")
     port = free_port()
     log_path = Path(workdir.name) / "app.log"
-    command = [sys.executable, str(ROOT / "app.py"), "--port", str(port),
+    command = [sys.executable, *wrapper, str(ROOT / "app.py"), "--port", str(port),
                "--db", str(Path(workdir.name) / "kvscope.db"), *app_args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

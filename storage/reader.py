@@ -20,6 +20,8 @@ from kvscope.storage.models import (
 from kvscope.storage.rows import step_record
 
 ROWS_PER_FETCH = 2000
+# What an SQLite INTEGER holds; an id outside it names no row (and SQLite would refuse it).
+SQLITE_INTEGERS = range(-(2 ** 63), 2 ** 63)
 
 
 @dataclass(slots=True)
@@ -87,6 +89,8 @@ def table_rows(engine: Engine, table, session_id: int) -> list[dict]:
 def iter_table_rows(engine: Engine, table, session_id: int) -> Iterator[dict]:
     """The same rows, fetched ROWS_PER_FETCH at a time: a long session is never all in
     memory at once."""
+    if session_id not in SQLITE_INTEGERS:
+        return
     key = table.id if table is SessionRow else table.session_id
     with engine.connect() as connection:
         result = connection.execution_options(yield_per=ROWS_PER_FETCH).execute(

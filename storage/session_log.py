@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from sqlalchemy import insert, update
+from sqlalchemy import insert, text, update
 
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
@@ -34,6 +34,17 @@ COMMIT_INTERVAL_S = 0.5
 MAX_BATCH = 2000
 QUEUE_SIZE = 50_000
 _STOP = object()
+# A session still open when the next one starts was interrupted (its process died before
+# close()): it ends at the last thing it logged.
+CLOSE_INTERRUPTED = text(
+    "UPDATE sessions SET ended_at = MAX(started_at,"
+    " COALESCE((SELECT MAX(end_time) FROM steps WHERE session_id = sessions.id), 0),"
+    " COALESCE((SELECT MAX(finished_time) FROM requests WHERE session_id = sessions.id), 0))"
+    " WHERE ended_at IS NULL")
+
+
+def _is_flush(item) -> bool:
+    return item is not _STOP and item[0] == "flush"
 
 
 class SessionLog:
@@ -61,6 +72,11 @@ class SessionLog:
         """Open a session row now (synchronously: the id tags every later row)."""
         started_at = self.started_at = time.time()
         with self.engine.begin() as connection:
+            interrupted = connection.execute(CLOSE_INTERRUPTED).rowcount
+            if interrupted:
+                logger.warning("session log: %d earlier session(s) ended without closing "
+                               "(the process was killed); closed at their last logged row",
+                               interrupted)
             self.session_id = connection.execute(insert(SessionRow).values(
                 model=model, config=config, started_at=started_at)).inserted_primary_key[0]
             connection.execute(insert(ConfigRow).values(
@@ -140,7 +156,9 @@ class SessionLog:
         while not stopping:
             batch = [self._queue.get()]
             deadline = time.monotonic() + COMMIT_INTERVAL_S
-            while len(batch) < MAX_BATCH and batch[-1] is not _STOP:
+            # A flush is someone waiting (an answer held until its row is committed): the
+            # batch is written at once rather than at the deadline.
+            while len(batch) < MAX_BATCH and batch[-1] is not _STOP and not _is_flush(batch[-1]):
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
                     break

@@ -8,6 +8,7 @@ import string
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -408,6 +409,30 @@ def browser():
         chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
+
+
+@contextmanager
+def dashboard_served(engine, db_path: Path):
+    """The dashboard on a started engine as app.py serves it: a session log at `db_path`,
+    its recorder and the page on a free loopback port; yields (log, url)."""
+    # Here, not at the top: most test modules never load Gradio.
+    from kvscope.storage import SessionLog, record_sessions
+    from kvscope.ui import build_ui, page_options
+
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    log = SessionLog(db_path)
+    log.start_session(engine.config.to_dict(), engine.model_path)
+    recorder = record_sessions(engine, log)
+    blocks = build_ui(engine, log)
+    port = free_port()
+    blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
+                  quiet=True, **page_options())
+    try:
+        yield log, f"http://127.0.0.1:{port}/"
+    finally:
+        blocks.close()
+        recorder.stop()
+        log.close()
 
 
 def serve(app, **uvicorn_options) -> tuple[str, uvicorn.Server, threading.Thread]:

@@ -2,20 +2,18 @@
 
 import itertools
 import json
-import os
 import sqlite3
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port, heatmap_state_codes
+from conftest import dashboard_served, free_port, heatmap_state_codes
 from gradio_client import Client
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.storage import SessionLog, record_sessions
 from kvscope.storage.recorder import POLL_S
 from kvscope.ui import build_ui, page_options
 
@@ -25,22 +23,12 @@ NUM_BLOCKS = 96
 @pytest.fixture(scope="module")
 def served(tiny_chat_model_path, tmp_path_factory):
     """A started AsyncEngine on the tiny model, logged to SQLite, with the dashboard up."""
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     engine = AsyncEngine.from_config(EngineConfig(
         model=str(tiny_chat_model_path), dtype="float32", device="cpu", block_size=4,
         num_gpu_blocks_override=NUM_BLOCKS, max_model_len=256, max_num_batched_tokens=64,
     )).start()
-    log = SessionLog(tmp_path_factory.mktemp("db") / "kvscope.db")
-    log.start_session(engine.config.to_dict(), engine.model_path)
-    stop_recording = record_sessions(engine, log)
-    blocks = build_ui(engine, log)
-    port = free_port()
-    blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
-                  quiet=True, **page_options())
-    yield engine, log, f"http://127.0.0.1:{port}/"
-    blocks.close()
-    stop_recording()
-    log.close()
+    with dashboard_served(engine, tmp_path_factory.mktemp("db") / "kvscope.db") as (log, url):
+        yield engine, log, url
     engine.shutdown()
 
 

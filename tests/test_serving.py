@@ -6,6 +6,7 @@ import json
 import random
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
 from kvscope.engine.serving.metrics import EngineMetrics
+from kvscope.storage import SessionLog, record_sessions
 
 NUM_BLOCKS = 256
 MAX_MODEL_LEN = 256
@@ -535,6 +537,52 @@ def test_completions_beam_search_returns_the_engines_best_n_beams(server) -> Non
     assert [c.index for c in completion.choices] == [0, 1]
     assert completion.usage.prompt_tokens > 0
     assert_idle(server)
+
+
+def test_an_answered_request_is_already_in_the_session_log(engine, tmp_path) -> None:
+    """Acknowledged => logged: the final answer (a whole body, a stream's [DONE]) goes out
+    only once the request's row is committed, so a kill -9 right after loses no answered
+    request (bench/crash_loop.py checks it under load)."""
+    log = SessionLog(tmp_path / "kv.db")
+    log.start_session({}, engine.model_path)
+    recorder = record_sessions(engine, log, poll_s=5.0)  # the poll alone would be late
+    url, uvicorn_server, thread = serve(create_app(engine, durable=recorder.sync))
+    reader = sqlite3.connect(tmp_path / "kv.db")
+
+    def logged(response_id: str) -> bool:
+        request_id = response_id.split("-", 1)[1]
+        return reader.execute("SELECT COUNT(*) FROM requests WHERE request_id = ?",
+                              (request_id,)).fetchone()[0] == 1
+
+    try:
+        body = {"prompt": "log me", "max_tokens": 3}
+        assert logged(httpx.post(f"{url}/v1/completions", json=body).json()["id"])
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert logged(json.loads(events[0].removeprefix("data: "))["id"])
+    finally:
+        reader.close()
+        uvicorn_server.should_exit = True
+        thread.join(timeout=10)
+        recorder.stop()
+        log.close()
+
+
+# Found by tests/fuzz: field names that are no identifier, and bodies that are no JSON
+# (or not even UTF-8), were refused with param null.
+@pytest.mark.parametrize(("content", "param"), [
+    (json.dumps({"prompt": "x", "": 1}).encode(), ""),
+    (json.dumps({"prompt": "x", "max tokens": 1}).encode(), "max tokens"),
+    (b"{nope", "body"),
+    (b"\xff\xfe", "body"),
+])
+def test_a_refused_body_or_field_is_named_whatever_its_name(server, content, param) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", content=content,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}:"), error
 
 
 @pytest.mark.parametrize(("extra", "named"), [

@@ -184,6 +184,28 @@ def test_export_of_a_missing_session_or_format_is_refused(tmp_path: Path) -> Non
         export_session(engine, 1, "xml", tmp_path)
     with pytest.raises(ValueError, match="session_id=42"):
         load_session(engine, 42)
+    # Found by tests/fuzz (the dashboard's session picker takes any number): an id SQLite
+    # cannot hold is a missing session too, not an OverflowError.
+    for too_big in (2 ** 63, -(2 ** 63) - 1, 10 ** 30):
+        with pytest.raises(ValueError, match=f"session_id={too_big}: no such session"):
+            export_session(engine, too_big, "json", tmp_path)
+        with pytest.raises(ValueError, match=f"session_id={too_big}: no such session"):
+            load_session(engine, too_big)
+
+
+def test_a_session_left_open_by_a_killed_process_is_closed_by_the_next(tmp_path: Path) -> None:
+    killed = SessionLog(tmp_path / "log.db")  # never closed: as if killed -9
+    first = killed.start_session({}, model="tiny")
+    last_step = time.time() + 100  # after the session's start: the last thing it logged
+    killed.record_step(fake_record(0, last_step))
+    assert killed.flush()
+    restarted = SessionLog(tmp_path / "log.db")
+    second = restarted.start_session({}, model="tiny")
+    sessions = {s["id"]: s for s in restarted.list_sessions()}
+    assert sessions[first]["ended_at"] == pytest.approx(last_step + 0.001)
+    assert sessions[second]["ended_at"] is None  # the live one stays open
+    restarted.close()
+    killed.close()
 
 
 def test_a_stalled_disk_drops_rows_instead_of_blocking(tmp_path: Path) -> None:

@@ -165,6 +165,9 @@ def test_llguidances_tokenizer_is_built_once_per_tokenizer(tiny_byte_level_model
     ({"regex": "[a-z"}, "structured_outputs.regex: cannot compile"),
     ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar: cannot compile"),
     ({"json": "{not json"}, "structured_outputs.json: "),
+    # Found by tests/fuzz: text that is neither Lark nor GBNF raised a bare Exception (a 500).
+    ({"grammar": "x"}, "structured_outputs.grammar: not a Lark or GBNF grammar: Expected ::="),
+    ({"grammar": ""}, "structured_outputs.grammar: not a Lark or GBNF grammar: No 'root'"),
 ])
 def test_an_uncompilable_spec_is_refused_naming_the_field(engine, spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):

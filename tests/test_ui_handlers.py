@@ -129,6 +129,16 @@ def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engi
     assert not _skipped(visible[panels.PANELS.index("series")])
 
 
+def test_a_refresh_sent_anything_but_the_pollers_shapes_sends_every_panel(engine):
+    # Found by tests/fuzz: refresh_live is a public API route, and `visible=False` (or a
+    # list for `shown`) raised TypeError in the handler.
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
+    for shown, visible in (([], False), ("x", 3), ({"summary": 1}, [1, None]), (None, {})):
+        *values, _ = renderer.refresh(shown, visible)
+        assert len(values) == len(panels.PANELS)
+        assert not any(_skipped(value) for value in values[1:])
+
+
 def test_a_rebuilt_panel_that_draws_the_same_is_not_sent_again(engine):
     renderer = panels.PanelRenderer(LiveFeeds(engine))
     *_, shown = renderer.refresh(None)

@@ -276,7 +276,11 @@ class PanelRenderer:
         only those are built and sent, and the summary line always is. `view_controls` are
         the heatmap's and block tables' controls and the replica (see panel_views); a bad
         value draws the default view and says why in a warning."""
-        shown = shown or {}
+        # Both come from the page's poller, or from any API caller: anything else than
+        # what the poller sends counts as "nothing sent".
+        shown = shown if isinstance(shown, dict) else {}
+        if not (isinstance(visible, list) and all(isinstance(name, str) for name in visible)):
+            visible = None
         try:
             views = panel_views(*view_controls)
         except (TypeError, ValueError) as error:

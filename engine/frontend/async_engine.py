@@ -532,10 +532,12 @@ class AsyncEngine(ChatSubmit):
             if live.last_token_time is not None:
                 live.inter_token_latencies.append(now - live.last_token_time)
             live.num_tokens_seen, live.last_token_time = num_tokens, now
-        live.stream.push(output)
         if output.finished:
+            # Published before the stream sees the end, so whoever answers the client can
+            # have the record logged first (storage.SessionRecorder.sync).
             del self._live[output.request_id]
             self._publish_request(output, live, output.outputs[0].finish_reason or "abort")
+        live.stream.push(output)
 
     def _publish_request(self, output: RequestOutput, live: _LiveRequest,
                          finish_reason: str) -> None:

@@ -109,7 +109,11 @@ class GrammarCompiler:
         if spec.choice is not None:
             alternatives = " | ".join(json.dumps(choice) for choice in spec.choice)
             return matcher.grammar_from_lark(f"start: {alternatives}")
-        return matcher.grammar_from_lark(any_to_lark(spec.grammar))
+        try:
+            lark = any_to_lark(spec.grammar)
+        except Exception as error:  # llguidance's GBNF reader raises bare Exceptions
+            raise ValueError(f"not a Lark or GBNF grammar: {error}") from None
+        return matcher.grammar_from_lark(lark)
 
 
 @dataclass(slots=True)

@@ -1,5 +1,7 @@
 """create_app(): the FastAPI app serving one EngineView (API, /metrics, /ws/events)."""
 
+from collections.abc import Callable
+
 from fastapi import FastAPI
 
 from kvscope.engine.serving.chat_parsing import ChatParsing
@@ -18,13 +20,15 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 def create_app(engine: EngineView, *, api_key: str | None = None, metrics_auth: bool = False,
                served_model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_parsing: ChatParsing = ChatParsing()) -> FastAPI:
+               chat_parsing: ChatParsing = ChatParsing(),
+               durable: Callable[[], object] | None = None) -> FastAPI:
     """The app for a started engine; the caller owns the engine's lifetime.
 
     With an `api_key`, every route, including a dashboard mounted on this app later, needs
     it (see AccessGuard), except /health and /version, and /metrics unless `metrics_auth`
     (as in vLLM, so probes and scrapers need no secret). `chat_parsing`: the tool-call
-    and reasoning parsers chat answers go through.
+    and reasoning parsers chat answers go through. `durable`: called before each final
+    answer goes out (app.py's makes the finished requests' rows durable first).
     """
     app = FastAPI(title="kvscope", version=version())
     install_error_handlers(app)
@@ -36,7 +40,7 @@ def create_app(engine: EngineView, *, api_key: str | None = None, metrics_auth: 
         # Added last, so it runs first: a refused request is never read or routed.
         app.add_middleware(AccessGuard, auth=auth, sessions=sessions, open_paths=open_paths)
     model = ServedModel.of(engine, served_model_name)
-    app.include_router(openai_router(engine, model, chat_parsing))
+    app.include_router(openai_router(engine, model, chat_parsing, durable))
     app.include_router(tokenization_router(engine, model))
     app.include_router(health_router(engine))
     app.include_router(metrics_router(EngineMetrics(engine, model.name)))

@@ -31,6 +31,15 @@ class APIError(Exception):
         self.headers = headers
 
 
+class FieldError(ValueError):
+    """A refusal of one request field whose name need not be an identifier (extra fields
+    are the client's own keys: "", "max tokens", "é"), so it carries the name itself."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 def error_body(status_code: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status_code, "api_error"),
@@ -46,6 +55,8 @@ def from_exception(error: Exception) -> APIError:
     """The API error for an exception raised while serving a request."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, FieldError):
+        return APIError(400, str(error), param=error.param)
     if isinstance(error, ValueError):
         match = KNOB_PREFIX.match(str(error))
         return APIError(400, str(error), param=match.group(1) if match else None)
@@ -63,14 +74,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def handle_validation(_: Request, error: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422; OpenAI answers 400 naming the field.
+        # A body that is not JSON at all is the body's fault, not a field's (its location
+        # names a character offset).
         first = error.errors()[0]
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return error_response(APIError(400, message, param=param))
+        location = [] if first.get("type") == "json_invalid" else [
+            str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(location) or "body"
+        return error_response(APIError(400, f"{param}: {first.get('msg')}", param=param))
 
     async def handle_http(_: Request, error: HTTPException) -> JSONResponse:
-        return error_response(APIError(error.status_code, str(error.detail),
+        # FastAPI's own 400 is a body it could not read (not UTF-8, say).
+        param = "body" if error.status_code == 400 else None
+        return error_response(APIError(error.status_code, str(error.detail), param=param,
                                        headers=getattr(error, "headers", None)))
 
     for kind in (APIError, ValueError, EngineClosed, RequestFailed):

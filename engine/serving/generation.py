@@ -3,7 +3,7 @@
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kvscope.engine.frontend.streams import RequestStream
@@ -29,6 +29,10 @@ class Generation:
     prompt_logprobs: bool = False
     # chat: how an answer's text becomes reasoning, content and tool calls
     chat_parser: ChatOutputParser = field(default_factory=ChatOutputParser)
+    # Called on a worker thread before the final answer (a whole body, a stream's [DONE])
+    # goes out: app.py's returns once the finished requests' rows are committed, so an
+    # acknowledged request is in the session log even if the process dies next.
+    durable: Callable[[], object] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     # Streaming state: the newest output of each stream, and per choice what was sent.
     latest: dict[int, RequestOutput] = field(default_factory=dict)
@@ -69,7 +73,12 @@ class Generation:
                 "model": self.model, "choices": choices, "usage": self.usage()}
         if self.chat and self.prompt_logprobs:  # one conversation, so one prompt
             body["prompt_logprobs"] = self._prompt_logprobs(finals[0])
+        await self._made_durable()
         return body
+
+    async def _made_durable(self) -> None:
+        if self.durable is not None:
+            await asyncio.to_thread(self.durable)
 
     def usage(self) -> dict:
         outputs = list(self.latest.values())
@@ -109,6 +118,7 @@ class Generation:
             else:
                 if self.include_usage:
                     yield _sse({**self._envelope(), "choices": [], "usage": self.usage()})
+            await self._made_durable()
             yield "data: [DONE]\n\n"
         finally:
             for task in tasks:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscope.engine.serving.errors import FieldError
 from kvscope.engine.serving.tool_parsers.forced import ANY_OBJECT, required_schema
 
 ANY = None  # a no-op field whose every value changes nothing
@@ -95,7 +96,7 @@ class SamplingFields(BaseModel):
             raise ValueError("stream_options: only allowed with stream=true")
         for name, value in (self.model_extra or {}).items():
             if name not in NO_OPS:
-                raise ValueError(f"{name}: kvscope does not implement this field, and "
+                raise FieldError(name, "kvscope does not implement this field, and "
                                  "refuses it rather than ignore it")
             allowed = NO_OPS[name]
             if allowed is not ANY and value not in allowed:

@@ -5,7 +5,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +56,8 @@ def version() -> str:
 
 
 def openai_router(engine: EngineView, model: ServedModel,
-                  chat_parsing: ChatParsing = ChatParsing()) -> APIRouter:
+                  chat_parsing: ChatParsing = ChatParsing(),
+                  durable: Callable[[], object] | None = None) -> APIRouter:
     router = APIRouter(prefix="/v1")  # the key, if any, is checked by AccessGuard
 
     @router.get("/models")
@@ -75,7 +76,7 @@ def openai_router(engine: EngineView, model: ServedModel,
                             lambda: [engine.submit(prompt, params,
                                                    add_special_tokens=body.add_special_tokens)
                                      for prompt in prompts],
-                            chat=False, logprobs=body.logprobs)
+                            chat=False, logprobs=body.logprobs, durable=durable)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -95,7 +96,7 @@ def openai_router(engine: EngineView, model: ServedModel,
                                                    add_special_tokens=body.add_special_tokens)],
                             chat=True,
                             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                            chat_parser=parser)
+                            chat_parser=parser, durable=durable)
 
     return router
 
@@ -117,7 +118,8 @@ def _named_for_client(error: ValueError, body: SamplingFields) -> ValueError | A
 async def _serve(request: Request, engine: EngineView, model: ServedModel,
                  body: SamplingFields, params: SamplingParams | BeamSearchParams, submit,
                  chat: bool,
-                 logprobs: int | None, chat_parser: ChatOutputParser = ChatOutputParser()):
+                 logprobs: int | None, chat_parser: ChatOutputParser = ChatOutputParser(),
+                 durable: Callable[[], object] | None = None):
     """Submit, wait until the engine accepted every request (400 if not), then answer."""
     if engine.is_reconfiguring:
         raise APIError(503, "the engine is rebuilding its KV cache; retry shortly",
@@ -127,7 +129,7 @@ async def _serve(request: Request, engine: EngineView, model: ServedModel,
                             model.name, streams, body.n, engine.tokenizer, logprobs,
                             body.include_usage, echo=getattr(body, "echo", False),
                             prompt_logprobs=getattr(body, "prompt_logprobs", None) is not None,
-                            chat_parser=chat_parser)
+                            chat_parser=chat_parser, durable=durable)
     try:
         await asyncio.gather(*(s.accepted() for s in streams))
     except BaseException as error:
