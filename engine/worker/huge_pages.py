@@ -42,12 +42,13 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
-def move_module(module: torch.nn.Module) -> None:
+def move_module(module: torch.nn.Module, leave: list[torch.Tensor] = ()) -> None:
     """Re-home the module's CPU parameters and buffers (tied ones once: they are the same
     tensor) side by side in one huge-page region, in the module's order, which is the order a
     forward streams them in. One region rather than one per tensor: a tensor's last partial
-    huge page would otherwise be wasted, and a packed int4 layer is well under one page."""
-    seen: set[int] = set()
+    huge page would otherwise be wasted, and a packed int4 layer is well under one page.
+    Tensors in `leave` stay where they are (memory another library owns and reads)."""
+    seen: set[int] = {id(tensor) for tensor in leave}
     tensors = []
     for tensor in [*module.parameters(), *module.buffers()]:
         if id(tensor) in seen or tensor.device.type != "cpu" or not tensor.is_contiguous():

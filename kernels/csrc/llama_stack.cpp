@@ -76,10 +76,19 @@ constexpr int64_t kDenseKernelMaxRows = 5;
 
 // out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: a few rows
 // stream their weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
-// kernels/cpu_kernels.py's linear does); packed ones as their modules do.
+// kernels/cpu_kernels.py's linear does; over the prepacked weight where there is one);
+// packed ones as their modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
   if (linear.scales) return quantized_project(x, linear, config, out);
+  if (linear.onednn) {
+    if (x.size(0) > kDenseKernelMaxRows)
+      out.copy_(linear_onednn(x, *linear.onednn, linear.bias));
+    else
+      traced("kvscope::linear_small_batch_blocked",
+             [&] { linear_small_batch_blocked(x, linear.weight, linear.bias, out); });
+    return;
+  }
   if (x.size(0) > kDenseKernelMaxRows) return gemm(x, linear.weight, linear.bias, out);
   traced("kvscope::linear_small_batch",
          [&] { linear_small_batch(x, linear.weight, linear.bias, out); });
@@ -174,7 +183,7 @@ class NameReader {
   LinearWeights linear(const std::string& module) {
     static_assert(std::is_same_v<Value, at::Tensor>, "linear() reads tensors");
     return {required(module + ".weight"), optional(module + ".bias"), optional(module + ".scales"),
-            optional(module + ".offsets")};
+            optional(module + ".offsets"), optional(module + ".onednn")};
   }
 
   void check_all_read() const {
@@ -265,7 +274,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
   at::Tensor hidden = embed(input_ids);
   const at::Tensor cos = gather_rows(cos_, positions), sin = gather_rows(sin_, positions);
   const int64_t tokens = hidden.size(0);
-  const int64_t intermediate_size = layers_.front().gate_up_proj.weight.size(0) / 2;
+  const int64_t intermediate_size = layers_.front().gate_up_proj.out_features() / 2;
   Workspace work(hidden, config_, intermediate_size);
   const at::Tensor attended = work.attended.view({tokens, config_.num_heads, config_.head_dim});
   const at::Tensor& residual = hidden;
@@ -307,7 +316,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
 
 at::Tensor LlamaDecoderStack::logits(const at::Tensor& hidden) const {
   const at::Tensor x = hidden.stride(-1) == 1 ? hidden : hidden.contiguous();
-  at::Tensor out = at::empty({x.size(0), head_.weight.size(0)}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({x.size(0), head_.out_features()}, x.options().dtype(at::kFloat));
   project(x, head_, config_, out);
   return out;
 }
