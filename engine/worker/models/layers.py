@@ -6,13 +6,13 @@ import torch
 from torch import nn
 
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
-from kvscope.kernels import PrepackedWeight
 from kvscope.engine.worker.models.quantized import (
     GroupQuantized,
     QuantizedLinear,
     dense,
     part_rows,
 )
+from kvscope.kernels import PrepackedWeight
 
 
 class Linear(nn.Linear, UsesKernelOps):
