@@ -101,6 +101,8 @@ class ModelRunner:
                      else prepack_linears(self.model, self.kernel_ops.prepack_weight))
         if self.device.type == "cpu":
             huge_pages.move_module(self.model, leave=prepacked)
+            for weight in prepacked:
+                huge_pages.collapse(weight)
         self.model.eval()
         # Packed quantized weights are (integer) parameters too, so this is what they occupy.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
