@@ -82,9 +82,15 @@ void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig
              at::Tensor& out) {
   if (linear.scales) return quantized_project(x, linear, config, out);
   if (linear.onednn) {
-    if (x.size(0) > kDenseKernelMaxRows)
-      out.copy_(linear_onednn(x, *linear.onednn, linear.bias));
-    else
+    if (x.size(0) > kDenseKernelMaxRows) {
+      // oneDNN's op writes a tensor of its own: that tensor becomes `out` (a copy into the
+      // workspace cost a tenth of the GEMM), unless the logits need it widened.
+      at::Tensor result = linear_onednn(x, *linear.onednn, linear.bias);
+      if (result.scalar_type() == out.scalar_type())
+        out = std::move(result);
+      else
+        out.copy_(result);
+    } else
       traced("kvscope::linear_small_batch_blocked",
              [&] { linear_small_batch_blocked(x, linear.weight, linear.bias, out); });
     return;
@@ -139,23 +145,32 @@ at::Tensor dequantized_rows(const at::Tensor& table, const at::Tensor& scales,
 
 // Every intermediate of a layer, allocated once per call and reused by each layer in turn
 // (a layer consumes its inputs before it writes these), rather than ~200 small tensors and
-// views created per step.
+// views created per step. A projection may hand back a tensor of its own in place of one
+// (project: oneDNN's GEMM); qkv's views are then taken anew (split_qkv).
 struct Workspace {
   at::Tensor normed, qkv, query, key, value, attended, projected, gate_up, activated;
+  int64_t q_width, kv_width;
 
   Workspace(const at::Tensor& hidden, const StackConfig& config, int64_t intermediate_size) {
     const int64_t tokens = hidden.size(0), head_dim = config.head_dim;
     const int64_t num_heads = config.num_heads, num_kv_heads = config.num_kv_heads;
-    const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    q_width = num_heads * head_dim;
+    kv_width = num_kv_heads * head_dim;
     normed = at::empty_like(hidden);
     qkv = at::empty({tokens, q_width + 2 * kv_width}, hidden.options());
-    query = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
-    key = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
-    value = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    split_qkv(config);
     attended = at::empty({tokens, q_width}, hidden.options());
     projected = at::empty_like(hidden);
     gate_up = at::empty({tokens, 2 * intermediate_size}, hidden.options());
     activated = at::empty({tokens, intermediate_size}, hidden.options());
+  }
+
+  void split_qkv(const StackConfig& config) {
+    const int64_t tokens = qkv.size(0), head_dim = config.head_dim;
+    query = qkv.narrow(1, 0, q_width).view({tokens, config.num_heads, head_dim});
+    key = qkv.narrow(1, q_width, kv_width).view({tokens, config.num_kv_heads, head_dim});
+    value =
+        qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, config.num_kv_heads, head_dim});
   }
 };
 
@@ -286,6 +301,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     normed(first ? hidden : work.projected, layer.input_layernorm, config_.eps,
            first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
     project(work.normed, layer.qkv_proj, config_, work.qkv);
+    work.split_qkv(config_);
     if (layer.q_norm) {  // each query and key head normalised in place, before the rotary
       normed(work.query, *layer.q_norm, config_.eps, std::nullopt, work.query);
       normed(work.key, *layer.k_norm, config_.eps, std::nullopt, work.key);
