@@ -136,19 +136,26 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
 constexpr int64_t kTile = 32;
 constexpr int64_t kTileElements = kTile * kTile;
 
-// Up to kMaxRows rows of x (row stride x_stride) times tile columns `first` and `second` (32
-// outputs each, all inputs: a column is contiguous), into sums[column][row] (outputs 0-15,
-// 16-31). Two columns from two places keep two weight streams in flight, as
-// small_batch_linear's two halves do. Each output sums its input pairs in input order, so a
-// row's result does not depend on the other rows.
-template <typename Sums>
-void tile_columns(const kvscope::bf16* x, int64_t x_stride, int64_t rows,
-                  const kvscope::bf16* first, const kvscope::bf16* second, int64_t in_features,
-                  Sums& sums) {
+constexpr int kMaxRows = 5;  // kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS
+using TileSums = kvscope::vec::FP32Vec16[2][kMaxRows][2];
+
+// Rows (<= kMaxRows, a constant: the sums then stay in registers) rows of x (row stride
+// x_stride) times tile columns `first` and `second` (32 outputs each, all inputs: a column is
+// contiguous), into sums[column][row] (outputs 0-15, 16-31). Two columns from two places keep
+// two weight streams in flight, as small_batch_linear's two halves do. Each output sums its
+// input pairs in input order, so a row's result does not depend on the other rows.
+template <int Rows>
+void tile_columns(const kvscope::bf16* x, int64_t x_stride, const kvscope::bf16* first,
+                  const kvscope::bf16* second, int64_t in_features, TileSums& sums) {
 #if defined(__AVX512BF16__)
   using kvscope::vec::BF16Vec32;
   using kvscope::vec::dot_accumulate;
+  using kvscope::vec::FP32Vec16;
   const kvscope::bf16* columns[2] = {first, second};
+  FP32Vec16 local[2][Rows][2];
+  for (auto& column : local)
+    for (auto& row : column)
+      for (auto& part : row) part = FP32Vec16(0.f);
   for (int64_t start = 0; start < in_features; start += kTile)
     for (int64_t pair = 0; pair < kTile / 2; ++pair) {
       const int64_t offset = start / kTile * kTileElements + pair * 2 * kTile;
@@ -156,16 +163,38 @@ void tile_columns(const kvscope::bf16* x, int64_t x_stride, int64_t rows,
       for (int c = 0; c < 2; ++c)
         for (int half = 0; half < 2; ++half)
           weights[c][half] = BF16Vec32::load(columns[c] + offset + half * kTile);
-      for (int64_t m = 0; m < rows; ++m) {
+      for (int m = 0; m < Rows; ++m) {
         const BF16Vec32 xs = BF16Vec32::broadcast_pair(x + m * x_stride + start + 2 * pair);
         for (int c = 0; c < 2; ++c)
           for (int half = 0; half < 2; ++half)
-            sums[c][m][half] = dot_accumulate(sums[c][m][half], xs, weights[c][half]);
+            local[c][m][half] = dot_accumulate(local[c][m][half], xs, weights[c][half]);
       }
     }
+  for (int c = 0; c < 2; ++c)
+    for (int m = 0; m < Rows; ++m)
+      for (int half = 0; half < 2; ++half) sums[c][m][half] = local[c][m][half];
 #else
   TORCH_CHECK(false, "linear_small_batch_blocked: built without AVX512-BF16");
 #endif
+}
+
+void tile_columns(const kvscope::bf16* x, int64_t x_stride, int64_t rows,
+                  const kvscope::bf16* first, const kvscope::bf16* second, int64_t in_features,
+                  TileSums& sums) {
+  switch (rows) {
+    case 1:
+      return tile_columns<1>(x, x_stride, first, second, in_features, sums);
+    case 2:
+      return tile_columns<2>(x, x_stride, first, second, in_features, sums);
+    case 3:
+      return tile_columns<3>(x, x_stride, first, second, in_features, sums);
+    case 4:
+      return tile_columns<4>(x, x_stride, first, second, in_features, sums);
+    case 5:
+      return tile_columns<5>(x, x_stride, first, second, in_features, sums);
+    default:  // no rows
+      return;
+  }
 }
 
 }  // namespace
@@ -174,7 +203,6 @@ void tile_columns(const kvscope::bf16* x, int64_t x_stride, int64_t rows,
 // (`blocks`, as above), a tile column at a time; out bf16 or fp32 (the bf16 result widened).
 void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
                                 const std::optional<at::Tensor>& bias, at::Tensor out) {
-  constexpr int64_t kMaxRows = 5;
   const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
                   blocks.is_contiguous() && blocks.scalar_type() == at::kBFloat16 &&
@@ -211,10 +239,7 @@ void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
                         [&](int64_t begin, int64_t end) {
     const int64_t half = (end - begin) / 2;
     auto pair = [&](int64_t first, int64_t second, bool both) {
-      kvscope::vec::FP32Vec16 sums[2][kMaxRows][2];
-      for (auto& column : sums)
-        for (auto& row : column)
-          for (auto& part : row) part = kvscope::vec::FP32Vec16(0.f);
+      TileSums sums;
       tile_columns(xs, x_stride, rows, weight + first * column_elements,
                    weight + second * column_elements, in_features, sums);
       for (int64_t m = 0; m < rows; ++m) {
