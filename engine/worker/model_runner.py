@@ -97,7 +97,7 @@ class ModelRunner:
         self.load_weights(config)
         # Before the move to huge pages: the plain weights it replaces are then dropped, not
         # copied first (the prepacked ones live in oneDNN's memory).
-        prepacked = ([] if self.kernel_ops.prepack_weight is None
+        prepacked = ([] if self.kernel_ops.prepack_weight is None or not config.prepack_weights
                      else prepack_linears(self.model, self.kernel_ops.prepack_weight))
         if self.device.type == "cpu":
             huge_pages.move_module(self.model, leave=prepacked)
