@@ -2,8 +2,13 @@
 
 Prefills --batch prompts of --prompt-len random tokens, then times --steps decode steps
 (engine.step(): scheduling, inputs, the forward, sampling, outputs) and profiles a few more
-with torch.profiler. Prints JSON: the mean step, the forward's share, the attention's share
-(store_kv + paged_attention, whichever backend runs them) and the top ops by self time.
+with torch.profiler, as it profiles the prefill. Prints JSON: the mean step, the forward's
+share, the attention's share (store_kv + paged_attention, whichever backend runs them), the
+top ops by self time, and the split the machine's limits are read against: the GEMMs'
+GFLOP/s (the model's matmul FLOPs over the linears' own time) as a share of the large-GEMM
+rate measured in the same run (bench/gemm_rate.py), for the decode steps and the prefill;
+the attention's K/V bytes/s as a share of the read bandwidth measured in the run; and the
+step's time outside every op (the Python around the forward).
 
 Usage:
   python bench/decode_step.py                        # 64 sequences of ~300 tokens
@@ -19,13 +24,19 @@ from dataclasses import replace
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
+import roofline
 import torch
 from common import add_model_args, ordinary_token_ids, random_prompt, setup
+from gemm_rate import large_gemm_flops
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kvscope.engine.sample.sampling_params import SamplingParams
 
 ATTENTION_LABEL = "attention (store_kv + paged_attention)"
+# The ops a dense linear runs as, on every backend (the streaming kernels, oneDNN's GEMM
+# over a plain or a prepacked weight).
+GEMM_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvscope::linear_small_batch",
+            "kvscope::linear_small_batch_blocked")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,9 +77,10 @@ def main(argv=None) -> None:
     for _ in range(args.batch):
         engine.add_request(random_prompt(rng, vocab, args.prompt_len), params)
     started = time.perf_counter()
-    while engine.scheduler.waiting or any(seq.num_computed_tokens < args.prompt_len
-                                          for seq in engine.scheduler.running):
-        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prefill_profile:
+        while engine.scheduler.waiting or any(seq.num_computed_tokens < args.prompt_len
+                                              for seq in engine.scheduler.running):
+            engine.step()
     prefill_seconds = time.perf_counter() - started
     engine.step()  # the first all-decode step
     times = []
@@ -82,6 +94,7 @@ def main(argv=None) -> None:
         for _ in range(args.profile_steps):
             with record_function("step"):
                 engine.step()
+    context_tokens = sum(seq.num_computed_tokens for seq in engine.scheduler.running)
     events = prof.key_averages()
     totals = {e.key: e.cpu_time_total for e in events}
     step_total = totals.get("step", 0.0) or 1.0
@@ -91,6 +104,7 @@ def main(argv=None) -> None:
                        if bench.runner.fused_decoder_stack else totals.get(ATTENTION_LABEL, 0.0))
     forward_total = sum(t for k, t in totals.items() if k.startswith("## forward"))
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
+    split = limits_split(bench, args, events, prefill_profile.key_averages(), context_tokens)
     print(json.dumps({
         **bench.describe(), "attention_backend": bench.runner.kernel_ops.backend,
         "batch": args.batch, "prompt_len": args.prompt_len,
@@ -104,7 +118,49 @@ def main(argv=None) -> None:
         "forward_share_of_step": round(forward_total / step_total, 3) if forward_total else None,
         "top_ops_self_ms_per_step": {e.key: round(e.self_cpu_time_total / args.profile_steps
                                                   / 1e3, 2) for e in top},
+        **split,
     }, indent=2))
+
+
+def self_seconds(events, keys) -> float:
+    return sum(e.self_cpu_time_total for e in events if e.key in keys) / 1e6
+
+
+def limits_split(bench, args, events, prefill_events, context_tokens: int) -> dict:
+    """Decode steps and prefill against the machine's limits, measured now: GEMM FLOP/s
+    over the linears' own time, attention's K/V bytes/s over its own time."""
+    runner = bench.runner
+    costs = roofline.model_costs(runner.model_path, runner.dtype)
+    large = large_gemm_flops()
+    bandwidth = roofline.read_bandwidth(huge=True)
+    steps = args.profile_steps
+    gemm = self_seconds(events, GEMM_OPS) / steps
+    attention = self_seconds(events, ("kvscope::paged_attention", "kvscope::store_kv")) / steps
+    python = self_seconds(events, ("step",)) / steps
+    # Each step reads every cached token's K and V in every layer once.
+    kv_bytes = (context_tokens * len(runner.attention_layers) * 2 * runner.num_kv_heads
+                * runner.head_dim * runner.dtype.itemsize)
+    decode_flops = args.batch * costs["matmul_flops_per_token"]
+    # A prefill's layers run over every prompt token, the output projection only for each
+    # sequence's last token.
+    head_flops = 2 * runner.hf_config.vocab_size * runner.hf_config.hidden_size
+    prefill_flops = args.batch * (args.prompt_len * (costs["matmul_flops_per_token"] - head_flops)
+                                  + head_flops)
+    prefill_gemm = self_seconds(prefill_events, GEMM_OPS)
+    return {
+        "large_gemm_gflop_s": round(large / 1e9, 1),
+        "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "decode_split_ms_per_step": {"gemm": round(gemm * 1e3, 2),
+                                     "attention": round(attention * 1e3, 2),
+                                     "python_outside_ops": round(python * 1e3, 2)},
+        "decode_gemm_gflop_s": round(decode_flops / gemm / 1e9, 1),
+        "decode_gemm_share_of_large": round(decode_flops / gemm / large, 3),
+        "decode_attention_gb_s": round(kv_bytes / attention / 1e9, 2),
+        "decode_attention_share_of_bandwidth": round(kv_bytes / attention / bandwidth, 3),
+        "prefill_gemm_seconds": round(prefill_gemm, 3),
+        "prefill_gemm_gflop_s": round(prefill_flops / prefill_gemm / 1e9, 1),
+        "prefill_gemm_share_of_large": round(prefill_flops / prefill_gemm / large, 3),
+    }
 
 
 if __name__ == "__main__":

@@ -29,7 +29,10 @@ The kvscope backends also report tokens per second of the process's CPU time, an
 penalties ratio by it: on a shared machine that moves far less than the wall time (run
 with --threads 1 so that no thread spins while another process holds the core).
 The same run measures the machine (memory read bandwidth, fp32/bf16 GEMM FLOP/s,
-bench/roofline.py) and reports the share of its roofline each backend reached.
+bench/roofline.py, and the large-GEMM rate, bench/gemm_rate.py) and reports the share of
+its roofline each backend reached; the kvscope backends also per phase (prefill steps,
+decode steps): the matmul GFLOP/s and attention's K/V GB/s over the phase's step time,
+against the large-GEMM rate and the read bandwidth.
 
 --single-stream: one request instead (a --stream-prompt-len prompt, --stream-output
 greedy tokens): time to first token and decode tokens/s for kvscope, transformers'
@@ -47,6 +50,7 @@ Usage:
 """
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
@@ -62,6 +66,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
+import gemm_rate  # noqa: E402
 import roofline  # noqa: E402
 import torch
 from served import cpu_name  # noqa: E402
@@ -183,7 +188,8 @@ class KVScope:
         if self.llm.engine.config.enable_prefix_caching:
             self.llm.engine.kv_cache.pool.reset_cache()  # repeats must not hit earlier prompts
         started, cpu_started = time.perf_counter(), time.process_time()
-        outputs = self.llm.generate(self.workload.prompts, self.params, use_tqdm=False)
+        with recorded_steps(self.llm.engine) as records:
+            outputs = self.llm.generate(self.workload.prompts, self.params, use_tqdm=False)
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         assert generated == self.workload.num_output_tokens, generated
@@ -192,7 +198,46 @@ class KVScope:
         return result(seconds, generated, cpu_seconds=round(cpu_seconds, 3),
                       output_tokens_per_cpu_s=round(generated / cpu_seconds, 2),
                       num_preemptions=sum(o.metrics.num_preemptions for o in outputs),
-                      num_cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs))
+                      num_cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs),
+                      phases=phase_totals(records, self.llm.engine.runner))
+
+
+@contextlib.contextmanager
+def recorded_steps(engine):
+    """The StepRecords of the engine's steps while the block runs."""
+    records, step = [], engine.step
+
+    def recording(*args, **kwargs):
+        result_ = step(*args, **kwargs)
+        records.append(result_.record)
+        return result_
+
+    engine.step = recording
+    try:
+        yield records
+    finally:
+        del engine.step  # the class's method again
+
+
+def phase_totals(records, runner) -> dict:
+    """Per phase (a step with any prefill chunk is prefill, else decode): its steps' seconds,
+    the matmul FLOPs they ran (the layers for every token, the output projection for each
+    chunk: a decode, or a prefill chunk, overstating a non-final chunk by one head's) and the
+    K/V bytes attention read (each chunk reads its sequence's cache up to its end once)."""
+    config = runner.hf_config
+    head_flops = 2 * config.vocab_size * config.hidden_size
+    layer_flops = roofline.model_costs(runner.model_path, runner.dtype)["matmul_flops_per_token"] - head_flops
+    kv_bytes_per_token = (len(runner.attention_layers) * 2 * runner.num_kv_heads * runner.head_dim
+                          * runner.dtype.itemsize)
+    phases = {name: {"seconds": 0.0, "matmul_flops": 0, "kv_bytes": 0} for name in ("prefill", "decode")}
+    for record in records:
+        chunks = record.chunks
+        phase = phases["prefill" if any(kind == "prefill" for _, _, kind, _, _ in chunks) else "decode"]
+        phase["seconds"] += record.end_time - record.start_time
+        for _, _, _, start, end in chunks:
+            phase["matmul_flops"] += (end - start) * layer_flops + head_flops
+            phase["kv_bytes"] += end * kv_bytes_per_token
+    return phases
 
 
 @functools.cache
@@ -500,6 +545,17 @@ def throughput(args, workload: Workload, backends: dict, report: dict) -> None:
     flops = report["model_costs"]["matmul_flops_per_token"]
     for result_ in results.values():
         result_["share_of_gemm_roofline"] = round(result_[key] * flops / peak, 3)
+    large = report["machine_roofline"]["large_gemm_gflop_s"] * 1e9
+    bandwidth = report["machine_roofline"]["read_bandwidth_gb_s"] * 1e9
+    for result_ in results.values():
+        for phase in result_.get("phases", {}).values():
+            if phase["seconds"]:
+                # Over the phase's whole step time: the linears' and the attention's own rates
+                # are higher (bench/decode_step.py profiles them apart).
+                phase["gemm_gflop_s"] = round(phase["matmul_flops"] / phase["seconds"] / 1e9, 1)
+                phase["gemm_share_of_large"] = round(phase["matmul_flops"] / phase["seconds"] / large, 3)
+                phase["kv_gb_s"] = round(phase["kv_bytes"] / phase["seconds"] / 1e9, 2)
+                phase["kv_share_of_bandwidth"] = round(phase["kv_bytes"] / phase["seconds"] / bandwidth, 3)
 
 
 def single_stream(args, workload: Workload, backends: dict, report: dict) -> None:
@@ -567,6 +623,8 @@ def main(argv=None) -> None:
         report["engine_config"] = backends["kvscope"].describe()
     dtype = getattr(torch, args.dtype)
     report["machine_roofline"] = roofline.measure()
+    report["machine_roofline"]["large_gemm_gflop_s"] = round(gemm_rate.large_gemm_flops() / 1e9, 1)
+    report["machine_roofline"]["large_gemm_size"] = gemm_rate.LARGE_SIZE
     report["model_costs"] = roofline.model_costs(model_path, dtype)
     if args.single_stream:
         single_stream(args, workload, backends, report)

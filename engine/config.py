@@ -29,6 +29,10 @@ class EngineConfig:
     # vLLM's name: True runs the model layer by layer from Python (the oracle path); by
     # default a Llama-family model on the C++ CPU kernels runs its decoder stack in one call.
     enforce_eager: bool = False
+    # bf16 dense weights kept once in oneDNN's AMX layout (kernels' prepack_weight): faster
+    # GEMMs at decode batches, but a single stream measured ~28 % slower on the blocked
+    # streaming kernel (docs/performance.md, issue 37), so off until that is closed.
+    prepack_weights: bool = False
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     # The CPU has no device memory to measure, so the utilization applies to this size;
@@ -69,6 +73,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
+        if not isinstance(self.prepack_weights, bool):
+            raise ValueError(f"prepack_weights={self.prepack_weights!r} must be True or False")
         bs = self.block_size
         if (isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK_SIZE
                 or bs & (bs - 1)):

@@ -27,10 +27,10 @@ from dataclasses import replace
 
 import torch
 
-from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels
+from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels, PrepackedWeight
 from kvscope.kernels.torch_ops import TORCH_OPS
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "TORCH_OPS", "KernelOps", "PackedLinearKernels",
+__all__ = ["BACKENDS", "BACKEND_ENV", "TORCH_OPS", "KernelOps", "PackedLinearKernels", "PrepackedWeight",
            "backend_name", "select_ops", "triton_available"]
 
 logger = logging.getLogger(__name__)

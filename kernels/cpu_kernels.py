@@ -9,8 +9,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels import cpu_extension
-from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels
+from kvscope.kernels import cpu_extension, reference
+from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels, PrepackedWeight
 
 
 @functools.cache
@@ -26,6 +26,7 @@ def kernel_ops() -> KernelOps:
         backend="cpu", paged_attention=paged_attention, store_kv=store_kv, rms_norm=rms_norm,
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
+        prepack_weight=prepack_weight if torch.ops.kvscope.has_blocked_linear() else None,
         packed=packed, decoder_stack=torch.classes.kvscope.LlamaDecoderStack)
 
 
@@ -92,14 +93,47 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 DENSE_KERNEL_MAX_ROWS = 5
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+# The rows oneDNN is told to expect when it lays a weight out (its reorder's batch hint): a
+# decode batch's size; the layout it picks is the same for prefill's thousands of rows.
+PREPACK_ROWS_HINT = 64
+
+
+def prepack_weight(weight: torch.Tensor) -> PrepackedWeight | None:
+    """The weight in oneDNN's AMX layout, which its GEMM reads without reordering the weight
+    per call (docs/performance.md: 1.5-2x at decode batches), or None where the streaming
+    kernel could not read that layout: not bf16, a dimension not a multiple of 32, or oneDNN
+    chose another layout on this CPU (checked value for value against the weight)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 32 or weight.shape[1] % 32:
+        return None
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_ROWS_HINT)
+    blocks = torch.ops.kvscope.onednn_weight_blocks(onednn)
+    if blocks.numel() != weight.numel() or not torch.equal(reference.blocked_to_plain(blocks, *weight.shape),
+                                                           weight):
+        return None
+    return PrepackedWeight(onednn=onednn, blocks=blocks, out_features=weight.shape[0],
+                           in_features=weight.shape[1])
+
+
+def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A few rows through the streaming kernel, more through F.linear; out_dtype float32
-    widens the result (the kernel writes it so itself)."""
-    if x.shape[0] > DENSE_KERNEL_MAX_ROWS or x.dim() != 2 or x.dtype != weight.dtype:
+    """A few rows through the streaming kernel, more through oneDNN's GEMM (F.linear, or
+    over the prepacked weight); out_dtype float32 widens the result (the streaming kernels
+    write it so themselves)."""
+    prepacked = isinstance(weight, PrepackedWeight)
+    if x.shape[0] > DENSE_KERNEL_MAX_ROWS or x.dim() != 2 or x.stride(-1) != 1:
+        if prepacked:
+            out = torch.ops.mkldnn._linear_pointwise(x, weight.onednn, bias, "none", [], "")
+        else:
+            out = F.linear(x, weight, bias)
+        return out.to(out_dtype or x.dtype)
+    if not prepacked and x.dtype != weight.dtype:
         return F.linear(x, weight, bias).to(out_dtype or x.dtype)
-    out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
-    torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
+    out_features = weight.out_features if prepacked else weight.shape[0]
+    out = x.new_empty(x.shape[0], out_features, dtype=out_dtype or x.dtype)
+    if prepacked:
+        torch.ops.kvscope.linear_small_batch_blocked(x, weight.blocks, bias, out)
+    else:
+        torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
     return out
 
 

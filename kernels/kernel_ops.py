@@ -23,6 +23,7 @@ eager does:
   linear(x, weight, bias) -> x @ weight.T + bias
       one row (a single stream's decode) streams the weights through a dot-product
       kernel: oneDNN's bf16 matmul reads them at well under the memory bandwidth there
+      weight is a tensor or, where the backend prepacks (prepack_weight), a PrepackedWeight
   logits(hidden, weight) -> (hidden @ weight.T).float()
       the output projection in the model's dtype, handed over in fp32; the kernel writes
       one row's fp32 values itself (torch's conversion woke its OpenMP threads for it)
@@ -57,6 +58,18 @@ class PackedLinearKernels:
 
 
 @dataclass(frozen=True, slots=True)
+class PrepackedWeight:
+    """A bf16 weight [out_features, in_features] kept once, in oneDNN's blocked layout for
+    AMX: `onednn` (an opaque oneDNN tensor) feeds oneDNN's GEMM, `blocks` is the same memory
+    as a plain bf16 tensor, which the streaming kernel reads for a few rows."""
+
+    onednn: torch.Tensor
+    blocks: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True, slots=True)
 class KernelOps:
     backend: str  # "triton", "cpu" or "torch" (kvscope.kernels.BACKENDS)
     # paged attention and the KV store (contracts: reference.paged_attention, store_kv)
@@ -67,6 +80,9 @@ class KernelOps:
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[..., torch.Tensor]
+    # a dense weight [out, in] -> its PrepackedWeight, or None where it stays as it is (not
+    # bf16, a shape or layout the kernels do not take); the field None: weights stay plain
+    prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None] | None
     logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     # every row's argmax token and its log_softmax, for fp32 logits [rows, vocab]:
     # (token ids, logprobs) as lists (contract: reference.greedy_tokens)

@@ -182,3 +182,11 @@ def _decode_batch(
     q = query.index_select(0, token_index).unsqueeze(2)  # [batch, heads, 1, dim]
     result = _softmax_attention(q, keys, values, mask[:, None, None, :], scale, soft_cap)
     out.index_copy_(0, token_index, result.squeeze(2).to(out.dtype))
+
+
+def blocked_to_plain(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """A weight [out, in] from oneDNN's AMX layout "AB16b32a2b" (kernels/csrc/dense_linear.cpp
+    describes it): tiles of 32 outputs x 32 inputs in output-tile-major order, each tile 16
+    input pairs x 32 outputs x the pair."""
+    tiles = blocks.view(out_features // 32, in_features // 32, 16, 32, 2)
+    return tiles.permute(0, 3, 1, 2, 4).reshape(out_features, in_features)

@@ -69,17 +69,21 @@ def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
     assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch) == expected
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize(("quantization", "prepack"), [("none", False), ("none", True), ("int8", False),
+                                                     ("int4", False)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
 def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype,
-                                                            quantization, arch):
+                                                            quantization, prepack, arch):
     """Same C++ ops in the same order: equal outputs, logits and K/V written, for a ragged
     batch of prefill chunks and decodes (17 rows take the GEMM, after de-quantizing packed
     weights) and for a decode batch (one row, and 3 rows, stream the dense or packed weights
     through the kernels)."""
     _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
-                           quantization=quantization)
+                           quantization=quantization, prepack_weights=prepack)
+    # bf16 weights prepacked: the stack and the layers both run oneDNN's blocked layout
+    assert any(getattr(m, "prepacked", None) is not None
+               for m in runner.model.modules()) == (prepack and dtype == "bfloat16")
     assert runner.fused_decoder_stack
     runner.allocate_kv_cache(8, 16)
     model = runner.model

@@ -300,8 +300,12 @@ def test_cpu_row_ops_compute_each_row_as_alone(cpu_kernel_ops):
         ops.rotary_embedding(rows, c, s, 3, 64)
         return rows
 
+    prepacked = ops.prepack_weight(weight)
+    assert prepacked is not None  # bf16, 320 x 192: this CPU's oneDNN lays it out in AMX tiles
     row_ops = {
         "linear": lambda r: ops.linear(x[r], weight, bias),
+        "prepacked linear": lambda r: ops.linear(x[r], prepacked, bias),
+        "prepacked logits": lambda r: ops.logits(x[r], prepacked),
         "logits": lambda r: ops.logits(x[r], weight),
         "rms_norm": lambda r: ops.rms_norm(x[r], weight[0], 1e-5, residual[r].clone()),
         "rotary": lambda r: rotated(x[r], cos[r], sin[r]),
@@ -311,6 +315,27 @@ def test_cpu_row_ops_compute_each_row_as_alone(cpu_kernel_ops):
         chunk = op(slice(0, 5))
         for row in range(5):
             assert torch.equal(chunk[row:row + 1], op(slice(row, row + 1))), (name, row)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 40])
+def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
+    """A weight kept only in oneDNN's blocked layout: its blocks read back as the weight
+    (reference.blocked_to_plain), and the streaming kernel (up to 5 rows) and oneDNN's GEMM
+    (more) give x @ W.T + b to bf16 rounding, from a strided x too."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 128, generator=generator).bfloat16()
+    bias = torch.randn(96, generator=generator).bfloat16()
+    x = torch.randn(rows, 256, generator=generator).bfloat16()[:, 64:192]
+    prepacked = cpu_kernel_ops.prepack_weight(weight)
+    assert prepacked.blocks.numel() == weight.numel()
+    assert torch.equal(reference.blocked_to_plain(prepacked.blocks, 96, 128), weight)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    for out_dtype in (None, torch.float32):
+        out = cpu_kernel_ops.linear(x, prepacked, bias, out_dtype=out_dtype)
+        assert out.dtype == (out_dtype or torch.bfloat16) and out.shape == (rows, 96)
+        torch.testing.assert_close(out.double(), expected, atol=0.1, rtol=1e-2)
+    assert cpu_kernel_ops.prepack_weight(weight[:, :100].contiguous()) is None  # 100 inputs: no tiles
+    assert cpu_kernel_ops.prepack_weight(weight.float()) is None
 
 
 def test_cpu_attention_empty_batch_and_strided_query(cpu_kernel_ops):

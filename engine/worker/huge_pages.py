@@ -10,6 +10,7 @@ Where THP is off or the platform is not Linux, these are ordinary tensors.
 """
 
 import contextlib
+import ctypes
 import math
 import mmap
 
@@ -17,6 +18,7 @@ import torch
 
 HUGE_PAGE_BYTES = 2 << 20
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_COLLAPSE = 25  # MADV_COLLAPSE (Linux 6.1): back a range with huge pages now, data kept
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -42,12 +44,13 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
-def move_module(module: torch.nn.Module) -> None:
+def move_module(module: torch.nn.Module, leave: list[torch.Tensor] = ()) -> None:
     """Re-home the module's CPU parameters and buffers (tied ones once: they are the same
     tensor) side by side in one huge-page region, in the module's order, which is the order a
     forward streams them in. One region rather than one per tensor: a tensor's last partial
-    huge page would otherwise be wasted, and a packed int4 layer is well under one page."""
-    seen: set[int] = set()
+    huge page would otherwise be wasted, and a packed int4 layer is well under one page.
+    Tensors in `leave` stay where they are (memory another library owns and reads)."""
+    seen: set[int] = {id(tensor) for tensor in leave}
     tensors = []
     for tensor in [*module.parameters(), *module.buffers()]:
         if id(tensor) in seen or tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -75,3 +78,17 @@ def _share_region(tensors: list[torch.Tensor]) -> None:
         moved = moved.view(tensor.dtype).view(tuple(tensor.shape))
         moved.copy_(tensor.data)
         tensor.data = moved
+
+
+def collapse(tensor: torch.Tensor) -> None:
+    """Ask the kernel to back the whole huge pages inside a tensor's memory with huge pages
+    now, keeping the data: for memory another library allocated and filled (oneDNN's
+    prepacked weights), which advice before the first touch could not reach. A kernel
+    without MADV_COLLAPSE, or THP off, leaves it as it is."""
+    if _ADVICE is None:
+        return
+    start = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _COLLAPSE)

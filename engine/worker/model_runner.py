@@ -32,6 +32,7 @@ from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measur
 from kvscope.engine.worker.models import language_model_config, model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
+from kvscope.engine.worker.models.layers import prepack_linears
 from kvscope.engine.worker.models.quantized import (
     GgufLinear,
     QuantizedLinear,
@@ -118,8 +119,14 @@ class ModelRunner:
             self.model = architecture(self.hf_config, self.max_positions, max_model_len)
             quantize_model(self.model, config.quantization, config.quantization_group_size)
         self.load_weights(config)
+        # Before the move to huge pages: the plain weights it replaces are then dropped, not
+        # copied first (the prepacked ones live in oneDNN's memory).
+        prepacked = ([] if self.kernel_ops.prepack_weight is None or not config.prepack_weights
+                     else prepack_linears(self.model, self.kernel_ops.prepack_weight))
         if self.device.type == "cpu":
-            huge_pages.move_module(self.model)
+            huge_pages.move_module(self.model, leave=prepacked)
+            for weight in prepacked:
+                huge_pages.collapse(weight)
         self.model.eval()
         # Packed quantized weights are (integer) parameters too, so this is what they occupy.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

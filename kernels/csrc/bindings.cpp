@@ -23,6 +23,9 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   // dense_linear.cpp
   m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_small_batch_blocked(Tensor x, Tensor blocks, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("has_blocked_linear() -> bool", &has_blocked_linear);
+  m.def("onednn_weight_blocks(Tensor onednn) -> Tensor", &onednn_weight_blocks);
   // quantized/int4.cpp, quantized/int8.cpp
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, "
         "Tensor? bias, Tensor(a!) out) -> ()");
@@ -62,6 +65,7 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("linear_small_batch", &linear_small_batch);
+  m.impl("linear_small_batch_blocked", &linear_small_batch_blocked);
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_dequantize", &int4_dequantize);

@@ -1,8 +1,13 @@
 // The dense linear of a decode batch's few rows (linear_small_batch): every weight row is
-// read from memory once, streamed, and dotted with all rows of x while it sits in L1.
+// read from memory once, streamed, and dotted with all rows of x while it sits in L1. The
+// same for weights prepacked in oneDNN's blocked layout (linear_small_batch_blocked), and
+// oneDNN's GEMM over them for more rows (linear_onednn).
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -124,7 +129,167 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   });
 }
 
+// oneDNN's AMX inner product keeps a bf16 weight [out, in] as "AB16b32a2b": tiles of 32
+// outputs x 32 inputs, tile (o / 32, i / 32) at element ((o / 32) * (in / 32) + i / 32) * 1024,
+// and inside a tile 16 input pairs x 32 outputs x the pair: each input pair's row is a row of
+// an AMX B tile. kernels/cpu_kernels.py checks that layout on every weight it prepacks.
+constexpr int64_t kTile = 32;
+constexpr int64_t kTileElements = kTile * kTile;
+
+constexpr int kMaxRows = 5;  // kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS
+using TileSums = kvscope::vec::FP32Vec16[2][kMaxRows][2];
+
+// Rows (<= kMaxRows, a constant: the sums then stay in registers) rows of x (row stride
+// x_stride) times tile columns `first` and `second` (32 outputs each, all inputs: a column is
+// contiguous), into sums[column][row] (outputs 0-15, 16-31). Two columns from two places keep
+// two weight streams in flight, as small_batch_linear's two halves do. Each output sums its
+// input pairs in input order, so a row's result does not depend on the other rows.
+template <int Rows>
+void tile_columns(const kvscope::bf16* x, int64_t x_stride, const kvscope::bf16* first,
+                  const kvscope::bf16* second, int64_t in_features, TileSums& sums) {
+#if defined(__AVX512BF16__)
+  using kvscope::vec::BF16Vec32;
+  using kvscope::vec::dot_accumulate;
+  using kvscope::vec::FP32Vec16;
+  const kvscope::bf16* columns[2] = {first, second};
+  FP32Vec16 local[2][Rows][2];
+  for (auto& column : local)
+    for (auto& row : column)
+      for (auto& part : row) part = FP32Vec16(0.f);
+  for (int64_t start = 0; start < in_features; start += kTile)
+    for (int64_t pair = 0; pair < kTile / 2; ++pair) {
+      const int64_t offset = start / kTile * kTileElements + pair * 2 * kTile;
+      BF16Vec32 weights[2][2];
+      for (int c = 0; c < 2; ++c)
+        for (int half = 0; half < 2; ++half)
+          weights[c][half] = BF16Vec32::load(columns[c] + offset + half * kTile);
+      for (int m = 0; m < Rows; ++m) {
+        const BF16Vec32 xs = BF16Vec32::broadcast_pair(x + m * x_stride + start + 2 * pair);
+        for (int c = 0; c < 2; ++c)
+          for (int half = 0; half < 2; ++half)
+            local[c][m][half] = dot_accumulate(local[c][m][half], xs, weights[c][half]);
+      }
+    }
+  for (int c = 0; c < 2; ++c)
+    for (int m = 0; m < Rows; ++m)
+      for (int half = 0; half < 2; ++half) sums[c][m][half] = local[c][m][half];
+#else
+  TORCH_CHECK(false, "linear_small_batch_blocked: built without AVX512-BF16");
+#endif
+}
+
+void tile_columns(const kvscope::bf16* x, int64_t x_stride, int64_t rows,
+                  const kvscope::bf16* first, const kvscope::bf16* second, int64_t in_features,
+                  TileSums& sums) {
+  switch (rows) {
+    case 1:
+      return tile_columns<1>(x, x_stride, first, second, in_features, sums);
+    case 2:
+      return tile_columns<2>(x, x_stride, first, second, in_features, sums);
+    case 3:
+      return tile_columns<3>(x, x_stride, first, second, in_features, sums);
+    case 4:
+      return tile_columns<4>(x, x_stride, first, second, in_features, sums);
+    case 5:
+      return tile_columns<5>(x, x_stride, first, second, in_features, sums);
+    default:  // no rows
+      return;
+  }
+}
+
 }  // namespace
+
+// out = x @ W.T + bias for x [rows <= kMaxRows, in] and W [out, in] stored blocked
+// (`blocks`, as above), a tile column at a time; out bf16 or fp32 (the bf16 result widened).
+void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
+                                const std::optional<at::Tensor>& bias, at::Tensor out) {
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
+                  blocks.is_contiguous() && blocks.scalar_type() == at::kBFloat16 &&
+                  out.is_contiguous() && out.size(0) == rows && rows <= kMaxRows &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
+                  in_features % kTile == 0 && out_features % kTile == 0 &&
+                  blocks.numel() == in_features * out_features &&
+                  (!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 &&
+                             bias->numel() == out_features)),
+              "linear_small_batch_blocked: bf16 x [rows <= 5, in], blocks [out * in] (in and out "
+              "multiples of 32), bias [out], out [rows, out] bf16 or fp32");
+  const kvscope::bf16* xs = kvscope::elements<kvscope::bf16>(x);
+  const kvscope::bf16* weight = kvscope::elements<kvscope::bf16>(blocks);
+  const kvscope::bf16* bias_values = bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr;
+  const int64_t x_stride = x.stride(0), column_elements = kTile * in_features;
+  auto write = [&](int64_t column, int64_t m, const kvscope::vec::FP32Vec16(&sums)[2]) {
+    for (int half = 0; half < 2; ++half) {
+      float values[16];
+      sums[half].store(values);
+      for (int lane = 0; lane < 16; ++lane) {
+        const int64_t n = column * kTile + half * 16 + lane;
+        const float value = values[lane] + (bias_values != nullptr ? load(bias_values[n]) : 0.f);
+        const float rounded = round_to(value, static_cast<kvscope::bf16*>(nullptr));
+        if (out.scalar_type() == at::kFloat)
+          store(kvscope::elements<float>(out)[m * out_features + n], rounded);
+        else
+          store(kvscope::elements<kvscope::bf16>(out)[m * out_features + n], rounded);
+      }
+    }
+  };
+  const int64_t columns = out_features / kTile;
+  // One share per thread, read as two streams from its two halves (small_batch_linear says why).
+  kvscope::parallel_for(0, columns, std::max<int64_t>(2, kvscope::one_share_per_thread(columns)),
+                        [&](int64_t begin, int64_t end) {
+    const int64_t half = (end - begin) / 2;
+    auto pair = [&](int64_t first, int64_t second, bool both) {
+      TileSums sums;
+      tile_columns(xs, x_stride, rows, weight + first * column_elements,
+                   weight + second * column_elements, in_features, sums);
+      for (int64_t m = 0; m < rows; ++m) {
+        write(first, m, sums[0][m]);
+        if (both) write(second, m, sums[1][m]);
+      }
+    };
+    for (int64_t i = 0; i < half; ++i) pair(begin + i, begin + half + i, true);
+    if ((end - begin) % 2 != 0) pair(end - 1, end - 1, false);
+  });
+}
+
+namespace {
+
+// An op of torch's own mkldnn library, found once through the dispatcher: this extension
+// links no oneDNN of its own.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> mkldnn_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+}  // namespace
+
+bool has_blocked_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor onednn_weight_blocks(const at::Tensor& onednn) {
+  static const auto data_ptr = mkldnn_op<int64_t(const at::Tensor&)>("mkldnn::data_ptr");
+  static const auto nbytes = mkldnn_op<int64_t(const at::Tensor&)>("mkldnn::_nbytes");
+  TORCH_CHECK(onednn.is_mkldnn() && onednn.scalar_type() == at::kBFloat16,
+              "onednn_weight_blocks: a bf16 oneDNN tensor");
+  const int64_t bytes = nbytes.call(onednn);
+  // The view holds the oneDNN tensor, so the memory lives as long as either does.
+  return at::from_blob(reinterpret_cast<void*>(data_ptr.call(onednn)), {bytes / 2},
+                       [keep = onednn](void*) {}, at::TensorOptions().dtype(at::kBFloat16));
+}
+
+at::Tensor linear_onednn(const at::Tensor& x, const at::Tensor& onednn,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto linear =
+      mkldnn_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           std::string_view, c10::List<std::optional<c10::Scalar>>,
+                           std::optional<std::string_view>)>("mkldnn::_linear_pointwise");
+  return linear.call(x, onednn, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
+}
 
 // out = x @ weight.T + bias for x [rows, in] with few rows (decode batches). out has x's
 // dtype, or is fp32 (bf16 x: the bf16 result widened, e.g. logits for the sampler).

@@ -76,10 +76,25 @@ constexpr int64_t kDenseKernelMaxRows = 5;
 
 // out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: a few rows
 // stream their weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
-// kernels/cpu_kernels.py's linear does); packed ones as their modules do.
+// kernels/cpu_kernels.py's linear does; over the prepacked weight where there is one);
+// packed ones as their modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
   if (linear.scales) return quantized_project(x, linear, config, out);
+  if (linear.onednn) {
+    if (x.size(0) > kDenseKernelMaxRows) {
+      // oneDNN's op writes a tensor of its own: that tensor becomes `out` (a copy into the
+      // workspace cost a tenth of the GEMM), unless the logits need it widened.
+      at::Tensor result = linear_onednn(x, *linear.onednn, linear.bias);
+      if (result.scalar_type() == out.scalar_type())
+        out = std::move(result);
+      else
+        out.copy_(result);
+    } else
+      traced("kvscope::linear_small_batch_blocked",
+             [&] { linear_small_batch_blocked(x, linear.weight, linear.bias, out); });
+    return;
+  }
   if (x.size(0) > kDenseKernelMaxRows) return gemm(x, linear.weight, linear.bias, out);
   traced("kvscope::linear_small_batch",
          [&] { linear_small_batch(x, linear.weight, linear.bias, out); });
@@ -130,23 +145,32 @@ at::Tensor dequantized_rows(const at::Tensor& table, const at::Tensor& scales,
 
 // Every intermediate of a layer, allocated once per call and reused by each layer in turn
 // (a layer consumes its inputs before it writes these), rather than ~200 small tensors and
-// views created per step.
+// views created per step. A projection may hand back a tensor of its own in place of one
+// (project: oneDNN's GEMM); qkv's views are then taken anew (split_qkv).
 struct Workspace {
   at::Tensor normed, qkv, query, key, value, attended, projected, gate_up, activated;
+  int64_t q_width, kv_width;
 
   Workspace(const at::Tensor& hidden, const StackConfig& config, int64_t intermediate_size) {
     const int64_t tokens = hidden.size(0), head_dim = config.head_dim;
     const int64_t num_heads = config.num_heads, num_kv_heads = config.num_kv_heads;
-    const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+    q_width = num_heads * head_dim;
+    kv_width = num_kv_heads * head_dim;
     normed = at::empty_like(hidden);
     qkv = at::empty({tokens, q_width + 2 * kv_width}, hidden.options());
-    query = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
-    key = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
-    value = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    split_qkv(config);
     attended = at::empty({tokens, q_width}, hidden.options());
     projected = at::empty_like(hidden);
     gate_up = at::empty({tokens, 2 * intermediate_size}, hidden.options());
     activated = at::empty({tokens, intermediate_size}, hidden.options());
+  }
+
+  void split_qkv(const StackConfig& config) {
+    const int64_t tokens = qkv.size(0), head_dim = config.head_dim;
+    query = qkv.narrow(1, 0, q_width).view({tokens, config.num_heads, head_dim});
+    key = qkv.narrow(1, q_width, kv_width).view({tokens, config.num_kv_heads, head_dim});
+    value =
+        qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, config.num_kv_heads, head_dim});
   }
 };
 
@@ -174,7 +198,7 @@ class NameReader {
   LinearWeights linear(const std::string& module) {
     static_assert(std::is_same_v<Value, at::Tensor>, "linear() reads tensors");
     return {required(module + ".weight"), optional(module + ".bias"), optional(module + ".scales"),
-            optional(module + ".offsets")};
+            optional(module + ".offsets"), optional(module + ".onednn")};
   }
 
   void check_all_read() const {
@@ -274,7 +298,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
   at::Tensor hidden = embed(input_ids);
   const at::Tensor cos = gather_rows(cos_, positions), sin = gather_rows(sin_, positions);
   const int64_t tokens = hidden.size(0);
-  const int64_t intermediate_size = layers_.front().gate_up_proj.weight.size(0) / 2;
+  const int64_t intermediate_size = layers_.front().gate_up_proj.out_features() / 2;
   Workspace work(hidden, config_, intermediate_size);
   const at::Tensor attended = work.attended.view({tokens, config_.num_heads, config_.head_dim});
   const at::Tensor& residual = hidden;
@@ -287,6 +311,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     normed(first ? hidden : work.projected, layer.input_layernorm, config_.eps,
            first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
     project(work.normed, layer.qkv_proj, config_, work.qkv);
+    work.split_qkv(config_);
     if (layer.q_norm) {  // each query and key head normalised in place, before the rotary
       normed(work.query, *layer.q_norm, config_.eps, std::nullopt, work.query);
       normed(work.key, *layer.k_norm, config_.eps, std::nullopt, work.key);
@@ -317,7 +342,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
 
 at::Tensor LlamaDecoderStack::logits(const at::Tensor& hidden) const {
   const at::Tensor x = hidden.stride(-1) == 1 ? hidden : hidden.contiguous();
-  at::Tensor out = at::empty({x.size(0), head_.weight.size(0)}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({x.size(0), head_.out_features()}, x.options().dtype(at::kFloat));
   project(x, head_, config_, out);
   return out;
 }

@@ -19,10 +19,14 @@ namespace kvscope {
 using NamedTensors = c10::Dict<std::string, at::Tensor>;
 
 // A linear layer's tensors: a dense weight, or a packed int4 (uint8) / int8 one with its
-// scales (and int4 offsets) as engine/worker/models/quantized.py packs them.
+// scales (and int4 offsets) as engine/worker/models/quantized.py packs them. A dense bf16
+// weight prepacked for oneDNN (kernels/cpu_kernels.py's prepack_weight) comes as its opaque
+// oneDNN tensor `onednn`, with `weight` the same memory as bf16 blocks.
 struct LinearWeights {
   at::Tensor weight;
-  std::optional<at::Tensor> bias, scales, offsets;
+  std::optional<at::Tensor> bias, scales, offsets, onednn;
+
+  int64_t out_features() const { return (onednn ? *onednn : weight).size(0); }
 };
 
 // One decoder layer's weights, named as the module's parameters are

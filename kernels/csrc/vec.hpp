@@ -204,6 +204,12 @@ struct BF16Vec32 {
   static BF16Vec32 load_first(const bf16* p, int64_t count) {
     return {(__m512bh)_mm512_maskz_loadu_epi16((1u << count) - 1u, p)};
   }
+  // The pair p[0], p[1] in each of the 16 pair slots: one input pair against 16 weight pairs.
+  static BF16Vec32 broadcast_pair(const bf16* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof(pair));
+    return {(__m512bh)_mm512_set1_epi32(pair)};
+  }
 };
 
 // acc + the products of a's and b's pairs, summed pair by pair into acc's 16 lanes: the

@@ -1,5 +1,7 @@
 """Building blocks shared by the model files: merged projections and RMSNorm."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -10,13 +12,24 @@ from kvscope.engine.worker.models.quantized import (
     dense,
     part_rows,
 )
+from kvscope.kernels import PrepackedWeight
 
 
 class Linear(nn.Linear, UsesKernelOps):
     """nn.Linear through the bound kernels (a single row streams its weights)."""
 
+    prepacked: PrepackedWeight | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight if self.prepacked is None else self.prepacked, self.bias)
+
+    def prepack(self, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]) -> None:
+        """Keep the weight only in the kernels' prepacked layout (where they take it): the
+        parameter becomes that memory's bf16 view, so nothing is held twice."""
+        prepacked = prepack_weight(self.weight.data)
+        if prepacked is not None:
+            self.prepacked = prepacked
+            self.weight = nn.Parameter(prepacked.blocks, requires_grad=False)
 
 
 class MergedLinear(Linear):
@@ -83,3 +96,16 @@ def load_weights(
     missing = sorted(expected - loaded - skip)
     if missing:
         raise ValueError(f"model: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def prepack_linears(model: nn.Module, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]
+                    ) -> list[torch.Tensor]:
+    """Prepack every Linear's weight but an lm_head's (the logits read their projection's
+    weight as a tensor, tied or not); returns the prepacked weights' tensors."""
+    prepacked = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name.rpartition(".")[2] != "lm_head":
+            module.prepack(prepack_weight)
+            if module.prepacked is not None:
+                prepacked.append(module.weight)
+    return prepacked

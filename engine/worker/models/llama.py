@@ -187,6 +187,16 @@ class LlamaBody(nn.Module):
         self.rotary = RotaryTable(config, max_positions, max_model_len)
 
 
+def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """A layer's tensors for the C++ stack: its parameters by name, and each prepacked
+    linear's oneDNN tensor as "<module>.onednn"."""
+    tensors = dict(layer.named_parameters())
+    for name, module in layer.named_modules():
+        if isinstance(module, Linear) and module.prepacked is not None:
+            tensors[f"{name}.onednn"] = module.prepacked.onednn
+    return tensors
+
+
 class FusedDecoderStack:
     """The token embedding, every decoder layer and the final norm in one C++ call
     (kvscope.LlamaDecoderStack), and the output projection in another.
@@ -213,8 +223,9 @@ class FusedDecoderStack:
             head=head.weight, head_scales=getattr(head, "scales", None),
             cos=body.rotary.cos, sin=body.rotary.sin, final_norm=body.norm.weight,
             # Each layer's tensors by their parameter names (packed int4 / int8 linears add
-            # scales, and int4 offsets, to weight and bias); the C++ side reads them by name.
-            layers=[dict(layer.named_parameters()) for layer in body.layers],
+            # scales, and int4 offsets, to weight and bias; the C++ side reads them by name),
+            # and prepacked dense ones their oneDNN tensor, as "<module>.onednn").
+            layers=[stack_tensors(layer) for layer in body.layers],
             layer_options=[{**layer.kind.stack_options(), "kv_group": layer.self_attn.attn.kv_group}
                            for layer in body.layers],
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
