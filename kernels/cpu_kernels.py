@@ -23,7 +23,8 @@ def kernel_ops() -> KernelOps:
         int8_dequantize=int8_dequantize,
         rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8())
     return KernelOps(
-        backend="cpu", paged_attention=paged_attention, store_kv=store_kv, rms_norm=rms_norm,
+        backend="cpu", paged_attention=paged_attention, store_kv=store_kv,
+        quantized_kv_cache=True, rms_norm=rms_norm,
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
         packed=packed, decoder_stack=torch.classes.kvscope.LlamaDecoderStack)

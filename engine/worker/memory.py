@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvscope.kernels import kv_quant
+
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
@@ -29,6 +31,11 @@ class MemoryPlan:
     # every layer's window, when they share one: a sequence then holds at most
     # ceil(W / block_size) + 1 blocks while it decodes (the KV manager frees the rest)
     sliding_window: int | None = None
+    kv_cache_dtype: str = "auto"
+    # what the same budget gives a cache in the model's dtype (the figures the log and the
+    # dashboard compare against); equal to the above with kv_cache_dtype auto
+    auto_bytes_per_block: int = 0
+    auto_num_blocks: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -56,11 +63,20 @@ class MemoryPlan:
         """max_concurrency had every layer attended to the whole sequence."""
         return self.num_blocks / -(-self.max_model_len // self.block_size)
 
+    def describe_kv_dtype(self) -> str:
+        """kv_cache_dtype, bytes per block and the blocks it gains over auto."""
+        if self.kv_cache_dtype == "auto":
+            return f"kv_cache_dtype auto, {self.bytes_per_block} bytes/block"
+        return (f"kv_cache_dtype {self.kv_cache_dtype}, {self.bytes_per_block} bytes/block "
+                f"(auto: {self.auto_bytes_per_block}): {self.num_blocks - self.auto_num_blocks:+d} "
+                f"blocks over auto's {self.auto_num_blocks} "
+                f"({self.num_blocks / max(self.auto_num_blocks, 1):.2f}x)")
+
     def describe(self) -> str:
         return (f"weights {self.weight_bytes / (1 << 20):.1f} MiB; "
                 f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
-                f"({self.bytes_per_block} bytes/block); max concurrency at "
+                f"({self.describe_kv_dtype()}); max concurrency at "
                 f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x"
                 + (f" (sliding window {self.sliding_window}; full attention "
                    f"{self.full_attention_concurrency:.2f}x)" if self.sliding_window else ""))
@@ -85,17 +101,23 @@ def plan_blocks(
     max_model_len: int,
     num_blocks_override: int | None = None,
     sliding_window: int | None = None,
+    *,
+    kv_cache_dtype: str = "auto",
+    auto_bytes_per_block: int | None = None,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
     Fails if the pool cannot hold one max_model_len sequence, saying what fits and which
-    knob to turn.
+    knob to turn. auto_bytes_per_block: a block's bytes in the model's dtype, for the
+    comparison a quantized kv_cache_dtype's plan keeps (default: bytes_per_block).
     """
     budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - peak_activation_bytes
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
+    auto_bytes_per_block = auto_bytes_per_block or bytes_per_block
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len,
-                      sliding_window)
+                      sliding_window, kv_cache_dtype, auto_bytes_per_block,
+                      num_blocks_override or max(budget // auto_bytes_per_block, 0))
     if plan.num_tokens < max_model_len:
         raise PoolTooSmall(
             f"the KV cache holds {plan.num_tokens} tokens ({num_blocks} blocks of {block_size}; "
@@ -105,6 +127,14 @@ def plan_blocks(
             f"{max_model_len}: raise gpu_memory_utilization or device_memory_gb, or lower "
             "max_model_len or max_num_batched_tokens", plan)
     return plan
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V for block_size tokens in every layer, scales included (kernels/kv_quant.py)."""
+    dtype = kv_quant.cache_dtype(kv_cache_dtype, model_dtype)
+    return (2 * num_layers * block_size * num_kv_heads * kv_quant.row_width(head_dim, dtype)
+            * dtype.itemsize)
 
 
 def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:

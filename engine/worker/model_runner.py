@@ -19,13 +19,20 @@ from kvscope.engine.worker.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
+from kvscope.engine.worker.memory import (
+    MemoryPlan,
+    device_memory_bytes,
+    kv_bytes_per_block,
+    measure_peak_bytes,
+    plan_blocks,
+)
 from kvscope.engine.worker.models import language_model_config, model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata, shared_window
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.quantized import QuantizedLinear, pack_model, quantize_model
 from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
 from kvscope.engine.worker.profile_cache import load_peak, profile_key, store_peak
+from kvscope.kernels import kv_quant
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,22 +161,33 @@ class ModelRunner:
         """The window every attention layer shares (the KV manager frees what leaves it)."""
         return shared_window(layer.sliding_window for layer in self.attention_layers)
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """K and V for block_size tokens in every layer."""
-        return (2 * len(self.attention_layers) * block_size * self.num_kv_heads
-                * self.head_dim * self.dtype.itemsize)
+    def bytes_per_block(self, block_size: int, kv_cache_dtype: str = "auto") -> int:
+        """K and V for block_size tokens in every layer, scales included."""
+        return kv_bytes_per_block(len(self.attention_layers), block_size, self.num_kv_heads,
+                                  self.head_dim, self.dtype, kv_cache_dtype)
+
+    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Refuse a quantized cache the chosen kernels cannot read (ValueError names the knob)."""
+        if kv_cache_dtype != "auto" and not self.kernel_ops.quantized_kv_cache:
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r}: the {self.kernel_ops.backend} kernels read "
+                "and write only caches in the model's dtype; use kv_cache_dtype='auto', or the "
+                f"cpu or torch backend ({kernels.BACKEND_ENV})")
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan:
         """Size the block pool for a resolved config (profiling its token budget once per
         model, machine and code version: later starts read the peak from disk)."""
+        self.check_kv_cache_dtype(config.kv_cache_dtype)
         key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
         if key not in self._peak_activation_bytes:
             self._peak_activation_bytes[key] = self._cached_peak_activations(*key)
         plan = plan_blocks(
             device_memory_bytes(self.device, config.device_memory_gb),
             config.gpu_memory_utilization, self.weight_bytes, self._peak_activation_bytes[key],
-            self.bytes_per_block(config.block_size), config.block_size, config.max_model_len,
-            config.num_gpu_blocks_override, self.sliding_window)
+            self.bytes_per_block(config.block_size, config.kv_cache_dtype), config.block_size,
+            config.max_model_len, config.num_gpu_blocks_override, self.sliding_window,
+            kv_cache_dtype=config.kv_cache_dtype,
+            auto_bytes_per_block=self.bytes_per_block(config.block_size))
         return plan
 
     def _cached_peak_activations(self, num_tokens: int, max_model_len: int,
@@ -210,16 +228,20 @@ class ModelRunner:
                     num_tokens, peak / (1 << 20))
         return peak
 
-    def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None:
-        """Zeroed [2, layers, blocks, block_size, kv_heads, head_dim]; each attention layer
-        gets its K and V views, so block copies and swaps move all layers at once."""
+    def allocate_kv_cache(self, block_size: int, num_blocks: int,
+                          kv_cache_dtype: str = "auto") -> None:
+        """Zeroed [2, layers, blocks, block_size, kv_heads, row]; each attention layer gets
+        its K and V views, so block copies and swaps move all layers at once. A row is
+        head_dim values, or for a quantized kv_cache_dtype head_dim codes and their scale
+        (kernels/kv_quant.py): the scales move with their blocks."""
         self.kv_cache = None
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = None
+        dtype = kv_quant.cache_dtype(kv_cache_dtype, self.dtype)
         shape = (2, len(self.attention_layers), num_blocks, block_size, self.num_kv_heads,
-                 self.head_dim)
-        self.kv_cache = (huge_pages.empty(shape, self.dtype) if self.device.type == "cpu"
-                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
+                 kv_quant.row_width(self.head_dim, dtype))
+        self.kv_cache = (huge_pages.empty(shape, dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=dtype, device=self.device))
         for index, layer in enumerate(self.attention_layers):
             layer.key_cache = self.kv_cache[0, index]
             layer.value_cache = self.kv_cache[1, index]
@@ -232,7 +254,7 @@ class ModelRunner:
         if num_blocks:
             self.swap_cache = torch.zeros(
                 (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:]),
-                dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+                dtype=self.kv_cache.dtype, device="cpu", pin_memory=self.device.type == "cuda")
 
     def copy_blocks(self, copies: list[tuple[int, int]], source: torch.Tensor,
                     target: torch.Tensor) -> None:
