@@ -9,7 +9,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels import cpu_extension
+from kvscope.kernels import cpu_extension, kv_quant
 from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels
 
 
@@ -67,9 +67,11 @@ def store_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same contract as kernels.reference.store_kv."""
-    torch.ops.kvscope.store_kv(key.to(key_cache.dtype), value.to(value_cache.dtype),
-                               key_cache, value_cache, slot_mapping.to(torch.int64))
+    """Same contract as kernels.reference.store_kv; a quantized cache takes K/V as they
+    are and quantizes them as it writes."""
+    if not kv_quant.is_quantized(key_cache.dtype):
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    torch.ops.kvscope.store_kv(key, value, key_cache, value_cache, slot_mapping.to(torch.int64))
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,

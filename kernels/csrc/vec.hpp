@@ -90,6 +90,18 @@ struct FP32Vec16 {
     const f32x16 magnitude = (f32x16)((bits & 0x7fff) << 13) * 0x1p112f;
     return (f32x16)((u32x16)magnitude | ((bits & 0x8000) << 16));
   }
+  // Quantized KV codes (kvscope::load's scalar twins, exact): int8, and fp8's magnitude bits
+  // placed under fp32's exponent and mantissa, rebiased by a multiply (subnormals included).
+  static FP32Vec16 load(const int8_t* p) { return widen(p); }
+  static FP32Vec16 load(const fp8_e4m3* p) { return from_fp8<20>(p, 0x1p120f); }
+  static FP32Vec16 load(const fp8_e5m2* p) { return from_fp8<21>(p, 0x1p112f); }
+  template <int kShift>
+  static FP32Vec16 from_fp8(const void* p, float rebias) {
+    const u32x16 bits =
+        __builtin_convertvector(load_unaligned<u8x16>(static_cast<const uint8_t*>(p)), u32x16);
+    const f32x16 magnitude = (f32x16)((bits & 0x7f) << kShift) * rebias;
+    return (f32x16)((u32x16)magnitude | ((bits & 0x80) << 24));
+  }
   // Unsigned bytes to fp32 through int32: GCC 12 converts bytes straight to floats one by one.
   static FP32Vec16 widen(U8Vec16 bytes) {
     return __builtin_convertvector(__builtin_convertvector(bytes.reg, i32x16), f32x16);
