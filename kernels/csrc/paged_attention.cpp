@@ -212,6 +212,20 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict wei
 }
 
 #if defined(__AVX512BF16__)
+// A chunk's quantized key rows as bf16 rows in `out` (exact), and their scales.
+template <int kDim, typename KV>
+inline void codes_to_bf16(const KV* const* rows, int n, kvscope::bf16* out,
+                          const kvscope::bf16** out_rows, float* scales) {
+  for (int i = 0; i < n; ++i) {
+    kvscope::bf16* row = out + static_cast<int64_t>(i) * kDim;
+#pragma GCC unroll 8
+    for (int d = 0; d < kDim; d += 16)
+      kvscope::vec::FP32Vec16::load(rows[i] + d).store_exact(row + d);
+    out_rows[i] = row;
+    scales[i] = row_scale(rows[i], kDim);
+  }
+}
+
 // scores[i] = scale * (q . key_rows[i]) for i < n, bf16 query and keys: vdpbf16ps takes the
 // keys as they lie in the cache, with no widening to fp32, 32 products per instruction; the
 // products are exact and summed in fp32, like the portable path's.
@@ -329,8 +343,11 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
               float* part_sum, Scratch& scratch, const WorkItem* next, bool first_asked_for) {
 #if defined(__AVX512BF16__)
+  // A quantized cache's key codes are bf16 values exactly (int8's 8 bits, fp8's 4 significant
+  // bits): a chunk's rows are converted once and scored as bf16 rows, then by their scales.
   constexpr bool kPairDots = std::is_same_v<Q, kvscope::bf16> &&
-                             std::is_same_v<KV, kvscope::bf16> && kDim > 0 && kDim % 32 == 0;
+                             (std::is_same_v<KV, kvscope::bf16> || kvscope::kQuantizedKV<KV>) &&
+                             kDim > 0 && kDim % 32 == 0;
 #else
   constexpr bool kPairDots = false;
 #endif
@@ -359,6 +376,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   const KV* key_rows[kKeyChunk];
   const KV* value_rows[kKeyChunk];
   float* keys = scratch.keys.data();
+  const kvscope::bf16* code_rows[kKeyChunk];  // a quantized chunk's keys as bf16 (in `keys`)
+  float key_scales[kKeyChunk];
   float* scores = scratch.scores.data();  // row j's at j * kKeyChunk
   // Row j's softmax weights for the n keys from `chunk` (key_rows, or `keys` widened), its
   // statistics updated; zeros past the keys it sees, so the value pass treats rows alike.
@@ -371,7 +390,10 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     std::fill(weights + m, weights + n, 0.f);
     if (m == f) return;
 #if defined(__AVX512BF16__)
-    if constexpr (kPairDots) {
+    if constexpr (kPairDots && kvscope::kQuantizedKV<KV>) {
+      score_keys_bf16<kDim>(query_row(j), code_rows + f, m - f, scale, weights + f);
+      for (int i = f; i < m; ++i) weights[i] *= key_scales[i];
+    } else if constexpr (kPairDots) {
       score_keys_bf16<kDim>(query_row(j), key_rows + f, m - f, scale, weights + f);
     }
 #endif
@@ -430,6 +452,9 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
         value_rows[i] = value_cache + offsets[now][i] + head_offset;
       }
       if constexpr (!kPairDots) widen_rows(key_rows, n, D, keys);
+      if constexpr (kPairDots && kvscope::kQuantizedKV<KV>)
+        codes_to_bf16<kDim>(key_rows, n, reinterpret_cast<kvscope::bf16*>(keys), code_rows,
+                            key_scales);
       for (int j = h * rows_per_kv_head; j < (h + 1) * rows_per_kv_head; ++j)
         chunk_weights(j, chunk, n);
       RowsAhead<KV> ahead{keys_ahead, values_ahead, h < heads_ahead ? next_n : 0};

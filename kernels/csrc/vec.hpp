@@ -97,8 +97,9 @@ struct FP32Vec16 {
   static FP32Vec16 load(const fp8_e5m2* p) { return from_fp8<21>(p, 0x1p112f); }
   template <int kShift>
   static FP32Vec16 from_fp8(const void* p, float rebias) {
-    const u32x16 bits =
-        __builtin_convertvector(load_unaligned<u8x16>(static_cast<const uint8_t*>(p)), u32x16);
+    // Through int32, as widen does: GCC 12 widens bytes to uint32 lanes one by one.
+    const u32x16 bits = (u32x16) __builtin_convertvector(
+        load_unaligned<u8x16>(static_cast<const uint8_t*>(p)), i32x16);
     const f32x16 magnitude = (f32x16)((bits & 0x7f) << kShift) * rebias;
     return (f32x16)((u32x16)magnitude | ((bits & 0x80) << 24));
   }
@@ -117,6 +118,11 @@ struct FP32Vec16 {
   void store(bf16* p) const {
     const u32x16 bits = (u32x16)rounded_to(static_cast<bf16*>(nullptr)).reg;
     store_unaligned(p, __builtin_convertvector(bits >> 16, u16x16));
+  }
+
+  // Values bf16 holds exactly (small integers, fp8 codes) as bf16: their low bits are zero.
+  void store_exact(bf16* p) const {
+    store_unaligned(p, __builtin_convertvector((u32x16)reg >> 16, u16x16));
   }
 
   // The lanes rounded to T's precision, still fp32 (what storing to T and loading gives).
