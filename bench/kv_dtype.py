@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--agreement-tokens", type=int, default=64)
     parser.add_argument("--decode-seqs", type=int, default=32)
     parser.add_argument("--context-tokens", type=int, default=2000)
-    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--decode-memory-gb", type=float, default=4.0)
     parser.add_argument("--decode-dtypes", default="auto,fp8,int8",
                         help="the kv_cache_dtype values whose decode rate is measured")
