@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from kvscope.engine.config import (
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATIONS,
@@ -115,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     cache = parser.add_argument_group("KV cache and scheduler")
     cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
                        help="tokens per KV block (a power of two, 1-256)")
+    cache.add_argument("--kv-cache-dtype", default=DEFAULTS["kv_cache_dtype"],
+                       choices=KV_CACHE_DTYPES,
+                       help="KV cache storage: auto (the model's dtype) or fp8 (= fp8_e4m3), "
+                       "fp8_e5m2, int8 with a scale per token and KV head (about half the "
+                       "bytes per block)")
     cache.add_argument("--gpu-memory-utilization", type=float,
                        default=DEFAULTS["gpu_memory_utilization"],
                        help="fraction of device memory for weights, activations and KV cache")

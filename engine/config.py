@@ -11,6 +11,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 MAX_BLOCK_SIZE = 256
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 CPU matmul accepts
+# vLLM's names; fp8 is fp8_e4m3 (kvscope.kernels.kv_quant has the format)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 BLOCK_SIZES = tuple(2 ** i for i in range(MAX_BLOCK_SIZE.bit_length()))  # 1, 2, ..., 256
 
 
@@ -34,6 +36,9 @@ class EngineConfig:
     # streaming kernel (docs/performance.md, issue 37), so off until that is closed.
     prepack_weights: bool = False
     block_size: int = 16
+    # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2 / int8: one code per value and a
+    # scale per token and KV head, about half the bytes per block (kernels/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     # The CPU has no device memory to measure, so the utilization applies to this size;
     # 2 GiB leaves ~3,400 blocks of 16 tokens for the default model in bfloat16.
@@ -69,6 +74,7 @@ class EngineConfig:
                 or self.quantization_group_size not in QUANTIZATION_GROUP_SIZES):
             raise ValueError(f"quantization_group_size={self.quantization_group_size!r} must be "
                              f"one of {list(QUANTIZATION_GROUP_SIZES)}")
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if not isinstance(self.enforce_eager, bool):

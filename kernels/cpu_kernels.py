@@ -9,7 +9,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels import cpu_extension, reference
+from kvscope.kernels import cpu_extension, kv_quant, reference
 from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels, PrepackedWeight
 
 
@@ -23,7 +23,8 @@ def kernel_ops() -> KernelOps:
         int8_dequantize=int8_dequantize, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize,
         rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8())
     return KernelOps(
-        backend="cpu", paged_attention=paged_attention, store_kv=store_kv, rms_norm=rms_norm,
+        backend="cpu", paged_attention=paged_attention, store_kv=store_kv,
+        quantized_kv_cache=True, rms_norm=rms_norm,
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
         prepack_weight=prepack_weight if torch.ops.kvscope.has_blocked_linear() else None,
@@ -67,9 +68,11 @@ def store_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same contract as kernels.reference.store_kv."""
-    torch.ops.kvscope.store_kv(key.to(key_cache.dtype), value.to(value_cache.dtype),
-                               key_cache, value_cache, slot_mapping.to(torch.int64))
+    """Same contract as kernels.reference.store_kv; a quantized cache takes K/V as they
+    are and quantizes them as it writes."""
+    if not kv_quant.is_quantized(key_cache.dtype):
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    torch.ops.kvscope.store_kv(key, value, key_cache, value_cache, slot_mapping.to(torch.int64))
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,

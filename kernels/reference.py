@@ -5,6 +5,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from kvscope.kernels import kv_quant
+
 
 def store_kv(
     key: torch.Tensor,
@@ -13,14 +15,19 @@ def store_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each new token's K/V row into its slot (block * block_size + offset); -1 skips."""
-    num_kv_heads, head_dim = key_cache.shape[-2:]
+    """Write each new token's K/V row into its slot (block * block_size + offset); -1 skips.
+
+    A quantized cache (kernels/kv_quant.py) gets each row's codes and scale."""
+    num_kv_heads, width = key_cache.shape[-2:]
     slots = slot_mapping.long()
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+    for rows, cache in ((key, key_cache), (value, value_cache)):
+        flat, rows = cache.view(-1, num_kv_heads, width), kv_quant.encode(rows, cache.dtype)
+        if kv_quant.is_quantized(cache.dtype):  # index_copy_ has no float8 kernel: the bytes
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+        flat.index_copy_(0, slots, rows)
 
 
 def gather_kv(
@@ -59,6 +66,7 @@ def paged_attention(
     The padded batch reads slots past each sequence's length and masks them, so those
     slots must hold finite values (a masked NaN still poisons SDPA): allocate caches with
     zeros. The Triton kernel never reads them.
+    A quantized cache's rows are de-quantized as they are gathered, for this batch only.
     """
     if out is None:
         out = torch.empty_like(query)
@@ -98,8 +106,8 @@ def _attend_one(
         if sliding_window:
             mask &= key_pos > query_pos - sliding_window
     result = _softmax_attention(
-        query.transpose(0, 1), key.transpose(0, 1).to(query.dtype),
-        value.transpose(0, 1).to(query.dtype), mask, scale, soft_cap)
+        query.transpose(0, 1), kv_quant.dequantize(key.transpose(0, 1), query.dtype),
+        kv_quant.dequantize(value.transpose(0, 1), query.dtype), mask, scale, soft_cap)
     return result.transpose(0, 1)
 
 
@@ -173,8 +181,8 @@ def _decode_batch(
     num_blocks = -(-int(lens.max()) // block_size)
     tables = block_tables[row_index, :num_blocks].long().clamp(min=0)  # RELEASED: masked
     # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, padded_len, dim]
-    keys = _gather_blocks(key_cache, tables).to(query.dtype)
-    values = _gather_blocks(value_cache, tables).to(query.dtype)
+    keys = kv_quant.dequantize(_gather_blocks(key_cache, tables), query.dtype)
+    values = kv_quant.dequantize(_gather_blocks(value_cache, tables), query.dtype)
     key_pos = torch.arange(keys.shape[2], device=device).unsqueeze(0)
     mask = key_pos < lens.unsqueeze(1)
     if sliding_window:

@@ -208,20 +208,27 @@ def test_live_heatmap_has_a_cell_per_block_in_the_engines_states(served, client)
 
 def test_reconfigure_through_the_ui_changes_the_pool(served, client) -> None:
     engine = served[0]
-    status = client.predict(8, 0.9, 2.0, -5, True, True, "recompute", False,
+    status = client.predict(8, 0.9, 2.0, -5, True, True, "recompute", "auto", False,
                             api_name="/apply_knobs")
     assert "Not applied" in status and "max_num_batched_tokens=-5" in status
     assert engine.config.block_size == 4
-    status = client.predict(8, 0.9, 2.0, 64, True, True, "recompute", False,
+    status = client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "auto", False,
                             api_name="/apply_knobs")
     assert "x 8 tokens" in status and engine.config.block_size == 8
     _, figure = heatmap_cells(client)
     assert "x 8 tokens" in figure["layout"]["title"]["text"]
-    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
+    status = client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "int8", False,
+                            api_name="/apply_knobs")
+    plan = engine.memory_plan
+    assert engine.config.kv_cache_dtype == "int8"
+    assert plan.bytes_per_block < plan.auto_bytes_per_block
+    assert f"kv_cache_dtype int8, {plan.bytes_per_block} bytes/block" in status
+    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", False,
+                   api_name="/apply_knobs")
 
 
 def test_a_zero_token_budget_is_refused_naming_the_limit(served, client) -> None:
-    status = client.predict(4, 0.9, 2.0, 0, True, True, "recompute", False,
+    status = client.predict(4, 0.9, 2.0, 0, True, True, "recompute", "auto", False,
                             api_name="/apply_knobs")
     assert "Not applied" in status and "max_num_batched_tokens=0 must be an integer >= 1" \
         in status
@@ -232,7 +239,8 @@ def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browse
     from playwright.sync_api import expect
 
     engine = served[0]
-    client.predict(8, 0.9, 2.0, 32, True, True, "recompute", False, api_name="/apply_knobs")
+    client.predict(8, 0.9, 2.0, 32, True, True, "recompute", "auto", False,
+                   api_name="/apply_knobs")
     try:
         page = open_page(browser, served[2])  # opened after the Apply, from another client
         page.get_by_role("tab", name="Engine & load").click()
@@ -242,7 +250,8 @@ def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browse
             f"{engine.memory_plan.num_blocks} blocks x 8 tokens")
         page.close()
     finally:
-        client.predict(4, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
+        client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", False,
+                       api_name="/apply_knobs")
     assert engine.config.block_size == 4
 
 

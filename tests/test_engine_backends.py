@@ -132,3 +132,18 @@ def test_the_decoder_stack_names_a_layer_tensor_it_lacks_or_does_not_know(tiny_m
     monkeypatch.setattr(LayerKind, "stack_options", lambda kind: {"rotary": 1, "window": 4})
     with pytest.raises(RuntimeError, match="does not know: 'window'"):
         FusedDecoderStack(model, torch.float32)
+
+
+def test_torch_and_cpu_backends_decode_an_int8_cache_alike(tiny_model, run_engine, monkeypatch):
+    """Both store the same codes and scales (bit for bit) and attend over them alike."""
+    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch", kv_cache_dtype="int8")
+    assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu",
+                         kv_cache_dtype="int8") == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed")
+def test_triton_backend_refuses_a_quantized_cache_naming_the_knob(tiny_model, monkeypatch):
+    config, runner = runner_for(monkeypatch, tiny_model, "triton", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': the triton kernels"):
+        EngineCore(config, runner=runner)

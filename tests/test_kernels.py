@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvscope import kernels
-from kvscope.kernels import reference
+from kvscope.kernels import kv_quant, reference
 
 try:
     from kvscope.kernels.triton_attention import INTERPRETED
@@ -371,6 +371,73 @@ def test_cpu_store_kv_matches_reference(cpu_kernel_ops, dtype, block_size):
     cpu_kernel_ops.store_kv(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_keys)
     assert torch.equal(value_cache, expected_values)
+
+
+# --- quantized KV caches (kv_cache_dtype fp8 / fp8_e5m2 / int8) ----------------------------
+
+KV_CODE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+QUANTIZED_CASES = [  # (block_size, queries_per_kv, head_dim): both compiled dims, a runtime one
+    pytest.param(1, 1, 64, id="block1-mha-d64"),
+    pytest.param(16, 3, 80, id="block16-gqa3-d80"),
+    pytest.param(32, 4, 128, id="block32-gqa4-d128"),
+]
+
+
+def quantized_caches(batch: PagedBatch, codes: torch.dtype, store_kv) -> tuple:
+    """The batch's K/V written by `store_kv` into zeroed caches of `codes` (the layout
+    of kernels/kv_quant.py), and those caches de-quantized to fp32 for the oracle."""
+    num_blocks, block_size, kv_heads, head_dim = batch.key_cache.shape
+    shape = (num_blocks, block_size, kv_heads, kv_quant.row_width(head_dim, codes))
+    key_cache = torch.zeros(shape, dtype=codes, device=batch.query.device)
+    value_cache = torch.zeros_like(key_cache)
+    for i, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        positions = torch.arange(key.shape[0])
+        table = batch.block_tables[i].cpu().long()
+        slots = table[positions // block_size] * block_size + positions % block_size
+        store_kv(key.to(batch.query.device), value.to(batch.query.device), key_cache,
+                 value_cache, slots.to(batch.query.device))
+    return key_cache, value_cache, (kv_quant.dequantize(key_cache, torch.float32),
+                                    kv_quant.dequantize(value_cache, torch.float32))
+
+
+def oracle_on_dequantized(batch: PagedBatch, dequantized: tuple) -> torch.Tensor:
+    return reference.paged_attention(batch.query.float(), *dequantized, *batch.args()[3:])
+
+
+@pytest.mark.parametrize("codes", KV_CODE_DTYPES)
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), QUANTIZED_CASES)
+def test_reference_reads_quantized_caches_as_de_quantized(codes, block_size, queries_per_kv,
+                                                          head_dim):
+    batch = make_batch(mixed_seqs(block_size), block_size, 2, queries_per_kv, head_dim)
+    key_cache, value_cache, dequantized = quantized_caches(batch, codes, reference.store_kv)
+    out = reference.paged_attention(batch.query, key_cache, value_cache, *batch.args()[3:])
+    assert_close(out, oracle_on_dequantized(batch, dequantized), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codes", KV_CODE_DTYPES)
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), QUANTIZED_CASES)
+def test_cpu_kernels_store_and_read_quantized_caches(cpu_kernel_ops, dtype, codes, block_size,
+                                                     queries_per_kv, head_dim):
+    """store_kv's codes and scales are the oracle's bit for bit; attention over them is the
+    oracle's over the de-quantized caches (ragged: prefills, chunks, decodes, one split)."""
+    seqs = mixed_seqs(block_size) + [(700, 1)]
+    batch = make_batch(seqs, block_size, 2, queries_per_kv, head_dim, dtype=dtype)
+    key_cache, value_cache, _ = quantized_caches(batch, codes, cpu_kernel_ops.store_kv)
+    expected_keys, expected_values, dequantized = quantized_caches(batch, codes,
+                                                                   reference.store_kv)
+    assert torch.equal(key_cache.view(torch.uint8), expected_keys.view(torch.uint8))
+    assert torch.equal(value_cache.view(torch.uint8), expected_values.view(torch.uint8))
+    out = cpu_kernel_ops.paged_attention(batch.query, key_cache, value_cache, *batch.args()[3:])
+    assert out.dtype == dtype
+    assert_close(out, oracle_on_dequantized(batch, dequantized), dtype)
+
+
+def test_cpu_store_kv_refuses_rows_that_do_not_fit_a_quantized_cache(cpu_kernel_ops):
+    cache = torch.zeros(2, 4, 1, 64, dtype=torch.int8)  # no room for the scale
+    rows = torch.randn(1, 1, 64)
+    with pytest.raises(RuntimeError, match="codes and a scale"):
+        cpu_kernel_ops.store_kv(rows, rows, cache, cache.clone(), torch.tensor([0]))
 
 
 def test_cpu_greedy_tokens_are_argmax_and_its_log_softmax(cpu_kernel_ops):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from kvscope.engine.config import BLOCK_SIZES, PREEMPTION_MODES
+from kvscope.engine.config import BLOCK_SIZES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvscope.engine.view import EngineView
 from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, scrubber, sessions
 from kvscope.ui.live import LiveFeeds
@@ -204,7 +204,7 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
 def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Timer:
     """The knobs and the load generator; returns the timer of the load's progress line."""
     (block_size, utilization, memory_gb, budget, prefix, chunked,
-     preemption) = knobs.current_knobs(engine)
+     preemption, kv_dtype) = knobs.current_knobs(engine)
     gr.Markdown("### Knobs\nApply rebuilds the KV cache (weights stay loaded); new requests "
                 "wait and running ones finish first unless you abort them.")
     with gr.Row():
@@ -221,6 +221,8 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
         chunked = gr.Checkbox(value=chunked, label="chunked prefill")
         preemption = gr.Radio(list(PREEMPTION_MODES), value=preemption,
                               label="preemption mode")
+        kv_dtype = gr.Dropdown(list(KV_CACHE_DTYPES), value=kv_dtype, label="kv_cache_dtype",
+                               elem_id="kv-cache-dtype")
         abort_running = gr.Checkbox(value=False, label="abort running requests")
     apply = gr.Button("Apply", variant="primary", elem_id="kv-apply")
     knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan, engine.config),
@@ -236,7 +238,7 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     gr.on([blocks.load, block_size.change, utilization.change, memory_gb.change], preview,
           [block_size, utilization, memory_gb], what_if, show_progress="hidden",
           api_name="what_if")
-    form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption]
+    form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption, kv_dtype]
     apply.click(partial(knobs.apply_knobs, engine, feeds), [*form, abort_running],
                 knob_status, api_name="apply_knobs")
     # A new or reloaded tab shows the live knobs, not those the app started with.

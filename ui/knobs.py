@@ -9,7 +9,7 @@ from kvscope.engine.worker.memory import GiB, MemoryPlan, PoolTooSmall, plan_blo
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
 KNOBS = ("block_size", "gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens",
-         "enable_prefix_caching", "enable_chunked_prefill", "preemption_mode")
+         "enable_prefix_caching", "enable_chunked_prefill", "preemption_mode", "kv_cache_dtype")
 
 
 def current_knobs(engine: EngineView) -> tuple:
@@ -31,19 +31,20 @@ def pool_markdown(plan, config) -> str:
     return (f"**Weights:** {plan.weight_bytes / 2**20:.1f} MiB (quantization "
             f"{config.quantization}{by_type}) · "
             f"**Pool:** {plan.num_blocks} blocks x {plan.block_size} tokens = "
-            f"{plan.num_tokens} tokens ({plan.kv_cache_bytes / 2**20:.1f} MiB) · "
+            f"{plan.num_tokens} tokens ({plan.kv_cache_bytes / 2**20:.1f} MiB; "
+            f"{plan.describe_kv_dtype()}) · "
             f"**max concurrency** {plan.max_concurrency:.2f} x {plan.max_model_len} tokens")
 
 
 def _pending(values: tuple) -> dict:
     """Widget values -> knobs. An emptied token budget means "derive it"; 0 stays 0, for
     the engine to refuse with its limit."""
-    (block_size, utilization, memory_gb, budget, prefix, chunked, preemption) = values
+    (block_size, utilization, memory_gb, budget, prefix, chunked, preemption, kv_dtype) = values
     return {"block_size": int(block_size), "gpu_memory_utilization": float(utilization),
             "device_memory_gb": float(memory_gb),
             "max_num_batched_tokens": None if budget in (None, "") else int(budget),
             "enable_prefix_caching": bool(prefix), "enable_chunked_prefill": bool(chunked),
-            "preemption_mode": str(preemption)}
+            "preemption_mode": str(preemption), "kv_cache_dtype": str(kv_dtype)}
 
 
 def _changes(config, pending: dict) -> str:

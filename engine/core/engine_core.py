@@ -51,7 +51,8 @@ class EngineCore:
         self.config = config.resolved(self.runner.max_positions)
         self.runner = with_draft_model(self.runner, self.config)
         self.memory_plan = self.runner.plan_memory(self.config)
-        self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks)
+        self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks,
+                                      self.config.kv_cache_dtype)
         logger.info(self.memory_plan.describe())
         num_swap_blocks = 0
         if self.config.preemption_mode == "swap":

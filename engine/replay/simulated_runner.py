@@ -17,7 +17,7 @@ from kvscope.engine.worker.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from kvscope.engine.worker.memory import MemoryPlan, plan_blocks
+from kvscope.engine.worker.memory import MemoryPlan, kv_bytes_per_block, plan_blocks
 from kvscope.engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from kvscope.engine.worker.models.attention import layer_windows
 
@@ -46,15 +46,15 @@ class SimulatedRunner:
         # Any ordinary token: stop conditions are off in a replay, its value never matters.
         self.placeholder_token = next(t for t in range(len(self.tokenizer)) if t not in special)
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """K and V for block_size tokens in a KV cache group's layers, as
+    def bytes_per_block(self, block_size: int, kv_cache_dtype: str = "auto") -> int:
+        """K and V for block_size tokens in a KV cache group's layers, scales included, as
         ModelRunner.bytes_per_block."""
         config = self.hf_config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return (2 * layers_per_block(self.kv_groups) * block_size * kv_heads * head_dim
-                * self.dtype.itemsize)
+        return kv_bytes_per_block(layers_per_block(self.kv_groups), block_size, kv_heads,
+                                  head_dim, self.dtype, kv_cache_dtype)
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan:
         if config.num_gpu_blocks_override is None:
@@ -63,11 +63,13 @@ class SimulatedRunner:
                                  "model runner to size the pool as the live engine would")
             return self.sizing.plan_memory(config)
         return plan_blocks(0, config.gpu_memory_utilization, 0, 0,
-                           self.bytes_per_block(config.block_size), config.block_size,
-                           config.max_model_len, config.num_gpu_blocks_override,
-                           tuple(self.kv_groups))
+                           self.bytes_per_block(config.block_size, config.kv_cache_dtype),
+                           config.block_size, config.max_model_len, config.num_gpu_blocks_override,
+                           tuple(self.kv_groups), kv_cache_dtype=config.kv_cache_dtype,
+                           auto_bytes_per_block=self.bytes_per_block(config.block_size))
 
-    def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None:
+    def allocate_kv_cache(self, block_size: int, num_blocks: int,
+                          kv_cache_dtype: str = "auto") -> None:
         """Nothing to allocate: block ids are all the simulator needs."""
         self.block_size = block_size
 

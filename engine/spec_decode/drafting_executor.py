@@ -27,9 +27,10 @@ class DraftingExecutor:
     def plan_memory(self, config: EngineConfig) -> MemoryPlan:
         return self.target.plan_memory(config, draft=self.proposer.runner)
 
-    def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None:
+    def allocate_kv_cache(self, block_size: int, num_blocks: int,
+                          kv_cache_dtype: str = "auto") -> None:
         for runner in (self.target, self.proposer.runner):
-            runner.allocate_kv_cache(block_size, num_blocks)
+            runner.allocate_kv_cache(block_size, num_blocks, kv_cache_dtype)
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         for runner in (self.target, self.proposer.runner):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvscope.engine.core.kv_groups import KVCacheGroup
+from kvscope.kernels import kv_quant
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -38,6 +39,11 @@ class MemoryPlan:
     draft_bytes_per_block: int = 0
     # the target's weight_bytes per storage type: GGUF block types (Q4_K, Q6_K...) and dtypes
     weight_bytes_by_type: dict[str, int] = field(default_factory=dict)
+    kv_cache_dtype: str = "auto"
+    # what the same budget gives a cache in the model's dtype (the figures the log and the
+    # dashboard compare against); equal to the above with kv_cache_dtype auto
+    auto_bytes_per_block: int = 0
+    auto_num_blocks: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -83,13 +89,22 @@ class MemoryPlan:
         return ", ".join(f"{name} {size / (1 << 20):.1f}" for name, size in largest) + (
             " MiB" if largest else "")
 
+    def describe_kv_dtype(self) -> str:
+        """kv_cache_dtype, bytes per block and the blocks it gains over auto."""
+        if self.kv_cache_dtype == "auto":
+            return f"kv_cache_dtype auto, {self.bytes_per_block} bytes/block"
+        return (f"kv_cache_dtype {self.kv_cache_dtype}, {self.bytes_per_block} bytes/block "
+                f"(auto: {self.auto_bytes_per_block}): {self.num_blocks - self.auto_num_blocks:+d} "
+                f"blocks over auto's {self.auto_num_blocks} "
+                f"({self.num_blocks / max(self.auto_num_blocks, 1):.2f}x)")
+
     def describe(self) -> str:
         by_type = self.weights_by_type()
         text = (f"weights {self.weight_bytes / (1 << 20):.1f} MiB"
                 + (f" ({by_type})" if by_type else "") + "; "
                 f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
-                f"({self.bytes_per_block} bytes/block); max concurrency at "
+                f"({self.describe_kv_dtype()}); max concurrency at "
                 f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
         if self.draft_weight_bytes:
             text += (f"; of these the draft model's: weights "
@@ -128,20 +143,27 @@ def plan_blocks(
     draft_weight_bytes: int = 0,
     draft_bytes_per_block: int = 0,
     weight_bytes_by_type: dict[str, int] | None = None,
+    *,
+    kv_cache_dtype: str = "auto",
+    auto_bytes_per_block: int | None = None,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
     Fails if the pool cannot hold one max_model_len sequence in every KV cache group (its
     prompt before any block leaves a window), saying what fits and which knob to turn. A
     draft model's weights and per-block KV are already in weight_bytes and
-    bytes_per_block; its shares are kept for the plan's description.
+    bytes_per_block; its shares are kept for the plan's description. auto_bytes_per_block:
+    a block's bytes in the model's dtype, for the comparison a quantized kv_cache_dtype's
+    plan keeps (default: bytes_per_block).
     """
     budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - peak_activation_bytes
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
+    auto_bytes_per_block = auto_bytes_per_block or bytes_per_block
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len,
                       groups or ONE_FULL_GROUP, draft_weight_bytes, draft_bytes_per_block,
-                      dict(weight_bytes_by_type or {}))
+                      dict(weight_bytes_by_type or {}), kv_cache_dtype, auto_bytes_per_block,
+                      num_blocks_override or max(budget // auto_bytes_per_block, 0))
     num_tokens = num_blocks // len(plan.groups) * block_size
     if num_tokens < max_model_len:
         in_groups = f" in {len(plan.groups)} KV cache groups" if len(plan.groups) > 1 else ""
@@ -154,6 +176,15 @@ def plan_blocks(
             f"{max_model_len}: raise gpu_memory_utilization or device_memory_gb, or lower "
             "max_model_len or max_num_batched_tokens", plan)
     return plan
+
+
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V for block_size tokens in num_layers layers (a KV cache group's), scales
+    included (kernels/kv_quant.py)."""
+    dtype = kv_quant.cache_dtype(kv_cache_dtype, model_dtype)
+    return (2 * num_layers * block_size * num_kv_heads * kv_quant.row_width(head_dim, dtype)
+            * dtype.itemsize)
 
 
 def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:

@@ -28,7 +28,13 @@ from kvscope.engine.worker.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from kvscope.engine.worker.memory import MemoryPlan, device_memory_bytes, measure_peak_bytes, plan_blocks
+from kvscope.engine.worker.memory import (
+    MemoryPlan,
+    device_memory_bytes,
+    kv_bytes_per_block,
+    measure_peak_bytes,
+    plan_blocks,
+)
 from kvscope.engine.worker.models import language_model_config, model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
@@ -42,6 +48,7 @@ from kvscope.engine.worker.models.quantized import (
 )
 from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
 from kvscope.engine.worker.profile_cache import load_peak, profile_key, store_peak
+from kvscope.kernels import kv_quant
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -196,29 +203,42 @@ class ModelRunner:
             return iter_gguf_weights(source, self.hf_config, keep_blocks)
         return iter_weights(self.model_path)
 
-    def bytes_per_block(self, block_size: int) -> int:
+    def bytes_per_block(self, block_size: int, kv_cache_dtype: str = "auto") -> int:
         """K and V for block_size tokens in a KV cache group's layers (every layer, for a
-        model of one attention type)."""
-        return (2 * self.layers_per_block * block_size * self.num_kv_heads
-                * self.head_dim * self.dtype.itemsize)
+        model of one attention type), scales included."""
+        return kv_bytes_per_block(self.layers_per_block, block_size, self.num_kv_heads,
+                                  self.head_dim, self.dtype, kv_cache_dtype)
+
+    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Refuse a quantized cache the chosen kernels cannot read (ValueError names the knob)."""
+        if kv_cache_dtype != "auto" and not self.kernel_ops.quantized_kv_cache:
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r}: the {self.kernel_ops.backend} kernels read "
+                "and write only caches in the model's dtype; use kv_cache_dtype='auto', or the "
+                f"cpu or torch backend ({kernels.BACKEND_ENV})")
 
     def plan_memory(self, config: EngineConfig, draft: "ModelRunner | None" = None) -> MemoryPlan:
         """Size the block pool for a resolved config (profiling its token budget once per
         model, machine and code version: later starts read the peak from disk). A draft
         model (speculative decoding) comes out of the same budget: its weights, its K/V for
         every block, and its activations (its forwards run beside what the target's leave)."""
+        self.check_kv_cache_dtype(config.kv_cache_dtype)
+        kv_dtype = config.kv_cache_dtype
         peak = self.peak_activation_bytes(config)
-        draft_weights = draft_per_block = 0
+        draft_weights = draft_per_block = auto_draft_per_block = 0
         if draft is not None:
             draft_weights = draft.weight_bytes
-            draft_per_block = draft.bytes_per_block(config.block_size)
+            draft_per_block = draft.bytes_per_block(config.block_size, kv_dtype)
+            auto_draft_per_block = draft.bytes_per_block(config.block_size)
             peak += draft.peak_activation_bytes(config)
         return plan_blocks(
             device_memory_bytes(self.device, config.device_memory_gb),
             config.gpu_memory_utilization, self.weight_bytes + draft_weights, peak,
-            self.bytes_per_block(config.block_size) + draft_per_block, config.block_size,
-            config.max_model_len, config.num_gpu_blocks_override, tuple(self.kv_groups),
-            draft_weights, draft_per_block, self.weight_bytes_by_type)
+            self.bytes_per_block(config.block_size, kv_dtype) + draft_per_block,
+            config.block_size, config.max_model_len, config.num_gpu_blocks_override,
+            tuple(self.kv_groups), draft_weights, draft_per_block, self.weight_bytes_by_type,
+            kv_cache_dtype=kv_dtype,
+            auto_bytes_per_block=self.bytes_per_block(config.block_size) + auto_draft_per_block)
 
     def peak_activation_bytes(self, config: EngineConfig) -> int:
         key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
@@ -264,18 +284,22 @@ class ModelRunner:
                     num_tokens, peak / (1 << 20))
         return peak
 
-    def allocate_kv_cache(self, block_size: int, num_blocks: int) -> None:
-        """Zeroed [2, layers_per_block, blocks, block_size, kv_heads, head_dim]; each
-        attention layer gets the K and V views of its slot in its KV cache group (the i-th
-        layer of every group shares slot i: a block belongs to one group at a time), so
-        block copies and swaps move all of a block's layers at once."""
+    def allocate_kv_cache(self, block_size: int, num_blocks: int,
+                          kv_cache_dtype: str = "auto") -> None:
+        """Zeroed [2, layers_per_block, blocks, block_size, kv_heads, row]; each attention
+        layer gets the K and V views of its slot in its KV cache group (the i-th layer of
+        every group shares slot i: a block belongs to one group at a time), so block copies
+        and swaps move all of a block's layers at once. A row is head_dim values, or for a
+        quantized kv_cache_dtype head_dim codes and their scale (kernels/kv_quant.py): the
+        scales move with their blocks."""
         self.kv_cache = None
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = None
+        dtype = kv_quant.cache_dtype(kv_cache_dtype, self.dtype)
         shape = (2, self.layers_per_block, num_blocks, block_size, self.num_kv_heads,
-                 self.head_dim)
-        self.kv_cache = (huge_pages.empty(shape, self.dtype) if self.device.type == "cpu"
-                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
+                 kv_quant.row_width(self.head_dim, dtype))
+        self.kv_cache = (huge_pages.empty(shape, dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=dtype, device=self.device))
         for group in self.kv_groups:
             for slot, index in enumerate(group.layers):
                 self.attention_layers[index].key_cache = self.kv_cache[0, slot]
@@ -289,7 +313,7 @@ class ModelRunner:
         if num_blocks:
             self.swap_cache = torch.zeros(
                 (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:]),
-                dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+                dtype=self.kv_cache.dtype, device="cpu", pin_memory=self.device.type == "cuda")
 
     def copy_blocks(self, copies: list[tuple[int, int]], source: torch.Tensor,
                     target: torch.Tensor) -> None:

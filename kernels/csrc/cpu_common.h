@@ -3,8 +3,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kvscope {
 
@@ -30,6 +32,62 @@ inline float round_to(float x, float*) { return x; }
 inline float round_to(float x, bf16*) {
   return __builtin_bit_cast(float, static_cast<uint32_t>(bf16_bits(x)) << 16);
 }
+
+// A quantized KV cache's codes (kernels/kv_quant.py): fp8 as their raw bits, int8 as int8_t.
+// A cache row is head_dim codes and then the row's bf16 scale in two code elements.
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+struct fp8_e5m2 {
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool kQuantizedKV =
+    std::is_same_v<T, fp8_e4m3> || std::is_same_v<T, fp8_e5m2> || std::is_same_v<T, int8_t>;
+constexpr int kScaleElements = 2;  // kv_quant.SCALE_ELEMENTS
+// The largest code magnitude (kv_quant.CODE_MAX).
+template <typename T>
+constexpr float kCodeMax = std::is_same_v<T, fp8_e4m3>   ? 448.f
+                           : std::is_same_v<T, fp8_e5m2> ? 57344.f
+                                                         : 127.f;
+
+inline float load(int8_t x) { return static_cast<float>(x); }
+// e4m3 (bias 7, no infinities) as fp32: the 7 magnitude bits placed under fp32's exponent and
+// mantissa, rescaled by 2^(127 - 7), which also gives the subnormals; exact.
+inline float load(fp8_e4m3 x) {
+  const float magnitude =
+      __builtin_bit_cast(float, static_cast<uint32_t>(x.bits & 0x7f) << 20) * 0x1p120f;
+  return x.bits & 0x80 ? -magnitude : magnitude;
+}
+// e5m2 is the top byte of a float16: rebias its exponent as for float16 (exact).
+inline float load(fp8_e5m2 x) {
+  const float magnitude =
+      __builtin_bit_cast(float, static_cast<uint32_t>(x.bits & 0x7f) << 21) * 0x1p112f;
+  return x.bits & 0x80 ? -magnitude : magnitude;
+}
+
+// x (already within +-max of the format) as fp8 bits with kMantissa mantissa bits and
+// exponent bias kBias, rounded to nearest even, as torch's conversion rounds.
+template <int kMantissa, int kBias>
+inline uint8_t fp8_bits(float x) {
+  const uint8_t sign = x < 0.f ? 0x80 : 0;
+  const float magnitude = x < 0.f ? -x : x;
+  constexpr float kMinNormal = 1.f / static_cast<float>(1 << (kBias - 1));
+  if (magnitude < kMinNormal)  // subnormal steps of 2^(1 - bias - mantissa): exact scaling
+    return sign | static_cast<uint8_t>(
+                      std::nearbyint(magnitude * static_cast<float>(1 << (kBias - 1 + kMantissa))));
+  constexpr int kDropped = 23 - kMantissa;
+  uint32_t bits = __builtin_bit_cast(uint32_t, magnitude);
+  bits += (1u << (kDropped - 1)) - 1 + ((bits >> kDropped) & 1u);  // a carry bumps the exponent
+  const uint32_t exponent = (bits >> 23) - 127 + kBias;
+  const uint32_t mantissa = (bits >> kDropped) & ((1u << kMantissa) - 1);
+  return sign | static_cast<uint8_t>(exponent << kMantissa | mantissa);
+}
+
+// A scaled value (x / scale, clamped to +-kCodeMax) as a code.
+inline void store(int8_t& target, float x) { target = static_cast<int8_t>(std::nearbyint(x)); }
+inline void store(fp8_e4m3& target, float x) { target.bits = fp8_bits<3, 7>(x); }
+inline void store(fp8_e5m2& target, float x) { target.bits = fp8_bits<2, 15>(x); }
 
 // Asks for the cache line holding p, into the core's L2 (prefetcht1) rather than L1: a core
 // has only a couple of dozen L1 miss buffers, and requests into L1 (software prefetch or

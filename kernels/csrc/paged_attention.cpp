@@ -1,7 +1,10 @@
 // CPU paged attention and KV store over block tables: K/V are read in place through the
 // block table (no gather copy, no padding), one call covers a ragged batch of decodes and
 // prefill chunks, query heads of a GQA group share each K/V row, and the softmax runs
-// online in fp32. Built by kernels/cpu_extension.py with -march=native for the host CPU.
+// online in fp32. A quantized cache (kernels/kv_quant.py: fp8 or int8 codes, a bf16 scale per
+// row) is read the same way: codes widen to fp32 in registers, a key row's scale multiplies its
+// widened row and a value row's its softmax weight. Built by kernels/cpu_extension.py with
+// -march=native for the host CPU.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -46,15 +49,37 @@ inline float dot(const float* __restrict a, const float* __restrict b, int dim) 
   return sum;
 }
 
-// Rows of a key chunk, widened to fp32 once and then read by every query row of the tile (a
-// GQA group's heads, prefill tokens): the conversion is paid once per element.
+// A cache row's scale: in a quantized cache the bf16 after its `dim` codes, else 1 (which the
+// compiler folds away where it multiplies).
+template <typename KV>
+inline float row_scale(const KV* row, int dim) {
+  if constexpr (kvscope::kQuantizedKV<KV>) {
+    kvscope::bf16 bits;
+    std::memcpy(&bits, row + dim, sizeof(bits));
+    return load(bits);
+  } else {
+    return 1.f;
+  }
+}
+
+// Bytes of one cache row: its values, or its codes and scale.
+template <typename KV>
+constexpr int64_t row_bytes(int dim) {
+  return (dim + (kvscope::kQuantizedKV<KV> ? kvscope::kScaleElements : 0)) *
+         static_cast<int64_t>(sizeof(KV));
+}
+
+// Rows of a key chunk, widened to fp32 (and de-quantized) once and then read by every query
+// row of the tile (a GQA group's heads, prefill tokens): the conversion is paid once per
+// element.
 template <typename KV>
 inline void widen_rows(const KV* const* rows, int n, int dim, float* __restrict out) {
   for (int i = 0; i < n; ++i) {
     const KV* __restrict row = rows[i];
+    const float scale = row_scale(row, dim);
     float* __restrict dst = out + static_cast<int64_t>(i) * dim;
 #pragma omp simd
-    for (int d = 0; d < dim; ++d) dst[d] = load(row[d]);
+    for (int d = 0; d < dim; ++d) dst[d] = load(row[d]) * scale;
   }
 }
 
@@ -114,13 +139,14 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict weigh
 #pragma GCC unroll 16
       for (int v = 0; v < kVectors; ++v) sums[r][v] = FP32Vec16::load(acc + r * kDim + 16 * v);
     for (int i = 0; i < n; ++i) {
-      ahead.prefetch(i, kDim * sizeof(KV));
+      ahead.prefetch(i, row_bytes<KV>(kDim));
       FP32Vec16 value[kVectors];
 #pragma GCC unroll 16
       for (int v = 0; v < kVectors; ++v) value[v] = FP32Vec16::load(value_rows[i] + 16 * v);
+      const float value_scale = row_scale(value_rows[i], kDim);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const FP32Vec16 w(weights[r * kKeyChunk + i]);
+        const FP32Vec16 w(weights[r * kKeyChunk + i] * value_scale);
 #pragma GCC unroll 16
         for (int v = 0; v < kVectors; ++v) sums[r][v] = kvscope::vec::fma(w, value[v], sums[r][v]);
       }
@@ -137,13 +163,14 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict weigh
 #pragma omp simd
     for (int d = 0; d < kDim; ++d) local[r][d] = acc[r * kDim + d];
   for (int i = 0; i < n; ++i) {
-    ahead.prefetch(i, kDim * sizeof(KV));
+    ahead.prefetch(i, row_bytes<KV>(kDim));
     const KV* __restrict row = value_rows[i];
     float value[kDim];
 #pragma omp simd
     for (int d = 0; d < kDim; ++d) value[d] = load(row[d]);
+    const float value_scale = row_scale(row, kDim);
     for (int r = 0; r < R; ++r) {
-      const float w = weights[r * kKeyChunk + i];
+      const float w = weights[r * kKeyChunk + i] * value_scale;
 #pragma omp simd
       for (int d = 0; d < kDim; ++d) local[r][d] += w * value[d];
     }
@@ -174,9 +201,9 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict wei
     for (int r = 0; r < rows; ++r, ahead.n = 0) {
       float* __restrict accr = acc + static_cast<int64_t>(r) * dim;
       for (int i = 0; i < n; ++i) {
-        ahead.prefetch(i, dim * sizeof(KV));
-        const float w = weights[r * kKeyChunk + i];
+        ahead.prefetch(i, row_bytes<KV>(dim));
         const KV* __restrict row = value_rows[i];
+        const float w = weights[r * kKeyChunk + i] * row_scale(row, dim);
 #pragma omp simd
         for (int d = 0; d < dim; ++d) accr[d] += w * load(row[d]);
       }
@@ -185,6 +212,20 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict wei
 }
 
 #if defined(__AVX512BF16__)
+// A chunk's quantized key rows as bf16 rows in `out` (exact), and their scales.
+template <int kDim, typename KV>
+inline void codes_to_bf16(const KV* const* rows, int n, kvscope::bf16* out,
+                          const kvscope::bf16** out_rows, float* scales) {
+  for (int i = 0; i < n; ++i) {
+    kvscope::bf16* row = out + static_cast<int64_t>(i) * kDim;
+#pragma GCC unroll 8
+    for (int d = 0; d < kDim; d += 16)
+      kvscope::vec::FP32Vec16::load(rows[i] + d).store_exact(row + d);
+    out_rows[i] = row;
+    scales[i] = row_scale(rows[i], kDim);
+  }
+}
+
 // scores[i] = scale * (q . key_rows[i]) for i < n, bf16 query and keys: vdpbf16ps takes the
 // keys as they lie in the cache, with no widening to fp32, 32 products per instruction; the
 // products are exact and summed in fp32, like the portable path's.
@@ -302,8 +343,11 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
               float* part_sum, Scratch& scratch, const WorkItem* next, bool first_asked_for) {
 #if defined(__AVX512BF16__)
+  // A quantized cache's key codes are bf16 values exactly (int8's 8 bits, fp8's 4 significant
+  // bits): a chunk's rows are converted once and scored as bf16 rows, then by their scales.
   constexpr bool kPairDots = std::is_same_v<Q, kvscope::bf16> &&
-                             std::is_same_v<KV, kvscope::bf16> && kDim > 0 && kDim % 32 == 0;
+                             (std::is_same_v<KV, kvscope::bf16> || kvscope::kQuantizedKV<KV>) &&
+                             kDim > 0 && kDim % 32 == 0;
 #else
   constexpr bool kPairDots = false;
 #endif
@@ -332,6 +376,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   const KV* key_rows[kKeyChunk];
   const KV* value_rows[kKeyChunk];
   float* keys = scratch.keys.data();
+  const kvscope::bf16* code_rows[kKeyChunk];  // a quantized chunk's keys as bf16 (in `keys`)
+  float key_scales[kKeyChunk];
   float* scores = scratch.scores.data();  // row j's at j * kKeyChunk
   // Row j's softmax weights for the n keys from `chunk` (key_rows, or `keys` widened), its
   // statistics updated; zeros past the keys it sees, so the value pass treats rows alike.
@@ -344,7 +390,10 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     std::fill(weights + m, weights + n, 0.f);
     if (m == f) return;
 #if defined(__AVX512BF16__)
-    if constexpr (kPairDots) {
+    if constexpr (kPairDots && kvscope::kQuantizedKV<KV>) {
+      score_keys_bf16<kDim>(query_row(j), code_rows + f, m - f, scale, weights + f);
+      for (int i = f; i < m; ++i) weights[i] *= key_scales[i];
+    } else if constexpr (kPairDots) {
       score_keys_bf16<kDim>(query_row(j), key_rows + f, m - f, scale, weights + f);
     }
 #endif
@@ -387,7 +436,7 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   // DRAM at the pace the L1 miss buffers allow.
   if (!first_asked_for)
     request_rows(key_cache, value_cache, offsets[0], n, item.kv_end - item.kv_begin, L.head_stride,
-                 D * static_cast<int64_t>(sizeof(KV)));
+                 row_bytes<KV>(D));
   for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
     const bool last = chunk + kKeyChunk >= k_end;
     const WorkItem* ahead_item = last ? next : &item;  // whose keys come next, if any
@@ -403,6 +452,9 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
         value_rows[i] = value_cache + offsets[now][i] + head_offset;
       }
       if constexpr (!kPairDots) widen_rows(key_rows, n, D, keys);
+      if constexpr (kPairDots && kvscope::kQuantizedKV<KV>)
+        codes_to_bf16<kDim>(key_rows, n, reinterpret_cast<kvscope::bf16*>(keys), code_rows,
+                            key_scales);
       for (int j = h * rows_per_kv_head; j < (h + 1) * rows_per_kv_head; ++j)
         chunk_weights(j, chunk, n);
       RowsAhead<KV> ahead{keys_ahead, values_ahead, h < heads_ahead ? next_n : 0};
@@ -582,6 +634,11 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   }
 }
 
+bool quantized_kv(at::ScalarType type) {
+  return type == at::ScalarType::Float8_e4m3fn || type == at::ScalarType::Float8_e5m2 ||
+         type == at::kChar;
+}
+
 void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -597,7 +654,9 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
       key_cache.sizes() == value_cache.sizes() && key_cache.strides() == value_cache.strides(),
       "key and value caches must share a layout");
   TORCH_CHECK(key_cache.stride(3) == 1, "cache rows must be contiguous in head_dim");
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim of query and cache differ");
+  const bool quantized = quantized_kv(key_cache.scalar_type());
+  TORCH_CHECK(key_cache.size(3) == query.size(2) + (quantized ? kvscope::kScaleElements : 0),
+              "cache rows must be head_dim values, or head_dim codes and a scale (quantized)");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.dim() == 2,
@@ -607,6 +666,52 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
                   query_start_loc.numel() == seq_lens.numel() + 1,
               "query_start_loc: contiguous int32 [seqs + 1]");
+}
+
+// fn(Q{}, KV{}) for a float or bf16 tensor and a quantized cache's code type.
+template <typename Fn>
+void with_quantized(at::ScalarType values, at::ScalarType codes, Fn fn) {
+  auto with_codes = [&](auto value) {
+    if (codes == at::ScalarType::Float8_e4m3fn)
+      fn(value, kvscope::fp8_e4m3{});
+    else if (codes == at::ScalarType::Float8_e5m2)
+      fn(value, kvscope::fp8_e5m2{});
+    else
+      fn(value, int8_t{});
+  };
+  if (values == at::kFloat)
+    with_codes(float{});
+  else
+    with_codes(kvscope::bf16{});
+}
+
+// Quantizes each row of `rows` values [heads, dim] (a token's K or V) into its cache slot:
+// codes value / scale with scale = max |value| / kCodeMax rounded to bf16, exactly as
+// kernels/kv_quant.quantize does.
+template <typename T, typename Code>
+void quantize_rows(const at::Tensor& rows, at::Tensor& cache, const int64_t* slots) {
+  const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2);
+  const int64_t block_size = cache.size(1);
+  const T* values = kvscope::elements<T>(rows);
+  Code* codes = kvscope::elements<Code>(cache);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    const int64_t base =
+        (slots[t] / block_size) * cache.stride(0) + (slots[t] % block_size) * cache.stride(1);
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* row = values + t * rows.stride(0) + h * rows.stride(1);
+      Code* target = codes + base + h * cache.stride(2);
+      float amax = 0.f;
+      for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(load(row[d])));
+      const kvscope::bf16 scale_bits =
+          kvscope::bf16_bits(amax > 0.f ? amax / kvscope::kCodeMax<Code> : 1.f);
+      const float scale = load(scale_bits);
+      for (int64_t d = 0; d < dim; ++d)
+        store(target[d],
+              std::clamp(load(row[d]) / scale, -kvscope::kCodeMax<Code>, kvscope::kCodeMax<Code>));
+      std::memcpy(target + dim, &scale_bits, sizeof(scale_bits));
+    }
+  }
 }
 
 }  // namespace
@@ -632,21 +737,43 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   else if (q_type == at::kFloat && kv_type == at::kBFloat16)
     attention<float, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens,
                                     query_start_loc, scale, window, soft_cap, out);
+  else if ((q_type == at::kFloat || q_type == at::kBFloat16) && quantized_kv(kv_type))
+    with_quantized(q_type, kv_type, [&](auto q_element, auto kv_element) {
+      attention<decltype(q_element), decltype(kv_element)>(query, key_cache, value_cache,
+                                                           block_tables, seq_lens, query_start_loc,
+                                                           scale, window, soft_cap, out);
+    });
   else
     TORCH_CHECK(false, "paged_attention_cpu: unsupported query/cache dtypes ", q_type, "/",
                 kv_type);
 }
 
-// Copy each token's K/V rows [kv_heads, dim] into its slot; slot -1 is skipped.
+// Copy each token's K/V rows [kv_heads, dim] into its slot, quantizing them for a quantized
+// cache (K/V float or bf16 then); slot -1 is skipped.
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
               at::Tensor value_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-                  value.scalar_type() == value_cache.scalar_type(),
-              "store_kv_cpu: K/V must have the cache's dtype");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1,
               "store_kv_cpu: rows must be contiguous in head_dim");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping: contiguous int64");
+  if (quantized_kv(key_cache.scalar_type())) {
+    TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
+                    key.scalar_type() == value.scalar_type() &&
+                    (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16) &&
+                    key_cache.size(3) == key.size(2) + kvscope::kScaleElements,
+                "store_kv_cpu: a quantized cache takes float or bf16 K/V, rows of head_dim "
+                "codes and a scale");
+    with_quantized(key.scalar_type(), key_cache.scalar_type(), [&](auto value_type, auto code) {
+      using T = decltype(value_type);
+      using Code = decltype(code);
+      quantize_rows<T, Code>(key, key_cache, slot_mapping.data_ptr<int64_t>());
+      quantize_rows<T, Code>(value, value_cache, slot_mapping.data_ptr<int64_t>());
+    });
+    return;
+  }
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == value_cache.scalar_type(),
+              "store_kv_cpu: K/V must have the cache's dtype");
   const int64_t tokens = key.size(0), heads = key.size(1), bytes = key.size(2) * key.element_size();
   const int64_t block_size = key_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();

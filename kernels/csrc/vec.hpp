@@ -90,6 +90,25 @@ struct FP32Vec16 {
     const f32x16 magnitude = (f32x16)((bits & 0x7fff) << 13) * 0x1p112f;
     return (f32x16)((u32x16)magnitude | ((bits & 0x8000) << 16));
   }
+  // Quantized KV codes (kvscope::load's scalar twins, exact): int8, and fp8's magnitude bits
+  // placed under fp32's exponent and mantissa, rebiased by a multiply (subnormals included).
+  static FP32Vec16 load(const int8_t* p) { return widen(p); }
+  static FP32Vec16 load(const fp8_e4m3* p) { return from_fp8<20>(p, 0x1p120f); }
+  static FP32Vec16 load(const fp8_e5m2* p) { return from_fp8<21>(p, 0x1p112f); }
+  template <int kShift>
+  static FP32Vec16 from_fp8(const void* p, float rebias) {
+    // GCC 12 widens a byte vector's lanes one by one (even through int32 when the bytes come
+    // from a plain load): the one instruction, where there is AVX-512.
+#if defined(__AVX512F__)
+    const u32x16 bits =
+        (u32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+#else
+    const u32x16 bits = (u32x16) __builtin_convertvector(
+        load_unaligned<u8x16>(static_cast<const uint8_t*>(p)), i32x16);
+#endif
+    const f32x16 magnitude = (f32x16)((bits & 0x7f) << kShift) * rebias;
+    return (f32x16)((u32x16)magnitude | ((bits & 0x80) << 24));
+  }
   // Unsigned bytes to fp32 through int32: GCC 12 converts bytes straight to floats one by one.
   static FP32Vec16 widen(U8Vec16 bytes) {
     return __builtin_convertvector(__builtin_convertvector(bytes.reg, i32x16), f32x16);
@@ -105,6 +124,11 @@ struct FP32Vec16 {
   void store(bf16* p) const {
     const u32x16 bits = (u32x16)rounded_to(static_cast<bf16*>(nullptr)).reg;
     store_unaligned(p, __builtin_convertvector(bits >> 16, u16x16));
+  }
+
+  // Values bf16 holds exactly (small integers, fp8 codes) as bf16: their low bits are zero.
+  void store_exact(bf16* p) const {
+    store_unaligned(p, __builtin_convertvector((u32x16)reg >> 16, u16x16));
   }
 
   // The lanes rounded to T's precision, still fp32 (what storing to T and loading gives).
