@@ -9,7 +9,13 @@ engine starts lives as long as the engine, so it moves to the permanent generati
 (`gc.freeze`, as vLLM does after start-up) and collections walk only what came later.
 """
 
+import atexit
 import gc
+
+# Objects still frozen when the interpreter exits are never finalized, and extension
+# modules that count their live objects at exit (Triton's nanobind bindings) then report
+# them as leaked: hand them back to the collector first.
+atexit.register(gc.unfreeze)
 
 
 def freeze_long_lived() -> None:
