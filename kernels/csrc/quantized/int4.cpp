@@ -32,7 +32,7 @@ void int4_linear_vnni(const at::Tensor& x, const at::Tensor& weight, const at::T
     for (int64_t c = 0; c < xq.blocks; ++c)
       xsum[m * padded_groups(groups) + (c >> group_shift)] += xq.block_sums[m * xq.blocks + c];
   const Int8Lanes xl = int4_lanes(xq, rows);
-  all_rows_by_tiles(rows, out_features, chunk_rows(rows, out_features, in / 2),
+  all_rows_by_tiles(rows, out_features, int4_chunk_rows(rows, out_features, in / 2),
                     [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
     constexpr int M = decltype(rows_constant)::value;
     int4_rows_vnni<M>(xl, x_first, xsum.data() + x_first * padded_groups(groups), in,

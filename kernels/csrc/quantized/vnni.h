@@ -349,14 +349,6 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
 // buffers cap requests into L1). docs/performance.md has the distances measured.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// A single stream's requests for weight row `row` (of `row_bytes`), kPrefetchBytes on: called
-// row after row, it requests every line of a chunk of work once, none past `last_byte`.
-inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* last_byte) {
-  const uint8_t* ahead = row + kPrefetchBytes;
-  for (const uint8_t* line = ahead; line < std::min(ahead + row_bytes, last_byte); line += 64)
-    kvscope::prefetch_to_l2(line);
-}
-
 // Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
 template <int M>
 void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t in,
@@ -374,7 +366,10 @@ void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t
       const int64_t row_bytes = layout.chunks * (kChunk / 2);
       const uint8_t* const last_byte = weight + end * row_bytes;
       for (int64_t i = 0; i < count; ++i) {
-        prefetch_ahead(weight + (first + i) * row_bytes, row_bytes, last_byte);
+        // This row's bytes, kPrefetchBytes on: rows on rows, every line of [begin, end).
+        const uint8_t* ahead = weight + (first + i) * row_bytes + kPrefetchBytes;
+        for (const uint8_t* line = ahead; line < std::min(ahead + row_bytes, last_byte); line += 64)
+          kvscope::prefetch_to_l2(line);
         __m512 row_lanes[1];
         int4_dot_row<1>(layout, x_rows, xsum, &held, weight, scales, offsets, first + i, row_lanes);
         lanes[0][i] = row_lanes[0];
@@ -407,7 +402,6 @@ void int8_rows_vnni(const Int8Lanes& xl, int x_first, const float* q_sums, int64
   const int64_t full = in / kStepBytes;
   const __mmask64 tail = in % kStepBytes ? (~0ull >> (64 - in % kStepBytes)) : 0;
   const __m512i flip = _mm512_set1_epi8(-128);
-  const uint8_t* const last_byte = reinterpret_cast<const uint8_t*>(weight + end * in);
   const uint8_t* x_rows[M];
   for (int m = 0; m < M; ++m) x_rows[m] = xl.row(x_first + m);
   for (int64_t first = begin; first < end; first += kRowBlock) {
@@ -415,9 +409,6 @@ void int8_rows_vnni(const Int8Lanes& xl, int x_first, const float* q_sums, int64
     float y[M][kRowBlock];
     for (int64_t i = 0; i < count; ++i) {
       const int8_t* row = weight + (first + i) * in;
-      // One row of x (a single stream, the logits above all): its weights stream as int4's
-      // do; more rows reuse each weight enough for the hardware prefetchers.
-      if constexpr (M == 1) prefetch_ahead(reinterpret_cast<const uint8_t*>(row), in, last_byte);
       __m512 acc[M];
       for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
       // Bytes past `in` load as zeros and flip to 128, but their x is zero.
@@ -465,12 +456,12 @@ void all_rows_by_tiles(int64_t rows, int64_t out_features, int64_t min_rows,
   });
 }
 
-// The fewest output rows of an int4 or int8 layer per chunk of work. A single stream's layer
-// goes one share per thread: its weights stream with a software prefetch kPrefetchBytes ahead
-// within a chunk (prefetch_ahead), so each chunk starts its stream cold, and more, smaller
+// The fewest output rows of an int4 layer per chunk of work. A single stream's layer goes
+// one share per thread: its weights stream with a software prefetch kPrefetchBytes ahead
+// within a chunk (int4_rows_vnni), so each chunk starts its stream cold, and more, smaller
 // chunks per thread would start more cold streams. A helper that has not started still
 // leaves its share to the caller.
-inline int64_t chunk_rows(int64_t rows, int64_t out_features, int64_t row_bytes) {
+inline int64_t int4_chunk_rows(int64_t rows, int64_t out_features, int64_t row_bytes) {
   if (rows > kMaxRows) return grain(row_bytes);
   return std::max(grain(row_bytes), kvscope::one_share_per_thread(out_features));
 }
