@@ -17,7 +17,8 @@ from fuzz.conftest import FuzzedDashboard, fuzz_budget, wait_for_idle
 ENDPOINTS = ["/scenario_0", "/scenario_1", "/scenario_2", "/scenario_3", "/chat",
              "/check_view_fields", "/what_if", "/apply_knobs", "/start_load", "/list_sessions",
              "/show_session", "/export_session", "/compare_runs", "/refresh_live",
-             "/new_conversation"]
+             "/new_conversation", "/pause", "/resume", "/step_back", "/step_forward",
+             "/session_frame", "/session_frame_back", "/session_frame_forward"]
 # What gradio_client reports when a handler raised (rather than answered with a refusal).
 CRASHED = "has raised an exception"
 CALL_TIMEOUT_S = 60
