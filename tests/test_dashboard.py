@@ -714,9 +714,9 @@ def test_a_reconfigure_is_logged_once(served, client: Client) -> None:
         return log.load_session(log.session_id).configs
 
     before = len(configs())
-    client.predict(8, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
+    client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "auto", False, api_name="/apply_knobs")
     wait_until(lambda: len(configs()) > before, timeout=10, what="the new config in the log")
-    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", False, api_name="/apply_knobs")
+    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", False, api_name="/apply_knobs")
     wait_until(lambda: len(configs()) > before + 1, timeout=10, what="the config after it")
     time.sleep(3 * POLL_S)  # a second report would come within a recorder poll or two
     logged = configs()[before:]
