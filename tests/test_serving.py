@@ -521,8 +521,9 @@ def test_engine_config_info_reports_resolved_values_and_no_created_series(tiny_l
     info = next(line for line in text.splitlines()
                 if line.startswith("kvscope:engine_config_info"))
     assert f'model="{engine.model_path}"' in info and 'device="cpu"' in info
-    assert 'dtype="auto"' not in info and ('dtype="float32"' in info
-                                           or 'dtype="bfloat16"' in info)
+    # the model's dtype resolved (kv_cache_dtype="auto" means "the model's dtype", as vLLM's)
+    assert ',dtype="auto"' not in info and (',dtype="float32"' in info
+                                            or ',dtype="bfloat16"' in info)
     assert "_created" not in text
 
 
