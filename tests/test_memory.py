@@ -160,3 +160,22 @@ def test_the_cache_key_names_model_files_shapes_code_and_libraries(tiny_model):
 def test_profiling_writes_no_usdt_lines(capfd):
     measure_peak_bytes(lambda: torch.ones(1000) + 1, torch.device("cpu"))
     assert "USDT" not in capfd.readouterr().err
+
+
+def test_a_cpu_profile_reads_the_same_after_an_earlier_one_left_memory_counted():
+    """The profiler's CPU total is process-wide and never forgets a tensor allocated inside
+    one profile and freed outside it; every later profile must still read its own peak
+    (each reconfigure profiles again in the same process)."""
+    cpu = torch.device("cpu")
+    kept = []
+
+    def forward() -> None:
+        first = torch.empty(1 << 20)
+        torch.empty(1 << 18)
+        del first
+
+    alone = measure_peak_bytes(forward, cpu)
+    measure_peak_bytes(lambda: kept.append(torch.empty(1 << 22)), cpu)
+    kept.clear()  # freed with no profile running: the total keeps counting it
+    assert alone == (1 << 20) * 4 + (1 << 18) * 4
+    assert measure_peak_bytes(forward, cpu) == alone

@@ -197,7 +197,10 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
     # The CPU allocator keeps no statistics, but the profiler records every allocation
-    # with the running total of bytes allocated since profiling began.
+    # with the running total of bytes its reporter counts. That total is process-wide and
+    # keeps what earlier profiling sessions allocated and freed outside one (a reporter
+    # forgets only frees it sees), so it is read relative to its level before fn's first
+    # allocation: otherwise each profile in a process (every reconfigure's) read higher.
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -205,13 +208,19 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
                                              profile_memory=True) as prof:
         fn()
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
-    peak = 0
+    allocations = []
     while pending:
         event = pending.pop()
         pending.extend(event.children)
         if event.tag == _EventType.Allocation:
-            peak = max(peak, event.extra_fields.total_allocated)
-    return peak
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size,
+                                event.extra_fields.total_allocated))
+    if not allocations:
+        return 0
+    allocations.sort()
+    _, first_size, first_total = allocations[0]
+    before = first_total - first_size
+    return max(0, max(total for _, _, total in allocations) - before)
 
 
 @contextlib.contextmanager
