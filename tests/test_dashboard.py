@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import dashboard_served, free_port, heatmap_state_codes
+from conftest import dashboard_served, free_port, heatmap_state_codes, wait_until
 from gradio_client import Client
 
 from kvscope.engine.config import EngineConfig
@@ -489,7 +489,6 @@ def test_a_negative_view_field_is_refused_at_the_field_and_the_refresh_keeps_run
 
 def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
         served, client: Client) -> None:
-    from conftest import wait_until
 
     summaries = []
 
@@ -505,7 +504,6 @@ def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
 
 def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
         served, client: Client) -> None:
-    from conftest import wait_until
 
     engine = served[0]
     request_id = "follow-me"
@@ -643,7 +641,6 @@ def scrub_back_to_held_blocks(step_back, frame: int, reference: PoolReference) -
 
 
 def run_a_request_the_scrubber_can_step_through(engine, reference: PoolReference) -> None:
-    from conftest import wait_until
 
     list(engine.submit("scrub me " * 6, SamplingParams(max_tokens=24, ignore_eos=True)))
     last = engine.snapshot()  # every delta up to the request's end has been sent
@@ -686,8 +683,12 @@ def test_a_saved_sessions_pool_steps_back_to_the_frame_the_engine_recorded(
     reference = PoolReference(engine)
     try:
         run_a_request_the_scrubber_can_step_through(engine, reference)
-        shown = client.predict(log.session_id, "", api_name="/session_frame")
-        assert delta_index(shown[1]) >= max(reference.codes)  # the log holds the newest
+        shown = []
+
+        def logged_the_newest() -> bool:  # the recorder writes the pool's records behind it
+            shown[:] = client.predict(log.session_id, "", api_name="/session_frame")
+            return delta_index(shown[1]) >= max(reference.codes)
+        wait_until(logged_the_newest, timeout=30, what="the log to hold the newest frame")
         frame, status = scrub_back_to_held_blocks(
             lambda frame: client.predict(log.session_id, frame,
                                          api_name="/session_frame_back")[:2],
@@ -705,7 +706,6 @@ def test_a_saved_sessions_pool_steps_back_to_the_frame_the_engine_recorded(
 def test_a_reconfigure_is_logged_once(served, client: Client) -> None:
     """Apply logs nothing itself: the session recorder notices the new config and logs it,
     once (the knobs handler and the recorder both used to report it)."""
-    from conftest import wait_until
 
     log = served[1]
 
@@ -737,7 +737,6 @@ def drawn_figure(page, element_id: str) -> dict:
 
 def test_browser_pause_and_step_back_show_the_pool_of_that_recorded_frame(
         served, client: Client, browser) -> None:
-    from conftest import wait_until
     from playwright.sync_api import expect
 
     engine = served[0]
