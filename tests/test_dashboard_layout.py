@@ -119,7 +119,9 @@ def test_browser_panels_fill_their_width_and_no_text_covers_another(served_large
         page.locator("#kv-heatmap .imagelayer image").wait_for(timeout=30_000)
         ticks.wait_for_first_drawing()
         page.locator("#kv-block-tables").scroll_into_view_if_needed()
-        page.locator("#kv-block-tables .heatmaplayer text").first.wait_for(timeout=30_000)
+        # A poll every 2 s while busy, and requests that finish in a blink: on a loaded
+        # machine the first drawing that catches one holding blocks can take a while.
+        page.locator("#kv-block-tables .heatmaplayer text").first.wait_for(timeout=90_000)
         page.locator("#kv-heatmap").scroll_into_view_if_needed()
         panel = page.locator("#kv-heatmap").bounding_box()
         image = page.locator("#kv-heatmap .imagelayer image").bounding_box()
