@@ -113,7 +113,7 @@ def select_ops(device: torch.device | str) -> KernelOps:
         attention = importlib.import_module("kvscope.kernels.triton_attention")
         store = importlib.import_module("kvscope.kernels.triton_kv_store")
         return replace(TORCH_OPS, backend=name, paged_attention=attention.paged_attention,
-                       store_kv=store.store_kv, quantized_kv_cache=False)
+                       store_kv=store.store_kv)
     if name == "cpu":
         from kvscope.kernels import cpu_kernels
 

@@ -24,7 +24,7 @@ def kernel_ops() -> KernelOps:
         rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8())
     return KernelOps(
         backend="cpu", paged_attention=paged_attention, store_kv=store_kv,
-        quantized_kv_cache=True, rms_norm=rms_norm,
+        rms_norm=rms_norm,
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
         prepack_weight=prepack_weight if torch.ops.kvscope.has_blocked_linear() else None,

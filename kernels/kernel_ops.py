@@ -72,12 +72,10 @@ class PrepackedWeight:
 @dataclass(frozen=True, slots=True)
 class KernelOps:
     backend: str  # "triton", "cpu" or "torch" (kvscope.kernels.BACKENDS)
-    # paged attention and the KV store (contracts: reference.paged_attention, store_kv)
+    # paged attention and the KV store (contracts: reference.paged_attention, store_kv),
+    # over caches in the model's dtype and the quantized caches of kernels/kv_quant.py
     paged_attention: Callable[..., torch.Tensor]
     store_kv: Callable[..., None]
-    # whether those two read and write the quantized caches of kernels/kv_quant.py
-    # (kv_cache_dtype fp8 / fp8_e5m2 / int8); False: the model runner refuses them at start
-    quantized_kv_cache: bool
     # the small ops around a layer's matmuls (contracts: this module's docstring)
     rms_norm: Callable[..., torch.Tensor]
     rotary_embedding: Callable[..., None]

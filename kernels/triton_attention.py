@@ -30,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvscope.kernels import kv_quant
+from kvscope.kernels import triton_kv_codes as kv_codes
+
 # @triton.jit picks the interpreter at decoration time, so this is fixed at import.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -84,6 +87,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    CODES: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
 ):
     tile_index = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -140,12 +144,11 @@ def _paged_attention_kernel(
         slot_in_block = pos & ((1 << block_size_log2) - 1)
         kv_mask = pos_valid[None, :] & dim_valid[:, None]
 
-        key = tl.load(  # [HEAD_PAD, BLOCK_N]: already transposed for q @ k
-            key_cache_ptr + physical_block[None, :] * stride_key_block
-            + slot_in_block[None, :] * stride_key_slot + kv_head * stride_key_head
-            + dims[:, None],
-            mask=kv_mask, other=0.0,
-        )
+        key = kv_codes.load(  # [HEAD_PAD, BLOCK_N]: already transposed for q @ k
+            key_cache_ptr, (physical_block * stride_key_block + slot_in_block * stride_key_slot
+                            + kv_head * stride_key_head)[None, :],
+            dims[:, None], kv_mask, pos_valid[None, :], query.dtype,
+            HEAD_DIM, CODES, MANTISSA, BIAS)
         scores = _dot(query, key, UPCAST_DOT, DOT_PRECISION)
         if SOFT_CAP:
             # cap * tanh(s / cap), tanh written with exp (1 - 2 / (e^2x + 1): exact at +-inf)
@@ -165,12 +168,12 @@ def _paged_attention_kernel(
         rescale = tl.exp2(running_max - shift)
         running_sum = running_sum * rescale + tl.sum(probs, 1)
 
-        value = tl.load(  # [BLOCK_N, HEAD_PAD]
-            value_cache_ptr + physical_block[:, None] * stride_value_block
-            + slot_in_block[:, None] * stride_value_slot + kv_head * stride_value_head
-            + dims[None, :],
-            mask=pos_valid[:, None] & dim_valid[None, :], other=0.0,
-        ).to(query.dtype)
+        value = kv_codes.load(  # [BLOCK_N, HEAD_PAD]
+            value_cache_ptr, (physical_block * stride_value_block
+                              + slot_in_block * stride_value_slot
+                              + kv_head * stride_value_head)[:, None],
+            dims[None, :], pos_valid[:, None] & dim_valid[None, :], pos_valid[:, None],
+            query.dtype, HEAD_DIM, CODES, MANTISSA, BIAS)
         acc = acc * rescale[:, None] + _dot(probs.to(value.dtype), value, UPCAST_DOT,
                                               DOT_PRECISION)
         running_max = new_max
@@ -272,8 +275,9 @@ def paged_attention(
     keys per tile) and num_kv_splits override the heuristics (tests use them).
     """
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape:
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if (kv_quant.head_dim_of(key_cache) != head_dim or value_cache.shape != key_cache.shape
+            or value_cache.dtype != key_cache.dtype):
         raise ValueError(
             f"query head_dim={head_dim}, key_cache {tuple(key_cache.shape)} and value_cache "
             f"{tuple(value_cache.shape)} must agree")
@@ -324,9 +328,11 @@ def paged_attention(
     else:
         partial_out = partial_max = partial_sum = target  # unused
 
+    key_target, codes = kv_codes.code_format(key_cache)
+    value_target, _ = kv_codes.code_format(value_cache)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        query, key_target, value_target, block_tables, seq_lens, query_start_loc,
         target, partial_out, partial_max, partial_sum,
         scale, num_seqs, num_kv_splits, block_size.bit_length() - 1, sliding_window or 0,
         soft_cap or 1.0,
@@ -342,7 +348,7 @@ def paged_attention(
         # The interpreter (triton 3.x) multiplies bf16 dot operands as raw bits, and fp16
         # ones without BLAS; fp32 products of half inputs are exact, so this is only faster.
         UPCAST_DOT=INTERPRETED and query.dtype != torch.float32,
-        DOT_PRECISION=_fp32_dot_precision(query.device), SOFT_CAP=bool(soft_cap),
+        DOT_PRECISION=_fp32_dot_precision(query.device), SOFT_CAP=bool(soft_cap), **codes,
     )
     if split_kv:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -135,16 +135,17 @@ def test_the_decoder_stack_names_a_layer_tensor_it_lacks_or_does_not_know(tiny_m
         FusedDecoderStack(model, torch.float32)
 
 
-def test_torch_and_cpu_backends_decode_an_int8_cache_alike(tiny_model, run_engine, monkeypatch):
-    """Both store the same codes and scales (bit for bit) and attend over them alike."""
-    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch", kv_cache_dtype="int8")
-    assert greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu",
-                         kv_cache_dtype="int8") == expected
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="triton is not installed")
-def test_triton_backend_refuses_a_quantized_cache_naming_the_knob(tiny_model, monkeypatch):
-    config, runner = runner_for(monkeypatch, tiny_model, "triton", kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': the triton kernels"):
-        EngineCore(config, runner=runner)
+@pytest.mark.parametrize("backend", [
+    "cpu",
+    pytest.param("triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                                    reason="triton is not installed")),
+])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
+def test_every_backend_decodes_a_quantized_cache_as_the_torch_path(
+        tiny_model, run_engine, monkeypatch, backend, kv_cache_dtype):
+    """Every backend stores the same codes and scales (bit for bit) and attends over them
+    alike (the Triton kernels in the interpreter where there is no GPU)."""
+    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch",
+                             kv_cache_dtype=kv_cache_dtype)
+    assert greedy_tokens(monkeypatch, tiny_model, run_engine, backend,
+                         kv_cache_dtype=kv_cache_dtype) == expected

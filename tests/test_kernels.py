@@ -687,6 +687,99 @@ def test_store_then_attend_with_triton_matches_dense(device):
     assert_close(out, dense_attention(batch), torch.float32)
 
 
+# --- the Triton kernels over quantized KV caches (kv_cache_dtype fp8 / fp8_e5m2 / int8) -----
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("codes", KV_CODE_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_store_kv_quantizes_as_the_oracle(device, codes, dtype):
+    """Codes and scales bit for bit, for rows from 1e-6 to 1e3 (fp8's subnormal codes
+    included), zero and -0.0 rows, padding slots and strided rows."""
+    key, value, _, _, slots = _store_case(device, dtype, dtype, block_size=4)
+    scales = torch.logspace(-6, 3, key.shape[0], device=device)[:, None, None]
+    key.mul_(scales.to(dtype))  # in place: the rows stay strided views of fused QKV rows
+    value.mul_(scales.flip(0).to(dtype))
+    key[0, 0], key[1, 1] = 0.0, -0.0
+    num_tokens, num_kv_heads, head_dim = key.shape
+    shape = (-(-2 * num_tokens // 4), 4, num_kv_heads, kv_quant.row_width(head_dim, codes))
+    key_cache = torch.zeros(shape, dtype=codes, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
+    reference.store_kv(key, value, expected_keys, expected_values, slots)
+    triton_store_kv(key, value, key_cache, value_cache, slots.to(torch.int32))
+    assert torch.equal(key_cache.view(torch.uint8), expected_keys.view(torch.uint8))
+    assert torch.equal(value_cache.view(torch.uint8), expected_values.view(torch.uint8))
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_triton_store_kv_rounds_to_the_nearest_float8_code_ties_to_even(device, codes):
+    """Every finite code's value and every midpoint between neighbours (a row led by the
+    largest code, so its scale is 1): each is stored as torch's cast rounds it."""
+    every_code = torch.arange(256, dtype=torch.uint8).view(codes).float()
+    grid = every_code[every_code.isfinite()].unique()  # sorted, -0.0 merged into 0.0
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, -grid[1:] / 3])
+    head_dim = 63
+    rows = torch.nn.functional.pad(values, (0, -values.shape[0] % head_dim))
+    rows = torch.cat([torch.full((rows.shape[0] // head_dim, 1), kv_quant.CODE_MAX[codes]),
+                      rows.view(-1, head_dim)], dim=1).unsqueeze(1).to(device)
+    cache = torch.zeros(rows.shape[0], 1, 1, head_dim + 1 + kv_quant.SCALE_ELEMENTS,
+                        dtype=codes, device=device)
+    slots = torch.arange(rows.shape[0], device=device)
+    triton_store_kv(rows, rows, cache, torch.zeros_like(cache), slots.to(torch.int32))
+    assert bool((kv_quant.scales(cache) == 1.0).all())
+    expected = rows.to(codes).view(torch.uint8)
+    assert torch.equal(cache.view(torch.uint8)[:, 0, :, :-kv_quant.SCALE_ELEMENTS], expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("codes", KV_CODE_DTYPES)
+@pytest.mark.parametrize(("block_size", "queries_per_kv", "head_dim"), QUANTIZED_CASES)
+def test_triton_attention_reads_quantized_caches_as_de_quantized(device, codes, block_size,
+                                                                 queries_per_kv, head_dim):
+    """Attention over caches the Triton store quantized (the oracle's bytes) is the oracle's
+    over the de-quantized caches: prefills, a cached prefix, a chunk, decodes at block
+    boundaries, GQA."""
+    batch = make_batch(mixed_seqs(block_size), block_size, 2, queries_per_kv, head_dim,
+                       device=device)
+    key_cache, value_cache, _ = quantized_caches(batch, codes, triton_store_kv)
+    expected_keys, expected_values, dequantized = quantized_caches(batch, codes,
+                                                                   reference.store_kv)
+    assert torch.equal(key_cache.view(torch.uint8), expected_keys.view(torch.uint8))
+    assert torch.equal(value_cache.view(torch.uint8), expected_values.view(torch.uint8))
+    out = triton_paged_attention(batch.query, key_cache, value_cache, *batch.args()[3:])
+    assert_close(out, oracle_on_dequantized(batch, dequantized), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codes", KV_CODE_DTYPES)
+def test_triton_attention_reads_quantized_caches_for_half_queries(device, dtype, codes):
+    """bf16 / fp16 queries, decodes whose keys split over programs: de-quantized rows are
+    rounded to the query's dtype, as the oracle's are (fp8_e5m2's scales, amax / 57344,
+    would underflow fp16 if they were applied to the softmax weights instead)."""
+    batch = make_batch([(70, 1), (5, 1), (130, 1), (21, 4)], 16, 2, 3, 80, dtype=dtype,
+                       device=device)
+    key_cache, value_cache, dequantized = quantized_caches(batch, codes, triton_store_kv)
+    out = triton_paged_attention(batch.query, key_cache, value_cache, *batch.args()[3:],
+                                 block_n=16, num_kv_splits=3)
+    assert out.dtype == dtype
+    assert_close(out, oracle_on_dequantized(batch, dequantized), dtype)
+
+
+@needs_triton
+def test_triton_store_kv_refuses_rows_that_do_not_fit_a_quantized_cache():
+    cache = torch.zeros(2, 4, 1, 64, dtype=torch.int8)  # no room for the scale
+    rows = torch.randn(1, 1, 64)
+    with pytest.raises(ValueError, match="codes and a scale"):
+        triton_store_kv(rows, rows, cache, cache.clone(), torch.tensor([0]))
+
+
 # --- dispatch -----------------------------------------------------------------------------
 
 

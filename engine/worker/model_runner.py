@@ -214,20 +214,11 @@ class ModelRunner:
         return kv_bytes_per_block(self.layers_per_block, block_size, self.num_kv_heads,
                                   self.head_dim, self.dtype, kv_cache_dtype)
 
-    def check_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
-        """Refuse a quantized cache the chosen kernels cannot read (ValueError names the knob)."""
-        if kv_cache_dtype != "auto" and not self.kernel_ops.quantized_kv_cache:
-            raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype!r}: the {self.kernel_ops.backend} kernels read "
-                "and write only caches in the model's dtype; use kv_cache_dtype='auto', or the "
-                f"cpu or torch backend ({kernels.BACKEND_ENV})")
-
     def plan_memory(self, config: EngineConfig, draft: "ModelRunner | None" = None) -> MemoryPlan:
         """Size the block pool for a resolved config (profiling its token budget once per
         model, machine and code version: later starts read the peak from disk). A draft
         model (speculative decoding) comes out of the same budget: its weights, its K/V for
         every block, and its activations (its forwards run beside what the target's leave)."""
-        self.check_kv_cache_dtype(config.kv_cache_dtype)
         kv_dtype = config.kv_cache_dtype
         peak = self.peak_activation_bytes(config)
         draft_weights = draft_per_block = auto_draft_per_block = 0
