@@ -13,6 +13,7 @@
 // block32_dot) is kquants_vnni.h's, so kquants.cpp's driver runs either.
 #pragma once
 
+#include "quantized/kquants_blocks.h"
 #include "quantized/vnni.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVSCOPE_VNNI_DOTS)
@@ -144,14 +145,8 @@ inline void k4_dot(const SuperRows& xq, int x_first, const uint8_t* row, float (
   for (int64_t b = 0; b < xq.blocks; ++b) {
     const uint8_t* block = row + b * kBytes;
     const float d = half_float(block), dmin = half_float(block + 2);
-    // The 12 bytes of 6-bit scales and mins unpacked to 8 bytes of each (llama.cpp's).
     uint32_t u[4];
-    std::memcpy(u, block + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t scales_high = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = scales_high;
-    u[0] &= 0x3f3f3f3f;
+    unpack_k4_scales(block + 4, u);
     const uint8_t* scales = reinterpret_cast<const uint8_t*>(u);
     const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i*>(u + 2)));
     const uint8_t* qs = block + (kFive ? 48 : 16);
@@ -275,12 +270,8 @@ namespace kquants {
 // go in as |q| against q_x with q's sign.
 template <int64_t kType>
 struct Block32 {
-  static constexpr int64_t kBytes = kType == 2   ? 18
-                                    : kType == 3 ? 20
-                                    : kType == 6 ? 22
-                                    : kType == 7 ? 24
-                                                 : 34;
-  static constexpr bool kMin = kType == 3 || kType == 7, kFifth = kType == 6 || kType == 7;
+  static constexpr int64_t kBytes = block32_bytes(kType);
+  static constexpr bool kMin = block32_has_min(kType), kFifth = block32_has_fifth_bits(kType);
 
   // The block's quants in x's order, with its scale and constant term.
   static __m256i quants(const uint8_t* block, float& scale, float& c) {
