@@ -7,9 +7,12 @@ Per file, kvscope:
   single_stream_tok_s   one greedy chat reply's decode rate (bench/quantization.py's)
   batched_tok_s         bench/throughput.py's kvscope workload, --num-requests (32) at once
   perplexity            on bench/quantization.py's fixed text, one teacher-forced prefill
-and, with llama-cpp-python installed, llama.cpp in a worker process of its own
-(bench/llama_cpp_worker.py) on the same file and threads: its load time, single stream and
-its requests one at a time (it batches none across requests); kvscope's ratios to those.
+and, with llama-cpp-python installed (in this interpreter, or --llama-python's:
+$KVSCOPE_LLAMA_PYTHON), llama.cpp in a worker process of its own (bench/llama_cpp_worker.py)
+on the same file and threads: its load time, single stream, perplexity on the same tokens,
+and the same requests one at a time (a user's calls) and all at once as llama-server
+batches them (n_seq_max sequences, KV cache unified and per sequence), its best mode
+counting; kvscope's ratios to those, and the issue's targets met or not.
 Without llama-cpp-python the report says so and holds kvscope's numbers alone.
 
 Files: --files PATH[,PATH...]; by default the shipped SmolLM2 Q4_1 file and, with
@@ -25,7 +28,6 @@ Usage:
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -39,7 +41,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 
 import torch
 from quantization import TEXT, batched, perplexity, single_stream  # noqa: E402
-from throughput import LlamaCpp, make_workload  # noqa: E402
+from served import cpu_name  # noqa: E402
+from throughput import LlamaCpp, default_llama_python, llama_cpp_available, make_workload  # noqa: E402
 from throughput import parse_args as throughput_args  # noqa: E402
 
 from kvscope import LLM  # noqa: E402
@@ -58,24 +61,22 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 """
 
 
-def llama_cpp_installed() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def default_files(workdir: Path) -> list[Path]:
+def default_files(workdir: Path, llama_python: str | None) -> list[Path]:
+    """The shipped file, and its requantizations where llama-cpp-python runs."""
     source = find_default_gguf()
     files = [source]
-    if llama_cpp_installed():
+    if llama_python is not None:
         for name, ftype in REQUANTIZED.items():
             target = workdir / f"{source.stem.rsplit('.', 1)[0]}.{name}.gguf"
             if not target.is_file():
-                subprocess.run([sys.executable, "-c", QUANTIZE, str(source), str(target), str(ftype)],
+                subprocess.run([llama_python, "-c", QUANTIZE, str(source), str(target), str(ftype)],
                                check=True)
             files.append(target)
     return files
 
 
-def kvscope_row(path: Path, args: argparse.Namespace, text: str) -> dict:
+def kvscope_row(path: Path, args: argparse.Namespace, text: str) -> tuple[dict, list[int]]:
+    """kvscope's numbers on the file, and the perplexity's tokens."""
     started = time.perf_counter()
     llm = LLM(str(path), quantization="gguf", dtype=args.dtype)
     load_seconds = time.perf_counter() - started
@@ -94,25 +95,56 @@ def kvscope_row(path: Path, args: argparse.Namespace, text: str) -> dict:
     if not args.skip_batched:
         row["batched"] = batched(llm, args)
         row["batched_tok_s"] = row["batched"]["output_tokens_per_s"]
-    return row
+    return row, tokens
 
 
-def llama_cpp_row(path: Path, args: argparse.Namespace, llm_tokenizer) -> dict:
+def llama_cpp_row(path: Path, args: argparse.Namespace, llm_tokenizer, tokens: list[int]) -> dict:
     workload_args = throughput_args(["--backends", "llama_cpp", "--num-requests",
                                      str(args.num_requests), "--max-prompt", str(args.max_prompt),
-                                     "--max-output", str(args.max_output)])
+                                     "--max-output", str(args.max_output),
+                                     "--llama-python", args.llama_python])
     workload = make_workload(workload_args, llm_tokenizer, llm_tokenizer.vocab_size)
     backend = LlamaCpp(workload_args, workload, path, gguf=path)
     prompt = workload.prompts[0]
     streams = [backend.single_stream(prompt, args.single_tokens) for _ in range(args.repeats)]
     row = {"load_seconds": round(backend.setup_seconds, 1), "single_stream": streams,
-           "single_stream_tok_s": max(run["decode_tokens_per_s"] for run in streams)}
+           "single_stream_tok_s": max(run["decode_tokens_per_s"] for run in streams),
+           "perplexity": round(backend.perplexity(tokens), 3)}
     if not args.skip_batched:
-        row["batched"] = backend.run()
-        row["batched_tok_s"] = row["batched"]["output_tokens_per_s"]
+        modes = {"one_at_a_time": backend.run(), "server_unified_kv": backend.batched(True),
+                 "server_kv_per_sequence": backend.batched(False)}
+        best = max(modes, key=lambda mode: modes[mode]["output_tokens_per_s"])
+        row["batched"] = modes
+        row["batched_best_mode"] = best
+        row["batched_tok_s"] = modes[best]["output_tokens_per_s"]
     backend.worker.stdin.close()
     backend.worker.wait()
     return row
+
+
+# The issue's targets per ratio (ratios()): the test and the target as text.
+TARGETS = {"single_stream_vs_llama_cpp": (lambda r: r >= 1.8, ">= 1.8"),
+           "weight_vs_file": (lambda r: r <= 1.25, "<= 1.25"),
+           "batched_vs_llama_cpp_best": (lambda r: r >= 2.0, ">= 2"),
+           "perplexity_vs_llama_cpp": (lambda r: abs(r - 1) <= 0.01, "within 1 %")}
+
+
+def ratios(ours: dict, theirs: dict | None) -> dict:
+    """kvscope over llama.cpp per measure, and the weight bytes over the file's."""
+    out = {"weight_vs_file": ours["weight_vs_file"]}
+    if theirs is not None:
+        for name, key in (("single_stream_vs_llama_cpp", "single_stream_tok_s"),
+                          ("batched_vs_llama_cpp_best", "batched_tok_s"),
+                          ("perplexity_vs_llama_cpp", "perplexity"),
+                          ("load_seconds_vs_llama_cpp", "load_seconds")):
+            if key in ours and key in theirs:
+                out[name] = round(ours[key] / theirs[key], 3)
+    return out
+
+
+def targets(measured: dict) -> dict:
+    return {name: {"target": text, "measured": measured[name], "met": test(measured[name])}
+            for name, (test, text) in TARGETS.items() if name in measured}
 
 
 def main() -> None:
@@ -127,28 +159,34 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=128)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--skip-batched", action="store_true")
+    parser.add_argument("--llama-python", default=default_llama_python(),
+                        help="the interpreter with llama-cpp-python (default: "
+                             "$KVSCOPE_LLAMA_PYTHON, else this one)")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    files = [Path(f) for f in args.files.split(",")] if args.files else default_files(workdir)
+    with_llama_cpp = llama_cpp_available(args.llama_python)
+    files = ([Path(f) for f in args.files.split(",")] if args.files
+             else default_files(workdir, args.llama_python if with_llama_cpp else None))
     text = TEXT.read_text()
-    report = {"torch_threads": torch.get_num_threads(),
+    report = {"torch_threads": torch.get_num_threads(), "cpu": cpu_name(),
               "machine": platform.processor() or platform.machine(), "files": {}}
-    if not llama_cpp_installed():
-        report["llama_cpp"] = ("llama-cpp-python is not installed (it is built from source: see "
-                               "the README), so no requantized k-quant files and no llama.cpp "
-                               "numbers; kvscope alone")
+    if not with_llama_cpp:
+        report["llama_cpp"] = (f"llama-cpp-python is not installed for {args.llama_python} (it "
+                               "is built from source: see the README; --llama-python names a "
+                               "venv that has it), so no requantized k-quant files and no "
+                               "llama.cpp numbers; kvscope alone")
     for path in files:
-        row = {"kvscope": kvscope_row(path, args, text)}
-        if llama_cpp_installed():
+        ours, tokens = kvscope_row(path, args, text)
+        row = {"kvscope": ours}
+        theirs = None
+        if with_llama_cpp:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            ours, theirs = row["kvscope"], llama_cpp_row(path, args, tokenizer)
-            row["llama_cpp"] = theirs
-            row["vs_llama_cpp"] = {key: round(ours[key] / theirs[key], 3)
-                                   for key in ("single_stream_tok_s", "batched_tok_s")
-                                   if key in ours and key in theirs}
+            theirs = row["llama_cpp"] = llama_cpp_row(path, args, tokenizer, tokens)
+        row["ratios"] = ratios(ours, theirs)
+        row["targets"] = targets(row["ratios"])
         report["files"][path.name] = row
         print(json.dumps({path.name: row["kvscope"]["single_stream_tok_s"]}), file=sys.stderr)
     print(json.dumps(report, indent=2))

@@ -21,7 +21,7 @@ seed, every request generating exactly its length: ignore_eos) runs through
                         own tokens count as output
   llama_cpp             llama-cpp-python on the default model's GGUF (its Q4_1 weights,
                         one request at a time, in a process of its own), only when that
-                        package is installed
+                        package is installed (in this interpreter or --llama-python's)
 
 on the same model, dtype and device, and prints JSON: output tokens/s for each backend
 (generation only: model loading, profiling and warm-up are reported apart) and the ratios.
@@ -387,11 +387,29 @@ class HFGenerate:
         return stream_result(ttft, self._generate(input_ids, num_tokens) - ttft, num_tokens)
 
 
+def default_llama_python() -> str:
+    """The interpreter that runs llama-cpp-python: $KVSCOPE_LLAMA_PYTHON (a venv of its own,
+    as the README builds it), else this one."""
+    return os.environ.get("KVSCOPE_LLAMA_PYTHON") or sys.executable
+
+
+def llama_cpp_available(python: str) -> bool:
+    """Whether `python` imports llama_cpp (a check in a process of its own, as the worker)."""
+    if python == sys.executable:
+        return importlib.util.find_spec("llama_cpp") is not None
+    try:
+        return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True,
+                              timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 class LlamaCpp:
     """llama-cpp-python on the default model's GGUF: its own (Q4_1) weights, one request at
-    a time (it has no batching across requests), in a worker process of its own
-    (bench/llama_cpp_worker.py says why). EOS cannot be switched off, so only the tokens it
-    really generated count; times are the worker's own, without the pipe."""
+    a time (`run`: a llama.cpp user's calls), or all at once as llama-server batches them
+    (`batched`), in a worker process of its own (bench/llama_cpp_worker.py says why) under
+    --llama-python. EOS cannot be switched off one request at a time, so there only the
+    tokens it really generated count; times are the worker's own, without the pipe."""
 
     def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path,
                  gguf: Path | None = None):
@@ -404,7 +422,7 @@ class LlamaCpp:
         context = max(len(p) for p in workload.prompts) + max(workload.output_lens) + 8
         environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         self.worker = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), str(gguf),
+            [args.llama_python, str(Path(__file__).with_name("llama_cpp_worker.py")), str(gguf),
              str(max(context, 512)), str(torch.get_num_threads())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
         self._answer()  # {"ready": true} once the model is loaded
@@ -416,11 +434,14 @@ class LlamaCpp:
     def weight_bytes_per_step(self) -> int:
         return self.gguf_bytes
 
+    def _ask(self, request: dict) -> dict:
+        self.worker.stdin.write(json.dumps(request) + "\n")
+        self.worker.stdin.flush()
+        return self._answer()
+
     def _complete(self, prompt: list[int], num_tokens: int) -> tuple[int, float]:
         """(tokens generated, seconds) of one completion from an empty cache."""
-        self.worker.stdin.write(json.dumps({"prompt": prompt, "max_tokens": num_tokens}) + "\n")
-        self.worker.stdin.flush()
-        answer = self._answer()
+        answer = self._ask({"prompt": prompt, "max_tokens": num_tokens})
         return answer["tokens"], answer["seconds"]
 
     def _answer(self) -> dict:
@@ -441,6 +462,17 @@ class LlamaCpp:
         return result(sum(seconds for _, seconds in completions),
                       sum(tokens for tokens, _ in completions), weights=self.gguf,
                       note="stops at EOS; one request at a time")
+
+    def batched(self, unified: bool) -> dict:
+        """Every request at once, one sequence each (n_seq_max), each to its full length."""
+        answer = self._ask({"batch": self.workload.prompts,
+                            "max_tokens": list(self.workload.output_lens), "unified": unified})
+        return result(answer["seconds"], answer["tokens"], weights=self.gguf,
+                      note=f"server-style batching, n_seq_max {len(self.workload.prompts)}, "
+                           f"kv_unified {unified}")
+
+    def perplexity(self, token_ids: list[int]) -> float:
+        return self._ask({"perplexity": token_ids})["perplexity"]
 
 
 BACKEND_CLASSES = {"kvscope": KVScope, "kvscope_penalties": KVScopePenalties,
@@ -485,6 +517,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="kvscope knob (weight-only; the transformers backends stay dense)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="kvscope knob: the layers one by one, not the one-call decoder stack")
+    parser.add_argument("--llama-python", default=default_llama_python(),
+                        help="the interpreter with llama-cpp-python for the llama_cpp backend "
+                             "(default: $KVSCOPE_LLAMA_PYTHON, else this one)")
     args = parser.parse_args(argv)
     args.min_prompt = min(args.min_prompt, args.max_prompt)
     args.min_output = min(args.min_output, args.max_output)
@@ -612,9 +647,9 @@ def main(argv=None) -> None:
     }
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    if "llama_cpp" in args.backends and importlib.util.find_spec("llama_cpp") is None:
+    if "llama_cpp" in args.backends and not llama_cpp_available(args.llama_python):
         args.backends.remove("llama_cpp")
-        report["skipped"] = {"llama_cpp": "llama-cpp-python is not installed"}
+        report["skipped"] = {"llama_cpp": f"llama-cpp-python not installed for {args.llama_python}"}
     backends = {}
     for name in args.backends:
         logger.info("setting up %s", name)

@@ -21,7 +21,8 @@ def kernel_ops() -> KernelOps:
     packed = PackedLinearKernels(
         int4_linear=int4_linear, int8_linear=int8_linear, int4_dequantize=int4_dequantize,
         int8_dequantize=int8_dequantize, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize,
-        rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8())
+        rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8(),
+        gguf_rounds_activations_to_int8=torch.ops.kvscope.gguf_rounds_activations_to_int8())
     return KernelOps(
         backend="cpu", paged_attention=paged_attention, store_kv=store_kv,
         rms_norm=rms_norm,

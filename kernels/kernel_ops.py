@@ -55,6 +55,10 @@ class PackedLinearKernels:
     # whether int4_linear / int8_linear round bf16 activations to int8, one scale per 32
     # values (llama.cpp's Q8_0), for VNNI dot products; otherwise they compute exactly
     rounds_activations_to_int8: bool
+    # whether gguf_linear rounds bf16 activations to int8 for integer dots, one scale per
+    # 256 values for the k-quants (llama.cpp's q8_K), per 32 for the rest (on AVX512-VNNI
+    # and on AVX2); otherwise it computes exactly
+    gguf_rounds_activations_to_int8: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,9 @@ def random_blocks(kind: GGMLQuantizationType, rows: int, in_features: int,
 
 
 def int8_rounded(x: torch.Tensor, values: int) -> torch.Tensor:
-    """x rounded as the VNNI kernels round it: per `values` values (llama.cpp's q8_K for the
-    k-quants, 256; Q8_0 for the rest, 32), int8 with d = max|x| / 127 and
-    q = round(x * (1 / d)), ties to even."""
+    """x rounded as the int8-dot kernels (AVX512-VNNI, AVX2) round it: per `values` values
+    (llama.cpp's q8_K for the k-quants, 256; Q8_0 for the rest, 32), int8 with
+    d = max|x| / 127 and q = round(x * (1 / d)), ties to even."""
     blocks = x.float().view(x.shape[0], -1, values)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
@@ -86,7 +86,7 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
     """One row and small batches stream the blocks (cpu), more rows de-quantize and run a
     GEMM; the torch backend (and Triton's, which shares it) de-quantizes in plain torch.
     fp32 activations give the dense matmul to rounding, bf16 ones its result to bf16's
-    (where the VNNI kernels stream: the product of x rounded as they round it)."""
+    (where the int8-dot kernels stream: the product of x rounded as they round it)."""
     rng = np.random.default_rng(int(kind) + 100)
     torch.manual_seed(int(kind))
     in_features = 768
@@ -107,7 +107,7 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
         streams = backend == "cpu" and rows <= KERNEL_MAX_ROWS
         gemm_weight = weight if streams else weight.bfloat16()
         x_seen = x.bfloat16()
-        if streams and cpu_ops.packed.rounds_activations_to_int8:
+        if streams and cpu_ops.packed.gguf_rounds_activations_to_int8:
             x_seen = int8_rounded(x_seen, 256 if kind in K_QUANTS else 32)
         rounded = x_seen.double() @ gemm_weight.double().T + bias.bfloat16().double()
         torch.testing.assert_close(out.double(), rounded, rtol=2 ** -7, atol=1e-2)

@@ -38,6 +38,7 @@ TORCH_LIBRARY(kvscope, m) {
   // quantized/kquants.cpp
   m.def("gguf_linear(Tensor x, Tensor weight, int type, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("gguf_dequantize(Tensor weight, int type, Tensor(a!) out) -> ()");
+  m.def("gguf_rounds_activations_to_int8() -> bool", &gguf_rounds_activations_to_int8);
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 

@@ -20,11 +20,11 @@
 //
 // The exact path de-quantizes each output row's blocks to fp32 once, into a buffer that stays
 // in L1 while every row of x is dotted with it (x widened to fp32 once per call): one read of
-// the weights for any number of rows, the same exact result for every row. bf16 x on a CPU
-// with AVX512-VNNI takes kquants_vnni.h's integer dots instead, which read each row once for
-// any number of rows too. More rows than the
-// model's streaming limit (engine/worker/models/quantized.py) run a GEMM over
-// gguf_dequantize's dense weight instead.
+// the weights for any number of rows, the same exact result for every row. bf16 x takes
+// integer dots instead, with x rounded to int8 (llama.cpp's q8_K / Q8_0): kquants_vnni.h's
+// on a CPU with AVX512-VNNI, kquants_avx2.h's on one with AVX2 alone; they too read each
+// row once for any number of rows. More rows than the model's streaming limit
+// (engine/worker/models/quantized.py) run a GEMM over gguf_dequantize's dense weight instead.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
@@ -37,8 +37,13 @@
 
 #include "cpu_ops.h"
 #include "quantized/common.h"
+#include "quantized/kquants_avx2.h"
 #include "quantized/kquants_vnni.h"
 #include "work_pool.h"
+
+#if defined(KVSCOPE_VNNI_DOTS) || defined(KVSCOPE_AVX2_DOTS)
+#define KVSCOPE_GGUF_INT8_DOTS 1
+#endif
 
 namespace kvscope::quantized {
 namespace {
@@ -208,11 +213,12 @@ void dot_rows(const float* xf, int64_t in, const float* w, float (&sums)[M]) {
   for (int m = 0; m < M; ++m) sums[m] = (even[m] + odd[m]).add_halves().reduce_sum();
 }
 
-#if defined(KVSCOPE_VNNI_DOTS)
-// bf16 x rounded to int8 (kquants_vnni.h), each weight row dotted with every row of x while it
-// is in L1, kMaxRows rows of x at a time: dot(rows constant, x_first, row, sums).
+#if defined(KVSCOPE_GGUF_INT8_DOTS)
+// bf16 x rounded to int8 (kquants_vnni.h, kquants_avx2.h), each weight row dotted with
+// every row of x while it is in L1, kMaxRows rows of x at a time: dot(rows constant,
+// x_first, row, sums).
 template <typename Out, typename Dot>
-void linear_vnni(const at::Tensor& weight, int64_t rows, const bf16* bias, at::Tensor& out,
+void linear_int8(const at::Tensor& weight, int64_t rows, const bf16* bias, at::Tensor& out,
                  Dot&& dot) {
   const int64_t out_features = weight.size(0), row_bytes = weight.size(1),
                 out_stride = out.stride(0);
@@ -224,7 +230,7 @@ void linear_vnni(const at::Tensor& weight, int64_t rows, const bf16* bias, at::T
     const uint8_t* const last_byte = blocks + end * row_bytes;
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = blocks + n * row_bytes;
-      // This row's bytes, kPrefetchBytes on, requested into L2 (see vnni.h).
+      // This row's bytes, kPrefetchBytes on, requested into L2 (see common.h).
       for (const uint8_t* line = row + kPrefetchBytes;
            line < std::min(row + kPrefetchBytes + row_bytes, last_byte); line += 64)
         kvscope::prefetch_to_l2(line);
@@ -243,14 +249,14 @@ void linear_vnni(const at::Tensor& weight, int64_t rows, const bf16* bias, at::T
 }
 
 template <typename Out>
-void gguf_linear_vnni(const at::Tensor& x, const at::Tensor& weight, int64_t type, const bf16* bias,
+void gguf_linear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t type, const bf16* bias,
                       at::Tensor& out) {
   const int64_t in = x.size(1), rows = x.size(0);
   const bf16* xb = elements<bf16>(x);
   if (type == kQ4_K || type == kQ5_K || type == kQ6_K) {
     const kquants::SuperRows xq =
         kquants::quantize_super_rows(xb, x.stride(0), static_cast<int>(rows), in, type != kQ6_K);
-    return linear_vnni<Out>(weight, rows, bias, out,
+    return linear_int8<Out>(weight, rows, bias, out,
                             [&](auto rows_constant, int first, const uint8_t* row, auto& sums) {
       constexpr int R = decltype(rows_constant)::value;
       if (type == kQ6_K) return kquants::q6_dot<R>(xq, first, row, sums);
@@ -259,7 +265,7 @@ void gguf_linear_vnni(const at::Tensor& x, const at::Tensor& weight, int64_t typ
     });
   }
   const Int8Rows xq = quantize_rows(xb, x.stride(0), static_cast<int>(rows), in);
-  linear_vnni<Out>(weight, rows, bias, out,
+  linear_int8<Out>(weight, rows, bias, out,
                    [&](auto rows_constant, int first, const uint8_t* row, auto& sums) {
     constexpr int R = decltype(rows_constant)::value;
     switch (type) {
@@ -281,8 +287,8 @@ void gguf_linear_vnni(const at::Tensor& x, const at::Tensor& weight, int64_t typ
 template <typename T, typename Out>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                       BlockFormat format, const T* bias, at::Tensor& out) {
-#if defined(KVSCOPE_VNNI_DOTS)
-  if constexpr (std::is_same_v<T, bf16>) return gguf_linear_vnni<Out>(x, weight, type, bias, out);
+#if defined(KVSCOPE_GGUF_INT8_DOTS)
+  if constexpr (std::is_same_v<T, bf16>) return gguf_linear_int8<Out>(x, weight, type, bias, out);
 #endif
   const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
   const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);
@@ -373,4 +379,14 @@ void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out) {
       }
     });
   });
+}
+
+// Whether gguf_linear rounds bf16 activations to int8 for integer dots on this build (per
+// 256 values for Q4_K..Q6_K, per 32 for the rest); otherwise it computes exactly.
+bool gguf_rounds_activations_to_int8() {
+#if defined(KVSCOPE_GGUF_INT8_DOTS)
+  return true;
+#else
+  return false;
+#endif
 }

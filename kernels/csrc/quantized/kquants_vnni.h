@@ -11,6 +11,7 @@
 // kernel to the rounded x's exact product).
 #pragma once
 
+#include "quantized/kquants_blocks.h"
 #include "quantized/vnni.h"
 
 #if defined(KVSCOPE_VNNI_DOTS)
@@ -107,14 +108,8 @@ inline void k4_dot(const SuperRows& xq, int x_first, const uint8_t* row, float (
   for (int64_t b = 0; b < xq.blocks; ++b) {
     const uint8_t* block = row + b * kBytes;
     const float d = half_float(block), dmin = half_float(block + 2);
-    // The 12 bytes of 6-bit scales and mins unpacked to 8 bytes of each (llama.cpp's).
     uint32_t u[4];
-    std::memcpy(u, block + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t scales_high = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = scales_high;
-    u[0] &= 0x3f3f3f3f;
+    unpack_k4_scales(block + 4, u);
     const __m256i scales_mins =
         _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i*>(u)));
     const __m512i scales = _mm512_castsi256_si512(scales_mins);
@@ -229,12 +224,8 @@ inline void q6_dot(const SuperRows& xq, int x_first, const uint8_t* row, float (
 // scale * d_x * (u . q_x) + c * (d_x * sum(q_x)), one vpdpbusd over its 32 bytes.
 template <int64_t kType>
 struct Block32 {
-  static constexpr int64_t kBytes = kType == 2   ? 18
-                                    : kType == 3 ? 20
-                                    : kType == 6 ? 22
-                                    : kType == 7 ? 24
-                                                 : 34;
-  static constexpr bool kMin = kType == 3 || kType == 7, kFifth = kType == 6 || kType == 7;
+  static constexpr int64_t kBytes = block32_bytes(kType);
+  static constexpr bool kMin = block32_has_min(kType), kFifth = block32_has_fifth_bits(kType);
 
   // The block's unsigned quants, x's order, and its scale and constant term.
   static __m256i quants(const uint8_t* block, float& scale, float& c) {

@@ -343,12 +343,6 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
   }
 }
 
-// Weight bytes ahead of the row being dotted that one row of x requests with a software
-// prefetch: with the hardware prefetchers alone, compute and memory take turns instead of
-// overlapping. The requests go into L2 (kvscope::prefetch_to_l2: a core's few L1 miss
-// buffers cap requests into L1). docs/performance.md has the distances measured.
-constexpr int64_t kPrefetchBytes = 8192;
-
 // Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
 template <int M>
 void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t in,
@@ -456,15 +450,6 @@ void all_rows_by_tiles(int64_t rows, int64_t out_features, int64_t min_rows,
   });
 }
 
-// The fewest output rows of an int4 layer per chunk of work. A single stream's layer goes
-// one share per thread: its weights stream with a software prefetch kPrefetchBytes ahead
-// within a chunk (int4_rows_vnni), so each chunk starts its stream cold, and more, smaller
-// chunks per thread would start more cold streams. A helper that has not started still
-// leaves its share to the caller.
-inline int64_t int4_chunk_rows(int64_t rows, int64_t out_features, int64_t row_bytes) {
-  if (rows > kMaxRows) return grain(row_bytes);
-  return std::max(grain(row_bytes), kvscope::one_share_per_thread(out_features));
-}
 #endif  // KVSCOPE_VNNI_DOTS
 
 }  // namespace kvscope::quantized
