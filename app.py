@@ -36,6 +36,11 @@ DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConf
 GRACEFUL_SHUTDOWN_S = 5.0
 # After the abort, this long for the aborted streams to send their last events.
 STREAMS_CLOSE_S = 10.0
+# How long an idle keep-alive connection stays open: longer than HTTP clients keep pooled
+# connections (httpx, under the openai client: 5 s). uvicorn's default is that same 5 s,
+# so a client could send its next request as the server closed the connection, and that
+# request was lost to a "connection reset" (a 30-minute soak lost 6 so).
+KEEP_ALIVE_S = 75.0
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -210,6 +215,15 @@ def start_engine(args: argparse.Namespace) -> EngineView:
                       replica_cpus=args.replica_cpus).start()
 
 
+def server_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's settings for the served app. SIGINT/SIGTERM: no new connections;
+    in-flight requests get graceful_shutdown_s, then the engine aborts what is left and the
+    aborted streams close themselves."""
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_keep_alive=KEEP_ALIVE_S,
+                          timeout_graceful_shutdown=args.graceful_shutdown_s + STREAMS_CLOSE_S)
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, plus: `grace_s` after SIGINT/SIGTERM the engine aborts what still
     runs, so open streams end with finish_reason "abort", their last SSE event and
@@ -297,13 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         if warning:
             logger.warning(warning)
         logging.getLogger("uvicorn.access").addFilter(QuietPolling())
-        # SIGINT/SIGTERM: no new connections; in-flight requests get graceful_shutdown_s,
-        # then the engine aborts what is left and the aborted streams close themselves.
-        config = uvicorn.Config(app, host=args.host, port=args.port,
-                                log_level=args.log_level,
-                                timeout_graceful_shutdown=args.graceful_shutdown_s
-                                + STREAMS_CLOSE_S)
-        GracefulServer(config, engine, args.graceful_shutdown_s).run()
+        GracefulServer(server_config(app, args), engine, args.graceful_shutdown_s).run()
     finally:
         engine.shutdown(abort_running=True)
         if publisher is not None:

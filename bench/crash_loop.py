@@ -26,6 +26,7 @@ from kvscope.storage import export_session, open_database
 
 CLIENTS = 6
 REQUEST_TIMEOUT_S = 60
+FIRST_ANSWER_TIMEOUT_S = 120
 
 
 def load(url: str, stop: threading.Event, acknowledged: list[str], seed: int) -> None:
@@ -81,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--min-s", type=float, default=0.5,
-                        help="earliest kill after the load starts")
+                        help="earliest kill after the first acknowledged answer")
     parser.add_argument("--max-s", type=float, default=4.0, help="latest kill")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--db", default=None, help="the session log (default: a fresh file)")
@@ -104,6 +105,11 @@ def main() -> None:
                    for i in range(CLIENTS)]
         for client in clients:
             client.start()
+        # The random moment is counted from the first answer, so every round kills with
+        # requests acknowledged and others in flight, however slow the machine is.
+        deadline = time.monotonic() + FIRST_ANSWER_TIMEOUT_S
+        while not acknowledged and time.monotonic() < deadline:
+            time.sleep(0.05)
         time.sleep(rng.uniform(args.min_s, args.max_s))
         app.process.send_signal(signal.SIGKILL)
         app.process.wait()

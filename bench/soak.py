@@ -125,16 +125,27 @@ def metric_sum(url: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def replica_pids() -> list[int]:
-    pids = []
+def replica_pids(app_pid: int) -> list[int]:
+    """The app's own replica processes: descendants of `app_pid` (Ray's raylet starts
+    them), not the replicas of any other kvscope running on the machine."""
+    parents, replicas = {}, []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
                 if (proc / "cmdline").read_bytes().startswith(REPLICA_PROCESS.encode()):
-                    pids.append(int(proc.name))
-            except OSError:
+                    replicas.append(int(proc.name))
+            except (OSError, IndexError, ValueError):
                 pass
-    return sorted(pids)
+
+    def descends_from_app(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == app_pid:
+                return True
+        return False
+
+    return sorted(pid for pid in replicas if descends_from_app(pid))
 
 
 def process_rss(pid: int) -> int:
@@ -202,7 +213,7 @@ def main() -> None:
             while time.time() < started + args.minutes * 60:
                 tab.page.wait_for_timeout(5000)  # Playwright's events are served meanwhile
                 now = time.time()
-                replicas = replica_pids()
+                replicas = replica_pids(app.process.pid)
                 rss.append((now, sum(process_rss(pid) for pid in [app.process.pid, *replicas])))
                 if now >= next_reconfigure:
                     block_size, utilization = configs[len(events) % 2]

@@ -1,6 +1,7 @@
 """Every EngineConfig knob has an app.py flag, and the README's knob table names it."""
 
 import re
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -49,3 +50,35 @@ def test_vllm_feature_flags_refuse_bad_values_before_loading(flags, named, capsy
     with pytest.raises(SystemExit):
         main(flags)
     assert named in capsys.readouterr().err
+
+
+def test_an_idle_connection_outlives_a_clients_pool_expiry():
+    """A client (httpx: 5 s) may reuse a pooled connection until its own expiry; the server
+    must not have closed it by then, or the request sent on it is reset unread."""
+    import http.client
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+    from conftest import wait_until
+    from fastapi import FastAPI
+
+    from app import server_config
+
+    ping = FastAPI()
+    ping.get("/ping")(lambda: "pong")
+    server = uvicorn.Server(server_config(ping, build_parser().parse_args(["--log-level",
+                                                                           "warning"])))
+    listening = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True).start()
+    wait_until(lambda: server.started, timeout=30, what="the server to start")
+    connection = http.client.HTTPConnection(*listening.getsockname(), timeout=10)
+    try:
+        for _ in range(2):  # the second on the same socket, idle past the pool's expiry
+            connection.request("GET", "/ping")
+            assert connection.getresponse().read() == b'"pong"'
+            time.sleep(httpx.Limits().keepalive_expiry + 1)
+    finally:
+        connection.close()
+        server.should_exit = True

@@ -336,13 +336,20 @@ def test_the_chat_accordion_starts_from_the_models_defaults(tiny_model, tmp_path
 
     folder = shutil.copytree(tiny_model("llama").path, tmp_path / "model")
     knobs = {"dtype": "float32", "device": "cpu", "device_memory_gb": 0.05, "max_model_len": 64}
-    plain = AsyncEngine.from_config(EngineConfig(model=str(folder), **knobs))
-    values, note = chat.sampling_defaults(plain)
+
+    def defaults_read_by_the_accordion() -> tuple[dict, str]:
+        # An engine that is never started still holds its (idle) thread: shut down.
+        engine = AsyncEngine.from_config(EngineConfig(model=str(folder), **knobs))
+        try:
+            return chat.sampling_defaults(engine)
+        finally:
+            engine.shutdown()
+
+    values, note = defaults_read_by_the_accordion()
     assert values == chat.CHAT_DEFAULTS and "sets no sampling defaults" in note
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3,
                                                                 "repetition_penalty": 1.2}))
-    tuned = AsyncEngine.from_config(EngineConfig(model=str(folder), **knobs))
-    values, note = chat.sampling_defaults(tuned)
+    values, note = defaults_read_by_the_accordion()
     assert values["temperature"] == 0.3 and values["repetition_penalty"] == 1.2
     assert values["top_p"] == chat.CHAT_DEFAULTS["top_p"]
     assert "temperature 0.3" in note and "repetition_penalty 1.2" in note

@@ -289,6 +289,9 @@ def test_bad_requests_get_their_status_and_name_the_parameter(server) -> None:
             "messages": [{"role": "user", "content": "y" * 300}]})
         assert too_long_chat.status_code == 400
         assert too_long_chat.json()["error"]["param"] == "messages"
+        # Found by the fuzzer: the message said "prompt: ...", a field the chat route lacks.
+        assert too_long_chat.json()["error"]["message"].startswith(
+            "messages (as the rendered prompt): ")
 
         huge = http.post("/completions", json={"prompt": "z" * (1 << 20)})
         assert huge.status_code == 413 and huge.json()["error"]["message"]

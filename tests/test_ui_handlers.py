@@ -3,6 +3,7 @@ form's refusals, per-run load progress, the shared renderer, the one clock of th
 series, and the quiet access log."""
 
 import logging
+import threading
 
 import pytest
 from conftest import wait_until
@@ -91,6 +92,22 @@ def test_a_load_thread_that_stops_early_says_why_on_the_status_line(tiny_chat_mo
                what="the run to stop")
     assert "(done" in generator.status() and "stopped sending: EngineClosed" in \
         generator.status()
+
+
+def test_a_slow_load_run_ends_with_its_engine(tiny_chat_model_path):
+    """A run at 0.01 requests/s waits 100 s for its second send; its threads (the sender
+    and its stream drains) end once the engine stops, not then (the dashboard fuzz left
+    them behind)."""
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_chat_model_path), dtype="float32", device="cpu", block_size=4,
+        num_gpu_blocks_override=64, max_model_len=64)).start()
+    generator = loadgen.LoadGenerator(engine)
+    generator.start(loadgen.LoadSpec(3, 0.01, 0.0, (4, 8), (2, 2)), seed=5)
+    wait_until(lambda: generator.runs[-1].finished == 1, timeout=30, what="the first answer")
+    engine.shutdown()
+    wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("kvscope-loadgen")],
+               timeout=10, what="the load generator's threads to end")
+    assert "stopped sending: EngineClosed" in generator.status()
 
 
 def test_knobs_beyond_the_machine_are_refused_in_their_own_terms(engine):

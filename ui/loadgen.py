@@ -21,7 +21,10 @@ CORPUS = (
     "When the pool runs out, the scheduler preempts the least important request and "
     "recomputes it later, while prefix caching keeps finished prompts around until "
     "their blocks are needed again. ")
-MAX_WORKERS = 64
+MAX_WORKERS = 64  # streams drained at once, per run
+# A slow run waits between its sends in steps this long, so it notices a stopped engine
+# (and its threads end) within one step rather than at its next send time.
+ENGINE_CHECK_S = 0.5
 logger = logging.getLogger(__name__)
 
 
@@ -157,7 +160,6 @@ class LoadGenerator:
         self.runs: list[LoadRun] = []
         self.refusal: str | None = None  # the last "Send load" refused, until one is sent
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="kvscope-loadgen")
         corpus_ids = engine.tokenizer(CORPUS * 8, add_special_tokens=False).input_ids
         self._corpus = corpus_ids
         self._system = corpus_ids[:len(corpus_ids) // 4]
@@ -225,15 +227,23 @@ class LoadGenerator:
                 run.ended = time.monotonic()
 
     def _send_each(self, run: LoadRun, rng: random.Random) -> None:
+        """The run's streams are drained by its own pool, which ends with the run: no
+        thread of the load generator outlives its last stream."""
         spec, started = run.spec, run.started
-        for index in range(spec.num_requests):
-            time.sleep(max(0.0, started + index / spec.rate - time.monotonic()))
-            params = SamplingParams(n=spec.n, temperature=1.0, ignore_eos=True,
-                                    max_tokens=rng.randint(*spec.output_len))
-            stream = self.engine.submit(self.prompt(spec, rng), params, source="loadgen")
-            with self._lock:
-                run.sent += 1
-            self._pool.submit(self._drain, run, stream)
+        with ThreadPoolExecutor(MAX_WORKERS, thread_name_prefix="kvscope-loadgen") as pool:
+            for index in range(spec.num_requests):
+                self._wait_until(started + index / spec.rate)
+                params = SamplingParams(n=spec.n, temperature=1.0, ignore_eos=True,
+                                        max_tokens=rng.randint(*spec.output_len))
+                # A stopped engine refuses here: the run ends, saying why.
+                stream = self.engine.submit(self.prompt(spec, rng), params, source="loadgen")
+                with self._lock:
+                    run.sent += 1
+                pool.submit(self._drain, run, stream)
+
+    def _wait_until(self, moment: float) -> None:
+        while (delay := moment - time.monotonic()) > 0 and self.engine.is_running:
+            time.sleep(min(delay, ENGINE_CHECK_S))
 
     def _drain(self, run: LoadRun, stream) -> None:
         try:

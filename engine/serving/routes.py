@@ -105,7 +105,9 @@ def _named_for_client(error: ValueError, body: SamplingFields) -> ValueError | A
     """Engine errors name the engine's knob; name the request field the client sent."""
     message = str(error)
     if message.startswith("prompt:") and isinstance(body, ChatCompletionRequest):
-        return APIError(400, message, param="messages")  # the client sent no prompt
+        # The client sent no prompt: the message names the field it did send.
+        detail = message.removeprefix("prompt:").strip()
+        return APIError(400, f"messages (as the rendered prompt): {detail}", param="messages")
     field = body.structured_field
     if field is None and isinstance(body, ChatCompletionRequest) and body.tools:
         field = "tools"  # the forced call's schema is the tools' parameters
