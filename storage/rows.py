@@ -2,11 +2,15 @@
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
+
+if TYPE_CHECKING:  # beam search loads torch; a row only needs the params' to_dict()
+    from kvscope.engine.core.beam_search import BeamSearchParams
 
 STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
                  "num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_running",
@@ -36,7 +40,8 @@ def step_record(row: dict) -> StepRecord:
 
 def request_row(session_id: int, output: RequestOutput, source: str,
                 prompt_text: str | None, replica: int = 0,
-                params: SamplingParams | None = None, session_start: float | None = None
+                params: "SamplingParams | BeamSearchParams | None" = None,
+                session_start: float | None = None
                 ) -> dict:
     metrics = output.metrics
     arrival = metrics.arrival_time if metrics else None

@@ -6,6 +6,7 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import insert, text, update
 
@@ -27,6 +28,9 @@ from kvscope.storage.models import (
 )
 from kvscope.storage.rows import request_row, routing_decision_row, step_row
 from kvscope.storage.schema import open_database
+
+if TYPE_CHECKING:  # beam search loads torch; the log only needs the params' to_dict()
+    from kvscope.engine.core.beam_search import BeamSearchParams
 
 logger = logging.getLogger(__name__)
 # A commit at least this often bounds what a killed process loses to about one second.
@@ -103,7 +107,7 @@ class SessionLog:
 
     def record_request(self, output: RequestOutput, source: str,
                        prompt_text: str | None = None, replica: int = 0,
-                       params: SamplingParams | None = None) -> None:
+                       params: "SamplingParams | BeamSearchParams | None" = None) -> None:
         """A finished request; prompt_text overrides output.prompt (e.g. the chat text);
         params, the sampling it ran with, let a replay run it again."""
         self._put((RequestRow, request_row(self._current(), output, source, prompt_text,

@@ -85,9 +85,10 @@ def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypa
     through the kernels)."""
     _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
                            quantization=quantization, prepack_weights=prepack)
-    # bf16 weights prepacked: the stack and the layers both run oneDNN's blocked layout
-    assert any(getattr(m, "prepacked", None) is not None
-               for m in runner.model.modules()) == (prepack and dtype == "bfloat16")
+    # bf16 weights prepacked where the kernels read oneDNN's blocked layout (AVX512-BF16):
+    # the stack and the layers then both run it
+    assert any(getattr(m, "prepacked", None) is not None for m in runner.model.modules()) == (
+        prepack and dtype == "bfloat16" and runner.kernel_ops.prepack_weight is not None)
     assert runner.fused_decoder_stack
     runner.allocate_kv_cache(8, 16)
     model = runner.model

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.replay.cost_model import LinearStepCost, RecordedStepTimes, fit_step_cost
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
@@ -216,6 +217,36 @@ def test_a_recorded_session_replayed_live_reproduces_its_outputs_and_steps(
     simulated = ReplaySession(workload, base_config(workload),
                               fit_step_cost(workload.steps)).run({}, "simulated")
     assert [r.chunks for r in simulated.records] == [r.chunks for r in workload.steps]
+
+
+def test_a_recorded_beam_search_replays_live_as_one_and_is_refused_simulated(
+        tmp_path, tiny_chat_model_path) -> None:
+    config = EngineConfig(model=str(tiny_chat_model_path), dtype="float32", device="cpu",
+                          block_size=4, num_gpu_blocks_override=64, max_model_len=256)
+    engine = AsyncEngine.from_config(config)
+    log = SessionLog(tmp_path / "log.db")
+    log.start_session(engine.config.to_dict(), engine.model_path)
+    stop_recording = record_sessions(engine, log, poll_s=0.02)
+    engine.start()
+    stream = engine.submit("The quick brown fox",
+                           BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    recorded = list(stream)[-1].outputs[0].token_ids
+    engine.shutdown()
+    stop_recording()
+    log.close()
+
+    workload = load_session_workload(tmp_path / "log.db")
+    (request,) = workload.requests
+    assert request.sampling["beam_width"] == 3
+    assert isinstance(request.params(), BeamSearchParams)
+    replayed = ReplaySession(workload, base_config(workload)).run({}, "live")
+    assert replayed.requests[0].output_token_ids == recorded
+    # The beams fork and share blocks as they did: the same schedule, step for step.
+    assert [r.chunks for r in replayed.records] == [r.chunks for r in workload.steps]
+    with pytest.raises(ValueError, match=rf"request {request.request_id}: beam search "
+                                         r"\(beam_width=3\).*replay it live"):
+        ReplaySession(workload, base_config(workload),
+                      fit_step_cost(workload.steps)).run({}, "simulated")
 
 
 # ---- the command -------------------------------------------------------------------------

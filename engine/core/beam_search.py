@@ -7,7 +7,7 @@ parents, their new tokens, and finishes for the dropped ones. The beams then rej
 scheduler with one token each to compute.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,6 +34,11 @@ class BeamSearchParams:
             raise ValueError(f"beam_width={self.beam_width!r} must be an integer >= 1")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+
+    def to_dict(self) -> dict:
+        """Every field (the session log keeps them: `beam_width` tells a replay that the
+        request was a beam search, not a sampling)."""
+        return asdict(self)
 
     def sampling_params(self) -> SamplingParams:
         """What each beam obeys as a sequence (stopping); the choice of tokens is the beam's."""

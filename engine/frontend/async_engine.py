@@ -117,7 +117,7 @@ class RequestRecord:
     error: str | None = None
     replica: int = 0  # which engine replica served it (engine.replicas)
     # The params the core ran it with (the session log keeps them so a replay can rerun it).
-    params: SamplingParams | None = None
+    params: SamplingParams | BeamSearchParams | None = None
 
 
 @dataclass(slots=True)
@@ -125,7 +125,7 @@ class _LiveRequest:
     """Engine-thread bookkeeping of one request between add and finish."""
 
     stream: RequestStream
-    params: SamplingParams | None = None
+    params: SamplingParams | BeamSearchParams | None = None
     num_tokens_seen: int = 0
     last_token_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -437,7 +437,8 @@ class AsyncEngine(ChatSubmit):
         except Exception as error:  # noqa: BLE001 -- ValueError for bad input; others refuse too
             stream.fail(error)
             return
-        self._live[stream.request_id] = _LiveRequest(stream, request.params)
+        recorded = request.beam.params if request.beam is not None else request.params
+        self._live[stream.request_id] = _LiveRequest(stream, recorded)
         stream.accept()
 
     def _do_abort(self, request_id: str) -> None:

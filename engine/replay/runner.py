@@ -76,6 +76,10 @@ def replay_workload(core: EngineCore, workload: Workload, clock, *, speed: float
     """Run every request of the workload through `core` at its (speed-scaled) arrival time."""
     if not (isinstance(speed, (int, float)) and speed > 0):
         raise ValueError(f"speed={speed!r} must be > 0")
+    if simulated:  # refused before anything runs: a run is never left half done
+        for request in workload.requests:
+            if request.beam_search:
+                request.params(simulated)  # raises, naming the request and why
     started = time.perf_counter()
     pending = deque(workload.requests)
     timings: dict[str, RequestTiming] = {}

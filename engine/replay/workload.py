@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.sample.sampling_params import SamplingParams
 
 # Fields that change what a sample's tokens are but neither its length nor what the
@@ -18,14 +19,28 @@ class ReplayRequest:
     arrival_s: float  # seconds after the workload's first arrival
     prompt_token_ids: list[int]
     num_output_tokens: int  # per sample: the replay forces this length
-    sampling: dict = field(default_factory=dict)  # SamplingParams.to_dict(), {} = defaults
+    # SamplingParams.to_dict() ({} = defaults), or BeamSearchParams.to_dict() for a beam search
+    sampling: dict = field(default_factory=dict)
     # The first sample's recorded tokens, when the source kept them (kvscope's own log).
     recorded_output_token_ids: list[int] | None = None
 
-    def params(self, simulated: bool = False) -> SamplingParams:
+    @property
+    def beam_search(self) -> bool:
+        return "beam_width" in self.sampling
+
+    def params(self, simulated: bool = False) -> SamplingParams | BeamSearchParams:
         """The recorded sampling with the output forced to its recorded length: EOS and
         stop conditions ignored, max_tokens the recorded count (greedy and seeded requests
-        then reproduce their recorded tokens under the recorded config)."""
+        then reproduce their recorded tokens under the recorded config). A beam search runs
+        as one again, its beams forced to the recorded length."""
+        if self.beam_search:
+            if simulated:
+                raise ValueError(
+                    f"request {self.request_id}: beam search (beam_width="
+                    f"{self.sampling['beam_width']}): a simulated "
+                    "replay has no logits to rank beams by; replay it live")
+            return BeamSearchParams(**{**self.sampling, "max_tokens": self.num_output_tokens,
+                                       "ignore_eos": True})
         values = {**self.sampling, "max_tokens": self.num_output_tokens, "ignore_eos": True,
                   "stop": None, "stop_token_ids": None,
                   "min_tokens": min(self.sampling.get("min_tokens", 0), self.num_output_tokens)}

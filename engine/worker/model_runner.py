@@ -128,8 +128,13 @@ class ModelRunner:
         self.load_weights(config)
         # Before the move to huge pages: the plain weights it replaces are then dropped, not
         # copied first (the prepacked ones live in oneDNN's memory).
-        prepacked = ([] if self.kernel_ops.prepack_weight is None or not config.prepack_weights
-                     else prepack_linears(self.model, self.kernel_ops.prepack_weight))
+        prepacked = []
+        if config.prepack_weights and self.kernel_ops.prepack_weight is None:
+            logger.warning("prepack_weights=True: this backend's kernels cannot read oneDNN's "
+                           "prepacked layout here (the C++ kernels need AVX512-BF16); the "
+                           "weights stay in the plain layout")
+        elif config.prepack_weights:
+            prepacked = prepack_linears(self.model, self.kernel_ops.prepack_weight)
         if self.device.type == "cpu":
             huge_pages.move_module(self.model, leave=prepacked)
             for weight in prepacked:
