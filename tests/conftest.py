@@ -188,9 +188,12 @@ def _tiny_config(arch: str):
     if arch == "qwen3":  # per-head q/k norms; head_dim wider than hidden / heads
         return Qwen3Config(intermediate_size=128, num_key_value_heads=2, head_dim=32,
                            tie_word_embeddings=False, **common)
-    if arch == "smollm3":  # a NoPE layer (no rotary) after a rotary one; tied embeddings
-        return SmolLM3Config(intermediate_size=128, num_key_value_heads=2, no_rope_layers=[1, 0],
-                             tie_word_embeddings=True, **common)
+    if arch == "smollm3":  # a NoPE layer (no rotary) after rotary ones; tied embeddings.
+        # Four layers, so the NoPE one is where llama.cpp's SmolLM3 puts it (every 4th: a GGUF
+        # stores no list of them)
+        return SmolLM3Config(intermediate_size=128, num_key_value_heads=2,
+                             no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True,
+                             **{**common, "num_hidden_layers": 4})
     if arch == "phi3":  # fused qkv / gate_up, partial rotary, LongRoPE (its short factors
         # here: transformers takes the long ones only past original_max_position_embeddings)
         # with an attention factor scaling cos and sin

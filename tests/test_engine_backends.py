@@ -37,10 +37,11 @@ def greedy_tokens(monkeypatch, tiny_model, run_engine, backend: str, arch: str =
     return [o.outputs[0].token_ids for o in outputs]
 
 
-# The eager layers through each backend's ops: per-head q/k norms (qwen3), a NoPE layer
-# (smollm3), partial rotary (phi3), a sliding window of 8 whose blocks the KV manager frees
+# The eager layers through each backend's ops: llama3 rope scaling and tied embeddings
+# (llama3, Llama 3.2), per-head q/k norms (qwen3), a NoPE layer (smollm3), partial rotary
+# (phi3), a sliding window of 8 whose blocks the KV manager frees
 # (mistral-window) and a window with soft-capped scores (gemma2) included.
-EAGER_ARCHITECTURES = ["llama", "qwen3", "smollm3", "phi3", "mistral-window", "gemma2"]
+EAGER_ARCHITECTURES = ["llama", "llama3", "qwen3", "smollm3", "phi3", "mistral-window", "gemma2"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -59,9 +60,12 @@ def test_cpu_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkey
                          enforce_eager=True) == expected
 
 
-# qwen2: qkv biases, tied embeddings; qwen3: q/k norms; smollm3: a NoPE layer; phi3: fused
-# checkpoint projections, partial rotary, LongRoPE
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
+# qwen2: qkv biases, tied embeddings; llama3: llama3 rope scaling, tied embeddings; qwen3:
+# q/k norms; smollm3: a NoPE layer; phi3: fused checkpoint projections, partial rotary, LongRoPE
+STACK_ARCHITECTURES = ["llama", "qwen2", "llama3", "qwen3", "smollm3", "phi3"]
+
+
+@pytest.mark.parametrize("arch", STACK_ARCHITECTURES)
 def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
         tiny_model, run_engine, monkeypatch, arch):
     expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch,
@@ -72,7 +76,7 @@ def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
 @pytest.mark.parametrize(("quantization", "prepack"), [("none", False), ("none", True), ("int8", False),
                                                      ("int4", False)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "phi3"])
+@pytest.mark.parametrize("arch", STACK_ARCHITECTURES)
 def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype,
                                                             quantization, prepack, arch):
     """Same C++ ops in the same order: equal outputs, logits and K/V written, for a ragged

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_to_completion, transformers_greedy
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quants
+from gguf import (
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    GGMLQuantizationType,
+    GGUFWriter,
+    RopeScalingType,
+    get_tensor_name_map,
+    quants,
+)
 from test_gguf_blocks import random_blocks
 from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -17,12 +25,16 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type
+from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.kernels import select_ops
 
 # The tiny models' architectures -> llama.cpp's (Llama 3.2 is a llama GGUF with rope_freqs).
 GGUF_ARCH = {"llama": MODEL_ARCH.LLAMA, "llama3": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3,
-             "phi3": MODEL_ARCH.PHI3, "qwen2": MODEL_ARCH.QWEN2}
+             "phi3": MODEL_ARCH.PHI3, "qwen2": MODEL_ARCH.QWEN2, "smollm3": MODEL_ARCH.SMOLLM3}
+# llama.cpp's converter permutes these architectures' Q / K rows (SmolLM3 is written as a Llama).
+PERMUTED_ARCH = (MODEL_ARCH.LLAMA, MODEL_ARCH.SMOLLM3)
+CHAT_TEMPLATE = "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}{% endfor %}"
 PROMPTS = [[5, 17, 200, 31, 9], list(range(40, 70))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 Q = GGMLQuantizationType
@@ -35,9 +47,10 @@ def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32,
-                     blocks: dict | None = None) -> None:
+                     blocks: dict | None = None, rope_scaling: RopeScalingType | None = None) -> None:
     """hf_model as llama.cpp's converter writes it (names from the gguf package's own map);
-    `blocks`: {transformers name: (type, rows of blocks)} written as they are instead."""
+    `blocks`: {transformers name: (type, rows of blocks)} written as they are instead;
+    `rope_scaling`: a rope.scaling.type key beside the model's own rotary."""
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
@@ -63,18 +76,21 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32,
         for which in ("long", "short"):
             writer.add_tensor(f"rope_factors_{which}.weight",
                               np.array(rotary[f"{which}_factor"], dtype=np.float32))
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(rope_scaling)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<{i}>" for i in range(config.vocab_size)])
     writer.add_token_types([1] * config.vocab_size)
     writer.add_token_scores([0.0] * config.vocab_size)
     writer.add_token_merges([])
     writer.add_pad_token_id(0)
+    writer.add_chat_template(CHAT_TEMPLATE)
     names = get_tensor_name_map(GGUF_ARCH[arch], config.num_hidden_layers)
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         tensor_kind, values = (blocks or {}).get(name, (kind, tensor.numpy()))
-        if GGUF_ARCH[arch] == MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if GGUF_ARCH[arch] in PERMUTED_ARCH and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = llama_cpp_permute(values, heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -96,12 +112,14 @@ def greedy(model: str, quantization: str = "none") -> list[list[int]]:
     return [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS, GREEDY).outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen3", "phi3", "smollm3"])
 def test_a_gguf_of_each_architecture_gives_transformers_greedy_tokens(
         arch, tiny_model, tmp_path, monkeypatch):
     """Lossless (F32) tensors: the conversion's config and weights are the model's own, so
     the engine's tokens equal transformers' on the original; quantized, the file's tensors
-    read block by block under their llama.cpp names give the folder's int8 tokens."""
+    read block by block under their llama.cpp names give the folder's int8 tokens. The
+    file's chat template is the model's. (SmolLM3, which transformers' GGUF reader does not
+    know, has its config built from llama.cpp's keys and its fp32 folder from the tensors.)"""
     select_ops(torch.device("cpu"))  # the C++ kernels' build stays in the usual cache
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))  # the conversions
     tiny = tiny_model(arch)
@@ -109,6 +127,7 @@ def test_a_gguf_of_each_architecture_gives_transformers_greedy_tokens(
     write_model_gguf(arch, tiny.hf_model, path)
     assert greedy(str(path)) == transformers_greedy(tiny.hf_model, PROMPTS, 8)
     assert greedy(str(path), "int8") == greedy(str(tiny.path), "int8")
+    assert load_tokenizer(resolve_model_path(str(path))).chat_template == CHAT_TEMPLATE
 
 
 # Q4_K_M's mix, as llama.cpp's quantizer makes it: most projections Q4_K, some Q6_K
@@ -191,6 +210,12 @@ def test_gguf_architectures_and_types_kvscope_does_not_read_are_refused_by_name(
                                              r"not read; supported GGUF types: \['BF16', 'F16', "
                                              r"'F32', 'Q4_0', 'Q4_1', 'Q4_K', 'Q5_0'"):
             greedy(str(mxfp4), quantization)
+    # SmolLM3's config is built from the keys alone, so a key it does not read is refused.
+    yarn = tmp_path / "smollm3-yarn.gguf"
+    write_model_gguf("smollm3", tiny_model("smollm3").hf_model, yarn, rope_scaling=RopeScalingType.YARN)
+    with pytest.raises(ValueError, match=r"smollm3.rope.scaling.type='yarn' is not read for a "
+                                         r"smollm3 GGUF; supported: none"):
+        greedy(str(yarn))
     other = tmp_path / "gemma.gguf"
     writer = GGUFWriter(other, "gemma")
     writer.write_header_to_file()
@@ -198,5 +223,5 @@ def test_gguf_architectures_and_types_kvscope_does_not_read_are_refused_by_name(
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match=r"GGUF architecture 'gemma' is not supported; "
-                                         r"supported: \['llama', 'qwen2', 'qwen3', 'phi3'\]"):
+                                         r"supported: \['llama', 'qwen2', 'qwen3', 'phi3', 'smollm3'\]"):
         greedy(str(other))

@@ -394,7 +394,7 @@ def fake_quantized(model: nn.Module, quantization: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "qwen3", "smollm3", "phi3",
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3",
                                   "gemma3", "gemma2"])
 def test_quantized_engine_is_greedy_equal_to_its_dequantized_weights(arch, quantization,
                                                                     tiny_model, run_engine):

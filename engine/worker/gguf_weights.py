@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, SmolLM3Config
+from transformers.integrations import GGUF_CONFIG_MAPPING
 
 from kvscope.engine.worker.models.quantized import GgufBlocks, GroupQuantized
 from kvscope.kernels.gguf_blocks import PACKED_TYPES, row_bytes
@@ -38,12 +39,21 @@ ARCHITECTURE_BLOCK_NAMES = {
     "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
     # Phi-3 keeps its fused projections: ffn_up holds gate and up, attn_qkv q, k and v.
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "smollm3": {},
 }
 GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BLOCK_NAMES)
 # The transformers class each one is (a config read from a GGUF file names none).
 ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                        "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-PERMUTED_QK_ARCHITECTURES = ("llama",)
+                        "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                        "smollm3": "SmolLM3ForCausalLM"}
+# llama.cpp's converter writes SmolLM3 as a Llama (its Q / K rows permuted too).
+PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
+# Architectures transformers' GGUF reader does not know: their config, tokenizer and fp32
+# folder are built here from llama.cpp's keys (keys_config) and the file's tensors.
+KEYS_ONLY_ARCHITECTURES = ("smollm3",)
+# SmolLM3's NoPE layers: llama.cpp fixes them in code, no key stores them (every 4th layer,
+# `(il + 1) % 4 == 0`, which is transformers' no_rope_layer_interval=4 default).
+SMOLLM3_NO_ROPE_LAYER_INTERVAL = 4
 # Rotary factors, which the config carries (gguf_config); no weight of the model: Phi-3's
 # LongRoPE factors, and Llama 3.1+'s llama3 scaling as a divisor per rotated pair.
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
@@ -74,18 +84,24 @@ def check_gguf(path: Path) -> None:
 
 
 def gguf_config(path: Path) -> PretrainedConfig:
-    """transformers' config of the file, with what its conversion drops for these
-    architectures taken from llama.cpp's keys: the head size (Qwen3's is not hidden / heads),
-    Phi-3's rotary (the rotated dims; LongRoPE's factors, stored as tensors) and Llama
-    3.1+'s llama3 rope scaling (stored as `rope_freqs`, a divisor of each rotated pair's
-    frequency: LongRoPE's short and long factors are exactly that)."""
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    """transformers' config of the file (keys_config's where transformers cannot read the
+    architecture), with what its conversion drops for these architectures taken from
+    llama.cpp's keys: the head size (Qwen3's is not hidden / heads), Phi-3's rotary (the
+    rotated dims; LongRoPE's factors, stored as tensors) and Llama 3.1+'s llama3 rope
+    scaling (stored as `rope_freqs`, a divisor of each rotated pair's frequency: LongRoPE's
+    short and long factors are exactly that)."""
     reader = GGUFReader(path)
     architecture = reader.fields["general.architecture"].contents()
 
     def field(key: str):
         found = reader.fields.get(f"{architecture}.{key}")
         return None if found is None else found.contents()
+
+    if architecture in KEYS_ONLY_ARCHITECTURES:
+        config = keys_config(path, reader, architecture, field)
+    else:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name,
+                                            local_files_only=True)
 
     factors = {tensor.name: np.array(tensor.data, dtype=np.float32).tolist()
                for tensor in reader.tensors if tensor.name in CONFIG_TENSORS}
@@ -113,6 +129,28 @@ def gguf_config(path: Path) -> PretrainedConfig:
             config.original_max_position_embeddings = original
         config.rope_parameters = rotary
     return config
+
+
+def keys_config(path: Path, reader: GGUFReader, architecture: str, field) -> PretrainedConfig:
+    """A SmolLM3 config from llama.cpp's keys, under the names transformers gives Llama's
+    (GGUF_CONFIG_MAPPING); its NoPE layers are llama.cpp's fixed every-4th."""
+    scaling = field("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"model={str(path)!r}: {architecture}.rope.scaling.type={scaling!r} is "
+                         f"not read for a {architecture} GGUF; supported: none")
+    values = {name: field(key) for key, name in GGUF_CONFIG_MAPPING["llama"].items()
+              if field(key) is not None}
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    values.setdefault("vocab_size", len(tokens.data))
+    special = {name: reader.fields[f"tokenizer.ggml.{name}"].contents()
+               for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if f"tokenizer.ggml.{name}" in reader.fields}
+    tied = all(tensor.name != "output.weight" for tensor in reader.tensors)
+    return SmolLM3Config(
+        **{name: value for name, value in values.items() if name != "rope_theta"},
+        rope_parameters={"rope_type": "default", "rope_theta": values["rope_theta"]},
+        no_rope_layer_interval=SMOLLM3_NO_ROPE_LAYER_INTERVAL, tie_word_embeddings=tied,
+        **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **special})
 
 
 def gguf_tensor_bytes_by_type(path: Path) -> dict[str, int]:

@@ -20,9 +20,17 @@ from transformers import (
     GenerationConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 
-from kvscope.engine.worker.gguf_weights import check_gguf, gguf_config
+from kvscope.engine.worker.gguf_weights import (
+    KEYS_ONLY_ARCHITECTURES,
+    check_gguf,
+    gguf_architecture,
+    gguf_config,
+    iter_gguf_weights,
+)
+from kvscope.engine.worker.models.quantized import dense
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +126,15 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     """De-quantize a GGUF file into an fp32 Hugging Face folder at `target`, atomically."""
     logger.info("one-time conversion of %s into %s (de-quantizing to fp32)", gguf_path, target)
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, config=gguf_config(gguf_path),
-        dtype=torch.float32, local_files_only=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
-    )
+    config = gguf_config(gguf_path)
+    if gguf_architecture(gguf_path) in KEYS_ONLY_ARCHITECTURES:
+        model = gguf_model_from_tensors(gguf_path, config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, config=config,
+            dtype=torch.float32, local_files_only=True
+        )
+    tokenizer = load_gguf_tokenizer(gguf_path)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         # transformers 5 tags GGUF-loaded models as quantized (and refuses to save them) even when
@@ -148,6 +158,20 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def gguf_model_from_tensors(gguf_path: Path, config: PretrainedConfig) -> torch.nn.Module:
+    """The fp32 transformers model of a GGUF whose architecture transformers' GGUF reader does
+    not know: its tensors read under llama.cpp's names (iter_gguf_weights) and de-quantized."""
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    weights = {name: dense(value).float() for name, value in iter_gguf_weights(gguf_path, config)}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"model={str(gguf_path)!r}: the GGUF's tensors do not fill a "
+                         f"{config.architectures[0]}: missing {sorted(set(missing) - tied)}, "
+                         f"unexpected {sorted(unexpected)}")
+    return model
 
 
 def check_round_trip(model: torch.nn.Module, folder: Path) -> None:
@@ -198,8 +222,12 @@ def iter_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tens
 
 
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """A GGUF file's tokenizer and chat template, read from its metadata."""
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    """A GGUF file's tokenizer and chat template, read from its metadata (AutoTokenizer reads
+    the file's config first, so an architecture transformers cannot read takes the fast
+    tokenizer class, which reads the tokenizer alone)."""
+    reader = (PreTrainedTokenizerFast if gguf_architecture(path) in KEYS_ONLY_ARCHITECTURES
+              else AutoTokenizer)
+    return reader.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
 
 
 def load_generation_config(path: str | os.PathLike[str], config: PretrainedConfig) -> GenerationConfig:
