@@ -6,9 +6,9 @@ with torch.profiler, as it profiles the prefill. Prints JSON: the mean step, the
 share, the attention's share (store_kv + paged_attention, whichever backend runs them), the
 top ops by self time, and the split the machine's limits are read against: the GEMMs'
 GFLOP/s (the model's matmul FLOPs over the linears' own time) as a share of the large-GEMM
-rate measured in the same run (bench/gemm_rate.py), for the decode steps and the prefill;
-the attention's K/V bytes/s as a share of the read bandwidth measured in the run; and the
-step's time outside every op (the Python around the forward).
+rate in the model's dtype measured in the same run (bench/gemm_rate.py), for the decode
+steps and the prefill; the attention's K/V bytes/s as a share of the read bandwidth measured
+in the run; and the step's time outside every op (the Python around the forward).
 
 Usage:
   python bench/decode_step.py                        # 64 sequences of ~300 tokens
@@ -131,7 +131,7 @@ def limits_split(bench, args, events, prefill_events, context_tokens: int) -> di
     over the linears' own time, attention's K/V bytes/s over its own time."""
     runner = bench.runner
     costs = roofline.model_costs(runner.model_path, runner.dtype)
-    large = large_gemm_flops()
+    large = large_gemm_flops(runner.dtype)
     bandwidth = roofline.read_bandwidth(huge=True)
     steps = args.profile_steps
     gemm = self_seconds(events, GEMM_OPS) / steps

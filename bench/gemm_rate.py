@@ -1,24 +1,29 @@
-"""The bf16 GEMM rate this machine allows, and what the engine's linears reach, per row count.
+"""The GEMM rate this machine allows, and what the engine's linears reach, per row count.
 
-  large            torch.mm of two --large-size square bf16 matrices: the matrix units' rate
-                   on a shape that hides every overhead (the limit the others are held to)
-  plain            the engine's cpu linear on each linear's plain [out, in] weight, as it ran
-                   before it prepacked: F.linear (oneDNN, which reorders the weight inside
-                   every call) for more than 5 rows, the one-read streaming kernel for fewer
-  prepacked        the engine's cpu linear (kernels/cpu_kernels.py) on the weight prepacked in
-                   oneDNN's AMX layout: its GEMM for more than 5 rows, the streaming kernel
-                   for up to 5
+  large            torch.mm of two --large-size square matrices, per dtype: the rate on a
+                   shape that hides every overhead (the limit the others are held to)
+  plain_<dtype>    the engine's cpu linear on each linear's plain [out, in] weight in that
+                   dtype: F.linear (oneDNN; on bf16 it reorders the weight inside every call)
+                   for more than 5 rows, the one-read streaming kernel for fewer
+  prepacked        the engine's cpu linear (kernels/cpu_kernels.py) on the bf16 weight
+                   prepacked in oneDNN's AMX layout: its GEMM for more than 5 rows, the
+                   streaming kernel for up to 5. Only where the kernels take that layout
+                   (AVX512-BF16); elsewhere the report says why it is absent
 
-Every linear of the model (the default one unless --model; random weights) is built in both
-forms, so a pass reads as many weight bytes as a forward does (one layer timed alone would
+--dtypes defaults to float32 and bfloat16 both: the engine's dtype="auto" runs float32 on a
+CPU without native bf16 matmuls (no AVX512-BF16 or AMX), and the two rates side by side show
+what that choice is worth here.
+
+Every linear of the model (the default one unless --model; random weights) is built in each
+form, so a pass reads as many weight bytes as a forward does (one layer timed alone would
 sit in the caches). The lm_head counts only up to 256 rows: a prefill computes logits for a
 chunk's last tokens only. The forms take turns, best of --repeats, so a machine that other
 work shares slows them alike. Prints JSON: GFLOP/s per form and row count, and each as a
-share of `large`.
+share of `large` in the form's dtype.
 
 Usage:
   flock /work/bench.lock python bench/gemm_rate.py
-  flock /work/bench.lock python bench/gemm_rate.py --rows 8,64,256,2048 --threads 2
+  flock /work/bench.lock python bench/gemm_rate.py --rows 8,64,256,2048 --threads 2 --dtypes bfloat16
 """
 
 import argparse
@@ -34,37 +39,53 @@ from served import cpu_name  # noqa: E402
 
 from kvscope.engine.worker.loader import load_config, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.memory_bandwidth import best_seconds  # noqa: E402
+from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 from kvscope.kernels import cpu_kernels  # noqa: E402
 
 LARGE_SIZE = 2048
 HEAD_MAX_ROWS = 256
 
 
-def large_gemm_flops(size: int = LARGE_SIZE, repeats: int = 5) -> float:
-    """FLOP/s of a square bf16 torch.mm: what the matrix units reach with nothing around them."""
-    a, b = torch.randn(size, size).bfloat16(), torch.randn(size, size).bfloat16()
+def large_gemm_flops(dtype: torch.dtype, size: int = LARGE_SIZE, repeats: int = 5) -> float:
+    """FLOP/s of a square torch.mm in `dtype`: what the matrix or vector units reach with
+    nothing around them (a phase is held to the rate of the dtype it runs in)."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     return 2 * size ** 3 / best_seconds(lambda: torch.mm(a, b), repeats)
 
 
-def linear_rates(config, rows: list[int], repeats: int) -> dict[str, dict[int, float]]:
+def weight_forms(shapes, dtypes: list[torch.dtype]) -> dict[str, tuple[torch.dtype, list]]:
+    """form -> (its activations' dtype, [(kind, weight)] for every linear)."""
+    ops = cpu_kernels.kernel_ops()
+    plain = {dtype: [(kind, (torch.randn(n, k) / k ** 0.5).to(dtype)) for kind, n, k in shapes]
+             for dtype in dtypes}
+    forms = {f"plain_{dtype_name(dtype)}": (dtype, weights) for dtype, weights in plain.items()}
+    if ops.prepack_weight is not None and torch.bfloat16 in plain:
+        packed = [(kind, ops.prepack_weight(weight)) for kind, weight in plain[torch.bfloat16]]
+        forms["prepacked"] = (torch.bfloat16,
+                              [(kind, weight) for kind, weight in packed if weight is not None])
+    return forms
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def linear_rates(forms: dict, shapes, rows: list[int], repeats: int) -> dict[str, dict[int, float]]:
     """form -> rows -> FLOP/s of one pass over the model's linears."""
     ops = cpu_kernels.kernel_ops()
-    shapes = model_linears(config)
-    plain = [(kind, (torch.randn(n, k) / k ** 0.5).bfloat16()) for kind, n, k in shapes]
-    packed = [(kind, ops.prepack_weight(weight)) for kind, weight in plain]
-    forms = {"plain": plain, "prepacked": [(kind, weight) for kind, weight in packed if weight is not None]}
     rates: dict[str, dict[int, float]] = {form: {} for form in forms}
     for count in rows:
-        xs = {k: torch.randn(count, k).bfloat16() for _, _, k in shapes}
+        xs = {(dtype, k): torch.randn(count, k).to(dtype)
+              for dtype, _ in forms.values() for _, _, k in shapes}
         used = [(n, k) for kind, n, k in shapes if kind != "lm_head" or count <= HEAD_MAX_ROWS]
         flops = sum(2 * count * n * k for n, k in used)
         best = dict.fromkeys(forms, float("inf"))
         for _ in range(repeats):
-            for form, layers in forms.items():
+            for form, (dtype, layers) in forms.items():
                 started = time.perf_counter()
                 for kind, weight in layers:
                     if kind != "lm_head" or count <= HEAD_MAX_ROWS:
-                        ops.linear(xs[in_features(weight)], weight)
+                        ops.linear(xs[dtype, in_features(weight)], weight)
                 best[form] = min(best[form], time.perf_counter() - started)
         for form in forms:
             rates[form][count] = flops / best[form]
@@ -75,17 +96,27 @@ def in_features(weight) -> int:
     return weight.in_features if isinstance(weight, cpu_kernels.PrepackedWeight) else weight.shape[1]
 
 
-def measure(model: str | None, rows: list[int], repeats: int = 3) -> dict:
-    """The large-GEMM rate and every form's per row count, GFLOP/s and shares of it."""
-    large = large_gemm_flops()
-    rates = linear_rates(load_config(resolve_model_path(model)), rows, repeats)
-    return {
-        "large_gemm_gflop_s": round(large / 1e9, 1), "large_gemm_size": LARGE_SIZE,
+def measure(model: str | None, rows: list[int], dtypes: list[torch.dtype], repeats: int = 3) -> dict:
+    """The large-GEMM rate per dtype and every form's per row count, GFLOP/s and shares of
+    the large rate in the form's dtype."""
+    large = {dtype: large_gemm_flops(dtype) for dtype in dtypes}
+    shapes = model_linears(load_config(resolve_model_path(model)))
+    forms = weight_forms(shapes, dtypes)
+    rates = linear_rates(forms, shapes, rows, repeats)
+    report = {
+        "large_gemm_gflop_s": {dtype_name(d): round(v / 1e9, 1) for d, v in large.items()},
+        "large_gemm_size": LARGE_SIZE,
         "linears_gflop_s": {form: {str(r): round(v / 1e9, 1) for r, v in by_rows.items()}
                             for form, by_rows in rates.items()},
-        "share_of_large": {form: {str(r): round(v / large, 3) for r, v in by_rows.items()}
+        "share_of_large": {form: {str(r): round(v / large[forms[form][0]], 3) for r, v in by_rows.items()}
                            for form, by_rows in rates.items()},
     }
+    if cpu_kernels.kernel_ops().prepack_weight is None:
+        report["prepacked"] = ("absent: the kernels were built without AVX512-BF16, so nothing "
+                               "reads oneDNN's blocked layout (kernel_ops().prepack_weight is None)")
+    elif "prepacked" not in forms:
+        report["prepacked"] = "absent: no bfloat16 in --dtypes"
+    return report
 
 
 def main(argv=None) -> None:
@@ -93,12 +124,15 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--rows", default="1,8,16,32,64,128,256,512,2048")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    report.update(measure(args.model, [int(r) for r in args.rows.split(",")], args.repeats))
+    report["engine_auto_dtype"] = dtype_name(resolve_dtype("auto", torch.device("cpu")))
+    report.update(measure(args.model, [int(r) for r in args.rows.split(",")],
+                          [getattr(torch, name) for name in args.dtypes.split(",")], args.repeats))
     print(json.dumps(report, indent=2))
 
 

