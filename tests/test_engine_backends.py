@@ -84,9 +84,10 @@ def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypa
     through the kernels)."""
     _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
                            quantization=quantization, prepack_weights=prepack)
-    # bf16 weights prepacked: the stack and the layers both run oneDNN's blocked layout
-    assert any(getattr(m, "prepacked", None) is not None
-               for m in runner.model.modules()) == (prepack and dtype == "bfloat16")
+    # bf16 weights prepacked (where the kernels prepack: AVX512-BF16): the stack and the
+    # layers both run oneDNN's blocked layout
+    assert any(getattr(m, "prepacked", None) is not None for m in runner.model.modules()) == (
+        prepack and dtype == "bfloat16" and runner.kernel_ops.prepack_weight is not None)
     for fused, eager in stack_and_layers(runner):
         for stack_tensor, layers_tensor in zip(fused, eager, strict=True):
             assert torch.equal(stack_tensor, layers_tensor)
