@@ -1,5 +1,6 @@
-"""Speed of the chat models' shapes: Qwen3-0.6B, Qwen3-1.7B and Phi-4-mini with random
-weights (values do not change the work), in bf16 and int4, against the targets of issue 28.
+"""Speed of the chat models' shapes: Qwen3-0.6B, Qwen3-1.7B, Phi-4-mini and Gemma-3-1B with
+random weights (values do not change the work), in bf16 and int4, against the targets of
+issues 28 and 29.
 
 Each shape is built from transformers' own config class with the real model's sizes,
 initialised at random and saved in a RAM-backed folder (/dev/shm where there is one), then
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 from random_model import save_random_model
+from sliding_window import gemma3_1b_config
 from transformers import Phi3Config, Qwen3Config
 
 NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
@@ -50,6 +52,7 @@ SHAPES = {
                       "partial_rotary_factor": 0.75, "long_factor": [1.0] * 48,
                       "short_factor": [1.0] * 48, "original_max_position_embeddings": 4096},
         **NO_SPECIAL_TOKENS),
+    "gemma-3-1b": gemma3_1b_config,
 }
 QUANTIZATIONS = ("none", "int4")
 THROUGHPUT = Path(__file__).with_name("throughput.py")

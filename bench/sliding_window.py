@@ -8,9 +8,10 @@ Prints JSON:
   sliding groups freeing what leaves their window between chunks); and the plan for the
   same shape with every layer windowed (a Mistral-like model).
 - `decode`: one decode step (the whole model's forward over `--batch` sequences at
-  `--context` tokens of KV) with Gemma 3's windows against the same weights with every
-  layer global; and the step's share of the weight-bandwidth limit (weights + KV read per
-  step over the time the machine takes to read them).
+  `--context` tokens of KV, through the C++ decoder stack, or the eager layers with
+  `--enforce-eager`) with Gemma 3's windows against the same weights with every layer
+  global; and the step's share of the weight-bandwidth limit (weights + KV read per step
+  over the time the machine takes to read them).
 
 The model is built in-process (no checkpoint) and bound to the kernels the engine would
 choose; its KV cache holds random values (the work does not depend on them).
@@ -20,6 +21,7 @@ Usage (run under `flock /work/bench.lock` on a shared machine):
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -44,12 +46,13 @@ from kvscope.engine.worker.models.gemma import GemmaForCausalLM
 GiB = 1 << 30
 
 
-def gemma3_1b_config(context: int) -> Gemma3TextConfig:
-    """google/gemma-3-1b-pt's shape: 26 layers, every sixth global, window 512."""
+def gemma3_1b_config(max_positions: int = 32768) -> Gemma3TextConfig:
+    """google/gemma-3-1b-pt's shape: 26 layers, every sixth global, window 512 (also
+    bench/models.py's gemma-3-1b)."""
     return Gemma3TextConfig(
         vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
         num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
-        query_pre_attn_scalar=256, max_position_embeddings=context + 1,
+        query_pre_attn_scalar=256, max_position_embeddings=max_positions,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
@@ -118,6 +121,16 @@ def decode_inputs(batch: int, context: int, block_size: int):
             meta, batch * blocks_per_seq)
 
 
+def set_windows(model: GemmaForCausalLM, windows: list[int | None], stack: bool) -> None:
+    """Each layer's sliding window (None: global), in its kind and its attention, and the
+    decoder stack built anew over them (it takes the windows as it is built)."""
+    for layer, window in zip(model.model.layers, windows, strict=True):
+        layer.kind = dataclasses.replace(layer.kind, sliding_window=window)
+        layer.self_attn.attn.sliding_window = window
+    if stack:
+        model.fuse_decoder_stack(torch.bfloat16)
+
+
 def time_step(model, inputs, steps: int) -> float:
     input_ids, positions, meta, _ = inputs
     with torch.inference_mode():
@@ -141,9 +154,11 @@ def main(argv=None) -> None:
                         help="tokens of a prompt prefilled per step when counting admissions")
     parser.add_argument("--memory-only", action="store_true",
                         help="count sequences only; skip the decode timing")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="time the eager layers instead of the C++ decoder stack")
     args = parser.parse_args(argv)
 
-    config = gemma3_1b_config(args.context)
+    config = gemma3_1b_config(args.context + 1)
     result = {"model": "Gemma-3-1B-shaped, random weights, bf16", "threads":
               torch.get_num_threads(),
               "memory": concurrency(config, args.context, args.block_size, args.pool_gib,
@@ -163,13 +178,12 @@ def main(argv=None) -> None:
         layer.key_cache = torch.randn(shape, dtype=torch.bfloat16)
         layer.value_cache = torch.randn(shape, dtype=torch.bfloat16)
 
-    windowed = time_step(model, inputs, args.steps)
+    stack = not args.enforce_eager
     windows = [layer.sliding_window for layer in layers]
-    for layer in layers:
-        layer.sliding_window = None
+    set_windows(model, windows, stack)
+    windowed = time_step(model, inputs, args.steps)
+    set_windows(model, [None] * len(windows), stack)
     global_only = time_step(model, inputs, args.steps)
-    for layer, window in zip(layers, windows, strict=True):
-        layer.sliding_window = window
 
     weights = list(model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in weights)
@@ -178,7 +192,8 @@ def main(argv=None) -> None:
         min(args.context, window or args.context) for window in windows)
     bandwidth = weights_read_bandwidth(weights)
     result["decode"] = {
-        "backend": ops.backend, "context": args.context, "batch": args.batch,
+        "backend": ops.backend, "forward": "eager layers" if args.enforce_eager
+        else "one-call decoder stack", "context": args.context, "batch": args.batch,
         "windowed_step_s": windowed, "global_only_step_s": global_only,
         "global_only_vs_windowed": global_only / windowed,
         "weight_bytes": weight_bytes, "kv_bytes_read_windowed": kv_bytes,

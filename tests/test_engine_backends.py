@@ -11,7 +11,8 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
-from kvscope.engine.worker.models.llama import FusedDecoderStack, LayerKind
+from kvscope.engine.worker.models.decoder_stack import FusedDecoderStack
+from kvscope.engine.worker.models.llama import LayerKind
 
 # Prompts that end mid-block, exactly on a block, and span several blocks, run as a mix of
 # chunked prefills (budget 24) and decodes.
@@ -63,9 +64,13 @@ def test_cpu_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkey
 # qwen2: qkv biases, tied embeddings; llama3: llama3 rope scaling, tied embeddings; qwen3:
 # q/k norms; smollm3: a NoPE layer; phi3: fused checkpoint projections, partial rotary, LongRoPE
 STACK_ARCHITECTURES = ["llama", "qwen2", "llama3", "qwen3", "smollm3", "phi3"]
+# gemma3: two rope bases, sliding and global layers, (1 + weight) q/k norms, GeGLU; gemma2:
+# soft-capped scores and logits (their eager layers compute those in plain torch, so the
+# stack matches them to fp32 rounding, below, rather than bit for bit)
+GEMMA_ARCHITECTURES = ["gemma3", "gemma2"]
 
 
-@pytest.mark.parametrize("arch", STACK_ARCHITECTURES)
+@pytest.mark.parametrize("arch", STACK_ARCHITECTURES + GEMMA_ARCHITECTURES)
 def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
         tiny_model, run_engine, monkeypatch, arch):
     expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "cpu", arch,
@@ -85,15 +90,27 @@ def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypa
     through the kernels)."""
     _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
                            quantization=quantization, prepack_weights=prepack)
-    # bf16 weights prepacked where the kernels read oneDNN's blocked layout (AVX512-BF16):
-    # the stack and the layers then both run it
+    # bf16 weights prepacked (where the kernels prepack: AVX512-BF16): the stack and the
+    # layers both run oneDNN's blocked layout
     assert any(getattr(m, "prepacked", None) is not None for m in runner.model.modules()) == (
         prepack and dtype == "bfloat16" and runner.kernel_ops.prepack_weight is not None)
+    for fused, eager in stack_and_layers(runner):
+        for stack_tensor, layers_tensor in zip(fused, eager, strict=True):
+            assert torch.equal(stack_tensor, layers_tensor)
+
+
+def stack_and_layers(runner):
+    """For a ragged batch of prefill chunks and decodes, a decode of one row and one of
+    three rows: (final norm, logits, KV cache) through the stack, then through the layers.
+    Each KV cache group has blocks of its own (a sequence's table interleaves them)."""
     assert runner.fused_decoder_stack
-    runner.allocate_kv_cache(8, 16)
+    groups = len(runner.kv_groups)
+    runner.allocate_kv_cache(8, 8 * groups)
     model = runner.model
     for pieces in ([(0, 11, [0, 1]), (7, 8, [2]), (16, 21, [3, 4, 5])],
                    [(11, 12, [0, 1])], [(11, 12, [0, 1]), (8, 9, [2, 6]), (21, 22, [3, 4, 5])]):
+        pieces = [(start, end, [block * groups + group for block in table
+                                for group in range(groups)]) for start, end, table in pieces]
         inputs = runner._flat_inputs(pieces, 8, token_ids=lambda i, start, end: list(
             range(start + 3, end + 3)))
         with torch.inference_mode():
@@ -104,9 +121,20 @@ def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypa
             eager = model(*inputs)
             eager_logits = model.compute_logits(eager)
             model.decoder_stack = stack
-        assert torch.equal(fused, eager)
-        assert torch.equal(fused_cache, runner.kv_cache)
-        assert fused_logits.dtype == torch.float32 and torch.equal(fused_logits, eager_logits)
+        assert fused_logits.dtype == torch.float32
+        yield (fused, fused_logits, fused_cache), (eager, eager_logits, runner.kv_cache)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("arch", GEMMA_ARCHITECTURES)
+def test_the_decoder_stack_computes_what_gemma_layers_compute(tiny_model, monkeypatch,
+                                                              quantization, arch):
+    """Gemma's layers compute their (1 + weight) norms, GeGLU and soft caps in plain torch,
+    the stack in C++ (fp32 throughout: equal up to summation order and tanh's last bits)."""
+    _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, quantization=quantization)
+    for fused, eager in stack_and_layers(runner):
+        for stack_tensor, layers_tensor in zip(fused, eager, strict=True):
+            torch.testing.assert_close(stack_tensor, layers_tensor, atol=2e-5, rtol=2e-5)
 
 
 def test_enforce_eager_or_the_torch_kernels_keep_the_layers(tiny_model, monkeypatch):

@@ -183,3 +183,55 @@ def test_results_do_not_depend_on_threads_or_concurrent_callers(fused):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(result, serial) for result in results)
+
+
+def gemma_norm(hidden, weight, eps, residual=None, *, out=None):
+    """torch.ops.kvscope.rms_norm with unit_offset (the decoder stack's Gemma norm)."""
+    out = torch.empty_like(hidden) if out is None else out
+    torch.ops.kvscope.rms_norm(hidden, weight, eps, out, residual, unit_offset=True)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_scales_by_one_plus_the_weight(fused, dtype):
+    """Gemma's norm, (x / rms(x)) * (1 + weight) rounded once, against the eager model's
+    module; with a residual, the rounded sum is normalised; per head of a fused projection."""
+    from kvscope.engine.worker.models.gemma import GemmaRMSNorm
+
+    hidden, residual = randn(7, 96, dtype=dtype), randn(7, 96, dtype=dtype, seed=2)
+    module = GemmaRMSNorm(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(randn(96, dtype=dtype, seed=1))
+        assert_close(gemma_norm(hidden, module.weight, 1e-6), module(hidden), dtype)
+        summed = residual.clone()
+        out = gemma_norm(hidden, module.weight, 1e-6, summed)
+        assert torch.equal(summed, residual + hidden)
+        assert_close(out, module(residual + hidden), dtype)
+        # Not Llama's weight * normed: the offset matters.
+        assert not torch.allclose(out.float(), fused.rms_norm(residual + hidden,
+                                                              module.weight, 1e-6).float())
+        qkv = randn(5, 8 * 32, dtype=dtype, seed=3)
+        query = qkv[:, :6 * 32].view(5, 6, 32)
+        head_module = GemmaRMSNorm(32, 1e-6).to(dtype)
+        head_module.weight.copy_(randn(32, dtype=dtype, seed=4))
+        expected = head_module(query)
+        gemma_norm(query, head_module.weight, 1e-6, out=query)  # in place, as the stack does
+        assert_close(query, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_is_gemma_geglu(fused, dtype):
+    """gelu (tanh approximation) of the gate times up, over gates from -12 to 12 (tanh's
+    both tails and its middle), against F.gelu(approximate="tanh") * up."""
+    gate = torch.linspace(-12, 12, 9 * 80).view(9, 80).to(dtype)
+    up = randn(9, 80, dtype=dtype)
+    x = torch.cat((gate, up), dim=1)
+    out = x.new_empty(9, 80)
+    torch.ops.kvscope.gelu_tanh_and_mul(x, out)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert_close(out, expected, dtype)
+    # rows of a wider tensor (strided), as the stack hands them
+    wide = torch.cat((x, x), dim=1)[:, :160]
+    strided = x.new_empty(9, 80)
+    torch.ops.kvscope.gelu_tanh_and_mul(wide, strided)
+    assert torch.equal(strided, out)

@@ -68,10 +68,8 @@ def _token_ids(run) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in run.outputs]
 
 
-# Gemma runs its layers from Python only (the C++ decoder stack is the Llama family's).
 PATHS = [pytest.param(arch, eager, id=f"{arch}-{'eager' if eager else 'stack'}")
-         for arch in SLIDING_WINDOW_ARCHITECTURES for eager in (False, True)
-         if eager or not arch.startswith("gemma")]
+         for arch in SLIDING_WINDOW_ARCHITECTURES for eager in (False, True)]
 
 
 @pytest.mark.parametrize("block_size", [2, 16])

@@ -17,10 +17,11 @@ TORCH_LIBRARY(kvscope, m) {
         "Tensor slot_mapping) -> ()");
   // fused_ops.cpp
   m.def("rms_norm(Tensor hidden, Tensor weight, float eps, Tensor(a!) out, "
-        "Tensor(b!)? residual) -> ()");
+        "Tensor(b!)? residual, bool unit_offset=False) -> ()");
   m.def("rotary_embedding(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, "
         "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor x, Tensor(a!) out) -> ()");
   // dense_linear.cpp
   m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_small_batch_blocked(Tensor x, Tensor blocks, Tensor? bias, Tensor(a!) out) -> ()");
@@ -45,14 +46,16 @@ TORCH_LIBRARY(kvscope, m) {
   // llama_stack.cpp; every argument by name from Python.
   m.class_<LlamaDecoderStack>("LlamaDecoderStack")
       .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
-                       at::Tensor, at::Tensor, at::Tensor, const c10::List<kvscope::NamedTensors>&,
-                       const c10::List<c10::Dict<std::string, int64_t>>&, int64_t, int64_t, int64_t,
-                       int64_t, int64_t, double, double>(),
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
+                       const c10::List<kvscope::NamedTensors>&,
+                       const c10::List<c10::Dict<std::string, int64_t>>&,
+                       const c10::Dict<std::string, double>&, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, double, double>(),
            "",
            {torch::arg("embedding"), torch::arg("embedding_scales"), torch::arg("head"),
             torch::arg("head_scales"), torch::arg("cos"), torch::arg("sin"),
             torch::arg("final_norm"), torch::arg("layers"), torch::arg("layer_options"),
-            torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim"),
+            torch::arg("model_options"), torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim"),
             torch::arg("group_size"), torch::arg("kernel_max_rows"), torch::arg("eps"),
             torch::arg("attention_scale")})
       .def("forward", &LlamaDecoderStack::forward)
@@ -65,6 +68,7 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("linear_small_batch", &linear_small_batch);
   m.impl("linear_small_batch_blocked", &linear_small_batch_blocked);
   m.impl("int4_linear", &int4_linear);

@@ -20,10 +20,11 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 
 // fused_ops.cpp
 void rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at::Tensor out,
-              std::optional<at::Tensor> residual);
+              std::optional<at::Tensor> residual, bool unit_offset);
 void rotary_embedding(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                       int64_t head_dim);
 void silu_and_mul(const at::Tensor& x, at::Tensor out);
+void gelu_tanh_and_mul(const at::Tensor& x, at::Tensor out);
 
 // dense_linear.cpp
 void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,

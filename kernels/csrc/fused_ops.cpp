@@ -29,7 +29,7 @@ struct RowLayout {
 template <typename T>
 void rms_norm_rows(T* hidden, RowLayout hidden_rows, T* residual, int64_t residual_stride,
                    const T* weight, T* out, RowLayout out_rows, int64_t rows, int64_t width,
-                   float eps) {
+                   float eps, bool unit_offset) {
   kvscope::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
     for (int64_t r = begin; r < end; ++r) {
@@ -57,9 +57,14 @@ void rms_norm_rows(T* hidden, RowLayout hidden_rows, T* residual, int64_t residu
       // The row is read whole before it is written, so out may be hidden itself.
       const float inverse = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
       T* y = out + out_rows.offset(r);
+      if (unit_offset) {  // Gemma: (x / rms) * (1 + weight) in fp32, rounded once
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i)
-        store(y[i], load(weight[i]) * round_to(row[i] * inverse, static_cast<T*>(nullptr)));
+        for (int64_t i = 0; i < width; ++i) store(y[i], row[i] * inverse * (1.f + load(weight[i])));
+      } else {  // Llama: weight * (x / rms rounded to T)
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i)
+          store(y[i], load(weight[i]) * round_to(row[i] * inverse, static_cast<T*>(nullptr)));
+      }
     }
   });
 }
@@ -76,8 +81,9 @@ RowLayout row_layout(const at::Tensor& x) {
 // out = weight * rms_norm(hidden) over the last dim of [tokens, width] or [tokens, heads,
 // width] rows (out may be hidden: in place); with a residual (2-D only), first residual +=
 // hidden and normalise the sum (the residual stream then holds it for the next layer).
+// unit_offset: out = (1 + weight) * rms_norm(hidden), as Gemma's norms scale.
 void rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at::Tensor out,
-              std::optional<at::Tensor> residual) {
+              std::optional<at::Tensor> residual, bool unit_offset) {
   TORCH_CHECK((hidden.dim() == 2 || (hidden.dim() == 3 && !residual)) &&
                   hidden.sizes() == out.sizes() && hidden.stride(-1) == 1 && out.stride(-1) == 1,
               "rms_norm: rows [tokens, hidden] or [tokens, heads, head_dim] (no residual) with "
@@ -95,14 +101,15 @@ void rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at
                          residual ? kvscope::elements<float>(*residual) : nullptr,
                          residual ? residual->stride(0) : 0, kvscope::elements<float>(weight),
                          kvscope::elements<float>(out), out_rows, rows, width,
-                         static_cast<float>(eps));
+                         static_cast<float>(eps), unit_offset);
   } else {
     TORCH_CHECK(hidden.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16");
     using B = kvscope::bf16;
     rms_norm_rows<B>(kvscope::elements<B>(hidden), hidden_rows,
                      residual ? kvscope::elements<B>(*residual) : nullptr,
                      residual ? residual->stride(0) : 0, kvscope::elements<B>(weight),
-                     kvscope::elements<B>(out), out_rows, rows, width, static_cast<float>(eps));
+                     kvscope::elements<B>(out), out_rows, rows, width, static_cast<float>(eps),
+                     unit_offset);
   }
 }
 
@@ -156,9 +163,31 @@ void rotary_embedding(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& s
 
 namespace {
 
-template <typename T>
-void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows,
-                   int64_t width) {
+// The gates of gated MLPs, per fp32 element: SwiGLU's silu (Llama) and GeGLU's tanh-approximated
+// gelu (Gemma), each from exp_nonpositive, which never overflows and vectorizes.
+struct Silu {
+  static float apply(float g) {
+    // sigmoid(g) from e = exp(-|g|): 1/(1+e) or e/(1+e)
+    const float e = kvscope::exp_nonpositive(-std::abs(g));
+    const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
+    return g * sigmoid;
+  }
+};
+
+struct GeluTanh {
+  static float apply(float g) {
+    // 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), as torch's approximate="tanh";
+    // tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2|u|)
+    const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const float e = kvscope::exp_nonpositive(-2.f * std::abs(u));
+    const float tanh_abs = (1.f - e) / (1.f + e);
+    return 0.5f * g * (1.f + (u >= 0.f ? tanh_abs : -tanh_abs));
+  }
+};
+
+template <typename Gate, typename T>
+void gated_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows,
+                int64_t width) {
   kvscope::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * x_stride;
@@ -166,29 +195,32 @@ void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t out_stride, int
       T* y = out + r * out_stride;
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
-        const float g = load(gate[i]);
-        // sigmoid(g) from e = exp(-|g|), which never overflows: 1/(1+e) or e/(1+e)
-        const float e = kvscope::exp_nonpositive(-std::abs(g));
-        const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
-        const float silu = round_to(g * sigmoid, static_cast<T*>(nullptr));
-        store(y[i], silu * load(up[i]));
+        const float activated = round_to(Gate::apply(load(gate[i])), static_cast<T*>(nullptr));
+        store(y[i], activated * load(up[i]));
       }
     }
   });
 }
 
-}  // namespace
-
-// out = silu(gate) * up for x = [gate | up] rows [tokens, 2 * width].
-void silu_and_mul(const at::Tensor& x, at::Tensor out) {
+// out = gate(x[:, :width]) * x[:, width:] for x = [gate | up] rows [tokens, 2 * width].
+template <typename Gate>
+void gate_and_mul(const char* name, const at::Tensor& x, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
                   x.size(1) == 2 * out.size(1) && out.scalar_type() == x.scalar_type(),
-              "silu_and_mul: x [tokens, 2 * width] -> out [tokens, width]");
+              name, ": x [tokens, 2 * width] -> out [tokens, width]");
   if (x.scalar_type() == at::kFloat)
-    silu_mul_rows<float>(kvscope::elements<float>(x), x.stride(0), kvscope::elements<float>(out),
-                         out.stride(0), x.size(0), out.size(1));
+    gated_rows<Gate, float>(kvscope::elements<float>(x), x.stride(0),
+                            kvscope::elements<float>(out), out.stride(0), x.size(0), out.size(1));
   else
-    silu_mul_rows<kvscope::bf16>(kvscope::elements<kvscope::bf16>(x), x.stride(0),
-                                 kvscope::elements<kvscope::bf16>(out), out.stride(0), x.size(0),
-                                 out.size(1));
+    gated_rows<Gate, kvscope::bf16>(kvscope::elements<kvscope::bf16>(x), x.stride(0),
+                                    kvscope::elements<kvscope::bf16>(out), out.stride(0),
+                                    x.size(0), out.size(1));
+}
+
+}  // namespace
+
+void silu_and_mul(const at::Tensor& x, at::Tensor out) { gate_and_mul<Silu>("silu_and_mul", x, out); }
+
+void gelu_tanh_and_mul(const at::Tensor& x, at::Tensor out) {
+  gate_and_mul<GeluTanh>("gelu_tanh_and_mul", x, out);
 }

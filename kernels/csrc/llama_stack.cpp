@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/record_function.h>
 
 #include <cstring>
@@ -100,9 +101,11 @@ void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig
          [&] { linear_small_batch(x, linear.weight, linear.bias, out); });
 }
 
-void normed(const at::Tensor& hidden, const at::Tensor& weight, double eps,
+void normed(const at::Tensor& hidden, const at::Tensor& weight, const StackConfig& config,
             const std::optional<at::Tensor>& residual, at::Tensor& out) {
-  traced("kvscope::rms_norm", [&] { rms_norm(hidden, weight, eps, out, residual); });
+  traced("kvscope::rms_norm", [&] {
+    rms_norm(hidden, weight, config.eps, out, residual, config.model.norm_unit_offset);
+  });
 }
 
 // Rows `ids` of a contiguous 2-D table, in its dtype: index_select's result, without a trip
@@ -176,14 +179,16 @@ struct Workspace {
 
 // A dictionary from Python read by name, remembering the names read: a name the stack does
 // not read (a renamed or new parameter or option) is an error, not silently left out.
+// `owner` names what the dictionary describes in those errors ("a layer").
 template <typename Value>
 class NameReader {
  public:
-  explicit NameReader(const c10::Dict<std::string, Value>& named) : named_(named) {}
+  NameReader(const c10::Dict<std::string, Value>& named, const char* owner)
+      : named_(named), owner_(owner) {}
 
   Value required(const std::string& name) {
     std::optional<Value> value = optional(name);
-    TORCH_CHECK(value, "LlamaDecoderStack: a layer has no '", name, "'");
+    TORCH_CHECK(value, "LlamaDecoderStack: ", owner_, " has no '", name, "'");
     return *value;
   }
 
@@ -205,19 +210,22 @@ class NameReader {
     std::string unread;
     for (const auto& entry : named_)
       if (read_.count(entry.key()) == 0) unread += " '" + entry.key() + "'";
-    TORCH_CHECK(unread.empty(), "LlamaDecoderStack: a layer has names it does not know:", unread,
-                " (DecoderLayerWeights::from and LayerOptions::from list the names they read)");
+    TORCH_CHECK(unread.empty(), "LlamaDecoderStack: ", owner_, " has names it does not know:",
+                unread,
+                " (DecoderLayerWeights::from, LayerOptions::from and ModelOptions::from list the "
+                "names they read)");
   }
 
  private:
   const c10::Dict<std::string, Value>& named_;
+  const char* owner_;
   std::set<std::string> read_;
 };
 
 }  // namespace
 
 kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTensors& named) {
-  NameReader<at::Tensor> reader(named);
+  NameReader<at::Tensor> reader(named, "a layer");
   DecoderLayerWeights layer;
   layer.input_layernorm = reader.required("input_layernorm.weight");
   layer.qkv_proj = reader.linear("self_attn.qkv_proj");
@@ -226,7 +234,15 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
   layer.k_norm = reader.optional("self_attn.k_norm.weight");
   TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
               "LlamaDecoderStack: a layer has a q_norm without a k_norm, or the reverse");
-  layer.post_attention_layernorm = reader.required("post_attention_layernorm.weight");
+  // A Gemma layer, which names its MLP's input norm pre_feedforward_layernorm, uses the name
+  // post_attention_layernorm for its attention's output norm.
+  if (std::optional<at::Tensor> pre_mlp = reader.optional("pre_feedforward_layernorm.weight")) {
+    layer.mlp_input_norm = *pre_mlp;
+    layer.attention_output_norm = reader.required("post_attention_layernorm.weight");
+    layer.mlp_output_norm = reader.required("post_feedforward_layernorm.weight");
+  } else {
+    layer.mlp_input_norm = reader.required("post_attention_layernorm.weight");
+  }
   layer.gate_up_proj = reader.linear("mlp.gate_up_proj");
   layer.down_proj = reader.linear("mlp.down_proj");
   reader.check_all_read();
@@ -234,9 +250,10 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
 }
 
 kvscope::LayerOptions kvscope::LayerOptions::from(const c10::Dict<std::string, int64_t>& named) {
-  NameReader<int64_t> reader(named);
+  NameReader<int64_t> reader(named, "a layer");
   LayerOptions options;
   options.rotary = reader.optional("rotary").value_or(1) != 0;
+  options.rotary_table = reader.optional("rotary_table").value_or(0);
   options.sliding_window = reader.optional("sliding_window").value_or(0);
   TORCH_CHECK(options.sliding_window >= 0, "LlamaDecoderStack: sliding_window must be >= 0");
   options.kv_group = reader.optional("kv_group").value_or(0);
@@ -245,12 +262,29 @@ kvscope::LayerOptions kvscope::LayerOptions::from(const c10::Dict<std::string, i
   return options;
 }
 
+kvscope::ModelOptions kvscope::ModelOptions::from(const c10::Dict<std::string, double>& named) {
+  NameReader<double> reader(named, "the model options");
+  ModelOptions options;
+  options.embedding_scale = reader.optional("embedding_scale").value_or(0.);
+  options.norm_unit_offset = reader.optional("norm_unit_offset").value_or(0.) != 0.;
+  options.gelu_tanh = reader.optional("gelu_tanh").value_or(0.) != 0.;
+  options.attention_soft_cap = reader.optional("attention_soft_cap").value_or(0.);
+  options.final_soft_cap = reader.optional("final_soft_cap").value_or(0.);
+  TORCH_CHECK(options.embedding_scale >= 0. && options.attention_soft_cap >= 0. &&
+                  options.final_soft_cap >= 0.,
+              "LlamaDecoderStack: embedding_scale and the soft caps must be >= 0");
+  reader.check_all_read();
+  return options;
+}
+
 LlamaDecoderStack::LlamaDecoderStack(
     at::Tensor embedding, std::optional<at::Tensor> embedding_scales, at::Tensor head,
-    std::optional<at::Tensor> head_scales, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+    std::optional<at::Tensor> head_scales, std::vector<at::Tensor> cos,
+    std::vector<at::Tensor> sin, at::Tensor final_norm,
     const c10::List<kvscope::NamedTensors>& layers,
-    const c10::List<c10::Dict<std::string, int64_t>>& layer_options, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t group_size, int64_t kernel_max_rows, double eps,
+    const c10::List<c10::Dict<std::string, int64_t>>& layer_options,
+    const c10::Dict<std::string, double>& model_options, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t group_size, int64_t kernel_max_rows, double eps,
     double attention_scale)
     : embedding_(std::move(embedding)),
       embedding_scales_(std::move(embedding_scales)),
@@ -258,9 +292,14 @@ LlamaDecoderStack::LlamaDecoderStack(
       cos_(std::move(cos)),
       sin_(std::move(sin)),
       final_norm_(std::move(final_norm)),
-      config_{num_heads,       num_kv_heads, head_dim,       group_size,
-              kernel_max_rows, eps,          attention_scale} {
-  for (const at::Tensor* table : {&embedding_, &cos_, &sin_})
+      config_{num_heads,       num_kv_heads,    head_dim,
+              group_size,      kernel_max_rows, eps,
+              attention_scale, kvscope::ModelOptions::from(model_options)} {
+  TORCH_CHECK(!cos_.empty() && cos_.size() == sin_.size(),
+              "LlamaDecoderStack: one or more rotary tables, a sin table per cos table");
+  std::vector<const at::Tensor*> tables = {&embedding_};
+  for (size_t i = 0; i < cos_.size(); ++i) tables.insert(tables.end(), {&cos_[i], &sin_[i]});
+  for (const at::Tensor* table : tables)
     TORCH_CHECK(table->dim() == 2 && table->is_contiguous(),
                 "LlamaDecoderStack: the embedding and rotary tables are contiguous [rows, width]");
   TORCH_CHECK(!embedding_scales_ || (embedding_.scalar_type() == at::kChar &&
@@ -272,8 +311,12 @@ LlamaDecoderStack::LlamaDecoderStack(
               "LlamaDecoderStack: one layer_options entry per layer (", layers.size(), ")");
   for (const kvscope::NamedTensors& named : layers)
     layers_.push_back(kvscope::DecoderLayerWeights::from(named));
-  for (const c10::Dict<std::string, int64_t>& named : layer_options)
+  for (const c10::Dict<std::string, int64_t>& named : layer_options) {
     options_.push_back(kvscope::LayerOptions::from(named));
+    TORCH_CHECK(options_.back().rotary_table < static_cast<int64_t>(cos_.size()),
+                "LlamaDecoderStack: rotary_table ", options_.back().rotary_table, " but ",
+                cos_.size(), " rotary tables");
+  }
 }
 
 at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Tensor& positions,
@@ -296,7 +339,11 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     TORCH_CHECK(options.kv_group < block_tables.size(0), "LlamaDecoderStack.forward: kv_group ",
                 options.kv_group, " but ", block_tables.size(0), " KV cache groups");
   at::Tensor hidden = embed(input_ids);
-  const at::Tensor cos = gather_rows(cos_, positions), sin = gather_rows(sin_, positions);
+  std::vector<at::Tensor> cos, sin;
+  for (size_t table = 0; table < cos_.size(); ++table) {
+    cos.push_back(gather_rows(cos_[table], positions));
+    sin.push_back(gather_rows(sin_[table], positions));
+  }
   const int64_t tokens = hidden.size(0);
   const int64_t intermediate_size = layers_.front().gate_up_proj.out_features() / 2;
   Workspace work(hidden, config_, intermediate_size);
@@ -308,18 +355,19 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     // layer's output into the residual stream.
     const bool first = index == 0;
     const int64_t group = options_[index].kv_group;
-    normed(first ? hidden : work.projected, layer.input_layernorm, config_.eps,
+    const kvscope::LayerOptions& options = options_[index];
+    normed(first ? hidden : work.projected, layer.input_layernorm, config_,
            first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
     project(work.normed, layer.qkv_proj, config_, work.qkv);
     work.split_qkv(config_);
     if (layer.q_norm) {  // each query and key head normalised in place, before the rotary
-      normed(work.query, *layer.q_norm, config_.eps, std::nullopt, work.query);
-      normed(work.key, *layer.k_norm, config_.eps, std::nullopt, work.key);
+      normed(work.query, *layer.q_norm, config_, std::nullopt, work.query);
+      normed(work.key, *layer.k_norm, config_, std::nullopt, work.key);
     }
-    if (options_[index].rotary)
+    if (options.rotary)
       traced("kvscope::rotary_embedding", [&] {
-        rotary_embedding(work.qkv, cos, sin, config_.num_heads + config_.num_kv_heads,
-                         config_.head_dim);
+        rotary_embedding(work.qkv, cos[options.rotary_table], sin[options.rotary_table],
+                         config_.num_heads + config_.num_kv_heads, config_.head_dim);
       });
     traced("kvscope::store_kv", [&] {
       store_kv(work.key, work.value, key_caches[index], value_caches[index], slot_mapping[group]);
@@ -327,16 +375,24 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     traced("kvscope::paged_attention", [&] {
       paged_attention(work.query, key_caches[index], value_caches[index], block_tables[group],
                       seq_lens, query_start_loc, config_.attention_scale, attended,
-                      options_[index].sliding_window, 0.);
+                      options.sliding_window, config_.model.attention_soft_cap);
     });
     project(work.attended, layer.o_proj, config_, work.projected);
-    normed(work.projected, layer.post_attention_layernorm, config_.eps, residual, work.normed);
+    if (layer.attention_output_norm)
+      normed(work.projected, *layer.attention_output_norm, config_, std::nullopt, work.projected);
+    normed(work.projected, layer.mlp_input_norm, config_, residual, work.normed);
     project(work.normed, layer.gate_up_proj, config_, work.gate_up);
-    traced("kvscope::silu_and_mul", [&] { silu_and_mul(work.gate_up, work.activated); });
+    if (config_.model.gelu_tanh)
+      traced("kvscope::gelu_tanh_and_mul",
+             [&] { gelu_tanh_and_mul(work.gate_up, work.activated); });
+    else
+      traced("kvscope::silu_and_mul", [&] { silu_and_mul(work.gate_up, work.activated); });
     project(work.activated, layer.down_proj, config_, work.projected);
+    if (layer.mlp_output_norm)
+      normed(work.projected, *layer.mlp_output_norm, config_, std::nullopt, work.projected);
   }
   at::Tensor out = at::empty_like(hidden);
-  normed(work.projected, final_norm_, config_.eps, residual, out);
+  normed(work.projected, final_norm_, config_, residual, out);
   return out;
 }
 
@@ -344,17 +400,26 @@ at::Tensor LlamaDecoderStack::logits(const at::Tensor& hidden) const {
   const at::Tensor x = hidden.stride(-1) == 1 ? hidden : hidden.contiguous();
   at::Tensor out = at::empty({x.size(0), head_.out_features()}, x.options().dtype(at::kFloat));
   project(x, head_, config_, out);
+  if (const double cap = config_.model.final_soft_cap; cap > 0.) out.div_(cap).tanh_().mul_(cap);
   return out;
 }
 
 // The embeddings of `ids` in the model's dtype (the final norm's), as the embedding module
-// computes them.
+// computes them, then scaled where the model scales them.
 at::Tensor LlamaDecoderStack::embed(const at::Tensor& ids) const {
-  if (!embedding_scales_) return gather_rows(embedding_, ids);
-  const at::ScalarType dtype = final_norm_.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-              "LlamaDecoderStack: int8 embeddings de-quantize to float32 or bfloat16");
-  return dtype == at::kFloat
-             ? dequantized_rows<float>(embedding_, *embedding_scales_, ids, dtype)
-             : dequantized_rows<kvscope::bf16>(embedding_, *embedding_scales_, ids, dtype);
+  at::Tensor rows;
+  if (!embedding_scales_) {
+    rows = gather_rows(embedding_, ids);
+  } else {
+    const at::ScalarType dtype = final_norm_.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+                "LlamaDecoderStack: int8 embeddings de-quantize to float32 or bfloat16");
+    rows = dtype == at::kFloat
+               ? dequantized_rows<float>(embedding_, *embedding_scales_, ids, dtype)
+               : dequantized_rows<kvscope::bf16>(embedding_, *embedding_scales_, ids, dtype);
+  }
+  // The scale in the rows' dtype, as a tensor of it multiplies them from Python (Gemma).
+  if (config_.model.embedding_scale > 0.)
+    rows.mul_(at::scalar_tensor(config_.model.embedding_scale, rows.options()));
+  return rows;
 }

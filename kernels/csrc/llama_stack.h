@@ -1,6 +1,6 @@
-// A Llama-family decoder stack (the token embedding and rotary lookups, every layer, then the
-// final norm) as one call on the CPU, and the output projection (the logits) as another:
-// kvscope.LlamaDecoderStack, registered in bindings.cpp.
+// A Llama-family or Gemma 2/3 decoder stack (the token embedding and rotary lookups, every
+// layer, then the final norm) as one call on the CPU, and the output projection (the logits)
+// as another: kvscope.LlamaDecoderStack, registered in bindings.cpp.
 #pragma once
 
 #include <ATen/core/Dict.h>
@@ -30,13 +30,17 @@ struct LinearWeights {
 };
 
 // One decoder layer's weights, named as the module's parameters are
-// (engine/worker/models/llama.py's LlamaDecoderLayer). A weight the model's config leaves
-// out is absent, and so is its step.
+// (engine/worker/models/llama.py's LlamaDecoderLayer, gemma.py's GemmaDecoderLayer). A
+// weight the model's config leaves out is absent, and so is its step.
 struct DecoderLayerWeights {
   at::Tensor input_layernorm;
   LinearWeights qkv_proj, o_proj;
-  std::optional<at::Tensor> q_norm, k_norm;  // RMSNorm per query / key head (Qwen3)
-  at::Tensor post_attention_layernorm;
+  std::optional<at::Tensor> q_norm, k_norm;  // RMSNorm per query / key head (Qwen3, Gemma 3)
+  // Gemma normalises the attention's and the MLP's outputs before each joins the residual
+  // stream (its post_attention_layernorm and post_feedforward_layernorm).
+  std::optional<at::Tensor> attention_output_norm, mlp_output_norm;
+  // The norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm.
+  at::Tensor mlp_input_norm;
   LinearWeights gate_up_proj, down_proj;
 
   // From the layer's named_parameters(); every name must be one of the above.
@@ -48,11 +52,26 @@ struct DecoderLayerWeights {
 // names them. A new kind of layer adds a field here and its name in from().
 struct LayerOptions {
   bool rotary = true;          // false: no rotary embedding (SmolLM3's NoPE layers)
+  int64_t rotary_table = 0;    // which of the stack's cos/sin tables (Gemma 3: per layer type)
   int64_t sliding_window = 0;  // > 0: attend to the last sliding_window positions only
   int64_t kv_group = 0;        // which KV cache group's slot mapping and block tables it uses
 
   // Every name must be one of the above.
   static LayerOptions from(const c10::Dict<std::string, int64_t>& named);
+};
+
+// The model's options that are no weight and hold for every layer, named as
+// engine/worker/models/gemma.py's GemmaForCausalLM.stack_options names them; a Llama-family
+// model passes none (every default below).
+struct ModelOptions {
+  double embedding_scale = 0.;     // > 0: the embeddings times it, rounded to their dtype first
+  bool norm_unit_offset = false;   // every norm scales by (1 + weight) (Gemma's RMSNorm)
+  bool gelu_tanh = false;          // the MLP's gate is tanh-approximated gelu (GeGLU), not silu
+  double attention_soft_cap = 0.;  // > 0: scores become cap * tanh(score / cap) (Gemma 2)
+  double final_soft_cap = 0.;      // > 0: logits alike (Gemma 2)
+
+  // Every name must be one of the above (booleans as 0 or 1).
+  static ModelOptions from(const c10::Dict<std::string, double>& named);
 };
 
 struct StackConfig {
@@ -61,6 +80,7 @@ struct StackConfig {
   int64_t kernel_max_rows;  // packed weights: up to this many rows stream through a kernel
   double eps;               // the RMS norms'
   double attention_scale;
+  ModelOptions model;
 };
 
 }  // namespace kvscope
@@ -72,15 +92,17 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
  public:
   // embedding: the token embedding table, dense or int8 with embedding_scales (one per row);
   // head, head_scales: the output projection alike (the embedding's own when they are tied);
-  // cos, sin: the rotary tables, a row per position (of the rotated width: partial rotary
-  // rotates each head's first dims); layers: each decoder layer's named_parameters();
-  // layer_options: each layer's LayerOptions by name.
+  // cos, sin: the rotary tables (one pair, or one per rope base), a row per position (of the
+  // rotated width: partial rotary rotates each head's first dims); layers: each decoder
+  // layer's named_parameters(); layer_options: each layer's LayerOptions by name;
+  // model_options: the ModelOptions by name.
   LlamaDecoderStack(at::Tensor embedding, std::optional<at::Tensor> embedding_scales,
-                    at::Tensor head, std::optional<at::Tensor> head_scales, at::Tensor cos,
-                    at::Tensor sin, at::Tensor final_norm,
-                    const c10::List<kvscope::NamedTensors>& layers,
+                    at::Tensor head, std::optional<at::Tensor> head_scales,
+                    std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                    at::Tensor final_norm, const c10::List<kvscope::NamedTensors>& layers,
                     const c10::List<c10::Dict<std::string, int64_t>>& layer_options,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t group_size,
+                    const c10::Dict<std::string, double>& model_options, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t group_size,
                     int64_t kernel_max_rows, double eps, double attention_scale);
 
   // input_ids, positions: int64 [tokens]; one K and one V cache per layer; slot_mapping
@@ -95,8 +117,8 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
 
   // hidden @ head.T in fp32 [rows, vocab], each value rounded to hidden's dtype first, as
   // engine/worker/models/quantized.output_logits computes it from Python (the same paths,
-  // with an fp32 out). Called right after the stack, when the Python and ops around the head
-  // would cost more than the call.
+  // with an fp32 out), then soft-capped where the model caps them. Called right after the
+  // stack, when the Python and ops around the head would cost more than the call.
   at::Tensor logits(const at::Tensor& hidden) const;
 
  private:
@@ -105,7 +127,8 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   at::Tensor embedding_;
   std::optional<at::Tensor> embedding_scales_;
   kvscope::LinearWeights head_;
-  at::Tensor cos_, sin_, final_norm_;
+  std::vector<at::Tensor> cos_, sin_;
+  at::Tensor final_norm_;
   std::vector<kvscope::DecoderLayerWeights> layers_;
   std::vector<kvscope::LayerOptions> options_;
   kvscope::StackConfig config_;

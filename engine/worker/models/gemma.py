@@ -9,6 +9,8 @@ scores and the final logits; Gemma 3 normalises each query and key head instead 
 gives each layer type its own rope base.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,7 @@ from kvscope.engine.worker.models.attention import (
     layer_windows,
 )
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
+from kvscope.engine.worker.models.decoder_stack import FusesDecoderStack
 from kvscope.engine.worker.models.layers import Linear, MergedLinear, load_weights
 from kvscope.engine.worker.models.quantized import output_logits
 
@@ -67,11 +70,35 @@ class RotaryTables(nn.Module):
             self.register_buffer(f"cos_{layer_type}", cos[0], persistent=False)
             self.register_buffer(f"sin_{layer_type}", sin[0], persistent=False)
 
+    def tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (cos, sin) tables in layer_types' order, for the decoder stack."""
+        return [(getattr(self, f"cos_{kind}"), getattr(self, f"sin_{kind}"))
+                for kind in self.layer_types]
+
     def forward(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """fp32 (cos, sin) [tokens, head_dim] per layer type, once per forward."""
         return {kind: (getattr(self, f"cos_{kind}").index_select(0, positions),
                        getattr(self, f"sin_{kind}").index_select(0, positions))
                 for kind in self.layer_types}
+
+
+@dataclass(frozen=True)
+class GemmaLayerKind:
+    """What sets one decoder layer apart, from `layer_types`; the decoder stack takes it as
+    its layer options (`stack_options`)."""
+
+    layer_type: str  # "sliding_attention" or "full_attention"
+    rotary_table: int  # the index of its layer type's rotary table (RotaryTables.tables)
+    sliding_window: int | None
+
+    def stack_options(self) -> dict[str, int]:
+        return {"rotary_table": self.rotary_table, "sliding_window": self.sliding_window or 0}
+
+
+def gemma_layer_kinds(config: PretrainedConfig) -> list[GemmaLayerKind]:
+    table = {layer_type: index for index, layer_type in enumerate(sorted(set(config.layer_types)))}
+    return [GemmaLayerKind(layer_type, table[layer_type], window)
+            for layer_type, window in zip(config.layer_types, layer_windows(config), strict=True)]
 
 
 class GemmaAttention(UsesKernelOps):
@@ -123,11 +150,10 @@ class GemmaMLP(UsesKernelOps):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_type: str,
-                 sliding_window: int | None) -> None:
+    def __init__(self, config: PretrainedConfig, kind: GemmaLayerKind) -> None:
         super().__init__()
-        self.layer_type = layer_type
-        self.self_attn = GemmaAttention(config, sliding_window)
+        self.kind = kind
+        self.self_attn = GemmaAttention(config, kind.sliding_window)
         self.mlp = GemmaMLP(config)
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps)
@@ -146,14 +172,13 @@ class GemmaBody(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, layer_type, window)
-            for layer_type, window in zip(config.layer_types, layer_windows(config), strict=True))
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, kind)
+                                    for kind in gemma_layer_kinds(config))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryTables(config, max_positions)
 
 
-class GemmaForCausalLM(UsesKernelOps):
+class GemmaForCausalLM(UsesKernelOps, FusesDecoderStack):
     """Gemma2ForCausalLM, Gemma3ForCausalLM, and the language model of
     Gemma3ForConditionalGeneration (its vision tower is not loaded: text in, text out).
     Parameter names follow transformers', so checkpoints load by name."""
@@ -166,6 +191,7 @@ class GemmaForCausalLM(UsesKernelOps):
         self.model = GemmaBody(config, max_positions)
         self.embedding_scale = config.hidden_size ** 0.5
         self.final_soft_cap = getattr(config, "final_logit_softcapping", None)
+        self.attention_soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.tied = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tied:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -173,16 +199,26 @@ class GemmaForCausalLM(UsesKernelOps):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def stack_options(self) -> dict[str, float]:
+        """What the decoder stack does differently for Gemma (its C++ ModelOptions)."""
+        return {"embedding_scale": self.embedding_scale, "norm_unit_offset": 1.0,
+                "gelu_tanh": 1.0, "attention_soft_cap": self.attention_soft_cap or 0.0,
+                "final_soft_cap": self.final_soft_cap or 0.0}
+
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        if self.decoder_stack is not None:
+            return self.decoder_stack(input_ids, positions, meta)
         hidden = self.model.embed_tokens(input_ids)
         # The scale rounded to the model's dtype first, as transformers does.
         hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         tables = self.model.rotary(positions)
         for layer in self.model.layers:
-            hidden = layer(hidden, *tables[layer.layer_type], meta)
+            hidden = layer(hidden, *tables[layer.kind.layer_type], meta)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.decoder_stack is not None:
+            return self.decoder_stack.logits(hidden)
         projection = self.model.embed_tokens if self.tied else self.lm_head
         logits = output_logits(projection, hidden, self.ops.logits)
         if self.final_soft_cap:

@@ -15,8 +15,9 @@ from kvscope.engine.worker.models.attention import (
     layer_windows,
 )
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
+from kvscope.engine.worker.models.decoder_stack import FusesDecoderStack
 from kvscope.engine.worker.models.layers import Linear, MergedLinear, RMSNorm, load_weights
-from kvscope.engine.worker.models.quantized import kernel_max_rows, output_logits
+from kvscope.engine.worker.models.quantized import output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -73,6 +74,10 @@ class RotaryTable(nn.Module):
         angles = torch.cat((frequencies, frequencies), dim=-1)
         self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
+
+    def tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (cos, sin) table every layer reads, for the decoder stack."""
+        return [(self.cos, self.sin)]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos, sin [tokens, rotary_dim], once per forward for every layer."""
@@ -187,65 +192,7 @@ class LlamaBody(nn.Module):
         self.rotary = RotaryTable(config, max_positions, max_model_len)
 
 
-def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """A layer's tensors for the C++ stack: its parameters by name, and each prepacked
-    linear's oneDNN tensor as "<module>.onednn"."""
-    tensors = dict(layer.named_parameters())
-    for name, module in layer.named_modules():
-        if isinstance(module, Linear) and module.prepacked is not None:
-            tensors[f"{name}.onednn"] = module.prepacked.onednn
-    return tensors
-
-
-class FusedDecoderStack:
-    """The token embedding, every decoder layer and the final norm in one C++ call
-    (kvscope.LlamaDecoderStack), and the output projection in another.
-
-    It chains the same C++ ops the modules call, with the same weights (dense, or int4 /
-    int8 packed), so the result is the modules' result; what it saves is the Python
-    between ~300 module and op calls, which costs a batch-1 decode step milliseconds. The
-    weights are handed over once, here; a step passes only its own inputs. The model
-    runner fuses it where the bound kernels have one (KernelOps.decoder_stack) unless
-    enforce_eager is set.
-    """
-
-    def __init__(self, model: "LlamaForCausalLM", dtype: torch.dtype) -> None:
-        body = model.model
-        self.attention = [layer.self_attn.attn for layer in body.layers]
-        first = self.attention[0]
-        # The token embedding and the rotary lookups run in the same call, the output
-        # projection in a second: called from Python after a step has streamed the weights,
-        # their small ops and the Python around them would run cold (docs/performance.md).
-        head = body.embed_tokens if model.tied else model.lm_head
-        self.layers = model.ops.decoder_stack(
-            embedding=body.embed_tokens.weight,
-            embedding_scales=getattr(body.embed_tokens, "scales", None),
-            head=head.weight, head_scales=getattr(head, "scales", None),
-            cos=body.rotary.cos, sin=body.rotary.sin, final_norm=body.norm.weight,
-            # Each layer's tensors by their parameter names (packed int4 / int8 linears add
-            # scales, and int4 offsets, to weight and bias; the C++ side reads them by name),
-            # and prepacked dense ones their oneDNN tensor, as "<module>.onednn").
-            layers=[stack_tensors(layer) for layer in body.layers],
-            layer_options=[{**layer.kind.stack_options(), "kv_group": layer.self_attn.attn.kv_group}
-                           for layer in body.layers],
-            num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
-            group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
-            kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,
-            attention_scale=first.scale)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the final norm's rows, as output_logits computes them."""
-        return self.layers.logits(hidden)
-
-    def __call__(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        # The cache views change when the pool is resized, so they are read per call.
-        return self.layers.forward(
-            input_ids, positions, [layer.key_cache for layer in self.attention],
-            [layer.value_cache for layer in self.attention], meta.slot_mapping,
-            meta.block_tables, meta.seq_lens, meta.query_start_loc)
-
-
-class LlamaForCausalLM(UsesKernelOps):
+class LlamaForCausalLM(UsesKernelOps, FusesDecoderStack):
     """Parameter names follow transformers', so checkpoints load by name."""
 
     def __init__(self, config: PretrainedConfig, max_positions: int, max_model_len: int) -> None:
@@ -257,11 +204,10 @@ class LlamaForCausalLM(UsesKernelOps):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.decoder_stack: FusedDecoderStack | None = None
 
-    def fuse_decoder_stack(self, dtype: torch.dtype) -> None:
-        """Run the layers as one call from now on (needs bound kernels with a decoder stack)."""
-        self.decoder_stack = FusedDecoderStack(self, dtype)
+    def stack_options(self) -> dict[str, float]:
+        """The decoder stack's model options: a Llama-family model takes its defaults."""
+        return {}
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

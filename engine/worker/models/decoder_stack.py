@@ -1,0 +1,88 @@
+"""The one-call C++ decoder stack (kvscope.LlamaDecoderStack) over a model's own modules:
+the Llama family (llama.py) and Gemma 2/3 (gemma.py) hand it their weights once, then run
+every step through it unless enforce_eager is set."""
+
+import torch
+from torch import nn
+
+from kvscope.engine.worker.models.attention import AttentionMetadata
+from kvscope.engine.worker.models.layers import Linear
+from kvscope.engine.worker.models.quantized import kernel_max_rows
+
+
+def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """A layer's tensors for the C++ stack: its parameters by name, and each prepacked
+    linear's oneDNN tensor as "<module>.onednn"."""
+    tensors = dict(layer.named_parameters())
+    for name, module in layer.named_modules():
+        if isinstance(module, Linear) and module.prepacked is not None:
+            tensors[f"{name}.onednn"] = module.prepacked.onednn
+    return tensors
+
+
+class FusedDecoderStack:
+    """The token embedding, every decoder layer and the final norm in one C++ call
+    (kvscope.LlamaDecoderStack), and the output projection in another.
+
+    It chains the same C++ ops the modules call, with the same weights (dense, or int4 /
+    int8 packed), so the result is the modules' result; what it saves is the Python
+    between ~300 module and op calls, which costs a batch-1 decode step milliseconds. The
+    weights are handed over once, here; a step passes only its own inputs. The model
+    runner fuses it where the bound kernels have one (KernelOps.decoder_stack) unless
+    enforce_eager is set.
+
+    What the stack reads from the model (FusesDecoderStack's models have all of it):
+    `model.model` with embed_tokens, layers, norm and a rotary module whose `tables()` are
+    its (cos, sin) pairs; each layer's `kind.stack_options()` (the C++ LayerOptions by
+    name); the model's `stack_options()` (the C++ ModelOptions by name); `tied` and
+    `lm_head` where the output projection is not the embedding.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        body = model.model
+        self.attention = [layer.self_attn.attn for layer in body.layers]
+        first = self.attention[0]
+        tables = body.rotary.tables()
+        # The token embedding and the rotary lookups run in the same call, the output
+        # projection in a second: called from Python after a step has streamed the weights,
+        # their small ops and the Python around them would run cold (docs/performance.md).
+        head = body.embed_tokens if model.tied else model.lm_head
+        self.layers = model.ops.decoder_stack(
+            embedding=body.embed_tokens.weight,
+            embedding_scales=getattr(body.embed_tokens, "scales", None),
+            head=head.weight, head_scales=getattr(head, "scales", None),
+            cos=[cos for cos, _ in tables], sin=[sin for _, sin in tables],
+            final_norm=body.norm.weight,
+            # Each layer's tensors by their parameter names (packed int4 / int8 linears add
+            # scales, and int4 offsets, to weight and bias; the C++ side reads them by name),
+            # and prepacked dense ones their oneDNN tensor, as "<module>.onednn").
+            layers=[stack_tensors(layer) for layer in body.layers],
+            layer_options=[{**layer.kind.stack_options(), "kv_group": layer.self_attn.attn.kv_group}
+                           for layer in body.layers],
+            model_options=model.stack_options(),
+            num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
+            group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
+            kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,
+            attention_scale=first.scale)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final norm's rows, as the model's compute_logits gives them."""
+        return self.layers.logits(hidden)
+
+    def __call__(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        # The cache views change when the pool is resized, so they are read per call.
+        return self.layers.forward(
+            input_ids, positions, [layer.key_cache for layer in self.attention],
+            [layer.value_cache for layer in self.attention], meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc)
+
+
+class FusesDecoderStack:
+    """A model the runner may run through the C++ stack: its forward and compute_logits
+    call `decoder_stack` once it is set."""
+
+    decoder_stack: FusedDecoderStack | None = None
+
+    def fuse_decoder_stack(self, dtype: torch.dtype) -> None:
+        """Run the layers as one call from now on (needs bound kernels with a decoder stack)."""
+        self.decoder_stack = FusedDecoderStack(self, dtype)
