@@ -117,37 +117,3 @@ def test_browser_compare_tab_runs_and_downloads_its_report(served, tmp_path) -> 
         page.screenshot(path=tmp_path / "compare.png", full_page=True)
         browser.close()
     assert "Plotly.newPlot" in saved.read_text() and "trace.jsonl" in saved.read_text()
-
-
-# Label texts reaching past the box that holds them (drawn there, cut off): the widget's
-# label, a checkbox's text.
-CUT_LABELS = """(root) => [...document.querySelectorAll(root + ' [data-testid="block-info"], '
-                                                      + root + ' label span')]
-  .filter((el) => {
-    const text = document.createRange();  // the text itself, wherever its box ends
-    text.selectNodeContents(el);
-    const box = text.getBoundingClientRect();
-    const holder = el.closest('.block, .form').getBoundingClientRect();
-    return box.width > 0 && (el.scrollWidth > el.clientWidth + 1
-                             || box.right > holder.right + 1 || box.left < holder.left - 1);
-  }).map((el) => el.textContent.trim())"""
-
-
-def test_browser_compare_tab_labels_are_whole(served, viewport=(1440, 900)) -> None:
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
-        page.goto(served[2])
-        page.get_by_role("tab", name="Compare").click()
-        page.locator("#kv-compare-run").wait_for()
-        for _ in range(10):  # until the tab is laid out at its width (a real cut stays)
-            page.wait_for_timeout(1000)
-            cut = page.evaluate(CUT_LABELS, "#kv-compare")
-            if not cut:
-                break
-        browser.close()
-    assert cut == []
