@@ -19,7 +19,9 @@ processes.
 
 Run it under the bench lock (the machine is shared):
 
-    flock /work/bench.lock .venv/bin/python bench/dashboard_overhead.py
+    flock /work/bench.lock .venv/bin/python bench/dashboard_overhead.py > run1.json
+
+The issue's targets are over three runs pooled (`--pool run1.json run2.json run3.json`).
 """
 
 import argparse
@@ -190,6 +192,16 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "target_met": all(cost[name] <= limit for name, limit in TARGET_COST.items())}
 
 
+def pooled(paths: list[Path]) -> dict:
+    """The runs of several outputs of this bench summarized as one run's (their medians)."""
+    outputs = [json.loads(path.read_text()) for path in paths]
+    runs = {condition: [run for output in outputs for run in output["runs"][condition]]
+            for condition in ("no_tab", "one_tab")}
+    return {"bench": "dashboard_overhead", "pooled": [str(path) for path in paths],
+            "cpu": sorted({output["cpu"] for output in outputs}),
+            "pairs": len(runs["one_tab"]), **summarize(runs)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=2, help="A B B A blocks")
@@ -199,8 +211,14 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=5.0, help="idle CPU window")
     parser.add_argument("--settle-s", type=float, default=3.0,
                         help="wait after opening the tab before measuring")
+    parser.add_argument("--pool", nargs="+", type=Path, metavar="JSON",
+                        help="measure nothing: summarize these runs' JSON outputs together "
+                        "(the issue's three quiet runs, pooled)")
     parser.add_argument("app_args", nargs="*", help="extra app.py flags (after --)")
     args = parser.parse_args()
+    if args.pool:
+        print(json.dumps(pooled(args.pool), indent=2))
+        return
     app = start_app(args.app_args)
     try:
         stream_decode_rate(app.url, 8)  # warm-up, untimed

@@ -4,6 +4,7 @@ the widths a newcomer uses (1440x900 and 1024x768), to look at before landing; t
 
     .venv/bin/python bench/screenshots.py --out /tmp/shots  # look at them
     .venv/bin/python bench/screenshots.py --out /tmp/shots --readme  # and update the README's
+    .venv/bin/python bench/screenshots.py --out /tmp/shots2 -- --replicas 2  # the Replicas tab
 
 Each file is <tab>-<state>-<width>x<height>.png (state: empty, load, or paused: the Live
 tab under load, paused by the step scrubber a few frames back); --readme copies
@@ -19,14 +20,19 @@ from dashboard_overhead import DashboardTab  # noqa: E402
 from served import ROOT, start_app, stop_app  # noqa: E402
 
 VIEWPORTS = ((1440, 900), (1024, 768))
-TABS = (("live", "Live"), ("engine", "Engine & load"), ("sessions", "Sessions"))
+# The Replicas tab is there only when app.py runs more than one (`-- --replicas 2`).
+TABS = (("live", "Live"), ("engine", "Engine & load"), ("sessions", "Sessions"),
+        ("compare", "Compare"), ("replicas", "Replicas"))
 
 
 def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:
-    """One full-page screenshot per tab, ending on the Live tab."""
+    """One full-page screenshot per tab the page has, ending on the Live tab."""
     size = f"{viewport[0]}x{viewport[1]}"
     for name, label in (*TABS[1:], TABS[0]):
-        page.get_by_role("tab", name=label).click()
+        tab = page.get_by_role("tab", name=label)
+        if not tab.count():
+            continue
+        tab.click()
         time.sleep(2)  # the tab's first refresh
         page.screenshot(path=out / f"{name}-{state}-{size}.png", full_page=True,
                         timeout=120_000)

@@ -581,6 +581,75 @@ def test_browser_a_click_on_a_block_table_row_follows_its_request(served, browse
         page.close()
 
 
+def test_browser_a_click_on_a_chat_turn_follows_its_request(served, browser) -> None:
+    """A click on a reply puts the request the engine ran for it (as the session log
+    records it) in the follow field, and the timeline and the heatmap then follow it."""
+    from playwright.sync_api import expect
+
+    from kvscope.storage.reader import load_session
+
+    log = served[1]
+    page = open_page(browser, served[2])
+    try:
+        box = page.locator("#kv-message textarea")
+        box.fill("which request am I?")
+        box.press("Enter")
+        expect(page.locator("#kv-chat-status")).to_contain_text("output tokens", timeout=60_000)
+
+        def logged_reply() -> str | None:
+            replies = [message for message in load_session(log.engine, log.session_id)
+                       .chat_messages if message["role"] == "assistant"
+                       and message["request_id"]]
+            return replies[-1]["request_id"] if replies else None
+        wait_until(logged_reply, timeout=20, what="the reply in the session log")
+        request_id = logged_reply()
+        page.locator("#kv-chat .message-row").last.click()
+        field = page.locator("#kv-follow textarea, #kv-follow input").first
+        expect(field).to_have_value(request_id, timeout=10_000)
+        for panel in ("#kv-timeline", "#kv-heatmap"):
+            page.locator(panel).scroll_into_view_if_needed()
+            expect(page.locator(panel)).to_contain_text(f"following {request_id}",
+                                                        timeout=15_000)
+    finally:
+        page.close()
+
+
+def test_browser_a_click_on_a_timeline_row_follows_its_request(served, browser) -> None:
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    page = open_page(browser, served[2])
+    try:
+        Ticks(page).wait_for_first_drawing()  # the tab's feed follows the engine from here
+        list(engine.submit("on the timeline " * 4, SamplingParams(max_tokens=16),
+                           request_id="timeline-row"))
+        timeline = page.locator("#kv-timeline")
+        timeline.scroll_into_view_if_needed()
+        expect(timeline).to_contain_text("timeline-row", timeout=30_000)
+        # The middle of a bar on the request's row (Plotly keeps each bar's point, whose
+        # index gives its row, on the bar's element).
+        box = timeline.evaluate("""(panel) => {
+            for (const trace of panel.querySelectorAll(".barlayer .trace")) {
+              const rows = trace.__data__[0].trace.y;
+              for (const bar of trace.querySelectorAll(".point")) {
+                if (!String(rows[bar.__data__.i]).startsWith("timeline-row")
+                    || bar.getBoundingClientRect().width <= 2) continue;
+                bar.scrollIntoView({block: "center"});  // a tall timeline's row can be
+                const box = bar.getBoundingClientRect();  // below the window
+                return {x: box.x + box.width / 2, y: box.y + box.height / 2};
+              }
+            }
+            return null;
+        }""")
+        assert box, "no bar drawn on the request's row"
+        page.mouse.click(box["x"], box["y"])
+        field = page.locator("#kv-follow textarea, #kv-follow input").first
+        expect(field).to_have_value("timeline-row", timeout=10_000)
+        expect(timeline).to_contain_text("following timeline-row", timeout=15_000)
+    finally:
+        page.close()
+
+
 class PoolReference:
     """The engine's own pool after each delta, from a subscription of the test's own (the
     same records the dashboard reads, applied by a PoolMirror, not by the scrubber): per

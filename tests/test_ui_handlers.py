@@ -383,3 +383,28 @@ def test_a_click_on_a_chat_turn_follows_that_turns_request(engine):
                          "metadata": {"title": "Reasoning"}}, *shown[1:]]
     assert [chat.turn_request(folded, conversation, i) for i in range(5)] == [
         first, first, first, second, second]
+
+
+def test_a_session_without_pool_frames_says_why_in_every_scrubber_panel(engine, tmp_path):
+    """A session that has run nothing yet is told apart from one logged without pool
+    records, and each panel says so (none keeps the session shown before, none is blank)."""
+    import json
+
+    from kvscope.storage import SessionLog
+    from kvscope.ui.scrubber import SessionFrames
+
+    log = SessionLog(tmp_path / "log.db")
+    try:
+        session_id = log.start_session(engine.config.to_dict(), engine.model_path)
+        frame, status, summary, *plots, events = SessionFrames(log, str).show(session_id, "")
+        assert "run no engine step yet" in status and (frame, summary, events) == ("", "", "")
+        for plot, title in zip(plots, ("Block pool", "Block tables", "Prefix-sharing tree"),
+                               strict=True):
+            layout = json.loads(plot.plot)["layout"]
+            assert layout["title"]["text"] == title
+            assert "run no engine step yet" in layout["annotations"][0]["text"]
+        _, status, _, *plots, _ = SessionFrames(log, str).show(session_id + 1, "")
+        assert "no such session" in status and all(
+            json.loads(plot.plot)["layout"]["annotations"] for plot in plots)
+    finally:
+        log.close()

@@ -47,22 +47,28 @@ def compare_tab(engine: EngineView, session_log) -> None:
                         info="simulated: real scheduler, modelled step times; live: the model")
         speed = gr.Number(1.0, label="speed (x arrivals)")
     knob_widgets = []
+    # Each widget as wide as its label: a row too narrow for all of them wraps (squeezed
+    # into one line, the labels were cut).
+    wide = {"min_width": 210}
     for index in range(MAX_CONFIGS):
         with gr.Row(variant="panel"):
             knob_widgets += [
-                gr.Checkbox(index < 2, label=f"run {index + 1}", scale=0, min_width=80),
-                gr.Dropdown(list(BLOCK_SIZES), value=config.block_size, label="block_size"),
+                gr.Checkbox(index < 2, label=f"run {index + 1}", scale=0, min_width=100),
+                gr.Dropdown(list(BLOCK_SIZES), value=config.block_size, label="block_size",
+                            **wide),
                 gr.Slider(0.01, 1.0, value=config.gpu_memory_utilization, step=0.01,
-                          label="gpu_memory_utilization"),
+                          label="gpu_memory_utilization", **wide),
                 gr.Number(config.num_gpu_blocks_override or 0, precision=0,
-                          label="num_gpu_blocks_override (0 = from memory)"),
-                gr.Number(config.max_num_seqs, precision=0, label="max_num_seqs"),
+                          label="num_gpu_blocks_override", info="0 = from memory", **wide),
+                gr.Number(config.max_num_seqs, precision=0, label="max_num_seqs", **wide),
                 gr.Number(config.max_num_batched_tokens, precision=0,
-                          label="max_num_batched_tokens"),
-                gr.Checkbox(config.enable_prefix_caching, label="prefix caching"),
-                gr.Checkbox(config.enable_chunked_prefill, label="chunked prefill"),
+                          label="max_num_batched_tokens", **wide),
+                gr.Checkbox(config.enable_prefix_caching, label="prefix caching",
+                            min_width=170),
+                gr.Checkbox(config.enable_chunked_prefill, label="chunked prefill",
+                            min_width=170),
                 gr.Radio(list(PREEMPTION_MODES), value=config.preemption_mode,
-                         label="preemption mode")]
+                         label="preemption mode", **wide)]
     run = gr.Button("Run", variant="primary", elem_id="kv-compare-run")
     status = gr.Markdown(elem_id="kv-compare-status")
     table = gr.Dataframe(headers=TABLE_COLUMNS, interactive=False, label="Runs")

@@ -38,7 +38,7 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
                 load_timer = _engine_tab(blocks, engine, feeds, session_log, load)
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 _sessions_tab(blocks, session_log, engine)
-            with gr.Tab("Compare", id="compare") as compare_tab:
+            with gr.Tab("Compare", id="compare", elem_id="kv-compare") as compare_tab:
                 compare.compare_tab(engine, session_log)
             other_tabs = [live_tab, sessions_tab, compare_tab]
             if engine.num_replicas > 1:  # an engine.replicas.ReplicaSet

@@ -128,17 +128,19 @@ class SessionFrames:
     def show(self, session_id, frame, by: int = 0) -> tuple:
         """(frame field, status, summary, heatmap, block tables, prefix tree, events) of
         the session's pool at `frame` + `by` (None: its last frame)."""
-        empty = (gr.skip(),) * 5
         if self.session_log is None or session_id in (None, ""):
-            return "", "Pick a session.", *empty
+            return "", "Pick a session.", *_no_frame("Pick a session to step through its pool.")
         try:
             history, steps = self.load(int(session_id))
         except ValueError as error:
             gr.Warning(str(error))
-            return "", str(error), *empty
+            return "", str(error), *_no_frame(str(error))
         if history.last is None:
-            return "", ("This session has no pool records (logged before kvscope kept "
-                          "them, or by several replicas)."), *empty
+            why = ("This session has run no engine step yet: its pool's frames appear once "
+                   "a request runs (Refresh, then pick it again)." if not steps else
+                   "This session has no pool records (logged before kvscope kept them, or "
+                   "by several replicas).")
+            return "", why, *_no_frame(why)
         number = history.clamp(None if _blank(frame) else _number(frame) + by)
         shown = history.frame(number)
         pool = history.mirror_at(number)
@@ -153,3 +155,10 @@ class SessionFrames:
                 to_plot(figures.pool_heatmap(pool, decode, as_of=shown.step)),
                 to_plot(tables), to_plot(figures.prefix_tree(pool, decode)),
                 events.events_markdown(records))
+
+
+def _no_frame(why: str) -> tuple:
+    """(summary, heatmap, block tables, prefix tree, events) with no frame to show: each
+    panel says why, so none keeps another session's pictures or stands blank."""
+    return ("", *(to_plot(placeholder(title, why)) for title in
+                  ("Block pool", "Block tables", "Prefix-sharing tree")), "")
