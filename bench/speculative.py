@@ -1,5 +1,6 @@
 """Speculative decoding (n-gram prompt lookup) off vs on, one run, one machine, the
-default model: output tokens/s, acceptance rate and tokens per verifying forward.
+default model in bfloat16 (--dtype): output tokens/s, acceptance rate and tokens per
+verifying forward.
 
   copy      copy-heavy single streams: each prompt gives a passage of this repository's
             docs and asks for it back copied, quoted, re-wrapped or with its typos fixed
@@ -211,7 +212,7 @@ def draft_costs(args, off: LLM, prompts) -> dict:
         if args.draft_copy:
             drafts["target_copy"] = str(off.engine.runner.model_path)
         for name, path in drafts.items():
-            llm = LLM(args.model, max_model_len=2048, speculative_config={
+            llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, speculative_config={
                 "model": path, "num_speculative_tokens": k, "min_acceptance_rate": 0.0})
             llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
             report[name] = step_costs(llm, prompts, params)
@@ -245,6 +246,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the issue's measurements are in bfloat16 (auto would pick "
+                             "float32 on a CPU without native bf16)")
     parser.add_argument("--speculative-config", type=json.loads,
                         default={"method": "ngram", "num_speculative_tokens": 4,
                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})
@@ -261,9 +265,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    engines = {"off": LLM(args.model, max_model_len=2048)}
+    engines = {"off": LLM(args.model, dtype=args.dtype, max_model_len=2048)}
     if set(workloads) & set(WORKLOADS):
-        engines["on"] = LLM(args.model, max_model_len=2048,
+        engines["on"] = LLM(args.model, dtype=args.dtype, max_model_len=2048,
                             speculative_config=args.speculative_config)
     runner = engines["off"].engine.runner
     tokenizer = runner.tokenizer

@@ -226,3 +226,53 @@ def test_the_dashboard_panel_shows_each_steps_accepted_and_rejected_tokens(make_
     assert sum(traces["rejected"]["y"]) == proposed - accepted
     assert all(0 <= rate <= 1 for rate in traces["acceptance rate"]["y"])
     assert spec_decode_panel(run.records[:1])["data"] != figure["data"]  # prefill only
+
+
+def test_the_block_tables_outline_the_slots_each_verification_wrote_and_released(make_engine):
+    """After each step, the block-table figure outlines the cells its verifications wrote:
+    blocks whose written slots were all kept, blocks keeping some rejected (released)
+    slots, and, past a table's end, the blocks freed for holding only rejected ones, as
+    many as the pool got back."""
+    from kvscope.engine.core.kv_events import BlocksReleased
+    from kvscope.engine.telemetry.pool_recorder import mirror_of
+    from kvscope.ui.figures import block_table_map
+    from kvscope.ui.spec_decode import latest_verifications
+
+    size = 4  # and a pool of 64 blocks, whose tables are drawn whole (x = logical index)
+    engine = make_engine("llama", block_size=size, num_gpu_blocks_override=64,
+                         speculative_config=NGRAM)
+    released: list[int] = []
+    engine.events.subscribe(lambda event: released.extend(event.block_ids)
+                            if isinstance(event, BlocksReleased) else None)
+    for prompt in PROMPTS[:2]:
+        engine.add_request(prompt, GREEDY)
+    seen = {"written, kept": 0, "rejected: slots released": 0, "rejected: block freed": 0}
+    while engine.has_unfinished_requests():
+        released.clear()
+        record = engine.step().record
+        mirror = mirror_of(engine)
+        verified = latest_verifications([record], mirror.step)
+        assert set(verified) == {seq_id for seq_id, _, _ in record.spec_drafts}
+        marks = {trace["name"]: trace for trace in block_table_map(mirror, verified=verified)
+                 ["data"] if trace["type"] == "scatter" and trace["name"] in seen}
+        cells = {name: sorted(zip(trace["y"], trace["x"])) for name, trace in marks.items()}
+        expected = {name: [] for name in seen}
+        for seq in mirror.sequences:
+            if seq.seq_id not in verified:
+                continue
+            v = verified[seq.seq_id]
+            label = f"{seq.seq_id} ({seq.status})"
+            table = len(seq.block_table)
+            assert seq.num_computed_tokens == v.kept and table == -(-v.kept // size)
+            for index in range(v.start // size, (v.end - 1) // size + 1):
+                rejected = v.kept < v.end and (index + 1) * size > v.kept
+                name = ("rejected: block freed" if index >= table else
+                        "rejected: slots released" if rejected else "written, kept")
+                expected[name].append((label, index))
+        assert cells == {name: sorted(points) for name, points in expected.items() if points}
+        if not record.finished:  # a finished request's blocks are released too
+            assert len(expected["rejected: block freed"]) == len(released)
+        for name in seen:
+            seen[name] += len(expected[name])
+    assert all(seen.values()), seen  # every kind of mark was drawn
+    assert latest_verifications([record], mirror.step + 1) == {}  # another step's pool

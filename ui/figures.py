@@ -27,6 +27,7 @@ from kvscope.ui.palette import (
 )
 from kvscope.ui.plotdata import TITLE, of_request
 from kvscope.ui.prefix_forest import prefix_forest
+from kvscope.ui.spec_decode import Verification
 
 HEATMAP_COLUMNS = 64
 MAX_CELLS = 4096
@@ -318,10 +319,14 @@ def _shown_columns(length: int, limit: int) -> list[int]:
 
 
 def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
-                    view: TableView = TableView(), follow: str = "") -> Figure:
+                    view: TableView = TableView(), follow: str = "",
+                    verified: dict[str, Verification] | None = None) -> Figure:
     """One row per sequence holding blocks (per KV cache group, for a model with several:
     each group has its own table): logical block index -> physical block id. The followed
-    request's rows come first, marked ▶."""
+    request's rows come first, marked ▶. `verified` (ui.spec_decode.latest_verifications):
+    the cells whose slots the pool's latest step verified are outlined, green where the
+    written slots were kept, red where rejected ones were released, and a block freed for
+    holding only rejected slots is crossed out past its table's end."""
     sequences, num_holders, num_pages = _chosen_sequences(pool, view, follow)
     size = pool.block_size
     limit = table_columns(pool.num_blocks)
@@ -335,9 +340,16 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
     text, custom = [], []
     truncated = 0
     all_codes = pool.state_codes() if sequences else None
+    labels = [("▶ " if of_request(seq.seq_id, follow) else "") + f"{seq.seq_id} ({seq.status})"
+              + ("" if num_groups == 1 else f" · group {group}: "
+                 + ("full" if windows[group] is None else f"window {windows[group]}"))
+              for seq, group in rows]
+    marks = VerificationMarks(size)
     for row, (seq, group) in enumerate(rows):
         table = seq.block_table[group::num_groups]
         columns = _shown_columns(len(table), limit)
+        if verified and seq.seq_id in verified:
+            marks.add(labels[row], seq, len(table), columns, verified[seq.seq_id])
         truncated += len(columns) < len(table)
         ids = np.array([table[index] for index in columns], np.int64)
         held = ids >= 0  # a sliding window's RELEASED entries (-1): freed, drawn blank
@@ -350,10 +362,6 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
                      for index, b in zip(columns, ids.tolist())] + [""] * (width - len(ids)))
         custom.append([None if b < 0 else [index, *_block_hover(pool, b, decode)[1:]]
                        for index, b in zip(columns, ids.tolist())] + [None] * (width - len(ids)))
-    labels = [("▶ " if of_request(seq.seq_id, follow) else "") + f"{seq.seq_id} ({seq.status})"
-              + ("" if num_groups == 1 else f" · group {group}: "
-                 + ("full" if windows[group] is None else f"window {windows[group]}"))
-              for seq, group in rows]
     traces = _state_traces(
         codes, refs, y=labels, text=text, texttemplate="%{text}", textfont={"size": 10},
         customdata=custom, xgap=2, ygap=2, hovertemplate=BLOCK_HOVER.replace(
@@ -375,8 +383,57 @@ def block_table_map(pool: PoolMirror, decode: Decode = _no_decode,
     if not sequences:
         title = ("Block tables: no request holds blocks right now" if not num_holders
                  else f"Block tables: none of {num_holders} sequences{filtered}")
-    return _figure(traces + _state_legend(("used",)), title,
+    return _figure(traces + marks.traces() + _state_legend(("used",)), title,
                    height=200 + 32 * len(rows), right=90, **axes)
+
+
+class VerificationMarks:
+    """The block-table cells a step's verifications touched, as marker traces over the
+    grid: written slots kept, rejected slots released in a kept block, and blocks freed
+    for holding only rejected slots (past the table's end, where they were)."""
+
+    KINDS = {"kept": ("written, kept", "square-open", "#16a34a"),
+             "released": ("rejected: slots released", "square-open", "#dc2626"),
+             "freed": ("rejected: block freed", "x-thin-open", "#dc2626")}
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.points: dict[str, tuple[list, list, list]] = {kind: ([], [], [])
+                                                           for kind in self.KINDS}
+
+    def add(self, label: str, seq, table_length: int, columns: list[int],
+            verification: Verification) -> None:
+        """One row's marks. Drawn only while the table is as the verification left it: the
+        sequence has computed exactly its kept tokens and holds their blocks (a step
+        published mid-way has already given it blocks for new proposals)."""
+        size, v = self.block_size, verification
+        if seq.num_computed_tokens != v.kept or table_length != -(-v.kept // size):
+            return
+        shown = {index: column for column, index in enumerate(columns)}
+        for index in range(v.start // size, (v.end - 1) // size + 1):
+            low, high = index * size, (index + 1) * size
+            kept = max(min(high, v.kept) - max(low, v.start), 0)
+            released = max(min(high, v.end) - max(low, v.kept), 0)
+            if index >= table_length:
+                kind, column = "freed", len(columns) + index - table_length
+            elif index in shown:
+                kind, column = ("released" if released else "kept"), shown[index]
+            else:
+                continue  # in the middle of a long table, not drawn
+            x, y, hover = self.points[kind]
+            x.append(column)
+            y.append(label)
+            hover.append(f"step {v.step}, logical block {index}: {kept} slot(s) written and "
+                         f"kept, {released} rejected and released"
+                         + (" (the block went back to the pool)" if kind == "freed" else ""))
+
+    def traces(self) -> list[dict]:
+        return [{"type": "scatter", "mode": "markers", "name": name, "x": x, "y": y,
+                 "customdata": hover, "hovertemplate": "%{customdata}<extra></extra>",
+                 "marker": {"symbol": symbol, "size": 24, "color": color,
+                            "line": {"width": 3, "color": color}}}
+                for kind, (name, symbol, color) in self.KINDS.items()
+                for x, y, hover in [self.points[kind]] if x]
 
 
 # ---- the prefix tree ----------------------------------------------------------------------

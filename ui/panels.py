@@ -111,7 +111,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
     return {
         "summary": (pool, sequences, state.replica, hash(str(snapshot.config))),
         "heatmap": (pool, sequences),  # hover names the owners
-        "block_tables": (pool, sequences),
+        "block_tables": (pool, sequences, last_step),  # last_step: its verifications
         "prefix_tree": pool,
         "timeline": (last_step, len(state.arrivals)),
         "series": (last_step, snapshot.num_used_tokens),
@@ -181,7 +181,9 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
     if name == "block_tables":
         if not holders:
             return placeholder("Block tables", "No sequence holds blocks right now.")
-        return figures.block_table_map(snapshot, decode, views.tables, views.follow)
+        return figures.block_table_map(
+            snapshot, decode, views.tables, views.follow,
+            spec_decode.latest_verifications(state.records, snapshot.step))
     if name == "prefix_tree":
         return figures.prefix_tree(snapshot, decode, views.follow)
     if name == "timeline":

@@ -12,7 +12,7 @@ import gradio as gr
 
 from kvscope.engine.telemetry.pool_history import Frame, PoolHistory
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
-from kvscope.ui import events, figures, panels
+from kvscope.ui import events, figures, panels, spec_decode
 from kvscope.ui.plotdata import placeholder, to_plot
 
 NOTHING_YET = "No frames recorded yet: the scrubber steps through the pool once the engine runs."
@@ -147,7 +147,8 @@ class SessionFrames:
         before = history.mirror_at(number - 1) if number > history.first else None
         decode = self.decode
         records = [record for record in steps if record.step < shown.step]
-        tables = (figures.block_table_map(pool, decode)
+        tables = (figures.block_table_map(
+                      pool, decode, verified=spec_decode.latest_verifications(records, pool.step))
                   if any(seq.block_table for seq in pool.sequences) else
                   placeholder("Block tables", "No sequence held blocks at this frame."))
         return (number, frame_status(history, shown, frame_changes(before, pool)),

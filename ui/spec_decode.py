@@ -1,7 +1,9 @@
 """Speculative decoding's panel: per step, the tokens proposed, accepted and rejected, and
-over time the acceptance rate and the tokens each verifying forward yielded."""
+over time the acceptance rate and the tokens each verifying forward yielded; and the slots
+a step's verifications wrote and released, for the block tables to outline."""
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.ui.plotdata import Figure, epoch_ms, placeholder
@@ -47,3 +49,30 @@ def spec_decode_panel(records: Sequence[StepRecord],
                    "title": {"text": "acceptance"}},
         "yaxis3": {"overlaying": "y", "side": "right", "visible": False, "rangemode": "tozero"},
         "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0}}}
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """One sequence's verifying chunk in one step: it wrote K/V at positions [start, end);
+    [start, kept) hold its last token and the accepted proposals, [kept, end) the rejected
+    ones, whose slots were released (a block left holding only those went back to the
+    pool)."""
+
+    step: int
+    start: int
+    kept: int
+    end: int
+
+
+def latest_verifications(records: Sequence[StepRecord], pool_step: int
+                         ) -> dict[str, Verification]:
+    """Per sequence, the verification of the step a pool published as of `pool_step` (its
+    counters' step: steps done) was left by; {} when that step's record is not among
+    `records` or verified nothing."""
+    record = next((r for r in reversed(records) if r.step == pool_step - 1), None)
+    if record is None or not record.spec_drafts:
+        return {}
+    chunks = {chunk[1]: chunk for chunk in record.chunks}
+    return {seq_id: Verification(record.step, chunks[seq_id][3],
+                                 chunks[seq_id][3] + 1 + accepted, chunks[seq_id][4])
+            for seq_id, _, accepted in record.spec_drafts}
