@@ -182,32 +182,40 @@ def test_simulated_and_live_allocate_the_same_blocks_given_the_same_step_times(
         [(r.request_id, pytest.approx(r.first_token_s)) for r in live.requests]
 
 
-def test_a_recorded_session_replayed_live_reproduces_its_outputs_and_steps(
-        tmp_path, tiny_chat_model_path) -> None:
-    config = EngineConfig(model=str(tiny_chat_model_path), dtype="float32", device="cpu",
+def record_session(log_path: Path, model_path: Path, requests: list) -> tuple[dict, dict]:
+    """Serve (prompt, params) requests one after another on the tiny chat model with the
+    session log recording; returns each request's first output tokens and the config.
+
+    Each request is alone in the engine, so a replay meets the same schedule (requests that
+    arrive within one step of each other may land a step apart when replayed: the replay's
+    clock resolves arrivals to step boundaries)."""
+    config = EngineConfig(model=str(model_path), dtype="float32", device="cpu",
                           block_size=4, num_gpu_blocks_override=64, max_model_len=256)
     engine = AsyncEngine.from_config(config)
-    log = SessionLog(tmp_path / "log.db")
+    log = SessionLog(log_path)
     log.start_session(engine.config.to_dict(), engine.model_path)
     stop_recording = record_sessions(engine, log, poll_s=0.02)
     engine.start()
-    # Requests a person sends one after another: each alone in the engine, so the replay
-    # meets the same schedule (requests that arrive within one step of each other may land
-    # a step apart when replayed: the replay's clock resolves arrivals to step boundaries).
     recorded = {}
-    for index, (prompt, params) in enumerate([
-            ("The quick brown fox", SamplingParams(temperature=0, max_tokens=9)),
-            ("The quick brown fox jumps", SamplingParams(temperature=0, max_tokens=6)),
-            ("seeded", SamplingParams(temperature=0.8, seed=5, max_tokens=5))]):
+    for prompt, params in requests:
         stream = engine.submit(prompt, params)
         recorded[stream.request_id] = list(stream)[-1].outputs[0].token_ids
         time.sleep(0.05)
     engine.shutdown()
     stop_recording()
     log.close()
+    return recorded, engine.config.to_dict()
+
+
+def test_a_recorded_session_replayed_live_reproduces_its_outputs_and_steps(
+        tmp_path, tiny_chat_model_path) -> None:
+    recorded, config = record_session(tmp_path / "log.db", tiny_chat_model_path, [
+        ("The quick brown fox", SamplingParams(temperature=0, max_tokens=9)),
+        ("The quick brown fox jumps", SamplingParams(temperature=0, max_tokens=6)),
+        ("seeded", SamplingParams(temperature=0.8, seed=5, max_tokens=5))])
 
     workload = load_session_workload(tmp_path / "log.db")
-    assert workload.config == engine.config.to_dict()
+    assert workload.config == config
     replayed = ReplaySession(workload, base_config(workload)).run({}, "live")
     assert {r.request_id: r.output_token_ids for r in replayed.requests} == recorded
     assert [r.chunks for r in replayed.records] == [r.chunks for r in workload.steps]
@@ -221,26 +229,15 @@ def test_a_recorded_session_replayed_live_reproduces_its_outputs_and_steps(
 
 def test_a_recorded_beam_search_replays_live_as_one_and_is_refused_simulated(
         tmp_path, tiny_chat_model_path) -> None:
-    config = EngineConfig(model=str(tiny_chat_model_path), dtype="float32", device="cpu",
-                          block_size=4, num_gpu_blocks_override=64, max_model_len=256)
-    engine = AsyncEngine.from_config(config)
-    log = SessionLog(tmp_path / "log.db")
-    log.start_session(engine.config.to_dict(), engine.model_path)
-    stop_recording = record_sessions(engine, log, poll_s=0.02)
-    engine.start()
-    stream = engine.submit("The quick brown fox",
-                           BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
-    recorded = list(stream)[-1].outputs[0].token_ids
-    engine.shutdown()
-    stop_recording()
-    log.close()
+    recorded, _ = record_session(tmp_path / "log.db", tiny_chat_model_path, [
+        ("The quick brown fox", BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))])
 
     workload = load_session_workload(tmp_path / "log.db")
     (request,) = workload.requests
     assert request.sampling["beam_width"] == 3
     assert isinstance(request.params(), BeamSearchParams)
     replayed = ReplaySession(workload, base_config(workload)).run({}, "live")
-    assert replayed.requests[0].output_token_ids == recorded
+    assert replayed.requests[0].output_token_ids == recorded[request.request_id]
     # The beams fork and share blocks as they did: the same schedule, step for step.
     assert [r.chunks for r in replayed.records] == [r.chunks for r in workload.steps]
     with pytest.raises(ValueError, match=rf"request {request.request_id}: beam search "
