@@ -142,11 +142,20 @@ def test_browser_a_draft_typed_during_a_reply_survives_and_is_sent_after_it(serv
 
     engine = served[0]
     stop = threading.Event()
+    streams = []
 
     def keep_busy() -> None:  # the tiny model replies in a blink on an idle engine; on a
         # full pool the reply takes turns with others for blocks, and streams for seconds
         while not stop.wait(0.02):
-            engine.submit("busy " * 20, SamplingParams(max_tokens=150, ignore_eos=True))
+            streams.append(engine.submit("busy " * 20,
+                                         SamplingParams(max_tokens=150, ignore_eos=True)))
+
+    def end_busy() -> None:  # the backlog goes too: on a slow machine it would keep the
+        # draft queued behind it for minutes
+        stop.set()
+        busy.join()
+        for stream in streams:
+            stream.abort()
     busy = threading.Thread(target=keep_busy, daemon=True)
     busy.start()
     page = open_page(browser, served[2])
@@ -174,15 +183,14 @@ def test_browser_a_draft_typed_during_a_reply_survives_and_is_sent_after_it(serv
         box.press("Enter")  # during the reply: queued, not dropped
         page.wait_for_timeout(300)
         assert "output tokens" not in status.inner_text()  # still the first reply
-        stop.set()
+        end_busy()
         chat = page.locator("#kv-chat")
         expect(chat).to_contain_text("my second thought", timeout=60_000)
         expect(page.locator("#kv-chat .message-row")).to_have_count(4, timeout=60_000)
         expect(page.locator("#kv-chat-status")).to_contain_text("output tokens",
                                                                 timeout=60_000)
     finally:
-        stop.set()
-        busy.join()
+        end_busy()
         page.close()
 
 
