@@ -10,6 +10,7 @@ The folders at the repository's top are installed as this package's parts:
 """
 
 import importlib
+import importlib.machinery
 import os
 import sys
 import warnings
@@ -26,6 +27,29 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 __version__ = "0.1.0"
+
+# The parts keep their folders at the repository's top (engine/, kernels/, ui/, storage/).
+# Where the repository itself is on sys.path (`python app.py`, `python -m pytest` or
+# `python -c` run from it), those folders would also import as top-level packages and hide
+# installed ones of the same name: above all Hugging Face's `kernels`, which transformers
+# imports when it is installed. This finder, first on the meta path, looks such a name up on
+# sys.path without the repository, so the installed package wins wherever there is one.
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PARTS = ("engine", "kernels", "ui", "storage")
+
+
+class _InstalledBeforeParts:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if path is not None or name not in _PARTS:
+            return None
+        elsewhere = [entry for entry in sys.path
+                     if os.path.abspath(entry or os.curdir) != _REPOSITORY]
+        return importlib.machinery.PathFinder.find_spec(name, elsewhere, target)
+
+
+if not any(isinstance(finder, _InstalledBeforeParts) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _InstalledBeforeParts())
 
 # The public names load the engine (torch, transformers) on first use, so that a part such
 # as kvscope.storage or the kernel build (`python -m kvscope.kernels.cpu_extension`) does

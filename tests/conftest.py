@@ -1,5 +1,10 @@
 """Shared fixtures: tiny random models made on the fly (no downloads)."""
 
+# kvscope before transformers: importing it keeps the repository's own top-level folders from
+# hiding installed packages of the same name (kvscope/__init__.py), and transformers imports
+# Hugging Face's `kernels` where that is installed.
+import kvscope  # noqa: F401, I001
+
 import base64
 import itertools
 import os

@@ -12,14 +12,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_outside(tmp_path: Path, script: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+def run_in(folder: Path, script: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", script], cwd=folder, capture_output=True,
                             text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_only_kvscope_is_installed_at_the_top(tmp_path):
-    found = run_outside(tmp_path, (
+    found = run_in(tmp_path, (
         "import importlib.util, json\n"
         "from kvscope import LLM, SamplingParams\n"
         "import kvscope.engine, kvscope.kernels, kvscope.ui, kvscope.storage\n"
@@ -39,13 +39,26 @@ def test_hugging_face_kernels_beside_kvscope(tmp_path, tiny_model):
     """transformers probes for a package named `kernels` (and its GGUF code imports from
     it): with Hugging Face's installed, both packages import and transformers loads a model."""
     folder = tiny_model("llama").path
-    found = run_outside(tmp_path, (
+    found = run_in(tmp_path, (
         "import json, kernels, kvscope.kernels, transformers\n"
         f"model = transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})\n"
         "print(json.dumps({'hf': kernels.__file__, 'ours': kvscope.kernels.__file__,\n"
         "                  'model': type(model).__name__}))\n"))
     assert Path(found["hf"]).parent.parent.name == "site-packages"
     assert Path(found["ours"]).resolve().parent == REPO / "kernels"
+    assert found["model"] == "LlamaForCausalLM"
+
+
+def test_inside_the_repository_installed_packages_win_over_its_folders(tiny_model):
+    """Run from the repository (as `python app.py` and `python -m pytest` are), its folders
+    are on sys.path too: Hugging Face's `kernels`, not kernels/, is what transformers gets."""
+    folder = tiny_model("llama").path
+    found = run_in(REPO, (
+        "import json, kvscope, transformers\n"
+        "import kernels\n"
+        f"model = transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})\n"
+        "print(json.dumps({'hf': kernels.__file__, 'model': type(model).__name__}))\n"))
+    assert Path(found["hf"]).parent.parent.name == "site-packages"
     assert found["model"] == "LlamaForCausalLM"
 
 
