@@ -22,12 +22,15 @@ Usage (keep it short on a shared machine):
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
+
+import torch  # noqa: E402
 from random_model import save_random_model
 from sliding_window import gemma3_1b_config
 from transformers import Phi3Config, Qwen3Config
