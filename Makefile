@@ -27,11 +27,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) app.py
 
+# Two workers (pytest-xdist), a test file each at a time: the tests pin torch to one thread
+# (tests/conftest.py), so one worker leaves the second core idle most of the run.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+
 test: $(STAMP) browser
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not browser"
+	$(PYTEST) -m "not slow and not browser"
 
 # The long fuzz: this many generated cases per route and handler (>= 20,000 in all);
 # `make test` runs the same tests on a short budget.
