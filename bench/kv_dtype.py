@@ -15,7 +15,8 @@ kv_cache_dtype:
                                  tokens each, then --decode-tokens greedy tokens: the output
                                  tokens of the steps where every sequence decodes, over those
                                  steps' time (a pool of --decode-memory-gb, the same for every
-                                 dtype, holds them all); vs_auto its ratio
+                                 dtype, holds them all; the dtypes' engines take their steps
+                                 in turn, so the host's drift falls on all); vs_auto its ratio
 
 and, once, `scale_granularity`: the perplexity with K/V rounded to each code format at three
 granularities, on the layer-by-layer path over a model-dtype cache (the rounding is what the
@@ -64,20 +65,29 @@ def continuations(engine, prompts: list[list[int]], tokens: int) -> list[list[in
     return [list(done[i].outputs[0].token_ids) for i in ids]
 
 
-def decode_rate(engine, prompts: list[list[int]], tokens: int) -> dict:
-    """Output tokens per second over the steps where every scheduled chunk is a decode."""
+def decode_rates(engines: dict[str, EngineCore], prompts: list[list[int]],
+                 tokens: int) -> dict[str, dict]:
+    """Per engine, output tokens per second over the steps where every scheduled chunk is a
+    decode. The engines take their steps in turn, one each, so a change in the machine's
+    speed during the run (a shared host's) falls on every dtype alike."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    seconds = decoded = 0
-    while engine.has_unfinished_requests():
-        started = time.perf_counter()
-        record = engine.step().record
-        elapsed = time.perf_counter() - started
-        if record.chunks and all(chunk[2] == ChunkKind.DECODE for chunk in record.chunks):
-            seconds += elapsed
-            decoded += len(record.chunks)
-    return {"decode_tok_s": round(decoded / seconds, 2), "decode_steps_tokens": decoded}
+    for engine in engines.values():
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+    seconds = dict.fromkeys(engines, 0.0)
+    decoded = dict.fromkeys(engines, 0)
+    while any(engine.has_unfinished_requests() for engine in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished_requests():
+                continue
+            started = time.perf_counter()
+            record = engine.step().record
+            elapsed = time.perf_counter() - started
+            if record.chunks and all(chunk[2] == ChunkKind.DECODE for chunk in record.chunks):
+                seconds[name] += elapsed
+                decoded[name] += len(record.chunks)
+    return {name: {"decode_tok_s": round(decoded[name] / seconds[name], 2),
+                   "decode_steps_tokens": decoded[name]} for name in engines}
 
 
 def rounded_rows(rows: torch.Tensor, codes: torch.dtype, granularity: str) -> torch.Tensor:
@@ -166,17 +176,21 @@ def main() -> None:
         greedy = continuations(engine, prompts, args.agreement_tokens)
         reference = reference or greedy
         row["mean_first_divergence"] = sum(map(first_divergence, reference, greedy)) / len(greedy)
-        if kv_cache_dtype in args.decode_dtypes.split(","):
-            engine = bench.engine(kv_cache_dtype=kv_cache_dtype,
-                                  device_memory_gb=args.decode_memory_gb,
-                                  max_num_seqs=args.decode_seqs)
-            row.update(decode_rate(engine, long_prompts, args.decode_tokens))
         report["kv_cache_dtypes"][kv_cache_dtype] = row
         print(kv_cache_dtype, row, file=sys.stderr, flush=True)
+        del engine
+    decoding = {kv_cache_dtype: bench.engine(kv_cache_dtype=kv_cache_dtype,
+                                             device_memory_gb=args.decode_memory_gb,
+                                             max_num_seqs=args.decode_seqs)
+                for kv_cache_dtype in args.decode_dtypes.split(",")}
+    for kv_cache_dtype, rates in decode_rates(decoding, long_prompts, args.decode_tokens).items():
+        report["kv_cache_dtypes"].setdefault(kv_cache_dtype, {}).update(rates)
+    del decoding
     auto = report["kv_cache_dtypes"].get("auto")
     if auto:
         for row in report["kv_cache_dtypes"].values():
-            row["perplexity_vs_auto"] = round(row["perplexity"] / auto["perplexity"], 4)
+            if "perplexity" in row:
+                row["perplexity_vs_auto"] = round(row["perplexity"] / auto["perplexity"], 4)
             if "decode_tok_s" in row and "decode_tok_s" in auto:
                 row["decode_vs_auto"] = round(row["decode_tok_s"] / auto["decode_tok_s"], 3)
     if not args.skip_granularity:

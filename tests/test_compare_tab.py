@@ -1,6 +1,7 @@
 """The dashboard's Compare tab: its handler through gradio_client, and in headless Chromium."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,10 @@ def test_browser_compare_tab_runs_and_downloads_its_report(served, tmp_path) -> 
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         page = open_page(browser, served[2])
         page.get_by_role("tab", name="Compare").click()
+        # Opening the tab lists the recorded sessions and picks the newest.
+        expect(page.locator("#kv-compare-session input")).to_have_value(re.compile(
+            rf"^session {served[1].session_id} \(this one\): \d+ requests, started \d{{4}}-"),
+            timeout=10_000)
         page.get_by_label("uploaded trace").check()
         page.locator("#kv-compare-trace input[type=file]").set_input_files(str(trace))
         page.locator("#kv-compare-run").click()

@@ -6,6 +6,7 @@ second copy of the weights, loaded once per tab run), never on the dashboard's e
 """
 
 import tempfile
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -30,8 +31,9 @@ TABLE_COLUMNS = ["run", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p5
                  "preemptions", "prefix_hit_rate", "peak_kv_usage", "mean_kv_usage", "wall_s"]
 
 
-def compare_tab(engine: EngineView, session_log) -> None:
-    """The tab's widgets and its one Run event (api name `compare_runs`)."""
+def compare_tab(engine: EngineView, session_log, tab: gr.Tab) -> None:
+    """The tab's widgets and its one Run event (api name `compare_runs`); `tab` is the tab
+    they sit in, whose opening lists the sessions recorded so far."""
     config = engine.config
     gr.Markdown("### Compare configs on the same traffic\nReplays run on their own engine "
                 "(or the simulator), never on the one serving this dashboard.")
@@ -84,15 +86,23 @@ def compare_tab(engine: EngineView, session_log) -> None:
     run.click(handler, [source, session, trace, mode, speed, *knob_widgets],
               [status, table, usage, latency, bars, report], api_name="compare_runs",
               concurrency_limit=1)
-    session.focus(lambda: _session_choices(session_log), None, session,
-                  api_visibility="private")
+    for opened in (tab.select, session.focus):
+        opened(lambda picked: _session_choices(session_log, picked), session, session,
+               show_progress="hidden", api_visibility="private")
 
 
-def _session_choices(session_log):
+def _session_choices(session_log, picked):
+    """The logged sessions that served requests, newest first, each labelled with what it
+    holds; the user's pick stays, and otherwise the newest is picked."""
     if session_log is None:
         return gr.update(choices=[])
-    ids = [s["id"] for s in session_log.list_sessions() if s["num_requests"]]
-    return gr.update(choices=ids)
+    sessions = [s for s in session_log.list_sessions() if s["num_requests"]]
+    choices = [(f"session {s['id']}{' (this one)' if s['id'] == session_log.session_id else ''}"
+                f": {s['num_requests']} requests, started "
+                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(s['started_at']))}", s["id"])
+               for s in sessions]
+    ids = [s["id"] for s in sessions]
+    return gr.update(choices=choices, value=picked if picked in ids else next(iter(ids), None))
 
 
 def config_changes(base: EngineConfig, values: tuple) -> list[dict]:

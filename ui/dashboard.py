@@ -39,7 +39,7 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 _sessions_tab(blocks, session_log, engine)
             with gr.Tab("Compare", id="compare", elem_id="kv-compare") as compare_tab:
-                compare.compare_tab(engine, session_log)
+                compare.compare_tab(engine, session_log, compare_tab)
             other_tabs = [live_tab, sessions_tab, compare_tab]
             if engine.num_replicas > 1:  # an engine.replicas.ReplicaSet
                 from kvscope.ui.replicas import replicas_tab  # the router's names; Ray is loaded
