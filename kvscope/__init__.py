@@ -48,8 +48,7 @@ class _InstalledBeforeParts:
         return importlib.machinery.PathFinder.find_spec(name, elsewhere, target)
 
 
-if not any(isinstance(finder, _InstalledBeforeParts) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _InstalledBeforeParts())
+sys.meta_path.insert(0, _InstalledBeforeParts())
 
 # The public names load the engine (torch, transformers) on first use, so that a part such
 # as kvscope.storage or the kernel build (`python -m kvscope.kernels.cpu_extension`) does
