@@ -86,6 +86,9 @@ def test_compare_refuses_one_config_or_no_source(served) -> None:
     status, *_ = client.predict("uploaded trace", None, None, "simulated", 1.0,
                                 *config_rows({}, {}), api_name="/compare_runs")
     assert "upload a trace file first" in status
+    status, *_ = client.predict("recorded session", "my session", None, "simulated", 1.0,
+                                *config_rows({}, {}), api_name="/compare_runs")
+    assert "session: pick a recorded session from the list (got 'my session'" in status
 
 
 @pytest.mark.browser

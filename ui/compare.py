@@ -165,8 +165,9 @@ def _replay_session(engine: EngineView, session_log, source, session_id, trace_p
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {list(MODES)}")
     if source == SOURCES[0]:
-        if session_log is None or session_id in (None, ""):
-            raise ValueError("session: pick a recorded session (the app keeps a log with --db)")
+        if session_log is None or not str(session_id or "").isdigit():
+            raise ValueError(f"session: pick a recorded session from the list (got "
+                             f"{session_id!r}; the app keeps a log with --db)")
         session_log.flush(timeout=2.0)
         workload = load_session_workload(session_log.db_path, int(session_id))
         base = base_config(workload)
