@@ -629,14 +629,17 @@ def test_browser_a_click_on_a_timeline_row_follows_its_request(served, browser) 
     page = open_page(browser, served[2])
     try:
         Ticks(page).wait_for_first_drawing()  # the tab's feed follows the engine from here
-        list(engine.submit("on the timeline " * 4, SamplingParams(max_tokens=16),
+        # Long enough (no early EOS) that its bar is wider than a sliver on a timeline that
+        # spans the whole module's traffic.
+        list(engine.submit("on the timeline " * 4,
+                           SamplingParams(max_tokens=48, ignore_eos=True),
                            request_id="timeline-row"))
         timeline = page.locator("#kv-timeline")
         timeline.scroll_into_view_if_needed()
         expect(timeline).to_contain_text("timeline-row", timeout=30_000)
         # The middle of a bar on the request's row (Plotly keeps each bar's point, whose
-        # index gives its row, on the bar's element).
-        box = timeline.evaluate("""(panel) => {
+        # index gives its row, on the bar's element), asked until a redraw has drawn it.
+        box = page.wait_for_function("""(panel) => {
             for (const trace of panel.querySelectorAll(".barlayer .trace")) {
               const rows = trace.__data__[0].trace.y;
               for (const bar of trace.querySelectorAll(".point")) {
@@ -648,8 +651,7 @@ def test_browser_a_click_on_a_timeline_row_follows_its_request(served, browser) 
               }
             }
             return null;
-        }""")
-        assert box, "no bar drawn on the request's row"
+        }""", arg=timeline.element_handle(), timeout=15_000).json_value()
         page.mouse.click(box["x"], box["y"])
         field = page.locator("#kv-follow textarea, #kv-follow input").first
         expect(field).to_have_value("timeline-row", timeout=10_000)
