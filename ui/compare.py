@@ -6,7 +6,6 @@ second copy of the weights, loaded once per tab run), never on the dashboard's e
 """
 
 import tempfile
-import time
 from pathlib import Path
 
 import gradio as gr
@@ -19,6 +18,7 @@ from kvscope.engine.replay.session_source import load_logged_steps, load_session
 from kvscope.engine.replay.traces import load_trace
 from kvscope.engine.view import EngineView
 from kvscope.ui.plotdata import to_plot
+from kvscope.ui.sessions import session_time
 
 MAX_CONFIGS = 4
 SOURCES = ("recorded session", "uploaded trace")
@@ -99,7 +99,7 @@ def _session_choices(session_log, picked):
     sessions = [s for s in session_log.list_sessions() if s["num_requests"]]
     choices = [(f"session {s['id']}{' (this one)' if s['id'] == session_log.session_id else ''}"
                 f": {s['num_requests']} requests, started "
-                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(s['started_at']))}", s["id"])
+                f"{session_time(s['started_at'])}", s["id"])
                for s in sessions]
     ids = [s["id"] for s in sessions]
     return gr.update(choices=choices, value=picked if picked in ids else next(iter(ids), None))

@@ -13,7 +13,7 @@ SESSION_COLUMNS = ["id", "model", "started", "ended", "requests", "steps", "chat
 NO_LOG = "The session log is off (start the app with --db PATH to keep one)."
 
 
-def _time(value: float | None) -> str:
+def session_time(value: float | None) -> str:
     return datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S") if value else "–"
 
 
@@ -22,8 +22,8 @@ def list_sessions(session_log):
     if session_log is None:
         return [], gr.update(choices=[]), NO_LOG
     sessions = session_log.list_sessions()
-    rows = [[s["id"], s["model"].rsplit("/", 1)[-1], _time(s["started_at"]),
-             _time(s["ended_at"]), s["num_requests"], s["num_steps"], s["num_chat_messages"],
+    rows = [[s["id"], s["model"].rsplit("/", 1)[-1], session_time(s["started_at"]),
+             session_time(s["ended_at"]), s["num_requests"], s["num_steps"], s["num_chat_messages"],
              block_sizes(s), s["config"].get("enable_prefix_caching")]
             for s in sessions]
     choices = [s["id"] for s in sessions]
@@ -55,7 +55,7 @@ def show_session(session_log, session_id):
     # The latest config, and every config the session ran with, each with the time it
     # took effect.
     config = {"latest": stored.session["config"],
-              "history": [{"applied_at": _time(entry["applied_at"]), **entry["config"]}
+              "history": [{"applied_at": session_time(entry["applied_at"]), **entry["config"]}
                           for entry in stored.configs]}
     latency = timeline.latency_stats(stored.steps, arrivals)
     stats = timeline.stats_markdown(latency, None, sum(len(r.preempted) for r in stored.steps),
