@@ -357,3 +357,15 @@ def test_best_of_cannot_stream(server):
         list(server.client().completions.create(model=server.model, prompt=PROMPT,
                                                 best_of=3, stream=True))
     assert refusal.value.body["param"] == "best_of"
+
+
+def test_a_seed_past_64_bits_is_a_400_naming_seed(server):
+    """Found by tests/fuzz: a seed past int64 reached torch.Generator ('Overflow when
+    unpacking long long', a 400 naming no field)."""
+    for seed in (2**64, -2**63 - 1):
+        with pytest.raises(openai.BadRequestError) as refusal:
+            server.client().completions.create(model=server.model, prompt=PROMPT, seed=seed,
+                                               max_tokens=2)
+        assert refusal.value.body["param"] == "seed", refusal.value.body
+        assert refusal.value.body["message"].startswith("seed="), refusal.value.body
+    assert_idle(server)

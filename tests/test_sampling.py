@@ -31,6 +31,8 @@ PROMPT = [17, 3, 99, 4, 250, 8, 61]
     ({"n": 0}, "n=0 must be an integer >= 1"),
     ({"logprobs": 21}, "logprobs=21"),
     ({"seed": "7"}, "seed='7'"),
+    ({"seed": 2**64}, r"seed=18446744073709551616 must be an integer in \[-2\*\*63"),  # fuzz
+    ({"seed": -2**63 - 1}, "seed=-9223372036854775809"),
     ({"stop": ""}, "stop=''"),
     ({"stop": ["ok", ""]}, "stop="),
 ])

@@ -99,8 +99,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
                 raise ValueError(f"{name}={value!r} must be between 0 and 20")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} must be an integer")
+        # torch.Generator takes a 64-bit seed; vLLM bounds the field to int64 as here.
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed={self.seed!r} must be an integer in [-2**63, 2**63 - 1]")
         if self.truncate_prompt_tokens is not None:
             _check_int(self.truncate_prompt_tokens, "truncate_prompt_tokens", 1)
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
