@@ -5,6 +5,10 @@
   plain_<dtype>    the engine's cpu linear on each linear's plain [out, in] weight in that
                    dtype: F.linear (oneDNN; on bf16 it reorders the weight inside every call)
                    for more than 5 rows, the one-read streaming kernel for fewer
+  onednn_bfloat16  F.linear on the plain bf16 weight at every row count: oneDNN's bf16 GEMM,
+                   which the engine's linear replaces on a CPU without bf16 dot products
+                   (there plain_bfloat16 is the widened fp32 GEMM of
+                   kernels/csrc/widened_gemm.cpp past 5 rows); only on such CPUs
   prepacked        the engine's cpu linear (kernels/cpu_kernels.py) on the bf16 weight
                    prepacked in oneDNN's AMX layout: its GEMM for more than 5 rows, the
                    streaming kernel for up to 5. Only where the kernels take that layout
@@ -12,7 +16,8 @@
 
 --dtypes defaults to float32 and bfloat16 both: the engine's dtype="auto" runs float32 on a
 CPU without native bf16 matmuls (no AVX512-BF16 or AMX), and the two rates side by side show
-what that choice is worth here.
+what that choice is worth here. There the bf16 forms are held to the fp32 large rate, the
+route the engine's bf16 GEMMs take.
 
 Every linear of the model (the default one unless --model; random weights) is built in each
 form, so a pass reads as many weight bytes as a forward does (one layer timed alone would
@@ -30,10 +35,12 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
+import torch.nn.functional as F
 from quantized_linear import model_linears  # noqa: E402
 from served import cpu_name  # noqa: E402
 
@@ -48,21 +55,30 @@ HEAD_MAX_ROWS = 256
 
 def large_gemm_flops(dtype: torch.dtype, size: int = LARGE_SIZE, repeats: int = 5) -> float:
     """FLOP/s of a square torch.mm in `dtype`: what the matrix or vector units reach with
-    nothing around them (a phase is held to the rate of the dtype it runs in)."""
+    nothing around them (a phase is held to the rate of the dtype it runs in). On a CPU
+    without bf16 dot products the engine's bf16 GEMMs run in fp32 (widened weight tiles), so
+    bf16 is held to the fp32 rate there."""
+    cpu_kernels.load()
+    if dtype == torch.bfloat16 and torch.ops.kvscope.widens_bf16_gemms():
+        dtype = torch.float32
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     return 2 * size ** 3 / best_seconds(lambda: torch.mm(a, b), repeats)
 
 
-def weight_forms(shapes, dtypes: list[torch.dtype]) -> dict[str, tuple[torch.dtype, list]]:
-    """form -> (its activations' dtype, [(kind, weight)] for every linear)."""
+def weight_forms(shapes, dtypes: list[torch.dtype]) -> dict[str, tuple[torch.dtype, list, Callable]]:
+    """form -> (its activations' dtype, [(kind, weight)] for every linear, the linear)."""
     ops = cpu_kernels.kernel_ops()
     plain = {dtype: [(kind, (torch.randn(n, k) / k ** 0.5).to(dtype)) for kind, n, k in shapes]
              for dtype in dtypes}
-    forms = {f"plain_{dtype_name(dtype)}": (dtype, weights) for dtype, weights in plain.items()}
+    forms = {f"plain_{dtype_name(dtype)}": (dtype, weights, ops.linear)
+             for dtype, weights in plain.items()}
+    if torch.bfloat16 in plain and torch.ops.kvscope.widens_bf16_gemms():
+        forms["onednn_bfloat16"] = (torch.bfloat16, plain[torch.bfloat16], F.linear)
     if ops.prepack_weight is not None and torch.bfloat16 in plain:
         packed = [(kind, ops.prepack_weight(weight)) for kind, weight in plain[torch.bfloat16]]
         forms["prepacked"] = (torch.bfloat16,
-                              [(kind, weight) for kind, weight in packed if weight is not None])
+                              [(kind, weight) for kind, weight in packed if weight is not None],
+                              ops.linear)
     return forms
 
 
@@ -72,20 +88,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def linear_rates(forms: dict, shapes, rows: list[int], repeats: int) -> dict[str, dict[int, float]]:
     """form -> rows -> FLOP/s of one pass over the model's linears."""
-    ops = cpu_kernels.kernel_ops()
     rates: dict[str, dict[int, float]] = {form: {} for form in forms}
     for count in rows:
         xs = {(dtype, k): torch.randn(count, k).to(dtype)
-              for dtype, _ in forms.values() for _, _, k in shapes}
+              for dtype, _, _ in forms.values() for _, _, k in shapes}
         used = [(n, k) for kind, n, k in shapes if kind != "lm_head" or count <= HEAD_MAX_ROWS]
         flops = sum(2 * count * n * k for n, k in used)
         best = dict.fromkeys(forms, float("inf"))
         for _ in range(repeats):
-            for form, (dtype, layers) in forms.items():
+            for form, (dtype, layers, linear) in forms.items():
                 started = time.perf_counter()
                 for kind, weight in layers:
                     if kind != "lm_head" or count <= HEAD_MAX_ROWS:
-                        ops.linear(xs[dtype, in_features(weight)], weight)
+                        linear(xs[dtype, in_features(weight)], weight)
                 best[form] = min(best[form], time.perf_counter() - started)
         for form in forms:
             rates[form][count] = flops / best[form]

@@ -25,6 +25,17 @@ TABS = (("live", "Live"), ("engine", "Engine & load"), ("sessions", "Sessions"),
         ("compare", "Compare"), ("replicas", "Replicas"))
 
 
+def reveal_panels(page) -> None:
+    """Scroll the page down a screen at a time and back: a panel below the fold draws only
+    once it has been in view, so a full-page screenshot would show it empty."""
+    height = page.viewport_size["height"]
+    for top in range(0, page.evaluate("document.body.scrollHeight"), height // 2):
+        page.evaluate(f"window.scrollTo(0, {top})")
+        time.sleep(0.4)
+    page.evaluate("window.scrollTo(0, 0)")
+    time.sleep(1)
+
+
 def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:
     """One full-page screenshot per tab the page has, ending on the Live tab."""
     size = f"{viewport[0]}x{viewport[1]}"
@@ -34,6 +45,7 @@ def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:
             continue
         tab.click()
         time.sleep(2)  # the tab's first refresh
+        reveal_panels(page)
         page.screenshot(path=out / f"{name}-{state}-{size}.png", full_page=True,
                         timeout=120_000)
 
@@ -46,6 +58,7 @@ def shoot_paused(page, out: Path, viewport: tuple[int, int]) -> None:
         page.locator("#kv-step-back").click()
         time.sleep(0.5)
     time.sleep(2)  # every panel's drawing of that frame
+    reveal_panels(page)
     page.screenshot(path=out / f"live-paused-{viewport[0]}x{viewport[1]}.png", full_page=True,
                     timeout=120_000)
     page.locator("#kv-resume").click()

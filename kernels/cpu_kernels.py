@@ -34,8 +34,10 @@ def kernel_ops() -> KernelOps:
 
 def load() -> None:
     """Build or load the extension and give its ops the shape functions torch.compile needs."""
+    global _widens_bf16_gemms
     cpu_extension.load()
     _register_fakes()
+    _widens_bf16_gemms = torch.ops.kvscope.widens_bf16_gemms()
 
 
 def paged_attention(
@@ -95,6 +97,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # default model took 2.2x a 1-row one) and rounds differently by batch shape. More rows
 # are compute-bound: GEMM. kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows is the same.
 DENSE_KERNEL_MAX_ROWS = 5
+# Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs run as fp32
+# GEMMs over widened weight tiles (kernels/csrc/widened_gemm.cpp; 3-5x oneDNN's bf16 GEMM
+# there, docs/performance.md). Set by load(), from the build's own instruction set.
+_widens_bf16_gemms = False
 
 
 # The rows oneDNN is told to expect when it lays a weight out (its reorder's batch hint): a
@@ -125,6 +131,10 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torc
     write it so themselves)."""
     prepacked = isinstance(weight, PrepackedWeight)
     if x.shape[0] > DENSE_KERNEL_MAX_ROWS or x.dim() != 2 or x.stride(-1) != 1:
+        if _widened(x, weight, bias):
+            out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
+            torch.ops.kvscope.linear_widened(x, weight, bias, out)
+            return out
         if prepacked:
             out = torch.ops.mkldnn._linear_pointwise(x, weight.onednn, bias, "none", [], "")
         else:
@@ -139,6 +149,13 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torc
     else:
         torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
     return out
+
+
+def _widened(x: torch.Tensor, weight, bias: torch.Tensor | None) -> bool:
+    return (_widens_bf16_gemms and isinstance(weight, torch.Tensor)
+            and x.dtype == weight.dtype == torch.bfloat16
+            and x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -210,7 +227,7 @@ def _register_fakes() -> None:
     if _fakes_registered:
         return
     # These ops only write into tensors they are given: nothing to allocate when tracing.
-    for op in ("paged_attention", "store_kv", "int4_linear", "int8_linear", "int4_dequantize",
-               "int8_dequantize", "gguf_linear", "gguf_dequantize"):
+    for op in ("paged_attention", "store_kv", "linear_widened", "int4_linear", "int8_linear",
+               "int4_dequantize", "int8_dequantize", "gguf_linear", "gguf_dequantize"):
         torch.library.register_fake(f"kvscope::{op}")(lambda *args: None)
     _fakes_registered = True

@@ -198,3 +198,11 @@ def blocked_to_plain(blocks: torch.Tensor, out_features: int, in_features: int) 
     input pairs x 32 outputs x the pair."""
     tiles = blocks.view(out_features // 32, in_features // 32, 16, 32, 2)
     return tiles.permute(0, 3, 1, 2, 4).reshape(out_features, in_features)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """bf16 x @ weight.T + bias computed in fp32 and rounded to bf16 once, widened to
+    out_dtype after (kernels/csrc/widened_gemm.cpp's contract)."""
+    product = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return product.to(x.dtype).to(out_dtype or x.dtype)

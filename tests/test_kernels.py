@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     # @triton.jit reads this when the kernel modules are first imported, so it must be set
@@ -345,6 +346,44 @@ def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
         torch.testing.assert_close(out.double(), expected, atol=0.1, rtol=1e-2)
     assert cpu_kernel_ops.prepack_weight(weight[:, :100].contiguous()) is None  # 100 inputs: no tiles
     assert cpu_kernel_ops.prepack_weight(weight.float()) is None
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(6, 64, 100), (40, 576, 1536), (7, 100, 33), (300, 96, 2200)])
+def test_cpu_widened_linear_matches_its_oracle(cpu_kernel_ops, rows, in_features, out_features):
+    """bf16 GEMMs as fp32 GEMMs over widened weight tiles (CPUs without bf16 dot products):
+    the fp32 product rounded to bf16 once, from a strided x, with and without bias, over
+    more than one tile and a partial last one; the fp32 out is that bf16 value widened."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, 2 * in_features, generator=generator).bfloat16()[:, in_features // 2:][
+        :, :in_features]
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    for b in (None, bias):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            out = torch.empty(rows, out_features, dtype=out_dtype)
+            torch.ops.kvscope.linear_widened(x, weight, b, out)
+            expected = reference.widened_linear(x, weight, b, out_dtype)
+            # The fp32 sums' order is the GEMM's: a last-bit difference at most.
+            torch.testing.assert_close(out, expected, atol=0, rtol=2 ** -7)
+    assert cpu_kernel_ops.linear(x, weight, bias).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="linear_widened: bf16 x, weight and bias"):
+        torch.ops.kvscope.linear_widened(x.float(), weight, None, torch.empty(rows, out_features))
+
+
+def test_cpu_linear_widens_bf16_gemms_only_without_bf16_dot_products(cpu_kernel_ops):
+    """Where the CPU has no AVX512-BF16 or AMX, the cpu backend's linear past the streaming
+    kernel's rows is the widened GEMM's result, bit for bit; elsewhere oneDNN's bf16 GEMM."""
+    generator = torch.Generator().manual_seed(12)
+    x = torch.randn(16, 128, generator=generator).bfloat16()
+    weight = torch.randn(256, 128, generator=generator).bfloat16()
+    widened = torch.empty(16, 256, dtype=torch.bfloat16)
+    torch.ops.kvscope.linear_widened(x, weight, None, widened)
+    expected = widened if torch.ops.kvscope.widens_bf16_gemms() else F.linear(x, weight)
+    assert torch.equal(cpu_kernel_ops.linear(x, weight), expected)
+    flags = open("/proc/cpuinfo").read()
+    assert torch.ops.kvscope.widens_bf16_gemms() == (
+        "avx512_bf16" not in flags and "amx_bf16" not in flags)
 
 
 def test_cpu_attention_empty_batch_and_strided_query(cpu_kernel_ops):

@@ -27,6 +27,9 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("linear_small_batch_blocked(Tensor x, Tensor blocks, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("has_blocked_linear() -> bool", &has_blocked_linear);
   m.def("onednn_weight_blocks(Tensor onednn) -> Tensor", &onednn_weight_blocks);
+  // widened_gemm.cpp
+  m.def("linear_widened(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("widens_bf16_gemms() -> bool", &widens_bf16_gemms);
   // quantized/int4.cpp, quantized/int8.cpp
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, "
         "Tensor? bias, Tensor(a!) out) -> ()");
@@ -71,6 +74,7 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("linear_small_batch", &linear_small_batch);
   m.impl("linear_small_batch_blocked", &linear_small_batch_blocked);
+  m.impl("linear_widened", &linear_widened);
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_dequantize", &int4_dequantize);

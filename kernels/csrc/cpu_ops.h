@@ -38,6 +38,12 @@ at::Tensor onednn_weight_blocks(const at::Tensor& onednn);
 at::Tensor linear_onednn(const at::Tensor& x, const at::Tensor& onednn,
                          const std::optional<at::Tensor>& bias);
 
+// widened_gemm.cpp: bf16 GEMMs as fp32 GEMMs over weight tiles widened per call, for CPUs
+// without bf16 dot products (widens_bf16_gemms: this build's CPU is one)
+bool widens_bf16_gemms();
+void linear_widened(const at::Tensor& x, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& bias, at::Tensor out);
+
 // quantized/int4.cpp, quantized/int8.cpp
 void int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                  const at::Tensor& offsets, int64_t group_size,

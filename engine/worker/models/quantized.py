@@ -160,8 +160,8 @@ class QuantizedLinear(UsesKernelOps):
             out = F.linear(flat, self.dequantized_weight(flat.dtype), self.bias).to(out_dtype)
         elif flat.shape[0] <= self.stream_rows(packed, flat.dtype):
             out = self.stream(packed, flat, out_dtype)
-        else:
-            out = F.linear(flat, self.dequantize(packed, flat.dtype), self.bias).to(out_dtype)
+        else:  # the backend's GEMM (widened on CPUs without bf16 dot products)
+            out = self.ops.linear(flat, self.dequantize(packed, flat.dtype), self.bias).to(out_dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
     def stream_rows(self, packed: PackedLinearKernels, dtype: torch.dtype) -> int:
