@@ -2,6 +2,7 @@
 form's refusals, per-run load progress, the shared renderer, the one clock of the time
 series, and the quiet access log."""
 
+import json
 import logging
 import threading
 
@@ -154,6 +155,17 @@ def test_a_refresh_sent_anything_but_the_pollers_shapes_sends_every_panel(engine
         *values, _ = renderer.refresh(shown, visible)
         assert len(values) == len(panels.PANELS)
         assert not any(_skipped(value) for value in values[1:])
+
+
+def test_a_refresh_sends_back_only_its_panels_versions(engine):
+    """Found by tests/fuzz: `shown` comes back in the reply, and {'': -2**63 - 1} made the
+    reply's JSON fail ('Integer exceeds 64-bit range'), so the handler raised."""
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
+    *_, shown = renderer.refresh({"": -2 ** 63 - 1, "summary": 2 ** 64, "heatmap": "3"})
+    assert set(shown) <= set(panels.PANELS) and all(type(v) is int for v in shown.values())
+    json.dumps(shown)
+    *_, again = renderer.refresh({**shown, "not a panel": 1})
+    assert again == shown
 
 
 def test_a_rebuilt_panel_that_draws_the_same_is_not_sent_again(engine):

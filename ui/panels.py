@@ -279,8 +279,11 @@ class PanelRenderer:
         the heatmap's and block tables' controls and the replica (see panel_views); a bad
         value draws the default view and says why in a warning."""
         # Both come from the page's poller, or from any API caller: anything else than
-        # what the poller sends counts as "nothing sent".
-        shown = shown if isinstance(shown, dict) else {}
+        # what the poller sends counts as "nothing sent". `shown` is sent back, so only its
+        # panels' versions are kept (an integer past 64 bits broke the JSON reply).
+        shown = ({name: version for name, version in shown.items()
+                  if name in PANELS and type(version) is int and 0 <= version < 2 ** 63}
+                 if isinstance(shown, dict) else {})
         if not (isinstance(visible, list) and all(isinstance(name, str) for name in visible)):
             visible = None
         try:
