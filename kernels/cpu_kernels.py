@@ -97,10 +97,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # default model took 2.2x a 1-row one) and rounds differently by batch shape. More rows
 # are compute-bound: GEMM. kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows is the same.
 DENSE_KERNEL_MAX_ROWS = 5
-# Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs run as fp32
-# GEMMs over widened weight tiles (kernels/csrc/widened_gemm.cpp; 3-5x oneDNN's bf16 GEMM
-# there, docs/performance.md). Set by load(), from the build's own instruction set.
+# Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs of at least
+# WIDENED_MIN_ROWS rows run as fp32 GEMMs over widened weight tiles
+# (kernels/csrc/widened_gemm.cpp). Set by load(), from the build's own instruction set.
 _widens_bf16_gemms = False
+# Widening costs the same per call whatever the rows, so below this many rows oneDNN's bf16
+# GEMM is faster (docs/performance.md: even at 32 rows on a 2-core Xeon, 1.5x faster at 64,
+# 4x at 2,048). kernels/csrc/llama_stack.cpp's kWidenedMinRows is the same.
+WIDENED_MIN_ROWS = 48
 
 
 # The rows oneDNN is told to expect when it lays a weight out (its reorder's batch hint): a
@@ -152,7 +156,7 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torc
 
 
 def _widened(x: torch.Tensor, weight, bias: torch.Tensor | None) -> bool:
-    return (_widens_bf16_gemms and isinstance(weight, torch.Tensor)
+    return (_widens_bf16_gemms and x.shape[0] >= WIDENED_MIN_ROWS and isinstance(weight, torch.Tensor)
             and x.dtype == weight.dtype == torch.bfloat16
             and x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
             and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvscope import kernels
-from kvscope.kernels import kv_quant, reference
+from kvscope.kernels import cpu_kernels, kv_quant, reference
 
 try:
     from kvscope.kernels.triton_attention import INTERPRETED
@@ -222,8 +222,6 @@ def test_reference_attention_writes_into_out():
 @pytest.fixture(scope="module")
 def cpu_kernel_ops():
     """The C++ kernels' record, built (or loaded from the cache) once for this file."""
-    from kvscope.kernels import cpu_kernels
-
     try:
         return cpu_kernels.kernel_ops()
     except RuntimeError as error:
@@ -372,15 +370,18 @@ def test_cpu_widened_linear_matches_its_oracle(cpu_kernel_ops, rows, in_features
 
 
 def test_cpu_linear_widens_bf16_gemms_only_without_bf16_dot_products(cpu_kernel_ops):
-    """Where the CPU has no AVX512-BF16 or AMX, the cpu backend's linear past the streaming
-    kernel's rows is the widened GEMM's result, bit for bit; elsewhere oneDNN's bf16 GEMM."""
+    """Where the CPU has no AVX512-BF16 or AMX, the cpu backend's linear of WIDENED_MIN_ROWS
+    rows or more is the widened GEMM's result, bit for bit; of fewer rows (past the
+    streaming kernel's), and on other CPUs, oneDNN's bf16 GEMM."""
     generator = torch.Generator().manual_seed(12)
-    x = torch.randn(16, 128, generator=generator).bfloat16()
     weight = torch.randn(256, 128, generator=generator).bfloat16()
-    widened = torch.empty(16, 256, dtype=torch.bfloat16)
-    torch.ops.kvscope.linear_widened(x, weight, None, widened)
-    expected = widened if torch.ops.kvscope.widens_bf16_gemms() else F.linear(x, weight)
-    assert torch.equal(cpu_kernel_ops.linear(x, weight), expected)
+    for rows in (cpu_kernels.WIDENED_MIN_ROWS - 1, cpu_kernels.WIDENED_MIN_ROWS):
+        x = torch.randn(rows, 128, generator=generator).bfloat16()
+        widened = torch.empty(rows, 256, dtype=torch.bfloat16)
+        torch.ops.kvscope.linear_widened(x, weight, None, widened)
+        widens = torch.ops.kvscope.widens_bf16_gemms() and rows >= cpu_kernels.WIDENED_MIN_ROWS
+        assert torch.equal(cpu_kernel_ops.linear(x, weight),
+                           widened if widens else F.linear(x, weight)), rows
     flags = open("/proc/cpuinfo").read()
     assert torch.ops.kvscope.widens_bf16_gemms() == (
         "avx512_bf16" not in flags and "amx_bf16" not in flags)

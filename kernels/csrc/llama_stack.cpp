@@ -34,16 +34,20 @@ auto traced(const char* name, Op&& op) {
   return op();
 }
 
+constexpr int64_t kWidenedMinRows = 48;  // kernels/cpu_kernels.py's WIDENED_MIN_ROWS
+
 // out = x @ weight.T (+ bias) through oneDNN's GEMM, in x's dtype; an fp32 out of bf16 x (the
 // logits) holds that result widened, as `.float()` of it from Python would. bf16 on a CPU
-// without bf16 dot products: fp32 GEMMs over widened weight tiles (kernels/cpu_kernels.py's
-// linear takes the same route).
+// without bf16 dot products, from kWidenedMinRows rows: fp32 GEMMs over widened weight tiles
+// (kernels/cpu_kernels.py's linear takes the same route).
 void gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
           at::Tensor& out) {
   static const bool widen = widens_bf16_gemms();
-  if (widen && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-      x.stride(1) == 1 && weight.stride(1) == 1 && out.is_contiguous() &&
-      (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous())))
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                    (!bias || bias->scalar_type() == at::kBFloat16);
+  const bool plain = x.stride(1) == 1 && weight.stride(1) == 1 && out.is_contiguous() &&
+                     (!bias || bias->is_contiguous());
+  if (widen && x.size(0) >= kWidenedMinRows && bf16 && plain)
     traced("kvscope::linear_widened", [&] { linear_widened(x, weight, bias, out); });
   else if (out.scalar_type() == x.scalar_type())
     at::linear_out(out, x, weight, bias);
