@@ -34,9 +34,10 @@ from kvscope.engine.sample.sampling_params import SamplingParams
 
 ATTENTION_LABEL = "attention (store_kv + paged_attention)"
 # The ops a dense linear runs as, on every backend (the streaming kernels, oneDNN's GEMM
-# over a plain or a prepacked weight).
+# over a plain or a prepacked weight, and the widened bf16 GEMM: its own time is the
+# weight's widening and the rounding of the result around its fp32 aten::mm).
 GEMM_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvscope::linear_small_batch",
-            "kvscope::linear_small_batch_blocked")
+            "kvscope::linear_small_batch_blocked", "kvscope::linear_widened")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
