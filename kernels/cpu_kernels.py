@@ -102,8 +102,9 @@ DENSE_KERNEL_MAX_ROWS = 5
 # (kernels/csrc/widened_gemm.cpp). Set by load(), from the build's own instruction set.
 _widens_bf16_gemms = False
 # Widening costs the same per call whatever the rows, so below this many rows oneDNN's bf16
-# GEMM is faster (docs/performance.md: even at 32 rows on a 2-core Xeon, 1.5x faster at 64,
-# 4x at 2,048). kernels/csrc/llama_stack.cpp's kWidenedMinRows is the same.
+# GEMM is as fast or faster (docs/performance.md, a 2-core Xeon: the two even at 32 rows,
+# the widened one 1.5x faster at 64 and 4x at 2,048). kernels/csrc/llama_stack.cpp's
+# kWidenedMinRows is the same.
 WIDENED_MIN_ROWS = 48
 
 
