@@ -58,9 +58,9 @@ TORCH_LIBRARY(kvscope, m) {
            {torch::arg("embedding"), torch::arg("embedding_scales"), torch::arg("head"),
             torch::arg("head_scales"), torch::arg("cos"), torch::arg("sin"),
             torch::arg("final_norm"), torch::arg("layers"), torch::arg("layer_options"),
-            torch::arg("model_options"), torch::arg("num_heads"), torch::arg("num_kv_heads"), torch::arg("head_dim"),
-            torch::arg("group_size"), torch::arg("kernel_max_rows"), torch::arg("eps"),
-            torch::arg("attention_scale")})
+            torch::arg("model_options"), torch::arg("num_heads"), torch::arg("num_kv_heads"),
+            torch::arg("head_dim"), torch::arg("group_size"), torch::arg("kernel_max_rows"),
+            torch::arg("eps"), torch::arg("attention_scale")})
       .def("forward", &LlamaDecoderStack::forward)
       .def("logits", &LlamaDecoderStack::logits);
 }

@@ -209,17 +209,19 @@ void gate_and_mul(const char* name, const at::Tensor& x, at::Tensor& out) {
                   x.size(1) == 2 * out.size(1) && out.scalar_type() == x.scalar_type(),
               name, ": x [tokens, 2 * width] -> out [tokens, width]");
   if (x.scalar_type() == at::kFloat)
-    gated_rows<Gate, float>(kvscope::elements<float>(x), x.stride(0),
-                            kvscope::elements<float>(out), out.stride(0), x.size(0), out.size(1));
+    gated_rows<Gate, float>(kvscope::elements<float>(x), x.stride(0), kvscope::elements<float>(out),
+                            out.stride(0), x.size(0), out.size(1));
   else
     gated_rows<Gate, kvscope::bf16>(kvscope::elements<kvscope::bf16>(x), x.stride(0),
-                                    kvscope::elements<kvscope::bf16>(out), out.stride(0),
-                                    x.size(0), out.size(1));
+                                    kvscope::elements<kvscope::bf16>(out), out.stride(0), x.size(0),
+                                    out.size(1));
 }
 
 }  // namespace
 
-void silu_and_mul(const at::Tensor& x, at::Tensor out) { gate_and_mul<Silu>("silu_and_mul", x, out); }
+void silu_and_mul(const at::Tensor& x, at::Tensor out) {
+  gate_and_mul<Silu>("silu_and_mul", x, out);
+}
 
 void gelu_tanh_and_mul(const at::Tensor& x, at::Tensor out) {
   gate_and_mul<GeluTanh>("gelu_tanh_and_mul", x, out);

@@ -221,8 +221,8 @@ class NameReader {
     std::string unread;
     for (const auto& entry : named_)
       if (read_.count(entry.key()) == 0) unread += " '" + entry.key() + "'";
-    TORCH_CHECK(unread.empty(), "LlamaDecoderStack: ", owner_, " has names it does not know:",
-                unread,
+    TORCH_CHECK(unread.empty(), "LlamaDecoderStack: ", owner_,
+                " has names it does not know:", unread,
                 " (DecoderLayerWeights::from, LayerOptions::from and ModelOptions::from list the "
                 "names they read)");
   }
@@ -290,9 +290,8 @@ kvscope::ModelOptions kvscope::ModelOptions::from(const c10::Dict<std::string, d
 
 LlamaDecoderStack::LlamaDecoderStack(
     at::Tensor embedding, std::optional<at::Tensor> embedding_scales, at::Tensor head,
-    std::optional<at::Tensor> head_scales, std::vector<at::Tensor> cos,
-    std::vector<at::Tensor> sin, at::Tensor final_norm,
-    const c10::List<kvscope::NamedTensors>& layers,
+    std::optional<at::Tensor> head_scales, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+    at::Tensor final_norm, const c10::List<kvscope::NamedTensors>& layers,
     const c10::List<c10::Dict<std::string, int64_t>>& layer_options,
     const c10::Dict<std::string, double>& model_options, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t group_size, int64_t kernel_max_rows, double eps,
@@ -303,8 +302,9 @@ LlamaDecoderStack::LlamaDecoderStack(
       cos_(std::move(cos)),
       sin_(std::move(sin)),
       final_norm_(std::move(final_norm)),
-      config_{num_heads,       num_kv_heads,    head_dim,
-              group_size,      kernel_max_rows, eps,
+      config_{num_heads,       num_kv_heads,
+              head_dim,        group_size,
+              kernel_max_rows, eps,
               attention_scale, kvscope::ModelOptions::from(model_options)} {
   TORCH_CHECK(!cos_.empty() && cos_.size() == sin_.size(),
               "LlamaDecoderStack: one or more rotary tables, a sin table per cos table");

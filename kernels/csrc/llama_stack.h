@@ -98,8 +98,8 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   // model_options: the ModelOptions by name.
   LlamaDecoderStack(at::Tensor embedding, std::optional<at::Tensor> embedding_scales,
                     at::Tensor head, std::optional<at::Tensor> head_scales,
-                    std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
-                    at::Tensor final_norm, const c10::List<kvscope::NamedTensors>& layers,
+                    std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor final_norm,
+                    const c10::List<kvscope::NamedTensors>& layers,
                     const c10::List<c10::Dict<std::string, int64_t>>& layer_options,
                     const c10::Dict<std::string, double>& model_options, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t group_size,

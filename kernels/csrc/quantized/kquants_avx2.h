@@ -72,8 +72,8 @@ inline RoundedRows round_rows(const bf16* x, int64_t x_stride, int rows, int64_t
         // int32 to int8, saturating; the packs interleave 128-bit lanes, so the bytes come
         // out as low[0..3] high[0..3] low[4..7] high[4..7]: reorder the two 4-byte middles.
         const __m256i words = _mm256_packs_epi32(low, high);
-        const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words),
-                                              _mm256_extracti128_si256(words, 1));
+        const __m128i bytes =
+            _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
         const __m128i ordered = _mm_shuffle_epi32(bytes, 0xD8);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + at * block + 16 * g), ordered);
         const __m256i pair_sums = _mm256_add_epi32(low, high);
@@ -94,7 +94,9 @@ struct SuperRows {
   int64_t blocks = 0;
   const int8_t* q(int m, int64_t b) const { return rounded.q.data() + (m * blocks + b) * kSuper; }
   float d(int m, int64_t b) const { return rounded.d[m * blocks + b]; }
-  const int16_t* sums16(int m, int64_t b) const { return rounded.sums16.data() + (m * blocks + b) * 16; }
+  const int16_t* sums16(int m, int64_t b) const {
+    return rounded.sums16.data() + (m * blocks + b) * 16;
+  }
 };
 
 inline SuperRows quantize_super_rows(const bf16* x, int64_t x_stride, int rows, int64_t in,
@@ -110,9 +112,7 @@ inline float half_float(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-inline __m256i load256(const void* p) {
-  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
-}
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 inline float reduce_add_128(__m128 v) {
   v = _mm_add_ps(v, _mm_movehl_ps(v, v));
@@ -172,7 +172,8 @@ inline void k4_dot(const SuperRows& xq, int x_first, const uint8_t* row, float (
       const float dx = xq.d(x_first + m, b);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_set1_ps(d * dx), acc[m]);
       // x's sums per 32 values: pairs of its sums per 16 (vphaddw).
-      const __m128i sums16_low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.sums16(x_first + m, b)));
+      const __m128i sums16_low =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.sums16(x_first + m, b)));
       const __m128i sums16_high =
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.sums16(x_first + m, b) + 8));
       const __m128i mins_dot = _mm_madd_epi16(mins, _mm_hadd_epi16(sums16_low, sums16_high));
@@ -221,8 +222,8 @@ inline void q6_dot(const SuperRows& xq, int x_first, const uint8_t* row, float (
       const float dx = xq.d(x_first + m, b);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_set1_ps(d * dx), acc[m]);
       const __m256i offset_dot = _mm256_madd_epi16(scales16, load256(xq.sums16(x_first + m, b)));
-      offset_acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset_dot),
-                                      _mm256_set1_ps(32.f * d * dx), offset_acc[m]);
+      offset_acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset_dot), _mm256_set1_ps(32.f * d * dx),
+                                      offset_acc[m]);
     }
   }
   for (int m = 0; m < M; ++m) y[m] = reduce_add_256(acc[m]) - reduce_add_256(offset_acc[m]);
@@ -257,8 +258,8 @@ inline Int8Rows quantize_rows(const bf16* x, int64_t x_stride, int rows, int64_t
   r.blocks = r.rounded.blocks;
   r.block_sums.resize(rows * r.blocks);
   for (int64_t at = 0; at < rows * r.blocks; ++at)
-    r.block_sums[at] = r.d(at) * static_cast<float>(r.rounded.sums16[2 * at] +
-                                                     r.rounded.sums16[2 * at + 1]);
+    r.block_sums[at] =
+        r.d(at) * static_cast<float>(r.rounded.sums16[2 * at] + r.rounded.sums16[2 * at + 1]);
   return r;
 }
 
@@ -287,8 +288,8 @@ struct Block32 {
       __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble),
                                    _mm_and_si128(packed, nibble));
       if constexpr (kFifth)
-        u = _mm256_or_si256(u, _mm256_and_si256(bytes_from_bits(block + (kMin ? 4 : 2)),
-                                                _mm256_set1_epi8(16)));
+        u = _mm256_or_si256(
+            u, _mm256_and_si256(bytes_from_bits(block + (kMin ? 4 : 2)), _mm256_set1_epi8(16)));
       return u;
     }
   }
