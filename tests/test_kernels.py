@@ -347,11 +347,12 @@ def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
 
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
-                         [(6, 64, 100), (40, 576, 1536), (7, 100, 33), (300, 96, 2200)])
+                         [(6, 64, 100), (40, 576, 1536), (7, 100, 33), (50, 8192, 600)])
 def test_cpu_widened_linear_matches_its_oracle(cpu_kernel_ops, rows, in_features, out_features):
     """bf16 GEMMs as fp32 GEMMs over widened weight tiles (CPUs without bf16 dot products):
     the fp32 product rounded to bf16 once, from a strided x, with and without bias, over
-    more than one tile and a partial last one; the fp32 out is that bf16 value widened."""
+    more than one tile and a partial last one (8,192 inputs: tiles of 256 rows); the fp32 out
+    is that bf16 value widened."""
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(rows, 2 * in_features, generator=generator).bfloat16()[:, in_features // 2:][
         :, :in_features]
