@@ -8,7 +8,8 @@
   onednn_bfloat16  F.linear on the plain bf16 weight at every row count: oneDNN's bf16 GEMM,
                    which the engine's linear replaces on a CPU without bf16 dot products
                    (there plain_bfloat16 is the widened fp32 GEMM of
-                   kernels/csrc/widened_gemm.cpp past 5 rows); only on such CPUs
+                   kernels/csrc/widened_gemm.cpp from WIDENED_MIN_ROWS = 48 rows); only on
+                   such CPUs
   prepacked        the engine's cpu linear (kernels/cpu_kernels.py) on the bf16 weight
                    prepacked in oneDNN's AMX layout: its GEMM for more than 5 rows, the
                    streaming kernel for up to 5. Only where the kernels take that layout
