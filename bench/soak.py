@@ -249,6 +249,9 @@ def main() -> None:
                 for k, v in sorted(windows.items())}
     answered = sum(v for k, v in outcomes.counts.items() if k.endswith(":answered"))
     hung_up = sum(v for k, v in outcomes.counts.items() if k.endswith(":hung_up"))
+    # Admitted, then failed in the open (a replica died under them): logged as errors.
+    failed = sum(v for k, v in outcomes.counts.items()
+                 if k.endswith(":500") or ":stream_error:" in k)
     p99s = list(ttft_p99.values())
     print(json.dumps({
         "bench": "soak", "cpu": cpu_name(), "minutes": args.minutes, "replicas": args.replicas,
@@ -267,7 +270,8 @@ def main() -> None:
         "ttft_p99_last_over_first": p99s[-1] / p99s[0] if len(p99s) > 1 else None,
         "sqlite_request_rows": rows, "sqlite_finish_reasons": finish,
         "requests_answered": answered, "requests_hung_up": hung_up,
-        "rows_cover_answered_and_hung_up": rows >= answered + hung_up,
+        "requests_failed": failed,
+        "rows_cover_answered_hung_up_and_failed": rows >= answered + hung_up + failed,
         "dashboard_polls": dashboard_polls, "events": events}, indent=1))
 
 

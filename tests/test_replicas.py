@@ -16,9 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.frontend.streams import RequestStream
 from kvscope.engine.llm import LLM
-from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, connect_ray
+from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, _Routed, connect_ray
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
 from kvscope.engine.view import EngineView
@@ -252,8 +255,13 @@ def test_a_restarted_replica_serves_again_and_nothing_is_lost(replicas) -> None:
         thread.join(timeout=10)
 
 
-def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) -> None:
+def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas,
+                                                                     tmp_path) -> None:
     url, server, thread = serve(create_app(replicas))
+    session_log = SessionLog(tmp_path / "app.db")
+    session_log.start_session({}, model="tiny")
+    recorder = record_sessions(replicas, session_log)
+    errors_before = replicas.counters().requests_finished.get("error", 0)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
         replicas.set_routing("round-robin")
@@ -267,6 +275,15 @@ def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) 
         with pytest.raises(openai.APIError, match=f"replica {victim} died"):
             for _ in streams[1]:
                 pass
+        # The request that died with its replica is logged, with the tokens it had.
+        assert recorder.sync()
+        rows = session_log.load_session(session_log.session_id).requests
+        died = [row for row in rows if row["error"]]
+        assert len(died) == 1 and f"replica {victim} died" in died[0]["error"]
+        assert died[0]["replica"] == victim and died[0]["prompt"] == "kill 1"
+        assert died[0]["finish_reason"] == "abort" and died[0]["num_output_tokens"] >= 1
+        assert died[0]["prompt_token_ids"] and died[0]["sampling_params"]["max_tokens"] == 200
+        assert replicas.counters().requests_finished["error"] == errors_before + 1
         survivor = 1 - victim
         wait_until(lambda: not replicas.replica_statuses()[victim].alive, REPLICA_WAIT_S)
         health = httpx.get(f"{url}/health")
@@ -288,8 +305,36 @@ def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas) 
         assert snapshot.replica == survivor
         assert snapshot.count("used") + snapshot.count("shared") == 0  # no leaked block
     finally:
+        recorder.stop()
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_request_that_dies_with_its_replica_is_recorded_as_it_stood() -> None:
+    """Found by the soak: a beam search (no `n`) dying with its replica raised while its
+    record was built, which left the replica's other streams unfailed and the replica
+    never restarted."""
+    stream = RequestStream("r", "api", lambda: None)
+    for params, samples in ((SamplingParams(n=2, max_tokens=4), 2),
+                            (BeamSearchParams(beam_width=3, max_tokens=4), 3)):
+        record = _Routed(stream, "hi", [1, 2], params, 100.0).failed_record(1, "replica 1 died")
+        assert (record.finish_reason, record.error, record.replica) == ("error",
+                                                                        "replica 1 died", 1)
+        output = record.output
+        assert output.finished and output.error == "replica 1 died"
+        assert (output.prompt, output.prompt_token_ids) == ("hi", [1, 2])
+        assert [(c.token_ids, c.finish_reason) for c in output.outputs] == [([], "abort")] * samples
+        assert output.metrics.arrival_time == 100.0 and output.metrics.finished_time > 100.0
+
+    routed = _Routed(stream, [5, 6], [5, 6], SamplingParams(max_tokens=4), 100.0)
+    routed.last = RequestOutput("r", None, [5, 6], [CompletionOutput(0, "ab", [7, 8])], False,
+                                metrics=RequestMetrics(99.0, first_token_time=99.5),
+                                deltas=["b"])
+    output = routed.failed_record(0, "replica 0 died").output
+    assert [(c.text, c.token_ids, c.finish_reason) for c in output.outputs] == [
+        ("ab", [7, 8], "abort")]
+    assert output.metrics.first_token_time == 99.5 and output.deltas == []
+    assert not routed.last.finished and routed.last.outputs[0].finish_reason is None
 
 
 def test_one_replica_starts_no_ray(tiny_chat_model_path) -> None:

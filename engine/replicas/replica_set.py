@@ -12,6 +12,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Coroutine
@@ -24,14 +25,17 @@ from ray.exceptions import ActorDiedError, RayError
 
 import kvscope
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.frontend.async_engine import (
     POOL_CHANNEL_RECORDS,
     RELOAD_KNOBS,
     ChatSubmit,
     EngineCounters,
     ReplicaStatus,
+    RequestRecord,
 )
 from kvscope.engine.frontend.streams import EngineClosed, Feed, RequestFailed, RequestStream
+from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvscope.engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
 from kvscope.engine.replicas.replica import EngineReplica, ReplicaInfo
 from kvscope.engine.replicas.router import ReplicaLoad, Router, RoutingDecision, check_load_weight
@@ -52,6 +56,41 @@ class ReplicaDown(RequestFailed):
 
 
 @dataclass(slots=True, eq=False)
+class _Routed:
+    """A request in flight on a replica, with what it takes to record its end here when
+    the replica dies before it can (the replica's own record dies with it)."""
+
+    stream: RequestStream
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    arrival_time: float
+    last: RequestOutput | None = None  # the latest output the replica sent
+
+    def failed_record(self, replica: int, message: str) -> RequestRecord:
+        """The request as it stood when its replica died, ended like a failed step's
+        (AsyncEngine._fail_step): unfinished samples aborted, the error kept."""
+        now = time.time()
+        last = self.last
+        if last is None:
+            params = self.params
+            samples = params.beam_width if isinstance(params, BeamSearchParams) else params.n
+            outputs = [CompletionOutput(i, "", []) for i in range(samples)]
+            metrics = RequestMetrics(self.arrival_time)
+            prompt = self.prompt if isinstance(self.prompt, str) else None
+            last = RequestOutput(self.stream.request_id, prompt, self.prompt_token_ids,
+                                 outputs, finished=False, metrics=metrics)
+        outputs = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort")
+                   for c in last.outputs]
+        metrics = dataclasses.replace(last.metrics or RequestMetrics(self.arrival_time),
+                                      finished_time=now)
+        output = dataclasses.replace(last, outputs=outputs, finished=True, metrics=metrics,
+                                     error=message, deltas=[])
+        return RequestRecord(output, self.stream.source, "error", [], message, replica,
+                             self.params)
+
+
+@dataclass(slots=True, eq=False)
 class _Replica:
     index: int
     actor: Any
@@ -59,7 +98,7 @@ class _Replica:
     alive: bool = False
     error: str | None = None
     restarts: int = 0
-    streams: dict[str, RequestStream] = field(default_factory=dict)
+    streams: dict[str, _Routed] = field(default_factory=dict)
     pool_feed: Feed = field(default_factory=Feed)  # its pool records, while watched
     watched: bool = False
     last_step: StepRecord | None = None
@@ -272,7 +311,8 @@ class ReplicaSet(ChatSubmit):
         return self._decision_feed.subscribe(maxsize)
 
     # ---- requests ----------------------------------------------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+    def submit(self, prompt: str | list[int],
+               params: SamplingParams | BeamSearchParams | None = None, *,
                request_id: str | None = None, source: str = "api", priority: int = 0,
                add_special_tokens: bool = True) -> RequestStream:
         """Route and queue a request; returns its stream at once (see AsyncEngine.submit).
@@ -283,7 +323,7 @@ class ReplicaSet(ChatSubmit):
         stream = RequestStream(request_id, source, lambda: self.abort(request_id))
         asyncio.run_coroutine_threadsafe(
             self._serve(stream, prompt, params or SamplingParams(), priority,
-                        add_special_tokens), self._loop)
+                        add_special_tokens, time.time()), self._loop)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -292,15 +332,10 @@ class ReplicaSet(ChatSubmit):
             if request_id in replica.streams:
                 replica.actor.abort.remote(request_id)
 
-    def _route(self, request_id: str, prompt: str | list[int],
-               add_special_tokens: bool) -> RoutingDecision:
+    def _route(self, request_id: str, token_ids: list[int]) -> RoutingDecision:
         live = [r for r in self._replicas if r.alive]
         if not live:
             raise EngineClosed("no replica is alive to serve the request")
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        else:
-            token_ids = prompt
         hashes = prompt_block_hashes(token_ids, self.config.block_size)
         max_num_seqs = self.config.max_num_seqs
         loads = [ReplicaLoad(r.index, len(r.streams), r.kv_usage, max_num_seqs) for r in live]
@@ -309,15 +344,21 @@ class ReplicaSet(ChatSubmit):
         self._decision_feed.publish(decision)
         return decision
 
-    async def _serve(self, stream: RequestStream, prompt, params: SamplingParams,
-                     priority: int, add_special_tokens: bool) -> None:
+    async def _serve(self, stream: RequestStream, prompt,
+                     params: SamplingParams | BeamSearchParams, priority: int,
+                     add_special_tokens: bool, arrival_time: float) -> None:
         try:
-            replica = self._replicas[self._route(stream.request_id, prompt,
-                                                 add_special_tokens).replica]
+            if isinstance(prompt, str):
+                token_ids = self.tokenizer(prompt,
+                                           add_special_tokens=add_special_tokens).input_ids
+            else:
+                token_ids = prompt
+            replica = self._replicas[self._route(stream.request_id, token_ids).replica]
         except Exception as error:  # noqa: BLE001 -- the stream's reader gets it
             stream.fail(error)
             return
-        replica.streams[stream.request_id] = stream
+        routed = _Routed(stream, prompt, token_ids, params, arrival_time)
+        replica.streams[stream.request_id] = routed
         incarnation = replica.restarts
         try:
             outputs = replica.actor.generate.options(num_returns="streaming").remote(
@@ -332,6 +373,7 @@ class ReplicaSet(ChatSubmit):
                     accepted = True
                     stream.accept()
                     continue
+                routed.last = item
                 stream.push(item)
         except RayError as error:
             self._mark_down(replica, error, incarnation)
@@ -377,9 +419,14 @@ class ReplicaSet(ChatSubmit):
             "retry: the router sends new requests to the live replicas"))
 
     def _fail_streams(self, replica: _Replica, error: Exception) -> None:
-        streams, replica.streams = replica.streams, {}
-        for stream in streams.values():
-            stream.fail(error)
+        """Fail the replica's requests and record their ends (the session log, /metrics and
+        the dashboard read them): the records the replica kept died with it."""
+        routed, replica.streams = replica.streams, {}
+        failed = replica.carried.requests_finished
+        for request in routed.values():
+            self._request_feed.publish(request.failed_record(replica.index, str(error)))
+            failed["error"] = failed.get("error", 0) + 1
+            request.stream.fail(error)
 
     async def _await_restart(self, replica: _Replica) -> bool:
         """Ray restarts the actor (a fresh engine: new weights load, empty pool); calls to
