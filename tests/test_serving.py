@@ -338,6 +338,31 @@ def test_metrics_parse_and_counters_match_the_requests(server) -> None:
     assert_idle(server)
 
 
+def test_metrics_observe_each_finished_request_without_a_scrape(engine) -> None:
+    """Found by the soak: the finished requests (outputs and all) waited in /metrics' feed
+    for a scrape, up to 10,000 of them, and past that were lost to the histograms."""
+    app = create_app(engine)
+    url, uvicorn_server, thread = serve(app)
+    metrics: EngineMetrics = app.state.metrics
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+
+    def observed() -> float:
+        histogram = metrics.histograms["vllm:e2e_request_latency_seconds"]
+        return sum(sample.value for family in histogram.collect()
+                   for sample in family.samples if sample.name.endswith("_count"))
+
+    try:
+        for i in range(3):
+            client.completions.create(model=engine.model_path.rsplit("/", 1)[-1],
+                                     prompt=f"seen {i}", max_tokens=2)
+        wait_until(lambda: observed() == 3, timeout=10, what="3 requests observed")
+        assert not metrics.finished_requests.drain()  # nothing left queued for a scrape
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(timeout=10)
+    assert metrics.finished_requests.closed  # the stopped app no longer subscribes
+
+
 # ---- the websocket event feed -----------------------------------------------------------
 class ClientPool:
     """What a websocket client keeps from the pool messages: ref counts and hashes."""

@@ -19,7 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from kvscope.engine.frontend.async_engine import ReplicaStatus
+from kvscope.engine.frontend.async_engine import ReplicaStatus, RequestRecord
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
 from kvscope.engine.view import EngineView
 
@@ -103,15 +103,17 @@ class EngineMetrics:
 
     Gauges come from a mirror of each live replica's pool kept from its per-step deltas (a
     scrape never makes an engine thread copy its pool), counters from each replica's
-    monotonic totals, histograms from the finished-request feed drained at each scrape
-    (each record names its replica).
+    monotonic totals, histograms from the finished-request feed (each record names its
+    replica). The app's lifespan runs `observe_finished`, which observes each record as it
+    arrives, so neither the records nor their outputs wait for a scrape that may never
+    come; a scrape observes whatever is still queued (an app served without a lifespan).
     """
 
     def __init__(self, engine: EngineView, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.finished_requests = engine.subscribe_requests()
-        # Not registered: collect() drains the feed into them first, then yields them.
+        # Not registered: yielded by collect().
         token_buckets = one_two_five_buckets(engine.config.max_model_len or 1)
         self.histograms = {
             name: Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=None)
@@ -124,6 +126,15 @@ class EngineMetrics:
         self._scrape_lock = asyncio.Lock()  # the mirror moves only between scrapes
         self.registry = CollectorRegistry()
         self.registry.register(self)
+
+    async def observe_finished(self) -> None:
+        """Observe each finished request as it comes, until the feed closes (`close`)."""
+        async for record in self.finished_requests:
+            self._observe(record)
+
+    def close(self) -> None:
+        """Unsubscribe from the engine (the app stops)."""
+        self.finished_requests.close()
 
     async def render(self) -> bytes:
         async with self._scrape_lock:
@@ -203,32 +214,35 @@ class EngineMetrics:
 
     def _histograms(self) -> Iterator[Metric]:
         for record in self.finished_requests.drain():
-            metrics = record.output.metrics
-            if metrics is None:
-                continue
-            labels = (self.model_name, str(record.replica))
-            arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
-            first_token, finished = metrics.first_token_time, metrics.finished_time
-            for name, start, end in (
-                    ("vllm:time_to_first_token_seconds", arrival, first_token),
-                    ("vllm:request_queue_time_seconds", arrival, scheduled),
-                    ("vllm:e2e_request_latency_seconds", arrival, finished),
-                    ("vllm:request_prefill_time_seconds", scheduled, first_token),
-                    ("vllm:request_decode_time_seconds", first_token, finished),
-                    ("vllm:request_inference_time_seconds", scheduled, finished)):
-                if start is not None and end is not None:
-                    self._histogram(name, labels).observe(end - start)
-            for latency in record.inter_token_latencies:
-                self._histogram("vllm:inter_token_latency_seconds", labels).observe(latency)
-            output = record.output
-            self._histogram("vllm:request_prompt_tokens", labels).observe(
-                len(output.prompt_token_ids or ()))
-            lengths = [len(sample.token_ids) for sample in output.outputs]
-            self._histogram("vllm:request_generation_tokens", labels).observe(sum(lengths))
-            self._histogram("vllm:request_max_num_generation_tokens", labels).observe(
-                max(lengths, default=0))
+            self._observe(record)
         for histogram in self.histograms.values():
             yield from histogram.collect()
+
+    def _observe(self, record: RequestRecord) -> None:
+        metrics = record.output.metrics
+        if metrics is None:
+            return
+        labels = (self.model_name, str(record.replica))
+        arrival, scheduled = metrics.arrival_time, metrics.first_scheduled_time
+        first_token, finished = metrics.first_token_time, metrics.finished_time
+        for name, start, end in (
+                ("vllm:time_to_first_token_seconds", arrival, first_token),
+                ("vllm:request_queue_time_seconds", arrival, scheduled),
+                ("vllm:e2e_request_latency_seconds", arrival, finished),
+                ("vllm:request_prefill_time_seconds", scheduled, first_token),
+                ("vllm:request_decode_time_seconds", first_token, finished),
+                ("vllm:request_inference_time_seconds", scheduled, finished)):
+            if start is not None and end is not None:
+                self._histogram(name, labels).observe(end - start)
+        for latency in record.inter_token_latencies:
+            self._histogram("vllm:inter_token_latency_seconds", labels).observe(latency)
+        output = record.output
+        self._histogram("vllm:request_prompt_tokens", labels).observe(
+            len(output.prompt_token_ids or ()))
+        lengths = [len(sample.token_ids) for sample in output.outputs]
+        self._histogram("vllm:request_generation_tokens", labels).observe(sum(lengths))
+        self._histogram("vllm:request_max_num_generation_tokens", labels).observe(
+            max(lengths, default=0))
 
     def _histogram(self, name: str, labels: tuple[str, str]):
         return self.histograms[name].labels(*labels)
