@@ -60,7 +60,7 @@ def large_gemm_flops(dtype: torch.dtype, size: int = LARGE_SIZE, repeats: int = 
     without bf16 dot products the engine's bf16 GEMMs run in fp32 (widened weight tiles), so
     bf16 is held to the fp32 rate there."""
     cpu_kernels.load()
-    if dtype == torch.bfloat16 and torch.ops.kvscope.widens_bf16_gemms():
+    if dtype == torch.bfloat16 and cpu_kernels.widens_bf16_gemms():
         dtype = torch.float32
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     return 2 * size ** 3 / best_seconds(lambda: torch.mm(a, b), repeats)
@@ -73,7 +73,7 @@ def weight_forms(shapes, dtypes: list[torch.dtype]) -> dict[str, tuple[torch.dty
              for dtype in dtypes}
     forms = {f"plain_{dtype_name(dtype)}": (dtype, weights, ops.linear)
              for dtype, weights in plain.items()}
-    if torch.bfloat16 in plain and torch.ops.kvscope.widens_bf16_gemms():
+    if torch.bfloat16 in plain and cpu_kernels.widens_bf16_gemms():
         forms["onednn_bfloat16"] = (torch.bfloat16, plain[torch.bfloat16], F.linear)
     if ops.prepack_weight is not None and torch.bfloat16 in plain:
         packed = [(kind, ops.prepack_weight(weight)) for kind, weight in plain[torch.bfloat16]]

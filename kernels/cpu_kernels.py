@@ -156,6 +156,12 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torc
     return out
 
 
+def widens_bf16_gemms() -> bool:
+    """Whether this CPU runs bf16 GEMMs of WIDENED_MIN_ROWS rows or more widened to fp32
+    (it lacks bf16 dot products); False until load()."""
+    return _widens_bf16_gemms
+
+
 def _widened(x: torch.Tensor, weight, bias: torch.Tensor | None) -> bool:
     return (_widens_bf16_gemms and x.shape[0] >= WIDENED_MIN_ROWS and isinstance(weight, torch.Tensor)
             and x.dtype == weight.dtype == torch.bfloat16

@@ -380,11 +380,11 @@ def test_cpu_linear_widens_bf16_gemms_only_without_bf16_dot_products(cpu_kernel_
         x = torch.randn(rows, 128, generator=generator).bfloat16()
         widened = torch.empty(rows, 256, dtype=torch.bfloat16)
         torch.ops.kvscope.linear_widened(x, weight, None, widened)
-        widens = torch.ops.kvscope.widens_bf16_gemms() and rows >= cpu_kernels.WIDENED_MIN_ROWS
+        widens = cpu_kernels.widens_bf16_gemms() and rows >= cpu_kernels.WIDENED_MIN_ROWS
         assert torch.equal(cpu_kernel_ops.linear(x, weight),
                            widened if widens else F.linear(x, weight)), rows
     flags = open("/proc/cpuinfo").read()
-    assert torch.ops.kvscope.widens_bf16_gemms() == (
+    assert cpu_kernels.widens_bf16_gemms() == (
         "avx512_bf16" not in flags and "amx_bf16" not in flags)
 
 
