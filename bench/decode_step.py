@@ -131,7 +131,7 @@ def limits_split(bench, args, events, prefill_events, context_tokens: int) -> di
     """Decode steps and prefill against the machine's limits, measured now: GEMM FLOP/s
     over the linears' own time, attention's K/V bytes/s over its own time."""
     runner = bench.runner
-    costs = roofline.model_costs(runner.model_path, runner.dtype)
+    costs = roofline.model_costs(runner.hf_config, runner.dtype)
     large = large_gemm_flops(runner.dtype)
     bandwidth = roofline.read_bandwidth(huge=True)
     steps = args.profile_steps

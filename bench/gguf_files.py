@@ -20,11 +20,16 @@ llama-cpp-python, its requantizations (llama_model_quantize, requantizing allowe
 Q4_K_M, Q5_K_M, Q6_K and Q8_0 under --workdir. SmolLM2-135M's 576-wide layers are no
 multiple of 256, so llama.cpp's quantizer gives those its fallbacks (Q5_0, Q5_1, Q8_0) and
 only the 1536-wide ffn_down the k-quant itself: the per-type bytes in the report say which.
+--random-shape HIDDEN,FFN,LAYERS,HEADS,KV_HEADS starts instead from a Llama of that shape
+with random F16 weights and the shipped file's tokenizer (1024,3072,28,16,8 is about
+Qwen3-0.6B's size), whose widths take every k-quant; its perplexities compare the two
+engines' arithmetic, not a model's quality.
 
 Usage:
   flock /work/bench.lock python bench/gguf_files.py   (not bench/gguf.py: that name
   would shadow the gguf package for every script run from bench/)
   python bench/gguf_files.py --files model.Q4_K_M.gguf --num-requests 32 --single-tokens 64
+  python bench/gguf_files.py --random-shape 1024,3072,28,16,8
 """
 
 import argparse
@@ -39,7 +44,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
+import numpy as np
 import torch
+from gguf import GGUFReader, GGUFWriter, LlamaFileType
 from quantization import TEXT, batched, perplexity, single_stream  # noqa: E402
 from served import cpu_name  # noqa: E402
 from throughput import LlamaCpp, default_llama_python, llama_cpp_available, make_workload  # noqa: E402
@@ -61,9 +68,58 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 """
 
 
-def default_files(workdir: Path, llama_python: str | None) -> list[Path]:
-    """The shipped file, and its requantizations where llama-cpp-python runs."""
-    source = find_default_gguf()
+def random_shaped_gguf(workdir: Path, shape: str) -> Path:
+    """A Llama GGUF of `shape` (HIDDEN,FFN,LAYERS,HEADS,KV_HEADS) with random F16 weights
+    and the shipped file's tokenizer and chat template (values do not change the work)."""
+    hidden, ffn, layers, heads, kv_heads = (int(value) for value in shape.split(","))
+    path = workdir / f"random-llama-{hidden}x{ffn}x{layers}x{heads}x{kv_heads}.F16.gguf"
+    if path.is_file():
+        return path
+    source = GGUFReader(find_default_gguf())
+    vocab = int(source.fields["llama.vocab_size"].contents())
+    writer = GGUFWriter(path, "llama")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(100000.0)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(LlamaFileType.MOSTLY_F16)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 field.types[-1] if len(field.types) > 1 else None)
+    generator = np.random.default_rng(0)
+
+    def weight(rows: int, columns: int) -> np.ndarray:
+        values = generator.standard_normal((rows, columns), dtype=np.float32)
+        return (values / columns ** 0.5).astype(np.float16)
+
+    norm = np.ones(hidden, dtype=np.float32)
+    kv_width = kv_heads * (hidden // heads)
+    writer.add_tensor("token_embd.weight", weight(vocab, hidden))
+    writer.add_tensor("output_norm.weight", norm)
+    for layer in range(layers):
+        for name, tensor in (("attn_norm", norm), ("attn_q", weight(hidden, hidden)),
+                             ("attn_k", weight(kv_width, hidden)),
+                             ("attn_v", weight(kv_width, hidden)),
+                             ("attn_output", weight(hidden, hidden)), ("ffn_norm", norm),
+                             ("ffn_gate", weight(ffn, hidden)), ("ffn_up", weight(ffn, hidden)),
+                             ("ffn_down", weight(hidden, ffn))):
+            writer.add_tensor(f"blk.{layer}.{name}.weight", tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def default_files(workdir: Path, llama_python: str | None, source: Path) -> list[Path]:
+    """`source`, and its requantizations where llama-cpp-python runs."""
     files = [source]
     if llama_python is not None:
         for name, ftype in REQUANTIZED.items():
@@ -159,6 +215,9 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=128)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--skip-batched", action="store_true")
+    parser.add_argument("--random-shape", default=None,
+                        help="HIDDEN,FFN,LAYERS,HEADS,KV_HEADS: start from a random Llama of "
+                             "this shape instead of the shipped file")
     parser.add_argument("--llama-python", default=default_llama_python(),
                         help="the interpreter with llama-cpp-python (default: "
                              "$KVSCOPE_LLAMA_PYTHON, else this one)")
@@ -166,8 +225,10 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with_llama_cpp = llama_cpp_available(args.llama_python)
+    source = (random_shaped_gguf(workdir, args.random_shape) if args.random_shape
+              else find_default_gguf())
     files = ([Path(f) for f in args.files.split(",")] if args.files
-             else default_files(workdir, args.llama_python if with_llama_cpp else None))
+             else default_files(workdir, args.llama_python if with_llama_cpp else None, source))
     text = TEXT.read_text()
     report = {"torch_threads": torch.get_num_threads(), "cpu": cpu_name(),
               "machine": platform.processor() or platform.machine(), "files": {}}

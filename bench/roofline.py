@@ -32,12 +32,11 @@ def measure() -> dict:
     }
 
 
-def model_costs(model_path, dtype: torch.dtype) -> dict:
-    """Weight bytes a decode step reads and matmul FLOPs per token (2 per weight; the
-    embedding lookup reads one row, but a tied lm_head reads the whole table)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+def model_costs(config, dtype: torch.dtype) -> dict:
+    """Weight bytes a decode step reads and matmul FLOPs per token of the model that
+    transformers' `config` describes (2 per weight; the embedding lookup reads one row,
+    but a tied lm_head reads the whole table). An engine's runner has its config as
+    `hf_config`, a GGUF file's included."""
     from kvscope.engine.worker.models import model_class
 
     with torch.device("meta"):

@@ -81,7 +81,7 @@ from kvscope.engine.telemetry.kv_event_publisher import (  # noqa: E402
     KVEventsConfig,
     ZmqEventPublisher,
 )
-from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path  # noqa: E402
+from kvscope.engine.worker.loader import load_config, load_tokenizer, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.memory_bandwidth import weights_read_bandwidth  # noqa: E402
 from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 
@@ -230,7 +230,7 @@ def phase_totals(records, runner) -> dict:
     K/V bytes attention read (each chunk reads its sequence's cache up to its end once)."""
     config = runner.hf_config
     head_flops = 2 * config.vocab_size * config.hidden_size
-    layer_flops = roofline.model_costs(runner.model_path, runner.dtype)["matmul_flops_per_token"] - head_flops
+    layer_flops = roofline.model_costs(runner.hf_config, runner.dtype)["matmul_flops_per_token"] - head_flops
     kv_bytes_per_token = (len(runner.attention_layers) * 2 * runner.num_kv_heads * runner.head_dim
                           * runner.dtype.itemsize)
     phases = {name: {"seconds": 0.0, "matmul_flops": 0, "kv_bytes": 0} for name in ("prefill", "decode")}
@@ -369,7 +369,7 @@ class HFGenerate:
         started = time.perf_counter()
         self.model = load_hf_model(args, model_path)
         self.device = args.device
-        self.dense_bytes = roofline.model_costs(model_path, getattr(torch, args.dtype))[
+        self.dense_bytes = roofline.model_costs(self.model.config, getattr(torch, args.dtype))[
             "weight_bytes_per_step"]
         self.single_stream(workload.prompts[0][:16], 2)  # untimed: one-time costs
         self.setup_seconds = time.perf_counter() - started
@@ -704,7 +704,7 @@ def main(argv=None) -> None:
     report["machine_roofline"] = roofline.measure()
     report["machine_roofline"]["large_gemm_gflop_s"] = round(gemm_rate.large_gemm_flops(dtype) / 1e9, 1)
     report["machine_roofline"]["large_gemm_size"] = gemm_rate.LARGE_SIZE
-    report["model_costs"] = roofline.model_costs(model_path, dtype)
+    report["model_costs"] = roofline.model_costs(load_config(model_path), dtype)
     if args.single_stream:
         single_stream(args, workload, backends, report)
     else:
