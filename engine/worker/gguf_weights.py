@@ -14,6 +14,7 @@ rows are stored permuted for llama.cpp's rotary layout and are un-permuted here,
 transformers does when it converts the file; Qwen's and Phi-3's are stored as they are.
 """
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,14 +65,32 @@ BLOCK_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiz
 SUPPORTED_TYPES = sorted(t.name for t in DENSE_TYPES | set(PACKED_TYPES))
 
 
+def open_gguf(path: Path) -> GGUFReader:
+    """The file's reader, parsed once per version of the file: parsing a vocabulary's
+    strings (SmolLM2's 49,152 tokens and 48,900 merges) takes ~5 s on 2 cores, and a load
+    reads the file's fields and tensors from several places."""
+    stat = Path(path).stat()
+    return _open_gguf(Path(path).resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: Path, mtime_ns: int, size: int) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def forget_gguf_readers() -> None:
+    """Drop the parsed readers once a model is loaded: each maps its whole file, and the
+    pages the load touched would stay in this process's resident set."""
+    _open_gguf.cache_clear()
+
+
 def gguf_architecture(path: Path) -> str:
-    reader = GGUFReader(path)
-    return reader.fields["general.architecture"].contents()
+    return open_gguf(path).fields["general.architecture"].contents()
 
 
 def check_gguf(path: Path) -> None:
     """Refuse, by name, a GGUF whose architecture or tensor types kvscope does not read."""
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     architecture = reader.fields["general.architecture"].contents()
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"model={str(path)!r}: GGUF architecture {architecture!r} is not "
@@ -90,7 +109,7 @@ def gguf_config(path: Path) -> PretrainedConfig:
     rotated dims; LongRoPE's factors, stored as tensors) and Llama 3.1+'s llama3 rope
     scaling (stored as `rope_freqs`, a divisor of each rotated pair's frequency: LongRoPE's
     short and long factors are exactly that)."""
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     architecture = reader.fields["general.architecture"].contents()
 
     def field(key: str):
@@ -156,7 +175,7 @@ def keys_config(path: Path, reader: GGUFReader, architecture: str, field) -> Pre
 def gguf_tensor_bytes_by_type(path: Path) -> dict[str, int]:
     """The bytes of the file's tensors per GGUF type name, as stored."""
     totals: dict[str, int] = {}
-    for tensor in GGUFReader(path).tensors:
+    for tensor in open_gguf(path).tensors:
         totals[tensor.tensor_type.name] = totals.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
     return totals
 
@@ -165,7 +184,7 @@ def gguf_bytes_per_step(path: Path) -> int:
     """The bytes one decode step reads from a GGUF's tensors as stored (Q4_1 blocks, the Q8_0
     table...): all of them, less the token embedding table when a separate output.weight
     makes the logits read that one (a lookup reads one row of the table)."""
-    sizes = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(path).tensors}
+    sizes = {tensor.name: int(tensor.n_bytes) for tensor in open_gguf(path).tensors}
     if "output.weight" in sizes:
         return sum(sizes.values()) - sizes["token_embd.weight"]
     return sum(sizes.values())
@@ -175,7 +194,7 @@ def iter_gguf_weights(path: Path, config: PretrainedConfig,
                       keep_blocks: bool = False) -> Iterator[tuple[str, object]]:
     """(transformers name, tensor, GroupQuantized or GgufBlocks) for every weight of a GGUF
     file; `keep_blocks`: every block tensor as GgufBlocks (quantization="gguf")."""
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     architecture = reader.fields["general.architecture"].contents()
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path.name}: GGUF architecture {architecture!r} is not read block by "

@@ -15,6 +15,7 @@ from kvscope.engine.worker import huge_pages
 from kvscope.engine.worker.gguf_weights import (
     GGUF_ARCHITECTURES,
     check_gguf,
+    forget_gguf_readers,
     gguf_architecture,
     gguf_config,
     iter_gguf_weights,
@@ -126,6 +127,7 @@ class ModelRunner:
             self.model = architecture(self.hf_config, self.max_positions, max_model_len)
             quantize_model(self.model, config.quantization, config.quantization_group_size)
         self.load_weights(config)
+        forget_gguf_readers()
         # Before the move to huge pages: the plain weights it replaces are then dropped, not
         # copied first (the prepacked ones live in oneDNN's memory).
         prepacked = []

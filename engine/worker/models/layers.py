@@ -20,6 +20,11 @@ class Linear(nn.Linear, UsesKernelOps):
 
     prepacked: PrepackedWeight | None = None
 
+    def reset_parameters(self) -> None:
+        """No random start: every weight comes from the checkpoint (load_weights checks that
+        each was set), and nn.Linear's kaiming init of a 0.4B model's linears took 4.8 s of
+        its load on 2 cores."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight if self.prepacked is None else self.prepacked, self.bias)
 
