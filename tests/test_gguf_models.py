@@ -179,12 +179,36 @@ def test_a_k_quant_gguf_of_each_architecture_serves_its_blocks_as_stored(arch, t
     config = EngineConfig(model=str(path), dtype="float32", device="cpu", device_memory_gb=0.05,
                           quantization="gguf")
     runner = ModelRunner(config)
+    assert runner.fused_decoder_stack  # the blocks run in the one-call C++ stack
     on_file = gguf_tensor_bytes_by_type(path)
     assert {kind: size for kind, size in runner.weight_bytes_by_type.items() if kind.startswith("Q")} == {
         kind: size for kind, size in on_file.items() if kind.startswith("Q")}
     assert not list((tmp_path / "cache").rglob("config.json"))  # no converted folder
     outputs = run_to_completion(EngineCore(config, runner=runner), PROMPTS, GREEDY).outputs
     assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(hf_model, PROMPTS, 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, tmp_path, monkeypatch):
+    """bf16 activations (rounded to int8 for the blocks' integer dots): the one-call C++
+    stack's tokens and log-probabilities are the eager layers', bit for bit, for decode
+    batches (rows streamed through the blocks) and prefills past the streaming limit (the
+    blocks de-quantized for a GEMM), with a Q8_0 embedding and a Q6_K output projection."""
+    select_ops(torch.device("cpu"))
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    blocks, hf_model = k_quant_model(arch)
+    path = tmp_path / f"{arch}.gguf"
+    write_model_gguf(arch, hf_model, path, blocks=blocks)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    runs = []
+    for eager in (False, True):
+        config = EngineConfig(model=str(path), dtype="bfloat16", device="cpu",
+                              device_memory_gb=0.05, quantization="gguf", enforce_eager=eager)
+        runner = ModelRunner(config)
+        assert runner.fused_decoder_stack is not eager
+        outputs = run_to_completion(EngineCore(config, runner=runner), PROMPTS, params).outputs
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+    assert runs[0] == runs[1]
 
 
 def test_k_quant_blocks_through_the_triton_backend_give_the_same_tokens(tmp_path, monkeypatch):

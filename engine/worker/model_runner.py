@@ -41,7 +41,6 @@ from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.layers import prepack_linears
 from kvscope.engine.worker.models.quantized import (
-    GgufLinear,
     QuantizedLinear,
     pack_model,
     quantize_model,
@@ -163,11 +162,8 @@ class ModelRunner:
                            "layers de-quantize their weights on every forward (correct, but "
                            "slower than dense)", self.kernel_ops.backend, quantized)
         fuse = getattr(self.model, "fuse_decoder_stack", None)
-        # The C++ stack takes dense, int4 and int8 weights; GGUF blocks run layer by layer.
-        gguf_layers = any(isinstance(module, GgufLinear) for module in self.model.modules())
         self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
-                                    and self.kernel_ops.decoder_stack is not None
-                                    and not gguf_layers)
+                                    and self.kernel_ops.decoder_stack is not None)
         if self.fused_decoder_stack:
             fuse(self.dtype)
         self.kv_cache: torch.Tensor | None = None

@@ -82,6 +82,47 @@ void quantized_project(const at::Tensor& x, const LinearWeights& linear, const S
   gemm(x, dense, linear.bias, out);
 }
 
+// GGUF layers: up to this many rows stream the blocks through gguf_linear, more de-quantize
+// once for a GEMM (engine/worker/models/quantized.py's KERNEL_MAX_ROWS, GgufLinear's rule).
+constexpr int64_t kGgufKernelMaxRows = 8;
+
+// out = x @ weight.T (+ bias) for a GGUF layer, run by run of rows as GgufLinear computes it:
+// each run streams into its columns of out, or every run de-quantizes into one dense weight
+// for a GEMM.
+void gguf_project(const at::Tensor& x, const LinearWeights& linear, at::Tensor& out) {
+  const at::Tensor& parts = *linear.gguf_parts;
+  const int64_t runs = parts.size(0);
+  const int64_t* part = parts.data_ptr<int64_t>();
+  if (x.size(0) > kGgufKernelMaxRows) {
+    at::Tensor dense = at::empty({linear.out_features(), x.size(1)}, x.options());
+    for (int64_t r = 0; r < runs; ++r) {
+      at::Tensor rows = dense.narrow(0, part[3 * r + 1], part[3 * r + 2] - part[3 * r + 1]);
+      if (part[3 * r] < 0)
+        rows.copy_(linear.gguf_weights[r]);
+      else
+        traced("kvscope::gguf_dequantize",
+               [&] { gguf_dequantize(linear.gguf_weights[r], part[3 * r], rows); });
+    }
+    if (out.scalar_type() == x.scalar_type()) return gemm(x, dense, linear.bias, out);
+    // The logits: the GEMM's result in x's dtype, widened after (GgufLinear's `.to`).
+    at::Tensor result = at::empty({x.size(0), dense.size(0)}, x.options());
+    gemm(x, dense, linear.bias, result);
+    out.copy_(result);
+    return;
+  }
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t first = part[3 * r + 1], count = part[3 * r + 2] - first;
+    std::optional<at::Tensor> bias;
+    if (linear.bias) bias = linear.bias->narrow(0, first, count);
+    at::Tensor columns = out.narrow(1, first, count);
+    if (part[3 * r] < 0)
+      columns.copy_(at::linear(x, linear.gguf_weights[r], bias));
+    else
+      traced("kvscope::gguf_linear",
+             [&] { gguf_linear(x, linear.gguf_weights[r], part[3 * r], bias, columns); });
+  }
+}
+
 // Dense weights: up to this many rows stream their weights through the dot-product kernel
 // (kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS, the same rule).
 constexpr int64_t kDenseKernelMaxRows = 5;
@@ -92,6 +133,7 @@ constexpr int64_t kDenseKernelMaxRows = 5;
 // packed ones as their modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
+  if (linear.gguf_parts) return gguf_project(x, linear, out);
   if (linear.scales) return quantized_project(x, linear, config, out);
   if (linear.onednn) {
     if (x.size(0) > kDenseKernelMaxRows) {
@@ -210,9 +252,21 @@ class NameReader {
     return found->value();
   }
 
-  // A linear module's weight, and its bias, scales and offsets where it has them.
+  // A linear module's weight, and its bias, scales and offsets where it has them; a GGUF
+  // layer's runs (weights.0, weights.1... as its ParameterList names them) and their parts.
   LinearWeights linear(const std::string& module) {
     static_assert(std::is_same_v<Value, at::Tensor>, "linear() reads tensors");
+    if (std::optional<at::Tensor> parts = optional(module + ".gguf_parts")) {
+      TORCH_CHECK(parts->dim() == 2 && parts->size(1) == 3 && parts->scalar_type() == at::kLong &&
+                      parts->is_contiguous() && parts->size(0) > 0,
+                  "LlamaDecoderStack: ", module, ".gguf_parts is int64 [runs, 3]");
+      LinearWeights linear;
+      linear.bias = optional(module + ".bias");
+      linear.gguf_parts = parts;
+      for (int64_t r = 0; r < parts->size(0); ++r)
+        linear.gguf_weights.push_back(required(module + ".weights." + std::to_string(r)));
+      return linear;
+    }
     return {required(module + ".weight"), optional(module + ".bias"), optional(module + ".scales"),
             optional(module + ".offsets"), optional(module + ".onednn")};
   }
@@ -281,6 +335,9 @@ kvscope::ModelOptions kvscope::ModelOptions::from(const c10::Dict<std::string, d
   options.gelu_tanh = reader.optional("gelu_tanh").value_or(0.) != 0.;
   options.attention_soft_cap = reader.optional("attention_soft_cap").value_or(0.);
   options.final_soft_cap = reader.optional("final_soft_cap").value_or(0.);
+  options.embedding_gguf_type =
+      static_cast<int64_t>(reader.optional("embedding_gguf_type").value_or(-1.));
+  options.head_gguf_type = static_cast<int64_t>(reader.optional("head_gguf_type").value_or(-1.));
   TORCH_CHECK(options.embedding_scale >= 0. && options.attention_soft_cap >= 0. &&
                   options.final_soft_cap >= 0.,
               "LlamaDecoderStack: embedding_scale and the soft caps must be >= 0");
@@ -306,6 +363,12 @@ LlamaDecoderStack::LlamaDecoderStack(
               head_dim,        group_size,
               kernel_max_rows, eps,
               attention_scale, kvscope::ModelOptions::from(model_options)} {
+  if (const int64_t type = config_.model.head_gguf_type; type >= 0) {
+    head_.gguf_parts = at::empty({1, 3}, at::kLong);
+    int64_t* part = head_.gguf_parts->data_ptr<int64_t>();
+    part[0] = type, part[1] = 0, part[2] = head_.weight.size(0);
+    head_.gguf_weights = {head_.weight};
+  }
   TORCH_CHECK(!cos_.empty() && cos_.size() == sin_.size(),
               "LlamaDecoderStack: one or more rotary tables, a sin table per cos table");
   std::vector<const at::Tensor*> tables = {&embedding_};
@@ -313,6 +376,8 @@ LlamaDecoderStack::LlamaDecoderStack(
   for (const at::Tensor* table : tables)
     TORCH_CHECK(table->dim() == 2 && table->is_contiguous(),
                 "LlamaDecoderStack: the embedding and rotary tables are contiguous [rows, width]");
+  TORCH_CHECK((config_.model.embedding_gguf_type >= 0) == (embedding_.scalar_type() == at::kByte),
+              "LlamaDecoderStack: an embedding of GGUF blocks is uint8 rows, with its type");
   TORCH_CHECK(!embedding_scales_ || (embedding_.scalar_type() == at::kChar &&
                                      embedding_scales_->scalar_type() == at::kFloat &&
                                      embedding_scales_->is_contiguous()),
@@ -419,7 +484,13 @@ at::Tensor LlamaDecoderStack::logits(const at::Tensor& hidden) const {
 // computes them, then scaled where the model scales them.
 at::Tensor LlamaDecoderStack::embed(const at::Tensor& ids) const {
   at::Tensor rows;
-  if (!embedding_scales_) {
+  if (const int64_t type = config_.model.embedding_gguf_type; type >= 0) {
+    // As GgufEmbedding: the chosen rows' blocks, de-quantized into the model's dtype.
+    const at::Tensor blocks = gather_rows(embedding_, ids);
+    rows = at::empty({ids.size(0), final_norm_.size(0)},
+                     blocks.options().dtype(final_norm_.scalar_type()));
+    traced("kvscope::gguf_dequantize", [&] { gguf_dequantize(blocks, type, rows); });
+  } else if (!embedding_scales_) {
     rows = gather_rows(embedding_, ids);
   } else {
     const at::ScalarType dtype = final_norm_.scalar_type();

@@ -21,12 +21,18 @@ using NamedTensors = c10::Dict<std::string, at::Tensor>;
 // A linear layer's tensors: a dense weight, or a packed int4 (uint8) / int8 one with its
 // scales (and int4 offsets) as engine/worker/models/quantized.py packs them. A dense bf16
 // weight prepacked for oneDNN (kernels/cpu_kernels.py's prepack_weight) comes as its opaque
-// oneDNN tensor `onednn`, with `weight` the same memory as bf16 blocks.
+// oneDNN tensor `onednn`, with `weight` the same memory as bf16 blocks. A GGUF layer
+// (quantized.py's GgufLinear) comes as runs of rows, each a tensor of one GGUF type's blocks
+// (or dense, type -1): `gguf_parts` [runs, 3] holds each run's (type, first row, end row).
 struct LinearWeights {
   at::Tensor weight;
-  std::optional<at::Tensor> bias, scales, offsets, onednn;
+  std::optional<at::Tensor> bias, scales, offsets, onednn, gguf_parts;
+  std::vector<at::Tensor> gguf_weights;
 
-  int64_t out_features() const { return (onednn ? *onednn : weight).size(0); }
+  int64_t out_features() const {
+    if (gguf_parts) return gguf_parts->data_ptr<int64_t>()[gguf_parts->numel() - 1];
+    return (onednn ? *onednn : weight).size(0);
+  }
 };
 
 // One decoder layer's weights, named as the module's parameters are
@@ -69,6 +75,9 @@ struct ModelOptions {
   bool gelu_tanh = false;          // the MLP's gate is tanh-approximated gelu (GeGLU), not silu
   double attention_soft_cap = 0.;  // > 0: scores become cap * tanh(score / cap) (Gemma 2)
   double final_soft_cap = 0.;      // > 0: logits alike (Gemma 2)
+  // The GGUF type of the embedding's and the output projection's blocks (a GGUF file's
+  // token_embd and output tensors, as uint8 rows); -1: not GGUF blocks.
+  int64_t embedding_gguf_type = -1, head_gguf_type = -1;
 
   // Every name must be one of the above (booleans as 0 or 1).
   static ModelOptions from(const c10::Dict<std::string, double>& named);

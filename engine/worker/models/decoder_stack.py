@@ -7,17 +7,35 @@ from torch import nn
 
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
-from kvscope.engine.worker.models.quantized import kernel_max_rows
+from kvscope.engine.worker.models.quantized import GgufLinear, kernel_max_rows
+
+
+def gguf_parts(module: GgufLinear) -> torch.Tensor:
+    """A GGUF layer's runs for the C++ stack: (GGUF type, or -1 for dense; first row; end
+    row) per run, in the order of its `weights`."""
+    return torch.tensor([[-1 if part.kind is None else int(part.kind), part.rows.start,
+                          part.rows.stop] for part in module.parts], dtype=torch.int64)
 
 
 def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """A layer's tensors for the C++ stack: its parameters by name, and each prepacked
-    linear's oneDNN tensor as "<module>.onednn"."""
+    """A layer's tensors for the C++ stack: its parameters by name, each prepacked linear's
+    oneDNN tensor as "<module>.onednn", and each GGUF layer's runs as "<module>.gguf_parts"."""
     tensors = dict(layer.named_parameters())
     for name, module in layer.named_modules():
         if isinstance(module, Linear) and module.prepacked is not None:
             tensors[f"{name}.onednn"] = module.prepacked.onednn
+        if isinstance(module, GgufLinear):
+            tensors[f"{name}.gguf_parts"] = gguf_parts(module)
     return tensors
+
+
+def stack_table(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """An embedding's or an output projection's table for the C++ stack: its rows, their
+    int8 scales (None unless int8), and their GGUF type (-1 unless GGUF blocks: one run)."""
+    if isinstance(module, GgufLinear):
+        (part,), (weight,) = module.parts, module.weights
+        return weight, None, -1 if part.kind is None else int(part.kind)
+    return module.weight, getattr(module, "scales", None), -1
 
 
 class FusedDecoderStack:
@@ -46,20 +64,24 @@ class FusedDecoderStack:
         # The token embedding and the rotary lookups run in the same call, the output
         # projection in a second: called from Python after a step has streamed the weights,
         # their small ops and the Python around them would run cold (docs/performance.md).
-        head = body.embed_tokens if model.tied else model.lm_head
+        embedding, embedding_scales, embedding_type = stack_table(body.embed_tokens)
+        head, head_scales, head_type = stack_table(
+            body.embed_tokens if model.tied else model.lm_head)
+        gguf_types = {name: float(kind) for name, kind in (("embedding_gguf_type", embedding_type),
+                                                             ("head_gguf_type", head_type))
+                      if kind >= 0}
         self.layers = model.ops.decoder_stack(
-            embedding=body.embed_tokens.weight,
-            embedding_scales=getattr(body.embed_tokens, "scales", None),
-            head=head.weight, head_scales=getattr(head, "scales", None),
+            embedding=embedding, embedding_scales=embedding_scales,
+            head=head, head_scales=head_scales,
             cos=[cos for cos, _ in tables], sin=[sin for _, sin in tables],
             final_norm=body.norm.weight,
             # Each layer's tensors by their parameter names (packed int4 / int8 linears add
-            # scales, and int4 offsets, to weight and bias; the C++ side reads them by name),
-            # and prepacked dense ones their oneDNN tensor, as "<module>.onednn").
+            # scales, and int4 offsets, to weight and bias; GGUF layers have weights.0,
+            # weights.1...; the C++ side reads them by name), with stack_tensors' extras.
             layers=[stack_tensors(layer) for layer in body.layers],
             layer_options=[{**layer.kind.stack_options(), "kv_group": layer.self_attn.attn.kv_group}
                            for layer in body.layers],
-            model_options=model.stack_options(),
+            model_options={**model.stack_options(), **gguf_types},
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
             kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,
