@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from kvscope.engine.worker.models.quantized import KERNEL_MAX_ROWS, GgufBlocks, GgufLinear
+from kvscope.engine.worker.models.quantized import (
+    KERNEL_MAX_ROWS,
+    TILED_KERNEL_MAX_ROWS,
+    GgufBlocks,
+    GgufLinear,
+    kernel_max_rows,
+)
 from kvscope.kernels import TORCH_OPS, gguf_blocks, select_ops
 
 Q = GGMLQuantizationType
@@ -83,8 +89,9 @@ def gguf_linear(parts: list[tuple[object, torch.Tensor]], in_features: int,
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count(
         kind, backend, cpu_ops):
-    """One row and small batches stream the blocks (cpu), more rows de-quantize and run a
-    GEMM; the torch backend (and Triton's, which shares it) de-quantizes in plain torch.
+    """One row and small batches stream the blocks (cpu: up to kernel_max_rows, 32 bf16
+    rows where the kernels round them to int8), more rows de-quantize and run a GEMM; the
+    torch backend (and Triton's, which shares it) de-quantizes in plain torch.
     fp32 activations give the dense matmul to rounding, bf16 ones its result to bf16's
     (where the int8-dot kernels stream: the product of x rounded as they round it)."""
     rng = np.random.default_rng(int(kind) + 100)
@@ -95,7 +102,9 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
     bias = torch.randn(40)
     layer = gguf_linear([(kind, torch.from_numpy(blocks))], in_features, bias,
                         cpu_ops if backend == "cpu" else TORCH_OPS)
-    for rows in (1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 33):
+    bf16_streamed = kernel_max_rows(cpu_ops.packed, torch.bfloat16) if backend == "cpu" else 0
+    for rows in (1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, TILED_KERNEL_MAX_ROWS,
+                 TILED_KERNEL_MAX_ROWS + 1):
         x = torch.randn(rows, in_features)
         expected = x.double() @ weight.double().T + bias.double()
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
@@ -104,7 +113,7 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
         layer.bias.data = bias
         assert out.dtype == torch.float32
         # A GEMM's weight is de-quantized to bf16 first; the kernels dot fp32 weights.
-        streams = backend == "cpu" and rows <= KERNEL_MAX_ROWS
+        streams = rows <= bf16_streamed
         gemm_weight = weight if streams else weight.bfloat16()
         x_seen = x.bfloat16()
         if streams and cpu_ops.packed.gguf_rounds_activations_to_int8:

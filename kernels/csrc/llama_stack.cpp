@@ -82,18 +82,15 @@ void quantized_project(const at::Tensor& x, const LinearWeights& linear, const S
   gemm(x, dense, linear.bias, out);
 }
 
-// GGUF layers: up to this many rows stream the blocks through gguf_linear, more de-quantize
-// once for a GEMM (engine/worker/models/quantized.py's KERNEL_MAX_ROWS, GgufLinear's rule).
-constexpr int64_t kGgufKernelMaxRows = 8;
-
 // out = x @ weight.T (+ bias) for a GGUF layer, run by run of rows as GgufLinear computes it:
-// each run streams into its columns of out, or every run de-quantizes into one dense weight
-// for a GEMM.
-void gguf_project(const at::Tensor& x, const LinearWeights& linear, at::Tensor& out) {
+// up to kernel_max_rows rows stream into each run's columns of out; more de-quantize every
+// run into one dense weight for a GEMM.
+void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
+                  at::Tensor& out) {
   const at::Tensor& parts = *linear.gguf_parts;
   const int64_t runs = parts.size(0);
   const int64_t* part = parts.data_ptr<int64_t>();
-  if (x.size(0) > kGgufKernelMaxRows) {
+  if (x.size(0) > config.kernel_max_rows) {
     at::Tensor dense = at::empty({linear.out_features(), x.size(1)}, x.options());
     for (int64_t r = 0; r < runs; ++r) {
       at::Tensor rows = dense.narrow(0, part[3 * r + 1], part[3 * r + 2] - part[3 * r + 1]);
@@ -133,7 +130,7 @@ constexpr int64_t kDenseKernelMaxRows = 5;
 // packed ones as their modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
-  if (linear.gguf_parts) return gguf_project(x, linear, out);
+  if (linear.gguf_parts) return gguf_project(x, linear, config, out);
   if (linear.scales) return quantized_project(x, linear, config, out);
   if (linear.onednn) {
     if (x.size(0) > kDenseKernelMaxRows) {

@@ -313,8 +313,9 @@ class GgufLinear(QuantizedLinear):
     A merged projection's parts may come in different types (Q4_K_M keeps some layers'
     attn_v in Q6_K beside Q4_K q and k): each run of consecutive rows of one type is one
     weight tensor (`weights[i]`, described by `parts[i]`), and each writes its columns of
-    the output. Every row of x meets a row's blocks once (kernels/csrc/quantized/
-    kquants.cpp), exactly, so the streaming limit is the exact kernels' one."""
+    the output. Rows stream through the blocks up to kernel_max_rows (32 where bf16 rows
+    are rounded to int8 for integer dots: on a 2-core Xeon without bf16 dot products, 32
+    rows streamed in a fifth of the time of de-quantizing for a GEMM, docs/performance.md)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, output_sizes, bias)
@@ -351,9 +352,6 @@ class GgufLinear(QuantizedLinear):
             name = part.kind.name if part.kind is not None else str(weight.dtype).removeprefix("torch.")
             totals[name] = totals.get(name, 0) + weight.numel() * weight.element_size()
         return totals
-
-    def stream_rows(self, packed: PackedLinearKernels, dtype: torch.dtype) -> int:
-        return KERNEL_MAX_ROWS
 
     def part_weight(self, index: int, dtype: torch.dtype, packed: PackedLinearKernels | None):
         """Part `index`'s dense weight in `dtype`: the kernels' de-quantization, else the
