@@ -363,7 +363,9 @@ LlamaDecoderStack::LlamaDecoderStack(
   if (const int64_t type = config_.model.head_gguf_type; type >= 0) {
     head_.gguf_parts = at::empty({1, 3}, at::kLong);
     int64_t* part = head_.gguf_parts->data_ptr<int64_t>();
-    part[0] = type, part[1] = 0, part[2] = head_.weight.size(0);
+    part[0] = type;  // one run of the file's blocks: every output row
+    part[1] = 0;
+    part[2] = head_.weight.size(0);
     head_.gguf_weights = {head_.weight};
   }
   TORCH_CHECK(!cos_.empty() && cos_.size() == sin_.size(),
