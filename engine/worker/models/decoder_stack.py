@@ -42,8 +42,8 @@ class FusedDecoderStack:
     """The token embedding, every decoder layer and the final norm in one C++ call
     (kvscope.LlamaDecoderStack), and the output projection in another.
 
-    It chains the same C++ ops the modules call, with the same weights (dense, or int4 /
-    int8 packed), so the result is the modules' result; what it saves is the Python
+    It chains the same C++ ops the modules call, with the same weights (dense, int4 / int8
+    packed, or a GGUF file's blocks), so the result is the modules' result; what it saves is the Python
     between ~300 module and op calls, which costs a batch-1 decode step milliseconds. The
     weights are handed over once, here; a step passes only its own inputs. The model
     runner fuses it where the bound kernels have one (KernelOps.decoder_stack) unless
