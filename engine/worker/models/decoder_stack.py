@@ -7,14 +7,19 @@ from torch import nn
 
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
-from kvscope.engine.worker.models.quantized import GgufLinear, kernel_max_rows
+from kvscope.engine.worker.models.quantized import GgufLinear, GgufPart, kernel_max_rows
+
+
+def gguf_type_code(part: GgufPart) -> int:
+    """A GGUF run's type as the C++ stack reads it: the GGUF type number, or -1 for dense."""
+    return -1 if part.kind is None else int(part.kind)
 
 
 def gguf_parts(module: GgufLinear) -> torch.Tensor:
-    """A GGUF layer's runs for the C++ stack: (GGUF type, or -1 for dense; first row; end
-    row) per run, in the order of its `weights`."""
-    return torch.tensor([[-1 if part.kind is None else int(part.kind), part.rows.start,
-                          part.rows.stop] for part in module.parts], dtype=torch.int64)
+    """A GGUF layer's runs for the C++ stack: (type code, first row, end row) per run, in
+    the order of its `weights`."""
+    return torch.tensor([[gguf_type_code(part), part.rows.start, part.rows.stop]
+                         for part in module.parts], dtype=torch.int64)
 
 
 def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
@@ -34,7 +39,7 @@ def stack_table(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, i
     int8 scales (None unless int8), and their GGUF type (-1 unless GGUF blocks: one run)."""
     if isinstance(module, GgufLinear):
         (part,), (weight,) = module.parts, module.weights
-        return weight, None, -1 if part.kind is None else int(part.kind)
+        return weight, None, gguf_type_code(part)
     return module.weight, getattr(module, "scales", None), -1
 
 
