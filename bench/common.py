@@ -35,6 +35,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default: torch's choice); on a CPU that "
                              "other work shares, 1 is often several times faster")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", default=None, choices=("none", "int8", "int4", "gguf"),
+                        help="the engine's weight format (default: the engine's, dense for a "
+                             "folder; gguf keeps a GGUF file's blocks)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="the layers one by one from Python, not the one-call decoder stack")
 
@@ -49,6 +52,8 @@ def setup(args: argparse.Namespace, max_model_len: int) -> "Bench":
              "max_model_len": max_model_len, "enforce_eager": args.enforce_eager}
     if args.device_memory_gb is not None:
         knobs["device_memory_gb"] = args.device_memory_gb
+    if args.quantization is not None:
+        knobs["quantization"] = args.quantization
     runner = ModelRunner(EngineConfig(**knobs))
     bench = Bench(runner, knobs, time.perf_counter() - started)
     logger.info("model loaded in %.1f s", bench.load_seconds)

@@ -33,11 +33,14 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from kvscope.engine.sample.sampling_params import SamplingParams
 
 ATTENTION_LABEL = "attention (store_kv + paged_attention)"
-# The ops a dense linear runs as, on every backend (the streaming kernels, oneDNN's GEMM
-# over a plain or a prepacked weight, and the widened bf16 GEMM: its own time is the
-# weight's widening and the rounding of the result around its fp32 aten::mm).
+# The ops a linear runs as, on every backend (the streaming kernels, oneDNN's GEMM over a
+# plain or a prepacked weight, the widened bf16 GEMM: its own time is the weight's widening
+# and the rounding of the result around its fp32 aten::mm; the packed int4 / int8 / GGUF
+# kernels, and their de-quantization before a GEMM of many rows).
 GEMM_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvscope::linear_small_batch",
-            "kvscope::linear_small_batch_blocked", "kvscope::linear_widened")
+            "kvscope::linear_small_batch_blocked", "kvscope::linear_widened",
+            "kvscope::int4_linear", "kvscope::int8_linear", "kvscope::gguf_linear",
+            "kvscope::int4_dequantize", "kvscope::int8_dequantize", "kvscope::gguf_dequantize")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

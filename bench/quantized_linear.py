@@ -12,6 +12,12 @@ x of each number of rows:
                    KERNEL_MAX_ROWS rows, GEMM beyond); int4 reads the lm_head as int8
   torch_int8, torch_int4   PyTorch's packed CPU matmuls (_weight_int8pack_mm,
                    _weight_int4pack_mm_for_cpu) on the same weights, for comparison
+  gguf_<TYPE>      with --gguf-types, GgufLinear on random valid blocks of that GGUF type
+                   (quantization="gguf"), every layer in it (a width no multiple of the
+                   type's block falls back to Q8_0), the lm_head too; Q4_K also as
+                   gguf_Q4_K_lanes, its rows repacked into the int4 kernels' layout
+                   (GgufLinear.repack), the form a bf16 model's Q4_K layers load into where
+                   the kernels have AVX512-VNNI
 
 It prints JSON: per form and row count the median ms of a pass, the weight GB/s that
 implies, and each layer kind's share, next to the read bandwidth bench/roofline.py
@@ -19,6 +25,8 @@ measures in the same run.
 
 Usage:
   flock /work/bench.lock python bench/quantized_linear.py --rows 1,8,64 --threads 1,2
+  python bench/quantized_linear.py --model <Qwen3-0.6B-shaped folder> --rows 1,32 \
+      --gguf-types Q4_K,Q5_K,Q6_K,Q8_0
 """
 
 import argparse
@@ -30,19 +38,24 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
+import numpy as np
 import roofline  # noqa: E402
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 
 from kvscope.engine.worker.loader import load_config, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.models.quantized import (  # noqa: E402
     KERNEL_MAX_ROWS,
+    Q4_K_LANES,
+    GgufBlocks,
+    GgufLinear,
     Int4Linear,
     Int8Linear,
     int4_wide_blocks,
     pack_model,
 )
-from kvscope.kernels import cpu_kernels  # noqa: E402
+from kvscope.kernels import cpu_kernels, gguf_blocks  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -92,6 +105,27 @@ def forms(out_features: int, in_features: int, group_size: int, is_lm_head: bool
                   weight, dtype)
     found["int4"] = (int4, int4.weight.nbytes + int4.scales.nbytes + int4.offsets.nbytes)
     found["torch_int4"] = torch_int4(int4, dtype)
+    return found
+
+
+def gguf_forms(out_features: int, in_features: int, types: list[str], dtype: torch.dtype,
+               rng: np.random.Generator) -> dict:
+    """form -> (forward, weight bytes) for random blocks of each GGUF type in `types`."""
+    found = {}
+    for name in types:
+        kind = gguf_blocks.Q[name]
+        block = GGML_QUANT_SIZES[kind][0]
+        used = kind if in_features % block == 0 else gguf_blocks.Q.Q8_0
+        blocks = torch.from_numpy(gguf_blocks.random_blocks(used, out_features, in_features, rng))
+        forms = [f"gguf_{name}"] + ([f"gguf_{name}_lanes"] if kind == gguf_blocks.Q.Q4_K else [])
+        for form in forms:
+            layer = GgufLinear(in_features, [out_features], bias=False)
+            layer.load_part("weight", 0, GgufBlocks(used, blocks, in_features))
+            layer.pack(dtype, CPU)
+            if form.endswith("_lanes"):
+                layer.repack(lambda kind: Q4_K_LANES if kind == gguf_blocks.Q.Q4_K else -1)
+            layer.ops = cpu_kernels.kernel_ops()
+            found[form] = (layer, sum(w.nbytes for w in layer.weights))
     return found
 
 
@@ -148,6 +182,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="activations (and the dense weights)")
+    parser.add_argument("--gguf-types", default="",
+                        help="comma-separated GGUF types (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0...) "
+                             "to time as gguf_<TYPE> forms too")
     parser.add_argument("--seconds", type=float, default=2.0,
                         help="timing per form and row count")
     args = parser.parse_args()
@@ -158,11 +195,14 @@ def main() -> None:
               "kernel_max_rows": KERNEL_MAX_ROWS, "group_size": args.group_size,
               "dtype": args.dtype,
               "roofline": roofline.measure(), "results": {}}
+    gguf_types = [name for name in args.gguf_types.split(",") if name]
+    rng = np.random.default_rng(0)
     with torch.inference_mode():
         models, nbytes = {}, {}
         for kind, out_features, in_features in linears:
-            for form, (forward, size) in forms(out_features, in_features, args.group_size,
-                                                kind == "lm_head", dtype).items():
+            found = {**forms(out_features, in_features, args.group_size, kind == "lm_head", dtype),
+                     **gguf_forms(out_features, in_features, gguf_types, dtype, rng)}
+            for form, (forward, size) in found.items():
                 models.setdefault(form, []).append((kind, Forward(forward, in_features)))
                 nbytes[form] = nbytes.get(form, 0) + size
         for threads in (int(t) for t in args.threads.split(",")):

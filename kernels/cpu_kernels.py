@@ -22,7 +22,8 @@ def kernel_ops() -> KernelOps:
         int4_linear=int4_linear, int8_linear=int8_linear, int4_dequantize=int4_dequantize,
         int8_dequantize=int8_dequantize, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize,
         rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8(),
-        gguf_rounds_activations_to_int8=torch.ops.kvscope.gguf_rounds_activations_to_int8())
+        gguf_rounds_activations_to_int8=torch.ops.kvscope.gguf_rounds_activations_to_int8(),
+        gguf_repacked_type=gguf_repacked_type)
     return KernelOps(
         backend="cpu", paged_attention=paged_attention, store_kv=store_kv,
         rms_norm=rms_norm,
@@ -228,6 +229,13 @@ def gguf_dequantize(weight: torch.Tensor, ggml_type: int, in_features: int,
     out = torch.empty(weight.shape[0], in_features, dtype=dtype)
     torch.ops.kvscope.gguf_dequantize(weight, ggml_type, out)
     return out
+
+
+def gguf_repacked_type(ggml_type: int, dtype: torch.dtype) -> int:
+    """The type code gguf_linear streams `ggml_type`'s rows faster as for activations in
+    `dtype` once repacked at load, or -1: keep the file's blocks. The repacked forms run
+    the int8 dots of bf16 activations; fp32 ones take the exact path either way."""
+    return torch.ops.kvscope.gguf_repacked_type(ggml_type) if dtype == torch.bfloat16 else -1
 
 
 _fakes_registered = False

@@ -6,12 +6,34 @@ bit: tests/test_gguf_blocks.py).
 The layouts are ggml's (ggml-common.h); kernels/csrc/quantized/kquants.cpp describes them.
 """
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 Q = GGMLQuantizationType
 # The block types the C++ kernels (gguf_linear) and `dequantize` read.
 PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+# Where each type keeps its float16 scales (d, and m / dmin), and the largest |q|-times-
+# sub-scale it multiplies them by, so random blocks give weights within about +-RANDOM_SIZE.
+FP16_FIELDS = {Q.Q4_0: {0: 8}, Q.Q4_1: {0: 8, 2: -1}, Q.Q5_0: {0: 16}, Q.Q5_1: {0: 16, 2: -1},
+               Q.Q8_0: {0: 128}, Q.Q4_K: {0: 63 * 15 / 2, 2: 63}, Q.Q5_K: {0: 63 * 31 / 2, 2: 63},
+               Q.Q6_K: {208: 32 * 127}}
+RANDOM_SIZE = 0.2
+
+
+def random_blocks(kind: GGMLQuantizationType, rows: int, in_features: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row bytes] of random valid blocks, for tests and benches (values do not
+    change the kernels' work): random quants and sub-scales (every bit pattern is valid)
+    with finite float16 scales of about RANDOM_SIZE over their range."""
+    weights, size = GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (rows, in_features // weights, size), dtype=np.uint8)
+    for at, span in FP16_FIELDS[kind].items():
+        scale = (RANDOM_SIZE / span * rng.uniform(0.5, 1.5, blocks.shape[:2])).astype(np.float16)
+        blocks[..., at:at + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
 
 
 def row_bytes(kind: GGMLQuantizationType, in_features: int) -> int:
@@ -35,12 +57,25 @@ def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     return (qh.unsqueeze(-2) >> shifts) & 1
 
 
-def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and mins (fp32)."""
+def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and mins (uint8)."""
     d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
     sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
     mins = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
-    return sc.float(), mins.float()
+    return sc, mins
+
+
+def k4_nibbles(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K blocks [rows, super-blocks, bytes] -> their low 4 bits [rows, super-blocks,
+    8 sub-blocks, 32]: sub-block j is chunk j // 2 of the last 128 bytes, low nibbles if even."""
+    rows = blocks.shape[0]
+    return _nibbles(blocks[..., -128:].reshape(rows, -1, 4, 32)).reshape(rows, -1, 8, 32)
+
+
+def k4_weights(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor,
+               q: torch.Tensor) -> torch.Tensor:
+    """(d * sc) * q - dmin * m per sub-block, in ggml's order of operations (fp32)."""
+    return (d * sc).unsqueeze(-1) * q.float() - (dmin * mins).unsqueeze(-1)
 
 
 def dequantize(weight: torch.Tensor, kind: GGMLQuantizationType, in_features: int) -> torch.Tensor:
@@ -65,12 +100,11 @@ def dequantize(weight: torch.Tensor, kind: GGMLQuantizationType, in_features: in
         w = b[..., 2:].contiguous().view(torch.int8).float() * _halves(b, 0)
     elif kind in (Q.Q4_K, Q.Q5_K):
         d, dmin = _halves(b, 0), _halves(b, 2)
-        sc, mins = _k_scales(b[..., 4:16])
-        qs = b[..., -128:].reshape(rows, -1, 4, 32)
-        q = _nibbles(qs).reshape(rows, -1, 8, 32)  # sub-block j: chunk j // 2, low if even
+        sc, mins = (part.float() for part in k_scales(b[..., 4:16]))
+        q = k4_nibbles(b)
         if kind == Q.Q5_K:
             q = q | (_bits(b[..., 16:48], 8) << 4).reshape(rows, -1, 8, 32)
-        w = (d * sc).unsqueeze(-1) * q.float() - (dmin * mins).unsqueeze(-1)
+        w = k4_weights(d, dmin, sc, mins, q)
     elif kind == Q.Q6_K:
         ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
         qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)

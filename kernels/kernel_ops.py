@@ -48,8 +48,9 @@ class PackedLinearKernels:
     int4_dequantize: Callable[..., torch.Tensor]
     int8_dequantize: Callable[..., torch.Tensor]
     # a GGUF tensor's blocks as the file stores them (Q4_0..Q8_0, Q4_K, Q5_K, Q6_K; ggml's
-    # type id): gguf_linear(x, weight, type, bias, out) writes x @ W.T + bias into out,
-    # gguf_dequantize(weight, type, in_features, dtype) gives the dense weight
+    # type id) or repacked (GgufLinear.repack): gguf_linear(x, weight, type, bias, out)
+    # writes x @ W.T + bias into out, gguf_dequantize(weight, type, in_features, dtype)
+    # gives the dense weight
     gguf_linear: Callable[..., torch.Tensor]
     gguf_dequantize: Callable[..., torch.Tensor]
     # whether int4_linear / int8_linear round bf16 activations to int8, one scale per 32
@@ -59,6 +60,10 @@ class PackedLinearKernels:
     # 256 values for the k-quants (llama.cpp's q8_K), per 32 for the rest (on AVX512-VNNI
     # and on AVX2); otherwise it computes exactly
     gguf_rounds_activations_to_int8: bool
+    # gguf_repacked_type(type, dtype): the type code that gguf_linear streams a GGUF type's
+    # rows faster as, for activations in dtype, once repacked at load (quantized.py's
+    # GgufLinear.repack), or -1: keep the file's blocks
+    gguf_repacked_type: Callable[[int, torch.dtype], int]
 
 
 @dataclass(frozen=True, slots=True)

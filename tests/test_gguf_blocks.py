@@ -6,37 +6,24 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from gguf import GGMLQuantizationType, quants
 
 from kvscope.engine.worker.models.quantized import (
     KERNEL_MAX_ROWS,
+    Q4_K_LANES,
     TILED_KERNEL_MAX_ROWS,
     GgufBlocks,
     GgufLinear,
+    dequantize_q4_k_lanes,
     kernel_max_rows,
+    q4_k_lanes,
 )
-from kvscope.kernels import TORCH_OPS, gguf_blocks, select_ops
+from kvscope.kernels import TORCH_OPS, cpu_extension, gguf_blocks, select_ops
+from kvscope.kernels.gguf_blocks import random_blocks
 
 Q = GGMLQuantizationType
-# Where each type keeps its float16 scales (d, and m / dmin), and the largest |q|-times-
-# sub-scale it multiplies them by, so random blocks give weights within about +-SIZE.
-FP16_FIELDS = {Q.Q4_0: {0: 8}, Q.Q4_1: {0: 8, 2: -1}, Q.Q5_0: {0: 16}, Q.Q5_1: {0: 16, 2: -1},
-               Q.Q8_0: {0: 128}, Q.Q4_K: {0: 63 * 15 / 2, 2: 63}, Q.Q5_K: {0: 63 * 31 / 2, 2: 63},
-               Q.Q6_K: {208: 32 * 127}}
-SIZE = 0.2
+SIZE = gguf_blocks.RANDOM_SIZE
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-
-
-def random_blocks(kind: GGMLQuantizationType, rows: int, in_features: int,
-                  rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, row bytes]: random quants and sub-scales (every bit pattern is a valid
-    block) with finite float16 scales of about SIZE over their range."""
-    weights, size = GGML_QUANT_SIZES[kind]
-    blocks = rng.integers(0, 256, (rows, in_features // weights, size), dtype=np.uint8)
-    for at, span in FP16_FIELDS[kind].items():
-        scale = (SIZE / span * rng.uniform(0.5, 1.5, blocks.shape[:2])).astype(np.float16)
-        blocks[..., at:at + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
-    return blocks.reshape(rows, -1)
 
 
 def int8_rounded(x: torch.Tensor, values: int) -> torch.Tensor:
@@ -85,24 +72,13 @@ def gguf_linear(parts: list[tuple[object, torch.Tensor]], in_features: int,
     return layer
 
 
-@pytest.mark.parametrize("kind", gguf_blocks.PACKED_TYPES, ids=lambda kind: kind.name)
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count(
-        kind, backend, cpu_ops):
-    """One row and small batches stream the blocks (cpu: up to kernel_max_rows, 32 bf16
-    rows where the kernels round them to int8), more rows de-quantize and run a GEMM; the
-    torch backend (and Triton's, which shares it) de-quantizes in plain torch.
-    fp32 activations give the dense matmul to rounding, bf16 ones its result to bf16's
-    (where the int8-dot kernels stream: the product of x rounded as they round it)."""
-    rng = np.random.default_rng(int(kind) + 100)
-    torch.manual_seed(int(kind))
-    in_features = 768
-    blocks = random_blocks(kind, 40, in_features, rng)
-    weight = reference(blocks, kind)
-    bias = torch.randn(40)
-    layer = gguf_linear([(kind, torch.from_numpy(blocks))], in_features, bias,
-                        cpu_ops if backend == "cpu" else TORCH_OPS)
-    bf16_streamed = kernel_max_rows(cpu_ops.packed, torch.bfloat16) if backend == "cpu" else 0
+def assert_rows_give_the_matmul(layer: GgufLinear, weight: torch.Tensor, bias: torch.Tensor,
+                                streamed: int, x_values: int | None) -> None:
+    """fp32 activations give the dense matmul to rounding, bf16 ones its result to bf16's:
+    up to `streamed` bf16 rows stream the weights (rounded to int8 per `x_values` values
+    where the kernels round them, None where they compute exactly), more run a GEMM on
+    the weight de-quantized to bf16."""
+    in_features = weight.shape[1]
     for rows in (1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, TILED_KERNEL_MAX_ROWS,
                  TILED_KERNEL_MAX_ROWS + 1):
         x = torch.randn(rows, in_features)
@@ -113,13 +89,83 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
         layer.bias.data = bias
         assert out.dtype == torch.float32
         # A GEMM's weight is de-quantized to bf16 first; the kernels dot fp32 weights.
-        streams = rows <= bf16_streamed
+        streams = rows <= streamed
         gemm_weight = weight if streams else weight.bfloat16()
         x_seen = x.bfloat16()
-        if streams and cpu_ops.packed.gguf_rounds_activations_to_int8:
-            x_seen = int8_rounded(x_seen, 256 if kind in K_QUANTS else 32)
+        if streams and x_values is not None:
+            x_seen = int8_rounded(x_seen, x_values)
         rounded = x_seen.double() @ gemm_weight.double().T + bias.bfloat16().double()
         torch.testing.assert_close(out.double(), rounded, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", gguf_blocks.PACKED_TYPES, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count(
+        kind, backend, cpu_ops):
+    """One row and small batches stream the blocks (cpu: up to kernel_max_rows, 32 bf16
+    rows where the kernels round them to int8), more rows de-quantize and run a GEMM; the
+    torch backend (and Triton's, which shares it) de-quantizes in plain torch."""
+    rng = np.random.default_rng(int(kind) + 100)
+    torch.manual_seed(int(kind))
+    in_features = 768
+    blocks = random_blocks(kind, 40, in_features, rng)
+    layer = gguf_linear([(kind, torch.from_numpy(blocks))], in_features, torch.randn(40),
+                        cpu_ops if backend == "cpu" else TORCH_OPS)
+    rounds = backend == "cpu" and cpu_ops.packed.gguf_rounds_activations_to_int8
+    assert_rows_give_the_matmul(
+        layer, reference(blocks, kind), layer.bias.data.clone(),
+        kernel_max_rows(cpu_ops.packed, torch.bfloat16) if backend == "cpu" else 0,
+        (256 if kind in K_QUANTS else 32) if rounds else None)
+
+
+@pytest.mark.parametrize("in_features", [256, 1280, 1536])
+def test_q4_k_rows_repacked_into_lanes_hold_the_same_weights(in_features, cpu_ops):
+    """q4_k_lanes keeps every weight bit for bit (both de-quantizations), in 148 bytes per
+    super-block, whole wide blocks or not (1280: 2 wide blocks and a super-block's tail;
+    256: the tail alone)."""
+    rng = np.random.default_rng(in_features)
+    blocks = random_blocks(Q.Q4_K, 24, in_features, rng)
+    expected = reference(blocks, Q.Q4_K)
+    lanes = q4_k_lanes(torch.from_numpy(blocks), in_features)
+    assert lanes.shape == (24, in_features // 256 * 148) and lanes.dtype == torch.uint8
+    assert torch.equal(dequantize_q4_k_lanes(lanes, in_features), expected)
+    assert torch.equal(cpu_ops.packed.gguf_dequantize(lanes, Q4_K_LANES, in_features,
+                                                      torch.float32), expected)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_q4_k_layer_repacked_into_lanes_equals_the_de_quantized_matmul(backend, cpu_ops):
+    """Where the bound kernels stream Q4_K faster as lanes (gguf_repacked_type; AVX512-VNNI)
+    the int4 kernels' dots take its bf16 rows, rounded per 32 values as they round them;
+    elsewhere the lanes run the exact path. The part keeps its type's name and its code
+    changes, so the stack and the memory plan read it as what it is."""
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    in_features = 1280
+    blocks = random_blocks(Q.Q4_K, 40, in_features, rng)
+    layer = gguf_linear([(Q.Q4_K, torch.from_numpy(blocks))], in_features, torch.randn(40),
+                        cpu_ops if backend == "cpu" else TORCH_OPS)
+    layer.repack(lambda kind: Q4_K_LANES if kind == Q.Q4_K else -1)
+    assert [(part.kind, part.code) for part in layer.parts] == [(Q.Q4_K, Q4_K_LANES)]
+    assert layer.weight_bytes_by_type() == {"Q4_K": 40 * 5 * 148}
+    lanes_dots = (backend == "cpu"
+                  and cpu_ops.packed.gguf_repacked_type(int(Q.Q4_K), torch.bfloat16) == Q4_K_LANES)
+    assert_rows_give_the_matmul(
+        layer, reference(blocks, Q.Q4_K), layer.bias.data.clone(),
+        kernel_max_rows(cpu_ops.packed, torch.bfloat16) if backend == "cpu" else 0,
+        32 if lanes_dots else None)
+
+
+def test_only_bf16_activations_on_int8_dot_kernels_repack_q4_k(cpu_ops):
+    """The lanes pay where the int4 kernels' VNNI dots read them; fp32 activations and the
+    other types keep the file's blocks."""
+    repacked = cpu_ops.packed.gguf_repacked_type
+    assert repacked(int(Q.Q4_K), torch.float32) == -1
+    assert all(repacked(int(kind), torch.bfloat16) == -1
+               for kind in gguf_blocks.PACKED_TYPES if kind != Q.Q4_K)
+    flags = cpu_extension.cpu_flags().split()
+    vnni = all(flag in flags for flag in ("avx512_vnni", "avx512bw", "avx512vl"))
+    assert repacked(int(Q.Q4_K), torch.bfloat16) == (Q4_K_LANES if vnni else -1)
 
 
 def test_a_merged_layer_keeps_each_part_in_its_own_type(cpu_ops):

@@ -17,7 +17,6 @@ from gguf import (
     get_tensor_name_map,
     quants,
 )
-from test_gguf_blocks import random_blocks
 from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -27,7 +26,9 @@ from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
 from kvscope.engine.worker.model_runner import ModelRunner
+from kvscope.engine.worker.models.quantized import GgufLinear
 from kvscope.kernels import select_ops
+from kvscope.kernels.gguf_blocks import random_blocks
 
 # The tiny models' architectures -> llama.cpp's (Llama 3.2 is a llama GGUF with rope_freqs).
 GGUF_ARCH = {"llama": MODEL_ARCH.LLAMA, "llama3": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3,
@@ -193,7 +194,8 @@ def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, tmp_path, mon
     """bf16 activations (rounded to int8 for the blocks' integer dots): the one-call C++
     stack's tokens and log-probabilities are the eager layers', bit for bit, for decode
     batches (rows streamed through the blocks) and prefills past the streaming limit (the
-    blocks de-quantized for a GEMM), with a Q8_0 embedding and a Q6_K output projection."""
+    blocks de-quantized for a GEMM), with a Q8_0 embedding and a Q6_K output projection.
+    Where the kernels stream Q4_K faster repacked (gguf_repacked_type), both run the lanes."""
     select_ops(torch.device("cpu"))
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
     blocks, hf_model = k_quant_model(arch)
@@ -206,6 +208,10 @@ def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, tmp_path, mon
                               device_memory_gb=0.05, quantization="gguf", enforce_eager=eager)
         runner = ModelRunner(config)
         assert runner.fused_decoder_stack is not eager
+        repacked = runner.kernel_ops.packed.gguf_repacked_type(int(Q.Q4_K), torch.bfloat16)
+        assert {part.code for module in runner.model.modules() if isinstance(module, GgufLinear)
+                for part in module.parts if part.kind == Q.Q4_K} == {
+            int(Q.Q4_K) if repacked == -1 else repacked}
         outputs = run_to_completion(EngineCore(config, runner=runner), PROMPTS, params).outputs
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
     assert runs[0] == runs[1]

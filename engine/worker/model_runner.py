@@ -44,6 +44,7 @@ from kvscope.engine.worker.models.quantized import (
     QuantizedLinear,
     pack_model,
     quantize_model,
+    repack_gguf,
     weight_bytes_by_type,
 )
 from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
@@ -127,6 +128,9 @@ class ModelRunner:
             quantize_model(self.model, config.quantization, config.quantization_group_size)
         self.load_weights(config)
         forget_gguf_readers()
+        if config.quantization == "gguf" and self.kernel_ops.packed is not None:
+            # Before the move to huge pages, so the file's blocks are dropped, not moved.
+            repack_gguf(self.model, self.kernel_ops.packed, self.dtype)
         # Before the move to huge pages: the plain weights it replaces are then dropped, not
         # copied first (the prepacked ones live in oneDNN's memory).
         prepacked = []

@@ -43,6 +43,7 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("gguf_linear(Tensor x, Tensor weight, int type, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("gguf_dequantize(Tensor weight, int type, Tensor(a!) out) -> ()");
   m.def("gguf_rounds_activations_to_int8() -> bool", &gguf_rounds_activations_to_int8);
+  m.def("gguf_repacked_type(int type) -> int", &gguf_repacked_type);
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 

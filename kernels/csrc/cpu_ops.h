@@ -60,6 +60,7 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                  const std::optional<at::Tensor>& bias, at::Tensor out);
 void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out);
 bool gguf_rounds_activations_to_int8();
+int64_t gguf_repacked_type(int64_t type);
 
 // sampling.cpp
 std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Tensor& logits);

@@ -7,18 +7,13 @@ from torch import nn
 
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
-from kvscope.engine.worker.models.quantized import GgufLinear, GgufPart, kernel_max_rows
-
-
-def gguf_type_code(part: GgufPart) -> int:
-    """A GGUF run's type as the C++ stack reads it: the GGUF type number, or -1 for dense."""
-    return -1 if part.kind is None else int(part.kind)
+from kvscope.engine.worker.models.quantized import GgufLinear, kernel_max_rows
 
 
 def gguf_parts(module: GgufLinear) -> torch.Tensor:
     """A GGUF layer's runs for the C++ stack: (type code, first row, end row) per run, in
     the order of its `weights`."""
-    return torch.tensor([[gguf_type_code(part), part.rows.start, part.rows.stop]
+    return torch.tensor([[part.code, part.rows.start, part.rows.stop]
                          for part in module.parts], dtype=torch.int64)
 
 
@@ -39,7 +34,7 @@ def stack_table(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, i
     int8 scales (None unless int8), and their GGUF type (-1 unless GGUF blocks: one run)."""
     if isinstance(module, GgufLinear):
         (part,), (weight,) = module.parts, module.weights
-        return weight, None, gguf_type_code(part)
+        return weight, None, part.code
     return module.weight, getattr(module, "scales", None), -1
 
 

@@ -243,6 +243,43 @@ def int4_wide_blocks(packed: torch.Tensor, inverse: bool = False) -> torch.Tenso
     return out
 
 
+# kvscope's own code for Q4_K rows repacked into lanes (kernels/csrc/quantized/common.h's
+# Q4KLanesRow); ggml's type codes stay below 100.
+Q4_K_LANES = 112
+Q4_K_BLOCK = 256  # weights per Q4_K super-block (8 sub-blocks of 32)
+
+
+def q4_k_lanes(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q4_K rows (uint8 [rows, row bytes] of 144-byte blocks) repacked into lanes, the same
+    weights in the int4 kernels' layout: each row's sub-blocks as int4 chunks
+    (int4_wide_blocks), then every sub-block's 6-bit scale, then every min (a byte each),
+    then every super-block's float16 d, then every dmin; 148 bytes per 256 weights."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, in_features // Q4_K_BLOCK, 144)
+    q = gguf_blocks.k4_nibbles(b)  # [rows, super-blocks, 8, 32]
+    chunks = q[..., :INT4_CHUNK // 2] | (q[..., INT4_CHUNK // 2:] << 4)
+    sc, mins = gguf_blocks.k_scales(b[..., 4:16])
+    return torch.cat([int4_wide_blocks(chunks.reshape(rows, -1)), sc.reshape(rows, -1),
+                      mins.reshape(rows, -1), b[..., 0:2].reshape(rows, -1),
+                      b[..., 2:4].reshape(rows, -1)], dim=1)
+
+
+def dequantize_q4_k_lanes(weight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows of Q4_K lanes -> fp32 [rows, in_features], equal bit for bit to the Q4_K
+    blocks' de-quantization."""
+    rows, groups, blocks = weight.shape[0], in_features // INT4_CHUNK, in_features // Q4_K_BLOCK
+    nibbles, sc, mins, d, dmin = weight.split(
+        [in_features // 2, groups, groups, 2 * blocks, 2 * blocks], dim=1)
+    chunks = int4_wide_blocks(nibbles.contiguous(), inverse=True).view(rows, blocks, 8, 16)
+    q = torch.cat([chunks & 15, chunks >> 4], dim=-1)
+
+    def per_block(halves: torch.Tensor) -> torch.Tensor:
+        return halves.contiguous().view(torch.float16).float().view(rows, blocks, 1)
+    w = gguf_blocks.k4_weights(per_block(d), per_block(dmin), sc.float().view(rows, blocks, 8),
+                               mins.float().view(rows, blocks, 8), q)
+    return w.reshape(rows, in_features)
+
+
 class Int8Linear(QuantizedLinear):
     """y = x @ (q * scale).T with q int8 and one fp32 scale per output row."""
 
@@ -301,10 +338,19 @@ class Int8Embedding(EmbeddingRows, Int8Linear):
 @dataclass(frozen=True, slots=True)
 class GgufPart:
     """Consecutive output rows of a GgufLinear held in one form: ggml blocks of `kind`, or
-    dense (kind None) where the file stores them as F32 / F16 / BF16."""
+    dense (kind None) where the file stores them as F32 / F16 / BF16. `code` is the form
+    the kernels read: ggml's type id, Q4_K_LANES where the rows were repacked at load
+    (GgufLinear.repack), -1 for dense."""
 
     rows: slice
     kind: gguf_blocks.GGMLQuantizationType | None
+    code: int
+
+    def dequantize(self, weight: torch.Tensor, in_features: int) -> torch.Tensor:
+        """The plain-torch de-quantization of this part's rows (fp32)."""
+        if self.code == Q4_K_LANES:
+            return dequantize_q4_k_lanes(weight, in_features)
+        return gguf_blocks.dequantize(weight, self.kind, in_features)
 
 
 class GgufLinear(QuantizedLinear):
@@ -338,12 +384,22 @@ class GgufLinear(QuantizedLinear):
                 runs[-1] = (slice(start.start, rows.stop), kind, [*tensors, tensor])
             else:
                 runs.append((rows, kind, [tensor]))
-        self.parts = [GgufPart(rows, kind) for rows, kind, _ in runs]
+        self.parts = [GgufPart(rows, kind, -1 if kind is None else int(kind))
+                      for rows, kind, _ in runs]
         self.weights = nn.ParameterList([frozen(
             torch.cat([t.data for t in tensors]).to(device) if kind is not None
             else torch.cat([dense(t) for t in tensors]).to(device, dtype))
             for _, kind, tensors in runs])
         del self.staged
+
+    def repack(self, repacked_type: Callable[[int], int]) -> None:
+        """Each run of blocks that the kernels stream faster repacked (repacked_type(type):
+        the form's code, or -1) into that form, the same weights (Q4_K: q4_k_lanes)."""
+        for index, part in enumerate(self.parts):
+            if part.kind is not None and repacked_type(int(part.kind)) == Q4_K_LANES:
+                weight = self.weights[index]
+                self.weights[index] = frozen(q4_k_lanes(weight, self.in_features).to(weight.device))
+                self.parts[index] = GgufPart(part.rows, part.kind, Q4_K_LANES)
 
     def weight_bytes_by_type(self) -> dict[str, int]:
         """Each part's bytes under its GGUF type's name (dense parts: the model dtype's)."""
@@ -360,8 +416,8 @@ class GgufLinear(QuantizedLinear):
         if part.kind is None:
             return weight.to(dtype)
         if packed is None:
-            return gguf_blocks.dequantize(weight, part.kind, self.in_features).to(dtype)
-        return packed.gguf_dequantize(weight, int(part.kind), self.in_features, dtype)
+            return part.dequantize(weight, self.in_features).to(dtype)
+        return packed.gguf_dequantize(weight, part.code, self.in_features, dtype)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([self.part_weight(i, dtype, None) for i in range(len(self.parts))])
@@ -377,7 +433,7 @@ class GgufLinear(QuantizedLinear):
             if part.kind is None:
                 out[:, part.rows] = F.linear(flat, weight, bias)
             else:
-                packed.gguf_linear(flat, weight, int(part.kind), bias, out[:, part.rows])
+                packed.gguf_linear(flat, weight, part.code, bias, out[:, part.rows])
         return out
 
 
@@ -392,9 +448,9 @@ class GgufEmbedding(EmbeddingRows, GgufLinear):
         if part.kind is None:
             rows = chosen
         elif packed is None:
-            rows = gguf_blocks.dequantize(chosen, part.kind, self.in_features)
+            rows = part.dequantize(chosen, self.in_features)
         else:
-            rows = packed.gguf_dequantize(chosen, int(part.kind), self.in_features, self.dtype)
+            rows = packed.gguf_dequantize(chosen, part.code, self.in_features, self.dtype)
         return rows.to(self.dtype).view(*input_ids.shape, self.in_features)
 
 
@@ -458,6 +514,14 @@ def weight_bytes_by_type(model: nn.Module) -> dict[str, int]:
             name = str(parameter.dtype).removeprefix("torch.")
             totals[name] = totals.get(name, 0) + parameter.numel() * parameter.element_size()
     return totals
+
+
+def repack_gguf(model: nn.Module, packed: PackedLinearKernels, dtype: torch.dtype) -> None:
+    """Every GGUF layer's runs that the bound kernels stream faster in a form of their own
+    (packed.gguf_repacked_type) repacked into it, for activations in `dtype`."""
+    for layer in model.modules():
+        if isinstance(layer, GgufLinear):
+            layer.repack(lambda kind: packed.gguf_repacked_type(kind, dtype))
 
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

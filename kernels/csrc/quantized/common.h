@@ -89,6 +89,26 @@ std::vector<float> widen_rows(const T* x, int64_t x_stride, int64_t rows, int64_
   return xf;
 }
 
+// A Q4_K row repacked into lanes (kvscope's own layout, quantized.py's q4_k_lanes):
+// its 256-weight super-blocks' nibbles as int4 chunks in Int4Linear's layout, then per
+// 32-weight sub-block g its 6-bit scale sc[g] and min m[g] (a byte each), then per
+// super-block s its float16 d[s] and dmin[s]; weight = (d * sc) * q - dmin * m, the file's
+// values (ggml's Q4_K), in 148 bytes per super-block against the file's 144.
+constexpr int64_t kQ4KLanesType = 112;  // its type code (ggml's codes stay below 100)
+constexpr int64_t kSuperBlock = 256;
+constexpr int64_t kQ4KLanesBytes = 148;
+
+struct Q4KLanesRow {
+  const uint8_t *sc, *m;
+  const at::Half *d, *dmin;
+
+  Q4KLanesRow(const uint8_t* row, int64_t in)
+      : sc(row + in / 2),
+        m(sc + in / kChunk),
+        d(reinterpret_cast<const at::Half*>(m + in / kChunk)),
+        dmin(d + in / kSuperBlock) {}
+};
+
 // One int4 row in GGUF's chunk order again: the wide blocks un-transposed, the rest copied.
 inline void gguf_order_row(const uint8_t* row, int64_t chunks, uint8_t* out) {
   const int64_t wide = chunks / kWideChunks;

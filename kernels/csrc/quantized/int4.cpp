@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -16,32 +17,6 @@
 
 namespace kvscope::quantized {
 namespace {
-
-#if defined(KVSCOPE_VNNI_DOTS)
-// bf16 x rounded to int8 (vnni.h), all rows against the weights tile by tile.
-void int4_linear_vnni(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                      const at::Tensor& offsets, int group_shift, const bf16* bias,
-                      at::Tensor& out) {
-  const int64_t in = x.size(1), out_features = weight.size(0),
-                groups = (in / kChunk) >> group_shift;
-  const int rows = static_cast<int>(x.size(0));
-  const Int8Rows xq = quantize_rows(elements<bf16>(x), x.stride(0), rows, in);
-  // The rounded x's group sums (for the offsets), zeros past `groups` (read as vectors).
-  std::vector<float> xsum(rows * padded_groups(groups), 0.f);
-  for (int m = 0; m < rows; ++m)
-    for (int64_t c = 0; c < xq.blocks; ++c)
-      xsum[m * padded_groups(groups) + (c >> group_shift)] += xq.block_sums[m * xq.blocks + c];
-  const Int8Lanes xl = int4_lanes(xq, rows);
-  all_rows_by_tiles(rows, out_features, int4_chunk_rows(rows, out_features, in / 2),
-                    [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
-    constexpr int M = decltype(rows_constant)::value;
-    int4_rows_vnni<M>(xl, x_first, xsum.data() + x_first * padded_groups(groups), in,
-                      weight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                      offsets.data_ptr<at::Half>(), group_shift, bias,
-                      elements<bf16>(out) + x_first * out.stride(0), out.stride(0), begin, end);
-  });
-}
-#endif
 
 // The exact path (portable.h), kMaxRows rows of x at a time.
 template <typename T>
@@ -77,8 +52,12 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
                       at::Tensor& out) {
   const int group_shift = __builtin_ctzll(group_size / kChunk);
 #if defined(KVSCOPE_VNNI_DOTS)
-  if constexpr (std::is_same_v<T, bf16>)
-    return int4_linear_vnni(x, weight, scales, offsets, group_shift, bias, out);
+  if constexpr (std::is_same_v<T, bf16>) {
+    const Int4Layout layout(x.size(1), group_shift, x.size(1) / 2);
+    return int4_linear_vnni(
+        x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
+        HalfScales{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), layout}, bias, out);
+  }
 #endif
   int4_linear_portable<T>(x, weight, scales, offsets, group_size, group_shift, bias, out);
 }
@@ -121,8 +100,13 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales, const a
   check_dense_out(weight, in, out, "int4_dequantize");
   with_out_dtype(out, "int4_dequantize", [&](auto* y) {
     kvscope::parallel_for(0, weight.size(0), grain(in / 2), [&](int64_t begin, int64_t end) {
-      int4_dequantize_rows(weight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                           offsets.data_ptr<at::Half>(), group_size, in, y, begin, end);
+      const at::Half* s = scales.data_ptr<at::Half>();
+      const at::Half* o = offsets.data_ptr<at::Half>();
+      const int64_t groups = in / group_size;
+      int4_dequantize_rows(weight.data_ptr<uint8_t>(), in / 2, group_size, in, y, begin, end,
+                           [&](int64_t n, int64_t g) {
+        return std::pair<float, float>(s[n * groups + g], o[n * groups + g]);
+      });
     });
   });
 }

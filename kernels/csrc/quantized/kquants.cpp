@@ -14,6 +14,11 @@
 //   Q6_K  256 weights, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
 //         int8 scales (one per 16 weights), d (f16); w = d * sc * (q - 32)
 //
+// and kvscope's own Q4_K lanes (type 112, Q4KLanesRow in common.h): a Q4_K row repacked at
+// load, 148 bytes per 256 weights, for the int4 kernels' dots, which take 16 sub-blocks per
+// 64-byte load where the Q4_K blocks' dots take a super-block's 8 in four: on a CPU with
+// AVX512-VNNI they stream a model's Q4_K layers 1.2-2x faster (docs/performance.md).
+//
 // Nibble order (every type): byte j of a 32-weight run holds weight j low and weight j + 16
 // high (Q4_0..Q5_1); for the k-quants, each 32 bytes of nibbles hold 64 weights, the low
 // nibbles the first 32.
@@ -26,6 +31,7 @@
 // row once for any number of rows. More rows than the model's streaming limit
 // (engine/worker/models/quantized.py) run a GEMM over gguf_dequantize's dense weight instead.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -33,12 +39,14 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
 #include "quantized/common.h"
 #include "quantized/kquants_avx2.h"
 #include "quantized/kquants_vnni.h"
+#include "quantized/portable.h"
 #include "work_pool.h"
 
 #if defined(KVSCOPE_VNNI_DOTS) || defined(KVSCOPE_AVX2_DOTS)
@@ -58,6 +66,7 @@ enum GgmlType : int64_t {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
+  kQ4_K_Lanes = kQ4KLanesType,
 };
 
 struct BlockFormat {
@@ -82,6 +91,8 @@ std::optional<BlockFormat> block_format(int64_t type) {
       return BlockFormat{256, 176};
     case kQ6_K:
       return BlockFormat{256, 210};
+    case kQ4_K_Lanes:
+      return BlockFormat{kSuperBlock, kQ4KLanesBytes};
     default:
       return std::nullopt;
   }
@@ -194,6 +205,13 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
 }
 
 void dequantize_row(int64_t type, BlockFormat format, const uint8_t* row, int64_t in, float* y) {
+  if (type == kQ4_K_Lanes) {  // a row of lanes is no run of independent blocks
+    const Q4KLanesRow lanes(row, in);
+    return int4_dequantize_rows(row, 0, kChunk, in, y, 0, 1, [&](int64_t, int64_t g) {
+      const float d = lanes.d[g / 8], dmin = lanes.dmin[g / 8];
+      return std::pair<float, float>(d * lanes.sc[g], -(dmin * lanes.m[g]));
+    });
+  }
   for (int64_t k = 0; k < in / format.weights; ++k)
     dequantize_block(type, row + k * format.bytes, y + k * format.weights);
 }
@@ -287,8 +305,21 @@ void gguf_linear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t typ
 template <typename T, typename Out>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                       BlockFormat format, const T* bias, at::Tensor& out) {
+#if defined(KVSCOPE_VNNI_DOTS)
+  if constexpr (std::is_same_v<T, bf16>)
+    if (type == kQ4_K_Lanes) {
+      const Int4Layout layout(x.size(1), 0, weight.size(1));
+      // The int4 kernels write x's dtype: the logits' fp32 is that result widened.
+      at::Tensor result = std::is_same_v<Out, bf16> ? out : at::empty(out.sizes(), x.options());
+      int4_linear_vnni(x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
+                       SuperBlockScales{layout}, bias, result);
+      if constexpr (!std::is_same_v<Out, bf16>) out.copy_(result);
+      return;
+    }
+#endif
 #if defined(KVSCOPE_GGUF_INT8_DOTS)
-  if constexpr (std::is_same_v<T, bf16>) return gguf_linear_int8<Out>(x, weight, type, bias, out);
+  if constexpr (std::is_same_v<T, bf16>)
+    if (type != kQ4_K_Lanes) return gguf_linear_int8<Out>(x, weight, type, bias, out);
 #endif
   const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
   const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);
@@ -317,7 +348,8 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t typ
 BlockFormat check_gguf_weight(const at::Tensor& weight, int64_t type, int64_t in, const char* op) {
   const std::optional<BlockFormat> format = block_format(type);
   TORCH_CHECK(format.has_value(), op, ": ggml type ", type,
-              " is not one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K");
+              " is not one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (or ", kQ4KLanesType,
+              ", kvscope's Q4_K lanes)");
   TORCH_CHECK(in % format->weights == 0, op, ": in (", in, ") a multiple of the block's ",
               format->weights, " weights");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
@@ -379,6 +411,17 @@ void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out) {
       }
     });
   });
+}
+
+// The type code gguf_linear streams `type`'s rows faster as, once repacked at load
+// (GgufLinear.repack), or -1 where it streams the file's blocks best: Q4_K's lanes where the
+// int4 kernels' VNNI dots run.
+int64_t gguf_repacked_type(int64_t type) {
+#if defined(KVSCOPE_VNNI_DOTS)
+  if (type == kQ4_K) return kQ4_K_Lanes;
+#endif
+  (void)type;
+  return -1;
 }
 
 // Whether gguf_linear rounds bf16 activations to int8 for integer dots on this build (per

@@ -196,20 +196,23 @@ inline __m512 wide_weight_scales(const at::Half* scales, int64_t k, int group_sh
   return group_shift ? _mm512_permutexvar_ps(lanes, widened) : widened;
 }
 
-// The layout facts of one int4 layer that every row's dots use.
+// The layout facts of one int4 layer that every row's dots use. A row's nibbles start
+// every `row_bytes` bytes: in / 2 for Int4Linear's weight, more where the row's scales
+// follow its nibbles (Q4_K's lanes, SuperBlockScales).
 struct Int4Layout {
-  int64_t chunks, groups, wide, tail_quads, tail_chunks;
+  int64_t chunks, groups, wide, tail_quads, tail_chunks, row_bytes;
   int group_shift;
   __mmask64 tail_bytes;
   __mmask8 full_groups, tail_groups;
   __m512i quad_lanes, wide_lanes;
 
-  Int4Layout(int64_t in, int shift)
+  Int4Layout(int64_t in, int shift, int64_t stride)
       : chunks(in / kChunk),
         groups(chunks >> shift),
         wide(chunks / kWideChunks),
         tail_quads(chunks % kWideChunks / 4),
         tail_chunks(chunks % 4),
+        row_bytes(stride),
         group_shift(shift),
         tail_bytes(tail_chunks ? ~0ull >> (64 - 16 * tail_chunks) : 0),
         full_groups(quad_groups(4, shift)),
@@ -218,6 +221,79 @@ struct Int4Layout {
         wide_lanes(_mm512_srlv_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
             _mm512_set1_epi32(shift))) {}
+};
+
+// Where the int4 dots' weight scales and offsets come from. `row(weight, n)` gives output
+// row n's, whose `wide(k)` are the scales of wide block k's 16 chunks in their lanes,
+// `quad(l, real)` those of tail quad l (`real` masks the groups its chunks use) and
+// `offsets_from(g)` the offsets of groups g..g + 15 (zeros past the row's groups).
+//
+// Int4Linear's: a float16 scale and offset per group of 2^group_shift chunks, [out][groups].
+struct HalfScales {
+  const at::Half* scales;
+  const at::Half* offsets;
+  const Int4Layout& layout;
+
+  struct Row {
+    const at::Half *scales, *offsets;
+    const Int4Layout& layout;
+
+    __m512 wide(int64_t k) const {
+      return wide_weight_scales(scales, k, layout.group_shift, layout.wide_lanes);
+    }
+    __m512 quad(int64_t l, __mmask8 real) const {
+      const at::Half* tail = scales + ((layout.wide * kWideChunks) >> layout.group_shift);
+      return quad_weight_scales(tail, l, layout.group_shift, real, layout.quad_lanes);
+    }
+    __m512 offsets_from(int64_t g) const {
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(layout.groups - g), offsets + g));
+    }
+  };
+  Row row(const uint8_t*, int64_t n) const {
+    return {scales + n * layout.groups, offsets + n * layout.groups, layout};
+  }
+};
+
+// Lanes 0..7 float16 p[0] widened, lanes 8..15 p[1] (p[1] read only where `both`).
+inline __m512 eight_lanes_each(const at::Half* p, bool both) {
+  const __m128 pair = _mm_cvtph_ps(_mm_maskz_loadu_epi16(both ? 3 : 1, p));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                               _mm512_castps128_ps512(pair));
+}
+
+// Q4_K repacked into lanes (Q4KLanesRow, common.h): group g's scale is d[g / 8] * sc[g]
+// and its offset -dmin[g / 8] * m[g], computed in fp32 as the file's de-quantization
+// computes them.
+struct SuperBlockScales {
+  const Int4Layout& layout;
+
+  struct Row : Q4KLanesRow {
+    const Int4Layout& layout;
+
+    static __m512 bytes(const uint8_t* p, __mmask16 mask) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+    }
+    // Wide block k: sub-blocks 16k..16k + 15, super-blocks 2k and 2k + 1.
+    __m512 wide(int64_t k) const {
+      return _mm512_mul_ps(bytes(sc + 16 * k, 0xFFFF), eight_lanes_each(d + 2 * k, true));
+    }
+    // The tail is one super-block (rows are whole super-blocks, 8 chunks), quad l its
+    // sub-blocks 4l..4l + 3, each spread over its 4 lanes.
+    __m512 quad(int64_t l, __mmask8) const {
+      const int64_t g = layout.wide * kWideChunks + 4 * l;
+      const __m512 four =
+          _mm512_mul_ps(bytes(sc + g, 0xF), _mm512_set1_ps(static_cast<float>(d[g / 8])));
+      return _mm512_permutexvar_ps(layout.quad_lanes, four);
+    }
+    __m512 offsets_from(int64_t g) const {
+      const __mmask16 real = first_lanes(layout.groups - g);
+      return _mm512_mul_ps(bytes(m + g, real),
+                           -eight_lanes_each(dmin + g / 8, layout.groups - g > 8));
+    }
+  };
+  Row row(const uint8_t* weight, int64_t n) const {
+    return {Q4KLanesRow(weight + n * layout.row_bytes, layout.chunks * kChunk), layout};
+  }
 };
 
 // One row of x's rounded values for the first wide block, the first tail quad and the first
@@ -255,14 +331,14 @@ inline HeldX hold_x(const Int4Layout& layout, const uint8_t* x_row, const float*
 // (centred near zero), a several times larger error. The three terms (blocks, quads,
 // offsets) run as separate chains and meet at the end.
 // `held` (one row of x only): x's first block, quad and group sums already in registers.
-template <int M>
+// `scales`: HalfScales or SuperBlockScales.
+template <int M, typename Scales>
 inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows)[M],
                          const float* xsum, const HeldX* held, const uint8_t* weight,
-                         const at::Half* scales, const at::Half* offsets, int64_t n,
-                         __m512 (&out)[M]) {
+                         const Scales& scales, int64_t n, __m512 (&out)[M]) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_nibbles = _mm512_set1_epi8(-16);
-  const uint8_t* row = weight + n * layout.chunks * (kChunk / 2);
-  const at::Half* row_scales = scales + n * layout.groups;
+  const uint8_t* row = weight + n * layout.row_bytes;
+  const typename Scales::Row row_scales = scales.row(weight, n);
   __m512 acc[M], tail_acc[M];
   for (int m = 0; m < M; ++m) acc[m] = tail_acc[m] = _mm512_setzero_ps();
   // x_lane(m, j): operand j (of 8) of block k for row m of x; x_scale(m): its chunks' d.
@@ -279,7 +355,7 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
         high_dots[m] = _mm512_dpbusd_epi32(high_dots[m], high, x_lane(m, 2 * t + 1));
       }
     }
-    const __m512 w_scale = wide_weight_scales(row_scales, k, layout.group_shift, layout.wide_lanes);
+    const __m512 w_scale = row_scales.wide(k);
     for (int m = 0; m < M; ++m) {
       const __m512i dots = _mm512_add_epi32(low_dots[m], _mm512_srai_epi32(high_dots[m], 4));
       acc[m] =
@@ -298,13 +374,11 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
     }, [&](int m) { return load_lane_scales(x_rows[m] + k * kWideLaneBytes, 8 * kStepBytes); });
   // The quads after the wide blocks, their scales from the first group past them.
   const uint8_t* tail = row + layout.wide * kWideBytes;
-  const at::Half* tail_scales = row_scales + ((layout.wide * kWideChunks) >> layout.group_shift);
   auto add_quad = [&](int64_t l, __m512i packed, __mmask8 real_groups)
                       __attribute__((always_inline)) {
     const __m512i low = _mm512_and_si512(packed, low_nibbles);
     const __m512i high = _mm512_and_si512(packed, high_nibbles);
-    const __m512 w_scale =
-        quad_weight_scales(tail_scales, l, layout.group_shift, real_groups, layout.quad_lanes);
+    const __m512 w_scale = row_scales.quad(l, real_groups);
     for (int m = 0; m < M; ++m) {
       const uint8_t* step = x_rows[m] + layout.wide * kWideLaneBytes + l * kQuadLaneBytes;
       const bool in_registers = held != nullptr && l == 0;
@@ -329,27 +403,27 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
     add_quad(l, _mm512_maskz_loadu_epi8(layout.tail_bytes, tail + l * kStepBytes),
              layout.tail_groups);
   }
+  // Each 16 groups' offsets once for every row of x (SuperBlockScales computes them).
   const int64_t groups = layout.groups;
-  const at::Half* row_offsets = offsets + n * groups;
-  for (int m = 0; m < M; ++m) {
-    __m512 shift = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 16)
-      shift = _mm512_fmadd_ps(
-          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(groups - g), row_offsets + g)),
-          held != nullptr && g == 0 ? held[m].group_sums
-                                    : _mm512_loadu_ps(xsum + m * padded_groups(groups) + g),
-          shift);
-    out[m] = _mm512_add_ps(_mm512_add_ps(acc[m], tail_acc[m]), shift);
+  __m512 shift[M];
+  for (int m = 0; m < M; ++m) shift[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __m512 offsets = row_scales.offsets_from(g);
+    for (int m = 0; m < M; ++m)
+      shift[m] = _mm512_fmadd_ps(offsets,
+                                 held != nullptr && g == 0
+                                     ? held[m].group_sums
+                                     : _mm512_loadu_ps(xsum + m * padded_groups(groups) + g),
+                                 shift[m]);
   }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_add_ps(_mm512_add_ps(acc[m], tail_acc[m]), shift[m]);
 }
 
 // Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
-template <int M>
-void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t in,
-                    const uint8_t* weight, const at::Half* scales, const at::Half* offsets,
-                    int group_shift, const bf16* bias, bf16* out, int64_t out_stride, int64_t begin,
-                    int64_t end) {
-  const Int4Layout layout(in, group_shift);
+template <int M, typename Scales>
+void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, const Int4Layout& layout,
+                    const uint8_t* weight, const Scales& scales, const bf16* bias, bf16* out,
+                    int64_t out_stride, int64_t begin, int64_t end) {
   const uint8_t* x_rows[M];
   for (int m = 0; m < M; ++m) x_rows[m] = xl.row(x_first + m);
   for (int64_t first = begin; first < end; first += kRowBlock) {
@@ -357,7 +431,7 @@ void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t
     FP32Vec16 lanes[M][kRowBlock];
     if constexpr (M == 1) {  // x's first parts in registers across the block's rows
       const HeldX held = hold_x(layout, x_rows[0], xsum);
-      const int64_t row_bytes = layout.chunks * (kChunk / 2);
+      const int64_t row_bytes = layout.row_bytes;
       const uint8_t* const last_byte = weight + end * row_bytes;
       for (int64_t i = 0; i < count; ++i) {
         // This row's bytes, kPrefetchBytes on: rows on rows, every line of [begin, end).
@@ -365,14 +439,13 @@ void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, int64_t
         for (const uint8_t* line = ahead; line < std::min(ahead + row_bytes, last_byte); line += 64)
           kvscope::prefetch_to_l2(line);
         __m512 row_lanes[1];
-        int4_dot_row<1>(layout, x_rows, xsum, &held, weight, scales, offsets, first + i, row_lanes);
+        int4_dot_row<1>(layout, x_rows, xsum, &held, weight, scales, first + i, row_lanes);
         lanes[0][i] = row_lanes[0];
       }
     } else {
       for (int64_t i = 0; i < count; ++i) {
         __m512 row_lanes[M];
-        int4_dot_row<M>(layout, x_rows, xsum, nullptr, weight, scales, offsets, first + i,
-                        row_lanes);
+        int4_dot_row<M>(layout, x_rows, xsum, nullptr, weight, scales, first + i, row_lanes);
         for (int m = 0; m < M; ++m) lanes[m][i] = row_lanes[m];
       }
     }
@@ -447,6 +520,30 @@ void all_rows_by_tiles(int64_t rows, int64_t out_features, int64_t min_rows,
           rows_kernel(rows_constant, static_cast<int>(x_first), first, last);
         });
     }
+  });
+}
+
+// out = x @ W.T + bias for bf16 x rounded to int8 and int4 weights of `layout` whose scales
+// come from `scales` (HalfScales, SuperBlockScales): all rows of x against the weights, tile
+// by tile.
+template <typename Scales>
+void int4_linear_vnni(const at::Tensor& x, const uint8_t* weight, int64_t out_features,
+                      const Int4Layout& layout, const Scales& scales, const bf16* bias,
+                      at::Tensor& out) {
+  const int rows = static_cast<int>(x.size(0));
+  const Int8Rows xq = quantize_rows(elements<bf16>(x), x.stride(0), rows, x.size(1));
+  // The rounded x's group sums (for the offsets), zeros past the groups (read as vectors).
+  const int64_t padded = padded_groups(layout.groups);
+  std::vector<float> xsum(rows * padded, 0.f);
+  for (int m = 0; m < rows; ++m)
+    for (int64_t c = 0; c < xq.blocks; ++c)
+      xsum[m * padded + (c >> layout.group_shift)] += xq.block_sums[m * xq.blocks + c];
+  const Int8Lanes xl = int4_lanes(xq, rows);
+  all_rows_by_tiles(rows, out_features, int4_chunk_rows(rows, out_features, layout.row_bytes),
+                    [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
+    constexpr int M = decltype(rows_constant)::value;
+    int4_rows_vnni<M>(xl, x_first, xsum.data() + x_first * padded, layout, weight, scales, bias,
+                      elements<bf16>(out) + x_first * out.stride(0), out.stride(0), begin, end);
   });
 }
 
