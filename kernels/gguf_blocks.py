@@ -72,6 +72,12 @@ def k4_nibbles(blocks: torch.Tensor) -> torch.Tensor:
     return _nibbles(blocks[..., -128:].reshape(rows, -1, 4, 32)).reshape(rows, -1, 8, 32)
 
 
+def k5_bits(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks [rows, super-blocks, 176] -> their 5th bits [rows, super-blocks, 8
+    sub-blocks, 32]: sub-block j's is bit j of the 32 bytes after the scales."""
+    return _bits(blocks[..., 16:48], 8).reshape(blocks.shape[0], -1, 8, 32)
+
+
 def k4_weights(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor,
                q: torch.Tensor) -> torch.Tensor:
     """(d * sc) * q - dmin * m per sub-block, in ggml's order of operations (fp32)."""
@@ -103,7 +109,7 @@ def dequantize(weight: torch.Tensor, kind: GGMLQuantizationType, in_features: in
         sc, mins = (part.float() for part in k_scales(b[..., 4:16]))
         q = k4_nibbles(b)
         if kind == Q.Q5_K:
-            q = q | (_bits(b[..., 16:48], 8) << 4).reshape(rows, -1, 8, 32)
+            q = q | (k5_bits(b) << 4)
         w = k4_weights(d, dmin, sc, mins, q)
     elif kind == Q.Q6_K:
         ql = b[..., :128].reshape(rows, -1, 2, 1, 64)

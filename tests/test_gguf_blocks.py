@@ -9,14 +9,14 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from kvscope.engine.worker.models.quantized import (
+    K_LANES,
     KERNEL_MAX_ROWS,
-    Q4_K_LANES,
     TILED_KERNEL_MAX_ROWS,
     GgufBlocks,
     GgufLinear,
-    dequantize_q4_k_lanes,
+    dequantize_k_lanes,
+    k_lanes,
     kernel_max_rows,
-    q4_k_lanes,
 )
 from kvscope.kernels import TORCH_OPS, cpu_extension, gguf_blocks, select_ops
 from kvscope.kernels.gguf_blocks import random_blocks
@@ -118,54 +118,60 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
         (256 if kind in K_QUANTS else 32) if rounds else None)
 
 
+LANES_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180}  # per 256 weights
+
+
+@pytest.mark.parametrize("kind", list(K_LANES), ids=lambda kind: kind.name)
 @pytest.mark.parametrize("in_features", [256, 1280, 1536])
-def test_q4_k_rows_repacked_into_lanes_hold_the_same_weights(in_features, cpu_ops):
-    """q4_k_lanes keeps every weight bit for bit (both de-quantizations), in 148 bytes per
-    super-block, whole wide blocks or not (1280: 2 wide blocks and a super-block's tail;
-    256: the tail alone)."""
-    rng = np.random.default_rng(in_features)
-    blocks = random_blocks(Q.Q4_K, 24, in_features, rng)
-    expected = reference(blocks, Q.Q4_K)
-    lanes = q4_k_lanes(torch.from_numpy(blocks), in_features)
-    assert lanes.shape == (24, in_features // 256 * 148) and lanes.dtype == torch.uint8
-    assert torch.equal(dequantize_q4_k_lanes(lanes, in_features), expected)
-    assert torch.equal(cpu_ops.packed.gguf_dequantize(lanes, Q4_K_LANES, in_features,
+def test_k_quant_rows_repacked_into_lanes_hold_the_same_weights(kind, in_features, cpu_ops):
+    """k_lanes keeps every weight bit for bit (both de-quantizations), whole wide blocks or
+    not (1280: 2 wide blocks and a super-block's tail; 256: the tail alone)."""
+    rng = np.random.default_rng(in_features + int(kind))
+    blocks = random_blocks(kind, 24, in_features, rng)
+    expected = reference(blocks, kind)
+    lanes = k_lanes(torch.from_numpy(blocks), kind, in_features)
+    assert lanes.shape == (24, in_features // 256 * LANES_BYTES[kind]) and lanes.dtype == torch.uint8
+    assert torch.equal(dequantize_k_lanes(lanes, kind, in_features), expected)
+    assert torch.equal(cpu_ops.packed.gguf_dequantize(lanes, K_LANES[kind], in_features,
                                                       torch.float32), expected)
 
 
+@pytest.mark.parametrize("kind", list(K_LANES), ids=lambda kind: kind.name)
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_a_q4_k_layer_repacked_into_lanes_equals_the_de_quantized_matmul(backend, cpu_ops):
-    """Where the bound kernels stream Q4_K faster as lanes (gguf_repacked_type; AVX512-VNNI)
-    the int4 kernels' dots take its bf16 rows, rounded per 32 values as they round them;
-    elsewhere the lanes run the exact path. The part keeps its type's name and its code
-    changes, so the stack and the memory plan read it as what it is."""
+def test_a_k_quant_layer_repacked_into_lanes_equals_the_de_quantized_matmul(kind, backend,
+                                                                            cpu_ops):
+    """Where the bound kernels stream a k-quant faster as lanes (gguf_repacked_type;
+    AVX512-VNNI) the int4 kernels' dots take its bf16 rows, rounded per 32 values as they
+    round them; elsewhere the lanes run the exact path. The part keeps its type's name and
+    its code changes, so the stack and the memory plan read it as what it is."""
     rng = np.random.default_rng(5)
     torch.manual_seed(5)
     in_features = 1280
-    blocks = random_blocks(Q.Q4_K, 40, in_features, rng)
-    layer = gguf_linear([(Q.Q4_K, torch.from_numpy(blocks))], in_features, torch.randn(40),
+    blocks = random_blocks(kind, 40, in_features, rng)
+    layer = gguf_linear([(kind, torch.from_numpy(blocks))], in_features, torch.randn(40),
                         cpu_ops if backend == "cpu" else TORCH_OPS)
-    layer.repack(lambda kind: Q4_K_LANES if kind == Q.Q4_K else -1)
-    assert [(part.kind, part.code) for part in layer.parts] == [(Q.Q4_K, Q4_K_LANES)]
-    assert layer.weight_bytes_by_type() == {"Q4_K": 40 * 5 * 148}
+    layer.repack(lambda repacked: K_LANES[kind] if repacked == kind else -1)
+    assert [(part.kind, part.code) for part in layer.parts] == [(kind, K_LANES[kind])]
+    assert layer.weight_bytes_by_type() == {kind.name: 40 * 5 * LANES_BYTES[kind]}
     lanes_dots = (backend == "cpu"
-                  and cpu_ops.packed.gguf_repacked_type(int(Q.Q4_K), torch.bfloat16) == Q4_K_LANES)
+                  and cpu_ops.packed.gguf_repacked_type(int(kind), torch.bfloat16) == K_LANES[kind])
     assert_rows_give_the_matmul(
-        layer, reference(blocks, Q.Q4_K), layer.bias.data.clone(),
+        layer, reference(blocks, kind), layer.bias.data.clone(),
         kernel_max_rows(cpu_ops.packed, torch.bfloat16) if backend == "cpu" else 0,
         32 if lanes_dots else None)
 
 
-def test_only_bf16_activations_on_int8_dot_kernels_repack_q4_k(cpu_ops):
+def test_only_bf16_activations_on_int8_dot_kernels_repack_k_quants(cpu_ops):
     """The lanes pay where the int4 kernels' VNNI dots read them; fp32 activations and the
     other types keep the file's blocks."""
     repacked = cpu_ops.packed.gguf_repacked_type
-    assert repacked(int(Q.Q4_K), torch.float32) == -1
+    assert all(repacked(int(kind), torch.float32) == -1 for kind in gguf_blocks.PACKED_TYPES)
     assert all(repacked(int(kind), torch.bfloat16) == -1
-               for kind in gguf_blocks.PACKED_TYPES if kind != Q.Q4_K)
+               for kind in gguf_blocks.PACKED_TYPES if kind not in K_LANES)
     flags = cpu_extension.cpu_flags().split()
     vnni = all(flag in flags for flag in ("avx512_vnni", "avx512bw", "avx512vl"))
-    assert repacked(int(Q.Q4_K), torch.bfloat16) == (Q4_K_LANES if vnni else -1)
+    assert all(repacked(int(kind), torch.bfloat16) == (code if vnni else -1)
+               for kind, code in K_LANES.items())
 
 
 def test_a_merged_layer_keeps_each_part_in_its_own_type(cpu_ops):

@@ -243,35 +243,56 @@ def int4_wide_blocks(packed: torch.Tensor, inverse: bool = False) -> torch.Tenso
     return out
 
 
-# kvscope's own code for Q4_K rows repacked into lanes (kernels/csrc/quantized/common.h's
-# Q4KLanesRow); ggml's type codes stay below 100.
-Q4_K_LANES = 112
-Q4_K_BLOCK = 256  # weights per Q4_K super-block (8 sub-blocks of 32)
+# kvscope's own codes for Q4_K and Q5_K rows repacked into lanes (kernels/csrc/quantized/
+# common.h's KLanesRow), by the GGUF type they hold; ggml's type codes stay below 100.
+K_LANES = {gguf_blocks.Q.Q4_K: 112, gguf_blocks.Q.Q5_K: 113}
+K_BLOCK = 256  # weights per k-quant super-block (8 sub-blocks of 32)
 
 
-def q4_k_lanes(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Q4_K rows (uint8 [rows, row bytes] of 144-byte blocks) repacked into lanes, the same
-    weights in the int4 kernels' layout: each row's sub-blocks as int4 chunks
-    (int4_wide_blocks), then every sub-block's 6-bit scale, then every min (a byte each),
-    then every super-block's float16 d, then every dmin; 148 bytes per 256 weights."""
+def k_lanes(blocks: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
+            in_features: int) -> torch.Tensor:
+    """Q4_K or Q5_K rows (uint8 [rows, row bytes] of blocks) repacked into lanes, the same
+    weights in the int4 kernels' layout: each row's sub-blocks' low 4 bits as int4 chunks
+    (int4_wide_blocks); for Q5_K their 5th bits, per 64-byte load of those chunks a 64-bit
+    mask for its bytes' low nibbles and one for their high ones; then every sub-block's
+    6-bit scale, then every min (a byte each), then every super-block's float16 d, then
+    every dmin. 148 (Q4_K) or 180 (Q5_K) bytes per 256 weights."""
     rows = blocks.shape[0]
-    b = blocks.reshape(rows, in_features // Q4_K_BLOCK, 144)
-    q = gguf_blocks.k4_nibbles(b)  # [rows, super-blocks, 8, 32]
-    chunks = q[..., :INT4_CHUNK // 2] | (q[..., INT4_CHUNK // 2:] << 4)
+    b = blocks.reshape(rows, in_features // K_BLOCK, gguf_blocks.GGML_QUANT_SIZES[kind][1])
+    q = gguf_blocks.k4_nibbles(b)  # [rows, super-blocks, 8 sub-blocks, 32]
+    if kind == gguf_blocks.Q.Q5_K:
+        q = q | (gguf_blocks.k5_bits(b) << 4)
+    half = INT4_CHUNK // 2
+    chunks = (q[..., :half] & 15) | ((q[..., half:] & 15) << 4)
+    parts = [int4_wide_blocks(chunks.reshape(rows, -1))]
+    if kind == gguf_blocks.Q.Q5_K:
+        # Each chunk byte's two 5th bits, moved as its nibbles are, then packed per load.
+        pairs = int4_wide_blocks(((q[..., :half] >> 4) | ((q[..., half:] >> 4) << 1)).reshape(
+            rows, -1)).view(rows, -1, 64)
+        planes = torch.stack([pairs & 1, pairs >> 1], dim=-2).view(rows, -1, 2, 8, 8)
+        weights = (1 << torch.arange(8, dtype=torch.int32)).view(8)
+        parts.append((planes.int() * weights).sum(-1).to(torch.uint8).reshape(rows, -1))
     sc, mins = gguf_blocks.k_scales(b[..., 4:16])
-    return torch.cat([int4_wide_blocks(chunks.reshape(rows, -1)), sc.reshape(rows, -1),
-                      mins.reshape(rows, -1), b[..., 0:2].reshape(rows, -1),
-                      b[..., 2:4].reshape(rows, -1)], dim=1)
+    return torch.cat([*parts, sc.reshape(rows, -1), mins.reshape(rows, -1),
+                      b[..., 0:2].reshape(rows, -1), b[..., 2:4].reshape(rows, -1)], dim=1)
 
 
-def dequantize_q4_k_lanes(weight: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Rows of Q4_K lanes -> fp32 [rows, in_features], equal bit for bit to the Q4_K
+def dequantize_k_lanes(weight: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
+                       in_features: int) -> torch.Tensor:
+    """Rows of Q4_K or Q5_K lanes -> fp32 [rows, in_features], equal bit for bit to the
     blocks' de-quantization."""
-    rows, groups, blocks = weight.shape[0], in_features // INT4_CHUNK, in_features // Q4_K_BLOCK
-    nibbles, sc, mins, d, dmin = weight.split(
-        [in_features // 2, groups, groups, 2 * blocks, 2 * blocks], dim=1)
+    rows, groups, blocks = weight.shape[0], in_features // INT4_CHUNK, in_features // K_BLOCK
+    fifth_bytes = in_features // 8 if kind == gguf_blocks.Q.Q5_K else 0
+    nibbles, fifth, sc, mins, d, dmin = weight.split(
+        [in_features // 2, fifth_bytes, groups, groups, 2 * blocks, 2 * blocks], dim=1)
     chunks = int4_wide_blocks(nibbles.contiguous(), inverse=True).view(rows, blocks, 8, 16)
     q = torch.cat([chunks & 15, chunks >> 4], dim=-1)
+    if fifth_bytes:
+        planes = (fifth.reshape(rows, -1, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        planes = planes.reshape(rows, -1, 2, 64)
+        pairs = int4_wide_blocks((planes[:, :, 0] | (planes[:, :, 1] << 1)).reshape(rows, -1),
+                                 inverse=True).view(rows, blocks, 8, 16)
+        q = q | (torch.cat([pairs & 1, pairs >> 1], dim=-1) << 4)
 
     def per_block(halves: torch.Tensor) -> torch.Tensor:
         return halves.contiguous().view(torch.float16).float().view(rows, blocks, 1)
@@ -339,7 +360,7 @@ class Int8Embedding(EmbeddingRows, Int8Linear):
 class GgufPart:
     """Consecutive output rows of a GgufLinear held in one form: ggml blocks of `kind`, or
     dense (kind None) where the file stores them as F32 / F16 / BF16. `code` is the form
-    the kernels read: ggml's type id, Q4_K_LANES where the rows were repacked at load
+    the kernels read: ggml's type id, K_LANES[kind] where the rows were repacked at load
     (GgufLinear.repack), -1 for dense."""
 
     rows: slice
@@ -348,8 +369,8 @@ class GgufPart:
 
     def dequantize(self, weight: torch.Tensor, in_features: int) -> torch.Tensor:
         """The plain-torch de-quantization of this part's rows (fp32)."""
-        if self.code == Q4_K_LANES:
-            return dequantize_q4_k_lanes(weight, in_features)
+        if self.code in K_LANES.values():
+            return dequantize_k_lanes(weight, self.kind, in_features)
         return gguf_blocks.dequantize(weight, self.kind, in_features)
 
 
@@ -394,12 +415,14 @@ class GgufLinear(QuantizedLinear):
 
     def repack(self, repacked_type: Callable[[int], int]) -> None:
         """Each run of blocks that the kernels stream faster repacked (repacked_type(type):
-        the form's code, or -1) into that form, the same weights (Q4_K: q4_k_lanes)."""
+        the form's code, or -1) into that form, the same weights (Q4_K, Q5_K: k_lanes)."""
         for index, part in enumerate(self.parts):
-            if part.kind is not None and repacked_type(int(part.kind)) == Q4_K_LANES:
+            code = K_LANES.get(part.kind)
+            if code is not None and repacked_type(int(part.kind)) == code:
                 weight = self.weights[index]
-                self.weights[index] = frozen(q4_k_lanes(weight, self.in_features).to(weight.device))
-                self.parts[index] = GgufPart(part.rows, part.kind, Q4_K_LANES)
+                self.weights[index] = frozen(
+                    k_lanes(weight, part.kind, self.in_features).to(weight.device))
+                self.parts[index] = GgufPart(part.rows, part.kind, code)
 
     def weight_bytes_by_type(self) -> dict[str, int]:
         """Each part's bytes under its GGUF type's name (dense parts: the model dtype's)."""

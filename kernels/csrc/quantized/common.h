@@ -89,21 +89,25 @@ std::vector<float> widen_rows(const T* x, int64_t x_stride, int64_t rows, int64_
   return xf;
 }
 
-// A Q4_K row repacked into lanes (kvscope's own layout, quantized.py's q4_k_lanes):
-// its 256-weight super-blocks' nibbles as int4 chunks in Int4Linear's layout, then per
+// A Q4_K or Q5_K row repacked into lanes (kvscope's own layouts, quantized.py's k_lanes):
+// its 256-weight super-blocks' low 4 bits as int4 chunks in Int4Linear's layout; for Q5_K
+// the 5th bits, 16 bytes per 64-byte load of those nibbles (two 64-bit masks: bit i is the
+// 5th bit of the weight in load byte i's low nibble, then of its high one's); then per
 // 32-weight sub-block g its 6-bit scale sc[g] and min m[g] (a byte each), then per
-// super-block s its float16 d[s] and dmin[s]; weight = (d * sc) * q - dmin * m, the file's
-// values (ggml's Q4_K), in 148 bytes per super-block against the file's 144.
-constexpr int64_t kQ4KLanesType = 112;  // its type code (ggml's codes stay below 100)
+// super-block s its float16 d[s] and dmin[s]. weight = (d * sc) * q - dmin * m, the file's
+// values (ggml's Q4_K, Q5_K), in 148 (180) bytes per super-block against the file's 144 (176).
+constexpr int64_t kQ4KLanesType = 112;  // their type codes (ggml's codes stay below 100)
+constexpr int64_t kQ5KLanesType = 113;
 constexpr int64_t kSuperBlock = 256;
-constexpr int64_t kQ4KLanesBytes = 148;
+constexpr int64_t kQ4KLanesBytes = 148, kQ5KLanesBytes = 180;
 
-struct Q4KLanesRow {
-  const uint8_t *sc, *m;
+struct KLanesRow {
+  const uint8_t *fifth, *sc, *m;
   const at::Half *d, *dmin;
 
-  Q4KLanesRow(const uint8_t* row, int64_t in)
-      : sc(row + in / 2),
+  KLanesRow(const uint8_t* row, int64_t in, bool five)
+      : fifth(row + in / 2),
+        sc(fifth + (five ? in / 8 : 0)),
         m(sc + in / kChunk),
         d(reinterpret_cast<const at::Half*>(m + in / kChunk)),
         dmin(d + in / kSuperBlock) {}

@@ -14,10 +14,11 @@
 //   Q6_K  256 weights, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
 //         int8 scales (one per 16 weights), d (f16); w = d * sc * (q - 32)
 //
-// and kvscope's own Q4_K lanes (type 112, Q4KLanesRow in common.h): a Q4_K row repacked at
-// load, 148 bytes per 256 weights, for the int4 kernels' dots, which take 16 sub-blocks per
-// 64-byte load where the Q4_K blocks' dots take a super-block's 8 in four: on a CPU with
-// AVX512-VNNI they stream a model's Q4_K layers 1.2-2x faster (docs/performance.md).
+// and kvscope's own Q4_K and Q5_K lanes (types 112, 113; KLanesRow in common.h): rows
+// repacked at load, 148 and 180 bytes per 256 weights, for the int4 kernels' dots, which
+// take 16 sub-blocks per 64-byte load where the blocks' dots take a super-block's 8 in four:
+// on a CPU with AVX512-VNNI they stream a model's Q4_K layers 1.2-2x faster
+// (docs/performance.md).
 //
 // Nibble order (every type): byte j of a 32-weight run holds weight j low and weight j + 16
 // high (Q4_0..Q5_1); for the k-quants, each 32 bytes of nibbles hold 64 weights, the low
@@ -67,7 +68,10 @@ enum GgmlType : int64_t {
   kQ5_K = 13,
   kQ6_K = 14,
   kQ4_K_Lanes = kQ4KLanesType,
+  kQ5_K_Lanes = kQ5KLanesType,
 };
+
+inline bool is_k_lanes(int64_t type) { return type == kQ4_K_Lanes || type == kQ5_K_Lanes; }
 
 struct BlockFormat {
   int64_t weights, bytes;
@@ -93,6 +97,8 @@ std::optional<BlockFormat> block_format(int64_t type) {
       return BlockFormat{256, 210};
     case kQ4_K_Lanes:
       return BlockFormat{kSuperBlock, kQ4KLanesBytes};
+    case kQ5_K_Lanes:
+      return BlockFormat{kSuperBlock, kQ5KLanesBytes};
     default:
       return std::nullopt;
   }
@@ -204,14 +210,37 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   }
 }
 
-void dequantize_row(int64_t type, BlockFormat format, const uint8_t* row, int64_t in, float* y) {
-  if (type == kQ4_K_Lanes) {  // a row of lanes is no run of independent blocks
-    const Q4KLanesRow lanes(row, in);
-    return int4_dequantize_rows(row, 0, kChunk, in, y, 0, 1, [&](int64_t, int64_t g) {
-      const float d = lanes.d[g / 8], dmin = lanes.dmin[g / 8];
-      return std::pair<float, float>(d * lanes.sc[g], -(dmin * lanes.m[g]));
-    });
+// A row of Q4_K / Q5_K lanes (`five`) in fp32, x's order: (d * sc) * q - dmin * m as one
+// fma of the exact products, the file's values bit for bit.
+void dequantize_k_lanes_row(const uint8_t* row, int64_t in, bool five, float* y) {
+  const KLanesRow lanes(row, in, five);
+  const int64_t chunks = in / kChunk;
+  std::vector<uint8_t> nibbles(in / 2), fifth(in / 2, 0), fifth_ordered(in / 2, 0);
+  gguf_order_row(row, chunks, nibbles.data());
+  if (five) {  // each nibble byte's two 5th bits (low weight's bit 0, high's bit 1), ordered alike
+    for (int64_t i = 0; i < in / 2; ++i) {
+      const uint8_t* masks = lanes.fifth + 16 * (i / 64);
+      const int64_t bit = i % 64;
+      fifth[i] =
+          ((masks[bit / 8] >> (bit % 8)) & 1) | (((masks[8 + bit / 8] >> (bit % 8)) & 1) << 1);
+    }
+    gguf_order_row(fifth.data(), chunks, fifth_ordered.data());
   }
+  for (int64_t g = 0; g < chunks; ++g) {
+    const FP32Vec16 scale(static_cast<float>(lanes.d[g / 8]) * lanes.sc[g]);
+    const FP32Vec16 offset(-(static_cast<float>(lanes.dmin[g / 8]) * lanes.m[g]));
+    const Int4Chunk chunk = Int4Chunk::load(nibbles.data() + g * 16);
+    const vec::U8Vec16 bits = vec::U8Vec16::load(fifth_ordered.data() + g * 16);
+    const FP32Vec16 low = chunk.low() + FP32Vec16::widen(bits & 1) * 16.f;
+    const FP32Vec16 high = chunk.high() + FP32Vec16::widen(bits >> 1) * 16.f;
+    vec::fma(low, scale, offset).store(y + g * kChunk);
+    vec::fma(high, scale, offset).store(y + g * kChunk + 16);
+  }
+}
+
+void dequantize_row(int64_t type, BlockFormat format, const uint8_t* row, int64_t in, float* y) {
+  // A row of lanes is no run of independent blocks.
+  if (is_k_lanes(type)) return dequantize_k_lanes_row(row, in, type == kQ5_K_Lanes, y);
   for (int64_t k = 0; k < in / format.weights; ++k)
     dequantize_block(type, row + k * format.bytes, y + k * format.weights);
 }
@@ -307,19 +336,23 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t typ
                       BlockFormat format, const T* bias, at::Tensor& out) {
 #if defined(KVSCOPE_VNNI_DOTS)
   if constexpr (std::is_same_v<T, bf16>)
-    if (type == kQ4_K_Lanes) {
+    if (is_k_lanes(type)) {
       const Int4Layout layout(x.size(1), 0, weight.size(1));
       // The int4 kernels write x's dtype: the logits' fp32 is that result widened.
       at::Tensor result = std::is_same_v<Out, bf16> ? out : at::empty(out.sizes(), x.options());
-      int4_linear_vnni(x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
-                       SuperBlockScales{layout}, bias, result);
+      if (type == kQ5_K_Lanes)
+        int4_linear_vnni(x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
+                         SuperBlockScales<true>{layout}, bias, result);
+      else
+        int4_linear_vnni(x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
+                         SuperBlockScales<false>{layout}, bias, result);
       if constexpr (!std::is_same_v<Out, bf16>) out.copy_(result);
       return;
     }
 #endif
 #if defined(KVSCOPE_GGUF_INT8_DOTS)
   if constexpr (std::is_same_v<T, bf16>)
-    if (type != kQ4_K_Lanes) return gguf_linear_int8<Out>(x, weight, type, bias, out);
+    if (!is_k_lanes(type)) return gguf_linear_int8<Out>(x, weight, type, bias, out);
 #endif
   const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
   const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);
@@ -349,7 +382,7 @@ BlockFormat check_gguf_weight(const at::Tensor& weight, int64_t type, int64_t in
   const std::optional<BlockFormat> format = block_format(type);
   TORCH_CHECK(format.has_value(), op, ": ggml type ", type,
               " is not one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (or ", kQ4KLanesType,
-              ", kvscope's Q4_K lanes)");
+              ", ", kQ5KLanesType, ": kvscope's Q4_K, Q5_K lanes)");
   TORCH_CHECK(in % format->weights == 0, op, ": in (", in, ") a multiple of the block's ",
               format->weights, " weights");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
@@ -414,11 +447,12 @@ void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out) {
 }
 
 // The type code gguf_linear streams `type`'s rows faster as, once repacked at load
-// (GgufLinear.repack), or -1 where it streams the file's blocks best: Q4_K's lanes where the
-// int4 kernels' VNNI dots run.
+// (GgufLinear.repack), or -1 where it streams the file's blocks best: Q4_K's and Q5_K's
+// lanes where the int4 kernels' VNNI dots run.
 int64_t gguf_repacked_type(int64_t type) {
 #if defined(KVSCOPE_VNNI_DOTS)
   if (type == kQ4_K) return kQ4_K_Lanes;
+  if (type == kQ5_K) return kQ5_K_Lanes;
 #endif
   (void)type;
   return -1;

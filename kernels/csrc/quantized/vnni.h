@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "quantized/common.h"
@@ -198,7 +199,7 @@ inline __m512 wide_weight_scales(const at::Half* scales, int64_t k, int group_sh
 
 // The layout facts of one int4 layer that every row's dots use. A row's nibbles start
 // every `row_bytes` bytes: in / 2 for Int4Linear's weight, more where the row's scales
-// follow its nibbles (Q4_K's lanes, SuperBlockScales).
+// follow its nibbles (Q4_K's and Q5_K's lanes, SuperBlockScales).
 struct Int4Layout {
   int64_t chunks, groups, wide, tail_quads, tail_chunks, row_bytes;
   int group_shift;
@@ -226,10 +227,12 @@ struct Int4Layout {
 // Where the int4 dots' weight scales and offsets come from. `row(weight, n)` gives output
 // row n's, whose `wide(k)` are the scales of wide block k's 16 chunks in their lanes,
 // `quad(l, real)` those of tail quad l (`real` masks the groups its chunks use) and
-// `offsets_from(g)` the offsets of groups g..g + 15 (zeros past the row's groups).
+// `offsets_from(g)` the offsets of groups g..g + 15 (zeros past the row's groups). Where
+// kFifthBits, the weights have a 5th bit: `fifth(i)` the masks of 64-byte load i's.
 //
 // Int4Linear's: a float16 scale and offset per group of 2^group_shift chunks, [out][groups].
 struct HalfScales {
+  static constexpr bool kFifthBits = false;
   const at::Half* scales;
   const at::Half* offsets;
   const Int4Layout& layout;
@@ -261,14 +264,24 @@ inline __m512 eight_lanes_each(const at::Half* p, bool both) {
                                _mm512_castps128_ps512(pair));
 }
 
-// Q4_K repacked into lanes (Q4KLanesRow, common.h): group g's scale is d[g / 8] * sc[g]
-// and its offset -dmin[g / 8] * m[g], computed in fp32 as the file's de-quantization
-// computes them.
+// Q4_K (kFive false) or Q5_K repacked into lanes (KLanesRow, common.h): group g's scale is
+// d[g / 8] * sc[g] and its offset -dmin[g / 8] * m[g], computed in fp32 as the file's
+// de-quantization computes them.
+template <bool kFive>
 struct SuperBlockScales {
+  static constexpr bool kFifthBits = kFive;
   const Int4Layout& layout;
 
-  struct Row : Q4KLanesRow {
+  struct Row : KLanesRow {
     const Int4Layout& layout;
+
+    // Load i's 5th bits: of the weights in its bytes' low nibbles, then high ones'.
+    std::pair<__mmask64, __mmask64> fifth_masks(int64_t i) const {
+      uint64_t low, high;
+      std::memcpy(&low, fifth + 16 * i, 8);
+      std::memcpy(&high, fifth + 16 * i + 8, 8);
+      return {_cvtu64_mask64(low), _cvtu64_mask64(high)};
+    }
 
     static __m512 bytes(const uint8_t* p, __mmask16 mask) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, p)));
@@ -292,7 +305,7 @@ struct SuperBlockScales {
     }
   };
   Row row(const uint8_t* weight, int64_t n) const {
-    return {Q4KLanesRow(weight + n * layout.row_bytes, layout.chunks * kChunk), layout};
+    return {KLanesRow(weight + n * layout.row_bytes, layout.chunks * kChunk, kFive), layout};
   }
 };
 
@@ -342,14 +355,31 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
   __m512 acc[M], tail_acc[M];
   for (int m = 0; m < M; ++m) acc[m] = tail_acc[m] = _mm512_setzero_ps();
   // x_lane(m, j): operand j (of 8) of block k for row m of x; x_scale(m): its chunks' d.
+  // 64-byte load i of the row's nibbles as the weights in its low nibbles and in its high
+  // ones (16 times theirs, no shift, but shifted down where a 5th bit makes them 5 bits).
+  auto weights = [&](__m512i packed, int64_t i) __attribute__((always_inline)) {
+    asm("" : "+v"(packed));  // one load for both nibble masks, not one folded into each
+    __m512i low = _mm512_and_si512(packed, low_nibbles);
+    if constexpr (!Scales::kFifthBits) {
+      return std::pair(low, _mm512_and_si512(packed, high_nibbles));
+    } else {
+      const auto [low_bits, high_bits] = row_scales.fifth_masks(i);
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      low = _mm512_mask_add_epi8(low, low_bits, low, sixteen);
+      return std::pair(low, _mm512_mask_add_epi8(high, high_bits, high, sixteen));
+    }
+  };
+  auto dot_sum = [](__m512i low_dots, __m512i high_dots) __attribute__((always_inline)) {
+    if constexpr (Scales::kFifthBits) return _mm512_add_epi32(low_dots, high_dots);
+    return _mm512_add_epi32(low_dots, _mm512_srai_epi32(high_dots, 4));
+  };
   auto wide_block = [&](int64_t k, auto&& x_lane, auto&& x_scale) __attribute__((always_inline)) {
     __m512i low_dots[M], high_dots[M];
     for (int m = 0; m < M; ++m) low_dots[m] = high_dots[m] = _mm512_setzero_si512();
     for (int t = 0; t < 4; ++t) {
-      __m512i packed = _mm512_loadu_si512(row + k * kWideBytes + t * kStepBytes);
-      asm("" : "+v"(packed));  // one load for both nibble masks, not one folded into each
-      const __m512i low = _mm512_and_si512(packed, low_nibbles);
-      const __m512i high = _mm512_and_si512(packed, high_nibbles);
+      const auto [low, high] =
+          weights(_mm512_loadu_si512(row + k * kWideBytes + t * kStepBytes), 4 * k + t);
       for (int m = 0; m < M; ++m) {
         low_dots[m] = _mm512_dpbusd_epi32(low_dots[m], low, x_lane(m, 2 * t));
         high_dots[m] = _mm512_dpbusd_epi32(high_dots[m], high, x_lane(m, 2 * t + 1));
@@ -357,7 +387,7 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
     }
     const __m512 w_scale = row_scales.wide(k);
     for (int m = 0; m < M; ++m) {
-      const __m512i dots = _mm512_add_epi32(low_dots[m], _mm512_srai_epi32(high_dots[m], 4));
+      const __m512i dots = dot_sum(low_dots[m], high_dots[m]);
       acc[m] =
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(w_scale, x_scale(m)), acc[m]);
     }
@@ -376,8 +406,7 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
   const uint8_t* tail = row + layout.wide * kWideBytes;
   auto add_quad = [&](int64_t l, __m512i packed, __mmask8 real_groups)
                       __attribute__((always_inline)) {
-    const __m512i low = _mm512_and_si512(packed, low_nibbles);
-    const __m512i high = _mm512_and_si512(packed, high_nibbles);
+    const auto [low, high] = weights(packed, 4 * layout.wide + l);
     const __m512 w_scale = row_scales.quad(l, real_groups);
     for (int m = 0; m < M; ++m) {
       const uint8_t* step = x_rows[m] + layout.wide * kWideLaneBytes + l * kQuadLaneBytes;
@@ -386,18 +415,14 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
       const __m512i x_high = in_registers ? held[m].quad[1] : load_operand(step + kStepBytes);
       const __m512 x_scale =
           in_registers ? held[m].quad_scale : load_lane_scales(step, 2 * kStepBytes);
-      const __m512i dot = _mm512_add_epi32(
-          _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, x_low),
-          _mm512_srai_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), high, x_high), 4));
+      const __m512i dot = dot_sum(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, x_low),
+                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), high, x_high));
       tail_acc[m] =
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, x_scale), tail_acc[m]);
     }
   };
-  for (int64_t l = 0; l < layout.tail_quads; ++l) {
-    __m512i packed = _mm512_loadu_si512(tail + l * kStepBytes);
-    asm("" : "+v"(packed));
-    add_quad(l, packed, layout.full_groups);
-  }
+  for (int64_t l = 0; l < layout.tail_quads; ++l)
+    add_quad(l, _mm512_loadu_si512(tail + l * kStepBytes), layout.full_groups);
   if (layout.tail_chunks) {
     const int64_t l = layout.tail_quads;
     add_quad(l, _mm512_maskz_loadu_epi8(layout.tail_bytes, tail + l * kStepBytes),
