@@ -14,8 +14,8 @@ x of each number of rows:
                    _weight_int4pack_mm_for_cpu) on the same weights, for comparison
   gguf_<TYPE>      with --gguf-types, GgufLinear on random valid blocks of that GGUF type
                    (quantization="gguf"), every layer in it (a width no multiple of the
-                   type's block falls back to Q8_0), the lm_head too; Q4_K and Q5_K
-                   also as gguf_<TYPE>_lanes, their rows repacked into the int4 kernels'
+                   type's block falls back to Q8_0), the lm_head too; every type but
+                   Q6_K also as gguf_<TYPE>_lanes, its rows repacked into the int4 kernels'
                    layout (GgufLinear.repack), the form a bf16 model's layers of those types
                    load into where the kernels have AVX512-VNNI
 
@@ -46,8 +46,8 @@ from gguf import GGML_QUANT_SIZES
 
 from kvscope.engine.worker.loader import load_config, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.models.quantized import (  # noqa: E402
-    K_LANES,
     KERNEL_MAX_ROWS,
+    LANES,
     GgufBlocks,
     GgufLinear,
     Int4Linear,
@@ -117,13 +117,13 @@ def gguf_forms(out_features: int, in_features: int, types: list[str], dtype: tor
         block = GGML_QUANT_SIZES[kind][0]
         used = kind if in_features % block == 0 else gguf_blocks.Q.Q8_0
         blocks = torch.from_numpy(gguf_blocks.random_blocks(used, out_features, in_features, rng))
-        forms = [f"gguf_{name}"] + ([f"gguf_{name}_lanes"] if used in K_LANES else [])
+        forms = [f"gguf_{name}"] + ([f"gguf_{name}_lanes"] if used in LANES else [])
         for form in forms:
             layer = GgufLinear(in_features, [out_features], bias=False)
             layer.load_part("weight", 0, GgufBlocks(used, blocks, in_features))
             layer.pack(dtype, CPU)
             if form.endswith("_lanes"):
-                layer.repack(lambda kind: K_LANES.get(kind, -1))
+                layer.repack(lambda kind: LANES.get(kind, -1))
             layer.ops = cpu_kernels.kernel_ops()
             found[form] = (layer, sum(w.nbytes for w in layer.weights))
     return found

@@ -65,6 +65,24 @@ def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mins
 
 
+def block32_quants(blocks: torch.Tensor, kind: GGMLQuantizationType
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 32-weight type's blocks [rows, blocks, bytes] as w = q * d + offset, each term
+    exact: the unsigned quants [rows, blocks, 32] (uint8, x's order; Q8_0's int8 + 128), d
+    and the offset [rows, blocks] (fp32; Q4_1's and Q5_1's m, Q4_0's -8 d, Q5_0's -16 d,
+    Q8_0's -128 d)."""
+    rows = blocks.shape[0]
+    d = _halves(blocks, 0).squeeze(-1)
+    if kind == Q.Q8_0:
+        return (blocks[..., 2:].contiguous().view(torch.int8).int() + 128).to(torch.uint8), d, -128 * d
+    q = _nibbles(blocks[..., -16:])
+    if kind in (Q.Q5_0, Q.Q5_1):  # 32 5th bits, little-endian, weight j's at bit j
+        at = 2 if kind == Q.Q5_0 else 4
+        q = q | (_bits(blocks[..., at:at + 4], 8).transpose(-1, -2).reshape(rows, -1, 32) << 4)
+    offset = {Q.Q4_0: -8 * d, Q.Q5_0: -16 * d}.get(kind)
+    return q, d, _halves(blocks, 2).squeeze(-1) if offset is None else offset
+
+
 def k4_nibbles(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_K / Q5_K blocks [rows, super-blocks, bytes] -> their low 4 bits [rows, super-blocks,
     8 sub-blocks, 32]: sub-block j is chunk j // 2 of the last 128 bytes, low nibbles if even."""
@@ -89,21 +107,9 @@ def dequantize(weight: torch.Tensor, kind: GGMLQuantizationType, in_features: in
     weights, size = GGML_QUANT_SIZES[kind]
     rows = weight.shape[0]
     b = weight.reshape(rows, in_features // weights, size)
-    if kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
-        d = _halves(b, 0)
-        offset = 2 if kind in (Q.Q4_0, Q.Q5_0) else 4
-        q = _nibbles(b[..., -16:]).float()
-        if kind in (Q.Q5_0, Q.Q5_1):  # 32 5th bits, little-endian, weight j's at bit j
-            q = q + 16 * _bits(b[..., offset:offset + 4], 8).transpose(-1, -2).reshape(
-                rows, -1, 32).float()
-        if kind == Q.Q4_0:
-            w = (q - 8) * d
-        elif kind == Q.Q5_0:
-            w = (q - 16) * d
-        else:
-            w = q * d + _halves(b, 2)
-    elif kind == Q.Q8_0:
-        w = b[..., 2:].contiguous().view(torch.int8).float() * _halves(b, 0)
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+        q, d, offset = block32_quants(b, kind)
+        w = q.float() * d.unsqueeze(-1) + offset.unsqueeze(-1)
     elif kind in (Q.Q4_K, Q.Q5_K):
         d, dmin = _halves(b, 0), _halves(b, 2)
         sc, mins = (part.float() for part in k_scales(b[..., 4:16]))

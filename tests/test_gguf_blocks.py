@@ -6,17 +6,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from kvscope.engine.worker.models.quantized import (
-    K_LANES,
     KERNEL_MAX_ROWS,
+    LANES,
     TILED_KERNEL_MAX_ROWS,
     GgufBlocks,
     GgufLinear,
-    dequantize_k_lanes,
-    k_lanes,
+    dequantize_lanes,
     kernel_max_rows,
+    lanes,
+    lanes_bits,
 )
 from kvscope.kernels import TORCH_OPS, cpu_extension, gguf_blocks, select_ops
 from kvscope.kernels.gguf_blocks import random_blocks
@@ -118,29 +119,42 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
         (256 if kind in K_QUANTS else 32) if rounds else None)
 
 
-LANES_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180}  # per 256 weights
+# A row of lanes' bytes per block of the type's weights: the quants, then the scales.
+LANES_BYTES = {Q.Q4_0: 16 + 4, Q.Q4_1: 16 + 4, Q.Q5_0: 20 + 4, Q.Q5_1: 20 + 4, Q.Q8_0: 32 + 4,
+               Q.Q4_K: 128 + 20, Q.Q5_K: 160 + 20}
+# Row widths with whole wide blocks (16 chunks of 32), full tail quads (4 chunks) and
+# partial ones: 96 (a partial quad alone), 576 (a wide block, a 2-chunk quad), 1280 (two
+# wide blocks, two quads); the k-quants' 256 (a super-block's tail alone) and 1536.
+LANES_WIDTHS = {kind: [256, 1280, 1536] if kind in K_QUANTS else [96, 576, 1280] for kind in LANES}
 
 
-@pytest.mark.parametrize("kind", list(K_LANES), ids=lambda kind: kind.name)
-@pytest.mark.parametrize("in_features", [256, 1280, 1536])
-def test_k_quant_rows_repacked_into_lanes_hold_the_same_weights(kind, in_features, cpu_ops):
-    """k_lanes keeps every weight bit for bit (both de-quantizations), whole wide blocks or
-    not (1280: 2 wide blocks and a super-block's tail; 256: the tail alone)."""
+def lanes_row_bytes(kind, in_features: int) -> int:
+    """5th bits come 16 bytes per 64-byte load of nibbles, a tail's shorter load too."""
+    padding = 16 * -(-in_features // 128) - in_features // 8 if lanes_bits(kind) == 5 else 0
+    return in_features // GGML_QUANT_SIZES[kind][0] * LANES_BYTES[kind] + padding
+
+
+@pytest.mark.parametrize(("kind", "in_features"),
+                         [(kind, width) for kind in LANES for width in LANES_WIDTHS[kind]],
+                         ids=lambda value: getattr(value, "name", str(value)))
+def test_rows_repacked_into_lanes_hold_the_same_weights(kind, in_features, cpu_ops):
+    """`lanes` keeps every weight bit for bit (both de-quantizations), whole wide blocks or
+    not."""
     rng = np.random.default_rng(in_features + int(kind))
     blocks = random_blocks(kind, 24, in_features, rng)
     expected = reference(blocks, kind)
-    lanes = k_lanes(torch.from_numpy(blocks), kind, in_features)
-    assert lanes.shape == (24, in_features // 256 * LANES_BYTES[kind]) and lanes.dtype == torch.uint8
-    assert torch.equal(dequantize_k_lanes(lanes, kind, in_features), expected)
-    assert torch.equal(cpu_ops.packed.gguf_dequantize(lanes, K_LANES[kind], in_features,
+    repacked = lanes(torch.from_numpy(blocks), kind, in_features)
+    assert repacked.shape == (24, lanes_row_bytes(kind, in_features))
+    assert repacked.dtype == torch.uint8
+    assert torch.equal(dequantize_lanes(repacked, kind, in_features), expected)
+    assert torch.equal(cpu_ops.packed.gguf_dequantize(repacked, LANES[kind], in_features,
                                                       torch.float32), expected)
 
 
-@pytest.mark.parametrize("kind", list(K_LANES), ids=lambda kind: kind.name)
+@pytest.mark.parametrize("kind", list(LANES), ids=lambda kind: kind.name)
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_a_k_quant_layer_repacked_into_lanes_equals_the_de_quantized_matmul(kind, backend,
-                                                                            cpu_ops):
-    """Where the bound kernels stream a k-quant faster as lanes (gguf_repacked_type;
+def test_a_layer_repacked_into_lanes_equals_the_de_quantized_matmul(kind, backend, cpu_ops):
+    """Where the bound kernels stream a type faster as lanes (gguf_repacked_type;
     AVX512-VNNI) the int4 kernels' dots take its bf16 rows, rounded per 32 values as they
     round them; elsewhere the lanes run the exact path. The part keeps its type's name and
     its code changes, so the stack and the memory plan read it as what it is."""
@@ -150,28 +164,28 @@ def test_a_k_quant_layer_repacked_into_lanes_equals_the_de_quantized_matmul(kind
     blocks = random_blocks(kind, 40, in_features, rng)
     layer = gguf_linear([(kind, torch.from_numpy(blocks))], in_features, torch.randn(40),
                         cpu_ops if backend == "cpu" else TORCH_OPS)
-    layer.repack(lambda repacked: K_LANES[kind] if repacked == kind else -1)
-    assert [(part.kind, part.code) for part in layer.parts] == [(kind, K_LANES[kind])]
-    assert layer.weight_bytes_by_type() == {kind.name: 40 * 5 * LANES_BYTES[kind]}
+    layer.repack(lambda repacked: LANES[kind] if repacked == kind else -1)
+    assert [(part.kind, part.code) for part in layer.parts] == [(kind, LANES[kind])]
+    assert layer.weight_bytes_by_type() == {kind.name: 40 * lanes_row_bytes(kind, in_features)}
     lanes_dots = (backend == "cpu"
-                  and cpu_ops.packed.gguf_repacked_type(int(kind), torch.bfloat16) == K_LANES[kind])
+                  and cpu_ops.packed.gguf_repacked_type(int(kind), torch.bfloat16) == LANES[kind])
     assert_rows_give_the_matmul(
         layer, reference(blocks, kind), layer.bias.data.clone(),
         kernel_max_rows(cpu_ops.packed, torch.bfloat16) if backend == "cpu" else 0,
         32 if lanes_dots else None)
 
 
-def test_only_bf16_activations_on_int8_dot_kernels_repack_k_quants(cpu_ops):
+def test_only_bf16_activations_on_int8_dot_kernels_repack_into_lanes(cpu_ops):
     """The lanes pay where the int4 kernels' VNNI dots read them; fp32 activations and the
     other types keep the file's blocks."""
     repacked = cpu_ops.packed.gguf_repacked_type
     assert all(repacked(int(kind), torch.float32) == -1 for kind in gguf_blocks.PACKED_TYPES)
     assert all(repacked(int(kind), torch.bfloat16) == -1
-               for kind in gguf_blocks.PACKED_TYPES if kind not in K_LANES)
+               for kind in gguf_blocks.PACKED_TYPES if kind not in LANES)
     flags = cpu_extension.cpu_flags().split()
     vnni = all(flag in flags for flag in ("avx512_vnni", "avx512bw", "avx512vl"))
     assert all(repacked(int(kind), torch.bfloat16) == (code if vnni else -1)
-               for kind, code in K_LANES.items())
+               for kind, code in LANES.items())
 
 
 def test_a_merged_layer_keeps_each_part_in_its_own_type(cpu_ops):

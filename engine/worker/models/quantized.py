@@ -243,62 +243,133 @@ def int4_wide_blocks(packed: torch.Tensor, inverse: bool = False) -> torch.Tenso
     return out
 
 
-# kvscope's own codes for Q4_K and Q5_K rows repacked into lanes (kernels/csrc/quantized/
-# common.h's KLanesRow), by the GGUF type they hold; ggml's type codes stay below 100.
-K_LANES = {gguf_blocks.Q.Q4_K: 112, gguf_blocks.Q.Q5_K: 113}
-K_BLOCK = 256  # weights per k-quant super-block (8 sub-blocks of 32)
+# kvscope's own codes for rows of a GGUF type repacked into lanes (kernels/csrc/quantized/
+# common.h), by the type they hold: 100 + its ggml type id (ggml's stay below 100).
+Q = gguf_blocks.Q
+LANES = {kind: 100 + int(kind) for kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K)}
+SUPER_BLOCK = 256  # weights per k-quant super-block (8 sub-blocks of 32)
 
 
-def k_lanes(blocks: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
-            in_features: int) -> torch.Tensor:
-    """Q4_K or Q5_K rows (uint8 [rows, row bytes] of blocks) repacked into lanes, the same
-    weights in the int4 kernels' layout: each row's sub-blocks' low 4 bits as int4 chunks
-    (int4_wide_blocks); for Q5_K their 5th bits, per 64-byte load of those chunks a 64-bit
-    mask for its bytes' low nibbles and one for their high ones; then every sub-block's
-    6-bit scale, then every min (a byte each), then every super-block's float16 d, then
-    every dmin. 148 (Q4_K) or 180 (Q5_K) bytes per 256 weights."""
-    rows = blocks.shape[0]
-    b = blocks.reshape(rows, in_features // K_BLOCK, gguf_blocks.GGML_QUANT_SIZES[kind][1])
-    q = gguf_blocks.k4_nibbles(b)  # [rows, super-blocks, 8 sub-blocks, 32]
-    if kind == gguf_blocks.Q.Q5_K:
-        q = q | (gguf_blocks.k5_bits(b) << 4)
+def lanes_bits(kind: gguf_blocks.GGMLQuantizationType) -> int:
+    return 8 if kind == Q.Q8_0 else 5 if kind in (Q.Q5_0, Q.Q5_1, Q.Q5_K) else 4
+
+
+def _block32_lanes_bytes(q: torch.Tensor) -> torch.Tensor:
+    """8-bit quants [rows, chunks, 32] (uint8) in the kernels' order (common.h): each wide
+    block's 16 chunks as 8 loads of 64 bytes, load 2t + h holding bytes 16h + 4t..+3 of
+    every chunk in its lane; after them, per quad of chunks, their first 16 bytes, then
+    their last 16."""
+    rows, chunks = q.shape[:2]
+    wide = chunks // INT4_WIDE_BLOCK * INT4_WIDE_BLOCK
+    parts = [q[:, :wide].reshape(rows, -1, INT4_WIDE_BLOCK, 2, 4, 4).permute(0, 1, 4, 3, 2, 5)
+             .reshape(rows, -1)]
+    for first in range(wide, chunks, 4):
+        parts.append(q[:, first:first + 4].reshape(rows, -1, 2, 16).transpose(1, 2).reshape(rows, -1))
+    return torch.cat(parts, dim=1)
+
+
+def _block32_lanes_quants(weight: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The inverse of _block32_lanes_bytes: [rows, chunks * 32] -> [rows, chunks, 32]."""
+    rows = weight.shape[0]
+    wide = chunks // INT4_WIDE_BLOCK * INT4_WIDE_BLOCK
+    parts = [weight[:, :wide * 32].reshape(rows, -1, 4, 2, INT4_WIDE_BLOCK, 4)
+             .permute(0, 1, 4, 3, 2, 5).reshape(rows, wide, 32)]
+    for first in range(wide, chunks, 4):
+        count = min(4, chunks - first)
+        quad = weight[:, first * 32:(first + count) * 32].reshape(rows, 2, count, 16)
+        parts.append(quad.transpose(1, 2).reshape(rows, count, 32))
+    return torch.cat(parts, dim=1)
+
+
+def _lanes_quants(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Quants [rows, chunks, 32] (uint8, x's order) -> a row's quant bytes (common.h)."""
+    rows = q.shape[0]
+    if bits == 8:
+        return _block32_lanes_bytes(q)
     half = INT4_CHUNK // 2
-    chunks = (q[..., :half] & 15) | ((q[..., half:] & 15) << 4)
-    parts = [int4_wide_blocks(chunks.reshape(rows, -1))]
-    if kind == gguf_blocks.Q.Q5_K:
+    parts = [int4_wide_blocks(((q[..., :half] & 15) | ((q[..., half:] & 15) << 4)).reshape(rows, -1))]
+    if bits == 5:
         # Each chunk byte's two 5th bits, moved as its nibbles are, then packed per load.
         pairs = int4_wide_blocks(((q[..., :half] >> 4) | ((q[..., half:] >> 4) << 1)).reshape(
-            rows, -1)).view(rows, -1, 64)
+            rows, -1))
+        pairs = F.pad(pairs, (0, -pairs.shape[1] % 64)).view(rows, -1, 64)
         planes = torch.stack([pairs & 1, pairs >> 1], dim=-2).view(rows, -1, 2, 8, 8)
-        weights = (1 << torch.arange(8, dtype=torch.int32)).view(8)
+        weights = 1 << torch.arange(8, dtype=torch.int32)
         parts.append((planes.int() * weights).sum(-1).to(torch.uint8).reshape(rows, -1))
-    sc, mins = gguf_blocks.k_scales(b[..., 4:16])
-    return torch.cat([*parts, sc.reshape(rows, -1), mins.reshape(rows, -1),
-                      b[..., 0:2].reshape(rows, -1), b[..., 2:4].reshape(rows, -1)], dim=1)
+    return torch.cat(parts, dim=1)
 
 
-def dequantize_k_lanes(weight: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
-                       in_features: int) -> torch.Tensor:
-    """Rows of Q4_K or Q5_K lanes -> fp32 [rows, in_features], equal bit for bit to the
-    blocks' de-quantization."""
-    rows, groups, blocks = weight.shape[0], in_features // INT4_CHUNK, in_features // K_BLOCK
-    fifth_bytes = in_features // 8 if kind == gguf_blocks.Q.Q5_K else 0
-    nibbles, fifth, sc, mins, d, dmin = weight.split(
-        [in_features // 2, fifth_bytes, groups, groups, 2 * blocks, 2 * blocks], dim=1)
-    chunks = int4_wide_blocks(nibbles.contiguous(), inverse=True).view(rows, blocks, 8, 16)
-    q = torch.cat([chunks & 15, chunks >> 4], dim=-1)
-    if fifth_bytes:
-        planes = (fifth.reshape(rows, -1, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+def _quants_of_lanes(weight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """The inverse of _lanes_quants: [rows, quant bytes] -> [rows, chunks, 32] (uint8)."""
+    rows, chunks = weight.shape[0], in_features // INT4_CHUNK
+    if bits == 8:
+        return _block32_lanes_quants(weight, chunks)
+    nibbles = int4_wide_blocks(weight[:, :in_features // 2].contiguous(), inverse=True)
+    nibbles = nibbles.view(rows, chunks, 16)
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
+    if bits == 5:
+        fifth = weight[:, in_features // 2:_quant_bytes(bits, in_features)]
+        planes = ((fifth.reshape(rows, -1, 2, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1)
         planes = planes.reshape(rows, -1, 2, 64)
-        pairs = int4_wide_blocks((planes[:, :, 0] | (planes[:, :, 1] << 1)).reshape(rows, -1),
-                                 inverse=True).view(rows, blocks, 8, 16)
+        pairs = (planes[:, :, 0] | (planes[:, :, 1] << 1)).reshape(rows, -1)[:, :in_features // 2]
+        pairs = int4_wide_blocks(pairs.contiguous(), inverse=True).view(rows, chunks, 16)
         q = q | (torch.cat([pairs & 1, pairs >> 1], dim=-1) << 4)
+    return q
 
-    def per_block(halves: torch.Tensor) -> torch.Tensor:
-        return halves.contiguous().view(torch.float16).float().view(rows, blocks, 1)
-    w = gguf_blocks.k4_weights(per_block(d), per_block(dmin), sc.float().view(rows, blocks, 8),
-                               mins.float().view(rows, blocks, 8), q)
+
+def lanes(blocks: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
+          in_features: int) -> torch.Tensor:
+    """Rows of GGUF blocks (uint8 [rows, row bytes]) of a type in LANES repacked into its
+    lanes (kernels/csrc/quantized/common.h), the same weights in the int4 kernels' layout:
+    the quants (4 bits as Int4Linear's chunks; 5 bits the same and per 64-byte load of
+    them a 64-bit mask of 5th bits for its bytes' low nibbles, one for their high ones; 8
+    bits as _block32_lanes_bytes), then Q4_0..Q8_0's float16 scale per 32 weights and
+    offset per 32 weights, or Q4_K's / Q5_K's 6-bit scales and mins (a byte each) and
+    float16 d and dmin per super-block."""
+    rows = blocks.shape[0]
+    weights, size = gguf_blocks.GGML_QUANT_SIZES[kind]
+    b = blocks.reshape(rows, in_features // weights, size)
+    if kind in (Q.Q4_K, Q.Q5_K):
+        q = gguf_blocks.k4_nibbles(b)  # [rows, super-blocks, 8 sub-blocks, 32]
+        if kind == Q.Q5_K:
+            q = q | (gguf_blocks.k5_bits(b) << 4)
+        sc, mins = gguf_blocks.k_scales(b[..., 4:16])
+        tail = [sc, mins, b[..., 0:2], b[..., 2:4]]
+    else:
+        q, d, offset = gguf_blocks.block32_quants(b, kind)
+        tail = [d.half().view(torch.uint8), offset.half().view(torch.uint8)]
+    quants = _lanes_quants(q.reshape(rows, -1, INT4_CHUNK), lanes_bits(kind))
+    return torch.cat([quants, *(part.reshape(rows, -1) for part in tail)], dim=1)
+
+
+def dequantize_lanes(weight: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
+                     in_features: int) -> torch.Tensor:
+    """Rows of a type's lanes -> fp32 [rows, in_features], equal bit for bit to its
+    blocks' de-quantization."""
+    rows, chunks = weight.shape[0], in_features // INT4_CHUNK
+    bits = lanes_bits(kind)
+    q = _quants_of_lanes(weight, bits, in_features)
+    rest = weight[:, _quant_bytes(bits, in_features):]
+    if kind in (Q.Q4_K, Q.Q5_K):
+        blocks = in_features // SUPER_BLOCK
+        sc, mins, d, dmin = rest.split([chunks, chunks, 2 * blocks, 2 * blocks], dim=1)
+
+        def per_block(halves: torch.Tensor) -> torch.Tensor:
+            return halves.contiguous().view(torch.float16).float().view(rows, blocks, 1)
+        w = gguf_blocks.k4_weights(per_block(d), per_block(dmin), sc.float().view(rows, blocks, 8),
+                                   mins.float().view(rows, blocks, 8), q.view(rows, blocks, 8, 32))
+    else:
+        scale, offset = rest.contiguous().view(torch.float16).float().view(rows, 2, chunks, 1).unbind(1)
+        w = q.float() * scale + offset
     return w.reshape(rows, in_features)
+
+
+def _quant_bytes(bits: int, in_features: int) -> int:
+    """The quants' bytes of a row of lanes (common.h's lanes_quant_bytes): 5th bits come
+    16 bytes per 64-byte load of nibbles, a tail's shorter load too."""
+    if bits == 8:
+        return in_features
+    return in_features // 2 + (16 * -(-in_features // 128) if bits == 5 else 0)
 
 
 class Int8Linear(QuantizedLinear):
@@ -360,7 +431,7 @@ class Int8Embedding(EmbeddingRows, Int8Linear):
 class GgufPart:
     """Consecutive output rows of a GgufLinear held in one form: ggml blocks of `kind`, or
     dense (kind None) where the file stores them as F32 / F16 / BF16. `code` is the form
-    the kernels read: ggml's type id, K_LANES[kind] where the rows were repacked at load
+    the kernels read: ggml's type id, LANES[kind] where the rows were repacked at load
     (GgufLinear.repack), -1 for dense."""
 
     rows: slice
@@ -369,8 +440,8 @@ class GgufPart:
 
     def dequantize(self, weight: torch.Tensor, in_features: int) -> torch.Tensor:
         """The plain-torch de-quantization of this part's rows (fp32)."""
-        if self.code in K_LANES.values():
-            return dequantize_k_lanes(weight, self.kind, in_features)
+        if self.code in LANES.values():
+            return dequantize_lanes(weight, self.kind, in_features)
         return gguf_blocks.dequantize(weight, self.kind, in_features)
 
 
@@ -415,13 +486,13 @@ class GgufLinear(QuantizedLinear):
 
     def repack(self, repacked_type: Callable[[int], int]) -> None:
         """Each run of blocks that the kernels stream faster repacked (repacked_type(type):
-        the form's code, or -1) into that form, the same weights (Q4_K, Q5_K: k_lanes)."""
+        the form's code, or -1) into that form, the same weights (`lanes`)."""
         for index, part in enumerate(self.parts):
-            code = K_LANES.get(part.kind)
+            code = LANES.get(part.kind)
             if code is not None and repacked_type(int(part.kind)) == code:
                 weight = self.weights[index]
                 self.weights[index] = frozen(
-                    k_lanes(weight, part.kind, self.in_features).to(weight.device))
+                    lanes(weight, part.kind, self.in_features).to(weight.device))
                 self.parts[index] = GgufPart(part.rows, part.kind, code)
 
     def weight_bytes_by_type(self) -> dict[str, int]:

@@ -89,17 +89,26 @@ std::vector<float> widen_rows(const T* x, int64_t x_stride, int64_t rows, int64_
   return xf;
 }
 
-// A Q4_K or Q5_K row repacked into lanes (kvscope's own layouts, quantized.py's k_lanes):
-// its 256-weight super-blocks' low 4 bits as int4 chunks in Int4Linear's layout; for Q5_K
-// the 5th bits, 16 bytes per 64-byte load of those nibbles (two 64-bit masks: bit i is the
-// 5th bit of the weight in load byte i's low nibble, then of its high one's); then per
-// 32-weight sub-block g its 6-bit scale sc[g] and min m[g] (a byte each), then per
-// super-block s its float16 d[s] and dmin[s]. weight = (d * sc) * q - dmin * m, the file's
-// values (ggml's Q4_K, Q5_K), in 148 (180) bytes per super-block against the file's 144 (176).
-constexpr int64_t kQ4KLanesType = 112;  // their type codes (ggml's codes stay below 100)
-constexpr int64_t kQ5KLanesType = 113;
+// Lanes: a GGUF type's rows repacked at load (kvscope's own layouts, quantized.py's
+// `lanes`) for the int4 kernels' dots (vnni.h), the file's values bit for bit. A row starts
+// with its quants in 32-weight chunks: 4 bits as Int4Linear's nibbles; 5 bits as those
+// nibbles, then per 64-byte load of them (a tail quad's shorter one too) 16 bytes of 5th
+// bits (two 64-bit masks: bit i of the first is the 5th bit of the weight in the load's
+// byte i's low nibble, of the second its high one's); 8 bits (Q8_0's q + 128) as vnni.h's
+// int4_dot_row lays them. Then:
+//   Q4_0..Q8_0 (LanesRow) a float16 scale per chunk, then a float16 offset per chunk:
+//     Q4_1's and Q5_1's m, Q4_0's -8 d, Q5_0's -16 d, Q8_0's -128 d (exact products);
+//   Q4_K, Q5_K (KLanesRow) per chunk (sub-block) its 6-bit scale sc and min m (a byte
+//     each), then per 256-weight super-block its float16 d, then its dmin:
+//     weight = (d * sc) * q - dmin * m.
+// A type's lanes have the code kLanesCode + its ggml type id (ggml's stay below 100).
+constexpr int64_t kLanesCode = 100;
 constexpr int64_t kSuperBlock = 256;
-constexpr int64_t kQ4KLanesBytes = 148, kQ5KLanesBytes = 180;
+
+// The quants' bytes of a row of `in` weights with `bits` bits each.
+constexpr int64_t lanes_quant_bytes(int bits, int64_t in) {
+  return bits == 8 ? in : in / 2 + (bits == 5 ? 16 * ((in / 2 + 63) / 64) : 0);
+}
 
 struct KLanesRow {
   const uint8_t *fifth, *sc, *m;
@@ -107,7 +116,7 @@ struct KLanesRow {
 
   KLanesRow(const uint8_t* row, int64_t in, bool five)
       : fifth(row + in / 2),
-        sc(fifth + (five ? in / 8 : 0)),
+        sc(row + lanes_quant_bytes(five ? 5 : 4, in)),
         m(sc + in / kChunk),
         d(reinterpret_cast<const at::Half*>(m + in / kChunk)),
         dmin(d + in / kSuperBlock) {}

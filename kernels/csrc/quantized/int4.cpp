@@ -54,9 +54,10 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::T
 #if defined(KVSCOPE_VNNI_DOTS)
   if constexpr (std::is_same_v<T, bf16>) {
     const Int4Layout layout(x.size(1), group_shift, x.size(1) / 2);
-    return int4_linear_vnni(
-        x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
-        HalfScales{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), layout}, bias, out);
+    return int4_linear_vnni<4>(x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
+                               HalfScales{scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(),
+                                          layout.groups, layout},
+                               bias, out);
   }
 #endif
   int4_linear_portable<T>(x, weight, scales, offsets, group_size, group_shift, bias, out);

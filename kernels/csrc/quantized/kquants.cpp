@@ -14,11 +14,10 @@
 //   Q6_K  256 weights, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
 //         int8 scales (one per 16 weights), d (f16); w = d * sc * (q - 32)
 //
-// and kvscope's own Q4_K and Q5_K lanes (types 112, 113; KLanesRow in common.h): rows
-// repacked at load, 148 and 180 bytes per 256 weights, for the int4 kernels' dots, which
-// take 16 sub-blocks per 64-byte load where the blocks' dots take a super-block's 8 in four:
-// on a CPU with AVX512-VNNI they stream a model's Q4_K layers 1.2-2x faster
-// (docs/performance.md).
+// and kvscope's own lanes of each but Q6_K (type 100 + its type; common.h): rows repacked
+// at load for the int4 kernels' dots, which take 16 chunks per 64-byte load where the
+// blocks' dots take one (Q4_0..Q8_0) or a super-block's 8 in four (Q4_K, Q5_K): on a CPU
+// with AVX512-VNNI they stream a model's Q4_K layers 1.2-2x faster (docs/performance.md).
 //
 // Nibble order (every type): byte j of a 32-weight run holds weight j low and weight j + 16
 // high (Q4_0..Q5_1); for the k-quants, each 32 bytes of nibbles hold 64 weights, the low
@@ -67,11 +66,21 @@ enum GgmlType : int64_t {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
-  kQ4_K_Lanes = kQ4KLanesType,
-  kQ5_K_Lanes = kQ5KLanesType,
 };
 
-inline bool is_k_lanes(int64_t type) { return type == kQ4_K_Lanes || type == kQ5_K_Lanes; }
+// The ggml type whose lanes (common.h) `type` is, or -1.
+inline int64_t lanes_of(int64_t type) {
+  const int64_t of = type - kLanesCode;
+  return of == kQ4_0 || of == kQ4_1 || of == kQ5_0 || of == kQ5_1 || of == kQ8_0 || of == kQ4_K ||
+                 of == kQ5_K
+             ? of
+             : -1;
+}
+
+// Bits per quant of a ggml type's lanes.
+inline int lanes_bits(int64_t of) {
+  return of == kQ8_0 ? 8 : (of == kQ5_0 || of == kQ5_1 || of == kQ5_K) ? 5 : 4;
+}
 
 struct BlockFormat {
   int64_t weights, bytes;
@@ -95,13 +104,23 @@ std::optional<BlockFormat> block_format(int64_t type) {
       return BlockFormat{256, 176};
     case kQ6_K:
       return BlockFormat{256, 210};
-    case kQ4_K_Lanes:
-      return BlockFormat{kSuperBlock, kQ4KLanesBytes};
-    case kQ5_K_Lanes:
-      return BlockFormat{kSuperBlock, kQ5KLanesBytes};
     default:
-      return std::nullopt;
+      break;
   }
+  // Lanes: their quants and scales per weight block (a row's bytes: lanes_row_bytes).
+  const int64_t of = lanes_of(type);
+  if (of < 0) return std::nullopt;
+  const int64_t weights = of == kQ4_K || of == kQ5_K ? kSuperBlock : 32;
+  const int64_t scales = of == kQ4_K || of == kQ5_K ? 2 * (weights / 32) + 4 : 4;
+  return BlockFormat{weights, weights / 8 * lanes_bits(of) + scales};
+}
+
+// A row's bytes: `in / weights` blocks, or a row of lanes, whose 5th bits come per load.
+int64_t row_bytes(int64_t type, BlockFormat format, int64_t in) {
+  const int64_t of = lanes_of(type);
+  if (of < 0) return in / format.weights * format.bytes;
+  return lanes_quant_bytes(lanes_bits(of), in) +
+         in / format.weights * (format.bytes - format.weights / 8 * lanes_bits(of));
 }
 
 inline float half_at(const uint8_t* p) {
@@ -210,37 +229,71 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   }
 }
 
-// A row of Q4_K / Q5_K lanes (`five`) in fp32, x's order: (d * sc) * q - dmin * m as one
-// fma of the exact products, the file's values bit for bit.
-void dequantize_k_lanes_row(const uint8_t* row, int64_t in, bool five, float* y) {
-  const KLanesRow lanes(row, in, five);
+// A row of lanes' quants (common.h) in x's order, as fp32 values: 4 and 5 bits as they
+// are, 8 bits as q + 128 (the offsets carry the -128).
+std::vector<float> lanes_quants(const uint8_t* row, int64_t in, int bits) {
+  std::vector<float> q(in);
   const int64_t chunks = in / kChunk;
+  if (bits == 8) {
+    const int64_t wide = chunks / kWideChunks, tail = chunks % kWideChunks;
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t i = 0; i < kChunk; ++i) {
+        const int64_t half = i / 16, t = i % 16 / 4;
+        int64_t at;
+        if (c < wide * kWideChunks) {  // load 2t + half of its wide block, lane c % 16
+          at = c / kWideChunks * 8 * kStepBytes + (2 * t + half) * kStepBytes +
+               4 * (c % kWideChunks) + i % 4;
+        } else {  // its quad's first or last 16 bytes of every chunk
+          const int64_t r = c - wide * kWideChunks, quad = r / 4;
+          const int64_t in_quad = std::min<int64_t>(4, tail - 4 * quad);
+          at = wide * 8 * kStepBytes + quad * 2 * kStepBytes + half * 16 * in_quad + 16 * (r % 4) +
+               i % 16;
+        }
+        q[c * kChunk + i] = row[at];
+      }
+    return q;
+  }
   std::vector<uint8_t> nibbles(in / 2), fifth(in / 2, 0), fifth_ordered(in / 2, 0);
   gguf_order_row(row, chunks, nibbles.data());
-  if (five) {  // each nibble byte's two 5th bits (low weight's bit 0, high's bit 1), ordered alike
+  if (bits == 5) {  // each nibble byte's two 5th bits (low weight's bit 0, high's bit 1)
     for (int64_t i = 0; i < in / 2; ++i) {
-      const uint8_t* masks = lanes.fifth + 16 * (i / 64);
+      const uint8_t* masks = row + in / 2 + 16 * (i / 64);
       const int64_t bit = i % 64;
       fifth[i] =
           ((masks[bit / 8] >> (bit % 8)) & 1) | (((masks[8 + bit / 8] >> (bit % 8)) & 1) << 1);
     }
     gguf_order_row(fifth.data(), chunks, fifth_ordered.data());
   }
-  for (int64_t g = 0; g < chunks; ++g) {
-    const FP32Vec16 scale(static_cast<float>(lanes.d[g / 8]) * lanes.sc[g]);
-    const FP32Vec16 offset(-(static_cast<float>(lanes.dmin[g / 8]) * lanes.m[g]));
-    const Int4Chunk chunk = Int4Chunk::load(nibbles.data() + g * 16);
-    const vec::U8Vec16 bits = vec::U8Vec16::load(fifth_ordered.data() + g * 16);
-    const FP32Vec16 low = chunk.low() + FP32Vec16::widen(bits & 1) * 16.f;
-    const FP32Vec16 high = chunk.high() + FP32Vec16::widen(bits >> 1) * 16.f;
-    vec::fma(low, scale, offset).store(y + g * kChunk);
-    vec::fma(high, scale, offset).store(y + g * kChunk + 16);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t b = 0; b < 16; ++b) {
+      const uint8_t byte = nibbles[c * 16 + b], five = fifth_ordered[c * 16 + b];
+      q[c * kChunk + b] = static_cast<float>((byte & 15) | (five & 1) << 4);
+      q[c * kChunk + 16 + b] = static_cast<float>((byte >> 4) | (five >> 1) << 4);
+    }
+  return q;
+}
+
+// A row of lanes in fp32, x's order: q * scale + offset as one fma of exact products, the
+// file's values bit for bit.
+void dequantize_lanes_row(const uint8_t* row, int64_t in, int64_t of, float* y) {
+  const std::vector<float> q = lanes_quants(row, in, lanes_bits(of));
+  const bool super_blocks = of == kQ4_K || of == kQ5_K;
+  const KLanesRow k(row, in, of == kQ5_K);
+  const at::Half* scales =
+      reinterpret_cast<const at::Half*>(row + lanes_quant_bytes(lanes_bits(of), in));
+  for (int64_t g = 0; g < in / kChunk; ++g) {
+    const FP32Vec16 scale(super_blocks ? static_cast<float>(k.d[g / 8]) * k.sc[g]
+                                       : static_cast<float>(scales[g]));
+    const FP32Vec16 offset(super_blocks ? -(static_cast<float>(k.dmin[g / 8]) * k.m[g])
+                                        : static_cast<float>(scales[in / kChunk + g]));
+    for (int64_t h = 0; h < kChunk; h += 16)
+      vec::fma(FP32Vec16::load(q.data() + g * kChunk + h), scale, offset).store(y + g * kChunk + h);
   }
 }
 
 void dequantize_row(int64_t type, BlockFormat format, const uint8_t* row, int64_t in, float* y) {
   // A row of lanes is no run of independent blocks.
-  if (is_k_lanes(type)) return dequantize_k_lanes_row(row, in, type == kQ5_K_Lanes, y);
+  if (const int64_t of = lanes_of(type); of >= 0) return dequantize_lanes_row(row, in, of, y);
   for (int64_t k = 0; k < in / format.weights; ++k)
     dequantize_block(type, row + k * format.bytes, y + k * format.weights);
 }
@@ -331,28 +384,42 @@ void gguf_linear_int8(const at::Tensor& x, const at::Tensor& weight, int64_t typ
 }
 #endif
 
+#if defined(KVSCOPE_VNNI_DOTS)
+// bf16 x against a row of lanes of ggml type `of` (common.h), through the int4 kernels.
+void lanes_linear(const at::Tensor& x, const at::Tensor& weight, int64_t of,
+                  const Int4Layout& layout, const bf16* bias, at::Tensor& out) {
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const int64_t rows = weight.size(0), in = x.size(1), groups = in / kChunk;
+  if (of == kQ4_K)
+    return int4_linear_vnni<4>(x, w, rows, layout, SuperBlockScales<false>{layout}, bias, out);
+  if (of == kQ5_K)
+    return int4_linear_vnni<5>(x, w, rows, layout, SuperBlockScales<true>{layout}, bias, out);
+  const int bits = lanes_bits(of);
+  const at::Half* scales = reinterpret_cast<const at::Half*>(w + lanes_quant_bytes(bits, in));
+  const HalfScales inline_scales{scales, scales + groups, layout.row_bytes / 2, layout};
+  if (bits == 8) return int4_linear_vnni<8>(x, w, rows, layout, inline_scales, bias, out);
+  if (bits == 5) return int4_linear_vnni<5>(x, w, rows, layout, inline_scales, bias, out);
+  int4_linear_vnni<4>(x, w, rows, layout, inline_scales, bias, out);
+}
+#endif
+
 template <typename T, typename Out>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                       BlockFormat format, const T* bias, at::Tensor& out) {
 #if defined(KVSCOPE_VNNI_DOTS)
   if constexpr (std::is_same_v<T, bf16>)
-    if (is_k_lanes(type)) {
+    if (const int64_t of = lanes_of(type); of >= 0) {
       const Int4Layout layout(x.size(1), 0, weight.size(1));
       // The int4 kernels write x's dtype: the logits' fp32 is that result widened.
       at::Tensor result = std::is_same_v<Out, bf16> ? out : at::empty(out.sizes(), x.options());
-      if (type == kQ5_K_Lanes)
-        int4_linear_vnni(x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
-                         SuperBlockScales<true>{layout}, bias, result);
-      else
-        int4_linear_vnni(x, weight.data_ptr<uint8_t>(), weight.size(0), layout,
-                         SuperBlockScales<false>{layout}, bias, result);
+      lanes_linear(x, weight, of, layout, bias, result);
       if constexpr (!std::is_same_v<Out, bf16>) out.copy_(result);
       return;
     }
 #endif
 #if defined(KVSCOPE_GGUF_INT8_DOTS)
   if constexpr (std::is_same_v<T, bf16>)
-    if (!is_k_lanes(type)) return gguf_linear_int8<Out>(x, weight, type, bias, out);
+    if (lanes_of(type) < 0) return gguf_linear_int8<Out>(x, weight, type, bias, out);
 #endif
   const int64_t in = x.size(1), out_features = weight.size(0), rows = x.size(0);
   const int64_t row_bytes = weight.size(1), out_stride = out.stride(0);
@@ -381,14 +448,14 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t typ
 BlockFormat check_gguf_weight(const at::Tensor& weight, int64_t type, int64_t in, const char* op) {
   const std::optional<BlockFormat> format = block_format(type);
   TORCH_CHECK(format.has_value(), op, ": ggml type ", type,
-              " is not one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (or ", kQ4KLanesType,
-              ", ", kQ5KLanesType, ": kvscope's Q4_K, Q5_K lanes)");
+              " is not one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (or ", kLanesCode,
+              " + one of the first seven: kvscope's lanes of it)");
   TORCH_CHECK(in % format->weights == 0, op, ": in (", in, ") a multiple of the block's ",
               format->weights, " weights");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.size(1) == in / format->weights * format->bytes,
+                  weight.size(1) == row_bytes(type, *format, in),
               op, ": weight uint8 [out_features, in / ", format->weights, " * ", format->bytes,
-              "]");
+              lanes_of(type) >= 0 ? " (lanes: with 5th bits per 64-byte load)" : "", "]");
   return *format;
 }
 
@@ -447,12 +514,11 @@ void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out) {
 }
 
 // The type code gguf_linear streams `type`'s rows faster as, once repacked at load
-// (GgufLinear.repack), or -1 where it streams the file's blocks best: Q4_K's and Q5_K's
-// lanes where the int4 kernels' VNNI dots run.
+// (GgufLinear.repack), or -1 where it streams the file's blocks best: the lanes (common.h)
+// of every type but Q6_K where the int4 kernels' VNNI dots run.
 int64_t gguf_repacked_type(int64_t type) {
 #if defined(KVSCOPE_VNNI_DOTS)
-  if (type == kQ4_K) return kQ4_K_Lanes;
-  if (type == kQ5_K) return kQ5_K_Lanes;
+  if (lanes_of(kLanesCode + type) >= 0) return kLanesCode + type;
 #endif
   (void)type;
   return -1;

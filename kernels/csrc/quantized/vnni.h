@@ -227,14 +227,15 @@ struct Int4Layout {
 // Where the int4 dots' weight scales and offsets come from. `row(weight, n)` gives output
 // row n's, whose `wide(k)` are the scales of wide block k's 16 chunks in their lanes,
 // `quad(l, real)` those of tail quad l (`real` masks the groups its chunks use) and
-// `offsets_from(g)` the offsets of groups g..g + 15 (zeros past the row's groups). Where
-// kFifthBits, the weights have a 5th bit: `fifth(i)` the masks of 64-byte load i's.
+// `offsets_from(g)` the offsets of groups g..g + 15 (zeros past the row's groups).
 //
-// Int4Linear's: a float16 scale and offset per group of 2^group_shift chunks, [out][groups].
+// A float16 scale and offset per group of 2^group_shift chunks, row n's `stride` halves
+// after row n - 1's: Int4Linear's [out][groups] arrays, or each row's own after its quants
+// (the 32-weight GGUF types' lanes, GgufLanesRow).
 struct HalfScales {
-  static constexpr bool kFifthBits = false;
   const at::Half* scales;
   const at::Half* offsets;
+  int64_t stride;
   const Int4Layout& layout;
 
   struct Row {
@@ -253,7 +254,7 @@ struct HalfScales {
     }
   };
   Row row(const uint8_t*, int64_t n) const {
-    return {scales + n * layout.groups, offsets + n * layout.groups, layout};
+    return {scales + n * stride, offsets + n * stride, layout};
   }
 };
 
@@ -269,19 +270,10 @@ inline __m512 eight_lanes_each(const at::Half* p, bool both) {
 // de-quantization computes them.
 template <bool kFive>
 struct SuperBlockScales {
-  static constexpr bool kFifthBits = kFive;
   const Int4Layout& layout;
 
   struct Row : KLanesRow {
     const Int4Layout& layout;
-
-    // Load i's 5th bits: of the weights in its bytes' low nibbles, then high ones'.
-    std::pair<__mmask64, __mmask64> fifth_masks(int64_t i) const {
-      uint64_t low, high;
-      std::memcpy(&low, fifth + 16 * i, 8);
-      std::memcpy(&high, fifth + 16 * i + 8, 8);
-      return {_cvtu64_mask64(low), _cvtu64_mask64(high)};
-    }
 
     static __m512 bytes(const uint8_t* p, __mmask16 mask) {
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, p)));
@@ -344,42 +336,58 @@ inline HeldX hold_x(const Int4Layout& layout, const uint8_t* x_row, const float*
 // (centred near zero), a several times larger error. The three terms (blocks, quads,
 // offsets) run as separate chains and meet at the end.
 // `held` (one row of x only): x's first block, quad and group sums already in registers.
-// `scales`: HalfScales or SuperBlockScales.
-template <int M, typename Scales>
+// `scales`: HalfScales or SuperBlockScales. kBits: how the row's quants sit (kQuantBytes):
+//   4  Int4Linear's nibbles, as above;
+//   5  the same nibbles, then per 64-byte load of them two 64-bit masks of 5th bits (of the
+//      weights in its bytes' low nibbles, then high ones'): both operands shifted down to
+//      their 5-bit values, no `>> 4` after;
+//   8  bytes (Q8_0's q + 128, unsigned as vpdpbusd takes them, their scale's offset
+//      -128 * d taking the 128 * sum(x) off): a wide block's 16 chunks in 8 loads, load 2t
+//      holding x's operand 2t's weights and 2t + 1 its; a quad's chunks' first 16 bytes,
+//      then their last 16 (16 * chunks bytes on).
+template <int kBits>
+constexpr int64_t kQuantWideBytes = kBits == 8 ? 2 * kWideBytes : kWideBytes;
+
+template <int M, int kBits, typename Scales>
 inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows)[M],
                          const float* xsum, const HeldX* held, const uint8_t* weight,
                          const Scales& scales, int64_t n, __m512 (&out)[M]) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F), high_nibbles = _mm512_set1_epi8(-16);
   const uint8_t* row = weight + n * layout.row_bytes;
+  const uint8_t* fifth = row + layout.chunks * kChunk / 2;  // kBits 5: after the nibbles
   const typename Scales::Row row_scales = scales.row(weight, n);
   __m512 acc[M], tail_acc[M];
   for (int m = 0; m < M; ++m) acc[m] = tail_acc[m] = _mm512_setzero_ps();
-  // x_lane(m, j): operand j (of 8) of block k for row m of x; x_scale(m): its chunks' d.
-  // 64-byte load i of the row's nibbles as the weights in its low nibbles and in its high
-  // ones (16 times theirs, no shift, but shifted down where a 5th bit makes them 5 bits).
-  auto weights = [&](__m512i packed, int64_t i) __attribute__((always_inline)) {
+  // 64-byte load i of a row's nibbles as its low and high operands.
+  auto nibbles = [&](__m512i packed, int64_t i) __attribute__((always_inline)) {
     asm("" : "+v"(packed));  // one load for both nibble masks, not one folded into each
     __m512i low = _mm512_and_si512(packed, low_nibbles);
-    if constexpr (!Scales::kFifthBits) {
+    if constexpr (kBits == 4) {
       return std::pair(low, _mm512_and_si512(packed, high_nibbles));
     } else {
-      const auto [low_bits, high_bits] = row_scales.fifth_masks(i);
+      uint64_t low_bits, high_bits;
+      std::memcpy(&low_bits, fifth + 16 * i, 8);
+      std::memcpy(&high_bits, fifth + 16 * i + 8, 8);
       const __m512i sixteen = _mm512_set1_epi8(16);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-      low = _mm512_mask_add_epi8(low, low_bits, low, sixteen);
-      return std::pair(low, _mm512_mask_add_epi8(high, high_bits, high, sixteen));
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      return std::pair(_mm512_mask_add_epi8(low, _cvtu64_mask64(low_bits), low, sixteen),
+                       _mm512_mask_add_epi8(high, _cvtu64_mask64(high_bits), high, sixteen));
     }
   };
   auto dot_sum = [](__m512i low_dots, __m512i high_dots) __attribute__((always_inline)) {
-    if constexpr (Scales::kFifthBits) return _mm512_add_epi32(low_dots, high_dots);
-    return _mm512_add_epi32(low_dots, _mm512_srai_epi32(high_dots, 4));
+    if constexpr (kBits == 4) return _mm512_add_epi32(low_dots, _mm512_srai_epi32(high_dots, 4));
+    return _mm512_add_epi32(low_dots, high_dots);
   };
+  // x_lane(m, j): operand j (of 8) of block k for row m of x; x_scale(m): its chunks' d.
   auto wide_block = [&](int64_t k, auto&& x_lane, auto&& x_scale) __attribute__((always_inline)) {
     __m512i low_dots[M], high_dots[M];
     for (int m = 0; m < M; ++m) low_dots[m] = high_dots[m] = _mm512_setzero_si512();
+    const uint8_t* block = row + k * kQuantWideBytes<kBits>;
     for (int t = 0; t < 4; ++t) {
-      const auto [low, high] =
-          weights(_mm512_loadu_si512(row + k * kWideBytes + t * kStepBytes), 4 * k + t);
+      const auto [low, high] = kBits == 8
+                                   ? std::pair(_mm512_loadu_si512(block + 2 * t * kStepBytes),
+                                               _mm512_loadu_si512(block + (2 * t + 1) * kStepBytes))
+                                   : nibbles(_mm512_loadu_si512(block + t * kStepBytes), 4 * k + t);
       for (int m = 0; m < M; ++m) {
         low_dots[m] = _mm512_dpbusd_epi32(low_dots[m], low, x_lane(m, 2 * t));
         high_dots[m] = _mm512_dpbusd_epi32(high_dots[m], high, x_lane(m, 2 * t + 1));
@@ -403,10 +411,14 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
       return load_operand(x_rows[m] + k * kWideLaneBytes + j * kStepBytes);
     }, [&](int m) { return load_lane_scales(x_rows[m] + k * kWideLaneBytes, 8 * kStepBytes); });
   // The quads after the wide blocks, their scales from the first group past them.
-  const uint8_t* tail = row + layout.wide * kWideBytes;
-  auto add_quad = [&](int64_t l, __m512i packed, __mmask8 real_groups)
+  const uint8_t* tail = row + layout.wide * kQuantWideBytes<kBits>;
+  auto add_quad = [&](int64_t l, __mmask64 bytes, int64_t chunks, __mmask8 real_groups)
                       __attribute__((always_inline)) {
-    const auto [low, high] = weights(packed, 4 * layout.wide + l);
+    const uint8_t* at = tail + l * kStepBytes * (kBits == 8 ? 2 : 1);
+    const auto [low, high] = kBits == 8
+                                 ? std::pair(_mm512_maskz_loadu_epi8(bytes, at),
+                                             _mm512_maskz_loadu_epi8(bytes, at + 16 * chunks))
+                                 : nibbles(_mm512_maskz_loadu_epi8(bytes, at), 4 * layout.wide + l);
     const __m512 w_scale = row_scales.quad(l, real_groups);
     for (int m = 0; m < M; ++m) {
       const uint8_t* step = x_rows[m] + layout.wide * kWideLaneBytes + l * kQuadLaneBytes;
@@ -421,13 +433,9 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, x_scale), tail_acc[m]);
     }
   };
-  for (int64_t l = 0; l < layout.tail_quads; ++l)
-    add_quad(l, _mm512_loadu_si512(tail + l * kStepBytes), layout.full_groups);
-  if (layout.tail_chunks) {
-    const int64_t l = layout.tail_quads;
-    add_quad(l, _mm512_maskz_loadu_epi8(layout.tail_bytes, tail + l * kStepBytes),
-             layout.tail_groups);
-  }
+  for (int64_t l = 0; l < layout.tail_quads; ++l) add_quad(l, ~0ull, 4, layout.full_groups);
+  if (layout.tail_chunks)
+    add_quad(layout.tail_quads, layout.tail_bytes, layout.tail_chunks, layout.tail_groups);
   // Each 16 groups' offsets once for every row of x (SuperBlockScales computes them).
   const int64_t groups = layout.groups;
   __m512 shift[M];
@@ -445,7 +453,7 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
 }
 
 // Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
-template <int M, typename Scales>
+template <int M, int kBits, typename Scales>
 void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, const Int4Layout& layout,
                     const uint8_t* weight, const Scales& scales, const bf16* bias, bf16* out,
                     int64_t out_stride, int64_t begin, int64_t end) {
@@ -464,13 +472,13 @@ void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, const I
         for (const uint8_t* line = ahead; line < std::min(ahead + row_bytes, last_byte); line += 64)
           kvscope::prefetch_to_l2(line);
         __m512 row_lanes[1];
-        int4_dot_row<1>(layout, x_rows, xsum, &held, weight, scales, first + i, row_lanes);
+        int4_dot_row<1, kBits>(layout, x_rows, xsum, &held, weight, scales, first + i, row_lanes);
         lanes[0][i] = row_lanes[0];
       }
     } else {
       for (int64_t i = 0; i < count; ++i) {
         __m512 row_lanes[M];
-        int4_dot_row<M>(layout, x_rows, xsum, nullptr, weight, scales, first + i, row_lanes);
+        int4_dot_row<M, kBits>(layout, x_rows, xsum, nullptr, weight, scales, first + i, row_lanes);
         for (int m = 0; m < M; ++m) lanes[m][i] = row_lanes[m];
       }
     }
@@ -548,10 +556,10 @@ void all_rows_by_tiles(int64_t rows, int64_t out_features, int64_t min_rows,
   });
 }
 
-// out = x @ W.T + bias for bf16 x rounded to int8 and int4 weights of `layout` whose scales
-// come from `scales` (HalfScales, SuperBlockScales): all rows of x against the weights, tile
-// by tile.
-template <typename Scales>
+// out = x @ W.T + bias for bf16 x rounded to int8 and weights of `layout` whose quants sit
+// as kBits says (int4_dot_row) and whose scales come from `scales` (HalfScales,
+// SuperBlockScales): all rows of x against the weights, tile by tile.
+template <int kBits, typename Scales>
 void int4_linear_vnni(const at::Tensor& x, const uint8_t* weight, int64_t out_features,
                       const Int4Layout& layout, const Scales& scales, const bf16* bias,
                       at::Tensor& out) {
@@ -567,8 +575,9 @@ void int4_linear_vnni(const at::Tensor& x, const uint8_t* weight, int64_t out_fe
   all_rows_by_tiles(rows, out_features, int4_chunk_rows(rows, out_features, layout.row_bytes),
                     [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
     constexpr int M = decltype(rows_constant)::value;
-    int4_rows_vnni<M>(xl, x_first, xsum.data() + x_first * padded, layout, weight, scales, bias,
-                      elements<bf16>(out) + x_first * out.stride(0), out.stride(0), begin, end);
+    int4_rows_vnni<M, kBits>(xl, x_first, xsum.data() + x_first * padded, layout, weight, scales,
+                             bias, elements<bf16>(out) + x_first * out.stride(0), out.stride(0),
+                             begin, end);
   });
 }
 
