@@ -47,15 +47,14 @@ from gguf import GGML_QUANT_SIZES
 from kvscope.engine.worker.loader import load_config, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.models.quantized import (  # noqa: E402
     KERNEL_MAX_ROWS,
-    LANES,
     GgufBlocks,
     GgufLinear,
     Int4Linear,
     Int8Linear,
-    int4_wide_blocks,
     pack_model,
 )
 from kvscope.kernels import cpu_kernels, gguf_blocks  # noqa: E402
+from kvscope.kernels.gguf_lanes import LANES, int4_wide_blocks  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -10,17 +10,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from kvscope.engine.worker.models.quantized import (
     KERNEL_MAX_ROWS,
-    LANES,
     TILED_KERNEL_MAX_ROWS,
     GgufBlocks,
     GgufLinear,
-    dequantize_lanes,
     kernel_max_rows,
-    lanes,
-    lanes_bits,
 )
 from kvscope.kernels import TORCH_OPS, cpu_extension, gguf_blocks, select_ops
 from kvscope.kernels.gguf_blocks import random_blocks
+from kvscope.kernels.gguf_lanes import LANES, dequantize_lanes, lanes, lanes_bits
 
 Q = GGMLQuantizationType
 SIZE = gguf_blocks.RANDOM_SIZE

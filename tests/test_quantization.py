@@ -23,7 +23,6 @@ from kvscope.engine.worker.models.quantized import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
-    int4_wide_blocks,
     kernel_max_rows,
     output_logits,
     pack_model,
@@ -31,6 +30,7 @@ from kvscope.engine.worker.models.quantized import (
     quantize_int8,
 )
 from kvscope.kernels import TORCH_OPS, KernelOps, PackedLinearKernels, cpu_kernels
+from kvscope.kernels.gguf_lanes import int4_wide_blocks
 
 CPU = torch.device("cpu")
 # Packed matmuls reorder the sums; bf16 activations round every product.

@@ -89,13 +89,12 @@ std::vector<float> widen_rows(const T* x, int64_t x_stride, int64_t rows, int64_
   return xf;
 }
 
-// Lanes: a GGUF type's rows repacked at load (kvscope's own layouts, quantized.py's
-// `lanes`) for the int4 kernels' dots (vnni.h), the file's values bit for bit. A row starts
-// with its quants in 32-weight chunks: 4 bits as Int4Linear's nibbles; 5 bits as those
-// nibbles, then per 64-byte load of them (a tail quad's shorter one too) 16 bytes of 5th
-// bits (two 64-bit masks: bit i of the first is the 5th bit of the weight in the load's
-// byte i's low nibble, of the second its high one's); 8 bits (Q8_0's q + 128) as vnni.h's
-// int4_dot_row lays them. Then:
+// Lanes: a GGUF type's rows repacked at load (kvscope's own layouts, kernels/gguf_lanes.py) for the
+// int4 kernels' dots (vnni.h), the file's values bit for bit. A row starts with its quants in
+// 32-weight chunks: 4 bits as Int4Linear's nibbles; 5 bits as those nibbles, then per 64-byte load
+// of them (a tail quad's shorter one too) 16 bytes of 5th bits (two 64-bit masks: bit i of the
+// first is the 5th bit of the weight in the load's byte i's low nibble, of the second its high
+// one's); 8 bits (Q8_0's q + 128) as vnni.h's int4_dot_row lays them. Then:
 //   Q4_0..Q8_0 (LanesRow) a float16 scale per chunk, then a float16 offset per chunk:
 //     Q4_1's and Q5_1's m, Q4_0's -8 d, Q5_0's -16 d, Q8_0's -128 d (exact products);
 //   Q4_K, Q5_K (KLanesRow) per chunk (sub-block) its 6-bit scale sc and min m (a byte
