@@ -14,10 +14,10 @@ x of each number of rows:
                    _weight_int4pack_mm_for_cpu) on the same weights, for comparison
   gguf_<TYPE>      with --gguf-types, GgufLinear on random valid blocks of that GGUF type
                    (quantization="gguf"), every layer in it (a width no multiple of the
-                   type's block falls back to Q8_0), the lm_head too; every type but
-                   Q6_K also as gguf_<TYPE>_lanes, its rows repacked into the int4 kernels'
-                   layout (GgufLinear.repack), the form a bf16 model's layers of those types
-                   load into where the kernels have AVX512-VNNI
+                   type's block falls back to Q8_0), the lm_head too; and each as
+                   gguf_<TYPE>_lanes, its rows repacked into the int4 kernels' layout
+                   (GgufLinear.repack), the form a bf16 model's layers load into where the
+                   kernels have AVX512-VNNI
 
 It prints JSON: per form and row count the median ms of a pass, the weight GB/s that
 implies, and each layer kind's share, next to the read bandwidth bench/roofline.py

@@ -96,6 +96,27 @@ def k5_bits(blocks: torch.Tensor) -> torch.Tensor:
     return _bits(blocks[..., 16:48], 8).reshape(blocks.shape[0], -1, 8, 32)
 
 
+def q6_quants(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [rows, super-blocks, 210] -> their 6-bit quants [rows, super-blocks, 256]
+    (uint8 0..63, x's order: the low nibbles of 128 bytes, then 2 bits each of 64) and
+    their int8 scales [rows, super-blocks, 16], one per 16 weights."""
+    rows = blocks.shape[0]
+    ql = blocks[..., :128].reshape(rows, -1, 2, 1, 64)
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(rows, -1, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8).view(4, 1)
+    high = (qh >> shifts) & 3
+    return (low | (high << 4)).reshape(rows, -1, 256), blocks[..., 192:208].contiguous().view(torch.int8)
+
+
+def q6_weights(d: torch.Tensor, sc: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(d * sc) * (q - 32) per 16 weights, in ggml's order of operations (fp32): d [rows,
+    super-blocks, 1], sc [rows, super-blocks, 16], q [rows, super-blocks, 256]."""
+    rows = q.shape[0]
+    return ((d * sc.float()).unsqueeze(-1) * (q.float() - 32).view(rows, -1, 16, 16)).reshape(
+        rows, -1, 256)
+
+
 def k4_weights(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mins: torch.Tensor,
                q: torch.Tensor) -> torch.Tensor:
     """(d * sc) * q - dmin * m per sub-block, in ggml's order of operations (fp32)."""
@@ -118,14 +139,8 @@ def dequantize(weight: torch.Tensor, kind: GGMLQuantizationType, in_features: in
             q = q | (k5_bits(b) << 4)
         w = k4_weights(d, dmin, sc, mins, q)
     elif kind == Q.Q6_K:
-        ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
-        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
-        low = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(rows, -1, 2, 4, 32)
-        shifts = torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8).view(4, 1)
-        high = (qh >> shifts) & 3
-        q = (low | (high << 4)).float() - 32
-        sc = b[..., 192:208].contiguous().view(torch.int8).float().view(rows, -1, 2, 4, 2, 1)
-        w = (_halves(b, 208).view(rows, -1, 1, 1, 1, 1) * sc) * q.view(rows, -1, 2, 4, 2, 16)
+        q, sc = q6_quants(b)
+        w = q6_weights(_halves(b, 208), sc, q)
     else:
         raise ValueError(f"GGUF type {kind.name} has no kvscope de-quantization; "
                          f"packed types: {[t.name for t in PACKED_TYPES]}")

@@ -4,7 +4,7 @@ build on, in plain torch (kernels/csrc/quantized/common.h describes both).
 Where the kernels stream a GGUF type faster in lanes (PackedLinearKernels.gguf_repacked_type),
 the runner repacks its layers once at load (quantized.py's GgufLinear.repack): the same
 weights, bit for bit, as int4 chunks in the wide layout below (5-bit types with their 5th bits
-as masks, Q8_0 as bytes), each row's scales after its quants.
+as masks, Q6_K with its top bit pairs, Q8_0 as bytes), each row's scales after its quants.
 """
 
 import torch
@@ -35,12 +35,13 @@ def int4_wide_blocks(packed: torch.Tensor, inverse: bool = False) -> torch.Tenso
 # kvscope's own codes for rows of a GGUF type repacked into lanes, by the type they hold:
 # 100 + its ggml type id (ggml's stay below 100).
 Q = gguf_blocks.Q
-LANES = {kind: 100 + int(kind) for kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K)}
+LANES = {kind: 100 + int(kind)
+         for kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
 SUPER_BLOCK = 256  # weights per k-quant super-block (8 sub-blocks of 32)
 
 
 def lanes_bits(kind: gguf_blocks.GGMLQuantizationType) -> int:
-    return 8 if kind == Q.Q8_0 else 5 if kind in (Q.Q5_0, Q.Q5_1, Q.Q5_K) else 4
+    return {Q.Q8_0: 8, Q.Q6_K: 6, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5}.get(kind, 4)
 
 
 def _block32_lanes_bytes(q: torch.Tensor) -> torch.Tensor:
@@ -85,6 +86,12 @@ def _lanes_quants(q: torch.Tensor, bits: int) -> torch.Tensor:
         planes = torch.stack([pairs & 1, pairs >> 1], dim=-2).view(rows, -1, 2, 8, 8)
         weights = 1 << torch.arange(8, dtype=torch.int32)
         parts.append((planes.int() * weights).sum(-1).to(torch.uint8).reshape(rows, -1))
+    if bits == 6:
+        # Each chunk byte's two top bit pairs (its low nibble's weight's in bits 0-1, its
+        # high one's in 2-3), moved as its nibbles are; loads 2u and 2u + 1 share 64 bytes.
+        pairs = int4_wide_blocks(((q[..., :half] >> 4) | ((q[..., half:] >> 4) << 2)).reshape(
+            rows, -1)).view(rows, -1, 2, 64)
+        parts.append((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(rows, -1))
     return torch.cat(parts, dim=1)
 
 
@@ -103,6 +110,11 @@ def _quants_of_lanes(weight: torch.Tensor, bits: int, in_features: int) -> torch
         pairs = (planes[:, :, 0] | (planes[:, :, 1] << 1)).reshape(rows, -1)[:, :in_features // 2]
         pairs = int4_wide_blocks(pairs.contiguous(), inverse=True).view(rows, chunks, 16)
         q = q | (torch.cat([pairs & 1, pairs >> 1], dim=-1) << 4)
+    if bits == 6:
+        shared = weight[:, in_features // 2:_quant_bytes(bits, in_features)].reshape(rows, -1, 1, 64)
+        pairs = torch.cat([shared & 15, shared >> 4], dim=2).reshape(rows, -1)
+        pairs = int4_wide_blocks(pairs, inverse=True).view(rows, chunks, 16)
+        q = q | (torch.cat([pairs & 3, pairs >> 2], dim=-1) << 4)
     return q
 
 
@@ -111,10 +123,11 @@ def lanes(blocks: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
     """Rows of GGUF blocks (uint8 [rows, row bytes]) of a type in LANES repacked into its
     lanes (kernels/csrc/quantized/common.h), the same weights in the int4 kernels' layout:
     the quants (4 bits as Int4Linear's chunks; 5 bits the same and per 64-byte load of
-    them a 64-bit mask of 5th bits for its bytes' low nibbles, one for their high ones; 8
-    bits as _block32_lanes_bytes), then Q4_0..Q8_0's float16 scale per 32 weights and
-    offset per 32 weights, or Q4_K's / Q5_K's 6-bit scales and mins (a byte each) and
-    float16 d and dmin per super-block."""
+    them a 64-bit mask of 5th bits for its bytes' low nibbles, one for their high ones; 6
+    bits the same and per two loads 64 bytes of top bit pairs; 8 bits as
+    _block32_lanes_bytes), then Q4_0..Q8_0's float16 scale per 32 weights and offset per
+    32 weights, Q4_K's / Q5_K's 6-bit scales and mins (a byte each) and float16 d and dmin
+    per super-block, or Q6_K's int8 scale per 16 weights and float16 d per super-block."""
     rows = blocks.shape[0]
     weights, size = gguf_blocks.GGML_QUANT_SIZES[kind]
     b = blocks.reshape(rows, in_features // weights, size)
@@ -124,6 +137,9 @@ def lanes(blocks: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
             q = q | (gguf_blocks.k5_bits(b) << 4)
         sc, mins = gguf_blocks.k_scales(b[..., 4:16])
         tail = [sc, mins, b[..., 0:2], b[..., 2:4]]
+    elif kind == Q.Q6_K:
+        q, sc = gguf_blocks.q6_quants(b)
+        tail = [sc.view(torch.uint8), b[..., 208:210]]
     else:
         q, d, offset = gguf_blocks.block32_quants(b, kind)
         tail = [d.half().view(torch.uint8), offset.half().view(torch.uint8)]
@@ -147,6 +163,12 @@ def dequantize_lanes(weight: torch.Tensor, kind: gguf_blocks.GGMLQuantizationTyp
             return halves.contiguous().view(torch.float16).float().view(rows, blocks, 1)
         w = gguf_blocks.k4_weights(per_block(d), per_block(dmin), sc.float().view(rows, blocks, 8),
                                    mins.float().view(rows, blocks, 8), q.view(rows, blocks, 8, 32))
+    elif kind == Q.Q6_K:
+        blocks = in_features // SUPER_BLOCK
+        sc, d = rest.split([in_features // 16, 2 * blocks], dim=1)
+        w = gguf_blocks.q6_weights(d.contiguous().view(torch.float16).float().view(rows, blocks, 1),
+                                   sc.contiguous().view(torch.int8).view(rows, blocks, 16),
+                                   q.view(rows, blocks, 256))
     else:
         scale, offset = rest.contiguous().view(torch.float16).float().view(rows, 2, chunks, 1).unbind(1)
         w = q.float() * scale + offset
@@ -158,4 +180,4 @@ def _quant_bytes(bits: int, in_features: int) -> int:
     16 bytes per 64-byte load of nibbles, a tail's shorter load too."""
     if bits == 8:
         return in_features
-    return in_features // 2 + (16 * -(-in_features // 128) if bits == 5 else 0)
+    return in_features // 2 + {5: 16 * -(-in_features // 128), 6: in_features // 4}.get(bits, 0)

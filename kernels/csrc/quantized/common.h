@@ -94,20 +94,36 @@ std::vector<float> widen_rows(const T* x, int64_t x_stride, int64_t rows, int64_
 // 32-weight chunks: 4 bits as Int4Linear's nibbles; 5 bits as those nibbles, then per 64-byte load
 // of them (a tail quad's shorter one too) 16 bytes of 5th bits (two 64-bit masks: bit i of the
 // first is the 5th bit of the weight in the load's byte i's low nibble, of the second its high
-// one's); 8 bits (Q8_0's q + 128) as vnni.h's int4_dot_row lays them. Then:
-//   Q4_0..Q8_0 (LanesRow) a float16 scale per chunk, then a float16 offset per chunk:
+// one's); 6 bits (Q6_K) as the nibbles, then per two 64-byte loads of them 64 bytes of top bit
+// pairs (load 2u's in the low nibbles, 2u + 1's in the high ones; in each, bits 0-1 for the
+// weight in that byte's low nibble, 2-3 for its high one's); 8 bits (Q8_0's q + 128) as
+// vnni.h's int4_dot_row lays them. Then:
+//   Q4_0..Q8_0 a float16 scale per chunk, then a float16 offset per chunk:
 //     Q4_1's and Q5_1's m, Q4_0's -8 d, Q5_0's -16 d, Q8_0's -128 d (exact products);
 //   Q4_K, Q5_K (KLanesRow) per chunk (sub-block) its 6-bit scale sc and min m (a byte
 //     each), then per 256-weight super-block its float16 d, then its dmin:
-//     weight = (d * sc) * q - dmin * m.
+//     weight = (d * sc) * q - dmin * m;
+//   Q6_K (Q6LanesRow) per 16 weights its int8 scale sc, then per super-block its float16 d:
+//     weight = (d * sc) * (q - 32).
 // A type's lanes have the code kLanesCode + its ggml type id (ggml's stay below 100).
 constexpr int64_t kLanesCode = 100;
 constexpr int64_t kSuperBlock = 256;
 
 // The quants' bytes of a row of `in` weights with `bits` bits each.
 constexpr int64_t lanes_quant_bytes(int bits, int64_t in) {
-  return bits == 8 ? in : in / 2 + (bits == 5 ? 16 * ((in / 2 + 63) / 64) : 0);
+  return bits == 8   ? in
+         : bits == 6 ? in / 2 + in / 4
+                     : in / 2 + (bits == 5 ? 16 * ((in / 2 + 63) / 64) : 0);
 }
+
+struct Q6LanesRow {
+  const int8_t* sc;
+  const at::Half* d;
+
+  Q6LanesRow(const uint8_t* row, int64_t in)
+      : sc(reinterpret_cast<const int8_t*>(row + lanes_quant_bytes(6, in))),
+        d(reinterpret_cast<const at::Half*>(sc + in / 16)) {}
+};
 
 struct KLanesRow {
   const uint8_t *fifth, *sc, *m;

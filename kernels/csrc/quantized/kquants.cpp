@@ -14,10 +14,10 @@
 //   Q6_K  256 weights, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
 //         int8 scales (one per 16 weights), d (f16); w = d * sc * (q - 32)
 //
-// and kvscope's own lanes of each but Q6_K (type 100 + its type; common.h): rows repacked
-// at load for the int4 kernels' dots, which take 16 chunks per 64-byte load where the
-// blocks' dots take one (Q4_0..Q8_0) or a super-block's 8 in four (Q4_K, Q5_K): on a CPU
-// with AVX512-VNNI they stream a model's Q4_K layers 1.2-2x faster (docs/performance.md).
+// and kvscope's own lanes of each (type 100 + its type; common.h): rows repacked at load for
+// the int4 kernels' dots, which take 16 chunks per 64-byte load where the blocks' dots take
+// one (Q4_0..Q8_0) or a super-block's 8 in four (the k-quants): on a CPU with AVX512-VNNI
+// they stream a model's layers 1.1-3.4x faster (docs/performance.md).
 //
 // Nibble order (every type): byte j of a 32-weight run holds weight j low and weight j + 16
 // high (Q4_0..Q5_1); for the k-quants, each 32 bytes of nibbles hold 64 weights, the low
@@ -72,14 +72,14 @@ enum GgmlType : int64_t {
 inline int64_t lanes_of(int64_t type) {
   const int64_t of = type - kLanesCode;
   return of == kQ4_0 || of == kQ4_1 || of == kQ5_0 || of == kQ5_1 || of == kQ8_0 || of == kQ4_K ||
-                 of == kQ5_K
+                 of == kQ5_K || of == kQ6_K
              ? of
              : -1;
 }
 
 // Bits per quant of a ggml type's lanes.
 inline int lanes_bits(int64_t of) {
-  return of == kQ8_0 ? 8 : (of == kQ5_0 || of == kQ5_1 || of == kQ5_K) ? 5 : 4;
+  return of == kQ8_0 ? 8 : of == kQ6_K ? 6 : (of == kQ5_0 || of == kQ5_1 || of == kQ5_K) ? 5 : 4;
 }
 
 struct BlockFormat {
@@ -110,8 +110,8 @@ std::optional<BlockFormat> block_format(int64_t type) {
   // Lanes: their quants and scales per weight block (a row's bytes: lanes_row_bytes).
   const int64_t of = lanes_of(type);
   if (of < 0) return std::nullopt;
-  const int64_t weights = of == kQ4_K || of == kQ5_K ? kSuperBlock : 32;
-  const int64_t scales = of == kQ4_K || of == kQ5_K ? 2 * (weights / 32) + 4 : 4;
+  const int64_t weights = of == kQ4_K || of == kQ5_K || of == kQ6_K ? kSuperBlock : 32;
+  const int64_t scales = of == kQ6_K ? 16 + 2 : of == kQ4_K || of == kQ5_K ? 16 + 4 : 4;
   return BlockFormat{weights, weights / 8 * lanes_bits(of) + scales};
 }
 
@@ -253,22 +253,27 @@ std::vector<float> lanes_quants(const uint8_t* row, int64_t in, int bits) {
       }
     return q;
   }
-  std::vector<uint8_t> nibbles(in / 2), fifth(in / 2, 0), fifth_ordered(in / 2, 0);
+  // Each nibble byte's bits above 4: for its low nibble's weight in the low `width` bits,
+  // for its high one's above them; ordered as the nibbles are.
+  const int width = bits - 4;
+  std::vector<uint8_t> nibbles(in / 2), tops(in / 2, 0), tops_ordered(in / 2, 0);
   gguf_order_row(row, chunks, nibbles.data());
-  if (bits == 5) {  // each nibble byte's two 5th bits (low weight's bit 0, high's bit 1)
-    for (int64_t i = 0; i < in / 2; ++i) {
-      const uint8_t* masks = row + in / 2 + 16 * (i / 64);
-      const int64_t bit = i % 64;
-      fifth[i] =
-          ((masks[bit / 8] >> (bit % 8)) & 1) | (((masks[8 + bit / 8] >> (bit % 8)) & 1) << 1);
+  for (int64_t i = 0; width > 0 && i < in / 2; ++i) {
+    const int64_t load = i / 64, at = i % 64;
+    if (bits == 5) {  // two 64-bit masks per load
+      const uint8_t* masks = row + in / 2 + 16 * load;
+      tops[i] = ((masks[at / 8] >> (at % 8)) & 1) | (((masks[8 + at / 8] >> (at % 8)) & 1) << 1);
+    } else {  // bit pairs: loads 2u and 2u + 1 in the low and high nibbles of 64 bytes
+      tops[i] = (row[in / 2 + 64 * (load / 2) + at] >> (4 * (load % 2))) & 15;
     }
-    gguf_order_row(fifth.data(), chunks, fifth_ordered.data());
   }
+  if (width > 0) gguf_order_row(tops.data(), chunks, tops_ordered.data());
+  const int mask = (1 << width) - 1;
   for (int64_t c = 0; c < chunks; ++c)
     for (int64_t b = 0; b < 16; ++b) {
-      const uint8_t byte = nibbles[c * 16 + b], five = fifth_ordered[c * 16 + b];
-      q[c * kChunk + b] = static_cast<float>((byte & 15) | (five & 1) << 4);
-      q[c * kChunk + 16 + b] = static_cast<float>((byte >> 4) | (five >> 1) << 4);
+      const uint8_t byte = nibbles[c * 16 + b], top = tops_ordered[c * 16 + b];
+      q[c * kChunk + b] = static_cast<float>((byte & 15) | (top & mask) << 4);
+      q[c * kChunk + 16 + b] = static_cast<float>((byte >> 4) | (top >> width) << 4);
     }
   return q;
 }
@@ -277,17 +282,26 @@ std::vector<float> lanes_quants(const uint8_t* row, int64_t in, int bits) {
 // file's values bit for bit.
 void dequantize_lanes_row(const uint8_t* row, int64_t in, int64_t of, float* y) {
   const std::vector<float> q = lanes_quants(row, in, lanes_bits(of));
-  const bool super_blocks = of == kQ4_K || of == kQ5_K;
+  const bool k4 = of == kQ4_K || of == kQ5_K;
   const KLanesRow k(row, in, of == kQ5_K);
+  const Q6LanesRow q6(row, in);
   const at::Half* scales =
       reinterpret_cast<const at::Half*>(row + lanes_quant_bytes(lanes_bits(of), in));
-  for (int64_t g = 0; g < in / kChunk; ++g) {
-    const FP32Vec16 scale(super_blocks ? static_cast<float>(k.d[g / 8]) * k.sc[g]
-                                       : static_cast<float>(scales[g]));
-    const FP32Vec16 offset(super_blocks ? -(static_cast<float>(k.dmin[g / 8]) * k.m[g])
-                                        : static_cast<float>(scales[in / kChunk + g]));
-    for (int64_t h = 0; h < kChunk; h += 16)
-      vec::fma(FP32Vec16::load(q.data() + g * kChunk + h), scale, offset).store(y + g * kChunk + h);
+  for (int64_t h = 0; h < in / 16; ++h) {  // 16 weights at a time, chunk g = h / 2's
+    const int64_t g = h / 2;
+    float scale, offset;
+    if (of == kQ6_K) {
+      scale = static_cast<float>(q6.d[h / 16]) * q6.sc[h];
+      offset = -32.f * scale;
+    } else if (k4) {
+      scale = static_cast<float>(k.d[g / 8]) * k.sc[g];
+      offset = -(static_cast<float>(k.dmin[g / 8]) * k.m[g]);
+    } else {
+      scale = scales[g];
+      offset = scales[in / kChunk + g];
+    }
+    vec::fma(FP32Vec16::load(q.data() + 16 * h), FP32Vec16(scale), FP32Vec16(offset))
+        .store(y + 16 * h);
   }
 }
 
@@ -394,6 +408,7 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, int64_t of,
     return int4_linear_vnni<4>(x, w, rows, layout, SuperBlockScales<false>{layout}, bias, out);
   if (of == kQ5_K)
     return int4_linear_vnni<5>(x, w, rows, layout, SuperBlockScales<true>{layout}, bias, out);
+  if (of == kQ6_K) return int4_linear_vnni<6>(x, w, rows, layout, Q6Scales{layout}, bias, out);
   const int bits = lanes_bits(of);
   const at::Half* scales = reinterpret_cast<const at::Half*>(w + lanes_quant_bytes(bits, in));
   const HalfScales inline_scales{scales, scales + groups, layout.row_bytes / 2, layout};
@@ -515,7 +530,7 @@ void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out) {
 
 // The type code gguf_linear streams `type`'s rows faster as, once repacked at load
 // (GgufLinear.repack), or -1 where it streams the file's blocks best: the lanes (common.h)
-// of every type but Q6_K where the int4 kernels' VNNI dots run.
+// of every type where the int4 kernels' VNNI dots run.
 int64_t gguf_repacked_type(int64_t type) {
 #if defined(KVSCOPE_VNNI_DOTS)
   if (lanes_of(kLanesCode + type) >= 0) return kLanesCode + type;

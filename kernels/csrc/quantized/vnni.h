@@ -233,6 +233,7 @@ struct Int4Layout {
 // after row n - 1's: Int4Linear's [out][groups] arrays, or each row's own after its quants
 // (the 32-weight GGUF types' lanes, GgufLanesRow).
 struct HalfScales {
+  static constexpr int kGroupsPerChunk = 1;
   const at::Half* scales;
   const at::Half* offsets;
   int64_t stride;
@@ -270,6 +271,7 @@ inline __m512 eight_lanes_each(const at::Half* p, bool both) {
 // de-quantization computes them.
 template <bool kFive>
 struct SuperBlockScales {
+  static constexpr int kGroupsPerChunk = 1;
   const Int4Layout& layout;
 
   struct Row : KLanesRow {
@@ -298,6 +300,48 @@ struct SuperBlockScales {
   };
   Row row(const uint8_t* weight, int64_t n) const {
     return {KLanesRow(weight + n * layout.row_bytes, layout.chunks * kChunk, kFive), layout};
+  }
+};
+
+// Q6_K's lanes (Q6LanesRow, common.h): a scale d * sc per 16 weights, two groups to a chunk,
+// so `wide_halves(k)` / `quad_halves(l)` give the scales of the chunks' first 16 weights and
+// of their last 16 apart, and the offsets -32 * d * sc are per group of 16 (kGroupsPerChunk).
+struct Q6Scales {
+  static constexpr int kGroupsPerChunk = 2;
+  const Int4Layout& layout;
+
+  struct Row : Q6LanesRow {
+    const Int4Layout& layout;
+
+    // 16 chunks' (first, last) 16 weights' int8 scales from 32 consecutive ones, widened.
+    static std::pair<__m512, __m512> halves(const int8_t* sc, __mmask32 real) {
+      const __m512i pairs = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi8(real, sc));
+      return {_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 24), 24)),
+              _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 24))};
+    }
+    // Wide block k: chunks 16k..16k + 15, super-blocks 2k and 2k + 1.
+    std::pair<__m512, __m512> wide_halves(int64_t k) const {
+      const auto [first, last] = halves(sc + 32 * k, ~0u);
+      const __m512 d_lanes = eight_lanes_each(d + 2 * k, true);
+      return {_mm512_mul_ps(first, d_lanes), _mm512_mul_ps(last, d_lanes)};
+    }
+    // The tail is one super-block (8 chunks); quad l its chunks 4l..4l + 3, each over 4 lanes.
+    std::pair<__m512, __m512> quad_halves(int64_t l) const {
+      const int64_t chunk = layout.wide * kWideChunks + 4 * l;
+      const auto [first, last] = halves(sc + 2 * chunk, 0xFF);
+      const __m512 d_lanes = _mm512_set1_ps(static_cast<float>(d[chunk / 8]));
+      return {_mm512_mul_ps(_mm512_permutexvar_ps(layout.quad_lanes, first), d_lanes),
+              _mm512_mul_ps(_mm512_permutexvar_ps(layout.quad_lanes, last), d_lanes)};
+    }
+    // Groups g..g + 15 of 16 weights: one super-block's.
+    __m512 offsets_from(int64_t g) const {
+      const __m512 scales = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g))));
+      return _mm512_mul_ps(scales, _mm512_set1_ps(-32.f * static_cast<float>(d[g / 16])));
+    }
+  };
+  Row row(const uint8_t* weight, int64_t n) const {
+    return {Q6LanesRow(weight + n * layout.row_bytes, layout.chunks * kChunk), layout};
   }
 };
 
@@ -341,6 +385,9 @@ inline HeldX hold_x(const Int4Layout& layout, const uint8_t* x_row, const float*
 //   5  the same nibbles, then per 64-byte load of them two 64-bit masks of 5th bits (of the
 //      weights in its bytes' low nibbles, then high ones'): both operands shifted down to
 //      their 5-bit values, no `>> 4` after;
+//   6  the nibbles, then their top bit pairs (common.h): both operands 6-bit values; a
+//      chunk's low operand holds its first 16 weights, its high one its last 16, each 16
+//      with a scale of its own (Q6Scales), so the two dots are scaled apart;
 //   8  bytes (Q8_0's q + 128, unsigned as vpdpbusd takes them, their scale's offset
 //      -128 * d taking the 128 * sum(x) off): a wide block's 16 chunks in 8 loads, load 2t
 //      holding x's operand 2t's weights and 2t + 1 its; a quad's chunks' first 16 bytes,
@@ -364,6 +411,14 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
     __m512i low = _mm512_and_si512(packed, low_nibbles);
     if constexpr (kBits == 4) {
       return std::pair(low, _mm512_and_si512(packed, high_nibbles));
+    } else if constexpr (kBits == 6) {
+      __m512i tops = _mm512_loadu_si512(fifth + kStepBytes * (i / 2));
+      if (i % 2) tops = _mm512_srli_epi16(tops, 4);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      return std::pair(
+          _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(tops, _mm512_set1_epi8(3)), 4)),
+          _mm512_or_si512(high,
+                          _mm512_slli_epi16(_mm512_and_si512(tops, _mm512_set1_epi8(12)), 2)));
     } else {
       uint64_t low_bits, high_bits;
       std::memcpy(&low_bits, fifth + 16 * i, 8);
@@ -374,9 +429,20 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
                        _mm512_mask_add_epi8(high, _cvtu64_mask64(high_bits), high, sixteen));
     }
   };
-  auto dot_sum = [](__m512i low_dots, __m512i high_dots) __attribute__((always_inline)) {
-    if constexpr (kBits == 4) return _mm512_add_epi32(low_dots, _mm512_srai_epi32(high_dots, 4));
-    return _mm512_add_epi32(low_dots, high_dots);
+  // acc + the dots scaled: one weight scale per chunk (high dots 16 times theirs for 4 bits),
+  // or for 6 bits (Q6Scales) one per 16 weights, the first 16's and the last 16's.
+  auto weigh = [&](__m512 acc, __m512i low_dots, __m512i high_dots, const auto& w_scale,
+                   __m512 x_scale) __attribute__((always_inline)) {
+    if constexpr (kBits == 6) {
+      acc =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_dots), _mm512_mul_ps(w_scale.first, x_scale), acc);
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(high_dots), _mm512_mul_ps(w_scale.second, x_scale),
+                             acc);
+    } else {
+      const __m512i dots = kBits == 4 ? _mm512_add_epi32(low_dots, _mm512_srai_epi32(high_dots, 4))
+                                      : _mm512_add_epi32(low_dots, high_dots);
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(w_scale, x_scale), acc);
+    }
   };
   // x_lane(m, j): operand j (of 8) of block k for row m of x; x_scale(m): its chunks' d.
   auto wide_block = [&](int64_t k, auto&& x_lane, auto&& x_scale) __attribute__((always_inline)) {
@@ -393,12 +459,14 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
         high_dots[m] = _mm512_dpbusd_epi32(high_dots[m], high, x_lane(m, 2 * t + 1));
       }
     }
-    const __m512 w_scale = row_scales.wide(k);
-    for (int m = 0; m < M; ++m) {
-      const __m512i dots = dot_sum(low_dots[m], high_dots[m]);
-      acc[m] =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(w_scale, x_scale(m)), acc[m]);
-    }
+    const auto w_scale = [&] {
+      if constexpr (kBits == 6)
+        return row_scales.wide_halves(k);
+      else
+        return row_scales.wide(k);
+    }();
+    for (int m = 0; m < M; ++m)
+      acc[m] = weigh(acc[m], low_dots[m], high_dots[m], w_scale, x_scale(m));
   };
   int64_t k = 0;
   if (held != nullptr && layout.wide) {
@@ -419,7 +487,12 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
                                  ? std::pair(_mm512_maskz_loadu_epi8(bytes, at),
                                              _mm512_maskz_loadu_epi8(bytes, at + 16 * chunks))
                                  : nibbles(_mm512_maskz_loadu_epi8(bytes, at), 4 * layout.wide + l);
-    const __m512 w_scale = row_scales.quad(l, real_groups);
+    const auto w_scale = [&] {
+      if constexpr (kBits == 6)
+        return row_scales.quad_halves(l);
+      else
+        return row_scales.quad(l, real_groups);
+    }();
     for (int m = 0; m < M; ++m) {
       const uint8_t* step = x_rows[m] + layout.wide * kWideLaneBytes + l * kQuadLaneBytes;
       const bool in_registers = held != nullptr && l == 0;
@@ -427,17 +500,16 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
       const __m512i x_high = in_registers ? held[m].quad[1] : load_operand(step + kStepBytes);
       const __m512 x_scale =
           in_registers ? held[m].quad_scale : load_lane_scales(step, 2 * kStepBytes);
-      const __m512i dot = dot_sum(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, x_low),
-                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), high, x_high));
       tail_acc[m] =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, x_scale), tail_acc[m]);
+          weigh(tail_acc[m], _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, x_low),
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), high, x_high), w_scale, x_scale);
     }
   };
   for (int64_t l = 0; l < layout.tail_quads; ++l) add_quad(l, ~0ull, 4, layout.full_groups);
   if (layout.tail_chunks)
     add_quad(layout.tail_quads, layout.tail_bytes, layout.tail_chunks, layout.tail_groups);
   // Each 16 groups' offsets once for every row of x (SuperBlockScales computes them).
-  const int64_t groups = layout.groups;
+  const int64_t groups = layout.groups * Scales::kGroupsPerChunk;
   __m512 shift[M];
   for (int m = 0; m < M; ++m) shift[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 16) {
@@ -566,11 +638,21 @@ void int4_linear_vnni(const at::Tensor& x, const uint8_t* weight, int64_t out_fe
   const int rows = static_cast<int>(x.size(0));
   const Int8Rows xq = quantize_rows(elements<bf16>(x), x.stride(0), rows, x.size(1));
   // The rounded x's group sums (for the offsets), zeros past the groups (read as vectors).
-  const int64_t padded = padded_groups(layout.groups);
+  const int64_t padded = padded_groups(layout.groups * Scales::kGroupsPerChunk);
   std::vector<float> xsum(rows * padded, 0.f);
   for (int m = 0; m < rows; ++m)
-    for (int64_t c = 0; c < xq.blocks; ++c)
-      xsum[m * padded + (c >> layout.group_shift)] += xq.block_sums[m * xq.blocks + c];
+    for (int64_t c = 0; c < xq.blocks; ++c) {
+      const int64_t at = m * xq.blocks + c;
+      if constexpr (Scales::kGroupsPerChunk == 2) {  // per 16 values: each chunk's halves
+        for (int h = 0; h < 2; ++h) {
+          int sum = 0;
+          for (int i = 0; i < 16; ++i) sum += xq.q[at * kBlock + 16 * h + i];
+          xsum[m * padded + 2 * c + h] = xq.scales[at] * static_cast<float>(sum);
+        }
+      } else {
+        xsum[m * padded + (c >> layout.group_shift)] += xq.block_sums[at];
+      }
+    }
   const Int8Lanes xl = int4_lanes(xq, rows);
   all_rows_by_tiles(rows, out_features, int4_chunk_rows(rows, out_features, layout.row_bytes),
                     [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
