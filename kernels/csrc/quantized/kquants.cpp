@@ -107,7 +107,7 @@ std::optional<BlockFormat> block_format(int64_t type) {
     default:
       break;
   }
-  // Lanes: their quants and scales per weight block (a row's bytes: lanes_row_bytes).
+  // Lanes: their quants and scales per weight block (a row's bytes: row_bytes).
   const int64_t of = lanes_of(type);
   if (of < 0) return std::nullopt;
   const int64_t weights = of == kQ4_K || of == kQ5_K || of == kQ6_K ? kSuperBlock : 32;

@@ -231,7 +231,7 @@ struct Int4Layout {
 //
 // A float16 scale and offset per group of 2^group_shift chunks, row n's `stride` halves
 // after row n - 1's: Int4Linear's [out][groups] arrays, or each row's own after its quants
-// (the 32-weight GGUF types' lanes, GgufLanesRow).
+// (the 32-weight GGUF types' lanes, common.h).
 struct HalfScales {
   static constexpr int kGroupsPerChunk = 1;
   const at::Half* scales;
