@@ -126,12 +126,11 @@ struct Q6LanesRow {
 };
 
 struct KLanesRow {
-  const uint8_t *fifth, *sc, *m;
+  const uint8_t *sc, *m;
   const at::Half *d, *dmin;
 
   KLanesRow(const uint8_t* row, int64_t in, bool five)
-      : fifth(row + in / 2),
-        sc(row + lanes_quant_bytes(five ? 5 : 4, in)),
+      : sc(row + lanes_quant_bytes(five ? 5 : 4, in)),
         m(sc + in / kChunk),
         d(reinterpret_cast<const at::Half*>(m + in / kChunk)),
         dmin(d + in / kSuperBlock) {}

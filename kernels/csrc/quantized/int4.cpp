@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -101,13 +100,8 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales, const a
   check_dense_out(weight, in, out, "int4_dequantize");
   with_out_dtype(out, "int4_dequantize", [&](auto* y) {
     kvscope::parallel_for(0, weight.size(0), grain(in / 2), [&](int64_t begin, int64_t end) {
-      const at::Half* s = scales.data_ptr<at::Half>();
-      const at::Half* o = offsets.data_ptr<at::Half>();
-      const int64_t groups = in / group_size;
-      int4_dequantize_rows(weight.data_ptr<uint8_t>(), in / 2, group_size, in, y, begin, end,
-                           [&](int64_t n, int64_t g) {
-        return std::pair<float, float>(s[n * groups + g], o[n * groups + g]);
-      });
+      int4_dequantize_rows(weight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                           offsets.data_ptr<at::Half>(), group_size, in, y, begin, end);
     });
   });
 }

@@ -46,7 +46,6 @@
 #include "quantized/common.h"
 #include "quantized/kquants_avx2.h"
 #include "quantized/kquants_vnni.h"
-#include "quantized/portable.h"
 #include "work_pool.h"
 
 #if defined(KVSCOPE_VNNI_DOTS) || defined(KVSCOPE_AVX2_DOTS)
@@ -464,7 +463,7 @@ BlockFormat check_gguf_weight(const at::Tensor& weight, int64_t type, int64_t in
   const std::optional<BlockFormat> format = block_format(type);
   TORCH_CHECK(format.has_value(), op, ": ggml type ", type,
               " is not one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (or ", kLanesCode,
-              " + one of the first seven: kvscope's lanes of it)");
+              " + one of them: kvscope's lanes of it)");
   TORCH_CHECK(in % format->weights == 0, op, ": in (", in, ") a multiple of the block's ",
               format->weights, " weights");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&

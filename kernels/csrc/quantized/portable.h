@@ -123,19 +123,17 @@ void int8_rows(const float* xf, int64_t in, const int8_t* weight, const float* s
   }
 }
 
-// Rows [begin, end) of int4 weights whose nibbles start every `row_bytes` bytes,
-// de-quantized (q * scale + offset computed in fp32 with one rounding, rounded once to T);
-// group(n, g) gives row n's group g's (scale, offset).
-template <typename T, typename Group>
-void int4_dequantize_rows(const uint8_t* weight, int64_t row_bytes, int64_t group_size, int64_t in,
-                          T* out, int64_t begin, int64_t end, Group&& group) {
+// Rows [begin, end) of int4 weights, de-quantized (computed in fp32, rounded once to T).
+template <typename T>
+void int4_dequantize_rows(const uint8_t* weight, const at::Half* scales, const at::Half* offsets,
+                          int64_t group_size, int64_t in, T* out, int64_t begin, int64_t end) {
   const int64_t groups = in / group_size;
   std::vector<uint8_t> ordered(in / 2);
   for (int64_t n = begin; n < end; ++n) {
-    gguf_order_row(weight + n * row_bytes, in / kChunk, ordered.data());
+    gguf_order_row(weight + n * in / 2, in / kChunk, ordered.data());
     for (int64_t g = 0; g < groups; ++g) {
-      const auto [scale, offset] = group(n, g);
-      const FP32Vec16 s(scale), o(offset);
+      const FP32Vec16 s(static_cast<float>(scales[n * groups + g]));
+      const FP32Vec16 o(static_cast<float>(offsets[n * groups + g]));
       for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kChunk) {
         const Int4Chunk chunk = Int4Chunk::load(ordered.data() + k / 2);
         vec::fma(chunk.low(), s, o).store(out + n * in + k);
