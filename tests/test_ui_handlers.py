@@ -4,6 +4,7 @@ series, and the quiet access log."""
 
 import json
 import logging
+import sys
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ from app import QuietPolling
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.telemetry.records import StepRecord
-from kvscope.ui import knobs, loadgen, panels, timeline
+from kvscope.ui import knobs, loadgen, panels, scrubber, timeline
 from kvscope.ui.live import LiveFeed, LiveFeeds
 
 
@@ -145,6 +146,42 @@ def test_tabs_share_one_render_and_panels_out_of_view_cost_only_the_summary(engi
     assert renderer._rendered[0]["series"] is series  # new steps, but not built while hidden
     *visible, _ = renderer.refresh(shown)
     assert not _skipped(visible[panels.PANELS.index("series")])
+
+
+def test_handlers_that_refresh_the_feed_never_change_the_pool_under_a_render(engine):
+    """The scrubber's buttons and the what-if preview refresh the same feed the panels
+    render from, each on its own Gradio worker thread, while the engine steps."""
+    feeds = LiveFeeds(engine)
+    renderer = panels.PanelRenderer(feeds)
+    errors, done = [], threading.Event()
+
+    def hammer(call):
+        try:
+            while not done.is_set():
+                call()
+        except Exception as error:  # noqa: BLE001 - the test reports what any thread raised
+            errors.append(error)
+            done.set()
+
+    threads = [threading.Thread(target=hammer, args=(call,)) for call in (
+        lambda: renderer.refresh(None),
+        lambda: scrubber.pause(feeds, 0),
+        lambda: feeds.get(0).refresh())]
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave within a render, as under load
+    for thread in threads:
+        thread.start()
+    try:
+        for round_ in range(40):
+            streams = [engine.submit(f"race {round_} {i} " * 3, _params(12)) for i in range(8)]
+            for stream in streams:
+                list(stream)
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(switch_interval)
+    assert errors == []
 
 
 def test_a_refresh_sent_anything_but_the_pollers_shapes_sends_every_panel(engine):

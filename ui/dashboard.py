@@ -231,10 +231,11 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     what_if = gr.Markdown(elem_id="kv-what-if")
 
     def preview(block_size, utilization, memory_gb) -> str:
-        live = feeds.get(0).refresh().snapshot.sequences
-        return knobs.what_if_markdown(engine, [seq.num_tokens for seq in live if
-                                               seq.block_table], block_size, utilization,
-                                      memory_gb)
+        feed = feeds.get(0)
+        with feed.lock:
+            lengths = [seq.num_tokens for seq in feed.refresh().snapshot.sequences
+                       if seq.block_table]
+        return knobs.what_if_markdown(engine, lengths, block_size, utilization, memory_gb)
     gr.on([blocks.load, block_size.change, utilization.change, memory_gb.change], preview,
           [block_size, utilization, memory_gb], what_if, show_progress="hidden",
           api_name="what_if")

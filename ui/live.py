@@ -44,8 +44,9 @@ class LiveState:
 class LiveFeed:
     """Shared by every browser tab: whichever tab ticks first drains the engine's step
     queue into one history and its pool deltas into one mirror, so tabs do not steal
-    records from each other. The mirror changes at each refresh: read a state before the
-    next one (ui.panels.PanelRenderer renders under one lock)."""
+    records from each other. The mirror changes at each refresh, from any tab or handler:
+    hold `lock` while reading a live state's mirror (ui.panels.PanelRenderer renders
+    under it)."""
 
     def __init__(self, engine: EngineView, replica: int = 0):
         self.engine = engine
@@ -60,11 +61,11 @@ class LiveFeed:
         self._blocks_seen = (None, 0)  # ((epoch, blocks version), the step then)
         self.history = PoolHistory()  # the pool after each delta, for the step scrubber
         self._past: tuple[int, PoolMirror, PoolMirror | None] | None = None  # the last asked
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # held by a reader across refresh() and its reads
         self._decode = lru_cache(maxsize=65536)(self._decode_uncached)
 
     def refresh(self) -> LiveState:
-        with self._lock:
+        with self.lock:
             now = time.time()
             snapshot = self._pool.update(FIRST_SNAPSHOT_WAIT_S, self.history)
             replica = self._pool.replica
@@ -99,7 +100,7 @@ class LiveFeed:
         None: the latest frame), drawn from the records of the steps done by then. The
         live state while no frame is recorded yet."""
         live = self.refresh()
-        with self._lock:
+        with self.lock:
             number = self.history.clamp(frame)
             if number is None:
                 return live
@@ -131,7 +132,7 @@ class LiveFeed:
 
     def clear(self) -> None:
         """After a reconfigure the old history describes a pool that no longer exists."""
-        with self._lock:
+        with self.lock:
             self._records.clear()
             self._token_usage.clear()
             self._evictions.clear()

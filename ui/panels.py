@@ -293,8 +293,8 @@ class PanelRenderer:
             views = PanelViews()
         wanted = [name for name in PANELS
                   if name == "summary" or visible is None or name in visible]
-        with self._lock:
-            feed = self.feeds.get(views.replica)
+        feed = self.feeds.get(views.replica)
+        with self._lock, feed.lock:  # the feed's mirror holds still while panels read it
             state = feed.refresh() if views.frame is None else feed.state_at(views.frame)
             paused = state.paused is not None
             # A past frame never changes: its panels are drawn once per view, at once.

@@ -99,9 +99,11 @@ def _number(frame) -> int:
 
 
 def live_status(feeds, replica, frame) -> str:
-    state = feeds.get(int(replica or 0)).state_at(int(frame))
-    return frame_status(feeds.get(state.replica).history, state.paused,
-                        frame_changes(state.previous, state.snapshot))
+    feed = feeds.get(int(replica or 0))
+    with feed.lock:  # before any frame is kept, the state is the live mirror
+        state = feed.state_at(int(frame))
+        return frame_status(feed.history, state.paused,
+                            frame_changes(state.previous, state.snapshot))
 
 
 # ---- the Sessions tab ---------------------------------------------------------------------
