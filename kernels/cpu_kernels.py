@@ -23,7 +23,7 @@ def kernel_ops() -> KernelOps:
         int8_dequantize=int8_dequantize, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize,
         rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8(),
         gguf_rounds_activations_to_int8=torch.ops.kvscope.gguf_rounds_activations_to_int8(),
-        gguf_repacked_type=gguf_repacked_type)
+        gguf_repacked_type=gguf_repacked_type, widens_bf16_gemms=_widens_bf16_gemms)
     return KernelOps(
         backend="cpu", paged_attention=paged_attention, store_kv=store_kv,
         rms_norm=rms_norm,

@@ -64,6 +64,9 @@ class PackedLinearKernels:
     # rows faster as, for activations in dtype, once repacked at load (quantized.py's
     # GgufLinear.repack), or -1: keep the file's blocks
     gguf_repacked_type: Callable[[int, torch.dtype], int]
+    # whether this CPU's bf16 GEMMs run widened to fp32 (it lacks bf16 dot products): the
+    # kernels that round activations to int8 then beat de-quantize + GEMM at any row count
+    widens_bf16_gemms: bool
 
 
 @dataclass(frozen=True, slots=True)

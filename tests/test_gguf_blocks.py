@@ -100,7 +100,7 @@ def assert_rows_give_the_matmul(layer: GgufLinear, weight: torch.Tensor, bias: t
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count(
         kind, backend, cpu_ops):
-    """One row and small batches stream the blocks (cpu: up to kernel_max_rows, 32 bf16
+    """One row and small batches stream the blocks (cpu: up to kernel_max_rows, more bf16
     rows where the kernels round them to int8), more rows de-quantize and run a GEMM; the
     torch backend (and Triton's, which shares it) de-quantizes in plain torch."""
     rng = np.random.default_rng(int(kind) + 100)

@@ -2,6 +2,7 @@
 
 import copy
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -47,6 +48,15 @@ def packed_kernels() -> PackedLinearKernels:
     return cpu_kernels.kernel_ops().packed
 
 
+def gemm_rows(dtype: torch.dtype) -> int:
+    """A batch past the streaming kernels, which runs a GEMM; skips where none does (bf16
+    on a CPU whose bf16 GEMMs run widened: the kernels stream every row count there)."""
+    limit = kernel_max_rows(packed_kernels(), dtype)
+    if limit == sys.maxsize:
+        pytest.skip(f"kernel_max_rows: this CPU streams every row count of {dtype}")
+    return limit + 3
+
+
 def pack(layer: nn.Module, dtype: torch.dtype, ops: KernelOps | None = None) -> None:
     """Pack a layer and bind its kernels (the C++ ones unless `ops`), as the runner does."""
     pack_model(layer, dtype, CPU)
@@ -62,7 +72,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "fallback"])
 @pytest.mark.parametrize("path", ["stream", "gemm"])
 def test_int4_linear_equals_its_dequantized_weight(path, kernels, dtype):
-    batch = 5 if path == "stream" else kernel_max_rows(packed_kernels(), dtype) + 3
+    batch = 5 if path == "stream" else gemm_rows(dtype)
     rows = [32, 16, 8]  # merged q/k/v rows
     parts = [random_weight(n, 64, seed) for seed, n in enumerate(rows)]
     layer = Int4Linear(64, rows, bias=True, group_size=32)
@@ -217,6 +227,25 @@ def test_int4_kernel_with_bf16_rounds_activations_per_block(out_features, in_fea
         assert_activation_rounding(out, x, dense)
 
 
+def test_the_int4_and_int8_kernels_take_a_prefill_span_by_span():
+    """A prefill's bf16 rows meet the weights span by span (kernels/csrc/quantized/vnni.h's
+    kHeldXBytes: 1 MiB of rounded x, about 600 rows of 1536 features): two whole spans and
+    a part of one, each against every tile of output rows."""
+    rows, in_features = 1500, 1536
+    x = uneven_activations(rows, in_features)
+    int4 = Int4Linear(in_features, [40], bias=False, group_size=32)
+    int4.load_part("weight", 0, random_weight(40, in_features, seed=7) + 4)
+    int8 = Int8Linear(in_features, [40], bias=False)
+    int8.load_part("weight", 0, random_weight(40, in_features, seed=8))
+    for layer in (int4, int8):
+        pack(layer, torch.bfloat16)
+    assert_activation_rounding(packed_kernels().int4_linear(
+        x, int4.weight, int4.scales, int4.offsets, 32, None), x,
+        int4.dequantized_weight(torch.float32))
+    assert_activation_rounding(packed_kernels().int8_linear(x, int8.weight, int8.scales, None),
+                               x, int8.dequantized_weight(torch.float32))
+
+
 @pytest.mark.parametrize(("out_features", "in_features"), [(37, 75), (5, 32), (64, 8),
                                                            (19, 576), (3, 200)])
 def test_int8_kernel_with_bf16_rounds_activations_per_block(out_features, in_features):
@@ -243,9 +272,10 @@ def test_int8_kernel_writes_bf16_logits_widened_into_fp32_bit_for_bit(out_featur
     embedding = Int8Embedding(out_features, in_features)
     embedding.load_part("weight", 0, random_weight(out_features, in_features, seed=6))
     pack(embedding, torch.bfloat16)
-    for rows in [*TILE_ROW_COUNTS, kernel_max_rows(packed_ops, torch.bfloat16) + 3]:
+    streamed = kernel_max_rows(packed_ops, torch.bfloat16)
+    for rows in [*TILE_ROW_COUNTS, *([streamed + 3] if streamed < sys.maxsize else [])]:
         x = uneven_activations(rows, in_features)
-        if rows <= kernel_max_rows(packed_ops, torch.bfloat16):
+        if rows <= streamed:
             widened = packed_ops.int8_linear(x, layer.weight, layer.scales, bias, torch.float32)
             assert widened.dtype == torch.float32
             assert torch.equal(widened, packed_ops.int8_linear(x, layer.weight, layer.scales,
@@ -275,7 +305,7 @@ def test_int4_kernel_reads_strided_rows_and_refuses_bad_layouts():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", ["stream", "gemm"])
 def test_int8_linear_and_embedding_equal_their_dequantized_weight(path, dtype):
-    batch = 3 if path == "stream" else kernel_max_rows(packed_kernels(), dtype) + 3
+    batch = 3 if path == "stream" else gemm_rows(dtype)
     weight = random_weight(48, 32)
     q, scale = quantize_int8(weight)
     dequantized = q.float() * scale.unsqueeze(-1)

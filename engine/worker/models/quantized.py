@@ -11,6 +11,7 @@ run (a backend without packed kernels: CUDA, no C++ compiler) the weights are de
 on every forward.
 """
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,8 +33,11 @@ from kvscope.kernels.gguf_lanes import (
 # Rows of activations the streaming kernels take; more go to a GEMM on the de-quantized
 # weight. The exact kernels (fp32 activations, CPUs without VNNI) re-read the weights for
 # every 8 rows, so they stop there. The VNNI kernels (bf16 activations rounded to int8) take
-# any number of rows tile by tile, reading the weights once: on the Zen 4 they beat
-# de-quantize + GEMM up to 32 rows (1.07x at 32, 0.89x at 64: bench/quantized_linear.py).
+# any number of rows tile by tile, reading the weights once: on the Zen 4, whose bf16 GEMM
+# has bf16 dot products, they beat de-quantize + GEMM up to 32 rows (1.07x at 32, 0.89x at
+# 64: bench/quantized_linear.py). Where bf16 GEMMs run widened to fp32 they take every row
+# count: on a 2-core Xeon with VNNI alone, 1.2-2x the GEMM at 256 rows and 1.0-1.4x at
+# 2,048 (docs/performance.md).
 KERNEL_MAX_ROWS = 8
 TILED_KERNEL_MAX_ROWS = 32
 
@@ -41,7 +45,7 @@ TILED_KERNEL_MAX_ROWS = 32
 def kernel_max_rows(packed: PackedLinearKernels, dtype: torch.dtype) -> int:
     """The most rows of activations in `dtype` that stream through the packed kernels."""
     if dtype == torch.bfloat16 and packed.rounds_activations_to_int8:
-        return TILED_KERNEL_MAX_ROWS
+        return sys.maxsize if packed.widens_bf16_gemms else TILED_KERNEL_MAX_ROWS
     return KERNEL_MAX_ROWS
 
 
@@ -311,9 +315,7 @@ class GgufLinear(QuantizedLinear):
     A merged projection's parts may come in different types (Q4_K_M keeps some layers'
     attn_v in Q6_K beside Q4_K q and k): each run of consecutive rows of one type is one
     weight tensor (`weights[i]`, described by `parts[i]`), and each writes its columns of
-    the output. Rows stream through the blocks up to kernel_max_rows (32 where bf16 rows
-    are rounded to int8 for integer dots: on a 2-core Xeon without bf16 dot products, 32
-    rows streamed in a fifth of the time of de-quantizing for a GEMM, docs/performance.md)."""
+    the output. Rows stream through the blocks up to kernel_max_rows (see there)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, output_sizes, bias)

@@ -25,7 +25,7 @@ void int8_linear_vnni(const at::Tensor& x, const at::Tensor& weight, const at::T
   const int rows = static_cast<int>(x.size(0));
   const Int8Rows xq = quantize_rows(elements<bf16>(x), x.stride(0), rows, in);
   const Int8Lanes xl = int8_lanes(xq, rows);
-  all_rows_by_tiles(rows, out_features, grain(in),
+  all_rows_by_tiles(rows, xl.row_bytes, out_features, grain(in),
                     [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
     constexpr int M = decltype(rows_constant)::value;
     int8_rows_vnni<M>(xl, x_first, xq.scaled_q_sums.data() + x_first, in, weight.data_ptr<int8_t>(),

@@ -602,28 +602,38 @@ void int8_rows_vnni(const Int8Lanes& xl, int x_first, const float* q_sums, int64
   }
 }
 
+// Bytes of rounded x rows a thread holds in L2 while its whole share of the weights passes
+// them: a prefill of thousands of rows would otherwise stream x from memory once per tile.
+constexpr int64_t kHeldXBytes = 1 << 20;
+
 // All rows of x against the weights, tile by tile: each tile of kRowBlock output rows
 // (at most 12 KB of int4, 24 KB of int8 for a 1536-wide layer) stays in L1 while every
 // group of up to kMaxRows rows of x meets it, so a decode batch of any size reads the
 // weights from memory once, with no de-quantized copy (the tile-fused GEMM of a few dozen
-// rows). rows_kernel(M constant, x_first, begin, end) computes one group against output rows
+// rows). More rows than kHeldXBytes of x (x_row_bytes each) go span by span, each span
+// meeting the thread's whole share of the weights, which then stream once per span.
+// rows_kernel(M constant, x_first, begin, end) computes one group against output rows
 // [begin, end), tile by tile; the threads take chunks of at least `min_rows` output rows.
 template <typename RowsKernel>
-void all_rows_by_tiles(int64_t rows, int64_t out_features, int64_t min_rows,
+void all_rows_by_tiles(int64_t rows, int64_t x_row_bytes, int64_t out_features, int64_t min_rows,
                        RowsKernel&& rows_kernel) {
+  const int64_t span = std::max<int64_t>(kMaxRows, kHeldXBytes / x_row_bytes / kMaxRows * kMaxRows);
   kvscope::parallel_for(0, out_features, min_rows, [&](int64_t begin, int64_t end) {
     // One group (a single stream's decode): the kernel walks the thread's whole share in one
     // call, setting its layout and held x up once rather than per tile.
     if (rows <= kMaxRows)
       return with_rows(static_cast<int>(rows),
                        [&](auto rows_constant) { rows_kernel(rows_constant, 0, begin, end); });
-    for (int64_t first = begin; first < end; first += kRowBlock) {
-      const int64_t last = std::min(first + kRowBlock, end);
-      for (int64_t x_first = 0; x_first < rows; x_first += kMaxRows)
-        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, rows - x_first)),
-                  [&](auto rows_constant) {
-          rows_kernel(rows_constant, static_cast<int>(x_first), first, last);
-        });
+    for (int64_t span_first = 0; span_first < rows; span_first += span) {
+      const int64_t span_end = std::min(span_first + span, rows);
+      for (int64_t first = begin; first < end; first += kRowBlock) {
+        const int64_t last = std::min(first + kRowBlock, end);
+        for (int64_t x_first = span_first; x_first < span_end; x_first += kMaxRows)
+          with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, span_end - x_first)),
+                    [&](auto rows_constant) {
+            rows_kernel(rows_constant, static_cast<int>(x_first), first, last);
+          });
+      }
     }
   });
 }
@@ -654,7 +664,8 @@ void int4_linear_vnni(const at::Tensor& x, const uint8_t* weight, int64_t out_fe
       }
     }
   const Int8Lanes xl = int4_lanes(xq, rows);
-  all_rows_by_tiles(rows, out_features, int4_chunk_rows(rows, out_features, layout.row_bytes),
+  all_rows_by_tiles(rows, xl.row_bytes, out_features,
+                    int4_chunk_rows(rows, out_features, layout.row_bytes),
                     [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
     constexpr int M = decltype(rows_constant)::value;
     int4_rows_vnni<M, kBits>(xl, x_first, xsum.data() + x_first * padded, layout, weight, scales,
