@@ -181,3 +181,17 @@ def test_every_backend_decodes_a_quantized_cache_as_the_torch_path(
                              kv_cache_dtype=kv_cache_dtype)
     assert greedy_tokens(monkeypatch, tiny_model, run_engine, backend,
                          kv_cache_dtype=kv_cache_dtype) == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed")
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("arch", EAGER_ARCHITECTURES)
+def test_triton_backend_runs_quantized_weights_as_the_torch_path(
+        tiny_model, run_engine, monkeypatch, arch, quantization):
+    """int4 / int8 weights on the Triton backend (de-quantized per forward, as on the torch
+    backend, with Triton's attention and KV stores) for every architecture."""
+    expected = greedy_tokens(monkeypatch, tiny_model, run_engine, "torch", arch,
+                             quantization=quantization)
+    assert greedy_tokens(monkeypatch, tiny_model, run_engine, "triton", arch,
+                         quantization=quantization) == expected
