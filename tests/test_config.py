@@ -173,3 +173,37 @@ def test_more_than_one_device_is_refused(tiny_model):
 def test_unknown_knob_is_refused_by_name(tiny_model):
     with pytest.raises((TypeError, ValueError), match="no_such_knob"):
         LLM(str(tiny_model("llama").path), no_such_knob=1)
+
+
+@pytest.mark.parametrize(("native_bf16", "quantization", "int8_dots", "expected"), [
+    (True, "none", False, torch.bfloat16),  # AVX512-BF16 / AMX: bf16 GEMMs in hardware
+    (False, "none", True, torch.float32),  # dense weights: bf16 GEMMs would be emulated
+    (False, "int4", True, torch.bfloat16),  # packed weights meet VNNI dots on bf16 rows
+    (False, "gguf", True, torch.bfloat16),
+    (False, "int8", False, torch.float32),  # no VNNI: the exact kernels, fp32 is faster
+])
+def test_auto_dtype_is_bf16_where_the_linears_run_bf16_fast(monkeypatch, native_bf16,
+                                                            quantization, int8_dots, expected):
+    from dataclasses import replace
+
+    from kvscope.engine.worker import model_runner
+    from kvscope.kernels import cpu_kernels
+
+    monkeypatch.setattr(model_runner, "cpu_has_native_bf16", lambda: native_bf16)
+    ops = cpu_kernels.kernel_ops()
+    ops = replace(ops, packed=replace(ops.packed, rounds_activations_to_int8=int8_dots))
+    cpu = torch.device("cpu")
+    assert model_runner.resolve_dtype("auto", cpu, quantization, ops) == expected
+    assert model_runner.resolve_dtype("float32", cpu, quantization, ops) == torch.float32
+
+
+def test_a_quantized_engine_on_auto_runs_the_dtype_its_kernels_are_fastest_in(tiny_model):
+    from kvscope.engine.core.engine_core import EngineCore
+    from kvscope.engine.worker.model_runner import cpu_has_native_bf16
+    from kvscope.kernels import cpu_kernels
+
+    engine = EngineCore(EngineConfig(model=str(tiny_model("llama").path), device="cpu",
+                                     device_memory_gb=0.05, quantization="int4"))
+    int8_dots = cpu_kernels.kernel_ops().packed.rounds_activations_to_int8
+    assert engine.runner.dtype == (torch.bfloat16 if cpu_has_native_bf16() or int8_dots
+                                   else torch.float32)

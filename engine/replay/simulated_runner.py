@@ -40,7 +40,8 @@ class SimulatedRunner:
         self.kv_groups = kv_cache_groups(layer_windows(self.hf_config))
         self.group_windows = tuple(group.window for group in self.kv_groups)
         self.device = resolve_device("cpu")
-        self.dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+        self.dtype = resolve_dtype(config.dtype, resolve_device(config.device),
+                                   config.quantization)
         self.sizing = sizing
         special = set(self.tokenizer.all_special_ids)
         # Any ordinary token: stop conditions are off in a replay, its value never matters.
