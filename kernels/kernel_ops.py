@@ -65,7 +65,8 @@ class PackedLinearKernels:
     # GgufLinear.repack), or -1: keep the file's blocks
     gguf_repacked_type: Callable[[int, torch.dtype], int]
     # whether this CPU's bf16 GEMMs run widened to fp32 (it lacks bf16 dot products): the
-    # kernels that round activations to int8 then beat de-quantize + GEMM at any row count
+    # kernels that round activations to int8 then match or beat de-quantize + GEMM at any
+    # row count
     widens_bf16_gemms: bool
 
 

@@ -36,7 +36,7 @@ from kvscope.kernels.gguf_lanes import (
 # any number of rows tile by tile, reading the weights once: on the Zen 4, whose bf16 GEMM
 # has bf16 dot products, they beat de-quantize + GEMM up to 32 rows (1.07x at 32, 0.89x at
 # 64: bench/quantized_linear.py). Where bf16 GEMMs run widened to fp32 they take every row
-# count: on a 2-core Xeon with VNNI alone, 1.2-2x the GEMM at 256 rows and 1.0-1.4x at
+# count: on a 2-core Xeon with VNNI alone, 1.3-2.9x the GEMM at 256 rows and 1.0-1.8x at
 # 2,048 (docs/performance.md).
 KERNEL_MAX_ROWS = 8
 TILED_KERNEL_MAX_ROWS = 32
