@@ -670,9 +670,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.dtype == "auto":  # as for dense weights: one dtype for every backend, and the
-        # transformers ones are dense (kvscope's own auto picks bf16 for packed weights on
-        # VNNI CPUs: pass --dtype bfloat16 to measure that)
+    # auto as for dense weights: one dtype for every backend, and the transformers ones are
+    # dense (kvscope's own auto picks bf16 for packed weights on VNNI CPUs: pass --dtype
+    # bfloat16 to measure that)
+    if args.dtype == "auto":
         args.dtype = str(resolve_dtype("auto", torch.device(args.device))).removeprefix("torch.")
     model_path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(model_path)
