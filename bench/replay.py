@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
-from kvscope.engine.replay.cost_model import LinearStepCost, fit_step_cost  # noqa: E402
+from kvscope.engine.replay.cost_model import StepCost, fit_step_cost  # noqa: E402
 from kvscope.engine.replay.runner import ReplaySession  # noqa: E402
 from kvscope.engine.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace  # noqa: E402
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path  # noqa: E402
@@ -84,7 +84,7 @@ def speed(args, folder: Path) -> dict:
     started = time.perf_counter()
     workload = load_trace(trace, tokenizer)
     import_s = time.perf_counter() - started
-    gpu_step = LinearStepCost(0.004, 2e-6, 5e-6, 1e-8)
+    gpu_step = StepCost(0.004, 2e-6, 5e-6, 1e-8)
     config = EngineConfig(model=args.model, num_gpu_blocks_override=args.sim_blocks,
                           max_num_seqs=256, max_num_batched_tokens=8192)
     cpu_started = time.process_time()

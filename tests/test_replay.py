@@ -10,17 +10,18 @@ import pytest
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.replay.cost_model import LinearStepCost, RecordedStepTimes, fit_step_cost
+from kvscope.engine.replay.cost_model import RecordedStepTimes, StepCost, fit_step_cost
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
 from kvscope.engine.replay.session_source import load_session_workload
 from kvscope.engine.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from kvscope.engine.replay.workload import ReplayRequest
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.worker.loader import load_tokenizer
 from kvscope.storage import SessionLog, record_sessions
 
 # A step takes 10 ms plus 0.1 ms per token: the simulated clock of tests that need one.
-STEADY_COST = LinearStepCost(0.01, 1e-4, 0.0, 0.0)
+STEADY_COST = StepCost(0.01, 1e-4, 0.0, 0.0)
 
 
 def write_mooncake(path: Path, rows: list[dict]) -> Path:
@@ -136,19 +137,22 @@ def test_simulated_prefix_hits_fall_where_the_mooncake_trace_shares_blocks(
     assert sum(s.prefix_cache_hits for s in no_cache.steps) == 0
 
 
+def timed_step(prefill: int, decodes: int, seconds) -> StepRecord:
+    """A step of one prefill chunk and `decodes` decodes, taking seconds(tokens, decodes,
+    context)."""
+    chunks = ((("a", "a", "prefill", 0, prefill),) if prefill else ()) + tuple(
+        ("d", f"d{i}", "decode", 50 + i, 51 + i) for i in range(decodes))
+    tokens = prefill + decodes
+    context = sum(chunk[4] for chunk in chunks)
+    return StepRecord(0, 0.0, seconds(tokens, decodes, context), chunks, (), (), (), (), tokens,
+                      64, 1, 0, 1, 1, 0)
+
+
 def test_fitted_cost_model_recovers_known_coefficients(tiny_model) -> None:
-    from kvscope.engine.telemetry.records import StepRecord
+    def seconds(tokens, decodes, context):
+        return 0.002 + 1e-5 * tokens + 3e-4 * decodes + 2e-6 * context
 
-    def step(prefill: int, decodes: int) -> StepRecord:
-        chunks = ((("a", "a", "prefill", 0, prefill),) if prefill else ()) + tuple(
-            ("d", f"d{i}", "decode", 50 + i, 51 + i) for i in range(decodes))
-        tokens = prefill + decodes
-        context = sum(chunk[4] for chunk in chunks)
-        seconds = 0.002 + 1e-5 * tokens + 3e-4 * decodes + 2e-6 * context
-        return StepRecord(0, 0.0, seconds, chunks, (), (), (), (), tokens, 64, 1, 0, 1,
-                          1, 0)
-
-    records = [step(p, d) for p in (0, 16, 64) for d in (1, 4, 9)]
+    records = [timed_step(p, d, seconds) for p in (0, 16, 64) for d in (1, 4, 9)]
     model = fit_step_cost(records)
     assert model.intercept == pytest.approx(0.002, rel=1e-6)
     assert model.per_token == pytest.approx(1e-5, rel=1e-6)
@@ -156,6 +160,23 @@ def test_fitted_cost_model_recovers_known_coefficients(tiny_model) -> None:
     assert model.per_context_token == pytest.approx(2e-6, rel=1e-6)
     with pytest.raises(ValueError, match="need at least"):
         fit_step_cost(records[:2])
+
+
+def test_fitted_cost_model_follows_a_change_of_slope_in_scheduled_tokens() -> None:
+    """Past 16 rows the linears leave the streamed kernel for a GEMM and each row costs a
+    sixth as much (as on a CPU engine). The fitted model predicts short and long steps, and
+    past the longest it was fitted to (one straight line through these steps is 74 % off at
+    3 rows and 9 % at 64)."""
+    def seconds(tokens, decodes, context):
+        return 0.03 + 6e-3 * min(tokens, 16) + 1e-3 * max(tokens - 16, 0) + 2e-3 * decodes
+
+    records = [timed_step(p, d, seconds) for p in range(0, 48, 2) for d in range(1, 13)]
+    model = fit_step_cost(records)
+    assert 16 in dict(model.token_knots)
+    for prefill, decodes in ((0, 3), (14, 2), (40, 10), (120, 8)):  # 128 rows: past every knot
+        step = timed_step(prefill, decodes, seconds)
+        assert model.step_time(step) == pytest.approx(step.duration, rel=1e-6)
+    assert StepCost.from_json(model.to_json()) == model
 
 
 # ---- live replay -------------------------------------------------------------------------
@@ -308,7 +329,7 @@ def test_simulating_a_trace_needs_a_cost_model(tmp_path, tiny_chat_model_path, c
           "--save-cost-model", str(tmp_path / "saved.json")])
     (run,) = json.loads(capsys.readouterr().out)
     assert run["mode"] == "simulated" and run["num_blocks"] == 32
-    assert LinearStepCost.from_json((tmp_path / "saved.json").read_text()) == STEADY_COST
+    assert StepCost.from_json((tmp_path / "saved.json").read_text()) == STEADY_COST
     with pytest.raises(SystemExit):  # acceptance needs real tokens: live replays only
         main(["replay", str(trace), "--model", str(tiny_chat_model_path), "--simulate",
               "--cost-model", str(cost), "--config", "num_gpu_blocks_override=32",

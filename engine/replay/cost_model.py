@@ -1,16 +1,26 @@
 """Step-cost models: how long one engine step takes, from what the step scheduled.
 
-A step's time is modelled as linear in three features of its StepRecord (what the
-scheduler decided, so the simulator knows them before any forward):
+A step's time is modelled from three features of its StepRecord (what the scheduler
+decided, so the simulator knows them before any forward):
 
-    seconds = intercept + per_token * tokens scheduled + per_decode * decode chunks
+    seconds = intercept + tokens(tokens scheduled) + per_decode * decode chunks
               + per_context_token * context read
 
-where "context read" sums each chunk's end position (the K/V its attention reads). The
-coefficients are fitted by least squares to the step records of real runs (a session log's
-steps table, on this machine or a bigger one); a feature whose coefficient comes out
-negative is dropped and the rest refitted, so the model never predicts that more work is
-faster.
+where "context read" sums each chunk's end position (the K/V its attention reads) and
+tokens() is piecewise linear: per_token up to the first knot, and past each knot the slope
+changes by that knot's amount. A CPU engine's cost per scheduled row changes where its
+linears change route (on the default model a 16-row decode step took 118 ms against 162 ms
+for 14 rows: past a row count a GEMM beats streaming the weights), so one straight line
+fitted to a session's short steps predicted its longer ones ~10 % slow, and queueing in
+the simulation turned that into 21 % on TTFT p50 and 84 % on TPOT (bench/replay.py,
+docs/performance.md). The knots sit on a grid of row counts (powers of two and 1.5 times
+them) and are fitted only where at least MIN_KNOT_STEPS steps fall on each side, so past
+the steps a model was fitted to its last slope carries on.
+
+The coefficients are fitted by least squares to the step records of real runs (a session
+log's steps table, on this machine or a bigger one); a per_token, per_decode or
+per_context_token that comes out negative is dropped and the rest refitted, and no step is
+predicted faster than the fastest one fitted.
 """
 
 import json
@@ -24,6 +34,8 @@ from kvscope.engine.replay.session_source import is_session_log, load_logged_ste
 from kvscope.engine.telemetry.records import StepRecord
 
 FEATURES = ("per_token", "per_decode", "per_context_token")
+KNOT_GRID = tuple(sorted({base * 2 ** p for p in range(14) for base in (2, 3)}))
+MIN_KNOT_STEPS = 10
 
 
 def step_features(record: StepRecord) -> tuple[int, int, int]:
@@ -36,31 +48,40 @@ def step_features(record: StepRecord) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True, slots=True)
-class LinearStepCost:
+class StepCost:
     """The fitted model; step_time() is what the simulator's clock advances by."""
 
     intercept: float
     per_token: float
     per_decode: float
     per_context_token: float
+    token_knots: tuple[tuple[int, float], ...] = ()  # (tokens, slope added past them)
+    floor_seconds: float = 0.0  # the fastest step fitted: no prediction goes below it
     num_fit_steps: int = 0
     fit_error: float = 0.0  # mean absolute relative error on the steps it was fitted to
 
     def step_time(self, record: StepRecord) -> float:
         tokens, decodes, context = step_features(record)
-        return (self.intercept + self.per_token * tokens + self.per_decode * decodes
-                + self.per_context_token * context)
+        seconds = (self.intercept + self.per_token * tokens + self.per_decode * decodes
+                   + self.per_context_token * context)
+        for knot, slope in self.token_knots:
+            if tokens <= knot:
+                break
+            seconds += slope * (tokens - knot)
+        return max(seconds, self.floor_seconds)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "LinearStepCost":
-        return cls(**json.loads(text))
+    def from_json(cls, text: str) -> "StepCost":
+        fields = json.loads(text)
+        fields["token_knots"] = tuple(map(tuple, fields.get("token_knots", ())))
+        return cls(**fields)
 
 
 def fit_step_cost(records: Sequence[StepRecord],
-                  durations: Sequence[float] | None = None) -> LinearStepCost:
+                  durations: Sequence[float] | None = None) -> StepCost:
     """Least squares over steps that ran something. `durations` overrides the records'
     own (end - start), e.g. with a replay loop's step-to-step intervals."""
     pairs = [(step_features(r), d) for r, d in zip(
@@ -71,9 +92,14 @@ def fit_step_cost(records: Sequence[StepRecord],
                          f"{len(FEATURES) + 1} to fit (record a longer session)")
     x = np.array([features for features, _ in pairs], dtype=np.float64)
     y = np.array([duration for _, duration in pairs], dtype=np.float64)
+    tokens = x[:, 0]
+    knots = [k for k in KNOT_GRID if (tokens > k).sum() >= MIN_KNOT_STEPS
+             and (tokens <= k).sum() >= MIN_KNOT_STEPS]
+    hinges = np.column_stack([np.maximum(tokens - k, 0.0) for k in knots] or
+                             [np.empty((len(y), 0))])
     kept = list(range(len(FEATURES)))
     while True:
-        design = np.column_stack([np.ones(len(y)), x[:, kept]])
+        design = np.column_stack([np.ones(len(y)), x[:, kept], hinges])
         solution = np.linalg.lstsq(design, y, rcond=None)[0]
         negative = [k for k, value in zip(kept, solution[1:]) if value < 0]
         if not negative:
@@ -82,10 +108,12 @@ def fit_step_cost(records: Sequence[StepRecord],
     coefficients = dict.fromkeys(FEATURES, 0.0)
     for k, value in zip(kept, solution[1:]):
         coefficients[FEATURES[k]] = float(value)
-    predicted = design @ solution
+    slopes = solution[1 + len(kept):]
+    predicted = np.maximum(design @ solution, y.min())
     error = float(np.mean(np.abs(predicted - y) / np.maximum(y, 1e-9)))
-    return LinearStepCost(max(float(solution[0]), 0.0), **coefficients,
-                          num_fit_steps=len(y), fit_error=error)
+    return StepCost(max(float(solution[0]), 0.0), **coefficients,
+                    token_knots=tuple((k, float(s)) for k, s in zip(knots, slopes)),
+                    floor_seconds=float(y.min()), num_fit_steps=len(y), fit_error=error)
 
 
 @dataclass(slots=True)
@@ -104,14 +132,14 @@ class RecordedStepTimes:
         return self.durations[self._next - 1]
 
 
-def load_step_cost(path: str | Path) -> LinearStepCost:
+def load_step_cost(path: str | Path) -> StepCost:
     """A model saved as JSON, or fitted to the steps of a session log's latest session
     that has any."""
     path = Path(path)
     if is_session_log(path):
         return fit_step_cost(load_logged_steps(path))
     try:
-        return LinearStepCost.from_json(path.read_text())
+        return StepCost.from_json(path.read_text())
     except (OSError, json.JSONDecodeError, TypeError) as error:
         raise ValueError(f"cost_model={str(path)!r}: not a session log or a saved model "
                          f"({error})") from None

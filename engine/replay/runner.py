@@ -164,7 +164,7 @@ class ReplaySession:
     def __init__(self, workload: Workload, base: EngineConfig, cost_model=None) -> None:
         self.workload = workload
         self.base = base
-        self.cost_model = cost_model  # for simulated runs: LinearStepCost, RecordedStepTimes
+        self.cost_model = cost_model  # for simulated runs: StepCost, RecordedStepTimes
         self._runners: dict[tuple, ModelRunner] = {}
         self._simulators: dict[tuple, SimulatedRunner] = {}
 
