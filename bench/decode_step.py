@@ -31,6 +31,7 @@ from gemm_rate import large_gemm_flops
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.kernels import kv_quant
 
 ATTENTION_LABEL = "attention (store_kv + paged_attention)"
 # The ops a linear runs as, on every backend (the streaming kernels, oneDNN's GEMM over a
@@ -51,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=tuple(kv_quant.CODE_DTYPES))
     return parser.parse_args(argv)
 
 
@@ -74,7 +76,7 @@ def label_attention(runner) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     bench = setup(args, max_model_len=args.prompt_len + 64 + args.steps * 2 + 64)
-    engine = bench.engine(max_num_seqs=max(args.batch, 1))
+    engine = bench.engine(max_num_seqs=max(args.batch, 1), kv_cache_dtype=args.kv_cache_dtype)
     rng = random.Random(args.seed)
     vocab = ordinary_token_ids(bench.runner)
     params = SamplingParams(temperature=0, max_tokens=args.steps * 2 + 32, ignore_eos=True)
@@ -111,7 +113,7 @@ def main(argv=None) -> None:
     split = limits_split(bench, args, events, prefill_profile.key_averages(), context_tokens)
     print(json.dumps({
         **bench.describe(), "attention_backend": bench.runner.kernel_ops.backend,
-        "batch": args.batch, "prompt_len": args.prompt_len,
+        "batch": args.batch, "prompt_len": args.prompt_len, "kv_cache_dtype": args.kv_cache_dtype,
         "prefill_seconds": round(prefill_seconds, 2),
         "decode_step_ms_median": round(step * 1e3, 2),
         "decode_tokens_per_s": round(args.batch / step, 1),
@@ -141,9 +143,11 @@ def limits_split(bench, args, events, prefill_events, context_tokens: int) -> di
     gemm = self_seconds(events, GEMM_OPS) / steps
     attention = self_seconds(events, ("kvscope::paged_attention", "kvscope::store_kv")) / steps
     python = self_seconds(events, ("step",)) / steps
-    # Each step reads every cached token's K and V in every layer once.
+    # Each step reads every cached token's K and V rows (codes and scale, in a quantized
+    # cache) in every layer once.
+    cache_dtype = kv_quant.cache_dtype(args.kv_cache_dtype, runner.dtype)
     kv_bytes = (context_tokens * len(runner.attention_layers) * 2 * runner.num_kv_heads
-                * runner.head_dim * runner.dtype.itemsize)
+                * kv_quant.row_width(runner.head_dim, cache_dtype) * cache_dtype.itemsize)
     decode_flops = args.batch * costs["matmul_flops_per_token"]
     # A prefill's layers run over every prompt token, the output projection only for each
     # sequence's last token.

@@ -71,13 +71,23 @@ constexpr int64_t row_bytes(int dim) {
 
 // Rows of a key chunk, widened to fp32 (and de-quantized) once and then read by every query
 // row of the tile (a GQA group's heads, prefill tokens): the conversion is paid once per
-// element.
-template <typename KV>
+// element. On AVX-512, with head_dim known at compile time, through the vector layer's
+// loads (one vpmovsxbd per 16 int8 codes), where GCC widens the loop's byte codes one by
+// one; on AVX2 the loop was the faster (docs/performance.md).
+template <int kDim, typename KV>
 inline void widen_rows(const KV* const* rows, int n, int dim, float* __restrict out) {
   for (int i = 0; i < n; ++i) {
     const KV* __restrict row = rows[i];
     const float scale = row_scale(row, dim);
     float* __restrict dst = out + static_cast<int64_t>(i) * dim;
+#if defined(__AVX512F__)
+    if constexpr (kDim > 0 && kDim % 16 == 0) {
+      using kvscope::vec::FP32Vec16;
+#pragma GCC unroll 8
+      for (int d = 0; d < kDim; d += 16) (FP32Vec16::load(row + d) * scale).store(dst + d);
+      continue;
+    }
+#endif
 #pragma omp simd
     for (int d = 0; d < dim; ++d) dst[d] = load(row[d]) * scale;
   }
@@ -211,6 +221,45 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict wei
   }
 }
 
+// scores[i] = scale * the lane sum of key_products(i) for i < n: 16 keys' lane-wise products
+// are summed together by reduce_sum_16, not each by its own horizontal sum, which took more
+// instructions than its key's products at head_dim 64.
+template <typename Products>
+inline void score_by_sixteen(int n, float scale, float* scores, Products key_products) {
+  using kvscope::vec::FP32Vec16;
+  for (int first = 0; first < n; first += 16) {
+    const int count = std::min(16, n - first);
+    FP32Vec16 partial[16];
+    for (int i = 0; i < count; ++i) partial[i] = key_products(first + i);
+    const FP32Vec16 chunk_scores = kvscope::vec::reduce_sum_16(partial) * FP32Vec16(scale);
+    if (count == 16) {
+      chunk_scores.store(scores + first);
+    } else {
+      float all[16];
+      chunk_scores.store(all);
+      std::copy_n(all, count, scores + first);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// scores[i] = q . keys[i] for i < n, fp32 query (scaled) and widened key rows of kDim.
+template <int kDim>
+inline void score_keys_fp32(const float* query, const float* keys, int n, float* scores) {
+  using kvscope::vec::FP32Vec16;
+  constexpr int kVectors = kDim / 16;
+  FP32Vec16 q[kVectors];
+  for (int c = 0; c < kVectors; ++c) q[c] = FP32Vec16::load(query + 16 * c);
+  score_by_sixteen(n, 1.f, scores, [&](int i) {
+    const float* key = keys + static_cast<int64_t>(i) * kDim;
+    FP32Vec16 sum = q[0] * FP32Vec16::load(key);
+    for (int c = 1; c < kVectors; ++c)
+      sum = kvscope::vec::fma(q[c], FP32Vec16::load(key + 16 * c), sum);
+    return sum;
+  });
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // A chunk's quantized key rows as bf16 rows in `out` (exact), and their scales.
 template <int kDim, typename KV>
@@ -237,22 +286,12 @@ inline void score_keys_bf16(const kvscope::bf16* query, const kvscope::bf16* con
   constexpr int kPairs = kDim / 32;
   BF16Vec32 q[kPairs];
   for (int c = 0; c < kPairs; ++c) q[c] = BF16Vec32::load(query + 32 * c);
-  for (int first = 0; first < n; first += 16) {
-    const int count = std::min(16, n - first);
-    FP32Vec16 partial[16];
-    for (int i = 0; i < count; ++i)
-      for (int c = 0; c < kPairs; ++c)
-        partial[i] = kvscope::vec::dot_accumulate(partial[i], q[c],
-                                                  BF16Vec32::load(key_rows[first + i] + 32 * c));
-    const FP32Vec16 chunk_scores = kvscope::vec::reduce_sum_16(partial) * FP32Vec16(scale);
-    if (count == 16) {
-      chunk_scores.store(scores + first);
-    } else {
-      float all[16];
-      chunk_scores.store(all);
-      std::copy_n(all, count, scores + first);
-    }
-  }
+  score_by_sixteen(n, scale, scores, [&](int i) {
+    FP32Vec16 sum;
+    for (int c = 0; c < kPairs; ++c)
+      sum = kvscope::vec::dot_accumulate(sum, q[c], BF16Vec32::load(key_rows[i] + 32 * c));
+    return sum;
+  });
 }
 #endif
 
@@ -399,13 +438,20 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
 #endif
     if constexpr (!kPairDots) {
       const float* qj = q + static_cast<int64_t>(j) * D;
-      for (int i = f; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
+#if defined(__AVX512F__)
+      if constexpr (kDim > 0 && kDim % 16 == 0) {
+        score_keys_fp32<kDim>(qj, keys + static_cast<int64_t>(f) * D, m - f, weights + f);
+      } else
+#endif
+        for (int i = f; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
     }
     if (L.soft_cap > 0.f)
       for (int i = f; i < m; ++i) weights[i] = L.soft_cap * std::tanh(weights[i] / L.soft_cap);
     float chunk_max = row_max[j];
+    // A conditional, not std::max: GCC leaves a std::max reduction scalar, a chain of
+    // vmaxss that took a sixth of a long decode's attention.
 #pragma omp simd reduction(max : chunk_max)
-    for (int i = f; i < m; ++i) chunk_max = std::max(chunk_max, weights[i]);
+    for (int i = f; i < m; ++i) chunk_max = weights[i] > chunk_max ? weights[i] : chunk_max;
     if (chunk_max > row_max[j]) {
       const float correction = std::exp(row_max[j] - chunk_max);  // 0 for the first chunk
       row_sum[j] *= correction;
@@ -451,7 +497,7 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
         key_rows[i] = key_cache + offsets[now][i] + head_offset;
         value_rows[i] = value_cache + offsets[now][i] + head_offset;
       }
-      if constexpr (!kPairDots) widen_rows(key_rows, n, D, keys);
+      if constexpr (!kPairDots) widen_rows<kDim>(key_rows, n, D, keys);
       if constexpr (kPairDots && kvscope::kQuantizedKV<KV>)
         codes_to_bf16<kDim>(key_rows, n, reinterpret_cast<kvscope::bf16*>(keys), code_rows,
                             key_scales);

@@ -113,10 +113,16 @@ struct FP32Vec16 {
   static FP32Vec16 widen(U8Vec16 bytes) {
     return __builtin_convertvector(__builtin_convertvector(bytes.reg, i32x16), f32x16);
   }
-  // Signed bytes flipped to q + 128 widen as unsigned ones (one instruction; GCC 12 widens
-  // signed byte vectors element by element), then the 128 comes off exactly in fp32.
+  // Signed bytes: on AVX-512 one vpmovsxbd; elsewhere flipped to q + 128 and widened as
+  // unsigned ones (GCC 12 widens signed byte vectors element by element), then the 128 comes
+  // off exactly in fp32.
   static FP32Vec16 widen(const int8_t* p) {
+#if defined(__AVX512F__)
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
     return widen(U8Vec16::load(reinterpret_cast<const uint8_t*>(p)) ^ 0x80).reg - 128.f;
+#endif
   }
 
   void store(float* p) const { store_unaligned(p, reg); }
