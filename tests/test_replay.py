@@ -163,8 +163,8 @@ def test_fitted_cost_model_recovers_known_coefficients(tiny_model) -> None:
 
 
 def test_fitted_cost_model_follows_a_change_of_slope_in_scheduled_tokens() -> None:
-    """Past 16 rows the linears leave the streamed kernel for a GEMM and each row costs a
-    sixth as much (as on a CPU engine). The fitted model predicts short and long steps, and
+    """Past 16 rows each row costs a sixth as much (a CPU engine's GEMM changes kernel with
+    its row count). The fitted model predicts short and long steps, and
     past the longest it was fitted to (one straight line through these steps is 74 % off at
     3 rows and 9 % at 64)."""
     def seconds(tokens, decodes, context):
