@@ -107,9 +107,17 @@ class Bench:
     engines_made: int = field(default=0)
 
     def engine(self, **knobs) -> EngineCore:
-        """A fresh engine (its own block pool) on the loaded weights."""
+        """A fresh engine (its own block pool) on the loaded weights. The runner holds one
+        KV cache, the latest engine's: an engine made before it must not step again."""
         self.engines_made += 1
         return EngineCore(EngineConfig(**self.base_knobs, **knobs), runner=self.runner)
+
+    def engine_with_own_weights(self, **knobs) -> EngineCore:
+        """An engine on a runner of its own (the weights loaded again), for engines that
+        step side by side: each keeps its own KV cache."""
+        self.engines_made += 1
+        config = EngineConfig(**self.base_knobs, **knobs)
+        return EngineCore(config, runner=ModelRunner(config))
 
     def describe(self) -> dict:
         return {"model": str(self.runner.model_path), "dtype": str(self.runner.dtype),

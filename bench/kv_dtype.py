@@ -179,9 +179,11 @@ def main() -> None:
         report["kv_cache_dtypes"][kv_cache_dtype] = row
         print(kv_cache_dtype, row, file=sys.stderr, flush=True)
         del engine
-    decoding = {kv_cache_dtype: bench.engine(kv_cache_dtype=kv_cache_dtype,
-                                             device_memory_gb=args.decode_memory_gb,
-                                             max_num_seqs=args.decode_seqs)
+    # Engines that step in turn need runners of their own: on one runner every engine would
+    # read and write the KV cache of the last one made.
+    decoding = {kv_cache_dtype: bench.engine_with_own_weights(
+                    kv_cache_dtype=kv_cache_dtype, device_memory_gb=args.decode_memory_gb,
+                    max_num_seqs=args.decode_seqs)
                 for kv_cache_dtype in args.decode_dtypes.split(",")}
     for kv_cache_dtype, rates in decode_rates(decoding, long_prompts, args.decode_tokens).items():
         report["kv_cache_dtypes"].setdefault(kv_cache_dtype, {}).update(rates)
