@@ -265,6 +265,33 @@ def test_mirror_built_from_deltas_equals_a_full_snapshot(make_engine) -> None:
         suppress_health_check=list(HealthCheck)))
 
 
+
+def test_a_block_evicted_and_cached_again_in_one_step_shows_its_hits_reset(make_engine) -> None:
+    """Found by the state machine above: in one step a prefix-hit block is evicted (its hits
+    forgotten) and filled again with the same content, so its hash reads unchanged; the
+    reader must still see its hits go back to 0."""
+    core = make_engine("llama", block_size=2, max_model_len=24, num_gpu_blocks_override=12,
+                       max_num_batched_tokens=12, preemption_mode="swap", swap_space=0.001)
+    recorder = PoolRecorder(core).listen()
+    mirror = PoolMirror()
+    assert mirror.apply(recorder.take_base())
+    assert mirror.apply(recorder.take_slice(0, 100)) and mirror.ready
+    prefix = PREFIXES[0]
+
+    def add(prompt, max_tokens):
+        core.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                temperature=1.0, seed=len(prompt)))
+
+    add(prefix, 1)
+    core.step()
+    assert mirror.apply(recorder.take_delta())
+    add([30] * 9, 2)
+    add(prefix + [30] * 7, 1)
+    for _ in range(3):
+        core.step()
+        assert mirror.apply(recorder.take_delta())
+        assert_mirror_matches(mirror, core)
+
 def test_a_missed_delta_asks_for_a_new_snapshot(make_engine) -> None:
     core = make_engine("llama", block_size=2, max_model_len=24, num_gpu_blocks_override=12)
     recorder = PoolRecorder(core).listen()

@@ -50,6 +50,7 @@ class PoolRecorder:
         self._sequences: dict[str, Sequence] = {}
         self._table_from: dict[str, int] = {}
         self._released: dict[int, None] = {}  # released block ids, in order of release
+        self._evicted: set[int] = set()  # blocks whose content (and its hits) was forgotten
         # What readers were last told about each live sequence:
         # (status, num_tokens, num_computed_tokens).
         self._sent: dict[str, tuple] = {}
@@ -68,8 +69,11 @@ class PoolRecorder:
                     self._released[block_id] = None
             case BlocksAllocated(block_ids) | BlocksShared(block_ids):
                 self._blocks.update(dict.fromkeys(block_ids))
-            case BlockStored(block_id) | BlockRemoved(block_id):
+            case BlockStored(block_id):
                 self._blocks[block_id] = None
+            case BlockRemoved(block_id):
+                self._blocks[block_id] = None
+                self._evicted.add(block_id)
             case BlockTableChanged(seq, from_index):
                 seq_id = seq.seq_id
                 self._sequences[seq_id] = seq
@@ -120,9 +124,9 @@ class PoolRecorder:
             tuple(block_id for block_id in self._released if not blocks[block_id].ref_count
                   and blocks[block_id].block_hash is not None),
             tuple((block_id, blocks[block_id].num_hits) for block_id in self._blocks
-                  if blocks[block_id].num_hits))
+                  if blocks[block_id].num_hits or block_id in self._evicted))
         self._blocks, self._sequences, self._table_from = {}, {}, {}
-        self._released = {}
+        self._released, self._evicted = {}, set()
         self.num_deltas += 1
         return delta
 

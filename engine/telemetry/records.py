@@ -177,7 +177,9 @@ class PoolDelta:
     removed: tuple[str, ...]  # sequences that left the queues (finished or aborted)
     # Blocks that joined the back of the eviction order (freed with their content kept),
     # in the order they joined; and (block id, prefix-cache hits on its content) of the
-    # touched blocks that have any.
+    # touched blocks that have any, and of those evicted in the delta (0, unless hit since):
+    # a block can be evicted and cached again with the same content in one step, and a
+    # reader would then keep its old count.
     freed: tuple[int, ...] = ()
     hits: tuple[tuple[int, int], ...] = ()
 
