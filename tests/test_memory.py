@@ -7,6 +7,7 @@ import torch
 from conftest import TINY_MAX_POSITIONS
 
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import GiB, measure_peak_bytes, plan_blocks
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.profile_cache import profile_key
@@ -107,6 +108,20 @@ def test_num_gpu_blocks_override_sets_the_pool_size(make_engine):
     assert engine.memory_plan.num_blocks == engine.kv_cache.pool.num_blocks == 40
     assert engine.runner.kv_cache.shape[2] == 40
 
+
+
+def test_an_engine_whose_runner_a_later_engine_took_refuses_to_step(make_engine):
+    """A runner holds one engine's KV cache: an older engine stepping on would read and
+    write the newer one's blocks (bench/kv_dtype.py once timed one cache for three
+    kv_cache_dtypes that way), so it stops with the cause named; the newer one serves."""
+    old = make_engine("llama", num_gpu_blocks_override=40)
+    old.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    new = make_engine("llama", num_gpu_blocks_override=40, kv_cache_dtype="int8")
+    with pytest.raises(RuntimeError, match="another EngineCore was built on its model runner"):
+        old.step()
+    new.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    while new.has_unfinished_requests():
+        new.step()
 
 def test_engine_refuses_to_start_when_max_model_len_does_not_fit(make_engine):
     with pytest.raises(ValueError, match=r"holds \d+ tokens.*max_model_len=256"):

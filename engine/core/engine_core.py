@@ -3,6 +3,7 @@
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,13 +52,12 @@ class EngineCore:
         self.config = config.resolved(self.runner.max_positions)
         self.runner = with_draft_model(self.runner, self.config)
         self.memory_plan = self.runner.plan_memory(self.config)
-        self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks,
-                                      self.config.kv_cache_dtype)
-        logger.info(self.memory_plan.describe())
         num_swap_blocks = 0
         if self.config.preemption_mode == "swap":
             num_swap_blocks = int(self.config.swap_space * GiB) // self.memory_plan.bytes_per_block
-        self.runner.allocate_swap_space(num_swap_blocks)
+        self.num_swap_blocks = num_swap_blocks
+        self._allocate_caches()
+        logger.info(self.memory_plan.describe())
         self.events = EventBus()
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
                                        self.config.enable_prefix_caching, num_swap_blocks,
@@ -161,6 +161,24 @@ class EngineCore:
         self.beams.forget(request)
         return self._make_output(request)
 
+    def _allocate_caches(self) -> None:
+        """This engine's KV cache and swap space on its runner. A runner holds one engine's
+        cache: a weak reference to the tensor lets step() tell when a later engine built on
+        the same runner has replaced it (stepping on would read and write that engine's
+        blocks), without keeping it alive while that engine allocates its own."""
+        self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks,
+                                      self.config.kv_cache_dtype)
+        self.runner.allocate_swap_space(self.num_swap_blocks)
+        tensor = getattr(self.runner, "kv_cache", None)  # a simulated runner has none
+        self._kv_cache_ref = weakref.ref(tensor) if tensor is not None else lambda: None
+
+    def reallocate_caches(self) -> None:
+        """Fresh caches for this engine after another one built on its runner took them
+        (a refused reconfigure): the cached-free blocks no longer hold what their hashes
+        say, so the prefix cache starts over."""
+        self._allocate_caches()
+        self.kv_cache.pool.reset_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -200,6 +218,10 @@ class EngineCore:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = start_time
         sampling = [item for item in plan.scheduled if item.samples]
+        if getattr(self.runner, "kv_cache", None) is not self._kv_cache_ref():
+            raise RuntimeError("this engine's KV cache was replaced: another EngineCore was "
+                               "built on its model runner since, and a runner holds one "
+                               "engine's cache (give each engine that steps its own runner)")
         self.runner.move_blocks(plan)
         logits, prompt_logits = (self.runner.execute(plan.scheduled, _prompt_logprob_items(plan))
                                  if plan.scheduled else (None, {}))

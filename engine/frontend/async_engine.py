@@ -599,10 +599,8 @@ class AsyncEngine(ChatSubmit):
         except Exception as error:  # noqa: BLE001 -- handed to the caller of reconfigure()
             if runner.kv_cache is None or runner.kv_cache is not old_cache():
                 # Profiling the new budget replaced the cache tensor: give the old core a
-                # fresh one, whose cached-free blocks no longer hold what their hashes say.
-                runner.allocate_kv_cache(old.config.block_size, old.memory_plan.num_blocks,
-                                         old.config.kv_cache_dtype)
-                old.kv_cache.pool.reset_cache()
+                # fresh one.
+                old.reallocate_caches()
             logger.warning("reconfigure refused: %s", error)
             settle_future(pending.result, error=error)
         else:
