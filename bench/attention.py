@@ -1,0 +1,86 @@
+"""One decode batch's paged attention alone, per KV cache dtype: time and K/V bytes per second.
+
+--seqs sequences, each one query token over --context cached keys, through every layer's
+cache (--layers caches of random K/V, so the batch's K/V reads come from memory, as a
+decode step's do), with the model shape given by --heads / --kv-heads / --head-dim and a
+block table of random blocks (a long-running pool's is scattered). Per KV dtype it prints
+the best of --rounds passes over the layers: milliseconds, and the K/V bytes read over
+that time (codes and scales for a quantized cache). The query is bf16 (fp32 for an fp32
+cache), as the engine's is. Compare dtypes within one run.
+
+Usage:
+  python bench/attention.py                                # SmolLM2-135M's heads, 32 x 2,000
+  python bench/attention.py --dtypes bf16,int8 --seqs 64 --context 300
+"""
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
+
+import torch  # noqa: E402
+
+from kvscope.kernels import cpu_kernels, kv_quant  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
+          "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", default="bf16,int8,fp8,fp32")
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--context", type=int, default=2000)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cpu_kernels.load()
+    generator = torch.Generator().manual_seed(args.seed)
+    blocks_per_seq = -(-(args.context + 1) // args.block_size)
+    num_blocks = args.seqs * blocks_per_seq
+    tables = torch.randperm(num_blocks, generator=generator, dtype=torch.int32).view(
+        args.seqs, blocks_per_seq)
+    seq_lens = torch.full((args.seqs,), args.context + 1, dtype=torch.int32)
+    starts = torch.arange(args.seqs + 1, dtype=torch.int32)
+    query = torch.randn(args.seqs, args.heads, args.head_dim, generator=generator)
+    shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    results = {}
+    for name in args.dtypes.split(","):
+        dtype = DTYPES[name]
+        layers = [tuple(kv_quant.encode(torch.randn(shape, generator=generator), dtype)
+                        for _ in range(2)) for _ in range(args.layers)]
+        q = query.to(torch.float32 if dtype == torch.float32 else torch.bfloat16)
+        best = float("inf")
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            for key_cache, value_cache in layers:
+                cpu_kernels.paged_attention(q, key_cache, value_cache, tables, seq_lens, starts,
+                                            args.head_dim ** -0.5)
+            best = min(best, time.perf_counter() - started)
+        row_bytes = kv_quant.row_width(args.head_dim, dtype) * dtype.itemsize
+        read = 2 * args.layers * args.seqs * (args.context + 1) * args.kv_heads * row_bytes
+        results[name] = {"ms": round(best * 1e3, 1), "kv_gb_s": round(read / best / 1e9, 2)}
+        del layers
+    print(json.dumps({"seqs": args.seqs, "context": args.context, "heads": args.heads,
+                      "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                      "block_size": args.block_size, "layers": args.layers,
+                      "torch_threads": torch.get_num_threads(), "kv_cache_dtypes": results},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
