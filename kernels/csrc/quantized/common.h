@@ -108,6 +108,9 @@ std::vector<float> widen_rows(const T* x, int64_t x_stride, int64_t rows, int64_
 // A type's lanes have the code kLanesCode + its ggml type id (ggml's stay below 100).
 constexpr int64_t kLanesCode = 100;
 constexpr int64_t kSuperBlock = 256;
+// Weight bytes one 512-bit dot reads: the step of the 8-bit lanes' layout, which the
+// portable de-quantization (kquants.cpp's lanes_quants) walks on every CPU.
+constexpr int64_t kStepBytes = 64;
 
 // The quants' bytes of a row of `in` weights with `bits` bits each.
 constexpr int64_t lanes_quant_bytes(int bits, int64_t in) {

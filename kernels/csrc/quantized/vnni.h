@@ -101,8 +101,6 @@ struct Int8Lanes {
   uint8_t* row(int m) const { return data + m * row_bytes; }
 };
 
-constexpr int64_t kStepBytes = 64;  // weight bytes one 512-bit dot reads
-
 // int4, wide blocks (see the layout at the top of the file): per block of 16 chunks and
 // per t in 0..3, `low` holds x[chunk j][4t..4t+3] in int32 lane j and `high` x[chunk j]
 // [16+4t..+3]; then each chunk's d in its lane. 8 vpdpbusd sum a chunk's dot in its lane.
