@@ -69,27 +69,35 @@ constexpr int64_t row_bytes(int dim) {
          static_cast<int64_t>(sizeof(KV));
 }
 
+// Whether the portable path's key rows go through the vector layer: on AVX-512, with
+// head_dim known at compile time, they widen by its loads (one vpmovsxbd per 16 int8 codes,
+// where GCC widens a loop's byte codes one by one) and score 16 keys at a time
+// (score_keys_fp32). On AVX2 the plain loops were the faster (docs/performance.md).
+template <int kDim>
+constexpr bool kVectorRows =
+#if defined(__AVX512F__)
+    kDim > 0 && kDim % 16 == 0;
+#else
+    false;
+#endif
+
 // Rows of a key chunk, widened to fp32 (and de-quantized) once and then read by every query
 // row of the tile (a GQA group's heads, prefill tokens): the conversion is paid once per
-// element. On AVX-512, with head_dim known at compile time, through the vector layer's
-// loads (one vpmovsxbd per 16 int8 codes), where GCC widens the loop's byte codes one by
-// one; on AVX2 the loop was the faster (docs/performance.md).
+// element.
 template <int kDim, typename KV>
 inline void widen_rows(const KV* const* rows, int n, int dim, float* __restrict out) {
   for (int i = 0; i < n; ++i) {
     const KV* __restrict row = rows[i];
     const float scale = row_scale(row, dim);
     float* __restrict dst = out + static_cast<int64_t>(i) * dim;
-#if defined(__AVX512F__)
-    if constexpr (kDim > 0 && kDim % 16 == 0) {
+    if constexpr (kVectorRows<kDim>) {
       using kvscope::vec::FP32Vec16;
 #pragma GCC unroll 8
       for (int d = 0; d < kDim; d += 16) (FP32Vec16::load(row + d) * scale).store(dst + d);
-      continue;
-    }
-#endif
+    } else {
 #pragma omp simd
-    for (int d = 0; d < dim; ++d) dst[d] = load(row[d]) * scale;
+      for (int d = 0; d < dim; ++d) dst[d] = load(row[d]) * scale;
+    }
   }
 }
 
@@ -242,7 +250,6 @@ inline void score_by_sixteen(int n, float scale, float* scores, Products key_pro
   }
 }
 
-#if defined(__AVX512F__)
 // scores[i] = q . keys[i] for i < n, fp32 query (scaled) and widened key rows of kDim.
 template <int kDim>
 inline void score_keys_fp32(const float* query, const float* keys, int n, float* scores) {
@@ -258,7 +265,6 @@ inline void score_keys_fp32(const float* query, const float* keys, int n, float*
     return sum;
   });
 }
-#endif
 
 #if defined(__AVX512BF16__)
 // A chunk's quantized key rows as bf16 rows in `out` (exact), and their scales.
@@ -438,11 +444,9 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
 #endif
     if constexpr (!kPairDots) {
       const float* qj = q + static_cast<int64_t>(j) * D;
-#if defined(__AVX512F__)
-      if constexpr (kDim > 0 && kDim % 16 == 0) {
+      if constexpr (kVectorRows<kDim>)
         score_keys_fp32<kDim>(qj, keys + static_cast<int64_t>(f) * D, m - f, weights + f);
-      } else
-#endif
+      else
         for (int i = f; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
     }
     if (L.soft_cap > 0.f)
