@@ -52,15 +52,15 @@ class EngineCore:
         self.config = config.resolved(self.runner.max_positions)
         self.runner = with_draft_model(self.runner, self.config)
         self.memory_plan = self.runner.plan_memory(self.config)
-        num_swap_blocks = 0
+        self.num_swap_blocks = 0
         if self.config.preemption_mode == "swap":
-            num_swap_blocks = int(self.config.swap_space * GiB) // self.memory_plan.bytes_per_block
-        self.num_swap_blocks = num_swap_blocks
+            self.num_swap_blocks = (int(self.config.swap_space * GiB)
+                                    // self.memory_plan.bytes_per_block)
         self._allocate_caches()
         logger.info(self.memory_plan.describe())
         self.events = EventBus()
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
-                                       self.config.enable_prefix_caching, num_swap_blocks,
+                                       self.config.enable_prefix_caching, self.num_swap_blocks,
                                        emit=self.events.emit,
                                        group_windows=self.runner.group_windows)
         self.scheduler = Scheduler(self.config, self.kv_cache, emit=self.events.emit)
