@@ -24,8 +24,9 @@ import torch  # noqa: E402
 
 from kvscope.kernels import cpu_kernels, kv_quant  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8,
-          "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# The model-dtype caches by name, and the quantized ones by their kv_cache_dtype names.
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32,
+          **{name: codes for name, codes in kv_quant.CODE_DTYPES.items() if codes is not None}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -108,7 +108,7 @@ class Bench:
 
     def engine(self, **knobs) -> EngineCore:
         """A fresh engine (its own block pool) on the loaded weights. The runner holds one
-        KV cache, the latest engine's: an engine made before it must not step again."""
+        KV cache, the latest engine's: an engine made before it refuses to step again."""
         self.engines_made += 1
         return EngineCore(EngineConfig(**self.base_knobs, **knobs), runner=self.runner)
 
