@@ -23,17 +23,25 @@ VIEWPORTS = ((1440, 900), (1024, 768))
 # The Replicas tab is there only when app.py runs more than one (`-- --replicas 2`).
 TABS = (("live", "Live"), ("engine", "Engine & load"), ("sessions", "Sessions"),
         ("compare", "Compare"), ("replicas", "Replicas"))
+# Long enough for the poller's busy tick (ui/panels.py BUSY_REFRESH_S) and its drawing.
+WHOLE_PAGE_DRAW_S = 3.0
 
 
-def reveal_panels(page) -> None:
-    """Scroll the page down a screen at a time and back: a panel below the fold draws only
-    once it has been in view, so a full-page screenshot would show it empty."""
-    height = page.viewport_size["height"]
-    for top in range(0, page.evaluate("document.body.scrollHeight"), height // 2):
-        page.evaluate(f"window.scrollTo(0, {top})")
-        time.sleep(0.4)
-    page.evaluate("window.scrollTo(0, 0)")
-    time.sleep(1)
+def shoot_whole_page(page, path: Path) -> None:
+    """A screenshot of the whole page with every panel drawn at about the same moment.
+
+    The page draws only the panels on screen (ui/live_poller.js), so a full-page shot of
+    a normal viewport shows the panels below the fold as they were when last scrolled
+    past: under load, a block-table panel saying no sequence holds blocks beside a
+    summary counting 50 running. The viewport is stretched to the page's height for the
+    shot, and the shot waits until the poller has drawn every panel once in it."""
+    width, height = page.viewport_size["width"], page.viewport_size["height"]
+    for _ in range(3):  # panels drawn in the taller viewport can change the page's height
+        page.set_viewport_size({"width": width,
+                                "height": page.evaluate("document.body.scrollHeight")})
+        time.sleep(WHOLE_PAGE_DRAW_S)
+    page.screenshot(path=path, full_page=True, timeout=120_000)
+    page.set_viewport_size({"width": width, "height": height})
 
 
 def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:
@@ -45,9 +53,7 @@ def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:
             continue
         tab.click()
         time.sleep(2)  # the tab's first refresh
-        reveal_panels(page)
-        page.screenshot(path=out / f"{name}-{state}-{size}.png", full_page=True,
-                        timeout=120_000)
+        shoot_whole_page(page, out / f"{name}-{state}-{size}.png")
 
 
 def shoot_paused(page, out: Path, viewport: tuple[int, int]) -> None:
@@ -58,9 +64,7 @@ def shoot_paused(page, out: Path, viewport: tuple[int, int]) -> None:
         page.locator("#kv-step-back").click()
         time.sleep(0.5)
     time.sleep(2)  # every panel's drawing of that frame
-    reveal_panels(page)
-    page.screenshot(path=out / f"live-paused-{viewport[0]}x{viewport[1]}.png", full_page=True,
-                    timeout=120_000)
+    shoot_whole_page(page, out / f"live-paused-{viewport[0]}x{viewport[1]}.png")
     page.locator("#kv-resume").click()
 
 

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -263,6 +264,40 @@ def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browse
     assert engine.config.block_size == 4
 
 
+def test_browser_the_what_if_preview_follows_the_live_sequences_while_its_tab_is_shown(
+        served, browser) -> None:
+    """The preview under the knobs counts the sequences live now, not those live when the
+    page loaded: a request that starts, and then ends, while the tab is shown."""
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    page = open_page(browser, served[2])
+    try:
+        page.get_by_role("tab", name="Engine & load").click()
+        what_if = page.locator("#kv-what-if")
+        expect(what_if).to_contain_text("No live sequences now", timeout=30_000)
+        params = SamplingParams(max_tokens=150, ignore_eos=True)
+        with KeptRunning(engine, "still running " * 8, params, request_id="what-if-live"):
+            expect(what_if).to_contain_text("The one live sequence would hold",
+                                            timeout=30_000)
+        expect(what_if).to_contain_text("No live sequences now", timeout=30_000)
+    finally:
+        page.close()
+
+
+def test_every_plot_has_its_label_above_the_chart_not_over_its_title(served) -> None:
+    """Gradio draws a plot's label over the figure's top left corner, where the figures put
+    their titles ("403 blocks" for 4403): every tab's plots carry the class that moves it."""
+    import gradio as gr
+
+    from kvscope.ui.plotdata import PANEL_CLASS
+
+    plots = [block for block in build_ui(served[0], served[1]).blocks.values()
+             if isinstance(block, gr.Plot)]
+    assert len(plots) > 10
+    assert [plot.label for plot in plots if PANEL_CLASS not in (plot.elem_classes or [])] == []
+
+
 def test_browser_trash_icon_starts_a_new_conversation(served, browser) -> None:
     from playwright.sync_api import expect
 
@@ -426,6 +461,30 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
         served[0].resolved_identity()["model"]
 
 
+def test_browser_the_sessions_tab_lists_the_counts_of_now_each_time_it_is_shown(
+        served, browser) -> None:
+    """A Sessions tab opened once and shown again lists the requests run since, without
+    a click on Refresh."""
+    engine, log = served[0], served[1]
+    page = open_page(browser, served[2])
+    try:
+        page.get_by_role("tab", name="Sessions").click()
+        # The current session's row (the newest, listed first), its "requests" column.
+        requests_cell = page.locator("#kv-sessions-table tbody tr").first.locator("td").nth(4)
+
+        def listed() -> int:
+            return int(requests_cell.text_content().strip() or -1)
+        wait_until(lambda: listed() >= 0, timeout=30, what="the sessions table")
+        before = listed()
+        page.get_by_role("tab", name="Live").click()
+        list(engine.submit("one more request", SamplingParams(max_tokens=4)))
+        wait_until(lambda: log.list_sessions()[0]["num_requests"] > before, timeout=30)
+        page.get_by_role("tab", name="Sessions").click()
+        wait_until(lambda: listed() > before, timeout=30, what="the sessions table's update")
+    finally:
+        page.close()
+
+
 def test_browser_chat_heatmap_and_export(served, browser, tmp_path: Path) -> None:
     from playwright.sync_api import expect
 
@@ -439,7 +498,7 @@ def test_browser_chat_heatmap_and_export(served, browser, tmp_path: Path) -> Non
     page.screenshot(path=tmp_path / "live.png", full_page=True)
 
     page.get_by_role("tab", name="Sessions").click()
-    expect(page.locator("#kv-sessions-status")).to_contain_text("sessions in")
+    expect(page.locator("#kv-sessions-status")).to_contain_text(re.compile(r"sessions? in "))
     page.locator("#kv-export").click()
     link = page.locator("#kv-download a").first
     # The module's session holds every step and pool record the tests before it logged:

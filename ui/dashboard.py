@@ -10,13 +10,11 @@ from kvscope.engine.config import BLOCK_SIZES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvscope.engine.view import EngineView
 from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, scrubber, sessions
 from kvscope.ui.live import LiveFeeds
+from kvscope.ui.plotdata import PANEL_CLASS
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
 POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
 REFRESH_ENDPOINT = "refresh_live"
-# Plots whose label sits in the page's flow, above the chart (assets/dashboard.css), not
-# over the chart's title.
-PANEL_CLASS = "kv-panel"
 # The share of one core the browser may spend drawing the live panels, all together
 # (ui/live_poller.js).
 DRAW_DUTY = 0.03
@@ -37,7 +35,7 @@ def build_ui(engine: EngineView, session_log=None) -> gr.Blocks:
             with gr.Tab("Engine & load", id="engine") as engine_tab:
                 load_timer = _engine_tab(blocks, engine, feeds, session_log, load)
             with gr.Tab("Sessions", id="sessions") as sessions_tab:
-                _sessions_tab(blocks, session_log, engine)
+                _sessions_tab(blocks, session_log, engine, sessions_tab)
             with gr.Tab("Compare", id="compare", elem_id="kv-compare") as compare_tab:
                 compare.compare_tab(engine, session_log, compare_tab)
             other_tabs = [live_tab, sessions_tab, compare_tab]
@@ -270,8 +268,12 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     send.click(partial(_start_load, load), [count, rate, shared, prompt_min, prompt_max,
                                             output_min, output_max, n], load_status,
                api_name="start_load")
+    # While this tab is shown: the load's progress, and the preview of the sequences that
+    # are live now (at page load they may have been others, or none).
     timer = gr.Timer(2.0, active=False)
     timer.tick(load.status, None, load_status, show_progress="hidden", api_visibility="private")
+    timer.tick(preview, [block_size, utilization, memory_gb], what_if, show_progress="hidden",
+               api_visibility="private")
     return timer
 
 
@@ -296,10 +298,10 @@ def _start_scenario(load, name: str) -> str:
         return f"**Scenario not sent:** {error}"
 
 
-def _sessions_tab(blocks, session_log, engine: EngineView) -> None:
+def _sessions_tab(blocks, session_log, engine: EngineView, tab: gr.Tab) -> None:
     refresh = gr.Button("Refresh", size="sm")
     table = gr.Dataframe(headers=sessions.SESSION_COLUMNS, interactive=False,
-                         label="Sessions")
+                         label="Sessions", elem_id="kv-sessions-table")
     with gr.Row():
         session = gr.Dropdown(choices=[], label="session", elem_id="kv-session",
                               allow_custom_value=True)
@@ -309,8 +311,8 @@ def _sessions_tab(blocks, session_log, engine: EngineView) -> None:
     status = gr.Markdown(elem_id="kv-sessions-status")
     download = gr.File(label="Download", elem_id="kv-download", interactive=False)
     stats = gr.Markdown()
-    past_timeline = gr.Plot(label="Request timelines")
-    past_series = gr.Plot(label="KV usage, queues, throughput")
+    past_timeline = gr.Plot(label="Request timelines", elem_classes=PANEL_CLASS)
+    past_series = gr.Plot(label="KV usage, queues, throughput", elem_classes=PANEL_CLASS)
     config = gr.JSON(label="Engine config")
     # The session's pool, frame by frame (ui/scrubber.py): the same panels as the Live tab.
     gr.Markdown("### The pool, step by step")
@@ -336,6 +338,9 @@ def _sessions_tab(blocks, session_log, engine: EngineView) -> None:
     listing = partial(sessions.list_sessions, session_log)
     refresh.click(listing, None, [table, session, status], api_name="list_sessions")
     blocks.load(listing, None, [table, session, status], api_visibility="private")
+    # The sessions' counts grow while the engine runs: shown again, the tab lists them anew.
+    tab.select(listing, session, [table, session, status], show_progress="hidden",
+               api_visibility="private")
     session.change(partial(sessions.show_session, session_log), session,
                    [past_timeline, past_series, stats, config], api_name="show_session").then(
         lambda session_id: frames.show(session_id, None), session, frame_outputs,

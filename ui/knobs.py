@@ -165,9 +165,12 @@ def what_if_markdown(engine: EngineView, token_counts: list[int], block_size, ut
     if not token_counts:
         lines.append("No live sequences now: send some load to see their blocks and waste.")
         return "  \n".join(lines)
-    for label, size in (("would hold", block_size), ("hold now", now.block_size)):
+    live = (f"The {len(token_counts)} live sequences" if len(token_counts) > 1
+            else "The one live sequence")
+    for label, size in (("would hold", block_size), ("holds now" if len(token_counts) == 1
+                                                      else "hold now", now.block_size)):
         blocks, waste = fragmentation(token_counts, size)
-        lines.append(f"The {len(token_counts)} live sequences {label} {blocks} blocks; "
+        lines.append(f"{live} {label} {blocks} blocks; "
                      f"the empty slots of their last blocks (internal fragmentation) are "
                      f"{waste} tokens, {waste / (blocks * size):.1%} of those blocks.")
     return "  \n".join(lines)

@@ -9,6 +9,9 @@ import orjson
 from gradio.components.plot import PlotData
 
 Figure = dict
+# Every gr.Plot carries this class: its label then sits in the page's flow, above the chart
+# (assets/dashboard.css), not over the chart's title.
+PANEL_CLASS = "kv-panel"
 
 # Titles start at the top left of the figure and push the plot down as far as their lines
 # need (automargin): centred, a long title was cut at both ends; placed by a fraction of

@@ -17,8 +17,9 @@ def session_time(value: float | None) -> str:
     return datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S") if value else "–"
 
 
-def list_sessions(session_log):
-    """(table rows, session choices, status)."""
+def list_sessions(session_log, selected=None):
+    """(table rows, session choices, status); the chosen session stays `selected` while
+    it is listed (a tab shown again keeps what the user picked), else the newest."""
     if session_log is None:
         return [], gr.update(choices=[]), NO_LOG
     sessions = session_log.list_sessions()
@@ -27,8 +28,10 @@ def list_sessions(session_log):
              block_sizes(s), s["config"].get("enable_prefix_caching")]
             for s in sessions]
     choices = [s["id"] for s in sessions]
-    return rows, gr.update(choices=choices, value=choices[0] if choices else None), (
-        f"{len(sessions)} sessions in {session_log.db_path}")
+    value = next((choice for choice in choices if str(choice) == str(selected)),
+                 choices[0] if choices else None)
+    count = f"{len(sessions)} session{'' if len(sessions) == 1 else 's'}"
+    return rows, gr.update(choices=choices, value=value), f"{count} in {session_log.db_path}"
 
 
 def block_sizes(session: dict) -> str:
