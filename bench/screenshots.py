@@ -40,8 +40,10 @@ def shoot_whole_page(page, path: Path) -> None:
         page.set_viewport_size({"width": width,
                                 "height": page.evaluate("document.body.scrollHeight")})
         time.sleep(WHOLE_PAGE_DRAW_S)
-    page.screenshot(path=path, full_page=True, timeout=120_000)
+    # Back to the real viewport first: a full-page shot of the stretched one would show
+    # the space below a page that shrank as black.
     page.set_viewport_size({"width": width, "height": height})
+    page.screenshot(path=path, full_page=True, timeout=120_000)
 
 
 def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:

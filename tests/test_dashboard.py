@@ -463,8 +463,10 @@ def test_sessions_list_and_export(served, client, tmp_path: Path) -> None:
 
 def test_browser_the_sessions_tab_lists_the_counts_of_now_each_time_it_is_shown(
         served, browser) -> None:
-    """A Sessions tab opened once and shown again lists the requests run since, without
-    a click on Refresh."""
+    """A Sessions tab opened once and shown again lists the requests run since, and draws
+    them in the session's timeline, without a click on Refresh."""
+    from playwright.sync_api import expect
+
     engine, log = served[0], served[1]
     page = open_page(browser, served[2])
     try:
@@ -477,10 +479,13 @@ def test_browser_the_sessions_tab_lists_the_counts_of_now_each_time_it_is_shown(
         wait_until(lambda: listed() >= 0, timeout=30, what="the sessions table")
         before = listed()
         page.get_by_role("tab", name="Live").click()
-        list(engine.submit("one more request", SamplingParams(max_tokens=4)))
+        list(engine.submit("one more request", SamplingParams(max_tokens=4),
+                           request_id="shown-again"))
         wait_until(lambda: log.list_sessions()[0]["num_requests"] > before, timeout=30)
         page.get_by_role("tab", name="Sessions").click()
         wait_until(lambda: listed() > before, timeout=30, what="the sessions table's update")
+        expect(page.locator("#kv-session-timeline")).to_contain_text("shown-again",
+                                                                     timeout=30_000)
     finally:
         page.close()
 

@@ -311,7 +311,8 @@ def _sessions_tab(blocks, session_log, engine: EngineView, tab: gr.Tab) -> None:
     status = gr.Markdown(elem_id="kv-sessions-status")
     download = gr.File(label="Download", elem_id="kv-download", interactive=False)
     stats = gr.Markdown()
-    past_timeline = gr.Plot(label="Request timelines", elem_classes=PANEL_CLASS)
+    past_timeline = gr.Plot(label="Request timelines", elem_id="kv-session-timeline",
+                            elem_classes=PANEL_CLASS)
     past_series = gr.Plot(label="KV usage, queues, throughput", elem_classes=PANEL_CLASS)
     config = gr.JSON(label="Engine config")
     # The session's pool, frame by frame (ui/scrubber.py): the same panels as the Live tab.
@@ -338,12 +339,18 @@ def _sessions_tab(blocks, session_log, engine: EngineView, tab: gr.Tab) -> None:
     listing = partial(sessions.list_sessions, session_log)
     refresh.click(listing, None, [table, session, status], api_name="list_sessions")
     blocks.load(listing, None, [table, session, status], api_visibility="private")
-    # The sessions' counts grow while the engine runs: shown again, the tab lists them anew.
-    tab.select(listing, session, [table, session, status], show_progress="hidden",
-               api_visibility="private")
-    session.change(partial(sessions.show_session, session_log), session,
-                   [past_timeline, past_series, stats, config], api_name="show_session").then(
+    show_session = partial(sessions.show_session, session_log)
+    session_views = [past_timeline, past_series, stats, config]
+    session.change(show_session, session, session_views, api_name="show_session").then(
         lambda session_id: frames.show(session_id, None), session, frame_outputs,
+        api_visibility="private")
+    # The sessions grow while the engine runs: shown again, the tab lists them and draws
+    # the chosen one anew (its frame stays where the user left it).
+    tab.select(listing, session, [table, session, status], show_progress="hidden",
+               api_visibility="private").then(
+        show_session, session, session_views, show_progress="hidden",
+        api_visibility="private").then(
+        frames.show, [session, frame], frame_outputs, show_progress="hidden",
         api_visibility="private")
     export.click(partial(sessions.export_session, session_log), [session, fmt],
                  [download, status], api_name="export_session")
