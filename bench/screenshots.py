@@ -61,7 +61,7 @@ def shoot_tabs(page, out: Path, state: str, viewport: tuple[int, int]) -> None:
 def shoot_paused(page, out: Path, viewport: tuple[int, int]) -> None:
     """The Live tab paused by the step scrubber, a few frames back from the latest."""
     page.locator("#kv-pause").click()
-    page.get_by_text("Paused at frame").wait_for(timeout=30_000)
+    page.locator("#kv-scrub-status").get_by_text("Paused at frame").wait_for(timeout=30_000)
     for _ in range(3):
         page.locator("#kv-step-back").click()
         time.sleep(0.5)

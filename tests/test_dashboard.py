@@ -471,7 +471,7 @@ def test_browser_the_sessions_tab_lists_the_counts_of_now_each_time_it_is_shown(
     page = open_page(browser, served[2])
     try:
         page.get_by_role("tab", name="Sessions").click()
-        # The current session's row (the newest, listed first), its "requests" column.
+        # The current session's row (the newest, listed first), its "finished requests" column.
         requests_cell = page.locator("#kv-sessions-table tbody tr").first.locator("td").nth(4)
 
         def listed() -> int:

@@ -8,8 +8,9 @@ import gradio as gr
 from kvscope.ui import timeline
 from kvscope.ui.plotdata import to_plot
 
-SESSION_COLUMNS = ["id", "model", "started", "ended", "requests", "steps", "chat messages",
-                   "block size", "prefix caching"]
+# The log writes a request when it finishes: the live session counts only those.
+SESSION_COLUMNS = ["id", "model", "started", "ended", "finished requests", "steps",
+                   "chat messages", "block size", "prefix caching"]
 NO_LOG = "The session log is off (start the app with --db PATH to keep one)."
 
 
