@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -25,29 +26,60 @@ using kvscope::load;
 using kvscope::round_to;
 using kvscope::store;
 
-// x . w over `size` elements. Independent partial sums: one vector accumulator would
-// chain every FMA on the previous one, and that latency, not memory, would bound the
-// weight stream.
-template <typename T>
-inline float dot_row(const float* __restrict x, const T* __restrict w, int64_t size) {
-  constexpr int kLanes = 32;
-  float partial[kLanes] = {};
+constexpr int kMaxRows = 5;  // kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS
+
+// Rows rows of x (row stride x_stride) . w over `size` elements, into sums[0..Rows). Each
+// 32 weights are widened once and multiplied into every row while they sit in registers:
+// widening them again per row made each extra row of a verification cost a quarter of a
+// decode. Two accumulators per row: one would chain every FMA on the previous one, and that
+// latency, not memory, would bound the weight stream. A row's sum takes the same steps in
+// the same order whatever Rows is, so each row of a short chunk (a speculative
+// verification) gets bit for bit what its decode alone gets.
+template <int Rows, typename T>
+inline void dot_rows(const float* __restrict x, int64_t x_stride, const T* __restrict w,
+                     int64_t size, float* __restrict sums) {
+  using kvscope::vec::FP32Vec16;
+  FP32Vec16 partial[Rows][2];
+  for (auto& row : partial) row[0] = row[1] = FP32Vec16(0.f);
   int64_t k = 0;
-  for (; k + kLanes <= size; k += kLanes) {
-#pragma omp simd
-    for (int lane = 0; lane < kLanes; ++lane) partial[lane] += x[k + lane] * load(w[k + lane]);
+  for (; k + 32 <= size; k += 32) {
+    const FP32Vec16 low = FP32Vec16::load(w + k), high = FP32Vec16::load(w + k + 16);
+    for (int m = 0; m < Rows; ++m) {
+      const float* row = x + m * x_stride + k;
+      partial[m][0] = kvscope::vec::fma(FP32Vec16::load(row), low, partial[m][0]);
+      partial[m][1] = kvscope::vec::fma(FP32Vec16::load(row + 16), high, partial[m][1]);
+    }
   }
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int lane = 0; lane < kLanes; ++lane) sum += partial[lane];
-  for (; k < size; ++k) sum += x[k] * load(w[k]);
-  return sum;
+  for (int m = 0; m < Rows; ++m) {
+    float sum = (partial[m][0] + partial[m][1]).reduce_sum();
+    for (int64_t tail = k; tail < size; ++tail) sum += x[m * x_stride + tail] * load(w[tail]);
+    sums[m] = sum;
+  }
+}
+
+template <typename T>
+void dot_rows(const float* x, int64_t x_stride, int64_t rows, const T* w, int64_t size,
+              float* sums) {
+  switch (rows) {
+    case 1:
+      return dot_rows<1>(x, x_stride, w, size, sums);
+    case 2:
+      return dot_rows<2>(x, x_stride, w, size, sums);
+    case 3:
+      return dot_rows<3>(x, x_stride, w, size, sums);
+    case 4:
+      return dot_rows<4>(x, x_stride, w, size, sums);
+    case 5:
+      return dot_rows<5>(x, x_stride, w, size, sums);
+    default:  // no rows (linear_small_batch checks there are at most kMaxRows)
+      return;
+  }
 }
 
 #if defined(__AVX512BF16__)
 // bf16 x . bf16 w0 and x . w1 with vdpbf16ps: one instruction multiplies 32 pairs and adds
 // them into 16 fp32 sums, so the weights need no widening to fp32 first. The products are
-// exact in fp32, as in dot_row; only the order of the fp32 sums differs.
+// exact in fp32, as in dot_rows; only the order of the fp32 sums differs.
 inline std::pair<float, float> dot_two_rows_bf16(const kvscope::bf16* __restrict x,
                                                  const kvscope::bf16* __restrict w0,
                                                  const kvscope::bf16* __restrict w1, int64_t size) {
@@ -82,40 +114,41 @@ template <typename T, typename Out>
 void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, Out* out,
                         int64_t out_stride, int64_t rows, int64_t in_features,
                         int64_t out_features) {
-  // dot_pair(m, w0, w1): row m of x . weight rows w0 and w1. A thread's share of the outputs
-  // is read as two streams, from its first half and its second half side by side: two
-  // streams keep more reads in flight than one (docs/performance.md). An odd last row pairs
-  // with itself. One share per thread: each share starts its two streams anew, so more,
-  // smaller shares would start more cold streams. A helper that has not started leaves its
-  // share to the caller.
+  // dot_pair(w0, w1, sums0, sums1): every row of x . weight rows w0 and w1. A thread's share
+  // of the outputs is read as two streams, from its first half and its second half side by
+  // side: two streams keep more reads in flight than one (docs/performance.md). An odd last
+  // row pairs with itself. One share per thread: each share starts its two streams anew, so
+  // more, smaller shares would start more cold streams. A helper that has not started leaves
+  // its share to the caller.
   auto each_output = [&](auto dot_pair) {
     kvscope::parallel_for(0, out_features,
                           std::max<int64_t>(64, kvscope::one_share_per_thread(out_features)),
                           [&](int64_t begin, int64_t end) {
       const int64_t half = (end - begin) / 2;
-      auto write = [&](int64_t n, int64_t m, float sum) {
-        const float value = sum + (bias != nullptr ? load(bias[n]) : 0.f);
-        store(out[m * out_stride + n], round_to(value, static_cast<T*>(nullptr)));
+      float sums[2][kMaxRows];
+      auto write = [&](int64_t n, const float* row_sums) {
+        const float shift = bias != nullptr ? load(bias[n]) : 0.f;
+        for (int64_t m = 0; m < rows; ++m)
+          store(out[m * out_stride + n], round_to(row_sums[m] + shift, static_cast<T*>(nullptr)));
       };
       for (int64_t i = 0; i < half; ++i) {
         const int64_t n0 = begin + i, n1 = begin + half + i;
-        for (int64_t m = 0; m < rows; ++m) {
-          const auto [sum0, sum1] =
-              dot_pair(m, weight + n0 * in_features, weight + n1 * in_features);
-          write(n0, m, sum0);
-          write(n1, m, sum1);
-        }
+        dot_pair(weight + n0 * in_features, weight + n1 * in_features, sums[0], sums[1]);
+        write(n0, sums[0]);
+        write(n1, sums[1]);
       }
       if ((end - begin) % 2 != 0) {
         const T* last = weight + (end - 1) * in_features;
-        for (int64_t m = 0; m < rows; ++m) write(end - 1, m, dot_pair(m, last, last).first);
+        dot_pair(last, last, sums[0], sums[1]);
+        write(end - 1, sums[0]);
       }
     });
   };
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, kvscope::bf16>) {
-    each_output([&](int64_t m, const T* w0, const T* w1) {
-      return dot_two_rows_bf16(x + m * x_stride, w0, w1, in_features);
+    each_output([&](const T* w0, const T* w1, float* sums0, float* sums1) {
+      for (int64_t m = 0; m < rows; ++m)
+        std::tie(sums0[m], sums1[m]) = dot_two_rows_bf16(x + m * x_stride, w0, w1, in_features);
     });
     return;
   }
@@ -123,9 +156,9 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   std::vector<float> xf(rows * in_features);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t k = 0; k < in_features; ++k) xf[m * in_features + k] = load(x[m * x_stride + k]);
-  each_output([&](int64_t m, const T* w0, const T* w1) {
-    const float* row = xf.data() + m * in_features;
-    return std::pair<float, float>(dot_row(row, w0, in_features), dot_row(row, w1, in_features));
+  each_output([&](const T* w0, const T* w1, float* sums0, float* sums1) {
+    dot_rows(xf.data(), in_features, rows, w0, in_features, sums0);
+    dot_rows(xf.data(), in_features, rows, w1, in_features, sums1);
   });
 }
 
@@ -136,7 +169,6 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
 constexpr int64_t kTile = 32;
 constexpr int64_t kTileElements = kTile * kTile;
 
-constexpr int kMaxRows = 5;  // kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS
 using TileSums = kvscope::vec::FP32Vec16[2][kMaxRows][2];
 
 // Rows (<= kMaxRows, a constant: the sums then stay in registers) rows of x (row stride
@@ -297,8 +329,8 @@ void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && out.is_contiguous() &&
                   x.size(1) == weight.size(1) && out.size(0) == x.size(0) &&
-                  out.size(1) == weight.size(0),
-              "linear_small_batch: x [rows, in], weight [out, in], out [rows, out]");
+                  out.size(1) == weight.size(0) && x.size(0) <= kMaxRows,
+              "linear_small_batch: x [rows <= 5, in], weight [out, in], out [rows, out]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() &&
                   (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat) &&
                   (!bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type())),
