@@ -92,12 +92,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Up to this many rows (a decode, or a speculative verification of 4 proposals) read each
-# weight once through the streaming kernel, which computes every row alike however many
-# there are: oneDNN's GEMM re-reads cold weights at a few rows (a 5-row forward of the
-# default model took 2.2x a 1-row one) and rounds differently by batch shape. More rows
-# are compute-bound: GEMM. kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows is the same.
-DENSE_KERNEL_MAX_ROWS = 5
+# Up to this many rows (a decode batch, or a speculative verification of up to 7 proposals)
+# read each weight once through the streaming kernel, which widens each weight chunk once
+# for all of them and computes every row alike however many there are: oneDNN's GEMM
+# re-reads cold weights at a few rows (8 rows of the default model's head took 4-5x one
+# row's time, in bf16 and fp32, on a 2-core Xeon) and rounds differently by batch shape.
+# More rows are compute-bound: GEMM. The prepacked (AMX layout) kernel keeps four sums a
+# row in registers, so it stops sooner. kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows
+# and kPrepackedKernelMaxRows are the same.
+DENSE_KERNEL_MAX_ROWS = 8
+PREPACKED_KERNEL_MAX_ROWS = 5
 # Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs of at least
 # WIDENED_MIN_ROWS rows run as fp32 GEMMs over widened weight tiles
 # (kernels/csrc/widened_gemm.cpp). Set by load(), from the build's own instruction set.
@@ -136,7 +140,8 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torc
     over the prepacked weight); out_dtype float32 widens the result (the streaming kernels
     write it so themselves)."""
     prepacked = isinstance(weight, PrepackedWeight)
-    if x.shape[0] > DENSE_KERNEL_MAX_ROWS or x.dim() != 2 or x.stride(-1) != 1:
+    max_rows = PREPACKED_KERNEL_MAX_ROWS if prepacked else DENSE_KERNEL_MAX_ROWS
+    if x.shape[0] > max_rows or x.dim() != 2 or x.stride(-1) != 1:
         if _widened(x, weight, bias):
             out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
             torch.ops.kvscope.linear_widened(x, weight, bias, out)

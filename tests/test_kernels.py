@@ -289,7 +289,7 @@ def prepacked_weight(ops, weight):
 
 
 def test_cpu_row_ops_compute_each_row_as_alone(cpu_kernel_ops):
-    """The linears (up to 5 rows: a decode or a verification of 4 proposals), logits,
+    """The linears (5 rows here: a decode or a verification of 4 proposals), logits,
     rms_norm, rotary and silu_and_mul give each row bit for bit what it gets alone in bf16,
     so a verification chunk's rows are its tokens' decodes."""
     generator = torch.Generator().manual_seed(3)
@@ -345,7 +345,7 @@ def test_cpu_streaming_linear_widens_each_weight_once_for_every_row(cpu_kernel_o
         torch.testing.assert_close(out.double(), expected.to(dtype).double(), rtol=tolerance,
                                    atol=tolerance)
     too_many = torch.empty(cpu_kernels.DENSE_KERNEL_MAX_ROWS + 1, in_features, dtype=dtype)
-    with pytest.raises(RuntimeError, match="rows <= 5"):
+    with pytest.raises(RuntimeError, match=f"rows <= {cpu_kernels.DENSE_KERNEL_MAX_ROWS}"):
         torch.ops.kvscope.linear_small_batch(too_many, weight, None,
                                              torch.empty(len(too_many), 97, dtype=dtype))
 

@@ -127,4 +127,14 @@ template <typename T>
 T* elements(const at::Tensor& tensor) {
   return static_cast<T*>(tensor.data_ptr());
 }
+
+// Calls body(std::integral_constant<int, rows>) for rows in 1..M: each row count is a
+// compile-time constant, so a kernel's per-row accumulators stay in registers.
+template <int M, typename Body>
+void with_rows(int rows, Body&& body) {
+  if constexpr (M > 1) {
+    if (rows < M) return with_rows<M - 1>(rows, body);
+  }
+  body(std::integral_constant<int, M>{});
+}
 }  // namespace kvscope

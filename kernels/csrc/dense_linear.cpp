@@ -26,7 +26,7 @@ using kvscope::load;
 using kvscope::round_to;
 using kvscope::store;
 
-constexpr int kMaxRows = 5;  // kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS
+constexpr int kMaxRows = 8;  // kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS
 
 // Rows rows of x (row stride x_stride) . w over `size` elements, into sums[0..Rows). Each
 // 32 weights are widened once and multiplied into every row while they sit in registers:
@@ -54,25 +54,6 @@ inline void dot_rows(const float* __restrict x, int64_t x_stride, const T* __res
     float sum = (partial[m][0] + partial[m][1]).reduce_sum();
     for (int64_t tail = k; tail < size; ++tail) sum += x[m * x_stride + tail] * load(w[tail]);
     sums[m] = sum;
-  }
-}
-
-template <typename T>
-void dot_rows(const float* x, int64_t x_stride, int64_t rows, const T* w, int64_t size,
-              float* sums) {
-  switch (rows) {
-    case 1:
-      return dot_rows<1>(x, x_stride, w, size, sums);
-    case 2:
-      return dot_rows<2>(x, x_stride, w, size, sums);
-    case 3:
-      return dot_rows<3>(x, x_stride, w, size, sums);
-    case 4:
-      return dot_rows<4>(x, x_stride, w, size, sums);
-    case 5:
-      return dot_rows<5>(x, x_stride, w, size, sums);
-    default:  // no rows (linear_small_batch checks there are at most kMaxRows)
-      return;
   }
 }
 
@@ -108,12 +89,11 @@ inline std::pair<float, float> dot_two_rows_bf16(const kvscope::bf16* __restrict
 }
 #endif
 
-// Out is T, or fp32 for bf16 T (logits): each value is rounded to T first either way, so an
-// fp32 out holds exactly what converting the T result would give, without a pass for it.
 template <typename T, typename Out>
 void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, Out* out,
                         int64_t out_stride, int64_t rows, int64_t in_features,
                         int64_t out_features) {
+  if (rows == 0) return;
   // dot_pair(w0, w1, sums0, sums1): every row of x . weight rows w0 and w1. A thread's share
   // of the outputs is read as two streams, from its first half and its second half side by
   // side: two streams keep more reads in flight than one (docs/performance.md). An odd last
@@ -156,9 +136,12 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   std::vector<float> xf(rows * in_features);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t k = 0; k < in_features; ++k) xf[m * in_features + k] = load(x[m * x_stride + k]);
-  each_output([&](const T* w0, const T* w1, float* sums0, float* sums1) {
-    dot_rows(xf.data(), in_features, rows, w0, in_features, sums0);
-    dot_rows(xf.data(), in_features, rows, w1, in_features, sums1);
+  kvscope::with_rows<kMaxRows>(static_cast<int>(rows), [&](auto rows_constant) {
+    constexpr int Rows = decltype(rows_constant)::value;
+    each_output([&](const T* w0, const T* w1, float* sums0, float* sums1) {
+      dot_rows<Rows>(xf.data(), in_features, w0, in_features, sums0);
+      dot_rows<Rows>(xf.data(), in_features, w1, in_features, sums1);
+    });
   });
 }
 
@@ -169,9 +152,11 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
 constexpr int64_t kTile = 32;
 constexpr int64_t kTileElements = kTile * kTile;
 
-using TileSums = kvscope::vec::FP32Vec16[2][kMaxRows][2];
+// Fewer rows than the plain kernel's: four sums a row stay in registers.
+constexpr int kBlockedMaxRows = 5;  // kernels/cpu_kernels.py's PREPACKED_KERNEL_MAX_ROWS
+using TileSums = kvscope::vec::FP32Vec16[2][kBlockedMaxRows][2];
 
-// Rows (<= kMaxRows, a constant: the sums then stay in registers) rows of x (row stride
+// Rows (<= kBlockedMaxRows, a constant: the sums then stay in registers) rows of x (row stride
 // x_stride) times tile columns `first` and `second` (32 outputs each, all inputs: a column is
 // contiguous), into sums[column][row] (outputs 0-15, 16-31). Two columns from two places keep
 // two weight streams in flight, as small_batch_linear's two halves do. Each output sums its
@@ -210,35 +195,16 @@ void tile_columns(const kvscope::bf16* x, int64_t x_stride, const kvscope::bf16*
 #endif
 }
 
-void tile_columns(const kvscope::bf16* x, int64_t x_stride, int64_t rows,
-                  const kvscope::bf16* first, const kvscope::bf16* second, int64_t in_features,
-                  TileSums& sums) {
-  switch (rows) {
-    case 1:
-      return tile_columns<1>(x, x_stride, first, second, in_features, sums);
-    case 2:
-      return tile_columns<2>(x, x_stride, first, second, in_features, sums);
-    case 3:
-      return tile_columns<3>(x, x_stride, first, second, in_features, sums);
-    case 4:
-      return tile_columns<4>(x, x_stride, first, second, in_features, sums);
-    case 5:
-      return tile_columns<5>(x, x_stride, first, second, in_features, sums);
-    default:  // no rows
-      return;
-  }
-}
-
 }  // namespace
 
-// out = x @ W.T + bias for x [rows <= kMaxRows, in] and W [out, in] stored blocked
+// out = x @ W.T + bias for x [rows <= kBlockedMaxRows, in] and W [out, in] stored blocked
 // (`blocks`, as above), a tile column at a time; out bf16 or fp32 (the bf16 result widened).
 void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
                                 const std::optional<at::Tensor>& bias, at::Tensor out) {
   const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
                   blocks.is_contiguous() && blocks.scalar_type() == at::kBFloat16 &&
-                  out.is_contiguous() && out.size(0) == rows && rows <= kMaxRows &&
+                  out.is_contiguous() && out.size(0) == rows && rows <= kBlockedMaxRows &&
                   (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
                   in_features % kTile == 0 && out_features % kTile == 0 &&
                   blocks.numel() == in_features * out_features &&
@@ -246,6 +212,7 @@ void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
                              bias->numel() == out_features)),
               "linear_small_batch_blocked: bf16 x [rows <= 5, in], blocks [out * in] (in and out "
               "multiples of 32), bias [out], out [rows, out] bf16 or fp32");
+  if (rows == 0) return;
   const kvscope::bf16* xs = kvscope::elements<kvscope::bf16>(x);
   const kvscope::bf16* weight = kvscope::elements<kvscope::bf16>(blocks);
   const kvscope::bf16* bias_values = bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr;
@@ -272,8 +239,11 @@ void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
     const int64_t half = (end - begin) / 2;
     auto pair = [&](int64_t first, int64_t second, bool both) {
       TileSums sums;
-      tile_columns(xs, x_stride, rows, weight + first * column_elements,
-                   weight + second * column_elements, in_features, sums);
+      kvscope::with_rows<kBlockedMaxRows>(static_cast<int>(rows), [&](auto rows_constant) {
+        tile_columns<decltype(rows_constant)::value>(xs, x_stride, weight + first * column_elements,
+                                                     weight + second * column_elements, in_features,
+                                                     sums);
+      });
       for (int64_t m = 0; m < rows; ++m) {
         write(first, m, sums[0][m]);
         if (both) write(second, m, sums[1][m]);
@@ -330,7 +300,7 @@ void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && out.is_contiguous() &&
                   x.size(1) == weight.size(1) && out.size(0) == x.size(0) &&
                   out.size(1) == weight.size(0) && x.size(0) <= kMaxRows,
-              "linear_small_batch: x [rows <= 5, in], weight [out, in], out [rows, out]");
+              "linear_small_batch: x [rows <= 8, in], weight [out, in], out [rows, out]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() &&
                   (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat) &&
                   (!bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type())),

@@ -120,9 +120,11 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
   }
 }
 
-// Dense weights: up to this many rows stream their weights through the dot-product kernel
-// (kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS, the same rule).
-constexpr int64_t kDenseKernelMaxRows = 5;
+// Dense weights: up to this many rows stream their weights through the dot-product kernel,
+// prepacked ones up to the second (kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS and
+// PREPACKED_KERNEL_MAX_ROWS, the same rule).
+constexpr int64_t kDenseKernelMaxRows = 8;
+constexpr int64_t kPrepackedKernelMaxRows = 5;
 
 // out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: a few rows
 // stream their weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
@@ -133,7 +135,7 @@ void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig
   if (linear.gguf_parts) return gguf_project(x, linear, config, out);
   if (linear.scales) return quantized_project(x, linear, config, out);
   if (linear.onednn) {
-    if (x.size(0) > kDenseKernelMaxRows) {
+    if (x.size(0) > kPrepackedKernelMaxRows) {
       // oneDNN's op writes a tensor of its own: that tensor becomes `out` (a copy into the
       // workspace cost a tenth of the GEMM), unless the logits need it widened.
       at::Tensor result = linear_onednn(x, *linear.onednn, linear.bias);

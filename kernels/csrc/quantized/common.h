@@ -171,16 +171,6 @@ void store_block(Out* out, int64_t out_stride, int64_t first, int64_t count,
   }
 }
 
-// Calls body(std::integral_constant<int, rows>) for rows in 1..kMaxRows: each row count
-// is a compile-time constant, so its accumulators stay in registers.
-template <int M = kMaxRows, typename Body>
-void with_rows(int rows, Body&& body) {
-  if constexpr (M > 1) {
-    if (rows < M) return with_rows<M - 1>(rows, body);
-  }
-  body(std::integral_constant<int, M>{});
-}
-
 // widened_out: the op also writes bf16 x's result into an fp32 out.
 inline void check_rows(const at::Tensor& x, const at::Tensor& weight, int64_t in,
                        const std::optional<at::Tensor>& bias, const at::Tensor& out, const char* op,

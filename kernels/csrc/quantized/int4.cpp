@@ -34,7 +34,7 @@ void int4_linear_portable(const at::Tensor& x, const at::Tensor& weight, const a
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k)
           xsum[m * padded_groups(groups) + g] += xf[m * in + k];
-    with_rows(rows, [&](auto rows_constant) {
+    with_rows<kMaxRows>(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       kvscope::parallel_for(0, out_features, grain(in / 2), [&](int64_t begin, int64_t end) {
         int4_rows<M, T>(xf.data(), xsum.data(), in, weight.data_ptr<uint8_t>(),

@@ -45,7 +45,7 @@ void int8_linear_portable(const at::Tensor& x, const at::Tensor& weight, const a
     const T* x_rows = elements<T>(x) + first * x.stride(0);
     Out* y = elements<Out>(out) + first * out.stride(0);
     const std::vector<float> xf = widen_rows(x_rows, x.stride(0), rows, in);
-    with_rows(rows, [&](auto rows_constant) {
+    with_rows<kMaxRows>(rows, [&](auto rows_constant) {
       constexpr int M = decltype(rows_constant)::value;
       kvscope::parallel_for(0, out_features, grain(in), [&](int64_t begin, int64_t end) {
         int8_rows<M, T>(xf.data(), in, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), bias, y,

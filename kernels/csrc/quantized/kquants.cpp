@@ -349,8 +349,8 @@ void linear_int8(const at::Tensor& weight, int64_t rows, const bf16* bias, at::T
         kvscope::prefetch_to_l2(line);
       const float b = bias != nullptr ? load(bias[n]) : 0.f;
       for (int64_t first = 0; first < rows; first += kMaxRows)
-        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
-                  [&](auto rows_constant) {
+        with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
+                            [&](auto rows_constant) {
           constexpr int R = decltype(rows_constant)::value;
           float sums[R];
           dot(rows_constant, static_cast<int>(first), row, sums);
@@ -447,8 +447,8 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t typ
       dequantize_row(type, format, blocks + n * row_bytes, in, w.data());
       const float b = bias != nullptr ? load(bias[n]) : 0.f;
       for (int64_t first = 0; first < rows; first += kMaxRows)
-        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
-                  [&](auto rows_constant) {
+        with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
+                            [&](auto rows_constant) {
           constexpr int R = decltype(rows_constant)::value;
           float sums[R];
           dot_rows<R>(xf.data() + first * in, in, w.data(), sums);

@@ -620,15 +620,16 @@ void all_rows_by_tiles(int64_t rows, int64_t x_row_bytes, int64_t out_features, 
     // One group (a single stream's decode): the kernel walks the thread's whole share in one
     // call, setting its layout and held x up once rather than per tile.
     if (rows <= kMaxRows)
-      return with_rows(static_cast<int>(rows),
-                       [&](auto rows_constant) { rows_kernel(rows_constant, 0, begin, end); });
+      return with_rows<kMaxRows>(static_cast<int>(rows), [&](auto rows_constant) {
+        rows_kernel(rows_constant, 0, begin, end);
+      });
     for (int64_t span_first = 0; span_first < rows; span_first += span) {
       const int64_t span_end = std::min(span_first + span, rows);
       for (int64_t first = begin; first < end; first += kRowBlock) {
         const int64_t last = std::min(first + kRowBlock, end);
         for (int64_t x_first = span_first; x_first < span_end; x_first += kMaxRows)
-          with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, span_end - x_first)),
-                    [&](auto rows_constant) {
+          with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, span_end - x_first)),
+                              [&](auto rows_constant) {
             rows_kernel(rows_constant, static_cast<int>(x_first), first, last);
           });
       }
