@@ -273,6 +273,8 @@ def test_browser_the_what_if_preview_follows_the_live_sequences_while_its_tab_is
     engine = served[0]
     page = open_page(browser, served[2])
     try:
+        # A tab clicked before the page's events are connected would not start its timer.
+        page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=60_000)
         page.get_by_role("tab", name="Engine & load").click()
         what_if = page.locator("#kv-what-if")
         expect(what_if).to_contain_text("No live sequences now", timeout=30_000)
@@ -470,6 +472,7 @@ def test_browser_the_sessions_tab_lists_the_counts_of_now_each_time_it_is_shown(
     engine, log = served[0], served[1]
     page = open_page(browser, served[2])
     try:
+        page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=60_000)  # connected
         page.get_by_role("tab", name="Sessions").click()
         # The current session's row (the newest, listed first), its "finished requests" column.
         requests_cell = page.locator("#kv-sessions-table tbody tr").first.locator("td").nth(4)

@@ -17,7 +17,7 @@ from kvscope.engine.replay.runner import ReplaySession, base_config
 from kvscope.engine.replay.session_source import load_logged_steps, load_session_workload
 from kvscope.engine.replay.traces import load_trace
 from kvscope.engine.view import EngineView
-from kvscope.ui.plotdata import PANEL_CLASS, to_plot
+from kvscope.ui.plotdata import panel, to_plot
 from kvscope.ui.sessions import session_time
 
 MAX_CONFIGS = 4
@@ -74,12 +74,9 @@ def compare_tab(engine: EngineView, session_log, tab: gr.Tab) -> None:
     run = gr.Button("Run", variant="primary", elem_id="kv-compare-run")
     status = gr.Markdown(elem_id="kv-compare-status")
     table = gr.Dataframe(headers=TABLE_COLUMNS, interactive=False, label="Runs")
-    usage = gr.Plot(label="KV usage over time", elem_id="kv-compare-usage",
-                    elem_classes=PANEL_CLASS)
-    latency = gr.Plot(label="Latency CDFs", elem_id="kv-compare-latency",
-                      elem_classes=PANEL_CLASS)
-    bars = gr.Plot(label="Prefix hit rate and preemptions", elem_id="kv-compare-bars",
-                   elem_classes=PANEL_CLASS)
+    usage = panel("KV usage over time", "kv-compare-usage")
+    latency = panel("Latency CDFs", "kv-compare-latency")
+    bars = panel("Prefix hit rate and preemptions", "kv-compare-bars")
     report = gr.File(label="Report", interactive=False, elem_id="kv-compare-report")
 
     def handler(source, session, trace, mode, speed, *values, progress=gr.Progress()):

@@ -10,7 +10,7 @@ from kvscope.engine.config import BLOCK_SIZES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvscope.engine.view import EngineView
 from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, scrubber, sessions
 from kvscope.ui.live import LiveFeeds
-from kvscope.ui.plotdata import PANEL_CLASS
+from kvscope.ui.plotdata import panel
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
 POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
@@ -112,8 +112,7 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
             events = gr.HTML(panels.text_html(""), elem_id="kv-events",
                              elem_classes="kv-events")
         with gr.Column(scale=3):
-            heatmap = gr.Plot(label="Block pool", elem_id="kv-heatmap",
-                              elem_classes=PANEL_CLASS)
+            heatmap = panel("Block pool", "kv-heatmap")
             with gr.Row():
                 heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
                                         label="heatmap shows", elem_id="kv-heatmap-view")
@@ -164,24 +163,18 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
     chatbot.clear(lambda: (chat.new_conversation(), ""), None, [conversation, status],
                   api_visibility="private")
     # Block ids need the page's width to stay legible: the tables have a row of their own.
-    block_tables = gr.Plot(label="Block tables", elem_id="kv-block-tables",
-                           elem_classes=PANEL_CLASS)
+    block_tables = panel("Block tables", "kv-block-tables")
     with gr.Row():
         table_order = gr.Radio(figures.TABLE_ORDERS, value="most recent",
                                label="sequences, ordered by")
         table_page = gr.Number(1, precision=0, label="page")
         table_filter = gr.Textbox("", label="sequence id contains", max_lines=1)
     with gr.Row():
-        prefix_tree = gr.Plot(label="Prefix-sharing tree", elem_id="kv-prefix-tree",
-                              elem_classes=PANEL_CLASS)
-        comparison = gr.Plot(label="Paged against contiguous", elem_id="kv-comparison",
-                             elem_classes=PANEL_CLASS)
-    timeline_plot = gr.Plot(label="Request timelines", elem_id="kv-timeline",
-                            elem_classes=PANEL_CLASS)
-    series = gr.Plot(label="KV usage, queues, throughput", elem_id="kv-series",
-                     elem_classes=PANEL_CLASS)
-    spec_plot = gr.Plot(label="Speculative decoding", elem_id="kv-spec-decode",
-                        elem_classes=PANEL_CLASS)
+        prefix_tree = panel("Prefix-sharing tree", "kv-prefix-tree")
+        comparison = panel("Paged against contiguous", "kv-comparison")
+    timeline_plot = panel("Request timelines", "kv-timeline")
+    series = panel("KV usage, queues, throughput", "kv-series")
+    spec_plot = panel("Speculative decoding", "kv-spec-decode")
     scrub = [frame, scrub_status]
     pause.click(partial(scrubber.pause, feeds), replica, scrub, api_name="pause")
     back.click(partial(scrubber.step, feeds, by=-1), [replica, frame], scrub,
@@ -311,9 +304,8 @@ def _sessions_tab(blocks, session_log, engine: EngineView, tab: gr.Tab) -> None:
     status = gr.Markdown(elem_id="kv-sessions-status")
     download = gr.File(label="Download", elem_id="kv-download", interactive=False)
     stats = gr.Markdown()
-    past_timeline = gr.Plot(label="Request timelines", elem_id="kv-session-timeline",
-                            elem_classes=PANEL_CLASS)
-    past_series = gr.Plot(label="KV usage, queues, throughput", elem_classes=PANEL_CLASS)
+    past_timeline = panel("Request timelines", "kv-session-timeline")
+    past_series = panel("KV usage, queues, throughput")
     config = gr.JSON(label="Engine config")
     # The session's pool, frame by frame (ui/scrubber.py): the same panels as the Live tab.
     gr.Markdown("### The pool, step by step")
@@ -324,7 +316,7 @@ def _sessions_tab(blocks, session_log, engine: EngineView, tab: gr.Tab) -> None:
                            elem_id="kv-session-frame")
     frame_status = gr.Markdown(elem_id="kv-session-frame-status")
     frame_summary = gr.Markdown(elem_id="kv-session-summary")
-    frame_panels = [gr.Plot(label=label, elem_id=f"kv-session-{name}", elem_classes=PANEL_CLASS)
+    frame_panels = [panel(label, f"kv-session-{name}")
                     for name, label in (("heatmap", "Block pool"),
                                         ("block-tables", "Block tables"),
                                         ("prefix-tree", "Prefix-sharing tree"))]

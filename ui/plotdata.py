@@ -5,13 +5,19 @@ second that costs more than building the data itself, in the engine's own proces
 time-series builders write Plotly's JSON schema directly and hand Gradio the string.
 """
 
+import gradio as gr
 import orjson
 from gradio.components.plot import PlotData
 
 Figure = dict
-# Every gr.Plot carries this class: its label then sits in the page's flow, above the chart
-# (assets/dashboard.css), not over the chart's title.
+# Every plot carries this class (panel()): its label then sits in the page's flow, above the
+# chart (assets/dashboard.css), not over the chart's title.
 PANEL_CLASS = "kv-panel"
+
+
+def panel(label: str, elem_id: str | None = None) -> gr.Plot:
+    """A plot panel of the page (every gr.Plot is made here)."""
+    return gr.Plot(label=label, elem_id=elem_id, elem_classes=PANEL_CLASS)
 
 # Titles start at the top left of the figure and push the plot down as far as their lines
 # need (automargin): centred, a long title was cut at both ends; placed by a fraction of

@@ -10,7 +10,7 @@ from kvscope.engine.replicas.router import ROUTING_POLICIES
 from kvscope.engine.telemetry.pool_mirror import PoolReader
 from kvscope.engine.view import EngineView
 from kvscope.ui import figures
-from kvscope.ui.plotdata import PANEL_CLASS, placeholder, to_plot
+from kvscope.ui.plotdata import panel, placeholder, to_plot
 
 REFRESH_S = 2.0
 SHOWN_DECISIONS = 20
@@ -78,8 +78,7 @@ def replicas_tab(engine: EngineView) -> None:
     overview = ReplicaOverview(engine)
     summary = gr.Markdown(elem_id="kv-replicas-summary")
     with gr.Row():
-        heatmaps = [gr.Plot(label=f"replica {replica} pool", elem_id=f"kv-replica-{replica}",
-                            elem_classes=PANEL_CLASS)
+        heatmaps = [panel(f"replica {replica} pool", f"kv-replica-{replica}")
                     for replica in range(engine.num_replicas)]
     with gr.Row():
         policy = gr.Radio(list(ROUTING_POLICIES), value=engine.routing, label="routing",
