@@ -28,39 +28,10 @@ using kvscope::store;
 
 constexpr int kMaxRows = 8;  // kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS
 
-// Rows rows of x (row stride x_stride) . w over `size` elements, into sums[0..Rows). Each
-// 32 weights are widened once and multiplied into every row while they sit in registers:
-// widening them again per row made each extra row of a verification cost a quarter of a
-// decode. Two accumulators per row: one would chain every FMA on the previous one, and that
-// latency, not memory, would bound the weight stream. A row's sum takes the same steps in
-// the same order whatever Rows is, so each row of a short chunk (a speculative
-// verification) gets bit for bit what its decode alone gets.
-template <int Rows, typename T>
-inline void dot_rows(const float* __restrict x, int64_t x_stride, const T* __restrict w,
-                     int64_t size, float* __restrict sums) {
-  using kvscope::vec::FP32Vec16;
-  FP32Vec16 partial[Rows][2];
-  for (auto& row : partial) row[0] = row[1] = FP32Vec16(0.f);
-  int64_t k = 0;
-  for (; k + 32 <= size; k += 32) {
-    const FP32Vec16 low = FP32Vec16::load(w + k), high = FP32Vec16::load(w + k + 16);
-    for (int m = 0; m < Rows; ++m) {
-      const float* row = x + m * x_stride + k;
-      partial[m][0] = kvscope::vec::fma(FP32Vec16::load(row), low, partial[m][0]);
-      partial[m][1] = kvscope::vec::fma(FP32Vec16::load(row + 16), high, partial[m][1]);
-    }
-  }
-  for (int m = 0; m < Rows; ++m) {
-    float sum = (partial[m][0] + partial[m][1]).reduce_sum();
-    for (int64_t tail = k; tail < size; ++tail) sum += x[m * x_stride + tail] * load(w[tail]);
-    sums[m] = sum;
-  }
-}
-
 #if defined(__AVX512BF16__)
 // bf16 x . bf16 w0 and x . w1 with vdpbf16ps: one instruction multiplies 32 pairs and adds
 // them into 16 fp32 sums, so the weights need no widening to fp32 first. The products are
-// exact in fp32, as in dot_rows; only the order of the fp32 sums differs.
+// exact in fp32, as in vec::dot_rows; only the order of the fp32 sums differs.
 inline std::pair<float, float> dot_two_rows_bf16(const kvscope::bf16* __restrict x,
                                                  const kvscope::bf16* __restrict w0,
                                                  const kvscope::bf16* __restrict w1, int64_t size) {
@@ -89,6 +60,8 @@ inline std::pair<float, float> dot_two_rows_bf16(const kvscope::bf16* __restrict
 }
 #endif
 
+// Out is T, or fp32 for bf16 T (logits): each value is rounded to T first either way, so an
+// fp32 out holds exactly what converting the T result would give, without a pass for it.
 template <typename T, typename Out>
 void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* bias, Out* out,
                         int64_t out_stride, int64_t rows, int64_t in_features,
@@ -139,8 +112,8 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   kvscope::with_rows<kMaxRows>(static_cast<int>(rows), [&](auto rows_constant) {
     constexpr int Rows = decltype(rows_constant)::value;
     each_output([&](const T* w0, const T* w1, float* sums0, float* sums1) {
-      dot_rows<Rows>(xf.data(), in_features, w0, in_features, sums0);
-      dot_rows<Rows>(xf.data(), in_features, w1, in_features, sums1);
+      kvscope::vec::dot_rows<Rows>(xf.data(), in_features, w0, in_features, sums0);
+      kvscope::vec::dot_rows<Rows>(xf.data(), in_features, w1, in_features, sums1);
     });
   });
 }

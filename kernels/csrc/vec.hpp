@@ -224,6 +224,34 @@ inline FP32Vec16 reduce_sum_16(const FP32Vec16 (&partial)[16]) {
 #endif
 }
 
+// Rows rows of x (row stride x_stride) . w over `size` elements, into sums[0..Rows). Each
+// 32 weights are widened once and multiplied into every row while they sit in registers:
+// widening them again per row made each extra row of a verification cost a quarter of a
+// decode (dense_linear.cpp). Two accumulators per row: one would chain every FMA on the previous
+// one, and that latency, not memory, would bound the weight stream. A row's sum takes the same
+// steps in the same order whatever Rows is, so each row of a short chunk (a speculative
+// verification) gets bit for bit what its decode alone gets.
+template <int Rows, typename T>
+inline void dot_rows(const float* __restrict x, int64_t x_stride, const T* __restrict w,
+                     int64_t size, float* __restrict sums) {
+  FP32Vec16 partial[Rows][2];
+  for (auto& row : partial) row[0] = row[1] = FP32Vec16(0.f);
+  int64_t k = 0;
+  for (; k + 32 <= size; k += 32) {
+    const FP32Vec16 low = FP32Vec16::load(w + k), high = FP32Vec16::load(w + k + 16);
+    for (int m = 0; m < Rows; ++m) {
+      const float* row = x + m * x_stride + k;
+      partial[m][0] = fma(FP32Vec16::load(row), low, partial[m][0]);
+      partial[m][1] = fma(FP32Vec16::load(row + 16), high, partial[m][1]);
+    }
+  }
+  for (int m = 0; m < Rows; ++m) {
+    float sum = (partial[m][0] + partial[m][1]).reduce_sum();
+    for (int64_t tail = k; tail < size; ++tail) sum += x[m * x_stride + tail] * load(w[tail]);
+    sums[m] = sum;
+  }
+}
+
 #if defined(__AVX512BF16__)
 // 32 bf16 values as the pairs vdpbf16ps multiplies.
 struct BF16Vec32 {

@@ -311,21 +311,6 @@ void dequantize_row(int64_t type, BlockFormat format, const uint8_t* row, int64_
     dequantize_block(type, row + k * format.bytes, y + k * format.weights);
 }
 
-// out[m, n] for M rows of x (fp32, [M, in]) against one de-quantized weight row.
-template <int M>
-void dot_rows(const float* xf, int64_t in, const float* w, float (&sums)[M]) {
-  FP32Vec16 even[M], odd[M];  // two dependent chains per row, not one
-  int64_t k = 0;
-  for (; k + 32 <= in; k += 32) {
-    const FP32Vec16 a = FP32Vec16::load(w + k), b = FP32Vec16::load(w + k + 16);
-    for (int m = 0; m < M; ++m) {
-      even[m] = vec::fma(a, FP32Vec16::load(xf + m * in + k), even[m]);
-      odd[m] = vec::fma(b, FP32Vec16::load(xf + m * in + k + 16), odd[m]);
-    }
-  }
-  for (int m = 0; m < M; ++m) sums[m] = (even[m] + odd[m]).add_halves().reduce_sum();
-}
-
 #if defined(KVSCOPE_GGUF_INT8_DOTS)
 // bf16 x rounded to int8 (kquants_vnni.h, kquants_avx2.h), each weight row dotted with
 // every row of x while it is in L1, kMaxRows rows of x at a time: dot(rows constant,
@@ -451,7 +436,7 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t typ
                             [&](auto rows_constant) {
           constexpr int R = decltype(rows_constant)::value;
           float sums[R];
-          dot_rows<R>(xf.data() + first * in, in, w.data(), sums);
+          vec::dot_rows<R>(xf.data() + first * in, in, w.data(), in, sums);
           for (int m = 0; m < R; ++m)
             store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
         });
