@@ -165,10 +165,10 @@ def what_if_markdown(engine: EngineView, token_counts: list[int], block_size, ut
     if not token_counts:
         lines.append("No live sequences now: send some load to see their blocks and waste.")
         return "  \n".join(lines)
-    live = (f"The {len(token_counts)} live sequences" if len(token_counts) > 1
-            else "The one live sequence")
-    for label, size in (("would hold", block_size), ("holds now" if len(token_counts) == 1
-                                                      else "hold now", now.block_size)):
+    one = len(token_counts) == 1
+    live = "The one live sequence" if one else f"The {len(token_counts)} live sequences"
+    for label, size in (("would hold", block_size), ("holds now" if one else "hold now",
+                                                      now.block_size)):
         blocks, waste = fragmentation(token_counts, size)
         lines.append(f"{live} {label} {blocks} blocks; "
                      f"the empty slots of their last blocks (internal fragmentation) are "
