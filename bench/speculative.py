@@ -24,10 +24,10 @@ verifying forward.
 
 Every workload's greedy outputs are compared with speculation off and on
 (outputs_equal). On the C++ kernels each row of a verification chunk computes bit for bit
-what a decode of its token computes, so one stream's outputs are equal in bfloat16 too. A
-batch of verifications is more rows than the streaming linears take and goes through GEMM,
-which rounds by batch shape: there bfloat16 outputs can drift apart after a near-tie, as
-batch composition moves decode outputs without speculation. In float32 the tests find
+what a decode of its token computes, so one stream's outputs are equal in bfloat16 too, and
+a batch's while its verifications fit the streaming linears (32 rows). More rows go through
+GEMM, which rounds by batch shape: there bfloat16 outputs can drift apart after a near-tie,
+as batch composition moves decode outputs without speculation. In float32 the tests find
 them equal token for token.
 
 Usage:

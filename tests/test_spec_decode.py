@@ -168,8 +168,8 @@ def test_bfloat16_greedy_output_equals_speculation_off(tiny_model, run_engine, e
     token's own KV splits), so greedy output and its logprobs are exactly equal, also where
     bf16 rounding makes near-ties. The prompts are long enough that decodes split their
     keys (with the prefill-style path for the chunk, two of these three drift apart).
-    A batch of verifications is more rows than the streaming linears take (GEMM): exact
-    only for one stream."""
+    So is a batch of the three, whose verifications fit the streaming linears' rows; more
+    rows go through GEMM, which rounds by batch shape."""
     from kvscope.engine.config import EngineConfig
     from kvscope.engine.core.engine_core import EngineCore
     from kvscope.engine.worker.model_runner import ModelRunner
@@ -179,14 +179,16 @@ def test_bfloat16_greedy_output_equals_speculation_off(tiny_model, run_engine, e
     runner = ModelRunner(config)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
     rng = random.Random(2)
+    prompts = [_copy_prompt(n, rng) for n in (150, 180, 200)]
     accepted = 0
-    for prompt in [_copy_prompt(n, rng) for n in (150, 180, 200)]:
-        off = run_engine(EngineCore(config, runner=runner), [prompt], params)
+    for batch in [[prompt] for prompt in prompts] + [prompts]:
+        off = run_engine(EngineCore(config, runner=runner), batch, params)
         on = run_engine(EngineCore(config.with_changes(speculative_config=NGRAM), runner=runner),
-                        [prompt], params)
+                        batch, params)
         assert token_ids(on) == token_ids(off)
         # The top logprobs, exactly: logits rows rounded apart show here.
-        assert on.outputs[0].outputs[0].logprobs == off.outputs[0].outputs[0].logprobs
+        for on_output, off_output in zip(on.outputs, off.outputs, strict=True):
+            assert on_output.outputs[0].logprobs == off_output.outputs[0].logprobs
         accepted += drafted(on)[1]
     assert accepted > 0
 

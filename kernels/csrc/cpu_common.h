@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -136,5 +137,15 @@ void with_rows(int rows, Body&& body) {
     if (rows < M) return with_rows<M - 1>(rows, body);
   }
   body(std::integral_constant<int, M>{});
+}
+
+// Calls body(std::integral_constant<int, count>, first) for rows [first, first + count) of
+// `rows`, in groups of M (the last one shorter): any number of rows through a kernel whose
+// row count is a compile-time constant.
+template <int M, typename Body>
+void by_row_groups(int64_t rows, Body&& body) {
+  for (int64_t first = 0; first < rows; first += M)
+    with_rows<M>(static_cast<int>(std::min<int64_t>(M, rows - first)),
+                 [&](auto count) { body(count, first); });
 }
 }  // namespace kvscope

@@ -1,5 +1,5 @@
-// The dense linear of a decode batch's few rows (linear_small_batch): every weight row is
-// read from memory once, streamed, and dotted with all rows of x while it sits in L1. The
+// The dense linear of a decode batch's rows (linear_small_batch): every weight row is read
+// from memory once, streamed, and dotted with all rows of x while it sits in L1. The
 // same for weights prepacked in oneDNN's blocked layout (linear_small_batch_blocked), and
 // oneDNN's GEMM over them for more rows (linear_onednn).
 #include <ATen/core/Tensor.h>
@@ -26,7 +26,8 @@ using kvscope::load;
 using kvscope::round_to;
 using kvscope::store;
 
-constexpr int kMaxRows = 8;  // kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS
+// Rows of x that meet each widened weight chunk together: their sums stay in registers.
+constexpr int kRowGroup = 8;
 
 #if defined(__AVX512BF16__)
 // bf16 x . bf16 w0 and x . w1 with vdpbf16ps: one instruction multiplies 32 pairs and adds
@@ -78,7 +79,8 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
                           std::max<int64_t>(64, kvscope::one_share_per_thread(out_features)),
                           [&](int64_t begin, int64_t end) {
       const int64_t half = (end - begin) / 2;
-      float sums[2][kMaxRows];
+      std::vector<float> buffer(2 * rows);
+      float* sums[2] = {buffer.data(), buffer.data() + rows};
       auto write = [&](int64_t n, const float* row_sums) {
         const float shift = bias != nullptr ? load(bias[n]) : 0.f;
         for (int64_t m = 0; m < rows; ++m)
@@ -109,11 +111,12 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   std::vector<float> xf(rows * in_features);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t k = 0; k < in_features; ++k) xf[m * in_features + k] = load(x[m * x_stride + k]);
-  kvscope::with_rows<kMaxRows>(static_cast<int>(rows), [&](auto rows_constant) {
-    constexpr int Rows = decltype(rows_constant)::value;
-    each_output([&](const T* w0, const T* w1, float* sums0, float* sums1) {
-      kvscope::vec::dot_rows<Rows>(xf.data(), in_features, w0, in_features, sums0);
-      kvscope::vec::dot_rows<Rows>(xf.data(), in_features, w1, in_features, sums1);
+  each_output([&](const T* w0, const T* w1, float* sums0, float* sums1) {
+    kvscope::by_row_groups<kRowGroup>(rows, [&](auto count, int64_t first) {
+      constexpr int Rows = decltype(count)::value;
+      const float* group = xf.data() + first * in_features;
+      kvscope::vec::dot_rows<Rows>(group, in_features, w0, in_features, sums0 + first);
+      kvscope::vec::dot_rows<Rows>(group, in_features, w1, in_features, sums1 + first);
     });
   });
 }
@@ -272,8 +275,8 @@ void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && out.is_contiguous() &&
                   x.size(1) == weight.size(1) && out.size(0) == x.size(0) &&
-                  out.size(1) == weight.size(0) && x.size(0) <= kMaxRows,
-              "linear_small_batch: x [rows <= 8, in], weight [out, in], out [rows, out]");
+                  out.size(1) == weight.size(0),
+              "linear_small_batch: x [rows, in], weight [out, in], out [rows, out]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() &&
                   (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat) &&
                   (!bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type())),

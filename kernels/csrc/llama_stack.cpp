@@ -123,7 +123,7 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
 // Dense weights: up to this many rows stream their weights through the dot-product kernel,
 // prepacked ones up to the second (kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS and
 // PREPACKED_KERNEL_MAX_ROWS, the same rule).
-constexpr int64_t kDenseKernelMaxRows = 8;
+constexpr int64_t kDenseKernelMaxRows = 32;
 constexpr int64_t kPrepackedKernelMaxRows = 5;
 
 // out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: a few rows

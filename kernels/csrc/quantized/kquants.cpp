@@ -333,15 +333,13 @@ void linear_int8(const at::Tensor& weight, int64_t rows, const bf16* bias, at::T
            line < std::min(row + kPrefetchBytes + row_bytes, last_byte); line += 64)
         kvscope::prefetch_to_l2(line);
       const float b = bias != nullptr ? load(bias[n]) : 0.f;
-      for (int64_t first = 0; first < rows; first += kMaxRows)
-        with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
-                            [&](auto rows_constant) {
-          constexpr int R = decltype(rows_constant)::value;
-          float sums[R];
-          dot(rows_constant, static_cast<int>(first), row, sums);
-          for (int m = 0; m < R; ++m)
-            store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
-        });
+      by_row_groups<kMaxRows>(rows, [&](auto count, int64_t first) {
+        constexpr int R = decltype(count)::value;
+        float sums[R];
+        dot(count, static_cast<int>(first), row, sums);
+        for (int m = 0; m < R; ++m)
+          store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
+      });
     }
   });
 }
@@ -431,15 +429,13 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t typ
     for (int64_t n = begin; n < end; ++n) {
       dequantize_row(type, format, blocks + n * row_bytes, in, w.data());
       const float b = bias != nullptr ? load(bias[n]) : 0.f;
-      for (int64_t first = 0; first < rows; first += kMaxRows)
-        with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, rows - first)),
-                            [&](auto rows_constant) {
-          constexpr int R = decltype(rows_constant)::value;
-          float sums[R];
-          vec::dot_rows<R>(xf.data() + first * in, in, w.data(), in, sums);
-          for (int m = 0; m < R; ++m)
-            store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
-        });
+      by_row_groups<kMaxRows>(rows, [&](auto count, int64_t first) {
+        constexpr int R = decltype(count)::value;
+        float sums[R];
+        vec::dot_rows<R>(xf.data() + first * in, in, w.data(), in, sums);
+        for (int m = 0; m < R; ++m)
+          store(y[(first + m) * out_stride + n], round_to(sums[m] + b, precision));
+      });
     }
   });
 }

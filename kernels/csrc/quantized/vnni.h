@@ -627,11 +627,9 @@ void all_rows_by_tiles(int64_t rows, int64_t x_row_bytes, int64_t out_features, 
       const int64_t span_end = std::min(span_first + span, rows);
       for (int64_t first = begin; first < end; first += kRowBlock) {
         const int64_t last = std::min(first + kRowBlock, end);
-        for (int64_t x_first = span_first; x_first < span_end; x_first += kMaxRows)
-          with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, span_end - x_first)),
-                              [&](auto rows_constant) {
-            rows_kernel(rows_constant, static_cast<int>(x_first), first, last);
-          });
+        by_row_groups<kMaxRows>(span_end - span_first, [&](auto count, int64_t x_first) {
+          rows_kernel(count, static_cast<int>(span_first + x_first), first, last);
+        });
       }
     }
   });
