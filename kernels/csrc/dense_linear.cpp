@@ -10,9 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
-#include <tuple>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -26,38 +24,54 @@ using kvscope::load;
 using kvscope::round_to;
 using kvscope::store;
 
-// Rows of x that meet each widened weight chunk together: their sums stay in registers.
+// Rows of x that meet each weight chunk together, their sums in registers: widened to fp32
+// (two sums a row), or as bf16 pairs (four sums a row: two per weight row).
 constexpr int kRowGroup = 8;
+constexpr int kBf16RowGroup = 4;
 
 #if defined(__AVX512BF16__)
-// bf16 x . bf16 w0 and x . w1 with vdpbf16ps: one instruction multiplies 32 pairs and adds
-// them into 16 fp32 sums, so the weights need no widening to fp32 first. The products are
-// exact in fp32, as in vec::dot_rows; only the order of the fp32 sums differs.
-inline std::pair<float, float> dot_two_rows_bf16(const kvscope::bf16* __restrict x,
-                                                 const kvscope::bf16* __restrict w0,
-                                                 const kvscope::bf16* __restrict w1, int64_t size) {
+// Rows bf16 rows of x . bf16 weight rows w0 and w1 with vdpbf16ps: one instruction multiplies
+// 32 pairs and adds them into 16 fp32 sums, so the weights need no widening to fp32 first.
+// Each chunk of the two weight rows is loaded once for all Rows rows. The products are exact
+// in fp32, as in vec::dot_rows; only the order of the fp32 sums differs, and it is the same
+// for a row whatever Rows is.
+template <int Rows>
+void dot_two_rows_bf16(const kvscope::bf16* __restrict x, int64_t x_stride,
+                       const kvscope::bf16* __restrict w0, const kvscope::bf16* __restrict w1,
+                       int64_t size, float* __restrict sums0, float* __restrict sums1) {
   using kvscope::vec::BF16Vec32;
   using kvscope::vec::dot_accumulate;
-  kvscope::vec::FP32Vec16 first[2], second[2];
-  int64_t k = 0;
-  for (; k + 64 <= size; k += 64)
-    for (int part = 0; part < 2; ++part) {
-      const BF16Vec32 xs = BF16Vec32::load(x + k + 32 * part);
-      first[part] = dot_accumulate(first[part], xs, BF16Vec32::load(w0 + k + 32 * part));
-      second[part] = dot_accumulate(second[part], xs, BF16Vec32::load(w1 + k + 32 * part));
+  using kvscope::vec::FP32Vec16;
+  FP32Vec16 first[Rows][2], second[Rows][2];
+  for (int m = 0; m < Rows; ++m)
+    first[m][0] = first[m][1] = second[m][0] = second[m][1] = FP32Vec16(0.f);
+  // The chunk of 32 at k into accumulator `part` of every row; `load` reads 32 values at a
+  // pointer (all of them, or the tail's first few).
+  auto chunk = [&](int64_t k, int part, auto load) {
+    const BF16Vec32 a = load(w0 + k), b = load(w1 + k);
+    for (int m = 0; m < Rows; ++m) {
+      const BF16Vec32 xs = load(x + m * x_stride + k);
+      first[m][part] = dot_accumulate(first[m][part], xs, a);
+      second[m][part] = dot_accumulate(second[m][part], xs, b);
     }
+  };
+  auto whole = [](const kvscope::bf16* p) { return BF16Vec32::load(p); };
+  int64_t k = 0;
+  for (; k + 64 <= size; k += 64) {
+    chunk(k, 0, whole);
+    chunk(k + 32, 1, whole);
+  }
   if (k + 32 <= size) {
-    const BF16Vec32 xs = BF16Vec32::load(x + k);
-    first[0] = dot_accumulate(first[0], xs, BF16Vec32::load(w0 + k));
-    second[0] = dot_accumulate(second[0], xs, BF16Vec32::load(w1 + k));
+    chunk(k, 0, whole);
     k += 32;
   }
-  if (k < size) {  // the last < 32 elements, the rest of the vector zero
-    auto tail = [&](const kvscope::bf16* p) { return BF16Vec32::load_first(p + k, size - k); };
-    first[1] = dot_accumulate(first[1], tail(x), tail(w0));
-    second[1] = dot_accumulate(second[1], tail(x), tail(w1));
+  if (k < size)  // the last < 32 elements, the rest of the vector zero
+    chunk(k, 1,
+          [count = size - k](const kvscope::bf16* p) { return BF16Vec32::load_first(p, count); });
+  for (int m = 0; m < Rows; ++m) {
+    sums0[m] = (first[m][0] + first[m][1]).reduce_sum();
+    sums1[m] = (second[m][0] + second[m][1]).reduce_sum();
   }
-  return {(first[0] + first[1]).reduce_sum(), (second[0] + second[1]).reduce_sum()};
 }
 #endif
 
@@ -102,8 +116,10 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, kvscope::bf16>) {
     each_output([&](const T* w0, const T* w1, float* sums0, float* sums1) {
-      for (int64_t m = 0; m < rows; ++m)
-        std::tie(sums0[m], sums1[m]) = dot_two_rows_bf16(x + m * x_stride, w0, w1, in_features);
+      kvscope::by_row_groups<kBf16RowGroup>(rows, [&](auto count, int64_t first) {
+        dot_two_rows_bf16<decltype(count)::value>(x + first * x_stride, x_stride, w0, w1,
+                                                  in_features, sums0 + first, sums1 + first);
+      });
     });
     return;
   }
