@@ -84,31 +84,36 @@ def test_the_one_call_decoder_stack_gives_the_eager_layers_greedy_tokens(
 @pytest.mark.parametrize("arch", STACK_ARCHITECTURES)
 def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypatch, dtype,
                                                             quantization, prepack, arch):
-    """Same C++ ops in the same order: equal outputs, logits and K/V written, for a ragged
-    batch of prefill chunks and decodes (17 rows take the GEMM, after de-quantizing packed
-    weights) and for a decode batch (one row, and 3 rows, stream the dense or packed weights
-    through the kernels)."""
+    """Same C++ ops in the same order: equal outputs, logits and K/V written, for ragged
+    batches of prefill chunks and decodes (17 rows stream the dense weights, 34 take the
+    GEMM; packed weights past their kernels' rows de-quantize first) and for decode batches
+    (one row, and 3 rows, stream the dense or packed weights through the kernels)."""
     _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
                            quantization=quantization, prepack_weights=prepack)
-    # bf16 weights prepacked (where the kernels prepack: AVX512-BF16): the stack and the
-    # layers both run oneDNN's blocked layout
+    # bf16 weights prepacked (where the kernels read oneDNN's layout for this CPU: AVX512-BF16
+    # and its AMX tiles): the stack and the layers both run oneDNN's blocked layout
+    prepack_weight = runner.kernel_ops.prepack_weight
+    probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    prepacks = prepack_weight is not None and prepack_weight(probe) is not None
     assert any(getattr(m, "prepacked", None) is not None for m in runner.model.modules()) == (
-        prepack and dtype == "bfloat16" and runner.kernel_ops.prepack_weight is not None)
+        prepack and dtype == "bfloat16" and prepacks)
     for fused, eager in stack_and_layers(runner):
         for stack_tensor, layers_tensor in zip(fused, eager, strict=True):
             assert torch.equal(stack_tensor, layers_tensor)
 
 
 def stack_and_layers(runner):
-    """For a ragged batch of prefill chunks and decodes, a decode of one row and one of
-    three rows: (final norm, logits, KV cache) through the stack, then through the layers.
-    Each KV cache group has blocks of its own (a sequence's table interleaves them)."""
+    """For a ragged batch of prefill chunks and decodes (17 rows), a decode of one row, one of
+    three rows and a batch past the streaming kernels' 32 rows (GEMM): (final norm, logits,
+    KV cache) through the stack, then through the layers. Each KV cache group has blocks of
+    its own (a sequence's table interleaves them)."""
     assert runner.fused_decoder_stack
     groups = len(runner.kv_groups)
     runner.allocate_kv_cache(8, 8 * groups)
     model = runner.model
     for pieces in ([(0, 11, [0, 1]), (7, 8, [2]), (16, 21, [3, 4, 5])],
-                   [(11, 12, [0, 1])], [(11, 12, [0, 1]), (8, 9, [2, 6]), (21, 22, [3, 4, 5])]):
+                   [(11, 12, [0, 1])], [(11, 12, [0, 1]), (8, 9, [2, 6]), (21, 22, [3, 4, 5])],
+                   [(0, 33, [0, 1, 2, 3, 4]), (7, 8, [5])]):
         pieces = [(start, end, [block * groups + group for block in table
                                 for group in range(groups)]) for start, end, table in pieces]
         inputs = runner._flat_inputs(pieces, 8, token_ids=lambda i, start, end: list(

@@ -55,8 +55,23 @@ void gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
     out.copy_(at::linear(x, weight, bias));
 }
 
+// Dense weights: up to this many rows stream their weights through the dot-product kernel,
+// prepacked ones up to the second (kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS and
+// PREPACKED_KERNEL_MAX_ROWS, the same rule).
+constexpr int64_t kDenseKernelMaxRows = 32;
+constexpr int64_t kPrepackedKernelMaxRows = 5;
+
+// out = x @ weight.T (+ bias) for a plain dense weight, as kernels/cpu_kernels.py's linear
+// computes it: a few rows stream the weight through the dot-product kernel, more go to gemm().
+void dense_project(const at::Tensor& x, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  if (x.size(0) > kDenseKernelMaxRows) return gemm(x, weight, bias, out);
+  traced("kvscope::linear_small_batch", [&] { linear_small_batch(x, weight, bias, out); });
+}
+
 // out = x @ weight.T (+ bias) for packed weights: up to kernel_max_rows rows stream the packed
-// weight through a kernel; more rows are compute-bound and de-quantize once for a GEMM.
+// weight through a kernel; more rows are compute-bound and de-quantize it once for the dense
+// route (the packed modules' forward does the same through cpu_kernels.linear).
 void quantized_project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
                        at::Tensor& out) {
   const bool int4 = linear.weight.scalar_type() == at::kByte;
@@ -79,7 +94,7 @@ void quantized_project(const at::Tensor& x, const LinearWeights& linear, const S
   else
     traced("kvscope::int8_dequantize",
            [&] { int8_dequantize(linear.weight, *linear.scales, dense); });
-  gemm(x, dense, linear.bias, out);
+  dense_project(x, dense, linear.bias, out);
 }
 
 // out = x @ weight.T (+ bias) for a GGUF layer, run by run of rows as GgufLinear computes it:
@@ -100,10 +115,10 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
         traced("kvscope::gguf_dequantize",
                [&] { gguf_dequantize(linear.gguf_weights[r], part[3 * r], rows); });
     }
-    if (out.scalar_type() == x.scalar_type()) return gemm(x, dense, linear.bias, out);
-    // The logits: the GEMM's result in x's dtype, widened after (GgufLinear's `.to`).
+    if (out.scalar_type() == x.scalar_type()) return dense_project(x, dense, linear.bias, out);
+    // The logits: the result in x's dtype, widened after (GgufLinear's `.to`).
     at::Tensor result = at::empty({x.size(0), dense.size(0)}, x.options());
-    gemm(x, dense, linear.bias, result);
+    dense_project(x, dense, linear.bias, result);
     out.copy_(result);
     return;
   }
@@ -119,12 +134,6 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
              [&] { gguf_linear(x, linear.gguf_weights[r], part[3 * r], bias, columns); });
   }
 }
-
-// Dense weights: up to this many rows stream their weights through the dot-product kernel,
-// prepacked ones up to the second (kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS and
-// PREPACKED_KERNEL_MAX_ROWS, the same rule).
-constexpr int64_t kDenseKernelMaxRows = 32;
-constexpr int64_t kPrepackedKernelMaxRows = 5;
 
 // out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: a few rows
 // stream their weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
@@ -148,9 +157,7 @@ void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig
              [&] { linear_small_batch_blocked(x, linear.weight, linear.bias, out); });
     return;
   }
-  if (x.size(0) > kDenseKernelMaxRows) return gemm(x, linear.weight, linear.bias, out);
-  traced("kvscope::linear_small_batch",
-         [&] { linear_small_batch(x, linear.weight, linear.bias, out); });
+  dense_project(x, linear.weight, linear.bias, out);
 }
 
 void normed(const at::Tensor& hidden, const at::Tensor& weight, const StackConfig& config,
