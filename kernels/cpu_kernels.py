@@ -94,12 +94,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # Up to this many rows (a decode batch, or a speculative verification) read each weight once
 # through the streaming kernel, which computes every row alike however many there are (each
-# widened weight chunk meets 8 rows at a time). oneDNN's GEMM re-reads cold weights at a few
+# weight chunk meets a group of rows at a time). oneDNN's GEMM re-reads cold weights at a few
 # dozen rows and rounds differently by batch shape: on a 2-core Zen 4 the default model's
 # decode step at 9 to 32 rows took 1.06-1.75x as long through it, about as long at 48 and
-# less at 64 (docs/performance.md). More rows are compute-bound: GEMM. The prepacked (AMX layout)
-# kernel keeps four sums a row in registers, so it stops sooner. kernels/csrc/llama_stack.cpp's
-# kDenseKernelMaxRows and kPrepackedKernelMaxRows are the same.
+# less at 64 (docs/performance.md). More rows are compute-bound: GEMM. The prepacked (AMX
+# layout) kernel keeps four sums a row in registers, so it stops sooner.
+# kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows and kPrepackedKernelMaxRows are the same.
 DENSE_KERNEL_MAX_ROWS = 32
 PREPACKED_KERNEL_MAX_ROWS = 5
 # Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs of at least
