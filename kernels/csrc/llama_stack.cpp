@@ -99,7 +99,7 @@ void quantized_project(const at::Tensor& x, const LinearWeights& linear, const S
 
 // out = x @ weight.T (+ bias) for a GGUF layer, run by run of rows as GgufLinear computes it:
 // up to kernel_max_rows rows stream into each run's columns of out; more de-quantize every
-// run into one dense weight for a GEMM.
+// run into one dense weight for the dense route.
 void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
                   at::Tensor& out) {
   const at::Tensor& parts = *linear.gguf_parts;
@@ -115,12 +115,9 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
         traced("kvscope::gguf_dequantize",
                [&] { gguf_dequantize(linear.gguf_weights[r], part[3 * r], rows); });
     }
-    if (out.scalar_type() == x.scalar_type()) return dense_project(x, dense, linear.bias, out);
-    // The logits: the result in x's dtype, widened after (GgufLinear's `.to`).
-    at::Tensor result = at::empty({x.size(0), dense.size(0)}, x.options());
-    dense_project(x, dense, linear.bias, result);
-    out.copy_(result);
-    return;
+    // An fp32 out (the logits) gets the result in x's dtype widened, as GgufLinear's `.to`
+    // gives it: both routes of dense_project write it so.
+    return dense_project(x, dense, linear.bias, out);
   }
   for (int64_t r = 0; r < runs; ++r) {
     const int64_t first = part[3 * r + 1], count = part[3 * r + 2] - first;
