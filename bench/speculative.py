@@ -33,6 +33,7 @@ them equal token for token.
 Usage:
   python bench/speculative.py                      # all three
   python bench/speculative.py --workloads copy --num-copy-prompts 8
+  python bench/speculative.py --workloads chat,copy --fixed-k-too --rounds 3  # adaptive_k
   python bench/speculative.py --workloads draft --num-copy-prompts 2 --draft-copy
 """
 
@@ -134,16 +135,28 @@ def measure(llm: LLM, prompts, params: SamplingParams, one_at_a_time: bool,
 
 
 def compare(name: str, engines: dict[str, LLM], prompts, params, one_at_a_time: bool,
-            chat: bool = False) -> dict:
+            chat: bool = False, rounds: int = 1) -> dict:
+    """Each mode's run of the workload, the modes alternated `rounds` times so that a
+    shared machine's drifts hit each alike; tok/s is the median round's (all listed)."""
     results, outputs = {}, {}
-    for mode, llm in engines.items():
-        logger.info("%s: speculation %s", name, mode)
-        results[mode], outputs[mode] = measure(llm, prompts, params, one_at_a_time, chat)
-        logger.info("%s %s: %s", name, mode, results[mode])
-    return {"off": results["off"], "on": results["on"],
-            "outputs_equal": outputs["off"] == outputs["on"],
-            "speedup": round(results["on"]["output_tokens_per_s"]
-                             / results["off"]["output_tokens_per_s"], 3)}
+    per_round: dict[str, list[float]] = {mode: [] for mode in engines}
+    for _ in range(rounds):
+        for mode, llm in engines.items():
+            logger.info("%s: speculation %s", name, mode)
+            results[mode], outputs[mode] = measure(llm, prompts, params, one_at_a_time, chat)
+            per_round[mode].append(results[mode]["output_tokens_per_s"])
+            logger.info("%s %s: %s", name, mode, results[mode])
+    for mode, rates in per_round.items():
+        results[mode]["output_tokens_per_s"] = statistics.median(rates)
+        results[mode]["output_tokens_per_s_rounds"] = rates
+    report = dict(results)
+    for mode in results:
+        if mode != "off":  # "on" -> outputs_equal, speedup; "on_fixed_k" -> ..._fixed_k
+            suffix = mode.removeprefix("on")
+            report["outputs_equal" + suffix] = outputs["off"] == outputs[mode]
+            report["speedup" + suffix] = round(results[mode]["output_tokens_per_s"]
+                                               / results["off"]["output_tokens_per_s"], 3)
+    return report
 
 
 def save_shaped_draft(folder: Path, runner, num_layers: int) -> Path:
@@ -213,7 +226,8 @@ def draft_costs(args, off: LLM, prompts) -> dict:
             drafts["target_copy"] = str(off.engine.runner.model_path)
         for name, path in drafts.items():
             llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, speculative_config={
-                "model": path, "num_speculative_tokens": k, "min_acceptance_rate": 0.0})
+                "model": path, "num_speculative_tokens": k, "min_acceptance_rate": 0.0,
+                "adaptive_k": False})
             llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
             report[name] = step_costs(llm, prompts, params)
             logger.info("draft %s: %s", name, report[name])
@@ -261,6 +275,11 @@ def main(argv=None) -> None:
                         help="the random draft's depth (the default model has 30 layers)")
     parser.add_argument("--draft-copy", action="store_true",
                         help="also run the target as its own draft")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternate the modes this many times (copy, chat, throughput)")
+    parser.add_argument("--fixed-k-too", action="store_true",
+                        help="also run the speculative config with adaptive_k off (every "
+                             "sequence proposes num_speculative_tokens): on_fixed_k")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -269,6 +288,10 @@ def main(argv=None) -> None:
     if set(workloads) & set(WORKLOADS):
         engines["on"] = LLM(args.model, dtype=args.dtype, max_model_len=2048,
                             speculative_config=args.speculative_config)
+        if args.fixed_k_too:
+            engines["on_fixed_k"] = LLM(
+                args.model, dtype=args.dtype, max_model_len=2048,
+                speculative_config={**args.speculative_config, "adaptive_k": False})
     runner = engines["off"].engine.runner
     tokenizer = runner.tokenizer
     for llm in engines.values():  # untimed: first calls' one-time costs
@@ -282,11 +305,12 @@ def main(argv=None) -> None:
         prompts = copy_prompts(tokenizer, args.num_copy_prompts)
         lengths = [len(tokenizer(p).input_ids) for p in prompts]
         result = compare("copy", engines, prompts,
-                         SamplingParams(temperature=0, max_tokens=args.copy_output), True)
+                         SamplingParams(temperature=0, max_tokens=args.copy_output), True,
+                         rounds=args.rounds)
         bandwidth = roofline.measure()["read_bandwidth_gb_s"] * 1e9
         weight_bytes = report["weight_bytes_per_forward"] = runner.weight_bytes  # tied
         report["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
-        for mode in ("off", "on"):
+        for mode in engines:
             result[mode]["share_of_bandwidth_limit"] = round(
                 result[mode]["output_tokens_per_s"] * weight_bytes / bandwidth, 3)
         result["prompts"] = {"count": len(prompts), "min_tokens": min(lengths),
@@ -295,7 +319,7 @@ def main(argv=None) -> None:
     if "chat" in workloads:
         report["results"]["chat"] = compare(
             "chat", engines, CHAT, SamplingParams(temperature=0, max_tokens=args.chat_output),
-            False, chat=True)
+            False, chat=True, rounds=args.rounds)
         report["results"]["chat"]["prompts"] = {"count": len(CHAT), "batched": True}
     if "throughput" in workloads:
         defaults = throughput.parse_args([])
@@ -303,7 +327,8 @@ def main(argv=None) -> None:
         workload = throughput.make_workload(defaults, tokenizer, runner.hf_config.vocab_size)
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                   for n in workload.output_lens]
-        result = compare("throughput", engines, workload.prompts, params, False)
+        result = compare("throughput", engines, workload.prompts, params, False,
+                         rounds=args.rounds)
         result["workload"] = workload.describe(defaults)
         report["results"]["throughput"] = result
     if "rows" in workloads:

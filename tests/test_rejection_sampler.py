@@ -140,7 +140,7 @@ def test_engine_second_token_follows_the_target_marginal(method, peaked_model, p
         model=str(folder), dtype="float32", device="cpu", device_memory_gb=0.05,
         max_num_seqs=256, speculative_config={
             **proposals, "num_speculative_tokens": 1, "disable_by_batch_size": None,
-            "min_acceptance_rate": 0.0}))
+            "min_acceptance_rate": 0.0, "adaptive_k": False}))
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, n=256)
     for _ in range(16):
         engine.add_request(prompt, params)

@@ -6,11 +6,16 @@ import random
 import pytest
 
 from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.core.request import Request, Sequence
 from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscope.engine.spec_decode.config import SpeculativeConfig
 from kvscope.engine.spec_decode.ngram_proposer import NgramProposer
+from kvscope.engine.spec_decode.proposer import Speculator
+from kvscope.engine.spec_decode.step_cost import MIN_STEPS, StepCost
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3, "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+         "prompt_lookup_max": 3, "disable_by_batch_size": None, "min_acceptance_rate": 0.0,
+         "adaptive_k": False}
 _rng = random.Random(5)
 
 
@@ -197,7 +202,8 @@ def test_low_acceptance_pauses_proposals_and_large_batches_propose_nothing(make_
                                                                           run_engine):
     """A sequence whose recent proposals were accepted less than min_acceptance_rate sits
     out a pause: it verifies fewer proposals, a larger share of them accepted. With more
-    sequences running than disable_by_batch_size, nobody proposes."""
+    sequences running than disable_by_batch_size, nobody proposes. Proposals cut to what
+    the measured step cost pays for change no output either."""
     rng = random.Random(9)
     prompts = [[rng.randrange(1, 256) for _ in range(40)] for _ in range(4)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -206,13 +212,77 @@ def test_low_acceptance_pauses_proposals_and_large_batches_propose_nothing(make_
         **NGRAM, "min_acceptance_rate": 0.9}), prompts, params)
     capped = run_engine(make_engine("llama", speculative_config={
         **NGRAM, "disable_by_batch_size": 3}), prompts, params)
+    engine = make_engine("llama", speculative_config={**NGRAM, "adaptive_k": True})
+    cost_cut = run_engine(engine, prompts, params)
 
-    assert token_ids(adaptive) == token_ids(eager) == token_ids(capped)
+    assert token_ids(adaptive) == token_ids(eager) == token_ids(capped) == token_ids(cost_cut)
+    # The step cost is fitted on decode steps only, each step's rows its tokens.
+    decode_rows = [r.num_scheduled_tokens for r in cost_cut.records
+                   if all(chunk[2] == "decode" for chunk in r.chunks)]
+    assert [rows for rows, _ in engine.speculator.step_cost.steps] == decode_rows[-64:]
     proposed, accepted = drafted(eager)
     adaptive_proposed, adaptive_accepted = drafted(adaptive)
     assert adaptive_proposed < 0.9 * proposed
     assert adaptive_accepted / adaptive_proposed > accepted / proposed
     assert proposed > 0 and drafted(capped) == (0, 0)  # four ran together throughout
+
+
+def _decoding_sequence(index: int) -> Sequence:
+    """A sequence one token into its output whose prompt repeats a phrase: prompt lookup
+    proposes four tokens for it."""
+    phrase = [5 + index, 6, 7, 8, 9, 10]
+    tokens = phrase * 4 + [5 + index]
+    request = Request(f"r{index}", None, tokens[:-1], SamplingParams(max_tokens=100))
+    seq = Sequence(f"r{index}-0", request, 0, tokens, len(tokens) - 1)
+    seq.num_computed_tokens = len(tokens) - 1
+    return seq
+
+
+def _fitted_step_cost(fixed: float, per_row: float) -> StepCost:
+    cost = StepCost()
+    for rows in [1] * 2 * MIN_STEPS:  # equal rows: no slope to fit
+        cost.observe(rows, fixed + per_row)
+    assert cost.per_row is None and cost.worth(0.01, 100, 1)
+    for step in range(3 * MIN_STEPS):
+        rows = 1 + step % 9
+        cost.observe(rows, fixed + per_row * rows)
+    return cost
+
+
+def test_step_cost_fits_a_steps_fixed_and_per_row_time():
+    cost = _fitted_step_cost(0.010, 0.002)
+    assert cost.fixed == pytest.approx(0.010) and cost.per_row == pytest.approx(0.002)
+    # One stream: a row yielding 0.5 tokens adds 20 % time for 50 % tokens; 0.1 does not pay.
+    assert cost.worth(0.5, 1, 1) and not cost.worth(0.1, 1, 1)
+    # A step that already yields 8 tokens over 8 rows: a row must yield 8 / 13 of a token.
+    assert cost.worth(0.65, 8, 8) and not cost.worth(0.6, 8, 8)
+    for _ in range(64):  # a window of equal rows keeps the line fitted before
+        cost.observe(4, 0.018)
+    assert len(set(cost.steps)) == 1 and cost.per_row == pytest.approx(0.002)
+
+
+def test_adaptive_k_keeps_the_proposals_worth_their_rows():
+    """Each proposed token adds a row and yields with the chance that it and the tokens
+    before it are accepted: one stream keeps what pays, the first tokens; a batch of eight,
+    whose rows cost as much as they yield, keeps none; acceptance seen raises k."""
+
+    speculator = Speculator(SpeculativeConfig(**{**NGRAM, "adaptive_k": True}), 1000)
+    speculator.step_cost = _fitted_step_cost(0.010, 0.002)
+    alone = _decoding_sequence(0)
+    speculator.propose([alone])
+    # Before any verification, each token is accepted with chance 0.5: 0.5 and 0.25 of a
+    # token pay for a row at 10 + 2 ms a step, 0.125 does not.
+    assert alone.spec_token_ids == [6, 7]
+
+    batch = [_decoding_sequence(i) for i in range(8)]
+    speculator.propose(batch)
+    assert all(seq.spec_token_ids == [] for seq in batch)
+    assert batch[0].spec_stats.acceptance == pytest.approx(0.5)  # faded toward the prior
+
+    for _ in range(5):
+        speculator.observe(alone, 4, 4)
+    speculator.propose([alone])
+    assert alone.spec_token_ids == [6, 7, 8, 9]
 
 
 def test_the_dashboard_panel_shows_each_steps_accepted_and_rejected_tokens(make_engine,

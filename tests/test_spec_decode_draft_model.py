@@ -26,7 +26,7 @@ from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 
-EAGER = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+EAGER = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0, "adaptive_k": False}
 
 
 def draft_config(path: Path, k: int = 3, **knobs) -> dict:

@@ -17,7 +17,8 @@ from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 2, "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+        "prompt_lookup_max": 2, "disable_by_batch_size": None, "min_acceptance_rate": 0.0,
+        "adaptive_k": False}
 
 
 @pytest.fixture(scope="module", params=["ngram", "draft_model"])

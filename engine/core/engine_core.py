@@ -238,6 +238,8 @@ class EngineCore:
         for request in finished:
             self.requests.pop(request.request_id, None)
         record = self._record(start_time, plan, finished, num_generated, totals_before, drafts)
+        if self.speculator is not None:
+            self.speculator.observe_step(plan, record.end_time - start_time)
         self.step_index += 1
         return StepResult(outputs, record)
 

@@ -31,6 +31,10 @@ class SpeculativeConfig:
     # A sequence whose proposals were accepted less than this share of the time (over its
     # recent drafts) stops proposing for a while: a workload that cannot gain must not lose.
     min_acceptance_rate: float = 0.2
+    # Each step, cut proposals to the tokens whose chance of acceptance pays for the rows
+    # they add, by the step cost measured on the steps run (engine.spec_decode.step_cost).
+    # num_speculative_tokens is then each sequence's most. False: always propose it.
+    adaptive_k: bool = True
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -51,6 +55,9 @@ class SpeculativeConfig:
                              "needs the path or name of a draft model")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
+        if not isinstance(self.adaptive_k, bool):
+            raise ValueError(f"speculative_config.adaptive_k={self.adaptive_k!r} must be "
+                             "true or false")
         rate = self.min_acceptance_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
             raise ValueError(f"speculative_config.min_acceptance_rate={rate!r} must be in "
