@@ -103,6 +103,20 @@ inline void prefetch_to_l2(const void* p) {
 #endif
 }
 
+// Weight bytes ahead of the row being dotted that a streaming kernel requests with a software
+// prefetch: with the hardware prefetchers alone, compute and memory take turns instead of
+// overlapping. docs/performance.md has the distances measured.
+constexpr int64_t kPrefetchBytes = 8192;
+
+// Requests into L2 the `row_bytes` bytes kPrefetchBytes past `row`, short of `limit` (the end
+// of the caller's stream): called once per row streamed, it keeps every line of the stream
+// requested that far ahead.
+inline void prefetch_ahead(const void* row, int64_t row_bytes, const void* limit) {
+  const char* ahead = static_cast<const char*>(row) + kPrefetchBytes;
+  const char* stop = std::min(ahead + row_bytes, static_cast<const char*>(limit));
+  for (const char* line = ahead; line < stop; line += 64) prefetch_to_l2(line);
+}
+
 // exp(x) for x <= 0 (softmax weights, silu's exp(-|g|)) in a form the compiler vectorizes
 // (std::exp is a scalar call unless -ffast-math): 2^n * 2^f with Cephes' exp2f polynomial,
 // within ~2 ulp of std::exp. Below -87 the result underflows to ~1e-38, i.e. 0 here.

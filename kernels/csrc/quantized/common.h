@@ -53,14 +53,8 @@ constexpr int64_t kBytesPerTask = 64 << 10;
 
 inline int64_t grain(int64_t row_bytes) { return std::max<int64_t>(1, kBytesPerTask / row_bytes); }
 
-// Weight bytes ahead of the row being dotted that one row of x requests with a software
-// prefetch: with the hardware prefetchers alone, compute and memory take turns instead of
-// overlapping. The requests go into L2 (kvscope::prefetch_to_l2: a core's few L1 miss
-// buffers cap requests into L1). docs/performance.md has the distances measured.
-constexpr int64_t kPrefetchBytes = 8192;
-
 // The fewest output rows of an int4 layer per chunk of work. A single stream's layer goes
-// one share per thread: its weights stream with a software prefetch kPrefetchBytes ahead
+// one share per thread: its weights stream with a software prefetch kvscope::kPrefetchBytes ahead
 // within a chunk (int4_rows_vnni), so each chunk starts its stream cold, and more, smaller
 // chunks per thread would start more cold streams. A helper that has not started still
 // leaves its share to the caller.

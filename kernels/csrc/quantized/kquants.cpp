@@ -328,10 +328,7 @@ void linear_int8(const at::Tensor& weight, int64_t rows, const bf16* bias, at::T
     const uint8_t* const last_byte = blocks + end * row_bytes;
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = blocks + n * row_bytes;
-      // This row's bytes, kPrefetchBytes on, requested into L2 (see common.h).
-      for (const uint8_t* line = row + kPrefetchBytes;
-           line < std::min(row + kPrefetchBytes + row_bytes, last_byte); line += 64)
-        kvscope::prefetch_to_l2(line);
+      kvscope::prefetch_ahead(row, row_bytes, last_byte);
       const float b = bias != nullptr ? load(bias[n]) : 0.f;
       by_row_groups<kMaxRows>(rows, [&](auto count, int64_t first) {
         constexpr int R = decltype(count)::value;

@@ -537,10 +537,7 @@ void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, const I
       const int64_t row_bytes = layout.row_bytes;
       const uint8_t* const last_byte = weight + end * row_bytes;
       for (int64_t i = 0; i < count; ++i) {
-        // This row's bytes, kPrefetchBytes on: rows on rows, every line of [begin, end).
-        const uint8_t* ahead = weight + (first + i) * row_bytes + kPrefetchBytes;
-        for (const uint8_t* line = ahead; line < std::min(ahead + row_bytes, last_byte); line += 64)
-          kvscope::prefetch_to_l2(line);
+        kvscope::prefetch_ahead(weight + (first + i) * row_bytes, row_bytes, last_byte);
         __m512 row_lanes[1];
         int4_dot_row<1, kBits>(layout, x_rows, xsum, &held, weight, scales, first + i, row_lanes);
         lanes[0][i] = row_lanes[0];
