@@ -52,6 +52,26 @@ def test_ngram_proposer_takes_the_longest_latest_match():
     assert NgramProposer(2, 2).propose([4, 4, 4], 4) == [4]  # the match runs into the end
 
 
+def _lookup_oracle(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup spelled out: for n from longest, the latest window equal to the last n."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+def test_ngram_proposer_equals_the_spelled_out_lookup():
+    rng = random.Random(3)
+    for _ in range(500):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        k = rng.randrange(1, 6)
+        assert NgramProposer(min_n, max_n).propose(tokens, k) == \
+            _lookup_oracle(tokens, k, min_n, max_n), (tokens, min_n, max_n, k)
+
+
 @pytest.mark.parametrize("arch", ["llama", "opt"])
 def test_greedy_output_equals_speculation_off(arch, make_engine, run_engine):
     off = run_engine(make_engine(arch, block_size=4), PROMPTS, GREEDY)
@@ -216,10 +236,10 @@ def test_low_acceptance_pauses_proposals_and_large_batches_propose_nothing(make_
     cost_cut = run_engine(engine, prompts, params)
 
     assert token_ids(adaptive) == token_ids(eager) == token_ids(capped) == token_ids(cost_cut)
-    # The step cost is fitted on decode steps only, each step's rows its tokens.
-    decode_rows = [r.num_scheduled_tokens for r in cost_cut.records
-                   if all(chunk[2] == "decode" for chunk in r.chunks)]
-    assert [rows for rows, _ in engine.speculator.step_cost.steps] == decode_rows[-64:]
+    # The step cost is fitted on decode steps only: their sequences and proposed tokens.
+    decode_steps = [(len(r.chunks), sum(d[1] for d in r.spec_drafts)) for r in cost_cut.records
+                    if all(chunk[2] == "decode" for chunk in r.chunks)]
+    assert [step[:2] for step in engine.speculator.step_cost.steps] == decode_steps[-64:]
     proposed, accepted = drafted(eager)
     adaptive_proposed, adaptive_accepted = drafted(adaptive)
     assert adaptive_proposed < 0.9 * proposed
@@ -238,27 +258,39 @@ def _decoding_sequence(index: int) -> Sequence:
     return seq
 
 
-def _fitted_step_cost(fixed: float, per_row: float) -> StepCost:
+def _fitted_step_cost(fixed: float, per_sequence: float, per_proposal: float) -> StepCost:
+    """A StepCost that saw decode steps of 1-8 sequences and 0-8 proposals timed exactly
+    fixed + per_sequence * sequences + per_proposal * proposals."""
     cost = StepCost()
-    for rows in [1] * 2 * MIN_STEPS:  # equal rows: no slope to fit
-        cost.observe(rows, fixed + per_row)
-    assert cost.per_row is None and cost.worth(0.01, 100, 1)
-    for step in range(3 * MIN_STEPS):
-        rows = 1 + step % 9
-        cost.observe(rows, fixed + per_row * rows)
+    for step in range(2 * MIN_STEPS):  # no proposals yet: nothing to fit, nothing cut
+        cost.observe(1 + step % 8, 0, fixed + per_sequence * (1 + step % 8))
+    assert cost.per_proposal is None and cost.worth(0.01, 100, 8, 0)
+    for step in range(72):
+        sequences, proposed = 1 + step % 8, step // 8
+        cost.observe(sequences, proposed, fixed + per_sequence * sequences
+                     + per_proposal * proposed)
     return cost
 
 
-def test_step_cost_fits_a_steps_fixed_and_per_row_time():
-    cost = _fitted_step_cost(0.010, 0.002)
-    assert cost.fixed == pytest.approx(0.010) and cost.per_row == pytest.approx(0.002)
-    # One stream: a row yielding 0.5 tokens adds 20 % time for 50 % tokens; 0.1 does not pay.
-    assert cost.worth(0.5, 1, 1) and not cost.worth(0.1, 1, 1)
-    # A step that already yields 8 tokens over 8 rows: a row must yield 8 / 13 of a token.
-    assert cost.worth(0.65, 8, 8) and not cost.worth(0.6, 8, 8)
-    for _ in range(64):  # a window of equal rows keeps the line fitted before
-        cost.observe(4, 0.018)
-    assert len(set(cost.steps)) == 1 and cost.per_row == pytest.approx(0.002)
+def test_step_cost_fits_a_steps_time_per_sequence_and_per_proposal():
+    cost = _fitted_step_cost(0.010, 0.001, 0.002)
+    assert cost.per_sequence == pytest.approx(0.001)
+    assert cost.per_proposal == pytest.approx(0.002)
+    assert cost.seconds(8, 4) == pytest.approx(0.026)
+    # One stream (11 ms a step): a proposal yielding 0.5 tokens adds 18 % time for 50 %
+    # tokens; 0.1 of a token does not pay.
+    assert cost.worth(0.5, 1, 1, 0) and not cost.worth(0.1, 1, 1, 0)
+    # Eight sequences (18 ms) yielding 8 tokens: a proposal must yield 8 * 2 / 18 = 0.89.
+    assert cost.worth(0.9, 8, 8, 0) and not cost.worth(0.85, 8, 8, 0)
+    for step in range(64):  # a window without proposals keeps the fit before
+        cost.observe(1 + step % 8, 0, 0.011 + 0.001 * (step % 8))
+    assert cost.per_proposal == pytest.approx(0.002)
+
+    alone = StepCost()  # one sequence throughout: the proposals' slope alone
+    for step in range(16):
+        alone.observe(1, step % 5, 0.009 + 0.0015 * (step % 5))
+    assert alone.per_sequence == 0 and alone.per_proposal == pytest.approx(0.0015)
+    assert alone.seconds(1, 4) == pytest.approx(0.015)
 
 
 def test_adaptive_k_keeps_the_proposals_worth_their_rows():
@@ -267,11 +299,11 @@ def test_adaptive_k_keeps_the_proposals_worth_their_rows():
     whose rows cost as much as they yield, keeps none; acceptance seen raises k."""
 
     speculator = Speculator(SpeculativeConfig(**{**NGRAM, "adaptive_k": True}), 1000)
-    speculator.step_cost = _fitted_step_cost(0.010, 0.002)
+    speculator.step_cost = _fitted_step_cost(0.010, 0.001, 0.002)
     alone = _decoding_sequence(0)
     speculator.propose([alone])
     # Before any verification, each token is accepted with chance 0.5: 0.5 and 0.25 of a
-    # token pay for a row at 10 + 2 ms a step, 0.125 does not.
+    # token pay for 2 ms beside an 11-13 ms step, 0.125 does not.
     assert alone.spec_token_ids == [6, 7]
 
     batch = [_decoding_sequence(i) for i in range(8)]

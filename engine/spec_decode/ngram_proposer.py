@@ -1,7 +1,6 @@
 """Prompt lookup (vLLM's ngram method): propose what followed the same n tokens before."""
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -18,11 +17,19 @@ class NgramProposer:
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. len - n - 1: every occurrence but the suffix itself.
-            windows = sliding_window_view(tokens[:-1], n)
-            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(starts):
-                follow = starts[-1] + n
-                return tokens[follow:follow + k].tolist()
-        return []
+        # Where earlier matches of the last n tokens end, for n = 1, 2, ...: each n keeps
+        # the ends of n - 1 whose token n back matches too, so the whole sequence is
+        # compared once (for the last token) and then only the few candidates.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        best = None
+        for n in range(1, min(self.max_n, len(tokens) - 1) + 1):
+            if n > 1:
+                ends = ends[ends >= n - 1]
+                ends = ends[tokens[ends - (n - 1)] == tokens[-n]]
+            if not len(ends):
+                break
+            if n >= self.min_n:
+                best = int(ends[-1])  # the latest match of the longest length so far
+        if best is None:
+            return []
+        return tokens[best + 1:best + 1 + k].tolist()

@@ -109,24 +109,25 @@ class Speculator:
             ((seq.spec_stats.acceptance ** i, i, index)
              for index, seq in enumerate(running) for i in range(1, len(seq.spec_token_ids) + 1)),
             key=lambda candidate: (-candidate[0], candidate[1]))
-        tokens = rows = float(len(running))  # without proposals: a row and a token each
+        tokens = float(len(running))  # without proposals: a token each
         kept = [0] * len(running)
-        for expected, _, index in candidates:
-            if not self.step_cost.worth(expected, tokens, rows):
+        for num_kept, (expected, _, index) in enumerate(candidates):
+            if not self.step_cost.worth(expected, tokens, len(running), num_kept):
                 break
             kept[index] += 1
             tokens += expected
-            rows += 1
         for seq, count in zip(running, kept):
             if seq.spec_token_ids and not count:
                 seq.spec_stats.fade()
             del seq.spec_token_ids[count:]
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
-        """A step's time against its rows, where every row decoded or verified (a prefill
-        chunk's rows cost another way)."""
+        """A step's time against its sequences and proposals, where every sequence decoded
+        (a prefill chunk's rows cost another way)."""
         if plan.scheduled and all(item.kind is ChunkKind.DECODE for item in plan.scheduled):
-            self.step_cost.observe(plan.num_scheduled_tokens, seconds)
+            self.step_cost.observe(len(plan.scheduled),
+                                   sum(len(item.spec_token_ids) for item in plan.scheduled),
+                                   seconds)
 
     def _proposal(self, seq: Sequence) -> list[int]:
         if (seq.request.beam is not None or seq.num_output_tokens == 0

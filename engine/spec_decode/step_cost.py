@@ -1,55 +1,76 @@
-"""What one more row costs a step: a least-squares line through recent decode steps' times
-against their rows (each sequence's token plus its proposals).
+"""What one more verification row costs a step: a least-squares plane through recent decode
+steps' times against their sequences and their proposed tokens.
 
-A step's time is about `fixed + per_row * rows`. `fixed` is what any step pays, reading
-every weight once; `per_row` is each row's compute. On one stream over bandwidth-bound
-weights per_row is a small share of a step, and a verification row is nearly free; in a
-large batch, or on a CPU whose rows are compute-bound, each row costs about what it
-yields. The Speculator keeps only proposals whose expected yield pays for their rows
-(engine.spec_decode.proposer). Measured, not assumed: the share differs by CPU class,
-dtype, model and batch several-fold (docs/performance.md).
+A decode step's time is about `fixed + per_sequence * sequences + per_proposal * proposed`.
+Both slopes are fitted, not one per row: a step's time grows faster than linearly with its
+rows (up to a point the weights' read hides the rows' compute, past it every row is
+compute), so a proposal costs what a row costs beside the batch now running, and the steps
+that have proposals measure that where it is paid. On one stream over bandwidth-bound
+weights a proposal is a small share of a step; beside a batch, or on a CPU whose rows are
+compute-bound, it costs about what it yields. The Speculator keeps only the proposals whose
+expected yield pays for them (engine.spec_decode.proposer). Measured, not assumed: the
+share differs by CPU class, dtype, model and batch several-fold (docs/performance.md).
 """
 
 from collections import deque
 
-# Decode steps the line is fitted over: recent enough to describe the batch now running.
+# Decode steps the plane is fitted over: recent enough to describe the batch now running.
 WINDOW = 64
-# No line before this many steps, nor while their rows barely differ (the slope is then
-# noise): until then nothing is cut.
+# No fit before this many steps, nor while their proposals barely differ (the slope is
+# then noise): until the first fit nothing is cut, and a later window that allows none
+# keeps the fit before it (a batch whose proposals were all cut runs steps without any).
 MIN_STEPS = 8
-MIN_ROW_VARIANCE = 0.5
+MIN_VARIANCE = 0.25
 
 
 class StepCost:
-    """The fitted line; `per_row` is None until the steps allow a fit, and a fit is kept
-    while later windows do not (a batch whose proposals were all cut runs steps of equal
-    rows)."""
-
     def __init__(self) -> None:
-        self.steps: deque[tuple[int, float]] = deque(maxlen=WINDOW)
-        self.fixed = 0.0
-        self.per_row: float | None = None
+        self.steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
+        self.per_proposal: float | None = None
+        self.per_sequence = 0.0
+        # The plane passes through the window's means: (sequences, proposed, seconds).
+        self.center = (0.0, 0.0, 0.0)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self.steps.append((rows, seconds))
+    def observe(self, num_sequences: int, num_proposed: int, seconds: float) -> None:
+        self.steps.append((num_sequences, num_proposed, seconds))
         n = len(self.steps)
         if n < MIN_STEPS:
             return
-        mean_rows = sum(r for r, _ in self.steps) / n
-        mean_seconds = sum(s for _, s in self.steps) / n
-        variance = sum((r - mean_rows) ** 2 for r, _ in self.steps) / n
-        if variance < MIN_ROW_VARIANCE:
+        means = tuple(sum(step[i] for step in self.steps) / n for i in range(3))
+        deviations = [tuple(step[i] - means[i] for i in range(3)) for step in self.steps]
+        ss = sum(d[0] * d[0] for d in deviations) / n
+        pp = sum(d[1] * d[1] for d in deviations) / n
+        sp = sum(d[0] * d[1] for d in deviations) / n
+        st = sum(d[0] * d[2] for d in deviations) / n
+        pt = sum(d[1] * d[2] for d in deviations) / n
+        if pp < MIN_VARIANCE:
             return
-        covariance = sum((r - mean_rows) * (s - mean_seconds) for r, s in self.steps) / n
-        # Noise can tilt the line below zero at either end; a row never saves time and a
-        # step never costs less than nothing.
-        self.per_row = max(covariance / variance, 0.0)
-        self.fixed = max(mean_seconds - self.per_row * mean_rows, 0.0)
+        determinant = ss * pp - sp * sp
+        if ss < MIN_VARIANCE or determinant < MIN_VARIANCE * pp:
+            # One batch size throughout (or sizes moving with the proposals): the proposals'
+            # slope alone, the batch's part of the time in the mean.
+            per_sequence, per_proposal = 0.0, pt / pp
+        else:
+            per_sequence = (st * pp - pt * sp) / determinant
+            per_proposal = (pt * ss - st * sp) / determinant
+        # Noise can tilt the plane below zero; nothing added to a step makes it faster.
+        self.per_sequence = max(per_sequence, 0.0)
+        self.per_proposal = max(per_proposal, 0.0)
+        self.center = means
 
-    def worth(self, expected_tokens: float, tokens: float, rows: float) -> bool:
-        """Whether one more row yielding `expected_tokens` raises a step's tokens per second,
-        the step so far yielding `tokens` over `rows` rows: (tokens + e) / (time + per_row)
-        > tokens / time exactly when e * time > tokens * per_row."""
-        if self.per_row is None:
+    def seconds(self, num_sequences: float, num_proposed: float) -> float:
+        """The fitted time of a decode step."""
+        sequences, proposed, seconds = self.center
+        return max(seconds + self.per_sequence * (num_sequences - sequences)
+                   + (self.per_proposal or 0.0) * (num_proposed - proposed), 1e-9)
+
+    def worth(self, expected_tokens: float, tokens: float, num_sequences: int,
+              num_proposed: int) -> bool:
+        """Whether one more proposed token, yielding `expected_tokens`, raises the tokens per
+        second of a step of `num_sequences` with `num_proposed` proposals yielding `tokens`:
+        (tokens + e) / (time + per_proposal) > tokens / time exactly when
+        e * time > tokens * per_proposal."""
+        if self.per_proposal is None:
             return True
-        return expected_tokens * (self.fixed + self.per_row * rows) > tokens * self.per_row
+        return (expected_tokens * self.seconds(num_sequences, num_proposed)
+                > tokens * self.per_proposal)
