@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram prompt lookup) off vs on, one run, one machine, the
 default model in bfloat16 (--dtype): output tokens/s, acceptance rate and tokens per
-verifying forward.
+verifying forward; decode_step_ms gives the decode steps' median time by their sequences
+and proposed tokens ("8+4": eight sequences, four proposals among them).
 
   copy      copy-heavy single streams: each prompt gives a passage of this repository's
             docs and asks for it back copied, quoted, re-wrapped or with its typos fixed
@@ -123,12 +124,15 @@ def measure(llm: LLM, prompts, params: SamplingParams, one_at_a_time: bool,
     seconds = time.perf_counter() - started
     del engine.step
     decode_seconds = decode_tokens = 0.0  # steps that only decoded (or verified)
+    by_shape: dict[tuple[int, int], list[float]] = {}  # (sequences, proposed): step ms
     for record in records:
         stats.observe(record.spec_drafts)
         forwards += sum(1 for chunk in record.chunks if chunk[2] == "decode")
         if all(chunk[2] == "decode" for chunk in record.chunks):
             decode_seconds += record.end_time - record.start_time
             decode_tokens += record.num_generated_tokens
+            shape = (len(record.chunks), sum(draft[1] for draft in record.spec_drafts))
+            by_shape.setdefault(shape, []).append(1e3 * (record.end_time - record.start_time))
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     generated = sum(len(t) for t in tokens)
     return {"seconds": round(seconds, 2), "output_tokens": generated,
@@ -140,17 +144,23 @@ def measure(llm: LLM, prompts, params: SamplingParams, one_at_a_time: bool,
             "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
             "num_accepted_tokens": stats.num_accepted_tokens,
             "acceptance_rate": round(stats.acceptance_rate, 3),
-            "accepted_per_position": stats.num_accepted_tokens_per_pos}, tokens
+            "accepted_per_position": stats.num_accepted_tokens_per_pos,
+            # "sequences+proposed": median ms of the decode steps of that shape (3 or more)
+            "decode_step_ms": {f"{sequences}+{proposed}": round(statistics.median(times), 2)
+                               for (sequences, proposed), times in sorted(by_shape.items())
+                               if len(times) >= 3}}, tokens
 
 
 def compare(name: str, engines: dict[str, LLM], prompts, params, one_at_a_time: bool,
             chat: bool = False, rounds: int = 1) -> dict:
-    """Each mode's run of the workload, the modes alternated `rounds` times so that a
-    shared machine's drifts hit each alike; tok/s is the median round's (all listed)."""
+    """Each mode's run of the workload, the modes alternated `rounds` times (in turn order,
+    then reversed, and so on) so that a shared machine's drifts hit each alike; tok/s is
+    the median round's (all listed)."""
     results, outputs = {}, {}
     per_round: dict[str, list[float]] = {mode: [] for mode in engines}
-    for _ in range(rounds):
-        for mode, llm in engines.items():
+    for round_index in range(rounds):
+        order = list(engines.items())
+        for mode, llm in order if round_index % 2 == 0 else order[::-1]:
             logger.info("%s: speculation %s", name, mode)
             results[mode], outputs[mode] = measure(llm, prompts, params, one_at_a_time, chat)
             per_round[mode].append(results[mode]["output_tokens_per_s"])

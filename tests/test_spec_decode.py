@@ -282,15 +282,23 @@ def test_step_cost_fits_a_steps_time_per_sequence_and_per_proposal():
     assert cost.worth(0.5, 1, 1, 0) and not cost.worth(0.1, 1, 1, 0)
     # Eight sequences (18 ms) yielding 8 tokens: a proposal must yield 8 * 2 / 18 = 0.89.
     assert cost.worth(0.9, 8, 8, 0) and not cost.worth(0.85, 8, 8, 0)
-    for step in range(64):  # a window without proposals keeps the fit before
-        cost.observe(1 + step % 8, 0, 0.011 + 0.001 * (step % 8))
+    for step in range(64):  # a window without proposals keeps their slope
+        cost.observe(1 + step % 8, 0, 0.010 + 0.001 * (1 + step % 8))
     assert cost.per_proposal == pytest.approx(0.002)
+    assert cost.center[1] == 0 and cost.seconds(8, 1) == pytest.approx(0.020)
 
     alone = StepCost()  # one sequence throughout: the proposals' slope alone
     for step in range(16):
-        alone.observe(1, step % 5, 0.009 + 0.0015 * (step % 5))
+        alone.observe(1, step % 5, 0.010 + 0.0015 * (step % 5))
     assert alone.per_sequence == 0 and alone.per_proposal == pytest.approx(0.0015)
-    assert alone.seconds(1, 4) == pytest.approx(0.015)
+    assert alone.seconds(1, 4) == pytest.approx(0.016)
+    # Then a batch whose proposals are all cut: the time follows its size, while the
+    # proposals' slope stays what one stream measured.
+    for step in range(64):
+        alone.observe(2 + step % 7, 0, 0.008 + 0.002 * (2 + step % 7))
+    assert alone.per_proposal == pytest.approx(0.0015)
+    assert alone.per_sequence == pytest.approx(0.002)
+    assert alone.seconds(8, 0) == pytest.approx(0.024)
 
 
 def test_adaptive_k_keeps_the_proposals_worth_their_rows():

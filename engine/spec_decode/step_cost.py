@@ -16,9 +16,9 @@ from collections import deque
 
 # Decode steps the plane is fitted over: recent enough to describe the batch now running.
 WINDOW = 64
-# No fit before this many steps, nor while their proposals barely differ (the slope is
-# then noise): until the first fit nothing is cut, and a later window that allows none
-# keeps the fit before it (a batch whose proposals were all cut runs steps without any).
+# No fit before this many steps, nor a proposals' slope while they barely differ (it is
+# then noise): until the first fit nothing is cut, and a later window without it keeps the
+# slope before (a batch whose proposals were all cut runs steps without any).
 MIN_STEPS = 8
 MIN_VARIANCE = 0.25
 
@@ -43,10 +43,14 @@ class StepCost:
         sp = sum(d[0] * d[1] for d in deviations) / n
         st = sum(d[0] * d[2] for d in deviations) / n
         pt = sum(d[1] * d[2] for d in deviations) / n
-        if pp < MIN_VARIANCE:
-            return
+        per_sequence, per_proposal = self.per_sequence, self.per_proposal
         determinant = ss * pp - sp * sp
-        if ss < MIN_VARIANCE or determinant < MIN_VARIANCE * pp:
+        if pp < MIN_VARIANCE:
+            # Proposals too few to fit (all cut, say): their slope stays the last fit's, and
+            # the step's time follows the batch now running.
+            if ss >= MIN_VARIANCE:
+                per_sequence = st / ss
+        elif ss < MIN_VARIANCE or determinant < MIN_VARIANCE * pp:
             # One batch size throughout (or sizes moving with the proposals): the proposals'
             # slope alone, the batch's part of the time in the mean.
             per_sequence, per_proposal = 0.0, pt / pp
@@ -55,7 +59,7 @@ class StepCost:
             per_proposal = (pt * ss - st * sp) / determinant
         # Noise can tilt the plane below zero; nothing added to a step makes it faster.
         self.per_sequence = max(per_sequence, 0.0)
-        self.per_proposal = max(per_proposal, 0.0)
+        self.per_proposal = None if per_proposal is None else max(per_proposal, 0.0)
         self.center = means
 
     def seconds(self, num_sequences: float, num_proposed: float) -> float:
