@@ -84,9 +84,8 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   if (rows == 0) return;
   // dot_pair(w0, w1, sums0, sums1): every row of x . weight rows w0 and w1. A thread's share
   // of the outputs is read as two streams, from its first half and its second half side by
-  // side: two streams keep more reads in flight than one (docs/performance.md), each requested
-  // into L2 ahead of the rows being dotted (kvscope::prefetch_ahead). An odd last row pairs
-  // with itself. One share per thread: each share starts its two streams anew, so
+  // side: two streams keep more reads in flight than one (docs/performance.md). An odd last
+  // row pairs with itself. One share per thread: each share starts its two streams anew, so
   // more, smaller shares would start more cold streams. A helper that has not started leaves
   // its share to the caller.
   auto each_output = [&](auto dot_pair) {
@@ -101,16 +100,9 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
         for (int64_t m = 0; m < rows; ++m)
           store(out[m * out_stride + n], round_to(row_sums[m] + shift, static_cast<T*>(nullptr)));
       };
-      const int64_t row_bytes = in_features * static_cast<int64_t>(sizeof(T));
-      const T* const stream_ends[2] = {weight + (begin + half) * in_features,
-                                       weight + end * in_features};
       for (int64_t i = 0; i < half; ++i) {
         const int64_t n0 = begin + i, n1 = begin + half + i;
-        const T* w0 = weight + n0 * in_features;
-        const T* w1 = weight + n1 * in_features;
-        kvscope::prefetch_ahead(w0, row_bytes, stream_ends[0]);
-        kvscope::prefetch_ahead(w1, row_bytes, stream_ends[1]);
-        dot_pair(w0, w1, sums[0], sums[1]);
+        dot_pair(weight + n0 * in_features, weight + n1 * in_features, sums[0], sums[1]);
         write(n0, sums[0]);
         write(n1, sums[1]);
       }
