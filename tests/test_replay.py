@@ -209,7 +209,9 @@ def record_session(log_path: Path, model_path: Path, requests: list) -> tuple[di
 
     Each request is alone in the engine, so a replay meets the same schedule (requests that
     arrive within one step of each other may land a step apart when replayed: the replay's
-    clock resolves arrivals to step boundaries)."""
+    clock resolves arrivals to step boundaries). The gap between requests must exceed what
+    a simulated replay's fitted step cost can overestimate a request's steps by: on a
+    loaded machine one descheduled step tilts the fit by tens of milliseconds."""
     config = EngineConfig(model=str(model_path), dtype="float32", device="cpu",
                           block_size=4, num_gpu_blocks_override=64, max_model_len=256)
     engine = AsyncEngine.from_config(config)
@@ -221,7 +223,7 @@ def record_session(log_path: Path, model_path: Path, requests: list) -> tuple[di
     for prompt, params in requests:
         stream = engine.submit(prompt, params)
         recorded[stream.request_id] = list(stream)[-1].outputs[0].token_ids
-        time.sleep(0.05)
+        time.sleep(0.3)
     engine.shutdown()
     stop_recording()
     log.close()
