@@ -227,7 +227,9 @@ def test_low_acceptance_pauses_proposals_and_large_batches_propose_nothing(make_
     rng = random.Random(9)
     prompts = [[rng.randrange(1, 256) for _ in range(40)] for _ in range(4)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    eager = run_engine(make_engine("llama", speculative_config=NGRAM), prompts, params)
+    eager_engine = make_engine("llama", speculative_config=NGRAM)
+    eager = run_engine(eager_engine, prompts, params)
+    assert not eager_engine.speculator.step_cost.steps  # nothing reads a fit without adaptive_k
     adaptive = run_engine(make_engine("llama", speculative_config={
         **NGRAM, "min_acceptance_rate": 0.9}), prompts, params)
     capped = run_engine(make_engine("llama", speculative_config={

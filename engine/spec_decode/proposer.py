@@ -123,8 +123,9 @@ class Speculator:
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
         """A step's time against its sequences and proposals, where every sequence decoded
-        (a prefill chunk's rows cost another way)."""
-        if plan.scheduled and all(item.kind is ChunkKind.DECODE for item in plan.scheduled):
+        (a prefill chunk's rows cost another way); only adaptive_k reads the fit."""
+        if (self.config.adaptive_k and plan.scheduled
+                and all(item.kind is ChunkKind.DECODE for item in plan.scheduled)):
             self.step_cost.observe(len(plan.scheduled),
                                    sum(len(item.spec_token_ids) for item in plan.scheduled),
                                    seconds)
