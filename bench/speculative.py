@@ -54,6 +54,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import roofline  # noqa: E402
 import throughput  # noqa: E402
 import torch  # noqa: E402
+from served import cpu_name  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kvscope import LLM, SamplingParams  # noqa: E402
@@ -62,6 +63,7 @@ from kvscope.engine.spec_decode.metrics import SpecDecodingStats  # noqa: E402
 logger = logging.getLogger("bench.speculative")
 WORKLOADS = ("copy", "chat", "throughput")  # and "draft" and "rows", on request
 VERIFY_ROWS = (1, 2, 3, 5, 9)
+RATES = ("output_tokens_per_s", "decode_tokens_per_s")  # medians over --rounds
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 TASKS = (
     "Text:\n{text}\n\nThe same text, copied exactly:\n{start}",
@@ -154,20 +156,23 @@ def measure(llm: LLM, prompts, params: SamplingParams, one_at_a_time: bool,
 def compare(name: str, engines: dict[str, LLM], prompts, params, one_at_a_time: bool,
             chat: bool = False, rounds: int = 1) -> dict:
     """Each mode's run of the workload, the modes alternated `rounds` times (in turn order,
-    then reversed, and so on) so that a shared machine's drifts hit each alike; tok/s is
-    the median round's (all listed)."""
+    then reversed, and so on) so that a shared machine's drifts hit each alike. Both rates
+    (output and decode-phase tok/s) are the median over rounds, each round's listed; the
+    other fields are the last round's."""
     results, outputs = {}, {}
-    per_round: dict[str, list[float]] = {mode: [] for mode in engines}
+    per_round = {mode: {rate: [] for rate in RATES} for mode in engines}
     for round_index in range(rounds):
         order = list(engines.items())
         for mode, llm in order if round_index % 2 == 0 else order[::-1]:
             logger.info("%s: speculation %s", name, mode)
             results[mode], outputs[mode] = measure(llm, prompts, params, one_at_a_time, chat)
-            per_round[mode].append(results[mode]["output_tokens_per_s"])
+            for rate in RATES:
+                per_round[mode][rate].append(results[mode][rate])
             logger.info("%s %s: %s", name, mode, results[mode])
     for mode, rates in per_round.items():
-        results[mode]["output_tokens_per_s"] = statistics.median(rates)
-        results[mode]["output_tokens_per_s_rounds"] = rates
+        for rate, values in rates.items():
+            results[mode][rate] = round(statistics.median(values), 2)
+            results[mode][rate + "_rounds"] = values
     report = dict(results)
     for mode in results:
         if mode != "off":  # "on" -> outputs_equal, speedup; "on_fixed_k" -> ..._fixed_k
@@ -315,7 +320,7 @@ def main(argv=None) -> None:
     tokenizer = runner.tokenizer
     for llm in engines.values():  # untimed: first calls' one-time costs
         llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
-    report = {"model": str(runner.model_path), "dtype": str(runner.dtype),
+    report = {"cpu": cpu_name(), "model": str(runner.model_path), "dtype": str(runner.dtype),
               "torch_threads": torch.get_num_threads(),
               "speculative_config": (engines["on"].engine.config.speculative_config.to_dict()
                                      if "on" in engines else args.speculative_config),
