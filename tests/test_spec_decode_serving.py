@@ -84,6 +84,8 @@ def test_metrics_and_the_event_feed_count_the_same_proposals(server):
     ('{"method": "draft_model"}', "method='draft_model' needs the path or name of a draft"),
     ('{"method": "ngram", "model": "small"}', "model='small': method='ngram' takes no model"),
     ('{"k": 3}', "unknown field(s) ['k']"),
+    ('{"adaptive_k": "yes"}', "speculative_config.adaptive_k='yes' must be true or false"),
+    ('{"min_acceptance_rate": 1.5}', "speculative_config.min_acceptance_rate=1.5 must be in [0, 1]"),
 ])
 def test_bad_speculative_configs_are_refused_at_start_by_name(flag, message):
     args = app.build_parser().parse_args(["--speculative-config", flag])
