@@ -233,15 +233,25 @@ def phase_totals(records, runner) -> dict:
     layer_flops = roofline.model_costs(runner.hf_config, runner.dtype)["matmul_flops_per_token"] - head_flops
     kv_bytes_per_token = (len(runner.attention_layers) * 2 * runner.num_kv_heads * runner.head_dim
                           * runner.dtype.itemsize)
-    phases = {name: {"seconds": 0.0, "matmul_flops": 0, "kv_bytes": 0} for name in ("prefill", "decode")}
+    phases = {name: {"seconds": 0.0, "matmul_flops": 0, "kv_bytes": 0, "step_costs": []}
+              for name in ("prefill", "decode")}
     for record in records:
         chunks = record.chunks
         phase = phases["prefill" if any(kind == "prefill" for _, _, kind, _, _ in chunks) else "decode"]
         phase["seconds"] += record.end_time - record.start_time
-        for _, _, _, start, end in chunks:
-            phase["matmul_flops"] += (end - start) * layer_flops + head_flops
-            phase["kv_bytes"] += end * kv_bytes_per_token
+        flops = sum((end - start) * layer_flops + head_flops for _, _, _, start, end in chunks)
+        kv_bytes = sum(end * kv_bytes_per_token for _, _, _, _, end in chunks)
+        phase["matmul_flops"] += flops
+        phase["kv_bytes"] += kv_bytes
+        # Every step reads all the weights once besides its K/V (for roofline_seconds).
+        phase["step_costs"].append((flops, runner.weight_bytes + kv_bytes))
     return phases
+
+
+def roofline_seconds(step_costs, gemm_rate: float, bandwidth: float) -> float:
+    """The least time the steps could take on this machine: each step its matmuls at the
+    large-GEMM rate or its bytes at the read bandwidth, whichever is longer."""
+    return sum(max(flops / gemm_rate, read / bandwidth) for flops, read in step_costs)
 
 
 @functools.cache
@@ -615,17 +625,26 @@ def ratios_to_kvscope(results: dict[str, dict], key: str) -> dict[str, float]:
     return ratios
 
 
-def throughput(args, workload: Workload, backends: dict, report: dict) -> None:
-    key = "output_tokens_per_s"
-    results = report["results"] = best_of_repeats(args, backends, lambda b: b.run(), key)
-    report["ratios"] = ratios_to_kvscope(results, key)
-    # Decode-dominated work: each output token costs the matmul FLOPs of one token.
-    peak = report["machine_roofline"]["gemm_gflop_s"][args.dtype] * 1e9
-    flops = report["model_costs"]["matmul_flops_per_token"]
-    for result_ in results.values():
-        result_["share_of_gemm_roofline"] = round(result_[key] * flops / peak, 3)
+def add_phase_rates(report: dict, results: dict) -> None:
+    """Each kvscope backend's phases as rates against the machine's (GEMM rate, bandwidth),
+    and the roofline: kvscope's steps at those limits. The same work costs any engine about
+    as much, so every backend's seconds are read against it (share_of_roofline_time) and a
+    peer's seconds over it bound the ratio any engine could reach against that peer."""
     large = report["machine_roofline"]["large_gemm_gflop_s"] * 1e9
     bandwidth = report["machine_roofline"]["read_bandwidth_gb_s"] * 1e9
+    floors = {name: sum(roofline_seconds(phase.pop("step_costs"), large, bandwidth)
+                        for phase in result_["phases"].values())
+              for name, result_ in results.items() if "phases" in result_}
+    if "kvscope" in floors:
+        floor = report["roofline_seconds"] = round(floors["kvscope"], 3)
+        report["roofline_note"] = (
+            "kvscope's steps, each at max(matmul FLOPs / large-GEMM rate, (weights + K/V "
+            "read) / read bandwidth); share_of_roofline_time = that / a backend's seconds; "
+            "best_possible_vs_<peer> = the peer's seconds / that")
+        for name, result_ in results.items():
+            result_["share_of_roofline_time"] = round(floor / result_["seconds"], 3)
+            if not name.startswith("kvscope"):
+                report["ratios"][f"best_possible_vs_{name}"] = round(result_["seconds"] / floor, 3)
     for result_ in results.values():
         for phase in result_.get("phases", {}).values():
             if phase["seconds"]:
@@ -635,6 +654,18 @@ def throughput(args, workload: Workload, backends: dict, report: dict) -> None:
                 phase["gemm_share_of_large"] = round(phase["matmul_flops"] / phase["seconds"] / large, 3)
                 phase["kv_gb_s"] = round(phase["kv_bytes"] / phase["seconds"] / 1e9, 2)
                 phase["kv_share_of_bandwidth"] = round(phase["kv_bytes"] / phase["seconds"] / bandwidth, 3)
+
+
+def throughput(args, workload: Workload, backends: dict, report: dict) -> None:
+    key = "output_tokens_per_s"
+    results = report["results"] = best_of_repeats(args, backends, lambda b: b.run(), key)
+    report["ratios"] = ratios_to_kvscope(results, key)
+    add_phase_rates(report, results)
+    # Decode-dominated work: each output token costs the matmul FLOPs of one token.
+    peak = report["machine_roofline"]["gemm_gflop_s"][args.dtype] * 1e9
+    flops = report["model_costs"]["matmul_flops_per_token"]
+    for result_ in results.values():
+        result_["share_of_gemm_roofline"] = round(result_[key] * flops / peak, 3)
 
 
 def single_stream(args, workload: Workload, backends: dict, report: dict) -> None:
