@@ -10,7 +10,9 @@ time):
                   limit (measured read bandwidth / the bytes a token reads of the weights as
                   kvscope stores them, bf16 or packed int4); target >= 0.6
   batched         a random workload through kvscope and transformers' continuous batching
-                  (in bf16: it has no int4) on the same model; target >= 5x
+                  (in bf16: it has no int4) on the same model; target >= 5x; beside it the
+                  ratio the machine allows at most (transformers' seconds over the
+                  workload's roofline time, bench/throughput.py's roofline_seconds)
 
 Prints one JSON object: per model and quantization, the numbers above and throughput.py's
 full reports.
@@ -122,6 +124,12 @@ def measure(name: str, folder: Path, args: argparse.Namespace, quantization: str
             for backend, result in batched["results"].items()}
         summary["batched_vs_transformers"] = batched["ratios"].get(
             "kvscope_vs_hf_continuous_batching")
+        # What the machine allows: transformers' seconds over kvscope's steps at the GEMM
+        # rate and bandwidth (bench/throughput.py's roofline_seconds).
+        summary["best_possible_vs_transformers"] = batched["ratios"].get(
+            "best_possible_vs_hf_continuous_batching")
+        summary["kvscope_share_of_roofline_time"] = batched["results"]["kvscope"].get(
+            "share_of_roofline_time")
         summary["batched_report"] = batched
     return summary
 

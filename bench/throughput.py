@@ -192,7 +192,7 @@ class KVScope:
         if self.llm.engine.config.enable_prefix_caching:
             self.llm.engine.kv_cache.pool.reset_cache()  # repeats must not hit earlier prompts
         started, cpu_started = time.perf_counter(), time.process_time()
-        with recorded_steps(self.llm.engine) as records:
+        with recorded_steps(self.llm.engine) as self.records:
             outputs = self.llm.generate(self.workload.prompts, self.params, use_tqdm=False)
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -203,7 +203,7 @@ class KVScope:
                       output_tokens_per_cpu_s=round(generated / cpu_seconds, 2),
                       num_preemptions=sum(o.metrics.num_preemptions for o in outputs),
                       num_cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs),
-                      phases=phase_totals(records, self.llm.engine.runner))
+                      phases=phase_totals(self.records, self.llm.engine.runner))
 
 
 @contextlib.contextmanager
@@ -223,35 +223,46 @@ def recorded_steps(engine):
         del engine.step  # the class's method again
 
 
-def phase_totals(records, runner) -> dict:
-    """Per phase (a step with any prefill chunk is prefill, else decode): its steps' seconds,
-    the matmul FLOPs they ran (the layers for every token, the output projection for each
-    chunk: a decode, or a prefill chunk, overstating a non-final chunk by one head's) and the
-    K/V bytes attention read (each chunk reads its sequence's cache up to its end once)."""
+def step_costs(runner):
+    """cost(record): a step's matmul FLOPs (the layers for every token, the output projection
+    for each chunk: a decode, or a prefill chunk, overstating a non-final chunk by one head's)
+    and the K/V bytes its attention read (each chunk reads its sequence's cache up to its end
+    once)."""
     config = runner.hf_config
     head_flops = 2 * config.vocab_size * config.hidden_size
     layer_flops = roofline.model_costs(runner.hf_config, runner.dtype)["matmul_flops_per_token"] - head_flops
     kv_bytes_per_token = (len(runner.attention_layers) * 2 * runner.num_kv_heads * runner.head_dim
                           * runner.dtype.itemsize)
-    phases = {name: {"seconds": 0.0, "matmul_flops": 0, "kv_bytes": 0, "step_costs": []}
-              for name in ("prefill", "decode")}
+
+    def cost(record) -> tuple[int, int]:
+        spans = [(start, end) for _, _, _, start, end in record.chunks]
+        return (sum((end - start) * layer_flops + head_flops for start, end in spans),
+                sum(end * kv_bytes_per_token for _, end in spans))
+    return cost
+
+
+def phase_totals(records, runner) -> dict:
+    """Per phase (a step with any prefill chunk is prefill, else decode): its steps' seconds,
+    matmul FLOPs and K/V bytes read (step_costs)."""
+    cost = step_costs(runner)
+    phases = {name: {"seconds": 0.0, "matmul_flops": 0, "kv_bytes": 0} for name in ("prefill", "decode")}
     for record in records:
-        chunks = record.chunks
-        phase = phases["prefill" if any(kind == "prefill" for _, _, kind, _, _ in chunks) else "decode"]
+        prefill = any(kind == "prefill" for _, _, kind, _, _ in record.chunks)
+        phase = phases["prefill" if prefill else "decode"]
         phase["seconds"] += record.end_time - record.start_time
-        flops = sum((end - start) * layer_flops + head_flops for _, _, _, start, end in chunks)
-        kv_bytes = sum(end * kv_bytes_per_token for _, _, _, _, end in chunks)
+        flops, kv_bytes = cost(record)
         phase["matmul_flops"] += flops
         phase["kv_bytes"] += kv_bytes
-        # Every step reads all the weights once besides its K/V (for roofline_seconds).
-        phase["step_costs"].append((flops, runner.weight_bytes + kv_bytes))
     return phases
 
 
-def roofline_seconds(step_costs, gemm_rate: float, bandwidth: float) -> float:
+def roofline_seconds(records, runner, gemm_rate: float, bandwidth: float) -> float:
     """The least time the steps could take on this machine: each step its matmuls at the
-    large-GEMM rate or its bytes at the read bandwidth, whichever is longer."""
-    return sum(max(flops / gemm_rate, read / bandwidth) for flops, read in step_costs)
+    large-GEMM rate or its bytes (all the weights once, and its K/V) at the read bandwidth,
+    whichever is longer."""
+    cost = step_costs(runner)
+    return sum(max(flops / gemm_rate, (runner.weight_bytes + kv_bytes) / bandwidth)
+               for flops, kv_bytes in map(cost, records))
 
 
 @functools.cache
@@ -625,18 +636,18 @@ def ratios_to_kvscope(results: dict[str, dict], key: str) -> dict[str, float]:
     return ratios
 
 
-def add_phase_rates(report: dict, results: dict) -> None:
+def add_phase_rates(report: dict, results: dict, backends: dict) -> None:
     """Each kvscope backend's phases as rates against the machine's (GEMM rate, bandwidth),
-    and the roofline: kvscope's steps at those limits. The same work costs any engine about
-    as much, so every backend's seconds are read against it (share_of_roofline_time) and a
-    peer's seconds over it bound the ratio any engine could reach against that peer."""
+    and the roofline: kvscope's steps at those limits (its last run's: every run schedules
+    the workload alike). The same work costs any engine about as much, so every backend's
+    seconds are read against it (share_of_roofline_time), and a peer's seconds over it
+    bound the ratio any engine could reach against that peer."""
     large = report["machine_roofline"]["large_gemm_gflop_s"] * 1e9
     bandwidth = report["machine_roofline"]["read_bandwidth_gb_s"] * 1e9
-    floors = {name: sum(roofline_seconds(phase.pop("step_costs"), large, bandwidth)
-                        for phase in result_["phases"].values())
-              for name, result_ in results.items() if "phases" in result_}
-    if "kvscope" in floors:
-        floor = report["roofline_seconds"] = round(floors["kvscope"], 3)
+    if "kvscope" in backends:
+        ours = backends["kvscope"]
+        floor = roofline_seconds(ours.records, ours.llm.engine.runner, large, bandwidth)
+        report["roofline_seconds"] = round(floor, 3)
         report["roofline_note"] = (
             "kvscope's steps, each at max(matmul FLOPs / large-GEMM rate, (weights + K/V "
             "read) / read bandwidth); share_of_roofline_time = that / a backend's seconds; "
@@ -660,7 +671,7 @@ def throughput(args, workload: Workload, backends: dict, report: dict) -> None:
     key = "output_tokens_per_s"
     results = report["results"] = best_of_repeats(args, backends, lambda b: b.run(), key)
     report["ratios"] = ratios_to_kvscope(results, key)
-    add_phase_rates(report, results)
+    add_phase_rates(report, results, backends)
     # Decode-dominated work: each output token costs the matmul FLOPs of one token.
     peak = report["machine_roofline"]["gemm_gflop_s"][args.dtype] * 1e9
     flops = report["model_costs"]["matmul_flops_per_token"]
