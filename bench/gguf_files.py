@@ -7,6 +7,9 @@ Per file, kvscope:
   single_stream_tok_s   one greedy chat reply's decode rate (bench/quantization.py's)
   batched_tok_s         bench/throughput.py's kvscope workload, --num-requests (32) at once
   perplexity            on bench/quantization.py's fixed text, one teacher-forced prefill
+  share_of_bandwidth_limit  each engine's single stream against what the read bandwidth
+                        (measured before each file) allows for the bytes it reads per token,
+                        and the single-stream ratio that allows at most
 and, with llama-cpp-python installed (in this interpreter, or --llama-python's:
 $KVSCOPE_LLAMA_PYTHON), llama.cpp in a worker process of its own (bench/llama_cpp_worker.py)
 on the same file and threads: its load time, single stream, perplexity on the same tokens,
@@ -53,8 +56,9 @@ from throughput import LlamaCpp, default_llama_python, llama_cpp_available, make
 from throughput import parse_args as throughput_args  # noqa: E402
 
 from kvscope import LLM  # noqa: E402
-from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type  # noqa: E402
+from kvscope.engine.worker.gguf_weights import gguf_bytes_per_step, gguf_tensor_bytes_by_type  # noqa: E402
 from kvscope.engine.worker.loader import find_default_gguf  # noqa: E402
+from kvscope.engine.worker.memory_bandwidth import read_bandwidth  # noqa: E402
 
 # llama.cpp's file types (llama.h's enum llama_ftype) the default run requantizes into.
 REQUANTIZED = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7}
@@ -198,6 +202,19 @@ def ratios(ours: dict, theirs: dict | None) -> dict:
     return out
 
 
+def bandwidth_shares(path: Path, ours: dict, theirs: dict | None, bandwidth: float) -> dict:
+    """Each engine's single stream over the rate at which the machine's measured read
+    bandwidth could stream the weight bytes it reads per token (kvscope: the memory plan's
+    weight bytes; llama.cpp: the file's tensors as stored). No engine can beat llama.cpp by
+    more than the inverse of llama.cpp's share."""
+    shares = {"kvscope": round(ours["single_stream_tok_s"] * ours["weight_bytes"] / bandwidth, 3)}
+    if theirs is not None:
+        shares["llama_cpp"] = round(theirs["single_stream_tok_s"] * gguf_bytes_per_step(path)
+                                    / bandwidth, 3)
+        shares["single_stream_vs_llama_cpp_at_most"] = round(1 / shares["llama_cpp"], 3)
+    return shares
+
+
 def targets(measured: dict) -> dict:
     return {name: {"target": text, "measured": measured[name], "met": test(measured[name])}
             for name, (test, text) in TARGETS.items() if name in measured}
@@ -238,6 +255,8 @@ def main() -> None:
                                "venv that has it), so no requantized k-quant files and no "
                                "llama.cpp numbers; kvscope alone")
     for path in files:
+        # Measured again by each file: the host's memory speed moves between minutes.
+        bandwidth = max(read_bandwidth(huge=False), read_bandwidth(huge=True))
         ours, tokens = kvscope_row(path, args, text)
         row = {"kvscope": ours}
         theirs = None
@@ -248,6 +267,8 @@ def main() -> None:
             theirs = row["llama_cpp"] = llama_cpp_row(path, args, tokenizer, tokens)
         row["ratios"] = ratios(ours, theirs)
         row["targets"] = targets(row["ratios"])
+        row["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
+        row["share_of_bandwidth_limit"] = bandwidth_shares(path, ours, theirs, bandwidth)
         report["files"][path.name] = row
         print(json.dumps({path.name: row["kvscope"]["single_stream_tok_s"]}), file=sys.stderr)
     print(json.dumps(report, indent=2))
