@@ -126,13 +126,13 @@ torch.set_num_threads(1)
 TINY_VOCAB_SIZE = 256
 TINY_MAX_POSITIONS = 256
 TINY_ARCHITECTURES = ("llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3")
-RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3")
-# Sliding-window twins (window 8, so most test prompts outrun it): every Mistral layer
-# windowed; Qwen2 with its first layer global and the second windowed.
+RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3", "phi3-window")
+# Sliding-window twins (window 8, so most test prompts outrun it): every Mistral and Phi-3
+# layer windowed; Qwen2 with its first layer global and the second windowed.
 TINY_WINDOW = 8
 # Gemma 3 (two sliding layers, one global, q/k norms, two rope bases) and Gemma 2 (soft caps
 # small enough that random weights reach them).
-SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "gemma3", "gemma2")
+SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "phi3-window", "gemma3", "gemma2")
 
 
 @dataclass
@@ -199,11 +199,13 @@ def _tiny_config(arch: str):
         return SmolLM3Config(intermediate_size=128, num_key_value_heads=2,
                              no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True,
                              **{**common, "num_hidden_layers": 4})
-    if arch == "phi3":  # fused qkv / gate_up, partial rotary, LongRoPE (its short factors
-        # here: transformers takes the long ones only past original_max_position_embeddings)
-        # with an attention factor scaling cos and sin
+    if arch in ("phi3", "phi3-window"):  # fused qkv / gate_up, partial rotary, LongRoPE (its
+        # short factors here: transformers takes the long ones only past
+        # original_max_position_embeddings) with an attention factor scaling cos and sin; the
+        # window as Phi-3-mini-4k's config sets one (2047 there)
         return Phi3Config(intermediate_size=128, num_key_value_heads=2,
-                          tie_word_embeddings=False, **common,
+                          tie_word_embeddings=False,
+                          sliding_window=TINY_WINDOW if arch == "phi3-window" else None, **common,
                           **phi3_rope(common, attention_factor=1.25))
     raise ValueError(arch)
 
