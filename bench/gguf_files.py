@@ -48,6 +48,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import numpy as np
+import roofline  # noqa: E402
 import torch
 from gguf import GGUFReader, GGUFWriter, LlamaFileType
 from quantization import TEXT, batched, perplexity, single_stream  # noqa: E402
@@ -56,9 +57,8 @@ from throughput import LlamaCpp, default_llama_python, llama_cpp_available, make
 from throughput import parse_args as throughput_args  # noqa: E402
 
 from kvscope import LLM  # noqa: E402
-from kvscope.engine.worker.gguf_weights import gguf_bytes_per_step, gguf_tensor_bytes_by_type  # noqa: E402
+from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type  # noqa: E402
 from kvscope.engine.worker.loader import find_default_gguf  # noqa: E402
-from kvscope.engine.worker.memory_bandwidth import read_bandwidth  # noqa: E402
 
 # llama.cpp's file types (llama.h's enum llama_ftype) the default run requantizes into.
 REQUANTIZED = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7}
@@ -169,6 +169,7 @@ def llama_cpp_row(path: Path, args: argparse.Namespace, llm_tokenizer, tokens: l
     streams = [backend.single_stream(prompt, args.single_tokens) for _ in range(args.repeats)]
     row = {"load_seconds": round(backend.setup_seconds, 1), "single_stream": streams,
            "single_stream_tok_s": max(run["decode_tokens_per_s"] for run in streams),
+           "weight_bytes_per_step": backend.weight_bytes_per_step(),
            "perplexity": round(backend.perplexity(tokens), 3)}
     if not args.skip_batched:
         modes = {"one_at_a_time": backend.run(), "server_unified_kv": backend.batched(True),
@@ -202,14 +203,14 @@ def ratios(ours: dict, theirs: dict | None) -> dict:
     return out
 
 
-def bandwidth_shares(path: Path, ours: dict, theirs: dict | None, bandwidth: float) -> dict:
+def bandwidth_shares(ours: dict, theirs: dict | None, bandwidth: float) -> dict:
     """Each engine's single stream over the rate at which the machine's measured read
     bandwidth could stream the weight bytes it reads per token (kvscope: the memory plan's
     weight bytes; llama.cpp: the file's tensors as stored). No engine can beat llama.cpp by
     more than the inverse of llama.cpp's share."""
     shares = {"kvscope": round(ours["single_stream_tok_s"] * ours["weight_bytes"] / bandwidth, 3)}
     if theirs is not None:
-        shares["llama_cpp"] = round(theirs["single_stream_tok_s"] * gguf_bytes_per_step(path)
+        shares["llama_cpp"] = round(theirs["single_stream_tok_s"] * theirs["weight_bytes_per_step"]
                                     / bandwidth, 3)
         shares["single_stream_vs_llama_cpp_at_most"] = round(1 / shares["llama_cpp"], 3)
     return shares
@@ -256,7 +257,7 @@ def main() -> None:
                                "llama.cpp numbers; kvscope alone")
     for path in files:
         # Measured again by each file: the host's memory speed moves between minutes.
-        bandwidth = max(read_bandwidth(huge=False), read_bandwidth(huge=True))
+        bandwidth = max(roofline.read_bandwidths().values())
         ours, tokens = kvscope_row(path, args, text)
         row = {"kvscope": ours}
         theirs = None
@@ -268,7 +269,7 @@ def main() -> None:
         row["ratios"] = ratios(ours, theirs)
         row["targets"] = targets(row["ratios"])
         row["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
-        row["share_of_bandwidth_limit"] = bandwidth_shares(path, ours, theirs, bandwidth)
+        row["share_of_bandwidth_limit"] = bandwidth_shares(ours, theirs, bandwidth)
         report["files"][path.name] = row
         print(json.dumps({path.name: row["kvscope"]["single_stream_tok_s"]}), file=sys.stderr)
     print(json.dumps(report, indent=2))

@@ -19,10 +19,15 @@ def gemm_flops(dtype: torch.dtype, size: int = GEMM_SIZE, repeats: int = 5) -> f
     return 2 * size ** 3 / best_seconds(lambda: torch.mm(a, b), repeats)
 
 
+def read_bandwidths() -> dict[str, float]:
+    """Bytes/s a reduction reads at on ordinary and on huge pages; the limit every share is
+    measured against is the faster of the two."""
+    return {"4k_pages": read_bandwidth(huge=False), "huge_pages": read_bandwidth(huge=True)}
+
+
 def measure() -> dict:
-    by_pages = {"4k_pages": read_bandwidth(huge=False), "huge_pages": read_bandwidth(huge=True)}
+    by_pages = read_bandwidths()
     return {
-        # The limit every share is measured against: the faster of the two.
         "read_bandwidth_gb_s": round(max(by_pages.values()) / 1e9, 2),
         "read_bandwidth_by_pages_gb_s": {name: round(value / 1e9, 2)
                                          for name, value in by_pages.items()},
