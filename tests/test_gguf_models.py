@@ -140,10 +140,10 @@ K_QUANT_MIX = {"q_proj": Q.Q4_K, "k_proj": Q.Q5_K, "v_proj": Q.Q6_K, "o_proj": Q
 FALLBACK = {0: Q.Q4_1, 1: Q.Q4_0, 2: Q.Q5_1}
 
 
-def k_quant_model(arch: str):
+def k_quant_model(arch: str, dense: tuple[str, ...] = ()):
     """A tiny model at k-quant width (inputs of 256 and 512) whose every matrix is made of
-    random valid blocks in the K_QUANT_MIX type: (the blocks, transformers' model holding
-    their de-quantized values)."""
+    random valid blocks in the K_QUANT_MIX type, or stored F16 where its module's name is in
+    `dense`: (the blocks, transformers' model holding their de-quantized values)."""
     config = conftest._tiny_config(arch)
     config = config.__class__.from_dict({**config.to_dict(), "hidden_size": 256,
                                          "intermediate_size": 512, "num_attention_heads": 16})
@@ -157,10 +157,12 @@ def k_quant_model(arch: str):
                 parameter.uniform_(0.5, 1.5)
             if parameter.dim() != 2:
                 continue
-            kind = K_QUANT_MIX[name.split(".")[-2]]
+            module = name.split(".")[-2]
+            kind = Q.F16 if module in dense else K_QUANT_MIX[module]
             if parameter.shape[1] % 256 and kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
                 kind = FALLBACK[index % 3]
-            rows = random_blocks(kind, parameter.shape[0], parameter.shape[1], rng)
+            rows = (parameter.numpy().astype(np.float16) if kind == Q.F16
+                    else random_blocks(kind, parameter.shape[0], parameter.shape[1], rng))
             blocks[name] = (kind, rows)
             parameter.copy_(torch.from_numpy(quants.dequantize(rows, kind)))
     return blocks, hf_model
@@ -189,16 +191,22 @@ def test_a_k_quant_gguf_of_each_architecture_serves_its_blocks_as_stored(arch, t
     assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(hf_model, PROMPTS, 8)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, tmp_path, monkeypatch):
+# F16 rows among the blocks: K between Q and V's blocks in the merged QKV projection, the
+# gate and up projections one dense run, the down projection wholly dense.
+DENSE_MODULES = ("k_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("arch, dense", [("llama", ()), ("qwen3", ()), ("llama", DENSE_MODULES)])
+def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, dense, tmp_path, monkeypatch):
     """bf16 activations (rounded to int8 for the blocks' integer dots): the one-call C++
     stack's tokens and log-probabilities are the eager layers', bit for bit, for decode
     batches (rows streamed through the blocks) and prefills past the streaming limit (the
-    blocks de-quantized for a GEMM), with a Q8_0 embedding and a Q6_K output projection.
-    Where the kernels stream a type faster repacked (gguf_repacked_type), both run its lanes."""
+    blocks de-quantized for a GEMM), with a Q8_0 embedding and a Q6_K output projection,
+    and with F16 rows beside the blocks. Where the kernels stream a type faster repacked
+    (gguf_repacked_type), both run its lanes."""
     select_ops(torch.device("cpu"))
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
-    blocks, hf_model = k_quant_model(arch)
+    blocks, hf_model = k_quant_model(arch, dense)
     path = tmp_path / f"{arch}.gguf"
     write_model_gguf(arch, hf_model, path, blocks=blocks)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
@@ -218,6 +226,29 @@ def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, tmp_path, mon
         outputs = run_to_completion(EngineCore(config, runner=runner), PROMPTS, params).outputs
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_f16_rows_of_a_gguf_decode_through_the_streaming_dense_kernel(eager, tmp_path,
+                                                                     monkeypatch):
+    """A decode step streams a GGUF's F16 rows through the dense kernel, as a folder's
+    bf16 weights are, in the stack and eager: a GEMM there reorders the weight every call
+    and ran an F16 file's single stream at half the bandwidth (docs/performance.md)."""
+    select_ops(torch.device("cpu"))
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    blocks, hf_model = k_quant_model("llama", DENSE_MODULES)
+    path = tmp_path / "llama.gguf"
+    write_model_gguf("llama", hf_model, path, blocks=blocks)
+    engine = EngineCore(EngineConfig(model=str(path), dtype="bfloat16", device="cpu",
+                                     device_memory_gb=0.05, quantization="gguf",
+                                     enforce_eager=eager))
+    engine.add_request(PROMPTS[1], GREEDY)
+    engine.step()  # the prefill
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        engine.step()
+    ops = {event.key for event in profiler.key_averages()}
+    assert "kvscope::linear_small_batch" in ops
+    assert not ops & {"aten::mm", "aten::addmm", "aten::linear"}
 
 
 def test_k_quant_blocks_through_the_triton_backend_give_the_same_tokens(tmp_path, monkeypatch):

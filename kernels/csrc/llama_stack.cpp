@@ -105,6 +105,8 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
   const at::Tensor& parts = *linear.gguf_parts;
   const int64_t runs = parts.size(0);
   const int64_t* part = parts.data_ptr<int64_t>();
+  // A layer the file stores dense throughout (an F16 / BF16 file) is a plain dense weight.
+  if (runs == 1 && part[0] < 0) return dense_project(x, linear.gguf_weights[0], linear.bias, out);
   if (x.size(0) > config.kernel_max_rows) {
     at::Tensor dense = at::empty({linear.out_features(), x.size(1)}, x.options());
     for (int64_t r = 0; r < runs; ++r) {
@@ -124,9 +126,12 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
     std::optional<at::Tensor> bias;
     if (linear.bias) bias = linear.bias->narrow(0, first, count);
     at::Tensor columns = out.narrow(1, first, count);
-    if (part[3 * r] < 0)
-      columns.copy_(at::linear(x, linear.gguf_weights[r], bias));
-    else
+    if (part[3 * r] < 0) {
+      // The dense kernel writes whole rows; these columns are a strided slice of them.
+      at::Tensor dense = at::empty({x.size(0), count}, out.options());
+      dense_project(x, linear.gguf_weights[r], bias, dense);
+      columns.copy_(dense);
+    } else
       traced("kvscope::gguf_linear",
              [&] { gguf_linear(x, linear.gguf_weights[r], part[3 * r], bias, columns); });
   }

@@ -379,7 +379,8 @@ class GgufLinear(QuantizedLinear):
         return torch.cat([self.part_weight(i, dtype, None) for i in range(len(self.parts))])
 
     def dequantize(self, packed: PackedLinearKernels, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([self.part_weight(i, dtype, packed) for i in range(len(self.parts))])
+        weights = [self.part_weight(i, dtype, packed) for i in range(len(self.parts))]
+        return weights[0] if len(weights) == 1 else torch.cat(weights)  # a dense run, uncopied
 
     def stream(self, packed: PackedLinearKernels, flat: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
@@ -387,7 +388,7 @@ class GgufLinear(QuantizedLinear):
         for part, weight in zip(self.parts, self.weights):
             bias = None if self.bias is None else self.bias[part.rows]
             if part.kind is None:
-                out[:, part.rows] = F.linear(flat, weight, bias)
+                out[:, part.rows] = self.ops.linear(flat, weight, bias)
             else:
                 packed.gguf_linear(flat, weight, part.code, bias, out[:, part.rows])
         return out
