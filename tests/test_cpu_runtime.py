@@ -10,15 +10,15 @@ from kvscope.engine.worker import huge_pages
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def huge_page_bytes_at(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address` (from /proc/self/smaps)."""
+def mapping_field_bytes(address: int, field: str = "AnonHugePages:") -> int:
+    """A /proc/self/smaps field (in kB there) of the mapping that holds `address`."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if "-" in fields[0] and len(fields) >= 5:
             start, end = (int(part, 16) for part in fields[0].split("-"))
             inside = start <= address < end
-        elif inside and fields[0] == "AnonHugePages:":
+        elif inside and fields[0] == field:
             return int(fields[1]) * 1024
     return 0
 
@@ -32,11 +32,17 @@ def test_tensors_are_zeroed_and_big_ones_aligned():
     assert small.shape == (10,) and not small.any()
 
 
+def test_their_pages_are_resident_before_the_first_write():
+    """A KV cache's first writes must not fault its pages in one by one mid-serving."""
+    tensor = huge_pages.empty((8 << 20,), torch.uint8)
+    assert mapping_field_bytes(tensor.data_ptr(), "Rss:") >= tensor.numel()
+
+
 @pytest.mark.skipif(not THP_SETTING.exists() or "[never]" in THP_SETTING.read_text(),
                     reason="transparent huge pages are off on this machine")
 def test_the_kernel_backs_them_with_huge_pages():
-    tensor = huge_pages.empty((8 << 20,), torch.uint8).fill_(1)  # pages exist once touched
-    assert huge_page_bytes_at(tensor.data_ptr()) >= huge_pages.HUGE_PAGE_BYTES
+    tensor = huge_pages.empty((8 << 20,), torch.uint8)
+    assert mapping_field_bytes(tensor.data_ptr()) >= huge_pages.HUGE_PAGE_BYTES
 
 
 def test_moving_a_module_keeps_values_and_ties():

@@ -19,12 +19,19 @@ import torch
 HUGE_PAGE_BYTES = 2 << 20
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 _COLLAPSE = 25  # MADV_COLLAPSE (Linux 6.1): back a range with huge pages now, data kept
+_POPULATE_WRITE = 23  # MADV_POPULATE_WRITE (Linux 5.14): fault a range in now, data kept
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor whose pages the kernel is asked to make huge (when it is big
     enough to hold one). It lives in a fresh anonymous mapping: memory the allocator reuses is
-    already backed by small pages, which advice no longer changes."""
+    already backed by small pages, which advice no longer changes.
+
+    Its pages are made resident here. Left to fault in on first write, a KV cache pays for
+    each huge page as decoding first reaches it: 3-9 ms apiece on the VMs measured
+    (docs/performance.md), inside prefills and decode steps, for the whole first pass
+    through the pool. Resident now, the cost moves to start-up, and memory the plan counted
+    is held from the start rather than found missing mid-serving."""
     nbytes = math.prod(shape) * dtype.itemsize
     if _ADVICE is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
@@ -41,7 +48,12 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # A refusal (THP disabled) leaves ordinary pages, which is still correct.
     with contextlib.suppress(OSError):
         mapping.madvise(_ADVICE, offset, huge_bytes)
-    return raw[offset:offset + nbytes].view(dtype).view(shape)
+    tensor = raw[offset:offset + nbytes]
+    try:
+        mapping.madvise(_POPULATE_WRITE, offset, huge_bytes)
+    except OSError:  # a kernel before 5.14: writing the zeros faults the pages in
+        tensor.zero_()
+    return tensor.view(dtype).view(shape)
 
 
 def move_module(module: torch.nn.Module, leave: list[torch.Tensor] = ()) -> None:
