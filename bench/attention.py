@@ -1,16 +1,20 @@
-"""One decode batch's paged attention alone, per KV cache dtype: time and K/V bytes per second.
+"""One batch's paged attention alone, per KV cache dtype: time, K/V bytes per second and,
+for prefills, GFLOP/s.
 
---seqs sequences, each one query token over --context cached keys, through every layer's
+--seqs sequences, each --query-len query tokens (1: a decode) over --context cached keys
+and their own, causally, through every layer's
 cache (--layers caches of random K/V, so the batch's K/V reads come from memory, as a
 decode step's do), with the model shape given by --heads / --kv-heads / --head-dim and a
 block table of random blocks (a long-running pool's is scattered). Per KV dtype it prints
 the best of --rounds passes over the layers: milliseconds, and the K/V bytes read over
-that time (codes and scales for a quantized cache). The query is bf16 (fp32 for an fp32
+that time (codes and scales for a quantized cache), and the scores' and weighted values'
+multiply-adds as GFLOP/s (what a prefill is bound by). The query is bf16 (fp32 for an fp32
 cache), as the engine's is. Compare dtypes within one run.
 
 Usage:
   python bench/attention.py                                # SmolLM2-135M's heads, 32 x 2,000
   python bench/attention.py --dtypes bf16,int8 --seqs 64 --context 300
+  python bench/attention.py --dtypes bf16 --seqs 1 --context 0 --query-len 2000  # a prefill
 """
 
 import argparse
@@ -34,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="bf16,int8,fp8,fp32")
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=2000)
+    parser.add_argument("--query-len", type=int, default=1)
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -51,13 +56,18 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     cpu_kernels.load()
     generator = torch.Generator().manual_seed(args.seed)
-    blocks_per_seq = -(-(args.context + 1) // args.block_size)
+    seq_len = args.context + args.query_len
+    blocks_per_seq = -(-seq_len // args.block_size)
     num_blocks = args.seqs * blocks_per_seq
     tables = torch.randperm(num_blocks, generator=generator, dtype=torch.int32).view(
         args.seqs, blocks_per_seq)
-    seq_lens = torch.full((args.seqs,), args.context + 1, dtype=torch.int32)
-    starts = torch.arange(args.seqs + 1, dtype=torch.int32)
-    query = torch.randn(args.seqs, args.heads, args.head_dim, generator=generator)
+    seq_lens = torch.full((args.seqs,), seq_len, dtype=torch.int32)
+    starts = torch.arange(args.seqs + 1, dtype=torch.int32) * args.query_len
+    query = torch.randn(args.seqs * args.query_len, args.heads, args.head_dim, generator=generator)
+    # Query token t sees context + t + 1 keys: a multiply-add per head dimension for its
+    # score and one for its weighted value, per key.
+    seen_keys = args.query_len * args.context + args.query_len * (args.query_len + 1) // 2
+    flops = 4 * args.layers * args.seqs * args.heads * args.head_dim * seen_keys
     shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
     results = {}
     for name in args.dtypes.split(","):
@@ -73,10 +83,12 @@ def main(argv=None) -> None:
                                             args.head_dim ** -0.5)
             best = min(best, time.perf_counter() - started)
         row_bytes = kv_quant.row_width(args.head_dim, dtype) * dtype.itemsize
-        read = 2 * args.layers * args.seqs * (args.context + 1) * args.kv_heads * row_bytes
-        results[name] = {"ms": round(best * 1e3, 1), "kv_gb_s": round(read / best / 1e9, 2)}
+        read = 2 * args.layers * args.seqs * seq_len * args.kv_heads * row_bytes
+        results[name] = {"ms": round(best * 1e3, 1), "kv_gb_s": round(read / best / 1e9, 2),
+                         "gflop_s": round(flops / best / 1e9, 1)}
         del layers
-    print(json.dumps({"seqs": args.seqs, "context": args.context, "heads": args.heads,
+    print(json.dumps({"seqs": args.seqs, "context": args.context, "query_len": args.query_len,
+                      "heads": args.heads,
                       "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                       "block_size": args.block_size, "layers": args.layers,
                       "torch_threads": torch.get_num_threads(), "kv_cache_dtypes": results},

@@ -282,6 +282,31 @@ def test_cpu_attention_verification_rows_equal_their_decodes(cpu_kernel_ops, seq
         assert torch.equal(chunk[starts + t], decodes), f"query token {t}"
 
 
+@pytest.mark.parametrize(("queries_per_kv", "head_dim", "window", "soft_cap"), [
+    pytest.param(1, 64, None, None, id="mha-d64"),
+    pytest.param(3, 64, None, None, id="gqa3-d64"),
+    pytest.param(2, 128, None, None, id="gqa2-d128"),
+    pytest.param(8, 128, 200, None, id="gqa8-d128-window200"),
+    pytest.param(3, 64, None, 30.0, id="gqa3-d64-softcap30"),
+])
+def test_cpu_attention_long_bf16_prefills_match_dense(cpu_kernel_ops, queries_per_kv, head_dim,
+                                                      window, soft_cap):
+    """Prefill chunks longer than a verification run as tiles of bf16 pair-dot products
+    (scores, then weights rounded to bf16 times values): cold, over cached context, odd
+    lengths over several key chunks, beside decodes. Against float64 dense attention the
+    error stays that of bf16 rounding, and the row path (an fp32 query over the same bf16
+    cache) agrees within a few bf16 steps."""
+    seqs = [(600, 600), (700, 300), (333, 45), (260, 1), (129, 129)]
+    batch = make_batch(seqs, 16, 2, queries_per_kv, head_dim, dtype=torch.bfloat16,
+                       sliding_window=window)
+    out = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=window, soft_cap=soft_cap)
+    expected = dense_attention(batch, soft_cap)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+    rows = cpu_kernel_ops.paged_attention(batch.query.float(), *batch.args()[1:],
+                                          sliding_window=window, soft_cap=soft_cap)
+    torch.testing.assert_close(out.double(), rows.double(), atol=1e-2, rtol=1e-2)
+
+
 def prepacked_weight(ops, weight):
     """The weight in oneDNN's prepacked layout, or None where this CPU's kernels do not read
     that layout (no AVX512-BF16, or oneDNN chose a layout other than its AMX tiles)."""

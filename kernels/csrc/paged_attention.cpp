@@ -336,6 +336,10 @@ struct Layout {
 // of a short sequence's attention. run_item writes every element before reading it.
 struct Scratch {
   std::vector<float> q, acc, row_max, row_sum, keys, scores;
+  // run_prefill_tile's: the chunk's keys and values as pairs, the rows' bf16 weights, and
+  // where each query row lies.
+  std::vector<uint32_t> pairs;
+  std::vector<const kvscope::bf16*> q_rows;
   void fit(const Layout& L) {
     auto at_least = [](std::vector<float>& buffer, int64_t size) {
       if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
@@ -348,6 +352,9 @@ struct Scratch {
     at_least(row_sum, rows);
     at_least(keys, static_cast<int64_t>(kKeyChunk) * L.dim);
     at_least(scores, rows * kKeyChunk);
+    if (static_cast<int64_t>(pairs.size()) < kKeyChunk * L.dim + rows * kKeyChunk / 2)
+      pairs.resize(kKeyChunk * L.dim + rows * kKeyChunk / 2);
+    if (static_cast<int64_t>(q_rows.size()) < rows) q_rows.resize(rows);
   }
 };
 
@@ -378,6 +385,71 @@ inline int key_offsets(const WorkItem& item, const Layout& L, const int32_t* tab
     for (; slot < L.block_size && i < n; ++slot, ++i) offsets[i] = base + slot * L.slot_stride;
   }
   return std::max(n, 0);
+}
+
+// An item's query rows out of their accumulators: normalised into `out`, or (a KV split of a
+// decode) kept with their softmax statistics for the merge.
+template <typename Q>
+void write_rows(const WorkItem& item, const Layout& L, int start, int dim, const float* acc,
+                const float* row_max, const float* row_sum, Q* out, float* part_acc,
+                float* part_max, float* part_sum) {
+  for (int j = 0; j < item.rows(L.group); ++j) {
+    const float* accj = acc + static_cast<int64_t>(j) * dim;
+    if (item.partial < 0) {
+      Q* dst = out + (static_cast<int64_t>(start + item.token_of(j, L.group)) * L.num_heads +
+                      item.head_of(j, L.group)) *
+                         dim;
+      const float inverse = row_sum[j] > 0.f ? 1.f / row_sum[j] : 0.f;
+      for (int d = 0; d < dim; ++d) store(dst[d], accj[d] * inverse);
+    } else {
+      const int64_t row = item.partial + j;
+      part_max[row] = row_max[j];
+      part_sum[row] = row_sum[j];
+      std::memcpy(part_acc + row * dim, accj, sizeof(float) * dim);
+    }
+  }
+}
+
+// The keys [f, m) of a chunk from key `chunk`, n keys long, that a query at `position` sees.
+struct VisibleKeys {
+  int f, m;
+};
+inline VisibleKeys visible_keys(const Layout& L, int position, int chunk, int n) {
+  const int m = std::max(0, std::min(n, position + 1 - chunk));
+  return {std::min(m, std::max(0, L.first_visible(position) - chunk)), m};
+}
+
+// A query row's online-softmax step over one chunk: `weights` holds its scaled scores for
+// the keys [f, m) it sees and becomes their softmax weights (exp(score - running max)),
+// zeros elsewhere among the chunk's n keys; the row's running max and sum are updated and its
+// accumulator `acc` (dim values) rescaled when the max grows.
+inline void softmax_step(const Layout& L, float* weights, VisibleKeys keys, int n, float& row_max,
+                         float& row_sum, float* acc, int dim) {
+  const int f = keys.f, m = keys.m;
+  std::fill(weights, weights + f, 0.f);
+  std::fill(weights + m, weights + n, 0.f);
+  if (m == f) return;
+  if (L.soft_cap > 0.f)
+    for (int i = f; i < m; ++i) weights[i] = L.soft_cap * std::tanh(weights[i] / L.soft_cap);
+  float chunk_max = row_max;
+  // A conditional, not std::max: GCC leaves a std::max reduction scalar, a chain of
+  // vmaxss that took a sixth of a long decode's attention.
+#pragma omp simd reduction(max : chunk_max)
+  for (int i = f; i < m; ++i) chunk_max = weights[i] > chunk_max ? weights[i] : chunk_max;
+  if (chunk_max > row_max) {
+    const float correction = std::exp(row_max - chunk_max);  // 0 for the first chunk
+    row_sum *= correction;
+#pragma omp simd
+    for (int d = 0; d < dim; ++d) acc[d] *= correction;
+    row_max = chunk_max;
+  }
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = f; i < m; ++i) {
+    weights[i] = kvscope::exp_nonpositive(weights[i] - chunk_max);
+    sum += weights[i];
+  }
+  row_sum += sum;
 }
 
 // kDim > 0 fixes head_dim at compile time (64 and 128, the common sizes), so the per-key
@@ -428,12 +500,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   // statistics updated; zeros past the keys it sees, so the value pass treats rows alike.
   auto chunk_weights = [&](int j, int chunk, int n) {
     float* weights = scores + static_cast<int64_t>(j) * kKeyChunk;
-    const int position = context + token_of(j);  // sees keys [first_visible, position]
-    const int m = std::max(0, std::min(n, position + 1 - chunk));
-    const int f = std::min(m, std::max(0, L.first_visible(position) - chunk));
-    std::fill(weights, weights + f, 0.f);
-    std::fill(weights + m, weights + n, 0.f);
-    if (m == f) return;
+    const VisibleKeys visible = visible_keys(L, context + token_of(j), chunk, n);
+    const int f = visible.f, m = visible.m;
 #if defined(__AVX512BF16__)
     if constexpr (kPairDots && kvscope::kQuantizedKV<KV>) {
       score_keys_bf16<kDim>(query_row(j), code_rows + f, m - f, scale, weights + f);
@@ -449,28 +517,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
       else
         for (int i = f; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
     }
-    if (L.soft_cap > 0.f)
-      for (int i = f; i < m; ++i) weights[i] = L.soft_cap * std::tanh(weights[i] / L.soft_cap);
-    float chunk_max = row_max[j];
-    // A conditional, not std::max: GCC leaves a std::max reduction scalar, a chain of
-    // vmaxss that took a sixth of a long decode's attention.
-#pragma omp simd reduction(max : chunk_max)
-    for (int i = f; i < m; ++i) chunk_max = weights[i] > chunk_max ? weights[i] : chunk_max;
-    if (chunk_max > row_max[j]) {
-      const float correction = std::exp(row_max[j] - chunk_max);  // 0 for the first chunk
-      row_sum[j] *= correction;
-      float* accj = acc + static_cast<int64_t>(j) * D;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) accj[d] *= correction;
-      row_max[j] = chunk_max;
-    }
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = f; i < m; ++i) {
-      weights[i] = kvscope::exp_nonpositive(weights[i] - chunk_max);
-      sum += weights[i];
-    }
-    row_sum[j] += sum;
+    softmax_step(L, weights, visible, n, row_max[j], row_sum[j], acc + static_cast<int64_t>(j) * D,
+                 D);
   };
   // Keys [chunk, chunk + kKeyChunk) sit in blocks anywhere in the pool, a pattern the
   // hardware prefetcher cannot follow: each chunk's rows are asked for while the chunk before
@@ -518,19 +566,142 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     }
     n = last ? 0 : next_n;
   }
-  for (int j = 0; j < num_q; ++j) {
-    const float* accj = acc + static_cast<int64_t>(j) * D;
-    if (item.partial < 0) {
-      Q* dst = out + (static_cast<int64_t>(start + token_of(j)) * L.num_heads + head_of(j)) * D;
-      const float inverse = row_sum[j] > 0.f ? 1.f / row_sum[j] : 0.f;
-      for (int d = 0; d < D; ++d) store(dst[d], accj[d] * inverse);
-    } else {
-      const int64_t row = item.partial + j;
-      part_max[row] = row_max[j];
-      part_sum[row] = row_sum[j];
-      std::memcpy(part_acc + row * D, accj, sizeof(float) * D);
+  write_rows(item, L, start, D, acc, row_max, row_sum, out, part_acc, part_max, part_sum);
+}
+
+#if defined(__AVX512BF16__)
+// A prefill tile (up to kQueryTile tokens of one sequence, the G query heads of one KV head
+// each) as two small matrix products per key chunk on bf16 pair dots. run_item's row-at-a-
+// time scoring ends every key's dot in a horizontal sum, and its value pass multiplies in
+// fp32, at half the pair dots' rate; a long prompt's attention is compute-bound and grows
+// with its square, so a 2,000-token prefill spent half its time there.
+//   scores [rows, keys] = Q K^T, 8 rows x 32 keys a block, over the chunk's keys transposed
+//     once into pairs of dimensions: kt[p][i] = key i's dimensions 2p and 2p + 1;
+//   acc [rows, dim] += P V, P the softmax weights rounded to bf16 (as torch's CPU flash
+//     attention rounds them), over the chunk's values interleaved once into pairs of keys:
+//     vt[i / 2][d] = dimension d of keys i and i + 1.
+// The softmax between the two is run_item's, row by row.
+template <int kDim>
+void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16* query,
+                      const kvscope::bf16* key_cache, const kvscope::bf16* value_cache,
+                      const int32_t* tables, const int32_t* seq_lens, const int32_t* starts,
+                      float scale, kvscope::bf16* out, Scratch& scratch) {
+  using kvscope::bf16;
+  using kvscope::vec::BF16Vec32;
+  using kvscope::vec::dot_accumulate;
+  using kvscope::vec::FP32Vec16;
+  constexpr int kPairs = kDim / 2, kVectors = kDim / 16;
+  // Rows whose sums stay in registers with the operands: 16 and 24 of the 32.
+  constexpr int kScoreRows = 8, kValueRows = kDim == 64 ? 6 : 2;
+  const int G = L.group, start = starts[item.seq];
+  const int context = seq_lens[item.seq] - (starts[item.seq + 1] - start);
+  const int rows = item.rows(G);
+  float* acc = scratch.acc.data();
+  float* row_max = scratch.row_max.data();
+  float* row_sum = scratch.row_sum.data();
+  float* scores = scratch.scores.data();                               // row j's at j * kKeyChunk
+  uint32_t* kt = scratch.pairs.data();                                 // [kPairs][kKeyChunk]
+  uint32_t* vt = kt + kPairs * kKeyChunk;                              // [kKeyChunk / 2][kDim]
+  bf16* weights = reinterpret_cast<bf16*>(vt + kKeyChunk / 2 * kDim);  // [rows][kKeyChunk]
+  const bf16** q_rows = scratch.q_rows.data();
+  for (int j = 0; j < rows; ++j)
+    q_rows[j] = query + static_cast<int64_t>(start + item.token_of(j, G)) * L.query_stride +
+                item.head_of(j, G) * kDim;
+  std::fill_n(acc, static_cast<int64_t>(rows) * kDim, 0.f);
+  std::fill_n(row_max, rows, -std::numeric_limits<float>::infinity());
+  std::fill_n(row_sum, rows, 0.f);
+  static const bf16 kZeroRow[kDim] = {};  // an odd chunk's last key's partner
+  int64_t offsets[kKeyChunk];
+  const int k_end = visible_end(item, seq_lens, starts);
+  for (int chunk = item.k_begin; chunk < k_end; chunk += kKeyChunk) {
+    const int n = key_offsets(item, L, tables, seq_lens, starts, chunk, offsets);
+    const int padded = (n + 31) / 32 * 32, key_pairs = (n + 1) / 2;
+    // 16 keys x 16 dimension pairs at a time, transposed in registers; keys past n are zeros.
+    for (int first = 0; first < padded; first += 16)
+      for (int p = 0; p < kPairs; p += 16) {
+        const uint32_t* keys[16];
+        for (int i = 0; i < 16; ++i)
+          keys[i] = first + i < n
+                        ? reinterpret_cast<const uint32_t*>(key_cache + offsets[first + i]) + p
+                        : nullptr;
+        kvscope::vec::transpose_16x16(keys, kt + p * kKeyChunk + first, kKeyChunk);
+      }
+    for (int i = 0; i < key_pairs; ++i) {
+      const bf16* first = value_cache + offsets[2 * i];
+      const bf16* second = 2 * i + 1 < n ? value_cache + offsets[2 * i + 1] : kZeroRow;
+      for (int d = 0; d < kDim; d += 32) {
+        BF16Vec32 low, high;
+        BF16Vec32::interleave(BF16Vec32::load(first + d), BF16Vec32::load(second + d), low, high);
+        low.store(reinterpret_cast<bf16*>(vt + i * kDim + d));
+        high.store(reinterpret_cast<bf16*>(vt + i * kDim + d + 16));
+      }
     }
+    kvscope::by_row_groups<kScoreRows>(rows, [&](auto count, int64_t first) {
+      constexpr int R = decltype(count)::value;
+      for (int block = 0; block < padded; block += 32) {
+        FP32Vec16 sums[R][2];
+        for (auto& row : sums) row[0] = row[1] = FP32Vec16(0.f);
+        for (int p = 0; p < kPairs; ++p) {
+          const auto* keys = reinterpret_cast<const bf16*>(kt + p * kKeyChunk + block);
+          const BF16Vec32 low = BF16Vec32::load(keys), high = BF16Vec32::load(keys + 32);
+          for (int r = 0; r < R; ++r) {
+            const BF16Vec32 q = BF16Vec32::broadcast_pair(q_rows[first + r] + 2 * p);
+            sums[r][0] = dot_accumulate(sums[r][0], q, low);
+            sums[r][1] = dot_accumulate(sums[r][1], q, high);
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int half = 0; half < 2; ++half)
+            (sums[r][half] * scale).store(scores + (first + r) * kKeyChunk + block + 16 * half);
+      }
+    });
+    for (int j = 0; j < rows; ++j) {
+      float* row = scores + static_cast<int64_t>(j) * kKeyChunk;
+      softmax_step(L, row, visible_keys(L, context + item.token_of(j, G), chunk, n), padded,
+                   row_max[j], row_sum[j], acc + static_cast<int64_t>(j) * kDim, kDim);
+      for (int i = 0; i < padded; i += 16)
+        FP32Vec16::load(row + i).store(weights + static_cast<int64_t>(j) * kKeyChunk + i);
+    }
+    kvscope::by_row_groups<kValueRows>(rows, [&](auto count, int64_t first) {
+      constexpr int R = decltype(count)::value;
+      FP32Vec16 sums[R][kVectors];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kVectors; ++v)
+          sums[r][v] = FP32Vec16::load(acc + (first + r) * kDim + 16 * v);
+      for (int i = 0; i < key_pairs; ++i) {
+        BF16Vec32 values[kVectors];
+        for (int v = 0; v < kVectors; ++v)
+          values[v] = BF16Vec32::load(reinterpret_cast<const bf16*>(vt + i * kDim + 16 * v));
+        for (int r = 0; r < R; ++r) {
+          const BF16Vec32 w = BF16Vec32::broadcast_pair(weights + (first + r) * kKeyChunk + 2 * i);
+          for (int v = 0; v < kVectors; ++v) sums[r][v] = dot_accumulate(sums[r][v], w, values[v]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kVectors; ++v) sums[r][v].store(acc + (first + r) * kDim + 16 * v);
+    });
   }
+  write_rows(item, L, start, kDim, acc, row_max, row_sum, out, nullptr, nullptr, nullptr);
+}
+#endif
+
+// One item: a prefill tile through run_prefill_tile where the pair dots can take it (bf16
+// query and cache, head_dim a multiple of 32), else run_item.
+template <typename Q, typename KV, int kDim>
+void run_work(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
+              const KV* value_cache, const int32_t* tables, const int32_t* seq_lens,
+              const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
+              float* part_sum, Scratch& scratch, const WorkItem* next, bool first_asked_for) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Q, kvscope::bf16> && std::is_same_v<KV, kvscope::bf16> && kDim > 0 &&
+                kDim % 32 == 0) {
+    if (starts[item.seq + 1] - starts[item.seq] > kDecodeQueryTokens)
+      return run_prefill_tile<kDim>(item, L, query, key_cache, value_cache, tables, seq_lens,
+                                    starts, scale, out, scratch);
+  }
+#endif
+  run_item<Q, KV, kDim>(item, L, query, key_cache, value_cache, tables, seq_lens, starts, scale,
+                        out, part_acc, part_max, part_sum, scratch, next, first_asked_for);
 }
 
 // Several KV splits of decodes merged by their softmax statistics: `first` is the first
@@ -657,11 +828,11 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
     });
   };
   if (L.dim == 64)
-    run_items(run_item<Q, KV, 64>);
+    run_items(run_work<Q, KV, 64>);
   else if (L.dim == 128)
-    run_items(run_item<Q, KV, 128>);
+    run_items(run_work<Q, KV, 128>);
   else
-    run_items(run_item<Q, KV, 0>);
+    run_items(run_work<Q, KV, 0>);
   for (const SplitGroup& group : groups) {
     const int rows = group.first.rows(L.group);
     for (int j = 0; j < rows; ++j) {

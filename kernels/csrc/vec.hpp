@@ -262,6 +262,17 @@ struct BF16Vec32 {
   static BF16Vec32 load_first(const bf16* p, int64_t count) {
     return {(__m512bh)_mm512_maskz_loadu_epi16((1u << count) - 1u, p)};
   }
+  void store(bf16* p) const { _mm512_storeu_si512(p, (__m512i)reg); }
+  // a's and b's values i side by side as pair i: values 0-15 into `low`, 16-31 into `high`.
+  static void interleave(BF16Vec32 a, BF16Vec32 b, BF16Vec32& low, BF16Vec32& high) {
+    alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                      37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                      11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i first = _mm512_load_si512(kLow),
+                  second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    low.reg = (__m512bh)_mm512_permutex2var_epi16((__m512i)a.reg, first, (__m512i)b.reg);
+    high.reg = (__m512bh)_mm512_permutex2var_epi16((__m512i)a.reg, second, (__m512i)b.reg);
+  }
   // The pair p[0], p[1] in each of the 16 pair slots: one input pair against 16 weight pairs.
   static BF16Vec32 broadcast_pair(const bf16* p) {
     int32_t pair;
@@ -269,6 +280,34 @@ struct BF16Vec32 {
     return {(__m512bh)_mm512_set1_epi32(pair)};
   }
 };
+
+// out[c * out_stride + r] = rows[r][c] for a 16 x 16 block of 32-bit values (two bf16
+// values, a pair, move as one; a null row reads as zeros), transposed in registers in four
+// rounds of shuffles.
+inline void transpose_16x16(const uint32_t* const (&from)[16], uint32_t* out, int64_t out_stride) {
+  __m512i rows[16], t[16];
+  for (int i = 0; i < 16; ++i)
+    rows[i] = from[i] != nullptr ? _mm512_loadu_si512(from[i]) : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) {  // lane j of t[i], t[i + 1]: rows i, i + 1 interleaved
+    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane j of rows[i + k]: column 4j + k of rows i..i+3
+    rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)  // rows i..i+7: even lanes, then odd lanes
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_i32x4(rows[i + k], rows[i + 4 + k], 0x88);
+      t[i + 4 + k] = _mm512_shuffle_i32x4(rows[i + k], rows[i + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {  // columns k (lanes 0 and 2) and k + 8 (lanes 1 and 3)
+    _mm512_storeu_si512(out + k * out_stride, _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88));
+    _mm512_storeu_si512(out + (k + 8) * out_stride, _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd));
+  }
+}
 
 // acc + the products of a's and b's pairs, summed pair by pair into acc's 16 lanes: the
 // products are exact in fp32, so only the order of the fp32 sums differs from widening both.
