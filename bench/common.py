@@ -40,6 +40,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "folder; gguf keeps a GGUF file's blocks)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="the layers one by one from Python, not the one-call decoder stack")
+    parser.add_argument("--prepack-weights", action="store_true",
+                        help="EngineConfig.prepack_weights: bf16 weights kept in oneDNN's layout")
 
 
 def setup(args: argparse.Namespace, max_model_len: int) -> "Bench":
@@ -49,7 +51,8 @@ def setup(args: argparse.Namespace, max_model_len: int) -> "Bench":
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     knobs = {"model": args.model, "dtype": args.dtype, "device": args.device,
-             "max_model_len": max_model_len, "enforce_eager": args.enforce_eager}
+             "max_model_len": max_model_len, "enforce_eager": args.enforce_eager,
+             "prepack_weights": args.prepack_weights}
     if args.device_memory_gb is not None:
         knobs["device_memory_gb"] = args.device_memory_gb
     if args.quantization is not None:

@@ -97,7 +97,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # weight chunk meets a group of rows at a time). oneDNN's GEMM re-reads cold weights at a few
 # dozen rows and rounds differently by batch shape: on a 2-core Zen 4 the default model's
 # decode step at 9 to 32 rows took 1.06-1.75x as long through it, about as long at 48 and
-# less at 64 (docs/performance.md). More rows are compute-bound: GEMM. The prepacked (AMX
+# less at 64 (docs/performance.md). More rows are compute-bound: GEMM. The prepacked (oneDNN
 # layout) kernel keeps four sums a row in registers, so it stops sooner.
 # kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows and kPrepackedKernelMaxRows are the same.
 DENSE_KERNEL_MAX_ROWS = 32
@@ -118,20 +118,29 @@ WIDENED_MIN_ROWS = 48
 PREPACK_ROWS_HINT = 64
 
 
+# The tile widths (outputs) of oneDNN's bf16 weight layouts the streaming kernel reads: 32
+# where the CPU has AMX, 64 where it has AVX512-BF16 alone (kernels/csrc/dense_linear.cpp).
+PREPACK_TILE_OUTPUTS = (32, 64)
+
+
 def prepack_weight(weight: torch.Tensor) -> PrepackedWeight | None:
-    """The weight in oneDNN's AMX layout, which its GEMM reads without reordering the weight
-    per call (docs/performance.md: 1.5-2x at decode batches), or None where the streaming
-    kernel could not read that layout: not bf16, a dimension not a multiple of 32, or oneDNN
-    chose another layout on this CPU (checked value for value against the weight)."""
+    """The weight in oneDNN's blocked layout, which its GEMM reads without reordering the
+    weight per call (docs/performance.md: 1.5-2x at decode batches with AMX, 1.1-1.3x
+    without), or None where the streaming kernel could not read that layout: not bf16, a
+    dimension not a multiple of the tile, or oneDNN chose another layout on this CPU
+    (checked value for value against the weight)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 32 or weight.shape[1] % 32:
         return None
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_ROWS_HINT)
-    blocks = torch.ops.kvscope.onednn_weight_blocks(onednn)
-    if blocks.numel() != weight.numel() or not torch.equal(reference.blocked_to_plain(blocks, *weight.shape),
-                                                           weight):
-        return None
-    return PrepackedWeight(onednn=onednn, blocks=blocks, out_features=weight.shape[0],
-                           in_features=weight.shape[1])
+    flat = torch.ops.kvscope.onednn_weight_blocks(onednn)
+    out_features, in_features = weight.shape
+    for tile in PREPACK_TILE_OUTPUTS:
+        if flat.numel() == weight.numel() and out_features % tile == 0:
+            blocks = flat.view(out_features // tile, tile * in_features)
+            if torch.equal(reference.blocked_to_plain(blocks, out_features, in_features), weight):
+                return PrepackedWeight(onednn=onednn, blocks=blocks, out_features=out_features,
+                                       in_features=in_features)
+    return None
 
 
 def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torch.Tensor | None = None,

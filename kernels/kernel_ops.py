@@ -73,8 +73,9 @@ class PackedLinearKernels:
 @dataclass(frozen=True, slots=True)
 class PrepackedWeight:
     """A bf16 weight [out_features, in_features] kept once, in oneDNN's blocked layout for
-    AMX: `onednn` (an opaque oneDNN tensor) feeds oneDNN's GEMM, `blocks` is the same memory
-    as a plain bf16 tensor, which the streaming kernel reads for a few rows."""
+    bf16 dot products: `onednn` (an opaque oneDNN tensor) feeds oneDNN's GEMM, `blocks` is
+    the same memory as a plain bf16 tensor [out / T, T * in] (tiles of T outputs), which the
+    streaming kernel reads for a few rows."""
 
     onednn: torch.Tensor
     blocks: torch.Tensor

@@ -193,10 +193,11 @@ def _decode_batch(
 
 
 def blocked_to_plain(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """A weight [out, in] from oneDNN's AMX layout "AB16b32a2b" (kernels/csrc/dense_linear.cpp
-    describes it): tiles of 32 outputs x 32 inputs in output-tile-major order, each tile 16
-    input pairs x 32 outputs x the pair."""
-    tiles = blocks.view(out_features // 32, in_features // 32, 16, 32, 2)
+    """A weight [out, in] from oneDNN's layout "AB16b<T>a2b" given as blocks [out / T, T * in]
+    (kernels/csrc/dense_linear.cpp describes it): tiles of T outputs x 32 inputs in
+    output-tile-major order, each tile 16 input pairs x T outputs x the pair."""
+    tile = blocks.shape[1] // in_features
+    tiles = blocks.reshape(out_features // tile, in_features // 32, 16, tile, 2)
     return tiles.permute(0, 3, 1, 2, 4).reshape(out_features, in_features)
 
 

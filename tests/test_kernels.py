@@ -378,22 +378,47 @@ def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
     (reference.blocked_to_plain), and the streaming kernel (up to 5 rows) and oneDNN's GEMM
     (more) give x @ W.T + b to bf16 rounding, from a strided x too."""
     generator = torch.Generator().manual_seed(5)
-    weight = torch.randn(96, 128, generator=generator).bfloat16()
-    bias = torch.randn(96, generator=generator).bfloat16()
+    weight = torch.randn(320, 128, generator=generator).bfloat16()
+    bias = torch.randn(320, generator=generator).bfloat16()
     x = torch.randn(rows, 256, generator=generator).bfloat16()[:, 64:192]
     prepacked = prepacked_weight(cpu_kernel_ops, weight)
     if prepacked is None:
         pytest.skip("prepack_weights: this CPU's C++ kernels do not read oneDNN's prepacked "
-                    "layout (they need AVX512-BF16, and oneDNN's AMX tile layout)")
+                    "layout (they need AVX512-BF16)")
     assert prepacked.blocks.numel() == weight.numel()
-    assert torch.equal(reference.blocked_to_plain(prepacked.blocks, 96, 128), weight)
+    assert torch.equal(reference.blocked_to_plain(prepacked.blocks, 320, 128), weight)
     expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     for out_dtype in (None, torch.float32):
         out = cpu_kernel_ops.linear(x, prepacked, bias, out_dtype=out_dtype)
-        assert out.dtype == (out_dtype or torch.bfloat16) and out.shape == (rows, 96)
+        assert out.dtype == (out_dtype or torch.bfloat16) and out.shape == (rows, 320)
         torch.testing.assert_close(out.double(), expected, atol=0.1, rtol=1e-2)
     assert cpu_kernel_ops.prepack_weight(weight[:, :100].contiguous()) is None  # 100 inputs: no tiles
     assert cpu_kernel_ops.prepack_weight(weight.float()) is None
+
+
+@pytest.mark.parametrize("tile", [32, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_cpu_blocked_linear_reads_both_tile_widths(cpu_kernel_ops, tile, rows):
+    """oneDNN lays bf16 weights out in tiles of 32 outputs where the CPU has AMX and of 64
+    where it has AVX512-BF16 alone; the streaming kernel reads either (blocks [out / T,
+    T * in]), whichever this CPU's oneDNN picks: an odd number of tile columns, bias, and
+    each row equal to what it gets alone."""
+    if not torch.ops.kvscope.has_blocked_linear():
+        pytest.skip("the blocked kernel needs AVX512-BF16")
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(5 * 64, 96, generator=generator).bfloat16()
+    bias = torch.randn(5 * 64, generator=generator).bfloat16()
+    x = torch.randn(rows, 96, generator=generator).bfloat16()
+    blocks = (weight.view(-1, tile, 3, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1, tile * 96)
+              .contiguous())
+    assert torch.equal(reference.blocked_to_plain(blocks, 5 * 64, 96), weight)
+    out = torch.empty(rows, 5 * 64, dtype=torch.bfloat16)
+    torch.ops.kvscope.linear_small_batch_blocked(x, blocks, bias, out)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(out.double(), expected, atol=0.1, rtol=1e-2)
+    alone = torch.empty(1, 5 * 64, dtype=torch.bfloat16)
+    torch.ops.kvscope.linear_small_batch_blocked(x[-1:], blocks, bias, alone)
+    assert torch.equal(out[-1:], alone)
 
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),

@@ -137,84 +137,72 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   });
 }
 
-// oneDNN's AMX inner product keeps a bf16 weight [out, in] as "AB16b32a2b": tiles of 32
-// outputs x 32 inputs, tile (o / 32, i / 32) at element ((o / 32) * (in / 32) + i / 32) * 1024,
-// and inside a tile 16 input pairs x 32 outputs x the pair: each input pair's row is a row of
-// an AMX B tile. kernels/cpu_kernels.py checks that layout on every weight it prepacks.
-constexpr int64_t kTile = 32;
-constexpr int64_t kTileElements = kTile * kTile;
+// oneDNN's inner product keeps a bf16 weight [out, in] as "AB16b<T>a2b": tiles of T outputs x
+// 32 inputs, tile (o / T, i / 32) at element ((o / T) * (in / 32) + i / 32) * T * 32, and
+// inside a tile 16 input pairs x T outputs x the pair: each input pair's row is a row of an
+// AMX B tile (T = 32, with AMX) or T / 16 vectors of vdpbf16ps operands (T = 64, AVX512-BF16
+// alone). A column of tiles (T outputs, all inputs) is contiguous. The blocks come as
+// [out / T, T * in], so their shape says T. kernels/cpu_kernels.py checks the layout on every
+// weight it prepacks.
+constexpr int64_t kTileInputs = 32;
 
 // Fewer rows than the plain kernel's: four sums a row stay in registers.
 constexpr int kBlockedMaxRows = 5;  // kernels/cpu_kernels.py's PREPACKED_KERNEL_MAX_ROWS
-using TileSums = kvscope::vec::FP32Vec16[2][kBlockedMaxRows][2];
 
 // Rows (<= kBlockedMaxRows, a constant: the sums then stay in registers) rows of x (row stride
-// x_stride) times tile columns `first` and `second` (32 outputs each, all inputs: a column is
-// contiguous), into sums[column][row] (outputs 0-15, 16-31). Two columns from two places keep
-// two weight streams in flight, as small_batch_linear's two halves do. Each output sums its
-// input pairs in input order, so a row's result does not depend on the other rows.
-template <int Rows>
-void tile_columns(const kvscope::bf16* x, int64_t x_stride, const kvscope::bf16* first,
-                  const kvscope::bf16* second, int64_t in_features, TileSums& sums) {
+// x_stride) times `Columns` tile columns of T outputs (all inputs), into
+// sums[column][row][part] (outputs 16 part .. 16 part + 15): 64 outputs per call, as two
+// 32-wide columns from two places (two weight streams in flight, as small_batch_linear's two
+// halves) or one 64-wide column. Each output sums its input pairs in input order, so a row's
+// result does not depend on the other rows.
+template <int T, int Rows, int Columns>
+void tile_columns(const kvscope::bf16* x, int64_t x_stride,
+                  const kvscope::bf16* const (&columns)[Columns], int64_t in_features,
+                  kvscope::vec::FP32Vec16 (&sums)[Columns][Rows][T / 16]) {
 #if defined(__AVX512BF16__)
   using kvscope::vec::BF16Vec32;
   using kvscope::vec::dot_accumulate;
   using kvscope::vec::FP32Vec16;
-  const kvscope::bf16* columns[2] = {first, second};
-  FP32Vec16 local[2][Rows][2];
+  constexpr int kParts = T / 16;
+  FP32Vec16 local[Columns][Rows][kParts];
   for (auto& column : local)
     for (auto& row : column)
       for (auto& part : row) part = FP32Vec16(0.f);
-  for (int64_t start = 0; start < in_features; start += kTile)
-    for (int64_t pair = 0; pair < kTile / 2; ++pair) {
-      const int64_t offset = start / kTile * kTileElements + pair * 2 * kTile;
-      BF16Vec32 weights[2][2];
-      for (int c = 0; c < 2; ++c)
-        for (int half = 0; half < 2; ++half)
-          weights[c][half] = BF16Vec32::load(columns[c] + offset + half * kTile);
+  for (int64_t start = 0; start < in_features; start += kTileInputs)
+    for (int64_t pair = 0; pair < kTileInputs / 2; ++pair) {
+      const int64_t offset = start / kTileInputs * T * kTileInputs + pair * 2 * T;
+      BF16Vec32 weights[Columns][kParts];
+      for (int c = 0; c < Columns; ++c)
+        for (int part = 0; part < kParts; ++part)
+          weights[c][part] = BF16Vec32::load(columns[c] + offset + part * 32);
       for (int m = 0; m < Rows; ++m) {
         const BF16Vec32 xs = BF16Vec32::broadcast_pair(x + m * x_stride + start + 2 * pair);
-        for (int c = 0; c < 2; ++c)
-          for (int half = 0; half < 2; ++half)
-            local[c][m][half] = dot_accumulate(local[c][m][half], xs, weights[c][half]);
+        for (int c = 0; c < Columns; ++c)
+          for (int part = 0; part < kParts; ++part)
+            local[c][m][part] = dot_accumulate(local[c][m][part], xs, weights[c][part]);
       }
     }
-  for (int c = 0; c < 2; ++c)
+  for (int c = 0; c < Columns; ++c)
     for (int m = 0; m < Rows; ++m)
-      for (int half = 0; half < 2; ++half) sums[c][m][half] = local[c][m][half];
+      for (int part = 0; part < kParts; ++part) sums[c][m][part] = local[c][m][part];
 #else
   TORCH_CHECK(false, "linear_small_batch_blocked: built without AVX512-BF16");
 #endif
 }
 
-}  // namespace
-
-// out = x @ W.T + bias for x [rows <= kBlockedMaxRows, in] and W [out, in] stored blocked
-// (`blocks`, as above), a tile column at a time; out bf16 or fp32 (the bf16 result widened).
-void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
-                                const std::optional<at::Tensor>& bias, at::Tensor out) {
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
-                  blocks.is_contiguous() && blocks.scalar_type() == at::kBFloat16 &&
-                  out.is_contiguous() && out.size(0) == rows && rows <= kBlockedMaxRows &&
-                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
-                  in_features % kTile == 0 && out_features % kTile == 0 &&
-                  blocks.numel() == in_features * out_features &&
-                  (!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 &&
-                             bias->numel() == out_features)),
-              "linear_small_batch_blocked: bf16 x [rows <= 5, in], blocks [out * in] (in and out "
-              "multiples of 32), bias [out], out [rows, out] bf16 or fp32");
-  if (rows == 0) return;
-  const kvscope::bf16* xs = kvscope::elements<kvscope::bf16>(x);
-  const kvscope::bf16* weight = kvscope::elements<kvscope::bf16>(blocks);
-  const kvscope::bf16* bias_values = bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr;
-  const int64_t x_stride = x.stride(0), column_elements = kTile * in_features;
-  auto write = [&](int64_t column, int64_t m, const kvscope::vec::FP32Vec16(&sums)[2]) {
-    for (int half = 0; half < 2; ++half) {
+// linear_small_batch_blocked for tiles of T outputs: 64 outputs per tile_columns call.
+template <int T>
+void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
+                    const kvscope::bf16* weight, const kvscope::bf16* bias_values,
+                    int64_t in_features, int64_t out_features, at::Tensor& out) {
+  constexpr int kColumns = 64 / T, kParts = T / 16;
+  const int64_t column_elements = T * in_features;
+  auto write = [&](int64_t column, int64_t m, const kvscope::vec::FP32Vec16(&sums)[kParts]) {
+    for (int part = 0; part < kParts; ++part) {
       float values[16];
-      sums[half].store(values);
+      sums[part].store(values);
       for (int lane = 0; lane < 16; ++lane) {
-        const int64_t n = column * kTile + half * 16 + lane;
+        const int64_t n = column * T + part * 16 + lane;
         const float value = values[lane] + (bias_values != nullptr ? load(bias_values[n]) : 0.f);
         const float rounded = round_to(value, static_cast<kvscope::bf16*>(nullptr));
         if (out.scalar_type() == at::kFloat)
@@ -224,26 +212,62 @@ void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
       }
     }
   };
-  const int64_t columns = out_features / kTile;
-  // One share per thread, read as two streams from its two halves (small_batch_linear says why).
-  kvscope::parallel_for(0, columns, std::max<int64_t>(2, kvscope::one_share_per_thread(columns)),
+  // Columns [first, ...): kColumns of them from `starts`, of which `count` are written.
+  auto run = [&](const int64_t (&starts)[kColumns], int count) {
+    const kvscope::bf16* columns[kColumns];
+    for (int c = 0; c < kColumns; ++c) columns[c] = weight + starts[c] * column_elements;
+    kvscope::with_rows<kBlockedMaxRows>(static_cast<int>(rows), [&](auto rows_constant) {
+      constexpr int R = decltype(rows_constant)::value;
+      kvscope::vec::FP32Vec16 sums[kColumns][R][kParts];
+      tile_columns<T, R, kColumns>(xs, x_stride, columns, in_features, sums);
+      for (int c = 0; c < count; ++c)
+        for (int64_t m = 0; m < rows; ++m) write(starts[c], m, sums[c][m]);
+    });
+  };
+  const int64_t columns = out_features / T;
+  // One share per thread; 32-wide columns read as two streams from its two halves
+  // (small_batch_linear says why), a 64-wide column holds four vectors' worth in flight.
+  kvscope::parallel_for(0, columns,
+                        std::max<int64_t>(kColumns, kvscope::one_share_per_thread(columns)),
                         [&](int64_t begin, int64_t end) {
-    const int64_t half = (end - begin) / 2;
-    auto pair = [&](int64_t first, int64_t second, bool both) {
-      TileSums sums;
-      kvscope::with_rows<kBlockedMaxRows>(static_cast<int>(rows), [&](auto rows_constant) {
-        tile_columns<decltype(rows_constant)::value>(xs, x_stride, weight + first * column_elements,
-                                                     weight + second * column_elements, in_features,
-                                                     sums);
-      });
-      for (int64_t m = 0; m < rows; ++m) {
-        write(first, m, sums[0][m]);
-        if (both) write(second, m, sums[1][m]);
-      }
-    };
-    for (int64_t i = 0; i < half; ++i) pair(begin + i, begin + half + i, true);
-    if ((end - begin) % 2 != 0) pair(end - 1, end - 1, false);
+    if constexpr (kColumns == 2) {
+      const int64_t half = (end - begin) / 2;
+      for (int64_t i = 0; i < half; ++i) run({begin + i, begin + half + i}, 2);
+      if ((end - begin) % 2 != 0) run({end - 1, end - 1}, 1);
+    } else {
+      for (int64_t i = begin; i < end; ++i) run({i}, 1);
+    }
   });
+}
+
+}  // namespace
+
+// out = x @ W.T + bias for x [rows <= kBlockedMaxRows, in] and W [out, in] stored blocked
+// (`blocks` [out / T, T * in], as above), a tile column at a time; out bf16 or fp32 (the bf16
+// result widened).
+void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
+                                const std::optional<at::Tensor>& bias, at::Tensor out) {
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
+  const int64_t tile = blocks.dim() == 2 && in_features > 0 ? blocks.size(1) / in_features : 0;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
+                  blocks.is_contiguous() && blocks.scalar_type() == at::kBFloat16 &&
+                  (tile == 32 || tile == 64) && blocks.size(0) * tile == out_features &&
+                  blocks.size(1) == tile * in_features && out.is_contiguous() &&
+                  out.size(0) == rows && rows <= kBlockedMaxRows &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
+                  in_features % kTileInputs == 0 &&
+                  (!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 &&
+                             bias->numel() == out_features)),
+              "linear_small_batch_blocked: bf16 x [rows <= 5, in], blocks [out / T, T * in] (T "
+              "32 or 64, in a multiple of 32), bias [out], out [rows, out] bf16 or fp32");
+  if (rows == 0) return;
+  const kvscope::bf16* xs = kvscope::elements<kvscope::bf16>(x);
+  const kvscope::bf16* weight = kvscope::elements<kvscope::bf16>(blocks);
+  const kvscope::bf16* bias_values = bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr;
+  if (tile == 32)
+    blocked_linear<32>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features, out);
+  else
+    blocked_linear<64>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features, out);
 }
 
 namespace {
