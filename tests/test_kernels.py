@@ -375,7 +375,7 @@ def test_cpu_streaming_linear_widens_each_weight_once_for_every_row(cpu_kernel_o
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 40])
 def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
     """A weight kept only in oneDNN's blocked layout: its blocks read back as the weight
-    (reference.blocked_to_plain), and the streaming kernel (up to 5 rows) and oneDNN's GEMM
+    (reference.blocked_to_plain), and the streaming kernel (a few rows) and oneDNN's GEMM
     (more) give x @ W.T + b to bf16 rounding, from a strided x too."""
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(320, 128, generator=generator).bfloat16()

@@ -146,10 +146,10 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
 // weight it prepacks.
 constexpr int64_t kTileInputs = 32;
 
-// Fewer rows than the plain kernel's: four sums a row stay in registers.
-constexpr int kBlockedMaxRows = 5;  // kernels/cpu_kernels.py's PREPACKED_KERNEL_MAX_ROWS
+// Rows per pass over a tile column: their four sums a row stay in registers.
+constexpr int kBlockedRowGroup = 5;
 
-// Rows (<= kBlockedMaxRows, a constant: the sums then stay in registers) rows of x (row stride
+// Rows (<= kBlockedRowGroup, a constant: the sums then stay in registers) rows of x (row stride
 // x_stride) times `Columns` tile columns of T outputs (all inputs), into
 // sums[column][row][part] (outputs 16 part .. 16 part + 15): 64 outputs per call, as two
 // 32-wide columns from two places (two weight streams in flight, as small_batch_linear's two
@@ -190,12 +190,15 @@ void tile_columns(const kvscope::bf16* x, int64_t x_stride,
 #endif
 }
 
-// linear_small_batch_blocked for tiles of T outputs: 64 outputs per tile_columns call.
-template <int T>
+// linear_small_batch_blocked for tiles of T outputs, C tile columns per tile_columns call:
+// two from two places (two weight streams in flight, as small_batch_linear's two halves)
+// where their sums fit in registers beside the weights, else one. Each column (or pair)
+// meets every group of kBlockedRowGroup rows while it is in cache.
+template <int T, int C>
 void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
                     const kvscope::bf16* weight, const kvscope::bf16* bias_values,
                     int64_t in_features, int64_t out_features, at::Tensor& out) {
-  constexpr int kColumns = 64 / T, kParts = T / 16;
+  constexpr int kParts = T / 16;
   const int64_t column_elements = T * in_features;
   auto write = [&](int64_t column, int64_t m, const kvscope::vec::FP32Vec16(&sums)[kParts]) {
     for (int part = 0; part < kParts; ++part) {
@@ -212,25 +215,22 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
       }
     }
   };
-  // Columns [first, ...): kColumns of them from `starts`, of which `count` are written.
-  auto run = [&](const int64_t (&starts)[kColumns], int count) {
-    const kvscope::bf16* columns[kColumns];
-    for (int c = 0; c < kColumns; ++c) columns[c] = weight + starts[c] * column_elements;
-    kvscope::with_rows<kBlockedMaxRows>(static_cast<int>(rows), [&](auto rows_constant) {
-      constexpr int R = decltype(rows_constant)::value;
-      kvscope::vec::FP32Vec16 sums[kColumns][R][kParts];
-      tile_columns<T, R, kColumns>(xs, x_stride, columns, in_features, sums);
+  // The columns at `starts`, of which the first `count` are written.
+  auto run = [&](const int64_t (&starts)[C], int count) {
+    const kvscope::bf16* columns[C];
+    for (int c = 0; c < C; ++c) columns[c] = weight + starts[c] * column_elements;
+    kvscope::by_row_groups<kBlockedRowGroup>(rows, [&](auto group, int64_t first) {
+      constexpr int R = decltype(group)::value;
+      kvscope::vec::FP32Vec16 sums[C][R][kParts];
+      tile_columns<T, R, C>(xs + first * x_stride, x_stride, columns, in_features, sums);
       for (int c = 0; c < count; ++c)
-        for (int64_t m = 0; m < rows; ++m) write(starts[c], m, sums[c][m]);
+        for (int m = 0; m < R; ++m) write(starts[c], first + m, sums[c][m]);
     });
   };
   const int64_t columns = out_features / T;
-  // One share per thread; 32-wide columns read as two streams from its two halves
-  // (small_batch_linear says why), a 64-wide column holds four vectors' worth in flight.
-  kvscope::parallel_for(0, columns,
-                        std::max<int64_t>(kColumns, kvscope::one_share_per_thread(columns)),
+  kvscope::parallel_for(0, columns, std::max<int64_t>(C, kvscope::one_share_per_thread(columns)),
                         [&](int64_t begin, int64_t end) {
-    if constexpr (kColumns == 2) {
+    if constexpr (C == 2) {
       const int64_t half = (end - begin) / 2;
       for (int64_t i = 0; i < half; ++i) run({begin + i, begin + half + i}, 2);
       if ((end - begin) % 2 != 0) run({end - 1, end - 1}, 1);
@@ -242,7 +242,7 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
 
 }  // namespace
 
-// out = x @ W.T + bias for x [rows <= kBlockedMaxRows, in] and W [out, in] stored blocked
+// out = x @ W.T + bias for x [rows, in] and W [out, in] stored blocked
 // (`blocks` [out / T, T * in], as above), a tile column at a time; out bf16 or fp32 (the bf16
 // result widened).
 void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
@@ -253,21 +253,26 @@ void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
                   blocks.is_contiguous() && blocks.scalar_type() == at::kBFloat16 &&
                   (tile == 32 || tile == 64) && blocks.size(0) * tile == out_features &&
                   blocks.size(1) == tile * in_features && out.is_contiguous() &&
-                  out.size(0) == rows && rows <= kBlockedMaxRows &&
+                  out.size(0) == rows &&
                   (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) &&
                   in_features % kTileInputs == 0 &&
                   (!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 &&
                              bias->numel() == out_features)),
-              "linear_small_batch_blocked: bf16 x [rows <= 5, in], blocks [out / T, T * in] (T "
+              "linear_small_batch_blocked: bf16 x [rows, in], blocks [out / T, T * in] (T "
               "32 or 64, in a multiple of 32), bias [out], out [rows, out] bf16 or fp32");
   if (rows == 0) return;
   const kvscope::bf16* xs = kvscope::elements<kvscope::bf16>(x);
   const kvscope::bf16* weight = kvscope::elements<kvscope::bf16>(blocks);
   const kvscope::bf16* bias_values = bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr;
   if (tile == 32)
-    blocked_linear<32>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features, out);
+    blocked_linear<32, 2>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features,
+                          out);
+  else if (rows <= 2)
+    blocked_linear<64, 2>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features,
+                          out);
   else
-    blocked_linear<64>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features, out);
+    blocked_linear<64, 1>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features,
+                          out);
 }
 
 namespace {
