@@ -452,123 +452,6 @@ inline void softmax_step(const Layout& L, float* weights, VisibleKeys keys, int 
   row_sum += sum;
 }
 
-// kDim > 0 fixes head_dim at compile time (64 and 128, the common sizes), so the per-key
-// dot products and updates unroll into straight vector code; 0 reads it from the layout.
-template <typename Q, typename KV, int kDim>
-void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
-              const KV* value_cache, const int32_t* tables, const int32_t* seq_lens,
-              const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
-              float* part_sum, Scratch& scratch, const WorkItem* next, bool first_asked_for) {
-#if defined(__AVX512BF16__)
-  // A quantized cache's key codes are bf16 values exactly (int8's 8 bits, fp8's 4 significant
-  // bits): a chunk's rows are converted once and scored as bf16 rows, then by their scales.
-  constexpr bool kPairDots = std::is_same_v<Q, kvscope::bf16> &&
-                             (std::is_same_v<KV, kvscope::bf16> || kvscope::kQuantizedKV<KV>) &&
-                             kDim > 0 && kDim % 32 == 0;
-#else
-  constexpr bool kPairDots = false;
-#endif
-  const int G = L.group, D = kDim > 0 ? kDim : L.dim;
-  const int start = starts[item.seq];
-  const int query_len = starts[item.seq + 1] - start;
-  const int context = seq_lens[item.seq] - query_len;  // keys before the first new token
-  const int num_q = item.rows(G), rows_per_kv_head = item.rows_per_kv_head(G);
-  float* q = scratch.q.data();
-  float* acc = scratch.acc.data();
-  float* row_max = scratch.row_max.data();
-  float* row_sum = scratch.row_sum.data();
-  std::fill_n(acc, static_cast<int64_t>(num_q) * D, 0.f);
-  std::fill_n(row_max, num_q, -std::numeric_limits<float>::infinity());
-  std::fill_n(row_sum, num_q, 0.f);
-  auto token_of = [&](int j) { return item.token_of(j, G); };
-  auto head_of = [&](int j) { return item.head_of(j, G); };
-  auto query_row = [&](int j) {
-    return query + static_cast<int64_t>(start + token_of(j)) * L.query_stride + head_of(j) * D;
-  };
-  if constexpr (!kPairDots)  // the portable path scores against scaled fp32 rows
-    for (int j = 0; j < num_q; ++j)
-      for (int d = 0; d < D; ++d)
-        q[static_cast<int64_t>(j) * D + d] = load(query_row(j)[d]) * scale;
-  const int k_end = visible_end(item, seq_lens, starts);
-  const KV* key_rows[kKeyChunk];
-  const KV* value_rows[kKeyChunk];
-  float* keys = scratch.keys.data();
-  const kvscope::bf16* code_rows[kKeyChunk];  // a quantized chunk's keys as bf16 (in `keys`)
-  float key_scales[kKeyChunk];
-  float* scores = scratch.scores.data();  // row j's at j * kKeyChunk
-  // Row j's softmax weights for the n keys from `chunk` (key_rows, or `keys` widened), its
-  // statistics updated; zeros past the keys it sees, so the value pass treats rows alike.
-  auto chunk_weights = [&](int j, int chunk, int n) {
-    float* weights = scores + static_cast<int64_t>(j) * kKeyChunk;
-    const VisibleKeys visible = visible_keys(L, context + token_of(j), chunk, n);
-    const int f = visible.f, m = visible.m;
-#if defined(__AVX512BF16__)
-    if constexpr (kPairDots && kvscope::kQuantizedKV<KV>) {
-      score_keys_bf16<kDim>(query_row(j), code_rows + f, m - f, scale, weights + f);
-      for (int i = f; i < m; ++i) weights[i] *= key_scales[i];
-    } else if constexpr (kPairDots) {
-      score_keys_bf16<kDim>(query_row(j), key_rows + f, m - f, scale, weights + f);
-    }
-#endif
-    if constexpr (!kPairDots) {
-      const float* qj = q + static_cast<int64_t>(j) * D;
-      if constexpr (kVectorRows<kDim>)
-        score_keys_fp32<kDim>(qj, keys + static_cast<int64_t>(f) * D, m - f, weights + f);
-      else
-        for (int i = f; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
-    }
-    softmax_step(L, weights, visible, n, row_max[j], row_sum[j], acc + static_cast<int64_t>(j) * D,
-                 D);
-  };
-  // Keys [chunk, chunk + kKeyChunk) sit in blocks anywhere in the pool, a pattern the
-  // hardware prefetcher cannot follow: each chunk's rows are asked for while the chunk before
-  // it is computed (RowsAhead), and the last chunk asks for the first one of the thread's
-  // next item.
-  int64_t offsets[2][kKeyChunk];
-  const KV* keys_ahead[kKeyChunk];
-  const KV* values_ahead[kKeyChunk];
-  int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0]);
-  // Every later chunk is asked for while the one before it is computed; the first, when no
-  // item before it on this thread asked for it, now, all at once: a single decode of a few
-  // hundred keys is one or two chunks per thread, and read on demand they would come from
-  // DRAM at the pace the L1 miss buffers allow.
-  if (!first_asked_for)
-    request_rows(key_cache, value_cache, offsets[0], n, item.kv_end - item.kv_begin, L.head_stride,
-                 row_bytes<KV>(D));
-  for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
-    const bool last = chunk + kKeyChunk >= k_end;
-    const WorkItem* ahead_item = last ? next : &item;  // whose keys come next, if any
-    const int next_n = ahead_item
-                           ? key_offsets(*ahead_item, L, tables, seq_lens, starts,
-                                         last ? next->k_begin : chunk + kKeyChunk, offsets[now ^ 1])
-                           : 0;
-    const int heads_ahead = ahead_item ? ahead_item->kv_end - ahead_item->kv_begin : 0;
-    for (int h = 0; h < item.kv_end - item.kv_begin; ++h) {  // a run of rows_per_kv_head rows
-      const int64_t head_offset = h * L.head_stride;
-      for (int i = 0; i < n; ++i) {
-        key_rows[i] = key_cache + offsets[now][i] + head_offset;
-        value_rows[i] = value_cache + offsets[now][i] + head_offset;
-      }
-      if constexpr (!kPairDots) widen_rows<kDim>(key_rows, n, D, keys);
-      if constexpr (kPairDots && kvscope::kQuantizedKV<KV>)
-        codes_to_bf16<kDim>(key_rows, n, reinterpret_cast<kvscope::bf16*>(keys), code_rows,
-                            key_scales);
-      for (int j = h * rows_per_kv_head; j < (h + 1) * rows_per_kv_head; ++j)
-        chunk_weights(j, chunk, n);
-      RowsAhead<KV> ahead{keys_ahead, values_ahead, h < heads_ahead ? next_n : 0};
-      for (int i = 0; i < ahead.n; ++i) {
-        keys_ahead[i] = key_cache + offsets[now ^ 1][i] + head_offset;
-        values_ahead[i] = value_cache + offsets[now ^ 1][i] + head_offset;
-      }
-      const int64_t first_row = static_cast<int64_t>(h) * rows_per_kv_head;
-      accumulate_values<kDim>(acc + first_row * D, scores + first_row * kKeyChunk, rows_per_kv_head,
-                              value_rows, n, D, ahead);
-    }
-    n = last ? 0 : next_n;
-  }
-  write_rows(item, L, start, D, acc, row_max, row_sum, out, part_acc, part_max, part_sum);
-}
-
 #if defined(__AVX512BF16__)
 // A prefill tile (up to kQueryTile tokens of one sequence, the G query heads of one KV head
 // each) as two small matrix products per key chunk on bf16 pair dots. run_item's row-at-a-
@@ -685,23 +568,129 @@ void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16
 }
 #endif
 
-// One item: a prefill tile through run_prefill_tile where the pair dots can take it (bf16
-// query and cache, head_dim a multiple of 32), else run_item.
+// kDim > 0 fixes head_dim at compile time (64 and 128, the common sizes), so the per-key
+// dot products and updates unroll into straight vector code; 0 reads it from the layout.
 template <typename Q, typename KV, int kDim>
-void run_work(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
+void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
               const KV* value_cache, const int32_t* tables, const int32_t* seq_lens,
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
               float* part_sum, Scratch& scratch, const WorkItem* next, bool first_asked_for) {
 #if defined(__AVX512BF16__)
+  // A prefill tile, where the pair dots can take it: bf16 query and cache, head_dim a
+  // multiple of 32.
   if constexpr (std::is_same_v<Q, kvscope::bf16> && std::is_same_v<KV, kvscope::bf16> && kDim > 0 &&
                 kDim % 32 == 0) {
     if (starts[item.seq + 1] - starts[item.seq] > kDecodeQueryTokens)
       return run_prefill_tile<kDim>(item, L, query, key_cache, value_cache, tables, seq_lens,
                                     starts, scale, out, scratch);
   }
+  // A quantized cache's key codes are bf16 values exactly (int8's 8 bits, fp8's 4 significant
+  // bits): a chunk's rows are converted once and scored as bf16 rows, then by their scales.
+  constexpr bool kPairDots = std::is_same_v<Q, kvscope::bf16> &&
+                             (std::is_same_v<KV, kvscope::bf16> || kvscope::kQuantizedKV<KV>) &&
+                             kDim > 0 && kDim % 32 == 0;
+#else
+  constexpr bool kPairDots = false;
 #endif
-  run_item<Q, KV, kDim>(item, L, query, key_cache, value_cache, tables, seq_lens, starts, scale,
-                        out, part_acc, part_max, part_sum, scratch, next, first_asked_for);
+  const int G = L.group, D = kDim > 0 ? kDim : L.dim;
+  const int start = starts[item.seq];
+  const int query_len = starts[item.seq + 1] - start;
+  const int context = seq_lens[item.seq] - query_len;  // keys before the first new token
+  const int num_q = item.rows(G), rows_per_kv_head = item.rows_per_kv_head(G);
+  float* q = scratch.q.data();
+  float* acc = scratch.acc.data();
+  float* row_max = scratch.row_max.data();
+  float* row_sum = scratch.row_sum.data();
+  std::fill_n(acc, static_cast<int64_t>(num_q) * D, 0.f);
+  std::fill_n(row_max, num_q, -std::numeric_limits<float>::infinity());
+  std::fill_n(row_sum, num_q, 0.f);
+  auto token_of = [&](int j) { return item.token_of(j, G); };
+  auto head_of = [&](int j) { return item.head_of(j, G); };
+  auto query_row = [&](int j) {
+    return query + static_cast<int64_t>(start + token_of(j)) * L.query_stride + head_of(j) * D;
+  };
+  if constexpr (!kPairDots)  // the portable path scores against scaled fp32 rows
+    for (int j = 0; j < num_q; ++j)
+      for (int d = 0; d < D; ++d)
+        q[static_cast<int64_t>(j) * D + d] = load(query_row(j)[d]) * scale;
+  const int k_end = visible_end(item, seq_lens, starts);
+  const KV* key_rows[kKeyChunk];
+  const KV* value_rows[kKeyChunk];
+  float* keys = scratch.keys.data();
+  const kvscope::bf16* code_rows[kKeyChunk];  // a quantized chunk's keys as bf16 (in `keys`)
+  float key_scales[kKeyChunk];
+  float* scores = scratch.scores.data();  // row j's at j * kKeyChunk
+  // Row j's softmax weights for the n keys from `chunk` (key_rows, or `keys` widened), its
+  // statistics updated; zeros past the keys it sees, so the value pass treats rows alike.
+  auto chunk_weights = [&](int j, int chunk, int n) {
+    float* weights = scores + static_cast<int64_t>(j) * kKeyChunk;
+    const VisibleKeys visible = visible_keys(L, context + token_of(j), chunk, n);
+    const int f = visible.f, m = visible.m;
+#if defined(__AVX512BF16__)
+    if constexpr (kPairDots && kvscope::kQuantizedKV<KV>) {
+      score_keys_bf16<kDim>(query_row(j), code_rows + f, m - f, scale, weights + f);
+      for (int i = f; i < m; ++i) weights[i] *= key_scales[i];
+    } else if constexpr (kPairDots) {
+      score_keys_bf16<kDim>(query_row(j), key_rows + f, m - f, scale, weights + f);
+    }
+#endif
+    if constexpr (!kPairDots) {
+      const float* qj = q + static_cast<int64_t>(j) * D;
+      if constexpr (kVectorRows<kDim>)
+        score_keys_fp32<kDim>(qj, keys + static_cast<int64_t>(f) * D, m - f, weights + f);
+      else
+        for (int i = f; i < m; ++i) weights[i] = dot(qj, keys + static_cast<int64_t>(i) * D, D);
+    }
+    softmax_step(L, weights, visible, n, row_max[j], row_sum[j], acc + static_cast<int64_t>(j) * D,
+                 D);
+  };
+  // Keys [chunk, chunk + kKeyChunk) sit in blocks anywhere in the pool, a pattern the
+  // hardware prefetcher cannot follow: each chunk's rows are asked for while the chunk before
+  // it is computed (RowsAhead), and the last chunk asks for the first one of the thread's
+  // next item.
+  int64_t offsets[2][kKeyChunk];
+  const KV* keys_ahead[kKeyChunk];
+  const KV* values_ahead[kKeyChunk];
+  int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0]);
+  // Every later chunk is asked for while the one before it is computed; the first, when no
+  // item before it on this thread asked for it, now, all at once: a single decode of a few
+  // hundred keys is one or two chunks per thread, and read on demand they would come from
+  // DRAM at the pace the L1 miss buffers allow.
+  if (!first_asked_for)
+    request_rows(key_cache, value_cache, offsets[0], n, item.kv_end - item.kv_begin, L.head_stride,
+                 row_bytes<KV>(D));
+  for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
+    const bool last = chunk + kKeyChunk >= k_end;
+    const WorkItem* ahead_item = last ? next : &item;  // whose keys come next, if any
+    const int next_n = ahead_item
+                           ? key_offsets(*ahead_item, L, tables, seq_lens, starts,
+                                         last ? next->k_begin : chunk + kKeyChunk, offsets[now ^ 1])
+                           : 0;
+    const int heads_ahead = ahead_item ? ahead_item->kv_end - ahead_item->kv_begin : 0;
+    for (int h = 0; h < item.kv_end - item.kv_begin; ++h) {  // a run of rows_per_kv_head rows
+      const int64_t head_offset = h * L.head_stride;
+      for (int i = 0; i < n; ++i) {
+        key_rows[i] = key_cache + offsets[now][i] + head_offset;
+        value_rows[i] = value_cache + offsets[now][i] + head_offset;
+      }
+      if constexpr (!kPairDots) widen_rows<kDim>(key_rows, n, D, keys);
+      if constexpr (kPairDots && kvscope::kQuantizedKV<KV>)
+        codes_to_bf16<kDim>(key_rows, n, reinterpret_cast<kvscope::bf16*>(keys), code_rows,
+                            key_scales);
+      for (int j = h * rows_per_kv_head; j < (h + 1) * rows_per_kv_head; ++j)
+        chunk_weights(j, chunk, n);
+      RowsAhead<KV> ahead{keys_ahead, values_ahead, h < heads_ahead ? next_n : 0};
+      for (int i = 0; i < ahead.n; ++i) {
+        keys_ahead[i] = key_cache + offsets[now ^ 1][i] + head_offset;
+        values_ahead[i] = value_cache + offsets[now ^ 1][i] + head_offset;
+      }
+      const int64_t first_row = static_cast<int64_t>(h) * rows_per_kv_head;
+      accumulate_values<kDim>(acc + first_row * D, scores + first_row * kKeyChunk, rows_per_kv_head,
+                              value_rows, n, D, ahead);
+    }
+    n = last ? 0 : next_n;
+  }
+  write_rows(item, L, start, D, acc, row_max, row_sum, out, part_acc, part_max, part_sum);
 }
 
 // Several KV splits of decodes merged by their softmax statistics: `first` is the first
@@ -828,11 +817,11 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
     });
   };
   if (L.dim == 64)
-    run_items(run_work<Q, KV, 64>);
+    run_items(run_item<Q, KV, 64>);
   else if (L.dim == 128)
-    run_items(run_work<Q, KV, 128>);
+    run_items(run_item<Q, KV, 128>);
   else
-    run_items(run_work<Q, KV, 0>);
+    run_items(run_item<Q, KV, 0>);
   for (const SplitGroup& group : groups) {
     const int rows = group.first.rows(L.group);
     for (int j = 0; j < rows; ++j) {
