@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the model layer by layer from Python instead of the one-call "
                        "C++ decoder stack (CPU kernels, Llama family)")
     model.add_argument("--prepack-weights", action="store_true",
-                       help="keep bf16 dense weights in oneDNN's AMX layout (faster batched "
-                       "GEMMs; a single stream is slower for now)")
+                       help="keep bf16 dense weights in oneDNN's blocked layout (faster batched "
+                       "GEMMs; on AMX a single stream is slower for now)")
 
     cache = parser.add_argument_group("KV cache and scheduler")
     cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],

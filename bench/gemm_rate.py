@@ -4,16 +4,17 @@
                    shape that hides every overhead (the limit the others are held to)
   plain_<dtype>    the engine's cpu linear on each linear's plain [out, in] weight in that
                    dtype: F.linear (oneDNN; on bf16 it reorders the weight inside every call)
-                   for more than 5 rows, the one-read streaming kernel for fewer
+                   for more than 32 rows, the one-read streaming kernel for up to 32
   onednn_bfloat16  F.linear on the plain bf16 weight at every row count: oneDNN's bf16 GEMM,
                    which the engine's linear replaces on a CPU without bf16 dot products
                    (there plain_bfloat16 is the widened fp32 GEMM of
                    kernels/csrc/widened_gemm.cpp from WIDENED_MIN_ROWS = 48 rows); only on
                    such CPUs
   prepacked        the engine's cpu linear (kernels/cpu_kernels.py) on the bf16 weight
-                   prepacked in oneDNN's AMX layout: its GEMM for more than 5 rows, the
-                   streaming kernel for up to 5. Only where the kernels take that layout
-                   (AVX512-BF16); elsewhere the report says why it is absent
+                   prepacked in oneDNN's blocked layout: its GEMM past the streaming
+                   kernel's rows (5 over AMX tiles, 32 over 64-wide ones). Only where the
+                   kernels take that layout (AVX512-BF16); elsewhere the report says why
+                   it is absent
 
 --dtypes defaults to float32 and bfloat16 both: the engine's dtype="auto" runs float32 on a
 CPU without native bf16 matmuls (no AVX512-BF16 or AMX), and the two rates side by side show

@@ -91,7 +91,7 @@ def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypa
     _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
                            quantization=quantization, prepack_weights=prepack)
     # bf16 weights prepacked (where the kernels read oneDNN's layout for this CPU: AVX512-BF16
-    # and its AMX tiles): the stack and the layers both run oneDNN's blocked layout
+    # and its 32- or 64-output tiles): the stack and the layers both run oneDNN's blocked layout
     prepack_weight = runner.kernel_ops.prepack_weight
     probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     prepacks = prepack_weight is not None and prepack_weight(probe) is not None

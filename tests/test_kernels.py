@@ -309,7 +309,8 @@ def test_cpu_attention_long_bf16_prefills_match_dense(cpu_kernel_ops, queries_pe
 
 def prepacked_weight(ops, weight):
     """The weight in oneDNN's prepacked layout, or None where this CPU's kernels do not read
-    that layout (no AVX512-BF16, or oneDNN chose a layout other than its AMX tiles)."""
+    that layout (no AVX512-BF16, or oneDNN chose a layout other than its 32- or 64-output
+    tiles)."""
     return None if ops.prepack_weight is None else ops.prepack_weight(weight)
 
 
