@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "C++ decoder stack (CPU kernels, Llama family)")
     model.add_argument("--prepack-weights", action="store_true",
                        help="keep bf16 dense weights in oneDNN's blocked layout (faster batched "
-                       "GEMMs; on AMX a single stream is slower for now)")
+                       "decoding; a single stream is slower for now)")
 
     cache = parser.add_argument_group("KV cache and scheduler")
     cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],

@@ -12,7 +12,7 @@
                    such CPUs
   prepacked        the engine's cpu linear (kernels/cpu_kernels.py) on the bf16 weight
                    prepacked in oneDNN's blocked layout: its GEMM past the streaming
-                   kernel's rows (5 over AMX tiles, 32 over 64-wide ones). Only where the
+                   kernel's rows (5 over AMX tiles, 128 over 64-wide ones). Only where the
                    kernels take that layout (AVX512-BF16); elsewhere the report says why
                    it is absent
 

@@ -147,7 +147,8 @@ class KVScope:
                  llm: LLM | None = None):
         """Loads the model per args, unless given an `llm` already loaded."""
         started = time.perf_counter()
-        knobs = {"dtype": args.dtype, "device": args.device, "enforce_eager": args.enforce_eager}
+        knobs = {"dtype": args.dtype, "device": args.device, "enforce_eager": args.enforce_eager,
+                 "prepack_weights": args.prepack_weights}
         for knob in ("max_num_seqs", "max_num_batched_tokens", "device_memory_gb", "quantization"):
             if getattr(args, knob) is not None:
                 knobs[knob] = getattr(args, knob)
@@ -582,6 +583,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the vllm backend runs only with it")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="kvscope knob: the layers one by one, not the one-call decoder stack")
+    parser.add_argument("--prepack-weights", action="store_true",
+                        help="kvscope knob: bf16 weights kept in oneDNN's blocked layout")
     parser.add_argument("--llama-python", default=default_llama_python(),
                         help="the interpreter with llama-cpp-python for the llama_cpp backend "
                              "(default: $KVSCOPE_LLAMA_PYTHON, else this one)")

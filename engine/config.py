@@ -32,8 +32,9 @@ class EngineConfig:
     # default a Llama-family model on the C++ CPU kernels runs its decoder stack in one call.
     enforce_eager: bool = False
     # bf16 dense weights kept once in oneDNN's blocked layout (kernels' prepack_weight):
-    # faster GEMMs at decode batches, but on AMX a single stream measured ~28 % slower on the
-    # blocked streaming kernel (docs/performance.md, issue 37), so off until that is closed.
+    # faster decode batches (1.2-1.4x a step at 16-64 sequences on Zen 4), but a single
+    # stream measured 10-28 % slower (oneDNN's buffers sit on 4 KiB pages; docs/performance.md,
+    # issue 37), so off until that is closed.
     prepack_weights: bool = False
     block_size: int = 16
     # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2 / int8: one code per value and a

@@ -97,12 +97,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # weight chunk meets a group of rows at a time). oneDNN's GEMM re-reads cold weights at a few
 # dozen rows and rounds differently by batch shape: on a 2-core Zen 4 the default model's
 # decode step at 9 to 32 rows took 1.06-1.75x as long through it, about as long at 48 and
-# less at 64 (docs/performance.md). More rows are compute-bound: GEMM. Over oneDNN's AMX tiles
-# (32 outputs) its GEMM is faster from 6 rows, so the blocked kernel stops there; over its
-# 64-output tiles (AVX512-BF16 alone) the blocked kernel keeps the plain one's limit.
-# kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows and kAmxTileKernelMaxRows are the same.
+# less at 64 (docs/performance.md). More rows are compute-bound: GEMM. Prepacked weights
+# stream through the blocked kernel: over oneDNN's AMX tiles (32 outputs) its GEMM is faster
+# from 6 rows; over its 64-output tiles (AVX512-BF16 alone) the blocked kernel matched or beat
+# oneDNN's prepacked GEMM up to 128 rows on Zen 4 (it has no horizontal sums to pay).
+# kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows, kAmxTileKernelMaxRows and
+# kWideTileKernelMaxRows are the same.
 DENSE_KERNEL_MAX_ROWS = 32
 AMX_TILE_KERNEL_MAX_ROWS = 5
+WIDE_TILE_KERNEL_MAX_ROWS = 128
 # Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs of at least
 # WIDENED_MIN_ROWS rows run as fp32 GEMMs over widened weight tiles
 # (kernels/csrc/widened_gemm.cpp). Set by load(), from the build's own instruction set.
@@ -150,8 +153,10 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torc
     over the prepacked weight); out_dtype float32 widens the result (the streaming kernels
     write it so themselves)."""
     prepacked = isinstance(weight, PrepackedWeight)
-    max_rows = (AMX_TILE_KERNEL_MAX_ROWS if prepacked and weight.blocks.shape[1] == 32 * weight.in_features
-                else DENSE_KERNEL_MAX_ROWS)
+    max_rows = DENSE_KERNEL_MAX_ROWS
+    if prepacked:
+        amx_tiles = weight.blocks.shape[1] == 32 * weight.in_features
+        max_rows = AMX_TILE_KERNEL_MAX_ROWS if amx_tiles else WIDE_TILE_KERNEL_MAX_ROWS
     if x.shape[0] > max_rows or x.dim() != 2 or x.stride(-1) != 1:
         if _widened(x, weight, bias):
             out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)

@@ -200,19 +200,19 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
                     int64_t in_features, int64_t out_features, at::Tensor& out) {
   constexpr int kParts = T / 16;
   const int64_t column_elements = T * in_features;
+  // 16 outputs at a time: written lane by lane, the rounding and stores cost as much as the
+  // products of a 576-input column (docs/performance.md).
+  const bool fp32_out = out.scalar_type() == at::kFloat;
   auto write = [&](int64_t column, int64_t m, const kvscope::vec::FP32Vec16(&sums)[kParts]) {
     for (int part = 0; part < kParts; ++part) {
-      float values[16];
-      sums[part].store(values);
-      for (int lane = 0; lane < 16; ++lane) {
-        const int64_t n = column * T + part * 16 + lane;
-        const float value = values[lane] + (bias_values != nullptr ? load(bias_values[n]) : 0.f);
-        const float rounded = round_to(value, static_cast<kvscope::bf16*>(nullptr));
-        if (out.scalar_type() == at::kFloat)
-          store(kvscope::elements<float>(out)[m * out_features + n], rounded);
-        else
-          store(kvscope::elements<kvscope::bf16>(out)[m * out_features + n], rounded);
-      }
+      const int64_t n = column * T + part * 16;
+      kvscope::vec::FP32Vec16 value = sums[part];
+      if (bias_values != nullptr) value += kvscope::vec::FP32Vec16::load(bias_values + n);
+      if (fp32_out)
+        value.rounded_to(static_cast<kvscope::bf16*>(nullptr))
+            .store(kvscope::elements<float>(out) + m * out_features + n);
+      else
+        value.store(kvscope::elements<kvscope::bf16>(out) + m * out_features + n);
     }
   };
   // The columns at `starts`, of which the first `count` are written.

@@ -55,12 +55,13 @@ void gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
     out.copy_(at::linear(x, weight, bias));
 }
 
-// Dense weights: up to this many rows stream their weights through the dot-product kernel,
-// and prepacked ones in oneDNN's 64-output tiles; in its AMX tiles (32 outputs) up to the
-// second (kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS and AMX_TILE_KERNEL_MAX_ROWS, the
-// same rule).
+// Dense weights: up to this many rows stream their weights through the dot-product kernel;
+// prepacked ones through the blocked kernel up to the second (oneDNN's AMX tiles, 32 outputs)
+// or the third (its 64-output tiles). kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS,
+// AMX_TILE_KERNEL_MAX_ROWS and WIDE_TILE_KERNEL_MAX_ROWS, the same rule.
 constexpr int64_t kDenseKernelMaxRows = 32;
 constexpr int64_t kAmxTileKernelMaxRows = 5;
+constexpr int64_t kWideTileKernelMaxRows = 128;
 
 // out = x @ weight.T (+ bias) for a plain dense weight, as kernels/cpu_kernels.py's linear
 // computes it: a few rows stream the weight through the dot-product kernel, more go to gemm().
@@ -148,7 +149,7 @@ void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig
   if (linear.scales) return quantized_project(x, linear, config, out);
   if (linear.onednn) {
     const bool amx_tiles = linear.weight.size(1) == 32 * x.size(1);
-    if (x.size(0) > (amx_tiles ? kAmxTileKernelMaxRows : kDenseKernelMaxRows)) {
+    if (x.size(0) > (amx_tiles ? kAmxTileKernelMaxRows : kWideTileKernelMaxRows)) {
       // oneDNN's op writes a tensor of its own: that tensor becomes `out` (a copy into the
       // workspace cost a tenth of the GEMM), unless the logits need it widened.
       at::Tensor result = linear_onednn(x, *linear.onednn, linear.bias);
