@@ -47,7 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.query_len < 1:
+        parser.error(f"--query-len={args.query_len}: a sequence has at least 1 query token")
+    return args
 
 
 def main(argv=None) -> None:

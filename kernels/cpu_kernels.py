@@ -137,9 +137,11 @@ def prepack_weight(weight: torch.Tensor) -> PrepackedWeight | None:
         return None
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_ROWS_HINT)
     flat = torch.ops.kvscope.onednn_weight_blocks(onednn)
+    if flat.numel() != weight.numel():  # padded: outputs no multiple of oneDNN's tile
+        return None
     out_features, in_features = weight.shape
     for tile in PREPACK_TILE_OUTPUTS:
-        if flat.numel() == weight.numel() and out_features % tile == 0:
+        if out_features % tile == 0:
             blocks = flat.view(out_features // tile, tile * in_features)
             if torch.equal(reference.blocked_to_plain(blocks, out_features, in_features), weight):
                 return PrepackedWeight(onednn=onednn, blocks=blocks, out_features=out_features,
@@ -155,8 +157,7 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torc
     prepacked = isinstance(weight, PrepackedWeight)
     max_rows = DENSE_KERNEL_MAX_ROWS
     if prepacked:
-        amx_tiles = weight.blocks.shape[1] == 32 * weight.in_features
-        max_rows = AMX_TILE_KERNEL_MAX_ROWS if amx_tiles else WIDE_TILE_KERNEL_MAX_ROWS
+        max_rows = AMX_TILE_KERNEL_MAX_ROWS if weight.tile_outputs == 32 else WIDE_TILE_KERNEL_MAX_ROWS
     if x.shape[0] > max_rows or x.dim() != 2 or x.stride(-1) != 1:
         if _widened(x, weight, bias):
             out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)

@@ -341,7 +341,7 @@ struct Scratch {
   std::vector<uint32_t> pairs;
   std::vector<const kvscope::bf16*> q_rows;
   void fit(const Layout& L) {
-    auto at_least = [](std::vector<float>& buffer, int64_t size) {
+    auto at_least = [](auto& buffer, int64_t size) {
       if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
     };
     // Query rows of the largest item: a prefill tile of one KV head or decodes of all.
@@ -352,9 +352,8 @@ struct Scratch {
     at_least(row_sum, rows);
     at_least(keys, static_cast<int64_t>(kKeyChunk) * L.dim);
     at_least(scores, rows * kKeyChunk);
-    if (static_cast<int64_t>(pairs.size()) < kKeyChunk * L.dim + rows * kKeyChunk / 2)
-      pairs.resize(kKeyChunk * L.dim + rows * kKeyChunk / 2);
-    if (static_cast<int64_t>(q_rows.size()) < rows) q_rows.resize(rows);
+    at_least(pairs, kKeyChunk * L.dim + rows * kKeyChunk / 2);
+    at_least(q_rows, rows);
   }
 };
 
