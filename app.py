@@ -114,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--enforce-eager", action="store_true",
                        help="run the model layer by layer from Python instead of the one-call "
                        "C++ decoder stack (CPU kernels, Llama family)")
-    model.add_argument("--prepack-weights", action="store_true",
-                       help="keep bf16 dense weights in oneDNN's blocked layout (faster batched "
-                       "decoding; a single stream is slower for now)")
+    model.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep bf16 dense weights once, in tiles for bf16 dot products "
+                       "(default: on for AVX512-BF16 CPUs without AMX, where it is faster at "
+                       "every batch; off with AMX, where a single stream is slower)")
 
     cache = parser.add_argument_group("KV cache and scheduler")
     cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],

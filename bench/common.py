@@ -40,8 +40,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "folder; gguf keeps a GGUF file's blocks)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="the layers one by one from Python, not the one-call decoder stack")
-    parser.add_argument("--prepack-weights", action="store_true",
-                        help="EngineConfig.prepack_weights: bf16 weights kept in oneDNN's layout")
+    parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="EngineConfig.prepack_weights: bf16 weights kept in tiles (default: "
+                             "the CPU's)")
 
 
 def setup(args: argparse.Namespace, max_model_len: int) -> "Bench":

@@ -39,7 +39,7 @@ ATTENTION_LABEL = "attention (store_kv + paged_attention)"
 # and the rounding of the result around its fp32 aten::mm; the packed int4 / int8 / GGUF
 # kernels, and their de-quantization before a GEMM of many rows).
 GEMM_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvscope::linear_small_batch",
-            "kvscope::linear_small_batch_blocked", "kvscope::linear_widened",
+            "kvscope::linear_blocked", "kvscope::linear_widened",
             "kvscope::int4_linear", "kvscope::int8_linear", "kvscope::gguf_linear",
             "kvscope::int4_dequantize", "kvscope::int8_dequantize", "kvscope::gguf_dequantize")
 

@@ -11,10 +11,10 @@
                    kernels/csrc/widened_gemm.cpp from WIDENED_MIN_ROWS = 48 rows); only on
                    such CPUs
   prepacked        the engine's cpu linear (kernels/cpu_kernels.py) on the bf16 weight
-                   prepacked in oneDNN's blocked layout: its GEMM past the streaming
-                   kernel's rows (5 over AMX tiles, 128 over 64-wide ones). Only where the
-                   kernels take that layout (AVX512-BF16); elsewhere the report says why
-                   it is absent
+                   prepacked (prepack_weight): kvscope's 64-output tiles through the
+                   blocked kernel at every row count, or where the CPU has AMX oneDNN's
+                   tiles, its GEMM past 5 rows. Only where the kernels take tiles
+                   (AVX512-BF16); elsewhere the report says why it is absent
 
 --dtypes defaults to float32 and bfloat16 both: the engine's dtype="auto" runs float32 on a
 CPU without native bf16 matmuls (no AVX512-BF16 or AMX), and the two rates side by side show
@@ -130,7 +130,7 @@ def measure(model: str | None, rows: list[int], dtypes: list[torch.dtype], repea
     }
     if cpu_kernels.kernel_ops().prepack_weight is None:
         report["prepacked"] = ("absent: the kernels were built without AVX512-BF16, so nothing "
-                               "reads oneDNN's blocked layout (kernel_ops().prepack_weight is None)")
+                               "reads tiled weights (kernel_ops().prepack_weight is None)")
     elif "prepacked" not in forms:
         report["prepacked"] = "absent: no bfloat16 in --dtypes"
     return report

@@ -583,8 +583,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the vllm backend runs only with it")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="kvscope knob: the layers one by one, not the one-call decoder stack")
-    parser.add_argument("--prepack-weights", action="store_true",
-                        help="kvscope knob: bf16 weights kept in oneDNN's blocked layout")
+    parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="kvscope knob: bf16 weights kept in tiles (default: the CPU's)")
     parser.add_argument("--llama-python", default=default_llama_python(),
                         help="the interpreter with llama-cpp-python for the llama_cpp backend "
                              "(default: $KVSCOPE_LLAMA_PYTHON, else this one)")

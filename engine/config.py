@@ -31,11 +31,13 @@ class EngineConfig:
     # vLLM's name: True runs the model layer by layer from Python (the oracle path); by
     # default a Llama-family model on the C++ CPU kernels runs its decoder stack in one call.
     enforce_eager: bool = False
-    # bf16 dense weights kept once in oneDNN's blocked layout (kernels' prepack_weight):
-    # faster decode batches (1.2-1.4x a step at 16-64 sequences on Zen 4), but a single
-    # stream measured 10-28 % slower (oneDNN's buffers sit on 4 KiB pages; docs/performance.md,
-    # issue 37), so off until that is closed.
-    prepack_weights: bool = False
+    # bf16 dense weights kept once in tiles for bf16 dot products (kernels' prepack_weight):
+    # kvscope's own 64-output tiles on AVX512-BF16 CPUs without AMX, where they are faster at
+    # every batch (decode steps 1.2-1.4x at 16-64 sequences on Zen 4, a single stream level),
+    # so None (unset) means on there; oneDNN's AMX tiles where the CPU has AMX, faster for
+    # batches but a single stream measured 28 % slower, so None means off there
+    # (docs/performance.md, issue 37).
+    prepack_weights: bool | None = None
     block_size: int = 16
     # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2 / int8: one code per value and a
     # scale per token and KV head, about half the bytes per block (kernels/kv_quant.py)
@@ -80,8 +82,9 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
-        if not isinstance(self.prepack_weights, bool):
-            raise ValueError(f"prepack_weights={self.prepack_weights!r} must be True or False")
+        if self.prepack_weights is not None and not isinstance(self.prepack_weights, bool):
+            raise ValueError(f"prepack_weights={self.prepack_weights!r} must be True, False or "
+                             "None (the CPU's default)")
         bs = self.block_size
         if (isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK_SIZE
                 or bs & (bs - 1)):

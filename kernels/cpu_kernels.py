@@ -30,7 +30,8 @@ def kernel_ops() -> KernelOps:
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
         prepack_weight=prepack_weight if torch.ops.kvscope.has_blocked_linear() else None,
-        packed=packed, decoder_stack=torch.classes.kvscope.LlamaDecoderStack)
+        packed=packed, decoder_stack=torch.classes.kvscope.LlamaDecoderStack,
+        prepacks_by_default=prepacks_by_default())
 
 
 def load() -> None:
@@ -98,14 +99,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # dozen rows and rounds differently by batch shape: on a 2-core Zen 4 the default model's
 # decode step at 9 to 32 rows took 1.06-1.75x as long through it, about as long at 48 and
 # less at 64 (docs/performance.md). More rows are compute-bound: GEMM. Prepacked weights
-# stream through the blocked kernel: over oneDNN's AMX tiles (32 outputs) its GEMM is faster
-# from 6 rows; over its 64-output tiles (AVX512-BF16 alone) the blocked kernel matched or beat
-# oneDNN's prepacked GEMM up to 128 rows on Zen 4 (it has no horizontal sums to pay).
-# kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows, kAmxTileKernelMaxRows and
-# kWideTileKernelMaxRows are the same.
+# stream through the blocked kernel: over oneDNN's AMX tiles (32 outputs) up to
+# AMX_TILE_KERNEL_MAX_ROWS, past which oneDNN's AMX GEMM is faster; over kvscope's own
+# 64-output tiles at every row count (its outputs need no horizontal sums, so it runs at the
+# GEMM rate). kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows and kAmxTileKernelMaxRows
+# are the same.
 DENSE_KERNEL_MAX_ROWS = 32
 AMX_TILE_KERNEL_MAX_ROWS = 5
-WIDE_TILE_KERNEL_MAX_ROWS = 128
 # Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs of at least
 # WIDENED_MIN_ROWS rows run as fp32 GEMMs over widened weight tiles
 # (kernels/csrc/widened_gemm.cpp). Set by load(), from the build's own instruction set.
@@ -120,63 +120,89 @@ WIDENED_MIN_ROWS = 48
 # The rows oneDNN is told to expect when it lays a weight out (its reorder's batch hint): a
 # decode batch's size; the layout it picks is the same for prefill's thousands of rows.
 PREPACK_ROWS_HINT = 64
+# Tile widths (outputs): oneDNN's AMX layout, and kvscope's own for vdpbf16ps alone, whose
+# 64 outputs are four vectors of sums (kernels/csrc/dense_linear.cpp).
+AMX_TILE_OUTPUTS = 32
+WIDE_TILE_OUTPUTS = 64
 
 
-# The tile widths (outputs) of oneDNN's bf16 weight layouts the streaming kernel reads: 32
-# where the CPU has AMX, 64 where it has AVX512-BF16 alone (kernels/csrc/dense_linear.cpp).
-PREPACK_TILE_OUTPUTS = (32, 64)
+@functools.cache
+def onednn_uses_amx() -> bool:
+    """Whether oneDNN lays bf16 weights out in AMX tiles here (its GEMM then runs on AMX)."""
+    probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    blocks = torch.ops.kvscope.onednn_weight_blocks(
+        torch.ops.mkldnn._reorder_linear_weight(probe, PREPACK_ROWS_HINT))
+    return (blocks.numel() == probe.numel() and torch.equal(
+        reference.blocked_to_plain(blocks.view(64 // AMX_TILE_OUTPUTS, -1), 64, 64), probe))
+
+
+def prepacks_by_default() -> bool:
+    """Whether `prepack_weights` is on unless set: where the weights go into kvscope's own
+    64-output tiles (AVX512-BF16 without AMX), which serve every row count at least as fast
+    as the plain weight (docs/performance.md). oneDNN's AMX tiles leave a single stream
+    slower, so there it stays a choice."""
+    return torch.ops.kvscope.has_blocked_linear() and not onednn_uses_amx()
 
 
 def prepack_weight(weight: torch.Tensor) -> PrepackedWeight | None:
-    """The weight in oneDNN's blocked layout, which its GEMM reads without reordering the
-    weight per call (docs/performance.md: 1.5-2x at decode batches with AMX, 1.1-1.3x
-    without), or None where the streaming kernel could not read that layout: not bf16, a
-    dimension not a multiple of the tile, or oneDNN chose another layout on this CPU
-    (checked value for value against the weight)."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 32 or weight.shape[1] % 32:
-        return None
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_ROWS_HINT)
-    flat = torch.ops.kvscope.onednn_weight_blocks(onednn)
-    if flat.numel() != weight.numel():  # padded: outputs no multiple of oneDNN's tile
+    """The weight kept once in a tiled layout the blocked kernel streams: oneDNN's AMX tiles
+    where the CPU has AMX (its GEMM reads them for more rows without reordering the weight per
+    call: 1.5-2x at decode batches, docs/performance.md), else kvscope's own 64-output tiles
+    (the blocked kernel serves every row count). None where the weight cannot be tiled: not
+    bf16, or a dimension not a multiple of the tile (32 inputs; 32 or 64 outputs)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 32:
         return None
     out_features, in_features = weight.shape
-    for tile in PREPACK_TILE_OUTPUTS:
-        if out_features % tile == 0:
-            blocks = flat.view(out_features // tile, tile * in_features)
-            if torch.equal(reference.blocked_to_plain(blocks, out_features, in_features), weight):
-                return PrepackedWeight(onednn=onednn, blocks=blocks, out_features=out_features,
-                                       in_features=in_features)
-    return None
+    if not onednn_uses_amx():
+        if out_features % WIDE_TILE_OUTPUTS:
+            return None
+        return PrepackedWeight(onednn=None, blocks=reference.plain_to_blocked(weight, WIDE_TILE_OUTPUTS),
+                               out_features=out_features, in_features=in_features)
+    if out_features % AMX_TILE_OUTPUTS:
+        return None
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_ROWS_HINT)
+    blocks = torch.ops.kvscope.onednn_weight_blocks(onednn)
+    # Checked value for value: oneDNN may pick another layout for some shapes.
+    if blocks.numel() != weight.numel():
+        return None
+    blocks = blocks.view(out_features // AMX_TILE_OUTPUTS, AMX_TILE_OUTPUTS * in_features)
+    if not torch.equal(reference.blocked_to_plain(blocks, out_features, in_features), weight):
+        return None
+    return PrepackedWeight(onednn=onednn, blocks=blocks, out_features=out_features,
+                           in_features=in_features)
 
 
 def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A few rows through the streaming kernel, more through oneDNN's GEMM (F.linear, or
-    over the prepacked weight); out_dtype float32 widens the result (the streaming kernels
-    write it so themselves)."""
-    prepacked = isinstance(weight, PrepackedWeight)
-    max_rows = DENSE_KERNEL_MAX_ROWS
-    if prepacked:
-        max_rows = AMX_TILE_KERNEL_MAX_ROWS if weight.tile_outputs == 32 else WIDE_TILE_KERNEL_MAX_ROWS
-    if x.shape[0] > max_rows or x.dim() != 2 or x.stride(-1) != 1:
+    over oneDNN's prepacked weight); any number over kvscope's own tiles through the blocked
+    kernel. out_dtype float32 widens the result (the kernels write it so themselves)."""
+    if isinstance(weight, PrepackedWeight):
+        return _prepacked_linear(x, weight, bias, out_dtype)
+    if x.shape[0] > DENSE_KERNEL_MAX_ROWS or x.dim() != 2 or x.stride(-1) != 1:
         if _widened(x, weight, bias):
             out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
             torch.ops.kvscope.linear_widened(x, weight, bias, out)
             return out
-        if prepacked:
-            out = torch.ops.mkldnn._linear_pointwise(x, weight.onednn, bias, "none", [], "")
-        else:
-            out = F.linear(x, weight, bias)
-        return out.to(out_dtype or x.dtype)
-    if not prepacked and x.dtype != weight.dtype:
         return F.linear(x, weight, bias).to(out_dtype or x.dtype)
-    out_features = weight.out_features if prepacked else weight.shape[0]
-    out = x.new_empty(x.shape[0], out_features, dtype=out_dtype or x.dtype)
-    if prepacked:
-        torch.ops.kvscope.linear_small_batch_blocked(x, weight.blocks, bias, out)
-    else:
-        torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
+    if x.dtype != weight.dtype:
+        return F.linear(x, weight, bias).to(out_dtype or x.dtype)
+    out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
+    torch.ops.kvscope.linear_small_batch(x, weight, bias, out)
     return out
+
+
+def _prepacked_linear(x: torch.Tensor, weight: PrepackedWeight, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype | None) -> torch.Tensor:
+    if weight.onednn is not None and x.shape[0] > AMX_TILE_KERNEL_MAX_ROWS:
+        out = torch.ops.mkldnn._linear_pointwise(x, weight.onednn, bias, "none", [], "")
+        return out.to(out_dtype or x.dtype)
+    rows = x.reshape(-1, weight.in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = x.new_empty(rows.shape[0], weight.out_features, dtype=out_dtype or x.dtype)
+    torch.ops.kvscope.linear_blocked(rows, weight.blocks, bias, out)
+    return out.view(*x.shape[:-1], weight.out_features)
 
 
 def widens_bf16_gemms() -> bool:

@@ -72,19 +72,19 @@ class PackedLinearKernels:
 
 @dataclass(frozen=True, slots=True)
 class PrepackedWeight:
-    """A bf16 weight [out_features, in_features] kept once, in oneDNN's blocked layout for
-    bf16 dot products: `onednn` (an opaque oneDNN tensor) feeds oneDNN's GEMM, `blocks` is
-    the same memory as a plain bf16 tensor [out / T, T * in] (tiles of T outputs), which the
-    streaming kernel reads for a few rows."""
+    """A bf16 weight [out_features, in_features] kept once, in tiles for bf16 dot products:
+    `blocks` is a plain bf16 tensor [out / T, T * in] (tiles of T outputs), which the blocked
+    kernel streams. Either oneDNN's AMX layout (T = 32), with `onednn` the opaque oneDNN tensor
+    over the same memory that feeds its GEMM, or kvscope's own (T = 64, `onednn` None)."""
 
-    onednn: torch.Tensor
+    onednn: torch.Tensor | None
     blocks: torch.Tensor
     out_features: int
     in_features: int
 
     @property
     def tile_outputs(self) -> int:
-        """T: 32 for oneDNN's AMX tiles, 64 for its AVX512-BF16 ones."""
+        """T: 32 for oneDNN's AMX tiles, 64 for kvscope's own."""
         return self.blocks.shape[1] // self.in_features
 
 
@@ -113,3 +113,6 @@ class KernelOps:
     # the constructor of the one-call Llama decoder stack (kvscope::LlamaDecoderStack);
     # None: the model runs its layers one by one
     decoder_stack: Callable[..., Any] | None
+    # whether EngineConfig.prepack_weights left unset means on: where prepacked weights are
+    # measured at least as fast as plain ones at every row count
+    prepacks_by_default: bool = False

@@ -192,6 +192,14 @@ def _decode_batch(
     out.index_copy_(0, token_index, result.squeeze(2).to(out.dtype))
 
 
+def plain_to_blocked(weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """blocked_to_plain's inverse: the weight [out, in] as blocks [out / tile, tile * in] of
+    layout "AB16b<tile>a2b"."""
+    out_features, in_features = weight.shape
+    tiles = weight.reshape(out_features // tile, tile, in_features // 32, 16, 2)
+    return tiles.permute(0, 2, 3, 1, 4).reshape(out_features // tile, tile * in_features).contiguous()
+
+
 def blocked_to_plain(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """A weight [out, in] from oneDNN's layout "AB16b<T>a2b" given as blocks [out / T, T * in]
     (kernels/csrc/dense_linear.cpp describes it): tiles of T outputs x 32 inputs in

@@ -13,6 +13,7 @@ from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models.decoder_stack import FusedDecoderStack
 from kvscope.engine.worker.models.llama import LayerKind
+from kvscope.kernels import cpu_kernels, reference
 
 # Prompts that end mid-block, exactly on a block, and span several blocks, run as a mix of
 # chunked prefills (budget 24) and decodes.
@@ -140,6 +141,35 @@ def test_the_decoder_stack_computes_what_gemma_layers_compute(tiny_model, monkey
     for fused, eager in stack_and_layers(runner):
         for stack_tensor, layers_tensor in zip(fused, eager, strict=True):
             torch.testing.assert_close(stack_tensor, layers_tensor, atol=2e-5, rtol=2e-5)
+
+
+def test_prepack_weights_unset_follows_the_cpu_and_the_tiles_move_with_their_weight(
+        tiny_model, monkeypatch):
+    """prepack_weights unset: bf16 weights are prepacked where the kernels lay them out in
+    their own tiles (AVX512-BF16 without AMX), and stay plain elsewhere and under False. A
+    prepacked linear's tiles are its weight parameter, which moves to huge pages with the
+    rest of the model, so the kernels read the moved memory, not a copy left behind; and its
+    forward equals the plain weight's to bf16 rounding."""
+    _, plain = runner_for(monkeypatch, tiny_model, "cpu", dtype="bfloat16", prepack_weights=False)
+    _, unset = runner_for(monkeypatch, tiny_model, "cpu", dtype="bfloat16")
+    assert unset.kernel_ops.prepacks_by_default == (
+        torch.ops.kvscope.has_blocked_linear() and not cpu_kernels.onednn_uses_amx())
+    prepacked = {name: module for name, module in unset.model.named_modules()
+                 if getattr(module, "prepacked", None) is not None}
+    assert bool(prepacked) == unset.kernel_ops.prepacks_by_default
+    assert not any(getattr(m, "prepacked", None) is not None for m in plain.model.modules())
+    plain_modules = dict(plain.model.named_modules())
+    for name, module in prepacked.items():
+        assert module.prepacked.onednn is None and module.prepacked.tile_outputs == 64
+        module.weight.data = module.weight.data.clone()  # as huge_pages.move_module moves it
+        assert module.prepacked.blocks.data_ptr() == module.weight.data_ptr()
+        weight = plain_modules[name].weight
+        assert torch.equal(reference.blocked_to_plain(module.weight, *weight.shape), weight)
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
+        torch.testing.assert_close(module(x).float(), plain_modules[name](x).float(),
+                                   atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="prepack_weights"):
+        EngineConfig(prepack_weights="yes")
 
 
 def test_enforce_eager_or_the_torch_kernels_keep_the_layers(tiny_model, monkeypatch):

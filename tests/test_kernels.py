@@ -308,9 +308,8 @@ def test_cpu_attention_long_bf16_prefills_match_dense(cpu_kernel_ops, queries_pe
 
 
 def prepacked_weight(ops, weight):
-    """The weight in oneDNN's prepacked layout, or None where this CPU's kernels do not read
-    that layout (no AVX512-BF16, or oneDNN chose a layout other than its 32- or 64-output
-    tiles)."""
+    """The weight prepacked in tiles (kvscope's own, or oneDNN's AMX tiles), or None where
+    this CPU's kernels take no tiles (no AVX512-BF16)."""
     return None if ops.prepack_weight is None else ops.prepack_weight(weight)
 
 
@@ -373,19 +372,20 @@ def test_cpu_streaming_linear_widens_each_weight_once_for_every_row(cpu_kernel_o
                                    atol=tolerance)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 6, 40])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 40, 130])
 def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
-    """A weight kept only in oneDNN's blocked layout: its blocks read back as the weight
-    (reference.blocked_to_plain), and the streaming kernel (a few rows) and oneDNN's GEMM
-    (more) give x @ W.T + b to bf16 rounding, from a strided x too."""
+    """A weight kept only in tiles: its blocks read back as the weight
+    (reference.blocked_to_plain), and the blocked kernel (any rows over kvscope's tiles, a
+    few over oneDNN's) and oneDNN's GEMM (more rows over its AMX tiles) give x @ W.T + b to
+    bf16 rounding, from a strided x too."""
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(320, 128, generator=generator).bfloat16()
     bias = torch.randn(320, generator=generator).bfloat16()
     x = torch.randn(rows, 256, generator=generator).bfloat16()[:, 64:192]
     prepacked = prepacked_weight(cpu_kernel_ops, weight)
     if prepacked is None:
-        pytest.skip("prepack_weights: this CPU's C++ kernels do not read oneDNN's prepacked "
-                    "layout (they need AVX512-BF16)")
+        pytest.skip("prepack_weights: this CPU's C++ kernels read no tiles (they need "
+                    "AVX512-BF16)")
     assert prepacked.blocks.numel() == weight.numel()
     assert torch.equal(reference.blocked_to_plain(prepacked.blocks, 320, 128), weight)
     expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
@@ -398,28 +398,29 @@ def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
 
 
 @pytest.mark.parametrize("tile", [32, 64])
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 131])
 def test_cpu_blocked_linear_reads_both_tile_widths(cpu_kernel_ops, tile, rows):
-    """oneDNN lays bf16 weights out in tiles of 32 outputs where the CPU has AMX and of 64
-    where it has AVX512-BF16 alone; the streaming kernel reads either (blocks [out / T,
-    T * in]), whichever this CPU's oneDNN picks: an odd number of tile columns, bias, and
-    each row equal to what it gets alone."""
+    """The blocked kernel reads tiles of 32 outputs (oneDNN's, with AMX) and of 64 (kvscope's
+    own), blocks [out / T, T * in] (reference.plain_to_blocked, blocked_to_plain's inverse):
+    an odd number of tile columns, bias, and each row equal to what it gets alone, also past
+    the rows from which the threads share out rows instead of columns (131)."""
     if not torch.ops.kvscope.has_blocked_linear():
         pytest.skip("the blocked kernel needs AVX512-BF16")
     generator = torch.Generator().manual_seed(6)
     weight = torch.randn(5 * 64, 96, generator=generator).bfloat16()
     bias = torch.randn(5 * 64, generator=generator).bfloat16()
     x = torch.randn(rows, 96, generator=generator).bfloat16()
-    blocks = (weight.view(-1, tile, 3, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1, tile * 96)
-              .contiguous())
+    blocks = reference.plain_to_blocked(weight, tile)
+    assert blocks.shape == (5 * 64 // tile, tile * 96)
     assert torch.equal(reference.blocked_to_plain(blocks, 5 * 64, 96), weight)
     out = torch.empty(rows, 5 * 64, dtype=torch.bfloat16)
-    torch.ops.kvscope.linear_small_batch_blocked(x, blocks, bias, out)
+    torch.ops.kvscope.linear_blocked(x, blocks, bias, out)
     expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(out.double(), expected, atol=0.1, rtol=1e-2)
-    alone = torch.empty(1, 5 * 64, dtype=torch.bfloat16)
-    torch.ops.kvscope.linear_small_batch_blocked(x[-1:], blocks, bias, alone)
-    assert torch.equal(out[-1:], alone)
+    for row in range(rows):
+        alone = torch.empty(1, 5 * 64, dtype=torch.bfloat16)
+        torch.ops.kvscope.linear_blocked(x[row:row + 1], blocks, bias, alone)
+        assert torch.equal(out[row:row + 1], alone), row
 
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),

@@ -142,17 +142,20 @@ class ModelRunner:
             # Before the move to huge pages, so the file's blocks are dropped, not moved.
             repack_gguf(self.model, self.kernel_ops.packed, self.dtype)
         # Before the move to huge pages: the plain weights it replaces are then dropped, not
-        # copied first (the prepacked ones live in oneDNN's memory).
-        prepacked = []
-        if config.prepack_weights and self.kernel_ops.prepack_weight is None:
-            logger.warning("prepack_weights=True: this backend's kernels cannot read oneDNN's "
+        # copied first (those oneDNN prepacks live in its memory and stay there).
+        in_onednn = []
+        prepack = config.prepack_weights
+        if prepack is None:
+            prepack = self.kernel_ops.prepacks_by_default
+        if prepack and self.kernel_ops.prepack_weight is None:
+            logger.warning("prepack_weights=True: this backend's kernels cannot read a "
                            "prepacked layout here (the C++ kernels need AVX512-BF16); the "
                            "weights stay in the plain layout")
-        elif config.prepack_weights:
-            prepacked = prepack_linears(self.model, self.kernel_ops.prepack_weight)
+        elif prepack:
+            in_onednn = prepack_linears(self.model, self.kernel_ops.prepack_weight)
         if self.device.type == "cpu":
-            huge_pages.move_module(self.model, leave=prepacked)
-            for weight in prepacked:
+            huge_pages.move_module(self.model, leave=in_onednn)
+            for weight in in_onednn:
                 huge_pages.collapse(weight)
         self.model.eval()
         # Packed quantized weights are (integer) parameters too, so this is what they occupy.

@@ -24,7 +24,7 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("gelu_tanh_and_mul(Tensor x, Tensor(a!) out) -> ()");
   // dense_linear.cpp
   m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
-  m.def("linear_small_batch_blocked(Tensor x, Tensor blocks, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_blocked(Tensor x, Tensor blocks, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("has_blocked_linear() -> bool", &has_blocked_linear);
   m.def("onednn_weight_blocks(Tensor onednn) -> Tensor", &onednn_weight_blocks);
   // widened_gemm.cpp
@@ -74,7 +74,7 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("linear_small_batch", &linear_small_batch);
-  m.impl("linear_small_batch_blocked", &linear_small_batch_blocked);
+  m.impl("linear_blocked", &linear_blocked);
   m.impl("linear_widened", &linear_widened);
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);

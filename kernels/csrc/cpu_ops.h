@@ -29,9 +29,9 @@ void gelu_tanh_and_mul(const at::Tensor& x, at::Tensor out);
 // dense_linear.cpp
 void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias, at::Tensor out);
-void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
-                                const std::optional<at::Tensor>& bias, at::Tensor out);
-bool has_blocked_linear();  // whether linear_small_batch_blocked was built (AVX512-BF16)
+void linear_blocked(const at::Tensor& x, const at::Tensor& blocks,
+                    const std::optional<at::Tensor>& bias, at::Tensor out);
+bool has_blocked_linear();  // whether linear_blocked was built (AVX512-BF16)
 // A prepacked oneDNN weight (torch.ops.mkldnn._reorder_linear_weight) as a bf16 tensor over
 // the same memory, and oneDNN's GEMM over it.
 at::Tensor onednn_weight_blocks(const at::Tensor& onednn);

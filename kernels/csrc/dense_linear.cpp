@@ -1,7 +1,7 @@
 // The dense linear of a decode batch's rows (linear_small_batch): every weight row is read
-// from memory once, streamed, and dotted with all rows of x while it sits in L1. The
-// same for weights prepacked in oneDNN's blocked layout (linear_small_batch_blocked), and
-// oneDNN's GEMM over them for more rows (linear_onednn).
+// from memory once, streamed, and dotted with all rows of x while it sits in L1. Weights
+// prepacked in tiles (linear_blocked) stream the same way for a decode batch and serve a
+// prefill's rows too; over oneDNN's AMX tiles, its GEMM takes more rows (linear_onednn).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/from_blob.h>
@@ -137,17 +137,20 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
   });
 }
 
-// oneDNN's inner product keeps a bf16 weight [out, in] as "AB16b<T>a2b": tiles of T outputs x
-// 32 inputs, tile (o / T, i / 32) at element ((o / T) * (in / 32) + i / 32) * T * 32, and
-// inside a tile 16 input pairs x T outputs x the pair: each input pair's row is a row of an
-// AMX B tile (T = 32, with AMX) or T / 16 vectors of vdpbf16ps operands (T = 64, AVX512-BF16
-// alone). A column of tiles (T outputs, all inputs) is contiguous. The blocks come as
-// [out / T, T * in], so their shape says T. kernels/cpu_kernels.py checks the layout on every
-// weight it prepacks.
+// A tiled bf16 weight [out, in] is oneDNN's layout "AB16b<T>a2b": tiles of T outputs x 32
+// inputs, tile (o / T, i / 32) at element ((o / T) * (in / 32) + i / 32) * T * 32, and inside a
+// tile 16 input pairs x T outputs x the pair: each input pair's row is a row of an AMX B tile
+// (T = 32: oneDNN's own, where the CPU has AMX) or T / 16 vectors of vdpbf16ps operands
+// (T = 64: oneDNN's choice without AMX, which kvscope lays out itself). A column of tiles
+// (T outputs, all inputs) is contiguous. The blocks come as [out / T, T * in], so their shape
+// says T. kernels/cpu_kernels.py's prepack_weight makes them (reference.plain_to_blocked).
 constexpr int64_t kTileInputs = 32;
 
 // Rows per pass over a tile column: their four sums a row stay in registers.
 constexpr int kBlockedRowGroup = 5;
+// Past this many rows the threads share out rows instead of columns, and each takes its rows
+// this many at a time (blocked_linear).
+constexpr int64_t kBlockedRowBlock = 128;
 
 // Rows (<= kBlockedRowGroup, a constant: the sums then stay in registers) rows of x (row stride
 // x_stride) times `Columns` tile columns of T outputs (all inputs), into
@@ -186,11 +189,11 @@ void tile_columns(const kvscope::bf16* x, int64_t x_stride,
     for (int m = 0; m < Rows; ++m)
       for (int part = 0; part < kParts; ++part) sums[c][m][part] = local[c][m][part];
 #else
-  TORCH_CHECK(false, "linear_small_batch_blocked: built without AVX512-BF16");
+  TORCH_CHECK(false, "linear_blocked: built without AVX512-BF16");
 #endif
 }
 
-// linear_small_batch_blocked for tiles of T outputs, C tile columns per tile_columns call:
+// linear_blocked for tiles of T outputs, C tile columns per tile_columns call:
 // two from two places (two weight streams in flight, as small_batch_linear's two halves)
 // where their sums fit in registers beside the weights, else one. Each column (or pair)
 // meets every group of kBlockedRowGroup rows while it is in cache.
@@ -215,29 +218,52 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
         value.store(kvscope::elements<kvscope::bf16>(out) + m * out_features + n);
     }
   };
-  // The columns at `starts`, of which the first `count` are written.
-  auto run = [&](const int64_t (&starts)[C], int count) {
+  // The columns at `starts`, of which the first `count` are written, times rows
+  // [row_begin, row_end).
+  auto run = [&](const int64_t (&starts)[C], int count, int64_t row_begin, int64_t row_end) {
     const kvscope::bf16* columns[C];
     for (int c = 0; c < C; ++c) columns[c] = weight + starts[c] * column_elements;
-    kvscope::by_row_groups<kBlockedRowGroup>(rows, [&](auto group, int64_t first) {
+    kvscope::by_row_groups<kBlockedRowGroup>(row_end - row_begin, [&](auto group, int64_t offset) {
       constexpr int R = decltype(group)::value;
+      const int64_t first = row_begin + offset;
       kvscope::vec::FP32Vec16 sums[C][R][kParts];
       tile_columns<T, R, C>(xs + first * x_stride, x_stride, columns, in_features, sums);
       for (int c = 0; c < count; ++c)
         for (int m = 0; m < R; ++m) write(starts[c], first + m, sums[c][m]);
     });
   };
-  const int64_t columns = out_features / T;
-  kvscope::parallel_for(0, columns, std::max<int64_t>(C, kvscope::one_share_per_thread(columns)),
-                        [&](int64_t begin, int64_t end) {
-    if constexpr (C == 2) {
-      const int64_t half = (end - begin) / 2;
-      for (int64_t i = 0; i < half; ++i) run({begin + i, begin + half + i}, 2);
-      if ((end - begin) % 2 != 0) run({end - 1, end - 1}, 1);
-    } else {
-      for (int64_t i = begin; i < end; ++i) run({i}, 1);
+  // Columns [begin, end) times rows [row_begin, row_end), C columns at a time from C places
+  // spread over the range (C weight streams in flight); the columns left over one by one.
+  auto columns_times_rows = [&](int64_t begin, int64_t end, int64_t row_begin, int64_t row_end) {
+    const int64_t stride = (end - begin) / C;
+    int64_t starts[C];
+    for (int64_t i = 0; i < stride; ++i) {
+      for (int c = 0; c < C; ++c) starts[c] = begin + c * stride + i;
+      run(starts, C, row_begin, row_end);
     }
-  });
+    for (int64_t i = begin + C * stride; i < end; ++i) {
+      std::fill_n(starts, C, i);
+      run(starts, 1, row_begin, row_end);
+    }
+  };
+  const int64_t columns = out_features / T;
+  if (rows > kBlockedRowBlock) {
+    // A prefill's rows are shared out between the threads, and each thread takes its rows a
+    // block at a time past all the columns: the block's rows and outputs stay in L2 while the
+    // columns pass. Shared out by columns, a layer of 9 columns left one of two threads idle
+    // a tenth of the time, and every column fetched all rows from L3 again.
+    kvscope::parallel_for(0, rows, kvscope::one_share_per_thread(rows),
+                          [&](int64_t begin, int64_t end) {
+      for (int64_t block = begin; block < end; block += kBlockedRowBlock)
+        columns_times_rows(0, columns, block, std::min(end, block + kBlockedRowBlock));
+    });
+    return;
+  }
+  // A decode batch's rows all meet each column, and the columns are shared out: every
+  // weight is read from memory once.
+  kvscope::parallel_for(
+      0, columns, std::max<int64_t>(C, kvscope::one_share_per_thread(columns)),
+      [&](int64_t begin, int64_t end) { columns_times_rows(begin, end, 0, rows); });
 }
 
 }  // namespace
@@ -245,8 +271,8 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
 // out = x @ W.T + bias for x [rows, in] and W [out, in] stored blocked
 // (`blocks` [out / T, T * in], as above), a tile column at a time; out bf16 or fp32 (the bf16
 // result widened).
-void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
-                                const std::optional<at::Tensor>& bias, at::Tensor out) {
+void linear_blocked(const at::Tensor& x, const at::Tensor& blocks,
+                    const std::optional<at::Tensor>& bias, at::Tensor out) {
   const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
   const int64_t tile = blocks.dim() == 2 && in_features > 0 ? blocks.size(1) / in_features : 0;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
@@ -258,7 +284,7 @@ void linear_small_batch_blocked(const at::Tensor& x, const at::Tensor& blocks,
                   in_features % kTileInputs == 0 &&
                   (!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 &&
                              bias->numel() == out_features)),
-              "linear_small_batch_blocked: bf16 x [rows, in], blocks [out / T, T * in] (T "
+              "linear_blocked: bf16 x [rows, in], blocks [out / T, T * in] (T "
               "32 or 64, in a multiple of 32), bias [out], out [rows, out] bf16 or fp32");
   if (rows == 0) return;
   const kvscope::bf16* xs = kvscope::elements<kvscope::bf16>(x);

@@ -56,12 +56,11 @@ void gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
 }
 
 // Dense weights: up to this many rows stream their weights through the dot-product kernel;
-// prepacked ones through the blocked kernel up to the second (oneDNN's AMX tiles, 32 outputs)
-// or the third (its 64-output tiles). kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS,
-// AMX_TILE_KERNEL_MAX_ROWS and WIDE_TILE_KERNEL_MAX_ROWS, the same rule.
+// weights oneDNN prepacked (its AMX tiles) through the blocked kernel up to the second, and
+// kvscope's own tiles through it at any row count. kernels/cpu_kernels.py's
+// DENSE_KERNEL_MAX_ROWS and AMX_TILE_KERNEL_MAX_ROWS, the same rule.
 constexpr int64_t kDenseKernelMaxRows = 32;
 constexpr int64_t kAmxTileKernelMaxRows = 5;
-constexpr int64_t kWideTileKernelMaxRows = 128;
 
 // out = x @ weight.T (+ bias) for a plain dense weight, as kernels/cpu_kernels.py's linear
 // computes it: a few rows stream the weight through the dot-product kernel, more go to gemm().
@@ -139,29 +138,28 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
   }
 }
 
-// out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32. Dense weights: a few rows
-// stream their weights through the dot-product kernel, more rows go to oneDNN's GEMM (as
-// kernels/cpu_kernels.py's linear does; over the prepacked weight where there is one);
-// packed ones as their modules do.
+// out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32, as kernels/cpu_kernels.py's
+// linear computes it. Dense weights: a few rows stream their weights through the
+// dot-product kernel, more rows go to oneDNN's GEMM; tiled ones through the blocked kernel,
+// but for more than a few rows over oneDNN's tiles, which go to its GEMM; packed ones as their
+// modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
   if (linear.gguf_parts) return gguf_project(x, linear, config, out);
   if (linear.scales) return quantized_project(x, linear, config, out);
-  if (linear.onednn) {
-    const bool amx_tiles = linear.weight.size(1) == 32 * x.size(1);
-    if (x.size(0) > (amx_tiles ? kAmxTileKernelMaxRows : kWideTileKernelMaxRows)) {
-      // oneDNN's op writes a tensor of its own: that tensor becomes `out` (a copy into the
-      // workspace cost a tenth of the GEMM), unless the logits need it widened.
-      at::Tensor result = linear_onednn(x, *linear.onednn, linear.bias);
-      if (result.scalar_type() == out.scalar_type())
-        out = std::move(result);
-      else
-        out.copy_(result);
-    } else
-      traced("kvscope::linear_small_batch_blocked",
-             [&] { linear_small_batch_blocked(x, linear.weight, linear.bias, out); });
+  if (linear.onednn && x.size(0) > kAmxTileKernelMaxRows) {
+    // oneDNN's op writes a tensor of its own: that tensor becomes `out` (a copy into the
+    // workspace cost a tenth of the GEMM), unless the logits need it widened.
+    at::Tensor result = linear_onednn(x, *linear.onednn, linear.bias);
+    if (result.scalar_type() == out.scalar_type())
+      out = std::move(result);
+    else
+      out.copy_(result);
     return;
   }
+  if (linear.tiled)
+    return traced("kvscope::linear_blocked",
+                  [&] { linear_blocked(x, linear.weight, linear.bias, out); });
   dense_project(x, linear.weight, linear.bias, out);
 }
 
@@ -278,8 +276,13 @@ class NameReader {
         linear.gguf_weights.push_back(required(module + ".weights." + std::to_string(r)));
       return linear;
     }
-    return {required(module + ".weight"), optional(module + ".bias"), optional(module + ".scales"),
-            optional(module + ".offsets"), optional(module + ".onednn")};
+    // A prepacked weight comes as "<module>.tiles" (decoder_stack.py's stack_tensors).
+    std::optional<at::Tensor> tiles = optional(module + ".tiles");
+    LinearWeights linear{tiles ? *tiles : required(module + ".weight"), optional(module + ".bias"),
+                         optional(module + ".scales"), optional(module + ".offsets"),
+                         optional(module + ".onednn")};
+    linear.tiled = tiles.has_value();
+    return linear;
   }
 
   void check_all_read() const {

@@ -20,18 +20,24 @@ using NamedTensors = c10::Dict<std::string, at::Tensor>;
 
 // A linear layer's tensors: a dense weight, or a packed int4 (uint8) / int8 one with its
 // scales (and int4 offsets) as engine/worker/models/quantized.py packs them. A dense bf16
-// weight prepacked for oneDNN (kernels/cpu_kernels.py's prepack_weight) comes as its opaque
-// oneDNN tensor `onednn`, with `weight` the same memory as bf16 blocks. A GGUF layer
-// (quantized.py's GgufLinear) comes as runs of rows, each a tensor of one GGUF type's blocks
-// (or dense, type -1): `gguf_parts` [runs, 3] holds each run's (type, first row, end row).
+// weight prepacked (kernels/cpu_kernels.py's prepack_weight) is `tiled`: `weight` holds its
+// tiles [out / T, T * in], and where oneDNN laid them out (its AMX tiles, T = 32) `onednn` is
+// its opaque tensor over the same memory; without it they are kvscope's own (T = 64). A GGUF
+// layer (quantized.py's GgufLinear) comes as runs of rows, each a tensor of one GGUF type's
+// blocks (or dense, type -1): `gguf_parts` [runs, 3] holds each run's (type, first row, end
+// row).
 struct LinearWeights {
+  static constexpr int64_t kOwnTileOutputs = 64;
+
   at::Tensor weight;
   std::optional<at::Tensor> bias, scales, offsets, onednn, gguf_parts;
   std::vector<at::Tensor> gguf_weights;
+  bool tiled = false;
 
   int64_t out_features() const {
     if (gguf_parts) return gguf_parts->data_ptr<int64_t>()[gguf_parts->numel() - 1];
-    return (onednn ? *onednn : weight).size(0);
+    if (onednn) return onednn->size(0);
+    return tiled ? weight.size(0) * kOwnTileOutputs : weight.size(0);
   }
 };
 

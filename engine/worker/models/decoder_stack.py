@@ -18,12 +18,15 @@ def gguf_parts(module: GgufLinear) -> torch.Tensor:
 
 
 def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """A layer's tensors for the C++ stack: its parameters by name, each prepacked linear's
-    oneDNN tensor as "<module>.onednn", and each GGUF layer's runs as "<module>.gguf_parts"."""
+    """A layer's tensors for the C++ stack: its parameters by name, but a prepacked linear's
+    weight as "<module>.tiles" and, where oneDNN laid it out, its oneDNN tensor as
+    "<module>.onednn"; and each GGUF layer's runs as "<module>.gguf_parts"."""
     tensors = dict(layer.named_parameters())
     for name, module in layer.named_modules():
         if isinstance(module, Linear) and module.prepacked is not None:
-            tensors[f"{name}.onednn"] = module.prepacked.onednn
+            tensors[f"{name}.tiles"] = tensors.pop(f"{name}.weight")
+            if module.prepacked.onednn is not None:
+                tensors[f"{name}.onednn"] = module.prepacked.onednn
         if isinstance(module, GgufLinear):
             tensors[f"{name}.gguf_parts"] = gguf_parts(module)
     return tensors

@@ -1,5 +1,6 @@
 """Building blocks shared by the model files: merged projections and RMSNorm."""
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -30,11 +31,12 @@ class Linear(nn.Linear, UsesKernelOps):
 
     def prepack(self, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]) -> None:
         """Keep the weight only in the kernels' prepacked layout (where they take it): the
-        parameter becomes that memory's bf16 view, so nothing is held twice."""
+        parameter becomes the tiles, so nothing is held twice, and the PrepackedWeight holds
+        that parameter, so the kernels read it wherever it moves (huge_pages.move_module)."""
         prepacked = prepack_weight(self.weight.data)
         if prepacked is not None:
-            self.prepacked = prepacked
             self.weight = nn.Parameter(prepacked.blocks, requires_grad=False)
+            self.prepacked = dataclasses.replace(prepacked, blocks=self.weight)
 
 
 class MergedLinear(Linear):
@@ -106,11 +108,12 @@ def load_weights(
 def prepack_linears(model: nn.Module, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]
                     ) -> list[torch.Tensor]:
     """Prepack every Linear's weight but an lm_head's (the logits read their projection's
-    weight as a tensor, tied or not); returns the prepacked weights' tensors."""
-    prepacked = []
+    weight as a tensor, tied or not); returns the weights that now live in oneDNN's memory
+    (its AMX tiles), which must stay where they are."""
+    in_onednn = []
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.rpartition(".")[2] != "lm_head":
             module.prepack(prepack_weight)
-            if module.prepacked is not None:
-                prepacked.append(module.weight)
-    return prepacked
+            if module.prepacked is not None and module.prepacked.onednn is not None:
+                in_onednn.append(module.weight)
+    return in_onednn
