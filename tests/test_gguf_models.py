@@ -3,6 +3,8 @@ names and metadata keys, loads through the real loader: its config (head size, p
 rotary, LongRoPE) survives the conversion, and its tensors land in the right places; with
 quantization="gguf" its k-quant blocks are served as the file stores them."""
 
+import os
+
 import conftest
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from gguf import (
     MODEL_ARCH,
     MODEL_ARCH_NAMES,
     GGMLQuantizationType,
+    GGUFReader,
     GGUFWriter,
     RopeScalingType,
     get_tensor_name_map,
@@ -23,7 +26,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type
+from kvscope.engine.worker import loader
+from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type, open_gguf
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models.quantized import GgufLinear
@@ -186,9 +190,59 @@ def test_a_k_quant_gguf_of_each_architecture_serves_its_blocks_as_stored(arch, t
     on_file = gguf_tensor_bytes_by_type(path)
     assert {kind: size for kind, size in runner.weight_bytes_by_type.items() if kind.startswith("Q")} == {
         kind: size for kind, size in on_file.items() if kind.startswith("Q")}
-    assert not list((tmp_path / "cache").rglob("config.json"))  # no converted folder
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # no converted weights
     outputs = run_to_completion(EngineCore(config, runner=runner), PROMPTS, GREEDY).outputs
     assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(hf_model, PROMPTS, 8)
+
+
+def test_the_engine_reads_a_gguf_as_the_gguf_package_does(tmp_path):
+    """open_gguf's reader (slicing a plain view of the memory map) finds the same fields,
+    values and tensor bytes as the gguf package's own reader."""
+    blocks, hf_model = k_quant_model("qwen3")
+    path = tmp_path / "qwen3.gguf"
+    write_model_gguf("qwen3", hf_model, path, blocks=blocks)
+    ours, theirs = open_gguf(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types
+        assert repr(ours.fields[name].contents()) == repr(field.contents()), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == reference.tensor_type
+        assert np.array_equal(mine.data, reference.data), mine.name
+
+
+def test_a_gguf_metadata_is_converted_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """quantization="gguf" converts the file's config and tokenizer from its metadata once,
+    into a folder under the cache named by the file's size and mtime: a second load takes
+    them from there (the conversions do not run again) and gets the same config, chat
+    template and tokens; a rewritten file gets a folder of its own."""
+    select_ops(torch.device("cpu"))  # the C++ kernels' build stays in the usual cache
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    blocks, hf_model = k_quant_model("llama")
+    path = tmp_path / "llama.gguf"
+    write_model_gguf("llama", hf_model, path, blocks=blocks)
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", device_memory_gb=0.05,
+                          quantization="gguf")
+    first = ModelRunner(config)
+    metadata = tmp_path / "cache" / "gguf-metadata"
+    assert len(list(metadata.iterdir())) == 1
+
+    def converted_again(*args, **kwargs):
+        raise AssertionError("the GGUF's metadata was converted again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "gguf_config", converted_again)
+        patch.setattr(loader, "load_gguf_tokenizer", converted_again)
+        second = ModelRunner(config)
+    assert second.hf_config.to_dict() == first.hf_config.to_dict()
+    assert second.tokenizer.chat_template == CHAT_TEMPLATE
+    outputs = run_to_completion(EngineCore(config, runner=second), PROMPTS, GREEDY).outputs
+    assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(hf_model, PROMPTS, 8)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    ModelRunner(config)
+    assert len(list(metadata.iterdir())) == 2
 
 
 # F16 rows among the blocks: K between Q and V's blocks in the merged QKV projection, the

@@ -67,15 +67,28 @@ SUPPORTED_TYPES = sorted(t.name for t in DENSE_TYPES | set(PACKED_TYPES))
 
 def open_gguf(path: Path) -> GGUFReader:
     """The file's reader, parsed once per version of the file: parsing a vocabulary's
-    strings (SmolLM2's 49,152 tokens and 48,900 merges) takes ~5 s on 2 cores, and a load
-    reads the file's fields and tensors from several places."""
+    strings (SmolLM2's 49,152 tokens and 48,900 merges) takes most of a second on 2 cores,
+    and a load reads the file's fields and tensors from several places."""
     stat = Path(path).stat()
     return _open_gguf(Path(path).resolve(), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: Path, mtime_ns: int, size: int) -> GGUFReader:
-    return GGUFReader(path)
+    return _PlainArrayReader(path)
+
+
+class _PlainArrayReader(GGUFReader):
+    """gguf's reader slicing a plain array view of its memory map: it slices the file once
+    per value, twice per vocabulary string, and a numpy.memmap's slices cost several times a
+    plain array's (each passes through memmap's __array_finalize__). SmolLM2's file parsed in
+    0.75 s instead of 2.1-2.3 s; the values and tensors are the same, and each slice still
+    keeps the mapping alive through its base."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if type(self.data) is not np.ndarray:
+            self.data = self.data.view(np.ndarray)
+        return super()._get(offset, dtype, count, override_order)
 
 
 def forget_gguf_readers() -> None:

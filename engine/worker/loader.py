@@ -78,11 +78,13 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
         return default_model_path()
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        check_gguf(path)
         stat = path.stat()
         # Size and mtime in the key: a replaced file of the same name gets a fresh conversion.
         target = cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-        return target if is_model_folder(target) else convert_gguf(path, target)
+        if is_model_folder(target):  # checked when it was converted
+            return target
+        check_gguf(path)
+        return convert_gguf(path, target)
     if not is_model_folder(path):
         cached = hub_cache_snapshot(str(model))
         if cached is not None:
@@ -140,24 +142,55 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
         # transformers 5 tags GGUF-loaded models as quantized (and refuses to save them) even when
         # every tensor was de-quantized to fp32; the round-trip check below catches packed weights.
         quantizer.remove_quantization_config(model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a sibling temp folder and rename: a crash leaves no half-written cache, and of two
-    # concurrent first starts one rename wins while the other uses the winner's folder.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp's 0700 would make the shared cache private to one user
-    try:
+
+    def build(staging: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         check_round_trip(model, staging)
+
+    build_folder(target, build)
+    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+    return target
+
+
+def gguf_metadata(gguf_path: Path) -> Path:
+    """A folder with the GGUF file's config and tokenizer (chat template included) as
+    transformers saves them, converted from the file's metadata once per version of the file
+    (its size and mtime in the name). Each conversion parses the vocabulary again: about 3 s
+    apiece for SmolLM2's 49,152 tokens on 2 cores, most of a packed GGUF's load, which later
+    loads skip."""
+    stat = gguf_path.stat()
+    target = (cache_dir() / "gguf-metadata"
+              / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}")
+    if is_model_folder(target):
+        return target
+    config = gguf_config(gguf_path)
+    tokenizer = load_gguf_tokenizer(gguf_path)
+
+    def build(staging: Path) -> None:
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    build_folder(target, build)
+    return target
+
+
+def build_folder(target: Path, build) -> None:
+    """Fill a folder at `target` with build(folder), atomically: built in a sibling temporary
+    folder and renamed, so a crash leaves no half-written cache, and of two concurrent first
+    starts one rename wins while the other uses the winner's folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would make the shared cache private to one user
+    try:
+        build(staging)
         staging.rename(target)
     except OSError:
         if not is_model_folder(target):
             raise
-        logger.info("%s was converted concurrently; using that copy", target)
+        logger.info("%s was built concurrently; using that copy", target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
-    return target
 
 
 def gguf_model_from_tensors(gguf_path: Path, config: PretrainedConfig) -> torch.nn.Module:

@@ -17,15 +17,14 @@ from kvscope.engine.worker.gguf_weights import (
     check_gguf,
     forget_gguf_readers,
     gguf_architecture,
-    gguf_config,
     iter_gguf_weights,
 )
 from kvscope.engine.worker.loader import (
     gguf_file,
+    gguf_metadata,
     iter_weights,
     load_config,
     load_generation_config,
-    load_gguf_tokenizer,
     load_tokenizer,
     resolve_model_path,
 )
@@ -108,11 +107,12 @@ class ModelRunner:
         started = time.perf_counter()
         if config.quantization == "gguf":
             # The file itself, no converted folder: config, tokenizer and chat template from
-            # its metadata, the weights from its blocks.
+            # its metadata (converted once, gguf_metadata), the weights from its blocks.
             self.model_path = gguf_file(config.model)
             check_gguf(self.model_path)
-            self.hf_config = language_model_config(gguf_config(self.model_path))
-            self.tokenizer = load_gguf_tokenizer(self.model_path)
+            metadata = gguf_metadata(self.model_path)
+            self.hf_config = language_model_config(load_config(metadata))
+            self.tokenizer = load_tokenizer(metadata)
             self.generation_config = GenerationConfig.from_model_config(self.hf_config)
         else:
             self.model_path = resolve_model_path(config.model)
