@@ -91,8 +91,8 @@ def test_the_decoder_stack_computes_what_the_layers_compute(tiny_model, monkeypa
     (one row, and 3 rows, stream the dense or packed weights through the kernels)."""
     _, runner = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype=dtype,
                            quantization=quantization, prepack_weights=prepack)
-    # bf16 weights prepacked (where the kernels read oneDNN's layout for this CPU: AVX512-BF16
-    # and its 32- or 64-output tiles): the stack and the layers both run oneDNN's blocked layout
+    # bf16 weights prepacked (where the kernels take tiles: AVX512-BF16): the stack and the
+    # layers both run the tiles
     prepack_weight = runner.kernel_ops.prepack_weight
     probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     prepacks = prepack_weight is not None and prepack_weight(probe) is not None
