@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker import huge_pages
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -36,6 +39,31 @@ def test_their_pages_are_resident_before_the_first_write():
     """A KV cache's first writes must not fault its pages in one by one mid-serving."""
     tensor = huge_pages.empty((8 << 20,), torch.uint8)
     assert mapping_field_bytes(tensor.data_ptr(), "Rss:") >= tensor.numel()
+
+
+def test_a_pool_populated_in_the_background_is_resident_once_waited_for():
+    """A KV pool's pages are faulted in by a thread, so start-up does not wait for them;
+    wait_resident() returns once they are resident, the zeros kept."""
+    tensor = huge_pages.empty((8 << 20,), torch.uint8, background=True)
+    huge_pages.wait_resident()
+    assert mapping_field_bytes(tensor.data_ptr(), "Rss:") >= tensor.numel()
+    assert not tensor.any()
+
+
+def test_the_engine_starts_before_its_pool_is_resident_and_steps_after(tiny_model):
+    """EngineCore returns with its pool still being populated in the background, and its
+    first step waits for it, so no forward pays the pool's page faults."""
+    huge_pages.wait_resident()
+    engine = EngineCore(EngineConfig(model=str(tiny_model("llama").path), device="cpu",
+                                     dtype="float32", device_memory_gb=0.05))
+    assert engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size() >= (
+        huge_pages.HUGE_PAGE_BYTES)
+    assert len(huge_pages._populating) == 1
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    engine.step()
+    assert not huge_pages._populating
+    cache = engine.runner.kv_cache
+    assert mapping_field_bytes(cache.data_ptr(), "Rss:") >= cache.numel() * cache.element_size()
 
 
 @pytest.mark.skipif(not THP_SETTING.exists() or "[never]" in THP_SETTING.read_text(),

@@ -207,6 +207,7 @@ class EngineCore:
         gave them blocks, before the model runs: a served engine publishes the pool then,
         so a long prefill reads as running, its blocks filling chunk by chunk, while the
         step computes (not as waiting until the step ends)."""
+        self.runner.wait_until_resident()
         start_time = time.time()
         totals_before = self.kv_cache.stat_totals()
         if self.speculator is not None:

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import math
 import mmap
+import threading
 
 import torch
 
@@ -22,16 +23,19 @@ _COLLAPSE = 25  # MADV_COLLAPSE (Linux 6.1): back a range with huge pages now, d
 _POPULATE_WRITE = 23  # MADV_POPULATE_WRITE (Linux 5.14): fault a range in now, data kept
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def empty(shape: tuple[int, ...], dtype: torch.dtype, *, background: bool = False) -> torch.Tensor:
     """A zero-filled CPU tensor whose pages the kernel is asked to make huge (when it is big
     enough to hold one). It lives in a fresh anonymous mapping: memory the allocator reuses is
     already backed by small pages, which advice no longer changes.
 
-    Its pages are made resident here. Left to fault in on first write, a KV cache pays for
-    each huge page as decoding first reaches it: 3-9 ms apiece on the VMs measured
-    (docs/performance.md), inside prefills and decode steps, for the whole first pass
-    through the pool. Resident now, the cost moves to start-up, and memory the plan counted
-    is held from the start rather than found missing mid-serving."""
+    Its pages are made resident here, or with `background` by a thread that wait_resident()
+    joins (the engine does before its next step). Left to fault in on first write, a KV
+    cache pays for each huge page as decoding first reaches it: 3-9 ms apiece on the VMs
+    measured (docs/performance.md), inside prefills and decode steps, for the whole first
+    pass through the pool. Resident before serving, the cost moves to start-up, and memory
+    the plan counted is held from the start rather than found missing mid-serving. In the
+    background it overlaps what comes before the first step (the dashboard's start, a
+    person's first message): 1.7-3.8 s of a 1.5 GiB pool's start on those VMs."""
     nbytes = math.prod(shape) * dtype.itemsize
     if _ADVICE is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
@@ -49,11 +53,38 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     with contextlib.suppress(OSError):
         mapping.madvise(_ADVICE, offset, huge_bytes)
     tensor = raw[offset:offset + nbytes]
-    try:
-        mapping.madvise(_POPULATE_WRITE, offset, huge_bytes)
-    except OSError:  # a kernel before 5.14: writing the zeros faults the pages in
-        tensor.zero_()
+    if background:
+        thread = threading.Thread(target=_populate, args=(mapping, raw.data_ptr() + offset, huge_bytes),
+                                  name="kvscope-populate", daemon=True)
+        thread.start()
+        _populating.append(thread)
+    elif not _populate(mapping, raw.data_ptr() + offset, huge_bytes):
+        tensor.zero_()  # a kernel before 5.14: writing the zeros faults the pages in
     return tensor.view(dtype).view(shape)
+
+
+_populating: list[threading.Thread] = []
+
+
+def _populate(mapping: mmap.mmap, address: int, length: int) -> bool:
+    """Fault `length` bytes from `address` in for writing, keeping their (zero) data; False
+    where the kernel cannot (before Linux 5.14), and the pages then fault in on first write.
+    `mapping` owns the range: an argument of this call, it stays mapped while this runs."""
+    return _madvise(address, length, _POPULATE_WRITE)
+
+
+def _madvise(address: int, length: int, advice: int) -> bool:
+    """madvise(2) through libc, which releases the GIL while the kernel works (populating a
+    pool takes seconds; mmap.madvise would hold every other thread for them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(address, length, advice) == 0
+
+
+def wait_resident() -> None:
+    """Wait until the tensors empty() is populating in the background are resident."""
+    while _populating:
+        _populating.pop().join()
 
 
 def move_module(module: torch.nn.Module, leave: list[torch.Tensor] = ()) -> None:
@@ -102,5 +133,4 @@ def collapse(tensor: torch.Tensor) -> None:
     start = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _COLLAPSE)
+        _madvise(start, end - start, _COLLAPSE)

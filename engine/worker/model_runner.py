@@ -303,19 +303,29 @@ class ModelRunner:
         and swaps move all of a block's layers at once. A row is head_dim values, or for a
         quantized kv_cache_dtype head_dim codes and their scale (kernels/kv_quant.py): the
         scales move with their blocks."""
+        # A pool still being populated is finished first: the thread holds its memory.
+        huge_pages.wait_resident()
         self.kv_cache = None
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = None
         dtype = kv_quant.cache_dtype(kv_cache_dtype, self.dtype)
         shape = (2, self.layers_per_block, num_blocks, block_size, self.num_kv_heads,
                  kv_quant.row_width(self.head_dim, dtype))
-        self.kv_cache = (huge_pages.empty(shape, dtype) if self.device.type == "cpu"
+        # Made resident in the background: the engine waits for it before its next step
+        # (wait_until_resident).
+        self.kv_cache = (huge_pages.empty(shape, dtype, background=True) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=self.device))
         for group in self.kv_groups:
             for slot, index in enumerate(group.layers):
                 self.attention_layers[index].key_cache = self.kv_cache[0, slot]
                 self.attention_layers[index].value_cache = self.kv_cache[1, slot]
         self.block_size = block_size
+
+    def wait_until_resident(self) -> None:
+        """Return once the KV pools allocate_kv_cache made are resident: they are populated
+        in the background (huge_pages.empty), and the engine waits before each step, so no
+        forward pays their page faults."""
+        huge_pages.wait_resident()
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """The CPU pool that swapped-out sequences' blocks are copied to (pinned on CUDA, so
