@@ -77,6 +77,9 @@ class SimulatedRunner:
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Swap blocks are ids in the cache manager's CPU pool; no memory behind them."""
 
+    def wait_until_resident(self) -> None:
+        """No pool in memory to wait for."""
+
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """Swaps and copy-on-write copies move no data here."""
 

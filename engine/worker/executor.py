@@ -36,6 +36,10 @@ class StepExecutor(Protocol):
 
     def allocate_swap_space(self, num_blocks: int) -> None: ...
 
+    # Returns once the KV pool is in memory (a pool may be populated in the background);
+    # the engine calls it before each step.
+    def wait_until_resident(self) -> None: ...
+
     def move_blocks(self, plan: SchedulerOutput) -> None: ...
 
     def execute(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
