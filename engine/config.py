@@ -32,9 +32,10 @@ class EngineConfig:
     # default a Llama-family model on the C++ CPU kernels runs its decoder stack in one call.
     enforce_eager: bool = False
     # bf16 dense weights kept once in tiles for bf16 dot products (kernels' prepack_weight):
-    # kvscope's own 64-output tiles on AVX512-BF16 CPUs without AMX, where they are faster at
-    # every batch (decode steps 1.2-1.4x at 16-64 sequences on Zen 4, a single stream level),
-    # so None (unset) means on there; oneDNN's AMX tiles where the CPU has AMX, faster for
+    # kvscope's own 64-output tiles on AVX512-BF16 CPUs without AMX, where batches are faster
+    # (decode steps 1.2x at 64 sequences on Zen 4, serving 1.12-1.21x) and one stream within
+    # a few percent (engine level; its linears 3-13 % slower alone), so None (unset) means on
+    # there; oneDNN's AMX tiles where the CPU has AMX, faster for
     # batches but a single stream measured 28 % slower, so None means off there
     # (docs/performance.md, issue 37).
     prepack_weights: bool | None = None

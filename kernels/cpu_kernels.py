@@ -138,9 +138,9 @@ def onednn_uses_amx() -> bool:
 
 def prepacks_by_default() -> bool:
     """Whether `prepack_weights` is on unless set: where the weights go into kvscope's own
-    64-output tiles (AVX512-BF16 without AMX), which serve every row count at least as fast
-    as the plain weight (docs/performance.md). oneDNN's AMX tiles leave a single stream
-    slower, so there it stays a choice."""
+    64-output tiles (AVX512-BF16 without AMX): faster than the plain weight for batches,
+    within a few percent for one row (docs/performance.md). oneDNN's AMX tiles leave a
+    single stream 28 % slower, so there it stays a choice."""
     return torch.ops.kvscope.has_blocked_linear() and not onednn_uses_amx()
 
 
