@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "C++ decoder stack (CPU kernels, Llama family)")
     model.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
                        help="keep bf16 dense weights once, in tiles for bf16 dot products "
-                       "(default: on for AVX512-BF16 CPUs without AMX, where it is faster at "
-                       "every batch; off with AMX, where a single stream is slower)")
+                       "(default: on for AVX512-BF16 CPUs without AMX, where batches are "
+                       "faster and a single stream within a few percent; off with AMX, where a "
+                       "single stream is slower)")
 
     cache = parser.add_argument_group("KV cache and scheduler")
     cache.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],

@@ -31,13 +31,12 @@ class EngineConfig:
     # vLLM's name: True runs the model layer by layer from Python (the oracle path); by
     # default a Llama-family model on the C++ CPU kernels runs its decoder stack in one call.
     enforce_eager: bool = False
-    # bf16 dense weights kept once in tiles for bf16 dot products (kernels' prepack_weight):
-    # kvscope's own 64-output tiles on AVX512-BF16 CPUs without AMX, where batches are faster
-    # (decode steps 1.2x at 64 sequences on Zen 4, serving 1.12-1.21x) and one stream within
-    # a few percent (engine level; its linears 3-13 % slower alone), so None (unset) means on
-    # there; oneDNN's AMX tiles where the CPU has AMX, faster for
-    # batches but a single stream measured 28 % slower, so None means off there
-    # (docs/performance.md, issue 37).
+    # bf16 dense weights kept once in tiles for bf16 dot products (kernels' prepack_weight).
+    # On AVX512-BF16 CPUs without AMX, kvscope's own 64-output tiles: batches are faster
+    # (decode steps 1.2x at 64 sequences on Zen 4, serving 1.12-1.21x) and one stream within a
+    # few percent (engine level; its linears 3-13 % slower alone), so None (unset) means on.
+    # Where the CPU has AMX, oneDNN's tiles: faster batches, but one stream measured 28 %
+    # slower, so None means off (docs/performance.md, issue 37).
     prepack_weights: bool | None = None
     block_size: int = 16
     # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2 / int8: one code per value and a

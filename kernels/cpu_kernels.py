@@ -121,7 +121,8 @@ WIDENED_MIN_ROWS = 48
 # decode batch's size; the layout it picks is the same for prefill's thousands of rows.
 PREPACK_ROWS_HINT = 64
 # Tile widths (outputs): oneDNN's AMX layout, and kvscope's own for vdpbf16ps alone, whose
-# 64 outputs are four vectors of sums (kernels/csrc/dense_linear.cpp).
+# 64 outputs are four vectors of sums (kernels/csrc/dense_linear.cpp; llama_stack.h's
+# LinearWeights::kOwnTileOutputs is the same).
 AMX_TILE_OUTPUTS = 32
 WIDE_TILE_OUTPUTS = 64
 
@@ -130,10 +131,22 @@ WIDE_TILE_OUTPUTS = 64
 def onednn_uses_amx() -> bool:
     """Whether oneDNN lays bf16 weights out in AMX tiles here (its GEMM then runs on AMX)."""
     probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
-    blocks = torch.ops.kvscope.onednn_weight_blocks(
-        torch.ops.mkldnn._reorder_linear_weight(probe, PREPACK_ROWS_HINT))
-    return (blocks.numel() == probe.numel() and torch.equal(
-        reference.blocked_to_plain(blocks.view(64 // AMX_TILE_OUTPUTS, -1), 64, 64), probe))
+    return _onednn_amx_tiles(probe) is not None
+
+
+def _onednn_amx_tiles(weight: torch.Tensor) -> PrepackedWeight | None:
+    """The weight as oneDNN lays it out for its GEMM, if that is its AMX tiles: checked value
+    for value, as oneDNN picks another layout on CPUs without AMX and may for some shapes."""
+    out_features, in_features = weight.shape
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_ROWS_HINT)
+    blocks = torch.ops.kvscope.onednn_weight_blocks(onednn)
+    if blocks.numel() != weight.numel():
+        return None
+    blocks = blocks.view(out_features // AMX_TILE_OUTPUTS, AMX_TILE_OUTPUTS * in_features)
+    if not torch.equal(reference.blocked_to_plain(blocks, out_features, in_features), weight):
+        return None
+    return PrepackedWeight(onednn=onednn, blocks=blocks, out_features=out_features,
+                           in_features=in_features)
 
 
 def prepacks_by_default() -> bool:
@@ -160,16 +173,7 @@ def prepack_weight(weight: torch.Tensor) -> PrepackedWeight | None:
                                out_features=out_features, in_features=in_features)
     if out_features % AMX_TILE_OUTPUTS:
         return None
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_ROWS_HINT)
-    blocks = torch.ops.kvscope.onednn_weight_blocks(onednn)
-    # Checked value for value: oneDNN may pick another layout for some shapes.
-    if blocks.numel() != weight.numel():
-        return None
-    blocks = blocks.view(out_features // AMX_TILE_OUTPUTS, AMX_TILE_OUTPUTS * in_features)
-    if not torch.equal(reference.blocked_to_plain(blocks, out_features, in_features), weight):
-        return None
-    return PrepackedWeight(onednn=onednn, blocks=blocks, out_features=out_features,
-                           in_features=in_features)
+    return _onednn_amx_tiles(weight)
 
 
 def linear(x: torch.Tensor, weight: "torch.Tensor | PrepackedWeight", bias: torch.Tensor | None = None,

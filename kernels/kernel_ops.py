@@ -82,11 +82,6 @@ class PrepackedWeight:
     out_features: int
     in_features: int
 
-    @property
-    def tile_outputs(self) -> int:
-        """T: 32 for oneDNN's AMX tiles, 64 for kvscope's own."""
-        return self.blocks.shape[1] // self.in_features
-
 
 @dataclass(frozen=True, slots=True)
 class KernelOps:

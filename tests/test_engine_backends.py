@@ -160,7 +160,9 @@ def test_prepack_weights_unset_follows_the_cpu_and_the_tiles_move_with_their_wei
     assert not any(getattr(m, "prepacked", None) is not None for m in plain.model.modules())
     plain_modules = dict(plain.model.named_modules())
     for name, module in prepacked.items():
-        assert module.prepacked.onednn is None and module.prepacked.tile_outputs == 64
+        assert module.prepacked.onednn is None
+        out_features, in_features = plain_modules[name].weight.shape
+        assert module.prepacked.blocks.shape == (out_features // 64, 64 * in_features)
         module.weight.data = module.weight.data.clone()  # as huge_pages.move_module moves it
         assert module.prepacked.blocks.data_ptr() == module.weight.data_ptr()
         weight = plain_modules[name].weight

@@ -154,10 +154,9 @@ constexpr int64_t kBlockedRowBlock = 128;
 
 // Rows (<= kBlockedRowGroup, a constant: the sums then stay in registers) rows of x (row stride
 // x_stride) times `Columns` tile columns of T outputs (all inputs), into
-// sums[column][row][part] (outputs 16 part .. 16 part + 15): 64 outputs per call, as two
-// 32-wide columns from two places (two weight streams in flight, as small_batch_linear's two
-// halves) or one 64-wide column. Each output sums its input pairs in input order, so a row's
-// result does not depend on the other rows.
+// sums[column][row][part] (outputs 16 part .. 16 part + 15); blocked_linear says how many
+// columns. Each output sums its input pairs in input order, so a row's result does not
+// depend on the other rows.
 template <int T, int Rows, int Columns>
 void tile_columns(const kvscope::bf16* x, int64_t x_stride,
                   const kvscope::bf16* const (&columns)[Columns], int64_t in_features,

@@ -27,7 +27,7 @@ using NamedTensors = c10::Dict<std::string, at::Tensor>;
 // blocks (or dense, type -1): `gguf_parts` [runs, 3] holds each run's (type, first row, end
 // row).
 struct LinearWeights {
-  static constexpr int64_t kOwnTileOutputs = 64;
+  static constexpr int64_t kOwnTileOutputs = 64;  // kernels/cpu_kernels.py's WIDE_TILE_OUTPUTS
 
   at::Tensor weight;
   std::optional<at::Tensor> bias, scales, offsets, onednn, gguf_parts;
