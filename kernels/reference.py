@@ -209,6 +209,16 @@ def blocked_to_plain(blocks: torch.Tensor, out_features: int, in_features: int) 
     return tiles.permute(0, 3, 1, 2, 4).reshape(out_features, in_features)
 
 
+def blocked_rows(blocks: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows `ids` of a weight kept only as blocks [out / T, T * in] (the layout above): a
+    token embedding looked up in a table kept in tiles, [*ids.shape, in]. Row o is output
+    o % T of tile column o // T, whose inputs run tile by tile, pair by pair."""
+    tile = blocks.shape[1] // in_features
+    tiles = blocks.view(blocks.shape[0], in_features // 32, 16, tile, 2)
+    flat = ids.reshape(-1)
+    return tiles[flat // tile, :, :, flat % tile, :].reshape(*ids.shape, in_features)
+
+
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """bf16 x @ weight.T + bias computed in fp32 and rounded to bf16 once, widened to

@@ -12,6 +12,7 @@ from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models.decoder_stack import FusedDecoderStack
+from kvscope.engine.worker.models.layers import Embedding
 from kvscope.engine.worker.models.llama import LayerKind
 from kvscope.kernels import cpu_kernels, reference
 
@@ -143,20 +144,31 @@ def test_the_decoder_stack_computes_what_gemma_layers_compute(tiny_model, monkey
             torch.testing.assert_close(stack_tensor, layers_tensor, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_prepack_weights_unset_follows_the_cpu_and_the_tiles_move_with_their_weight(
-        tiny_model, monkeypatch):
+        tiny_model, monkeypatch, arch):
     """prepack_weights unset: bf16 weights are prepacked where the kernels lay them out in
     their own tiles (AVX512-BF16 without AMX), and stay plain elsewhere and under False. A
     prepacked linear's tiles are its weight parameter, which moves to huge pages with the
     rest of the model, so the kernels read the moved memory, not a copy left behind; and its
-    forward equals the plain weight's to bf16 rounding."""
-    _, plain = runner_for(monkeypatch, tiny_model, "cpu", dtype="bfloat16", prepack_weights=False)
-    _, unset = runner_for(monkeypatch, tiny_model, "cpu", dtype="bfloat16")
+    forward equals the plain weight's to bf16 rounding. The output projection is prepacked
+    too: an untied lm_head (llama), or the embedding it is tied to (qwen2), whose lookup
+    reads the tiles and gives the plain table's rows exactly."""
+    _, plain = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype="bfloat16",
+                          prepack_weights=False)
+    _, unset = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype="bfloat16")
     assert unset.kernel_ops.prepacks_by_default == (
         torch.ops.kvscope.has_blocked_linear() and not cpu_kernels.onednn_uses_amx())
     prepacked = {name: module for name, module in unset.model.named_modules()
                  if getattr(module, "prepacked", None) is not None}
     assert bool(prepacked) == unset.kernel_ops.prepacks_by_default
+    if prepacked:
+        assert ("model.embed_tokens" in prepacked) == unset.model.tied
+        assert ("lm_head" in prepacked) == (not unset.model.tied)
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():  # through the C++ stack's head
+        torch.testing.assert_close(unset.model.compute_logits(hidden),
+                                   plain.model.compute_logits(hidden), atol=2e-2, rtol=2e-2)
     assert not any(getattr(m, "prepacked", None) is not None for m in plain.model.modules())
     plain_modules = dict(plain.model.named_modules())
     for name, module in prepacked.items():
@@ -167,6 +179,10 @@ def test_prepack_weights_unset_follows_the_cpu_and_the_tiles_move_with_their_wei
         assert module.prepacked.blocks.data_ptr() == module.weight.data_ptr()
         weight = plain_modules[name].weight
         assert torch.equal(reference.blocked_to_plain(module.weight, *weight.shape), weight)
+        if isinstance(module, Embedding):
+            ids = torch.tensor([[0, 255, 64], [63, 65, 7]])
+            assert torch.equal(module(ids), plain_modules[name](ids))
+            continue
         x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
         torch.testing.assert_close(module(x).float(), plain_modules[name](x).float(),
                                    atol=2e-2, rtol=2e-2)

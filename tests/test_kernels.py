@@ -403,7 +403,8 @@ def test_cpu_blocked_linear_reads_both_tile_widths(cpu_kernel_ops, tile, rows):
     """The blocked kernel reads tiles of 32 outputs (oneDNN's, with AMX) and of 64 (kvscope's
     own), blocks [out / T, T * in] (reference.plain_to_blocked, blocked_to_plain's inverse):
     an odd number of tile columns, bias, and each row equal to what it gets alone, also past
-    the rows from which the threads share out rows instead of columns (131)."""
+    the rows from which the threads share out rows instead of columns (131), and the same at
+    any thread count (the threads share out 5 columns, or 131 rows, unevenly)."""
     if not torch.ops.kvscope.has_blocked_linear():
         pytest.skip("the blocked kernel needs AVX512-BF16")
     generator = torch.Generator().manual_seed(6)
@@ -421,6 +422,15 @@ def test_cpu_blocked_linear_reads_both_tile_widths(cpu_kernel_ops, tile, rows):
         alone = torch.empty(1, 5 * 64, dtype=torch.bfloat16)
         torch.ops.kvscope.linear_blocked(x[row:row + 1], blocks, bias, alone)
         assert torch.equal(out[row:row + 1], alone), row
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (2, 3):
+            torch.set_num_threads(num_threads)
+            shared = torch.empty_like(out)
+            torch.ops.kvscope.linear_blocked(x, blocks, bias, shared)
+            assert torch.equal(shared, out), num_threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),

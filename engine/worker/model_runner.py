@@ -38,7 +38,7 @@ from kvscope.engine.worker.memory import (
 from kvscope.engine.worker.models import language_model_config, model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
-from kvscope.engine.worker.models.layers import prepack_linears
+from kvscope.engine.worker.models.layers import prepack_weights
 from kvscope.engine.worker.models.quantized import (
     QuantizedLinear,
     pack_model,
@@ -152,7 +152,7 @@ class ModelRunner:
                            "prepacked layout here (the C++ kernels need AVX512-BF16); the "
                            "weights stay in the plain layout")
         elif prepack:
-            in_onednn = prepack_linears(self.model, self.kernel_ops.prepack_weight)
+            in_onednn = prepack_weights(self.model, self.kernel_ops.prepack_weight)
         if self.device.type == "cpu":
             huge_pages.move_module(self.model, leave=in_onednn)
             for weight in in_onednn:

@@ -189,6 +189,25 @@ at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& ids) {
   return out;
 }
 
+// Rows `ids` of a bf16 table kept only in tiles of T outputs ([rows / T, T * width],
+// LinearWeights' layout): row o is output o % T of tile column o / T, where each input pair
+// (4 bytes) has a row of T pairs, one per output, tile after tile (kernels/reference.py's
+// blocked_rows).
+at::Tensor gather_tiled_rows(const at::Tensor& table, const at::Tensor& ids, int64_t tile) {
+  const int64_t count = ids.size(0), rows = table.size(0) * tile, width = table.size(1) / tile;
+  at::Tensor out = at::empty({count, width}, table.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const uint32_t* source = static_cast<const uint32_t*>(table.data_ptr());
+  uint32_t* target = static_cast<uint32_t*>(out.data_ptr());
+  const int64_t pairs = width / 2;
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " out of range for ", rows, " rows");
+    const uint32_t* column = source + id[i] / tile * tile * pairs + id[i] % tile;
+    for (int64_t pair = 0; pair < pairs; ++pair) target[i * pairs + pair] = column[pair * tile];
+  }
+  return out;
+}
+
 // Rows `ids` of an int8 table with one fp32 scale per row (engine/worker/models/quantized.py's
 // Int8Embedding), de-quantized to T as that module does: q * scale in fp32, then rounded.
 template <typename T>
@@ -352,6 +371,8 @@ kvscope::ModelOptions kvscope::ModelOptions::from(const c10::Dict<std::string, d
   options.embedding_gguf_type =
       static_cast<int64_t>(reader.optional("embedding_gguf_type").value_or(-1.));
   options.head_gguf_type = static_cast<int64_t>(reader.optional("head_gguf_type").value_or(-1.));
+  options.embedding_tiled = reader.optional("embedding_tiled").value_or(0.) != 0.;
+  options.head_tiled = reader.optional("head_tiled").value_or(0.) != 0.;
   TORCH_CHECK(options.embedding_scale >= 0. && options.attention_soft_cap >= 0. &&
                   options.final_soft_cap >= 0.,
               "LlamaDecoderStack: embedding_scale and the soft caps must be >= 0");
@@ -385,6 +406,7 @@ LlamaDecoderStack::LlamaDecoderStack(
     part[2] = head_.weight.size(0);
     head_.gguf_weights = {head_.weight};
   }
+  head_.tiled = config_.model.head_tiled;
   TORCH_CHECK(!cos_.empty() && cos_.size() == sin_.size(),
               "LlamaDecoderStack: one or more rotary tables, a sin table per cos table");
   std::vector<const at::Tensor*> tables = {&embedding_};
@@ -506,6 +528,8 @@ at::Tensor LlamaDecoderStack::embed(const at::Tensor& ids) const {
     rows = at::empty({ids.size(0), final_norm_.size(0)},
                      blocks.options().dtype(final_norm_.scalar_type()));
     traced("kvscope::gguf_dequantize", [&] { gguf_dequantize(blocks, type, rows); });
+  } else if (config_.model.embedding_tiled) {
+    rows = gather_tiled_rows(embedding_, ids, kvscope::LinearWeights::kOwnTileOutputs);
   } else if (!embedding_scales_) {
     rows = gather_rows(embedding_, ids);
   } else {

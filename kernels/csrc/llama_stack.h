@@ -84,6 +84,9 @@ struct ModelOptions {
   // The GGUF type of the embedding's and the output projection's blocks (a GGUF file's
   // token_embd and output tensors, as uint8 rows); -1: not GGUF blocks.
   int64_t embedding_gguf_type = -1, head_gguf_type = -1;
+  // The embedding's and the output projection's tables kept only in kvscope's own tiles
+  // (engine/worker/models/layers.py's prepack_weights: a tied one is both).
+  bool embedding_tiled = false, head_tiled = false;
 
   // Every name must be one of the above (booleans as 0 or 1).
   static ModelOptions from(const c10::Dict<std::string, double>& named);

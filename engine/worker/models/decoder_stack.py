@@ -33,12 +33,18 @@ def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def stack_table(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """An embedding's or an output projection's table for the C++ stack: its rows, their
-    int8 scales (None unless int8), and their GGUF type (-1 unless GGUF blocks: one run)."""
+    """An embedding's or an output projection's table for the C++ stack: its rows (or its
+    tiles, where it is prepacked: layers.Prepacks), their int8 scales (None unless int8),
+    and their GGUF type (-1 unless GGUF blocks: one run)."""
     if isinstance(module, GgufLinear):
         (part,), (weight,) = module.parts, module.weights
         return weight, None, part.code
     return module.weight, getattr(module, "scales", None), -1
+
+
+def tiled(module: nn.Module) -> float:
+    """1.0 where a table is prepacked in kvscope's own tiles, for the stack's model options."""
+    return float(getattr(module, "prepacked", None) is not None)
 
 
 class FusedDecoderStack:
@@ -67,12 +73,13 @@ class FusedDecoderStack:
         # The token embedding and the rotary lookups run in the same call, the output
         # projection in a second: called from Python after a step has streamed the weights,
         # their small ops and the Python around them would run cold (docs/performance.md).
+        projection = body.embed_tokens if model.tied else model.lm_head
         embedding, embedding_scales, embedding_type = stack_table(body.embed_tokens)
-        head, head_scales, head_type = stack_table(
-            body.embed_tokens if model.tied else model.lm_head)
+        head, head_scales, head_type = stack_table(projection)
         gguf_types = {name: float(kind) for name, kind in (("embedding_gguf_type", embedding_type),
                                                              ("head_gguf_type", head_type))
                       if kind >= 0}
+        tiles = {"embedding_tiled": tiled(body.embed_tokens), "head_tiled": tiled(projection)}
         self.layers = model.ops.decoder_stack(
             embedding=embedding, embedding_scales=embedding_scales,
             head=head, head_scales=head_scales,
@@ -84,7 +91,7 @@ class FusedDecoderStack:
             layers=[stack_tensors(layer) for layer in body.layers],
             layer_options=[{**layer.kind.stack_options(), "kv_group": layer.self_attn.attn.kv_group}
                            for layer in body.layers],
-            model_options={**model.stack_options(), **gguf_types},
+            model_options={**model.stack_options(), **gguf_types, **tiles},
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
             kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,

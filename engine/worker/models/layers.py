@@ -13,11 +13,12 @@ from kvscope.engine.worker.models.quantized import (
     dense,
     part_rows,
 )
-from kvscope.kernels import PrepackedWeight
+from kvscope.kernels import PrepackedWeight, reference
 
 
-class Linear(nn.Linear, UsesKernelOps):
-    """nn.Linear through the bound kernels (a single row streams its weights)."""
+class Prepacks:
+    """A module whose weight the kernels may keep in their prepacked layout (Linear, and
+    the token embedding of a model whose logits read it)."""
 
     prepacked: PrepackedWeight | None = None
 
@@ -26,17 +27,37 @@ class Linear(nn.Linear, UsesKernelOps):
         each was set), and nn.Linear's kaiming init of a 0.4B model's linears took 4.8 s of
         its load on 2 cores."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight if self.prepacked is None else self.prepacked, self.bias)
-
-    def prepack(self, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]) -> None:
-        """Keep the weight only in the kernels' prepacked layout (where they take it): the
-        parameter becomes the tiles, so nothing is held twice, and the PrepackedWeight holds
-        that parameter, so the kernels read it wherever it moves (huge_pages.move_module)."""
+    def prepack(self, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None],
+                own_tiles_only: bool = False) -> None:
+        """Keep the weight only in the kernels' prepacked layout (where they take it; with
+        own_tiles_only, only where that is kvscope's own tiles, not oneDNN's): the parameter
+        becomes the tiles, so nothing is held twice, and the PrepackedWeight holds that
+        parameter, so the kernels read it wherever it moves (huge_pages.move_module)."""
         prepacked = prepack_weight(self.weight.data)
-        if prepacked is not None:
+        if prepacked is not None and not (own_tiles_only and prepacked.onednn is not None):
             self.weight = nn.Parameter(prepacked.blocks, requires_grad=False)
             self.prepacked = dataclasses.replace(prepacked, blocks=self.weight)
+
+    def projection(self) -> "torch.Tensor | PrepackedWeight":
+        """The weight as the kernels' linear takes it: the prepacked one where there is one."""
+        return self.weight if self.prepacked is None else self.prepacked
+
+
+class Linear(Prepacks, nn.Linear, UsesKernelOps):
+    """nn.Linear through the bound kernels (a single row streams its weights)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.projection(), self.bias)
+
+
+class Embedding(Prepacks, nn.Embedding):
+    """The token embedding. Where the logits read it too (tied word embeddings), it may be
+    kept in tiles only: the lookup then gathers each token's row from them."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.prepacked is None:
+            return super().forward(input_ids)
+        return reference.blocked_rows(self.weight, input_ids, self.embedding_dim)
 
 
 class MergedLinear(Linear):
@@ -105,15 +126,18 @@ def load_weights(
         raise ValueError(f"model: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def prepack_linears(model: nn.Module, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]
+def prepack_weights(model: nn.Module, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]
                     ) -> list[torch.Tensor]:
-    """Prepack every Linear's weight but an lm_head's (the logits read their projection's
-    weight as a tensor, tied or not); returns the weights that now live in oneDNN's memory
-    (its AMX tiles), which must stay where they are."""
+    """Prepack every Linear's weight, and the token embedding of a model whose logits read
+    it (`tied`); returns the weights that now live in oneDNN's memory (its AMX tiles), which
+    must stay where they are. The output projection, tied or not, is prepacked only into
+    kvscope's own tiles: the lookup and the C++ stack's head read those, not oneDNN's."""
     in_onednn = []
+    tied = getattr(model, "tied", False)
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.rpartition(".")[2] != "lm_head":
-            module.prepack(prepack_weight)
+        table = name.rpartition(".")[2] in ("lm_head", "embed_tokens")
+        if isinstance(module, Linear) or (tied and table and isinstance(module, Embedding)):
+            module.prepack(prepack_weight, own_tiles_only=table)
             if module.prepacked is not None and module.prepacked.onednn is not None:
                 in_onednn.append(module.weight)
     return in_onednn

@@ -16,7 +16,7 @@ from kvscope.engine.worker.models.attention import (
 )
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.decoder_stack import FusesDecoderStack
-from kvscope.engine.worker.models.layers import Linear, MergedLinear, RMSNorm, load_weights
+from kvscope.engine.worker.models.layers import Embedding, Linear, MergedLinear, RMSNorm, load_weights
 from kvscope.engine.worker.models.quantized import output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -185,7 +185,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int, max_model_len: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, kind)
                                     for kind in layer_kinds(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

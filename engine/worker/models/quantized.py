@@ -421,7 +421,8 @@ def output_logits(projection: nn.Module, hidden: torch.Tensor,
         return projection.project(hidden, torch.float32)
     if isinstance(projection, QuantizedLinear):
         return projection(hidden, torch.float32)
-    return dense_logits(hidden, projection.weight)
+    prepacked = getattr(projection, "prepacked", None)  # layers.Prepacks' tiles
+    return dense_logits(hidden, projection.weight if prepacked is None else prepacked)
 
 
 def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None:
