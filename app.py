@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--speculative-config", type=_json_object, default=None,
                        help='speculative decoding as JSON, vLLM\'s fields, e.g. '
                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    cache.add_argument("--async-scheduling", action="store_true",
+                       help="schedule the next step while the forward runs, on a thread of "
+                       "its own (vLLM's flag; off by default: on a 2-core CPU it does not pay)")
 
     replicas = parser.add_argument_group(
         "replicas (Ray)", "Several engines, each a Ray actor with its own weights and pool, "

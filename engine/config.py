@@ -61,6 +61,11 @@ class EngineConfig:
     # vLLM's speculative decoding (engine.spec_decode): a SpeculativeConfig, or a dict of
     # its fields (method, num_speculative_tokens, prompt_lookup_min/max, model); None: off.
     speculative_config: SpeculativeConfig | dict | None = None
+    # vLLM's knob: the forward runs on a thread of its own and the engine schedules the next
+    # step (and makes this one's outputs) while it runs (EngineCore.step). Off by default:
+    # on a 2-core CPU the engine's Python competes with the forward's threads for the
+    # cores (docs/performance.md, issue 37).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,6 +87,13 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be True or False")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling=True with speculative_config set: a step's "
+                             "proposals depend on the tokens the step before accepts, so "
+                             "the next step cannot be scheduled before they are known; "
+                             "turn one of them off")
         if self.prepack_weights is not None and not isinstance(self.prepack_weights, bool):
             raise ValueError(f"prepack_weights={self.prepack_weights!r} must be True, False or "
                              "None (the CPU's default)")

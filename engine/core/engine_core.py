@@ -5,6 +5,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from kvscope.engine.core.beam_search import BeamSearchCoordinator, BeamSearchPar
 from kvscope.engine.core.detokenizer import detokenize_incrementally
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import EventBus
-from kvscope.engine.core.request import FinishReason, Request, Sequence
+from kvscope.engine.core.request import FinishReason, Request, Sequence, SequenceStatus
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -36,6 +37,16 @@ logger = logging.getLogger(__name__)
 class StepResult:
     outputs: list[RequestOutput]
     record: StepRecord
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched step: its plan, the chunks that sample, and its forward's result."""
+
+    plan: SchedulerOutput
+    sampling: list[ScheduledSequence]
+    start_time: float
+    forward: Future  # of (logits or tokens, prompt logits by scheduled index)
 
 
 class EngineCore:
@@ -78,6 +89,9 @@ class EngineCore:
                            else Speculator(spec, self.config.max_model_len))
         self.step_index = 0
         self._request_counter = itertools.count()
+        self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="kvscope-forward")
+                                if self.config.async_scheduling else None)
+        self._in_flight: InFlightStep | None = None
 
     # ---- requests in -------------------------------------------------------------------
     def add_request(
@@ -180,7 +194,9 @@ class EngineCore:
         self.kv_cache.pool.reset_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or a forward still running (async scheduling): step()
+        until this is False, and the engine is idle."""
+        return bool(self.requests) or self._in_flight is not None
 
     # ---- one step ----------------------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:
@@ -203,46 +219,119 @@ class EngineCore:
 
     def step(self, on_scheduled: Callable[[SchedulerOutput], None] | None = None
              ) -> StepResult:
-        """One step. `on_scheduled` sees the plan after the scheduler admitted sequences and
-        gave them blocks, before the model runs: a served engine publishes the pool then,
-        so a long prefill reads as running, its blocks filling chunk by chunk, while the
-        step computes (not as waiting until the step ends)."""
+        """One step: schedule, run the forward, sample, and the outputs and record.
+
+        `on_scheduled` sees each plan after the scheduler admitted sequences and gave them
+        blocks, before the model runs: a served engine publishes the pool then, so a long
+        prefill reads as running, its blocks filling chunk by chunk, while the step
+        computes (not as waiting until the step ends).
+
+        With async scheduling (EngineConfig.async_scheduling) the forward runs on a thread
+        of its own, and the step overlaps it: this step's forward was launched by the step
+        before, and while it runs the next one is scheduled, assuming each sequence that
+        samples gets one token (a placeholder). Once this step has sampled, the next
+        forward starts without the sequences that finished, and this step's outputs are
+        made while it runs."""
         self.runner.wait_until_resident()
-        start_time = time.time()
-        totals_before = self.kv_cache.stat_totals()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        plan = self.scheduler.schedule()
-        if on_scheduled is not None:
-            on_scheduled(plan)
-        for item in plan.scheduled:
-            if item.seq.first_scheduled_time is None:
-                item.seq.first_scheduled_time = start_time
-        sampling = [item for item in plan.scheduled if item.samples]
-        if getattr(self.runner, "kv_cache", None) is not self._kv_cache_ref():
-            raise RuntimeError("this engine's KV cache was replaced: another EngineCore was "
-                               "built on its model runner since, and a runner holds one "
-                               "engine's cache (give each engine that steps its own runner)")
-        self.runner.move_blocks(plan)
-        logits, prompt_logits = (self.runner.execute(plan.scheduled, _prompt_logprob_items(plan))
-                                 if plan.scheduled else (None, {}))
+        current = self._in_flight or self._launch(self._schedule(on_scheduled))
+        self._in_flight = None
+        ahead = self._schedule(on_scheduled) if self._schedules_ahead() else None
+        logits, prompt_logits = self._wait(current, ahead)
         for index, chunk_logits in prompt_logits.items():
-            _record_prompt_logprobs(plan.scheduled[index], chunk_logits)
-        for item in plan.scheduled:
-            # Proposals count as computed only once verification accepts them.
-            item.seq.num_computed_tokens = item.start + item.num_real_tokens
-            self.kv_cache.cache_full_blocks(item.seq)
-        touched, num_generated, drafts = (self._sample_and_update(sampling, logits)
-                                          if sampling else ([], 0, ()))
+            _record_prompt_logprobs(current.plan.scheduled[index], chunk_logits)
+        for item in current.plan.scheduled:
+            if item.seq.status is SequenceStatus.RUNNING:  # not preempted since
+                self.kv_cache.cache_full_blocks(item.seq)
+        touched, num_generated, drafts = (self._sample_and_update(current.sampling, logits)
+                                          if current.sampling else ([], 0, ()))
+        if ahead is not None:
+            self._in_flight = self._launch_ahead(ahead)
         finished = [r for r in touched if r.finished]
         outputs = [self._make_output(r) for r in touched]
         for request in finished:
             self.requests.pop(request.request_id, None)
-        record = self._record(start_time, plan, finished, num_generated, totals_before, drafts)
+        record = self._record(current, finished, num_generated, drafts)
         if self.speculator is not None:
-            self.speculator.observe_step(plan, record.end_time - start_time)
+            self.speculator.observe_step(current.plan, record.end_time - record.start_time)
         self.step_index += 1
         return StepResult(outputs, record)
+
+    def _schedules_ahead(self) -> bool:
+        """Beam search ranks and forks whole families between steps, so while a beam
+        request runs, steps do not overlap."""
+        return self._forward_thread is not None and not any(
+            request.beam is not None for request in self.requests.values())
+
+    def _schedule(self, on_scheduled: Callable[[SchedulerOutput], None] | None
+                  ) -> SchedulerOutput:
+        now = time.time()
+        counters = self.kv_cache.stat_totals()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        plan = self.scheduler.schedule()
+        plan.stat_deltas = tuple(after - before for after, before
+                                 in zip(self.kv_cache.stat_totals(), counters))
+        if on_scheduled is not None:
+            on_scheduled(plan)
+        for item in plan.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
+        return plan
+
+    def _launch(self, plan: SchedulerOutput) -> InFlightStep:
+        """Move the plan's blocks and start its forward. Its tokens count as computed from
+        here on (proposals only once verification accepts them); a sequence that samples
+        holds a placeholder for its next token until the step has sampled."""
+        if getattr(self.runner, "kv_cache", None) is not self._kv_cache_ref():
+            raise RuntimeError("this engine's KV cache was replaced: another EngineCore was "
+                               "built on its model runner since, and a runner holds one "
+                               "engine's cache (give each engine that steps its own runner)")
+        start_time = time.time()
+        self.runner.move_blocks(plan)
+        sampling = [item for item in plan.scheduled if item.samples]
+        forward = Future()
+        if plan.scheduled:
+            prepared = self.runner.prepare(plan.scheduled, _prompt_logprob_items(plan))
+            if self._forward_thread is not None:
+                forward = self._forward_thread.submit(self.runner.execute, prepared)
+            else:
+                try:
+                    forward.set_result(self.runner.execute(prepared))
+                except Exception as error:  # noqa: BLE001 -- raised where the step waits
+                    forward.set_exception(error)
+        else:
+            forward.set_result((None, {}))
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_real_tokens
+        for item in sampling:
+            item.seq.num_output_placeholders = 1
+        return InFlightStep(plan, sampling, start_time, forward)
+
+    def _launch_ahead(self, plan: SchedulerOutput) -> InFlightStep | None:
+        """Launch a plan scheduled while the step before ran, less the sequences that step
+        finished (or an abort did); None if nothing is left to do."""
+        plan.scheduled = [item for item in plan.scheduled if not item.seq.is_finished]
+        plan.num_scheduled_tokens = sum(item.num_tokens for item in plan.scheduled)
+        if not (plan.scheduled or plan.preempted):
+            return None  # its copy-on-write copies were for sequences that finished
+        return self._launch(plan)
+
+    def _wait(self, step: InFlightStep, ahead: SchedulerOutput | None
+              ) -> tuple[StepLogits | None, dict[int, torch.Tensor]]:
+        """The step's forward's result. If the forward failed, its sequences' tokens count
+        as not computed again, and the swap-outs the next plan's preemptions promised are
+        done, so the sequences that outlive the failure hold exactly the K/V they count."""
+        try:
+            return step.forward.result()
+        except BaseException:
+            for item in step.plan.scheduled:
+                item.seq.num_computed_tokens = min(item.seq.num_computed_tokens, item.start)
+            if ahead is not None:
+                self.runner.move_blocks(SchedulerOutput(swap_out=ahead.swap_out))
+            raise
+        finally:
+            for item in step.sampling:
+                item.seq.num_output_placeholders = 0
 
     def _sample_and_update(self, sampling: list[ScheduledSequence], logits: StepLogits
                            ) -> tuple[list[Request], int, tuple[SpecDraft, ...]]:
@@ -256,6 +345,9 @@ class EngineCore:
         row = 0  # a sequence with k proposals has k + 1 rows of logits
         for item in sampling:
             seq = item.seq
+            if seq.is_finished:  # aborted while its forward ran (async scheduling)
+                row += 1 + len(item.spec_token_ids)
+                continue
             touched[seq.request.request_id] = seq.request
             if seq.request.beam is not None:
                 self.beams.rank(seq, logits[row])
@@ -374,7 +466,7 @@ class EngineCore:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.request.params
         if seq.num_output_tokens < params.min_tokens:  # only the length limits apply
-            if seq.num_tokens >= self.config.max_model_len:
+            if seq.reaches_length_limit(self.config.max_model_len):
                 seq.finish_reason = FinishReason.LENGTH
         elif not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = FinishReason.STOP
@@ -384,8 +476,7 @@ class EngineCore:
             seq.finish_reason = FinishReason.STOP
         elif self.logits_processor.grammar_finished(seq):
             seq.finish_reason = FinishReason.STOP
-        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
-              or seq.num_tokens >= self.config.max_model_len):
+        elif seq.reaches_length_limit(self.config.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
 
     @staticmethod
@@ -444,14 +535,14 @@ class EngineCore:
                              completions, True, request.num_cached_tokens, metrics,
                              deltas=[c.text for c in completions])
 
-    def _record(self, start_time: float, plan: SchedulerOutput, finished: list[Request],
-                num_generated: int, totals_before: tuple[int, ...],
+    def _record(self, step: InFlightStep, finished: list[Request], num_generated: int,
                 drafts: tuple[SpecDraft, ...]) -> StepRecord:
-        pool = self.kv_cache.pool
-        queries, hits, blocks_out, blocks_in = (
-            now - before for now, before in zip(self.kv_cache.stat_totals(), totals_before))
+        """The step's record. The pool's figures are read now: with async scheduling they
+        already hold the blocks of the step launched after this one."""
+        pool, plan = self.kv_cache.pool, step.plan
+        queries, hits, blocks_out, blocks_in = plan.stat_deltas
         return StepRecord(
-            step=self.step_index, start_time=start_time, end_time=time.time(),
+            step=self.step_index, start_time=step.start_time, end_time=time.time(),
             chunks=tuple((s.seq.request.request_id, s.seq.seq_id, s.kind.value, s.start, s.end)
                          for s in plan.scheduled),
             preempted=tuple(s.seq_id for s in plan.preempted),

@@ -53,6 +53,9 @@ class Sequence:
     swap_table: list[int] = field(default_factory=list)  # CPU blocks while swapped out
     num_released_blocks: int = 0  # positions whose sliding groups' entries are RELEASED
     num_computed_tokens: int = 0
+    # 1 while a launched step will append this sequence's next token (vLLM's name): with
+    # async scheduling the next step is scheduled before that token is known.
+    num_output_placeholders: int = 0
     # Content hashes of the full blocks of token_ids, in order, each computed once
     # (prefix-cache lookups and registration read them); the first num_cached_blocks of
     # the block table are registered in the pool's cache.
@@ -85,6 +88,13 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def reaches_length_limit(self, max_model_len: int, num_more: int = 0) -> bool:
+        """Whether the sequence, `num_more` tokens on, is at max_model_len or max_tokens
+        (never below min_tokens: SamplingParams keeps min_tokens <= max_tokens)."""
+        max_tokens = self.request.params.max_tokens
+        return (self.num_tokens + num_more >= max_model_len
+                or max_tokens is not None and self.num_output_tokens + num_more >= max_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:

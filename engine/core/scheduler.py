@@ -31,10 +31,11 @@ class Scheduler:
     preempts the least important running sequence not yet scheduled (possibly itself).
 
     Invariants: every sequence in `running` holds device blocks and has tokens left to
-    compute; a sequence in `waiting` holds none (a swapped one holds CPU blocks). Detached
-    sequences (see `detach`) hold blocks outside both; when blocks run short, `reclaim`
-    frees one of those (returning it) before anyone running is preempted or a waiting
-    sequence is left out.
+    compute (or a launched step's placeholder for its next token, with async scheduling);
+    a sequence in `waiting` holds none (a swapped one holds CPU blocks). Detached sequences
+    (see `detach`) hold blocks outside both; when blocks run short, `reclaim` frees one of
+    those (returning it) before anyone running is preempted or a waiting sequence is left
+    out.
 
     Each queue change (queued, resumed, preempted, finished) is reported to `emit`.
     """
@@ -109,8 +110,10 @@ class Scheduler:
 
     def chunk_size(self, seq: Sequence, budget: int, cap: int | None,
                    num_cached: int = 0) -> int:
-        """Tokens to compute next: all that remain, capped by the budget and the cap."""
-        remaining = seq.num_tokens - seq.num_computed_tokens - num_cached
+        """Tokens to compute next: all that remain (the placeholder of a token a launched
+        step will append counts), capped by the budget and the cap."""
+        remaining = (seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
+                     - num_cached)
         if cap is not None:
             remaining = min(remaining, cap)
         return min(remaining, budget)
@@ -125,7 +128,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if id(seq) in preempted:
+            if id(seq) in preempted or self._finishes_by_length(seq):
                 continue
             spec = self._spec_tokens(seq, budget)
             num_tokens = self.chunk_size(seq, budget, cap) + len(spec)
@@ -150,8 +153,9 @@ class Scheduler:
             budget -= num_tokens
 
         # A step that had to preempt admits nobody: memory is short already.
+        num_forking = self._num_pending_forks()
         while (self.waiting and budget > 0 and not out.preempted
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) + num_forking < self.config.max_num_seqs):
             seq = self.waiting[0]
             # Admitted uncapped: from the next step on it runs capped while others wait.
             # (A first whole chunk also caches its prefix for identical prompts behind it.)
@@ -175,6 +179,20 @@ class Scheduler:
             self._add_scheduled(out, seq, num_tokens)
             budget -= num_tokens
         return out
+
+    def _num_pending_forks(self) -> int:
+        """Sequences that join `running` when a launched step samples (async scheduling):
+        the other n - 1 samples of a request whose prompt that step finishes."""
+        return sum(seq.request.params.num_sequences - 1 for seq in self.running
+                   if seq.num_output_placeholders and len(seq.request.sequences) == 1
+                   and seq.request.beam is None)
+
+    def _finishes_by_length(self, seq: Sequence) -> bool:
+        """A launched step's token will end the sequence at a length limit: nothing to
+        schedule after it (EOS and stops are known only once the token is)."""
+        return (seq.num_output_placeholders > 0
+                and seq.reaches_length_limit(self.config.max_model_len,
+                                             seq.num_output_placeholders))
 
     @staticmethod
     def _spec_tokens(seq: Sequence, budget: int) -> list[int]:

@@ -20,13 +20,11 @@ class ScheduledSequence:
     # The distribution each proposal was drawn from, [len(spec_token_ids), vocab], where a
     # draft model sampled them (rejection sampling needs it); None: deterministic proposals.
     spec_probs: torch.Tensor | None = None
-    # Fixed when scheduled: read after the step samples, the sequence's new output token
-    # would make a prompt's last one-token chunk look like a decode.
     kind: ChunkKind = field(init=False)
 
     def __post_init__(self) -> None:
         self.kind = (ChunkKind.DECODE if self.num_real_tokens == 1
-                     and self.seq.num_output_tokens > 0 else ChunkKind.PREFILL)
+                     and self.start >= self.seq.num_prompt_tokens else ChunkKind.PREFILL)
 
     @property
     def end(self) -> int:
@@ -60,3 +58,6 @@ class SchedulerOutput:
     swapped_out: list[Sequence] = field(default_factory=list)
     swapped_in: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: int = 0
+    # What scheduling this plan added to the KV manager's counters (stat_totals order:
+    # prefix-cache queries and hits, blocks swapped out and in).
+    stat_deltas: tuple[int, ...] = (0, 0, 0, 0)

@@ -83,7 +83,11 @@ class SimulatedRunner:
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """Swaps and copy-on-write copies move no data here."""
 
-    def execute(self, scheduled: list[ScheduledSequence],
-                all_positions: tuple[int, ...] = ()) -> tuple[list[int], dict]:
+    def prepare(self, scheduled: list[ScheduledSequence],
+                all_positions: tuple[int, ...] = ()) -> int:
+        """All a simulated forward needs: how many sequences sample."""
+        return sum(item.samples for item in scheduled)
+
+    def execute(self, num_sampling: int) -> tuple[list[int], dict]:
         """The placeholder token for each sampling sequence, in schedule order."""
-        return [self.placeholder_token] * sum(item.samples for item in scheduled), {}
+        return [self.placeholder_token] * num_sampling, {}

@@ -1,13 +1,11 @@
 """DraftingExecutor: the target's ModelRunner with a draft model beside it, as one
 StepExecutor, so the engine core runs the draft method as it runs any other."""
 
-import torch
-
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvscope.engine.spec_decode.draft_model import DraftModelProposer
 from kvscope.engine.worker.memory import MemoryPlan
-from kvscope.engine.worker.model_runner import ModelRunner
+from kvscope.engine.worker.model_runner import ModelInputs, ModelRunner
 
 
 class DraftingExecutor:
@@ -40,10 +38,11 @@ class DraftingExecutor:
         for runner in (self.target, self.proposer.runner):
             runner.move_blocks(plan)
 
-    def execute(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def prepare(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
+                ) -> ModelInputs:
+        """The draft's forwards fill in the step's proposals, which the target's inputs hold."""
         self.proposer.run(scheduled)
-        return self.target.execute(scheduled, all_positions)
+        return self.target.prepare(scheduled, all_positions)
 
 
 def with_draft_model(runner, config: EngineConfig):

@@ -42,5 +42,11 @@ class StepExecutor(Protocol):
 
     def move_blocks(self, plan: SchedulerOutput) -> None: ...
 
-    def execute(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
-                ) -> tuple[StepLogits, dict[int, torch.Tensor]]: ...
+    # A step's forward in two halves. `prepare` copies out of the engine's sequences all
+    # that the forward reads (token ids, positions, block tables), on the engine's thread;
+    # `execute` runs the forward on that copy alone, so with async scheduling it can run on
+    # another thread while the engine schedules the next step (engine.core.step_pipeline).
+    def prepare(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
+                ) -> object: ...
+
+    def execute(self, prepared: object) -> tuple[StepLogits, dict[int, torch.Tensor]]: ...

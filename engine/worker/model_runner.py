@@ -3,6 +3,7 @@
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
@@ -51,6 +52,19 @@ from kvscope.engine.worker.profile_cache import load_peak, profile_key, store_pe
 from kvscope.kernels import KernelOps, kv_quant
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    """One step's forward inputs, copied out of the sequences (ModelRunner.prepare)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    last_rows: list[int]  # the flat rows whose logits are sampled, in schedule order
+    chunk_rows: dict[int, tuple[int, int]]  # scheduled index -> its chunk's flat rows
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -398,26 +412,32 @@ class ModelRunner:
             if copies:
                 self.copy_blocks(copies, source, target)
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run one forward over the ragged batch. Returns logits [rows, vocab] in fp32 for
-        each scheduled sequence that reaches its last token, in schedule order: one row, or
-        with k proposed tokens k + 1 rows (the last own token's and each proposal's, which
-        verify the proposals and give the token after them); and for each index in
-        `all_positions` the logits of every position of its chunk (prompt logprobs)."""
+    def prepare(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
+                ) -> ModelInputs:
+        """The forward's inputs as tensors of their own: what `execute` reads."""
         input_ids, positions, meta = self._flat_inputs(
             [(s.start, s.end, s.seq.block_table) for s in scheduled], self.block_size,
             token_ids=lambda index, start, end: scheduled[index].input_token_ids())
-        hidden = self.model(input_ids, positions, meta)
-        starts = meta.query_start_loc.tolist() if all_positions else []
-        chunk_logits = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
-                        for i in all_positions}
         last_rows, end = [], 0  # each sampling sequence's last tokens in the flat batch
         for item in scheduled:
             end += item.end - item.start
             if item.samples:
                 last_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
+        starts = meta.query_start_loc.tolist() if all_positions else []
+        return ModelInputs(input_ids, positions, meta, last_rows,
+                           {i: (starts[i], starts[i + 1]) for i in all_positions})
+
+    @torch.inference_mode()
+    def execute(self, inputs: ModelInputs) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run one forward over the ragged batch. Returns logits [rows, vocab] in fp32 for
+        each scheduled sequence that reaches its last token, in schedule order: one row, or
+        with k proposed tokens k + 1 rows (the last own token's and each proposal's, which
+        verify the proposals and give the token after them); and for each index in
+        `all_positions` the logits of every position of its chunk (prompt logprobs)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        chunk_logits = {i: self.model.compute_logits(hidden[start:end])
+                        for i, (start, end) in inputs.chunk_rows.items()}
+        rows = inputs.last_rows
         # A batch of decodes that all sample is every row, in order: no gather.
-        sampled = hidden if len(last_rows) == hidden.shape[0] else hidden[last_rows]
+        sampled = hidden if len(rows) == hidden.shape[0] else hidden[rows]
         return self.model.compute_logits(sampled), chunk_logits
