@@ -90,7 +90,7 @@ from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 logger = logging.getLogger("bench.throughput")
 BACKENDS = ("kvscope", "kvscope_penalties", "kvscope_async", "kvscope_kv_events", "hf_continuous_batching",
             "hf_static_generate", "llama_cpp", "vllm")
-STREAM_BACKENDS = ("kvscope", "hf_generate", "llama_cpp")
+STREAM_BACKENDS = ("kvscope", "kvscope_async", "hf_generate", "llama_cpp")
 
 
 @dataclass(slots=True)

@@ -162,10 +162,11 @@ def test_an_abort_while_the_forward_runs_leaves_the_others_exact(make_engine, ru
     assert_nothing_held(engine)
 
 
+@pytest.mark.parametrize("failing_call", [3, 20, 41])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_failed_forward_counts_its_tokens_as_not_computed(async_scheduling, make_engine,
-                                                            run_engine, monkeypatch,
-                                                            synchronous):
+def test_a_failed_forward_counts_its_tokens_as_not_computed(async_scheduling, failing_call,
+                                                            make_engine, run_engine,
+                                                            monkeypatch, synchronous):
     """The failure surfaces from step(); a caller that carries on gets exact outputs."""
     engine = engine_for(make_engine, async_scheduling, preemption_mode="swap",
                         num_gpu_blocks_override=9, swap_space=0.001,
@@ -173,7 +174,7 @@ def test_a_failed_forward_counts_its_tokens_as_not_computed(async_scheduling, ma
     execute, calls = engine.runner.execute, itertools.count()
 
     def failing_once(prepared):
-        if next(calls) == 20:
+        if next(calls) == failing_call:
             raise RuntimeError("the device fell over")
         return execute(prepared)
 

@@ -319,15 +319,16 @@ class EngineCore:
     def _wait(self, step: InFlightStep, ahead: SchedulerOutput | None
               ) -> tuple[StepLogits | None, dict[int, torch.Tensor]]:
         """The step's forward's result. If the forward failed, its sequences' tokens count
-        as not computed again, and the swap-outs the next plan's preemptions promised are
-        done, so the sequences that outlive the failure hold exactly the K/V they count."""
+        as not computed again, and the block moves the next plan made (swaps and
+        copy-on-write copies, which its block tables already point at) are done, so the
+        sequences that outlive the failure hold exactly the K/V they count."""
         try:
             return step.forward.result()
         except BaseException:
             for item in step.plan.scheduled:
                 item.seq.num_computed_tokens = min(item.seq.num_computed_tokens, item.start)
             if ahead is not None:
-                self.runner.move_blocks(SchedulerOutput(swap_out=ahead.swap_out))
+                self.runner.move_blocks(ahead)
             raise
         finally:
             for item in step.sampling:
