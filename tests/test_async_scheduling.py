@@ -4,28 +4,17 @@ exactly what a synchronous engine gives."""
 
 import asyncio
 import itertools
-import random
 import threading
 
 import pytest
+from test_preemption import BLOCK_SIZE, GREEDY, MAX_MODEL_LEN, PARAMS, PROMPTS, completions
+from test_preemption import assert_nothing_held as assert_pool_idle
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.frontend.async_engine import AsyncEngine
 from kvscope.engine.sample.sampling_params import SamplingParams
-
-BLOCK_SIZE = 8
-MAX_MODEL_LEN = 72
-_rng = random.Random(29)
-PROMPTS = [[_rng.randrange(1, 256) for _ in range(n)] for n in (5, 16, 40, 33, 20, 9)]
-GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-SEEDED = SamplingParams(temperature=1.0, seed=7, max_tokens=30, ignore_eos=True, n=2)
-PARAMS = [GREEDY, SEEDED] * 3
-
-
-def completions(run) -> list[list[list[int]]]:
-    return [[c.token_ids for c in sorted(o.outputs, key=lambda c: c.index)] for o in run.outputs]
 
 
 def engine_for(make_engine, async_scheduling: bool, **knobs) -> EngineCore:
@@ -34,11 +23,8 @@ def engine_for(make_engine, async_scheduling: bool, **knobs) -> EngineCore:
 
 
 def assert_nothing_held(engine: EngineCore) -> None:
-    kv_cache = engine.kv_cache
-    assert kv_cache.pool.num_used_blocks == 0
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert sorted(kv_cache.free_swap_blocks) == list(range(kv_cache.num_swap_blocks))
-    assert not engine.has_unfinished_requests()
+    assert_pool_idle(engine)
+    assert not engine.has_unfinished_requests()  # no forward left running either
 
 
 @pytest.fixture(scope="module")
