@@ -45,7 +45,7 @@ class StepExecutor(Protocol):
     # A step's forward in two halves. `prepare` copies out of the engine's sequences all
     # that the forward reads (token ids, positions, block tables), on the engine's thread;
     # `execute` runs the forward on that copy alone, so with async scheduling it can run on
-    # another thread while the engine schedules the next step (engine.core.step_pipeline).
+    # another thread while the engine schedules the next step (EngineCore.step).
     def prepare(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
                 ) -> object: ...
 

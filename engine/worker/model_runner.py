@@ -432,8 +432,9 @@ class ModelRunner:
         """Run one forward over the ragged batch. Returns logits [rows, vocab] in fp32 for
         each scheduled sequence that reaches its last token, in schedule order: one row, or
         with k proposed tokens k + 1 rows (the last own token's and each proposal's, which
-        verify the proposals and give the token after them); and for each index in
-        `all_positions` the logits of every position of its chunk (prompt logprobs)."""
+        verify the proposals and give the token after them); and for each scheduled index
+        `prepare` was given in `all_positions`, the logits of every position of its chunk
+        (prompt logprobs)."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         chunk_logits = {i: self.model.compute_logits(hidden[start:end])
                         for i, (start, end) in inputs.chunk_rows.items()}

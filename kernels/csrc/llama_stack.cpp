@@ -170,6 +170,11 @@ void normed(const at::Tensor& hidden, const at::Tensor& weight, const StackConfi
   });
 }
 
+// A token id the embedding lookups below read a row for.
+void check_row(int64_t id, int64_t rows) {
+  TORCH_CHECK(id >= 0 && id < rows, "index ", id, " out of range for ", rows, " rows");
+}
+
 // Rows `ids` of a contiguous 2-D table, in its dtype: index_select's result, without a trip
 // through Python and the dispatcher. That matters here because a decode step streams the
 // whole model first: by then its weights have pushed the interpreter's and the dispatcher's
@@ -183,7 +188,7 @@ at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& ids) {
   const char* source = static_cast<const char*>(table.data_ptr());
   char* target = static_cast<char*>(out.data_ptr());
   for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " out of range for ", rows, " rows");
+    check_row(id[i], rows);
     std::memcpy(target + i * row_bytes, source + id[i] * row_bytes, row_bytes);
   }
   return out;
@@ -201,7 +206,7 @@ at::Tensor gather_tiled_rows(const at::Tensor& table, const at::Tensor& ids, int
   uint32_t* target = static_cast<uint32_t*>(out.data_ptr());
   const int64_t pairs = width / 2;
   for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " out of range for ", rows, " rows");
+    check_row(id[i], rows);
     const uint32_t* column = source + id[i] / tile * tile * pairs + id[i] % tile;
     for (int64_t pair = 0; pair < pairs; ++pair) target[i * pairs + pair] = column[pair * tile];
   }
@@ -218,7 +223,7 @@ at::Tensor dequantized_rows(const at::Tensor& table, const at::Tensor& scales,
   const int64_t* id = ids.data_ptr<int64_t>();
   T* target = kvscope::elements<T>(out);
   for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "index ", id[i], " out of range for ", rows, " rows");
+    check_row(id[i], rows);
     const int8_t* row = table.data_ptr<int8_t>() + id[i] * width;
     const float scale = scales.data_ptr<float>()[id[i]];
     for (int64_t k = 0; k < width; ++k)
