@@ -99,13 +99,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # dozen rows and rounds differently by batch shape: on a 2-core Zen 4 the default model's
 # decode step at 9 to 32 rows took 1.06-1.75x as long through it, about as long at 48 and
 # less at 64 (docs/performance.md). More rows are compute-bound: GEMM. Prepacked weights
-# stream through the blocked kernel: over oneDNN's AMX tiles (32 outputs) up to
+# stream through the blocked kernel: over oneDNN's AMX tiles (32 outputs) on AMX itself up to
 # AMX_TILE_KERNEL_MAX_ROWS, past which oneDNN's AMX GEMM is faster; over kvscope's own
 # 64-output tiles at every row count (its outputs need no horizontal sums, so it runs at the
 # GEMM rate). kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows and kAmxTileKernelMaxRows
 # are the same.
 DENSE_KERNEL_MAX_ROWS = 32
-AMX_TILE_KERNEL_MAX_ROWS = 5
+AMX_TILE_KERNEL_MAX_ROWS = 64
 # Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs of at least
 # WIDENED_MIN_ROWS rows run as fp32 GEMMs over widened weight tiles
 # (kernels/csrc/widened_gemm.cpp). Set by load(), from the build's own instruction set.
@@ -150,11 +150,13 @@ def _onednn_amx_tiles(weight: torch.Tensor) -> PrepackedWeight | None:
 
 
 def prepacks_by_default() -> bool:
-    """Whether `prepack_weights` is on unless set: where the weights go into kvscope's own
-    64-output tiles (AVX512-BF16 without AMX): faster than the plain weight for batches,
-    within a few percent for one row (docs/performance.md). oneDNN's AMX tiles leave a
-    single stream 28 % slower, so there it stays a choice."""
-    return torch.ops.kvscope.has_blocked_linear() and not onednn_uses_amx()
+    """Whether `prepack_weights` is on unless set: wherever the blocked kernel streams the
+    tiles (kvscope's own 64-output tiles on AVX512-BF16, oneDNN's AMX tiles on AMX itself):
+    faster than the plain weight for batches, and as fast or faster for one row
+    (docs/performance.md)."""
+    if not torch.ops.kvscope.has_blocked_linear():
+        return False
+    return torch.ops.kvscope.has_amx_linear() or not onednn_uses_amx()
 
 
 def prepack_weight(weight: torch.Tensor) -> PrepackedWeight | None:

@@ -147,18 +147,20 @@ def test_the_decoder_stack_computes_what_gemma_layers_compute(tiny_model, monkey
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_prepack_weights_unset_follows_the_cpu_and_the_tiles_move_with_their_weight(
         tiny_model, monkeypatch, arch):
-    """prepack_weights unset: bf16 weights are prepacked where the kernels lay them out in
-    their own tiles (AVX512-BF16 without AMX), and stay plain elsewhere and under False. A
-    prepacked linear's tiles are its weight parameter, which moves to huge pages with the
-    rest of the model, so the kernels read the moved memory, not a copy left behind; and its
-    forward equals the plain weight's to bf16 rounding. The output projection is prepacked
-    too: an untied lm_head (llama), or the embedding it is tied to (qwen2), whose lookup
-    reads the tiles and gives the plain table's rows exactly."""
+    """prepack_weights unset: bf16 weights are prepacked wherever the blocked kernel streams
+    the tiles (kvscope's own on AVX512-BF16 without AMX, oneDNN's on AMX), and stay plain
+    elsewhere and under False. A prepacked linear's tiles are its weight parameter; kvscope's
+    own move to huge pages with the rest of the model, so the kernels read the moved memory,
+    not a copy left behind (oneDNN's stay where oneDNN put them). Its forward equals the
+    plain weight's to bf16 rounding. The output projection is prepacked too: an untied
+    lm_head (llama), or the embedding it is tied to (qwen2), whose lookup reads the tiles and
+    gives the plain table's rows exactly."""
     _, plain = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype="bfloat16",
                           prepack_weights=False)
     _, unset = runner_for(monkeypatch, tiny_model, "cpu", arch, dtype="bfloat16")
-    assert unset.kernel_ops.prepacks_by_default == (
-        torch.ops.kvscope.has_blocked_linear() and not cpu_kernels.onednn_uses_amx())
+    amx = cpu_kernels.onednn_uses_amx()
+    assert unset.kernel_ops.prepacks_by_default == (torch.ops.kvscope.has_blocked_linear() and (
+        torch.ops.kvscope.has_amx_linear() or not amx))
     prepacked = {name: module for name, module in unset.model.named_modules()
                  if getattr(module, "prepacked", None) is not None}
     assert bool(prepacked) == unset.kernel_ops.prepacks_by_default
@@ -171,12 +173,14 @@ def test_prepack_weights_unset_follows_the_cpu_and_the_tiles_move_with_their_wei
                                    plain.model.compute_logits(hidden), atol=2e-2, rtol=2e-2)
     assert not any(getattr(m, "prepacked", None) is not None for m in plain.model.modules())
     plain_modules = dict(plain.model.named_modules())
+    tile = cpu_kernels.AMX_TILE_OUTPUTS if amx else cpu_kernels.WIDE_TILE_OUTPUTS
     for name, module in prepacked.items():
-        assert module.prepacked.onednn is None
+        assert (module.prepacked.onednn is not None) == amx
         out_features, in_features = plain_modules[name].weight.shape
-        assert module.prepacked.blocks.shape == (out_features // 64, 64 * in_features)
-        module.weight.data = module.weight.data.clone()  # as huge_pages.move_module moves it
-        assert module.prepacked.blocks.data_ptr() == module.weight.data_ptr()
+        assert module.prepacked.blocks.shape == (out_features // tile, tile * in_features)
+        if not amx:
+            module.weight.data = module.weight.data.clone()  # as huge_pages.move_module moves it
+            assert module.prepacked.blocks.data_ptr() == module.weight.data_ptr()
         weight = plain_modules[name].weight
         assert torch.equal(reference.blocked_to_plain(module.weight, *weight.shape), weight)
         if isinstance(module, Embedding):

@@ -372,12 +372,12 @@ def test_cpu_streaming_linear_widens_each_weight_once_for_every_row(cpu_kernel_o
                                    atol=tolerance)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 6, 40, 130])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 40, 70, 130])
 def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
     """A weight kept only in tiles: its blocks read back as the weight
-    (reference.blocked_to_plain), and the blocked kernel (any rows over kvscope's tiles, a
-    few over oneDNN's) and oneDNN's GEMM (more rows over its AMX tiles) give x @ W.T + b to
-    bf16 rounding, from a strided x too."""
+    (reference.blocked_to_plain), and the blocked kernel (any rows over kvscope's tiles, up
+    to AMX_TILE_KERNEL_MAX_ROWS over oneDNN's) and oneDNN's GEMM (more rows over its AMX
+    tiles) give x @ W.T + b to bf16 rounding, from a strided x too."""
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(320, 128, generator=generator).bfloat16()
     bias = torch.randn(320, generator=generator).bfloat16()
@@ -398,13 +398,14 @@ def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
 
 
 @pytest.mark.parametrize("tile", [32, 64])
-@pytest.mark.parametrize("rows", [1, 2, 5, 131])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 33, 64, 131])
 def test_cpu_blocked_linear_reads_both_tile_widths(cpu_kernel_ops, tile, rows):
-    """The blocked kernel reads tiles of 32 outputs (oneDNN's, with AMX) and of 64 (kvscope's
-    own), blocks [out / T, T * in] (reference.plain_to_blocked, blocked_to_plain's inverse):
-    an odd number of tile columns, bias, and each row equal to what it gets alone, also past
-    the rows from which the threads share out rows instead of columns (131), and the same at
-    any thread count (the threads share out 5 columns, or 131 rows, unevenly)."""
+    """The blocked kernel reads tiles of 32 outputs (oneDNN's, with AMX: on AMX itself, in
+    blocks of 16 rows, two at a time) and of 64 (kvscope's own), blocks [out / T, T * in]
+    (reference.plain_to_blocked, blocked_to_plain's inverse): an odd number of tile columns,
+    bias, and each row equal to what it gets alone, past a partial row block (17, 33) and
+    past the rows from which the threads share out rows instead of columns (131), and the
+    same at any thread count (the threads share out 5 columns, or 131 rows, unevenly)."""
     if not torch.ops.kvscope.has_blocked_linear():
         pytest.skip("the blocked kernel needs AVX512-BF16")
     generator = torch.Generator().manual_seed(6)

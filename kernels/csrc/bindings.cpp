@@ -26,6 +26,7 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_blocked(Tensor x, Tensor blocks, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("has_blocked_linear() -> bool", &has_blocked_linear);
+  m.def("has_amx_linear() -> bool", &has_amx_linear);
   m.def("onednn_weight_blocks(Tensor onednn) -> Tensor", &onednn_weight_blocks);
   // widened_gemm.cpp
   m.def("linear_widened(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");

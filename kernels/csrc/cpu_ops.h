@@ -32,6 +32,7 @@ void linear_small_batch(const at::Tensor& x, const at::Tensor& weight,
 void linear_blocked(const at::Tensor& x, const at::Tensor& blocks,
                     const std::optional<at::Tensor>& bias, at::Tensor out);
 bool has_blocked_linear();  // whether linear_blocked was built (AVX512-BF16)
+bool has_amx_linear();      // whether it streams oneDNN's AMX tiles on AMX (built, permitted)
 // A prepacked oneDNN weight (torch.ops.mkldnn._reorder_linear_weight) as a bf16 tensor over
 // the same memory, and oneDNN's GEMM over it.
 at::Tensor onednn_weight_blocks(const at::Tensor& onednn);

@@ -1,10 +1,14 @@
 // The dense linear of a decode batch's rows (linear_small_batch): every weight row is read
 // from memory once, streamed, and dotted with all rows of x while it sits in L1. Weights
 // prepacked in tiles (linear_blocked) stream the same way for a decode batch and serve a
-// prefill's rows too; over oneDNN's AMX tiles, its GEMM takes more rows (linear_onednn).
+// prefill's rows too; oneDNN's AMX tiles stream through AMX itself (amx_linear), and its GEMM
+// takes a prefill's rows (linear_onednn).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/from_blob.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -192,6 +196,33 @@ void tile_columns(const kvscope::bf16* x, int64_t x_stride,
 #endif
 }
 
+// Writes 16 outputs of a row at a time, bias added, into bf16 out or (the logits) fp32 out
+// holding the bf16 result widened. Lane by lane, the rounding and stores cost as much as the
+// products of a 576-input column (docs/performance.md).
+class SumsWriter {
+ public:
+  SumsWriter(const kvscope::bf16* bias, at::Tensor& out)
+      : bias_(bias),
+        fp32_(out.scalar_type() == at::kFloat ? kvscope::elements<float>(out) : nullptr),
+        bf16_(fp32_ ? nullptr : kvscope::elements<kvscope::bf16>(out)),
+        width_(out.size(1)) {}
+
+  void write(int64_t row, int64_t first_output, kvscope::vec::FP32Vec16 sums) const {
+    const int64_t at = row * width_ + first_output;
+    if (bias_ != nullptr) sums += kvscope::vec::FP32Vec16::load(bias_ + first_output);
+    if (fp32_ != nullptr)
+      sums.rounded_to(static_cast<kvscope::bf16*>(nullptr)).store(fp32_ + at);
+    else
+      sums.store(bf16_ + at);
+  }
+
+ private:
+  const kvscope::bf16* bias_;
+  float* fp32_;
+  kvscope::bf16* bf16_;
+  int64_t width_;
+};
+
 // linear_blocked for tiles of T outputs, C tile columns per tile_columns call:
 // two from two places (two weight streams in flight, as small_batch_linear's two halves)
 // where their sums fit in registers beside the weights, else one. Each column (or pair)
@@ -202,20 +233,9 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
                     int64_t in_features, int64_t out_features, at::Tensor& out) {
   constexpr int kParts = T / 16;
   const int64_t column_elements = T * in_features;
-  // 16 outputs at a time: written lane by lane, the rounding and stores cost as much as the
-  // products of a 576-input column (docs/performance.md).
-  const bool fp32_out = out.scalar_type() == at::kFloat;
+  const SumsWriter writer(bias_values, out);
   auto write = [&](int64_t column, int64_t m, const kvscope::vec::FP32Vec16(&sums)[kParts]) {
-    for (int part = 0; part < kParts; ++part) {
-      const int64_t n = column * T + part * 16;
-      kvscope::vec::FP32Vec16 value = sums[part];
-      if (bias_values != nullptr) value += kvscope::vec::FP32Vec16::load(bias_values + n);
-      if (fp32_out)
-        value.rounded_to(static_cast<kvscope::bf16*>(nullptr))
-            .store(kvscope::elements<float>(out) + m * out_features + n);
-      else
-        value.store(kvscope::elements<kvscope::bf16>(out) + m * out_features + n);
-    }
+    for (int part = 0; part < kParts; ++part) writer.write(m, column * T + part * 16, sums[part]);
   };
   // The columns at `starts`, of which the first `count` are written, times rows
   // [row_begin, row_end).
@@ -265,6 +285,127 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
       [&](int64_t begin, int64_t end) { columns_times_rows(begin, end, 0, rows); });
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// On AMX, tdpbf16ps multiplies a tile of 16 rows x 32 inputs of x by a tile of 16 input pairs
+// x 16 outputs of the weight (a row of oneDNN's 32-output tiles is two such rows side by side)
+// into 16 x 16 fp32 sums: 16 times a vdpbf16ps's products. So a decode batch's linear stays a
+// stream of its weights at any row count to kAmxKernelMaxRows, where the vdpbf16ps kernel is
+// compute-bound past a few rows and oneDNN's GEMM reads weights from memory at under half the
+// bandwidth (docs/performance.md). Each output sums its inputs 32 at a time in input order
+// whatever the other rows, so a row's result does not depend on the batch.
+constexpr int64_t kAmxRowBlock = 16;  // rows of an x tile
+// How far ahead of its tiles a column's weights are asked into L2 (bytes): tile loads that
+// wait for memory are not overlapped as far ahead as ordinary loads.
+constexpr int64_t kAmxPrefetchAhead = 16 * 1024;
+
+// The tile registers' shapes (ldtilecfg's 64-byte operand). Tiles 0-3 hold the sums of row
+// block b and outputs 16 h .. 16 h + 15 in tile 2 b + h; tiles 4 and 5 the two row blocks of
+// x; tiles 6 and 7 the two 16-output halves of a weight tile.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kAmxRowBlock;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// sums [Blocks * 16 rows][32 outputs] = Blocks blocks of 16 rows of x, laid out as x tiles
+// (x_tiles below), times one column of 32-output tiles.
+template <int Blocks>
+void amx_column(const kvscope::bf16* x, int64_t in_features, const kvscope::bf16* column,
+                float* sums) {
+  constexpr int64_t kWeightRowBytes = 32 * 2 * sizeof(kvscope::bf16);  // one input pair's row
+  constexpr int64_t kXRowBytes = kTileInputs * sizeof(kvscope::bf16);
+  constexpr int64_t kTileElements = kAmxRowBlock * kTileInputs;
+  const int64_t block_elements = in_features * kAmxRowBlock;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Blocks == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t start = 0; start < in_features; start += kTileInputs) {
+    const kvscope::bf16* tile = column + start * 32;
+    for (int64_t line = 0; line < 32 * kTileInputs * 2; line += 64)
+      kvscope::prefetch_to_l2(reinterpret_cast<const char*>(tile) + kAmxPrefetchAhead + line);
+    const kvscope::bf16* x_tile = x + start / kTileInputs * kTileElements;
+    _tile_loadd(6, tile, kWeightRowBytes);
+    _tile_loadd(7, tile + 32, kWeightRowBytes);
+    _tile_loadd(4, x_tile, kXRowBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (Blocks == 2) {
+      _tile_loadd(5, x_tile + block_elements, kXRowBytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t kSumRowBytes = 32 * sizeof(float);
+  _tile_stored(0, sums, kSumRowBytes);
+  _tile_stored(1, sums + 16, kSumRowBytes);
+  if constexpr (Blocks == 2) {
+    _tile_stored(2, sums + kAmxRowBlock * 32, kSumRowBytes);
+    _tile_stored(3, sums + kAmxRowBlock * 32 + 16, kSumRowBytes);
+  }
+}
+
+// Linux lends a process the tile registers once it asks for them (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA); oneDNN asks only when it first runs an AMX kernel.
+bool amx_permitted() {
+  constexpr int kRequestPermission = 0x1023, kTileData = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return permitted;
+}
+
+// linear_blocked over oneDNN's 32-output tiles on AMX. The columns are shared out between
+// the threads, as a decode batch's in blocked_linear; each column meets the rows 32 at a time
+// (two x tiles) while it is in L2.
+void amx_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
+                const kvscope::bf16* weight, const kvscope::bf16* bias_values, int64_t in_features,
+                int64_t out_features, at::Tensor& out) {
+  // x as tiles: each block of 16 rows (zeros past `rows`: a tile load reads 16) as its
+  // 32-input tiles one after another, 1 KB each. Loaded from x's rows in place, a tile's rows
+  // lay a multiple of 4 KB apart and fell into one set of L1.
+  const int64_t padded = (rows + kAmxRowBlock - 1) / kAmxRowBlock * kAmxRowBlock;
+  thread_local std::vector<kvscope::bf16> x_tiles;
+  x_tiles.assign(padded * in_features, 0);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t start = 0; start < in_features; start += kTileInputs)
+      std::copy_n(xs + m * x_stride + start, kTileInputs,
+                  x_tiles.data() + m / kAmxRowBlock * kAmxRowBlock * in_features +
+                      start * kAmxRowBlock + m % kAmxRowBlock * kTileInputs);
+  const kvscope::bf16* x = x_tiles.data();
+  const SumsWriter writer(bias_values, out);
+  const int64_t columns = out_features / 32;
+  kvscope::parallel_for(0, columns, kvscope::one_share_per_thread(columns),
+                        [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float sums[2 * kAmxRowBlock * 32];
+    for (int64_t c = begin; c < end; ++c) {
+      const kvscope::bf16* column = weight + c * 32 * in_features;
+      for (int64_t first = 0; first < rows; first += 2 * kAmxRowBlock) {
+        if (padded - first > kAmxRowBlock)
+          amx_column<2>(x + first * in_features, in_features, column, sums);
+        else
+          amx_column<1>(x + first * in_features, in_features, column, sums);
+        for (int64_t m = first; m < std::min(rows, first + 2 * kAmxRowBlock); ++m)
+          for (int part = 0; part < 2; ++part)
+            writer.write(m, c * 32 + part * 16,
+                         kvscope::vec::FP32Vec16::load(sums + (m - first) * 32 + part * 16));
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 }  // namespace
 
 // out = x @ W.T + bias for x [rows, in] and W [out, in] stored blocked
@@ -289,10 +430,14 @@ void linear_blocked(const at::Tensor& x, const at::Tensor& blocks,
   const kvscope::bf16* xs = kvscope::elements<kvscope::bf16>(x);
   const kvscope::bf16* weight = kvscope::elements<kvscope::bf16>(blocks);
   const kvscope::bf16* bias_values = bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr;
-  if (tile == 32)
+  if (tile == 32) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_permitted())
+      return amx_linear(xs, x.stride(0), rows, weight, bias_values, in_features, out_features, out);
+#endif
     blocked_linear<32, 2>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features,
                           out);
-  else if (rows <= 2)
+  } else if (rows <= 2)
     blocked_linear<64, 2>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features,
                           out);
   else
@@ -314,6 +459,14 @@ c10::TypedOperatorHandle<Signature> mkldnn_op(const char* name) {
 bool has_blocked_linear() {
 #if defined(__AVX512BF16__)
   return true;
+#else
+  return false;
+#endif
+}
+
+bool has_amx_linear() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
 #else
   return false;
 #endif

@@ -56,11 +56,11 @@ void gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at:
 }
 
 // Dense weights: up to this many rows stream their weights through the dot-product kernel;
-// weights oneDNN prepacked (its AMX tiles) through the blocked kernel up to the second, and
-// kvscope's own tiles through it at any row count. kernels/cpu_kernels.py's
-// DENSE_KERNEL_MAX_ROWS and AMX_TILE_KERNEL_MAX_ROWS, the same rule.
+// weights oneDNN prepacked (its AMX tiles) through the blocked kernel's AMX path up to the
+// second, and kvscope's own tiles through the blocked kernel at any row count.
+// kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS and AMX_TILE_KERNEL_MAX_ROWS, the same rule.
 constexpr int64_t kDenseKernelMaxRows = 32;
-constexpr int64_t kAmxTileKernelMaxRows = 5;
+constexpr int64_t kAmxTileKernelMaxRows = 64;
 
 // out = x @ weight.T (+ bias) for a plain dense weight, as kernels/cpu_kernels.py's linear
 // computes it: a few rows stream the weight through the dot-product kernel, more go to gemm().
@@ -141,8 +141,8 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
 // out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32, as kernels/cpu_kernels.py's
 // linear computes it. Dense weights: a few rows stream their weights through the
 // dot-product kernel, more rows go to oneDNN's GEMM; tiled ones through the blocked kernel,
-// but for more than a few rows over oneDNN's tiles, which go to its GEMM; packed ones as their
-// modules do.
+// but past kAmxTileKernelMaxRows rows over oneDNN's tiles, which go to its GEMM; packed ones
+// as their modules do.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
   if (linear.gguf_parts) return gguf_project(x, linear, config, out);
@@ -157,7 +157,7 @@ void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig
       out.copy_(result);
     return;
   }
-  if (linear.tiled)
+  if (linear.tile)
     return traced("kvscope::linear_blocked",
                   [&] { linear_blocked(x, linear.weight, linear.bias, out); });
   dense_project(x, linear.weight, linear.bias, out);
@@ -305,7 +305,8 @@ class NameReader {
     LinearWeights linear{tiles ? *tiles : required(module + ".weight"), optional(module + ".bias"),
                          optional(module + ".scales"), optional(module + ".offsets"),
                          optional(module + ".onednn")};
-    linear.tiled = tiles.has_value();
+    if (tiles)
+      linear.tile = linear.onednn ? LinearWeights::kAmxTileOutputs : LinearWeights::kOwnTileOutputs;
     return linear;
   }
 
@@ -376,11 +377,15 @@ kvscope::ModelOptions kvscope::ModelOptions::from(const c10::Dict<std::string, d
   options.embedding_gguf_type =
       static_cast<int64_t>(reader.optional("embedding_gguf_type").value_or(-1.));
   options.head_gguf_type = static_cast<int64_t>(reader.optional("head_gguf_type").value_or(-1.));
-  options.embedding_tiled = reader.optional("embedding_tiled").value_or(0.) != 0.;
-  options.head_tiled = reader.optional("head_tiled").value_or(0.) != 0.;
+  options.embedding_tile = static_cast<int64_t>(reader.optional("embedding_tile").value_or(0.));
+  options.head_tile = static_cast<int64_t>(reader.optional("head_tile").value_or(0.));
   TORCH_CHECK(options.embedding_scale >= 0. && options.attention_soft_cap >= 0. &&
                   options.final_soft_cap >= 0.,
               "LlamaDecoderStack: embedding_scale and the soft caps must be >= 0");
+  for (const int64_t tile : {options.embedding_tile, options.head_tile})
+    TORCH_CHECK(tile == 0 || tile == LinearWeights::kAmxTileOutputs ||
+                    tile == LinearWeights::kOwnTileOutputs,
+                "LlamaDecoderStack: embedding_tile and head_tile must be 0, 32 or 64");
   reader.check_all_read();
   return options;
 }
@@ -411,7 +416,7 @@ LlamaDecoderStack::LlamaDecoderStack(
     part[2] = head_.weight.size(0);
     head_.gguf_weights = {head_.weight};
   }
-  head_.tiled = config_.model.head_tiled;
+  head_.tile = config_.model.head_tile;
   TORCH_CHECK(!cos_.empty() && cos_.size() == sin_.size(),
               "LlamaDecoderStack: one or more rotary tables, a sin table per cos table");
   std::vector<const at::Tensor*> tables = {&embedding_};
@@ -533,8 +538,8 @@ at::Tensor LlamaDecoderStack::embed(const at::Tensor& ids) const {
     rows = at::empty({ids.size(0), final_norm_.size(0)},
                      blocks.options().dtype(final_norm_.scalar_type()));
     traced("kvscope::gguf_dequantize", [&] { gguf_dequantize(blocks, type, rows); });
-  } else if (config_.model.embedding_tiled) {
-    rows = gather_tiled_rows(embedding_, ids, kvscope::LinearWeights::kOwnTileOutputs);
+  } else if (const int64_t tile = config_.model.embedding_tile; tile > 0) {
+    rows = gather_tiled_rows(embedding_, ids, tile);
   } else if (!embedding_scales_) {
     rows = gather_rows(embedding_, ids);
   } else {

@@ -20,24 +20,24 @@ using NamedTensors = c10::Dict<std::string, at::Tensor>;
 
 // A linear layer's tensors: a dense weight, or a packed int4 (uint8) / int8 one with its
 // scales (and int4 offsets) as engine/worker/models/quantized.py packs them. A dense bf16
-// weight prepacked (kernels/cpu_kernels.py's prepack_weight) is `tiled`: `weight` holds its
-// tiles [out / T, T * in], and where oneDNN laid them out (its AMX tiles, T = 32) `onednn` is
-// its opaque tensor over the same memory; without it they are kvscope's own (T = 64). A GGUF
+// weight prepacked (kernels/cpu_kernels.py's prepack_weight) has a `tile` width T: `weight`
+// holds its tiles [out / T, T * in], oneDNN's AMX tiles (T = 32; `onednn` is its opaque tensor
+// over the same memory where the GEMM takes it) or kvscope's own (T = 64). A GGUF
 // layer (quantized.py's GgufLinear) comes as runs of rows, each a tensor of one GGUF type's
 // blocks (or dense, type -1): `gguf_parts` [runs, 3] holds each run's (type, first row, end
 // row).
 struct LinearWeights {
-  static constexpr int64_t kOwnTileOutputs = 64;  // kernels/cpu_kernels.py's WIDE_TILE_OUTPUTS
+  // kernels/cpu_kernels.py's AMX_TILE_OUTPUTS and WIDE_TILE_OUTPUTS.
+  static constexpr int64_t kAmxTileOutputs = 32, kOwnTileOutputs = 64;
 
   at::Tensor weight;
   std::optional<at::Tensor> bias, scales, offsets, onednn, gguf_parts;
   std::vector<at::Tensor> gguf_weights;
-  bool tiled = false;
+  int64_t tile = 0;  // outputs per tile of a prepacked weight; 0: plain
 
   int64_t out_features() const {
     if (gguf_parts) return gguf_parts->data_ptr<int64_t>()[gguf_parts->numel() - 1];
-    if (onednn) return onednn->size(0);
-    return tiled ? weight.size(0) * kOwnTileOutputs : weight.size(0);
+    return tile ? weight.size(0) * tile : weight.size(0);
   }
 };
 
@@ -84,9 +84,10 @@ struct ModelOptions {
   // The GGUF type of the embedding's and the output projection's blocks (a GGUF file's
   // token_embd and output tensors, as uint8 rows); -1: not GGUF blocks.
   int64_t embedding_gguf_type = -1, head_gguf_type = -1;
-  // The embedding's and the output projection's tables kept only in kvscope's own tiles
-  // (engine/worker/models/layers.py's prepack_weights: a tied one is both).
-  bool embedding_tiled = false, head_tiled = false;
+  // The outputs per tile of the embedding's and the output projection's tables where they are
+  // kept only in tiles (engine/worker/models/layers.py's prepack_weights: a tied one is both);
+  // 0: plain.
+  int64_t embedding_tile = 0, head_tile = 0;
 
   // Every name must be one of the above (booleans as 0 or 1).
   static ModelOptions from(const c10::Dict<std::string, double>& named);

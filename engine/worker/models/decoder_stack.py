@@ -42,9 +42,11 @@ def stack_table(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, i
     return module.weight, getattr(module, "scales", None), -1
 
 
-def tiled(module: nn.Module) -> float:
-    """1.0 where a table is prepacked in kvscope's own tiles, for the stack's model options."""
-    return float(getattr(module, "prepacked", None) is not None)
+def tile_outputs(module: nn.Module) -> float:
+    """The outputs per tile of a table kept in tiles (0.0 where it is plain), for the stack's
+    model options."""
+    prepacked = getattr(module, "prepacked", None)
+    return 0.0 if prepacked is None else float(prepacked.out_features // prepacked.blocks.shape[0])
 
 
 class FusedDecoderStack:
@@ -79,7 +81,8 @@ class FusedDecoderStack:
         gguf_types = {name: float(kind) for name, kind in (("embedding_gguf_type", embedding_type),
                                                              ("head_gguf_type", head_type))
                       if kind >= 0}
-        tiles = {"embedding_tiled": tiled(body.embed_tokens), "head_tiled": tiled(projection)}
+        tiles = {"embedding_tile": tile_outputs(body.embed_tokens),
+                 "head_tile": tile_outputs(projection)}
         self.layers = model.ops.decoder_stack(
             embedding=embedding, embedding_scales=embedding_scales,
             head=head, head_scales=head_scales,

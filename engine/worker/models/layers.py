@@ -27,14 +27,12 @@ class Prepacks:
         each was set), and nn.Linear's kaiming init of a 0.4B model's linears took 4.8 s of
         its load on 2 cores."""
 
-    def prepack(self, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None],
-                own_tiles_only: bool = False) -> None:
-        """Keep the weight only in the kernels' prepacked layout (where they take it; with
-        own_tiles_only, only where that is kvscope's own tiles, not oneDNN's): the parameter
-        becomes the tiles, so nothing is held twice, and the PrepackedWeight holds that
-        parameter, so the kernels read it wherever it moves (huge_pages.move_module)."""
+    def prepack(self, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]) -> None:
+        """Keep the weight only in the kernels' prepacked layout (where they take it): the
+        parameter becomes the tiles, so nothing is held twice, and the PrepackedWeight holds
+        that parameter, so the kernels read it wherever it moves (huge_pages.move_module)."""
         prepacked = prepack_weight(self.weight.data)
-        if prepacked is not None and not (own_tiles_only and prepacked.onednn is not None):
+        if prepacked is not None:
             self.weight = nn.Parameter(prepacked.blocks, requires_grad=False)
             self.prepacked = dataclasses.replace(prepacked, blocks=self.weight)
 
@@ -130,14 +128,13 @@ def prepack_weights(model: nn.Module, prepack_weight: Callable[[torch.Tensor], P
                     ) -> list[torch.Tensor]:
     """Prepack every Linear's weight, and the token embedding of a model whose logits read
     it (`tied`); returns the weights that now live in oneDNN's memory (its AMX tiles), which
-    must stay where they are. The output projection, tied or not, is prepacked only into
-    kvscope's own tiles: the lookup and the C++ stack's head read those, not oneDNN's."""
+    must stay where they are."""
     in_onednn = []
     tied = getattr(model, "tied", False)
     for name, module in model.named_modules():
         table = name.rpartition(".")[2] in ("lm_head", "embed_tokens")
         if isinstance(module, Linear) or (tied and table and isinstance(module, Embedding)):
-            module.prepack(prepack_weight, own_tiles_only=table)
+            module.prepack(prepack_weight)
             if module.prepacked is not None and module.prepacked.onednn is not None:
                 in_onednn.append(module.weight)
     return in_onednn
