@@ -122,7 +122,7 @@ WIDENED_MIN_ROWS = 48
 PREPACK_ROWS_HINT = 64
 # Tile widths (outputs): oneDNN's AMX layout, and kvscope's own for vdpbf16ps alone, whose
 # 64 outputs are four vectors of sums (kernels/csrc/dense_linear.cpp; llama_stack.h's
-# LinearWeights::kOwnTileOutputs is the same).
+# LinearWeights::kAmxTileOutputs and kOwnTileOutputs are the same).
 AMX_TILE_OUTPUTS = 32
 WIDE_TILE_OUTPUTS = 64
 

@@ -288,14 +288,16 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // On AMX, tdpbf16ps multiplies a tile of 16 rows x 32 inputs of x by a tile of 16 input pairs
 // x 16 outputs of the weight (a row of oneDNN's 32-output tiles is two such rows side by side)
-// into 16 x 16 fp32 sums: 16 times a vdpbf16ps's products. So a decode batch's linear stays a
-// stream of its weights at any row count to kAmxKernelMaxRows, where the vdpbf16ps kernel is
-// compute-bound past a few rows and oneDNN's GEMM reads weights from memory at under half the
-// bandwidth (docs/performance.md). Each output sums its inputs 32 at a time in input order
-// whatever the other rows, so a row's result does not depend on the batch.
+// into 16 x 16 fp32 sums: 16 times a vdpbf16ps's products. So a decode batch's linear reads
+// its weights at the memory's speed up to 16 rows and stays ahead of oneDNN's GEMM to 32-64
+// (llama_stack.cpp's kAmxTileKernelMaxRows), where the vdpbf16ps kernel is compute-bound past
+// a few rows and oneDNN's GEMM reads weights from memory at about half the bandwidth
+// (docs/performance.md). Each output sums its inputs 32 at a time in input order whatever
+// the other rows, so a row's result does not depend on the batch.
 constexpr int64_t kAmxRowBlock = 16;  // rows of an x tile
-// How far ahead of its tiles a column's weights are asked into L2 (bytes): tile loads that
-// wait for memory are not overlapped as far ahead as ordinary loads.
+// How far ahead of its tiles a column's weights are asked into L2 (bytes). This and x laid
+// out as tiles (amx_linear), made together, took one row from 14 to 21 GB/s of the weights
+// (docs/performance.md).
 constexpr int64_t kAmxPrefetchAhead = 16 * 1024;
 
 // The tile registers' shapes (ldtilecfg's 64-byte operand). Tiles 0-3 hold the sums of row
