@@ -78,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device-memory-gb", type=float, default=8.0,
-                        help="kvscope knob (CPU pool size)")
+                        help="kvscope's device_memory_gb: the CPU memory budget, weights "
+                             "included (Phi-4-mini's bf16 weights take 7.2 GiB: give it 12)")
     parser.add_argument("--save-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the random model is saved (default RAM-backed /dev/shm; a "
                              "disk folder leaves Phi-4-mini's 7.7 GB to the page cache)")
