@@ -3,9 +3,9 @@ random weights (values do not change the work), in bf16 and int4, against the ta
 issues 28 and 29.
 
 Each shape is built from transformers' own config class with the real model's sizes,
-initialised at random and saved in a RAM-backed folder (/dev/shm where there is one; --save-dir), then
-measured by bench/throughput.py, each run in a process of its own (one model in memory at a
-time):
+initialised at random and saved in a RAM-backed folder (/dev/shm where there is one, or
+--save-dir), then measured by bench/throughput.py, each run in a process of its own (one
+model in memory at a time):
   single stream   one greedy request: decode tok/s and its share of the weight-bandwidth
                   limit (measured read bandwidth / the bytes a token reads of the weights as
                   kvscope stores them, bf16 or packed int4); target >= 0.6
