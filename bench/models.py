@@ -148,6 +148,15 @@ def batched_workload(args: argparse.Namespace) -> tuple[str, ...]:
             "--max-output", str(args.max_output))
 
 
+def check_budget(folder: Path, args: argparse.Namespace) -> None:
+    """Refuse a --device-memory-gb below the bf16 weights before transformers' run (the slow
+    part) rather than at kvscope's start after it: the budget includes the weights."""
+    weight_gib = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**30
+    if "none" in args.quantizations and args.device_memory_gb <= weight_gib:
+        sys.exit(f"--device-memory-gb={args.device_memory_gb} must exceed the model's "
+                 f"{weight_gib:.2f} GiB of bf16 weights (kvscope's budget includes them)")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     results = []
@@ -155,6 +164,7 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory(prefix=f"kvscope-{name}-", dir=args.save_dir) as folder:
             print(f"building a random {name} in {folder}", file=sys.stderr)
             save_random_model(Path(folder), SHAPES[name](), torch.bfloat16)
+            check_budget(Path(folder), args)
             transformers_batched = None
             if not args.skip_batched:
                 # Once per shape: transformers runs the model dense (it has no int4), in a
