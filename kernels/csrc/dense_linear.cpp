@@ -377,12 +377,18 @@ void amx_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
   // lay a multiple of 4 KB apart and fell into one set of L1.
   const int64_t padded = (rows + kAmxRowBlock - 1) / kAmxRowBlock * kAmxRowBlock;
   thread_local std::vector<kvscope::bf16> x_tiles;
-  x_tiles.assign(padded * in_features, 0);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t start = 0; start < in_features; start += kTileInputs)
-      std::copy_n(xs + m * x_stride + start, kTileInputs,
-                  x_tiles.data() + m / kAmxRowBlock * kAmxRowBlock * in_features +
-                      start * kAmxRowBlock + m % kAmxRowBlock * kTileInputs);
+  x_tiles.resize(padded * in_features);
+  for (int64_t m = 0; m < padded; ++m) {
+    kvscope::bf16* row = x_tiles.data() + m / kAmxRowBlock * kAmxRowBlock * in_features +
+                         m % kAmxRowBlock * kTileInputs;
+    for (int64_t start = 0; start < in_features; start += kTileInputs) {
+      kvscope::bf16* tile_row = row + start * kAmxRowBlock;
+      if (m < rows)
+        std::copy_n(xs + m * x_stride + start, kTileInputs, tile_row);
+      else
+        std::fill_n(tile_row, kTileInputs, kvscope::bf16{0});
+    }
+  }
   const kvscope::bf16* x = x_tiles.data();
   const SumsWriter writer(bias_values, out);
   const int64_t columns = out_features / 32;
