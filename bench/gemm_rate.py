@@ -41,13 +41,13 @@ from collections.abc import Callable
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
+import roofline  # noqa: E402
 import torch
 import torch.nn.functional as F
 from quantized_linear import model_linears  # noqa: E402
 from served import cpu_name  # noqa: E402
 
 from kvscope.engine.worker.loader import load_config, resolve_model_path  # noqa: E402
-from kvscope.engine.worker.memory_bandwidth import best_seconds  # noqa: E402
 from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 from kvscope.kernels import cpu_kernels  # noqa: E402
 
@@ -55,7 +55,7 @@ LARGE_SIZE = 2048
 HEAD_MAX_ROWS = 256
 
 
-def large_gemm_flops(dtype: torch.dtype, size: int = LARGE_SIZE, repeats: int = 5) -> float:
+def large_gemm_flops(dtype: torch.dtype, size: int = LARGE_SIZE) -> float:
     """FLOP/s of a square torch.mm in `dtype`: what the matrix or vector units reach with
     nothing around them (a phase is held to the rate of the dtype it runs in). On a CPU
     without bf16 dot products the engine's bf16 GEMMs run in fp32 (widened weight tiles), so
@@ -63,8 +63,7 @@ def large_gemm_flops(dtype: torch.dtype, size: int = LARGE_SIZE, repeats: int = 
     cpu_kernels.load()
     if dtype == torch.bfloat16 and cpu_kernels.widens_bf16_gemms():
         dtype = torch.float32
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    return 2 * size ** 3 / best_seconds(lambda: torch.mm(a, b), repeats)
+    return roofline.gemm_flops(dtype, size)
 
 
 def weight_forms(shapes, dtypes: list[torch.dtype]) -> dict[str, tuple[torch.dtype, list, Callable]]:

@@ -3,20 +3,34 @@ memory read bandwidth (kvscope.engine.worker.memory_bandwidth) and dense GEMM th
 (fp32 and bf16), best of a few tries, on torch's threads."""
 
 import os
+import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
 
-from kvscope.engine.worker.memory_bandwidth import best_seconds, read_bandwidth
+from kvscope.engine.worker.memory_bandwidth import read_bandwidth
 
 GEMM_SIZE = 1024
+# The matrix units reach their rate only after a while in use: on an AMX Xeon a 2048^3 bf16
+# GEMM ran at 0.6-1.0 TFLOP/s for its first ~150 ms and at 2.1-2.8 after, so a few calls timed
+# from cold measured a third of the machine (docs/performance.md). The best call of a second's
+# worth after the warm-up: a shared host's rate swings within seconds.
+WARM_UP_SECONDS = 0.5
+TIMED_SECONDS = 1.0
 
 
-def gemm_flops(dtype: torch.dtype, size: int = GEMM_SIZE, repeats: int = 5) -> float:
+def gemm_flops(dtype: torch.dtype, size: int = GEMM_SIZE) -> float:
+    """FLOP/s of a square torch.mm in `dtype`: its fastest call in TIMED_SECONDS of calls
+    after WARM_UP_SECONDS of them."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    return 2 * size ** 3 / best_seconds(lambda: torch.mm(a, b), repeats)
+    best, started = float("inf"), time.perf_counter()
+    while (now := time.perf_counter()) - started < WARM_UP_SECONDS + TIMED_SECONDS:
+        torch.mm(a, b)
+        if now - started >= WARM_UP_SECONDS:
+            best = min(best, time.perf_counter() - now)
+    return 2 * size ** 3 / best
 
 
 def read_bandwidths() -> dict[str, float]:

@@ -78,15 +78,37 @@ struct FP32Vec16 {
 #endif
   }
 
+  // 16 lanes of 16 bits zero-extended to 32, and 32-bit lanes' high halves narrowed back to
+  // 16: GCC 12 splits either conversion of a 512-bit vector into 256-bit halves (five
+  // instructions where one vpmovzxwd does it, a vpermi2w and a constant's load for one
+  // vpmovdw), and the value pass of a decode's attention widens every value row so.
+  template <typename Element>
+  static u32x16 widen_u16(const Element* p) {
+    static_assert(sizeof(Element) == 2);
+#if defined(__AVX512F__)
+    return (u32x16)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+    return __builtin_convertvector(load_unaligned<u16x16>(p), u32x16);
+#endif
+  }
+  template <typename Element>
+  static void store_high_halves(Element* p, u32x16 bits) {
+    static_assert(sizeof(Element) == 2);
+#if defined(__AVX512F__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16((__m512i)(bits >> 16)));
+#else
+    store_unaligned(p, __builtin_convertvector(bits >> 16, u16x16));
+#endif
+  }
+
   static FP32Vec16 load(const float* p) { return load_unaligned<f32x16>(p); }
   // bf16 bits widened: the bits shifted into the high half of each fp32 lane (exact).
-  static FP32Vec16 load(const bf16* p) {
-    return (f32x16)(__builtin_convertvector(load_unaligned<u16x16>(p), u32x16) << 16);
-  }
+  static FP32Vec16 load(const bf16* p) { return (f32x16)(widen_u16(p) << 16); }
   // float16 bits widened by rebiasing the exponent (a multiply by 2^112): exact for every
   // finite value, subnormals included.
   static FP32Vec16 load(const c10::Half* p) {
-    const u32x16 bits = __builtin_convertvector(load_unaligned<u16x16>(p), u32x16);
+    const u32x16 bits = widen_u16(p);
     const f32x16 magnitude = (f32x16)((bits & 0x7fff) << 13) * 0x1p112f;
     return (f32x16)((u32x16)magnitude | ((bits & 0x8000) << 16));
   }
@@ -128,14 +150,11 @@ struct FP32Vec16 {
   void store(float* p) const { store_unaligned(p, reg); }
   // Rounded to nearest even (kvscope::bf16_bits for every finite value), then narrowed.
   void store(bf16* p) const {
-    const u32x16 bits = (u32x16)rounded_to(static_cast<bf16*>(nullptr)).reg;
-    store_unaligned(p, __builtin_convertvector(bits >> 16, u16x16));
+    store_high_halves(p, (u32x16)rounded_to(static_cast<bf16*>(nullptr)).reg);
   }
 
   // Values bf16 holds exactly (small integers, fp8 codes) as bf16: their low bits are zero.
-  void store_exact(bf16* p) const {
-    store_unaligned(p, __builtin_convertvector((u32x16)reg >> 16, u16x16));
-  }
+  void store_exact(bf16* p) const { store_high_halves(p, (u32x16)reg); }
 
   // The lanes rounded to T's precision, still fp32 (what storing to T and loading gives).
   FP32Vec16 rounded_to(float*) const { return *this; }
