@@ -22,14 +22,15 @@ TIMED_SECONDS = 1.0
 
 def gemm_flops(dtype: torch.dtype, size: int = GEMM_SIZE) -> float:
     """FLOP/s of a square torch.mm in `dtype`: its fastest call in TIMED_SECONDS of calls
-    after WARM_UP_SECONDS of them."""
+    after WARM_UP_SECONDS of them (at least one call timed, however slow)."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     best, started = float("inf"), time.perf_counter()
-    while (now := time.perf_counter()) - started < WARM_UP_SECONDS + TIMED_SECONDS:
+    while best == float("inf") or time.perf_counter() - started < WARM_UP_SECONDS + TIMED_SECONDS:
+        call_started = time.perf_counter()
         torch.mm(a, b)
-        if now - started >= WARM_UP_SECONDS:
-            best = min(best, time.perf_counter() - now)
+        if call_started - started >= WARM_UP_SECONDS:
+            best = min(best, time.perf_counter() - call_started)
     return 2 * size ** 3 / best
 
 
