@@ -1,6 +1,7 @@
 """What this machine allows, measured in the same run as the engines it is compared with:
-memory read bandwidth (kvscope.engine.worker.memory_bandwidth) and dense GEMM throughput
-(fp32 and bf16), best of a few tries, on torch's threads."""
+memory read bandwidth (kvscope.engine.worker.memory_bandwidth), best of a few tries, and
+dense GEMM throughput (fp32 and bf16), the fastest call after a warm-up (gemm_flops), on
+torch's threads."""
 
 import os
 import time
