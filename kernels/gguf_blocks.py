@@ -65,6 +65,11 @@ def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mins
 
 
+# The offset of a 32-weight type without a min, as a multiple of its d (w = q * d + that * d
+# for its unsigned quants q; kernels/csrc/quantized/kquants_blocks.h's block32_offset_per_d).
+OFFSET_PER_D = {Q.Q4_0: -8, Q.Q5_0: -16, Q.Q8_0: -128}
+
+
 def block32_quants(blocks: torch.Tensor, kind: GGMLQuantizationType
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A 32-weight type's blocks [rows, blocks, bytes] as w = q * d + offset, each term
@@ -74,13 +79,15 @@ def block32_quants(blocks: torch.Tensor, kind: GGMLQuantizationType
     rows = blocks.shape[0]
     d = _halves(blocks, 0).squeeze(-1)
     if kind == Q.Q8_0:
-        return (blocks[..., 2:].contiguous().view(torch.int8).int() + 128).to(torch.uint8), d, -128 * d
-    q = _nibbles(blocks[..., -16:])
+        q = (blocks[..., 2:].contiguous().view(torch.int8).int() + 128).to(torch.uint8)
+    else:
+        q = _nibbles(blocks[..., -16:])
     if kind in (Q.Q5_0, Q.Q5_1):  # 32 5th bits, little-endian, weight j's at bit j
         at = 2 if kind == Q.Q5_0 else 4
         q = q | (_bits(blocks[..., at:at + 4], 8).transpose(-1, -2).reshape(rows, -1, 32) << 4)
-    offset = {Q.Q4_0: -8 * d, Q.Q5_0: -16 * d}.get(kind)
-    return q, d, _halves(blocks, 2).squeeze(-1) if offset is None else offset
+    if kind in OFFSET_PER_D:
+        return q, d, OFFSET_PER_D[kind] * d
+    return q, d, _halves(blocks, 2).squeeze(-1)
 
 
 def k4_nibbles(blocks: torch.Tensor) -> torch.Tensor:

@@ -125,9 +125,10 @@ def lanes(blocks: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
     the quants (4 bits as Int4Linear's chunks; 5 bits the same and per 64-byte load of
     them a 64-bit mask of 5th bits for its bytes' low nibbles, one for their high ones; 6
     bits the same and per two loads 64 bytes of top bit pairs; 8 bits as
-    _block32_lanes_bytes), then Q4_0..Q8_0's float16 scale per 32 weights and offset per
-    32 weights, Q4_K's / Q5_K's 6-bit scales and mins (a byte each) and float16 d and dmin
-    per super-block, or Q6_K's int8 scale per 16 weights and float16 d per super-block."""
+    _block32_lanes_bytes), then Q4_0..Q8_0's float16 d per 32 weights and Q4_1's and Q5_1's
+    float16 m per 32 weights (the others' offsets are gguf_blocks.OFFSET_PER_D times d),
+    Q4_K's / Q5_K's 6-bit scales and mins (a byte each) and float16 d and dmin per
+    super-block, or Q6_K's int8 scale per 16 weights and float16 d per super-block."""
     rows = blocks.shape[0]
     weights, size = gguf_blocks.GGML_QUANT_SIZES[kind]
     b = blocks.reshape(rows, in_features // weights, size)
@@ -142,7 +143,9 @@ def lanes(blocks: torch.Tensor, kind: gguf_blocks.GGMLQuantizationType,
         tail = [sc.view(torch.uint8), b[..., 208:210]]
     else:
         q, d, offset = gguf_blocks.block32_quants(b, kind)
-        tail = [d.half().view(torch.uint8), offset.half().view(torch.uint8)]
+        tail = [d.half().view(torch.uint8)]
+        if kind not in gguf_blocks.OFFSET_PER_D:
+            tail.append(offset.half().view(torch.uint8))
     quants = _lanes_quants(q.reshape(rows, -1, INT4_CHUNK), lanes_bits(kind))
     return torch.cat([quants, *(part.reshape(rows, -1) for part in tail)], dim=1)
 
@@ -170,7 +173,9 @@ def dequantize_lanes(weight: torch.Tensor, kind: gguf_blocks.GGMLQuantizationTyp
                                    sc.contiguous().view(torch.int8).view(rows, blocks, 16),
                                    q.view(rows, blocks, 256))
     else:
-        scale, offset = rest.contiguous().view(torch.float16).float().view(rows, 2, chunks, 1).unbind(1)
+        halves = rest.contiguous().view(torch.float16).float().view(rows, -1, chunks, 1)
+        scale = halves[:, 0]
+        offset = scale * gguf_blocks.OFFSET_PER_D[kind] if kind in gguf_blocks.OFFSET_PER_D else halves[:, 1]
         w = q.float() * scale + offset
     return w.reshape(rows, in_features)
 

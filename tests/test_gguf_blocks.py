@@ -117,7 +117,7 @@ def test_a_layer_of_each_type_equals_the_de_quantized_matmul_for_every_row_count
 
 
 # A row of lanes' bytes per block of the type's weights: the quants, then the scales.
-LANES_BYTES = {Q.Q4_0: 16 + 4, Q.Q4_1: 16 + 4, Q.Q5_0: 20 + 4, Q.Q5_1: 20 + 4, Q.Q8_0: 32 + 4,
+LANES_BYTES = {Q.Q4_0: 16 + 2, Q.Q4_1: 16 + 4, Q.Q5_0: 20 + 2, Q.Q5_1: 20 + 4, Q.Q8_0: 32 + 2,
                Q.Q4_K: 128 + 20, Q.Q5_K: 160 + 20, Q.Q6_K: 192 + 18}
 # Row widths with whole wide blocks (16 chunks of 32), full tail quads (4 chunks) and
 # partial ones: 96 (a partial quad alone), 576 (a wide block, a 2-chunk quad), 1280 (two

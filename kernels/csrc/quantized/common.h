@@ -92,8 +92,9 @@ std::vector<float> widen_rows(const T* x, int64_t x_stride, int64_t rows, int64_
 // pairs (load 2u's in the low nibbles, 2u + 1's in the high ones; in each, bits 0-1 for the
 // weight in that byte's low nibble, 2-3 for its high one's); 8 bits (Q8_0's q + 128) as
 // vnni.h's int4_dot_row lays them. Then:
-//   Q4_0..Q8_0 a float16 scale per chunk, then a float16 offset per chunk:
-//     Q4_1's and Q5_1's m, Q4_0's -8 d, Q5_0's -16 d, Q8_0's -128 d (exact products);
+//   Q4_0..Q8_0 a float16 scale d per chunk; Q4_1 and Q5_1 then their float16 m per chunk,
+//     the others' offsets being -8 d (Q4_0), -16 d (Q5_0), -128 d (Q8_0), which the kernels
+//     compute (exact products in fp32; kquants_blocks.h's block32_offset_per_d);
 //   Q4_K, Q5_K (KLanesRow) per chunk (sub-block) its 6-bit scale sc and min m (a byte
 //     each), then per 256-weight super-block its float16 d, then its dmin:
 //     weight = (d * sc) * q - dmin * m;

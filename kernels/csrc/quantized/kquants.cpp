@@ -45,6 +45,7 @@
 #include "cpu_ops.h"
 #include "quantized/common.h"
 #include "quantized/kquants_avx2.h"
+#include "quantized/kquants_blocks.h"
 #include "quantized/kquants_vnni.h"
 #include "work_pool.h"
 
@@ -110,7 +111,10 @@ std::optional<BlockFormat> block_format(int64_t type) {
   const int64_t of = lanes_of(type);
   if (of < 0) return std::nullopt;
   const int64_t weights = of == kQ4_K || of == kQ5_K || of == kQ6_K ? kSuperBlock : 32;
-  const int64_t scales = of == kQ6_K ? 16 + 2 : of == kQ4_K || of == kQ5_K ? 16 + 4 : 4;
+  const int64_t scales = of == kQ6_K                    ? 16 + 2
+                         : of == kQ4_K || of == kQ5_K   ? 16 + 4
+                         : kquants::block32_has_min(of) ? 4
+                                                        : 2;
   return BlockFormat{weights, weights / 8 * lanes_bits(of) + scales};
 }
 
@@ -297,7 +301,8 @@ void dequantize_lanes_row(const uint8_t* row, int64_t in, int64_t of, float* y) 
       offset = -(static_cast<float>(k.dmin[g / 8]) * k.m[g]);
     } else {
       scale = scales[g];
-      offset = scales[in / kChunk + g];
+      const float per_scale = kquants::block32_offset_per_d(of);
+      offset = per_scale != 0.f ? per_scale * scale : static_cast<float>(scales[in / kChunk + g]);
     }
     vec::fma(FP32Vec16::load(q.data() + 16 * h), FP32Vec16(scale), FP32Vec16(offset))
         .store(y + 16 * h);
@@ -390,7 +395,9 @@ void lanes_linear(const at::Tensor& x, const at::Tensor& weight, int64_t of,
   if (of == kQ6_K) return int4_linear_vnni<6>(x, w, rows, layout, Q6Scales{layout}, bias, out);
   const int bits = lanes_bits(of);
   const at::Half* scales = reinterpret_cast<const at::Half*>(w + lanes_quant_bytes(bits, in));
-  const HalfScales inline_scales{scales, scales + groups, layout.row_bytes / 2, layout};
+  const float offset_per_scale = kquants::block32_offset_per_d(of);
+  const HalfScales inline_scales{scales, offset_per_scale != 0.f ? nullptr : scales + groups,
+                                 layout.row_bytes / 2, layout, offset_per_scale};
   if (bits == 8) return int4_linear_vnni<8>(x, w, rows, layout, inline_scales, bias, out);
   if (bits == 5) return int4_linear_vnni<5>(x, w, rows, layout, inline_scales, bias, out);
   int4_linear_vnni<4>(x, w, rows, layout, inline_scales, bias, out);

@@ -281,7 +281,7 @@ struct Block32 {
       c = 0.f;
       return load256(block + 2);
     } else {
-      c = kMin ? half_float(block + 2) : (kFifth ? -16.f : -8.f) * scale;
+      c = kMin ? half_float(block + 2) : block32_offset_per_d(kType) * scale;
       const uint8_t* qs = block + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
       const __m128i nibble = _mm_set1_epi8(0x0F);

@@ -25,5 +25,10 @@ constexpr int64_t block32_bytes(int64_t type) {
 }
 constexpr bool block32_has_min(int64_t type) { return type == 3 || type == 7; }
 constexpr bool block32_has_fifth_bits(int64_t type) { return type == 6 || type == 7; }
+// The offset of a type without a min, as a multiple of its d: w = d * u + that * d for its
+// unsigned quants u (Q4_0 -8, Q5_0 -16, Q8_0's q + 128 -128); 0 for Q4_1 / Q5_1.
+constexpr float block32_offset_per_d(int64_t type) {
+  return type == 2 ? -8.f : type == 6 ? -16.f : type == 8 ? -128.f : 0.f;
+}
 
 }  // namespace kvscope::quantized::kquants

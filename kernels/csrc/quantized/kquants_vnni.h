@@ -230,12 +230,11 @@ struct Block32 {
   // The block's unsigned quants, x's order, and its scale and constant term.
   static __m256i quants(const uint8_t* block, float& scale, float& c) {
     scale = half_float(block);
+    c = kMin ? half_float(block + 2) : block32_offset_per_d(kType) * scale;
     if constexpr (kType == 8) {
-      c = -128.f * scale;
       return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)),
                               _mm256_set1_epi8(-128));
     } else {
-      c = kMin ? half_float(block + 2) : (kFifth ? -16.f : -8.f) * scale;
       const uint8_t* qs = block + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
       const __m128i nibble = _mm_set1_epi8(0x0F);

@@ -229,16 +229,19 @@ struct Int4Layout {
 //
 // A float16 scale and offset per group of 2^group_shift chunks, row n's `stride` halves
 // after row n - 1's: Int4Linear's [out][groups] arrays, or each row's own after its quants
-// (the 32-weight GGUF types' lanes, common.h).
+// (the 32-weight GGUF types' lanes, common.h). Where `offsets` is null, a group's offset is
+// `offset_per_scale` times its scale, computed here (Q4_0's, Q5_0's and Q8_0's lanes).
 struct HalfScales {
   static constexpr int kGroupsPerChunk = 1;
   const at::Half* scales;
   const at::Half* offsets;
   int64_t stride;
   const Int4Layout& layout;
+  float offset_per_scale = 0.f;
 
   struct Row {
     const at::Half *scales, *offsets;
+    float offset_per_scale;
     const Int4Layout& layout;
 
     __m512 wide(int64_t k) const {
@@ -249,11 +252,16 @@ struct HalfScales {
       return quad_weight_scales(tail, l, layout.group_shift, real, layout.quad_lanes);
     }
     __m512 offsets_from(int64_t g) const {
-      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(layout.groups - g), offsets + g));
+      const __mmask16 real = first_lanes(layout.groups - g);
+      if (offsets == nullptr)
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(real, scales + g)),
+                             _mm512_set1_ps(offset_per_scale));
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(real, offsets + g));
     }
   };
   Row row(const uint8_t*, int64_t n) const {
-    return {scales + n * stride, offsets + n * stride, layout};
+    return {scales + n * stride, offsets ? offsets + n * stride : nullptr, offset_per_scale,
+            layout};
   }
 };
 
