@@ -26,6 +26,7 @@ SOURCES = sorted(CSRC.rglob("*.cpp"))
 # Every file the build reads (sources and the headers they include), for the build key.
 INPUTS = sorted(path for path in CSRC.rglob("*") if path.suffix in {".cpp", ".h", ".hpp"})
 NAME = "kvscope_cpu_kernels"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def cpu_flags() -> str:
@@ -47,7 +48,7 @@ def build_key() -> str:
              for part in (str(path.relative_to(CSRC)).encode(), path.read_bytes())]
     # The folder too: ninja's build file names the sources by absolute path, so two
     # checkouts sharing one build folder would each rebuild it whole for the other.
-    for part in (*parts, str(CSRC).encode(), torch.__version__.encode(),
+    for part in (*parts, str(CSRC).encode(), torch.__version__.encode(), " ".join(CFLAGS).encode(),
                  cpu_flags().encode(), (shutil.which("c++") or "").encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -103,7 +104,7 @@ def load() -> None:
         cpp_extension.load(
             name=NAME, sources=[str(source) for source in SOURCES],
             build_directory=str(build_dir), extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     logger.info("CPU attention kernels ready in %.1f s (%s)", time.perf_counter() - started,
                 build_dir)
