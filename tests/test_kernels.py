@@ -398,29 +398,34 @@ def test_cpu_prepacked_linear_matches_the_plain_weight(cpu_kernel_ops, rows):
 
 
 @pytest.mark.parametrize("tile", [32, 64])
-@pytest.mark.parametrize("rows", [1, 2, 5, 17, 33, 64, 131])
-def test_cpu_blocked_linear_reads_both_tile_widths(cpu_kernel_ops, tile, rows):
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 96, 5 * 64), (2, 96, 5 * 64), (5, 96, 5 * 64), (17, 96, 5 * 64),
+                          (33, 96, 5 * 64), (64, 96, 5 * 64), (131, 96, 5 * 64),
+                          (1, 800, 21 * 64), (40, 800, 21 * 64), (64, 800, 21 * 64)])
+def test_cpu_blocked_linear_reads_both_tile_widths(cpu_kernel_ops, tile, rows, in_features,
+                                                   out_features):
     """The blocked kernel reads tiles of 32 outputs (oneDNN's, with AMX: on AMX itself, in
     blocks of 16 rows, two at a time) and of 64 (kvscope's own), blocks [out / T, T * in]
     (reference.plain_to_blocked, blocked_to_plain's inverse): an odd number of tile columns,
-    bias, and each row equal to what it gets alone, past a partial row block (17, 33) and
-    past the rows from which the threads share out rows instead of columns (131), and the
-    same at any thread count (the threads share out 5 columns, or 131 rows, unevenly)."""
+    bias, and each row equal to what it gets alone, past a partial row block (17, 33, 40),
+    past the rows from which the threads share out rows instead of columns (131), over
+    longer rows and more columns (800 inputs, 21 or 42 columns), and the same at any thread
+    count (the threads share out the columns, or 131 rows, unevenly)."""
     if not torch.ops.kvscope.has_blocked_linear():
         pytest.skip("the blocked kernel needs AVX512-BF16")
     generator = torch.Generator().manual_seed(6)
-    weight = torch.randn(5 * 64, 96, generator=generator).bfloat16()
-    bias = torch.randn(5 * 64, generator=generator).bfloat16()
-    x = torch.randn(rows, 96, generator=generator).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
     blocks = reference.plain_to_blocked(weight, tile)
-    assert blocks.shape == (5 * 64 // tile, tile * 96)
-    assert torch.equal(reference.blocked_to_plain(blocks, 5 * 64, 96), weight)
-    out = torch.empty(rows, 5 * 64, dtype=torch.bfloat16)
+    assert blocks.shape == (out_features // tile, tile * in_features)
+    assert torch.equal(reference.blocked_to_plain(blocks, out_features, in_features), weight)
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     torch.ops.kvscope.linear_blocked(x, blocks, bias, out)
     expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(out.double(), expected, atol=0.1, rtol=1e-2)
     for row in range(rows):
-        alone = torch.empty(1, 5 * 64, dtype=torch.bfloat16)
+        alone = torch.empty(1, out_features, dtype=torch.bfloat16)
         torch.ops.kvscope.linear_blocked(x[row:row + 1], blocks, bias, alone)
         assert torch.equal(out[row:row + 1], alone), row
     threads = torch.get_num_threads()
