@@ -49,8 +49,11 @@ struct U8Vec16 {
   u8x16 reg;
 
   static U8Vec16 load(const uint8_t* p) { return {load_unaligned<u8x16>(p)}; }
+  void store(uint8_t* p) const { std::memcpy(p, &reg, sizeof(reg)); }
   U8Vec16 operator&(uint8_t mask) const { return {reg & mask}; }
+  U8Vec16 operator|(U8Vec16 other) const { return {reg | other.reg}; }
   U8Vec16 operator>>(int shift) const { return {reg >> shift}; }
+  U8Vec16 operator<<(int shift) const { return {reg << shift}; }
   U8Vec16 operator^(uint8_t bits) const { return {reg ^ bits}; }
 };
 
@@ -91,6 +94,15 @@ struct FP32Vec16 {
     return __builtin_convertvector(load_unaligned<u16x16>(p), u32x16);
 #endif
   }
+  // 16 bytes zero-extended to 32 bits: GCC 12 widens a byte vector's lanes one by one (even
+  // through int32), where one vpmovzxbd does it.
+  static u32x16 widen_u8(u8x16 bytes) {
+#if defined(__AVX512F__)
+    return (u32x16)_mm512_cvtepu8_epi32((__m128i)bytes);
+#else
+    return (u32x16) __builtin_convertvector(bytes, i32x16);
+#endif
+  }
   template <typename Element>
   static void store_high_halves(Element* p, u32x16 bits) {
     static_assert(sizeof(Element) == 2);
@@ -119,21 +131,13 @@ struct FP32Vec16 {
   static FP32Vec16 load(const fp8_e5m2* p) { return from_fp8<21>(p, 0x1p112f); }
   template <int kShift>
   static FP32Vec16 from_fp8(const void* p, float rebias) {
-    // GCC 12 widens a byte vector's lanes one by one (even through int32 when the bytes come
-    // from a plain load): the one instruction, where there is AVX-512.
-#if defined(__AVX512F__)
-    const u32x16 bits =
-        (u32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
-#else
-    const u32x16 bits = (u32x16) __builtin_convertvector(
-        load_unaligned<u8x16>(static_cast<const uint8_t*>(p)), i32x16);
-#endif
+    const u32x16 bits = widen_u8(load_unaligned<u8x16>(static_cast<const uint8_t*>(p)));
     const f32x16 magnitude = (f32x16)((bits & 0x7f) << kShift) * rebias;
     return (f32x16)((u32x16)magnitude | ((bits & 0x80) << 24));
   }
   // Unsigned bytes to fp32 through int32: GCC 12 converts bytes straight to floats one by one.
   static FP32Vec16 widen(U8Vec16 bytes) {
-    return __builtin_convertvector(__builtin_convertvector(bytes.reg, i32x16), f32x16);
+    return __builtin_convertvector((i32x16)widen_u8(bytes.reg), f32x16);
   }
   // Signed bytes: on AVX-512 one vpmovsxbd; elsewhere flipped to q + 128 and widened as
   // unsigned ones (GCC 12 widens signed byte vectors element by element), then the 128 comes

@@ -232,59 +232,75 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   }
 }
 
-// A row of lanes' quants (common.h) in x's order, as fp32 values: 4 and 5 bits as they
-// are, 8 bits as q + 128 (the offsets carry the -128).
-std::vector<float> lanes_quants(const uint8_t* row, int64_t in, int bits) {
-  std::vector<float> q(in);
-  const int64_t chunks = in / kChunk;
+// A row of lanes' quants (common.h) in x's order, as bytes: 4 to 6 bits as they are, 8 bits
+// as q + 128 (the offsets carry the -128). Whole words moved, no arithmetic per weight:
+// a GEMM of many rows de-quantizes every weight of the model each step.
+void lanes_quants(const uint8_t* row, int64_t in, int bits, uint8_t* q) {
+  const int64_t chunks = in / kChunk, wide = chunks / kWideChunks, tail = chunks % kWideChunks;
   if (bits == 8) {
-    const int64_t wide = chunks / kWideChunks, tail = chunks % kWideChunks;
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t i = 0; i < kChunk; ++i) {
-        const int64_t half = i / 16, t = i % 16 / 4;
-        int64_t at;
-        if (c < wide * kWideChunks) {  // load 2t + half of its wide block, lane c % 16
-          at = c / kWideChunks * 8 * kStepBytes + (2 * t + half) * kStepBytes +
-               4 * (c % kWideChunks) + i % 4;
-        } else {  // its quad's first or last 16 bytes of every chunk
-          const int64_t r = c - wide * kWideChunks, quad = r / 4;
-          const int64_t in_quad = std::min<int64_t>(4, tail - 4 * quad);
-          at = wide * 8 * kStepBytes + quad * 2 * kStepBytes + half * 16 * in_quad + 16 * (r % 4) +
-               i % 16;
-        }
-        q[c * kChunk + i] = row[at];
-      }
-    return q;
+    // Wide block k's load 2t + h holds bytes 16h + 4t..+3 of its chunk j in lane j.
+    for (int64_t k = 0; k < wide; ++k)
+      for (int64_t j = 0; j < kWideChunks; ++j)
+        for (int64_t load = 0; load < 8; ++load)
+          std::memcpy(q + (k * kWideChunks + j) * kChunk + 16 * (load % 2) + 4 * (load / 2),
+                      row + (8 * k + load) * kStepBytes + 4 * j, 4);
+    // Each quad's chunks' first 16 bytes, then their last 16.
+    for (int64_t r = 0; r < tail; ++r) {
+      const int64_t quad = r / 4, in_quad = std::min<int64_t>(4, tail - 4 * quad);
+      const uint8_t* first = row + (8 * wide + 2 * quad) * kStepBytes + 16 * (r % 4);
+      uint8_t* chunk = q + (wide * kWideChunks + r) * kChunk;
+      std::memcpy(chunk, first, 16);
+      std::memcpy(chunk + 16, first + 16 * in_quad, 16);
+    }
+    return;
   }
   // Each nibble byte's bits above 4: for its low nibble's weight in the low `width` bits,
-  // for its high one's above them; ordered as the nibbles are.
+  // for its high one's above them, per 64-byte load of nibbles; then both in chunk order.
   const int width = bits - 4;
-  std::vector<uint8_t> nibbles(in / 2), tops(in / 2, 0), tops_ordered(in / 2, 0);
+  thread_local std::vector<uint8_t> nibbles, tops, ordered_tops;
+  nibbles.resize(in / 2);
   gguf_order_row(row, chunks, nibbles.data());
-  for (int64_t i = 0; width > 0 && i < in / 2; ++i) {
-    const int64_t load = i / 64, at = i % 64;
-    if (bits == 5) {  // two 64-bit masks per load
-      const uint8_t* masks = row + in / 2 + 16 * load;
-      tops[i] = ((masks[at / 8] >> (at % 8)) & 1) | (((masks[8 + at / 8] >> (at % 8)) & 1) << 1);
-    } else {  // bit pairs: loads 2u and 2u + 1 in the low and high nibbles of 64 bytes
-      tops[i] = (row[in / 2 + 64 * (load / 2) + at] >> (4 * (load % 2))) & 15;
+  if (width > 0) {
+    tops.resize(in / 2);
+    ordered_tops.resize(in / 2);
+    const uint8_t* above = row + in / 2;
+    for (int64_t load = 0; 64 * load < in / 2; ++load) {
+      const int64_t bytes = std::min<int64_t>(64, in / 2 - 64 * load);
+      uint8_t* out = tops.data() + 64 * load;
+      if (bits == 5) {  // two 64-bit masks per load: low nibbles' 5th bits, high ones'
+        uint64_t low, high;
+        std::memcpy(&low, above + 16 * load, 8);
+        std::memcpy(&high, above + 16 * load + 8, 8);
+        for (int64_t at = 0; at < bytes; ++at)
+          out[at] = static_cast<uint8_t>(((low >> at) & 1) | ((high >> at) & 1) << 1);
+      } else {  // bit pairs: loads 2u and 2u + 1 in the low and high nibbles of 64 bytes
+        const uint8_t* pairs = above + 64 * (load / 2);
+        const int shift = 4 * (load % 2);
+        for (int64_t at = 0; at < bytes; ++at) out[at] = (pairs[at] >> shift) & 15;
+      }
     }
+    gguf_order_row(tops.data(), chunks, ordered_tops.data());
   }
-  if (width > 0) gguf_order_row(tops.data(), chunks, tops_ordered.data());
-  const int mask = (1 << width) - 1;
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t b = 0; b < 16; ++b) {
-      const uint8_t byte = nibbles[c * 16 + b], top = tops_ordered[c * 16 + b];
-      q[c * kChunk + b] = static_cast<float>((byte & 15) | (top & mask) << 4);
-      q[c * kChunk + 16 + b] = static_cast<float>((byte >> 4) | (top >> width) << 4);
+  const uint8_t mask = static_cast<uint8_t>((1 << width) - 1);
+  for (int64_t c = 0; c < chunks; ++c) {  // byte b: weight b's low nibble, weight b + 16's high
+    const vec::U8Vec16 packed = vec::U8Vec16::load(nibbles.data() + 16 * c);
+    vec::U8Vec16 low = packed & 15, high = packed >> 4;
+    if (width > 0) {
+      const vec::U8Vec16 top = vec::U8Vec16::load(ordered_tops.data() + 16 * c);
+      low = low | ((top & mask) << 4);
+      high = high | ((top >> width) << 4);
     }
-  return q;
+    low.store(q + c * kChunk);
+    high.store(q + c * kChunk + 16);
+  }
 }
 
 // A row of lanes in fp32, x's order: q * scale + offset as one fma of exact products, the
 // file's values bit for bit.
 void dequantize_lanes_row(const uint8_t* row, int64_t in, int64_t of, float* y) {
-  const std::vector<float> q = lanes_quants(row, in, lanes_bits(of));
+  thread_local std::vector<uint8_t> q;
+  q.resize(in);
+  lanes_quants(row, in, lanes_bits(of), q.data());
   const bool k4 = of == kQ4_K || of == kQ5_K;
   const KLanesRow k(row, in, of == kQ5_K);
   const Q6LanesRow q6(row, in);
@@ -304,7 +320,8 @@ void dequantize_lanes_row(const uint8_t* row, int64_t in, int64_t of, float* y) 
       const float per_scale = kquants::block32_offset_per_d(of);
       offset = per_scale != 0.f ? per_scale * scale : static_cast<float>(scales[in / kChunk + g]);
     }
-    vec::fma(FP32Vec16::load(q.data() + 16 * h), FP32Vec16(scale), FP32Vec16(offset))
+    vec::fma(FP32Vec16::widen(vec::U8Vec16::load(q.data() + 16 * h)), FP32Vec16(scale),
+             FP32Vec16(offset))
         .store(y + 16 * h);
   }
 }
