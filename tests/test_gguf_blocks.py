@@ -10,6 +10,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from kvscope.engine.worker.models.quantized import (
     KERNEL_MAX_ROWS,
+    LANES_KERNEL_MAX_ROWS,
     TILED_KERNEL_MAX_ROWS,
     GgufBlocks,
     GgufLinear,
@@ -78,7 +79,7 @@ def assert_rows_give_the_matmul(layer: GgufLinear, weight: torch.Tensor, bias: t
     the weight de-quantized to bf16."""
     in_features = weight.shape[1]
     for rows in (1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, TILED_KERNEL_MAX_ROWS,
-                 TILED_KERNEL_MAX_ROWS + 1):
+                 TILED_KERNEL_MAX_ROWS + 1, LANES_KERNEL_MAX_ROWS, LANES_KERNEL_MAX_ROWS + 1):
         x = torch.randn(rows, in_features)
         expected = x.double() @ weight.double().T + bias.double()
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
@@ -166,9 +167,13 @@ def test_a_layer_repacked_into_lanes_equals_the_de_quantized_matmul(kind, backen
     assert layer.weight_bytes_by_type() == {kind.name: 40 * lanes_row_bytes(kind, in_features)}
     lanes_dots = (backend == "cpu"
                   and cpu_ops.packed.gguf_repacked_type(int(kind), torch.bfloat16) == LANES[kind])
+    # Where int4 and int8 stop at TILED_KERNEL_MAX_ROWS, lanes stream further.
+    limit = kernel_max_rows(cpu_ops.packed, torch.bfloat16)
+    assert layer.stream_rows(cpu_ops.packed, torch.bfloat16) == (
+        LANES_KERNEL_MAX_ROWS if limit == TILED_KERNEL_MAX_ROWS else limit)
     assert_rows_give_the_matmul(
         layer, reference(blocks, kind), layer.bias.data.clone(),
-        kernel_max_rows(cpu_ops.packed, torch.bfloat16) if backend == "cpu" else 0,
+        layer.stream_rows(cpu_ops.packed, torch.bfloat16) if backend == "cpu" else 0,
         32 if lanes_dots else None)
 
 

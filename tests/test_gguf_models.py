@@ -264,6 +264,8 @@ def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, dense, tmp_pa
     path = tmp_path / f"{arch}.gguf"
     write_model_gguf(arch, hf_model, path, blocks=blocks)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    # A first step of 105 rows: past every streaming limit (lanes stream up to 64).
+    prompts = [*PROMPTS, list(range(100, 170))]
     runs = []
     for eager in (False, True):
         config = EngineConfig(model=str(path), dtype="bfloat16", device="cpu",
@@ -277,7 +279,7 @@ def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, dense, tmp_pa
         for part in parts:
             code = repacked(int(part.kind), torch.bfloat16)
             assert part.code == (int(part.kind) if code == -1 else code)
-        outputs = run_to_completion(EngineCore(config, runner=runner), PROMPTS, params).outputs
+        outputs = run_to_completion(EngineCore(config, runner=runner), prompts, params).outputs
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
     assert runs[0] == runs[1]
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
-from kvscope.engine.worker.models.quantized import GgufLinear, kernel_max_rows
+from kvscope.engine.worker.models.quantized import GgufLinear, QuantizedLinear, kernel_max_rows
 
 
 def gguf_parts(module: GgufLinear) -> torch.Tensor:
@@ -97,7 +97,12 @@ class FusedDecoderStack:
             model_options={**model.stack_options(), **gguf_types, **tiles},
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
-            kernel_max_rows=kernel_max_rows(model.ops.packed, dtype), eps=body.norm.eps,
+            # The layers' packed linears stream as many rows as the fewest any of them takes.
+            kernel_max_rows=min((module.stream_rows(model.ops.packed, dtype)
+                                 for module in body.layers.modules()
+                                 if isinstance(module, QuantizedLinear)),
+                                default=kernel_max_rows(model.ops.packed, dtype)),
+            eps=body.norm.eps,
             attention_scale=first.scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

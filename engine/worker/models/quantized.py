@@ -40,6 +40,11 @@ from kvscope.kernels.gguf_lanes import (
 # 2,048 (docs/performance.md).
 KERNEL_MAX_ROWS = 8
 TILED_KERNEL_MAX_ROWS = 32
+# GGUF layers repacked into lanes (GgufLinear.repack) de-quantize more slowly than int4 and
+# int8 do, so where those stop at TILED_KERNEL_MAX_ROWS the lanes keep streaming to here: on an
+# AMX Xeon they stream 1.09-1.6x faster than de-quantize + GEMM at 64 rows and 0.78-1.02x at
+# 96, where int4 crosses at ~64 rows and int8 at ~40 (bench/stream_vs_gemm.py, docs/performance.md).
+LANES_KERNEL_MAX_ROWS = 64
 
 
 def kernel_max_rows(packed: PackedLinearKernels, dtype: torch.dtype) -> int:
@@ -381,6 +386,12 @@ class GgufLinear(QuantizedLinear):
     def dequantize(self, packed: PackedLinearKernels, dtype: torch.dtype) -> torch.Tensor:
         weights = [self.part_weight(i, dtype, packed) for i in range(len(self.parts))]
         return weights[0] if len(weights) == 1 else torch.cat(weights)  # a dense run, uncopied
+
+    def stream_rows(self, packed: PackedLinearKernels, dtype: torch.dtype) -> int:
+        rows = kernel_max_rows(packed, dtype)
+        if rows == TILED_KERNEL_MAX_ROWS and all(part.code in LANES.values() for part in self.parts):
+            return LANES_KERNEL_MAX_ROWS
+        return rows
 
     def stream(self, packed: PackedLinearKernels, flat: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
