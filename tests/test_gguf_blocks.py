@@ -167,8 +167,11 @@ def test_a_layer_repacked_into_lanes_equals_the_de_quantized_matmul(kind, backen
     assert layer.weight_bytes_by_type() == {kind.name: 40 * lanes_row_bytes(kind, in_features)}
     lanes_dots = (backend == "cpu"
                   and cpu_ops.packed.gguf_repacked_type(int(kind), torch.bfloat16) == LANES[kind])
-    # Where int4 and int8 stop at TILED_KERNEL_MAX_ROWS, lanes stream further.
+    # A model held in lanes (repack_gguf decides it) streams further than int4 and int8 do.
+    assert layer.in_lanes()
     limit = kernel_max_rows(cpu_ops.packed, torch.bfloat16)
+    assert layer.stream_rows(cpu_ops.packed, torch.bfloat16) == limit
+    layer.model_in_lanes = True
     assert layer.stream_rows(cpu_ops.packed, torch.bfloat16) == (
         LANES_KERNEL_MAX_ROWS if limit == TILED_KERNEL_MAX_ROWS else limit)
     assert_rows_give_the_matmul(

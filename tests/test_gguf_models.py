@@ -257,31 +257,38 @@ def test_the_c_stack_runs_gguf_blocks_as_the_eager_layers_do(arch, dense, tmp_pa
     batches (rows streamed through the blocks) and prefills past the streaming limit (the
     blocks de-quantized for a GEMM), with a Q8_0 embedding and a Q6_K output projection,
     and with F16 rows beside the blocks. Where the kernels stream a type faster repacked
-    (gguf_repacked_type), both run its lanes."""
+    (gguf_repacked_type), both run its lanes; a model held wholly in lanes streams steps of
+    up to 64 rows, one with F16 rows 32, in the stack as in the eager layers."""
     select_ops(torch.device("cpu"))
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
     blocks, hf_model = k_quant_model(arch, dense)
     path = tmp_path / f"{arch}.gguf"
     write_model_gguf(arch, hf_model, path, blocks=blocks)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-    # A first step of 105 rows: past every streaming limit (lanes stream up to 64).
+    # 105 prompt rows: a first step past every streaming limit, or (a 48-token budget)
+    # steps of 48 rows, between int4's and int8's limit and the lanes' (64).
     prompts = [*PROMPTS, list(range(100, 170))]
-    runs = []
-    for eager in (False, True):
-        config = EngineConfig(model=str(path), dtype="bfloat16", device="cpu",
-                              device_memory_gb=0.05, quantization="gguf", enforce_eager=eager)
-        runner = ModelRunner(config)
-        assert runner.fused_decoder_stack is not eager
-        repacked = runner.kernel_ops.packed.gguf_repacked_type
-        parts = [part for module in runner.model.modules() if isinstance(module, GgufLinear)
-                 for part in module.parts if part.kind is not None]
-        assert Q.Q4_K in {part.kind for part in parts}
-        for part in parts:
-            code = repacked(int(part.kind), torch.bfloat16)
-            assert part.code == (int(part.kind) if code == -1 else code)
-        outputs = run_to_completion(EngineCore(config, runner=runner), prompts, params).outputs
-        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
-    assert runs[0] == runs[1]
+    for budget in (None, 48):
+        runs = []
+        for eager in (False, True):
+            config = EngineConfig(model=str(path), dtype="bfloat16", device="cpu",
+                                  device_memory_gb=0.05, quantization="gguf",
+                                  enforce_eager=eager, max_num_batched_tokens=budget)
+            runner = ModelRunner(config)
+            assert runner.fused_decoder_stack is not eager
+            repacked = runner.kernel_ops.packed.gguf_repacked_type
+            modules = [module for module in runner.model.modules()
+                       if isinstance(module, GgufLinear)]
+            parts = [part for module in modules for part in module.parts if part.kind is not None]
+            assert Q.Q4_K in {part.kind for part in parts}
+            for part in parts:
+                code = repacked(int(part.kind), torch.bfloat16)
+                assert part.code == (int(part.kind) if code == -1 else code)
+            in_lanes = all(module.in_lanes() for module in modules)
+            assert all(module.model_in_lanes == in_lanes for module in modules)
+            outputs = run_to_completion(EngineCore(config, runner=runner), prompts, params).outputs
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+        assert runs[0] == runs[1], budget
 
 
 @pytest.mark.parametrize("eager", [False, True])

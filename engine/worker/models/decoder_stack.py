@@ -7,7 +7,7 @@ from torch import nn
 
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
-from kvscope.engine.worker.models.quantized import GgufLinear, QuantizedLinear, kernel_max_rows
+from kvscope.engine.worker.models.quantized import GgufLinear, kernel_max_rows
 
 
 def gguf_parts(module: GgufLinear) -> torch.Tensor:
@@ -97,11 +97,10 @@ class FusedDecoderStack:
             model_options={**model.stack_options(), **gguf_types, **tiles},
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
             group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
-            # The layers' packed linears stream as many rows as the fewest any of them takes.
-            kernel_max_rows=min((module.stream_rows(model.ops.packed, dtype)
-                                 for module in body.layers.modules()
-                                 if isinstance(module, QuantizedLinear)),
-                                default=kernel_max_rows(model.ops.packed, dtype)),
+            # Every packed linear of a model streams alike (a model held in lanes further).
+            kernel_max_rows=next((module.stream_rows(model.ops.packed, dtype)
+                                  for module in model.modules() if isinstance(module, GgufLinear)),
+                                 kernel_max_rows(model.ops.packed, dtype)),
             eps=body.norm.eps,
             attention_scale=first.scale)
 

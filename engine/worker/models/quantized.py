@@ -320,11 +320,14 @@ class GgufLinear(QuantizedLinear):
     A merged projection's parts may come in different types (Q4_K_M keeps some layers'
     attn_v in Q6_K beside Q4_K q and k): each run of consecutive rows of one type is one
     weight tensor (`weights[i]`, described by `parts[i]`), and each writes its columns of
-    the output. Rows stream through the blocks up to kernel_max_rows (see there)."""
+    the output. Rows stream through the blocks up to kernel_max_rows (see there), or
+    LANES_KERNEL_MAX_ROWS where the whole model is held in lanes (repack_gguf sets
+    `model_in_lanes`): one limit for every layer, as the decoder stack has one."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, output_sizes, bias)
         self.staged: list[tuple[slice, torch.Tensor | GgufBlocks]] = []
+        self.model_in_lanes = False
 
     def stage_rows(self, rows: slice, tensor) -> None:
         self.staged.append((rows, tensor))
@@ -389,9 +392,11 @@ class GgufLinear(QuantizedLinear):
 
     def stream_rows(self, packed: PackedLinearKernels, dtype: torch.dtype) -> int:
         rows = kernel_max_rows(packed, dtype)
-        if rows == TILED_KERNEL_MAX_ROWS and all(part.code in LANES.values() for part in self.parts):
-            return LANES_KERNEL_MAX_ROWS
-        return rows
+        return LANES_KERNEL_MAX_ROWS if rows == TILED_KERNEL_MAX_ROWS and self.model_in_lanes else rows
+
+    def in_lanes(self) -> bool:
+        """Whether every run of this layer was repacked into lanes."""
+        return all(part.code in LANES.values() for part in self.parts)
 
     def stream(self, packed: PackedLinearKernels, flat: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
@@ -488,9 +493,12 @@ def weight_bytes_by_type(model: nn.Module) -> dict[str, int]:
 def repack_gguf(model: nn.Module, packed: PackedLinearKernels, dtype: torch.dtype) -> None:
     """Every GGUF layer's runs that the bound kernels stream faster in a form of their own
     (packed.gguf_repacked_type) repacked into it, for activations in `dtype`."""
-    for layer in model.modules():
-        if isinstance(layer, GgufLinear):
-            layer.repack(lambda kind: packed.gguf_repacked_type(kind, dtype))
+    layers = [layer for layer in model.modules() if isinstance(layer, GgufLinear)]
+    for layer in layers:
+        layer.repack(lambda kind: packed.gguf_repacked_type(kind, dtype))
+    in_lanes = all(layer.in_lanes() for layer in layers)
+    for layer in layers:
+        layer.model_in_lanes = in_lanes
 
 
 def pack_model(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
