@@ -302,6 +302,7 @@ void dequantize_lanes_row(const uint8_t* row, int64_t in, int64_t of, float* y) 
   q.resize(in);
   lanes_quants(row, in, lanes_bits(of), q.data());
   const bool k4 = of == kQ4_K || of == kQ5_K;
+  const float offset_per_scale = kquants::block32_offset_per_d(of);  // 0: the row stores m
   const KLanesRow k(row, in, of == kQ5_K);
   const Q6LanesRow q6(row, in);
   const at::Half* scales =
@@ -317,8 +318,8 @@ void dequantize_lanes_row(const uint8_t* row, int64_t in, int64_t of, float* y) 
       offset = -(static_cast<float>(k.dmin[g / 8]) * k.m[g]);
     } else {
       scale = scales[g];
-      const float per_scale = kquants::block32_offset_per_d(of);
-      offset = per_scale != 0.f ? per_scale * scale : static_cast<float>(scales[in / kChunk + g]);
+      offset = offset_per_scale != 0.f ? offset_per_scale * scale
+                                       : static_cast<float>(scales[in / kChunk + g]);
     }
     vec::fma(FP32Vec16::widen(vec::U8Vec16::load(q.data() + 16 * h)), FP32Vec16(scale),
              FP32Vec16(offset))
