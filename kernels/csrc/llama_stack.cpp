@@ -124,9 +124,13 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
   }
   for (int64_t r = 0; r < runs; ++r) {
     const int64_t first = part[3 * r + 1], count = part[3 * r + 2] - first;
-    std::optional<at::Tensor> bias;
-    if (linear.bias) bias = linear.bias->narrow(0, first, count);
-    at::Tensor columns = out.narrow(1, first, count);
+    // One run is the whole layer: out and bias as they are (a view costs ~1 us a call).
+    std::optional<at::Tensor> bias = linear.bias;
+    at::Tensor columns = out;
+    if (runs > 1) {
+      if (bias) bias = bias->narrow(0, first, count);
+      columns = out.narrow(1, first, count);
+    }
     if (part[3 * r] < 0) {
       // The dense kernel writes whole rows; these columns are a strided slice of them.
       at::Tensor dense = at::empty({x.size(0), count}, out.options());
@@ -254,7 +258,9 @@ struct Workspace {
     activated = at::empty({tokens, intermediate_size}, hidden.options());
   }
 
+  // Views cost ~1 us each through the dispatcher: taken again only for a new qkv.
   void split_qkv(const StackConfig& config) {
+    if (query.defined() && query.data_ptr() == qkv.data_ptr()) return;
     const int64_t tokens = qkv.size(0), head_dim = config.head_dim;
     query = qkv.narrow(1, 0, q_width).view({tokens, config.num_heads, head_dim});
     key = qkv.narrow(1, q_width, kv_width).view({tokens, config.num_kv_heads, head_dim});
@@ -473,6 +479,12 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
   Workspace work(hidden, config_, intermediate_size);
   const at::Tensor attended = work.attended.view({tokens, config_.num_heads, config_.head_dim});
   const at::Tensor& residual = hidden;
+  // Each KV cache group's rows, selected once rather than by every layer of the group.
+  std::vector<at::Tensor> group_slots, group_tables;
+  for (int64_t group = 0; group < block_tables.size(0); ++group) {
+    group_slots.push_back(slot_mapping[group]);
+    group_tables.push_back(block_tables[group]);
+  }
   for (size_t index = 0; index < layers_.size(); ++index) {
     const kvscope::DecoderLayerWeights& layer = layers_[index];
     // The first layer's norm reads the embeddings; later ones first add the previous
@@ -494,10 +506,10 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
                          config_.num_heads + config_.num_kv_heads, config_.head_dim);
       });
     traced("kvscope::store_kv", [&] {
-      store_kv(work.key, work.value, key_caches[index], value_caches[index], slot_mapping[group]);
+      store_kv(work.key, work.value, key_caches[index], value_caches[index], group_slots[group]);
     });
     traced("kvscope::paged_attention", [&] {
-      paged_attention(work.query, key_caches[index], value_caches[index], block_tables[group],
+      paged_attention(work.query, key_caches[index], value_caches[index], group_tables[group],
                       seq_lens, query_start_loc, config_.attention_scale, attended,
                       options.sliding_window, config_.model.attention_soft_cap);
     });

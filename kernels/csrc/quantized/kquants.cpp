@@ -429,11 +429,7 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& weight, int64_t typ
   if constexpr (std::is_same_v<T, bf16>)
     if (const int64_t of = lanes_of(type); of >= 0) {
       const Int4Layout layout(x.size(1), 0, weight.size(1));
-      // The int4 kernels write x's dtype: the logits' fp32 is that result widened.
-      at::Tensor result = std::is_same_v<Out, bf16> ? out : at::empty(out.sizes(), x.options());
-      lanes_linear(x, weight, of, layout, bias, result);
-      if constexpr (!std::is_same_v<Out, bf16>) out.copy_(result);
-      return;
+      return lanes_linear(x, weight, of, layout, bias, out);
     }
 #endif
 #if defined(KVSCOPE_GGUF_INT8_DOTS)

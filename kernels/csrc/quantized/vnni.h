@@ -531,9 +531,9 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
 }
 
 // Rows x_first..x_first + M - 1 of x (xsum: theirs) against output rows [begin, end).
-template <int M, int kBits, typename Scales>
+template <int M, int kBits, typename Scales, typename Out>
 void int4_rows_vnni(const Int8Lanes& xl, int x_first, const float* xsum, const Int4Layout& layout,
-                    const uint8_t* weight, const Scales& scales, const bf16* bias, bf16* out,
+                    const uint8_t* weight, const Scales& scales, const bf16* bias, Out* out,
                     int64_t out_stride, int64_t begin, int64_t end) {
   const uint8_t* x_rows[M];
   for (int m = 0; m < M; ++m) x_rows[m] = xl.row(x_first + m);
@@ -642,7 +642,9 @@ void all_rows_by_tiles(int64_t rows, int64_t x_row_bytes, int64_t out_features, 
 
 // out = x @ W.T + bias for bf16 x rounded to int8 and weights of `layout` whose quants sit
 // as kBits says (int4_dot_row) and whose scales come from `scales` (HalfScales,
-// SuperBlockScales): all rows of x against the weights, tile by tile.
+// SuperBlockScales): all rows of x against the weights, tile by tile. An fp32 out (the
+// logits) takes the bf16-rounded results widened as they are stored: ATen's copy of a
+// vocabulary-wide row would wake OpenMP's sleeping threads every step.
 template <int kBits, typename Scales>
 void int4_linear_vnni(const at::Tensor& x, const uint8_t* weight, int64_t out_features,
                       const Int4Layout& layout, const Scales& scales, const bf16* bias,
@@ -666,13 +668,14 @@ void int4_linear_vnni(const at::Tensor& x, const uint8_t* weight, int64_t out_fe
       }
     }
   const Int8Lanes xl = int4_lanes(xq, rows);
-  all_rows_by_tiles(rows, xl.row_bytes, out_features,
-                    int4_chunk_rows(rows, out_features, layout.row_bytes),
-                    [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
-    constexpr int M = decltype(rows_constant)::value;
-    int4_rows_vnni<M, kBits>(xl, x_first, xsum.data() + x_first * padded, layout, weight, scales,
-                             bias, elements<bf16>(out) + x_first * out.stride(0), out.stride(0),
-                             begin, end);
+  with_out_dtype(out, "int4_linear_vnni", [&](auto* y) {
+    all_rows_by_tiles(rows, xl.row_bytes, out_features,
+                      int4_chunk_rows(rows, out_features, layout.row_bytes),
+                      [&](auto rows_constant, int x_first, int64_t begin, int64_t end) {
+      constexpr int M = decltype(rows_constant)::value;
+      int4_rows_vnni<M, kBits>(xl, x_first, xsum.data() + x_first * padded, layout, weight, scales,
+                               bias, y + x_first * out.stride(0), out.stride(0), begin, end);
+    });
   });
 }
 
