@@ -418,13 +418,23 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
     if constexpr (kBits == 4) {
       return std::pair(low, _mm512_and_si512(packed, high_nibbles));
     } else if constexpr (kBits == 6) {
-      __m512i tops = _mm512_loadu_si512(fifth + kStepBytes * (i / 2));
-      if (i % 2) tops = _mm512_srli_epi16(tops, 4);
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      // Each operand's top pairs moved to bits 4-5 of their bytes with bits 6-7 clear, then
+      // one select (bits 0-3 from the nibbles, 4-7 from the tops) per operand; the bits the
+      // 16-bit shifts carry across bytes land in bits 0-3, which the select drops.
+      const __m512i tops = _mm512_loadu_si512(fifth + kStepBytes * (i >> 1));
+      const __m512i low_tops = _mm512_and_si512(tops, _mm512_set1_epi8(0x33));
+      const __m512i high_tops = _mm512_and_si512(tops, _mm512_set1_epi8(static_cast<char>(0xCC)));
+      const bool odd =
+          i & 1;  // an even load's pairs sit in bits 0-3 of the tops, an odd one's in 4-7
+      auto above_nibble = [&](__m512i nibble_bytes, __m512i top_bytes) {
+        constexpr int kNibbles = 0xF0, kTops = 0xCC, kMask = 0xAA;  // vpternlogd's operands
+        return _mm512_ternarylogic_epi32(nibble_bytes, top_bytes, low_nibbles,
+                                         (kNibbles & kMask) | (kTops & ~kMask & 0xFF));
+      };
       return std::pair(
-          _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(tops, _mm512_set1_epi8(3)), 4)),
-          _mm512_or_si512(high,
-                          _mm512_slli_epi16(_mm512_and_si512(tops, _mm512_set1_epi8(12)), 2)));
+          above_nibble(packed, odd ? low_tops : _mm512_slli_epi16(low_tops, 4)),
+          above_nibble(_mm512_srli_epi16(packed, 4),
+                       odd ? _mm512_srli_epi16(high_tops, 2) : _mm512_slli_epi16(high_tops, 2)));
     } else {
       uint64_t low_bits, high_bits;
       std::memcpy(&low_bits, fifth + 16 * i, 8);
