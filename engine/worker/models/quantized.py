@@ -43,7 +43,8 @@ TILED_KERNEL_MAX_ROWS = 32
 # GGUF layers repacked into lanes (GgufLinear.repack) de-quantize more slowly than int4 and
 # int8 do, so where those stop at TILED_KERNEL_MAX_ROWS the lanes keep streaming to here: on an
 # AMX Xeon they stream 1.09-1.6x faster than de-quantize + GEMM at 64 rows and 0.78-1.02x at
-# 96, where int4 crosses at ~64 rows and int8 at ~40 (bench/stream_vs_gemm.py, docs/performance.md).
+# 96, where int4 and int8 cross between 32 and 64 rows depending on the sitting
+# (bench/stream_vs_gemm.py, docs/performance.md).
 LANES_KERNEL_MAX_ROWS = 64
 
 

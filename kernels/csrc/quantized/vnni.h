@@ -424,8 +424,8 @@ inline void int4_dot_row(const Int4Layout& layout, const uint8_t* const (&x_rows
       const __m512i tops = _mm512_loadu_si512(fifth + kStepBytes * (i >> 1));
       const __m512i low_tops = _mm512_and_si512(tops, _mm512_set1_epi8(0x33));
       const __m512i high_tops = _mm512_and_si512(tops, _mm512_set1_epi8(static_cast<char>(0xCC)));
-      const bool odd =
-          i & 1;  // an even load's pairs sit in bits 0-3 of the tops, an odd one's in 4-7
+      // An even load's pairs sit in bits 0-3 of the tops, an odd one's in bits 4-7.
+      const bool odd = i & 1;
       auto above_nibble = [&](__m512i nibble_bytes, __m512i top_bytes) {
         constexpr int kNibbles = 0xF0, kTops = 0xCC, kMask = 0xAA;  // vpternlogd's operands
         return _mm512_ternarylogic_epi32(nibble_bytes, top_bytes, low_nibbles,
