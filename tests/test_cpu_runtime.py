@@ -120,6 +120,39 @@ def test_engine_asks_for_passive_openmp_workers_before_torch_loads():
     assert chosen.stdout.strip() == "ACTIVE" and "OMP_WAIT_POLICY" not in chosen.stderr
 
 
+# In a fresh process (glibc's thresholds are process-wide): the page faults of filling a
+# 48 MiB tensor made again after the first one is freed, before and after the call.
+REFAULTS = """
+import resource, sys, torch
+from kvscope.engine.worker import cpu_allocator
+
+def refaults():
+    torch.empty(48 << 20, dtype=torch.uint8).fill_(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(48 << 20, dtype=torch.uint8).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+default = refaults()
+print(default, cpu_allocator.reuse_large_blocks(), refaults())
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_large_activations_reuse_the_heap_after_the_engine_asks():
+    """engine/worker/cpu_allocator.py: by default glibc maps (and the kernel faults in and
+    zeroes) a fresh 48 MiB block each time; asked, it reuses the freed one."""
+    import subprocess
+    import sys
+
+    default, reused, after = subprocess.run([sys.executable, "-c", REFAULTS], capture_output=True,
+                                            text=True, check=True).stdout.split()
+    pages = (48 << 20) // 4096
+    # Fresh small pages, unless the kernel backs every mapping with huge ones.
+    always_huge = THP_SETTING.exists() and "[always]" in THP_SETTING.read_text()
+    assert always_huge or int(default) > pages // 2
+    assert reused == "True" and int(after) < pages // 20
+
+
 # Run before a bench script: at the moment torch is first imported (and loads libgomp, which
 # reads its wait policy then), print the policy and stop, so the rest of the script's imports
 # are not paid for.

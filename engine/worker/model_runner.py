@@ -12,7 +12,7 @@ from kvscope import kernels
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_groups import kv_cache_groups, layers_per_block
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
-from kvscope.engine.worker import huge_pages
+from kvscope.engine.worker import cpu_allocator, huge_pages
 from kvscope.engine.worker.gguf_weights import (
     GGUF_ARCHITECTURES,
     check_gguf,
@@ -171,6 +171,8 @@ class ModelRunner:
             huge_pages.move_module(self.model, leave=in_onednn)
             for weight in in_onednn:
                 huge_pages.collapse(weight)
+            # After the weights' loading, whose temporaries should go back to the system.
+            cpu_allocator.reuse_large_blocks()
         self.model.eval()
         # Packed quantized weights are (integer) parameters too, so this is what they occupy.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
