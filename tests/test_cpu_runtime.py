@@ -1,4 +1,5 @@
-"""The CPU runtime around the kernels: big tensors on huge pages, passive OpenMP workers."""
+"""The CPU runtime around the kernels: big tensors on huge pages, activations kept in glibc's
+heap, passive OpenMP workers."""
 
 from pathlib import Path
 

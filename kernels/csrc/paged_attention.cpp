@@ -649,7 +649,7 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   // Keys [chunk, chunk + kKeyChunk) sit in blocks anywhere in the pool, a pattern the
   // hardware prefetcher cannot follow: each chunk's rows are asked for while the chunk before
   // it is computed, its K rows by the score pass and its V rows by the value pass (half the
-  // requests in each pass, not all in one: ~5 % less time over an int8 cache), and the last
+  // requests in each pass, not all in one: 5-9 % less time over an int8 cache), and the last
   // chunk asks for the first one of the thread's next item.
   int64_t offsets[2][kKeyChunk];
   const KV* values_ahead[kKeyChunk];
