@@ -195,6 +195,16 @@ def test_a_k_quant_gguf_of_each_architecture_serves_its_blocks_as_stored(arch, t
     assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(hf_model, PROMPTS, 8)
 
 
+def test_a_missing_gguf_file_is_refused_by_name(tmp_path):
+    """quantization="gguf" with no file at `model`: an error naming it, not a TypeError from
+    deep in the reader."""
+    missing = tmp_path / "missing.gguf"
+    config = EngineConfig(model=str(missing), dtype="float32", device="cpu", device_memory_gb=0.05,
+                          quantization="gguf")
+    with pytest.raises(ValueError, match=rf"model='{missing}': no such file; quantization='gguf'"):
+        ModelRunner(config)
+
+
 def test_the_engine_reads_a_gguf_as_the_gguf_package_does(tmp_path):
     """open_gguf's reader (slicing a plain view of the memory map) finds the same fields,
     values and tensor bytes as the gguf package's own reader."""

@@ -123,6 +123,10 @@ class ModelRunner:
             # The file itself, no converted folder: config, tokenizer and chat template from
             # its metadata (converted once, gguf_metadata), the weights from its blocks.
             self.model_path = gguf_file(config.model)
+            if self.model_path is None:
+                raise ValueError(f"model={str(config.model)!r}: no such file; quantization='gguf' "
+                                 "reads the blocks of a .gguf file on disk (kvscope never "
+                                 "downloads weights)")
             check_gguf(self.model_path)
             metadata = gguf_metadata(self.model_path)
             self.hf_config = language_model_config(load_config(metadata))
