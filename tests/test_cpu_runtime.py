@@ -1,6 +1,7 @@
 """The CPU runtime around the kernels: big tensors on huge pages, activations kept in glibc's
 heap, passive OpenMP workers."""
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,7 @@ def test_engine_asks_for_passive_openmp_workers_before_torch_loads():
 # filling a 48 MiB tensor, on average over four once three were made and freed (the heap has
 # grown to hold it by then), before and after the call.
 REFAULTS = """
-import resource, sys, torch
+import resource, torch
 from kvscope.engine.worker import cpu_allocator
 
 def refaults():
@@ -141,7 +142,7 @@ print(default, cpu_allocator.reuse_large_blocks(), refaults())
 """
 
 
-@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_large_activations_reuse_the_heap_after_the_engine_asks():
     """engine/worker/cpu_allocator.py: by default glibc maps (and the kernel faults in and
     zeroes) a fresh 48 MiB block each time; asked, it reuses the freed one."""

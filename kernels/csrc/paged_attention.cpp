@@ -614,7 +614,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
       for (int d = 0; d < D; ++d)
         q[static_cast<int64_t>(j) * D + d] = load(query_row(j)[d]) * scale;
   const int k_end = visible_end(item, seq_lens, starts);
-  // One key group's rows at one KV head: a group is one cache block's worth of keys.
+  // One key group's rows at one KV head (below: a block's worth of keys, or a one-head item's
+  // whole chunk).
   const KV* key_rows[kKeyChunk];
   const KV* value_rows[kKeyChunk];
   float* keys = scratch.keys.data();
@@ -658,10 +659,10 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   // item before it on this thread asked for it, now, all at once: a single decode of a few
   // hundred keys is one or two chunks per thread, and read on demand they would come from
   // DRAM at the pace the L1 miss buffers allow.
-  if (!first_asked_for)
-    request_rows(key_cache, value_cache, offsets[0], n, item.kv_end - item.kv_begin, L.head_stride,
-                 row_bytes<KV>(D));
   const int heads = item.kv_end - item.kv_begin;
+  const int64_t bytes = row_bytes<KV>(D);
+  if (!first_asked_for)
+    request_rows(key_cache, value_cache, offsets[0], n, heads, L.head_stride, bytes);
   // One head's item (a prefill tile) takes its chunk whole: groups would only add trips of
   // its many rows' sums through memory (an int8 cache's 2,000-token prefill ~7 % longer).
   const int group = heads > 1 ? kKeyGroup : kKeyChunk;
@@ -677,7 +678,6 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     // group's slots hold all its heads' rows, and so are read together. Head by head over the
     // whole chunk instead, a pass took 256 bytes from each of 128 slots 2 KB apart (Qwen3's
     // heads), and a decode batch's attention ran ~10 % longer (docs/performance.md).
-    const int64_t bytes = row_bytes<KV>(D);
     for (int g = 0; g < n; g += group) {
       const int gn = std::min(group, n - g);
       const int gn_ahead = std::clamp(next_n - g, 0, gn);
