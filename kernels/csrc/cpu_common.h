@@ -117,6 +117,18 @@ inline void prefetch_ahead(const void* row, int64_t row_bytes, const void* limit
   for (const char* line = ahead; line < stop; line += 64) prefetch_to_l2(line);
 }
 
+// 2^f for f in [-0.5, 0.5] (a degree-6 polynomial): for a float, or lane by lane for a vector
+// of GCC's vector extension (vec.hpp's exp_nonpositive).
+template <typename T>
+inline T exp2_of_fraction(T f) {
+  T p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  return p * f + 1.f;
+}
+
 // exp(x) for x <= 0 (softmax weights, silu's exp(-|g|)) in a form the compiler vectorizes
 // (std::exp is a scalar call unless -ffast-math): 2^n * 2^f with Cephes' exp2f polynomial,
 // within ~2 ulp of std::exp. Below -87 the result underflows to ~1e-38, i.e. 0 here.
@@ -125,14 +137,7 @@ inline float exp_nonpositive(float x) {
   // Round to nearest by adding and removing 1.5 * 2^23 (exact for |t| < 2^22): std::floor
   // and std::max (a reference) both keep GCC from vectorizing the callers' loops.
   const float n = (t + 12582912.f) - 12582912.f;
-  const float f = t - n;  // [-0.5, 0.5]
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
+  const float p = exp2_of_fraction(t - n);
   const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
   return p * __builtin_bit_cast(float, exponent);
 }

@@ -7,8 +7,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/from_blob.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -17,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "cpu_common.h"
 #include "cpu_ops.h"
 #include "vec.hpp"
@@ -294,29 +293,15 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
 // a few rows and oneDNN's GEMM reads weights from memory at about half the bandwidth
 // (docs/performance.md). Each output sums its inputs 32 at a time in input order whatever
 // the other rows, so a row's result does not depend on the batch.
-constexpr int64_t kAmxRowBlock = 16;  // rows of an x tile
+constexpr int64_t kAmxRowBlock = kvscope::amx::kTileRows;  // rows of an x tile
 // How far ahead of its tiles a column's weights are asked into L2 (bytes). This and x laid
 // out as tiles (amx_linear), made together, took one row from 14 to 21 GB/s of the weights
 // (docs/performance.md).
 constexpr int64_t kAmxPrefetchAhead = 16 * 1024;
 
-// The tile registers' shapes (ldtilecfg's 64-byte operand). Tiles 0-3 hold the sums of row
-// block b and outputs 16 h .. 16 h + 15 in tile 2 b + h; tiles 4 and 5 the two row blocks of
-// x; tiles 6 and 7 the two 16-output halves of a weight tile.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kAmxRowBlock;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+// Tiles 0-3 hold the sums of row block b and outputs 16 h .. 16 h + 15 in tile 2 b + h;
+// tiles 4 and 5 the two row blocks of x; tiles 6 and 7 the two 16-output halves of a weight
+// tile (all shaped by amx::configure_tiles).
 
 // sums [Blocks * 16 rows][32 outputs] = Blocks blocks of 16 rows of x, laid out as x tiles
 // (x_tiles below), times one column of 32-output tiles.
@@ -358,14 +343,6 @@ void amx_column(const kvscope::bf16* x, int64_t in_features, const kvscope::bf16
   }
 }
 
-// Linux lends a process the tile registers once it asks for them (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA); oneDNN asks only when it first runs an AMX kernel.
-bool amx_permitted() {
-  constexpr int kRequestPermission = 0x1023, kTileData = 18;
-  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return permitted;
-}
-
 // linear_blocked over oneDNN's 32-output tiles on AMX. The columns are shared out between
 // the threads, as a decode batch's in blocked_linear; each column meets the rows 32 at a time
 // (two x tiles) while it is in L2.
@@ -394,7 +371,7 @@ void amx_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
   const int64_t columns = out_features / 32;
   kvscope::parallel_for(0, columns, kvscope::one_share_per_thread(columns),
                         [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    kvscope::amx::configure_tiles();
     alignas(64) float sums[2 * kAmxRowBlock * 32];
     for (int64_t c = begin; c < end; ++c) {
       const kvscope::bf16* column = weight + c * 32 * in_features;
@@ -440,7 +417,7 @@ void linear_blocked(const at::Tensor& x, const at::Tensor& blocks,
   const kvscope::bf16* bias_values = bias ? kvscope::elements<kvscope::bf16>(*bias) : nullptr;
   if (tile == 32) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx_permitted())
+    if (kvscope::amx::permitted())
       return amx_linear(xs, x.stride(0), rows, weight, bias_values, in_features, out_features, out);
 #endif
     blocked_linear<32, 2>(xs, x.stride(0), rows, weight, bias_values, in_features, out_features,
@@ -474,7 +451,7 @@ bool has_blocked_linear() {
 
 bool has_amx_linear() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return amx_permitted();
+  return kvscope::amx::permitted();
 #else
   return false;
 #endif

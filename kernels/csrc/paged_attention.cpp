@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "cpu_common.h"
 #include "cpu_ops.h"
 #include "vec.hpp"
@@ -24,6 +25,11 @@
 namespace {
 
 constexpr int kQueryTile = 16;  // query tokens of one sequence that share each K/V read
+// Query rows (tokens times a GQA group's heads) of a prefill tile that runs as matrix products
+// (run_prefill_tile): it lays its keys and values out for them once per chunk, so more rows
+// share that work. 128: a 2,048-token prefill at Qwen3's heads 1.4x as fast as 32 rows, and
+// the tile's sums (~200 KB) stay in L2.
+constexpr int kTileQueryRows = 128;
 // A chunk of up to this many query tokens (a speculative verification of up to 16 proposals)
 // runs as decodes do: each token's rows sum their keys in the chunks and KV splits a decode
 // of that token would, so its output is bit for bit that decode's and greedy output cannot
@@ -325,6 +331,7 @@ struct Layout {
   int64_t query_stride;  // between tokens: rows may be views into a fused projection
   int window;            // > 0: position p sees keys (p - window, p] only
   float soft_cap;        // > 0: scores become soft_cap * tanh(score / soft_cap)
+  int tile_tokens;       // query tokens of a prefill chunk's tile
 
   // The first key position a query at `position` sees.
   int first_visible(int position) const {
@@ -341,12 +348,13 @@ struct Scratch {
   // where each query row lies.
   std::vector<uint32_t> pairs;
   std::vector<const kvscope::bf16*> q_rows;
+  std::vector<kvscope::bf16> q_tiles;  // on AMX, the query rows side by side
   void fit(const Layout& L) {
     auto at_least = [](auto& buffer, int64_t size) {
       if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
     };
     // Query rows of the largest item: a prefill tile of one KV head or decodes of all.
-    const int64_t rows = std::max(kQueryTile * L.group, kDecodeQueryTokens * L.num_heads);
+    const int64_t rows = std::max(L.tile_tokens * L.group, kDecodeQueryTokens * L.num_heads);
     at_least(q, rows * L.dim);
     at_least(acc, q.size());
     at_least(row_max, rows);
@@ -355,6 +363,7 @@ struct Scratch {
     at_least(scores, rows * kKeyChunk);
     at_least(pairs, kKeyChunk * L.dim + rows * kKeyChunk / 2);
     at_least(q_rows, rows);
+    at_least(q_tiles, rows * L.dim);
   }
 };
 
@@ -419,6 +428,17 @@ inline VisibleKeys visible_keys(const Layout& L, int position, int chunk, int n)
   return {std::min(m, std::max(0, L.first_visible(position) - chunk)), m};
 }
 
+// A row's running max raised to `chunk_max` where that is higher: its sum and accumulator
+// (dim values) rescaled by exp(old max - new max), 0 for its first keys.
+inline void raise_max(float chunk_max, float& row_max, float& row_sum, float* acc, int dim) {
+  if (chunk_max <= row_max) return;
+  const float correction = std::exp(row_max - chunk_max);
+  row_sum *= correction;
+#pragma omp simd
+  for (int d = 0; d < dim; ++d) acc[d] *= correction;
+  row_max = chunk_max;
+}
+
 // A query row's online-softmax step over one chunk: `weights` holds its scaled scores for
 // the keys [f, m) it sees and becomes their softmax weights (exp(score - running max)),
 // zeros elsewhere among the chunk's n keys; the row's running max and sum are updated and its
@@ -436,13 +456,7 @@ inline void softmax_step(const Layout& L, float* weights, VisibleKeys keys, int 
   // vmaxss that took a sixth of a long decode's attention.
 #pragma omp simd reduction(max : chunk_max)
   for (int i = f; i < m; ++i) chunk_max = weights[i] > chunk_max ? weights[i] : chunk_max;
-  if (chunk_max > row_max) {
-    const float correction = std::exp(row_max - chunk_max);  // 0 for the first chunk
-    row_sum *= correction;
-#pragma omp simd
-    for (int d = 0; d < dim; ++d) acc[d] *= correction;
-    row_max = chunk_max;
-  }
+  raise_max(chunk_max, row_max, row_sum, acc, dim);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int i = f; i < m; ++i) {
@@ -452,18 +466,215 @@ inline void softmax_step(const Layout& L, float* weights, VisibleKeys keys, int 
   row_sum += sum;
 }
 
+// Whether a prefill chunk runs as tiles of matrix products (run_prefill_tile): where the pair
+// dots can take it, a bf16 query and cache and head_dim a multiple of 32 (fixed at compile
+// time: kDim, below).
+template <typename Q, typename KV, int kDim>
+constexpr bool kPrefillTiles =
 #if defined(__AVX512BF16__)
-// A prefill tile (up to kQueryTile tokens of one sequence, the G query heads of one KV head
-// each) as two small matrix products per key chunk on bf16 pair dots. run_item's row-at-a-
-// time scoring ends every key's dot in a horizontal sum, and its value pass multiplies in
-// fp32, at half the pair dots' rate; a long prompt's attention is compute-bound and grows
-// with its square, so a 2,000-token prefill spent half its time there.
-//   scores [rows, keys] = Q K^T, 8 rows x 32 keys a block, over the chunk's keys transposed
-//     once into pairs of dimensions: kt[p][i] = key i's dimensions 2p and 2p + 1;
-//   acc [rows, dim] += P V, P the softmax weights rounded to bf16 (as torch's CPU flash
-//     attention rounds them), over the chunk's values interleaved once into pairs of keys:
-//     vt[i / 2][d] = dimension d of keys i and i + 1.
-// The softmax between the two is run_item's, row by row.
+    std::is_same_v<Q, kvscope::bf16> && std::is_same_v<KV, kvscope::bf16> && kDim > 0 &&
+    kDim % 32 == 0;
+#else
+    false;
+#endif
+
+#if defined(__AVX512BF16__)
+// A prefill tile's two small matrix products per key chunk (run_prefill_tile below), on the
+// chunk's keys transposed once into pairs of dimensions (kt[p][i] = key i's dimensions 2p
+// and 2p + 1) and its values interleaved once into pairs of keys (vt[i / 2][d] = dimension d
+// of keys i and i + 1). `padded` counts the chunk's keys to a multiple of 32, zeros past its
+// last.
+
+// scores [rows][kKeyChunk] = Q K^T on pair dots, 8 rows x 32 keys a block: the sums stay in
+// 16 registers beside the operands.
+template <int kDim>
+void score_by_pair_dots(const kvscope::bf16* const* q_rows, int rows, const uint32_t* kt,
+                        int padded, float* scores) {
+  using kvscope::bf16;
+  using kvscope::vec::BF16Vec32;
+  using kvscope::vec::FP32Vec16;
+  kvscope::by_row_groups<8>(rows, [&](auto count, int64_t first) {
+    constexpr int R = decltype(count)::value;
+    for (int block = 0; block < padded; block += 32) {
+      FP32Vec16 sums[R][2];
+      for (auto& row : sums) row[0] = row[1] = FP32Vec16(0.f);
+      for (int p = 0; p < kDim / 2; ++p) {
+        const auto* keys = reinterpret_cast<const bf16*>(kt + p * kKeyChunk + block);
+        const BF16Vec32 low = BF16Vec32::load(keys), high = BF16Vec32::load(keys + 32);
+        for (int r = 0; r < R; ++r) {
+          const BF16Vec32 q = BF16Vec32::broadcast_pair(q_rows[first + r] + 2 * p);
+          sums[r][0] = kvscope::vec::dot_accumulate(sums[r][0], q, low);
+          sums[r][1] = kvscope::vec::dot_accumulate(sums[r][1], q, high);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int half = 0; half < 2; ++half)
+          sums[r][half].store(scores + (first + r) * kKeyChunk + block + 16 * half);
+    }
+  });
+}
+
+// acc [rows][kDim] += P V on pair dots, `weights` P's rows in bf16 ([rows][kKeyChunk]); the
+// rows a group's sums (kDim / 16 vectors each) leave registers for: 6 at head_dim 64, 2 at 128.
+template <int kDim>
+void add_values_by_pair_dots(const kvscope::bf16* weights, int rows, const uint32_t* vt, int padded,
+                             float* acc) {
+  using kvscope::bf16;
+  using kvscope::vec::BF16Vec32;
+  using kvscope::vec::FP32Vec16;
+  constexpr int kVectors = kDim / 16;
+  kvscope::by_row_groups<kDim == 64 ? 6 : 2>(rows, [&](auto count, int64_t first) {
+    constexpr int R = decltype(count)::value;
+    FP32Vec16 sums[R][kVectors];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVectors; ++v)
+        sums[r][v] = FP32Vec16::load(acc + (first + r) * kDim + 16 * v);
+    for (int i = 0; i < padded / 2; ++i) {
+      BF16Vec32 values[kVectors];
+      for (int v = 0; v < kVectors; ++v)
+        values[v] = BF16Vec32::load(reinterpret_cast<const bf16*>(vt + i * kDim + 16 * v));
+      for (int r = 0; r < R; ++r) {
+        const BF16Vec32 w = BF16Vec32::broadcast_pair(weights + (first + r) * kKeyChunk + 2 * i);
+        for (int v = 0; v < kVectors; ++v)
+          sums[r][v] = kvscope::vec::dot_accumulate(sums[r][v], w, values[v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kVectors; ++v) sums[r][v].store(acc + (first + r) * kDim + 16 * v);
+  });
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The same products as tile products: tdpbf16ps multiplies 16 rows x 32 bf16 of A by 16 pairs
+// x 16 columns of B into 16 x 16 fp32 sums, sixteen vdpbf16ps' worth, and kt's and vt's rows
+// are B tiles as they lie. Rows go 16 at a time (`blocks` of them, the query rows side by side
+// and a last block's missing rows zeros), two blocks together where there are two: tiles 0-3
+// hold the sums of block b and column half h in 2 b + h, 4 and 5 the blocks' A, 6 and 7 B's
+// halves.
+using kvscope::amx::kTileRows;
+
+// A step of the products: A's rows of block 0 (`a`) and of block 1 (`a_next`, where `two`),
+// `a_stride` bytes apart, times B's two halves (`b`, `b + 16`, rows `b_stride` bytes apart),
+// added into tiles 0-3.
+inline void multiply_step(const void* a, const void* a_next, int a_stride, const uint32_t* b,
+                          int b_stride, bool two) {
+  _tile_loadd(6, b, b_stride);
+  _tile_loadd(7, b + 16, b_stride);
+  _tile_loadd(4, a, a_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (two) {
+    _tile_loadd(5, a_next, a_stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// Tiles 0-3 from and to fp32 sums at `c` (block 1's `next_block` elements on), rows `stride`
+// bytes apart. (Two functions: GCC's tile intrinsics take their tile as a literal.)
+inline void load_sums(const float* c, int64_t next_block, int stride, bool two) {
+  _tile_loadd(0, c, stride);
+  _tile_loadd(1, c + 16, stride);
+  if (two) {
+    _tile_loadd(2, c + next_block, stride);
+    _tile_loadd(3, c + next_block + 16, stride);
+  }
+}
+inline void store_sums(float* c, int64_t next_block, int stride, bool two) {
+  _tile_stored(0, c, stride);
+  _tile_stored(1, c + 16, stride);
+  if (two) {
+    _tile_stored(2, c + next_block, stride);
+    _tile_stored(3, c + next_block + 16, stride);
+  }
+}
+
+template <int kDim>
+void score_by_tiles(const kvscope::bf16* q, int blocks, const uint32_t* kt, int padded,
+                    float* scores) {
+  constexpr int kQueryBytes = kDim * 2, kPairRowBytes = kKeyChunk * 4, kScoreBytes = kKeyChunk * 4;
+  for (int b = 0; b < blocks; b += 2) {
+    const bool two = b + 1 < blocks;
+    const kvscope::bf16* qb = q + b * kTileRows * kDim;
+    for (int block = 0; block < padded; block += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int p = 0; p < kDim / 2; p += 16)
+        multiply_step(qb + 2 * p, qb + kTileRows * kDim + 2 * p, kQueryBytes,
+                      kt + p * kKeyChunk + block, kPairRowBytes, two);
+      store_sums(scores + b * kTileRows * kKeyChunk + block, kTileRows * kKeyChunk, kScoreBytes,
+                 two);
+    }
+  }
+}
+
+template <int kDim>
+void add_values_by_tiles(const kvscope::bf16* weights, int blocks, const uint32_t* vt, int padded,
+                         float* acc) {
+  constexpr int kWeightBytes = kKeyChunk * 2, kPairRowBytes = kDim * 4, kAccBytes = kDim * 4;
+  for (int b = 0; b < blocks; b += 2) {
+    const bool two = b + 1 < blocks;
+    const kvscope::bf16* wb = weights + b * kTileRows * kKeyChunk;
+    for (int d = 0; d < kDim; d += 32) {
+      float* sums = acc + b * kTileRows * kDim + d;
+      load_sums(sums, kTileRows * kDim, kAccBytes, two);
+      for (int k = 0; k < padded; k += 32)
+        multiply_step(wb + k, wb + kTileRows * kKeyChunk + k, kWeightBytes, vt + k / 2 * kDim + d,
+                      kPairRowBytes, two);
+      store_sums(sums, kTileRows * kDim, kAccBytes, two);
+    }
+  }
+}
+#endif
+
+// softmax_step for a prefill tile's row, its weights narrowed to bf16 into `weights` (zeros for
+// the keys it does not see); `row` holds its unscaled scores for the chunk's `padded` keys. Two
+// passes over whole vectors with the unseen lanes masked, where softmax_step takes a pass per
+// step and partial vectors at the visible keys' ends: on AMX this is the larger part of a
+// tile's time.
+inline void softmax_to_bf16(const Layout& L, float* row, VisibleKeys keys, int padded, float scale,
+                            float& row_max, float& row_sum, float* acc, int dim,
+                            kvscope::bf16* weights) {
+  using kvscope::vec::FP32Vec16;
+  using kvscope::vec::i32x16;
+  if (keys.m <= keys.f) {
+    std::fill_n(weights, padded, kvscope::bf16{0});
+    return;
+  }
+  const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  auto seen = [&](int i) { return (lane + i >= keys.f) & (lane + i < keys.m); };
+  const FP32Vec16 nothing(-std::numeric_limits<float>::infinity()), zeros;
+  FP32Vec16 top = nothing;
+  for (int i = 0; i < padded; i += 16) {
+    FP32Vec16 scores = FP32Vec16::load(row + i) * scale;
+    if (L.soft_cap > 0.f)
+      for (int l = 0; l < 16; ++l)
+        scores.reg[l] = L.soft_cap * std::tanh(scores.reg[l] / L.soft_cap);
+    scores = seen(i) ? scores.reg : nothing.reg;
+    scores.store(row + i);
+    top = FP32Vec16::max(top, scores);
+  }
+  raise_max(top.reduce_max(), row_max, row_sum, acc, dim);
+  const FP32Vec16 subtrahend(row_max);
+  FP32Vec16 sum;
+  for (int i = 0; i < padded; i += 16) {
+    const FP32Vec16 w = kvscope::vec::exp_nonpositive(FP32Vec16::load(row + i) - subtrahend);
+    const FP32Vec16 visible = seen(i) ? w.reg : zeros.reg;
+    sum += visible;
+    visible.store(weights + i);
+  }
+  row_sum += sum.reduce_sum();
+}
+
+// A prefill tile (up to L.tile_tokens tokens of one sequence, the G query heads of one KV head
+// each) as two small matrix products per key chunk, on AMX tiles where the process may use
+// them, else on bf16 pair dots. run_item's row-at-a-time scoring ends every key's dot in a
+// horizontal sum, and its value pass multiplies in fp32, at half the pair dots' rate; a long
+// prompt's attention is compute-bound and grows with its square, so a 2,000-token prefill
+// spent half its time there. P, the softmax weights, is rounded to bf16 (as torch's CPU flash
+// attention rounds it) by the softmax between the products (softmax_to_bf16, row by row).
 template <int kDim>
 void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16* query,
                       const kvscope::bf16* key_cache, const kvscope::bf16* value_cache,
@@ -471,11 +682,7 @@ void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16
                       float scale, kvscope::bf16* out, Scratch& scratch) {
   using kvscope::bf16;
   using kvscope::vec::BF16Vec32;
-  using kvscope::vec::dot_accumulate;
-  using kvscope::vec::FP32Vec16;
-  constexpr int kPairs = kDim / 2, kVectors = kDim / 16;
-  // Rows whose sums stay in registers with the operands: 16 and 24 of the 32.
-  constexpr int kScoreRows = 8, kValueRows = kDim == 64 ? 6 : 2;
+  constexpr int kPairs = kDim / 2;
   const int G = L.group, start = starts[item.seq];
   const int context = seq_lens[item.seq] - (starts[item.seq + 1] - start);
   const int rows = item.rows(G);
@@ -490,9 +697,43 @@ void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16
   for (int j = 0; j < rows; ++j)
     q_rows[j] = query + static_cast<int64_t>(start + item.token_of(j, G)) * L.query_stride +
                 item.head_of(j, G) * kDim;
-  std::fill_n(acc, static_cast<int64_t>(rows) * kDim, 0.f);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // Tiles read whole blocks of 16 rows: the query rows side by side, zeros past `rows` in it
+  // and in the weights.
+  const bool tiles = kvscope::amx::permitted();
+  const int blocks = (rows + kTileRows - 1) / kTileRows;
+  const int padded_rows = tiles ? blocks * kTileRows : rows;
+  bf16* q_tiles = scratch.q_tiles.data();
+  if (tiles) {
+    for (int j = 0; j < padded_rows; ++j) {
+      bf16* row = q_tiles + static_cast<int64_t>(j) * kDim;
+      if (j < rows)
+        std::copy_n(q_rows[j], kDim, row);
+      else
+        std::fill_n(row, kDim, bf16{0});
+    }
+    kvscope::amx::configure_tiles();
+  }
+#else
+  const int padded_rows = rows;
+#endif
+  std::fill_n(acc, static_cast<int64_t>(padded_rows) * kDim, 0.f);
   std::fill_n(row_max, rows, -std::numeric_limits<float>::infinity());
   std::fill_n(row_sum, rows, 0.f);
+  std::fill(weights + static_cast<int64_t>(rows) * kKeyChunk,
+            weights + static_cast<int64_t>(padded_rows) * kKeyChunk, bf16{0});
+  auto score = [&](int padded) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles) return score_by_tiles<kDim>(q_tiles, blocks, kt, padded, scores);
+#endif
+    score_by_pair_dots<kDim>(q_rows, rows, kt, padded, scores);
+  };
+  auto add_values = [&](int padded) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles) return add_values_by_tiles<kDim>(weights, blocks, vt, padded, acc);
+#endif
+    add_values_by_pair_dots<kDim>(weights, rows, vt, padded, acc);
+  };
   static const bf16 kZeroRow[kDim] = {};  // an odd chunk's last key's partner
   int64_t offsets[kKeyChunk];
   const int k_end = visible_end(item, seq_lens, starts);
@@ -519,51 +760,20 @@ void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16
         high.store(reinterpret_cast<bf16*>(vt + i * kDim + d + 16));
       }
     }
-    kvscope::by_row_groups<kScoreRows>(rows, [&](auto count, int64_t first) {
-      constexpr int R = decltype(count)::value;
-      for (int block = 0; block < padded; block += 32) {
-        FP32Vec16 sums[R][2];
-        for (auto& row : sums) row[0] = row[1] = FP32Vec16(0.f);
-        for (int p = 0; p < kPairs; ++p) {
-          const auto* keys = reinterpret_cast<const bf16*>(kt + p * kKeyChunk + block);
-          const BF16Vec32 low = BF16Vec32::load(keys), high = BF16Vec32::load(keys + 32);
-          for (int r = 0; r < R; ++r) {
-            const BF16Vec32 q = BF16Vec32::broadcast_pair(q_rows[first + r] + 2 * p);
-            sums[r][0] = dot_accumulate(sums[r][0], q, low);
-            sums[r][1] = dot_accumulate(sums[r][1], q, high);
-          }
-        }
-        for (int r = 0; r < R; ++r)
-          for (int half = 0; half < 2; ++half)
-            (sums[r][half] * scale).store(scores + (first + r) * kKeyChunk + block + 16 * half);
-      }
-    });
+    // Pairs past the chunk's keys meet zero weights: zeros, so no stale NaN makes them NaN.
+    std::fill(vt + static_cast<int64_t>(key_pairs) * kDim, vt + padded / 2 * kDim, 0u);
+    score(padded);
     for (int j = 0; j < rows; ++j) {
-      float* row = scores + static_cast<int64_t>(j) * kKeyChunk;
-      softmax_step(L, row, visible_keys(L, context + item.token_of(j, G), chunk, n), padded,
-                   row_max[j], row_sum[j], acc + static_cast<int64_t>(j) * kDim, kDim);
-      for (int i = 0; i < padded; i += 16)
-        FP32Vec16::load(row + i).store(weights + static_cast<int64_t>(j) * kKeyChunk + i);
+      softmax_to_bf16(L, scores + static_cast<int64_t>(j) * kKeyChunk,
+                      visible_keys(L, context + item.token_of(j, G), chunk, n), padded, scale,
+                      row_max[j], row_sum[j], acc + static_cast<int64_t>(j) * kDim, kDim,
+                      weights + static_cast<int64_t>(j) * kKeyChunk);
     }
-    kvscope::by_row_groups<kValueRows>(rows, [&](auto count, int64_t first) {
-      constexpr int R = decltype(count)::value;
-      FP32Vec16 sums[R][kVectors];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kVectors; ++v)
-          sums[r][v] = FP32Vec16::load(acc + (first + r) * kDim + 16 * v);
-      for (int i = 0; i < key_pairs; ++i) {
-        BF16Vec32 values[kVectors];
-        for (int v = 0; v < kVectors; ++v)
-          values[v] = BF16Vec32::load(reinterpret_cast<const bf16*>(vt + i * kDim + 16 * v));
-        for (int r = 0; r < R; ++r) {
-          const BF16Vec32 w = BF16Vec32::broadcast_pair(weights + (first + r) * kKeyChunk + 2 * i);
-          for (int v = 0; v < kVectors; ++v) sums[r][v] = dot_accumulate(sums[r][v], w, values[v]);
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kVectors; ++v) sums[r][v].store(acc + (first + r) * kDim + 16 * v);
-    });
+    add_values(padded);
   }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles) _tile_release();
+#endif
   write_rows(item, L, start, kDim, acc, row_max, row_sum, out, nullptr, nullptr, nullptr);
 }
 #endif
@@ -576,10 +786,7 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
               float* part_sum, Scratch& scratch, const WorkItem* next, bool first_asked_for) {
 #if defined(__AVX512BF16__)
-  // A prefill tile, where the pair dots can take it: bf16 query and cache, head_dim a
-  // multiple of 32.
-  if constexpr (std::is_same_v<Q, kvscope::bf16> && std::is_same_v<KV, kvscope::bf16> && kDim > 0 &&
-                kDim % 32 == 0) {
+  if constexpr (kPrefillTiles<Q, KV, kDim>) {
     if (starts[item.seq + 1] - starts[item.seq] > kDecodeQueryTokens)
       return run_prefill_tile<kDim>(item, L, query, key_cache, value_cache, tables, seq_lens,
                                     starts, scale, out, scratch);
@@ -753,6 +960,9 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   L.query_stride = query.stride(0);
   L.window = static_cast<int>(window);
   L.soft_cap = static_cast<float>(soft_cap);
+  const bool tiles =
+      (L.dim == 64 && kPrefillTiles<Q, KV, 64>) || (L.dim == 128 && kPrefillTiles<Q, KV, 128>);
+  L.tile_tokens = tiles ? std::max(kQueryTile, kTileQueryRows / L.group) : kQueryTile;
   const int num_seqs = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
@@ -760,12 +970,13 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   // A decode is one item over all its KV heads, so it reads each slot's K and V rows
   // (every head) in one contiguous run: one head at a time would read a third of every slot
   // per pass, scattered. A prefill chunk is compute-bound and tiles by
-  // KV head and kQueryTile tokens. A short chunk runs as decodes (kDecodeQueryTokens).
+  // KV head and L.tile_tokens tokens. A short chunk runs as decodes (kDecodeQueryTokens).
   auto is_decode = [&](int s) { return starts[s + 1] - starts[s] <= kDecodeQueryTokens; };
   int64_t base_items = 0;
   for (int s = 0; s < num_seqs; ++s) {
     const int query_len = starts[s + 1] - starts[s];
-    base_items += is_decode(s) ? 1 : L.num_kv_heads * ((query_len + kQueryTile - 1) / kQueryTile);
+    base_items +=
+        is_decode(s) ? 1 : L.num_kv_heads * ((query_len + L.tile_tokens - 1) / L.tile_tokens);
   }
   // Few long decodes leave threads idle: split their keys so every thread has work, in a
   // multiple of the thread count where there are more splits than threads.
@@ -796,8 +1007,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
     if (!is_decode(s)) {
       // A tile's keys start where its first token's window does.
       for (int h = 0; h < L.num_kv_heads; ++h)
-        for (int t = 0; t < query_len; t += kQueryTile)
-          items.push_back({s, h, h + 1, t, std::min(query_len, t + kQueryTile),
+        for (int t = 0; t < query_len; t += L.tile_tokens)
+          items.push_back({s, h, h + 1, t, std::min(query_len, t + L.tile_tokens),
                            L.first_visible(context + t), seq_len, -1});
       continue;
     }

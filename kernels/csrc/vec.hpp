@@ -177,6 +177,17 @@ struct FP32Vec16 {
     return *this;
   }
 
+  static FP32Vec16 max(FP32Vec16 a, FP32Vec16 b) { return a.reg > b.reg ? a.reg : b.reg; }
+  float reduce_max() const {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps(reg);
+#else
+    float top = reg[0];
+    for (int i = 1; i < 16; ++i) top = reg[i] > top ? reg[i] : top;
+    return top;
+#endif
+  }
+
   // Lanes 0..7 plus lanes 8..15.
   FP32Vec8 add_halves() const {
     f32x8 low, high;
@@ -198,6 +209,15 @@ struct FP32Vec16 {
 #endif
   }
 };
+
+// kvscope::exp_nonpositive lane by lane, the same steps.
+inline FP32Vec16 exp_nonpositive(FP32Vec16 x) {
+  const f32x16 lowest = f32x16{} - 87.f;
+  const f32x16 t = (x.reg > lowest ? x.reg : lowest) * 1.44269504088896341f;
+  const f32x16 n = (t + 12582912.f) - 12582912.f;
+  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  return exp2_of_fraction(t - n) * (f32x16)exponent;
+}
 
 // a * b + c with a single rounding where the CPU has FMA (vfmadd), else two. Kernels write
 // their multiply-adds with it rather than leave them to the compiler's contraction, which in
