@@ -580,6 +580,25 @@ def test_cpu_kernels_store_and_read_quantized_caches(cpu_kernel_ops, dtype, code
     assert_close(out, oracle_on_dequantized(batch, dequantized), dtype)
 
 
+@pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize(("queries_per_kv", "head_dim"), [
+    pytest.param(3, 64, id="gqa3-d64"),
+    pytest.param(2, 128, id="gqa2-d128"),
+])
+def test_cpu_long_bf16_prefills_over_quantized_caches_match_the_oracle(cpu_kernel_ops, codes,
+                                                                       queries_per_kv, head_dim):
+    """Long prefill chunks over a quantized cache run as tiles of matrix products too: the
+    codes converted to bf16 (exactly), each key's scale on its score and each value's on its
+    weight. Cold, over cached context, odd lengths over several key chunks, beside decodes,
+    against the oracle over the de-quantized caches, within bf16 rounding of the weights."""
+    seqs = [(600, 600), (700, 300), (333, 45), (260, 1), (129, 129)]
+    batch = make_batch(seqs, 16, 2, queries_per_kv, head_dim, dtype=torch.bfloat16)
+    key_cache, value_cache, dequantized = quantized_caches(batch, codes, cpu_kernel_ops.store_kv)
+    out = cpu_kernel_ops.paged_attention(batch.query, key_cache, value_cache, *batch.args()[3:])
+    expected = oracle_on_dequantized(batch, dequantized)
+    torch.testing.assert_close(out.double(), expected.double(), atol=1e-2, rtol=1e-2)
+
+
 def test_cpu_store_kv_refuses_rows_that_do_not_fit_a_quantized_cache(cpu_kernel_ops):
     cache = torch.zeros(2, 4, 1, 64, dtype=torch.int8)  # no room for the scale
     rows = torch.randn(1, 1, 64)

@@ -30,6 +30,8 @@ constexpr int kQueryTile = 16;  // query tokens of one sequence that share each 
 // share that work. 128: a 2,048-token prefill at Qwen3's heads 1.4x as fast as 32 rows, and
 // the tile's sums (~200 KB) stay in L2.
 constexpr int kTileQueryRows = 128;
+// Rows of an AMX tile: a prefill tile's rows are padded to a multiple (run_prefill_tile).
+constexpr int kRowBlock = 16;
 // A chunk of up to this many query tokens (a speculative verification of up to 16 proposals)
 // runs as decodes do: each token's rows sum their keys in the chunks and KV splits a decode
 // of that token would, so its output is bit for bit that decode's and greedy output cannot
@@ -353,8 +355,10 @@ struct Scratch {
     auto at_least = [](auto& buffer, int64_t size) {
       if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
     };
-    // Query rows of the largest item: a prefill tile of one KV head or decodes of all.
-    const int64_t rows = std::max(L.tile_tokens * L.group, kDecodeQueryTokens * L.num_heads);
+    // Query rows of the largest item: a prefill tile of one KV head, padded to whole blocks
+    // of rows, or decodes of all.
+    const int64_t tile_rows = (L.tile_tokens * L.group + kRowBlock - 1) / kRowBlock * kRowBlock;
+    const int64_t rows = std::max<int64_t>(tile_rows, kDecodeQueryTokens * L.num_heads);
     at_least(q, rows * L.dim);
     at_least(acc, q.size());
     at_least(row_max, rows);
@@ -467,13 +471,13 @@ inline void softmax_step(const Layout& L, float* weights, VisibleKeys keys, int 
 }
 
 // Whether a prefill chunk runs as tiles of matrix products (run_prefill_tile): where the pair
-// dots can take it, a bf16 query and cache and head_dim a multiple of 32 (fixed at compile
-// time: kDim, below).
+// dots can take it, a bf16 query over a bf16 or quantized cache (whose codes are bf16 values
+// exactly), head_dim a multiple of 32 (fixed at compile time: kDim, below).
 template <typename Q, typename KV, int kDim>
 constexpr bool kPrefillTiles =
 #if defined(__AVX512BF16__)
-    std::is_same_v<Q, kvscope::bf16> && std::is_same_v<KV, kvscope::bf16> && kDim > 0 &&
-    kDim % 32 == 0;
+    std::is_same_v<Q, kvscope::bf16> &&
+    (std::is_same_v<KV, kvscope::bf16> || kvscope::kQuantizedKV<KV>) && kDim > 0 && kDim % 32 == 0;
 #else
     false;
 #endif
@@ -552,6 +556,7 @@ void add_values_by_pair_dots(const kvscope::bf16* weights, int rows, const uint3
 // hold the sums of block b and column half h in 2 b + h, 4 and 5 the blocks' A, 6 and 7 B's
 // halves.
 using kvscope::amx::kTileRows;
+static_assert(kTileRows == kRowBlock);
 
 // A step of the products: A's rows of block 0 (`a`) and of block 1 (`a_next`, where `two`),
 // `a_stride` bytes apart, times B's two halves (`b`, `b + 16`, rows `b_stride` bytes apart),
@@ -634,9 +639,11 @@ void add_values_by_tiles(const kvscope::bf16* weights, int blocks, const uint32_
 // passes over whole vectors with the unseen lanes masked, where softmax_step takes a pass per
 // step and partial vectors at the visible keys' ends: on AMX this is the larger part of a
 // tile's time.
+//   A quantized cache's rows carry scales: a key's multiplies its score, a value's its weight
+// (`key_scales`, `value_scales`: one per key, or null).
 inline void softmax_to_bf16(const Layout& L, float* row, VisibleKeys keys, int padded, float scale,
-                            float& row_max, float& row_sum, float* acc, int dim,
-                            kvscope::bf16* weights) {
+                            const float* key_scales, const float* value_scales, float& row_max,
+                            float& row_sum, float* acc, int dim, kvscope::bf16* weights) {
   using kvscope::vec::FP32Vec16;
   using kvscope::vec::i32x16;
   if (keys.m <= keys.f) {
@@ -649,6 +656,7 @@ inline void softmax_to_bf16(const Layout& L, float* row, VisibleKeys keys, int p
   FP32Vec16 top = nothing;
   for (int i = 0; i < padded; i += 16) {
     FP32Vec16 scores = FP32Vec16::load(row + i) * scale;
+    if (key_scales) scores = scores * FP32Vec16::load(key_scales + i);
     if (L.soft_cap > 0.f)
       for (int l = 0; l < 16; ++l)
         scores.reg[l] = L.soft_cap * std::tanh(scores.reg[l] / L.soft_cap);
@@ -663,7 +671,7 @@ inline void softmax_to_bf16(const Layout& L, float* row, VisibleKeys keys, int p
     const FP32Vec16 w = kvscope::vec::exp_nonpositive(FP32Vec16::load(row + i) - subtrahend);
     const FP32Vec16 visible = seen(i) ? w.reg : zeros.reg;
     sum += visible;
-    visible.store(weights + i);
+    (value_scales ? visible * FP32Vec16::load(value_scales + i) : visible).store(weights + i);
   }
   row_sum += sum.reduce_sum();
 }
@@ -675,11 +683,27 @@ inline void softmax_to_bf16(const Layout& L, float* row, VisibleKeys keys, int p
 // prompt's attention is compute-bound and grows with its square, so a 2,000-token prefill
 // spent half its time there. P, the softmax weights, is rounded to bf16 (as torch's CPU flash
 // attention rounds it) by the softmax between the products (softmax_to_bf16, row by row).
-template <int kDim>
+// A chunk's K or V rows at `offsets` as bf16 rows: a bf16 cache's where they lie, a quantized
+// cache's codes converted into `buffer` (exactly) with their scales, zeros past the n keys to
+// `padded`.
+template <int kDim, typename KV>
+inline void chunk_rows(const KV* cache, const int64_t* offsets, int n, int padded,
+                       kvscope::bf16* buffer, const kvscope::bf16** rows, float* scales) {
+  if constexpr (std::is_same_v<KV, kvscope::bf16>) {
+    for (int i = 0; i < n; ++i) rows[i] = cache + offsets[i];
+  } else {
+    const KV* codes[kKeyChunk];
+    for (int i = 0; i < n; ++i) codes[i] = cache + offsets[i];
+    codes_to_bf16<kDim>(codes, n, buffer, rows, scales);
+    std::fill(scales + n, scales + padded, 0.f);
+  }
+}
+
+template <int kDim, typename KV>
 void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16* query,
-                      const kvscope::bf16* key_cache, const kvscope::bf16* value_cache,
-                      const int32_t* tables, const int32_t* seq_lens, const int32_t* starts,
-                      float scale, kvscope::bf16* out, Scratch& scratch) {
+                      const KV* key_cache, const KV* value_cache, const int32_t* tables,
+                      const int32_t* seq_lens, const int32_t* starts, float scale,
+                      kvscope::bf16* out, Scratch& scratch) {
   using kvscope::bf16;
   using kvscope::vec::BF16Vec32;
   constexpr int kPairs = kDim / 2;
@@ -736,23 +760,30 @@ void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16
   };
   static const bf16 kZeroRow[kDim] = {};  // an odd chunk's last key's partner
   int64_t offsets[kKeyChunk];
+  const bf16* key_rows[kKeyChunk];
+  const bf16* value_rows[kKeyChunk];
+  float key_scales[kKeyChunk], value_scales[kKeyChunk];  // a quantized cache's
+  constexpr bool kScaled = kvscope::kQuantizedKV<KV>;
+  bf16* converted = reinterpret_cast<bf16*>(scratch.keys.data());  // room for K's and V's
   const int k_end = visible_end(item, seq_lens, starts);
   for (int chunk = item.k_begin; chunk < k_end; chunk += kKeyChunk) {
     const int n = key_offsets(item, L, tables, seq_lens, starts, chunk, offsets);
     const int padded = (n + 31) / 32 * 32, key_pairs = (n + 1) / 2;
+    chunk_rows<kDim>(key_cache, offsets, n, padded, converted, key_rows, key_scales);
+    chunk_rows<kDim>(value_cache, offsets, n, padded, converted + kKeyChunk * kDim, value_rows,
+                     value_scales);
     // 16 keys x 16 dimension pairs at a time, transposed in registers; keys past n are zeros.
     for (int first = 0; first < padded; first += 16)
       for (int p = 0; p < kPairs; p += 16) {
         const uint32_t* keys[16];
         for (int i = 0; i < 16; ++i)
-          keys[i] = first + i < n
-                        ? reinterpret_cast<const uint32_t*>(key_cache + offsets[first + i]) + p
-                        : nullptr;
+          keys[i] =
+              first + i < n ? reinterpret_cast<const uint32_t*>(key_rows[first + i]) + p : nullptr;
         kvscope::vec::transpose_16x16(keys, kt + p * kKeyChunk + first, kKeyChunk);
       }
     for (int i = 0; i < key_pairs; ++i) {
-      const bf16* first = value_cache + offsets[2 * i];
-      const bf16* second = 2 * i + 1 < n ? value_cache + offsets[2 * i + 1] : kZeroRow;
+      const bf16* first = value_rows[2 * i];
+      const bf16* second = 2 * i + 1 < n ? value_rows[2 * i + 1] : kZeroRow;
       for (int d = 0; d < kDim; d += 32) {
         BF16Vec32 low, high;
         BF16Vec32::interleave(BF16Vec32::load(first + d), BF16Vec32::load(second + d), low, high);
@@ -766,7 +797,8 @@ void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16
     for (int j = 0; j < rows; ++j) {
       softmax_to_bf16(L, scores + static_cast<int64_t>(j) * kKeyChunk,
                       visible_keys(L, context + item.token_of(j, G), chunk, n), padded, scale,
-                      row_max[j], row_sum[j], acc + static_cast<int64_t>(j) * kDim, kDim,
+                      kScaled ? key_scales : nullptr, kScaled ? value_scales : nullptr, row_max[j],
+                      row_sum[j], acc + static_cast<int64_t>(j) * kDim, kDim,
                       weights + static_cast<int64_t>(j) * kKeyChunk);
     }
     add_values(padded);
@@ -788,8 +820,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
 #if defined(__AVX512BF16__)
   if constexpr (kPrefillTiles<Q, KV, kDim>) {
     if (starts[item.seq + 1] - starts[item.seq] > kDecodeQueryTokens)
-      return run_prefill_tile<kDim>(item, L, query, key_cache, value_cache, tables, seq_lens,
-                                    starts, scale, out, scratch);
+      return run_prefill_tile<kDim, KV>(item, L, query, key_cache, value_cache, tables, seq_lens,
+                                        starts, scale, out, scratch);
   }
   // A quantized cache's key codes are bf16 values exactly (int8's 8 bits, fp8's 4 significant
   // bits): a chunk's rows are converted once and scored as bf16 rows, then by their scales.
