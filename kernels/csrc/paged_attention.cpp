@@ -345,6 +345,8 @@ struct Layout {
 // calls the op once per layer, and allocating and zeroing it each time cost a sizeable part
 // of a short sequence's attention. run_item writes every element before reading it.
 struct Scratch {
+  // `keys`: a chunk's key rows widened (run_item), or a quantized chunk's K and V rows as
+  // bf16, side by side (run_prefill_tile).
   std::vector<float> q, acc, row_max, row_sum, keys, scores;
   // run_prefill_tile's: the chunk's keys and values as pairs, the rows' bf16 weights, and
   // where each query row lies.
