@@ -235,6 +235,7 @@ CPU_CASES = [  # (block_size, queries_per_kv, head_dim): every block size, GQA r
     pytest.param(32, 4, 128, id="block32-gqa4-d128"),
     pytest.param(128, 8, 64, id="block128-gqa8-d64"),
     pytest.param(256, 8, 128, id="block256-gqa8-d128"),
+    pytest.param(16, 4, 256, id="block16-gqa4-d256"),  # Gemma 3's heads
 ]
 
 
@@ -288,6 +289,7 @@ def test_cpu_attention_verification_rows_equal_their_decodes(cpu_kernel_ops, seq
     pytest.param(2, 128, None, None, id="gqa2-d128"),
     pytest.param(8, 128, 200, None, id="gqa8-d128-window200"),
     pytest.param(3, 64, None, 30.0, id="gqa3-d64-softcap30"),
+    pytest.param(4, 256, 512, None, id="gqa4-d256-window512"),
 ])
 def test_cpu_attention_long_bf16_prefills_match_dense(cpu_kernel_ops, queries_per_kv, head_dim,
                                                       window, soft_cap):
@@ -584,6 +586,7 @@ def test_cpu_kernels_store_and_read_quantized_caches(cpu_kernel_ops, dtype, code
 @pytest.mark.parametrize(("queries_per_kv", "head_dim"), [
     pytest.param(3, 64, id="gqa3-d64"),
     pytest.param(2, 128, id="gqa2-d128"),
+    pytest.param(4, 256, id="gqa4-d256"),
 ])
 def test_cpu_long_bf16_prefills_over_quantized_caches_match_the_oracle(cpu_kernel_ops, codes,
                                                                        queries_per_kv, head_dim):

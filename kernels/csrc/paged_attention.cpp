@@ -521,7 +521,8 @@ void score_by_pair_dots(const kvscope::bf16* const* q_rows, int rows, const uint
 }
 
 // acc [rows][kDim] += P V on pair dots, `weights` P's rows in bf16 ([rows][kKeyChunk]); the
-// rows a group's sums (kDim / 16 vectors each) leave registers for: 6 at head_dim 64, 2 at 128.
+// rows a group's sums (kDim / 16 vectors each) leave registers for: 6 at head_dim 64, 2 at
+// 128, 1 at 256.
 template <int kDim>
 void add_values_by_pair_dots(const kvscope::bf16* weights, int rows, const uint32_t* vt, int padded,
                              float* acc) {
@@ -529,7 +530,9 @@ void add_values_by_pair_dots(const kvscope::bf16* weights, int rows, const uint3
   using kvscope::vec::BF16Vec32;
   using kvscope::vec::FP32Vec16;
   constexpr int kVectors = kDim / 16;
-  kvscope::by_row_groups<kDim == 64 ? 6 : 2>(rows, [&](auto count, int64_t first) {
+  kvscope::by_row_groups<kDim == 64    ? 6
+                         : kDim == 128 ? 2
+                                       : 1>(rows, [&](auto count, int64_t first) {
     constexpr int R = decltype(count)::value;
     FP32Vec16 sums[R][kVectors];
     for (int r = 0; r < R; ++r)
@@ -812,7 +815,7 @@ void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16
 }
 #endif
 
-// kDim > 0 fixes head_dim at compile time (64 and 128, the common sizes), so the per-key
+// kDim > 0 fixes head_dim at compile time (64, 128 and Gemma 3's 256), so the per-key
 // dot products and updates unroll into straight vector code; 0 reads it from the layout.
 template <typename Q, typename KV, int kDim>
 void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
@@ -994,8 +997,9 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   L.query_stride = query.stride(0);
   L.window = static_cast<int>(window);
   L.soft_cap = static_cast<float>(soft_cap);
-  const bool tiles =
-      (L.dim == 64 && kPrefillTiles<Q, KV, 64>) || (L.dim == 128 && kPrefillTiles<Q, KV, 128>);
+  const bool tiles = (L.dim == 64 && kPrefillTiles<Q, KV, 64>) ||
+                     (L.dim == 128 && kPrefillTiles<Q, KV, 128>) ||
+                     (L.dim == 256 && kPrefillTiles<Q, KV, 256>);
   L.tile_tokens = tiles ? std::max(kQueryTile, kTileQueryRows / L.group) : kQueryTile;
   const int num_seqs = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -1091,6 +1095,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
     run_items(run_item<Q, KV, 64>);
   else if (L.dim == 128)
     run_items(run_item<Q, KV, 128>);
+  else if (L.dim == 256)
+    run_items(run_item<Q, KV, 256>);
   else
     run_items(run_item<Q, KV, 0>);
   for (const SplitGroup& group : groups) {
