@@ -1,12 +1,8 @@
 // The AMX tile registers as every kernel that uses them sets them up: eight tiles of 16 rows
 // x 64 bytes (a bf16 operand of 16 x 32, an fp32 sum of 16 x 16), and the process's
-// permission to use them. Compiled only where the build's CPU has AMX-BF16.
+// permission to use them. The shapes are defined on every CPU (buffers are sized to them
+// whichever kernel runs); the rest only where the build's CPU has AMX-BF16.
 #pragma once
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 
@@ -14,6 +10,15 @@ namespace kvscope::amx {
 
 constexpr int kTileRows = 16;      // rows of every tile
 constexpr int kTileRowBytes = 64;  // bytes of a tile's row: 32 bf16 or 16 fp32
+
+}  // namespace kvscope::amx
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace kvscope::amx {
 
 // ldtilecfg's 64-byte operand.
 struct alignas(64) TileConfig {

@@ -299,12 +299,11 @@ constexpr int64_t kAmxRowBlock = kvscope::amx::kTileRows;  // rows of an x tile
 // (docs/performance.md).
 constexpr int64_t kAmxPrefetchAhead = 16 * 1024;
 
-// Tiles 0-3 hold the sums of row block b and outputs 16 h .. 16 h + 15 in tile 2 b + h;
-// tiles 4 and 5 the two row blocks of x; tiles 6 and 7 the two 16-output halves of a weight
-// tile (all shaped by amx::configure_tiles).
-
 // sums [Blocks * 16 rows][32 outputs] = Blocks blocks of 16 rows of x, laid out as x tiles
-// (x_tiles below), times one column of 32-output tiles.
+// (x_tiles below), times one column of 32-output tiles. Tiles 0-3 hold the sums of row block
+// b and outputs 16 h .. 16 h + 15 in tile 2 b + h; tiles 4 and 5 the two row blocks of x;
+// tiles 6 and 7 the two 16-output halves of a weight tile (all shaped by
+// amx::configure_tiles).
 template <int Blocks>
 void amx_column(const kvscope::bf16* x, int64_t in_features, const kvscope::bf16* column,
                 float* sums) {

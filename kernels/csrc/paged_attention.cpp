@@ -31,7 +31,7 @@ constexpr int kQueryTile = 16;  // query tokens of one sequence that share each 
 // the tile's sums (~200 KB) stay in L2.
 constexpr int kTileQueryRows = 128;
 // Rows of an AMX tile: a prefill tile's rows are padded to a multiple (run_prefill_tile).
-constexpr int kRowBlock = 16;
+using kvscope::amx::kTileRows;
 // A chunk of up to this many query tokens (a speculative verification of up to 16 proposals)
 // runs as decodes do: each token's rows sum their keys in the chunks and KV splits a decode
 // of that token would, so its output is bit for bit that decode's and greedy output cannot
@@ -359,7 +359,7 @@ struct Scratch {
     };
     // Query rows of the largest item: a prefill tile of one KV head, padded to whole blocks
     // of rows, or decodes of all.
-    const int64_t tile_rows = (L.tile_tokens * L.group + kRowBlock - 1) / kRowBlock * kRowBlock;
+    const int64_t tile_rows = (L.tile_tokens * L.group + kTileRows - 1) / kTileRows * kTileRows;
     const int64_t rows = std::max<int64_t>(tile_rows, kDecodeQueryTokens * L.num_heads);
     at_least(q, rows * L.dim);
     at_least(acc, q.size());
@@ -472,11 +472,22 @@ inline void softmax_step(const Layout& L, float* weights, VisibleKeys keys, int 
   row_sum += sum;
 }
 
-// Whether a prefill chunk runs as tiles of matrix products (run_prefill_tile): where the pair
-// dots can take it, a bf16 query over a bf16 or quantized cache (whose codes are bf16 values
-// exactly), head_dim a multiple of 32 (fixed at compile time: kDim, below).
+// body(std::integral_constant<int, kDim>) with head_dim as a compile-time kDim where the kernels
+// are built for it (64, 128 and Gemma 3's 256), else kDim = 0 (read from the layout).
+template <typename Body>
+auto with_head_dim(int dim, Body&& body) {
+  if (dim == 64) return body(std::integral_constant<int, 64>{});
+  if (dim == 128) return body(std::integral_constant<int, 128>{});
+  if (dim == 256) return body(std::integral_constant<int, 256>{});
+  return body(std::integral_constant<int, 0>{});
+}
+
+// Whether bf16 pair dots take the products: a bf16 query over a bf16 or quantized cache (a
+// quantized cache's codes are bf16 values exactly: int8's 8 bits, fp8's 4 significant bits),
+// head_dim a multiple of 32 fixed at compile time (kDim, below). A decode's rows then score
+// keys as bf16 rows, and a prefill chunk runs as tiles of matrix products (run_prefill_tile).
 template <typename Q, typename KV, int kDim>
-constexpr bool kPrefillTiles =
+constexpr bool kPairDots =
 #if defined(__AVX512BF16__)
     std::is_same_v<Q, kvscope::bf16> &&
     (std::is_same_v<KV, kvscope::bf16> || kvscope::kQuantizedKV<KV>) && kDim > 0 && kDim % 32 == 0;
@@ -560,8 +571,6 @@ void add_values_by_pair_dots(const kvscope::bf16* weights, int rows, const uint3
 // and a last block's missing rows zeros), two blocks together where there are two: tiles 0-3
 // hold the sums of block b and column half h in 2 b + h, 4 and 5 the blocks' A, 6 and 7 B's
 // halves.
-using kvscope::amx::kTileRows;
-static_assert(kTileRows == kRowBlock);
 
 // A step of the products: A's rows of block 0 (`a`) and of block 1 (`a_next`, where `two`),
 // `a_stride` bytes apart, times B's two halves (`b`, `b + 16`, rows `b_stride` bytes apart),
@@ -815,26 +824,19 @@ void run_prefill_tile(const WorkItem& item, const Layout& L, const kvscope::bf16
 }
 #endif
 
-// kDim > 0 fixes head_dim at compile time (64, 128 and Gemma 3's 256), so the per-key
-// dot products and updates unroll into straight vector code; 0 reads it from the layout.
+// kDim > 0 fixes head_dim at compile time (with_head_dim), so the per-key dot products and
+// updates unroll into straight vector code; 0 reads it from the layout.
 template <typename Q, typename KV, int kDim>
 void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* key_cache,
               const KV* value_cache, const int32_t* tables, const int32_t* seq_lens,
               const int32_t* starts, float scale, Q* out, float* part_acc, float* part_max,
               float* part_sum, Scratch& scratch, const WorkItem* next, bool first_asked_for) {
 #if defined(__AVX512BF16__)
-  if constexpr (kPrefillTiles<Q, KV, kDim>) {
+  if constexpr (kPairDots<Q, KV, kDim>) {
     if (starts[item.seq + 1] - starts[item.seq] > kDecodeQueryTokens)
       return run_prefill_tile<kDim, KV>(item, L, query, key_cache, value_cache, tables, seq_lens,
                                         starts, scale, out, scratch);
   }
-  // A quantized cache's key codes are bf16 values exactly (int8's 8 bits, fp8's 4 significant
-  // bits): a chunk's rows are converted once and scored as bf16 rows, then by their scales.
-  constexpr bool kPairDots = std::is_same_v<Q, kvscope::bf16> &&
-                             (std::is_same_v<KV, kvscope::bf16> || kvscope::kQuantizedKV<KV>) &&
-                             kDim > 0 && kDim % 32 == 0;
-#else
-  constexpr bool kPairDots = false;
 #endif
   const int G = L.group, D = kDim > 0 ? kDim : L.dim;
   const int start = starts[item.seq];
@@ -853,7 +855,7 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   auto query_row = [&](int j) {
     return query + static_cast<int64_t>(start + token_of(j)) * L.query_stride + head_of(j) * D;
   };
-  if constexpr (!kPairDots)  // the portable path scores against scaled fp32 rows
+  if constexpr (!kPairDots<Q, KV, kDim>)  // the portable path scores against scaled fp32 rows
     for (int j = 0; j < num_q; ++j)
       for (int d = 0; d < D; ++d)
         q[static_cast<int64_t>(j) * D + d] = load(query_row(j)[d]) * scale;
@@ -874,14 +876,14 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     const int f = std::max(visible.f, g), m = std::min(visible.m, g + gn);
     if (m <= f) return;
 #if defined(__AVX512BF16__)
-    if constexpr (kPairDots && kvscope::kQuantizedKV<KV>) {
+    if constexpr (kPairDots<Q, KV, kDim> && kvscope::kQuantizedKV<KV>) {
       score_keys_bf16<kDim>(query_row(j), code_rows + (f - g), m - f, scale, weights + f);
       for (int i = f; i < m; ++i) weights[i] *= key_scales[i - g];
-    } else if constexpr (kPairDots) {
+    } else if constexpr (kPairDots<Q, KV, kDim>) {
       score_keys_bf16<kDim>(query_row(j), key_rows + (f - g), m - f, scale, weights + f);
     }
 #endif
-    if constexpr (!kPairDots) {
+    if constexpr (!kPairDots<Q, KV, kDim>) {
       const float* qj = q + static_cast<int64_t>(j) * D;
       const float* group_keys = keys + static_cast<int64_t>(f - g) * D;
       if constexpr (kVectorRows<kDim>)
@@ -931,8 +933,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
           for (int i = 0; i < gn_ahead; ++i)
             request_row(key_cache + offsets[now ^ 1][g + i] + head_offset, bytes);
         for (int i = 0; i < gn; ++i) key_rows[i] = key_cache + offsets[now][g + i] + head_offset;
-        if constexpr (!kPairDots) widen_rows<kDim>(key_rows, gn, D, keys);
-        if constexpr (kPairDots && kvscope::kQuantizedKV<KV>)
+        if constexpr (!kPairDots<Q, KV, kDim>) widen_rows<kDim>(key_rows, gn, D, keys);
+        if constexpr (kPairDots<Q, KV, kDim> && kvscope::kQuantizedKV<KV>)
           codes_to_bf16<kDim>(key_rows, gn, reinterpret_cast<kvscope::bf16*>(keys), code_rows,
                               key_scales);
         for (int j = h * rows_per_kv_head; j < (h + 1) * rows_per_kv_head; ++j)
@@ -997,9 +999,8 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   L.query_stride = query.stride(0);
   L.window = static_cast<int>(window);
   L.soft_cap = static_cast<float>(soft_cap);
-  const bool tiles = (L.dim == 64 && kPrefillTiles<Q, KV, 64>) ||
-                     (L.dim == 128 && kPrefillTiles<Q, KV, 128>) ||
-                     (L.dim == 256 && kPrefillTiles<Q, KV, 256>);
+  const bool tiles =
+      with_head_dim(L.dim, [](auto dim) { return kPairDots<Q, KV, decltype(dim)::value>; });
   L.tile_tokens = tiles ? std::max(kQueryTile, kTileQueryRows / L.group) : kQueryTile;
   const int num_seqs = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -1091,14 +1092,7 @@ void attention(const at::Tensor& query, const at::Tensor& key_cache, const at::T
             i + 1 < end ? &items[i + 1] : nullptr, i > begin);
     });
   };
-  if (L.dim == 64)
-    run_items(run_item<Q, KV, 64>);
-  else if (L.dim == 128)
-    run_items(run_item<Q, KV, 128>);
-  else if (L.dim == 256)
-    run_items(run_item<Q, KV, 256>);
-  else
-    run_items(run_item<Q, KV, 0>);
+  with_head_dim(L.dim, [&](auto dim) { run_items(run_item<Q, KV, decltype(dim)::value>); });
   for (const SplitGroup& group : groups) {
     const int rows = group.first.rows(L.group);
     for (int j = 0; j < rows; ++j) {
