@@ -19,7 +19,8 @@ from kvscope.engine.config import (
     QUANTIZATIONS,
     EngineConfig,
 )
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.entrypoints.view import EngineView, resolved_config
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.replicas.router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from kvscope.engine.serving import create_app
 from kvscope.engine.serving.chat_parsing import ChatParsing
@@ -27,7 +28,6 @@ from kvscope.engine.serving.reasoning import REASONING_PARSERS
 from kvscope.engine.serving.security import exposure_warning, read_api_key
 from kvscope.engine.serving.tool_parsers import TOOL_PARSERS
 from kvscope.engine.telemetry.kv_event_publisher import KVEventsConfig, publish_kv_events
-from kvscope.engine.view import EngineView, resolved_config
 from kvscope.storage import SessionLog, record_sessions
 
 logger = logging.getLogger("kvscope")

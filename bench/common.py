@@ -15,9 +15,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
-from kvscope.engine.core.engine_core import EngineCore  # noqa: E402
+from kvscope.engine.orchestrator.engine_core import EngineCore  # noqa: E402
 from kvscope.engine.outputs import RequestOutput  # noqa: E402
-from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 from kvscope.engine.telemetry.records import StepRecord  # noqa: E402
 from kvscope.engine.worker.model_runner import ModelRunner  # noqa: E402
 

@@ -53,8 +53,8 @@ import gradio as gr  # noqa: E402
 from random_model import save_random_llama  # noqa: E402
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
-from kvscope.engine.frontend.async_engine import AsyncEngine  # noqa: E402
-from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.orchestrator.async_engine import AsyncEngine  # noqa: E402
+from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 from kvscope.ui import panels  # noqa: E402
 from kvscope.ui.live import HISTORY_STEPS, LiveFeed  # noqa: E402
 
@@ -62,10 +62,10 @@ ENGINE_THREAD = "kvscope-engine"
 # Engine-thread telemetry entry points (module, class or None for a module function, name),
 # of the code before pool deltas and after; those that exist are timed.
 TELEMETRY_CALLS = (
-    ("kvscope.engine.frontend.async_engine", "AsyncEngine", "_answer_snapshots"),
-    ("kvscope.engine.frontend.async_engine", "AsyncEngine", "_publish_pool_delta"),
-    ("kvscope.engine.frontend.async_engine", "AsyncEngine", "_send_pool_slices"),
-    ("kvscope.engine.core.engine_core", "EngineCore", "_record"),
+    ("kvscope.engine.orchestrator.async_engine", "AsyncEngine", "_answer_snapshots"),
+    ("kvscope.engine.orchestrator.async_engine", "AsyncEngine", "_publish_pool_delta"),
+    ("kvscope.engine.orchestrator.async_engine", "AsyncEngine", "_send_pool_slices"),
+    ("kvscope.engine.orchestrator.engine_core", "EngineCore", "_record"),
     ("kvscope.engine.telemetry.pool_recorder", "PoolRecorder", "record"),
 )
 IN_FLIGHT = 16

@@ -30,7 +30,7 @@ from common import add_model_args, ordinary_token_ids, random_prompt, setup
 from gemm_rate import large_gemm_flops
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.kernels import kv_quant
 
 ATTENTION_LABEL = "attention (store_kv + paged_attention)"

@@ -2,7 +2,7 @@
 
 A full (generation-2) collection walks every object the collector tracks and holds the
 GIL while it does, pausing the engine's step on whichever thread triggers it. The engine
-freezes its start-up heap (kvscope.engine.frontend.heap), so what a collection walks is what came later:
+freezes its start-up heap (kvscope.engine.orchestrator.heap), so what a collection walks is what came later:
 this builds a pool of --blocks blocks, freezes it as AsyncEngine.start does, caches every
 block as a long session would (block_size 1, one chained hash per block), then times one
 full collection.
@@ -28,8 +28,8 @@ from pathlib import Path
 
 from kvscope.engine.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvscope.engine.core.request import Request, Sequence  # noqa: E402
-from kvscope.engine.frontend import heap  # noqa: E402
-from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.orchestrator import heap  # noqa: E402
+from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def cache_every_block(manager: KVCacheManager) -> None:

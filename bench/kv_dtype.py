@@ -48,9 +48,9 @@ from common import add_model_args, ordinary_token_ids, setup  # noqa: E402
 from quantization import PROMPTS, TEXT, first_divergence, perplexity  # noqa: E402
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
-from kvscope.engine.core.engine_core import EngineCore  # noqa: E402
 from kvscope.engine.core.request import ChunkKind  # noqa: E402
-from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.orchestrator.engine_core import EngineCore  # noqa: E402
+from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 from kvscope.engine.worker.model_runner import ModelRunner  # noqa: E402
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops  # noqa: E402
 from kvscope.kernels import kv_quant  # noqa: E402

@@ -39,7 +39,7 @@ import random
 
 from common import add_model_args, drive, ordinary_token_ids, percentile, random_prompt, ratio, rounded, setup
 
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -28,8 +28,8 @@ import random
 
 from common import add_model_args, drive, ordinary_token_ids, percentile, random_prompt, ratio, rounded, setup
 
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_recorder import mirror_of
 
 PAPER_SAVINGS = {"parallel_sampling": [0.061, 0.098], "beam_search": [0.376, 0.552]}

@@ -24,7 +24,7 @@ from random_model import save_random_llama
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
 from kvscope.engine.replicas.replica_set import ReplicaSet  # noqa: E402
-from kvscope.engine.sample.sampling_params import SamplingParams  # noqa: E402
+from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 
 POLICIES = ("kv-aware", "least-loaded", "round-robin")
 

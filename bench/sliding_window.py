@@ -35,7 +35,7 @@ from kvscope import kernels
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_groups import KVCacheGroup, kv_cache_groups, layers_per_block
 from kvscope.engine.core.request import Request, Sequence
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import MemoryPlan, plan_blocks
 from kvscope.engine.worker.memory_bandwidth import weights_read_bandwidth
 from kvscope.engine.worker.model_runner import default_dtype

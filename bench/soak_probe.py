@@ -24,7 +24,7 @@ def rss_bytes(pid: int | str = "self") -> int:
 def probe(path: Path) -> None:
     while True:
         # Frozen objects (the start-up heap, re-frozen after each reconfigure: see
-        # engine/frontend/heap.py) are not in get_objects() but are alive all the same.
+        # engine/orchestrator/heap.py) are not in get_objects() but are alive all the same.
         objects = len(gc.get_objects()) + gc.get_freeze_count()
         sample = {"t": time.time(), "rss_bytes": rss_bytes(), "objects": objects}
         with path.open("a") as out:

@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch
 
 from kvscope import LLM, SamplingParams  # noqa: E402
-from kvscope.engine.sample.sampling_params import StructuredOutputsParams  # noqa: E402
+from kvscope.engine.sampling_params import StructuredOutputsParams  # noqa: E402
 
 logger = logging.getLogger("bench.structured")
 SCHEMA = {

@@ -1,23 +1,21 @@
-"""kvscope's engine, by stage in the order a request meets them:
+"""kvscope's engine, by stage from the bottom up; a stage imports only the stages below it
+(tests/test_layering.py keeps that order):
 
-  core/       the request, the scheduler, the KV-cache manager and its block pool, beam
-              search, EngineCore.step() that runs one step of them all, and the typed
-              events they emit (kv_events)
-  worker/     the model runner, the models, the weight loaders and the memory plan
-  sample/     sampling params, logit edits, structured outputs and the sampler
-  telemetry/  beside the core, from its events: records, pool deltas, the pool's mirror
-  frontend/   the engine thread and the streams that carry outputs to callers
-  serving/    the OpenAI-compatible HTTP edge
+  config.py, speculative_config.py, sampling_params.py, outputs.py
+              the vocabulary every stage shares: the knobs, the sampling params, the outputs
+  core/       what decides: the request, the scheduler, the KV-cache manager and its block
+              pool, and the typed events they emit (kv_events)
+  worker/     what computes: the model runner, the models, the weight loaders, the memory plan
+  sample/     from logits to tokens: logit edits, structured outputs, the sampler
+  spec_decode/ speculative decoding: proposers, the draft model, acceptance statistics
+  telemetry/  what a step leaves for readers: records, pool deltas, the pool's mirror
+  orchestrator/ what runs the stages: EngineCore.step(), beam search, detokenizing, and the
+              engine thread with the streams that carry outputs to callers
   replicas/   engine replicas on Ray behind a KV-aware router
+  entrypoints/ what callers hold: LLM (offline), EngineView (the served engine's interface),
+              chat templates
+  serving/    the OpenAI-compatible HTTP edge
+  replay/     `kvscope replay`: a session or a trace run again under other knobs
 
-Its top level holds the public entry points: LLM (llm.py), EngineConfig (config.py), the
-outputs (outputs.py) and EngineView, the interface the front ends read (view.py).
+The public names (LLM, SamplingParams, ...) are kvscope's own: `from kvscope import LLM`.
 """
-
-from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.llm import LLM
-from kvscope.engine.outputs import CompletionOutput, RequestOutput
-from kvscope.engine.sample.sampling_params import SamplingParams
-
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

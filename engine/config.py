@@ -3,7 +3,7 @@
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from kvscope.engine.spec_decode.config import SpeculativeConfig
+from kvscope.engine.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")

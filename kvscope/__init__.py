@@ -54,10 +54,10 @@ sys.meta_path.insert(0, _InstalledBeforeParts())
 # as kvscope.storage or the kernel build (`python -m kvscope.kernels.cpu_extension`) does
 # not pay for it.
 _PUBLIC = {
-    "LLM": "kvscope.engine.llm",
+    "LLM": "kvscope.engine.entrypoints.llm",
     "EngineConfig": "kvscope.engine.config",
-    "SamplingParams": "kvscope.engine.sample.sampling_params",
-    "BeamSearchParams": "kvscope.engine.core.beam_search",
+    "SamplingParams": "kvscope.engine.sampling_params",
+    "BeamSearchParams": "kvscope.engine.orchestrator.beam_search",
     "RequestOutput": "kvscope.engine.outputs",
     "CompletionOutput": "kvscope.engine.outputs",
 }

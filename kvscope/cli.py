@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "replay":
         from kvscope.engine.replay.cli import main as replay_main
+        from kvscope.storage import replay_source
 
-        replay_main(rest)
+        replay_main(rest, session_logs=replay_source)
     else:
         serve_main(rest)
 

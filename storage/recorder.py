@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from kvscope.storage.session_log import QUEUE_SIZE, SessionLog
 
 if TYPE_CHECKING:  # the engine's modules load torch; the log itself needs none of them
-    from kvscope.engine.view import EngineView
+    from kvscope.engine.entrypoints.view import EngineView
 
 POLL_S = 0.25
 # How long an answer may wait for its row (a stalled disk then answers without it, and
@@ -34,7 +34,7 @@ def record_sessions(engine: "EngineView", session_log: SessionLog,
     the session log from a thread of its own; returns the recorder (stop it for a last
     drain). The one place a reconfigure is logged."""
     # Here, not at the top: the storage package loads without the engine (and torch).
-    from kvscope.engine.view import resolved_config
+    from kvscope.engine.entrypoints.view import resolved_config
 
     def record_request(finished) -> None:
         session_log.record_request(finished.output, finished.source, replica=finished.replica,

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 
 if TYPE_CHECKING:  # beam search loads torch; a row only needs the params' to_dict()
-    from kvscope.engine.core.beam_search import BeamSearchParams
+    from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 
 STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "token_budget",
                  "num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_running",

@@ -12,7 +12,7 @@ from sqlalchemy import insert, text, update
 
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_messages import pool_messages
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.storage import reader
@@ -30,7 +30,7 @@ from kvscope.storage.rows import request_row, routing_decision_row, step_row
 from kvscope.storage.schema import open_database
 
 if TYPE_CHECKING:  # beam search loads torch; the log only needs the params' to_dict()
-    from kvscope.engine.core.beam_search import BeamSearchParams
+    from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 
 logger = logging.getLogger(__name__)
 # A commit at least this often bounds what a killed process loses to about one second.

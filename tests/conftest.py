@@ -46,10 +46,10 @@ from transformers import (
 )
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.core.request import Request, Sequence
+from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.outputs import RequestOutput
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.worker.model_runner import ModelRunner
 

@@ -1,4 +1,5 @@
-"""Tests for kvscope.engine.frontend.async_engine: streams, abort, failures, feeds, snapshots, reconfigure."""
+"""Tests for kvscope.engine.orchestrator.async_engine: streams, abort, failures, feeds,
+snapshots, reconfigure."""
 
 import asyncio
 import gc
@@ -11,11 +12,11 @@ import pytest
 from conftest import wait_until
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.frontend.streams import EngineClosed, RequestFailed
-from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.view import EngineView
+from kvscope.engine.entrypoints.view import EngineView
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.orchestrator.streams import EngineClosed, RequestFailed
+from kvscope.engine.sampling_params import SamplingParams
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 
@@ -299,7 +300,7 @@ def test_an_engine_never_started_shuts_down_at_once(core) -> None:
 def test_the_pool_is_frozen_out_of_collections_and_a_replaced_one_is_reclaimed(
         tiny_llama_path) -> None:
     """A full garbage collection walks every tracked object: the started engine's blocks
-    are frozen out of it (kvscope.engine.frontend.heap), yet a pool dropped by reconfigure is still
+    are frozen out of it (kvscope.engine.orchestrator.heap), yet a pool dropped by reconfigure is still
     reclaimed (its free queue links its blocks in cycles) and shutdown thaws the rest."""
     engine = AsyncEngine(EngineCore(EngineConfig(
         model=str(tiny_llama_path), dtype="float32", device="cpu", block_size=8,

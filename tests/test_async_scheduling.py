@@ -11,10 +11,10 @@ from test_preemption import BLOCK_SIZE, GREEDY, MAX_MODEL_LEN, PARAMS, PROMPTS, 
 from test_preemption import assert_nothing_held as assert_pool_idle
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 
 
 def engine_for(make_engine, async_scheduling: bool, **knobs) -> EngineCore:

@@ -29,7 +29,7 @@ from websockets.sync.client import connect as ws_connect
 from app import build_parser, mount_dashboard
 from kvscope import ui
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
 from kvscope.engine.serving.security import exposure_warning, read_api_key
 from kvscope.storage import SessionLog, record_sessions

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvscope import LLM
-from kvscope.engine.core.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.telemetry.pool_recorder import mirror_of
 
 WIDTH = 4

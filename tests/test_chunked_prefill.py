@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 
 MAX_TOKENS = 8

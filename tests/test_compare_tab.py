@@ -10,8 +10,8 @@ from gradio_client import Client
 from test_dashboard import open_page
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui import build_ui, page_options
 from kvscope.ui.compare import KNOBS, MAX_CONFIGS, TABLE_COLUMNS

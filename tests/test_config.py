@@ -198,7 +198,7 @@ def test_auto_dtype_is_bf16_where_the_linears_run_bf16_fast(monkeypatch, native_
 
 
 def test_a_quantized_engine_on_auto_runs_the_dtype_its_kernels_are_fastest_in(tiny_model):
-    from kvscope.engine.core.engine_core import EngineCore
+    from kvscope.engine.orchestrator.engine_core import EngineCore
     from kvscope.engine.worker.model_runner import cpu_has_native_bf16
     from kvscope.kernels import cpu_kernels
 

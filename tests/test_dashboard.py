@@ -13,8 +13,8 @@ from conftest import dashboard_served, free_port, heatmap_state_codes, wait_unti
 from gradio_client import Client
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.storage.recorder import POLL_S
 from kvscope.ui import build_ui, page_options
 

@@ -9,8 +9,8 @@ from conftest import free_port
 from test_dashboard import Ticks
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.ui import build_ui, page_options
 from kvscope.ui.figures import MAX_CELLS
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models.decoder_stack import FusedDecoderStack
 from kvscope.engine.worker.models.layers import Embedding

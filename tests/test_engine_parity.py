@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY_ARCHITECTURES as ARCHITECTURES
 from conftest import transformers_greedy
 
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

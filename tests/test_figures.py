@@ -7,8 +7,8 @@ import pytest
 from conftest import heatmap_state_codes, plotly_array
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_mirror import STATES, PoolMirror
 from kvscope.engine.telemetry.pool_recorder import mirror_of
 from kvscope.engine.telemetry.records import (

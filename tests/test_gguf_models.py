@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker import loader
 from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type, open_gguf
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path

@@ -13,7 +13,7 @@ from conftest import serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "grafana"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvscope.engine.config import KV_CACHE_DTYPES, EngineConfig
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.kernels import kv_quant, reference
 
 QUANTIZED = ["fp8", "fp8_e5m2", "int8"]

@@ -9,8 +9,8 @@ import zmq
 from conftest import free_port, wait_until
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.kv_event_publisher import KVEventsConfig, publish_kv_events
 from kvscope.engine.telemetry.kv_event_wire import (
     AllBlocksCleared,

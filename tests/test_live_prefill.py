@@ -3,8 +3,8 @@
 given it the chunk's blocks, before the (possibly seconds-long) step computes."""
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import PoolDelta, SequenceChange
 
 BLOCK_SIZE = 4

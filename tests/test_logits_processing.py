@@ -331,7 +331,7 @@ def test_the_chat_accordion_starts_from_the_models_defaults(tiny_model, tmp_path
     import shutil
 
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.frontend.async_engine import AsyncEngine
+    from kvscope.engine.orchestrator.async_engine import AsyncEngine
     from kvscope.ui import chat
 
     folder = shutil.copytree(tiny_model("llama").path, tmp_path / "model")

@@ -7,7 +7,7 @@ import torch
 from conftest import TINY_MAX_POSITIONS
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import GiB, measure_peak_bytes, plan_blocks
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.profile_cache import profile_key

@@ -17,7 +17,7 @@ from test_serving import LiveServer, assert_idle
 from tokenizers import pre_tokenizers
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
 
 SCHEMA = {"type": "object", "properties": {

@@ -32,7 +32,7 @@ def test_only_kvscope_is_installed_at_the_top(tmp_path):
         # Hugging Face's `kernels` may be installed (the dev extras install it); ours never is.
         assert origin is None or Path(origin).resolve() != REPO / name / "__init__.py", name
     assert [Path(path).parent.name for path in found["parts"]] == ["engine", "kernels"]
-    assert found["api"] == ["kvscope.engine.llm", "kvscope.engine.sample.sampling_params"]
+    assert found["api"] == ["kvscope.engine.entrypoints.llm", "kvscope.engine.sampling_params"]
 
 
 def test_hugging_face_kernels_beside_kvscope(tmp_path, tiny_model):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_recorder import mirror_of
 
 N = 4

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_history import PoolHistory, history_of
 from kvscope.engine.telemetry.pool_messages import RecordReader, pool_messages
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, hash_key

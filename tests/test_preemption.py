@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import pytest
 
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import GiB
 
 BLOCK_SIZE = 8

@@ -13,7 +13,7 @@ import kvscope.engine.core.kv_cache_manager as kv_cache_manager_module
 from kvscope import LLM
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.request import Sequence
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_recorder import mirror_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

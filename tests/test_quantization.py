@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 from torch import nn
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.gguf_weights import gguf_bytes_per_step, iter_gguf_weights, read_tensor
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps, bind_kernel_ops

@@ -8,7 +8,7 @@ import torch
 from conftest import noisy_output_copy, save_tiny_model_files
 
 from kvscope.engine.sample.sampler import sample
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 # Every token's empirical frequency lies within this many standard deviations of its exact
 # probability (sqrt(p (1 - p) / N)), plus an absolute slack for the float32 arithmetic.
@@ -120,7 +120,7 @@ def test_engine_second_token_follows_the_target_marginal(method, peaked_model, p
     draft model's draw from its own distribution q. Its frequencies match the exact
     marginal sum_t1 p(t1) p(t2 | t1) of the transformers model."""
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.core.engine_core import EngineCore
+    from kvscope.engine.orchestrator.engine_core import EngineCore
 
     folder, hf_model = peaked_model
     proposals = ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 1}

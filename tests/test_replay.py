@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.replay.cost_model import RecordedStepTimes, StepCost, fit_step_cost
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
-from kvscope.engine.replay.session_source import load_session_workload
 from kvscope.engine.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from kvscope.engine.replay.workload import ReplayRequest
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.worker.loader import load_tokenizer
 from kvscope.storage import SessionLog, record_sessions
+from kvscope.storage.replay_source import load_session_workload
 
 # A step takes 10 ms plus 0.1 ms per token: the simulated clock of tests that need one.
 STEADY_COST = StepCost(0.01, 1e-4, 0.0, 0.0)

@@ -16,15 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.frontend.streams import RequestStream
-from kvscope.engine.llm import LLM
+from kvscope.engine.entrypoints.llm import LLM
+from kvscope.engine.entrypoints.view import EngineView
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.orchestrator.streams import RequestStream
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, _Routed, connect_ray
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
-from kvscope.engine.view import EngineView
 from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui.replicas import overview_markdown
 

@@ -7,7 +7,7 @@ from kvscope.engine.replicas import prefix_index
 from kvscope.engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
 from kvscope.engine.replicas.replica import BlockHashTracker, ReplicaEvents
 from kvscope.engine.replicas.router import ReplicaLoad, Router
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_recorder import PoolRecorder
 
 

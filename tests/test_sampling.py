@@ -11,8 +11,8 @@ from transformers import (
 )
 
 from kvscope import LLM, SamplingParams
-from kvscope.engine.core.detokenizer import detokenize_incrementally
 from kvscope.engine.core.request import Request, Sequence
+from kvscope.engine.orchestrator.detokenizer import detokenize_incrementally
 from kvscope.engine.sample.sampler import sample
 
 PROMPT = [17, 3, 99, 4, 250, 8, 61]

@@ -6,10 +6,10 @@ import random
 from conftest import make_sequence
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.scheduler import Scheduler
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.serving import create_app
 from kvscope.engine.serving.metrics import EngineMetrics
 from kvscope.storage import SessionLog, record_sessions

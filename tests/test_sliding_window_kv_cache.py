@@ -9,7 +9,7 @@ from test_block_pool import admit, check_pool_invariants
 
 from kvscope.engine.core.kv_cache_manager import RELEASED, KVCacheManager
 from kvscope.engine.core.kv_groups import KVCacheGroup, kv_cache_groups
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import plan_blocks
 
 

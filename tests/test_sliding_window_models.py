@@ -10,9 +10,9 @@ import torch
 from conftest import SLIDING_WINDOW_ARCHITECTURES, TINY_WINDOW, transformers_greedy
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.core.kv_groups import kv_cache_groups
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models.attention import layer_windows
 
@@ -164,7 +164,7 @@ def test_kv_cache_groups_keep_greedy_output_through_every_feature(
 def test_beam_search_over_kv_cache_groups_equals_transformers(arch, make_engine, tiny_model):
     from test_beam_search import WIDTH, hf_beams, run_beam_search
 
-    from kvscope.engine.core.beam_search import BeamSearchParams
+    from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 
     engine = make_engine(arch, block_size=4)
     for prompt in PROMPTS[1:3]:

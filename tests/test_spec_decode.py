@@ -5,13 +5,13 @@ import random
 
 import pytest
 
-from kvscope.engine.core.beam_search import BeamSearchParams
 from kvscope.engine.core.request import Request, Sequence
-from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
-from kvscope.engine.spec_decode.config import SpeculativeConfig
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvscope.engine.spec_decode.ngram_proposer import NgramProposer
 from kvscope.engine.spec_decode.proposer import Speculator
 from kvscope.engine.spec_decode.step_cost import MIN_STEPS, StepCost
+from kvscope.engine.speculative_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, "disable_by_batch_size": None, "min_acceptance_rate": 0.0,
@@ -167,7 +167,7 @@ def test_structured_output_masks_apply_to_verified_positions(
     """A proposal the grammar forbids has probability 0 and is rejected; the grammar only
     ever advances over tokens kept."""
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.core.engine_core import EngineCore
+    from kvscope.engine.orchestrator.engine_core import EngineCore
 
     def engine(**knobs):
         return EngineCore(EngineConfig(model=str(tiny_byte_level_model_path), dtype="float32",
@@ -196,7 +196,7 @@ def test_bfloat16_greedy_output_equals_speculation_off(tiny_model, run_engine, e
     So is a batch of the three, whose verifications fit the streaming linears' rows; more
     rows go through GEMM, which rounds by batch shape."""
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.core.engine_core import EngineCore
+    from kvscope.engine.orchestrator.engine_core import EngineCore
     from kvscope.engine.worker.model_runner import ModelRunner
 
     config = EngineConfig(model=str(tiny_model("llama").path), dtype="bfloat16", device="cpu",

@@ -21,9 +21,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 
 EAGER = {"disable_by_batch_size": None, "min_acceptance_rate": 0.0, "adaptive_k": False}
@@ -253,7 +253,7 @@ def test_the_timeline_marks_each_steps_proposed_accepted_and_rejected_tokens(
 
 def test_a_reconfigured_engine_keeps_the_target_and_loads_its_draft_afresh(
         small_draft, copy_draft, make_engine, run_engine):
-    """A reconfigure hands the new core the old one's executor (engine.frontend)."""
+    """A reconfigure hands the new core the old one's executor (engine.orchestrator)."""
     first = make_engine("llama", block_size=4, speculative_config=draft_config(small_draft))
     target = first.runner.target
     config = first.config.with_changes(speculative_config=draft_config(copy_draft))
@@ -297,7 +297,7 @@ def test_structured_output_masks_apply_to_a_drafts_proposals(tiny_byte_level_mod
     """The draft (here the target itself) knows no grammar: a proposal the mask forbids
     has probability 0 and is rejected (on this random model, about every one), and the
     grammar advances only over tokens kept."""
-    from kvscope.engine.sample.sampling_params import StructuredOutputsParams
+    from kvscope.engine.sampling_params import StructuredOutputsParams
 
     def engine(**knobs):
         return EngineCore(EngineConfig(model=str(tiny_byte_level_model_path), dtype="float32",

@@ -5,7 +5,7 @@ the compact form (storage, /ws/events, timelines) reads what the scheduler plann
 import gc
 import json
 
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving.websocket import step_message
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.pool_recorder import PoolRecorder

@@ -20,9 +20,9 @@ import pytest
 from sqlalchemy import inspect
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
+from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.replicas.router import CandidateScore, RoutingDecision
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.storage import SessionLog, export_session, load_session, open_database, schema
 from kvscope.storage.models import StepRow

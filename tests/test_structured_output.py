@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.core.request import Request, Sequence
-from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.sample.structured_output import llguidance_tokenizer
+from kvscope.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvscope.engine.worker.loader import load_tokenizer
 
 SCHEMA = {

@@ -6,7 +6,7 @@ import pytest
 from conftest import serve
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
 
 KEY = "secret"

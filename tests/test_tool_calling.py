@@ -11,8 +11,8 @@ from conftest import serve
 from tool_models import save_tiny_tools_model
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
-from kvscope.engine.frontend.chat import template_supports_tools
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.chat import template_supports_tools
 from kvscope.engine.serving import create_app
 from kvscope.engine.serving.chat_output import ChatDeltaStream, ChatOutputParser
 from kvscope.engine.serving.chat_parsing import ChatParsing
@@ -327,7 +327,7 @@ def test_llm_chat_passes_tools_and_template_kwargs(offline_llm):
 
 def test_structured_output_starts_after_the_reasoning_ends(offline_llm):
     from kvscope import SamplingParams
-    from kvscope.engine.sample.sampling_params import StructuredOutputsParams
+    from kvscope.engine.sampling_params import StructuredOutputsParams
     llm = offline_llm
     z = llm.engine.tokenizer.convert_tokens_to_ids("z")
     params = [SamplingParams(

@@ -12,7 +12,7 @@ from conftest import wait_until
 
 from app import QuietPolling
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.ui import knobs, loadgen, panels, scrubber, timeline
 from kvscope.ui.live import LiveFeed, LiveFeeds
@@ -243,7 +243,7 @@ def test_panels_that_change_at_every_step_share_one_budget():
 
 
 def _params(max_tokens: int):
-    from kvscope.engine.sample.sampling_params import SamplingParams
+    from kvscope.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
 

@@ -5,7 +5,7 @@ import os
 import gradio as gr
 from starlette.middleware import Middleware
 
-from kvscope.engine.view import EngineView
+from kvscope.engine.entrypoints.view import EngineView
 from kvscope.ui.dashboard import CSS_PATH, build_ui
 from kvscope.ui.frame_guard import FrameGuard
 

@@ -5,11 +5,11 @@ import uuid
 
 import gradio as gr
 
-from kvscope.engine.frontend.streams import RequestFailed
+from kvscope.engine.entrypoints.view import EngineView
+from kvscope.engine.orchestrator.streams import RequestFailed
 from kvscope.engine.outputs import RequestOutput
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving.reasoning.qwen3 import Qwen3ReasoningParser
-from kvscope.engine.view import EngineView
 
 # Admission waits for the engine thread; during a reconfigure requests are held that long.
 ACCEPT_TIMEOUT_S = 120

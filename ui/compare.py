@@ -11,12 +11,12 @@ from pathlib import Path
 import gradio as gr
 
 from kvscope.engine.config import BLOCK_SIZES, PREEMPTION_MODES, EngineConfig
+from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.replay.cost_model import fit_step_cost
 from kvscope.engine.replay.report import comparison_figures, summaries, write_report
 from kvscope.engine.replay.runner import ReplaySession, base_config
-from kvscope.engine.replay.session_source import load_logged_steps, load_session_workload
 from kvscope.engine.replay.traces import load_trace
-from kvscope.engine.view import EngineView
+from kvscope.storage.replay_source import load_logged_steps, load_session_workload
 from kvscope.ui.plotdata import panel, to_plot
 from kvscope.ui.sessions import session_time
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import gradio as gr
 
 from kvscope.engine.config import BLOCK_SIZES, KV_CACHE_DTYPES, PREEMPTION_MODES
-from kvscope.engine.view import EngineView
+from kvscope.engine.entrypoints.view import EngineView
 from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, scrubber, sessions
 from kvscope.ui.live import LiveFeeds
 from kvscope.ui.plotdata import panel

@@ -4,7 +4,7 @@ import os
 
 import gradio as gr
 
-from kvscope.engine.view import EngineView
+from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.worker.memory import GiB, MemoryPlan, PoolTooSmall, plan_blocks
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.

@@ -8,10 +8,10 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kvscope.engine.entrypoints.view import EngineCounters, EngineView
 from kvscope.engine.telemetry.pool_history import Frame, PoolHistory
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
 from kvscope.engine.telemetry.records import StepRecord
-from kvscope.engine.view import EngineCounters, EngineView
 from kvscope.ui.events import Evictions
 
 HISTORY_STEPS = 3000

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvscope.engine.sample.sampling_params import SamplingParams
-from kvscope.engine.view import EngineView
+from kvscope.engine.entrypoints.view import EngineView
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import MemoryPlan
 
 # Ordinary prose to cut prompts from, so block hover texts read as words.

@@ -6,9 +6,9 @@ import threading
 
 import gradio as gr
 
+from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.replicas.router import ROUTING_POLICIES
 from kvscope.engine.telemetry.pool_mirror import PoolReader
-from kvscope.engine.view import EngineView
 from kvscope.ui import figures
 from kvscope.ui.plotdata import panel, placeholder, to_plot
 

@@ -1,3 +1,3 @@
-"""What decides: the request, the scheduler, the KV-cache manager and its block pool, beam
-search, and EngineCore, which runs one step of schedule -> run -> sample -> update. What
-they change they report as typed events (kv_events) to whoever subscribes."""
+"""What decides: the request, the scheduler, the KV-cache manager and its block pool. What
+they change they report as typed events (kv_events) to whoever subscribes. The core imports
+only the config and the sampling params: the orchestrator above runs it."""

@@ -5,14 +5,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvscope.engine.core.block_pool import (
-    BlockHash,
     BlockPool,
     KVBlock,
     group_block_hash,
     hash_block_tokens,
 )
 from kvscope.engine.core.kv_events import BlockTableChanged, KVEventSink, discard
-from kvscope.engine.core.request import Sequence
+from kvscope.engine.core.request import BlockHash, Sequence
 
 
 @dataclass(slots=True)

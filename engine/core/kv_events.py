@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvscope.engine.core.block_pool import BlockHash
-    from kvscope.engine.core.request import Sequence
+    from kvscope.engine.core.request import BlockHash, Sequence
 
 
 # ---- the block pool ------------------------------------------------------------------------

@@ -183,9 +183,8 @@ class Scheduler:
     def _num_pending_forks(self) -> int:
         """Sequences that join `running` when a launched step samples (async scheduling):
         the other n - 1 samples of a request whose prompt that step finishes."""
-        return sum(seq.request.params.num_sequences - 1 for seq in self.running
-                   if seq.num_output_placeholders and len(seq.request.sequences) == 1
-                   and seq.request.beam is None)
+        return sum(seq.request.num_pending_forks for seq in self.running
+                   if seq.num_output_placeholders)
 
     def _finishes_by_length(self, seq: Sequence) -> bool:
         """A launched step's token will end the sequence at a length limit: nothing to

@@ -2,9 +2,9 @@
 under other engine knobs, live (the real engine) or simulated (the same scheduler, KV-cache
 manager and block pool, with the forward replaced by a step-cost model).
 
-workload.py        the workload record every source becomes (ReplayRequest, Workload)
+workload.py        the workload record every source becomes (ReplayRequest, Workload); the
+                   SessionLogReader protocol kvscope.storage.replay_source fills
 traces.py          importers: Mooncake JSONL, Azure CSV, ShareGPT JSON
-session_source.py  a session of kvscope's own SQLite log as a workload (and its steps)
 cost_model.py      the step-cost model fitted from step records
 simulated_runner.py the executor that stands in for ModelRunner: no weights, no KV tensors
 runner.py          one replay loop for both modes; a run per config

@@ -1,4 +1,7 @@
-"""`kvscope replay SOURCE --config KEY=VALUE ... [--config ...]`: a run per config."""
+"""`kvscope replay SOURCE --config KEY=VALUE ... [--config ...]`: a run per config.
+
+kvscope's own session logs are read by the SessionLogReader the caller hands `main`
+(kvscope/cli.py hands it kvscope.storage.replay_source)."""
 
 import argparse
 import json
@@ -9,9 +12,8 @@ from pathlib import Path
 from kvscope.engine.replay.cost_model import fit_step_cost, load_step_cost
 from kvscope.engine.replay.report import summaries, write_report
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
-from kvscope.engine.replay.session_source import is_session_log, load_session_workload
 from kvscope.engine.replay.traces import FORMATS, load_trace
-from kvscope.engine.replay.workload import Workload
+from kvscope.engine.replay.workload import SessionLogReader, Workload, is_session_log
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
 
 logger = logging.getLogger("kvscope.replay")
@@ -61,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_workload(args: argparse.Namespace) -> Workload:
+def load_workload(args: argparse.Namespace, session_logs: SessionLogReader) -> Workload:
     source = Path(args.source)
     if not source.is_file():
         raise ValueError(f"source={args.source!r}: no such file")
     if is_session_log(source):
-        workload = load_session_workload(source, args.session, args.model)
+        workload = session_logs.load_session_workload(source, args.session, args.model)
     else:
         tokenizer = load_tokenizer(resolve_model_path(args.model))
         workload = load_trace(source, tokenizer, args.format, args.rate, args.seed)
@@ -77,24 +79,25 @@ def load_workload(args: argparse.Namespace) -> Workload:
     return workload
 
 
-def cost_model_for(args: argparse.Namespace, workload: Workload):
+def cost_model_for(args: argparse.Namespace, workload: Workload,
+                   session_logs: SessionLogReader):
     if args.cost_model is not None:
-        return load_step_cost(args.cost_model)
+        return load_step_cost(args.cost_model, session_logs)
     if workload.steps:
         return fit_step_cost(workload.steps)
     raise ValueError("cost_model: --simulate on a trace needs --cost-model (a session log "
                      "whose steps it is fitted to, or a saved model)")
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    workload = load_workload(args)
+def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
+    workload = load_workload(args, session_logs)
     changes = [dict(parse_knob(text) for text in group) for group in args.config] or [{}]
     session = ReplaySession(workload, base_config(workload, model=args.model))
     for knobs in changes:  # every config is checked before the first run starts
         session.base.with_changes(**knobs)
     mode = "simulated" if args.simulate else "live"
     if args.simulate:
-        session.cost_model = cost_model_for(args, workload)
+        session.cost_model = cost_model_for(args, workload, session_logs)
         logger.info("step-cost model: %s", session.cost_model)
     elif args.save_cost_model is not None:
         raise ValueError("save_cost_model: only a simulated replay (--simulate) has one")
@@ -120,13 +123,13 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['label'] + ' (' + row['mode'] + ')':<40} " + " ".join(cells))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None, session_logs: SessionLogReader) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        rows = run(args)
+        rows = run(args, session_logs)
     except ValueError as error:  # bad input names its file, line, field or knob
         parser.error(str(error))
     if args.json:

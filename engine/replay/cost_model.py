@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvscope.engine.replay.session_source import is_session_log, load_logged_steps
+from kvscope.engine.replay.workload import SessionLogReader, is_session_log
 from kvscope.engine.telemetry.records import StepRecord
 
 FEATURES = ("per_token", "per_decode", "per_context_token")
@@ -133,14 +133,15 @@ class RecordedStepTimes:
         return self.durations[self._next - 1]
 
 
-def load_step_cost(path: str | Path) -> StepCost:
+def load_step_cost(path: str | Path, session_logs: SessionLogReader) -> StepCost:
     """A model saved as JSON, or fitted to the steps of a session log's latest session
     that has any."""
     path = Path(path)
     if is_session_log(path):
-        return fit_step_cost(load_logged_steps(path))
+        return fit_step_cost(session_logs.load_logged_steps(path))
     try:
         return StepCost.from_json(path.read_text())
     except (OSError, json.JSONDecodeError, TypeError) as error:
         raise ValueError(f"cost_model={str(path)!r}: not a session log or a saved model "
                          f"({error})") from None
+

@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.engine_core import EngineCore, StepResult
-from kvscope.engine.frontend import heap
+from kvscope.engine.orchestrator import heap
+from kvscope.engine.orchestrator.engine_core import EngineCore, StepResult
 from kvscope.engine.replay.metrics import RequestTiming, RunResult, StepSample
 from kvscope.engine.replay.simulated_runner import SimulatedRunner
 from kvscope.engine.replay.workload import Workload
@@ -187,7 +187,7 @@ class ReplaySession:
                                  "live")
             core = EngineCore(config, runner=self._simulator(config))
             clock = SimulatedClock(self.cost_model)
-        # As a served engine does (engine.frontend.heap): the pool's blocks, the workload
+        # As a served engine does (engine.orchestrator.heap): the pool's blocks, the workload
         # and the loaded modules live through the run, so collections skip them. Unfrozen,
         # each generation-2 collection walked a 1M-block pool and 10,000 prompts' token
         # lists: half the CPU time of bench/replay.py's simulated run.

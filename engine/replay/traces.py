@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
-from kvscope.engine.frontend.chat import render_chat
+from kvscope.engine.orchestrator.chat import render_chat
 from kvscope.engine.replay.workload import ReplayRequest, Workload
 
 # Mooncake's hash ids each name one block of this many prompt tokens.

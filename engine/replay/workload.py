@@ -1,14 +1,17 @@
 """The workload record: what every replay source (a trace, a recorded session) becomes."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.sampling_params import SamplingParams
 
 # Fields that change what a sample's tokens are but neither its length nor what the
 # scheduler does; the simulator, which picks placeholder tokens, runs without them.
 TOKEN_CHOICE_FIELDS = ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words",
                        "logprobs", "prompt_logprobs")
+LOG_SUFFIXES = (".db", ".sqlite", ".sqlite3")  # kvscope's own session logs
 
 
 @dataclass(slots=True)
@@ -68,3 +71,18 @@ class Workload:
         first = self.requests[0].arrival_s
         for request in self.requests:
             request.arrival_s -= first
+
+
+def is_session_log(path: Path) -> bool:
+    return path.suffix.lower() in LOG_SUFFIXES
+
+
+class SessionLogReader(Protocol):
+    """Reads kvscope's own SQLite session logs as replay input. The log belongs to storage,
+    above the engine: kvscope.storage.replay_source is the reader, and the command line and
+    the Compare tab hand it to the replay."""
+
+    def load_session_workload(self, path: str | Path, session_id: int | None = None,
+                              model: str | None = None) -> Workload: ...
+
+    def load_logged_steps(self, path: str | Path, session_id: int | None = None) -> list: ...

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine, EngineCounters, RequestRecord
-from kvscope.engine.frontend.streams import Channel
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.orchestrator.async_engine import AsyncEngine, EngineCounters, RequestRecord
+from kvscope.engine.orchestrator.served import ServedModel
+from kvscope.engine.orchestrator.streams import Channel
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import EngineSnapshot, PoolBase, PoolDelta, StepRecord
 from kvscope.engine.worker.memory import MemoryPlan
@@ -29,10 +30,7 @@ class ReplicaInfo:
     replica: int
     pid: int
     node: str
-    config: EngineConfig
-    memory_plan: MemoryPlan
-    identity: dict[str, str]
-    default_sampling: dict  # what the model's generation_config sets
+    served: ServedModel
 
 
 @dataclass(slots=True)
@@ -108,10 +106,8 @@ class EngineReplica:
     def info(self) -> ReplicaInfo:
         import ray  # the actor runs under Ray; the module stays importable without it
 
-        engine = self.engine
         return ReplicaInfo(self.replica, os.getpid(), ray.get_runtime_context().get_node_id(),
-                           engine.config, engine.memory_plan, engine.resolved_identity(),
-                           engine.default_sampling)
+                           self.engine.served)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int, add_special_tokens: bool, source: str):

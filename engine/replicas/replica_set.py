@@ -1,4 +1,4 @@
-"""ReplicaSet: N engine replicas as Ray actors behind a router; an EngineView (engine.view)
+"""ReplicaSet: N engine replicas as Ray actors behind a router; an EngineView (engine.entrypoints.view)
 like AsyncEngine, so the API, /metrics, /ws/events, the session log and the dashboard
 serve it unchanged."""
 
@@ -25,21 +25,21 @@ from ray.exceptions import ActorDiedError, RayError
 
 import kvscope
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.frontend.async_engine import (
+from kvscope.engine.orchestrator.async_engine import (
     POOL_CHANNEL_RECORDS,
     RELOAD_KNOBS,
-    ChatSubmit,
     EngineCounters,
     ReplicaStatus,
     RequestRecord,
 )
-from kvscope.engine.frontend.streams import EngineClosed, Feed, RequestFailed, RequestStream
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.served import ServedEngine, ServedModel
+from kvscope.engine.orchestrator.streams import EngineClosed, Feed, RequestFailed, RequestStream
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvscope.engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
 from kvscope.engine.replicas.replica import EngineReplica, ReplicaInfo
 from kvscope.engine.replicas.router import ReplicaLoad, Router, RoutingDecision, check_load_weight
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import EngineSnapshot, StepRecord
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
 from kvscope.engine.worker.memory import MemoryPlan
@@ -111,7 +111,7 @@ class _Replica:
         step = self.last_step
         if step is None or self.info is None:
             return 0.0
-        return step.num_used_blocks / max(1, self.info.memory_plan.num_blocks)
+        return step.num_used_blocks / max(1, self.info.served.memory_plan.num_blocks)
 
 
 def add_counters(a: EngineCounters, b: EngineCounters) -> EngineCounters:
@@ -158,7 +158,7 @@ def replica_resources(num_cpus: int) -> dict:
     return {"num_cpus": num_cpus, "num_gpus": 1 if gpus >= 1 else 0}
 
 
-class ReplicaSet(ChatSubmit):
+class ReplicaSet(ServedEngine):
     """Starts `replicas` EngineReplica actors (joining the Ray cluster at `ray_address`,
     else the one this process is connected to, else a new local one) and routes requests
     to them. Public methods are thread-safe; Ray calls run on one event loop thread."""
@@ -249,28 +249,9 @@ class ReplicaSet(ChatSubmit):
         return len(self._replicas)
 
     @property
-    def _reference(self) -> ReplicaInfo:
-        """A started replica's info: every replica runs the same config and model."""
-        return next(r.info for r in self._replicas if r.info is not None)
-
-    @property
-    def config(self) -> EngineConfig:
-        return self._reference.config
-
-    @property
-    def memory_plan(self) -> MemoryPlan:
-        return self._reference.memory_plan
-
-    @property
-    def default_sampling(self) -> dict:
-        return self._reference.default_sampling
-
-    @property
-    def model_path(self) -> str:
-        return self._reference.identity["model"]
-
-    def resolved_identity(self) -> dict[str, str]:
-        return dict(self._reference.identity)
+    def served(self) -> ServedModel:
+        """A started replica's: every replica runs the same config and model."""
+        return next(r.info.served for r in self._replicas if r.info is not None)
 
     @property
     def is_reconfiguring(self) -> bool:

@@ -1,2 +1,3 @@
-"""From logits to tokens: sampling params, the logit edits before sampling (penalties, bias,
-structured-output masks) and the sampler."""
+"""From logits to tokens: the logit edits before sampling (penalties, bias, structured-output
+masks), speculative verification and the sampler. The params they read are the engine's
+shared vocabulary (engine/sampling_params.py)."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.engine.core.request import Sequence
-from kvscope.engine.sample.sampling_params import SamplingParams
 from kvscope.engine.sample.structured_output import GrammarCompiler, StructuredOutputs
+from kvscope.engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.engine.sample.rejection_sampler import accept_or_residual
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.kernels import TORCH_OPS
 
 

@@ -31,7 +31,7 @@ from llguidance.torch import fill_next_token_bitmask_par
 from torch.nn.functional import embedding
 
 from kvscope.engine.core.request import Sequence
-from kvscope.engine.sample.sampling_params import StructuredOutputsParams
+from kvscope.engine.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 # Compact JSON: small models otherwise loop on whitespace (vLLM's disable_any_whitespace).

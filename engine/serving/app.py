@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 
+from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.serving.chat_parsing import ChatParsing
 from kvscope.engine.serving.errors import install_error_handlers
 from kvscope.engine.serving.metrics import EngineMetrics, metrics_router
@@ -14,7 +15,6 @@ from kvscope.engine.serving.security import ALWAYS_OPEN_PATHS, AccessGuard, APIK
 from kvscope.engine.serving.sessions import SessionStore, login_router
 from kvscope.engine.serving.tokenization import tokenization_router
 from kvscope.engine.serving.websocket import events_router
-from kvscope.engine.view import EngineView
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 

@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kvscope.engine.frontend.streams import EngineClosed, RequestFailed
+from kvscope.engine.orchestrator.streams import EngineClosed, RequestFailed
 
 logger = logging.getLogger(__name__)
 # Engine errors start with the knob: "temperature=-1 must be >= 0", "prompt: 300 tokens...".

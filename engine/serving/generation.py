@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kvscope.engine.frontend.streams import RequestStream
+from kvscope.engine.orchestrator.streams import RequestStream
 from kvscope.engine.outputs import CompletionOutput, RequestOutput
 from kvscope.engine.serving.chat_output import ChatDeltaStream, ChatOutputParser
 from kvscope.engine.serving.errors import error_body, from_exception

@@ -19,9 +19,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from kvscope.engine.frontend.async_engine import ReplicaStatus, RequestRecord
+from kvscope.engine.entrypoints.view import EngineView
+from kvscope.engine.orchestrator.async_engine import ReplicaStatus, RequestRecord
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
-from kvscope.engine.view import EngineView
 
 # vLLM's buckets, so dashboards built for it read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvscope.engine.serving.errors import FieldError
 from kvscope.engine.serving.tool_parsers.forced import ANY_OBJECT, required_schema
 

@@ -12,16 +12,16 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.frontend.chat import template_supports_tools
-from kvscope.engine.frontend.streams import RequestStream
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.entrypoints.view import EngineView
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.chat import template_supports_tools
+from kvscope.engine.orchestrator.streams import RequestStream
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving.chat_output import ChatOutputParser
 from kvscope.engine.serving.chat_parsing import ChatParsing
 from kvscope.engine.serving.errors import APIError
 from kvscope.engine.serving.generation import Generation
 from kvscope.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from kvscope.engine.view import EngineView
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 2

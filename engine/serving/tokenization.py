@@ -6,9 +6,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
+from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.serving.protocol import ChatMessage, ChatTool, tools_for_template
 from kvscope.engine.serving.routes import ServedModel
-from kvscope.engine.view import EngineView
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from kvscope.engine.frontend.streams import Channel
+from kvscope.engine.entrypoints.view import EngineView
+from kvscope.engine.orchestrator.streams import Channel
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.spec_decode.metrics import SPEC_DRAFT_FIELDS
 from kvscope.engine.telemetry.pool_messages import pool_messages
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import CHUNK_FIELDS, EngineSnapshot, StepRecord
-from kvscope.engine.view import EngineView
 
 logger = logging.getLogger(__name__)
 MIN_MESSAGE_INTERVAL_S = 0.1

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 from kvscope.engine.core.request import ChunkKind, Sequence
 from kvscope.engine.core.scheduler_output import SchedulerOutput
-from kvscope.engine.spec_decode.config import SpeculativeConfig
 from kvscope.engine.spec_decode.ngram_proposer import NgramProposer
 from kvscope.engine.spec_decode.step_cost import StepCost
+from kvscope.engine.speculative_config import SpeculativeConfig
 
 # A sequence's acceptance is judged over its recent proposals: each verification's counts
 # weigh this much less at every later one (about the last five verifications count).

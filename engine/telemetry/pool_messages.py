@@ -21,7 +21,7 @@ pool (a base, a delta 0) only.
 
 import dataclasses
 
-from kvscope.engine.core.block_pool import BlockHash
+from kvscope.engine.core.request import BlockHash
 from kvscope.engine.telemetry.records import PoolBase, PoolCounters, PoolDelta, PoolSlice, SequenceChange
 
 

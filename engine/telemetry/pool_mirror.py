@@ -10,11 +10,11 @@ import threading
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvscope.engine.core.block_pool import BlockHash
+from kvscope.engine.core.request import BlockHash
 from kvscope.engine.telemetry.records import (
     BlockInfo,
     EngineSnapshot,
@@ -26,9 +26,8 @@ from kvscope.engine.telemetry.records import (
     SequenceInfo,
 )
 
-if TYPE_CHECKING:  # engine.view reaches the engine thread's module, which reads this one
+if TYPE_CHECKING:  # pool_history builds on this module
     from kvscope.engine.telemetry.pool_history import PoolHistory
-    from kvscope.engine.view import EngineView
 
 STATES = ("free", "cached", "used", "shared")  # index = the state's code
 
@@ -411,12 +410,21 @@ class HolderIndex:
                 zip(self.owners[start:stop].tolist(), self.indexes[start:stop].tolist())]
 
 
+class PoolSource(Protocol):
+    """What a PoolReader needs of an engine: its pool feed (every EngineView is one; the
+    feed's channel comes from the orchestrator, above telemetry, so it is not named here)."""
+
+    def subscribe_pool(self, maxsize: int = ..., replica: int | None = None) -> Any: ...
+
+    def resync_pool(self, channel: Any) -> None: ...
+
+
 class PoolReader:
     """A PoolMirror kept current from an engine's pool feed (AsyncEngine.subscribe_pool):
     `update` applies what arrived and asks for a new snapshot after a missed record, so
     a reader never makes the engine thread copy the whole pool at once."""
 
-    def __init__(self, engine: "EngineView", replica: int = 0) -> None:
+    def __init__(self, engine: PoolSource, replica: int = 0) -> None:
         self.engine = engine
         self.replica = replica  # which engine replica's pool (engine.replicas.ReplicaSet)
         self.records = engine.subscribe_pool(replica=replica)

@@ -15,7 +15,6 @@ config it reports.
 import itertools
 import time
 
-from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.core.kv_events import (
     BlockRemoved,
     BlocksAllocated,
@@ -28,6 +27,7 @@ from kvscope.engine.core.kv_events import (
 from kvscope.engine.core.request import Sequence, SequenceStatus
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import PoolBase, PoolCounters, PoolDelta, PoolSlice
+from kvscope.engine.telemetry.step_records import RecordedEngine
 
 _epochs = itertools.count()
 
@@ -36,7 +36,7 @@ class PoolRecorder:
     """Follows one EngineCore's pool (a reconfigure builds a new core, and a new recorder:
     readers start over at its epoch). Used on the engine thread only."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: RecordedEngine) -> None:
         self.core = core
         self.epoch = next(_epochs)
         self.num_deltas = 0  # deltas taken so far; readers spot a missed one by the gap
@@ -171,7 +171,7 @@ def _sequence_change(seq: Sequence, table_from: int, token_from: int) -> tuple:
         tuple(seq.token_ids[token_from:]))
 
 
-def mirror_of(core: EngineCore) -> PoolMirror:
+def mirror_of(core: RecordedEngine) -> PoolMirror:
     """The core's pool as a PoolMirror, now (the route to a full snapshot for a core
     without an AsyncEngine: tests, tools)."""
     return PoolMirror.of(PoolRecorder(core).take_full())

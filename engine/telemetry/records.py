@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvscope.engine.core.block_pool import BlockHash
+from kvscope.engine.core.request import BlockHash
 from kvscope.engine.spec_decode.metrics import SpecDraft
 
 # One chunk a step computed: (request_id, seq_id, kind, start, end), i.e. tokens

@@ -14,7 +14,7 @@ import pytest
 from conftest import dashboard_served, serve, wait_until
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import AsyncEngine
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app
 from kvscope.storage import SessionLog
 

@@ -1,5 +1,9 @@
-"""A session of kvscope's own SQLite log as a workload: the requests as they arrived, the
-config they ran under and the steps they took (a step-cost model fits to those)."""
+"""A session of kvscope's own SQLite log as a replay workload: the requests as they arrived,
+the config they ran under and the steps they took (a step-cost model fits to those).
+
+This module is the replay's SessionLogReader (engine.replay.workload): the command line and
+the Compare tab hand it to the replay, which never imports storage itself.
+"""
 
 from pathlib import Path
 
@@ -7,12 +11,6 @@ from kvscope.engine.replay.workload import ReplayRequest, Workload
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
 from kvscope.storage.reader import list_sessions, load_session
 from kvscope.storage.schema import open_database
-
-LOG_SUFFIXES = (".db", ".sqlite", ".sqlite3")
-
-
-def is_session_log(path: Path) -> bool:
-    return path.suffix.lower() in LOG_SUFFIXES
 
 
 def load_session_workload(path: str | Path, session_id: int | None = None,

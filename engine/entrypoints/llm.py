@@ -7,11 +7,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.core.engine_core import EngineCore
-from kvscope.engine.frontend.chat import render_chat
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.chat import render_chat
+from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.outputs import RequestOutput
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvscope.engine.core.request import FinishReason, Request, Sequence
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvscope.engine.core.scheduler import Scheduler

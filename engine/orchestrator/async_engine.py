@@ -13,15 +13,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchParams
-from kvscope.engine.core.engine_core import EngineCore
 from kvscope.engine.core.kv_events import AllBlocksCleared, KVEventSink
 from kvscope.engine.core.request import ChunkKind
 from kvscope.engine.core.scheduler_output import SchedulerOutput
-from kvscope.engine.frontend import heap
-from kvscope.engine.frontend.chat import render_chat
-from kvscope.engine.frontend.engine_thread import EngineThread
-from kvscope.engine.frontend.streams import (
+from kvscope.engine.orchestrator import heap
+from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.orchestrator.engine_thread import EngineThread
+from kvscope.engine.orchestrator.served import ServedEngine, ServedModel
+from kvscope.engine.orchestrator.streams import (
     Channel,
     EngineClosed,
     Feed,
@@ -30,8 +30,7 @@ from kvscope.engine.frontend.streams import (
     settle_future,
 )
 from kvscope.engine.outputs import RequestOutput
-from kvscope.engine.replicas.router import RoutingDecision
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.pool_recorder import PoolRecorder
 from kvscope.engine.telemetry.records import EngineSnapshot, StepRecord
@@ -45,23 +44,6 @@ RELOAD_KNOBS = ("model", "dtype", "device", "quantization", "quantization_group_
 POOL_SLICE_BLOCKS = 32_768
 # Pool records a reader may fall behind by before the oldest are dropped (it resyncs).
 POOL_CHANNEL_RECORDS = 4096
-
-
-class ChatSubmit:
-    """Chat on top of a class's own `submit` and `tokenizer` (AsyncEngine, ReplicaSet)."""
-
-    def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
-                    *, chat_template_kwargs: dict[str, Any] | None = None,
-                    **kwargs: Any) -> RequestStream:
-        """Apply the model's chat template (with `chat_template_kwargs`, e.g. Qwen3's
-        `enable_thinking`), then submit (the template holds the BOS)."""
-        prompt = self.render_chat(messages, chat_template_kwargs=chat_template_kwargs)
-        return self.submit(prompt, params, add_special_tokens=False, **kwargs)
-
-    def render_chat(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
-        """The prompt text of a conversation, ending with the assistant's turn (options:
-        render_chat's `tools`, `chat_template_kwargs`, `add_generation_prompt`)."""
-        return render_chat(self.tokenizer, messages, **template_options)
 
 
 def _check_replica(replica: int | None) -> None:
@@ -151,11 +133,11 @@ def _log_loop_crash(loop: concurrent.futures.Future) -> None:
         logger.error("the engine loop crashed", exc_info=loop.exception())
 
 
-class AsyncEngine(ChatSubmit):
+class AsyncEngine(ServedEngine):
     """Runs an EngineCore on a background thread; other threads only enqueue commands.
 
     The thread steps while requests are unfinished and sleeps on a condition when idle.
-    An EngineView (engine.view) of one replica, number 0, that routes nothing.
+    An EngineView (engine.entrypoints.view) of one replica, number 0, that routes nothing.
     """
 
     def __init__(self, core: EngineCore, base_config: EngineConfig | None = None) -> None:
@@ -220,34 +202,13 @@ class AsyncEngine(ChatSubmit):
 
     # ---- what the engine serves ---------------------------------------------------------
     @property
-    def config(self) -> EngineConfig:
-        """The current resolved config (changes on reconfigure)."""
-        return self._core.config
-
-    @property
-    def memory_plan(self) -> MemoryPlan:
-        return self._core.memory_plan
+    def served(self) -> ServedModel:
+        """The model and pool the current core runs (a new core after each reconfigure)."""
+        return ServedModel.of(self._core)
 
     @property
     def tokenizer(self):
         return self._core.tokenizer
-
-    @property
-    def default_sampling(self) -> dict:
-        """Sampling fields from the model's generation_config (see model_sampling_defaults)."""
-        return self._core.default_sampling
-
-    @property
-    def model_path(self) -> str:
-        return str(self._core.runner.model_path)
-
-    def resolved_identity(self) -> dict[str, str]:
-        """The model folder, dtype and device the engine runs, whatever the config said
-        ("auto", or None for the default model)."""
-        runner = self._core.runner
-        return {"model": str(runner.model_path),
-                "dtype": str(runner.dtype).removeprefix("torch."),
-                "device": str(runner.device)}
 
     @property
     def is_reconfiguring(self) -> bool:
@@ -257,7 +218,7 @@ class AsyncEngine(ChatSubmit):
     num_replicas = 1
     routing = None  # one engine: nothing to route
     routing_load_weight = None
-    recent_decisions: tuple[RoutingDecision, ...] = ()
+    recent_decisions: tuple = ()  # of routing decisions
 
     def set_routing(self, policy: str | None = None, load_weight: float | None = None) -> None:
         raise ValueError("routing: one engine serves every request; routing needs "

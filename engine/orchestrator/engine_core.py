@@ -11,21 +11,22 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.core.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
-from kvscope.engine.core.detokenizer import detokenize_incrementally
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import EventBus
 from kvscope.engine.core.request import FinishReason, Request, Sequence, SequenceStatus
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvscope.engine.orchestrator.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
+from kvscope.engine.orchestrator.detokenizer import detokenize_incrementally
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvscope.engine.sample.logits_processing import LogitsProcessor
 from kvscope.engine.sample.sampler import sample, token_logprobs
-from kvscope.engine.sample.sampling_params import SamplingParams, model_sampling_defaults
+from kvscope.engine.sampling_params import SamplingParams, model_sampling_defaults
 from kvscope.engine.spec_decode.drafting_executor import with_draft_model
 from kvscope.engine.spec_decode.metrics import SpecDraft
 from kvscope.engine.spec_decode.proposer import Speculator
 from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.telemetry.step_records import record_step
 from kvscope.engine.worker.executor import StepExecutor, StepLogits
 from kvscope.engine.worker.memory import GiB
 from kvscope.engine.worker.model_runner import ModelRunner
@@ -250,7 +251,8 @@ class EngineCore:
         outputs = [self._make_output(r) for r in touched]
         for request in finished:
             self.requests.pop(request.request_id, None)
-        record = self._record(current, finished, num_generated, drafts)
+        record = record_step(self, current.plan, current.start_time, finished, num_generated,
+                             drafts)
         if self.speculator is not None:
             self.speculator.observe_step(current.plan, record.end_time - record.start_time)
         self.step_index += 1
@@ -354,10 +356,8 @@ class EngineCore:
                 self.beams.rank(seq, logits[row])
                 row += 1
                 continue
-            family = [seq]
-            num_sequences = seq.request.params.num_sequences
-            if num_sequences > 1 and len(seq.request.sequences) == 1:
-                family += [self.fork(seq, index) for index in range(1, num_sequences)]
+            family = [seq] + [self.fork(seq, index)
+                              for index in range(1, 1 + seq.request.num_pending_forks)]
             rows.extend((member, row) for member in family)
             if item.spec_token_ids:
                 proposals[seq] = item.spec_token_ids
@@ -535,29 +535,6 @@ class EngineCore:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, True, request.num_cached_tokens, metrics,
                              deltas=[c.text for c in completions])
-
-    def _record(self, step: InFlightStep, finished: list[Request], num_generated: int,
-                drafts: tuple[SpecDraft, ...]) -> StepRecord:
-        """The step's record. The pool's figures are read now: with async scheduling they
-        already hold the blocks of the step launched after this one."""
-        pool, plan = self.kv_cache.pool, step.plan
-        queries, hits, blocks_out, blocks_in = plan.stat_deltas
-        return StepRecord(
-            step=self.step_index, start_time=step.start_time, end_time=time.time(),
-            chunks=tuple((s.seq.request.request_id, s.seq.seq_id, s.kind.value, s.start, s.end)
-                         for s in plan.scheduled),
-            preempted=tuple(s.seq_id for s in plan.preempted),
-            swapped_out=tuple(s.seq_id for s in plan.swapped_out),
-            swapped_in=tuple(s.seq_id for s in plan.swapped_in),
-            finished=tuple(r.request_id for r in finished),
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            token_budget=self.config.max_num_batched_tokens,
-            num_used_blocks=pool.num_used_blocks, num_cached_blocks=pool.num_cached_free_blocks,
-            num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
-            num_running=self.num_running, num_waiting=self.num_waiting,
-            num_generated_tokens=num_generated, prefix_cache_queries=queries,
-            prefix_cache_hits=hits, num_blocks_swapped_out=blocks_out,
-            num_blocks_swapped_in=blocks_in, spec_drafts=drafts)
 
 
 def _eos_token_ids(runner: StepExecutor) -> set[int]:

@@ -5,10 +5,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.frontend.async_engine import EngineCounters, ReplicaStatus
-from kvscope.engine.frontend.streams import Channel, RequestStream
+from kvscope.engine.orchestrator.async_engine import EngineCounters, ReplicaStatus
+from kvscope.engine.orchestrator.streams import Channel, RequestStream
 from kvscope.engine.replicas.router import RoutingDecision
-from kvscope.engine.sample.sampling_params import SamplingParams
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import EngineSnapshot
 from kvscope.engine.worker.memory import MemoryPlan
 
@@ -80,7 +80,7 @@ class EngineView(Protocol):
 
     def render_chat(self, messages: list[dict[str, Any]], **template_options: Any) -> str:
         """The prompt text of a conversation, ending with the assistant's turn (options:
-        engine.frontend.chat.render_chat's `tools`, `chat_template_kwargs`, ...)."""
+        engine.orchestrator.chat.render_chat's `tools`, `chat_template_kwargs`, ...)."""
 
     # ---- readers ---------------------------------------------------------------------------
     def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:
