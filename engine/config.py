@@ -36,7 +36,7 @@ class EngineConfig:
     # (decode steps 1.2x at 64 sequences on Zen 4, serving 1.12-1.21x) and one stream within a
     # few percent (engine level; its linears 3-13 % slower alone), so None (unset) means on.
     # Where the CPU has AMX, oneDNN's tiles: faster batches, but one stream measured 28 %
-    # slower, so None means off (docs/performance.md, issue 37).
+    # slower, so None means off (docs/performance-history.md, issue 37).
     prepack_weights: bool | None = None
     block_size: int = 16
     # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2 / int8: one code per value and a
@@ -64,7 +64,7 @@ class EngineConfig:
     # vLLM's knob: the forward runs on a thread of its own and the engine schedules the next
     # step (and makes this one's outputs) while it runs (EngineCore.step). Off by default:
     # on a 2-core CPU the engine's Python competes with the forward's threads for the
-    # cores (docs/performance.md, issue 37).
+    # cores (docs/performance-history.md, 'Async scheduling on a 2-core CPU').
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

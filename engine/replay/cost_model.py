@@ -14,9 +14,10 @@ took 118 ms against 162 ms for 14: the linears stream their weights for a few ro
 oneDNN's GEMM past that, whose kernel changes with the rows again), so one straight line
 fitted to a session's short steps predicted its longer ones ~10 % slow, and queueing in
 the simulation turned that into 21 % on TTFT p50 and 84 % on TPOT (bench/replay.py,
-docs/performance.md). The knots sit on a grid of row counts (powers of two and 1.5 times
-them) and are fitted only where at least MIN_KNOT_STEPS steps fall on each side, so past
-the steps a model was fitted to its last slope carries on.
+docs/performance-history.md, 'A piecewise-linear cost model'). The knots sit on a grid of
+row counts (powers of two and 1.5 times them) and are fitted only where at least
+MIN_KNOT_STEPS steps fall on each side, so past the steps a model was fitted to its last
+slope carries on.
 
 The coefficients are fitted by least squares to the step records of real runs (a session
 log's steps table, on this machine or a bigger one); a per_token, per_decode or

@@ -40,8 +40,8 @@ constexpr int kDecodeQueryTokens = 17;
 // A decode's KV split is a multiple of this many keys, so the tokens of a verification chunk,
 // whose key counts differ by a few, mostly split alike.
 constexpr int kSplitAlign = 16;
-// Keys scored before one online-softmax update (and asked for one chunk ahead):
-// fewer keys per chunk mean more rescales (docs/performance.md).
+// Keys scored before one online-softmax update (and asked for one chunk ahead): fewer keys per
+// chunk mean more rescales (docs/performance-history.md, 'Paged attention (paged_attention.cpp)').
 constexpr int kKeyChunk = 128;
 // Keys of a chunk that an item over several KV heads (a decode) scores and adds up at every
 // head before the next ones: a block's worth of slots, whose rows for all heads lie together.
@@ -83,7 +83,8 @@ constexpr int64_t row_bytes(int dim) {
 // Whether the portable path's key rows go through the vector layer: on AVX-512, with
 // head_dim known at compile time, they widen by its loads (one vpmovsxbd per 16 int8 codes,
 // where GCC widens a loop's byte codes one by one) and score 16 keys at a time
-// (score_keys_fp32). On AVX2 the plain loops were the faster (docs/performance.md).
+// (score_keys_fp32). On AVX2 the plain loops were the faster (docs/performance-history.md, 'The
+// quantized KV cache').
 template <int kDim>
 constexpr bool kVectorRows =
 #if defined(__AVX512F__)
@@ -922,8 +923,9 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     const int heads_ahead = ahead_item ? ahead_item->kv_end - ahead_item->kv_begin : 0;
     // Both passes walk the chunk a key group at a time, every KV head within a group: a
     // group's slots hold all its heads' rows, and so are read together. Head by head over the
-    // whole chunk instead, a pass took 256 bytes from each of 128 slots 2 KB apart (Qwen3's
-    // heads), and a decode batch's attention ran ~10 % longer (docs/performance.md).
+    // whole chunk instead, a pass took 256 bytes from each of 128 slots 2 KB apart (Qwen3's heads),
+    // and a decode batch's attention ran ~10 % longer (docs/performance-history.md, "A decode's
+    // attention by key groups over every KV head").
     for (int g = 0; g < n; g += group) {
       const int gn = std::min(group, n - g);
       const int gn_ahead = std::clamp(next_n - g, 0, gn);
