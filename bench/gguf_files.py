@@ -279,7 +279,7 @@ def main() -> None:
               "machine": platform.processor() or platform.machine(), "files": {}}
     if not with_llama_cpp:
         report["llama_cpp"] = (f"llama-cpp-python is not installed for {args.llama_python} (it "
-                               "is built from source: see the README; --llama-python names a "
+                               "is built from source: see docs/benchmarks.md; --llama-python names a "
                                "venv that has it), so no requantized k-quant files and no "
                                "llama.cpp numbers; kvscope alone")
     for path in files:
