@@ -20,8 +20,8 @@ from kvscope.engine.core.kv_events import (
 # Identity of a full block's content, (value, parent, token_ids): value hashes the tokens
 # chained to the parent's value, so a hit means the whole prefix matches. A plain tuple of
 # bytes and ints, not a dataclass: Python's garbage collector stops tracking such a tuple
-# at its first pass, while every full collection walks each dataclass instance (~110 ns
-# apiece on the 2-core EPYC: 113 ms per million cached blocks, on whichever thread).
+# at its first pass, while every full collection walks each dataclass instance, on
+# whichever thread (docs/performance-history.md, 'Figures the code's comments quoted').
 BlockHash = tuple[bytes, bytes | None, tuple[int, ...]]
 
 
@@ -122,7 +122,8 @@ class BlockPool:
             self.free_queue = FreeBlockQueue(self.blocks)
         # hash value -> block id. Ids, not blocks: a dict of bytes and ints is one the
         # garbage collector never tracks, where a full collection would walk every entry
-        # of a map to block objects (~47 ms CPU per million cached blocks on the EPYC).
+        # of a map to block objects (docs/performance-history.md, 'Figures the code's
+        # comments quoted').
         self.cached_blocks: dict[bytes, int] = {}
         # Kept up to date on every transition, so reading the counts never scans the pool.
         self.num_cached_free_blocks = 0
@@ -239,9 +240,10 @@ class BlockPool:
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """No cyclic garbage collection inside: building a pool allocates one tracked object per
-    block, and each collection its allocations trigger walks the blocks built so far, so
-    a 1M-block pool took 1.4 s to build with collections and 0.2 s without (the blocks are
-    all alive; a collection could free none of them)."""
+    block, and each collection its allocations trigger walks the blocks built so far, so a
+    1M-block pool took several times longer to build with collections than without (the
+    blocks are all alive; a collection could free none of them; docs/performance-history.md,
+    'Replay')."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -296,8 +296,8 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
 // batch.
 constexpr int64_t kAmxRowBlock = kvscope::amx::kTileRows;  // rows of an x tile
 // How far ahead of its tiles a column's weights are asked into L2 (bytes). This and x laid
-// out as tiles (amx_linear), made together, took one row from 14 to 21 GB/s of the weights
-// (docs/performance-history.md, 'Decode batches through AMX itself').
+// out as tiles (amx_linear), made together, took one row's weight reads from well under the
+// bandwidth to about all of it (docs/performance-history.md, 'Decode batches through AMX itself').
 constexpr int64_t kAmxPrefetchAhead = 16 * 1024;
 
 // sums [Blocks * 16 rows][32 outputs] = Blocks blocks of 16 rows of x, laid out as x tiles

@@ -27,8 +27,9 @@ namespace {
 constexpr int kQueryTile = 16;  // query tokens of one sequence that share each K/V read
 // Query rows (tokens times a GQA group's heads) of a prefill tile that runs as matrix products
 // (run_prefill_tile): it lays its keys and values out for them once per chunk, so more rows
-// share that work. 128: a 2,048-token prefill at Qwen3's heads 1.4x as fast as 32 rows, and
-// the tile's sums (~200 KB) stay in L2.
+// share that work. 128: a 2,048-token prefill at Qwen3's heads faster than with 32 rows, and the
+// tile's sums (~200 KB) stay in L2 (docs/performance-history.md, "A prefill's attention on AMX
+// tiles").
 constexpr int kTileQueryRows = 128;
 // Rows of an AMX tile: a prefill tile's rows are padded to a multiple (run_prefill_tile).
 using kvscope::amx::kTileRows;
@@ -897,8 +898,9 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   // Keys [chunk, chunk + kKeyChunk) sit in blocks anywhere in the pool, a pattern the
   // hardware prefetcher cannot follow: each chunk's rows are asked for while the chunk before
   // it is computed, its K rows by the score pass and its V rows by the value pass (half the
-  // requests in each pass, not all in one: 5-9 % less time over an int8 cache), and the last
-  // chunk asks for the first one of the thread's next item.
+  // requests in each pass, not all in one: less time over an int8 cache;
+  // docs/performance-history.md, 'Figures the code's comments quoted'), and the last chunk asks for
+  // the first one of the thread's next item.
   int64_t offsets[2][kKeyChunk];
   const KV* values_ahead[kKeyChunk];
   int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0]);
@@ -911,7 +913,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   if (!first_asked_for)
     request_rows(key_cache, value_cache, offsets[0], n, heads, L.head_stride, bytes);
   // One head's item (a prefill tile) takes its chunk whole: groups would only add trips of
-  // its many rows' sums through memory (an int8 cache's 2,000-token prefill ~7 % longer).
+  // its many rows' sums through memory (an int8 cache's 2,000-token prefill took longer:
+  // docs/performance-history.md, "A decode's attention by key groups over every KV head").
   const int group = heads > 1 ? kKeyGroup : kKeyChunk;
   for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
     const bool last = chunk + kKeyChunk >= k_end;
@@ -924,8 +927,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     // Both passes walk the chunk a key group at a time, every KV head within a group: a
     // group's slots hold all its heads' rows, and so are read together. Head by head over the
     // whole chunk instead, a pass took 256 bytes from each of 128 slots 2 KB apart (Qwen3's heads),
-    // and a decode batch's attention ran ~10 % longer (docs/performance-history.md, "A decode's
-    // attention by key groups over every KV head").
+    // and a decode batch's attention ran longer (docs/performance-history.md, "A decode's attention
+    // by key groups over every KV head").
     for (int g = 0; g < n; g += group) {
       const int gn = std::min(group, n - g);
       const int gn_ahead = std::clamp(next_n - g, 0, gn);
