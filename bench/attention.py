@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def on_huge_pages(cache: torch.Tensor) -> torch.Tensor:
     """A copy of `cache` where the engine would keep it: on 4 KiB pages a batch's scattered
-    blocks miss the TLB, and a 64 x 300 decode batch of Qwen3-1.7B's heads read 2-4 % slower."""
+    blocks miss the TLB, and a 64 x 300 decode batch of Qwen3-1.7B's heads read slower
+    (docs/performance-history.md, "A decode's attention by key groups over every KV head")."""
     pool = huge_pages.empty(tuple(cache.shape), cache.dtype)
     pool.copy_(cache)
     return pool

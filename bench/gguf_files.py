@@ -194,8 +194,9 @@ def finish_llama_cpp(backend: LlamaCpp, row: dict, args: argparse.Namespace,
 def single_streams_in_rounds(llm: LLM, backend: LlamaCpp | None, prompt: list[int],
                              args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """Each engine's single stream --repeats times, one of each per round, so that every
-    round's two runs meet the host in about the same state: its speed moves by up to 2x
-    between minutes, and runs of one engine and then the other would read that as a ratio."""
+    round's two runs meet the host in about the same state: its speed moves a lot between
+    minutes (docs/performance.md, 'How to read these numbers'), and runs of one engine and
+    then the other would read that as a ratio."""
     ours, theirs = [], []
     for _ in range(args.repeats):
         ours.append(single_stream(llm, args.single_tokens))
@@ -279,7 +280,7 @@ def main() -> None:
               "machine": platform.processor() or platform.machine(), "files": {}}
     if not with_llama_cpp:
         report["llama_cpp"] = (f"llama-cpp-python is not installed for {args.llama_python} (it "
-                               "is built from source: see the README; --llama-python names a "
+                               "is built from source: see docs/benchmarks.md; --llama-python names a "
                                "venv that has it), so no requantized k-quant files and no "
                                "llama.cpp numbers; kvscope alone")
     for path in files:

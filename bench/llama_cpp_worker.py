@@ -18,10 +18,11 @@ Then one JSON request per line on stdin and one JSON answer per line on stdout:
 Why a process of its own: llama.cpp's CPU backend runs on OpenMP, and in kvscope's process
 it would share torch's libgomp (the same soname), already started with the
 OMP_WAIT_POLICY=PASSIVE that importing `engine` sets. Its threads then sleep between the
-graph's ops, and its single stream decoded at 42 tok/s instead of the 121-127 it reaches on
-its own on the 2-core EPYC. Here it imports neither torch nor kvscope, and starts without
-OMP_WAIT_POLICY: libgomp's defaults, as a llama.cpp user runs it. It may run under another
-interpreter than the bench's (bench/throughput.py's --llama-python), one with llama-cpp-python.
+graph's ops, and its single stream decoded at about a third of the rate it reaches on its
+own (docs/performance-history.md, 'Figures the code's comments quoted'). Here it imports
+neither torch nor kvscope, and starts without OMP_WAIT_POLICY: libgomp's defaults, as a
+llama.cpp user runs it. It may run under another interpreter than the bench's
+(bench/throughput.py's --llama-python), one with llama-cpp-python.
 """
 
 import ctypes

@@ -7,9 +7,10 @@ as JSON:
                         prompt: its decode rate (first token to last, bench/throughput.py's
                         single-stream metric), the median of --repeats rounds. Every mode
                         stays loaded and each round runs every mode once, back to back: this
-                        host's memory speed drifts (one bf16 decode ran at ~100 tok/s, the
-                        next minute's at ~150), so modes measured minutes apart compare
-                        drift, and vs_bf16 is the median of each round's own ratios.
+                        host's memory speed drifts by up to half from one minute to the
+                        next (docs/performance.md, 'int4 and int8 weights'), so modes
+                        measured minutes apart compare drift, and vs_bf16 is the median of
+                        each round's own ratios.
   single_stream         every round's decode rate, first-token latency and end-to-end rate
                         (output tokens over the whole call: chat template, prefill, decode)
   batched_tok_s         bench/throughput.py's kvscope workload (its defaults unless the

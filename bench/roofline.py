@@ -14,9 +14,10 @@ from kvscope.engine.worker.memory_bandwidth import read_bandwidth
 
 GEMM_SIZE = 1024
 # The matrix units reach their rate only after a while in use: on an AMX Xeon a 2048^3 bf16
-# GEMM ran at 0.6-1.0 TFLOP/s for its first ~150 ms and at 2.1-2.8 after, so a few calls timed
-# from cold measured a third of the machine (docs/performance.md). The best call of a second's
-# worth after the warm-up: a shared host's rate swings within seconds.
+# GEMM ran at a third of its rate for its first fraction of a second, so a few calls timed
+# from cold measured a third of the machine (docs/performance-history.md, 'The GEMM rate was
+# measured cold on AMX'). The best call of a second's worth after the warm-up: a shared
+# host's rate swings within seconds.
 WARM_UP_SECONDS = 0.5
 TIMED_SECONDS = 1.0
 

@@ -82,7 +82,7 @@ CHAT = [
 def copy_prompts(tokenizer, count: int) -> list[str]:
     """Passages of 300-600 tokens (the issue's prompts) cut at paragraph breaks from docs/,
     each with a task: paragraphs of at most 300 tokens, joined until 300 are reached."""
-    paragraphs = [p for name in ("architecture.md", "performance.md")
+    paragraphs = [p for name in ("architecture.md", "performance-history.md")
                   for p in (DOCS / name).read_text().split("\n\n")
                   if len(p) > 200 and not p.lstrip().startswith(("```", "|"))
                   and len(tokenizer(p).input_ids) <= 300]

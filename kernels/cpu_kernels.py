@@ -97,13 +97,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # through the streaming kernel, which computes every row alike however many there are (each
 # weight chunk meets a group of rows at a time). oneDNN's GEMM re-reads cold weights at a few
 # dozen rows and rounds differently by batch shape: on a 2-core Zen 4 the default model's
-# decode step at 9 to 32 rows took 1.06-1.75x as long through it, about as long at 48 and
-# less at 64 (docs/performance.md). More rows are compute-bound: GEMM. Prepacked weights
-# stream through the blocked kernel: over oneDNN's AMX tiles (32 outputs) on AMX itself up to
-# AMX_TILE_KERNEL_MAX_ROWS, past which oneDNN's AMX GEMM is faster; over kvscope's own
-# 64-output tiles at every row count (its outputs need no horizontal sums, so it runs at the
-# GEMM rate). kernels/csrc/llama_stack.cpp's kDenseKernelMaxRows and kAmxTileKernelMaxRows
-# are the same.
+# decode step at 9 to 32 rows took longer through it, about as long at 48 and less at 64
+# (docs/performance-history.md, 'Dense linear of a few rows'). More rows are compute-bound:
+# GEMM. Prepacked weights stream through the blocked kernel: over oneDNN's AMX tiles (32
+# outputs) on AMX itself up to AMX_TILE_KERNEL_MAX_ROWS, past which oneDNN's AMX GEMM is
+# faster; over kvscope's own 64-output tiles at every row count (its outputs need no
+# horizontal sums, so it runs at the GEMM rate). kernels/csrc/llama_stack.cpp's
+# kDenseKernelMaxRows and kAmxTileKernelMaxRows are the same.
 DENSE_KERNEL_MAX_ROWS = 32
 AMX_TILE_KERNEL_MAX_ROWS = 64
 # Whether this CPU lacks bf16 dot products (AVX512-BF16, AMX), so that bf16 GEMMs of at least
@@ -111,9 +111,9 @@ AMX_TILE_KERNEL_MAX_ROWS = 64
 # (kernels/csrc/widened_gemm.cpp). Set by load(), from the build's own instruction set.
 _widens_bf16_gemms = False
 # Widening costs the same per call whatever the rows, so below this many rows oneDNN's bf16
-# GEMM is as fast or faster (docs/performance.md, a 2-core Xeon: the two even at 32 rows,
-# the widened one 1.5x faster at 64 and 4x at 2,048). kernels/csrc/llama_stack.cpp's
-# kWidenedMinRows is the same.
+# GEMM is as fast or faster (docs/performance-history.md, 'Batched bf16 GEMMs on a CPU
+# without bf16 dot products', a 2-core Xeon: the two even at 32 rows, the widened one faster
+# from 48 rows on). kernels/csrc/llama_stack.cpp's kWidenedMinRows is the same.
 WIDENED_MIN_ROWS = 48
 
 
@@ -153,7 +153,8 @@ def prepacks_by_default() -> bool:
     """Whether `prepack_weights` is on unless set: wherever the blocked kernel streams the
     tiles (kvscope's own 64-output tiles on AVX512-BF16, oneDNN's AMX tiles on AMX itself):
     faster than the plain weight for batches, and as fast or faster for one row
-    (docs/performance.md)."""
+    (docs/performance-history.md, "kvscope's own 64-output tiles" and 'Decode batches
+    through AMX itself')."""
     if not torch.ops.kvscope.has_blocked_linear():
         return False
     return torch.ops.kvscope.has_amx_linear() or not onednn_uses_amx()
@@ -161,10 +162,11 @@ def prepacks_by_default() -> bool:
 
 def prepack_weight(weight: torch.Tensor) -> PrepackedWeight | None:
     """The weight kept once in a tiled layout the blocked kernel streams: oneDNN's AMX tiles
-    where the CPU has AMX (its GEMM reads them for more rows without reordering the weight per
-    call: 1.5-2x at decode batches, docs/performance.md), else kvscope's own 64-output tiles
-    (the blocked kernel serves every row count). None where the weight cannot be tiled: not
-    bf16, or a dimension not a multiple of the tile (32 inputs; 32 or 64 outputs)."""
+    where the CPU has AMX (its GEMM reads them for more rows without reordering the weight
+    per call: faster at decode batches, docs/performance-history.md, 'Batched GEMMs on
+    AMX'), else kvscope's own 64-output tiles (the blocked kernel serves every row count).
+    None where the weight cannot be tiled: not bf16, or a dimension not a multiple of the
+    tile (32 inputs; 32 or 64 outputs)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 32:
         return None
     out_features, in_features = weight.shape

@@ -7,12 +7,13 @@ bytes: value = code * scale. The cache tensor keeps the codes' dtype and is
 whole-block move (copy-on-write, swap out and in) carries them, and a prefix-cache hit
 reads them where they were written.
 
-Why per token and head (docs/performance.md has the figures): a row's keys are written
-once, by one store, so its scale is exact for it (its largest value maps to the largest
-code) and never needs rescaling when later tokens arrive, which a per-block scale would;
-per tensor (vLLM's k_scale / v_scale, 1.0 without calibration) leaves int8 no range to use
-and fp8 the model's outliers to clip or underflow. The scale costs 2 bytes per head_dim
-codes: a 64-dim head stores 66 bytes for bf16's 128 (1.94x the blocks).
+Why per token and head (docs/performance-history.md, 'The quantized KV cache', has the
+figures): a row's keys are written once, by one store, so its scale is exact for it (its
+largest value maps to the largest code) and never needs rescaling when later tokens arrive,
+which a per-block scale would; per tensor (vLLM's k_scale / v_scale, 1.0 without
+calibration) leaves int8 no range to use and fp8 the model's outliers to clip or underflow.
+The scale costs 2 bytes per head_dim codes: a 64-dim head stores 66 bytes for bf16's 128
+(1.94x the blocks).
 
 The scale is rounded to bf16 before the codes are computed, so de-quantizing is exact:
 code * scale is what the kernels read, and the plain-torch quantizer here is the oracle

@@ -134,7 +134,8 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """[batch, blocks] tables -> K (or V) as [batch, kv_heads, blocks * block_size, dim].
 
     index_select on the flattened table, not cache[tables]: on the CPU advanced indexing
-    runs ~10x slower for this copy, which dominates the decode step.
+    runs several times slower for this copy, which dominates the decode step
+    (docs/performance-history.md, 'Figures the code's comments quoted').
     """
     batch, num_blocks = tables.shape
     rows = cache.index_select(0, tables.flatten())

@@ -306,7 +306,8 @@ def test_f16_rows_of_a_gguf_decode_through_the_streaming_dense_kernel(eager, tmp
                                                                      monkeypatch):
     """A decode step streams a GGUF's F16 rows through the dense kernel, as a folder's
     bf16 weights are, in the stack and eager: a GEMM there reorders the weight every call
-    and ran an F16 file's single stream at half the bandwidth (docs/performance.md)."""
+    and ran an F16 file's single stream at half the bandwidth (docs/performance-history.md,
+    'On Zen 4')."""
     select_ops(torch.device("cpu"))
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
     blocks, hf_model = k_quant_model("llama", DENSE_MODULES)

@@ -45,7 +45,8 @@ TABLE_ORDERS = ("most recent", "longest", "most shared")
 HEATMAP_VIEWS = ("whole pool", "used region", "block range")
 Decode = Callable[[tuple[int, ...]], str]
 # A figure as plotly's JSON spec: {"data": [trace dicts], "layout": {...}}. Plain dicts
-# serialise in a millisecond; plotly's object model took ~0.5 s per thousands of cells.
+# serialise at once; plotly's object model took a large share of a second per thousands of
+# cells (docs/performance-history.md, 'Figures the code's comments quoted').
 Figure = dict
 
 

@@ -116,7 +116,8 @@ class BlockPool:
             self.free_queue = FreeBlockQueue(self.blocks)
         # hash value -> block id. Ids, not blocks: a dict of bytes and ints is one the
         # garbage collector never tracks, where a full collection would walk every entry
-        # of a map to block objects (~47 ms CPU per million cached blocks on the EPYC).
+        # of a map to block objects (docs/performance-history.md, 'Figures the code's
+        # comments quoted').
         self.cached_blocks: dict[bytes, int] = {}
         # Kept up to date on every transition, so reading the counts never scans the pool.
         self.num_cached_free_blocks = 0
@@ -233,9 +234,10 @@ class BlockPool:
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """No cyclic garbage collection inside: building a pool allocates one tracked object per
-    block, and each collection its allocations trigger walks the blocks built so far, so
-    a 1M-block pool took 1.4 s to build with collections and 0.2 s without (the blocks are
-    all alive; a collection could free none of them)."""
+    block, and each collection its allocations trigger walks the blocks built so far, so a
+    1M-block pool took several times longer to build with collections than without (the
+    blocks are all alive; a collection could free none of them; docs/performance-history.md,
+    'Replay')."""
     enabled = gc.isenabled()
     gc.disable()
     try:

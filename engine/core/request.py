@@ -17,8 +17,8 @@ from kvscope.engine.sampling_params import SamplingParams
 # Identity of a full block's content, (value, parent, token_ids): value hashes the tokens
 # chained to the parent's value, so a hit means the whole prefix matches. A plain tuple of
 # bytes and ints, not a dataclass: Python's garbage collector stops tracking such a tuple
-# at its first pass, while every full collection walks each dataclass instance (~110 ns
-# apiece on the 2-core EPYC: 113 ms per million cached blocks, on whichever thread).
+# at its first pass, while every full collection walks each dataclass instance, on
+# whichever thread (docs/performance-history.md, 'Figures the code's comments quoted').
 BlockHash = tuple[bytes, bytes | None, tuple[int, ...]]
 
 

@@ -4,11 +4,11 @@ tell it (and the OpenMP workers it starts, which inherit the name) from the serv
 Where the model is loaded matters for OpenMP: libgomp keeps a worker team for every
 thread that has run a parallel region, and with more OpenMP threads than cores it stops
 spin-waiting between regions. Loaded on the main thread and stepped here, the engine has
-two teams, so torch's OpenMP workers sleep between regions. Before the kernels had their
-own work pool that halved a served stream (~50 against ~100 tok/s on 2 cores); with the
-pool, workers that sleep leave the second core to the pool's helper, and on the shared
-2-core machine a core built here (one team, spinning workers) decoded slower (13-29
-against 24-88 tok/s), so the model is still loaded on the caller's thread.
+two teams, so torch's OpenMP workers sleep between regions. Before the kernels had their own
+work pool that halved a served stream; with the pool, workers that sleep leave the second
+core to the pool's helper, and on the shared 2-core machine a core built here (one team,
+spinning workers) decoded slower, so the model is still loaded on the caller's thread
+(docs/performance-history.md, 'Figures the code's comments quoted').
 """
 
 import concurrent.futures

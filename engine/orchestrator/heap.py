@@ -2,11 +2,12 @@
 
 A generation-2 collection walks every object the collector tracks, on whichever thread
 happens to allocate when the threshold is crossed, holding the GIL throughout. A pool of
-N blocks is N KVBlock objects, on top of the model, torch and the web stack: on the
-2-core EPYC such a collection took 350-520 ms at 100k blocks and paused the engine's
-step in the middle of its telemetry (bench/dashboard_scale.py). What exists when the
-engine starts lives as long as the engine, so it moves to the permanent generation
-(`gc.freeze`, as vLLM does after start-up) and collections walk only what came later.
+N blocks is N KVBlock objects, on top of the model, torch and the web stack: such a
+collection took hundreds of milliseconds at 100k blocks and paused the engine's step in the
+middle of its telemetry (bench/dashboard_scale.py; docs/performance-history.md, 'Figures the
+code's comments quoted'). What exists when the engine starts lives as long as the engine, so
+it moves to the permanent generation (`gc.freeze`, as vLLM does after start-up) and
+collections walk only what came later.
 """
 
 import atexit

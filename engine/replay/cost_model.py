@@ -10,13 +10,14 @@ where "context read" sums each chunk's end position (the K/V its attention reads
 tokens() is piecewise linear: per_token up to the first knot, and past each knot the slope
 changes by that knot's amount. A CPU engine's cost per scheduled row changes with the row
 count where its linears change kernel (on the default model in fp32, a 16-row decode step
-took 118 ms against 162 ms for 14: the linears stream their weights for a few rows and run
+took less time than a 14-row one: the linears stream their weights for a few rows and run
 oneDNN's GEMM past that, whose kernel changes with the rows again), so one straight line
-fitted to a session's short steps predicted its longer ones ~10 % slow, and queueing in
-the simulation turned that into 21 % on TTFT p50 and 84 % on TPOT (bench/replay.py,
-docs/performance.md). The knots sit on a grid of row counts (powers of two and 1.5 times
-them) and are fitted only where at least MIN_KNOT_STEPS steps fall on each side, so past
-the steps a model was fitted to its last slope carries on.
+fitted to a session's short steps predicted its longer ones too slow, and queueing in the
+simulation multiplied that error on TTFT and TPOT (bench/replay.py;
+docs/performance-history.md, 'A piecewise-linear cost model'). The knots sit on a grid of
+row counts (powers of two and 1.5 times them) and are fitted only where at least
+MIN_KNOT_STEPS steps fall on each side, so past the steps a model was fitted to its last
+slope carries on.
 
 The coefficients are fitted by least squares to the step records of real runs (a session
 log's steps table, on this machine or a bigger one); a per_token, per_decode or

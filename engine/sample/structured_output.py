@@ -1,10 +1,11 @@
 """Structured outputs with llguidance: JSON schema, regex, choice and Lark/GBNF grammars.
 
-Why llguidance: it computes a 49k-token mask in ~1-2 ms on one CPU core (a Rust
-Earley parser with a token trie, no per-schema precompilation), its wheel is one abi3
-binary with no dependencies (xgrammar pulls in its own torch/triton requirements,
-outlines-core precompiles an index per schema that grows with the schema), and it is
-maintained by the guidance team and used by vLLM as its `guidance` backend.
+Why llguidance: it computes a 49k-token mask in a few milliseconds on one CPU core
+(docs/performance-history.md, 'Figures the code's comments quoted'; a Rust Earley parser
+with a token trie, no per-schema precompilation), its wheel is one abi3 binary with no
+dependencies (xgrammar pulls in its own torch/triton requirements, outlines-core precompiles
+an index per schema that grows with the schema), and it is maintained by the guidance team
+and used by vLLM as its `guidance` backend.
 
 Each constrained sequence owns an LLMatcher. Before a step samples, the matchers of the
 constrained rows (only those) write one bitmask (one bit per token, filled in parallel on
@@ -41,7 +42,8 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 BYTE_BIAS = torch.where((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1 == 1, 0.0,
                         float("-inf"))
 # llguidance's tokenizers by (serialized tokenizer's digest, vocab size, EOS ids): building
-# one takes ~0.3 s for a 49k vocabulary on an idle core and seconds on a busy machine.
+# one takes a good part of a second on an idle core and seconds on a busy machine
+# (docs/performance-history.md, 'Figures the code's comments quoted').
 _TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], llguidance.LLTokenizer] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
@@ -50,7 +52,7 @@ def llguidance_tokenizer(hf_tokenizer, vocab_size: int,
                          eos_token_ids: list[int]) -> llguidance.LLTokenizer:
     """llguidance's view of `hf_tokenizer`, built once per process for each distinct
     tokenizer: engines created again in one process (the server's, the tests') reuse it."""
-    serialized = hf_tokenizer.backend_tokenizer.to_str()  # ~20 ms for 49k tokens
+    serialized = hf_tokenizer.backend_tokenizer.to_str()  # cheap next to the build
     key = (hashlib.sha256(serialized.encode()).hexdigest(), vocab_size, tuple(eos_token_ids))
     with _TOKENIZERS_LOCK:
         if key not in _TOKENIZERS:

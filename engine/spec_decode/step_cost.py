@@ -8,8 +8,9 @@ compute), so a proposal costs what a row costs beside the batch now running, and
 that have proposals measure that where it is paid. On one stream over bandwidth-bound
 weights a proposal is a small share of a step; beside a batch, or on a CPU whose rows are
 compute-bound, it costs about what it yields. The Speculator keeps only the proposals whose
-expected yield pays for them (engine.spec_decode.proposer). Measured, not assumed: the
-share differs by CPU class, dtype, model and batch several-fold (docs/performance.md).
+expected yield pays for them (engine.spec_decode.proposer). Measured, not assumed: the share
+differs by CPU class, dtype, model and batch several-fold (docs/performance-history.md,
+'adaptive_k: proposals cut to what their rows pay for').
 """
 
 from collections import deque

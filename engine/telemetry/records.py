@@ -11,8 +11,9 @@ from kvscope.engine.spec_decode.metrics import SpecDraft
 # not a record class: Python's cyclic garbage collector untracks such a tuple (and a tuple
 # of them) within the first collections it survives, while an instance of any class, even a
 # NamedTuple, stays tracked. A dashboard keeps 3,000 steps of 16 chunks here (hundreds at
-# GPU batch sizes), and as dataclasses every full collection walked each of them: 10-30 ms
-# at a time, on whichever thread triggered it, the engine's included (bench/gc_pause.py).
+# GPU batch sizes), and as dataclasses every full collection walked each of them, on
+# whichever thread triggered it, the engine's included (bench/gc_pause.py;
+# docs/performance-history.md, 'Figures the code's comments quoted').
 ScheduledChunk = tuple[str, str, str, int, int]
 CHUNK_FIELDS = ("request_id", "seq_id", "kind", "start", "end")
 

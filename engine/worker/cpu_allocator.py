@@ -4,10 +4,10 @@ glibc serves an allocation of 32 MiB or more (the highest its dynamic threshold 
 a fresh mmap and unmaps it when it is freed, so every tensor that size is page-faulted and
 zeroed by the kernel each time it is made. A prefill chunk's largest activations are that
 size and are made once per layer: Qwen3-1.7B's gate_up output at 2,048 rows is 48 MiB, and
-oneDNN's GEMM writing it ran at 2.2-2.4 TFLOP/s on an AMX Xeon against 2.9-3.1 with its
-pages reused; the whole prefill took 12 % less time (docs/performance.md). Raised
-thresholds keep blocks below REUSED_BYTES in the heap, and a freed block is reused by the
-next step's tensor of that size.
+oneDNN's GEMM writing it ran markedly slower on an AMX Xeon than with its pages reused, and
+so did the whole prefill (measured in docs/performance-history.md, "A prefill's large
+activations on fresh pages"). Raised thresholds keep blocks below REUSED_BYTES in the heap,
+and a freed block is reused by the next step's tensor of that size.
 
 The limit covers the activations (the largest, a batch's fp32 logits, are ~200 MB at 256
 rows of a 200k vocabulary), not the weights: those are loaded before this is set, and the

@@ -82,8 +82,9 @@ class _PlainArrayReader(GGUFReader):
     """gguf's reader slicing a plain array view of its memory map: it slices the file once
     per value, twice per vocabulary string, and a numpy.memmap's slices cost several times a
     plain array's (each passes through memmap's __array_finalize__). SmolLM2's file parsed in
-    0.75 s instead of 2.1-2.3 s; the values and tensors are the same, and each slice still
-    keeps the mapping alive through its base."""
+    about a third of the time (docs/performance-history.md, 'Load time, next stop'); the
+    values and tensors are the same, and each slice still keeps the mapping alive through
+    its base."""
 
     def _get(self, offset, dtype, count=1, override_order=None):
         if type(self.data) is not np.ndarray:

@@ -30,12 +30,13 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, *, background: bool = Fals
 
     Its pages are made resident here, or with `background` by a thread that wait_resident()
     joins (the engine does before its next step). Left to fault in on first write, a KV
-    cache pays for each huge page as decoding first reaches it: 3-9 ms apiece on the VMs
-    measured (docs/performance.md), inside prefills and decode steps, for the whole first
-    pass through the pool. Resident before serving, the cost moves to start-up, and memory
-    the plan counted is held from the start rather than found missing mid-serving. In the
-    background it overlaps what comes before the first step (the dashboard's start, a
-    person's first message): 1.7-3.8 s of a 1.5 GiB pool's start on those VMs."""
+    cache pays for each huge page as decoding first reaches it, inside prefills and decode
+    steps, for the whole first pass through the pool (docs/performance-history.md,
+    '`store_kv` was page faults'). Resident before serving, the cost moves to start-up, and
+    memory the plan counted is held from the start rather than found missing mid-serving. In
+    the background it overlaps what comes before the first step (the dashboard's start, a
+    person's first message): seconds of a 1.5 GiB pool's start on the VMs measured
+    (docs/performance-history.md, "The KV pool made resident in the background")."""
     nbytes = math.prod(shape) * dtype.itemsize
     if _ADVICE is None or nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)

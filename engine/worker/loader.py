@@ -156,9 +156,9 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
 def gguf_metadata(gguf_path: Path) -> Path:
     """A folder with the GGUF file's config and tokenizer (chat template included) as
     transformers saves them, converted from the file's metadata once per version of the file
-    (its size and mtime in the name). Each conversion parses the vocabulary again: about 3 s
-    apiece for SmolLM2's 49,152 tokens on 2 cores, most of a packed GGUF's load, which later
-    loads skip."""
+    (its size and mtime in the name). Each conversion parses the vocabulary again, most of a
+    packed GGUF's load, which later loads skip (docs/performance-history.md, 'Load time,
+    next stop')."""
     stat = gguf_path.stat()
     target = (cache_dir() / "gguf-metadata"
               / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}")

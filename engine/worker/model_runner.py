@@ -82,8 +82,9 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "none",
     float32 on other CPUs, where bf16 is emulated and runs several times slower than fp32,
     unless the weights are packed (`quantization`) and the kernels (`ops`, else the
     device's) round bf16 activations to int8 (AVX512-VNNI): the linears then run integer
-    dots, not bf16 GEMMs, where fp32 activations take the exact kernels (a GGUF Q4_K_M
-    single stream 3.4x faster, batched decode 3.5x: docs/performance.md)."""
+    dots, not bf16 GEMMs, where fp32 activations take the exact kernels (the bf16 path
+    several times faster, one stream and batched decode alike: docs/performance-history.md,
+    '`dtype="auto"` for packed weights')."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda" or cpu_has_native_bf16():

@@ -93,8 +93,8 @@ inline void store(fp8_e5m2& target, float x) { target.bits = fp8_bits<2, 15>(x);
 // Asks for the cache line holding p, into the core's L2 (prefetcht1) rather than L1: a core
 // has only a couple of dozen L1 miss buffers, and requests into L1 (software prefetch or
 // demand loads alike) cap how fast a single decode's scattered KV blocks arrive; into L2 the
-// requests queue past that limit (docs/performance.md). Not __builtin_prefetch: GCC 12 drops
-// that from loops it transforms.
+// requests queue past that limit (docs/performance-history.md, 'Memory requests'). Not
+// __builtin_prefetch: GCC 12 drops that from loops it transforms.
 inline void prefetch_to_l2(const void* p) {
 #if defined(__x86_64__)
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
@@ -105,7 +105,8 @@ inline void prefetch_to_l2(const void* p) {
 
 // Weight bytes ahead of the row being dotted that a streaming kernel requests with a software
 // prefetch: with the hardware prefetchers alone, compute and memory take turns instead of
-// overlapping. docs/performance.md has the distances measured.
+// overlapping. docs/performance-history.md, 'Quantized linears (quantized/)', has the distances
+// measured.
 constexpr int64_t kPrefetchBytes = 8192;
 
 // Requests into L2 the `row_bytes` bytes kPrefetchBytes past `row`, short of `limit` (the end

@@ -86,11 +86,11 @@ void small_batch_linear(const T* x, int64_t x_stride, const T* weight, const T* 
                         int64_t out_features) {
   if (rows == 0) return;
   // dot_pair(w0, w1, sums0, sums1): every row of x . weight rows w0 and w1. A thread's share
-  // of the outputs is read as two streams, from its first half and its second half side by
-  // side: two streams keep more reads in flight than one (docs/performance.md). An odd last
-  // row pairs with itself. One share per thread: each share starts its two streams anew, so
-  // more, smaller shares would start more cold streams. A helper that has not started leaves
-  // its share to the caller.
+  // of the outputs is read as two streams, from its first half and its second half side by side:
+  // two streams keep more reads in flight than one (docs/performance-history.md, 'Dense linear of a
+  // few rows'). An odd last row pairs with itself. One share per thread: each share starts its two
+  // streams anew, so more, smaller shares would start more cold streams. A helper that has not
+  // started leaves its share to the caller.
   auto each_output = [&](auto dot_pair) {
     kvscope::parallel_for(0, out_features,
                           std::max<int64_t>(64, kvscope::one_share_per_thread(out_features)),
@@ -197,7 +197,7 @@ void tile_columns(const kvscope::bf16* x, int64_t x_stride,
 
 // Writes 16 outputs of a row at a time, bias added, into bf16 out or (the logits) fp32 out
 // holding the bf16 result widened. Lane by lane, the rounding and stores cost as much as the
-// products of a 576-input column (docs/performance.md).
+// products of a 576-input column (docs/performance-history.md, "oneDNN's 64-output tiles").
 class SumsWriter {
  public:
   SumsWriter(const kvscope::bf16* bias, at::Tensor& out)
@@ -291,12 +291,13 @@ void blocked_linear(const kvscope::bf16* xs, int64_t x_stride, int64_t rows,
 // its weights at the memory's speed up to 16 rows and stays ahead of oneDNN's GEMM to 32-64
 // (llama_stack.cpp's kAmxTileKernelMaxRows), where the vdpbf16ps kernel is compute-bound past
 // a few rows and oneDNN's GEMM reads weights from memory at about half the bandwidth
-// (docs/performance.md). Each output sums its inputs 32 at a time in input order whatever
-// the other rows, so a row's result does not depend on the batch.
+// (docs/performance-history.md, 'Decode batches through AMX itself'). Each output sums its inputs
+// 32 at a time in input order whatever the other rows, so a row's result does not depend on the
+// batch.
 constexpr int64_t kAmxRowBlock = kvscope::amx::kTileRows;  // rows of an x tile
 // How far ahead of its tiles a column's weights are asked into L2 (bytes). This and x laid
-// out as tiles (amx_linear), made together, took one row from 14 to 21 GB/s of the weights
-// (docs/performance.md).
+// out as tiles (amx_linear), made together, took one row's weight reads from well under the
+// bandwidth to about all of it (docs/performance-history.md, 'Decode batches through AMX itself').
 constexpr int64_t kAmxPrefetchAhead = 16 * 1024;
 
 // sums [Blocks * 16 rows][32 outputs] = Blocks blocks of 16 rows of x, laid out as x tiles

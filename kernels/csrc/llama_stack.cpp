@@ -124,7 +124,8 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackC
   }
   for (int64_t r = 0; r < runs; ++r) {
     const int64_t first = part[3 * r + 1], count = part[3 * r + 2] - first;
-    // One run is the whole layer: out and bias as they are (a view costs ~1 us a call).
+    // One run is the whole layer: out and bias as they are (a view costs a dispatcher call:
+    // docs/performance-history.md, "The decoder stack's views").
     std::optional<at::Tensor> bias = linear.bias;
     at::Tensor columns = out;
     if (runs > 1) {
@@ -258,7 +259,8 @@ struct Workspace {
     activated = at::empty({tokens, intermediate_size}, hidden.options());
   }
 
-  // Views cost ~1 us each through the dispatcher: taken again only for a new qkv.
+  // Views cost a dispatcher call each (docs/performance-history.md, "The decoder stack's views"):
+  // taken again only for a new qkv.
   void split_qkv(const StackConfig& config) {
     if (query.defined() && query.data_ptr() == qkv.data_ptr()) return;
     const int64_t tokens = qkv.size(0), head_dim = config.head_dim;

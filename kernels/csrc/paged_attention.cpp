@@ -27,8 +27,9 @@ namespace {
 constexpr int kQueryTile = 16;  // query tokens of one sequence that share each K/V read
 // Query rows (tokens times a GQA group's heads) of a prefill tile that runs as matrix products
 // (run_prefill_tile): it lays its keys and values out for them once per chunk, so more rows
-// share that work. 128: a 2,048-token prefill at Qwen3's heads 1.4x as fast as 32 rows, and
-// the tile's sums (~200 KB) stay in L2.
+// share that work. 128: a 2,048-token prefill at Qwen3's heads faster than with 32 rows, and the
+// tile's sums (~200 KB) stay in L2 (docs/performance-history.md, "A prefill's attention on AMX
+// tiles").
 constexpr int kTileQueryRows = 128;
 // Rows of an AMX tile: a prefill tile's rows are padded to a multiple (run_prefill_tile).
 using kvscope::amx::kTileRows;
@@ -40,8 +41,8 @@ constexpr int kDecodeQueryTokens = 17;
 // A decode's KV split is a multiple of this many keys, so the tokens of a verification chunk,
 // whose key counts differ by a few, mostly split alike.
 constexpr int kSplitAlign = 16;
-// Keys scored before one online-softmax update (and asked for one chunk ahead):
-// fewer keys per chunk mean more rescales (docs/performance.md).
+// Keys scored before one online-softmax update (and asked for one chunk ahead): fewer keys per
+// chunk mean more rescales (docs/performance-history.md, 'Paged attention (paged_attention.cpp)').
 constexpr int kKeyChunk = 128;
 // Keys of a chunk that an item over several KV heads (a decode) scores and adds up at every
 // head before the next ones: a block's worth of slots, whose rows for all heads lie together.
@@ -83,7 +84,8 @@ constexpr int64_t row_bytes(int dim) {
 // Whether the portable path's key rows go through the vector layer: on AVX-512, with
 // head_dim known at compile time, they widen by its loads (one vpmovsxbd per 16 int8 codes,
 // where GCC widens a loop's byte codes one by one) and score 16 keys at a time
-// (score_keys_fp32). On AVX2 the plain loops were the faster (docs/performance.md).
+// (score_keys_fp32). On AVX2 the plain loops were the faster (docs/performance-history.md, 'The
+// quantized KV cache').
 template <int kDim>
 constexpr bool kVectorRows =
 #if defined(__AVX512F__)
@@ -896,8 +898,9 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   // Keys [chunk, chunk + kKeyChunk) sit in blocks anywhere in the pool, a pattern the
   // hardware prefetcher cannot follow: each chunk's rows are asked for while the chunk before
   // it is computed, its K rows by the score pass and its V rows by the value pass (half the
-  // requests in each pass, not all in one: 5-9 % less time over an int8 cache), and the last
-  // chunk asks for the first one of the thread's next item.
+  // requests in each pass, not all in one: less time over an int8 cache;
+  // docs/performance-history.md, 'Figures the code's comments quoted'), and the last chunk asks for
+  // the first one of the thread's next item.
   int64_t offsets[2][kKeyChunk];
   const KV* values_ahead[kKeyChunk];
   int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0]);
@@ -910,7 +913,8 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   if (!first_asked_for)
     request_rows(key_cache, value_cache, offsets[0], n, heads, L.head_stride, bytes);
   // One head's item (a prefill tile) takes its chunk whole: groups would only add trips of
-  // its many rows' sums through memory (an int8 cache's 2,000-token prefill ~7 % longer).
+  // its many rows' sums through memory (an int8 cache's 2,000-token prefill took longer:
+  // docs/performance-history.md, "A decode's attention by key groups over every KV head").
   const int group = heads > 1 ? kKeyGroup : kKeyChunk;
   for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
     const bool last = chunk + kKeyChunk >= k_end;
@@ -922,8 +926,9 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
     const int heads_ahead = ahead_item ? ahead_item->kv_end - ahead_item->kv_begin : 0;
     // Both passes walk the chunk a key group at a time, every KV head within a group: a
     // group's slots hold all its heads' rows, and so are read together. Head by head over the
-    // whole chunk instead, a pass took 256 bytes from each of 128 slots 2 KB apart (Qwen3's
-    // heads), and a decode batch's attention ran ~10 % longer (docs/performance.md).
+    // whole chunk instead, a pass took 256 bytes from each of 128 slots 2 KB apart (Qwen3's heads),
+    // and a decode batch's attention ran longer (docs/performance-history.md, "A decode's attention
+    // by key groups over every KV head").
     for (int g = 0; g < n; g += group) {
       const int gn = std::min(group, n - g);
       const int gn_ahead = std::clamp(next_n - g, 0, gn);

@@ -1,9 +1,9 @@
 // bf16 GEMMs on CPUs without bf16 dot products (no AVX512-BF16, no AMX): oneDNN's bf16 GEMM
-// there widens every operand inside its inner loop and runs at ~30 GFLOP/s a core, a fifth of
-// the same CPU's fp32 GEMM (docs/performance.md). linear_widened widens the weight once per
-// call instead, a tile of rows at a time into a buffer, and runs the fp32 GEMM on each tile: the
-// weights stay bf16 in memory (half the bytes), the arithmetic is fp32, and the result is rounded
-// to bf16 once, as oneDNN's bf16 GEMM rounds it.
+// there widens every operand inside its inner loop and runs at a fraction of the same CPU's fp32
+// GEMM (docs/performance-history.md, 'Batched bf16 GEMMs on a CPU without bf16 dot products').
+// linear_widened widens the weight once per call instead, a tile of rows at a time into a buffer,
+// and runs the fp32 GEMM on each tile: the weights stay bf16 in memory (half the bytes), the
+// arithmetic is fp32, and the result is rounded to bf16 once, as oneDNN's bf16 GEMM rounds it.
 //
 // Its loops run on torch's OpenMP threads, as the fp32 GEMM between them does, not on the
 // kernels' work pool (work_pool.h): a pool helper spinning for its next loop would hold a
@@ -27,9 +27,10 @@ using kvscope::bf16;
 using kvscope::vec::FP32Vec16;
 
 // About 8 MiB of widened weight per tile: a layer's weight is one tile, so one GEMM call
-// (each call forks and joins its threads and packs its operands: 1 MiB tiles cost 1.4x
-// more at 64 rows), and only a large vocabulary's output projection is split, so the
-// buffer stays bounded. Whole multiples of 64 rows keep the GEMM's column blocks full.
+// (each call forks and joins its threads and packs its operands: 1 MiB tiles cost more at 64 rows,
+// docs/performance-history.md, 'Batched bf16 GEMMs on a CPU without bf16 dot products'), and only a
+// large vocabulary's output projection is split, so the buffer stays bounded. Whole multiples of 64
+// rows keep the GEMM's column blocks full.
 int64_t tile_rows(int64_t in_features) {
   constexpr int64_t kTileBytes = 8 << 20;
   return std::clamp<int64_t>(kTileBytes / (4 * in_features) / 64 * 64, 64, 16384);

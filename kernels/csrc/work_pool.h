@@ -4,9 +4,9 @@
 // An OpenMP region ends at a barrier that waits for every thread of the team, including one
 // the OS has descheduled to run something else (a dashboard, a browser, another process),
 // and a decode step runs ~200 of them, each then waiting for a thread that is not running
-// (docs/performance.md has what that cost). Here the calling thread takes chunks too, and
-// it waits only for chunks a helper has actually started: a helper that is not running when
-// a loop begins leaves its share to the caller.
+// (docs/performance-history.md, 'Threads (work_pool.h)', has what that cost). Here the calling
+// thread takes chunks too, and it waits only for chunks a helper has actually started: a helper
+// that is not running when a loop begins leaves its share to the caller.
 #pragma once
 
 #include <cstdint>

@@ -18,8 +18,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [groups, num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: KV length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    # Each group's rows as views, made once per forward (indexing a tensor per layer costs
-    # ~2 us a call, twice per layer).
+    # Each group's rows as views, made once per forward (indexing a tensor per layer costs a
+    # dispatcher call, twice per layer: docs/performance-history.md, 'Figures the code's
+    # comments quoted').
     group_slot_mappings: tuple[torch.Tensor, ...] = field(init=False)
     group_block_tables: tuple[torch.Tensor, ...] = field(init=False)
 

@@ -74,7 +74,8 @@ class FusedDecoderStack:
         tables = body.rotary.tables()
         # The token embedding and the rotary lookups run in the same call, the output
         # projection in a second: called from Python after a step has streamed the weights,
-        # their small ops and the Python around them would run cold (docs/performance.md).
+        # their small ops and the Python around them would run cold
+        # (docs/performance-history.md, 'Fused ops, sampling and the decoder stack').
         projection = body.embed_tokens if model.tied else model.lm_head
         embedding, embedding_scales, embedding_type = stack_table(body.embed_tokens)
         head, head_scales, head_type = stack_table(projection)

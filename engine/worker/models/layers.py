@@ -24,8 +24,9 @@ class Prepacks:
 
     def reset_parameters(self) -> None:
         """No random start: every weight comes from the checkpoint (load_weights checks that
-        each was set), and nn.Linear's kaiming init of a 0.4B model's linears took 4.8 s of
-        its load on 2 cores."""
+        each was set), and nn.Linear's kaiming init was a fifth of a 0.4B model's load
+        (docs/performance-history.md, 'GGUF files against llama.cpp on the same file', load
+        time)."""
 
     def prepack(self, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]) -> None:
         """Keep the weight only in the kernels' prepacked layout (where they take it): the

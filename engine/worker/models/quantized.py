@@ -34,17 +34,18 @@ from kvscope.kernels.gguf_lanes import (
 # weight. The exact kernels (fp32 activations, CPUs without VNNI) re-read the weights for
 # every 8 rows, so they stop there. The VNNI kernels (bf16 activations rounded to int8) take
 # any number of rows tile by tile, reading the weights once: on the Zen 4, whose bf16 GEMM
-# has bf16 dot products, they beat de-quantize + GEMM up to 32 rows (1.07x at 32, 0.89x at
-# 64: bench/quantized_linear.py). Where bf16 GEMMs run widened to fp32 they take every row
-# count: on a 2-core Xeon with VNNI alone, 1.3-2.9x the GEMM at 256 rows and 1.0-1.8x at
-# 2,048 (docs/performance.md).
+# has bf16 dot products, they beat de-quantize + GEMM up to 32 rows, not at 64
+# (bench/quantized_linear.py; docs/performance-history.md, 'Figures the code's comments
+# quoted'). Where bf16 GEMMs run widened to fp32 they match or beat it at every row count
+# measured, up to 2,048 (docs/performance-history.md, 'Prefill through the int8 dots where
+# bf16 GEMMs run widened').
 KERNEL_MAX_ROWS = 8
 TILED_KERNEL_MAX_ROWS = 32
 # GGUF layers repacked into lanes (GgufLinear.repack) de-quantize more slowly than int4 and
-# int8 do, so where those stop at TILED_KERNEL_MAX_ROWS the lanes keep streaming to here: on an
-# AMX Xeon they stream 1.09-1.6x faster than de-quantize + GEMM at 64 rows and 0.78-1.02x at
-# 96, where int4 and int8 cross between 32 and 64 rows depending on the sitting
-# (bench/stream_vs_gemm.py, docs/performance.md).
+# int8 do, so where those stop at TILED_KERNEL_MAX_ROWS the lanes keep streaming to here: on
+# an AMX Xeon they stream faster than de-quantize + GEMM at 64 rows and no faster at 96,
+# where int4 and int8 cross between 32 and 64 rows depending on the sitting
+# (bench/stream_vs_gemm.py; docs/performance-history.md, 'De-quantizing lanes for a GEMM').
 LANES_KERNEL_MAX_ROWS = 64
 
 

@@ -16,8 +16,9 @@
 //
 // and kvscope's own lanes of each (type 100 + its type; common.h): rows repacked at load for
 // the int4 kernels' dots, which take 16 chunks per 64-byte load where the blocks' dots take
-// one (Q4_0..Q8_0) or a super-block's 8 in four (the k-quants): on a CPU with AVX512-VNNI
-// they stream a model's layers 1.1-3.4x faster (docs/performance.md).
+// one (Q4_0..Q8_0) or a super-block's 8 in four (the k-quants): on a CPU with AVX512-VNNI they
+// stream a model's layers faster at every row count measured (docs/performance-history.md, 'Lanes:
+// every GGUF type repacked at load for the int4 kernels').
 //
 // Nibble order (every type): byte j of a 32-weight run holds weight j low and weight j + 16
 // high (Q4_0..Q5_1); for the k-quants, each 32 bytes of nibbles hold 64 weights, the low
