@@ -956,8 +956,8 @@ def test_only_the_cpu_backend_module_reaches_the_extension():
     """Every caller gets its kernels from the KernelOps the model runner chose: nothing
     else names (or probes) torch.ops.kvscope or torch.classes.kvscope."""
     root = Path(__file__).resolve().parents[1]
-    sources = [root / "app.py", *(path for folder in ("engine", "kernels", "ui")
-                                  for path in (root / folder).rglob("*.py"))]
+    sources = [path for folder in ("kvscope", "engine", "kernels", "ui")
+               for path in (root / folder).rglob("*.py")]
     use = re.compile(r"torch\.(ops|classes)\.kvscope\.|[hg]etattr\(torch\.(ops|classes)"
                      r"|hasattr\(torch\.(ops|classes)")
     reaching = [str(path.relative_to(root)) for path in sources if use.search(path.read_text())]
