@@ -1,7 +1,7 @@
 """Builds and loads the C++ CPU kernels (kernels/csrc) on first use.
 
-The build is cached under <kvscope cache dir>/cpu_kernels/<key>, the key hashing the
-source, the torch version, the compiler and the CPU's instruction-set flags: the code is
+The build is cached under <kvscope cache dir (cache.py)>/cpu_kernels/<key>, the key hashing
+the source, the torch version, the compiler and the CPU's instruction-set flags: the code is
 compiled with -march=native, so a cached build must never run on a CPU it was not built
 for (an AVX2-only machine gets its own AVX2 build). Loading registers
 the torch.ops.kvscope ops (attention, KV store and the fused forward ops).
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvscope.kernels.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -94,8 +96,6 @@ def load() -> None:
     if not compiler_available():
         raise RuntimeError("the CPU attention kernels need a C++ compiler (c++) and ninja")
     from torch.utils import cpp_extension
-
-    from kvscope.engine.worker.loader import cache_dir
 
     build_dir = cache_dir() / "cpu_kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -662,10 +662,9 @@ def test_cpu_build_key_names_the_cpu_and_torch(monkeypatch):
 def test_cpu_kernels_load_past_a_build_lock_left_by_a_killed_build(cpu_kernel_ops):
     """torch's build lock is a file: one left by a build killed midway (Ctrl-C on the first
     start) made every later start wait forever. A start now removes it and loads."""
-    from kvscope.engine.worker.loader import cache_dir
     from kvscope.kernels import cpu_extension
 
-    build_dir = cache_dir() / "cpu_kernels" / cpu_extension.build_key()
+    build_dir = cpu_extension.cache_dir() / "cpu_kernels" / cpu_extension.build_key()
     (build_dir / "lock").touch()
     loaded = subprocess.run(
         [sys.executable, "-c", "from kvscope.kernels import cpu_kernels; cpu_kernels.load()"],
@@ -962,6 +961,16 @@ def test_only_the_cpu_backend_module_reaches_the_extension():
                      r"|hasattr\(torch\.(ops|classes)")
     reaching = [str(path.relative_to(root)) for path in sources if use.search(path.read_text())]
     assert reaching == ["kernels/cpu_kernels.py"]
+
+
+def test_the_kernels_import_nothing_above_them():
+    """The kernels are the lowest stage: the engine, the dashboard and the session log
+    import them, never the reverse."""
+    root = Path(__file__).resolve().parents[1]
+    upward = re.compile(r"\bkvscope\.(engine|ui|storage|app)\b")
+    importing = [str(path.relative_to(root)) for path in (root / "kernels").rglob("*.py")
+                 if upward.search(path.read_text())]
+    assert importing == []
 
 
 def test_the_torch_backend_lacks_the_cpu_only_kernels(monkeypatch):
