@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,9 @@ SOURCES = sorted(CSRC.rglob("*.cpp"))
 INPUTS = sorted(path for path in CSRC.rglob("*") if path.suffix in {".cpp", ".h", ".hpp"})
 NAME = "kvscope_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# A first build takes minutes and cpp_extension is silent meanwhile (its verbose mode prints
+# every compiler command instead), so the build says how far it is this often.
+PROGRESS_EVERY_S = 10.0
 
 
 def cpu_flags() -> str:
@@ -87,6 +91,29 @@ def build_lock(build_dir: Path):
         yield
 
 
+@contextlib.contextmanager
+def progress_reports(build_dir: Path):
+    """Logs, every PROGRESS_EVERY_S until the block ends, how many sources have been
+    compiled into build_dir (one object file each; an interrupted build's objects count,
+    as ninja keeps them)."""
+    started = time.perf_counter()
+    finished = threading.Event()
+
+    def report() -> None:
+        while not finished.wait(PROGRESS_EVERY_S):
+            compiled = len(list(build_dir.glob("*.o")))
+            logger.info("C++ CPU kernels: %.0f s, %d of %d sources compiled",
+                        time.perf_counter() - started, compiled, len(SOURCES))
+
+    reporter = threading.Thread(target=report, name="kvscope-kernel-build-progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        reporter.join()
+
+
 @functools.cache
 def load() -> None:
     """Compile (first use on this CPU) or load the cached build; registers the ops.
@@ -99,8 +126,11 @@ def load() -> None:
 
     build_dir = cache_dir() / "cpu_kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{NAME}.so").is_file():
+        logger.info("compiling the C++ CPU kernels for this CPU (once; a few minutes) in %s",
+                    build_dir)
     started = time.perf_counter()
-    with build_lock(build_dir):
+    with progress_reports(build_dir), build_lock(build_dir):
         cpp_extension.load(
             name=NAME, sources=[str(source) for source in SOURCES],
             build_directory=str(build_dir), extra_include_paths=[str(CSRC)],

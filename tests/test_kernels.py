@@ -7,10 +7,12 @@ The C++ kernels are built once per CPU and source and cached (kernels/cpu_extens
 """
 
 import itertools
+import logging
 import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -671,6 +673,23 @@ def test_cpu_kernels_load_past_a_build_lock_left_by_a_killed_build(cpu_kernel_op
         cwd=Path(__file__).resolve().parents[1], timeout=120, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert not (build_dir / "lock").exists()
+
+
+def test_a_build_reports_its_progress_while_it_compiles(tmp_path, monkeypatch, caplog):
+    """A first build takes minutes with no output of its own: every PROGRESS_EVERY_S it
+    says how many sources are compiled (an object file each), and stops with the build."""
+    from kvscope.kernels import cpu_extension
+
+    monkeypatch.setattr(cpu_extension, "PROGRESS_EVERY_S", 0.02)
+    caplog.set_level(logging.INFO, logger=cpu_extension.__name__)
+    with cpu_extension.progress_reports(tmp_path):
+        (tmp_path / "a.o").touch()
+        (tmp_path / "b.o").touch()
+        time.sleep(0.2)
+    reports = [record.getMessage() for record in caplog.records]
+    assert reports and reports[-1].endswith(f"2 of {len(cpu_extension.SOURCES)} sources compiled")
+    time.sleep(0.1)
+    assert len(caplog.records) == len(reports)
 
 
 # --- the Triton paged-attention kernel ----------------------------------------------------
