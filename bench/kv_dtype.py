@@ -42,7 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
-sys.path.insert(0, str(Path(__file__).parent))
+
 import torch  # noqa: E402
 from common import add_model_args, ordinary_token_ids, setup  # noqa: E402
 from quantization import PROMPTS, TEXT, first_divergence, perplexity  # noqa: E402

@@ -36,5 +36,4 @@ if __name__ == "__main__":
     threading.Thread(target=probe, args=(Path(os.environ["KVSCOPE_SOAK_PROBE"]),),
                      name="kvscope-soak-probe", daemon=True).start()
     sys.argv = sys.argv[1:]
-    sys.path.insert(0, str(Path(sys.argv[0]).resolve().parent))
     runpy.run_path(sys.argv[0], run_name="__main__")

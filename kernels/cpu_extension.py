@@ -1,7 +1,7 @@
 """Builds and loads the C++ CPU kernels (kernels/csrc) on first use.
 
-The build is cached under <kvscope cache dir>/cpu_kernels/<key>, the key hashing the
-source, the torch version, the compiler and the CPU's instruction-set flags: the code is
+The build is cached under <kvscope cache dir (cache.py)>/cpu_kernels/<key>, the key hashing
+the source, the torch version, the compiler and the CPU's instruction-set flags: the code is
 compiled with -march=native, so a cached build must never run on a CPU it was not built
 for (an AVX2-only machine gets its own AVX2 build). Loading registers
 the torch.ops.kvscope ops (attention, KV store and the fused forward ops).
@@ -15,10 +15,13 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
 from pathlib import Path
 
 import torch
+
+from kvscope.kernels.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -27,6 +30,9 @@ SOURCES = sorted(CSRC.rglob("*.cpp"))
 INPUTS = sorted(path for path in CSRC.rglob("*") if path.suffix in {".cpp", ".h", ".hpp"})
 NAME = "kvscope_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# A first build takes minutes and cpp_extension is silent meanwhile (its verbose mode prints
+# every compiler command instead), so the build says how far it is this often.
+PROGRESS_EVERY_S = 10.0
 
 
 def cpu_flags() -> str:
@@ -85,6 +91,29 @@ def build_lock(build_dir: Path):
         yield
 
 
+@contextlib.contextmanager
+def progress_reports(build_dir: Path):
+    """Logs, every PROGRESS_EVERY_S until the block ends, how many sources have been
+    compiled into build_dir (one object file each; an interrupted build's objects count,
+    as ninja keeps them)."""
+    started = time.perf_counter()
+    finished = threading.Event()
+
+    def report() -> None:
+        while not finished.wait(PROGRESS_EVERY_S):
+            compiled = len(list(build_dir.glob("*.o")))
+            logger.info("C++ CPU kernels: %.0f s, %d of %d sources compiled",
+                        time.perf_counter() - started, compiled, len(SOURCES))
+
+    reporter = threading.Thread(target=report, name="kvscope-kernel-build-progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        reporter.join()
+
+
 @functools.cache
 def load() -> None:
     """Compile (first use on this CPU) or load the cached build; registers the ops.
@@ -95,12 +124,13 @@ def load() -> None:
         raise RuntimeError("the CPU attention kernels need a C++ compiler (c++) and ninja")
     from torch.utils import cpp_extension
 
-    from kvscope.engine.worker.loader import cache_dir
-
     build_dir = cache_dir() / "cpu_kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{NAME}.so").is_file():
+        logger.info("compiling the C++ CPU kernels for this CPU (once; a few minutes) in %s",
+                    build_dir)
     started = time.perf_counter()
-    with build_lock(build_dir):
+    with progress_reports(build_dir), build_lock(build_dir):
         cpp_extension.load(
             name=NAME, sources=[str(source) for source in SOURCES],
             build_directory=str(build_dir), extra_include_paths=[str(CSRC)],

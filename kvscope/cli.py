@@ -1,8 +1,6 @@
-"""The `kvscope` command: `kvscope serve` (the server, app.py's flags) and `kvscope replay`."""
+"""The `kvscope` command: `kvscope serve` (the server, kvscope/app.py) and `kvscope replay`."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 COMMANDS = {"serve": "run the server and dashboard (the flags of `python app.py`)",
             "replay": "replay a recorded session or a trace under other engine knobs"}
@@ -22,21 +20,9 @@ def main(argv: list[str] | None = None) -> None:
 
         replay_main(rest, session_logs=replay_source)
     else:
-        serve_main(rest)
+        from kvscope.app import main as serve_main
 
-
-def serve_main(argv: list[str]) -> None:
-    """app.py's main. kvscope installs from its checkout (`pip install -e .`), whose top
-    holds app.py beside the package folders."""
-    app_path = Path(__file__).resolve().parents[1] / "app.py"
-    if not app_path.is_file():
-        raise SystemExit(f"kvscope serve: no app.py beside the package at {app_path.parent}; "
-                         "install kvscope from its checkout (pip install -e .)")
-    spec = importlib.util.spec_from_file_location("kvscope_app", app_path)
-    app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(app)
-    sys.argv[0] = "kvscope serve"
-    app.main(argv)
+        serve_main(rest, prog="kvscope serve")
 
 
 if __name__ == "__main__":

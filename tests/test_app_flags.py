@@ -1,4 +1,4 @@
-"""Every EngineConfig knob has an app.py flag, and the README's knob table names it."""
+"""Every EngineConfig knob has a server flag (kvscope/app.py), and the README's knob table names it."""
 
 import re
 import time
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app import build_parser, engine_config, main
+from kvscope.app import build_parser, engine_config, main
 from kvscope.engine.config import EngineConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -64,7 +64,7 @@ def test_an_idle_connection_outlives_a_clients_pool_expiry():
     from conftest import wait_until
     from fastapi import FastAPI
 
-    from app import server_config
+    from kvscope.app import server_config
 
     ping = FastAPI()
     ping.get("/ping")(lambda: "pong")

@@ -26,8 +26,8 @@ from gradio_client import Client
 from gradio_client.exceptions import AuthenticationError
 from websockets.sync.client import connect as ws_connect
 
-from app import build_parser, mount_dashboard
 from kvscope import ui
+from kvscope.app import build_parser, mount_dashboard
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app

@@ -7,10 +7,12 @@ The C++ kernels are built once per CPU and source and cached (kernels/cpu_extens
 """
 
 import itertools
+import logging
 import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -662,16 +664,32 @@ def test_cpu_build_key_names_the_cpu_and_torch(monkeypatch):
 def test_cpu_kernels_load_past_a_build_lock_left_by_a_killed_build(cpu_kernel_ops):
     """torch's build lock is a file: one left by a build killed midway (Ctrl-C on the first
     start) made every later start wait forever. A start now removes it and loads."""
-    from kvscope.engine.worker.loader import cache_dir
     from kvscope.kernels import cpu_extension
 
-    build_dir = cache_dir() / "cpu_kernels" / cpu_extension.build_key()
+    build_dir = cpu_extension.cache_dir() / "cpu_kernels" / cpu_extension.build_key()
     (build_dir / "lock").touch()
     loaded = subprocess.run(
         [sys.executable, "-c", "from kvscope.kernels import cpu_kernels; cpu_kernels.load()"],
         cwd=Path(__file__).resolve().parents[1], timeout=120, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert not (build_dir / "lock").exists()
+
+
+def test_a_build_reports_its_progress_while_it_compiles(tmp_path, monkeypatch, caplog):
+    """A first build takes minutes with no output of its own: every PROGRESS_EVERY_S it
+    says how many sources are compiled (an object file each), and stops with the build."""
+    from kvscope.kernels import cpu_extension
+
+    monkeypatch.setattr(cpu_extension, "PROGRESS_EVERY_S", 0.02)
+    caplog.set_level(logging.INFO, logger=cpu_extension.__name__)
+    with cpu_extension.progress_reports(tmp_path):
+        (tmp_path / "a.o").touch()
+        (tmp_path / "b.o").touch()
+        time.sleep(0.2)
+    reports = [record.getMessage() for record in caplog.records]
+    assert reports and reports[-1].endswith(f"2 of {len(cpu_extension.SOURCES)} sources compiled")
+    time.sleep(0.1)
+    assert len(caplog.records) == len(reports)
 
 
 # --- the Triton paged-attention kernel ----------------------------------------------------
@@ -956,12 +974,22 @@ def test_only_the_cpu_backend_module_reaches_the_extension():
     """Every caller gets its kernels from the KernelOps the model runner chose: nothing
     else names (or probes) torch.ops.kvscope or torch.classes.kvscope."""
     root = Path(__file__).resolve().parents[1]
-    sources = [root / "app.py", *(path for folder in ("engine", "kernels", "ui")
-                                  for path in (root / folder).rglob("*.py"))]
+    sources = [path for folder in ("kvscope", "engine", "kernels", "ui")
+               for path in (root / folder).rglob("*.py")]
     use = re.compile(r"torch\.(ops|classes)\.kvscope\.|[hg]etattr\(torch\.(ops|classes)"
                      r"|hasattr\(torch\.(ops|classes)")
     reaching = [str(path.relative_to(root)) for path in sources if use.search(path.read_text())]
     assert reaching == ["kernels/cpu_kernels.py"]
+
+
+def test_the_kernels_import_nothing_above_them():
+    """The kernels are the lowest stage: the engine, the dashboard and the session log
+    import them, never the reverse."""
+    root = Path(__file__).resolve().parents[1]
+    upward = re.compile(r"\bkvscope\.(engine|ui|storage|app)\b")
+    importing = [str(path.relative_to(root)) for path in (root / "kernels").rglob("*.py")
+                 if upward.search(path.read_text())]
+    assert importing == []
 
 
 def test_the_torch_backend_lacks_the_cpu_only_kernels(monkeypatch):

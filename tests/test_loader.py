@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvscope.engine.worker import loader
+from kvscope.kernels import cache as kernel_cache
 
 
 @pytest.fixture
@@ -68,10 +69,11 @@ def test_bad_model_path_names_model(tmp_path: Path, relative_path: str) -> None:
 
 
 def test_cache_dir_honours_environment(tmp_path: Path, monkeypatch) -> None:
+    """One cache folder for the kernels' builds and the engine's converted models."""
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
-    assert loader.cache_dir() == tmp_path / "cache"
+    assert kernel_cache.cache_dir() == tmp_path / "cache"
     monkeypatch.delenv("KVSCOPE_CACHE_DIR")
-    assert loader.cache_dir() == Path.home() / ".cache" / "kvscope"
+    assert kernel_cache.cache_dir() == Path.home() / ".cache" / "kvscope"
 
 
 def test_default_model_without_package_explains_install(monkeypatch) -> None:

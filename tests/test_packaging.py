@@ -1,15 +1,23 @@
-"""One import root: kvscope installs as `kvscope.*` and takes no generic top-level name.
+"""One import root: kvscope installs as `kvscope.*` and takes no generic top-level name;
+and installed from its wheel, it serves without the checkout.
 
 Checked from outside the repository (a fresh interpreter in another folder), as a user
 who installed kvscope into an environment of their own would import it.
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from kvscope.engine.replay.cost_model import StepCost
+
 REPO = Path(__file__).resolve().parents[1]
+# What a wheel is built from: the build files and the folders setup.py installs.
+BUILD_INPUTS = ("setup.py", "pyproject.toml", "README.md", "kvscope", "engine", "kernels", "ui",
+                "storage")
 
 
 def run_in(folder: Path, script: str) -> dict:
@@ -72,3 +80,73 @@ def test_the_kvscope_command_serves_with_app_flags(tmp_path):
     assert serve.startswith("usage: kvscope serve")
     unknown = subprocess.run([command, "bogus"], cwd=tmp_path, capture_output=True, text=True)
     assert unknown.returncode == 2 and "serve" in unknown.stderr
+
+
+def installed_wheel(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv with kvscope installed from a wheel of this checkout: no editable install, no
+    checkout on its path. A .pth file lends it this interpreter's site-packages folders for
+    the dependencies; a folder a .pth file names only goes on the path (the .pth files in it
+    are not run), so the finder of an editable kvscope there stays out. Returns the venv's
+    bin/ and site-packages folders."""
+    source, venv = tmp_path / "source", tmp_path / "venv"
+    source.mkdir()
+    for name in BUILD_INPUTS:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-qq"]
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", tmp_path / "wheels", source], check=True)
+    (wheel,) = (tmp_path / "wheels").glob("kvscope-*.whl")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([*pip, "--python", python, "install", "--no-deps", wheel], check=True)
+    site = Path(succeed([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                        tmp_path).strip())
+    lent = [entry for entry in sys.path if Path(entry).name in ("site-packages", "dist-packages")]
+    (site / "lent-dependencies.pth").write_text("".join(f"{entry}\n" for entry in lent))
+    return venv / "bin", site
+
+
+def succeed(command: list, folder: Path) -> str:
+    """The stdout of `command` run in `folder` without PYTHONPATH; fails with its stderr."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_a_wheel_serves_and_replays_without_the_checkout(tmp_path, tiny_chat_model_path):
+    """kvscope installed from its wheel, run from a folder outside the checkout: every part
+    and every file the package reads at run time come from the venv, `kvscope serve` takes
+    its flags and `kvscope replay --simulate` replays a trace."""
+    bin_folder, site = installed_wheel(tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    found = json.loads(succeed([bin_folder / "python", "-c", (
+        "import json\n"
+        "import kvscope, kvscope.app, kvscope.engine, kvscope.storage\n"
+        "from kvscope.kernels import cpu_extension\n"
+        "from kvscope.ui import dashboard, frame_guard\n"
+        "print(json.dumps({'modules': [kvscope.__file__, kvscope.app.__file__,\n"
+        "                              kvscope.engine.__file__, kvscope.storage.__file__],\n"
+        "                  'data': [str(dashboard.CSS_PATH), str(dashboard.POLLER_PATH),\n"
+        "                           str(frame_guard.FRAME_GUARD_JS),\n"
+        "                           *map(str, cpu_extension.INPUTS)]}))\n")], outside))
+    for path in map(Path, found["modules"] + found["data"]):
+        assert path.is_relative_to(site) and path.is_file(), path
+    assert any(Path(path).suffix == ".cpp" for path in found["data"])
+
+    kvscope = bin_folder / "kvscope"
+    serve = succeed([kvscope, "serve", "--help"], outside)
+    assert serve.startswith("usage: kvscope serve") and "--block-size" in serve
+    trace, cost = outside / "trace.jsonl", outside / "cost.json"
+    trace.write_text("".join(json.dumps({"timestamp": 20 * i, "input_length": 30 + i,
+                                         "output_length": 4, "hash_ids": [i % 2]}) + "\n"
+                             for i in range(4)))
+    cost.write_text(StepCost(0.01, 1e-4, 0.0, 0.0).to_json())
+    (run,) = json.loads(succeed([kvscope, "replay", trace, "--model", tiny_chat_model_path,
+                                 "--simulate", "--cost-model", cost, "--json",
+                                 "--config", "num_gpu_blocks_override=32"], outside))
+    assert run["mode"] == "simulated" and run["num_requests"] == 4

@@ -339,7 +339,7 @@ def test_a_request_that_dies_with_its_replica_is_recorded_as_it_stood() -> None:
 
 def test_one_replica_starts_no_ray(tiny_chat_model_path) -> None:
     script = (
-        "import sys, app\n"
+        "import sys\nfrom kvscope import app\n"
         f"args = app.build_parser().parse_args(['--model', {str(tiny_chat_model_path)!r}, "
         "'--dtype', 'float32', '--device', 'cpu', '--num-gpu-blocks-override', '32'])\n"
         "engine = app.start_engine(args)\n"

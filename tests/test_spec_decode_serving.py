@@ -11,7 +11,7 @@ from conftest import serve
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import connect as ws_connect
 
-import app
+from kvscope import app
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.serving import create_app

@@ -10,7 +10,7 @@ import threading
 import pytest
 from conftest import wait_until
 
-from app import QuietPolling
+from kvscope.app import QuietPolling
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.telemetry.records import StepRecord

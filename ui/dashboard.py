@@ -12,7 +12,7 @@ from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, scrubber,
 from kvscope.ui.live import LiveFeeds
 from kvscope.ui.plotdata import panel
 
-CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "dashboard.css"
+CSS_PATH = Path(__file__).resolve().parent / "dashboard.css"
 POLLER_PATH = Path(__file__).resolve().parent / "live_poller.js"
 REFRESH_ENDPOINT = "refresh_live"
 # The share of one core the browser may spend drawing the live panels, all together

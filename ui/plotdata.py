@@ -11,7 +11,7 @@ from gradio.components.plot import PlotData
 
 Figure = dict
 # Every plot carries this class (panel()): its label then sits in the page's flow, above the
-# chart (assets/dashboard.css), not over the chart's title.
+# chart (ui/dashboard.css), not over the chart's title.
 PANEL_CLASS = "kv-panel"
 
 

@@ -31,6 +31,7 @@ from kvscope.engine.worker.gguf_weights import (
     iter_gguf_weights,
 )
 from kvscope.engine.worker.models.quantized import dense
+from kvscope.kernels.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +57,6 @@ def find_default_gguf() -> Path:
             "or pass model=PATH to a local Hugging Face folder"
         )
     return gguf_path
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $KVSCOPE_CACHE_DIR, else ~/.cache/kvscope."""
-    configured = os.environ.get("KVSCOPE_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvscope"
 
 
 def default_model_path() -> Path:

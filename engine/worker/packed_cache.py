@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from kvscope.engine.worker import gguf_weights
-from kvscope.engine.worker.loader import cache_dir
 from kvscope.engine.worker.models import quantized
+from kvscope.kernels.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 LAYOUT_SOURCES = (Path(quantized.__file__), Path(gguf_weights.__file__))

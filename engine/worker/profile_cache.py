@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvscope import kernels
+from kvscope.kernels.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 # The code a profiling forward runs: a change to any of it changes what it allocates.
@@ -30,9 +31,7 @@ MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt")
 
 
 def profile_cache_dir() -> Path:
-    """$KVSCOPE_PROFILE_CACHE, else `profiles` under the converted-model cache."""
-    from kvscope.engine.worker.loader import cache_dir
-
+    """$KVSCOPE_PROFILE_CACHE, else `profiles` under kvscope's cache folder."""
     configured = os.environ.get("KVSCOPE_PROFILE_CACHE")
     return Path(configured).expanduser() if configured else cache_dir() / "profiles"
 
