@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.kernels import cpu_extension, kv_quant, reference
-from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels, PrepackedWeight
+from kvscope.kernels.kernel_ops import (
+    AttentionCall,
+    KernelOps,
+    PackedLinearKernels,
+    PrepackedWeight,
+    paged_attention_op,
+)
 
 
 @functools.cache
@@ -42,27 +48,17 @@ def load() -> None:
     _widens_bf16_gemms = torch.ops.kvscope.widens_bf16_gemms()
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
+@paged_attention_op
+def paged_attention(call: AttentionCall) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention; reads K/V in place."""
+    query = call.query
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()  # the kernel takes rows of a fused projection as they are
-    if out is None:
-        out = query.new_empty(query.shape)
+    out = query.new_empty(query.shape) if call.out is None else call.out
     torch.ops.kvscope.paged_attention(
-        query, key_cache, value_cache, block_tables.to(torch.int32), seq_lens.to(torch.int32),
-        query_start_loc.to(torch.int32), scale, out, sliding_window or 0, soft_cap or 0.0)
+        query, call.key_cache, call.value_cache, call.block_tables.to(torch.int32),
+        call.seq_lens.to(torch.int32), call.query_start_loc.to(torch.int32), call.scale, out,
+        call.sliding_window or 0, call.soft_cap or 0.0)
     return out
 
 

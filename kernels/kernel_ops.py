@@ -29,11 +29,50 @@ eager does:
       one row's fp32 values itself (torch's conversion woke its OpenMP threads for it)
 """
 
+import functools
+import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(slots=True)
+class AttentionCall:
+    """One paged-attention call: the arguments of every backend's paged_attention, written
+    once (a new argument is a field here). The contract: reference.paged_attention."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    # [num_blocks, block_size, kv_heads, head_dim], or a quantized cache's rows of codes and
+    # a scale (kernels/kv_quant.py)
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_seqs]: each sequence's KV length, its new tokens included
+    query_start_loc: torch.Tensor  # [num_seqs + 1]: sequence i's tokens are query rows [s_i, s_i+1)
+    scale: float
+    out: torch.Tensor | None = None  # where the result goes; None: a new tensor
+    _: KW_ONLY
+    sliding_window: int | None = None  # W: the token at position p sees keys (p - W, p]
+    soft_cap: float | None = None  # c: scores become c * tanh(scores / c)
+
+
+# paged_attention's signature, for help() and editors: AttentionCall's, returning the output.
+_PAGED_ATTENTION_SIGNATURE = inspect.signature(AttentionCall).replace(
+    return_annotation=torch.Tensor)
+
+
+def paged_attention_op(attend: Callable[[AttentionCall], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A backend's `attend(call)` as its paged_attention, whose arguments are AttentionCall's
+    fields (in order; sliding_window and soft_cap by keyword)."""
+
+    @functools.wraps(attend)
+    def paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return attend(AttentionCall(*args, **kwargs))
+
+    paged_attention.__signature__ = _PAGED_ATTENTION_SIGNATURE
+    return paged_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +126,8 @@ class PrepackedWeight:
 class KernelOps:
     backend: str  # "triton", "cpu" or "torch" (kvscope.kernels.BACKENDS)
     # paged attention and the KV store (contracts: reference.paged_attention, store_kv),
-    # over caches in the model's dtype and the quantized caches of kernels/kv_quant.py
+    # over caches in the model's dtype and the quantized caches of kernels/kv_quant.py;
+    # paged_attention takes AttentionCall's fields (paged_attention_op)
     paged_attention: Callable[..., torch.Tensor]
     store_kv: Callable[..., None]
     # the small ops around a layer's matmuls (contracts: this module's docstring)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.kernels import kv_quant
+from kvscope.kernels.kernel_ops import AttentionCall, paged_attention_op
 
 
 def store_kv(
@@ -40,23 +41,12 @@ def gather_kv(
     return rows.flatten(0, 1)[:seq_len]
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
+@paged_attention_op
+def paged_attention(call: AttentionCall) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged K/V.
 
-    query [num_tokens, num_heads, head_dim]; caches [num_blocks, block_size, kv_heads,
-    head_dim]; the new tokens of sequence i are its last q_len_i positions.
+    The arguments are AttentionCall's (kernel_ops.py); the new tokens of sequence i are its
+    last q_len_i positions.
     sliding_window=W: the token at position p sees keys (p - W, p] only (transformers'
     sliding-window mask); block table entries wholly before that may be -1 (the KV
     manager's RELEASED: it freed those blocks) and are never read. soft_cap=c: scores
@@ -68,23 +58,21 @@ def paged_attention(
     zeros. The Triton kernel never reads them.
     A quantized cache's rows are de-quantized as they are gathered, for this batch only.
     """
-    if out is None:
-        out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
+    out = torch.empty_like(call.query) if call.out is None else call.out
+    starts = call.query_start_loc.tolist()
+    lengths = call.seq_lens.tolist()
     query_lens = [end - start for start, end in itertools.pairwise(starts)]
     decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
     for rows in _similar_length_groups(decode_rows, lengths):
-        _decode_batch(query, key_cache, value_cache, block_tables, seq_lens, starts,
-                      rows, scale, out, sliding_window, soft_cap)
+        _decode_batch(call, starts, rows, out)
     for i, query_len in enumerate(query_lens):
         if query_len > 1:
             start, seq_len = starts[i], lengths[i]
             out[start:start + query_len] = _attend_one(
-                query[start:start + query_len],
-                gather_kv(key_cache, block_tables[i], seq_len),
-                gather_kv(value_cache, block_tables[i], seq_len),
-                scale, sliding_window, soft_cap,
+                call.query[start:start + query_len],
+                gather_kv(call.key_cache, call.block_tables[i], seq_len),
+                gather_kv(call.value_cache, call.block_tables[i], seq_len),
+                call.scale, call.sliding_window, call.soft_cap,
             )
     return out
 
@@ -160,36 +148,28 @@ def _similar_length_groups(rows: list[int], lengths: list[int],
     return groups
 
 
-def _decode_batch(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    starts: list[int],
-    rows: list[int],
-    scale: float,
-    out: torch.Tensor,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> None:
-    """All one-token queries at once, their K/V gathered into a padded batch."""
-    block_size = key_cache.shape[1]
+def _decode_batch(call: AttentionCall, starts: list[int], rows: list[int],
+                  out: torch.Tensor) -> None:
+    """The one-token queries of sequences `rows` at once, their K/V gathered into a padded
+    batch."""
+    query = call.query
+    block_size = call.key_cache.shape[1]
     device = query.device
     row_index = torch.tensor(rows, device=device)
     token_index = torch.tensor([starts[i] for i in rows], device=device)
-    lens = seq_lens[row_index].long()
+    lens = call.seq_lens[row_index].long()
     num_blocks = -(-int(lens.max()) // block_size)
-    tables = block_tables[row_index, :num_blocks].long().clamp(min=0)  # RELEASED: masked
+    tables = call.block_tables[row_index, :num_blocks].long().clamp(min=0)  # RELEASED: masked
     # [batch, blocks, block_size, kv_heads, dim] -> [batch, kv_heads, padded_len, dim]
-    keys = kv_quant.dequantize(_gather_blocks(key_cache, tables), query.dtype)
-    values = kv_quant.dequantize(_gather_blocks(value_cache, tables), query.dtype)
+    keys = kv_quant.dequantize(_gather_blocks(call.key_cache, tables), query.dtype)
+    values = kv_quant.dequantize(_gather_blocks(call.value_cache, tables), query.dtype)
     key_pos = torch.arange(keys.shape[2], device=device).unsqueeze(0)
     mask = key_pos < lens.unsqueeze(1)
-    if sliding_window:
-        mask &= key_pos >= lens.unsqueeze(1) - sliding_window
+    if call.sliding_window:
+        mask &= key_pos >= lens.unsqueeze(1) - call.sliding_window
     q = query.index_select(0, token_index).unsqueeze(2)  # [batch, heads, 1, dim]
-    result = _softmax_attention(q, keys, values, mask[:, None, None, :], scale, soft_cap)
+    result = _softmax_attention(q, keys, values, mask[:, None, None, :], call.scale,
+                                call.soft_cap)
     out.index_copy_(0, token_index, result.squeeze(2).to(out.dtype))
 
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from kvscope.kernels import kv_quant
 from kvscope.kernels import triton_kv_codes as kv_codes
+from kvscope.kernels.kernel_ops import AttentionCall, paged_attention_op
 
 # @triton.jit picks the interpreter at decoration time, so this is fixed at import.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -253,28 +254,21 @@ def _choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int,
     return max(1, min(wanted, triton.cdiv(max_kv_len, block_n) // 4, 64))
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_kv_splits: int | None = None,
-) -> torch.Tensor:
+@paged_attention_op
+def paged_attention(call: AttentionCall) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged K/V.
 
-    Same contract as kernels.reference.paged_attention. block_m / block_n (query rows and
-    keys per tile) and num_kv_splits override the heuristics (tests use them).
+    Same contract as kernels.reference.paged_attention.
     """
-    num_tokens, num_heads, head_dim = query.shape
+    return attend(call)
+
+
+def attend(call: AttentionCall, block_m: int | None = None, block_n: int | None = None,
+           num_kv_splits: int | None = None) -> torch.Tensor:
+    """paged_attention with block_m / block_n (query rows and keys per tile) and
+    num_kv_splits given rather than chosen by the heuristics (tests use them)."""
+    num_tokens, num_heads, head_dim = call.query.shape
+    key_cache, value_cache = call.key_cache, call.value_cache
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (kv_quant.head_dim_of(key_cache) != head_dim or value_cache.shape != key_cache.shape
             or value_cache.dtype != key_cache.dtype):
@@ -287,18 +281,16 @@ def paged_attention(
         raise ValueError(f"block_size={block_size} must be a power of two")
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("key_cache and value_cache must be contiguous in head_dim")
-    if out is None:
-        out = torch.empty_like(query)
-    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(call.query) if call.out is None else call.out
+    num_seqs = call.seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if query.stride(-1) != 1:
-        query = query.contiguous()
+    query = call.query if call.query.stride(-1) == 1 else call.query.contiguous()
     target = out if out.stride(-1) == 1 else torch.empty_like(query)
     # The binary search keeps loop-carried int32 values; int64 metadata would not match.
-    block_tables = block_tables.to(torch.int32)
-    seq_lens = seq_lens.to(torch.int32)
-    query_start_loc = query_start_loc.to(torch.int32)
+    block_tables = call.block_tables.to(torch.int32)
+    seq_lens = call.seq_lens.to(torch.int32)
+    query_start_loc = call.query_start_loc.to(torch.int32)
 
     queries_per_kv = num_heads // num_kv_heads
     queries_per_kv_pad = triton.next_power_of_2(queries_per_kv)
@@ -315,7 +307,7 @@ def paged_attention(
     if num_kv_splits is None:
         num_kv_splits = _choose_num_splits(
             num_tokens, num_seqs, num_kv_heads,
-            min(block_tables.shape[1] * block_size, sliding_window or sys.maxsize), block_n,
+            min(block_tables.shape[1] * block_size, call.sliding_window or sys.maxsize), block_n,
             query.device)
     split_kv = num_kv_splits > 1
 
@@ -334,8 +326,8 @@ def paged_attention(
     _paged_attention_kernel[grid](
         query, key_target, value_target, block_tables, seq_lens, query_start_loc,
         target, partial_out, partial_max, partial_sum,
-        scale, num_seqs, num_kv_splits, block_size.bit_length() - 1, sliding_window or 0,
-        soft_cap or 1.0,
+        call.scale, num_seqs, num_kv_splits, block_size.bit_length() - 1,
+        call.sliding_window or 0, call.soft_cap or 1.0,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -348,7 +340,7 @@ def paged_attention(
         # The interpreter (triton 3.x) multiplies bf16 dot operands as raw bits, and fp16
         # ones without BLAS; fp32 products of half inputs are exact, so this is only faster.
         UPCAST_DOT=INTERPRETED and query.dtype != torch.float32,
-        DOT_PRECISION=_fp32_dot_precision(query.device), SOFT_CAP=bool(soft_cap), **codes,
+        DOT_PRECISION=_fp32_dot_precision(query.device), SOFT_CAP=bool(call.soft_cap), **codes,
     )
     if split_kv:
         _merge_splits_kernel[(num_tokens, num_heads)](

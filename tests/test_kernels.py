@@ -27,13 +27,15 @@ if not torch.cuda.is_available():
 
 from kvscope import kernels
 from kvscope.kernels import cpu_kernels, kv_quant, reference
+from kvscope.kernels.kernel_ops import AttentionCall
 
 try:
     from kvscope.kernels.triton_attention import INTERPRETED
+    from kvscope.kernels.triton_attention import attend as triton_attend
     from kvscope.kernels.triton_attention import paged_attention as triton_paged_attention
     from kvscope.kernels.triton_kv_store import store_kv as triton_store_kv
 except ImportError:  # triton is not installed: only the torch twins are tested
-    triton_store_kv = triton_paged_attention = None
+    triton_store_kv = triton_paged_attention = triton_attend = None
     INTERPRETED = False
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -735,7 +737,7 @@ def test_triton_attention_at_block_boundaries(device, block_size):
 def test_triton_attention_tile_size_is_independent_of_block_size(
         device, block_m, block_n, block_size):
     batch = make_batch(mixed_seqs(block_size), block_size, 1, 4, 64, device=device)
-    out = triton_paged_attention(*batch.args(), block_m=block_m, block_n=block_n)
+    out = triton_attend(AttentionCall(*batch.args()), block_m=block_m, block_n=block_n)
     assert_close(out, dense_attention(batch), torch.float32)
 
 
@@ -748,7 +750,7 @@ def test_triton_attention_tile_size_is_independent_of_block_size(
 ])
 def test_triton_attention_split_kv_matches_dense(device, seqs, num_kv_splits):
     batch = make_batch(seqs, 16, 2, 2, 64, device=device)
-    out = triton_paged_attention(*batch.args(), block_n=16, num_kv_splits=num_kv_splits)
+    out = triton_attend(AttentionCall(*batch.args()), block_n=16, num_kv_splits=num_kv_splits)
     assert_close(out, dense_attention(batch), torch.float32)
 
 
@@ -944,8 +946,8 @@ def test_triton_attention_reads_quantized_caches_for_half_queries(device, dtype,
     batch = make_batch([(70, 1), (5, 1), (130, 1), (21, 4)], 16, 2, 3, 80, dtype=dtype,
                        device=device)
     key_cache, value_cache, dequantized = quantized_caches(batch, codes, triton_store_kv)
-    out = triton_paged_attention(batch.query, key_cache, value_cache, *batch.args()[3:],
-                                 block_n=16, num_kv_splits=3)
+    out = triton_attend(AttentionCall(batch.query, key_cache, value_cache, *batch.args()[3:]),
+                        block_n=16, num_kv_splits=3)
     assert out.dtype == dtype
     assert_close(out, oracle_on_dequantized(batch, dequantized), dtype)
 
@@ -1162,5 +1164,6 @@ def test_triton_attention_window_and_soft_cap_match_dense(device, block_size, wi
 def test_triton_attention_window_with_split_kv(device):
     batch = make_batch([(200, 1), (77, 1), (9, 1)], 8, 2, 2, 64, device=device,
                        sliding_window=50)
-    out = triton_paged_attention(*batch.args(), sliding_window=50, block_n=16, num_kv_splits=3)
+    out = triton_attend(AttentionCall(*batch.args(), sliding_window=50), block_n=16,
+                        num_kv_splits=3)
     assert_close(out, dense_attention(batch), torch.float32)

@@ -9,7 +9,7 @@
 #include "llama_stack.h"
 
 TORCH_LIBRARY(kvscope, m) {
-  // paged_attention.cpp
+  // attention/paged_attention.cpp
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor(a!) out, int window=0, "
         "float soft_cap=0.) -> ()");

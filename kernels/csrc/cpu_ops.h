@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-// paged_attention.cpp
+// attention/paged_attention.cpp
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,

@@ -27,8 +27,8 @@
 // The exact path de-quantizes each output row's blocks to fp32 once, into a buffer that stays
 // in L1 while every row of x is dotted with it (x widened to fp32 once per call): one read of
 // the weights for any number of rows, the same exact result for every row. bf16 x takes
-// integer dots instead, with x rounded to int8 (llama.cpp's q8_K / Q8_0): kquants_vnni.h's
-// on a CPU with AVX512-VNNI, kquants_avx2.h's on one with AVX2 alone; they too read each
+// integer dots instead, with x rounded to int8 (llama.cpp's q8_K / Q8_0): kquants_dots.h's,
+// on a CPU with AVX512-VNNI or with AVX2 alone; they too read each
 // row once for any number of rows. More rows than the model's streaming limit
 // (engine/worker/models/quantized.py) run a GEMM over gguf_dequantize's dense weight instead.
 #include <ATen/core/Tensor.h>
@@ -45,9 +45,8 @@
 
 #include "cpu_ops.h"
 #include "quantized/common.h"
-#include "quantized/kquants_avx2.h"
 #include "quantized/kquants_blocks.h"
-#include "quantized/kquants_vnni.h"
+#include "quantized/kquants_dots.h"
 #include "work_pool.h"
 
 #if defined(KVSCOPE_VNNI_DOTS) || defined(KVSCOPE_AVX2_DOTS)
@@ -336,9 +335,8 @@ void dequantize_row(int64_t type, BlockFormat format, const uint8_t* row, int64_
 }
 
 #if defined(KVSCOPE_GGUF_INT8_DOTS)
-// bf16 x rounded to int8 (kquants_vnni.h, kquants_avx2.h), each weight row dotted with
-// every row of x while it is in L1, kMaxRows rows of x at a time: dot(rows constant,
-// x_first, row, sums).
+// bf16 x rounded to int8 (kquants_dots.h), each weight row dotted with every row of x while
+// it is in L1, kMaxRows rows of x at a time: dot(rows constant, x_first, row, sums).
 template <typename Out, typename Dot>
 void linear_int8(const at::Tensor& weight, int64_t rows, const bf16* bias, at::Tensor& out,
                  Dot&& dot) {

@@ -1,4 +1,4 @@
-// What the int8-dot paths of gguf_linear (kquants_vnni.h, kquants_avx2.h) read alike from
+// What gguf_linear's int8 dots (kquants_dots.h) and its lanes (kquants.cpp) read alike from
 // ggml's blocks, whatever the instruction set.
 #pragma once
 

@@ -30,12 +30,12 @@
 
 namespace kvscope::quantized {
 
-#if defined(KVSCOPE_VNNI_DOTS)
 constexpr int64_t kBlock = 32;  // activations share one int8 scale per 32 values (Q8_0)
 
 // Rows of bf16 x rounded to int8, llama.cpp's Q8_0: per block of 32 values d = max|x| / 127
 // and q = round(x * (1 / d)), ties to even; values past `in` are zeros. The kernels read
-// them re-laid for their weight layouts (int4_lanes, int8_lanes).
+// them re-laid for their weight layouts (int4_lanes, int8_lanes). (Defined on every CPU:
+// kquants_dots.h rounds x so on AVX2 too.)
 struct Int8Rows {
   int64_t blocks = 0;
   std::vector<int8_t> q;             // [rows][blocks * 32]
@@ -44,6 +44,7 @@ struct Int8Rows {
   std::vector<float> scaled_q_sums;  // per row: the rounded row's sum
 };
 
+#if defined(KVSCOPE_VNNI_DOTS)
 inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
