@@ -126,11 +126,13 @@ def load() -> None:
 
     build_dir = cache_dir() / "cpu_kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / f"{NAME}.so").is_file():
+    compiling = not (build_dir / f"{NAME}.so").is_file()
+    if compiling:
         logger.info("compiling the C++ CPU kernels for this CPU (once; a few minutes) in %s",
                     build_dir)
     started = time.perf_counter()
-    with progress_reports(build_dir), build_lock(build_dir):
+    reports = progress_reports(build_dir) if compiling else contextlib.nullcontext()
+    with reports, build_lock(build_dir):
         cpp_extension.load(
             name=NAME, sources=[str(source) for source in SOURCES],
             build_directory=str(build_dir), extra_include_paths=[str(CSRC)],

@@ -142,6 +142,7 @@ class AsyncEngine(ServedEngine):
 
     def __init__(self, core: EngineCore, base_config: EngineConfig | None = None) -> None:
         self._core = core
+        self._served = ServedModel.of(core)  # a core serves one config and pool for life
         self._recorder = PoolRecorder(core).listen()
         self._kv_listeners: list[KVEventSink] = []
         # Reconfigure applies knobs to the unresolved config, so derived knobs (the token
@@ -204,7 +205,7 @@ class AsyncEngine(ServedEngine):
     @property
     def served(self) -> ServedModel:
         """The model and pool the current core runs (a new core after each reconfigure)."""
-        return ServedModel.of(self._core)
+        return self._served
 
     @property
     def tokenizer(self):
@@ -566,7 +567,8 @@ class AsyncEngine(ServedEngine):
             settle_future(pending.result, error=error)
         else:
             core.step_index = old.step_index  # readers see one step sequence across configs
-            self._core, self._base_config = core, pending.config
+            self._core, self._served, self._base_config = (core, ServedModel.of(core),
+                                                           pending.config)
             self._recorder = PoolRecorder(core).listen()
             for listener in self._kv_listeners:  # the old pool's cache went with it
                 listener(AllBlocksCleared())

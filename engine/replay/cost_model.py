@@ -145,4 +145,3 @@ def load_step_cost(path: str | Path, session_logs: SessionLogReader) -> StepCost
     except (OSError, json.JSONDecodeError, TypeError) as error:
         raise ValueError(f"cost_model={str(path)!r}: not a session log or a saved model "
                          f"({error})") from None
-
