@@ -92,6 +92,9 @@ def test_stored_blocks_carry_the_prefix_caches_hashes_and_eviction_removes_them(
     events = subscriber.events_until(lambda events: len(stored_hashes(events)) >= 3)
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert stored[0].parent_block_hash is None and stored[0].block_size == BLOCK_SIZE
+    # Llama's one group of full attention:
+    assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in stored} == {(0, "full_attention", None)}
     assert [t for e in stored for t in e.token_ids] == prompt[:3 * BLOCK_SIZE]
     # The pool's own hashes (a snapshot shows them in hex), block by block:
     cached = {block.token_ids: bytes.fromhex(block.block_hash)
@@ -105,7 +108,8 @@ def test_stored_blocks_carry_the_prefix_caches_hashes_and_eviction_removes_them(
         generate(engine, list(range(start, start + 3 * BLOCK_SIZE)))
     removed = subscriber.events_until(lambda events: set(expected) <= {
         h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes})
-    assert all(e.medium == "CPU" for e in removed if not isinstance(e, AllBlocksCleared))
+    assert {(e.medium, e.group_idx) for e in removed
+            if not isinstance(e, AllBlocksCleared)} == {("CPU", 0)}
     assert subscriber.seqs == sorted(subscriber.seqs)
 
 
@@ -124,9 +128,11 @@ def test_replay_serves_missed_batches_and_a_reconfigure_clears_all(served):
         replay.send_multipart((b"", (0).to_bytes(8, "big")))
         while True:
             assert replay.poll(10_000)
-            _, seq, payload = replay.recv_multipart()
+            _, topic, seq, payload = replay.recv_multipart()  # vLLM's frames
             if seq == (-1).to_bytes(8, "big", signed=True):
+                assert (topic, payload) == (b"", b"")
                 return seqs, events
+            assert topic == TOPIC.encode()
             seqs.append(int.from_bytes(seq, "big"))
             events.extend(decoder.decode(payload).events)
 
