@@ -2,6 +2,7 @@
 prompt's full blocks stored (hashes equal to the prefix cache's) and their eviction, and
 the replay socket serves missed batches."""
 
+import time
 
 import msgspec
 import pytest
@@ -33,6 +34,7 @@ class Subscriber:
         self.socket.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.seqs: list[int] = []
+        self.since = time.time()  # every batch this subscriber gets is stamped after this
 
     def batch(self, timeout_s: float = 20.0) -> KVEventBatch:
         assert self.socket.poll(timeout_s * 1000), f"no batch in {timeout_s} s"
@@ -40,7 +42,8 @@ class Subscriber:
         assert topic == TOPIC.encode()
         self.seqs.append(int.from_bytes(seq, "big"))
         batch = self.decoder.decode(payload)
-        assert batch.data_parallel_rank == 0 and batch.ts > 0 and batch.events
+        assert batch.data_parallel_rank == 0 and batch.events
+        assert self.since <= batch.ts <= time.time()  # when it was sent, in Unix seconds
         return batch
 
     def events_until(self, done) -> list:
