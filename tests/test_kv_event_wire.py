@@ -6,6 +6,7 @@ bytes differ."""
 
 import base64
 import json
+import sys
 from pathlib import Path
 
 import msgspec
@@ -85,13 +86,19 @@ def test_the_publisher_sends_vllms_bytes(fixture):
     subscriber = zmq.Context.instance().socket(zmq.SUB)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
     subscriber.connect(endpoint)  # inproc: connected before the first send, nothing is lost
+    interval = sys.getswitchinterval()
     try:
+        # One batch: the publisher thread cannot take the GIL (and what is pending) until
+        # every event is in.
+        sys.setswitchinterval(60.0)
         for event in core_events(fixture):
             publisher(event)
+        sys.setswitchinterval(interval)
         publisher.shutdown()  # sends what is pending
         assert subscriber.poll(5_000)
         topic, seq, payload = subscriber.recv_multipart()
     finally:
+        sys.setswitchinterval(interval)
         subscriber.close(linger=0)
     assert (topic, seq) == (b"kv", (0).to_bytes(8, "big"))
     ts, *rest = msgspec.msgpack.decode(payload)  # untyped: maps keep their order

@@ -29,12 +29,12 @@ class Subscriber:
     """What a KV-aware router runs: SUB on the topic, msgspec decoding vLLM's batches."""
 
     def __init__(self, endpoint: str) -> None:
+        self.since = time.time()  # a batch sent before the subscription is never received
         self.socket = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
         self.socket.connect(endpoint)
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.seqs: list[int] = []
-        self.since = time.time()  # every batch this subscriber gets is stamped after this
 
     def batch(self, timeout_s: float = 20.0) -> KVEventBatch:
         assert self.socket.poll(timeout_s * 1000), f"no batch in {timeout_s} s"
