@@ -43,7 +43,7 @@ def cache_every_block(manager: KVCacheManager) -> None:
     seq.block_table = [block.block_id for block in blocks]
     seq.num_computed_tokens = num_blocks
     for block, block_hash in zip(blocks, manager._block_hashes(seq, num_blocks)):
-        pool.cache(block, block_hash)
+        pool.cache(block, block_hash, group=0)
     pool.release(reversed(blocks))
 
 

@@ -289,7 +289,8 @@ class KVScopeKVEvents(KVScope):
     def __init__(self, args: argparse.Namespace, workload: Workload, model_path: Path):
         super().__init__(args, workload, model_path)
         self.publisher = ZmqEventPublisher(KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*"))
+            enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*"),
+            self.llm.engine.memory_plan.group_windows)
 
     def run(self) -> dict:
         """Publishing only while it runs: the engine is shared with the kvscope backend."""

@@ -194,9 +194,16 @@ def test_a_timeline_of_many_sequences_says_how_many_it_leaves_out() -> None:
 def test_latency_stats_and_series(run) -> None:
     _, _, records, arrivals = run
     stats = latency_stats(records, arrivals)
-    assert len(stats.ttft) == 2 and all(t > 0 for t in stats.ttft)
+    # A request's first token comes out of the step that ran its last prefill chunk (the
+    # prompts take several chunks of 8 tokens).
+    last_prefill = {request_id: max(record.end_time for record in records
+                                    for chunk in record.chunks
+                                    if chunk[0] == request_id and chunk[2] == "prefill")
+                    for request_id in arrivals}
+    assert stats.ttft == [last_prefill[r] - arrivals[r] for r in arrivals]
     assert len(stats.itl) == 3 + 7 + 7  # decodes after each sequence's first token
-    assert stats.output_tokens_per_s > 0
+    span = records[-1].end_time - records[0].start_time
+    assert stats.output_tokens_per_s == pytest.approx((4 + 2 * 8) / span)  # A's 4, B's 2 x 8
     figure = pool_series(records, token_usage=[(records[0].start_time, 0.5)])
     assert len(figure["data"][0]["y"]) == len(records)
 

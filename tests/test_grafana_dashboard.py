@@ -19,7 +19,12 @@ from kvscope.engine.serving import create_app
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "grafana"
 # A metric name with a namespace (vllm:..., kvscope:...) and its optional label matchers.
 SELECTOR = re.compile(r"(?P<name>[a-zA-Z_][\w]*:[\w:]+)\s*(?:\{(?P<matchers>[^}]*)\})?")
-MATCHER = re.compile(r'(\w+)\s*=\s*"([^"]*)"')
+# A label matcher: PromQL's =, !=, =~ and !~ (regexes match the whole value).
+MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+MATCHES = {"=": lambda value, wanted: value == wanted,
+           "!=": lambda value, wanted: value != wanted,
+           "=~": lambda value, wanted: re.fullmatch(wanted, value) is not None,
+           "!~": lambda value, wanted: re.fullmatch(wanted, value) is None}
 GROUPING = re.compile(r"\bby\s*\(([^)]*)\)")
 
 
@@ -59,10 +64,14 @@ def test_every_dashboard_selector_matches_a_live_series(live_metrics):
         grouped_by = {label.strip() for group in GROUPING.findall(expression)
                       for label in group.split(",")} - {"le"}
         for selector in selectors:
-            wanted = dict(MATCHER.findall(selector["matchers"] or ""))
+            matchers = selector["matchers"] or ""
+            wanted = MATCHER.findall(matchers)
+            # Every matcher is read: one this pattern misses would go unchecked.
+            assert MATCHER.sub("", matchers).strip(", ") == "", (matchers, expression)
             matching = [s for s in samples if s.name == selector["name"]
-                        and all(s.labels.get(k) == v for k, v in wanted.items())]
-            assert matching, f"no series for {selector['name']}{wanted} in: {expression}"
+                        and all(MATCHES[op](s.labels.get(label, ""), value)
+                                for label, op, value in wanted)]
+            assert matching, f"no series for {selector['name']}{{{matchers}}} in: {expression}"
             for label in grouped_by:
                 assert all(label in s.labels for s in matching), (label, expression)
 

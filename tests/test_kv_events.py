@@ -2,6 +2,7 @@
 prompt's full blocks stored (hashes equal to the prefix cache's) and their eviction, and
 the replay socket serves missed batches."""
 
+import time
 
 import msgspec
 import pytest
@@ -28,6 +29,7 @@ class Subscriber:
     """What a KV-aware router runs: SUB on the topic, msgspec decoding vLLM's batches."""
 
     def __init__(self, endpoint: str) -> None:
+        self.since = time.time()  # a batch sent before the subscription is never received
         self.socket = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
         self.socket.connect(endpoint)
@@ -40,7 +42,8 @@ class Subscriber:
         assert topic == TOPIC.encode()
         self.seqs.append(int.from_bytes(seq, "big"))
         batch = self.decoder.decode(payload)
-        assert batch.data_parallel_rank == 0 and batch.ts > 0 and batch.events
+        assert batch.data_parallel_rank == 0 and batch.events
+        assert self.since <= batch.ts <= time.time()  # when it was sent, in Unix seconds
         return batch
 
     def events_until(self, done) -> list:
@@ -92,6 +95,9 @@ def test_stored_blocks_carry_the_prefix_caches_hashes_and_eviction_removes_them(
     events = subscriber.events_until(lambda events: len(stored_hashes(events)) >= 3)
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert stored[0].parent_block_hash is None and stored[0].block_size == BLOCK_SIZE
+    # Llama's one group of full attention:
+    assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in stored} == {(0, "full_attention", None)}
     assert [t for e in stored for t in e.token_ids] == prompt[:3 * BLOCK_SIZE]
     # The pool's own hashes (a snapshot shows them in hex), block by block:
     cached = {block.token_ids: bytes.fromhex(block.block_hash)
@@ -105,7 +111,8 @@ def test_stored_blocks_carry_the_prefix_caches_hashes_and_eviction_removes_them(
         generate(engine, list(range(start, start + 3 * BLOCK_SIZE)))
     removed = subscriber.events_until(lambda events: set(expected) <= {
         h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes})
-    assert all(e.medium == "CPU" for e in removed if not isinstance(e, AllBlocksCleared))
+    assert {(e.medium, e.group_idx) for e in removed
+            if not isinstance(e, AllBlocksCleared)} == {("CPU", 0)}
     assert subscriber.seqs == sorted(subscriber.seqs)
 
 
@@ -124,9 +131,11 @@ def test_replay_serves_missed_batches_and_a_reconfigure_clears_all(served):
         replay.send_multipart((b"", (0).to_bytes(8, "big")))
         while True:
             assert replay.poll(10_000)
-            _, seq, payload = replay.recv_multipart()
+            _, topic, seq, payload = replay.recv_multipart()  # vLLM's frames
             if seq == (-1).to_bytes(8, "big", signed=True):
+                assert (topic, payload) == (b"", b"")
                 return seqs, events
+            assert topic == TOPIC.encode()
             seqs.append(int.from_bytes(seq, "big"))
             events.extend(decoder.decode(payload).events)
 

@@ -74,7 +74,7 @@ def test_request_output_fields(llm):
     metrics = output.metrics
     assert (metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time
             <= metrics.finished_time)
-    assert metrics.time_to_first_token >= 0
+    assert metrics.time_to_first_token == metrics.first_token_time - metrics.arrival_time
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(llm):

@@ -209,9 +209,9 @@ def record_session(log_path: Path, model_path: Path, requests: list) -> tuple[di
 
     Each request is alone in the engine, so a replay meets the same schedule (requests that
     arrive within one step of each other may land a step apart when replayed: the replay's
-    clock resolves arrivals to step boundaries). The gap between requests must exceed what
-    a simulated replay's fitted step cost can overestimate a request's steps by: on a
-    loaded machine one descheduled step tilts the fit by tens of milliseconds."""
+    clock resolves arrivals to step boundaries). The gap between requests (0.3 s and the
+    request's own time) exceeds what a request takes in a simulated replay clocked by
+    STEADY_COST (about 0.1 s), whatever the machine's speed."""
     config = EngineConfig(model=str(model_path), dtype="float32", device="cpu",
                           block_size=4, num_gpu_blocks_override=64, max_model_len=256)
     engine = AsyncEngine.from_config(config)
@@ -244,9 +244,13 @@ def test_a_recorded_session_replayed_live_reproduces_its_outputs_and_steps(
     assert [r.chunks for r in replayed.records] == [r.chunks for r in workload.steps]
     assert sum(r.prefix_cache_hits for r in replayed.records) == \
         sum(r.prefix_cache_hits for r in workload.steps) > 0
-    # Simulated with the cost model fitted to the session's own steps: the same schedule.
-    simulated = ReplaySession(workload, base_config(workload),
-                              fit_step_cost(workload.steps)).run({}, "simulated")
+    # Simulated with a cost model fitted to the session's own steps, timed by STEADY_COST
+    # rather than the wall clock (a loaded machine would tilt a fit to the real times):
+    # the fit recovers those times, and the simulation meets the same schedule.
+    synthetic = [STEADY_COST.step_time(step) for step in workload.steps]
+    cost = fit_step_cost(workload.steps, synthetic)
+    assert [cost.step_time(step) for step in workload.steps] == pytest.approx(synthetic)
+    simulated = ReplaySession(workload, base_config(workload), cost).run({}, "simulated")
     assert [r.chunks for r in simulated.records] == [r.chunks for r in workload.steps]
 
 
@@ -265,8 +269,7 @@ def test_a_recorded_beam_search_replays_live_as_one_and_is_refused_simulated(
     assert [r.chunks for r in replayed.records] == [r.chunks for r in workload.steps]
     with pytest.raises(ValueError, match=rf"request {request.request_id}: beam search "
                                          r"\(beam_width=3\).*replay it live"):
-        ReplaySession(workload, base_config(workload),
-                      fit_step_cost(workload.steps)).run({}, "simulated")
+        ReplaySession(workload, base_config(workload), STEADY_COST).run({}, "simulated")
 
 
 # ---- the command -------------------------------------------------------------------------

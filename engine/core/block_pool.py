@@ -46,6 +46,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0  # the KV cache group whose content block_hash names
     num_hits: int = 0  # prefix-cache hits on this content (forgotten with it)
     prev_free: "KVBlock | None" = None
     next_free: "KVBlock | None" = None
@@ -189,15 +190,17 @@ class BlockPool:
         block = self.blocks[block_id]
         return block if block.block_hash[1:] == (parent, token_ids) else None
 
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Mark a full block as holding this content, findable by later prompts."""
+    def cache(self, block: KVBlock, block_hash: BlockHash, group: int) -> None:
+        """Mark a full block as holding this content (group_block_hash's, for KV cache
+        group `group`), findable by later prompts."""
         # An equal block cached earlier stays the one found; this one stays a plain block.
         value = block_hash[0]
         if not self.enable_caching or value in self.cached_blocks:
             return
         block.block_hash = block_hash
+        block.group = group
         self.cached_blocks[value] = block.block_id
-        self.emit(BlockStored(block.block_id, block_hash))
+        self.emit(BlockStored(block.block_id, block_hash, group))
 
     def _evict(self, block: KVBlock) -> None:
         """Forget a cached-free block's content (it is being reused or reset)."""
@@ -209,7 +212,7 @@ class BlockPool:
         block.num_hits = 0
         self.num_cached_free_blocks -= 1
         self.num_evictions += 1
-        self.emit(BlockRemoved(block.block_id, block_hash))
+        self.emit(BlockRemoved(block.block_id, block_hash, block.group))
 
     def cached_free_order(self) -> list[int]:
         """The cached-free blocks in the order allocation evicts them (least recently used

@@ -227,14 +227,16 @@ class KVCacheManager:
             return  # most decode steps fill no block
         hashes = self._block_hashes(seq, num_full)
         groups, table = self.num_groups, seq.block_table
-        for position in range(seq.num_cached_blocks, num_full):
-            for group in range(groups):
+        # Group by group, so each group's new blocks are stored in prefix order one after
+        # another (the KV-event publisher sends such a run as one BlockStored).
+        for group in range(groups):
+            for position in range(seq.num_cached_blocks, num_full):
                 # Released blocks were hashed before they left the window (or, after a
                 # swap-in, need no hash: their K/V is gone).
                 block_id = table[position * groups + group]
                 if block_id != RELEASED:
                     self.pool.cache(self.pool.blocks[block_id],
-                                    group_block_hash(hashes[position], group))
+                                    group_block_hash(hashes[position], group), group)
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:

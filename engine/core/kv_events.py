@@ -46,6 +46,7 @@ class BlockStored:
 
     block_id: int
     block_hash: "BlockHash"
+    group: int  # the KV cache group (engine.core.kv_groups) whose layers it holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class BlockRemoved:
 
     block_id: int
     block_hash: "BlockHash"
+    group: int
 
 
 @dataclass(frozen=True, slots=True)

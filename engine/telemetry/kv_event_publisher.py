@@ -4,10 +4,10 @@ missed batches by sequence number.
 
 The engine thread only appends each BlockStored / BlockRemoved (a tuple of what the core
 already made) to a deque; the publisher thread batches what arrived since its last turn,
-encodes it and sends it, so the engine never waits on a socket. The messages are vLLM's:
-a multipart (topic, 8-byte big-endian sequence number, payload); a replay request is
-(8-byte start sequence) on the ROUTER, answered with (seq, payload) for each buffered batch
-from there on and (-1, b"") to end.
+encodes it and sends it, so the engine never waits on a socket. The messages are vLLM
+0.32's: a multipart (topic, 8-byte big-endian sequence number, payload), the payload
+kv_event_wire's; a replay request is (8-byte start sequence) on the ROUTER, answered with
+(topic, seq, payload) for each buffered batch from there on and (b"", -1, b"") to end.
 """
 
 import json
@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import msgspec
@@ -74,11 +75,14 @@ class KVEventsConfig:
 
 class ZmqEventPublisher:
     """Listens to an engine's KV events (`engine.subscribe_kv_events(publisher)`) and
-    publishes them; `shutdown()` sends what is pending and closes the sockets."""
+    publishes them; `shutdown()` sends what is pending and closes the sockets.
+    group_windows: the engine's KV cache groups' windows (MemoryPlan.group_windows), which
+    give each event's group its kv_cache_spec fields."""
 
-    def __init__(self, config: KVEventsConfig, medium: str = wire.MEDIUM_GPU,
-                 data_parallel_rank: int = 0) -> None:
+    def __init__(self, config: KVEventsConfig, group_windows: Sequence[int | None],
+                 medium: str = wire.MEDIUM_GPU, data_parallel_rank: int = 0) -> None:
         self.config = config
+        self.group_windows = tuple(group_windows)
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
         self._pending: deque = deque(maxlen=config.max_queue_size)
@@ -129,36 +133,14 @@ class ZmqEventPublisher:
             events.append(self._pending.popleft())
         if not events:
             return
-        batch = wire.KVEventBatch(ts=time.time(), events=self._wire_events(events),
-                                  data_parallel_rank=self.data_parallel_rank)
+        batch = wire.KVEventBatch(
+            ts=time.time(), events=wire.wire_events(events, self.medium, self.group_windows),
+            data_parallel_rank=self.data_parallel_rank)
         payload = self._encoder.encode(batch)
         seq = self._next_seq
         self._next_seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
-
-    def _wire_events(self, events: list) -> list[wire.KVCacheEvent]:
-        """vLLM's events; consecutive stores of one prefix become one BlockStored."""
-        out: list[wire.KVCacheEvent] = []
-        for event in events:
-            if isinstance(event, core_events.BlockStored):
-                value, parent, token_ids = event.block_hash
-                last = out[-1] if out else None
-                if (isinstance(last, wire.BlockStored) and parent is not None
-                        and last.block_hashes[-1] == parent):
-                    last.block_hashes.append(value)
-                    last.token_ids.extend(token_ids)
-                    continue
-                out.append(wire.BlockStored(block_hashes=[value], parent_block_hash=parent,
-                                            token_ids=list(token_ids),
-                                            block_size=len(token_ids), lora_id=None,
-                                            medium=self.medium))
-            elif isinstance(event, core_events.BlockRemoved):
-                out.append(wire.BlockRemoved(block_hashes=[event.block_hash[0]],
-                                             medium=self.medium))
-            else:
-                out.append(wire.AllBlocksCleared())
-        return out
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
@@ -169,8 +151,9 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
+                                             payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     @property
     def num_batches(self) -> int:
@@ -198,7 +181,9 @@ def publish_kv_events(engine, config: KVEventsConfig) -> ZmqEventPublisher | Non
     if not config.publishes:
         return None
     device = engine.resolved_identity()["device"]
-    publisher = ZmqEventPublisher(config, wire.MEDIUM_GPU if device.startswith("cuda")
+    # A reconfigure keeps the model, so the groups stay what they are now.
+    publisher = ZmqEventPublisher(config, engine.memory_plan.group_windows,
+                                  wire.MEDIUM_GPU if device.startswith("cuda")
                                   else wire.MEDIUM_CPU)
     try:
         engine.subscribe_kv_events(publisher)

@@ -1,18 +1,32 @@
-"""vLLM's KV events on the wire (vllm/distributed/kv_events.py): msgspec structs encoded
-as msgpack arrays, each event tagged with its class name. A consumer of vLLM's events
-(llm-d's KV cache manager, Dynamo's router) decodes kvscope's with these same shapes:
+"""vLLM's KV events on the wire (vllm/distributed/kv_events.py, vLLM 0.32), and the core's
+pool events made into them.
+
+The batch is a msgspec array struct (ts, events, data_parallel_rank); each event is a
+msgspec map struct tagged with its class name ({"type": "BlockStored", ...}), fields that
+hold their default left out, as vLLM encodes them. A consumer of vLLM's events (llm-d's KV
+cache manager, Dynamo's router) decodes kvscope's with vLLM's own classes or these:
 
     batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+
+tests/fixtures/kv_events_vllm-0.32.0.json holds bytes vLLM's classes made, which
+tests/test_kv_event_wire.py holds these structs and `wire_events` to.
 """
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
+
+from kvscope.engine.core import kv_events as core_events
 
 # vLLM's ExternalBlockHash: kvscope's are the prefix cache's own 16-byte chained hashes.
 ExternalBlockHash = bytes | int
 MEDIUM_GPU = "GPU"  # vLLM's name for the device pool (kvscope: the model's device)
 MEDIUM_CPU = "CPU"
+# vLLM's KVCacheSpecKind values for the two attention types kvscope's KV cache groups have
+# (engine.core.kv_groups): vllm.v1.kv_cache_interface.get_kv_cache_spec_kind.
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -21,25 +35,37 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Every event of a batch; the tag is the class name."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Every event of a batch: a map, tagged "type": its class name."""
 
 
 class BlockStored(KVCacheEvent):
     """Full blocks entered the prefix cache: `block_hashes` in prefix order, the first
-    chained to `parent_block_hash` (None at the prompt's start)."""
+    chained to `parent_block_hash` (None at the prompt's start), all of KV cache group
+    `group_idx`, whose attention type the kv_cache_spec fields say."""
 
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None
+    lora_id: int | None  # vLLM keeps it for old consumers; lora_name is the key now
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None  # multimodal, cache salt: none here
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None  # LOCAL or REMOTE to the publisher (offloading tiers)
+    ownership: str | None = None  # an offloading tier's name
+    session_id: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -48,3 +74,41 @@ class AllBlocksCleared(KVCacheEvent):
 
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def kv_cache_spec(window: int | None) -> tuple[str, int | None]:
+    """A KV cache group's (kv_cache_spec_kind, kv_cache_spec_sliding_window) from its
+    window (None: full attention), as vLLM reports its FullAttentionSpec and
+    SlidingWindowSpec groups."""
+    return (FULL_ATTENTION, None) if window is None else (SLIDING_WINDOW, window)
+
+
+def wire_events(events: Iterable[core_events.BlockStored | core_events.BlockRemoved
+                                 | core_events.AllBlocksCleared],
+                medium: str, group_windows: Sequence[int | None]) -> list[KVCacheEvent]:
+    """vLLM's events for the core's, in order; consecutive stores of one prefix become
+    one BlockStored, as vLLM's cache_full_blocks sends them (each group's hashes chain to
+    that group's own parents: block_pool.group_block_hash)."""
+    specs = [kv_cache_spec(window) for window in group_windows]
+    out: list[KVCacheEvent] = []
+    for event in events:
+        if isinstance(event, core_events.BlockStored):
+            value, parent, token_ids = event.block_hash
+            last = out[-1] if out else None
+            if (isinstance(last, BlockStored) and parent is not None
+                    and last.block_hashes[-1] == parent):
+                last.block_hashes.append(value)
+                last.token_ids.extend(token_ids)
+                continue
+            kind, sliding_window = specs[event.group]
+            out.append(BlockStored(
+                block_hashes=[value], parent_block_hash=parent, token_ids=list(token_ids),
+                block_size=len(token_ids), lora_id=None, medium=medium, lora_name=None,
+                group_idx=event.group, kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=sliding_window))
+        elif isinstance(event, core_events.BlockRemoved):
+            out.append(BlockRemoved(block_hashes=[event.block_hash[0]], medium=medium,
+                                    group_idx=event.group))
+        else:
+            out.append(AllBlocksCleared())
+    return out

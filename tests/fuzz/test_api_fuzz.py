@@ -2,7 +2,6 @@
 invalid bodies, each case checked against the properties a trusted server keeps."""
 
 import json
-import time
 from collections import Counter
 
 import httpx
@@ -16,11 +15,8 @@ from schemathesis.generation.modes import GenerationMode
 from fuzz.conftest import FuzzedServer, fuzz_budget
 from kvscope.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 
-# A refused request is decided before any model step, so it answers at once; the bound
-# leaves room for a CI machine's (or a shared 2-core machine's) stalls: a long `make fuzz`
-# saw a 3.3 s refusal at nice 10 under others' benchmarks.
-REJECTION_BOUND_S = 5.0
-# An accepted one runs at most MAX_MODEL_LEN tokens of the tiny model, n and beams included.
+# The client's timeout, not a speed target (those live in bench/): an accepted request runs
+# at most MAX_MODEL_LEN tokens of the tiny model, n and beams included.
 ANSWER_BOUND_S = 60.0
 BUDGET = fuzz_budget()
 pytestmark = pytest.mark.fuzz
@@ -94,14 +90,11 @@ def reaching_the_engine(body_model: type[BaseModel]):
 
 
 def check_case(case, api_server: FuzzedServer) -> None:
-    started = time.monotonic()
     response = case.call(base_url=api_server.url, timeout=ANSWER_BOUND_S)
-    elapsed = time.monotonic() - started
     STATUSES[f"{case.method} {case.path} {response.status_code}"] += 1
     where = f"{case.method} {case.path} {case.body!r:.400}"
     assert response.status_code < 500, f"{where} -> {response.status_code} {response.text[:400]}"
     if 400 <= response.status_code < 500:
-        assert elapsed < REJECTION_BOUND_S, f"{where}: refused after {elapsed:.1f} s"
         check_error_shape(response.status_code, response.json())
     health = httpx.get(f"{api_server.url}/health", timeout=5)
     assert health.status_code == 200 and health.json()["step_failures"] == 0, health.text
