@@ -68,8 +68,11 @@ def _token_ids(run) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in run.outputs]
 
 
+# Gemma 4 runs its eager layers whatever enforce_eager says (gemma4.py says why).
+EAGER_ONLY_ARCHITECTURES = ("gemma4",)
 PATHS = [pytest.param(arch, eager, id=f"{arch}-{'eager' if eager else 'stack'}")
-         for arch in SLIDING_WINDOW_ARCHITECTURES for eager in (False, True)]
+         for arch in SLIDING_WINDOW_ARCHITECTURES for eager in (False, True)
+         if eager or arch not in EAGER_ONLY_ARCHITECTURES]
 
 
 @pytest.mark.parametrize("block_size", [2, 16])
