@@ -160,3 +160,18 @@ def test_olmo3_rotary_tables_equal_transformers_per_layer_type():
         torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-6)
     assert [kind.rotary_table for kind in layer_kinds(config)] == [1, 0, 1]
     assert tables.query_scale is None
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"enable_moe_block": True, "num_experts": 1, "top_k_experts": 1,
+      "moe_intermediate_size": 32}, "enable_moe_block=True"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+])
+def test_a_gemma4_part_kvscope_does_not_run_is_refused_naming_its_field(change, named):
+    from kvscope.engine.worker.models.gemma4 import Gemma4ForCausalLM
+
+    config = _tiny_config("gemma4")
+    for field, value in change.items():
+        setattr(config, field, value)
+    with pytest.raises(ValueError, match=named):
+        Gemma4ForCausalLM(config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)
