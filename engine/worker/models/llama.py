@@ -26,9 +26,9 @@ PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 # cache of keys rotated once cannot follow.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # RMSNorm of the queries and keys before the rotary: per head (Qwen3), or over the whole
-# projection, every head at once (Olmo 2/3).
+# projection, every head at once (Olmo 3).
 QK_NORM_MODEL_TYPES = {"qwen3": "head", "olmo3": "projection"}
-# Olmo 2/3's layer: no norm before attention or the MLP; each one's output is normalised
+# Olmo 3's layer: no norm before attention or the MLP; each one's output is normalised
 # before it joins the residual stream.
 POST_NORM_MODEL_TYPES = ("olmo3",)
 # Llama 4's attention temperature, which Ministral 3 applies: each query scaled by
