@@ -163,7 +163,7 @@ def test_kv_cache_groups_keep_greedy_output_through_every_feature(
     assert len(engine.kv_cache.free_swap_blocks) == engine.kv_cache.num_swap_blocks
 
 
-@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3", "gemma4"])
 def test_beam_search_over_kv_cache_groups_equals_transformers(arch, make_engine, tiny_model):
     from test_beam_search import WIDTH, hf_beams, run_beam_search
 
@@ -177,7 +177,8 @@ def test_beam_search_over_kv_cache_groups_equals_transformers(arch, make_engine,
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
-@pytest.mark.parametrize(("arch", "enforce_eager"), [("qwen2-window", False), ("gemma3", True)])
+@pytest.mark.parametrize(("arch", "enforce_eager"), [("qwen2-window", False), ("gemma3", True),
+                                                    ("gemma4", True)])
 def test_speculative_rollback_over_kv_cache_groups_keeps_greedy_output(
         arch, enforce_eager, make_engine, eager_engine, tiny_model, run_engine):
     """Proposals written into every group's blocks, the rejected ones rolled back."""
