@@ -226,7 +226,7 @@ def _tiny_config(arch: str):
         # original_max_position_embeddings on (16: the parity prompts reach five times it)
         return Ministral3Config(
             intermediate_size=128, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
                              "original_max_position_embeddings": 16, "beta_fast": 32.0,
                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                              "llama_4_scaling_beta": 0.5}, **common)

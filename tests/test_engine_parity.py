@@ -2,7 +2,9 @@
 
 import random
 
+import conftest
 import pytest
+import torch
 from conftest import TINY_ARCHITECTURES as ARCHITECTURES
 from conftest import transformers_greedy
 
@@ -153,3 +155,23 @@ def test_eager_layers_match_transformers(arch, tiny_model, run_engine, expected)
 
     assert not engine.runner.fused_decoder_stack
     assert _token_ids(run) == expected(arch)
+
+
+def test_mistral3_for_conditional_generation_serves_its_language_model(tmp_path, run_engine):
+    """Ministral 3 as published: a Mistral3ForConditionalGeneration, whose vision tower and
+    projector are left out by name; its language model equals transformers' on text."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, head_dim=16, image_size=28,
+                                 patch_size=14)
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=conftest._tiny_config("ministral3").to_dict(),
+        vision_config=vision.to_dict(), tie_word_embeddings=False)).eval()
+    conftest.save_tiny_model_files(model, tmp_path)
+    engine = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                                     device_memory_gb=0.05))
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert _token_ids(run) == transformers_greedy(model, PROMPTS, MAX_TOKENS)

@@ -17,6 +17,8 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": LlamaForCausalLM,  # Phi-3, Phi-3.5-mini, Phi-4-mini
     "Olmo3ForCausalLM": LlamaForCausalLM,
     "Ministral3ForCausalLM": LlamaForCausalLM,
+    # its language model only (Ministral 3's published checkpoints), as Gemma 3's below
+    "Mistral3ForConditionalGeneration": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

@@ -27,18 +27,11 @@ from kvscope.engine.worker.models.attention import (
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.decoder_stack import FusesDecoderStack
 from kvscope.engine.worker.models.layers import Embedding, Linear, MergedLinear, load_weights
+from kvscope.engine.worker.models.multimodal import language_model_weights
 from kvscope.engine.worker.models.quantized import output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-# Gemma3ForConditionalGeneration's and Gemma4ForConditionalGeneration's checkpoints: the
-# language model under its own prefix (as Gemma 3 was published, "language_model.model.*";
-# as transformers saves them, "model.language_model.*"), beside vision (and Gemma 4's audio)
-# towers and their projections into the text, which this text-only model does not load.
-LANGUAGE_MODEL_PREFIXES = {"language_model.": "", "model.language_model.": "model."}
-VISION_PREFIXES = tuple(f"{root}{part}." for root in ("", "model.")
-                        for part in ("vision_tower", "multi_modal_projector", "audio_tower",
-                                     "embed_vision", "embed_audio"))
 
 
 class GemmaRMSNorm(nn.Module):
@@ -231,20 +224,6 @@ class GemmaForCausalLM(UsesKernelOps, FusesDecoderStack):
     def load_weights(self, weights) -> None:
         load_weights(self, language_model_weights(weights), PACKED,
                      skip={"lm_head.weight"} if self.tied else set())
-
-
-def language_model_weights(weights):
-    """The checkpoint's language-model tensors under this model's names (a
-    Gemma3ForConditionalGeneration's lose their prefix), its vision tower and projector
-    left out by name; anything else unknown still fails to load."""
-    for name, tensor in weights:
-        if name.startswith(VISION_PREFIXES):
-            continue
-        for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix):]
-                break
-        yield name, tensor
 
 
 def soft_capped_logits(model: UsesKernelOps, hidden: torch.Tensor) -> torch.Tensor:

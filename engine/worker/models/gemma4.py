@@ -37,13 +37,9 @@ from kvscope.engine.worker.models.attention import (
     layer_windows,
 )
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
-from kvscope.engine.worker.models.gemma import (
-    GemmaMLP,
-    RotaryTables,
-    language_model_weights,
-    soft_capped_logits,
-)
+from kvscope.engine.worker.models.gemma import GemmaMLP, RotaryTables, soft_capped_logits
 from kvscope.engine.worker.models.layers import Embedding, Linear, load_weights
+from kvscope.engine.worker.models.multimodal import language_model_weights
 
 PACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 # What a KV-shared layer's checkpoint entries may still hold; transformers drops them too.

@@ -17,6 +17,7 @@ from kvscope.engine.worker.models.attention import (
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.decoder_stack import FusesDecoderStack
 from kvscope.engine.worker.models.layers import Embedding, Linear, MergedLinear, RMSNorm, load_weights
+from kvscope.engine.worker.models.multimodal import language_model_weights
 from kvscope.engine.worker.models.quantized import output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -328,4 +329,5 @@ class LlamaForCausalLM(UsesKernelOps, FusesDecoderStack):
         return output_logits(projection, hidden, self.ops.logits)
 
     def load_weights(self, weights) -> None:
-        load_weights(self, weights, PACKED, skip={"lm_head.weight"} if self.tied else set())
+        load_weights(self, language_model_weights(weights), PACKED,
+                     skip={"lm_head.weight"} if self.tied else set())
