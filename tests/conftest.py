@@ -241,7 +241,7 @@ def _tiny_config(arch: str):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                              "full_attention": {"rope_type": "proportional", "rope_theta": 1000.0,
                                                 "partial_rotary_factor": 0.25}},
-            hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY_VOCAB_SIZE,
+            hidden_size_per_layer_input=32, vocab_size_per_layer_input=TINY_VOCAB_SIZE,
             num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=8.0,
             tie_word_embeddings=True,
             # transformers' own scale: wider weights make this model repeat one token

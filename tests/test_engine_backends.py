@@ -43,9 +43,11 @@ def greedy_tokens(monkeypatch, tiny_model, run_engine, backend: str, arch: str =
 # The eager layers through each backend's ops: llama3 rope scaling and tied embeddings
 # (llama3, Llama 3.2), per-head q/k norms (qwen3), a NoPE layer (smollm3), partial rotary
 # (phi3), a sliding window of 8 whose blocks the KV manager frees
-# (mistral-window) and a window with soft-capped scores (gemma2) included.
+# (mistral-window), a window with soft-capped scores (gemma2), post-norms and a rope per
+# layer type (olmo3), position-scaled queries (ministral3) and layers of two K/V shapes
+# reading their part of each pool slot through its strides (gemma4) included.
 EAGER_ARCHITECTURES = ["llama", "llama3", "qwen3", "smollm3", "phi3", "mistral-window", "gemma2",
-                       "olmo3", "ministral3"]
+                       "olmo3", "ministral3", "gemma4"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
