@@ -146,8 +146,9 @@ def limits_split(bench, args, events, prefill_events, context_tokens: int) -> di
     # Each step reads every cached token's K and V rows (codes and scale, in a quantized
     # cache) in every layer once.
     cache_dtype = kv_quant.cache_dtype(args.kv_cache_dtype, runner.dtype)
-    kv_bytes = (context_tokens * len(runner.attention_layers) * 2 * runner.num_kv_heads
-                * kv_quant.row_width(runner.head_dim, cache_dtype) * cache_dtype.itemsize)
+    kv_bytes = context_tokens * cache_dtype.itemsize * sum(
+        2 * layer.num_kv_heads * kv_quant.row_width(layer.head_dim, cache_dtype)
+        for layer in runner.attention_layers)
     decode_flops = args.batch * costs["matmul_flops_per_token"]
     # A prefill's layers run over every prompt token, the output projection only for each
     # sequence's last token.

@@ -236,8 +236,8 @@ def step_costs(runner):
     config = runner.hf_config
     head_flops = 2 * config.vocab_size * config.hidden_size
     layer_flops = roofline.model_costs(runner.hf_config, runner.dtype)["matmul_flops_per_token"] - head_flops
-    kv_bytes_per_token = (len(runner.attention_layers) * 2 * runner.num_kv_heads * runner.head_dim
-                          * runner.dtype.itemsize)
+    kv_bytes_per_token = runner.dtype.itemsize * sum(
+        2 * layer.num_kv_heads * layer.head_dim for layer in runner.attention_layers)
 
     def cost(record) -> tuple[int, int]:
         spans = [(start, end) for _, _, _, start, end in record.chunks]

@@ -33,9 +33,12 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     LlamaConfig,
+    Ministral3Config,
     LlamaForCausalLM,
     MistralConfig,
+    Olmo3Config,
     OPTConfig,
     Phi3Config,
     PreTrainedModel,
@@ -125,14 +128,16 @@ DEFAULT_NUM_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 TINY_VOCAB_SIZE = 256
 TINY_MAX_POSITIONS = 256
-TINY_ARCHITECTURES = ("llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3")
-RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3", "phi3-window")
+TINY_ARCHITECTURES = ("llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3", "ministral3")
+RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3", "phi3-window", "olmo3", "gemma4")
 # Sliding-window twins (window 8, so most test prompts outrun it): every Mistral and Phi-3
 # layer windowed; Qwen2 with its first layer global and the second windowed.
 TINY_WINDOW = 8
-# Gemma 3 (two sliding layers, one global, q/k norms, two rope bases) and Gemma 2 (soft caps
-# small enough that random weights reach them).
-SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "phi3-window", "gemma3", "gemma2")
+# Gemma 3 (two sliding layers, one global, q/k norms, two rope bases), Gemma 2 (soft caps
+# small enough that random weights reach them), Olmo 3 (sliding and full layers, a rope
+# each, post-norms) and Gemma 4 (layers of two shapes, per-layer inputs, shared KV caches).
+SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "phi3-window", "gemma3", "gemma2",
+                                "olmo3", "gemma4")
 
 
 @dataclass
@@ -207,6 +212,40 @@ def _tiny_config(arch: str):
                           tie_word_embeddings=False,
                           sliding_window=TINY_WINDOW if arch == "phi3-window" else None, **common,
                           **phi3_rope(common, attention_factor=1.25))
+    if arch == "olmo3":  # a full layer between sliding ones, yarn on the full one only; q/k
+        # norms over the whole projections; norms after attention and the MLP, none before
+        return Olmo3Config(
+            intermediate_size=128, num_key_value_heads=2, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                             "full_attention": {"rope_type": "yarn", "rope_theta": 1000.0,
+                                                "factor": 4.0,
+                                                "original_max_position_embeddings": 64}},
+            tie_word_embeddings=False, **{**common, "num_hidden_layers": 3})
+    if arch == "ministral3":  # yarn, and queries scaled up by position from
+        # original_max_position_embeddings on (16: the parity prompts reach five times it)
+        return Ministral3Config(
+            intermediate_size=128, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+                             "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "llama_4_scaling_beta": 0.5}, **common)
+    if arch == "gemma4":  # every part a real Gemma 4 has (but experts): full layers of their
+        # own shape (head_dim 48, one KV head, values from the key projection) with
+        # proportional rope; per-layer inputs; the last two layers sharing the first two's K/V
+        # (with double-wide MLPs); soft-capped logits
+        return Gemma4TextConfig(
+            intermediate_size=128, num_key_value_heads=2, head_dim=16, global_head_dim=48,
+            num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                             "full_attention": {"rope_type": "proportional", "rope_theta": 1000.0,
+                                                "partial_rotary_factor": 0.25}},
+            hidden_size_per_layer_input=32, vocab_size_per_layer_input=TINY_VOCAB_SIZE,
+            num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=8.0,
+            tie_word_embeddings=True,
+            # transformers' own scale: wider weights make this model repeat one token
+            **{**common, "num_hidden_layers": 4, "initializer_range": 0.02})
     raise ValueError(arch)
 
 
@@ -237,6 +276,9 @@ def save_tiny_model(arch: str, folder: Path) -> TinyModel:
             for name, parameter in hf_model.named_parameters():
                 if "norm" in name:
                     parameter.uniform_(0.5, 1.5)
+            for name, buffer in hf_model.named_buffers():
+                if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
+                    buffer.uniform_(0.5, 1.5)
     save_tiny_model_files(hf_model, folder)
     return TinyModel(arch, folder, hf_model)
 

@@ -43,8 +43,11 @@ def greedy_tokens(monkeypatch, tiny_model, run_engine, backend: str, arch: str =
 # The eager layers through each backend's ops: llama3 rope scaling and tied embeddings
 # (llama3, Llama 3.2), per-head q/k norms (qwen3), a NoPE layer (smollm3), partial rotary
 # (phi3), a sliding window of 8 whose blocks the KV manager frees
-# (mistral-window) and a window with soft-capped scores (gemma2) included.
-EAGER_ARCHITECTURES = ["llama", "llama3", "qwen3", "smollm3", "phi3", "mistral-window", "gemma2"]
+# (mistral-window), a window with soft-capped scores (gemma2), post-norms and a rope per
+# layer type (olmo3), position-scaled queries (ministral3) and layers of two K/V shapes
+# reading their part of each pool slot through its strides (gemma4) included.
+EAGER_ARCHITECTURES = ["llama", "llama3", "qwen3", "smollm3", "phi3", "mistral-window", "gemma2",
+                       "olmo3", "ministral3", "gemma4"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -64,8 +67,11 @@ def test_cpu_backend_gives_the_same_greedy_tokens(tiny_model, run_engine, monkey
 
 
 # qwen2: qkv biases, tied embeddings; llama3: llama3 rope scaling, tied embeddings; qwen3:
-# q/k norms; smollm3: a NoPE layer; phi3: fused checkpoint projections, partial rotary, LongRoPE
-STACK_ARCHITECTURES = ["llama", "qwen2", "llama3", "qwen3", "smollm3", "phi3"]
+# q/k norms; smollm3: a NoPE layer; phi3: fused checkpoint projections, partial rotary, LongRoPE;
+# olmo3: post-norms, q/k norms over whole projections, a rope per layer type; ministral3:
+# queries scaled by position
+STACK_ARCHITECTURES = ["llama", "qwen2", "llama3", "qwen3", "smollm3", "phi3", "olmo3",
+                       "ministral3"]
 # gemma3: two rope bases, sliding and global layers, (1 + weight) q/k norms, GeGLU; gemma2:
 # soft-capped scores and logits (their eager layers compute those in plain torch, so the
 # stack matches them to fp32 rounding, below, rather than bit for bit)

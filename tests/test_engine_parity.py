@@ -2,10 +2,14 @@
 
 import random
 
+import conftest
 import pytest
+import torch
 from conftest import TINY_ARCHITECTURES as ARCHITECTURES
 from conftest import transformers_greedy
 
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 12
@@ -137,3 +141,37 @@ def test_parallel_greedy_samples_each_match_transformers(arch, make_engine, run_
     assert [[sample.token_ids for sample in output.outputs] for output in run.outputs] == [
         [tokens, tokens] for tokens in expected(arch)]
     assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["ministral3"])
+def test_eager_layers_match_transformers(arch, tiny_model, run_engine, expected):
+    """The parity above runs the C++ decoder stack; a model whose eager layers compute a part
+    of their own (Ministral 3's query scale) is held to transformers there too, with prompts
+    chunked (budget 7) across the scale's steps."""
+    engine = EngineCore(EngineConfig(model=str(tiny_model(arch).path), dtype="float32",
+                                     device="cpu", device_memory_gb=0.05, enforce_eager=True,
+                                     block_size=4, max_num_batched_tokens=7))
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert not engine.runner.fused_decoder_stack
+    assert _token_ids(run) == expected(arch)
+
+
+def test_mistral3_for_conditional_generation_serves_its_language_model(tmp_path, run_engine):
+    """Ministral 3 as published: a Mistral3ForConditionalGeneration, whose vision tower and
+    projector are left out by name; its language model equals transformers' on text."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, head_dim=16, image_size=28,
+                                 patch_size=14)
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=conftest._tiny_config("ministral3").to_dict(),
+        vision_config=vision.to_dict(), tie_word_embeddings=False)).eval()
+    conftest.save_tiny_model_files(model, tmp_path)
+    engine = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                                     device_memory_gb=0.05))
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert _token_ids(run) == transformers_greedy(model, PROMPTS, MAX_TOKENS)

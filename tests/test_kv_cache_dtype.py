@@ -58,7 +58,7 @@ def test_pool_grows_by_the_byte_ratio(make_engine, kv_cache_dtype):
     auto = make_engine("llama").memory_plan
     engine = make_engine("llama", kv_cache_dtype=kv_cache_dtype)
     plan, runner = engine.memory_plan, engine.runner
-    head_dim = runner.head_dim
+    head_dim = runner.attention_layers[0].head_dim  # every layer's, in this model
     # fp32 model: 4 bytes per value against one code, plus a 2-byte scale per row
     assert plan.bytes_per_block * 4 * head_dim == auto.bytes_per_block * (head_dim + 2)
     assert (plan.auto_bytes_per_block, plan.auto_num_blocks) == (auto.bytes_per_block,
@@ -121,7 +121,7 @@ def test_block_copies_move_codes_and_scales(make_engine):
     runner = make_engine("llama", kv_cache_dtype="int8", block_size=4).runner
     runner.allocate_swap_space(2)
     layer = runner.attention_layers[0]
-    key = torch.randn(4, runner.num_kv_heads, runner.head_dim) * 5
+    key = torch.randn(4, layer.num_kv_heads, layer.head_dim) * 5
     reference.store_kv(key, -key, layer.key_cache, layer.value_cache, torch.arange(4, 8))
     written = layer.key_cache[1].clone()
     assert bool((kv_quant.scales(written) > 0).all())

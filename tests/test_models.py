@@ -3,7 +3,7 @@ refusals (architecture, MoE, vision, rope type) that name what is not supported.
 
 import pytest
 import torch
-from conftest import TINY_MAX_POSITIONS, TINY_VOCAB_SIZE, phi3_rope
+from conftest import TINY_MAX_POSITIONS, TINY_VOCAB_SIZE, _tiny_config, phi3_rope
 from transformers import LlamaConfig, LlavaConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -17,6 +17,8 @@ from kvscope.engine.worker.models.llama import (
     SUPPORTED_ROPE_TYPES,
     LlamaForCausalLM,
     RotaryTable,
+    RotaryTables,
+    layer_kinds,
 )
 
 SMALL = {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2,
@@ -118,3 +120,58 @@ def test_the_rotary_table_equals_transformers_for_each_static_rope_type(rope_sca
                                                torch.arange(TINY_MAX_POSITIONS).unsqueeze(0))
     torch.testing.assert_close(table.cos, cos[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(table.sin, sin[0], rtol=0, atol=1e-6)
+
+
+def test_ministral3_query_scales_equal_transformers_llama_4_scale():
+    """Every position's scale, bit for bit, from transformers' own function; 1 up to
+    original_max_position_embeddings, growing with each multiple of it."""
+    from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+
+    config = _tiny_config("ministral3")
+    table = RotaryTables(config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)
+    positions = torch.arange(TINY_MAX_POSITIONS).unsqueeze(0)
+    expected = get_llama_4_attn_scale(positions, 0.5, 16)[0, 0]
+    assert torch.equal(table.query_scale, expected)
+    assert torch.equal(table.query_scale[:16], torch.ones(16, 1))
+    assert table.query_scale[16, 0] > 1
+
+
+def test_ministral3_without_its_query_scale_parameters_is_refused_naming_them():
+    config = _tiny_config("ministral3")
+    del config.rope_parameters["llama_4_scaling_beta"]
+    with pytest.raises(ValueError, match="rope_parameters.llama_4_scaling_beta"):
+        LlamaForCausalLM(config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)
+
+
+def test_olmo3_rotary_tables_equal_transformers_per_layer_type():
+    """A table per layer type (yarn on the full layers, default on the sliding ones), each
+    layer reading its type's."""
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
+
+    config = _tiny_config("olmo3")
+    tables = RotaryTables(config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)
+    hf_rotary = Olmo3RotaryEmbedding(config)
+    positions = torch.arange(TINY_MAX_POSITIONS).unsqueeze(0)
+    for layer_type, (cos, sin) in zip(["full_attention", "sliding_attention"], tables.tables(),
+                                      strict=True):
+        with torch.inference_mode():
+            hf_cos, hf_sin = hf_rotary(torch.empty(0), positions, layer_type)
+        torch.testing.assert_close(cos, hf_cos[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, hf_sin[0], rtol=0, atol=1e-6)
+    assert [kind.rotary_table for kind in layer_kinds(config)] == [1, 0, 1]
+    assert tables.query_scale is None
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"enable_moe_block": True, "num_experts": 1, "top_k_experts": 1,
+      "moe_intermediate_size": 32}, "enable_moe_block=True"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+])
+def test_a_gemma4_part_kvscope_does_not_run_is_refused_naming_its_field(change, named):
+    from kvscope.engine.worker.models.gemma4 import Gemma4ForCausalLM
+
+    config = _tiny_config("gemma4")
+    for field, value in change.items():
+        setattr(config, field, value)
+    with pytest.raises(ValueError, match=named):
+        Gemma4ForCausalLM(config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)

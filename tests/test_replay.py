@@ -12,6 +12,7 @@ from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.replay.cost_model import RecordedStepTimes, StepCost, fit_step_cost
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
+from kvscope.engine.replay.simulated_runner import SimulatedRunner
 from kvscope.engine.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from kvscope.engine.replay.workload import ReplayRequest
 from kvscope.engine.sampling_params import SamplingParams
@@ -180,6 +181,20 @@ def test_fitted_cost_model_follows_a_change_of_slope_in_scheduled_tokens() -> No
 
 
 # ---- live replay -------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "olmo3", "gemma4"])
+def test_the_simulator_groups_and_sizes_the_pool_as_the_model_runner(arch, make_engine,
+                                                                      tiny_model) -> None:
+    """From the config alone: Olmo 3's sliding and full groups; Gemma 4's two layer shapes
+    (slots as wide as the widest) and its KV-shared layers, which own no cache."""
+    runner = make_engine(arch).runner
+    simulator = SimulatedRunner(EngineConfig(model=str(tiny_model(arch).path), dtype="float32",
+                                             device="cpu"))
+    assert simulator.kv_groups == runner.kv_groups
+    for kv_cache_dtype in ("auto", "int8"):
+        assert simulator.bytes_per_block(4, kv_cache_dtype) == runner.bytes_per_block(
+            4, kv_cache_dtype)
+
+
 def test_simulated_and_live_allocate_the_same_blocks_given_the_same_step_times(
         tmp_path, tiny_model) -> None:
     """A small pool preempts; the simulation, clocked by the live run's own step times,

@@ -68,8 +68,11 @@ def _token_ids(run) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in run.outputs]
 
 
+# Gemma 4 runs its eager layers whatever enforce_eager says (gemma4.py says why).
+EAGER_ONLY_ARCHITECTURES = ("gemma4",)
 PATHS = [pytest.param(arch, eager, id=f"{arch}-{'eager' if eager else 'stack'}")
-         for arch in SLIDING_WINDOW_ARCHITECTURES for eager in (False, True)]
+         for arch in SLIDING_WINDOW_ARCHITECTURES for eager in (False, True)
+         if eager or arch not in EAGER_ONLY_ARCHITECTURES]
 
 
 @pytest.mark.parametrize("block_size", [2, 16])
@@ -160,7 +163,7 @@ def test_kv_cache_groups_keep_greedy_output_through_every_feature(
     assert len(engine.kv_cache.free_swap_blocks) == engine.kv_cache.num_swap_blocks
 
 
-@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2-window", "gemma3", "gemma4"])
 def test_beam_search_over_kv_cache_groups_equals_transformers(arch, make_engine, tiny_model):
     from test_beam_search import WIDTH, hf_beams, run_beam_search
 
@@ -174,7 +177,8 @@ def test_beam_search_over_kv_cache_groups_equals_transformers(arch, make_engine,
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
-@pytest.mark.parametrize(("arch", "enforce_eager"), [("qwen2-window", False), ("gemma3", True)])
+@pytest.mark.parametrize(("arch", "enforce_eager"), [("qwen2-window", False), ("gemma3", True),
+                                                    ("gemma4", True)])
 def test_speculative_rollback_over_kv_cache_groups_keeps_greedy_output(
         arch, enforce_eager, make_engine, eager_engine, tiny_model, run_engine):
     """Proposals written into every group's blocks, the rejected ones rolled back."""
@@ -214,3 +218,43 @@ def test_gemma3_for_conditional_generation_serves_its_language_model(tmp_path, r
     assert _token_ids(run) == expected
     # Gemma 3's two sliding layers and its global one: a block table each.
     assert engine.runner.group_windows == (TINY_WINDOW, TINY_WINDOW, None)
+
+
+def test_gemma4_for_conditional_generation_serves_its_language_model(tmp_path, run_engine):
+    """As Gemma 3's: the vision tower and its projection into the text are left out by name,
+    the language model equals transformers' on text; it runs its eager layers though the C++
+    stack is there (gemma4.py: one head shape per stack)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    text = conftest._tiny_config("gemma4")
+    text.pad_token_id = 0  # the multimodal model pads image positions' per-layer inputs with it
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
+    conftest.save_tiny_model_files(model, tmp_path)
+    engine = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                                     device_memory_gb=0.05))
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert _token_ids(run) == transformers_greedy(model, PROMPTS, MAX_TOKENS)
+    assert not engine.runner.fused_decoder_stack
+
+
+def test_gemma4_layers_of_two_shapes_share_the_pool_and_its_shared_layers_own_no_cache(
+        make_engine):
+    """The tiny Gemma 4's sliding layers (2 KV heads of 16) and full ones (1 of 48) each view
+    their part of a slot as wide as the widest (48 values a token); its last two layers read
+    the first two's caches, so only those two are bound to the pool."""
+    runner = make_engine("gemma4", block_size=4).runner
+    model = runner.model
+    assert runner.attention_layers == [layer.self_attn.attn for layer in model.model.layers[:2]]
+    assert [layer.self_attn.attn for layer in model.model.layers[2:]] == runner.attention_layers
+    sliding, full = runner.attention_layers
+    assert sliding.key_cache.shape[2:] == (2, 16) and full.key_cache.shape[2:] == (1, 48)
+    assert runner.kv_cache.shape[-2:] == (1, 48)
+    assert runner.bytes_per_block(4) == 2 * runner.layers_per_block * 4 * 48 * 4
+    for layer in runner.attention_layers:
+        assert layer.key_cache.untyped_storage().data_ptr() == (
+            runner.kv_cache.untyped_storage().data_ptr())

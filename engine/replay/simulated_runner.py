@@ -19,7 +19,7 @@ from kvscope.engine.worker.loader import (
 )
 from kvscope.engine.worker.memory import MemoryPlan, kv_bytes_per_block, plan_blocks
 from kvscope.engine.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
-from kvscope.engine.worker.models.attention import layer_windows
+from kvscope.engine.worker.models.kv_layers import cache_layers
 
 
 class SimulatedRunner:
@@ -37,7 +37,8 @@ class SimulatedRunner:
         self.generation_config = load_generation_config(self.model_path, self.hf_config)
         self.max_positions = self.hf_config.max_position_embeddings
         # The live engine's KV cache groups: blocks leave sliding windows as they do live.
-        self.kv_groups = kv_cache_groups(layer_windows(self.hf_config))
+        self.cache_layers = cache_layers(self.hf_config)
+        self.kv_groups = kv_cache_groups([layer.window for layer in self.cache_layers])
         self.group_windows = tuple(group.window for group in self.kv_groups)
         self.device = resolve_device("cpu")
         self.dtype = resolve_dtype(config.dtype, resolve_device(config.device),
@@ -49,13 +50,10 @@ class SimulatedRunner:
 
     def bytes_per_block(self, block_size: int, kv_cache_dtype: str = "auto") -> int:
         """K and V for block_size tokens in a KV cache group's layers, scales included, as
-        ModelRunner.bytes_per_block."""
-        config = self.hf_config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return kv_bytes_per_block(layers_per_block(self.kv_groups), block_size, kv_heads,
-                                  head_dim, self.dtype, kv_cache_dtype)
+        ModelRunner.bytes_per_block: every layer slot as wide as the widest layer's."""
+        return max(kv_bytes_per_block(layers_per_block(self.kv_groups), block_size,
+                                      layer.num_kv_heads, layer.head_dim, self.dtype,
+                                      kv_cache_dtype) for layer in self.cache_layers)
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan:
         if config.num_gpu_blocks_override is None:

@@ -37,7 +37,7 @@ from kvscope.engine.worker.memory import (
     plan_blocks,
 )
 from kvscope.engine.worker.models import language_model_config, model_class
-from kvscope.engine.worker.models.attention import AttentionMetadata
+from kvscope.engine.worker.models.attention import AttentionMetadata, PagedAttention
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.layers import prepack_weights
 from kvscope.engine.worker.models.quantized import (
@@ -115,6 +115,15 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def layer_view(slot: torch.Tensor, layer: PagedAttention, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's K (or V) cache [blocks, block_size, kv_heads, row] in its slot of the pool,
+    whose rows are the widest layer's (ModelRunner.widest_kv_layer): the first kv_heads * row
+    values of each token's row; for a layer of the widest shape, the whole slot."""
+    blocks, block_size = slot.shape[:2]
+    width = layer.num_kv_heads * kv_quant.row_width(layer.head_dim, dtype)
+    return slot.flatten(2)[..., :width].view(blocks, block_size, layer.num_kv_heads, -1)
+
+
 class ModelRunner:
     """Everything on the device: weights, the KV cache, batch inputs and the forward."""
 
@@ -183,8 +192,6 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.weight_bytes_by_type = weight_bytes_by_type(self.model)
         self.attention_layers = self.model.attention_layers()
-        first = self.attention_layers[0]
-        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         # Layers grouped by attention type, each group with its own block tables (set
         # before the decoder stack fuses: it takes each layer's group as an option).
         self.kv_groups = kv_cache_groups([layer.sliding_window for layer in self.attention_layers])
@@ -204,6 +211,10 @@ class ModelRunner:
                                     and self.kernel_ops.decoder_stack is not None)
         if self.fused_decoder_stack:
             fuse(self.dtype)
+        elif fuse is None and self.kernel_ops.decoder_stack is not None:
+            logger.info("%s runs its eager layers: %s", type(self.model).__name__,
+                        getattr(self.model, "no_decoder_stack_reason",
+                                "the C++ decoder stack does not run its layers"))
         self.kv_cache: torch.Tensor | None = None
         self.swap_cache: torch.Tensor | None = None
         self._peak_activation_bytes: dict[tuple[int, int, int], int] = {}
@@ -247,8 +258,17 @@ class ModelRunner:
     def bytes_per_block(self, block_size: int, kv_cache_dtype: str = "auto") -> int:
         """K and V for block_size tokens in a KV cache group's layers (every layer, for a
         model of one attention type), scales included."""
-        return kv_bytes_per_block(self.layers_per_block, block_size, self.num_kv_heads,
-                                  self.head_dim, self.dtype, kv_cache_dtype)
+        heads, head_dim = self.widest_kv_layer(kv_cache_dtype)
+        return kv_bytes_per_block(self.layers_per_block, block_size, heads, head_dim, self.dtype,
+                                  kv_cache_dtype)
+
+    def widest_kv_layer(self, kv_cache_dtype: str = "auto") -> tuple[int, int]:
+        """(kv_heads, head_dim) of the attention layer whose K (or V) rows take the most room:
+        every layer slot of a block is that wide (Gemma 4's sliding and full layers differ in
+        shape; a narrower layer leaves the rest of its slot unused, as vLLM pads its pages)."""
+        dtype = kv_quant.cache_dtype(kv_cache_dtype, self.dtype)
+        return max(((layer.num_kv_heads, layer.head_dim) for layer in self.attention_layers),
+                   key=lambda shape: shape[0] * kv_quant.row_width(shape[1], dtype))
 
     def plan_memory(self, config: EngineConfig, draft: "ModelRunner | None" = None) -> MemoryPlan:
         """Size the block pool for a resolved config (profiling its token budget once per
@@ -330,16 +350,18 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.key_cache = layer.value_cache = None
         dtype = kv_quant.cache_dtype(kv_cache_dtype, self.dtype)
-        shape = (2, self.layers_per_block, num_blocks, block_size, self.num_kv_heads,
-                 kv_quant.row_width(self.head_dim, dtype))
+        heads, head_dim = self.widest_kv_layer(kv_cache_dtype)
+        shape = (2, self.layers_per_block, num_blocks, block_size, heads,
+                 kv_quant.row_width(head_dim, dtype))
         # Made resident in the background: the engine waits for it before its next step
         # (wait_until_resident).
         self.kv_cache = (huge_pages.empty(shape, dtype, background=True) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=self.device))
         for group in self.kv_groups:
             for slot, index in enumerate(group.layers):
-                self.attention_layers[index].key_cache = self.kv_cache[0, slot]
-                self.attention_layers[index].value_cache = self.kv_cache[1, slot]
+                layer = self.attention_layers[index]
+                layer.key_cache, layer.value_cache = (
+                    layer_view(self.kv_cache[part, slot], layer, dtype) for part in (0, 1))
         self.block_size = block_size
 
     def wait_until_resident(self) -> None:

@@ -51,7 +51,8 @@ TORCH_LIBRARY(kvscope, m) {
   // llama_stack.cpp; every argument by name from Python.
   m.class_<LlamaDecoderStack>("LlamaDecoderStack")
       .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::optional<at::Tensor>, at::Tensor,
                        const c10::List<kvscope::NamedTensors>&,
                        const c10::List<c10::Dict<std::string, int64_t>>&,
                        const c10::Dict<std::string, double>&, int64_t, int64_t, int64_t, int64_t,
@@ -59,7 +60,7 @@ TORCH_LIBRARY(kvscope, m) {
            "",
            {torch::arg("embedding"), torch::arg("embedding_scales"), torch::arg("head"),
             torch::arg("head_scales"), torch::arg("cos"), torch::arg("sin"),
-            torch::arg("final_norm"), torch::arg("layers"), torch::arg("layer_options"),
+            torch::arg("query_scale"), torch::arg("final_norm"), torch::arg("layers"), torch::arg("layer_options"),
             torch::arg("model_options"), torch::arg("num_heads"), torch::arg("num_kv_heads"),
             torch::arg("head_dim"), torch::arg("group_size"), torch::arg("kernel_max_rows"),
             torch::arg("eps"), torch::arg("attention_scale")})

@@ -242,7 +242,10 @@ at::Tensor dequantized_rows(const at::Tensor& table, const at::Tensor& scales,
 // views created per step. A projection may hand back a tensor of its own in place of one
 // (project: oneDNN's GEMM); qkv's views are then taken anew (split_qkv).
 struct Workspace {
-  at::Tensor normed, qkv, query, key, value, attended, projected, gate_up, activated;
+  // query and key by head [tokens, heads, head_dim]; query_rows and key_rows the same values
+  // as one row per token [tokens, heads * head_dim] (Olmo 3's norms span every head).
+  at::Tensor normed, qkv, query, key, value, query_rows, key_rows, attended, projected, gate_up,
+      activated;
   int64_t q_width, kv_width;
 
   Workspace(const at::Tensor& hidden, const StackConfig& config, int64_t intermediate_size) {
@@ -264,8 +267,10 @@ struct Workspace {
   void split_qkv(const StackConfig& config) {
     if (query.defined() && query.data_ptr() == qkv.data_ptr()) return;
     const int64_t tokens = qkv.size(0), head_dim = config.head_dim;
-    query = qkv.narrow(1, 0, q_width).view({tokens, config.num_heads, head_dim});
-    key = qkv.narrow(1, q_width, kv_width).view({tokens, config.num_kv_heads, head_dim});
+    query_rows = qkv.narrow(1, 0, q_width);
+    key_rows = qkv.narrow(1, q_width, kv_width);
+    query = query_rows.view({tokens, config.num_heads, head_dim});
+    key = key_rows.view({tokens, config.num_kv_heads, head_dim});
     value =
         qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, config.num_kv_heads, head_dim});
   }
@@ -339,7 +344,6 @@ class NameReader {
 kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTensors& named) {
   NameReader<at::Tensor> reader(named, "a layer");
   DecoderLayerWeights layer;
-  layer.input_layernorm = reader.required("input_layernorm.weight");
   layer.qkv_proj = reader.linear("self_attn.qkv_proj");
   layer.o_proj = reader.linear("self_attn.o_proj");
   layer.q_norm = reader.optional("self_attn.q_norm.weight");
@@ -347,14 +351,20 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
   TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
               "LlamaDecoderStack: a layer has a q_norm without a k_norm, or the reverse");
   // A Gemma layer, which names its MLP's input norm pre_feedforward_layernorm, uses the name
-  // post_attention_layernorm for its attention's output norm.
-  if (std::optional<at::Tensor> pre_mlp = reader.optional("pre_feedforward_layernorm.weight")) {
-    layer.mlp_input_norm = *pre_mlp;
+  // post_attention_layernorm for its attention's output norm; so does an Olmo 3 layer, which
+  // has a post_feedforward_layernorm but no input norms.
+  std::optional<at::Tensor> pre_mlp = reader.optional("pre_feedforward_layernorm.weight");
+  std::optional<at::Tensor> post_mlp = reader.optional("post_feedforward_layernorm.weight");
+  if (pre_mlp || post_mlp) {
+    layer.mlp_input_norm = pre_mlp;
     layer.attention_output_norm = reader.required("post_attention_layernorm.weight");
-    layer.mlp_output_norm = reader.required("post_feedforward_layernorm.weight");
+    layer.mlp_output_norm = post_mlp;
+    TORCH_CHECK(post_mlp, "LlamaDecoderStack: a layer has no 'post_feedforward_layernorm.weight'");
   } else {
     layer.mlp_input_norm = reader.required("post_attention_layernorm.weight");
   }
+  // Post-norm layers only (Olmo 3) leave both input norms out.
+  if (layer.mlp_input_norm) layer.input_layernorm = reader.required("input_layernorm.weight");
   layer.gate_up_proj = reader.linear("mlp.gate_up_proj");
   layer.down_proj = reader.linear("mlp.down_proj");
   reader.check_all_read();
@@ -401,7 +411,8 @@ kvscope::ModelOptions kvscope::ModelOptions::from(const c10::Dict<std::string, d
 LlamaDecoderStack::LlamaDecoderStack(
     at::Tensor embedding, std::optional<at::Tensor> embedding_scales, at::Tensor head,
     std::optional<at::Tensor> head_scales, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
-    at::Tensor final_norm, const c10::List<kvscope::NamedTensors>& layers,
+    std::optional<at::Tensor> query_scale, at::Tensor final_norm,
+    const c10::List<kvscope::NamedTensors>& layers,
     const c10::List<c10::Dict<std::string, int64_t>>& layer_options,
     const c10::Dict<std::string, double>& model_options, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t group_size, int64_t kernel_max_rows, double eps,
@@ -411,6 +422,7 @@ LlamaDecoderStack::LlamaDecoderStack(
       head_{std::move(head), std::nullopt, std::move(head_scales), std::nullopt},
       cos_(std::move(cos)),
       sin_(std::move(sin)),
+      query_scale_(std::move(query_scale)),
       final_norm_(std::move(final_norm)),
       config_{num_heads,       num_kv_heads,
               head_dim,        group_size,
@@ -429,9 +441,14 @@ LlamaDecoderStack::LlamaDecoderStack(
               "LlamaDecoderStack: one or more rotary tables, a sin table per cos table");
   std::vector<const at::Tensor*> tables = {&embedding_};
   for (size_t i = 0; i < cos_.size(); ++i) tables.insert(tables.end(), {&cos_[i], &sin_[i]});
+  if (query_scale_) tables.push_back(&*query_scale_);
   for (const at::Tensor* table : tables)
     TORCH_CHECK(table->dim() == 2 && table->is_contiguous(),
-                "LlamaDecoderStack: the embedding and rotary tables are contiguous [rows, width]");
+                "LlamaDecoderStack: the embedding, rotary and query scale tables are contiguous "
+                "[rows, width]");
+  TORCH_CHECK(!query_scale_ ||
+                  (query_scale_->scalar_type() == at::kFloat && query_scale_->size(1) == 1),
+              "LlamaDecoderStack: query_scale is fp32 [positions, 1]");
   TORCH_CHECK((config_.model.embedding_gguf_type >= 0) == (embedding_.scalar_type() == at::kByte),
               "LlamaDecoderStack: an embedding of GGUF blocks is uint8 rows, with its type");
   TORCH_CHECK(!embedding_scales_ || (embedding_.scalar_type() == at::kChar &&
@@ -477,6 +494,11 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     sin.push_back(gather_rows(sin_[table], positions));
   }
   const int64_t tokens = hidden.size(0);
+  // Each token's query scale in the model's dtype, as transformers multiplies the queries.
+  std::optional<at::Tensor> query_scale;
+  if (query_scale_)
+    query_scale =
+        gather_rows(*query_scale_, positions).to(hidden.scalar_type()).view({tokens, 1, 1});
   const int64_t intermediate_size = layers_.front().gate_up_proj.out_features() / 2;
   Workspace work(hidden, config_, intermediate_size);
   const at::Tensor attended = work.attended.view({tokens, config_.num_heads, config_.head_dim});
@@ -494,19 +516,28 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     const bool first = index == 0;
     const int64_t group = options_[index].kv_group;
     const kvscope::LayerOptions& options = options_[index];
-    normed(first ? hidden : work.projected, layer.input_layernorm, config_,
-           first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
-    project(work.normed, layer.qkv_proj, config_, work.qkv);
+    if (layer.input_layernorm) {
+      normed(first ? hidden : work.projected, *layer.input_layernorm, config_,
+             first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
+      project(work.normed, layer.qkv_proj, config_, work.qkv);
+    } else {  // a post-norm layer's attention reads the residual stream itself
+      if (!first) traced("aten::add_", [&] { residual.add_(work.projected); });
+      project(residual, layer.qkv_proj, config_, work.qkv);
+    }
     work.split_qkv(config_);
-    if (layer.q_norm) {  // each query and key head normalised in place, before the rotary
-      normed(work.query, *layer.q_norm, config_, std::nullopt, work.query);
-      normed(work.key, *layer.k_norm, config_, std::nullopt, work.key);
+    if (layer.q_norm) {  // queries and keys normalised in place, before the rotary
+      const bool per_head = layer.q_norm->numel() == config_.head_dim;
+      at::Tensor query = per_head ? work.query : work.query_rows;
+      at::Tensor key = per_head ? work.key : work.key_rows;
+      normed(query, *layer.q_norm, config_, std::nullopt, query);
+      normed(key, *layer.k_norm, config_, std::nullopt, key);
     }
     if (options.rotary)
       traced("kvscope::rotary_embedding", [&] {
         rotary_embedding(work.qkv, cos[options.rotary_table], sin[options.rotary_table],
                          config_.num_heads + config_.num_kv_heads, config_.head_dim);
       });
+    if (query_scale) traced("aten::mul_", [&] { work.query.mul_(*query_scale); });
     traced("kvscope::store_kv", [&] {
       store_kv(work.key, work.value, key_caches[index], value_caches[index], group_slots[group]);
     });
@@ -518,8 +549,13 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     project(work.attended, layer.o_proj, config_, work.projected);
     if (layer.attention_output_norm)
       normed(work.projected, *layer.attention_output_norm, config_, std::nullopt, work.projected);
-    normed(work.projected, layer.mlp_input_norm, config_, residual, work.normed);
-    project(work.normed, layer.gate_up_proj, config_, work.gate_up);
+    if (layer.mlp_input_norm) {
+      normed(work.projected, *layer.mlp_input_norm, config_, residual, work.normed);
+      project(work.normed, layer.gate_up_proj, config_, work.gate_up);
+    } else {  // a post-norm layer's MLP reads the residual stream itself
+      traced("aten::add_", [&] { residual.add_(work.projected); });
+      project(residual, layer.gate_up_proj, config_, work.gate_up);
+    }
     if (config_.model.gelu_tanh)
       traced("kvscope::gelu_tanh_and_mul",
              [&] { gelu_tanh_and_mul(work.gate_up, work.activated); });

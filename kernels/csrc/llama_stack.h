@@ -45,14 +45,18 @@ struct LinearWeights {
 // (engine/worker/models/llama.py's LlamaDecoderLayer, gemma.py's GemmaDecoderLayer). A
 // weight the model's config leaves out is absent, and so is its step.
 struct DecoderLayerWeights {
-  at::Tensor input_layernorm;
+  // The norm before attention; absent in Olmo 3, whose attention reads the residual stream.
+  std::optional<at::Tensor> input_layernorm;
   LinearWeights qkv_proj, o_proj;
-  std::optional<at::Tensor> q_norm, k_norm;  // RMSNorm per query / key head (Qwen3, Gemma 3)
-  // Gemma normalises the attention's and the MLP's outputs before each joins the residual
-  // stream (its post_attention_layernorm and post_feedforward_layernorm).
+  // RMSNorm of the queries and keys: per head where the weight is head_dim wide (Qwen3,
+  // Gemma 3), over the whole projection where it is as wide as that (Olmo 3).
+  std::optional<at::Tensor> q_norm, k_norm;
+  // Gemma and Olmo 3 normalise the attention's and the MLP's outputs before each joins the
+  // residual stream (their post_attention_layernorm and post_feedforward_layernorm).
   std::optional<at::Tensor> attention_output_norm, mlp_output_norm;
-  // The norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm.
-  at::Tensor mlp_input_norm;
+  // The norm before the MLP: Llama's post_attention_layernorm, Gemma's
+  // pre_feedforward_layernorm; absent in Olmo 3, whose MLP reads the residual stream.
+  std::optional<at::Tensor> mlp_input_norm;
   LinearWeights gate_up_proj, down_proj;
 
   // From the layer's named_parameters(); every name must be one of the above.
@@ -112,12 +116,15 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   // embedding: the token embedding table, dense or int8 with embedding_scales (one per row);
   // head, head_scales: the output projection alike (the embedding's own when they are tied);
   // cos, sin: the rotary tables (one pair, or one per rope base), a row per position (of the
-  // rotated width: partial rotary rotates each head's first dims); layers: each decoder
+  // rotated width: partial rotary rotates each head's first dims); query_scale: fp32
+  // [positions, 1], each position's query scale after the rotary (Ministral 3), or none;
+  // layers: each decoder
   // layer's named_parameters(); layer_options: each layer's LayerOptions by name;
   // model_options: the ModelOptions by name.
   LlamaDecoderStack(at::Tensor embedding, std::optional<at::Tensor> embedding_scales,
                     at::Tensor head, std::optional<at::Tensor> head_scales,
-                    std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor final_norm,
+                    std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                    std::optional<at::Tensor> query_scale, at::Tensor final_norm,
                     const c10::List<kvscope::NamedTensors>& layers,
                     const c10::List<c10::Dict<std::string, int64_t>>& layer_options,
                     const c10::Dict<std::string, double>& model_options, int64_t num_heads,
@@ -147,6 +154,7 @@ class LlamaDecoderStack : public torch::CustomClassHolder {
   std::optional<at::Tensor> embedding_scales_;
   kvscope::LinearWeights head_;
   std::vector<at::Tensor> cos_, sin_;
+  std::optional<at::Tensor> query_scale_;
   at::Tensor final_norm_;
   std::vector<kvscope::DecoderLayerWeights> layers_;
   std::vector<kvscope::LayerOptions> options_;

@@ -4,6 +4,7 @@ and the refusals of what none of them runs (named, with what is supported)."""
 from transformers import PretrainedConfig
 
 from kvscope.engine.worker.models.gemma import GemmaForCausalLM
+from kvscope.engine.worker.models.gemma4 import Gemma4ForCausalLM
 from kvscope.engine.worker.models.llama import LlamaForCausalLM
 from kvscope.engine.worker.models.opt import OPTForCausalLM
 
@@ -14,11 +15,17 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # Phi-3, Phi-3.5-mini, Phi-4-mini
+    "Olmo3ForCausalLM": LlamaForCausalLM,
+    "Ministral3ForCausalLM": LlamaForCausalLM,
+    # its language model only (Ministral 3's published checkpoints), as Gemma 3's below
+    "Mistral3ForConditionalGeneration": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     # its language model only: the vision tower's weights are skipped by name
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its language model, as Gemma 3's
 }
 # Config fields that mark mixture-of-experts layers, by the families that use them.
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")

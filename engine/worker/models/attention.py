@@ -60,17 +60,20 @@ class PagedAttention(UsesKernelOps):
         self.kv_group = 0
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """query [tokens, heads * dim], key/value [tokens, kv_heads * dim] -> [tokens, heads * dim]."""
+        """query [tokens, heads * dim], key/value [tokens, kv_heads * dim] -> [tokens, heads * dim].
+        key and value None: the caller shares this layer's K/V, which an earlier layer of the
+        forward wrote (Gemma 4's KV-shared layers), and attends over them without writing."""
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         group = self.kv_group
-        self.ops.store_kv(key, value, self.key_cache, self.value_cache,
-                          meta.group_slot_mappings[group])
+        if key is not None:
+            key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+            value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+            self.ops.store_kv(key, value, self.key_cache, self.value_cache,
+                              meta.group_slot_mappings[group])
         out = self.ops.paged_attention(
             query, self.key_cache, self.value_cache, meta.group_block_tables[group], meta.seq_lens,
             meta.query_start_loc, self.scale, sliding_window=self.sliding_window,

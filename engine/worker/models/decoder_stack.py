@@ -62,9 +62,10 @@ class FusedDecoderStack:
 
     What the stack reads from the model (FusesDecoderStack's models have all of it):
     `model.model` with embed_tokens, layers, norm and a rotary module whose `tables()` are
-    its (cos, sin) pairs; each layer's `kind.stack_options()` (the C++ LayerOptions by
-    name); the model's `stack_options()` (the C++ ModelOptions by name); `tied` and
-    `lm_head` where the output projection is not the embedding.
+    its (cos, sin) pairs and whose `query_scale` is each position's query scale (or None);
+    each layer's `kind.stack_options()` (the C++ LayerOptions by name); the model's
+    `stack_options()` (the C++ ModelOptions by name); `tied` and `lm_head` where the output
+    projection is not the embedding.
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
@@ -88,6 +89,7 @@ class FusedDecoderStack:
             embedding=embedding, embedding_scales=embedding_scales,
             head=head, head_scales=head_scales,
             cos=[cos for cos, _ in tables], sin=[sin for _, sin in tables],
+            query_scale=body.rotary.query_scale,
             final_norm=body.norm.weight,
             # Each layer's tensors by their parameter names (packed int4 / int8 linears add
             # scales, and int4 offsets, to weight and bias; GGUF layers have weights.0,

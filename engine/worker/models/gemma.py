@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from kvscope.engine.worker.models.attention import (
     AttentionMetadata,
@@ -26,17 +27,11 @@ from kvscope.engine.worker.models.attention import (
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.decoder_stack import FusesDecoderStack
 from kvscope.engine.worker.models.layers import Embedding, Linear, MergedLinear, load_weights
+from kvscope.engine.worker.models.multimodal import language_model_weights
 from kvscope.engine.worker.models.quantized import output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-# Gemma3ForConditionalGeneration's checkpoint: the language model under its own prefix
-# (as published, "language_model.model.*"; as transformers 4.5x saved it,
-# "model.language_model.*"), beside a vision tower and projector this text-only model does
-# not load.
-LANGUAGE_MODEL_PREFIXES = {"language_model.": "", "model.language_model.": "model."}
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                   "model.multi_modal_projector.")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -57,6 +52,8 @@ class RotaryTables(nn.Module):
     """cos/sin for every position and layer type, from transformers' own rotary module
     (Gemma 3 gives sliding and global layers different bases), looked up by position."""
 
+    query_scale = None  # Gemma scales no query by position (llama.RotaryTables does for some)
+
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
         positions = torch.arange(max_positions).unsqueeze(0)
@@ -65,6 +62,8 @@ class RotaryTables(nn.Module):
         for layer_type in self.layer_types:
             if config.model_type == "gemma2":
                 cos, sin = Gemma2RotaryEmbedding(config)(anchor, positions)
+            elif config.model_type == "gemma4_text":  # per layer type: its own head_dim
+                cos, sin = Gemma4TextRotaryEmbedding(config)(anchor, positions, layer_type)
             else:
                 cos, sin = Gemma3RotaryEmbedding(config)(anchor, positions, layer_type)
             self.register_buffer(f"cos_{layer_type}", cos[0], persistent=False)
@@ -136,11 +135,12 @@ class GemmaAttention(UsesKernelOps):
 
 
 class GemmaMLP(UsesKernelOps):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x)); size: its width, where a layer's differs
+    from the config's intermediate_size (Gemma 4's double-wide MLPs)."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = Linear(size, config.hidden_size, bias=False)
 
@@ -219,26 +219,18 @@ class GemmaForCausalLM(UsesKernelOps, FusesDecoderStack):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.decoder_stack is not None:
             return self.decoder_stack.logits(hidden)
-        projection = self.model.embed_tokens if self.tied else self.lm_head
-        logits = output_logits(projection, hidden, self.ops.logits)
-        if self.final_soft_cap:
-            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
-        return logits
+        return soft_capped_logits(self, hidden)
 
     def load_weights(self, weights) -> None:
         load_weights(self, language_model_weights(weights), PACKED,
                      skip={"lm_head.weight"} if self.tied else set())
 
 
-def language_model_weights(weights):
-    """The checkpoint's language-model tensors under this model's names (a
-    Gemma3ForConditionalGeneration's lose their prefix), its vision tower and projector
-    left out by name; anything else unknown still fails to load."""
-    for name, tensor in weights:
-        if name.startswith(VISION_PREFIXES):
-            continue
-        for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix):]
-                break
-        yield name, tensor
+def soft_capped_logits(model: UsesKernelOps, hidden: torch.Tensor) -> torch.Tensor:
+    """A Gemma model's logits from its output projection (its embedding where tied), soft-
+    capped where its config caps them (final_soft_cap)."""
+    projection = model.model.embed_tokens if model.tied else model.lm_head
+    logits = output_logits(projection, hidden, model.ops.logits)
+    if model.final_soft_cap:
+        logits = torch.tanh(logits / model.final_soft_cap) * model.final_soft_cap
+    return logits
