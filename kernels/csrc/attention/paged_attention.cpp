@@ -60,10 +60,11 @@ struct KeySplit {
 
 // The block-table entries sequence `seq` reads, from its first query token's window to its
 // last key, must each name a block of the cache: an entry the KV manager released too early
-// (-1) or garbage would otherwise be read as an address. Checked once per sequence, before
-// any thread reads the table (a ValueError can leave no worker thread).
-void check_table(const Layout& L, const int32_t* tables, int64_t num_blocks, int seq,
-                 int context, int seq_len) {
+// (-1) or garbage would otherwise be read as an address. Checked once per sequence while the
+// calling thread plans the work, so the ValueError is raised there, before any worker reads
+// the table (and not once per key block read).
+void check_table(const Layout& L, const int32_t* tables, int64_t num_blocks, int seq, int context,
+                 int seq_len) {
   const int first = L.first_visible(context) / L.block_size, last = (seq_len - 1) / L.block_size;
   TORCH_CHECK_VALUE(last < L.table_stride, "paged_attention_cpu: block_tables: sequence ", seq,
                     " has ", seq_len, " keys, which need ", last + 1, " entries, but its row has ",
