@@ -57,6 +57,37 @@ class AttentionCall:
     sliding_window: int | None = None  # W: the token at position p sees keys (p - W, p]
     soft_cap: float | None = None  # c: scores become c * tanh(scores / c)
 
+    def check_block_tables(self) -> None:
+        """A ValueError naming the sequence and the entry where a block-table entry that a
+        sequence reads names no block of the cache: the entries from its first query token's
+        window to its last key (those before the window may be -1, the KV manager's
+        RELEASED, and are never read). An entry freed too early is refused here rather than
+        read as an address. On a GPU this costs one host sync per call."""
+        tables, (num_blocks, block_size) = self.block_tables, self.key_cache.shape[:2]
+        lengths = self.seq_lens.long()
+        query_lens = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
+        first_key = lengths - query_lens
+        first_key = ((first_key - self.sliding_window + 1).clamp(min=0) if self.sliding_window
+                     else torch.zeros_like(first_key))
+        first, last = first_key // block_size, (lengths - 1) // block_size
+        reads = query_lens > 0
+        columns = torch.arange(tables.shape[1], device=tables.device)
+        read = reads[:, None] & (columns >= first[:, None]) & (columns <= last[:, None])
+        bad = read & ((tables < 0) | (tables >= num_blocks))
+        short = reads & (last >= tables.shape[1])
+        if not bool(bad.any() | short.any()):
+            return
+        for seq in range(len(lengths)):
+            keys = f"its queries see keys {int(first_key[seq])}..{int(lengths[seq]) - 1}"
+            if short[seq]:
+                raise ValueError(f"block_tables: sequence {seq} needs {int(last[seq]) + 1} "
+                                 f"entries ({keys}), but its row has {tables.shape[1]}")
+            if bad[seq].any():
+                entry = int(bad[seq].nonzero()[0])
+                raise ValueError(
+                    f"block_tables[{seq}][{entry}] = {int(tables[seq, entry])}, outside the "
+                    f"cache's blocks [0, {num_blocks}), but sequence {seq} reads it ({keys})")
+
 
 # paged_attention's signature, for help() and editors: AttentionCall's, returning the output.
 _PAGED_ATTENTION_SIGNATURE = inspect.signature(AttentionCall).replace(

@@ -58,6 +58,7 @@ def paged_attention(call: AttentionCall) -> torch.Tensor:
     zeros. The Triton kernel never reads them.
     A quantized cache's rows are de-quantized as they are gathered, for this batch only.
     """
+    call.check_block_tables()
     out = torch.empty_like(call.query) if call.out is None else call.out
     starts = call.query_start_loc.tolist()
     lengths = call.seq_lens.tolist()

@@ -285,6 +285,7 @@ def attend(call: AttentionCall, block_m: int | None = None, block_n: int | None 
     num_seqs = call.seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
+    call.check_block_tables()  # the kernel would read a bad entry as an address
     query = call.query if call.query.stride(-1) == 1 else call.query.contiguous()
     target = out if out.stride(-1) == 1 else torch.empty_like(query)
     # The binary search keeps loop-carried int32 values; int64 metadata would not match.

@@ -79,6 +79,33 @@ def check_pool_invariants(pool: BlockPool, live: list[Sequence]) -> None:
         assert block.block_hash is not None and block.block_hash[0] == key
 
 
+def visible_positions(position: int, window: int | None) -> range:
+    """The key positions a token at `position` sees: (position - window, position], all of
+    [0, position] without a window (transformers' mask)."""
+    return range(max(0, position - window + 1) if window else 0, position + 1)
+
+
+def check_windows_held(manager: KVCacheManager, live: list[Sequence],
+                       slots: list[list[int | None]] | None = None) -> None:
+    """From below: every computed key the sequence's next token sees is in a block its table
+    holds, in every KV cache group (worked out from the positions, the window and the block
+    size, not the manager's own arithmetic); with `slots` (what each block's slots were
+    written with), that block's slot holds the sequence's own token there."""
+    size, groups = manager.block_size, manager.num_groups
+    for number, seq in enumerate(live):
+        next_position = seq.num_computed_tokens
+        for group, window in enumerate(manager.group_windows):
+            for key in visible_positions(next_position, window)[:-1]:
+                block = seq.block_table[key // size * groups + group]
+                assert block != RELEASED and manager.pool.blocks[block].ref_count > 0, (
+                    f"live sequence {number} (next position {next_position}, window {window}): "
+                    f"group {group} released the block of key {key}, which it still sees")
+                if slots is not None:
+                    assert slots[block][key % size] == seq.token_ids[key], (
+                        f"live sequence {number}: key {key} reads another token from block "
+                        f"{block}")
+
+
 class EventReplay:
     """Each block's ref count and hash rebuilt from the pool's events alone, checking on
     the way that every event fits the state before it (allocated blocks were free, only
@@ -231,6 +258,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @invariant()
     def pool_is_consistent(self):
         check_pool_invariants(self.manager.pool, self.live)
+
+    @invariant()
+    def sequences_hold_every_key_their_next_token_sees(self):
+        check_windows_held(self.manager, self.live, self.slots)
 
     @invariant()
     def cached_blocks_hold_what_their_hash_says(self):

@@ -1167,3 +1167,58 @@ def test_triton_attention_window_with_split_kv(device):
     out = triton_attend(AttentionCall(*batch.args(), sliding_window=50), block_n=16,
                         num_kv_splits=3)
     assert_close(out, dense_attention(batch), torch.float32)
+
+
+# --- block-table entries out of range: refused by name, never read as an address ----------
+
+
+def _attention_backend(name: str, request):
+    if name == "cpu":
+        return request.getfixturevalue("cpu_kernel_ops").paged_attention
+    if name == "triton":
+        if not TRITON_DEVICES:
+            pytest.skip("triton is not installed (or TRITON_INTERPRET=0 without CUDA)")
+        return triton_paged_attention
+    return reference.paged_attention
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize(("window", "entry", "value"), [
+    # The first entry the window reads, freed (-1) as a manager releasing one block too
+    # early leaves it; the one before it may be -1 and is not read.
+    pytest.param(8, 4, -1, id="window-released-too-early"),
+    pytest.param(None, 2, -1, id="full-negative"),
+    pytest.param(None, 5, "num_blocks", id="full-past-the-pool"),
+])
+def test_attention_refuses_a_block_table_entry_out_of_range(backend, window, entry, value,
+                                                            request):
+    """A decode at position 24 with window 8 over blocks of 4 sees keys 17..24: entries
+    4..6. Each backend names the sequence and the entry (a ValueError) before reading."""
+    paged_attention = _attention_backend(backend, request)
+    batch = make_batch([(9, 9), (25, 1), (6, 1)], 4, 2, 2, 64,
+                       device=TRITON_DEVICES[0] if backend == "triton" else "cpu",
+                       sliding_window=window)
+    num_blocks = batch.key_cache.shape[0]
+    tables = batch.block_tables
+    if window:
+        assert tables[1, :entry].tolist() == [-1] * entry and tables[1, entry] >= 0
+    tables[1, entry] = num_blocks if value == "num_blocks" else value
+    bad = int(tables[1, entry])
+    with pytest.raises(ValueError, match=(
+            rf"block_tables\[1\]\[{entry}\] = {bad}, outside the cache's blocks "
+            rf"\[0, {num_blocks}\), but sequence 1 reads it")):
+        paged_attention(*batch.args(finite=True), sliding_window=window)
+    # The same table with the entry back in range is read as before.
+    tables[1, entry] = 0
+    paged_attention(*batch.args(finite=True), sliding_window=window)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_attention_refuses_a_block_table_row_too_short_for_its_keys(backend, request):
+    paged_attention = _attention_backend(backend, request)
+    batch = make_batch([(9, 1), (25, 1)], 4, 2, 2, 64,
+                       device=TRITON_DEVICES[0] if backend == "triton" else "cpu")
+    short = batch.block_tables[:, :5].contiguous()
+    with pytest.raises(ValueError, match=r"sequence 1 .*7 entries.* its row has 5"):
+        paged_attention(batch.query, batch.key_cache, batch.value_cache, short,
+                        batch.seq_lens, batch.query_start_loc, batch.scale)

@@ -154,3 +154,65 @@ def test_engine_second_token_follows_the_target_marginal(method, peaked_model, p
     assert len(seconds) == 4096
     assert proposed > 1000 and 0.1 < accepted / proposed < 0.9
     assert_follows(torch.tensor(seconds), marginal)
+
+
+def chi_square_p_value(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
+    """Pearson's chi-square of drawn tokens against their expected counts, where token i
+    was drawn from its own distribution probs[i] (a row per draw): the expected count of a
+    token is its probability summed over the draws, and tokens expected fewer than 5 times
+    share one cell. Returns (statistic, p-value, degrees of freedom). With draws from
+    differing distributions each count varies less than a multinomial's, so the p-value is
+    conservative: a correct sampler fails less often than it says."""
+    expected = probs.sum(0)
+    observed = torch.bincount(tokens, minlength=probs.shape[1]).double()
+    rare = expected < 5
+    expected = torch.cat([expected[~rare], expected[rare].sum().view(1)])
+    observed = torch.cat([observed[~rare], observed[rare].sum().view(1)])
+    if expected[-1] == 0:
+        expected, observed = expected[:-1], observed[:-1]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = len(expected) - 1
+    p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2)
+    return statistic.item(), p_value.item(), dof
+
+
+def test_engine_draft_model_k3_keeps_the_target_distribution_at_every_position(
+        peaked_model, peaked_draft):
+    """2,048 samples at temperature 0.8, each verifying a draft model's 3 proposals (drawn
+    from its q) in one step: every token after the first, proposals 1..3 and the bonus
+    token, is distributed as the target's p given the tokens before it (a chi-square test
+    per position against the transformers model's conditional distributions, the engine's
+    seed fixed)."""
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.orchestrator.engine_core import EngineCore
+
+    folder, hf_model = peaked_model
+    k, temperature, prompt = 3, 0.8, [5, 6, 7, 8, 9, 10]
+    engine = EngineCore(EngineConfig(
+        model=str(folder), dtype="float32", device="cpu", device_memory_gb=0.05,
+        max_num_seqs=256, seed=0, speculative_config={
+            "method": "draft_model", "model": str(peaked_draft), "num_speculative_tokens": k,
+            "disable_by_batch_size": None, "min_acceptance_rate": 0.0, "adaptive_k": False}))
+    params = SamplingParams(temperature=temperature, max_tokens=k + 2, ignore_eos=True, n=256)
+    for _ in range(8):
+        engine.add_request(prompt, params)
+    samples, deep = [], 0
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        deep += sum(accepted >= 2 for _, _, accepted in result.record.spec_drafts)
+        samples += [c.token_ids for o in result.outputs if o.finished for c in o.outputs]
+    assert len(samples) == 2048
+    assert deep > 250  # the third proposal was verified often
+
+    tokens = torch.tensor(samples)
+    with torch.no_grad():
+        logits = hf_model(torch.cat([torch.tensor(prompt).expand(len(samples), -1),
+                                     tokens[:, :-1]], dim=1)).logits
+    # conditional[:, j]: the distribution of output token j given the prompt and those before
+    conditional = torch.softmax(logits[:, len(prompt) - 1:].double() / temperature, dim=-1)
+    for position in range(1, k + 2):
+        statistic, p_value, dof = chi_square_p_value(tokens[:, position],
+                                                     conditional[:, position])
+        assert p_value > 1e-3, (
+            f"output token {position + 1}: chi-square {statistic:.1f} over {dof} degrees of "
+            f"freedom, p = {p_value:.2g}: not the target's distribution")

@@ -5,7 +5,7 @@ prefix cache; the memory plan counts sequences by that bound, group by group."""
 
 import pytest
 from conftest import TINY_WINDOW, make_sequence
-from test_block_pool import admit, check_pool_invariants
+from test_block_pool import admit, check_pool_invariants, check_windows_held, visible_positions
 
 from kvscope.engine.core.kv_cache_manager import RELEASED, KVCacheManager
 from kvscope.engine.core.kv_groups import KVCacheGroup, kv_cache_groups
@@ -13,13 +13,31 @@ from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import plan_blocks
 
 
+def check_released_exactly_before_the_window(manager: KVCacheManager, seq) -> None:
+    """As a step computes the token at position p: a sliding group's entry is RELEASED just
+    where no key the token sees, (p - W, p], lies in that block; a full group's never."""
+    size = manager.block_size
+    for group, window in enumerate(manager.group_windows):
+        first_seen = visible_positions(seq.num_computed_tokens, window).start
+        table = manager.group_table(seq, group)
+        expected = [window is not None and (block + 1) * size <= first_seen
+                    for block in range(len(table))]
+        assert [entry == RELEASED for entry in table] == expected, (
+            f"group {group} (window {window}) at position {seq.num_computed_tokens}: "
+            f"table {table}")
+
+
 def decode(manager: KVCacheManager, seq, count: int) -> list[int]:
-    """Append `count` tokens one step at a time; the blocks held after each step."""
+    """Append `count` tokens one step at a time, checking as each step's token is computed
+    that its group tables hold exactly the blocks its window sees; the blocks held after
+    each step."""
     held = []
     for token in range(count):
         seq.token_ids.append(token % 7)
         assert manager.allocate_slots(seq, 1) is not None
+        check_released_exactly_before_the_window(manager, seq)
         seq.num_computed_tokens += 1
+        check_windows_held(manager, [seq])
         manager.cache_full_blocks(seq)
         held.append(len(manager.held_blocks(seq.block_table)))
     return held
@@ -76,9 +94,11 @@ def test_released_blocks_stay_cached_and_a_later_prompt_takes_only_its_window():
     prefix = manager.find_cached_prefix(again)
     assert len(prefix) == 29 // 4  # the whole prefix is still cached, released blocks too
     assert admit(manager, again)
-    # Only the blocks the next token's window sees were taken; the rest are RELEASED.
-    skipped = manager.first_kept_block(len(prefix) * 4)
-    assert again.block_table[:skipped] == [RELEASED] * skipped
+    # Only the blocks the window of the first token past the prefix sees were taken; the
+    # rest are RELEASED: the token at position 28 sees keys 23..28, so blocks 0..4 (keys
+    # 0..19) were not.
+    assert again.block_table[:5] == [RELEASED] * 5 and RELEASED not in again.block_table[5:]
+    check_windows_held(manager, [first, again])
     assert manager.pool.num_free_blocks >= free_before - 3
     check_pool_invariants(manager.pool, [first, again])
 
@@ -94,6 +114,7 @@ def test_swap_out_and_in_keeps_the_released_positions():
     assert [device for device, _ in copies] == [b for b in table if b != RELEASED]
     back = manager.swap_in(seq, 1)
     assert len(back) == len(copies)
+    check_windows_held(manager, [seq])
     # The same entries are released (the sliding group's first ones), the full group's none.
     assert [b == RELEASED for b in seq.block_table[:len(table)]] == [b == RELEASED for b in table]
     assert seq.num_released_blocks == released == manager.group_table(seq, 0).count(RELEASED)
@@ -111,13 +132,14 @@ def test_a_full_group_beside_sliding_ones_must_hit_its_whole_prefix():
     again = make_sequence(list(range(30)))
     prefix = manager.find_cached_prefix(again)
     assert len(prefix) == 7
-    skipped = manager.first_kept_block(7 * 4)
+    skipped = 5  # position 28 sees keys 23..28: blocks 5 and 6 of the prefix, not 0..4
     assert all(sliding is None and full is not None for sliding, full in prefix[:skipped])
     assert all(None not in blocks for blocks in prefix[skipped:])
     assert admit(manager, again)
     assert manager.group_table(again, 0)[:skipped] == [RELEASED] * skipped
     assert RELEASED not in manager.group_table(again, 1)
     check_pool_invariants(manager.pool, [first, again])
+    check_windows_held(manager, [first, again])
 
 
 def test_layers_group_by_attention_type_in_equal_sizes():
@@ -171,6 +193,7 @@ def test_an_engine_frees_out_of_window_blocks_as_it_decodes(make_engine):
         engine.step()
         held += [len(engine.kv_cache.held_blocks(seq.block_table))
                  for seq in engine.scheduler.running]
+        check_windows_held(engine.kv_cache, engine.scheduler.running)
     assert max(held[1:]) <= -(-TINY_WINDOW // 2) + 1  # after the prompt's own step
     assert engine.kv_cache.pool.num_used_blocks == 0
 
@@ -186,6 +209,7 @@ def test_an_engine_with_a_full_attention_layer_frees_only_the_sliding_groups(arc
     bound, seen = -(-TINY_WINDOW // 2) + 1, 0
     while engine.has_unfinished_requests():
         engine.step()
+        check_windows_held(kv, engine.scheduler.running)
         for seq in engine.scheduler.running:
             for group, window in enumerate(kv.group_windows):
                 held = len(kv.held_blocks(kv.group_table(seq, group)))
@@ -253,6 +277,7 @@ def test_a_prefix_whose_oldest_blocks_were_evicted_still_hits_within_the_window(
     assert admit(manager, again)
     assert again.block_table[:5] == [RELEASED] * 5
     check_pool_invariants(manager.pool, [filler, again])
+    check_windows_held(manager, [filler, again])
 
 
 def test_the_dashboard_draws_each_groups_table_and_tells_the_groups_apart(make_engine):

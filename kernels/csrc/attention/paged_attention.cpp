@@ -58,6 +58,26 @@ struct KeySplit {
   }
 };
 
+// The block-table entries sequence `seq` reads, from its first query token's window to its
+// last key, must each name a block of the cache: an entry the KV manager released too early
+// (-1) or garbage would otherwise be read as an address. Checked once per sequence while the
+// calling thread plans the work, so the ValueError is raised there, before any worker reads
+// the table (and not once per key block read).
+void check_table(const Layout& L, const int32_t* tables, int64_t num_blocks, int seq, int context,
+                 int seq_len) {
+  const int first = L.first_visible(context) / L.block_size, last = (seq_len - 1) / L.block_size;
+  TORCH_CHECK_VALUE(last < L.table_stride, "paged_attention_cpu: block_tables: sequence ", seq,
+                    " has ", seq_len, " keys, which need ", last + 1, " entries, but its row has ",
+                    L.table_stride);
+  const int32_t* table = tables + static_cast<int64_t>(seq) * L.table_stride;
+  for (int block = first; block <= last; ++block)
+    TORCH_CHECK_VALUE(table[block] >= 0 && table[block] < num_blocks,
+                      "paged_attention_cpu: block_tables[", seq, "][", block, "] = ", table[block],
+                      ", outside the cache's blocks [0, ", num_blocks, "), but sequence ", seq,
+                      " reads it (its queries see keys ", L.first_visible(context), "..",
+                      seq_len - 1, ")");
+}
+
 template <typename Q, typename KV>
 void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -82,6 +102,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   const int num_seqs = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
 
   // A decode is one item over all its KV heads, so it reads each slot's K and V rows
   // (every head) in one contiguous run: one head at a time would read a third of every slot
@@ -120,6 +141,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
     const int query_len = starts[s + 1] - starts[s];
     if (query_len <= 0) continue;
     const int seq_len = lens[s], context = seq_len - query_len;
+    check_table(L, tables, key_cache.size(0), s, context, seq_len);
     if (!is_decode(s)) {
       // A tile's keys start where its first token's window does.
       for (int h = 0; h < L.num_kv_heads; ++h)
@@ -156,7 +178,6 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   const Q* q = kvscope::elements<Q>(query);
   const KV* k = kvscope::elements<KV>(key_cache);
   const KV* v = kvscope::elements<KV>(value_cache);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   Q* o = kvscope::elements<Q>(out);
   auto run_items = [&](auto run) {
     kvscope::parallel_for(0, static_cast<int64_t>(items.size()), 1,
