@@ -294,7 +294,7 @@ def gguf_repacked_type(ggml_type: int, dtype: torch.dtype) -> int:
 
 def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                 gate_up: ExpertWeights, down: ExpertWeights, activation: str = "silu",
-                kernel_max_rows: int = 0) -> torch.Tensor:
+                kernel_max_rows: int = 0, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as kernels.reference.moe_experts, over dense or packed experts: the
     tokens grouped by expert in C++, each chosen expert's weights read once."""
     if hidden.stride(-1) != 1:
@@ -303,7 +303,8 @@ def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: 
     torch.ops.kvscope.moe_experts(
         hidden, expert_ids.contiguous(), expert_weights.float().contiguous(), gate_up.weight,
         gate_up.bias, gate_up.scales, gate_up.offsets, down.weight, down.bias, down.scales,
-        down.offsets, max(gate_up.group_size, down.group_size), kernel_max_rows, activation, out)
+        down.offsets, max(gate_up.group_size, down.group_size), kernel_max_rows, activation, out,
+        counts)
     return out
 
 

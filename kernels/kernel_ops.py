@@ -31,14 +31,15 @@ eager does:
 A mixture-of-experts layer's experts run as one op over a step's tokens:
 
   moe_experts(hidden, expert_ids, expert_weights, gate_up, down, activation,
-              kernel_max_rows) -> out
+              kernel_max_rows, counts=None) -> out
       hidden [tokens, in]; expert_ids int64 [tokens, k] (the router's choice) and
       expert_weights fp32 [tokens, k]; gate_up and down are ExpertWeights. Each token's
       out row is the sum over its k experts of weight * down(act(gate_up(row))), in fp32,
       rounded once to hidden's dtype (contract: reference.moe_experts). The tokens are
       grouped by expert, so each chosen expert's weights are read once per call;
       kernel_max_rows is where packed experts stop streaming and de-quantize for a GEMM
-      (engine/worker/models/quantized.py's kernel_max_rows).
+      (engine/worker/models/quantized.py's kernel_max_rows). counts (int64 [experts], or
+      None) gets how many tokens each expert took: the model runner's expert_tokens.
 """
 
 import functools

@@ -216,14 +216,17 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                 gate_up: ExpertWeights, down: ExpertWeights, activation: str = "silu",
-                kernel_max_rows: int = 0) -> torch.Tensor:
+                kernel_max_rows: int = 0, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's k experts (expert_ids [tokens, k]) run on its row and summed with its
     weights (expert_weights fp32 [tokens, k]): expert by expert, in ascending order, over
     the tokens that chose it, as transformers' experts modules run them. Dense
     ExpertWeights only (a packed module hands its de-quantized weights); the sums are fp32,
-    rounded once to hidden's dtype. kernel_max_rows is the C++ op's and unused here."""
+    rounded once to hidden's dtype. kernel_max_rows is the C++ op's and unused here; counts
+    (int64 [experts]) gets each expert's number of tokens."""
     if activation not in EXPERT_ACTIVATIONS:
         raise ValueError(f"activation {activation!r}; supported: {list(EXPERT_ACTIVATIONS)}")
+    if counts is not None:
+        counts.copy_(torch.bincount(expert_ids.flatten(), minlength=gate_up.weight.shape[0]))
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in expert_ids.unique().tolist():
         token, slot = (expert_ids == expert).nonzero(as_tuple=True)

@@ -1,6 +1,6 @@
 """The experts op of a mixture-of-experts layer (KernelOps.moe_experts): the C++ kernel over
-dense, int4 and int8 experts against the plain-torch oracle (kernels/reference.py), and a
-step reading only the experts its tokens chose."""
+dense, int4 and int8 experts against the plain-torch oracle (kernels/reference.py), its
+tokens-per-expert counts, and a step reading only the experts its tokens chose."""
 
 import copy
 
@@ -58,8 +58,12 @@ def test_the_cpu_experts_op_equals_the_plain_torch_oracle(tokens, quantization, 
     hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
     weights, ids = routing(tokens)
 
+    for module in (kernels, oracle):  # each expert's tokens, counted by each op
+        module.experts.token_counts = torch.full((MOE.num_experts,), -1)
     out = kernels.experts(hidden, weights, ids)
     expected = oracle.experts(hidden, weights, ids)
+    assert torch.equal(kernels.experts.token_counts, oracle.experts.token_counts)
+    assert kernels.experts.token_counts.sum() == tokens * MOE.top_k
     assert out.dtype == dtype and out.shape == hidden.shape
     error = (out.float() - expected.float()).abs().max().item()
     assert error <= TOLERANCE[dtype] * expected.float().abs().max().item()

@@ -99,6 +99,27 @@ def test_greedy_output_through_every_feature(arch, enforce_eager, preemption_mod
     assert len(engine.kv_cache.free_swap_blocks) == engine.kv_cache.num_swap_blocks
 
 
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe"])
+def test_each_forward_records_its_tokens_per_expert(arch, make_engine, eager_engine, tiny_model,
+                                                    run_engine):
+    """The runner's expert_tokens [MoE layers, experts]: each row of a forward sums to its
+    tokens x top_k, and the C++ stack counts what the eager layers count."""
+    config = tiny_model(arch).hf_model.config
+    counts = []
+    for engine in (make_engine(arch), eager_engine(arch)):
+        runner = engine.runner
+        assert runner.expert_tokens.shape == (sum(sparse_layers(config)), 8)
+        engine.add_request(PROMPTS[2], GREEDY)
+        engine.step()  # the whole prompt in one forward
+        assert runner.expert_tokens.sum(dim=1).tolist() == [
+            len(PROMPTS[2]) * config.num_experts_per_tok] * runner.expert_tokens.shape[0]
+        counts.append(runner.expert_tokens.clone())
+        run_engine(engine, [], GREEDY)  # the request runs to its end
+        assert runner.expert_tokens.sum(dim=1).tolist() == [config.num_experts_per_tok] * len(
+            counts[-1])  # the last forward: one decode token
+    assert torch.equal(counts[0], counts[1])
+
+
 def _copy_tokenizer(tiny, folder) -> None:
     for path in tiny.path.iterdir():
         if "token" in path.name:

@@ -56,7 +56,7 @@ void mixture_of_experts(const at::Tensor& x, const kvscope::MoeWeights& moe,
                                              options.round_weights);
   traced("kvscope::moe_experts", [&] {
     kvscope::run_experts(x, ids, weights, moe.gate_up, moe.down, kvscope::ExpertActivation::kSilu,
-                         config.limits(), out);
+                         config.limits(), out, moe.expert_counts);
   });
   if (!moe.shared_gate) return;
   const int64_t width = moe.shared_gate_up->out_features() / 2;
@@ -276,6 +276,7 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
     const int64_t experts = moe.router.weight.size(0);
     moe.gate_up = reader.experts("mlp.experts.gate_up_proj", experts);
     moe.down = reader.experts("mlp.experts.down_proj", experts);
+    moe.expert_counts = reader.optional("mlp.experts.token_counts");
     if (reader.optional("mlp.shared_expert_gate.weight")) {
       moe.shared_gate = reader.linear("mlp.shared_expert_gate");
       moe.shared_gate_up = reader.linear("mlp.shared_expert.gate_up_proj");

@@ -28,6 +28,8 @@ struct MoeWeights {
   LinearWeights router;
   ExpertLinears gate_up, down;
   std::optional<LinearWeights> shared_gate_up, shared_down, shared_gate;
+  // Where each step's tokens per expert go (int64 [experts]: the model runner's record).
+  std::optional<at::Tensor> expert_counts;
 };
 
 // One decoder layer's weights, named as the module's parameters are

@@ -64,10 +64,11 @@ void weighted_sums(const at::Tensor& rows, const std::vector<int64_t>& position,
 
 }  // namespace
 
-void kvscope::run_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
-                          const ExpertLinears& gate_up, const ExpertLinears& down,
-                          ExpertActivation activation, const ProjectLimits& limits,
-                          at::Tensor& out) {
+void kvscope::run_experts(const at::Tensor& hidden, const at::Tensor& ids,
+                          const at::Tensor& weights, const ExpertLinears& gate_up,
+                          const ExpertLinears& down, ExpertActivation activation,
+                          const ProjectLimits& limits, at::Tensor& out,
+                          const std::optional<at::Tensor>& counts) {
   const int64_t tokens = hidden.size(0), width = hidden.size(1), experts = gate_up.experts();
   TORCH_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1 &&
                   (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
@@ -79,7 +80,8 @@ void kvscope::run_experts(const at::Tensor& hidden, const at::Tensor& ids, const
                   weights.is_contiguous(),
               "moe_experts: expert_weights is contiguous float32 [tokens, k]");
   TORCH_CHECK(down.experts() == experts && gate_up.out_features() % 2 == 0,
-              "moe_experts: gate_up [experts, 2 * width, hidden] and down [experts, hidden, width]");
+              "moe_experts: gate_up [experts, 2 * width, hidden] and down "
+              "[experts, hidden, width]");
   TORCH_CHECK(out.sizes() == hidden.sizes() && out.scalar_type() == hidden.scalar_type() &&
                   out.stride(1) == 1,
               "moe_experts: out is like hidden");
@@ -91,6 +93,12 @@ void kvscope::run_experts(const at::Tensor& hidden, const at::Tensor& ids, const
     TORCH_CHECK(id[slot] >= 0 && id[slot] < experts, "moe_experts: expert id ", id[slot],
                 " out of range for ", experts, " experts");
     ++start[id[slot] + 1];
+  }
+  if (counts) {
+    TORCH_CHECK(counts->scalar_type() == at::kLong && counts->is_contiguous() &&
+                    counts->numel() == experts,
+                "moe_experts: expert_counts is contiguous int64 [experts]");
+    std::copy(start.begin() + 1, start.end(), counts->data_ptr<int64_t>());
   }
   for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
   std::vector<int64_t> next(start.begin(), start.end() - 1);
@@ -149,10 +157,11 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids,
                  const std::optional<at::Tensor>& down_bias,
                  const std::optional<at::Tensor>& down_scales,
                  const std::optional<at::Tensor>& down_offsets, int64_t group_size,
-                 int64_t kernel_max_rows, const std::string& activation, at::Tensor out) {
+                 int64_t kernel_max_rows, const std::string& activation, at::Tensor out,
+                 const std::optional<at::Tensor>& expert_counts) {
   kvscope::run_experts(hidden, expert_ids, expert_weights,
                        {gate_up, gate_up_bias, gate_up_scales, gate_up_offsets},
                        {down, down_bias, down_scales, down_offsets},
                        kvscope::expert_activation(activation), {group_size, kernel_max_rows},
-                       out);
+                       out, expert_counts);
 }

@@ -37,9 +37,11 @@ ExpertActivation expert_activation(const std::string& name);
 // out [tokens, hidden] in hidden's dtype: for each token, the sum over its k experts
 // (ids int64 [tokens, k]) of weights[token, j] (fp32 [tokens, k]) times
 // down(act(gate_up(row))), summed in fp32 in ascending expert order and rounded once.
+// counts (int64 [experts], or none) gets how many of the tokens each expert took.
 void run_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
                  const ExpertLinears& gate_up, const ExpertLinears& down,
-                 ExpertActivation activation, const ProjectLimits& limits, at::Tensor& out);
+                 ExpertActivation activation, const ProjectLimits& limits, at::Tensor& out,
+                 const std::optional<at::Tensor>& counts);
 
 // The router's choice from its logits [tokens, experts]: the top_k of their fp32 softmax
 // (weights fp32, ids int64 [tokens, top_k]), rescaled to sum to 1 where `normalize`, and

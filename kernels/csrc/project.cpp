@@ -56,8 +56,8 @@ void dense_project(const at::Tensor& x, const at::Tensor& weight,
 // out = x @ weight.T (+ bias) for packed weights: up to kernel_max_rows rows stream the packed
 // weight through a kernel; more rows are compute-bound and de-quantize it once for the dense
 // route (the packed modules' forward does the same through cpu_kernels.linear).
-void quantized_project(const at::Tensor& x, const LinearWeights& linear, const ProjectLimits& limits,
-                       at::Tensor& out) {
+void quantized_project(const at::Tensor& x, const LinearWeights& linear,
+                       const ProjectLimits& limits, at::Tensor& out) {
   const bool int4 = linear.weight.scalar_type() == at::kByte;
   if (x.size(0) <= limits.kernel_max_rows) {
     if (int4)
@@ -133,8 +133,8 @@ void gguf_project(const at::Tensor& x, const LinearWeights& linear, const Projec
 // dot-product kernel, more rows go to oneDNN's GEMM; tiled ones through the blocked kernel,
 // but past kAmxTileKernelMaxRows rows over oneDNN's tiles, which go to its GEMM; packed ones
 // as their modules do.
-void kvscope::project(const at::Tensor& x, const LinearWeights& linear, const ProjectLimits& limits,
-             at::Tensor& out) {
+void kvscope::project(const at::Tensor& x, const LinearWeights& linear,
+                      const ProjectLimits& limits, at::Tensor& out) {
   if (linear.gguf_parts) return gguf_project(x, linear, limits, out);
   if (linear.scales) return quantized_project(x, linear, limits, out);
   if (linear.onednn && x.size(0) > kAmxTileKernelMaxRows) {

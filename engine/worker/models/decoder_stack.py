@@ -7,7 +7,7 @@ from torch import nn
 
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
-from kvscope.engine.worker.models.moe import SparseMoeBlock
+from kvscope.engine.worker.models.moe import Experts, SparseMoeBlock
 from kvscope.engine.worker.models.quantized import GgufLinear, Int4Linear, kernel_max_rows
 
 
@@ -21,7 +21,8 @@ def gguf_parts(module: GgufLinear) -> torch.Tensor:
 def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     """A layer's tensors for the C++ stack: its parameters by name, but a prepacked linear's
     weight as "<module>.tiles" and, where oneDNN laid it out, its oneDNN tensor as
-    "<module>.onednn"; and each GGUF layer's runs as "<module>.gguf_parts"."""
+    "<module>.onednn"; each GGUF layer's runs as "<module>.gguf_parts"; and a MoE layer's
+    row of the runner's expert_tokens as "<experts>.token_counts"."""
     tensors = dict(layer.named_parameters())
     for name, module in layer.named_modules():
         if isinstance(module, Linear) and module.prepacked is not None:
@@ -30,6 +31,8 @@ def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
                 tensors[f"{name}.onednn"] = module.prepacked.onednn
         if isinstance(module, GgufLinear):
             tensors[f"{name}.gguf_parts"] = gguf_parts(module)
+        if isinstance(module, Experts) and module.token_counts is not None:
+            tensors[f"{name}.token_counts"] = module.token_counts
     return tensors
 
 

@@ -189,6 +189,9 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
         self.down_proj = ExpertsLinear(moe.num_experts, moe.intermediate_size, moe.hidden_size,
                                        moe.expert_bias)
         self.loaded: set[str] = set()
+        # Where the latest forward's tokens per expert go: a row of the model runner's
+        # expert_tokens (record_expert_tokens); None: not kept.
+        self.token_counts: torch.Tensor | None = None
 
     # ---- loading -----------------------------------------------------------------------
     def load_tensor(self, name: str, tensor, checkpoint_name: str) -> None:
@@ -287,7 +290,7 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
         return self.ops.moe_experts(hidden, ids, weights,
                                     self.expert_weights("gate_up_proj", hidden.dtype),
                                     self.expert_weights("down_proj", hidden.dtype),
-                                    self.moe.activation, max_rows)
+                                    self.moe.activation, max_rows, self.token_counts)
 
 
 class SparseMoeBlock(nn.Module):
@@ -309,6 +312,19 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out
+
+
+def record_expert_tokens(model: nn.Module) -> torch.Tensor:
+    """int64 [MoE layers, experts] that every forward overwrites with how many of its tokens
+    each layer's experts took (each row sums to tokens x top_k): the routing's own counts,
+    kept where telemetry can read them after a step at no cost to the step. [0, 0] for a
+    dense model."""
+    layers = [module for module in model.modules() if isinstance(module, Experts)]
+    counts = torch.zeros(len(layers), layers[0].moe.num_experts if layers else 0,
+                         dtype=torch.int64)
+    for row, experts in zip(counts, layers):
+        experts.token_counts = row
+    return counts
 
 
 def canonical_name(name: str) -> str:
