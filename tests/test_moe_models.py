@@ -219,6 +219,17 @@ def test_an_expert_tensor_that_does_not_fit_the_config_is_refused_naming_it(
         _engine_on(tmp_path)
 
 
+def test_olmoe_q_k_norms_need_head_dim_times_heads_to_be_hidden_size():
+    from transformers import OlmoeConfig
+
+    from kvscope.engine.worker.models.llama import LlamaForCausalLM
+
+    config = OlmoeConfig(**SMALL, head_dim=32)
+    with pytest.raises(ValueError, match=r"head_dim=32 must be hidden_size / num_attention_heads "
+                                         r"\(16\) for olmoe's q/k norms"):
+        LlamaForCausalLM(config, 64, 64)
+
+
 def test_gguf_quantization_of_experts_is_refused(tiny_model):
     from kvscope.engine.worker.models.llama import LlamaForCausalLM
     from kvscope.engine.worker.models.quantized import quantize_model
