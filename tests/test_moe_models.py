@@ -120,6 +120,15 @@ def test_each_forward_records_its_tokens_per_expert(arch, make_engine, eager_eng
     assert torch.equal(counts[0], counts[1])
 
 
+def test_the_torch_backend_runs_the_experts_through_the_oracle(tiny_model, monkeypatch,
+                                                              run_engine, expected):
+    """Where the C++ kernels do not run (CUDA, no compiler), reference.moe_experts does."""
+    monkeypatch.setenv("KVSCOPE_ATTENTION_BACKEND", "torch")
+    engine = _engine_on(tiny_model("qwen2-moe").path)
+    assert engine.runner.kernel_ops.backend == "torch"
+    assert _token_ids(run_engine(engine, PROMPTS, GREEDY)) == expected("qwen2-moe")
+
+
 def _copy_tokenizer(tiny, folder) -> None:
     for path in tiny.path.iterdir():
         if "token" in path.name:
