@@ -45,6 +45,11 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("gguf_dequantize(Tensor weight, int type, Tensor(a!) out) -> ()");
   m.def("gguf_rounds_activations_to_int8() -> bool", &gguf_rounds_activations_to_int8);
   m.def("gguf_repacked_type(int type) -> int", &gguf_repacked_type);
+  // moe.cpp
+  m.def("moe_experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up, "
+        "Tensor? gate_up_bias, Tensor? gate_up_scales, Tensor? gate_up_offsets, Tensor down, "
+        "Tensor? down_bias, Tensor? down_scales, Tensor? down_offsets, int group_size, "
+        "int kernel_max_rows, str activation, Tensor(a!) out, Tensor(b!)? expert_counts) -> ()");
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 
@@ -84,5 +89,6 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("int8_dequantize", &int8_dequantize);
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("moe_experts", &moe_experts);
   m.impl("greedy_tokens", &greedy_tokens);
 }

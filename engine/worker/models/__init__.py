@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 from kvscope.engine.worker.models.gemma import GemmaForCausalLM
 from kvscope.engine.worker.models.gemma4 import Gemma4ForCausalLM
 from kvscope.engine.worker.models.llama import LlamaForCausalLM
+from kvscope.engine.worker.models.moe import moe_config
 from kvscope.engine.worker.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
@@ -19,6 +20,11 @@ MODEL_REGISTRY = {
     "Ministral3ForCausalLM": LlamaForCausalLM,
     # its language model only (Ministral 3's published checkpoints), as Gemma 3's below
     "Mistral3ForConditionalGeneration": LlamaForCausalLM,
+    # mixtures of experts (moe.py's layer as the MLP)
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "OlmoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
@@ -27,9 +33,6 @@ MODEL_REGISTRY = {
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its language model, as Gemma 3's
 }
-# Config fields that mark mixture-of-experts layers, by the families that use them.
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
     """The config the engine serves: a supported multimodal model's text config (which carries the
@@ -45,13 +48,9 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
 
 def model_class(config: PretrainedConfig) -> type:
     """The class for the config's architecture, or a ValueError naming what is not supported
-    (the architecture, MoE layers, a vision tower) and listing what is."""
+    (the architecture, a part of its MoE layers, a vision tower) and listing what is."""
     supported = f"supported architectures: {sorted(MODEL_REGISTRY)}"
-    experts = [f"{field}={getattr(config, field)}" for field in EXPERT_COUNT_FIELDS
-               if (getattr(config, field, None) or 0) > 1]
-    if experts:
-        raise ValueError(f"model: mixture-of-experts layers ({', '.join(experts)}) are not "
-                         f"supported; dense models only ({supported})")
+    moe_config(config)  # refuses a MoE layer it cannot follow, naming the field
     if getattr(config, "vision_config", None) is not None:
         raise ValueError(f"model: {config.architectures} takes vision inputs, which are not "
                          f"supported; text-only models only ({supported})")

@@ -1,13 +1,14 @@
 """The one-call C++ decoder stack (kvscope.LlamaDecoderStack) over a model's own modules:
-the Llama family (llama.py) and Gemma 2/3 (gemma.py) hand it their weights once, then run
-every step through it unless enforce_eager is set."""
+the Llama family (llama.py, its mixtures of experts included) and Gemma 2/3 (gemma.py) hand
+it their weights once, then run every step through it unless enforce_eager is set."""
 
 import torch
 from torch import nn
 
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
-from kvscope.engine.worker.models.quantized import GgufLinear, kernel_max_rows
+from kvscope.engine.worker.models.moe import Experts, SparseMoeBlock
+from kvscope.engine.worker.models.quantized import GgufLinear, Int4Linear, kernel_max_rows
 
 
 def gguf_parts(module: GgufLinear) -> torch.Tensor:
@@ -20,7 +21,8 @@ def gguf_parts(module: GgufLinear) -> torch.Tensor:
 def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     """A layer's tensors for the C++ stack: its parameters by name, but a prepacked linear's
     weight as "<module>.tiles" and, where oneDNN laid it out, its oneDNN tensor as
-    "<module>.onednn"; and each GGUF layer's runs as "<module>.gguf_parts"."""
+    "<module>.onednn"; each GGUF layer's runs as "<module>.gguf_parts"; and a MoE layer's
+    row of the runner's expert_tokens as "<experts>.token_counts"."""
     tensors = dict(layer.named_parameters())
     for name, module in layer.named_modules():
         if isinstance(module, Linear) and module.prepacked is not None:
@@ -29,6 +31,8 @@ def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
                 tensors[f"{name}.onednn"] = module.prepacked.onednn
         if isinstance(module, GgufLinear):
             tensors[f"{name}.gguf_parts"] = gguf_parts(module)
+        if isinstance(module, Experts) and module.token_counts is not None:
+            tensors[f"{name}.token_counts"] = module.token_counts
     return tensors
 
 
@@ -40,6 +44,15 @@ def stack_table(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, i
         (part,), (weight,) = module.parts, module.weights
         return weight, None, part.code
     return module.weight, getattr(module, "scales", None), -1
+
+
+def moe_options(layer: nn.Module) -> dict[str, int]:
+    """A MoE layer's routing for the stack's LayerOptions (none for a dense layer)."""
+    if not isinstance(layer.mlp, SparseMoeBlock):
+        return {}
+    moe = layer.mlp.gate.moe
+    return {"top_k": moe.top_k, "normalize_top_k": int(moe.normalize_top_k),
+            "round_weights": int(moe.round_weights)}
 
 
 def tile_outputs(module: nn.Module) -> float:
@@ -63,9 +76,9 @@ class FusedDecoderStack:
     What the stack reads from the model (FusesDecoderStack's models have all of it):
     `model.model` with embed_tokens, layers, norm and a rotary module whose `tables()` are
     its (cos, sin) pairs and whose `query_scale` is each position's query scale (or None);
-    each layer's `kind.stack_options()` (the C++ LayerOptions by name); the model's
-    `stack_options()` (the C++ ModelOptions by name); `tied` and `lm_head` where the output
-    projection is not the embedding.
+    each layer's `kind.stack_options()` (the C++ LayerOptions by name), and a MoE layer's
+    routing (moe_options); the model's `stack_options()` (the C++ ModelOptions by name);
+    `tied` and `lm_head` where the output projection is not the embedding.
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
@@ -95,11 +108,12 @@ class FusedDecoderStack:
             # scales, and int4 offsets, to weight and bias; GGUF layers have weights.0,
             # weights.1...; the C++ side reads them by name), with stack_tensors' extras.
             layers=[stack_tensors(layer) for layer in body.layers],
-            layer_options=[{**layer.kind.stack_options(), "kv_group": layer.self_attn.attn.kv_group}
-                           for layer in body.layers],
+            layer_options=[{**layer.kind.stack_options(), **moe_options(layer),
+                            "kv_group": layer.self_attn.attn.kv_group} for layer in body.layers],
             model_options={**model.stack_options(), **gguf_types, **tiles},
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
-            group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
+            group_size=next((module.group_size for module in model.modules()
+                             if isinstance(module, Int4Linear)), 0),
             # Every packed linear of a model streams alike (a model held in lanes further).
             kernel_max_rows=next((module.stream_rows(model.ops.packed, dtype)
                                   for module in model.modules() if isinstance(module, GgufLinear)),

@@ -1,6 +1,7 @@
 """The Llama family (Llama 2/3/3.2, SmolLM2/3, Mistral, Ministral 3, Qwen2/3,
-Phi-3/3.5/4-mini, Olmo 3) over paged attention: one layer code, whose per-layer differences
-(LayerKind) and rotary tables are read from the transformers config."""
+Phi-3/3.5/4-mini, Olmo 3) and its mixture-of-experts kin (Qwen3-MoE, Qwen2-MoE, OLMoE,
+Mixtral: moe.py's layer as the MLP) over paged attention: one layer code, whose per-layer
+differences (LayerKind) and rotary tables are read from the transformers config."""
 
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from kvscope.engine.worker.models.attention import (
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.decoder_stack import FusesDecoderStack
 from kvscope.engine.worker.models.layers import Embedding, Linear, MergedLinear, RMSNorm, load_weights
+from kvscope.engine.worker.models.moe import SparseMoeBlock, canonical_name, moe_config, sparse_layers
 from kvscope.engine.worker.models.multimodal import language_model_weights
 from kvscope.engine.worker.models.quantized import output_logits
 
@@ -27,8 +29,9 @@ PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 # cache of keys rotated once cannot follow.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # RMSNorm of the queries and keys before the rotary: per head (Qwen3), or over the whole
-# projection, every head at once (Olmo 3).
-QK_NORM_MODEL_TYPES = {"qwen3": "head", "olmo3": "projection"}
+# projection, every head at once (Olmo 3, OLMoE).
+QK_NORM_MODEL_TYPES = {"qwen3": "head", "qwen3_moe": "head", "olmo3": "projection",
+                       "olmoe": "projection"}
 # Olmo 3's layer: no norm before attention or the MLP; each one's output is normalised
 # before it joins the residual stream.
 POST_NORM_MODEL_TYPES = ("olmo3",)
@@ -157,12 +160,13 @@ class LayerKind:
 
     qkv_bias: bool  # Qwen2; models with attention_bias
     # RMSNorm of queries and keys before the rotary: "head" per head (Qwen3), "projection"
-    # over all heads at once (Olmo 3); None: none
+    # over all heads at once (Olmo 3, OLMoE); None: none
     qk_norm: str | None
     rotary: bool  # False on SmolLM3's NoPE layers (no_rope_layers marks them 0)
     sliding_window: int | None  # Mistral, Qwen2's and Olmo 3's windowed layers (layer_windows)
     post_norms: bool = False  # Olmo 3: attention and MLP outputs normalised, inputs not
     rotary_table: int = 0  # which of RotaryTables' tables it reads (Olmo 3: per layer type)
+    sparse: bool = False  # the MLP is a mixture of experts (moe.sparse_layers)
 
     def stack_options(self) -> dict[str, int]:
         # The norms' placement and width the stack reads from the weights' names and sizes.
@@ -171,15 +175,23 @@ class LayerKind:
 
 
 def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
-    qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+    qkv_bias = (bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+                or bool(getattr(config, "qkv_bias", False)))  # Qwen2-MoE's name for it
+    qk_norm = QK_NORM_MODEL_TYPES.get(config.model_type)
+    # transformers sizes OLMoE's norms by hidden_size // num_attention_heads per head
+    olmoe_width = config.hidden_size // config.num_attention_heads
+    if config.model_type == "olmoe" and head_dim_of(config) != olmoe_width:
+        raise ValueError(f"model: head_dim={head_dim_of(config)} must be hidden_size / "
+                         f"num_attention_heads ({olmoe_width}) "
+                         f"for {config.model_type}'s q/k norms")
     uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
     rope_types = rope_layer_types(config)
     tables = [rope_types.index(kind) for kind in config.layer_types] if rope_types else None
-    return [LayerKind(qkv_bias=qkv_bias, qk_norm=QK_NORM_MODEL_TYPES.get(config.model_type),
-                      rotary=bool(uses_rope[index]), sliding_window=window,
-                      post_norms=config.model_type in POST_NORM_MODEL_TYPES,
-                      rotary_table=tables[index] if tables else 0)
-            for index, window in enumerate(layer_windows(config))]
+    return [LayerKind(qkv_bias=qkv_bias, qk_norm=qk_norm, rotary=bool(uses_rope[index]),
+                      sliding_window=window, post_norms=config.model_type in POST_NORM_MODEL_TYPES,
+                      rotary_table=tables[index] if tables else 0, sparse=sparse)
+            for index, (window, sparse) in enumerate(zip(layer_windows(config),
+                                                         sparse_layers(config)))]
 
 
 class LlamaAttention(UsesKernelOps):
@@ -195,12 +207,11 @@ class LlamaAttention(UsesKernelOps):
             bias=kind.qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
-        if kind.qk_norm:
-            per_head = kind.qk_norm == "head"
-            self.q_norm = RMSNorm(self.head_dim * (1 if per_head else self.num_heads),
-                                  config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim * (1 if per_head else self.num_kv_heads),
-                                  config.rms_norm_eps)
+        if kind.qk_norm is not None:
+            # over one head's dims, or over the whole projection's
+            heads = (1, 1) if kind.qk_norm == "head" else (self.num_heads, self.num_kv_heads)
+            self.q_norm = RMSNorm(heads[0] * self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(heads[1] * self.head_dim, config.rms_norm_eps)
         self.qk_norm = kind.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, kind.sliding_window)
@@ -229,13 +240,14 @@ class LlamaAttention(UsesKernelOps):
 
 
 class LlamaMLP(UsesKernelOps):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, size: int | None = None) -> None:
+        """size: the intermediate width (a MoE model's shared expert has its own)."""
         super().__init__()
         activation = getattr(config, "hidden_act", "silu")
         if activation not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"model: hidden_act {activation!r} is not supported; supported: "
                              f"{list(SUPPORTED_ACTIVATIONS)}")
-        size = config.intermediate_size
+        size = size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size],
                                          bias=getattr(config, "mlp_bias", False))
         self.down_proj = Linear(size, config.hidden_size,
@@ -245,12 +257,21 @@ class LlamaMLP(UsesKernelOps):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
+def sparse_mlp(config: PretrainedConfig) -> SparseMoeBlock:
+    """A MoE layer's MLP, with its shared expert where the model has one (Qwen2-MoE)."""
+    moe = moe_config(config)
+    if not moe.shared_expert_size:
+        return SparseMoeBlock(moe)
+    return SparseMoeBlock(moe, LlamaMLP(config, moe.shared_expert_size),
+                          Linear(config.hidden_size, 1, bias=False))
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, kind: LayerKind) -> None:
         super().__init__()
         self.kind = kind
         self.self_attn = LlamaAttention(config, kind)
-        self.mlp = LlamaMLP(config)
+        self.mlp = sparse_mlp(config) if kind.sparse else LlamaMLP(config)
         if kind.post_norms:
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         else:
@@ -329,5 +350,6 @@ class LlamaForCausalLM(UsesKernelOps, FusesDecoderStack):
         return output_logits(projection, hidden, self.ops.logits)
 
     def load_weights(self, weights) -> None:
-        load_weights(self, language_model_weights(weights), PACKED,
+        load_weights(self, ((canonical_name(name), tensor)
+                            for name, tensor in language_model_weights(weights)), PACKED,
                      skip={"lm_head.weight"} if self.tied else set())
