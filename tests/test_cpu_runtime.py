@@ -220,5 +220,5 @@ def test_the_cpu_kernels_compile_for_every_cpu_class(march):
     # The standard torch's extension builds use (torch.utils.cpp_extension).
     compiled = subprocess.run(
         [compiler, "-std=c++20", f"-march={march}", "-fopenmp", "-fsyntax-only", *includes,
-         *map(str, cpu_extension.SOURCES)], capture_output=True, text=True)
+         *map(str, cpu_extension.sources())], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr[-3000:]
