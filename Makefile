@@ -38,8 +38,10 @@ run: $(STAMP)
 	$(PY) app.py $(ARGS)
 
 # Two workers (pytest-xdist), a test file each at a time: the tests pin torch to one thread
-# (tests/conftest.py), so one worker leaves the second core idle most of the run.
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+# (tests/conftest.py), so one worker leaves the second core idle most of the run. A C++ build
+# that fails fails the run (KVSCOPE_REQUIRE_CPU_KERNELS), rather than the engine falling back
+# to its torch kernels and the C++ tests skipping.
+PYTEST := KVSCOPE_REQUIRE_CPU_KERNELS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 test: $(STAMP) browser
 	$(PYTEST) $(ARGS)

@@ -14,7 +14,8 @@ kernels/kernel_ops.py's):
 `select_ops(device)` picks one, once: the model runner calls it at start-up and hands the
 record to the model's modules, the decoder stack and the sampler.
 KVSCOPE_ATTENTION_BACKEND=triton|cpu|torch forces a backend; otherwise CUDA gets triton and
-the CPU gets cpu (torch if it cannot be built).
+the CPU gets cpu (torch if it cannot be built, with a warning; KVSCOPE_REQUIRE_CPU_KERNELS=1
+makes that an error instead, so that a test run cannot pass on the fallback alone).
 """
 
 import functools
@@ -36,12 +37,14 @@ from kvscope.kernels.kernel_ops import (
 )
 from kvscope.kernels.torch_ops import TORCH_OPS
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "EXPERT_ACTIVATIONS", "TORCH_OPS", "ExpertWeights", "KernelOps",
-           "PackedLinearKernels", "PrepackedWeight", "backend_name", "select_ops", "triton_available"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "EXPERT_ACTIVATIONS", "REQUIRE_CPU_KERNELS_ENV", "TORCH_OPS",
+           "ExpertWeights", "KernelOps", "PackedLinearKernels", "PrepackedWeight", "backend_name",
+           "cpu_kernels_required", "select_ops", "triton_available"]
 
 logger = logging.getLogger(__name__)
 BACKEND_ENV = "KVSCOPE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
+REQUIRE_CPU_KERNELS_ENV = "KVSCOPE_REQUIRE_CPU_KERNELS"
 _TRITON_MODULE_NAMES = ("kvscope.kernels.triton_attention", "kvscope.kernels.triton_kv_store")
 
 
@@ -66,13 +69,25 @@ def _triton_interpreted() -> bool:
     return _interpreter_requested()
 
 
+def cpu_kernels_required() -> bool:
+    """Whether KVSCOPE_REQUIRE_CPU_KERNELS is set (1, true, on, yes): a C++ build that fails
+    is then an error, not a fall back to the torch path (`make test` and CI set it)."""
+    return os.environ.get(REQUIRE_CPU_KERNELS_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def _cpu_kernels_build() -> bool:
-    """Whether the C++ CPU kernels are (or can now be) built and loaded."""
+    """Whether the C++ CPU kernels are (or can now be) built and loaded.
+
+    Raises RuntimeError, with the build's own error (the compiler's output), where they
+    cannot be and cpu_kernels_required()."""
     from kvscope.kernels import cpu_kernels
 
     try:
         cpu_kernels.load()
     except Exception as error:  # noqa: BLE001 (any build failure means: use the fallback)
+        if cpu_kernels_required():
+            raise RuntimeError(f"{REQUIRE_CPU_KERNELS_ENV} is set and the C++ CPU kernels "
+                               f"could not be built: {error}") from error
         logger.warning("C++ CPU kernels unavailable (%s); using the torch path",
                        error)
         return False

@@ -59,6 +59,7 @@ from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.worker.model_runner import ModelRunner
+from kvscope.kernels import cpu_kernels, cpu_kernels_required
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -68,6 +69,36 @@ def pytest_collection_modifyitems(items) -> None:
         if item.name.startswith("test_browser") or "browser" in getattr(item, "fixturenames",
                                                                           ()):
             item.add_marker(pytest.mark.browser)
+
+
+# A test that ran the C++ kernels of a build records it so (record_property); the run's
+# summary then says which CPU paths ran (tests/test_cpu_paths.py).
+CPU_PATH_PROPERTY = "cpu_kernel_path"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line naming the builds of the C++ kernels whose tests ran, and how they ended."""
+    paths = [value if outcome == "passed" else f"{value}: {outcome.upper()}"
+             for outcome in ("passed", "failed", "skipped")
+             for report in terminalreporter.stats.get(outcome, [])
+             for name, value in getattr(report, "user_properties", ())
+             if name == CPU_PATH_PROPERTY]
+    if paths:
+        terminalreporter.write_line("C++ CPU kernel paths run against the reference: "
+                                    + "; ".join(sorted(paths)))
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel_ops():
+    """The C++ kernels' record, built (or loaded from the cache) once. Where they cannot be
+    built the tests that need them skip, unless KVSCOPE_REQUIRE_CPU_KERNELS is set (as
+    `make test` sets it): then they fail, with the build's error."""
+    try:
+        return cpu_kernels.kernel_ops()
+    except RuntimeError as error:
+        if cpu_kernels_required():
+            raise
+        pytest.skip(f"C++ CPU kernels cannot be built here: {error}")
 
 
 # SmolLM2's ChatML layout, so chat code paths see the same special tokens as the default model.

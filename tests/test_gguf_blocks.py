@@ -187,7 +187,7 @@ def test_only_bf16_activations_on_int8_dot_kernels_repack_into_lanes(cpu_ops):
     assert all(repacked(int(kind), torch.float32) == -1 for kind in gguf_blocks.PACKED_TYPES)
     assert all(repacked(int(kind), torch.bfloat16) == -1
                for kind in gguf_blocks.PACKED_TYPES if kind not in LANES)
-    flags = cpu_extension.cpu_flags().split()
+    flags = cpu_extension.build_flags()
     vnni = all(flag in flags for flag in ("avx512_vnni", "avx512bw", "avx512vl"))
     assert all(repacked(int(kind), torch.bfloat16) == (code if vnni else -1)
                for kind, code in LANES.items())

@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvscope import kernels
-from kvscope.kernels import cpu_kernels, kv_quant, reference
+from kvscope.kernels import cpu_extension, cpu_kernels, kv_quant, reference
 from kvscope.kernels.kernel_ops import AttentionCall
 
 try:
@@ -221,15 +221,6 @@ def test_reference_attention_writes_into_out():
 
 
 # --- the C++ CPU kernels -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cpu_kernel_ops():
-    """The C++ kernels' record, built (or loaded from the cache) once for this file."""
-    try:
-        return cpu_kernels.kernel_ops()
-    except RuntimeError as error:
-        pytest.skip(f"C++ CPU kernels cannot be built here: {error}")
 
 
 CPU_CASES = [  # (block_size, queries_per_kv, head_dim): every block size, GQA ratio, dim
@@ -486,7 +477,7 @@ def test_cpu_linear_widens_bf16_gemms_only_without_bf16_dot_products(cpu_kernel_
         widens = cpu_kernels.widens_bf16_gemms() and rows >= cpu_kernels.WIDENED_MIN_ROWS
         assert torch.equal(cpu_kernel_ops.linear(x, weight),
                            widened if widens else F.linear(x, weight)), rows
-    flags = open("/proc/cpuinfo").read()
+    flags = cpu_extension.build_flags()
     assert cpu_kernels.widens_bf16_gemms() == (
         "avx512_bf16" not in flags and "amx_bf16" not in flags)
 
@@ -689,7 +680,7 @@ def test_a_build_reports_its_progress_while_it_compiles(tmp_path, monkeypatch, c
         (tmp_path / "b.o").touch()
         time.sleep(0.2)
     reports = [record.getMessage() for record in caplog.records]
-    assert reports and reports[-1].endswith(f"2 of {len(cpu_extension.SOURCES)} sources compiled")
+    assert reports and reports[-1].endswith(f"2 of {len(cpu_extension.sources())} sources compiled")
     time.sleep(0.1)
     assert len(caplog.records) == len(reports)
 

@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvscope.engine.replay.cost_model import StepCost
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.kernels import cpu_extension
 
 REPO = Path(__file__).resolve().parents[1]
 # What a wheel is built from: the build files and the folders setup.py installs.
@@ -97,7 +101,9 @@ def installed_wheel(tmp_path: Path) -> tuple[Path, Path]:
         else:
             shutil.copy(REPO / name, source / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-qq"]
-    subprocess.run([*pip, "wheel", "--no-deps", "-w", tmp_path / "wheels", source], check=True)
+    # Offline: the build runs on this interpreter's setuptools, and nothing is fetched.
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", tmp_path / "wheels", source], check=True)
     (wheel,) = (tmp_path / "wheels").glob("kvscope-*.whl")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     python = venv / "bin" / "python"
@@ -109,19 +115,27 @@ def installed_wheel(tmp_path: Path) -> tuple[Path, Path]:
     return venv / "bin", site
 
 
-def succeed(command: list, folder: Path) -> str:
-    """The stdout of `command` run in `folder` without PYTHONPATH; fails with its stderr."""
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+def succeed(command: list, folder: Path, **env: str) -> str:
+    """The stdout of `command` run in `folder` without PYTHONPATH (and with `env` added);
+    fails with its stderr."""
+    env = {**{key: value for key, value in os.environ.items() if key != "PYTHONPATH"}, **env}
     result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
-def test_a_wheel_serves_and_replays_without_the_checkout(tmp_path, tiny_chat_model_path):
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory) -> tuple[Path, Path]:
+    """installed_wheel's venv, built once for this file's tests."""
+    return installed_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_a_wheel_serves_and_replays_without_the_checkout(wheel_venv, tmp_path,
+                                                         tiny_chat_model_path):
     """kvscope installed from its wheel, run from a folder outside the checkout: every part
     and every file the package reads at run time come from the venv, `kvscope serve` takes
     its flags and `kvscope replay --simulate` replays a trace."""
-    bin_folder, site = installed_wheel(tmp_path)
+    bin_folder, site = wheel_venv
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     found = json.loads(succeed([bin_folder / "python", "-c", (
@@ -133,7 +147,7 @@ def test_a_wheel_serves_and_replays_without_the_checkout(tmp_path, tiny_chat_mod
         "                              kvscope.engine.__file__, kvscope.storage.__file__],\n"
         "                  'data': [str(dashboard.CSS_PATH), str(dashboard.POLLER_PATH),\n"
         "                           str(frame_guard.FRAME_GUARD_JS),\n"
-        "                           *map(str, cpu_extension.INPUTS)]}))\n")], outside))
+        "                           *map(str, cpu_extension.inputs())]}))\n")], outside))
     for path in map(Path, found["modules"] + found["data"]):
         assert path.is_relative_to(site) and path.is_file(), path
     assert any(Path(path).suffix == ".cpp" for path in found["data"])
@@ -150,3 +164,56 @@ def test_a_wheel_serves_and_replays_without_the_checkout(tmp_path, tiny_chat_mod
                                  "--simulate", "--cost-model", cost, "--json",
                                  "--config", "num_gpu_blocks_override=32"], outside))
     assert run["mode"] == "simulated" and run["num_requests"] == 4
+
+
+# An engine step on the tiny model in the wheel's venv: its first token, the backend that
+# computed it and the folder the kernels were built from (argv[2], where given, instead of the
+# package's own).
+ONE_STEP = """
+import json, sys
+from pathlib import Path
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.orchestrator.engine_core import EngineCore
+from kvscope.engine.sampling_params import SamplingParams
+from kvscope.kernels import cpu_extension
+if len(sys.argv) > 2:
+    cpu_extension.CSRC = Path(sys.argv[2])
+engine = EngineCore(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32",
+                                 device_memory_gb=0.05))
+engine.add_request([5, 6, 7], SamplingParams(max_tokens=1))
+(output,) = engine.step().outputs
+print(json.dumps({"token_ids": output.outputs[0].token_ids, "csrc": str(cpu_extension.CSRC),
+                  "backend": engine.runner.kernel_ops.backend}))
+"""
+
+
+def files_in(folder: Path) -> dict[Path, bytes]:
+    return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*")
+            if path.is_file()}
+
+
+def test_a_wheel_builds_its_cpu_kernels_from_the_package_and_steps(wheel_venv, tmp_path,
+                                                                   tiny_model, make_engine,
+                                                                   cpu_kernel_ops):
+    """The C++ sources and headers ship as package data, and an engine of the installed
+    kvscope steps on the kernels built from them, greedy equal to this checkout's.
+
+    A build takes minutes, so where the package's C++ files are the checkout's byte for byte
+    the step loads this session's build of the checkout's (the same compile); otherwise
+    (a file the wheel lacks or changed) the package compiles its own, into a cache of its own,
+    and KVSCOPE_REQUIRE_CPU_KERNELS makes a failed build fail the step."""
+    bin_folder, site = wheel_venv
+    shipped = site / "kvscope" / "kernels" / "csrc"
+    same_files = files_in(shipped) == files_in(cpu_extension.CSRC)
+    step = [bin_folder / "python", "-c", ONE_STEP, tiny_model("llama").path]
+    # The package's own build goes to a cache of the test's, out of the user's.
+    env = {"KVSCOPE_REQUIRE_CPU_KERNELS": "1",
+           **({} if same_files else {"KVSCOPE_CACHE_DIR": str(tmp_path / "cache")})}
+    found = json.loads(succeed([*step, cpu_extension.CSRC] if same_files else step, tmp_path,
+                               **env).strip().splitlines()[-1])
+    assert found["backend"] == "cpu"
+    assert Path(found["csrc"]) == (cpu_extension.CSRC if same_files else shipped)
+    engine = make_engine("llama")
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=1))
+    (output,) = engine.step().outputs
+    assert found["token_ids"] == output.outputs[0].token_ids

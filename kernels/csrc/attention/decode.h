@@ -23,10 +23,19 @@ namespace kvscope::attention {
 // head before the next ones: a block's worth of slots, whose rows for all heads lie together.
 constexpr int kKeyGroup = 16;
 
+// q . k summed in an order the source fixes: eight running sums (lane l takes the products
+// d = l mod 8), added up as FP32Vec8::reduce_sum does, then the last dim mod 8 products. An `omp
+// simd` reduction left the order to the compiler, and on the AVX2 and x86-64 builds (GCC 12)
+// a key's score then differed in its last bits between a verification chunk and the decode
+// of the same token, so greedy output could drift with speculation.
 inline float dot(const float* __restrict a, const float* __restrict b, int dim) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int d = 0; d < dim; ++d) sum += a[d] * b[d];
+  using kvscope::vec::f32x8;
+  using kvscope::vec::load_unaligned;
+  f32x8 lanes{};
+  int d = 0;
+  for (; d + 8 <= dim; d += 8) lanes += load_unaligned<f32x8>(a + d) * load_unaligned<f32x8>(b + d);
+  float sum = kvscope::vec::FP32Vec8{lanes}.reduce_sum();
+  for (; d < dim; ++d) sum += a[d] * b[d];
   return sum;
 }
 
