@@ -58,7 +58,7 @@ def paged_attention(call: AttentionCall) -> torch.Tensor:
     torch.ops.kvscope.paged_attention(
         query, call.key_cache, call.value_cache, call.block_tables.to(torch.int32),
         call.seq_lens.to(torch.int32), call.query_start_loc.to(torch.int32), call.scale, out,
-        call.sliding_window or 0, call.soft_cap or 0.0)
+        call.sliding_window or 0, call.soft_cap or 0.0, call.sinks)
     return out
 
 

@@ -56,6 +56,9 @@ class AttentionCall:
     _: KW_ONLY
     sliding_window: int | None = None  # W: the token at position p sees keys (p - W, p]
     soft_cap: float | None = None  # c: scores become c * tanh(scores / c)
+    # fp32 [num_heads]: head h's learned logit joins its softmax's denominator as a key with no
+    # value (gpt-oss's attention sinks): the weights of the real keys sum to less than 1
+    sinks: torch.Tensor | None = None
 
 
 # paged_attention's signature, for help() and editors: AttentionCall's, returning the output.
@@ -65,7 +68,7 @@ _PAGED_ATTENTION_SIGNATURE = inspect.signature(AttentionCall).replace(
 
 def paged_attention_op(attend: Callable[[AttentionCall], torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A backend's `attend(call)` as its paged_attention, whose arguments are AttentionCall's
-    fields (in order; sliding_window and soft_cap by keyword)."""
+    fields (in order; sliding_window, soft_cap and sinks by keyword)."""
 
     @functools.wraps(attend)
     def paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:

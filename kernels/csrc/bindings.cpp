@@ -12,7 +12,7 @@ TORCH_LIBRARY(kvscope, m) {
   // attention/paged_attention.cpp
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor(a!) out, int window=0, "
-        "float soft_cap=0.) -> ()");
+        "float soft_cap=0., Tensor? sinks=None) -> ()");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   // fused_ops.cpp

@@ -14,7 +14,8 @@
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     at::Tensor out, int64_t window, double soft_cap);
+                     at::Tensor out, int64_t window, double soft_cap,
+                     const std::optional<at::Tensor>& sinks);
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
               at::Tensor value_cache, const at::Tensor& slot_mapping);
 

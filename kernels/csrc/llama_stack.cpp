@@ -346,6 +346,7 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
   layer.k_norm = reader.optional("self_attn.k_norm.weight");
   TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
               "LlamaDecoderStack: a layer has a q_norm without a k_norm, or the reverse");
+  layer.sinks = reader.optional("self_attn.sinks");
   // A Gemma layer, which names its MLP's input norm pre_feedforward_layernorm, uses the name
   // post_attention_layernorm for its attention's output norm.
   if (std::optional<at::Tensor> pre_mlp = reader.optional("pre_feedforward_layernorm.weight")) {
@@ -513,7 +514,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     traced("kvscope::paged_attention", [&] {
       paged_attention(work.query, key_caches[index], value_caches[index], group_tables[group],
                       seq_lens, query_start_loc, config_.attention_scale, attended,
-                      options.sliding_window, config_.model.attention_soft_cap);
+                      options.sliding_window, config_.model.attention_soft_cap, layer.sinks);
     });
     project(work.attended, layer.o_proj, config_, work.projected);
     if (layer.attention_output_norm)

@@ -48,6 +48,7 @@ struct DecoderLayerWeights {
   at::Tensor input_layernorm;
   LinearWeights qkv_proj, o_proj;
   std::optional<at::Tensor> q_norm, k_norm;  // RMSNorm per query / key head (Qwen3, Gemma 3)
+  std::optional<at::Tensor> sinks;  // fp32 [heads]: the attention's sink logits (gpt-oss)
   // Gemma normalises the attention's and the MLP's outputs before each joins the residual
   // stream (its post_attention_layernorm and post_feedforward_layernorm).
   std::optional<at::Tensor> attention_output_norm, mlp_output_norm;
