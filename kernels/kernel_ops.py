@@ -81,7 +81,8 @@ def paged_attention_op(attend: Callable[[AttentionCall], torch.Tensor]) -> Calla
 @dataclass(frozen=True, slots=True)
 class PackedLinearKernels:
     """Matmuls over int4 / int8 packed weights (the layout of
-    engine/worker/models/quantized.py), for the C++ CPU kernels only."""
+    engine/worker/models/quantized.py), GGUF blocks and MXFP4, for the C++ CPU kernels
+    only."""
 
     # x [rows, in] @ W.T + bias, streaming the packed weight once for a few rows
     int4_linear: Callable[..., torch.Tensor]
@@ -95,6 +96,12 @@ class PackedLinearKernels:
     # gives the dense weight
     gguf_linear: Callable[..., torch.Tensor]
     gguf_dequantize: Callable[..., torch.Tensor]
+    # MXFP4 weights as shipped (kernels/mxfp4.py: blocks uint8 [out, in / 32, 16], scales
+    # uint8 [out, in / 32]): mxfp4_linear(x, blocks, scales, bias, out_dtype=None) streams
+    # them exactly (fp32 products of the exact weights), mxfp4_dequantize(blocks, scales,
+    # dtype) gives the dense weight
+    mxfp4_linear: Callable[..., torch.Tensor]
+    mxfp4_dequantize: Callable[..., torch.Tensor]
     # whether int4_linear / int8_linear round bf16 activations to int8, one scale per 32
     # values (llama.cpp's Q8_0), for VNNI dot products; otherwise they compute exactly
     rounds_activations_to_int8: bool

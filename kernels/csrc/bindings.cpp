@@ -45,6 +45,9 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("gguf_dequantize(Tensor weight, int type, Tensor(a!) out) -> ()");
   m.def("gguf_rounds_activations_to_int8() -> bool", &gguf_rounds_activations_to_int8);
   m.def("gguf_repacked_type(int type) -> int", &gguf_repacked_type);
+  // quantized/mxfp4.cpp
+  m.def("mxfp4_linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("mxfp4_dequantize(Tensor blocks, Tensor scales, Tensor(a!) out) -> ()");
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 
@@ -83,5 +86,7 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("int8_dequantize", &int8_dequantize);
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("mxfp4_linear", &mxfp4_linear);
+  m.impl("mxfp4_dequantize", &mxfp4_dequantize);
   m.impl("greedy_tokens", &greedy_tokens);
 }

@@ -64,5 +64,10 @@ void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out);
 bool gguf_rounds_activations_to_int8();
 int64_t gguf_repacked_type(int64_t type);
 
+// quantized/mxfp4.cpp
+void mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& bias, at::Tensor out);
+void mxfp4_dequantize(const at::Tensor& blocks, const at::Tensor& scales, at::Tensor out);
+
 // sampling.cpp
 std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Tensor& logits);
