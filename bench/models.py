@@ -1,6 +1,11 @@
-"""Speed of the chat models' shapes: Qwen3-0.6B, Qwen3-1.7B, Phi-4-mini and Gemma-3-1B with
-random weights (values do not change the work), in bf16 and int4, against the targets of
-issues 28 and 29.
+"""Speed of the chat models' shapes: Qwen3-0.6B, Qwen3-1.7B, Phi-4-mini, Gemma-3-1B and the
+mixture of experts Qwen3-30B-A3B with random weights (values do not change the work), in
+bf16 and int4, against the targets of issues 28, 29 and 63.
+
+Qwen3-30B-A3B's 48 layers (128 experts of width 768, top 8) take 61 GB in bf16: the shape
+runs with as many of its layers as --max-moe-layers allows (default 2), and the output
+says how many of how many. Its bandwidth limit counts what one token reads: the top-8
+experts of each layer, attention, norms, routers and the output projection.
 
 Each shape is built from transformers' own config class with the real model's sizes,
 initialised at random and saved in a RAM-backed folder (/dev/shm where there is one, or
@@ -36,7 +41,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 from random_model import save_random_model
 from sliding_window import gemma3_1b_config
-from transformers import Phi3Config, Qwen3Config
+from transformers import Phi3Config, Qwen3Config, Qwen3MoeConfig
 
 NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 # The published configs' sizes (config.json of Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B and
@@ -59,7 +64,15 @@ SHAPES = {
                       "short_factor": [1.0] * 48, "original_max_position_embeddings": 4096},
         **NO_SPECIAL_TOKENS),
     "gemma-3-1b": gemma3_1b_config,
+    # Qwen/Qwen3-30B-A3B's config.json
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+        max_position_embeddings=40960, rope_theta=1000000.0, **NO_SPECIAL_TOKENS),
 }
+# Shapes too large for the machine, run with fewer layers of the same shape.
+MOE_SHAPES = ("qwen3-30b-a3b",)
 QUANTIZATIONS = ("none", "int4")
 THROUGHPUT = Path(__file__).with_name("throughput.py")
 
@@ -83,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the random model is saved (default RAM-backed /dev/shm; a "
                              "disk folder leaves Phi-4-mini's 7.7 GB to the page cache)")
+    parser.add_argument("--max-moe-layers", type=int, default=2,
+                        help=f"layers of {', '.join(MOE_SHAPES)} built and measured (of 48)")
     parser.add_argument("--skip-batched", action="store_true",
                         help="single stream only (transformers' batching is the slow part)")
     args = parser.parse_args(argv)
@@ -163,7 +178,15 @@ def main(argv=None) -> None:
     for name in args.models:
         with tempfile.TemporaryDirectory(prefix=f"kvscope-{name}-", dir=args.save_dir) as folder:
             print(f"building a random {name} in {folder}", file=sys.stderr)
-            save_random_model(Path(folder), SHAPES[name](), torch.bfloat16)
+            config = SHAPES[name]()
+            layers = {"layers": config.num_hidden_layers}
+            if name in MOE_SHAPES and args.max_moe_layers < config.num_hidden_layers:
+                layers = {"layers": args.max_moe_layers,
+                          "full_model_layers": config.num_hidden_layers,
+                          "note": "fewer layers of the same shape: the whole model does not "
+                                  "fit this machine's memory"}
+                config.num_hidden_layers = args.max_moe_layers
+            save_random_model(Path(folder), config, torch.bfloat16)
             check_budget(Path(folder), args)
             transformers_batched = None
             if not args.skip_batched:
@@ -175,8 +198,8 @@ def main(argv=None) -> None:
                     *batched_workload(args))
             for quantization in args.quantizations:
                 print(f"measuring {name}, quantization={quantization}", file=sys.stderr)
-                results.append(measure(name, Path(folder), args, quantization,
-                                       transformers_batched))
+                results.append({**measure(name, Path(folder), args, quantization,
+                                          transformers_batched), **layers})
     print(json.dumps({"targets": {"share_of_bandwidth_limit": 0.6,
                                   "batched_vs_transformers": 5.0},
                       "results": results}, indent=2))

@@ -86,6 +86,7 @@ from kvscope.engine.telemetry.kv_event_publisher import (  # noqa: E402
 from kvscope.engine.worker.loader import load_config, load_tokenizer, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.memory_bandwidth import weights_read_bandwidth  # noqa: E402
 from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
+from kvscope.engine.worker.models.moe import Experts  # noqa: E402
 
 logger = logging.getLogger("bench.throughput")
 BACKENDS = ("kvscope", "kvscope_penalties", "kvscope_async", "kvscope_kv_events", "hf_continuous_batching",
@@ -172,15 +173,19 @@ class KVScope:
         return config
 
     def weight_bytes_per_step(self) -> int:
-        """What one decode step reads of this engine's weights as it stores them (packed
-        int4 / int8 with their scales and offsets, or dense in --dtype): every parameter,
-        less the embedding table unless the logits reuse it (tied)."""
+        """What one decode step of one stream reads of this engine's weights as it stores
+        them (packed int4 / int8 with their scales and offsets, or dense in --dtype): every
+        parameter, less the embedding table unless the logits reuse it (tied), and of a
+        mixture of experts' layers only the top-k experts a token runs."""
         runner = self.llm.engine.runner
         model = runner.model
+        unread = sum(experts.bytes_per_expert() * (experts.moe.num_experts - experts.moe.top_k)
+                     for experts in model.modules() if isinstance(experts, Experts))
         if getattr(model, "tied", True):  # OPT has no flag: its output projection is tied
-            return runner.weight_bytes
+            return runner.weight_bytes - unread
         table = model.get_submodule("model.embed_tokens")
-        return runner.weight_bytes - sum(p.numel() * p.element_size() for p in table.parameters())
+        return (runner.weight_bytes - unread
+                - sum(p.numel() * p.element_size() for p in table.parameters()))
 
     def weights_read_bandwidth(self) -> float:
         return weights_read_bandwidth(self.llm.engine.runner.model.parameters())

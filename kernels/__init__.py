@@ -27,11 +27,17 @@ from dataclasses import replace
 
 import torch
 
-from kvscope.kernels.kernel_ops import KernelOps, PackedLinearKernels, PrepackedWeight
+from kvscope.kernels.kernel_ops import (
+    EXPERT_ACTIVATIONS,
+    ExpertWeights,
+    KernelOps,
+    PackedLinearKernels,
+    PrepackedWeight,
+)
 from kvscope.kernels.torch_ops import TORCH_OPS
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "TORCH_OPS", "KernelOps", "PackedLinearKernels", "PrepackedWeight",
-           "backend_name", "select_ops", "triton_available"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "EXPERT_ACTIVATIONS", "TORCH_OPS", "ExpertWeights", "KernelOps",
+           "PackedLinearKernels", "PrepackedWeight", "backend_name", "select_ops", "triton_available"]
 
 logger = logging.getLogger(__name__)
 BACKEND_ENV = "KVSCOPE_ATTENTION_BACKEND"

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kvscope.kernels import cpu_extension, kv_quant, reference
 from kvscope.kernels.kernel_ops import (
     AttentionCall,
+    ExpertWeights,
     KernelOps,
     PackedLinearKernels,
     PrepackedWeight,
@@ -37,7 +38,8 @@ def kernel_ops() -> KernelOps:
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
         prepack_weight=prepack_weight if torch.ops.kvscope.has_blocked_linear() else None,
-        packed=packed, decoder_stack=torch.classes.kvscope.LlamaDecoderStack,
+        packed=packed, moe_experts=moe_experts,
+        decoder_stack=torch.classes.kvscope.LlamaDecoderStack,
         prepacks_by_default=prepacks_by_default())
 
 
@@ -308,6 +310,21 @@ def gguf_repacked_type(ggml_type: int, dtype: torch.dtype) -> int:
     return torch.ops.kvscope.gguf_repacked_type(ggml_type) if dtype == torch.bfloat16 else -1
 
 
+def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                gate_up: ExpertWeights, down: ExpertWeights, activation: str = "silu",
+                kernel_max_rows: int = 0) -> torch.Tensor:
+    """Same contract as kernels.reference.moe_experts, over dense or packed experts: the
+    tokens grouped by expert in C++, each chosen expert's weights read once."""
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    out = torch.empty_like(hidden)
+    torch.ops.kvscope.moe_experts(
+        hidden, expert_ids.contiguous(), expert_weights.float().contiguous(), gate_up.weight,
+        gate_up.bias, gate_up.scales, gate_up.offsets, down.weight, down.bias, down.scales,
+        down.offsets, max(gate_up.group_size, down.group_size), kernel_max_rows, activation, out)
+    return out
+
+
 _fakes_registered = False
 
 
@@ -318,6 +335,6 @@ def _register_fakes() -> None:
     # These ops only write into tensors they are given: nothing to allocate when tracing.
     for op in ("paged_attention", "store_kv", "linear_widened", "int4_linear", "int8_linear",
                "int4_dequantize", "int8_dequantize", "gguf_linear", "gguf_dequantize",
-               "mxfp4_linear", "mxfp4_dequantize"):
+               "mxfp4_linear", "mxfp4_dequantize", "moe_experts"):
         torch.library.register_fake(f"kvscope::{op}")(lambda *args: None)
     _fakes_registered = True

@@ -27,6 +27,18 @@ eager does:
   logits(hidden, weight) -> (hidden @ weight.T).float()
       the output projection in the model's dtype, handed over in fp32; the kernel writes
       one row's fp32 values itself (torch's conversion woke its OpenMP threads for it)
+
+A mixture-of-experts layer's experts run as one op over a step's tokens:
+
+  moe_experts(hidden, expert_ids, expert_weights, gate_up, down, activation,
+              kernel_max_rows) -> out
+      hidden [tokens, in]; expert_ids int64 [tokens, k] (the router's choice) and
+      expert_weights fp32 [tokens, k]; gate_up and down are ExpertWeights. Each token's
+      out row is the sum over its k experts of weight * down(act(gate_up(row))), in fp32,
+      rounded once to hidden's dtype (contract: reference.moe_experts). The tokens are
+      grouped by expert, so each chosen expert's weights are read once per call;
+      kernel_max_rows is where packed experts stop streaming and de-quantize for a GEMM
+      (engine/worker/models/quantized.py's kernel_max_rows).
 """
 
 import functools
@@ -76,6 +88,26 @@ def paged_attention_op(attend: Callable[[AttentionCall], torch.Tensor]) -> Calla
 
     paged_attention.__signature__ = _PAGED_ATTENTION_SIGNATURE
     return paged_attention
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """One projection of every expert of a mixture-of-experts layer, stacked along a first
+    dimension of experts: dense [experts, out, in] in the model's dtype, or packed as
+    engine/worker/models/quantized.py packs a linear: int4 (uint8 [experts, out, in / 2],
+    float16 scales and offsets [experts, out, in / group_size]) or int8 (int8
+    [experts, out, in], fp32 scales [experts, out]). bias: [experts, out] or None."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    group_size: int = 0
+
+
+# The activations between an expert's gate/up and down projections, by name: the gate half
+# of gate_up's outputs (the first half) through it, times the up half.
+EXPERT_ACTIVATIONS = ("silu",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +187,9 @@ class KernelOps:
     # None: quantized layers de-quantize their weights with their plain-torch twin on
     # every forward (correct, but slower than dense)
     packed: PackedLinearKernels | None
+    # a mixture-of-experts layer's experts over a step's tokens (contract: this module's
+    # docstring and reference.moe_experts)
+    moe_experts: Callable[..., torch.Tensor]
     # the constructor of the one-call Llama decoder stack (kvscope::LlamaDecoderStack);
     # None: the model runs its layers one by one
     decoder_stack: Callable[..., Any] | None

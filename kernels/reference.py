@@ -1,4 +1,5 @@
-"""Plain-torch paged attention and KV store: the CPU path and the tests' oracle."""
+"""Plain-torch paged attention, KV store and mixture-of-experts experts: the fallback path
+and the tests' oracle."""
 
 import itertools
 
@@ -6,7 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.kernels import kv_quant
-from kvscope.kernels.kernel_ops import AttentionCall, paged_attention_op
+from kvscope.kernels.kernel_ops import (
+    EXPERT_ACTIVATIONS,
+    AttentionCall,
+    ExpertWeights,
+    paged_attention_op,
+)
 
 
 def store_kv(
@@ -215,3 +221,24 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out_dtype after (kernels/csrc/widened_gemm.cpp's contract)."""
     product = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return product.to(x.dtype).to(out_dtype or x.dtype)
+
+
+def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                gate_up: ExpertWeights, down: ExpertWeights, activation: str = "silu",
+                kernel_max_rows: int = 0) -> torch.Tensor:
+    """Each token's k experts (expert_ids [tokens, k]) run on its row and summed with its
+    weights (expert_weights fp32 [tokens, k]): expert by expert, in ascending order, over
+    the tokens that chose it, as transformers' experts modules run them. Dense
+    ExpertWeights only (a packed module hands its de-quantized weights); the sums are fp32,
+    rounded once to hidden's dtype. kernel_max_rows is the C++ op's and unused here."""
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}; supported: {list(EXPERT_ACTIVATIONS)}")
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in expert_ids.unique().tolist():
+        token, slot = (expert_ids == expert).nonzero(as_tuple=True)
+        gate_up_bias = None if gate_up.bias is None else gate_up.bias[expert]
+        down_bias = None if down.bias is None else down.bias[expert]
+        gate, up = F.linear(hidden[token], gate_up.weight[expert], gate_up_bias).chunk(2, dim=-1)
+        rows = F.linear(F.silu(gate) * up, down.weight[expert], down_bias)
+        out.index_add_(0, token, rows.float() * expert_weights[token, slot, None])
+    return out.to(hidden.dtype)

@@ -1,7 +1,8 @@
 """The torch backend: every op of KernelOps in plain PyTorch, on any device.
 
 These twins are the fallback where no faster kernel runs and the oracle the tests hold
-the C++ and Triton kernels to (paged attention and the KV store are kernels/reference.py's).
+the C++ and Triton kernels to (paged attention, the KV store and the experts are
+kernels/reference.py's).
 """
 
 import torch
@@ -51,4 +52,4 @@ TORCH_OPS = KernelOps(
     backend="torch", paged_attention=reference.paged_attention, store_kv=reference.store_kv,
     rms_norm=rms_norm, rotary_embedding=rotary_embedding, silu_and_mul=silu_and_mul,
     linear=F.linear, prepack_weight=None, logits=logits, greedy_tokens=greedy_tokens, packed=None,
-    decoder_stack=None)
+    moe_experts=reference.moe_experts, decoder_stack=None)

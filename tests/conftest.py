@@ -36,12 +36,16 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     OPTConfig,
     Phi3Config,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -126,13 +130,18 @@ torch.set_num_threads(1)
 TINY_VOCAB_SIZE = 256
 TINY_MAX_POSITIONS = 256
 TINY_ARCHITECTURES = ("llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3")
-RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3", "phi3-window")
+RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3", "phi3-window", "qwen3-moe", "olmoe")
 # Sliding-window twins (window 8, so most test prompts outrun it): every Mistral and Phi-3
 # layer windowed; Qwen2 with its first layer global and the second windowed.
 TINY_WINDOW = 8
 # Gemma 3 (two sliding layers, one global, q/k norms, two rope bases) and Gemma 2 (soft caps
 # small enough that random weights reach them).
 SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "phi3-window", "gemma3", "gemma2")
+# Mixtures of experts (8 experts, top 2 or 3): Qwen3-MoE with a dense MLP layer between MoE
+# ones (mlp_only_layers) and renormalized top-k; OLMoE (q/k norms over whole projections);
+# Mixtral; Qwen2-MoE (a gated shared expert; decoder_sparse_step 2 makes its first layer
+# dense).
+MOE_ARCHITECTURES = ("qwen3-moe", "olmoe", "mixtral", "qwen2-moe")
 
 
 @dataclass
@@ -199,6 +208,8 @@ def _tiny_config(arch: str):
         return SmolLM3Config(intermediate_size=128, num_key_value_heads=2,
                              no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True,
                              **{**common, "num_hidden_layers": 4})
+    if arch in MOE_ARCHITECTURES:
+        return _tiny_moe_config(arch, {**common, "num_hidden_layers": 3})
     if arch in ("phi3", "phi3-window"):  # fused qkv / gate_up, partial rotary, LongRoPE (its
         # short factors here: transformers takes the long ones only past
         # original_max_position_embeddings) with an attention factor scaling cos and sin; the
@@ -208,6 +219,21 @@ def _tiny_config(arch: str):
                           sliding_window=TINY_WINDOW if arch == "phi3-window" else None, **common,
                           **phi3_rope(common, attention_factor=1.25))
     raise ValueError(arch)
+
+
+def _tiny_moe_config(arch: str, common: dict):
+    moe = {"num_key_value_heads": 2, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+           **common}
+    if arch == "qwen3-moe":
+        return Qwen3MoeConfig(num_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                              head_dim=32, norm_topk_prob=True, mlp_only_layers=[1], **moe)
+    if arch == "olmoe":
+        return OlmoeConfig(num_experts=8, intermediate_size=32, norm_topk_prob=False,
+                           **{**moe, "num_experts_per_tok": 3})
+    if arch == "mixtral":
+        return MixtralConfig(num_local_experts=8, intermediate_size=32, **moe)
+    return Qwen2MoeConfig(num_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                          shared_expert_intermediate_size=64, decoder_sparse_step=2, **moe)
 
 
 def phi3_rope(common: dict, original_max_position_embeddings: int | None = None,
@@ -279,6 +305,22 @@ def make_engine(tiny_model) -> Callable[..., EngineCore]:
         if arch not in runners:
             # Without the knobs: the runner sizes its position tables by max_model_len,
             # and later engines on it may ask for more than this first one.
+            runners[arch] = ModelRunner(EngineConfig(**base))
+        return EngineCore(EngineConfig(**base, **knobs), runner=runners[arch])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def eager_engine(tiny_model) -> Callable[..., EngineCore]:
+    """eager_engine(arch, **knobs): as make_engine, on a runner of its own that keeps the
+    layers (make_engine's shared runner fuses the decoder stack)."""
+    runners: dict[str, ModelRunner] = {}
+
+    def make(arch: str, **knobs) -> EngineCore:
+        base = {"model": str(tiny_model(arch).path), "dtype": "float32", "device": "cpu",
+                "device_memory_gb": 0.05, "enforce_eager": True}
+        if arch not in runners:
             runners[arch] = ModelRunner(EngineConfig(**base))
         return EngineCore(EngineConfig(**base, **knobs), runner=runners[arch])
 

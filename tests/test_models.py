@@ -1,10 +1,11 @@
 """What the model code reads from a config: LongRoPE's factors for max_model_len, and the
-refusals (architecture, MoE, vision, rope type) that name what is not supported."""
+refusals (architecture, vision, rope type) that name what is not supported (MoE configs':
+test_moe_models.py)."""
 
 import pytest
 import torch
 from conftest import TINY_MAX_POSITIONS, TINY_VOCAB_SIZE, phi3_rope
-from transformers import LlamaConfig, LlavaConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
+from transformers import LlamaConfig, LlavaConfig, Phi3Config, Qwen3Config
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -44,8 +45,6 @@ def test_longrope_takes_the_long_factors_only_when_max_model_len_passes_the_orig
 
 
 @pytest.mark.parametrize(("config", "named"), [
-    (Qwen3MoeConfig(**SMALL, num_experts=4, architectures=["Qwen3MoeForCausalLM"]),
-     "mixture-of-experts layers \\(num_experts=4"),
     (LlavaConfig(architectures=["LlavaForConditionalGeneration"]), "vision inputs"),
     (LlamaConfig(**SMALL, architectures=["FalconForCausalLM"]),
      "unsupported architecture \\['FalconForCausalLM'\\]"),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import MOE_ARCHITECTURES
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 from torch import nn
 
@@ -414,6 +415,16 @@ def fake_quantized(model: nn.Module, quantization: str) -> nn.Module:
     de-quantize to: int4 (or int8) linears, int8 embedding and lm_head."""
     model = copy.deepcopy(model)
     with torch.no_grad():
+        # A MoE layer's experts (transformers' 3-D gate_up_proj / down_proj) quantize like
+        # linears, row by row; its router stays as it is.
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 3 and ".experts." in name:
+                rows = parameter.view(-1, parameter.shape[-1])
+                if quantization == "int4":
+                    rows.copy_(quantize_int4(rows, 32).dequantize())
+                else:
+                    q, scale = quantize_int8(rows)
+                    rows.copy_(q.float() * scale.unsqueeze(-1))
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and quantization == "int4" and "lm_head" not in name:
                 module.weight.copy_(quantize_int4(module.weight, 32).dequantize())
@@ -425,7 +436,7 @@ def fake_quantized(model: nn.Module, quantization: str) -> nn.Module:
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3",
-                                  "gemma3", "gemma2"])
+                                  "gemma3", "gemma2", *MOE_ARCHITECTURES])
 def test_quantized_engine_is_greedy_equal_to_its_dequantized_weights(arch, quantization,
                                                                     tiny_model, run_engine):
     tiny = tiny_model(arch)

@@ -13,7 +13,6 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_groups import kv_cache_groups
 from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models.attention import layer_windows
 
 MAX_TOKENS = 10
@@ -46,22 +45,6 @@ def expected(tiny_model):
         return cache[arch]
 
     return get
-
-
-@pytest.fixture(scope="module")
-def eager_engine(tiny_model):
-    """eager_engine(arch, **knobs): as make_engine, on a runner of its own that keeps the
-    layers (make_engine's shared runner fuses the decoder stack)."""
-    runners: dict[str, ModelRunner] = {}
-
-    def make(arch: str, **knobs) -> EngineCore:
-        base = {"model": str(tiny_model(arch).path), "dtype": "float32", "device": "cpu",
-                "device_memory_gb": 0.05, "enforce_eager": True}
-        if arch not in runners:
-            runners[arch] = ModelRunner(EngineConfig(**base))
-        return EngineCore(EngineConfig(**base, **knobs), runner=runners[arch])
-
-    return make
 
 
 def _token_ids(run) -> list[list[int]]:

@@ -48,6 +48,11 @@ TORCH_LIBRARY(kvscope, m) {
   // quantized/mxfp4.cpp
   m.def("mxfp4_linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("mxfp4_dequantize(Tensor blocks, Tensor scales, Tensor(a!) out) -> ()");
+  // moe.cpp
+  m.def("moe_experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up, "
+        "Tensor? gate_up_bias, Tensor? gate_up_scales, Tensor? gate_up_offsets, Tensor down, "
+        "Tensor? down_bias, Tensor? down_scales, Tensor? down_offsets, int group_size, "
+        "int kernel_max_rows, str activation, Tensor(a!) out) -> ()");
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 
@@ -88,5 +93,6 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("mxfp4_linear", &mxfp4_linear);
   m.impl("mxfp4_dequantize", &mxfp4_dequantize);
+  m.impl("moe_experts", &moe_experts);
   m.impl("greedy_tokens", &greedy_tokens);
 }

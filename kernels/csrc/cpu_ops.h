@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -68,6 +69,17 @@ int64_t gguf_repacked_type(int64_t type);
 void mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
                   const std::optional<at::Tensor>& bias, at::Tensor out);
 void mxfp4_dequantize(const at::Tensor& blocks, const at::Tensor& scales, at::Tensor out);
+
+// moe.cpp: a mixture-of-experts layer's experts over a step's tokens (moe.h)
+void moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids,
+                 const at::Tensor& expert_weights, const at::Tensor& gate_up,
+                 const std::optional<at::Tensor>& gate_up_bias,
+                 const std::optional<at::Tensor>& gate_up_scales,
+                 const std::optional<at::Tensor>& gate_up_offsets, const at::Tensor& down,
+                 const std::optional<at::Tensor>& down_bias,
+                 const std::optional<at::Tensor>& down_scales,
+                 const std::optional<at::Tensor>& down_offsets, int64_t group_size,
+                 int64_t kernel_max_rows, const std::string& activation, at::Tensor out);
 
 // sampling.cpp
 std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Tensor& logits);

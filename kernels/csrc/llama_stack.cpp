@@ -11,6 +11,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <set>
@@ -20,152 +21,20 @@
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "moe.h"
+#include "project.h"
 
 namespace {
 
 using kvscope::LinearWeights;
 using kvscope::StackConfig;
 
-// Calls `op` inside a profiler range named like the op's own registration, so a profile of
-// the stack reads as a profile of the layers (torch.profiler sees no dispatcher calls here).
-template <typename Op>
-auto traced(const char* name, Op&& op) {
-  RECORD_FUNCTION(name, std::vector<c10::IValue>());
-  return op();
-}
+using kvscope::traced;
 
-constexpr int64_t kWidenedMinRows = 48;  // kernels/cpu_kernels.py's WIDENED_MIN_ROWS
-
-// out = x @ weight.T (+ bias) through oneDNN's GEMM, in x's dtype; an fp32 out of bf16 x (the
-// logits) holds that result widened, as `.float()` of it from Python would. bf16 on a CPU
-// without bf16 dot products, from kWidenedMinRows rows: fp32 GEMMs over widened weight tiles
-// (kernels/cpu_kernels.py's linear takes the same route).
-void gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-          at::Tensor& out) {
-  static const bool widen = widens_bf16_gemms();
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                    (!bias || bias->scalar_type() == at::kBFloat16);
-  const bool plain = x.stride(1) == 1 && weight.stride(1) == 1 && out.is_contiguous() &&
-                     (!bias || bias->is_contiguous());
-  if (widen && x.size(0) >= kWidenedMinRows && bf16 && plain)
-    traced("kvscope::linear_widened", [&] { linear_widened(x, weight, bias, out); });
-  else if (out.scalar_type() == x.scalar_type())
-    at::linear_out(out, x, weight, bias);
-  else
-    out.copy_(at::linear(x, weight, bias));
-}
-
-// Dense weights: up to this many rows stream their weights through the dot-product kernel;
-// weights oneDNN prepacked (its AMX tiles) through the blocked kernel's AMX path up to the
-// second, and kvscope's own tiles through the blocked kernel at any row count.
-// kernels/cpu_kernels.py's DENSE_KERNEL_MAX_ROWS and AMX_TILE_KERNEL_MAX_ROWS, the same rule.
-constexpr int64_t kDenseKernelMaxRows = 32;
-constexpr int64_t kAmxTileKernelMaxRows = 64;
-
-// out = x @ weight.T (+ bias) for a plain dense weight, as kernels/cpu_kernels.py's linear
-// computes it: a few rows stream the weight through the dot-product kernel, more go to gemm().
-void dense_project(const at::Tensor& x, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& bias, at::Tensor& out) {
-  if (x.size(0) > kDenseKernelMaxRows) return gemm(x, weight, bias, out);
-  traced("kvscope::linear_small_batch", [&] { linear_small_batch(x, weight, bias, out); });
-}
-
-// out = x @ weight.T (+ bias) for packed weights: up to kernel_max_rows rows stream the packed
-// weight through a kernel; more rows are compute-bound and de-quantize it once for the dense
-// route (the packed modules' forward does the same through cpu_kernels.linear).
-void quantized_project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
-                       at::Tensor& out) {
-  const bool int4 = linear.weight.scalar_type() == at::kByte;
-  if (x.size(0) <= config.kernel_max_rows) {
-    if (int4)
-      traced("kvscope::int4_linear", [&] {
-        int4_linear(x, linear.weight, *linear.scales, *linear.offsets, config.group_size,
-                    linear.bias, out);
-      });
-    else
-      traced("kvscope::int8_linear",
-             [&] { int8_linear(x, linear.weight, *linear.scales, linear.bias, out); });
-    return;
-  }
-  at::Tensor dense = at::empty({linear.weight.size(0), x.size(1)}, x.options());
-  if (int4)
-    traced("kvscope::int4_dequantize", [&] {
-      int4_dequantize(linear.weight, *linear.scales, *linear.offsets, config.group_size, dense);
-    });
-  else
-    traced("kvscope::int8_dequantize",
-           [&] { int8_dequantize(linear.weight, *linear.scales, dense); });
-  dense_project(x, dense, linear.bias, out);
-}
-
-// out = x @ weight.T (+ bias) for a GGUF layer, run by run of rows as GgufLinear computes it:
-// up to kernel_max_rows rows stream into each run's columns of out; more de-quantize every
-// run into one dense weight for the dense route.
-void gguf_project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
-                  at::Tensor& out) {
-  const at::Tensor& parts = *linear.gguf_parts;
-  const int64_t runs = parts.size(0);
-  const int64_t* part = parts.data_ptr<int64_t>();
-  // A layer the file stores dense throughout (an F16 / BF16 file) is a plain dense weight.
-  if (runs == 1 && part[0] < 0) return dense_project(x, linear.gguf_weights[0], linear.bias, out);
-  if (x.size(0) > config.kernel_max_rows) {
-    at::Tensor dense = at::empty({linear.out_features(), x.size(1)}, x.options());
-    for (int64_t r = 0; r < runs; ++r) {
-      at::Tensor rows = dense.narrow(0, part[3 * r + 1], part[3 * r + 2] - part[3 * r + 1]);
-      if (part[3 * r] < 0)
-        rows.copy_(linear.gguf_weights[r]);
-      else
-        traced("kvscope::gguf_dequantize",
-               [&] { gguf_dequantize(linear.gguf_weights[r], part[3 * r], rows); });
-    }
-    // An fp32 out (the logits) gets the result in x's dtype widened, as GgufLinear's `.to`
-    // gives it: both routes of dense_project write it so.
-    return dense_project(x, dense, linear.bias, out);
-  }
-  for (int64_t r = 0; r < runs; ++r) {
-    const int64_t first = part[3 * r + 1], count = part[3 * r + 2] - first;
-    // One run is the whole layer: out and bias as they are (a view costs a dispatcher call:
-    // docs/performance-history.md, "The decoder stack's views").
-    std::optional<at::Tensor> bias = linear.bias;
-    at::Tensor columns = out;
-    if (runs > 1) {
-      if (bias) bias = bias->narrow(0, first, count);
-      columns = out.narrow(1, first, count);
-    }
-    if (part[3 * r] < 0) {
-      // The dense kernel writes whole rows; these columns are a strided slice of them.
-      at::Tensor dense = at::empty({x.size(0), count}, out.options());
-      dense_project(x, linear.gguf_weights[r], bias, dense);
-      columns.copy_(dense);
-    } else
-      traced("kvscope::gguf_linear",
-             [&] { gguf_linear(x, linear.gguf_weights[r], part[3 * r], bias, columns); });
-  }
-}
-
-// out = x @ weight.T (+ bias), in x's dtype or (the logits) fp32, as kernels/cpu_kernels.py's
-// linear computes it. Dense weights: a few rows stream their weights through the
-// dot-product kernel, more rows go to oneDNN's GEMM; tiled ones through the blocked kernel,
-// but past kAmxTileKernelMaxRows rows over oneDNN's tiles, which go to its GEMM; packed ones
-// as their modules do.
+// A linear through the shared projection rules (project.h), with the stack's limits.
 void project(const at::Tensor& x, const LinearWeights& linear, const StackConfig& config,
              at::Tensor& out) {
-  if (linear.gguf_parts) return gguf_project(x, linear, config, out);
-  if (linear.scales) return quantized_project(x, linear, config, out);
-  if (linear.onednn && x.size(0) > kAmxTileKernelMaxRows) {
-    // oneDNN's op writes a tensor of its own: that tensor becomes `out` (a copy into the
-    // workspace cost a tenth of the GEMM), unless the logits need it widened.
-    at::Tensor result = linear_onednn(x, *linear.onednn, linear.bias);
-    if (result.scalar_type() == out.scalar_type())
-      out = std::move(result);
-    else
-      out.copy_(result);
-    return;
-  }
-  if (linear.tile)
-    return traced("kvscope::linear_blocked",
-                  [&] { linear_blocked(x, linear.weight, linear.bias, out); });
-  dense_project(x, linear.weight, linear.bias, out);
+  kvscope::project(x, linear, config.limits(), out);
 }
 
 void normed(const at::Tensor& hidden, const at::Tensor& weight, const StackConfig& config,
@@ -173,6 +42,33 @@ void normed(const at::Tensor& hidden, const at::Tensor& weight, const StackConfi
   traced("kvscope::rms_norm", [&] {
     rms_norm(hidden, weight, config.eps, out, residual, config.model.norm_unit_offset);
   });
+}
+
+// out = a MoE layer's MLP of x, as engine/worker/models/moe.py's SparseMoeBlock computes it:
+// the router's top-k, the experts over the step's tokens (moe.h), and a shared expert's
+// output scaled by the sigmoid of its gate where the layer has one.
+void mixture_of_experts(const at::Tensor& x, const kvscope::MoeWeights& moe,
+                        const kvscope::LayerOptions& options, const StackConfig& config,
+                        at::Tensor& out) {
+  at::Tensor logits = at::empty({x.size(0), moe.router.out_features()}, x.options());
+  project(x, moe.router, config, logits);
+  auto [weights, ids] = kvscope::route_top_k(logits, options.top_k, options.normalize_top_k,
+                                             options.round_weights);
+  traced("kvscope::moe_experts", [&] {
+    kvscope::run_experts(x, ids, weights, moe.gate_up, moe.down, kvscope::ExpertActivation::kSilu,
+                         config.limits(), out);
+  });
+  if (!moe.shared_gate) return;
+  const int64_t width = moe.shared_gate_up->out_features() / 2;
+  at::Tensor gate_up = at::empty({x.size(0), 2 * width}, x.options());
+  project(x, *moe.shared_gate_up, config, gate_up);
+  at::Tensor activated = at::empty({x.size(0), width}, x.options());
+  traced("kvscope::silu_and_mul", [&] { silu_and_mul(gate_up, activated); });
+  at::Tensor shared = at::empty_like(out);
+  project(activated, *moe.shared_down, config, shared);
+  at::Tensor gate = at::empty({x.size(0), 1}, x.options());
+  project(x, *moe.shared_gate, config, gate);
+  out.add_(shared.mul_(gate.sigmoid_()));
 }
 
 // A token id the embedding lookups below read a row for.
@@ -318,6 +214,25 @@ class NameReader {
     return linear;
   }
 
+  // One projection of every expert (a MoE layer's stacked rows, moe.py's ExpertsLinear): its
+  // tensors viewed per expert, [experts, rows per expert, ...].
+  kvscope::ExpertLinears experts(const std::string& module, int64_t count) {
+    static_assert(std::is_same_v<Value, at::Tensor>, "experts() reads tensors");
+    auto per_expert = [count](const at::Tensor& rows) {
+      TORCH_CHECK(rows.size(0) % count == 0, "LlamaDecoderStack: ", rows.size(0),
+                  " expert rows for ", count, " experts");
+      std::vector<int64_t> shape{count, rows.size(0) / count};
+      for (int64_t d = 1; d < rows.dim(); ++d) shape.push_back(rows.size(d));
+      return rows.view(shape);
+    };
+    auto each = [&](const std::optional<at::Tensor>& rows) -> std::optional<at::Tensor> {
+      if (!rows) return std::nullopt;
+      return per_expert(*rows);
+    };
+    return {per_expert(required(module + ".weight")), each(optional(module + ".bias")),
+            each(optional(module + ".scales")), each(optional(module + ".offsets"))};
+  }
+
   void check_all_read() const {
     std::string unread;
     for (const auto& entry : named_)
@@ -356,8 +271,22 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
   } else {
     layer.mlp_input_norm = reader.required("post_attention_layernorm.weight");
   }
-  layer.gate_up_proj = reader.linear("mlp.gate_up_proj");
-  layer.down_proj = reader.linear("mlp.down_proj");
+  if (reader.optional("mlp.gate.weight")) {
+    kvscope::MoeWeights moe;
+    moe.router = reader.linear("mlp.gate");
+    const int64_t experts = moe.router.weight.size(0);
+    moe.gate_up = reader.experts("mlp.experts.gate_up_proj", experts);
+    moe.down = reader.experts("mlp.experts.down_proj", experts);
+    if (reader.optional("mlp.shared_expert_gate.weight")) {
+      moe.shared_gate = reader.linear("mlp.shared_expert_gate");
+      moe.shared_gate_up = reader.linear("mlp.shared_expert.gate_up_proj");
+      moe.shared_down = reader.linear("mlp.shared_expert.down_proj");
+    }
+    layer.moe = std::move(moe);
+  } else {
+    layer.gate_up_proj = reader.linear("mlp.gate_up_proj");
+    layer.down_proj = reader.linear("mlp.down_proj");
+  }
   reader.check_all_read();
   return layer;
 }
@@ -371,6 +300,10 @@ kvscope::LayerOptions kvscope::LayerOptions::from(const c10::Dict<std::string, i
   TORCH_CHECK(options.sliding_window >= 0, "LlamaDecoderStack: sliding_window must be >= 0");
   options.kv_group = reader.optional("kv_group").value_or(0);
   TORCH_CHECK(options.kv_group >= 0, "LlamaDecoderStack: kv_group must be >= 0");
+  options.top_k = reader.optional("top_k").value_or(0);
+  options.normalize_top_k = reader.optional("normalize_top_k").value_or(0) != 0;
+  options.round_weights = reader.optional("round_weights").value_or(0) != 0;
+  TORCH_CHECK(options.top_k >= 0, "LlamaDecoderStack: top_k must be >= 0");
   reader.check_all_read();
   return options;
 }
@@ -478,7 +411,10 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     sin.push_back(gather_rows(sin_[table], positions));
   }
   const int64_t tokens = hidden.size(0);
-  const int64_t intermediate_size = layers_.front().gate_up_proj.out_features() / 2;
+  int64_t intermediate_size = 0;  // the dense MLPs' (a MoE layer sizes its own)
+  for (const kvscope::DecoderLayerWeights& layer : layers_)
+    if (!layer.moe)
+      intermediate_size = std::max(intermediate_size, layer.gate_up_proj.out_features() / 2);
   Workspace work(hidden, config_, intermediate_size);
   const at::Tensor attended = work.attended.view({tokens, config_.num_heads, config_.head_dim});
   const at::Tensor& residual = hidden;
@@ -499,9 +435,15 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
            first ? std::nullopt : std::optional<at::Tensor>(residual), work.normed);
     project(work.normed, layer.qkv_proj, config_, work.qkv);
     work.split_qkv(config_);
-    if (layer.q_norm) {  // each query and key head normalised in place, before the rotary
+    if (layer.q_norm && layer.q_norm->size(0) == config_.head_dim) {
+      // each query and key head normalised in place, before the rotary
       normed(work.query, *layer.q_norm, config_, std::nullopt, work.query);
       normed(work.key, *layer.k_norm, config_, std::nullopt, work.key);
+    } else if (layer.q_norm) {  // the whole q and k projections, in place
+      at::Tensor query = work.qkv.narrow(1, 0, work.q_width);
+      at::Tensor key = work.qkv.narrow(1, work.q_width, work.kv_width);
+      normed(query, *layer.q_norm, config_, std::nullopt, query);
+      normed(key, *layer.k_norm, config_, std::nullopt, key);
     }
     if (options.rotary)
       traced("kvscope::rotary_embedding", [&] {
@@ -520,13 +462,17 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     if (layer.attention_output_norm)
       normed(work.projected, *layer.attention_output_norm, config_, std::nullopt, work.projected);
     normed(work.projected, layer.mlp_input_norm, config_, residual, work.normed);
-    project(work.normed, layer.gate_up_proj, config_, work.gate_up);
-    if (config_.model.gelu_tanh)
-      traced("kvscope::gelu_tanh_and_mul",
-             [&] { gelu_tanh_and_mul(work.gate_up, work.activated); });
-    else
-      traced("kvscope::silu_and_mul", [&] { silu_and_mul(work.gate_up, work.activated); });
-    project(work.activated, layer.down_proj, config_, work.projected);
+    if (layer.moe) {
+      mixture_of_experts(work.normed, *layer.moe, options, config_, work.projected);
+    } else {
+      project(work.normed, layer.gate_up_proj, config_, work.gate_up);
+      if (config_.model.gelu_tanh)
+        traced("kvscope::gelu_tanh_and_mul",
+               [&] { gelu_tanh_and_mul(work.gate_up, work.activated); });
+      else
+        traced("kvscope::silu_and_mul", [&] { silu_and_mul(work.gate_up, work.activated); });
+      project(work.activated, layer.down_proj, config_, work.projected);
+    }
     if (layer.mlp_output_norm)
       normed(work.projected, *layer.mlp_output_norm, config_, std::nullopt, work.projected);
   }

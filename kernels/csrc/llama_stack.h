@@ -13,32 +13,21 @@
 #include <string>
 #include <vector>
 
+#include "moe.h"
+#include "project.h"
+
 namespace kvscope {
 
 // A tensor dictionary from Python (module parameter names to tensors), read by name.
 using NamedTensors = c10::Dict<std::string, at::Tensor>;
 
-// A linear layer's tensors: a dense weight, or a packed int4 (uint8) / int8 one with its
-// scales (and int4 offsets) as engine/worker/models/quantized.py packs them. A dense bf16
-// weight prepacked (kernels/cpu_kernels.py's prepack_weight) has a `tile` width T: `weight`
-// holds its tiles [out / T, T * in], oneDNN's AMX tiles (T = 32; `onednn` is its opaque tensor
-// over the same memory where the GEMM takes it) or kvscope's own (T = 64). A GGUF
-// layer (quantized.py's GgufLinear) comes as runs of rows, each a tensor of one GGUF type's
-// blocks (or dense, type -1): `gguf_parts` [runs, 3] holds each run's (type, first row, end
-// row).
-struct LinearWeights {
-  // kernels/cpu_kernels.py's AMX_TILE_OUTPUTS and WIDE_TILE_OUTPUTS.
-  static constexpr int64_t kAmxTileOutputs = 32, kOwnTileOutputs = 64;
-
-  at::Tensor weight;
-  std::optional<at::Tensor> bias, scales, offsets, onednn, gguf_parts;
-  std::vector<at::Tensor> gguf_weights;
-  int64_t tile = 0;  // outputs per tile of a prepacked weight; 0: plain
-
-  int64_t out_features() const {
-    if (gguf_parts) return gguf_parts->data_ptr<int64_t>()[gguf_parts->numel() - 1];
-    return tile ? weight.size(0) * tile : weight.size(0);
-  }
+// A mixture-of-experts MLP's weights (engine/worker/models/moe.py's SparseMoeBlock): the router
+// (mlp.gate), every routed expert's projections stacked (moe.h), and Qwen2-MoE's shared
+// expert with its sigmoid gate.
+struct MoeWeights {
+  LinearWeights router;
+  ExpertLinears gate_up, down;
+  std::optional<LinearWeights> shared_gate_up, shared_down, shared_gate;
 };
 
 // One decoder layer's weights, named as the module's parameters are
@@ -47,14 +36,17 @@ struct LinearWeights {
 struct DecoderLayerWeights {
   at::Tensor input_layernorm;
   LinearWeights qkv_proj, o_proj;
-  std::optional<at::Tensor> q_norm, k_norm;  // RMSNorm per query / key head (Qwen3, Gemma 3)
+  // RMSNorm of the queries and keys: per head (Qwen3, Gemma 3: a weight of head_dim), or over
+  // the whole q and k projections (OLMoE: a weight as wide as each)
+  std::optional<at::Tensor> q_norm, k_norm;
   std::optional<at::Tensor> sinks;  // fp32 [heads]: the attention's sink logits (gpt-oss)
   // Gemma normalises the attention's and the MLP's outputs before each joins the residual
   // stream (its post_attention_layernorm and post_feedforward_layernorm).
   std::optional<at::Tensor> attention_output_norm, mlp_output_norm;
   // The norm before the MLP: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm.
   at::Tensor mlp_input_norm;
-  LinearWeights gate_up_proj, down_proj;
+  LinearWeights gate_up_proj, down_proj;  // a dense MLP's
+  std::optional<MoeWeights> moe;          // a mixture-of-experts MLP's, in their place
 
   // From the layer's named_parameters(); every name must be one of the above.
   static DecoderLayerWeights from(const NamedTensors& named);
@@ -68,6 +60,11 @@ struct LayerOptions {
   int64_t rotary_table = 0;    // which of the stack's cos/sin tables (Gemma 3: per layer type)
   int64_t sliding_window = 0;  // > 0: attend to the last sliding_window positions only
   int64_t kv_group = 0;        // which KV cache group's slot mapping and block tables it uses
+  // A mixture-of-experts layer's routing (engine/worker/models/moe.py's MoeConfig): its top_k
+  // (0 on a dense layer), the top-k rescaled to sum to 1, the weights rounded to the model's
+  // dtype.
+  int64_t top_k = 0;
+  bool normalize_top_k = false, round_weights = false;
 
   // Every name must be one of the above.
   static LayerOptions from(const c10::Dict<std::string, int64_t>& named);
@@ -101,6 +98,8 @@ struct StackConfig {
   double eps;               // the RMS norms'
   double attention_scale;
   ModelOptions model;
+
+  ProjectLimits limits() const { return {group_size, kernel_max_rows}; }
 };
 
 }  // namespace kvscope

@@ -5,6 +5,7 @@ from transformers import PretrainedConfig
 
 from kvscope.engine.worker.models.gemma import GemmaForCausalLM
 from kvscope.engine.worker.models.llama import LlamaForCausalLM
+from kvscope.engine.worker.models.moe import moe_config
 from kvscope.engine.worker.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY = {
@@ -14,15 +15,17 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # Phi-3, Phi-3.5-mini, Phi-4-mini
+    # mixtures of experts (moe.py's layer as the MLP)
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "OlmoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     # its language model only: the vision tower's weights are skipped by name
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,
 }
-# Config fields that mark mixture-of-experts layers, by the families that use them.
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
     """The config the engine serves: a supported multimodal model's text config (which carries the
@@ -38,13 +41,9 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
 
 def model_class(config: PretrainedConfig) -> type:
     """The class for the config's architecture, or a ValueError naming what is not supported
-    (the architecture, MoE layers, a vision tower) and listing what is."""
+    (the architecture, a part of its MoE layers, a vision tower) and listing what is."""
     supported = f"supported architectures: {sorted(MODEL_REGISTRY)}"
-    experts = [f"{field}={getattr(config, field)}" for field in EXPERT_COUNT_FIELDS
-               if (getattr(config, field, None) or 0) > 1]
-    if experts:
-        raise ValueError(f"model: mixture-of-experts layers ({', '.join(experts)}) are not "
-                         f"supported; dense models only ({supported})")
+    moe_config(config)  # refuses a MoE layer it cannot follow, naming the field
     if getattr(config, "vision_config", None) is not None:
         raise ValueError(f"model: {config.architectures} takes vision inputs, which are not "
                          f"supported; text-only models only ({supported})")

@@ -7,7 +7,8 @@ from torch import nn
 
 from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
-from kvscope.engine.worker.models.quantized import GgufLinear, kernel_max_rows
+from kvscope.engine.worker.models.moe import SparseMoeBlock
+from kvscope.engine.worker.models.quantized import GgufLinear, Int4Linear, kernel_max_rows
 
 
 def gguf_parts(module: GgufLinear) -> torch.Tensor:
@@ -40,6 +41,15 @@ def stack_table(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, i
         (part,), (weight,) = module.parts, module.weights
         return weight, None, part.code
     return module.weight, getattr(module, "scales", None), -1
+
+
+def moe_options(layer: nn.Module) -> dict[str, int]:
+    """A MoE layer's routing for the stack's LayerOptions (none for a dense layer)."""
+    if not isinstance(layer.mlp, SparseMoeBlock):
+        return {}
+    moe = layer.mlp.gate.moe
+    return {"top_k": moe.top_k, "normalize_top_k": int(moe.normalize_top_k),
+            "round_weights": int(moe.round_weights)}
 
 
 def tile_outputs(module: nn.Module) -> float:
@@ -93,11 +103,12 @@ class FusedDecoderStack:
             # scales, and int4 offsets, to weight and bias; GGUF layers have weights.0,
             # weights.1...; the C++ side reads them by name), with stack_tensors' extras.
             layers=[stack_tensors(layer) for layer in body.layers],
-            layer_options=[{**layer.kind.stack_options(), "kv_group": layer.self_attn.attn.kv_group}
-                           for layer in body.layers],
+            layer_options=[{**layer.kind.stack_options(), **moe_options(layer),
+                            "kv_group": layer.self_attn.attn.kv_group} for layer in body.layers],
             model_options={**model.stack_options(), **gguf_types, **tiles},
             num_heads=first.num_heads, num_kv_heads=first.num_kv_heads, head_dim=first.head_dim,
-            group_size=getattr(body.layers[0].mlp.down_proj, "group_size", 0),
+            group_size=next((module.group_size for module in model.modules()
+                             if isinstance(module, Int4Linear)), 0),
             # Every packed linear of a model streams alike (a model held in lanes further).
             kernel_max_rows=next((module.stream_rows(model.ops.packed, dtype)
                                   for module in model.modules() if isinstance(module, GgufLinear)),

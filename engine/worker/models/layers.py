@@ -90,22 +90,45 @@ class RMSNorm(UsesKernelOps):
         return self.ops.rms_norm(hidden, self.weight, self.eps, residual)
 
 
+class LoadsOwnTensors:
+    """A module that places the checkpoint tensors under its name itself (a MoE layer's
+    experts, whose checkpoints name them in more than one layout) and knows which of its
+    parts are still unset."""
+
+    def load_tensor(self, name: str, tensor, checkpoint_name: str) -> None:
+        """A checkpoint tensor, `name` relative to this module (`checkpoint_name`: its whole
+        name, for errors)."""
+        raise NotImplementedError
+
+    def unloaded(self) -> list[str]:
+        """Its parts no checkpoint tensor has set yet (relative names)."""
+        raise NotImplementedError
+
+
 def load_weights(
     model: nn.Module, weights, packed: dict[str, tuple[str, int]], skip: set[str] = frozenset()
 ) -> None:
-    """Copy checkpoint tensors into the model, routing packed parts into merged projections.
+    """Copy checkpoint tensors into the model, routing packed parts into merged projections
+    and the tensors under a LoadsOwnTensors module to it.
 
     `packed` maps a checkpoint module name ("q_proj") to (merged module, part index);
     names in `skip` (e.g. a tied lm_head) are ignored. Every model parameter must be set.
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    owners = {path: module for path, module in modules.items()
+              if isinstance(module, LoadsOwnTensors)}
     # Quantized layers stage their weight until packing, so it is no parameter yet.
-    expected = set(params) | {f"{path}.weight" for path, module in modules.items()
-                              if isinstance(module, QuantizedLinear)}
+    expected = {name for name in set(params) | {f"{path}.weight" for path, module in modules.items()
+                                                if isinstance(module, QuantizedLinear)}
+                if _owner(name, owners) is None}
     loaded: set[str] = set()
     for name, tensor in weights:
         if name in skip or "rotary_emb" in name:
+            continue
+        owner = _owner(name, owners)
+        if owner is not None:
+            owners[owner].load_tensor(name[len(owner) + 1:], tensor, name)
             continue
         module_path, _, param_name = name.rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
@@ -120,9 +143,19 @@ def load_weights(
         else:
             raise ValueError(f"model: checkpoint tensor {name!r} has no place in {type(model).__name__}")
         loaded.add(f"{module_path}.{param_name}")
-    missing = sorted(expected - loaded - skip)
+    missing = sorted(expected - loaded - skip) + [
+        f"{path}.{part}" for path, owner in owners.items() for part in owner.unloaded()]
     if missing:
         raise ValueError(f"model: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _owner(name: str, owners: dict[str, LoadsOwnTensors]) -> str | None:
+    """The path of the LoadsOwnTensors module a tensor name lies under, if any."""
+    if not owners:
+        return None
+    parts = name.split(".")
+    return next((path for i in range(len(parts) - 1, 0, -1)
+                 if (path := ".".join(parts[:i])) in owners), None)
 
 
 def prepack_weights(model: nn.Module, prepack_weight: Callable[[torch.Tensor], PrepackedWeight | None]

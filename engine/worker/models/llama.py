@@ -1,5 +1,6 @@
-"""The Llama family (Llama 2/3/3.2, SmolLM2/3, Mistral, Qwen2/3, Phi-3/3.5/4-mini) over
-paged attention: one layer code, whose per-layer differences (LayerKind) and rotary
+"""The Llama family (Llama 2/3/3.2, SmolLM2/3, Mistral, Qwen2/3, Phi-3/3.5/4-mini) and its
+mixture-of-experts kin (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral: moe.py's layer as the MLP)
+over paged attention: one layer code, whose per-layer differences (LayerKind) and rotary
 table are read from the transformers config."""
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from kvscope.engine.worker.models.attention import (
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.decoder_stack import FusesDecoderStack
 from kvscope.engine.worker.models.layers import Embedding, Linear, MergedLinear, RMSNorm, load_weights
+from kvscope.engine.worker.models.moe import SparseMoeBlock, canonical_name, moe_config, sparse_layers
 from kvscope.engine.worker.models.quantized import output_logits
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -25,7 +27,10 @@ PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 # max_model_len); "dynamic" rescales per forward by the sequence's length, which a paged
 # cache of keys rotated once cannot follow.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-QK_NORM_MODEL_TYPES = ("qwen3",)  # RMSNorm per query / key head before the rotary
+# RMSNorm of the queries and keys before the rotary: per head (Qwen3), or over the whole q
+# and k projections (OLMoE)
+HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+PROJECTION_QK_NORM_MODEL_TYPES = ("olmoe",)
 SUPPORTED_ACTIVATIONS = ("silu",)  # the gate of the gated MLP (silu_and_mul)
 
 
@@ -90,20 +95,32 @@ class LayerKind:
     decoder stack takes the options that are no weight from `stack_options`."""
 
     qkv_bias: bool  # Qwen2; models with attention_bias
-    qk_norm: bool  # Qwen3: RMSNorm per query and key head before the rotary
+    # RMSNorm of queries and keys before the rotary: "head" per query and key head (Qwen3),
+    # "projection" over the whole q and k projections (OLMoE); None: none
+    qk_norm: str | None
     rotary: bool  # False on SmolLM3's NoPE layers (no_rope_layers marks them 0)
     sliding_window: int | None  # Mistral, Qwen2's windowed layers (layer_windows)
+    sparse: bool = False  # the MLP is a mixture of experts (moe.sparse_layers)
 
     def stack_options(self) -> dict[str, int]:
         return {"rotary": int(self.rotary), "sliding_window": self.sliding_window or 0}
 
 
 def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
-    qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+    qkv_bias = (bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+                or bool(getattr(config, "qkv_bias", False)))  # Qwen2-MoE's name for it
+    qk_norm = ("head" if config.model_type in HEAD_QK_NORM_MODEL_TYPES else
+               "projection" if config.model_type in PROJECTION_QK_NORM_MODEL_TYPES else None)
+    if qk_norm == "projection" and head_dim_of(config) * config.num_attention_heads != config.hidden_size:
+        # transformers sizes OLMoE's norms by hidden_size // num_attention_heads per head
+        raise ValueError(f"model: head_dim={head_dim_of(config)} must be hidden_size / "
+                         f"num_attention_heads ({config.hidden_size // config.num_attention_heads}) "
+                         f"for {config.model_type}'s q/k norms")
     uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
-    return [LayerKind(qkv_bias=qkv_bias, qk_norm=config.model_type in QK_NORM_MODEL_TYPES,
-                      rotary=bool(uses_rope[index]), sliding_window=window)
-            for index, window in enumerate(layer_windows(config))]
+    return [LayerKind(qkv_bias=qkv_bias, qk_norm=qk_norm, rotary=bool(uses_rope[index]),
+                      sliding_window=window, sparse=sparse)
+            for index, (window, sparse) in enumerate(zip(layer_windows(config),
+                                                         sparse_layers(config)))]
 
 
 class LlamaAttention(UsesKernelOps):
@@ -119,9 +136,11 @@ class LlamaAttention(UsesKernelOps):
             bias=kind.qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
-        if kind.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if kind.qk_norm is not None:
+            # over one head's dims, or over the whole projection's
+            heads = (1, 1) if kind.qk_norm == "head" else (self.num_heads, self.num_kv_heads)
+            self.q_norm = RMSNorm(heads[0] * self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(heads[1] * self.head_dim, config.rms_norm_eps)
         self.qk_norm = kind.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, kind.sliding_window)
@@ -132,10 +151,13 @@ class LlamaAttention(UsesKernelOps):
         # The rotary turns the query and key heads in place: side by side in each qkv row,
         # or, after per-head norms (which write new rows), each on its own.
         rotated = [(qkv, self.num_heads + self.num_kv_heads)]
-        if self.qk_norm:
+        if self.qk_norm == "head":
             tokens = qkv.shape[0]
             query = self.q_norm(query.view(tokens, self.num_heads, self.head_dim)).view(tokens, -1)
             key = self.k_norm(key.view(tokens, self.num_kv_heads, self.head_dim)).view(tokens, -1)
+            rotated = [(query, self.num_heads), (key, self.num_kv_heads)]
+        elif self.qk_norm == "projection":
+            query, key = self.q_norm(query), self.k_norm(key)
             rotated = [(query, self.num_heads), (key, self.num_kv_heads)]
         if self.rotary:
             for rows, heads in rotated:
@@ -144,13 +166,14 @@ class LlamaAttention(UsesKernelOps):
 
 
 class LlamaMLP(UsesKernelOps):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, size: int | None = None) -> None:
+        """size: the intermediate width (a MoE model's shared expert has its own)."""
         super().__init__()
         activation = getattr(config, "hidden_act", "silu")
         if activation not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"model: hidden_act {activation!r} is not supported; supported: "
                              f"{list(SUPPORTED_ACTIVATIONS)}")
-        size = config.intermediate_size
+        size = size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size],
                                          bias=getattr(config, "mlp_bias", False))
         self.down_proj = Linear(size, config.hidden_size,
@@ -160,12 +183,21 @@ class LlamaMLP(UsesKernelOps):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
+def sparse_mlp(config: PretrainedConfig) -> SparseMoeBlock:
+    """A MoE layer's MLP, with its shared expert where the model has one (Qwen2-MoE)."""
+    moe = moe_config(config)
+    if not moe.shared_expert_size:
+        return SparseMoeBlock(moe)
+    return SparseMoeBlock(moe, LlamaMLP(config, moe.shared_expert_size),
+                          Linear(config.hidden_size, 1, bias=False))
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, kind: LayerKind) -> None:
         super().__init__()
         self.kind = kind
         self.self_attn = LlamaAttention(config, kind)
-        self.mlp = LlamaMLP(config)
+        self.mlp = sparse_mlp(config) if kind.sparse else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -229,4 +261,5 @@ class LlamaForCausalLM(UsesKernelOps, FusesDecoderStack):
         return output_logits(projection, hidden, self.ops.logits)
 
     def load_weights(self, weights) -> None:
-        load_weights(self, weights, PACKED, skip={"lm_head.weight"} if self.tied else set())
+        load_weights(self, ((canonical_name(name), tensor) for name, tensor in weights), PACKED,
+                     skip={"lm_head.weight"} if self.tied else set())

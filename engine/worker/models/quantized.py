@@ -448,13 +448,17 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None
     quantized twin; the weights are loaded afterwards. Embeddings and output projections
     (lm_head) are int8 in both modes, as the default GGUF itself ships its embedding as
     Q8_0: they are read once per token and their rows carry the logits. "gguf": every
-    layer keeps the blocks its GGUF file stores (GgufLinear, GgufEmbedding)."""
+    layer keeps the blocks its GGUF file stores (GgufLinear, GgufEmbedding). A MoE layer's
+    experts are linears of every expert's rows (moe.ExpertsLinear), quantized alike."""
     if quantization == "none":
         return
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             output_sizes = getattr(module, "output_sizes", [module.out_features])
             bias = module.bias is not None
+            if quantization == "gguf" and getattr(module, "num_experts", 0):
+                raise ValueError("quantization='gguf' of mixture-of-experts layers is not "
+                                 "supported; supported for them: none, int4, int8")
             if quantization == "gguf":
                 twin = GgufLinear(module.in_features, output_sizes, bias)
             elif quantization == "int4" and not name.endswith("lm_head"):

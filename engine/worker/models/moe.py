@@ -1,0 +1,318 @@
+"""Mixture-of-experts layers, shared by the families that have them (Qwen3-MoE, Qwen2-MoE,
+OLMoE and Mixtral in llama.py): a router picks each token's top-k experts once per layer,
+and the experts run as one kernel op over the step's tokens (KernelOps.moe_experts), which
+groups the tokens by expert so each chosen expert's weights are read once per step.
+
+Every expert's gate/up projection is one stacked linear of experts * 2 * width rows, and
+its down projection another of experts * hidden rows: the checkpoint's tensors (fused 3-D
+ones as transformers 5 holds them, or the hub's per-expert ones) load into their rows,
+and `--quantization int4|int8` packs them like any linear (quantized.py's quantize_model
+swaps every nn.Linear), so one expert is a run of rows of a packed linear.
+
+What a layer does beyond that is read from the config (MoeConfig), so another family (or
+gpt-oss's router bias, expert biases and activation) is a new reading of a config, not a
+new layer.
+"""
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from kvscope.engine.worker.models.bound_ops import UsesKernelOps
+from kvscope.engine.worker.models.layers import LoadsOwnTensors
+from kvscope.engine.worker.models.quantized import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    dense,
+    kernel_max_rows,
+)
+from kvscope.kernels import EXPERT_ACTIVATIONS, ExpertWeights
+
+# The architectures whose MoE layers this module reads from their configs, and the config
+# field each keeps its expert count, expert width and top-k renormalization in (Mixtral
+# always renormalizes).
+MOE_MODEL_TYPES = {
+    "qwen3_moe": ("num_experts", "moe_intermediate_size", "norm_topk_prob"),
+    "qwen2_moe": ("num_experts", "moe_intermediate_size", "norm_topk_prob"),
+    "olmoe": ("num_experts", "intermediate_size", "norm_topk_prob"),
+    "mixtral": ("num_local_experts", "intermediate_size", None),
+}
+# Config fields of MoE designs these layers do not implement, with the values under which
+# they change nothing: another scoring function or top-k method (DeepSeek's), grouped
+# routing, scaled routing weights, shared experts counted DeepSeek's way, expert parallelism.
+UNSUPPORTED_MOE_FIELDS = {
+    "scoring_func": (None, "softmax"),
+    "topk_method": (None, "greedy"),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "routed_scaling_factor": (None, 1.0),
+    "n_shared_experts": (None, 0),
+    "ep_size": (None, 1),
+    "moe_layer_freq": (None, 1),
+    "first_k_dense_replace": (None, 0),
+    "clip_qkv": (None,),
+}
+# Checkpoint names some families use for the same modules (Mixtral's hub layout).
+CHECKPOINT_RENAMES = (("block_sparse_moe.", "mlp."),)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """One MoE layer's shape and routing, read from a transformers config (moe_config)."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int  # each expert's width
+    normalize_top_k: bool  # the top-k probabilities rescaled to sum to 1
+    # The routing weights rounded to the activations' dtype before they scale the experts'
+    # outputs (Qwen, OLMoE), or kept in fp32 (Mixtral).
+    round_weights: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # kernel_ops.EXPERT_ACTIVATIONS
+    shared_expert_size: int = 0  # Qwen2-MoE: a dense MLP of this width behind a sigmoid gate
+
+
+def expert_count(config: PretrainedConfig) -> int:
+    """The config's number of routed experts (0 for a dense model)."""
+    fields = MOE_MODEL_TYPES.get(config.model_type)
+    names = (fields[0],) if fields else ("num_experts", "num_local_experts", "n_routed_experts")
+    return max((getattr(config, name, None) or 0) for name in names)
+
+
+def moe_config(config: PretrainedConfig) -> MoeConfig | None:
+    """The config's MoE layer (None for a dense model), or a ValueError naming the field
+    these layers cannot follow and what they support."""
+    experts = expert_count(config)
+    if experts <= 1:
+        return None
+    if config.model_type not in MOE_MODEL_TYPES:
+        raise ValueError(f"model: mixture-of-experts layers of model_type {config.model_type!r} "
+                         f"are not supported; supported: {sorted(MOE_MODEL_TYPES)}")
+    for field, neutral in UNSUPPORTED_MOE_FIELDS.items():
+        value = getattr(config, field, None)
+        if value not in neutral:
+            raise ValueError(f"model: {field}={value!r} is not supported by the "
+                             f"mixture-of-experts layers; supported: {list(neutral)}")
+    _, width_field, normalize_field = MOE_MODEL_TYPES[config.model_type]
+    top_k = config.num_experts_per_tok
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"model: num_experts_per_tok={top_k} must be between 1 and the "
+                         f"{experts} experts")
+    activation = getattr(config, "hidden_act", "silu")
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"model: hidden_act {activation!r} is not supported by the experts; "
+                         f"supported: {list(EXPERT_ACTIVATIONS)}")
+    mixtral = config.model_type == "mixtral"
+    return MoeConfig(
+        num_experts=experts, top_k=top_k, hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, width_field),
+        normalize_top_k=True if normalize_field is None else bool(getattr(config, normalize_field)),
+        round_weights=not mixtral, activation=activation,
+        shared_expert_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
+def sparse_layers(config: PretrainedConfig) -> list[bool]:
+    """Which decoder layers are MoE layers: every one, but for Qwen's mlp_only_layers and
+    those decoder_sparse_step skips (transformers' rule)."""
+    if moe_config(config) is None:
+        return [False] * config.num_hidden_layers
+    dense_only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return [index not in dense_only and (index + 1) % step == 0
+            for index in range(config.num_hidden_layers)]
+
+
+class TopKRouter(UsesKernelOps):
+    """Each token's top-k experts and their weights: the softmax over every expert's logit,
+    its k largest, renormalized where the config says so (transformers' TopKRouter). Not an
+    nn.Linear, so quantization leaves it as the checkpoint has it: its choice is discrete."""
+
+    def __init__(self, moe: MoeConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, moe.hidden_size))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.router_bias else None
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [tokens, k], expert ids int64 [tokens, k])."""
+        logits = self.ops.linear(hidden, self.weight, self.bias)
+        probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probabilities, self.moe.top_k, dim=-1)
+        if self.moe.normalize_top_k:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if self.moe.round_weights:
+            weights = weights.to(hidden.dtype).float()
+        return weights, ids
+
+
+class ExpertsLinear(nn.Linear):
+    """One projection of every expert as the rows of one linear ([experts * out, in]), so
+    quantize_model packs experts as it packs any linear. Never called as a linear: the
+    Experts module hands its rows to the experts op."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, num_experts * out_features, bias=bias)
+        self.num_experts = num_experts
+
+    def reset_parameters(self) -> None:
+        """No random start: every expert's rows come from the checkpoint (Experts checks
+        that each was set)."""
+
+
+# A per-expert checkpoint tensor's projection by its module name (the hub's names, and
+# Mixtral's w1 / w3 / w2), and which half of gate_up it fills (None: all of down).
+EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
+                "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
+                "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
+# Each part's hub name, which the loading bookkeeping (and its errors) use.
+HUB_NAMES = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj",
+             ("down_proj", None): "down_proj"}
+_PER_EXPERT = re.compile(r"(\d+)\.(\w+)\.(weight|bias)")
+_FUSED = re.compile(r"(gate_up_proj|down_proj)(_bias)?")
+
+
+class Experts(UsesKernelOps, LoadsOwnTensors):
+    """Every routed expert of one layer: gate_up_proj rows [experts * 2 * width, hidden] (each
+    expert's gate rows, then its up rows) and down_proj rows [experts * hidden, width]."""
+
+    def __init__(self, moe: MoeConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate_up_proj = ExpertsLinear(moe.num_experts, moe.hidden_size,
+                                          2 * moe.intermediate_size, moe.expert_bias)
+        self.down_proj = ExpertsLinear(moe.num_experts, moe.intermediate_size, moe.hidden_size,
+                                       moe.expert_bias)
+        self.loaded: set[str] = set()
+
+    # ---- loading -----------------------------------------------------------------------
+    def load_tensor(self, name: str, tensor, checkpoint_name: str) -> None:
+        """A checkpoint tensor under this module (`name` relative to it): fused
+        (gate_up_proj [experts, 2 * width, hidden], down_proj, their _bias) or one
+        expert's (3.gate_proj.weight, 3.w2.weight ...)."""
+        fused, per_expert = _FUSED.fullmatch(name), _PER_EXPERT.fullmatch(name)
+        experts, width, hidden = (self.moe.num_experts, self.moe.intermediate_size,
+                                  self.moe.hidden_size)
+        if fused:
+            projection, is_bias = fused.group(1), fused.group(2) is not None
+            out, into = (2 * width, hidden) if projection == "gate_up_proj" else (hidden, width)
+            expected = (experts, out) if is_bias else (experts, out, into)
+            self._check_shape(checkpoint_name, tensor, expected)
+            self._stage(projection, slice(None), is_bias, tensor)
+            self.loaded.update(f"{index}.{HUB_NAMES[part]}.{'bias' if is_bias else 'weight'}"
+                               for index in range(experts) for part in HUB_NAMES
+                               if part[0] == projection)
+            return
+        if per_expert is None or per_expert.group(2) not in EXPERT_PARTS:
+            raise ValueError(f"model: checkpoint tensor {checkpoint_name!r} has no place in the "
+                             "experts")
+        index, leaf, kind = int(per_expert.group(1)), per_expert.group(2), per_expert.group(3)
+        if index >= experts:
+            raise ValueError(f"model: checkpoint tensor {checkpoint_name!r} is expert {index}, but the "
+                             f"config has {experts} experts (num_experts)")
+        projection, half = EXPERT_PARTS[leaf]
+        out, into = (width, hidden) if projection == "gate_up_proj" else (hidden, width)
+        self._check_shape(checkpoint_name, tensor, (out,) if kind == "bias" else (out, into))
+        rows_per_expert = 2 * width if projection == "gate_up_proj" else hidden
+        start = index * rows_per_expert + (half or 0) * width
+        self._stage(projection, slice(start, start + out), kind == "bias", tensor)
+        self.loaded.add(f"{index}.{HUB_NAMES[projection, half]}.{kind}")
+
+    def _check_shape(self, name: str, tensor, expected: tuple[int, ...]) -> None:
+        shape = tuple(dense(tensor).shape)
+        if shape != expected:
+            raise ValueError(
+                f"model: checkpoint tensor {name!r} has shape {list(shape)}, but the config "
+                f"(num_experts={self.moe.num_experts}, hidden_size={self.moe.hidden_size}, "
+                f"expert width {self.moe.intermediate_size}) makes it {list(expected)}")
+
+    def _stage(self, projection: str, rows: slice, is_bias: bool, tensor) -> None:
+        """Rows of a projection (every expert's, for slice(None)), into its dense weight or
+        the quantized linear's staging (which quantizes them)."""
+        linear = getattr(self, projection)
+        value = dense(tensor)
+        value = value.reshape(-1) if is_bias else value.reshape(-1, value.shape[-1])
+        rows = slice(0, linear.out_features) if rows == slice(None) else rows
+        if is_bias:
+            linear.bias.data[rows].copy_(value)
+        elif isinstance(linear, QuantizedLinear):
+            linear.stage_rows(rows, value)
+        else:
+            linear.weight.data[rows].copy_(value)
+
+    def unloaded(self) -> list[str]:
+        """The experts' parts the checkpoint has not set, by their hub names."""
+        kinds = ("weight", "bias") if self.moe.expert_bias else ("weight",)
+        return [name for index in range(self.moe.num_experts) for part in HUB_NAMES.values()
+                for kind in kinds if (name := f"{index}.{part}.{kind}") not in self.loaded]
+
+    def bytes_per_expert(self) -> int:
+        """One expert's share of the weights as stored (dense or packed, biases included):
+        what a token that routes to it reads."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        return total // self.moe.num_experts
+
+    # ---- running -----------------------------------------------------------------------
+    def expert_weights(self, projection: str, dtype: torch.dtype) -> ExpertWeights:
+        """A projection's rows as the experts op takes them: dense, packed (where the bound
+        kernels have packed ones), or de-quantized (where they do not)."""
+        linear = getattr(self, projection)
+        experts = self.moe.num_experts
+        bias = None if linear.bias is None else linear.bias.view(experts, -1)
+        packed = self.ops.packed
+        if not isinstance(linear, QuantizedLinear):
+            return ExpertWeights(linear.weight.view(experts, -1, linear.in_features), bias)
+        if packed is None:
+            return ExpertWeights(linear.dequantized_weight(dtype).view(experts, -1,
+                                                                       linear.in_features), bias)
+        weight = linear.weight.view(experts, -1, linear.weight.shape[-1])
+        scales = linear.scales.view(experts, -1, *linear.scales.shape[1:])
+        if isinstance(linear, Int4Linear):
+            return ExpertWeights(weight, bias, scales,
+                                 linear.offsets.view(experts, -1, linear.offsets.shape[-1]),
+                                 linear.group_size)
+        if isinstance(linear, Int8Linear):
+            return ExpertWeights(weight, bias, scales)
+        raise ValueError(f"model: experts packed as {type(linear).__name__} are not supported; "
+                         "supported: dense, int4, int8")
+
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        packed = self.ops.packed
+        max_rows = 0 if packed is None else kernel_max_rows(packed, hidden.dtype)
+        return self.ops.moe_experts(hidden, ids, weights,
+                                    self.expert_weights("gate_up_proj", hidden.dtype),
+                                    self.expert_weights("down_proj", hidden.dtype),
+                                    self.moe.activation, max_rows)
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP as a mixture of experts: the router (named `gate`, as in
+    transformers), the routed experts, and where the model has one a shared expert whose
+    output joins theirs scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)."""
+
+    def __init__(self, moe: MoeConfig, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = TopKRouter(moe)
+        self.experts = Experts(moe)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(hidden)
+        out = self.experts(hidden, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return out
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name as these modules name it (CHECKPOINT_RENAMES)."""
+    for old, new in CHECKPOINT_RENAMES:
+        name = name.replace(old, new)
+    return name
