@@ -96,7 +96,9 @@ class ExpertWeights:
     dimension of experts: dense [experts, out, in] in the model's dtype, or packed as
     engine/worker/models/quantized.py packs a linear: int4 (uint8 [experts, out, in / 2],
     float16 scales and offsets [experts, out, in / group_size]) or int8 (int8
-    [experts, out, in], fp32 scales [experts, out]). bias: [experts, out] or None."""
+    [experts, out, in], fp32 scales [experts, out]); or MXFP4 as gpt-oss ships it
+    (kernels/mxfp4.py: uint8 blocks [experts, out, in / 32, 16], uint8 scales
+    [experts, out, in / 32]). bias: [experts, out] or None."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
@@ -106,8 +108,11 @@ class ExpertWeights:
 
 
 # The activations between an expert's gate/up and down projections, by name: the gate half
-# of gate_up's outputs (the first half) through it, times the up half.
-EXPERT_ACTIVATIONS = ("silu",)
+# of gate_up's outputs (the first half) through it, times the up half. "swigluoai" is
+# gpt-oss's (vLLM's name): the gate clamped to at most SWIGLU_LIMIT and the up half to
+# +-SWIGLU_LIMIT, then gate * sigmoid(SWIGLU_ALPHA * gate) * (up + 1).
+EXPERT_ACTIVATIONS = ("silu", "swigluoai")
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 @dataclass(frozen=True, slots=True)

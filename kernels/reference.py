@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from kvscope.kernels import kv_quant
 from kvscope.kernels.kernel_ops import (
     EXPERT_ACTIVATIONS,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
     AttentionCall,
     ExpertWeights,
     paged_attention_op,
@@ -239,6 +241,16 @@ def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: 
         gate_up_bias = None if gate_up.bias is None else gate_up.bias[expert]
         down_bias = None if down.bias is None else down.bias[expert]
         gate, up = F.linear(hidden[token], gate_up.weight[expert], gate_up_bias).chunk(2, dim=-1)
-        rows = F.linear(F.silu(gate) * up, down.weight[expert], down_bias)
+        rows = F.linear(expert_activation(gate, up, activation), down.weight[expert], down_bias)
         out.index_add_(0, token, rows.float() * expert_weights[token, slot, None])
     return out.to(hidden.dtype)
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """An expert's activation (kernel_ops.EXPERT_ACTIVATIONS) of its gate and up halves,
+    computed in fp32 and rounded once."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    dtype = gate.dtype
+    gate, up = gate.float().clamp(max=SWIGLU_LIMIT), up.float().clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)).to(dtype)

@@ -55,7 +55,7 @@ void mixture_of_experts(const at::Tensor& x, const kvscope::MoeWeights& moe,
   auto [weights, ids] = kvscope::route_top_k(logits, options.top_k, options.normalize_top_k,
                                              options.round_weights);
   traced("kvscope::moe_experts", [&] {
-    kvscope::run_experts(x, ids, weights, moe.gate_up, moe.down, kvscope::ExpertActivation::kSilu,
+    kvscope::run_experts(x, ids, weights, moe.gate_up, moe.down, options.expert_activation,
                          config.limits(), out);
   });
   if (!moe.shared_gate) return;
@@ -302,6 +302,10 @@ kvscope::LayerOptions kvscope::LayerOptions::from(const c10::Dict<std::string, i
   TORCH_CHECK(options.kv_group >= 0, "LlamaDecoderStack: kv_group must be >= 0");
   options.top_k = reader.optional("top_k").value_or(0);
   options.normalize_top_k = reader.optional("normalize_top_k").value_or(0) != 0;
+  const int64_t activation = reader.optional("expert_activation").value_or(0);
+  TORCH_CHECK(activation == 0 || activation == 1,
+              "LlamaDecoderStack: expert_activation must be 0 (silu) or 1 (swigluoai)");
+  options.expert_activation = static_cast<ExpertActivation>(activation);
   options.round_weights = reader.optional("round_weights").value_or(0) != 0;
   TORCH_CHECK(options.top_k >= 0, "LlamaDecoderStack: top_k must be >= 0");
   reader.check_all_read();

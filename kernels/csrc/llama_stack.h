@@ -65,6 +65,8 @@ struct LayerOptions {
   // dtype.
   int64_t top_k = 0;
   bool normalize_top_k = false, round_weights = false;
+  // Its experts' activation, as kernel_ops.EXPERT_ACTIVATIONS indexes it (0: silu).
+  ExpertActivation expert_activation = ExpertActivation::kSilu;
 
   // Every name must be one of the above.
   static LayerOptions from(const c10::Dict<std::string, int64_t>& named);

@@ -61,9 +61,10 @@ class PagedAttention(UsesKernelOps):
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [tokens, heads * dim], key/value [tokens, kv_heads * dim] -> [tokens, heads * dim]."""
+        """query [tokens, heads * dim], key/value [tokens, kv_heads * dim] -> [tokens, heads * dim];
+        sinks: fp32 [heads], each head's sink logit (gpt-oss's attention sinks)."""
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -74,6 +75,6 @@ class PagedAttention(UsesKernelOps):
         out = self.ops.paged_attention(
             query, self.key_cache, self.value_cache, meta.group_block_tables[group], meta.seq_lens,
             meta.query_start_loc, self.scale, sliding_window=self.sliding_window,
-            soft_cap=self.soft_cap,
+            soft_cap=self.soft_cap, sinks=sinks,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)

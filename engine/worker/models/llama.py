@@ -32,6 +32,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 HEAD_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 PROJECTION_QK_NORM_MODEL_TYPES = ("olmoe",)
 SUPPORTED_ACTIVATIONS = ("silu",)  # the gate of the gated MLP (silu_and_mul)
+SINK_MODEL_TYPES = ("gpt_oss",)  # attention sinks: a logit per query head in the softmax
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -101,6 +102,7 @@ class LayerKind:
     rotary: bool  # False on SmolLM3's NoPE layers (no_rope_layers marks them 0)
     sliding_window: int | None  # Mistral, Qwen2's windowed layers (layer_windows)
     sparse: bool = False  # the MLP is a mixture of experts (moe.sparse_layers)
+    sinks: bool = False  # gpt-oss: a learned sink logit per query head in the softmax
 
     def stack_options(self) -> dict[str, int]:
         return {"rotary": int(self.rotary), "sliding_window": self.sliding_window or 0}
@@ -118,7 +120,8 @@ def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
                          f"for {config.model_type}'s q/k norms")
     uses_rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
     return [LayerKind(qkv_bias=qkv_bias, qk_norm=qk_norm, rotary=bool(uses_rope[index]),
-                      sliding_window=window, sparse=sparse)
+                      sliding_window=window, sparse=sparse,
+                      sinks=config.model_type in SINK_MODEL_TYPES)
             for index, (window, sparse) in enumerate(zip(layer_windows(config),
                                                          sparse_layers(config)))]
 
@@ -142,6 +145,9 @@ class LlamaAttention(UsesKernelOps):
             self.q_norm = RMSNorm(heads[0] * self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(heads[1] * self.head_dim, config.rms_norm_eps)
         self.qk_norm = kind.qk_norm
+        # fp32 whatever the model's dtype: the kernels read the sinks so
+        self.sinks = (nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+                      if kind.sinks else None)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, kind.sliding_window)
 
@@ -162,7 +168,7 @@ class LlamaAttention(UsesKernelOps):
         if self.rotary:
             for rows, heads in rotated:
                 self.ops.rotary_embedding(rows, cos, sin, heads, self.head_dim)
-        return self.o_proj(self.attn(query, key, value, meta))
+        return self.o_proj(self.attn(query, key, value, meta, self.sinks))
 
 
 class LlamaMLP(UsesKernelOps):
