@@ -1,7 +1,7 @@
 """The Llama family (Llama 2/3/3.2, SmolLM2/3, Mistral, Qwen2/3, Phi-3/3.5/4-mini) and its
-mixture-of-experts kin (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral: moe.py's layer as the MLP)
-over paged attention: one layer code, whose per-layer differences (LayerKind) and rotary
-table are read from the transformers config."""
+mixture-of-experts kin (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss: moe.py's layer as the
+MLP) over paged attention: one layer code, whose per-layer differences (LayerKind) and
+rotary table are read from the transformers config."""
 
 from dataclasses import dataclass
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts layers, shared by the families that have them (Qwen3-MoE, Qwen2-MoE,
-OLMoE and Mixtral in llama.py): a router picks each token's top-k experts once per layer,
+OLMoE, Mixtral and gpt-oss in llama.py): a router picks each token's top-k experts once per layer,
 and the experts run as one kernel op over the step's tokens (KernelOps.moe_experts), which
 groups the tokens by expert so each chosen expert's weights are read once per step.
 
