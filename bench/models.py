@@ -193,6 +193,8 @@ def main(argv=None) -> None:
                           "full_model_layers": config.num_hidden_layers,
                           "note": "fewer layers of the same shape: the whole model does not "
                                   "fit this machine's memory"}
+                if getattr(config, "layer_types", None):  # gpt-oss's windowed / full layers
+                    config.layer_types = config.layer_types[:args.max_moe_layers]
                 config.num_hidden_layers = args.max_moe_layers
             save_random_model(Path(folder), config, torch.bfloat16)
             check_budget(Path(folder), args)
