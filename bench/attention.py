@@ -15,6 +15,7 @@ Usage:
   python bench/attention.py                                # SmolLM2-135M's heads, 32 x 2,000
   python bench/attention.py --dtypes bf16,int8 --seqs 64 --context 300
   python bench/attention.py --dtypes bf16 --seqs 1 --context 0 --query-len 2000  # a prefill
+  python bench/attention.py --sinks                         # gpt-oss's attention sinks on
 """
 
 import argparse
@@ -48,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sinks", action="store_true",
+                        help="a sink logit per query head (gpt-oss) in every softmax")
     args = parser.parse_args(argv)
     if args.query_len < 1:
         parser.error(f"--query-len={args.query_len}: a sequence has at least 1 query token")
@@ -77,6 +80,7 @@ def main(argv=None) -> None:
     seq_lens = torch.full((args.seqs,), seq_len, dtype=torch.int32)
     starts = torch.arange(args.seqs + 1, dtype=torch.int32) * args.query_len
     query = torch.randn(args.seqs * args.query_len, args.heads, args.head_dim, generator=generator)
+    sinks = torch.randn(args.heads, generator=generator) if args.sinks else None
     # Query token t sees context + t + 1 keys: a multiply-add per head dimension for its
     # score and one for its weighted value, per key.
     seen_keys = args.query_len * args.context + args.query_len * (args.query_len + 1) // 2
@@ -94,7 +98,7 @@ def main(argv=None) -> None:
             started = time.perf_counter()
             for key_cache, value_cache in layers:
                 cpu_kernels.paged_attention(q, key_cache, value_cache, tables, seq_lens, starts,
-                                            args.head_dim ** -0.5)
+                                            args.head_dim ** -0.5, sinks=sinks)
             best = min(best, time.perf_counter() - started)
         row_bytes = kv_quant.row_width(args.head_dim, dtype) * dtype.itemsize
         read = 2 * args.layers * args.seqs * seq_len * args.kv_heads * row_bytes
@@ -105,6 +109,7 @@ def main(argv=None) -> None:
                       "heads": args.heads,
                       "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                       "block_size": args.block_size, "layers": args.layers,
+                      "sinks": args.sinks,
                       "torch_threads": torch.get_num_threads(), "kv_cache_dtypes": results},
                      indent=1))
 

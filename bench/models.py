@@ -1,6 +1,7 @@
 """Speed of the chat models' shapes: Qwen3-0.6B, Qwen3-1.7B, Phi-4-mini, Gemma-3-1B and the
-mixture of experts Qwen3-30B-A3B with random weights (values do not change the work), in
-bf16 and int4, against the targets of issues 28, 29 and 63.
+mixtures of experts Qwen3-30B-A3B and gpt-oss-20b (sinks, windows of 128) with random
+weights (values do not change the work), in bf16 and int4, against the targets of issues
+28, 29 and 63.
 
 Qwen3-30B-A3B's 48 layers (128 experts of width 768, top 8) take 61 GB in bf16: the shape
 runs with as many of its layers as --max-moe-layers allows (default 2), and the output
@@ -41,7 +42,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 from random_model import save_random_model
 from sliding_window import gemma3_1b_config
-from transformers import Phi3Config, Qwen3Config, Qwen3MoeConfig
+from transformers import GptOssConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 
 NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 # The published configs' sizes (config.json of Qwen/Qwen3-0.6B, Qwen/Qwen3-1.7B and
@@ -70,9 +71,15 @@ SHAPES = {
         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
         max_position_embeddings=40960, rope_theta=1000000.0, **NO_SPECIAL_TOKENS),
+    # openai/gpt-oss-20b's config.json (its experts dense here: bf16, or int4 when quantized)
+    "gpt-oss-20b": lambda: GptOssConfig(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False,
+        max_position_embeddings=131072, **NO_SPECIAL_TOKENS),
 }
 # Shapes too large for the machine, run with fewer layers of the same shape.
-MOE_SHAPES = ("qwen3-30b-a3b",)
+MOE_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b")
 QUANTIZATIONS = ("none", "int4")
 THROUGHPUT = Path(__file__).with_name("throughput.py")
 
@@ -97,7 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where the random model is saved (default RAM-backed /dev/shm; a "
                              "disk folder leaves Phi-4-mini's 7.7 GB to the page cache)")
     parser.add_argument("--max-moe-layers", type=int, default=2,
-                        help=f"layers of {', '.join(MOE_SHAPES)} built and measured (of 48)")
+                        help=f"layers of {', '.join(MOE_SHAPES)} built and measured (of 48 "
+                             "and 24)")
     parser.add_argument("--skip-batched", action="store_true",
                         help="single stream only (transformers' batching is the slow part)")
     args = parser.parse_args(argv)
@@ -185,6 +193,8 @@ def main(argv=None) -> None:
                           "full_model_layers": config.num_hidden_layers,
                           "note": "fewer layers of the same shape: the whole model does not "
                                   "fit this machine's memory"}
+                if getattr(config, "layer_types", None):  # gpt-oss's windowed / full layers
+                    config.layer_types = config.layer_types[:args.max_moe_layers]
                 config.num_hidden_layers = args.max_moe_layers
             save_random_model(Path(folder), config, torch.bfloat16)
             check_budget(Path(folder), args)

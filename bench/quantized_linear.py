@@ -12,6 +12,9 @@ x of each number of rows:
                    KERNEL_MAX_ROWS rows, GEMM beyond); int4 reads the lm_head as int8
   torch_int8, torch_int4   PyTorch's packed CPU matmuls (_weight_int8pack_mm,
                    _weight_int4pack_mm_for_cpu) on the same weights, for comparison
+  mxfp4            the weight quantized to MXFP4 (gpt-oss's experts' format, kernels/mxfp4.py)
+                   through the streaming kernel (mxfp4_linear) at every row count; the
+                   lm_head as int8
   gguf_<TYPE>      with --gguf-types, GgufLinear on random valid blocks of that GGUF type
                    (quantization="gguf"), every layer in it (a width no multiple of the
                    type's block falls back to Q8_0), the lm_head too; and each as
@@ -53,7 +56,7 @@ from kvscope.engine.worker.models.quantized import (  # noqa: E402
     Int8Linear,
     pack_model,
 )
-from kvscope.kernels import cpu_kernels, gguf_blocks  # noqa: E402
+from kvscope.kernels import cpu_kernels, gguf_blocks, mxfp4  # noqa: E402
 from kvscope.kernels.gguf_lanes import LANES, int4_wide_blocks  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -97,9 +100,14 @@ def forms(out_features: int, in_features: int, group_size: int, is_lm_head: bool
         "torch_int8": (lambda x: torch.ops.aten._weight_int8pack_mm(x, int8.weight, int8_scales),
                        int8.weight.nbytes + int8_scales.nbytes),
     }
-    if is_lm_head:  # int8 in both quantized modes
+    if is_lm_head:  # int8 in every quantized mode
         found["int4"], found["torch_int4"] = found["int8"], found["torch_int8"]
+        found["mxfp4"] = found["int8"]
         return found
+    blocks, scales = mxfp4.quantize(weight)
+    mxfp4_linear = cpu_kernels.kernel_ops().packed.mxfp4_linear
+    found["mxfp4"] = (lambda x: mxfp4_linear(x, blocks, scales, None),
+                      blocks.nbytes + scales.nbytes)
     int4 = packed(Int4Linear(in_features, [out_features], bias=False, group_size=group_size),
                   weight, dtype)
     found["int4"] = (int4, int4.weight.nbytes + int4.scales.nbytes + int4.offsets.nbytes)

@@ -30,7 +30,8 @@ def kernel_ops() -> KernelOps:
         int8_dequantize=int8_dequantize, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize,
         rounds_activations_to_int8=torch.ops.kvscope.rounds_activations_to_int8(),
         gguf_rounds_activations_to_int8=torch.ops.kvscope.gguf_rounds_activations_to_int8(),
-        gguf_repacked_type=gguf_repacked_type, widens_bf16_gemms=_widens_bf16_gemms)
+        gguf_repacked_type=gguf_repacked_type, mxfp4_linear=mxfp4_linear,
+        mxfp4_dequantize=mxfp4_dequantize, widens_bf16_gemms=_widens_bf16_gemms)
     return KernelOps(
         backend="cpu", paged_attention=paged_attention, store_kv=store_kv,
         rms_norm=rms_norm,
@@ -60,7 +61,7 @@ def paged_attention(call: AttentionCall) -> torch.Tensor:
     torch.ops.kvscope.paged_attention(
         query, call.key_cache, call.value_cache, call.block_tables.to(torch.int32),
         call.seq_lens.to(torch.int32), call.query_start_loc.to(torch.int32), call.scale, out,
-        call.sliding_window or 0, call.soft_cap or 0.0)
+        call.sliding_window or 0, call.soft_cap or 0.0, call.sinks)
     return out
 
 
@@ -285,6 +286,23 @@ def gguf_dequantize(weight: torch.Tensor, ggml_type: int, in_features: int,
     return out
 
 
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [rows, in] @ W.T + bias, W in MXFP4 (kernels/mxfp4.py) streamed as shipped;
+    out_dtype float32 widens a bf16 result (the kernel writes it so itself)."""
+    out = x.new_empty(x.shape[0], blocks.shape[0], dtype=out_dtype or x.dtype)
+    torch.ops.kvscope.mxfp4_linear(x, blocks, scales, bias, out)
+    return out
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The dense [out, in] weight of MXFP4 blocks and scales, for a GEMM over many rows."""
+    out = torch.empty(blocks.shape[0], blocks.shape[1] * 32, dtype=dtype)
+    torch.ops.kvscope.mxfp4_dequantize(blocks, scales, out)
+    return out
+
+
 def gguf_repacked_type(ggml_type: int, dtype: torch.dtype) -> int:
     """The type code gguf_linear streams `ggml_type`'s rows faster as for activations in
     `dtype` once repacked at load, or -1: keep the file's blocks. The repacked forms run
@@ -318,6 +336,6 @@ def _register_fakes() -> None:
     # These ops only write into tensors they are given: nothing to allocate when tracing.
     for op in ("paged_attention", "store_kv", "linear_widened", "int4_linear", "int8_linear",
                "int4_dequantize", "int8_dequantize", "gguf_linear", "gguf_dequantize",
-               "moe_experts"):
+               "mxfp4_linear", "mxfp4_dequantize", "moe_experts"):
         torch.library.register_fake(f"kvscope::{op}")(lambda *args: None)
     _fakes_registered = True

@@ -69,6 +69,9 @@ class AttentionCall:
     _: KW_ONLY
     sliding_window: int | None = None  # W: the token at position p sees keys (p - W, p]
     soft_cap: float | None = None  # c: scores become c * tanh(scores / c)
+    # fp32 [num_heads]: head h's learned logit joins its softmax's denominator as a key with no
+    # value (gpt-oss's attention sinks): the weights of the real keys sum to less than 1
+    sinks: torch.Tensor | None = None
 
     def check_block_tables(self) -> None:
         """A ValueError naming the sequence and the entry where a block-table entry that a
@@ -109,7 +112,7 @@ _PAGED_ATTENTION_SIGNATURE = inspect.signature(AttentionCall).replace(
 
 def paged_attention_op(attend: Callable[[AttentionCall], torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A backend's `attend(call)` as its paged_attention, whose arguments are AttentionCall's
-    fields (in order; sliding_window and soft_cap by keyword)."""
+    fields (in order; sliding_window, soft_cap and sinks by keyword)."""
 
     @functools.wraps(attend)
     def paged_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -125,7 +128,9 @@ class ExpertWeights:
     dimension of experts: dense [experts, out, in] in the model's dtype, or packed as
     engine/worker/models/quantized.py packs a linear: int4 (uint8 [experts, out, in / 2],
     float16 scales and offsets [experts, out, in / group_size]) or int8 (int8
-    [experts, out, in], fp32 scales [experts, out]). bias: [experts, out] or None."""
+    [experts, out, in], fp32 scales [experts, out]); or MXFP4 as gpt-oss ships it
+    (kernels/mxfp4.py: uint8 blocks [experts, out, in / 32, 16], uint8 scales
+    [experts, out, in / 32]). bias: [experts, out] or None."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
@@ -135,14 +140,18 @@ class ExpertWeights:
 
 
 # The activations between an expert's gate/up and down projections, by name: the gate half
-# of gate_up's outputs (the first half) through it, times the up half.
-EXPERT_ACTIVATIONS = ("silu",)
+# of gate_up's outputs (the first half) through it, times the up half. "swigluoai" is
+# gpt-oss's (vLLM's name): the gate clamped to at most SWIGLU_LIMIT and the up half to
+# +-SWIGLU_LIMIT, then gate * sigmoid(SWIGLU_ALPHA * gate) * (up + 1).
+EXPERT_ACTIVATIONS = ("silu", "swigluoai")
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 @dataclass(frozen=True, slots=True)
 class PackedLinearKernels:
     """Matmuls over int4 / int8 packed weights (the layout of
-    engine/worker/models/quantized.py), for the C++ CPU kernels only."""
+    engine/worker/models/quantized.py), GGUF blocks and MXFP4, for the C++ CPU kernels
+    only."""
 
     # x [rows, in] @ W.T + bias, streaming the packed weight once for a few rows
     int4_linear: Callable[..., torch.Tensor]
@@ -156,6 +165,12 @@ class PackedLinearKernels:
     # gives the dense weight
     gguf_linear: Callable[..., torch.Tensor]
     gguf_dequantize: Callable[..., torch.Tensor]
+    # MXFP4 weights as shipped (kernels/mxfp4.py: blocks uint8 [out, in / 32, 16], scales
+    # uint8 [out, in / 32]): mxfp4_linear(x, blocks, scales, bias, out_dtype=None) streams
+    # them exactly (fp32 products of the exact weights), mxfp4_dequantize(blocks, scales,
+    # dtype) gives the dense weight
+    mxfp4_linear: Callable[..., torch.Tensor]
+    mxfp4_dequantize: Callable[..., torch.Tensor]
     # whether int4_linear / int8_linear round bf16 activations to int8, one scale per 32
     # values (llama.cpp's Q8_0), for VNNI dot products; otherwise they compute exactly
     rounds_activations_to_int8: bool

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from kvscope.kernels import kv_quant
 from kvscope.kernels.kernel_ops import (
     EXPERT_ACTIVATIONS,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
     AttentionCall,
     ExpertWeights,
     paged_attention_op,
@@ -57,6 +59,8 @@ def paged_attention(call: AttentionCall) -> torch.Tensor:
     sliding-window mask); block table entries wholly before that may be -1 (the KV
     manager's RELEASED: it freed those blocks) and are never read. soft_cap=c: scores
     become c * tanh(scores / c) before the softmax (Gemma 2's attention-logit soft-capping).
+    sinks [num_heads]: each head's softmax runs over its scores and its sink, whose weight
+    is then dropped (gpt-oss's attention sinks, as transformers computes them).
     Decodes (one new token) run as padded batches of similar lengths; longer queries run
     one by one.
     The padded batch reads slots past each sequence's length and masks them, so those
@@ -79,7 +83,7 @@ def paged_attention(call: AttentionCall) -> torch.Tensor:
                 call.query[start:start + query_len],
                 gather_kv(call.key_cache, call.block_tables[i], seq_len),
                 gather_kv(call.value_cache, call.block_tables[i], seq_len),
-                call.scale, call.sliding_window, call.soft_cap,
+                call.scale, call.sliding_window, call.soft_cap, call.sinks,
             )
     return out
 
@@ -87,10 +91,11 @@ def paged_attention(call: AttentionCall) -> torch.Tensor:
 def _attend_one(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
     sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence: query [q, heads, dim] are the last q positions of key/value [s, kv, dim]."""
     query_len, seq_len = query.shape[0], key.shape[0]
-    if query_len == seq_len and not sliding_window and not soft_cap:
+    if query_len == seq_len and not sliding_window and not soft_cap and sinks is None:
         mask = None
     else:
         # Query i sits at position seq_len - query_len + i and sees keys up to there.
@@ -102,17 +107,17 @@ def _attend_one(
             mask &= key_pos > query_pos - sliding_window
     result = _softmax_attention(
         query.transpose(0, 1), kv_quant.dequantize(key.transpose(0, 1), query.dtype),
-        kv_quant.dequantize(value.transpose(0, 1), query.dtype), mask, scale, soft_cap)
+        kv_quant.dequantize(value.transpose(0, 1), query.dtype), mask, scale, soft_cap, sinks)
     return result.transpose(0, 1)
 
 
 def _softmax_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-    scale: float, soft_cap: float | None,
+    scale: float, soft_cap: float | None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale [soft-capped], masked) v over [..., heads, len, dim] tensors;
-    mask None means causal over equal lengths."""
-    if not soft_cap:
+    """softmax(q k^T * scale [soft-capped], masked [, sink]) v over [..., heads, len, dim]
+    tensors; mask None means causal over equal lengths."""
+    if not soft_cap and sinks is None:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=query.shape[-3] != key.shape[-3])
@@ -120,9 +125,15 @@ def _softmax_attention(
     key = key.repeat_interleave(group, dim=-3)
     value = value.repeat_interleave(group, dim=-3)
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
-    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1).to(value.dtype), value)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1).to(value.dtype), value)
+    # The sink is one more column of scores whose weight is dropped after the softmax.
+    sink_column = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(weights.to(value.dtype), value)
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -176,7 +187,7 @@ def _decode_batch(call: AttentionCall, starts: list[int], rows: list[int],
         mask &= key_pos >= lens.unsqueeze(1) - call.sliding_window
     q = query.index_select(0, token_index).unsqueeze(2)  # [batch, heads, 1, dim]
     result = _softmax_attention(q, keys, values, mask[:, None, None, :], call.scale,
-                                call.soft_cap)
+                                call.soft_cap, call.sinks)
     out.index_copy_(0, token_index, result.squeeze(2).to(out.dtype))
 
 
@@ -234,6 +245,16 @@ def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: 
         gate_up_bias = None if gate_up.bias is None else gate_up.bias[expert]
         down_bias = None if down.bias is None else down.bias[expert]
         gate, up = F.linear(hidden[token], gate_up.weight[expert], gate_up_bias).chunk(2, dim=-1)
-        rows = F.linear(F.silu(gate) * up, down.weight[expert], down_bias)
+        rows = F.linear(expert_activation(gate, up, activation), down.weight[expert], down_bias)
         out.index_add_(0, token, rows.float() * expert_weights[token, slot, None])
     return out.to(hidden.dtype)
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """An expert's activation (kernel_ops.EXPERT_ACTIVATIONS) of its gate and up halves,
+    computed in fp32 and rounded once."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    dtype = gate.dtype
+    gate, up = gate.float().clamp(max=SWIGLU_LIMIT), up.float().clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)).to(dtype)

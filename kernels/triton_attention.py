@@ -18,6 +18,8 @@ chunks and decodes. The grid is (query tiles over all sequences, kv heads, kv sp
 - A sliding window (sliding_window > 0) starts a tile's keys at its first token's window
   and masks each row's keys before its own; soft-capping (SOFT_CAP) squashes the scores
   through cap * tanh(score / cap) before the softmax.
+- Attention sinks (SINKS: one logit per query head, gpt-oss) join each row's softmax
+  denominator once, where the row is normalised: after its last key tile, or in the merge.
 - Decode batches too small to fill the GPU split each sequence's keys over several
   programs (flash-decoding); a second kernel merges the partial (acc, max, sum) triples.
 """
@@ -75,7 +77,7 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr,
     scale, num_seqs, num_splits, block_size_log2, sliding_window, soft_cap,
     stride_query_token, stride_query_head,
     stride_key_block, stride_key_slot, stride_key_head,
@@ -87,7 +89,7 @@ def _paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr, QUERIES_PER_KV_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
+    SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
     CODES: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
 ):
     tile_index = tl.program_id(0)
@@ -187,6 +189,9 @@ def _paged_attention_kernel(
         tl.store(partial_out_ptr + partial_row[:, None] * HEAD_PAD + dims[None, :], acc,
                  mask=store_mask)
     else:
+        if SINKS:  # the sink's exponential in the rows' base-2 units, as their scores'
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+            running_sum += tl.exp2(sink - running_max)
         # Padding rows never saw a key; keep their (unstored) division finite.
         denominator = tl.where(running_sum == 0.0, 1.0, running_sum)
         result = acc / denominator[:, None]
@@ -199,10 +204,11 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr,
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, sinks_ptr,
     num_splits, num_heads,
     stride_partial_split, stride_partial_token, stride_out_token, stride_out_head,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -217,6 +223,8 @@ def _merge_splits_kernel(
     shift = tl.where(overall_max == float("-inf"), 0.0, overall_max)
     weight = tl.where(split_max == float("-inf"), 0.0, tl.exp2(split_max - shift))
     denominator = tl.sum(split_sum * weight, 0)
+    if SINKS:
+        denominator += tl.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - shift)
     denominator = tl.where(denominator == 0.0, 1.0, denominator)
 
     # A split that saw no key may never have been written: skip it rather than read it.
@@ -324,9 +332,14 @@ def attend(call: AttentionCall, block_m: int | None = None, block_n: int | None 
     key_target, codes = kv_codes.code_format(key_cache)
     value_target, _ = kv_codes.code_format(value_cache)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
+    sinks = call.sinks
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks {tuple(sinks.shape)} {sinks.dtype} must be float32 [{num_heads}]"
+                         " (one per query head)")
+    sinks_arg = query if sinks is None else sinks.contiguous()  # unused without sinks
     _paged_attention_kernel[grid](
         query, key_target, value_target, block_tables, seq_lens, query_start_loc,
-        target, partial_out, partial_max, partial_sum,
+        target, partial_out, partial_max, partial_sum, sinks_arg,
         call.scale, num_seqs, num_kv_splits, block_size.bit_length() - 1,
         call.sliding_window or 0, call.soft_cap or 1.0,
         query.stride(0), query.stride(1),
@@ -341,15 +354,16 @@ def attend(call: AttentionCall, block_m: int | None = None, block_n: int | None 
         # The interpreter (triton 3.x) multiplies bf16 dot operands as raw bits, and fp16
         # ones without BLAS; fp32 products of half inputs are exact, so this is only faster.
         UPCAST_DOT=INTERPRETED and query.dtype != torch.float32,
-        DOT_PRECISION=_fp32_dot_precision(query.device), SOFT_CAP=bool(call.soft_cap), **codes,
+        DOT_PRECISION=_fp32_dot_precision(query.device), SOFT_CAP=bool(call.soft_cap),
+        SINKS=sinks is not None, **codes,
     )
     if split_kv:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            partial_out, partial_max, partial_sum, target,
+            partial_out, partial_max, partial_sum, target, sinks_arg,
             num_kv_splits, num_heads,
             num_tokens * num_heads, num_heads, target.stride(0), target.stride(1),
             HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
+            SPLITS_PAD=triton.next_power_of_2(num_kv_splits), SINKS=sinks is not None,
         )
     if target is not out:
         out.copy_(target)

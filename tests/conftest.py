@@ -34,6 +34,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     Gemma4TextConfig,
+    GptOssConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Ministral3Config,
@@ -178,7 +179,7 @@ SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "phi3-window",
 # ones (mlp_only_layers) and renormalized top-k; OLMoE (q/k norms over whole projections);
 # Mixtral; Qwen2-MoE (a gated shared expert; decoder_sparse_step 2 makes its first layer
 # dense).
-MOE_ARCHITECTURES = ("qwen3-moe", "olmoe", "mixtral", "qwen2-moe")
+MOE_ARCHITECTURES = ("qwen3-moe", "olmoe", "mixtral", "qwen2-moe", "gpt-oss")
 
 
 @dataclass
@@ -303,6 +304,18 @@ def _tiny_moe_config(arch: str, common: dict):
                            **{**moe, "num_experts_per_tok": 3})
     if arch == "mixtral":
         return MixtralConfig(num_local_experts=8, intermediate_size=32, **moe)
+    if arch == "gpt-oss":
+        # Windowed and full layers, yarn rope, sinks, biases everywhere; weights large enough
+        # that the swiglu's clamps bite (the default 0.02 never reaches its limit of 7), and an
+        # expert width whose gate_up (128) differs from hidden_size, as a fused tensor's
+        # [experts, in, out] layout must not be read the other way round.
+        return GptOssConfig(
+            num_local_experts=8, intermediate_size=64, head_dim=16, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": TINY_MAX_POSITIONS // 4},
+            **{**moe, "initializer_range": 0.3, "num_hidden_layers": 2})
     return Qwen2MoeConfig(num_experts=8, moe_intermediate_size=32, intermediate_size=96,
                           shared_expert_intermediate_size=64, decoder_sparse_step=2, **moe)
 

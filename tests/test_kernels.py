@@ -139,9 +139,11 @@ def make_batch(
     )
 
 
-def dense_attention(batch: PagedBatch, soft_cap: float | None = None) -> torch.Tensor:
+def dense_attention(batch: PagedBatch, soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention from the unpaged K/V, in float64 on the CPU (within the batch's
-    sliding window, soft-capped if asked)."""
+    sliding window, soft-capped if asked, with each head's sink logit in its softmax's
+    denominator if given: transformers' gpt-oss attention)."""
     query = batch.query.cpu().double()
     out = torch.zeros_like(query)
     starts = batch.query_start_loc.tolist()
@@ -160,8 +162,20 @@ def dense_attention(batch: PagedBatch, soft_cap: float | None = None) -> torch.T
         if batch.sliding_window:
             hidden |= key_pos <= query_pos - batch.sliding_window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value)
+        if sinks is None:
+            weights = scores.softmax(-1)
+        else:
+            sink_column = sinks.cpu().double().view(-1, 1, 1).expand(*scores.shape[:2], 1)
+            weights = torch.cat([scores, sink_column], -1).softmax(-1)[..., :-1]
+        out[start:end] = torch.einsum("hqk,khd->qhd", weights, value)
     return out
+
+
+def make_sinks(num_heads: int, device: str = "cpu") -> torch.Tensor:
+    """fp32 sink logits around the scores' range: some heads' sinks take most of the weight,
+    others almost none."""
+    generator = torch.Generator().manual_seed(7)
+    return (torch.randn(num_heads, generator=generator) * 3).to(device)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
@@ -1213,3 +1227,139 @@ def test_attention_refuses_a_block_table_row_too_short_for_its_keys(backend, req
     with pytest.raises(ValueError, match=r"sequence 1 .*7 entries.* its row has 5"):
         paged_attention(batch.query, batch.key_cache, batch.value_cache, short,
                         batch.seq_lens, batch.query_start_loc, batch.scale)
+
+
+# --- attention sinks (gpt-oss), every backend against dense attention -----------------------
+
+SINK_CASES = [  # (block_size, window): gpt-oss alternates windowed and full layers
+    pytest.param(16, None, id="block16-full"),
+    pytest.param(8, 13, id="block8-window13"),
+]
+
+
+def sink_batch(block_size, window, dtype=torch.float32, device="cpu"):
+    """Prefills (cold, over context, chunks) and decodes, 6 query heads over 2 KV heads."""
+    return windowed_batch(block_size, window, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize(("block_size", "window"), SINK_CASES)
+def test_reference_attention_with_sinks_matches_dense(block_size, window):
+    batch = sink_batch(block_size, window)
+    sinks = make_sinks(6)
+    out = reference.paged_attention(*batch.args(finite=True), sliding_window=window, sinks=sinks)
+    assert_close(out, dense_attention(batch, sinks=sinks), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "window"), SINK_CASES)
+def test_cpu_attention_with_sinks_matches_dense(cpu_kernel_ops, block_size, window, dtype):
+    batch = sink_batch(block_size, window, dtype=dtype)
+    sinks = make_sinks(6)
+    out = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=window, sinks=sinks)
+    assert_close(out, dense_attention(batch, sinks=sinks), dtype)
+
+
+@pytest.mark.parametrize(("seqs", "window"), [
+    pytest.param([(1500, 1)], None, id="decode-split"),
+    pytest.param([(1500, 1)], 400, id="windowed-decode-split"),
+    pytest.param([(300, 5)], None, id="verification-chunk-split"),
+    pytest.param([(1500, 1), (700, 1)], None, id="two-decodes"),
+])
+def test_cpu_attention_with_sinks_merges_key_splits(cpu_kernel_ops, seqs, window):
+    """A decode's keys split over threads (a lone sequence splits even on one thread): the
+    sink joins the merged denominator once."""
+    batch = make_batch(seqs, 16, 2, 4, 128, sliding_window=window)
+    sinks = make_sinks(8)
+    out = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=window, sinks=sinks)
+    assert_close(out, dense_attention(batch, sinks=sinks), torch.float32)
+
+
+@pytest.mark.parametrize(("queries_per_kv", "head_dim", "window"), [
+    pytest.param(8, 64, None, id="gqa8-d64"),  # gpt-oss's heads: 64 query, 8 KV, head_dim 64
+    pytest.param(4, 128, 200, id="gqa4-d128-window200"),
+])
+def test_cpu_long_bf16_prefills_with_sinks_match_dense(cpu_kernel_ops, queries_per_kv, head_dim,
+                                                       window):
+    """Prefill chunks on the tiles of pair-dot products (prefill_tiles.h) normalise with the
+    sink too."""
+    seqs = [(600, 600), (700, 300), (333, 45), (260, 1)]
+    batch = make_batch(seqs, 16, 2, queries_per_kv, head_dim, dtype=torch.bfloat16,
+                       sliding_window=window)
+    sinks = make_sinks(2 * queries_per_kv)
+    out = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out.double(), dense_attention(batch, sinks=sinks), atol=1e-2,
+                               rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.int8])
+def test_cpu_attention_with_sinks_over_quantized_caches(cpu_kernel_ops, dtype, codes):
+    """Decodes (one split over threads), chunks and a long prefill (tiles, in bf16) over an
+    int8 / fp8 cache, against the oracle with the same sinks over the de-quantized caches."""
+    seqs = mixed_seqs(16) + [(300, 300), (700, 1)]
+    batch = make_batch(seqs, 16, 2, 4, 64, dtype=dtype)
+    key_cache, value_cache, dequantized = quantized_caches(batch, codes, cpu_kernel_ops.store_kv)
+    sinks = make_sinks(8)
+    out = cpu_kernel_ops.paged_attention(batch.query, key_cache, value_cache, *batch.args()[3:],
+                                         sinks=sinks)
+    expected = reference.paged_attention(batch.query.float(), *dequantized, *batch.args()[3:],
+                                         sinks=sinks)
+    assert_close(out, expected, dtype)
+
+
+def test_cpu_attention_verification_rows_with_sinks_equal_their_decodes(cpu_kernel_ops):
+    batch = make_batch([(700, 5)], 16, 2, 4, 64, dtype=torch.bfloat16, sliding_window=128)
+    sinks = make_sinks(8)
+    chunk = cpu_kernel_ops.paged_attention(*batch.args(), sliding_window=128, sinks=sinks)
+    for t in range(5):
+        decode = cpu_kernel_ops.paged_attention(
+            batch.query[t:t + 1], batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.seq_lens - 4 + t, torch.tensor([0, 1], dtype=torch.int32), batch.scale,
+            sliding_window=128, sinks=sinks)
+        assert torch.equal(chunk[t:t + 1], decode), f"query token {t}"
+
+
+def test_cpu_attention_refuses_sinks_not_one_fp32_per_head(cpu_kernel_ops):
+    batch = sink_batch(16, None)
+    for sinks in (make_sinks(5), make_sinks(6).bfloat16()):
+        with pytest.raises(RuntimeError, match=r"sinks: contiguous fp32 \[heads\]"):
+            cpu_kernel_ops.paged_attention(*batch.args(), sinks=sinks)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(("block_size", "window"), SINK_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_attention_with_sinks_matches_dense(device, block_size, window, dtype):
+    batch = sink_batch(block_size, window, dtype=dtype, device=device)
+    sinks = make_sinks(6, device)
+    out = triton_paged_attention(*batch.args(), sliding_window=window, sinks=sinks)
+    assert_close(out, dense_attention(batch, sinks=sinks), dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("codes", [None, torch.float8_e4m3fn, torch.int8])
+def test_triton_attention_with_sinks_merges_key_splits(device, codes):
+    """Decodes split over programs (over a plain, fp8 or int8 cache): the merge adds the sink
+    to the denominator once."""
+    batch = make_batch([(200, 1), (77, 1), (9, 1)], 8, 2, 2, 64, device=device,
+                       sliding_window=50)
+    key_cache, value_cache = batch.key_cache, batch.value_cache
+    expected_cache = key_cache.nan_to_num(0.0), value_cache.nan_to_num(0.0)
+    if codes is not None:
+        key_cache, value_cache, expected_cache = quantized_caches(batch, codes, triton_store_kv)
+    sinks = make_sinks(4, device)
+    call = AttentionCall(batch.query, key_cache, value_cache, *batch.args()[3:],
+                         sliding_window=50, sinks=sinks)
+    out = triton_attend(call, block_n=16, num_kv_splits=3)
+    expected = reference.paged_attention(batch.query, *expected_cache, *batch.args()[3:],
+                                         sliding_window=50, sinks=sinks)
+    assert_close(out, expected, torch.float32)
+
+
+@needs_triton
+def test_triton_attention_refuses_sinks_not_one_fp32_per_head():
+    batch = sink_batch(16, None)
+    with pytest.raises(ValueError, match="sinks"):
+        triton_paged_attention(*batch.args(), sinks=make_sinks(5))

@@ -12,7 +12,7 @@ from kvscope.engine.worker.model_runner import default_dtype
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.moe import Experts, MoeConfig, TopKRouter
 from kvscope.engine.worker.models.quantized import pack_model, quantize_model
-from kvscope.kernels import cpu_kernels
+from kvscope.kernels import cpu_kernels, mxfp4
 
 CPU = torch.device("cpu")
 MOE = MoeConfig(num_experts=8, top_k=3, hidden_size=64, intermediate_size=32,
@@ -116,3 +116,44 @@ def test_a_router_bias_shifts_the_logits_before_the_softmax():
     probabilities = torch.softmax(router.bias, dim=0)
     assert ids.tolist() == [[1, 3]] * 3
     torch.testing.assert_close(weights, probabilities[[1, 3]].expand(3, 2))
+
+
+GPT_OSS = MoeConfig(num_experts=8, top_k=3, hidden_size=64, intermediate_size=32,
+                    normalize_top_k=True, expert_bias=True, activation="swigluoai",
+                    gpt_oss_layout=True, mxfp4=True)
+
+
+def mxfp4_experts_module(dtype: torch.dtype) -> nn.Module:
+    """gpt-oss's experts as the hub ships them: MXFP4 blocks and scales ([experts, out, ...],
+    gate and up outputs interleaved), dense biases; values large enough that the swiglu's
+    clamps bite."""
+    generator = torch.Generator().manual_seed(4)
+    holder = nn.Module()
+    with default_dtype(dtype):
+        holder.experts = Experts(GPT_OSS)
+    for name, (out, into) in {"gate_up_proj": (64, 64), "down_proj": (64, 32)}.items():
+        blocks, scales = mxfp4.quantize(torch.randn(8, out, into, generator=generator))
+        holder.experts.load_tensor(f"{name}_blocks", blocks, name)
+        holder.experts.load_tensor(f"{name}_scales", scales, name)
+        holder.experts.load_tensor(f"{name}_bias", torch.randn(8, out, generator=generator), name)
+    assert holder.experts.unloaded() == []
+    return holder
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 150])
+def test_the_cpu_experts_op_streams_mxfp4_experts_as_the_oracle(tokens, dtype):
+    """MXFP4 experts stay uint8 and run through mxfp4_linear (a few rows) or one expert
+    de-quantized for a GEMM (more), with gpt-oss's activation, against the oracle over the
+    de-quantized experts."""
+    kernels = mxfp4_experts_module(dtype)
+    oracle = copy.deepcopy(kernels)
+    bind_kernel_ops(kernels, cpu_kernels.kernel_ops())
+    assert kernels.experts.gate_up_proj.weight.dtype == torch.uint8
+    hidden = (torch.randn(tokens, 64, generator=torch.Generator().manual_seed(2)) * 2).to(dtype)
+    weights, ids = routing(tokens)
+    out = kernels.experts(hidden, weights, ids)
+    expected = oracle.experts(hidden, weights, ids)
+    error = (out.float() - expected.float()).abs().max().item()
+    assert error <= TOLERANCE[dtype] * expected.float().abs().max().item()

@@ -14,10 +14,12 @@ from safetensors.torch import save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.kv_groups import kv_cache_groups
 from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.models import MODEL_REGISTRY, model_class
+from kvscope.engine.worker.models.attention import layer_windows
 from kvscope.engine.worker.models.moe import MOE_MODEL_TYPES, SparseMoeBlock, sparse_layers
 
 MAX_TOKENS = 10
@@ -80,12 +82,15 @@ def test_greedy_matches_transformers(arch, enforce_eager, make_engine, eager_eng
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize(("arch", "enforce_eager"), PATHS)
 def test_greedy_output_through_every_feature(arch, enforce_eager, preemption_mode, make_engine,
-                                             eager_engine, run_engine, expected):
+                                             eager_engine, run_engine, expected, tiny_model):
     """Chunked prefill (7 tokens a step, so experts see ragged groups of tokens), two greedy
     samples per prompt, a pool too small for the batch (preemption), prefix caching and a
     second pass: every sample equals transformers', and every block comes back."""
+    # 12 blocks for each KV cache group (gpt-oss's windowed and full layers make two).
+    groups = len(kv_cache_groups(layer_windows(tiny_model(arch).hf_model.config)))
     engine = _engine(enforce_eager, make_engine, eager_engine, arch, block_size=4,
-                     num_gpu_blocks_override=12, max_model_len=48, max_num_batched_tokens=7,
+                     num_gpu_blocks_override=12 * groups, max_model_len=48,
+                     max_num_batched_tokens=7,
                      preemption_mode=preemption_mode, swap_space=0.01,
                      enable_prefix_caching=True)
     params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

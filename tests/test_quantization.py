@@ -416,15 +416,19 @@ def fake_quantized(model: nn.Module, quantization: str) -> nn.Module:
     model = copy.deepcopy(model)
     with torch.no_grad():
         # A MoE layer's experts (transformers' 3-D gate_up_proj / down_proj) quantize like
-        # linears, row by row; its router stays as it is.
+        # linears, output row by output row (gpt-oss holds them [experts, in, out]); its
+        # router stays as it is.
+        transposed = model.config.model_type == "gpt_oss"
         for name, parameter in model.named_parameters():
             if parameter.dim() == 3 and ".experts." in name:
-                rows = parameter.view(-1, parameter.shape[-1])
+                weight = parameter.transpose(1, 2) if transposed else parameter
+                rows = weight.reshape(-1, weight.shape[-1])
                 if quantization == "int4":
-                    rows.copy_(quantize_int4(rows, 32).dequantize())
+                    rows = quantize_int4(rows, 32).dequantize()
                 else:
                     q, scale = quantize_int8(rows)
-                    rows.copy_(q.float() * scale.unsqueeze(-1))
+                    rows = q.float() * scale.unsqueeze(-1)
+                weight.copy_(rows.view(weight.shape))
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and quantization == "int4" and "lm_head" not in name:
                 module.weight.copy_(quantize_int4(module.weight, 32).dequantize())

@@ -339,3 +339,170 @@ def test_structured_output_starts_after_the_reasoning_ends(offline_llm):
     for text in texts:  # free text, the marker, then only what the grammar allows
         assert "z" in text and text.split("z", 1)[1] in ("yes", "no"), text
     assert any(text.index("z") > 0 for text in texts)  # some thought before the marker
+
+
+# ---- gpt-oss's harmony format: `openai_gptoss` reasoning, `openai` calls -----------------
+HARMONY_THINK = "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+HARMONY_ANSWER = (HARMONY_THINK + "<|start|>assistant<|channel|>final<|message|>"
+                  "It is sunny in Paris.<|return|>")
+HARMONY_CALLS = (
+    HARMONY_THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris",\n "unit": "C"}<|call|>'
+    '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1, "b": 2}'
+    "<|call|>")
+
+
+def harmony_parser() -> ChatOutputParser:
+    return ChatOutputParser(REASONING_PARSERS["openai_gptoss"](), TOOL_PARSERS["openai"]())
+
+
+@pytest.mark.parametrize("parser", [
+    pytest.param(harmony_parser(), id="reasoning-and-tool-parser"),
+    pytest.param(ChatOutputParser(REASONING_PARSERS["openai_gptoss"]()), id="reasoning-parser"),
+])
+def test_harmony_analysis_is_reasoning_final_is_content(parser):
+    assert parser.reads_special_tokens
+    message = parser.message(HARMONY_ANSWER)
+    assert (message["reasoning_content"], message["content"]) == (
+        "The user wants the weather.", "It is sunny in Paris.")
+    assert "tool_calls" not in message
+    assert parser.finish_reason(HARMONY_ANSWER, "stop") == "stop"
+    joined = streamed(parser, HARMONY_ANSWER)
+    assert (joined["reasoning_content"], joined["content"]) == (
+        message["reasoning_content"], message["content"])
+
+
+def test_harmony_calls_to_functions_are_tool_calls_preambles_are_content():
+    """Calls name their function before or after the channel, with `json` alone or after
+    `<|constrain|>`; the arguments are re-encoded JSON; a preamble (commentary to nobody)
+    is content."""
+    parser = harmony_parser()
+    message = parser.message(HARMONY_CALLS)
+    assert message["reasoning_content"] == "The user wants the weather."
+    assert message["content"] == "Checking."
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert calls == [("get_weather", '{"city": "Paris", "unit": "C"}'),
+                     ("add", '{"a": 1, "b": 2}')]
+    assert parser.finish_reason(HARMONY_CALLS, "stop") == "tool_calls"
+    joined = streamed(parser, HARMONY_CALLS)
+    assert (joined["reasoning_content"], joined["content"]) == ("The user wants the weather.",
+                                                                "Checking.")
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"])
+            for c in joined["tool_calls"]] == [(i, *call) for i, call in enumerate(calls)]
+    # Only the calls: the reasoning parser alone leaves them out of the content.
+    alone = ChatOutputParser(REASONING_PARSERS["openai_gptoss"]()).message(HARMONY_CALLS)
+    assert alone["content"] == "Checking." and "tool_calls" not in alone
+
+
+@pytest.mark.parametrize("text, reasoning, content, arguments", [
+    pytest.param("<|channel|>analysis<|message|>cut by max_tok", "cut by max_tok", "", None,
+                 id="cut-in-the-reasoning"),
+    pytest.param("<|channel|>final<|message|>no thinking", "", "no thinking", None,
+                 id="answer-without-reasoning"),
+    pytest.param("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis"
+                 "<|message|>b<|end|><|start|>assistant<|channel|>fi", "a\nb", "", None,
+                 id="two-analysis-messages-then-an-unfinished-header"),
+    pytest.param("<|channel|>commentary to=functions.add <|constrain|>json<|message|>{oops"
+                 "<|call|>", "", "", "{oops", id="arguments-that-are-not-json-as-written"),
+    pytest.param("<|channel|>commentary to=functions.add code<|message|>print(1)<|call|>", "",
+                 "", "print(1)", id="arguments-of-another-type-as-written"),
+])
+def test_harmony_partial_and_odd_outputs(text, reasoning, content, arguments):
+    parsed = harmony_parser().parse(text, final=True)
+    assert (parsed.reasoning, parsed.content) == (reasoning, content)
+    assert [call.arguments for call in parsed.calls] == ([arguments] if arguments else [])
+
+
+# A user's question, its call, and the answer once the call's result came back: the tiny
+# scripted model writes each (tests/harmony_models.py).
+HARMONY_QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather tool.<|end|>"
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather "
+                '<|constrain|>json<|message|>{"city": "Paris", "unit": "C"}<|call|>')
+HARMONY_RESULT = "18 degrees, sunny"
+HARMONY_AFTER_RESULT = ("<|channel|>analysis<|message|>The tool said 18.<|end|>"
+                        "<|start|>assistant<|channel|>final<|message|>18 C and sunny.<|return|>")
+
+
+def harmony_conversation(call_id: str = "call-0") -> list[dict]:
+    return [*HARMONY_QUESTION,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": HARMONY_RESULT}]
+
+
+@pytest.fixture(scope="module")
+def harmony_client(tmp_path_factory):
+    from harmony_models import save_harmony_tokenizer, save_scripted_model
+
+    from kvscope.engine.orchestrator.chat import render_chat
+    folder = tmp_path_factory.mktemp("tiny-harmony")
+    tokenizer = save_harmony_tokenizer(folder)
+    scripts = []
+    for messages, tools, answer in ((HARMONY_QUESTION, None, HARMONY_ANSWER),
+                                    (HARMONY_QUESTION, [WEATHER], HARMONY_CALL),
+                                    (harmony_conversation(), [WEATHER], HARMONY_AFTER_RESULT)):
+        body = ChatCompletionRequest(messages=messages, tools=tools)  # as the server reads it
+        scripts.append((render_chat(tokenizer, body.conversation(), tools=body.template_tools()),
+                        answer))
+    save_scripted_model(folder, tokenizer, scripts)
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(folder), dtype="float32", device="cpu", block_size=16,
+        num_gpu_blocks_override=256, max_model_len=2048, max_num_batched_tokens=2048)).start()
+    parsing = ChatParsing(enable_auto_tool_choice=True, tool_call_parser="openai",
+                          reasoning_parser="openai_gptoss")
+    url, server, thread = serve(create_app(engine, chat_parsing=parsing))
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    server.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_reads_harmony_reasoning_and_answer(harmony_client, stream):
+    model = harmony_client.models.list().data[0].id
+    request = {"model": model, "messages": HARMONY_QUESTION, "max_tokens": 200,
+               "temperature": 0}
+    if not stream:
+        choice = harmony_client.chat.completions.create(**request).choices[0]
+        reasoning, content = choice.message.reasoning_content, choice.message.content
+        finish_reason = choice.finish_reason
+    else:
+        reasoning = content = ""
+        for chunk in harmony_client.chat.completions.create(**request, stream=True):
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                content += choice.delta.content or ""
+                finish_reason = choice.finish_reason or None
+    assert (reasoning, content) == ("The user wants the weather.", "It is sunny in Paris.")
+    assert finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_harmony_tool_loop(harmony_client, stream):
+    """The model calls get_weather on the commentary channel; the call and its result go
+    back through the template, and the model answers on the final channel."""
+    model = harmony_client.models.list().data[0].id
+    request = {"model": model, "messages": HARMONY_QUESTION, "tools": [WEATHER],
+               "max_tokens": 200, "temperature": 0}
+    if stream:
+        calls, finish_reason = accumulated_tool_calls(
+            harmony_client.chat.completions.create(**request, stream=True))
+        name, arguments, call_id = calls[0]["name"], calls[0]["arguments"], calls[0]["id"]
+        assert len(calls) == 1
+    else:
+        choice = harmony_client.chat.completions.create(**request).choices[0]
+        assert choice.message.reasoning_content == "Need the weather tool."
+        assert choice.message.content is None
+        (call,), finish_reason = choice.message.tool_calls, choice.finish_reason
+        name, arguments, call_id = call.function.name, call.function.arguments, call.id
+    assert finish_reason == "tool_calls"
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris", "unit": "C"})
+    answer = harmony_client.chat.completions.create(
+        model=model, messages=harmony_conversation(call_id), tools=[WEATHER], max_tokens=200,
+        temperature=0).choices[0]
+    assert (answer.message.reasoning_content, answer.message.content) == (
+        "The tool said 18.", "18 C and sunny.")
+    assert answer.finish_reason == "stop" and answer.message.tool_calls is None

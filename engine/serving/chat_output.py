@@ -25,6 +25,13 @@ class ChatOutputParser:
     tools: ToolParser | None = None
     calls_finish: bool = True
 
+    @property
+    def reads_special_tokens(self) -> bool:
+        """Whether the answer must be detokenized with its special tokens (harmony's
+        markers are)."""
+        return any(parser is not None and parser.reads_special_tokens
+                   for parser in (self.reasoning, self.tools))
+
     def parse(self, text: str, final: bool) -> ParsedAnswer:
         reasoning, answer = "", text
         if self.reasoning is not None:
@@ -32,7 +39,7 @@ class ChatOutputParser:
             reasoning, answer = split.reasoning, split.content
         if self.tools is None:
             return ParsedAnswer(reasoning, answer, [])
-        extracted = self.tools.extract(answer, final)
+        extracted = self.tools.extract(text if self.tools.reads_whole_output else answer, final)
         return ParsedAnswer(reasoning, extracted.content, extracted.calls)
 
     def message(self, text: str) -> dict:

@@ -87,6 +87,8 @@ def openai_router(engine: EngineView, model: ServedModel,
         structured = params.structured_outputs
         parser = chat_parsing.for_request(body, template_supports_tools(engine.tokenizer),
                                           prompt, structured=structured is not None)
+        if parser.reads_special_tokens:  # the parsers read markers that are special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if structured is not None and parser.reasoning is not None:
             # The model thinks first; the grammar starts once the thinking ends.
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(

@@ -12,7 +12,7 @@ TORCH_LIBRARY(kvscope, m) {
   // attention/paged_attention.cpp
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor(a!) out, int window=0, "
-        "float soft_cap=0.) -> ()");
+        "float soft_cap=0., Tensor? sinks=None) -> ()");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
   // fused_ops.cpp
@@ -45,6 +45,9 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("gguf_dequantize(Tensor weight, int type, Tensor(a!) out) -> ()");
   m.def("gguf_rounds_activations_to_int8() -> bool", &gguf_rounds_activations_to_int8);
   m.def("gguf_repacked_type(int type) -> int", &gguf_repacked_type);
+  // quantized/mxfp4.cpp
+  m.def("mxfp4_linear(Tensor x, Tensor blocks, Tensor scales, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("mxfp4_dequantize(Tensor blocks, Tensor scales, Tensor(a!) out) -> ()");
   // moe.cpp
   m.def("moe_experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up, "
         "Tensor? gate_up_bias, Tensor? gate_up_scales, Tensor? gate_up_offsets, Tensor down, "
@@ -89,6 +92,8 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("int8_dequantize", &int8_dequantize);
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("mxfp4_linear", &mxfp4_linear);
+  m.impl("mxfp4_dequantize", &mxfp4_dequantize);
   m.impl("moe_experts", &moe_experts);
   m.impl("greedy_tokens", &greedy_tokens);
 }

@@ -15,7 +15,8 @@
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     at::Tensor out, int64_t window, double soft_cap);
+                     at::Tensor out, int64_t window, double soft_cap,
+                     const std::optional<at::Tensor>& sinks);
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
               at::Tensor value_cache, const at::Tensor& slot_mapping);
 
@@ -63,6 +64,11 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
 void gguf_dequantize(const at::Tensor& weight, int64_t type, at::Tensor out);
 bool gguf_rounds_activations_to_int8();
 int64_t gguf_repacked_type(int64_t type);
+
+// quantized/mxfp4.cpp
+void mxfp4_linear(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& bias, at::Tensor out);
+void mxfp4_dequantize(const at::Tensor& blocks, const at::Tensor& scales, at::Tensor out);
 
 // moe.cpp: a mixture-of-experts layer's experts over a step's tokens (moe.h)
 void moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids,

@@ -55,7 +55,7 @@ void mixture_of_experts(const at::Tensor& x, const kvscope::MoeWeights& moe,
   auto [weights, ids] = kvscope::route_top_k(logits, options.top_k, options.normalize_top_k,
                                              options.round_weights);
   traced("kvscope::moe_experts", [&] {
-    kvscope::run_experts(x, ids, weights, moe.gate_up, moe.down, kvscope::ExpertActivation::kSilu,
+    kvscope::run_experts(x, ids, weights, moe.gate_up, moe.down, options.expert_activation,
                          config.limits(), out, moe.expert_counts);
   });
   if (!moe.shared_gate) return;
@@ -265,6 +265,7 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
   layer.k_norm = reader.optional("self_attn.k_norm.weight");
   TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
               "LlamaDecoderStack: a layer has a q_norm without a k_norm, or the reverse");
+  layer.sinks = reader.optional("self_attn.sinks");
   // A Gemma layer, which names its MLP's input norm pre_feedforward_layernorm, uses the name
   // post_attention_layernorm for its attention's output norm; so does an Olmo 3 layer, which
   // has a post_feedforward_layernorm but no input norms.
@@ -312,6 +313,10 @@ kvscope::LayerOptions kvscope::LayerOptions::from(const c10::Dict<std::string, i
   TORCH_CHECK(options.kv_group >= 0, "LlamaDecoderStack: kv_group must be >= 0");
   options.top_k = reader.optional("top_k").value_or(0);
   options.normalize_top_k = reader.optional("normalize_top_k").value_or(0) != 0;
+  const int64_t activation = reader.optional("expert_activation").value_or(0);
+  TORCH_CHECK(activation == 0 || activation == 1,
+              "LlamaDecoderStack: expert_activation must be 0 (silu) or 1 (swigluoai)");
+  options.expert_activation = static_cast<ExpertActivation>(activation);
   options.round_weights = reader.optional("round_weights").value_or(0) != 0;
   TORCH_CHECK(options.top_k >= 0, "LlamaDecoderStack: top_k must be >= 0");
   reader.check_all_read();
@@ -481,7 +486,7 @@ at::Tensor LlamaDecoderStack::forward(const at::Tensor& input_ids, const at::Ten
     traced("kvscope::paged_attention", [&] {
       paged_attention(work.query, key_caches[index], value_caches[index], group_tables[group],
                       seq_lens, query_start_loc, config_.attention_scale, attended,
-                      options.sliding_window, config_.model.attention_soft_cap);
+                      options.sliding_window, config_.model.attention_soft_cap, layer.sinks);
     });
     project(work.attended, layer.o_proj, config_, work.projected);
     if (layer.attention_output_norm)

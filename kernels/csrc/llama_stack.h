@@ -42,6 +42,7 @@ struct DecoderLayerWeights {
   // RMSNorm of the queries and keys: per head where the weight is head_dim wide (Qwen3,
   // Gemma 3), over the whole projection where it is as wide as that (Olmo 3, OLMoE).
   std::optional<at::Tensor> q_norm, k_norm;
+  std::optional<at::Tensor> sinks;  // fp32 [heads]: the attention's sink logits (gpt-oss)
   // Gemma and Olmo 3 normalise the attention's and the MLP's outputs before each joins the
   // residual stream (their post_attention_layernorm and post_feedforward_layernorm).
   std::optional<at::Tensor> attention_output_norm, mlp_output_norm;
@@ -68,6 +69,8 @@ struct LayerOptions {
   // dtype.
   int64_t top_k = 0;
   bool normalize_top_k = false, round_weights = false;
+  // Its experts' activation, as kernel_ops.EXPERT_ACTIVATIONS indexes it (0: silu).
+  ExpertActivation expert_activation = ExpertActivation::kSilu;
 
   // Every name must be one of the above.
   static LayerOptions from(const c10::Dict<std::string, int64_t>& named);

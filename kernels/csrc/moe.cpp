@@ -12,6 +12,7 @@
 #include <ATen/ops/topk.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -29,11 +30,35 @@ kvscope::LinearWeights kvscope::ExpertLinears::expert(int64_t e) const {
 }
 
 kvscope::ExpertActivation kvscope::expert_activation(const std::string& name) {
-  TORCH_CHECK(name == "silu", "moe_experts: activation '", name, "'; supported: silu");
+  if (name == "swigluoai") return ExpertActivation::kSwigluOai;
+  TORCH_CHECK(name == "silu", "moe_experts: activation '", name, "'; supported: silu, swigluoai");
   return ExpertActivation::kSilu;
 }
 
 namespace {
+
+// kernel_ops.SWIGLU_ALPHA and SWIGLU_LIMIT.
+constexpr float kSwigluAlpha = 1.702f, kSwigluLimit = 7.f;
+
+// out [rows, width] = gpt-oss's activation of x's gate half (the first) and up half: gate
+// clamped to at most the limit, up to +-limit, gate * sigmoid(alpha * gate) * (up + 1),
+// in fp32 and rounded once (reference.expert_activation).
+template <typename T>
+void swiglu_oai_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), width = out.size(1);
+  const T* in = kvscope::elements<T>(x);
+  T* y = kvscope::elements<T>(out);
+  kvscope::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < width; ++i) {
+        const float gate = std::min(kvscope::load(in[r * 2 * width + i]), kSwigluLimit);
+        const float up = std::clamp(kvscope::load(in[r * 2 * width + width + i]), -kSwigluLimit,
+                                    kSwigluLimit);
+        const float glu = gate * (1.f / (1.f + std::exp(-(gate * kSwigluAlpha))));
+        kvscope::store(y[r * width + i], glu * (up + 1.f));
+      }
+  });
+}
 
 // The sum back per token: out[t] = sum over its k experts, ascending, of weight * that
 // expert's output row (rows[position[t * k + j]]), in fp32, rounded once to T.
@@ -127,6 +152,12 @@ void kvscope::run_experts(const at::Tensor& hidden, const at::Tensor& ids,
     switch (activation) {
       case ExpertActivation::kSilu:
         traced("kvscope::silu_and_mul", [&] { silu_and_mul(projected, activated); });
+        break;
+      case ExpertActivation::kSwigluOai:
+        if (hidden.scalar_type() == at::kFloat)
+          swiglu_oai_rows<float>(projected, activated);
+        else
+          swiglu_oai_rows<kvscope::bf16>(projected, activated);
         break;
     }
     // Experts are never in oneDNN's tiles, so project writes into this view.

@@ -31,7 +31,8 @@ struct ExpertLinears {
 };
 
 // The activations between the gate/up and the down projections (kernel_ops.EXPERT_ACTIVATIONS).
-enum class ExpertActivation { kSilu };
+// kSwigluOai: gpt-oss's clamped SwiGLU (kernel_ops.SWIGLU_ALPHA / SWIGLU_LIMIT).
+enum class ExpertActivation { kSilu, kSwigluOai };
 ExpertActivation expert_activation(const std::string& name);
 
 // out [tokens, hidden] in hidden's dtype: for each token, the sum over its k experts

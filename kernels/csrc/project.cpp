@@ -53,11 +53,25 @@ void dense_project(const at::Tensor& x, const at::Tensor& weight,
   traced("kvscope::linear_small_batch", [&] { linear_small_batch(x, weight, bias, out); });
 }
 
+// out = x @ weight.T (+ bias) for MXFP4 weights (uint8 blocks and uint8 e8m0 scales: gpt-oss's
+// experts), streamed up to kernel_max_rows rows, else de-quantized once for the dense route.
+void mxfp4_project(const at::Tensor& x, const LinearWeights& linear, const ProjectLimits& limits,
+                   at::Tensor& out) {
+  if (x.size(0) <= limits.kernel_max_rows)
+    return traced("kvscope::mxfp4_linear",
+                  [&] { mxfp4_linear(x, linear.weight, *linear.scales, linear.bias, out); });
+  at::Tensor dense = at::empty({linear.weight.size(0), x.size(1)}, x.options());
+  traced("kvscope::mxfp4_dequantize",
+         [&] { mxfp4_dequantize(linear.weight, *linear.scales, dense); });
+  dense_project(x, dense, linear.bias, out);
+}
+
 // out = x @ weight.T (+ bias) for packed weights: up to kernel_max_rows rows stream the packed
 // weight through a kernel; more rows are compute-bound and de-quantize it once for the dense
 // route (the packed modules' forward does the same through cpu_kernels.linear).
-void quantized_project(const at::Tensor& x, const LinearWeights& linear,
-                       const ProjectLimits& limits, at::Tensor& out) {
+void quantized_project(const at::Tensor& x, const LinearWeights& linear, const ProjectLimits& limits,
+                       at::Tensor& out) {
+  if (linear.scales->scalar_type() == at::kByte) return mxfp4_project(x, linear, limits, out);
   const bool int4 = linear.weight.scalar_type() == at::kByte;
   if (x.size(0) <= limits.kernel_max_rows) {
     if (int4)

@@ -219,6 +219,18 @@ inline FP32Vec16 exp_nonpositive(FP32Vec16 x) {
   return exp2_of_fraction(t - n) * (f32x16)exponent;
 }
 
+// table[codes[i] & 15] in lane i: 16 entries of a 16-value table picked by 4-bit codes (an
+// MXFP4 group's values), one vpermps on AVX-512.
+inline FP32Vec16 lookup16(FP32Vec16 table, u32x16 codes) {
+#if defined(__AVX512F__)
+  return _mm512_permutexvar_ps((__m512i)(codes & 15u), table.reg);
+#else
+  FP32Vec16 picked;
+  for (int i = 0; i < 16; ++i) picked.reg[i] = table.reg[codes[i] & 15u];
+  return picked;
+#endif
+}
+
 // a * b + c with a single rounding where the CPU has FMA (vfmadd), else two. Kernels write
 // their multiply-adds with it rather than leave them to the compiler's contraction, which in
 // `a * b + c * d` fuses whichever product it meets first: the rounding would then hang on

@@ -3,10 +3,12 @@ thinking (`reasoning_content`) and its answer (`content`), as vLLM's of the same
 
 from kvscope.engine.serving.reasoning.base import ReasoningParser, held_back
 from kvscope.engine.serving.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from kvscope.engine.serving.reasoning.openai_gptoss import GptOssReasoningParser
 from kvscope.engine.serving.reasoning.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
 

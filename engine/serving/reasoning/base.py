@@ -32,6 +32,9 @@ class ReasoningParser:
     # Whether output with no start marker is thinking (the template opened it in the
     # prompt) or a plain answer (thinking was switched off).
     thinks_without_start = True
+    # Whether the markers are special tokens, which the output's text must then keep
+    # (the request is detokenized with skip_special_tokens=False).
+    reads_special_tokens = False
 
     def __init__(self, prompt: str = "") -> None:
         """`prompt`: the rendered prompt; one that leaves a thinking block open means the

@@ -6,10 +6,12 @@ from kvscope.engine.serving.tool_parsers.base import ExtractedToolCalls, ToolCal
 from kvscope.engine.serving.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from kvscope.engine.serving.tool_parsers.hermes import HermesToolParser
 from kvscope.engine.serving.tool_parsers.llama3_json import Llama3JsonToolParser
+from kvscope.engine.serving.tool_parsers.openai import OpenAIToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "openai": OpenAIToolParser,
 }
 
 __all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "NamedToolParser", "RequiredToolParser",

@@ -27,6 +27,12 @@ class ToolParser(ABC):
     difference between two answers.
     """
 
+    # Whether it reads the whole output rather than what follows the reasoning (harmony's
+    # calls sit among the reasoning's messages), and then returns the answer's content.
+    reads_whole_output = False
+    # Whether its markers are special tokens, which the output's text must then keep.
+    reads_special_tokens = False
+
     @abstractmethod
     def extract(self, text: str, final: bool) -> ExtractedToolCalls: ...
 

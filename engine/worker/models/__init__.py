@@ -25,6 +25,7 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": LlamaForCausalLM,  # with attention sinks and MXFP4 experts
     "OPTForCausalLM": OPTForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,

@@ -61,11 +61,12 @@ class PagedAttention(UsesKernelOps):
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [tokens, heads * dim], key/value [tokens, kv_heads * dim] -> [tokens, heads * dim].
         key and value None: the caller shares this layer's K/V, which an earlier layer of the
-        forward wrote (Gemma 4's KV-shared layers), and attends over them without writing."""
+        forward wrote (Gemma 4's KV-shared layers), and attends over them without writing.
+        sinks: fp32 [heads], each head's sink logit (gpt-oss's attention sinks)."""
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         group = self.kv_group
@@ -77,6 +78,6 @@ class PagedAttention(UsesKernelOps):
         out = self.ops.paged_attention(
             query, self.key_cache, self.value_cache, meta.group_block_tables[group], meta.seq_lens,
             meta.query_start_loc, self.scale, sliding_window=self.sliding_window,
-            soft_cap=self.soft_cap,
+            soft_cap=self.soft_cap, sinks=sinks,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)

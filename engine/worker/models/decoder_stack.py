@@ -9,6 +9,7 @@ from kvscope.engine.worker.models.attention import AttentionMetadata
 from kvscope.engine.worker.models.layers import Linear
 from kvscope.engine.worker.models.moe import Experts, SparseMoeBlock
 from kvscope.engine.worker.models.quantized import GgufLinear, Int4Linear, kernel_max_rows
+from kvscope.kernels import EXPERT_ACTIVATIONS
 
 
 def gguf_parts(module: GgufLinear) -> torch.Tensor:
@@ -52,7 +53,8 @@ def moe_options(layer: nn.Module) -> dict[str, int]:
         return {}
     moe = layer.mlp.gate.moe
     return {"top_k": moe.top_k, "normalize_top_k": int(moe.normalize_top_k),
-            "round_weights": int(moe.round_weights)}
+            "round_weights": int(moe.round_weights),
+            "expert_activation": EXPERT_ACTIVATIONS.index(moe.activation)}
 
 
 def tile_outputs(module: nn.Module) -> float:

@@ -1,7 +1,7 @@
 """The Llama family (Llama 2/3/3.2, SmolLM2/3, Mistral, Ministral 3, Qwen2/3,
 Phi-3/3.5/4-mini, Olmo 3) and its mixture-of-experts kin (Qwen3-MoE, Qwen2-MoE, OLMoE,
-Mixtral: moe.py's layer as the MLP) over paged attention: one layer code, whose per-layer
-differences (LayerKind) and rotary tables are read from the transformers config."""
+Mixtral, gpt-oss: moe.py's layer as the MLP) over paged attention: one layer code, whose
+per-layer differences (LayerKind) and rotary tables are read from the transformers config."""
 
 from dataclasses import dataclass
 
@@ -39,6 +39,7 @@ POST_NORM_MODEL_TYPES = ("olmo3",)
 # 1 + beta * log(1 + floor(position / original_max_position_embeddings)) after the rotary.
 QUERY_SCALE_MODEL_TYPES = ("ministral3",)
 SUPPORTED_ACTIVATIONS = ("silu",)  # the gate of the gated MLP (silu_and_mul)
+SINK_MODEL_TYPES = ("gpt_oss",)  # attention sinks: a logit per query head in the softmax
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -167,6 +168,7 @@ class LayerKind:
     post_norms: bool = False  # Olmo 3: attention and MLP outputs normalised, inputs not
     rotary_table: int = 0  # which of RotaryTables' tables it reads (Olmo 3: per layer type)
     sparse: bool = False  # the MLP is a mixture of experts (moe.sparse_layers)
+    sinks: bool = False  # gpt-oss: a learned sink logit per query head in the softmax
 
     def stack_options(self) -> dict[str, int]:
         # The norms' placement and width the stack reads from the weights' names and sizes.
@@ -189,7 +191,8 @@ def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
     tables = [rope_types.index(kind) for kind in config.layer_types] if rope_types else None
     return [LayerKind(qkv_bias=qkv_bias, qk_norm=qk_norm, rotary=bool(uses_rope[index]),
                       sliding_window=window, post_norms=config.model_type in POST_NORM_MODEL_TYPES,
-                      rotary_table=tables[index] if tables else 0, sparse=sparse)
+                      rotary_table=tables[index] if tables else 0, sparse=sparse,
+                      sinks=config.model_type in SINK_MODEL_TYPES)
             for index, (window, sparse) in enumerate(zip(layer_windows(config),
                                                          sparse_layers(config)))]
 
@@ -213,6 +216,9 @@ class LlamaAttention(UsesKernelOps):
             self.q_norm = RMSNorm(heads[0] * self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(heads[1] * self.head_dim, config.rms_norm_eps)
         self.qk_norm = kind.qk_norm
+        # fp32 whatever the model's dtype: the kernels read the sinks so
+        self.sinks = (nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+                      if kind.sinks else None)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, kind.sliding_window)
 
@@ -236,7 +242,7 @@ class LlamaAttention(UsesKernelOps):
                 self.ops.rotary_embedding(rows, cos, sin, heads, self.head_dim)
         if query_scale is not None:
             query.mul_(query_scale.to(query.dtype))  # as transformers: in the query's dtype
-        return self.o_proj(self.attn(query, key, value, meta))
+        return self.o_proj(self.attn(query, key, value, meta, self.sinks))
 
 
 class LlamaMLP(UsesKernelOps):

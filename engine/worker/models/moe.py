@@ -1,5 +1,5 @@
 """Mixture-of-experts layers, shared by the families that have them (Qwen3-MoE, Qwen2-MoE,
-OLMoE and Mixtral in llama.py): a router picks each token's top-k experts once per layer,
+OLMoE, Mixtral and gpt-oss in llama.py): a router picks each token's top-k experts once per layer,
 and the experts run as one kernel op over the step's tokens (KernelOps.moe_experts), which
 groups the tokens by expert so each chosen expert's weights are read once per step.
 
@@ -30,7 +30,8 @@ from kvscope.engine.worker.models.quantized import (
     dense,
     kernel_max_rows,
 )
-from kvscope.kernels import EXPERT_ACTIVATIONS, ExpertWeights
+from kvscope.kernels import EXPERT_ACTIVATIONS, ExpertWeights, mxfp4
+from kvscope.kernels.kernel_ops import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 # The architectures whose MoE layers this module reads from their configs, and the config
 # field each keeps its expert count, expert width and top-k renormalization in (Mixtral
@@ -40,6 +41,8 @@ MOE_MODEL_TYPES = {
     "qwen2_moe": ("num_experts", "moe_intermediate_size", "norm_topk_prob"),
     "olmoe": ("num_experts", "intermediate_size", "norm_topk_prob"),
     "mixtral": ("num_local_experts", "intermediate_size", None),
+    # gpt-oss: a softmax over its top-k logits, which is the full softmax's top-k renormalized
+    "gpt_oss": ("num_local_experts", "intermediate_size", None),
 }
 # Config fields of MoE designs these layers do not implement, with the values under which
 # they change nothing: another scoring function or top-k method (DeepSeek's), grouped
@@ -56,8 +59,9 @@ UNSUPPORTED_MOE_FIELDS = {
     "first_k_dense_replace": (None, 0),
     "clip_qkv": (None,),
 }
-# Checkpoint names some families use for the same modules (Mixtral's hub layout).
-CHECKPOINT_RENAMES = (("block_sparse_moe.", "mlp."),)
+# Checkpoint names some families use for the same modules (Mixtral's hub layout, gpt-oss's
+# router).
+CHECKPOINT_RENAMES = (("block_sparse_moe.", "mlp."), ("mlp.router.", "mlp.gate."))
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,10 @@ class MoeConfig:
     expert_bias: bool = False
     activation: str = "silu"  # kernel_ops.EXPERT_ACTIVATIONS
     shared_expert_size: int = 0  # Qwen2-MoE: a dense MLP of this width behind a sigmoid gate
+    # gpt-oss's fused checkpoint tensors: dense ones [experts, in, out] (transposed), and each
+    # expert's gate and up outputs interleaved (gate 0, up 0, gate 1, ...), MXFP4 ones too
+    gpt_oss_layout: bool = False
+    mxfp4: bool = False  # the experts ship as MXFP4 blocks (quant_method mxfp4), kept so
 
 
 def expert_count(config: PretrainedConfig) -> int:
@@ -104,7 +112,19 @@ def moe_config(config: PretrainedConfig) -> MoeConfig | None:
     if not 1 <= top_k <= experts:
         raise ValueError(f"model: num_experts_per_tok={top_k} must be between 1 and the "
                          f"{experts} experts")
-    activation = getattr(config, "hidden_act", "silu")
+    gpt_oss = config.model_type == "gpt_oss"
+    activation = "swigluoai" if gpt_oss else getattr(config, "hidden_act", "silu")
+    if gpt_oss:
+        for field, value in (("swiglu_alpha", SWIGLU_ALPHA), ("swiglu_limit", SWIGLU_LIMIT)):
+            if getattr(config, field, value) != value:
+                raise ValueError(f"model: {field}={getattr(config, field)!r} is not supported by "
+                                 f"the experts' swigluoai; supported: [{value}]")
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = (quantization if isinstance(quantization, dict) else vars(quantization)).get(
+        "quant_method")
+    if method is not None and not (gpt_oss and method == "mxfp4"):
+        raise ValueError(f"model: quantization_config.quant_method={method!r} is not supported "
+                         "for mixture-of-experts layers; supported: mxfp4 (gpt-oss's experts)")
     if activation not in EXPERT_ACTIVATIONS:
         raise ValueError(f"model: hidden_act {activation!r} is not supported by the experts; "
                          f"supported: {list(EXPERT_ACTIVATIONS)}")
@@ -114,7 +134,9 @@ def moe_config(config: PretrainedConfig) -> MoeConfig | None:
         intermediate_size=getattr(config, width_field),
         normalize_top_k=True if normalize_field is None else bool(getattr(config, normalize_field)),
         round_weights=not mixtral, activation=activation,
-        shared_expert_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        shared_expert_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+        router_bias=gpt_oss, expert_bias=gpt_oss, gpt_oss_layout=gpt_oss,
+        mxfp4=method == "mxfp4")
 
 
 def sparse_layers(config: PretrainedConfig) -> list[bool]:
@@ -165,6 +187,27 @@ class ExpertsLinear(nn.Linear):
         that each was set)."""
 
 
+class Mxfp4ExpertsLinear(nn.Module):
+    """ExpertsLinear's rows kept in MXFP4 as gpt-oss ships them (kernels/mxfp4.py): `weight`
+    the blocks uint8 [experts * out, in / 32, 16], `scales` uint8 [experts * out, in / 32],
+    never widened in memory (the experts op streams them, or de-quantizes one expert's for
+    a GEMM of many rows)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        mxfp4.check(torch.empty(0, in_features // mxfp4.GROUP, mxfp4.GROUP_BYTES, dtype=torch.uint8),
+                    torch.empty(0, in_features // mxfp4.GROUP, dtype=torch.uint8), in_features,
+                    "model: an expert projection")
+        self.num_experts, self.in_features = num_experts, in_features
+        self.out_features = num_experts * out_features
+        groups = in_features // mxfp4.GROUP
+        self.weight = nn.Parameter(torch.zeros(self.out_features, groups, mxfp4.GROUP_BYTES,
+                                               dtype=torch.uint8), requires_grad=False)
+        self.scales = nn.Parameter(torch.zeros(self.out_features, groups, dtype=torch.uint8),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+
+
 # A per-expert checkpoint tensor's projection by its module name (the hub's names, and
 # Mixtral's w1 / w3 / w2), and which half of gate_up it fills (None: all of down).
 EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
@@ -174,7 +217,7 @@ EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
 HUB_NAMES = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj",
              ("down_proj", None): "down_proj"}
 _PER_EXPERT = re.compile(r"(\d+)\.(\w+)\.(weight|bias)")
-_FUSED = re.compile(r"(gate_up_proj|down_proj)(_bias)?")
+_FUSED = re.compile(r"(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
 
 
 class Experts(UsesKernelOps, LoadsOwnTensors):
@@ -184,10 +227,11 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
     def __init__(self, moe: MoeConfig) -> None:
         super().__init__()
         self.moe = moe
-        self.gate_up_proj = ExpertsLinear(moe.num_experts, moe.hidden_size,
-                                          2 * moe.intermediate_size, moe.expert_bias)
-        self.down_proj = ExpertsLinear(moe.num_experts, moe.intermediate_size, moe.hidden_size,
-                                       moe.expert_bias)
+        linear = Mxfp4ExpertsLinear if moe.mxfp4 else ExpertsLinear
+        self.gate_up_proj = linear(moe.num_experts, moe.hidden_size, 2 * moe.intermediate_size,
+                                   moe.expert_bias)
+        self.down_proj = linear(moe.num_experts, moe.intermediate_size, moe.hidden_size,
+                                moe.expert_bias)
         self.loaded: set[str] = set()
         # Where the latest forward's tokens per expert go: a row of the model runner's
         # expert_tokens (record_expert_tokens); None: not kept.
@@ -202,12 +246,28 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
         experts, width, hidden = (self.moe.num_experts, self.moe.intermediate_size,
                                   self.moe.hidden_size)
         if fused:
-            projection, is_bias = fused.group(1), fused.group(2) is not None
+            projection, suffix = fused.group(1), fused.group(2) or ""
+            kind = {"": "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scales"}[suffix]
+            if suffix != "_bias" and (suffix in ("_blocks", "_scales")) != self.moe.mxfp4:
+                raise ValueError(f"model: checkpoint tensor {checkpoint_name!r} "
+                                 f"{'is' if suffix else 'is not'} MXFP4, but the config's "
+                                 "quantization_config.quant_method says "
+                                 f"{'mxfp4' if self.moe.mxfp4 else 'none'}")
             out, into = (2 * width, hidden) if projection == "gate_up_proj" else (hidden, width)
-            expected = (experts, out) if is_bias else (experts, out, into)
+            if suffix == "_bias":
+                expected = (experts, out)
+            elif suffix == "_blocks":
+                expected = (experts, out, into // mxfp4.GROUP, mxfp4.GROUP_BYTES)
+            elif suffix == "_scales":
+                expected = (experts, out, into // mxfp4.GROUP)
+            else:  # gpt-oss's dense experts are [experts, in, out]
+                expected = (experts, into, out) if self.moe.gpt_oss_layout else (experts, out, into)
             self._check_shape(checkpoint_name, tensor, expected)
-            self._stage(projection, slice(None), is_bias, tensor)
-            self.loaded.update(f"{index}.{HUB_NAMES[part]}.{'bias' if is_bias else 'weight'}"
+            value = dense(tensor)
+            if self.moe.gpt_oss_layout:
+                value = gpt_oss_rows(value, projection, transposed=suffix == "")
+            self._stage(projection, slice(None), kind, value)
+            self.loaded.update(f"{index}.{HUB_NAMES[part]}.{kind}"
                                for index in range(experts) for part in HUB_NAMES
                                if part[0] == projection)
             return
@@ -223,7 +283,7 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
         self._check_shape(checkpoint_name, tensor, (out,) if kind == "bias" else (out, into))
         rows_per_expert = 2 * width if projection == "gate_up_proj" else hidden
         start = index * rows_per_expert + (half or 0) * width
-        self._stage(projection, slice(start, start + out), kind == "bias", tensor)
+        self._stage(projection, slice(start, start + out), kind, dense(tensor))
         self.loaded.add(f"{index}.{HUB_NAMES[projection, half]}.{kind}")
 
     def _check_shape(self, name: str, tensor, expected: tuple[int, ...]) -> None:
@@ -234,23 +294,25 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
                 f"(num_experts={self.moe.num_experts}, hidden_size={self.moe.hidden_size}, "
                 f"expert width {self.moe.intermediate_size}) makes it {list(expected)}")
 
-    def _stage(self, projection: str, rows: slice, is_bias: bool, tensor) -> None:
-        """Rows of a projection (every expert's, for slice(None)), into its dense weight or
-        the quantized linear's staging (which quantizes them)."""
+    def _stage(self, projection: str, rows: slice, kind: str, value: torch.Tensor) -> None:
+        """Rows of a projection (every expert's, for slice(None)) into its dense weight, its
+        MXFP4 blocks or scales, or the quantized linear's staging (which quantizes them)."""
         linear = getattr(self, projection)
-        value = dense(tensor)
-        value = value.reshape(-1) if is_bias else value.reshape(-1, value.shape[-1])
         rows = slice(0, linear.out_features) if rows == slice(None) else rows
-        if is_bias:
-            linear.bias.data[rows].copy_(value)
+        if kind == "bias":
+            linear.bias.data[rows].copy_(value.reshape(-1))
+        elif isinstance(linear, Mxfp4ExpertsLinear):
+            target = linear.scales if kind == "scales" else linear.weight
+            target.data[rows].copy_(value.reshape(-1, *target.shape[1:]))
         elif isinstance(linear, QuantizedLinear):
-            linear.stage_rows(rows, value)
+            linear.stage_rows(rows, value.reshape(-1, value.shape[-1]))
         else:
-            linear.weight.data[rows].copy_(value)
+            linear.weight.data[rows].copy_(value.reshape(-1, value.shape[-1]))
 
     def unloaded(self) -> list[str]:
         """The experts' parts the checkpoint has not set, by their hub names."""
-        kinds = ("weight", "bias") if self.moe.expert_bias else ("weight",)
+        kinds = ("weight",) + (("scales",) if self.moe.mxfp4 else ()) + (
+            ("bias",) if self.moe.expert_bias else ())
         return [name for index in range(self.moe.num_experts) for part in HUB_NAMES.values()
                 for kind in kinds if (name := f"{index}.{part}.{kind}") not in self.loaded]
 
@@ -268,6 +330,12 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
         experts = self.moe.num_experts
         bias = None if linear.bias is None else linear.bias.view(experts, -1)
         packed = self.ops.packed
+        if isinstance(linear, Mxfp4ExpertsLinear):
+            blocks = linear.weight.view(experts, -1, *linear.weight.shape[1:])
+            scales = linear.scales.view(experts, -1, linear.scales.shape[-1])
+            if packed is None:  # the plain-torch kernels take dense experts
+                return ExpertWeights(mxfp4.dequantize(blocks, scales, dtype), bias)
+            return ExpertWeights(blocks, bias, scales)
         if not isinstance(linear, QuantizedLinear):
             return ExpertWeights(linear.weight.view(experts, -1, linear.in_features), bias)
         if packed is None:
@@ -332,3 +400,16 @@ def canonical_name(name: str) -> str:
     for old, new in CHECKPOINT_RENAMES:
         name = name.replace(old, new)
     return name
+
+
+def gpt_oss_rows(value: torch.Tensor, projection: str, transposed: bool) -> torch.Tensor:
+    """gpt-oss's fused expert tensor as the stacked rows take it, [experts, out, ...]: a dense
+    one transposed from [experts, in, out] first, and gate_up's interleaved gate and up
+    outputs (gate 0, up 0, gate 1, ...) reordered into each expert's gate rows, then its up
+    rows."""
+    if transposed:
+        value = value.transpose(1, 2)
+    if projection != "gate_up_proj":
+        return value
+    experts, out, *rest = value.shape
+    return value.reshape(experts, out // 2, 2, *rest).transpose(1, 2).reshape(experts, out, *rest)

@@ -71,7 +71,10 @@ struct Layout {
   int64_t query_stride;  // between tokens: rows may be views into a fused projection
   int window;            // > 0: position p sees keys (p - window, p] only
   float soft_cap;        // > 0: scores become soft_cap * tanh(score / soft_cap)
-  int tile_tokens;       // query tokens of a prefill chunk's tile
+  // Per query head: a logit that joins the softmax's denominator as a key with no value
+  // (gpt-oss's attention sinks); null: none.
+  const float* sinks;
+  int tile_tokens;  // query tokens of a prefill chunk's tile
 
   // The first key position a query at `position` sees.
   int first_visible(int position) const {
@@ -140,6 +143,13 @@ inline int key_offsets(const WorkItem& item, const Layout& L, const int32_t* tab
   return std::max(n, 0);
 }
 
+// The softmax's denominator of a query row of `head` whose keys' exponentials, each taken
+// relative to `row_max`, sum to `row_sum`: with a sink, its exponential joins them. (A sink far
+// above every score makes it inf, and the row's output 0: the limit of the exact result.)
+inline float softmax_denominator(const Layout& L, int head, float row_max, float row_sum) {
+  return L.sinks ? row_sum + std::exp(L.sinks[head] - row_max) : row_sum;
+}
+
 // An item's query rows out of their accumulators: normalised into `out`, or (a KV split of a
 // decode) kept with their softmax statistics for the merge.
 template <typename Q>
@@ -149,10 +159,12 @@ void write_rows(const WorkItem& item, const Layout& L, int start, int dim, const
   for (int j = 0; j < item.rows(L.group); ++j) {
     const float* accj = acc + static_cast<int64_t>(j) * dim;
     if (item.partial < 0) {
+      const int head = item.head_of(j, L.group);
       Q* dst = out + (static_cast<int64_t>(start + item.token_of(j, L.group)) * L.num_heads +
-                      item.head_of(j, L.group)) *
+                      head) *
                          dim;
-      const float inverse = row_sum[j] > 0.f ? 1.f / row_sum[j] : 0.f;
+      const float denominator = softmax_denominator(L, head, row_max[j], row_sum[j]);
+      const float inverse = denominator > 0.f ? 1.f / denominator : 0.f;
       for (int d = 0; d < dim; ++d) store(dst[d], accj[d] * inverse);
     } else {
       const int64_t row = item.partial + j;

@@ -82,7 +82,7 @@ template <typename Q, typename KV>
 void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens,
             const at::Tensor& query_start_loc, double scale, int64_t window, double soft_cap,
-            at::Tensor& out) {
+            const std::optional<at::Tensor>& sinks, at::Tensor& out) {
   Layout L;
   L.num_heads = query.size(1);
   L.num_kv_heads = key_cache.size(2);
@@ -96,6 +96,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
   L.query_stride = query.stride(0);
   L.window = static_cast<int>(window);
   L.soft_cap = static_cast<float>(soft_cap);
+  L.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   const bool tiles =
       with_head_dim(L.dim, [](auto dim) { return kPairDots<Q, KV, decltype(dim)::value>; });
   L.tile_tokens = tiles ? std::max(kQueryTile, kTileQueryRows / L.group) : kQueryTile;
@@ -207,7 +208,9 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
         for (int d = 0; d < L.dim; ++d) acc[d] += part_acc[row(split) * L.dim + d] * weight;
       }
       const int64_t token = starts[group.first.seq] + group.first.token_of(j, L.group);
-      Q* dst = o + (token * L.num_heads + group.first.head_of(j, L.group)) * L.dim;
+      const int head = group.first.head_of(j, L.group);
+      total = softmax_denominator(L, head, merged_max, total);
+      Q* dst = o + (token * L.num_heads + head) * L.dim;
       for (int d = 0; d < L.dim; ++d) store(dst[d], acc[d] / total);
     }
   }
@@ -216,7 +219,7 @@ void attend(const at::Tensor& query, const at::Tensor& key_cache, const at::Tens
 void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  const at::Tensor& out) {
+                  const std::optional<at::Tensor>& sinks, const at::Tensor& out) {
   TORCH_CHECK(query.device().is_cpu(), "paged_attention_cpu: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4,
               "query [tokens, heads, dim], cache [blocks, block_size, kv_heads, dim]");
@@ -240,6 +243,9 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
                   query_start_loc.numel() == seq_lens.numel() + 1,
               "query_start_loc: contiguous int32 [seqs + 1]");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->dim() == 1 && sinks->size(0) == query.size(1)),
+              "sinks: contiguous fp32 [heads]");
 }
 
 }  // namespace
@@ -249,30 +255,32 @@ using namespace kvscope::attention;
 
 // out[t, h] = softmax(q[t, h] . K) V over each sequence's paged keys up to t's position (the
 // last `window` of them when window > 0; table entries before those are never read), the
-// scores soft-capped when soft_cap > 0.
+// scores soft-capped when soft_cap > 0, head h's sinks[h] in its softmax's denominator when
+// sinks are given.
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     at::Tensor out, int64_t window, double soft_cap) {
-  check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out);
+                     at::Tensor out, int64_t window, double soft_cap,
+                     const std::optional<at::Tensor>& sinks) {
+  check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks, out);
   TORCH_CHECK(window >= 0 && soft_cap >= 0,
               "paged_attention_cpu: window and soft_cap must be >= 0");
   if (query.size(0) == 0) return;
   const auto q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat)
     attend<float, float>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                         scale, window, soft_cap, out);
+                         scale, window, soft_cap, sinks, out);
   else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16)
     attend<kvscope::bf16, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens,
-                                         query_start_loc, scale, window, soft_cap, out);
+                                         query_start_loc, scale, window, soft_cap, sinks, out);
   else if (q_type == at::kFloat && kv_type == at::kBFloat16)
     attend<float, kvscope::bf16>(query, key_cache, value_cache, block_tables, seq_lens,
-                                 query_start_loc, scale, window, soft_cap, out);
+                                 query_start_loc, scale, window, soft_cap, sinks, out);
   else if ((q_type == at::kFloat || q_type == at::kBFloat16) && quantized_kv(kv_type))
     with_quantized(q_type, kv_type, [&](auto q_element, auto kv_element) {
       attend<decltype(q_element), decltype(kv_element)>(query, key_cache, value_cache, block_tables,
                                                         seq_lens, query_start_loc, scale, window,
-                                                        soft_cap, out);
+                                                        soft_cap, sinks, out);
     });
   else
     TORCH_CHECK(false, "paged_attention_cpu: unsupported query/cache dtypes ", q_type, "/",
