@@ -3,13 +3,26 @@ every step's tokens per expert reconcile with the tokens it ran, with async sche
 overlapped forwards too; the bytes read are the chosen experts', each once; a dense
 model's records carry none."""
 
+import asyncio
+import json
+import time
+
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB_SIZE
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
 
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.serving.metrics import EngineMetrics
 from kvscope.engine.telemetry.experts import recent_counts, step_counts
 from kvscope.engine.worker.models.moe import sparse_layers
+from kvscope.storage.exports import export_session
+from kvscope.storage.reader import load_session
+from kvscope.storage.schema import open_database
+from kvscope.storage.session_log import SessionLog
 
 PROMPTS = [[(7 * i + 3) % (TINY_VOCAB_SIZE - 1) + 1 for i in range(n)] for n in (5, 23, 40)]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -62,3 +75,49 @@ def test_a_dense_model_records_no_experts(make_engine, run_engine):
     assert all(record.expert_tokens == () and record.expert_bytes_all == 0
                for record in run.records)
     assert recent_counts(run.records)[2] == 0
+
+
+def test_the_session_log_and_its_export_keep_the_routing(tmp_path, make_engine, run_engine):
+    engine = make_engine("qwen3-moe")
+    run = run_engine(engine, PROMPTS[:2], PARAMS)
+    log = SessionLog(tmp_path / "log.db")
+    session_id = log.start_session(engine.config.to_dict(), model="tiny-moe")
+    for record in run.records:
+        log.record_step(record)
+    log.close()
+    database = open_database(tmp_path / "log.db")
+    assert load_session(database, session_id).steps == run.records
+    exported = json.loads(export_session(database, session_id, "json", tmp_path).read_text())
+    assert [row["expert_tokens"] for row in exported["steps"]] == [
+        step_counts(record).tolist() for record in run.records]
+    assert exported["steps"][0]["expert_bytes_read"] == run.records[0].expert_bytes_read > 0
+
+
+def test_metrics_count_what_the_step_records_count(tiny_model):
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_model("qwen3-moe").path), dtype="float32", device="cpu",
+        device_memory_gb=0.05, max_model_len=128)).start()
+    try:
+        steps = engine.subscribe_steps()
+        ids = {list(engine.submit(prompt, PARAMS))[-1].request_id for prompt in PROMPTS[:2]}
+        text = asyncio.run(EngineMetrics(engine, "tiny").render()).decode()
+        records = []
+        deadline = time.monotonic() + 10
+        while ids - {request for record in records for request in record.finished}:
+            assert time.monotonic() < deadline, "the last step's record never came"
+            records += steps.drain()  # a step's record follows its outputs
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    layers, counts, _ = recent_counts(records, steps=len(records))
+    samples = {(sample.labels.get("layer"), sample.labels.get("expert"), sample.name): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name.startswith("kvscope:moe_")}
+    assert {(layer, expert): samples[str(layer), str(expert), "kvscope:moe_expert_tokens_total"]
+            for layer in layers for expert in range(counts.shape[1])} == {
+        (layer, expert): counts[row, expert] for row, layer in enumerate(layers)
+        for expert in range(counts.shape[1])}
+    assert samples[None, None, "kvscope:moe_expert_bytes_read_total"] == sum(
+        record.expert_bytes_read for record in records) > 0
+    assert samples[None, None, "kvscope:moe_expert_bytes_all_total"] == sum(
+        record.expert_bytes_all for record in records)
