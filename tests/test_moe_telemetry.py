@@ -4,9 +4,11 @@ overlapped forwards too; the bytes read are the chosen experts', each once; a de
 model's records carry none."""
 
 import asyncio
+import base64
 import json
 import time
 
+import gradio as gr
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB_SIZE
@@ -23,6 +25,8 @@ from kvscope.storage.exports import export_session
 from kvscope.storage.reader import load_session
 from kvscope.storage.schema import open_database
 from kvscope.storage.session_log import SessionLog
+from kvscope.ui import build_ui, experts, panels
+from kvscope.ui.live import LiveFeeds
 
 PROMPTS = [[(7 * i + 3) % (TINY_VOCAB_SIZE - 1) + 1 for i in range(n)] for n in (5, 23, 40)]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -121,3 +125,58 @@ def test_metrics_count_what_the_step_records_count(tiny_model):
         record.expert_bytes_read for record in records) > 0
     assert samples[None, None, "kvscope:moe_expert_bytes_all_total"] == sum(
         record.expert_bytes_all for record in records)
+
+
+def _typed(spec: dict) -> np.ndarray:
+    shape = tuple(int(n) for n in spec["shape"].split(","))
+    return np.frombuffer(base64.b64decode(spec["bdata"]), dtype=spec["dtype"]).reshape(shape)
+
+
+def test_the_experts_panel_draws_a_real_runs_routing(tiny_model, tiny_chat_model_path):
+    """The live renderer's Experts figure: its heatmap is the recent steps' counts summed
+    (layers x experts), its lines each step's bytes read and the dense model's; the panel is
+    on the page only for a MoE model."""
+    config = tiny_model("qwen3-moe").hf_model.config
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_model("qwen3-moe").path), dtype="float32", device="cpu",
+        device_memory_gb=0.05, max_model_len=128)).start()
+    try:
+        feeds = LiveFeeds(engine)
+        feeds.get(0)  # subscribed to the steps from here on
+        renderer = panels.PanelRenderer(feeds)
+        for prompt in PROMPTS[:2]:
+            list(engine.submit(prompt, PARAMS))
+        engine.snapshot()  # its answer follows the last step's records
+        *values, _ = renderer.refresh(None)
+        records = feeds.get(0).refresh().records
+        assert any(_experts_shown(block) for block in build_ui(engine).blocks.values())
+    finally:
+        engine.shutdown()
+    figure = json.loads(values[panels.PANELS.index("experts")].plot)
+    heatmap, read, dense = figure["data"]
+    layers, counts, summed = recent_counts(records)
+    assert summed == sum(1 for record in records if record.expert_tokens) > 2
+    assert np.array_equal(_typed(heatmap["z"]), counts)
+    assert heatmap["y"] == [f"layer {layer}" for layer in layers]
+    assert len(heatmap["x"]) == config.num_experts
+    assert read["y"] == [r.expert_bytes_read / experts.MIB for r in records if r.expert_tokens]
+    assert dense["y"][0] == records[-1].expert_bytes_all / experts.MIB > read["y"][-1]
+    assert "Experts: tokens each expert took over the last" in figure["layout"]["title"]["text"]
+
+
+def _experts_shown(block) -> bool:
+    """An Experts panel shown on the page."""
+    return isinstance(block, gr.Plot) and block.elem_id == "kv-experts" and block.visible
+
+
+def test_a_dense_models_page_hides_the_experts_panel(tiny_chat_model_path):
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_chat_model_path), dtype="float32", device="cpu",
+        device_memory_gb=0.02, max_model_len=128)).start()
+    try:
+        assert engine.expert_layout is None
+        assert not any(_experts_shown(block) for block in build_ui(engine).blocks.values())
+        assert [block for block in build_ui(engine).blocks.values()
+                if isinstance(block, gr.Plot) and block.elem_id == "kv-experts"]
+    finally:
+        engine.shutdown()
