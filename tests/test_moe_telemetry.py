@@ -1,7 +1,8 @@
 """A mixture-of-experts model's routing in the step records (engine.telemetry.experts):
 every step's tokens per expert reconcile with the tokens it ran, with async scheduling's
 overlapped forwards too; the bytes read are the chosen experts', each once; a dense
-model's records carry none."""
+model's records carry none. The same counts reach the session log and its export,
+/metrics and the dashboard's Experts panel."""
 
 import asyncio
 import base64
@@ -16,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
-
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving.metrics import EngineMetrics
 from kvscope.engine.telemetry.experts import recent_counts, step_counts
@@ -132,7 +132,7 @@ def _typed(spec: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(spec["bdata"]), dtype=spec["dtype"]).reshape(shape)
 
 
-def test_the_experts_panel_draws_a_real_runs_routing(tiny_model, tiny_chat_model_path):
+def test_the_experts_panel_draws_a_real_runs_routing(tiny_model):
     """The live renderer's Experts figure: its heatmap is the recent steps' counts summed
     (layers x experts), its lines each step's bytes read and the dense model's; the panel is
     on the page only for a MoE model."""
@@ -175,8 +175,8 @@ def test_a_dense_models_page_hides_the_experts_panel(tiny_chat_model_path):
         device_memory_gb=0.02, max_model_len=128)).start()
     try:
         assert engine.expert_layout is None
-        assert not any(_experts_shown(block) for block in build_ui(engine).blocks.values())
-        assert [block for block in build_ui(engine).blocks.values()
-                if isinstance(block, gr.Plot) and block.elem_id == "kv-experts"]
+        plots = [block for block in build_ui(engine).blocks.values()
+                 if isinstance(block, gr.Plot) and block.elem_id == "kv-experts"]
+        assert len(plots) == 1 and not _experts_shown(plots[0])
     finally:
         engine.shutdown()

@@ -18,9 +18,9 @@ from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.orchestrator.streams import Channel
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.spec_decode.metrics import SPEC_DRAFT_FIELDS
+from kvscope.engine.telemetry.experts import step_counts
 from kvscope.engine.telemetry.pool_messages import pool_messages
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
-from kvscope.engine.telemetry.experts import step_counts
 from kvscope.engine.telemetry.records import CHUNK_FIELDS, EngineSnapshot, StepRecord
 
 logger = logging.getLogger(__name__)
