@@ -10,7 +10,7 @@ from torch import nn
 
 from kvscope.engine.worker.model_runner import default_dtype
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
-from kvscope.engine.worker.models.moe import Experts, MoeConfig
+from kvscope.engine.worker.models.moe import Experts, MoeConfig, TopKRouter
 from kvscope.engine.worker.models.quantized import pack_model, quantize_model
 from kvscope.kernels import cpu_kernels
 
@@ -101,3 +101,18 @@ def test_the_op_refuses_an_expert_id_out_of_range():
     ids[0, 0] = MOE.num_experts
     with pytest.raises(RuntimeError, match="expert id 8 out of range for 8 experts"):
         module.experts(torch.zeros(1, 64), weights, ids)
+
+
+@torch.inference_mode()
+def test_a_router_bias_shifts_the_logits_before_the_softmax():
+    """gpt-oss's router has a bias: the choice and the weights follow logits + bias."""
+    moe = MoeConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=4,
+                    normalize_top_k=False, round_weights=False, router_bias=True)
+    router = TopKRouter(moe)
+    router.weight.data = torch.zeros(4, 8)
+    router.bias.data = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    bind_kernel_ops(router, cpu_kernels.kernel_ops())
+    weights, ids = router(torch.randn(3, 8))
+    probabilities = torch.softmax(router.bias, dim=0)
+    assert ids.tolist() == [[1, 3]] * 3
+    torch.testing.assert_close(weights, probabilities[[1, 3]].expand(3, 2))

@@ -120,6 +120,15 @@ def test_each_forward_records_its_tokens_per_expert(arch, make_engine, eager_eng
     assert torch.equal(counts[0], counts[1])
 
 
+def test_the_torch_backend_runs_the_experts_through_the_oracle(tiny_model, monkeypatch,
+                                                              run_engine, expected):
+    """Where the C++ kernels do not run (CUDA, no compiler), reference.moe_experts does."""
+    monkeypatch.setenv("KVSCOPE_ATTENTION_BACKEND", "torch")
+    engine = _engine_on(tiny_model("qwen2-moe").path)
+    assert engine.runner.kernel_ops.backend == "torch"
+    assert _token_ids(run_engine(engine, PROMPTS, GREEDY)) == expected("qwen2-moe")
+
+
 def _copy_tokenizer(tiny, folder) -> None:
     for path in tiny.path.iterdir():
         if "token" in path.name:
@@ -217,6 +226,17 @@ def test_an_expert_tensor_that_does_not_fit_the_config_is_refused_naming_it(
     _copy_tokenizer(tiny, tmp_path)
     with pytest.raises(ValueError, match=named):
         _engine_on(tmp_path)
+
+
+def test_olmoe_q_k_norms_need_head_dim_times_heads_to_be_hidden_size():
+    from transformers import OlmoeConfig
+
+    from kvscope.engine.worker.models.llama import LlamaForCausalLM
+
+    config = OlmoeConfig(**SMALL, head_dim=32)
+    with pytest.raises(ValueError, match=r"head_dim=32 must be hidden_size / num_attention_heads "
+                                         r"\(16\) for olmoe's q/k norms"):
+        LlamaForCausalLM(config, 64, 64)
 
 
 def test_gguf_quantization_of_experts_is_refused(tiny_model):

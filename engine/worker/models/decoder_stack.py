@@ -1,6 +1,6 @@
 """The one-call C++ decoder stack (kvscope.LlamaDecoderStack) over a model's own modules:
-the Llama family (llama.py) and Gemma 2/3 (gemma.py) hand it their weights once, then run
-every step through it unless enforce_eager is set."""
+the Llama family (llama.py, its mixtures of experts included) and Gemma 2/3 (gemma.py) hand
+it their weights once, then run every step through it unless enforce_eager is set."""
 
 import torch
 from torch import nn
@@ -76,8 +76,9 @@ class FusedDecoderStack:
     What the stack reads from the model (FusesDecoderStack's models have all of it):
     `model.model` with embed_tokens, layers, norm and a rotary module whose `tables()` are
     its (cos, sin) pairs; each layer's `kind.stack_options()` (the C++ LayerOptions by
-    name); the model's `stack_options()` (the C++ ModelOptions by name); `tied` and
-    `lm_head` where the output projection is not the embedding.
+    name), and a MoE layer's routing (moe_options); the model's `stack_options()` (the C++
+    ModelOptions by name); `tied` and `lm_head` where the output projection is not the
+    embedding.
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
