@@ -8,7 +8,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # 2: per-step cache statistics; 3: the engine replica; 4: routing decisions;
 # 5: what a replay needs (prompt and output token ids, sampling params, arrival offset);
 # 6: each step's verified speculative proposals; 7: the pool's records (pool_records).
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class Base(DeclarativeBase):
@@ -95,6 +95,13 @@ class StepRow(Base):
     # Added in schema version 5: speculative decoding's [seq, proposed, accepted] per
     # proposal the step verified.
     spec_drafts: Mapped[list] = mapped_column(JSON, default=list)
+    # Added in schema version 8: a mixture-of-experts model's routing (empty, 0 for a
+    # dense model): each MoE layer's decoder layer, its tokens per expert (a list per
+    # layer), the bytes the chosen experts read and the bytes all experts hold.
+    expert_layers: Mapped[list] = mapped_column(JSON, default=list)
+    expert_tokens: Mapped[list] = mapped_column(JSON, default=list)
+    expert_bytes_read: Mapped[int] = mapped_column(Integer, default=0)
+    expert_bytes_all: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class ChatMessageRow(Base):

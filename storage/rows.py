@@ -4,9 +4,12 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.telemetry.experts import COUNT_DTYPE, step_counts
 from kvscope.engine.telemetry.records import StepRecord
 
 if TYPE_CHECKING:  # beam search loads torch; a row only needs the params' to_dict()
@@ -16,7 +19,7 @@ STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "toke
                  "num_used_blocks", "num_cached_blocks", "num_free_blocks", "num_running",
                  "num_waiting", "num_generated_tokens", "prefix_cache_queries",
                  "prefix_cache_hits", "num_blocks_swapped_out", "num_blocks_swapped_in",
-                 "replica")
+                 "replica", "expert_bytes_read", "expert_bytes_all")
 STEP_ID_LISTS = ("preempted", "swapped_out", "swapped_in", "finished")
 
 
@@ -25,6 +28,8 @@ def step_row(session_id: int, record: StepRecord) -> dict:
     row.update({name: list(getattr(record, name)) for name in STEP_ID_LISTS})
     row["chunks"] = [list(chunk) for chunk in record.chunks]
     row["spec_drafts"] = [list(draft) for draft in record.spec_drafts]
+    row["expert_layers"] = list(record.expert_layers)
+    row["expert_tokens"] = step_counts(record).tolist()
     row["session_id"] = session_id
     return row
 
@@ -35,7 +40,10 @@ def step_record(row: dict) -> StepRecord:
         **{name: row[name] for name in STEP_COUNTERS},
         **{name: tuple(row[name]) for name in STEP_ID_LISTS},
         chunks=tuple(tuple(chunk) for chunk in row["chunks"]),
-        spec_drafts=tuple(tuple(draft) for draft in row.get("spec_drafts") or ()))
+        spec_drafts=tuple(tuple(draft) for draft in row.get("spec_drafts") or ()),
+        expert_layers=tuple(row.get("expert_layers") or ()),
+        expert_tokens=tuple(np.array(tokens, dtype=COUNT_DTYPE).tobytes()
+                            for tokens in row.get("expert_tokens") or ()))
 
 
 def request_row(session_id: int, output: RequestOutput, source: str,

@@ -64,10 +64,22 @@ def _add_pool_records(connection: Connection) -> None:
     PoolRecordRow.__table__.create(connection)
 
 
+def _add_expert_columns(connection: Connection) -> None:
+    """Version 8: each step's mixture-of-experts routing (empty before, as for a dense
+    model)."""
+    for column in ("expert_layers", "expert_tokens"):
+        connection.exec_driver_sql(f"ALTER TABLE steps ADD COLUMN {column} JSON NOT NULL "
+                                   "DEFAULT '[]'")
+    for column in ("expert_bytes_read", "expert_bytes_all"):
+        connection.exec_driver_sql(f"ALTER TABLE steps ADD COLUMN {column} INTEGER NOT NULL "
+                                   "DEFAULT 0")
+
+
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions,
-    4: _add_replay_columns, 5: _add_spec_drafts, 6: _add_pool_records}
+    4: _add_replay_columns, 5: _add_spec_drafts, 6: _add_pool_records,
+    7: _add_expert_columns}
 
 
 def open_database(path: str | Path) -> Engine:

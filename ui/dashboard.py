@@ -175,6 +175,8 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
     timeline_plot = panel("Request timelines", "kv-timeline")
     series = panel("KV usage, queues, throughput", "kv-series")
     spec_plot = panel("Speculative decoding", "kv-spec-decode")
+    # Mixtures of experts only: the experts' load and the expert weights each step read.
+    experts_plot = panel("Experts", "kv-experts", visible=engine.expert_layout is not None)
     scrub = [frame, scrub_status]
     pause.click(partial(scrubber.pause, feeds), replica, scrub, api_name="pause")
     back.click(partial(scrubber.step, feeds, by=-1), [replica, frame], scrub,
@@ -188,6 +190,7 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison, "events": events, "spec_decode": spec_plot,
+            "experts": experts_plot,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
                               table_page, table_filter, replica, follow, frame]}
 

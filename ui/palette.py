@@ -35,6 +35,10 @@ SERIES_COLORS = {
     "waiting": "#9ca3af",
     "output tokens/s": "#7c3aed",
 }
+# The Experts panel: tokens per expert from none (white) to many; the bytes read against
+# a dense model's.
+EXPERT_COLORSCALE = [[0.0, "#ffffff"], [1.0, "#7c3aed"]]
+EXPERT_COLORS = {"read": "#7c3aed", "dense": "#6b7280"}
 PHASE_COLORS = {
     "waiting": "#d1d5db",
     "prefill": "#8b5cf6",

@@ -10,12 +10,12 @@ import gradio as gr
 from markdown_it import MarkdownIt
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
-from kvscope.ui import events, figures, spec_decode, timeline
+from kvscope.ui import events, experts, figures, spec_decode, timeline
 from kvscope.ui.live import LiveFeeds, LiveState
 from kvscope.ui.plotdata import placeholder, to_plot
 
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
-          "comparison", "events", "spec_decode")
+          "comparison", "events", "spec_decode", "experts")
 # Each panel's element (the summary line sits above the tabs and is always sent).
 PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
@@ -119,6 +119,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
         "comparison": (pool, sequences),
         "events": (last_step, len(state.evictions)),
         "spec_decode": last_step,
+        "experts": last_step,
     }
 
 
@@ -192,6 +193,8 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
         return timeline.pool_series(state.records, state.token_usage, window)
     if name == "spec_decode":
         return spec_decode.spec_decode_panel(state.records, window)
+    if name == "experts":
+        return experts.experts_panel(state.records, window)
     if name == "stats":
         counters = state.counters or snapshot  # a past frame: its pool's own totals
         return timeline.stats_markdown(

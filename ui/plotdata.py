@@ -15,9 +15,9 @@ Figure = dict
 PANEL_CLASS = "kv-panel"
 
 
-def panel(label: str, elem_id: str | None = None) -> gr.Plot:
+def panel(label: str, elem_id: str | None = None, visible: bool = True) -> gr.Plot:
     """A plot panel of the page (every gr.Plot is made here)."""
-    return gr.Plot(label=label, elem_id=elem_id, elem_classes=PANEL_CLASS)
+    return gr.Plot(label=label, elem_id=elem_id, elem_classes=PANEL_CLASS, visible=visible)
 
 # Titles start at the top left of the figure and push the plot down as far as their lines
 # need (automargin): centred, a long title was cut at both ends; placed by a fraction of

@@ -11,6 +11,7 @@ from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import EngineSnapshot
 from kvscope.engine.worker.memory import MemoryPlan
+from kvscope.engine.worker.models.moe import ExpertLayout
 
 
 @runtime_checkable
@@ -44,6 +45,11 @@ class EngineView(Protocol):
     @property
     def model_path(self) -> str:
         """The model folder (or .gguf file) the engine runs."""
+
+    @property
+    def expert_layout(self) -> ExpertLayout | None:
+        """A mixture-of-experts model's experts (layers, experts, top-k, bytes each); None
+        for a dense model."""
 
     def resolved_identity(self) -> dict[str, str]:
         """The model, dtype and device actually running ("auto" and None resolved)."""

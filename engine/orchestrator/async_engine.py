@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_events import AllBlocksCleared, KVEventSink
 from kvscope.engine.core.request import ChunkKind
@@ -31,6 +33,7 @@ from kvscope.engine.orchestrator.streams import (
 )
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.telemetry.experts import step_counts
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.pool_recorder import PoolRecorder
 from kvscope.engine.telemetry.records import EngineSnapshot, StepRecord
@@ -71,6 +74,12 @@ class EngineCounters:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: dict[int, int] = field(default_factory=dict)
+    # A mixture-of-experts model's routing (engine.telemetry.experts): per decoder layer,
+    # the tokens each expert took (int64 [experts]), and the bytes the chosen experts read
+    # against the bytes all experts hold, summed over steps.
+    moe_expert_tokens: dict[int, np.ndarray] = field(default_factory=dict)
+    moe_expert_bytes_read: int = 0
+    moe_expert_bytes_all: int = 0
 
 
 @dataclass(slots=True)
@@ -241,7 +250,9 @@ class AsyncEngine(ServedEngine):
             return replace(self._counters,
                            requests_finished=dict(self._counters.requests_finished),
                            spec_decode_num_accepted_tokens_per_pos=dict(
-                               self._counters.spec_decode_num_accepted_tokens_per_pos))
+                               self._counters.spec_decode_num_accepted_tokens_per_pos),
+                           moe_expert_tokens={layer: tokens.copy() for layer, tokens
+                                              in self._counters.moe_expert_tokens.items()})
 
     # ---- requests ----------------------------------------------------------------------
     def submit(
@@ -528,6 +539,14 @@ class AsyncEngine(ServedEngine):
                 counters.spec_decode_num_accepted_tokens += num_accepted
                 for position in range(num_accepted):  # accepted tokens are a prefix
                     per_pos[position] = per_pos.get(position, 0) + 1
+            counters.moe_expert_bytes_read += record.expert_bytes_read
+            counters.moe_expert_bytes_all += record.expert_bytes_all
+            experts = counters.moe_expert_tokens
+            for layer, tokens in zip(record.expert_layers, step_counts(record)):
+                if layer in experts:
+                    experts[layer] += tokens
+                else:
+                    experts[layer] = tokens
 
     def _answer_snapshots(self) -> None:
         waiters, self._snapshot_waiters = self._snapshot_waiters, []

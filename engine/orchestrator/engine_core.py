@@ -63,6 +63,7 @@ class EngineCore:
         self.tokenizer = self.runner.tokenizer
         self.config = config.resolved(self.runner.max_positions)
         self.runner = with_draft_model(self.runner, self.config)
+        self.expert_layout = self.runner.expert_layout  # None for a dense model
         self.memory_plan = self.runner.plan_memory(self.config)
         self.num_swap_blocks = 0
         if self.config.preemption_mode == "swap":
@@ -238,6 +239,9 @@ class EngineCore:
         self._in_flight = None
         ahead = self._schedule(on_scheduled) if self._schedules_ahead() else None
         logits, prompt_logits = self._wait(current, ahead)
+        # Read before the next forward (launched below) overwrites them.
+        expert_tokens = (self.runner.expert_tokens.clone() if self.expert_layout is not None
+                         and current.plan.scheduled else None)
         for index, chunk_logits in prompt_logits.items():
             _record_prompt_logprobs(current.plan.scheduled[index], chunk_logits)
         for item in current.plan.scheduled:
@@ -252,7 +256,7 @@ class EngineCore:
         for request in finished:
             self.requests.pop(request.request_id, None)
         record = record_step(self, current.plan, current.start_time, finished, num_generated,
-                             drafts)
+                             drafts, expert_tokens)
         if self.speculator is not None:
             self.speculator.observe_step(current.plan, record.end_time - record.start_time)
         self.step_index += 1

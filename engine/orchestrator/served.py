@@ -10,6 +10,7 @@ from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.orchestrator.streams import RequestStream
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import MemoryPlan
+from kvscope.engine.worker.models.moe import ExpertLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,8 @@ class ServedModel:
     memory_plan: MemoryPlan
     identity: dict[str, str]
     default_sampling: dict
+    # A mixture-of-experts model's experts (the dashboard's Experts panel); None if dense.
+    expert_layout: ExpertLayout | None = None
 
     @classmethod
     def of(cls, core: EngineCore) -> "ServedModel":
@@ -30,7 +33,7 @@ class ServedModel:
                    {"model": str(runner.model_path),
                     "dtype": str(runner.dtype).removeprefix("torch."),
                     "device": str(runner.device)},
-                   core.default_sampling)
+                   core.default_sampling, core.expert_layout)
 
 
 class ServedEngine:
@@ -58,6 +61,10 @@ class ServedEngine:
     @property
     def model_path(self) -> str:
         return self.served.identity["model"]
+
+    @property
+    def expert_layout(self) -> ExpertLayout | None:
+        return self.served.expert_layout
 
     def resolved_identity(self) -> dict[str, str]:
         """The model folder, dtype and device the engine runs, whatever the config said

@@ -8,6 +8,8 @@ the pool make exactly the decisions they make live; only time is modelled (cost_
 applied by the replay loop).
 """
 
+import torch
+
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_groups import kv_cache_groups, layers_per_block
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -40,6 +42,9 @@ class SimulatedRunner:
         self.cache_layers = cache_layers(self.hf_config)
         self.kv_groups = kv_cache_groups([layer.window for layer in self.cache_layers])
         self.group_windows = tuple(group.window for group in self.kv_groups)
+        # No forward, so no routing to count (a simulated step's record has no experts).
+        self.expert_layout = None
+        self.expert_tokens = torch.zeros(0, 0, dtype=torch.int64)
         self.device = resolve_device("cpu")
         self.dtype = resolve_dtype(config.dtype, resolve_device(config.device),
                                    config.quantization)

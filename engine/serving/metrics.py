@@ -58,6 +58,12 @@ COUNTERS = (  # (series, EngineCounters field, help)
      "Tokens proposed and verified."),
     ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
      "Proposed tokens that verification accepted."),
+    ("kvscope:moe_expert_bytes_read", "moe_expert_bytes_read",
+     "Bytes of expert weights the steps read: each step, every expert its tokens chose, "
+     "once (0 for a dense model)."),
+    ("kvscope:moe_expert_bytes_all", "moe_expert_bytes_all",
+     "Bytes all experts hold, once per step: what a dense model of the same size reads "
+     "of them (0 for a dense model)."),
 )
 TIME_HISTOGRAMS = (  # (series, help, buckets)
     ("vllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS),
@@ -197,6 +203,10 @@ class EngineMetrics:
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Proposed tokens accepted, by position in the proposal "
                                       "(0 first).", labels=[*VLLM_LABELS, "position"])
+        experts = CounterMetricFamily("kvscope:moe_expert_tokens", "Tokens each expert of a "
+                                      "mixture-of-experts layer took (a token counts once in "
+                                      "each of its top-k experts), by decoder layer.",
+                                      labels=[*LABELS, "layer", "expert"])
         for status in self._statuses:  # a dead replica keeps its last totals (monotonic)
             totals, labels = status.counters, [self.model_name, str(status.replica)]
             for name, field, _ in COUNTERS:
@@ -207,10 +217,14 @@ class EngineMetrics:
                 finished.add_metric([*labels, reason], count)
             for position, count in sorted(totals.spec_decode_num_accepted_tokens_per_pos.items()):
                 per_pos.add_metric([*labels, str(position)], count)
+            for layer, tokens in sorted(totals.moe_expert_tokens.items()):
+                for expert, count in enumerate(tokens.tolist()):
+                    experts.add_metric([*labels, str(layer), str(expert)], count)
         yield from counters.values()
         yield swaps
         yield finished
         yield per_pos
+        yield experts
 
     def _histograms(self) -> Iterator[Metric]:
         for record in self.finished_requests.drain():

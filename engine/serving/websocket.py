@@ -18,6 +18,7 @@ from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.orchestrator.streams import Channel
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.spec_decode.metrics import SPEC_DRAFT_FIELDS
+from kvscope.engine.telemetry.experts import step_counts
 from kvscope.engine.telemetry.pool_messages import pool_messages
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import CHUNK_FIELDS, EngineSnapshot, StepRecord
@@ -37,7 +38,8 @@ def step_message(records: list[StepRecord], num_dropped: int) -> str:
 def _record_dict(record: StepRecord) -> dict:
     return {**dataclasses.asdict(record), "duration": record.duration,
             "chunks": [dict(zip(CHUNK_FIELDS, chunk)) for chunk in record.chunks],
-            "spec_drafts": [dict(zip(SPEC_DRAFT_FIELDS, draft)) for draft in record.spec_drafts]}
+            "spec_drafts": [dict(zip(SPEC_DRAFT_FIELDS, draft)) for draft in record.spec_drafts],
+            "expert_tokens": step_counts(record).tolist()}
 
 
 def routing_message(decisions: list[RoutingDecision], num_dropped: int) -> str:

@@ -49,6 +49,15 @@ class StepRecord:
     # Speculative decoding: each proposal this step verified, (seq_id, tokens proposed,
     # tokens accepted); the rejected ones' slots were released (engine.spec_decode).
     spec_drafts: tuple[SpecDraft, ...] = ()
+    # A mixture-of-experts model's routing (engine.telemetry.experts; empty for a dense
+    # model): each MoE layer's decoder layer index, its tokens per expert (int32 counts as
+    # one bytes object per layer: compact, and untracked by the collector like the chunks),
+    # the bytes of weights the experts the step's tokens chose read (each once), and the
+    # bytes all experts hold (what a dense model of the same size reads every step).
+    expert_layers: tuple[int, ...] = ()
+    expert_tokens: tuple[bytes, ...] = ()
+    expert_bytes_read: int = 0
+    expert_bytes_all: int = 0
 
     @property
     def duration(self) -> float:

@@ -7,6 +7,8 @@ Telemetry sits below the orchestrator: it names what it reads of an engine as a 
 import time
 from typing import Protocol
 
+import torch
+
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import EventBus
@@ -14,13 +16,17 @@ from kvscope.engine.core.request import Request, Sequence
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import SchedulerOutput
 from kvscope.engine.spec_decode.metrics import SpecDraft
+from kvscope.engine.telemetry.experts import expert_bytes, packed_counts
 from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.worker.models.moe import ExpertLayout
 
 
 class RecordedEngine(Protocol):
-    """What telemetry reads of an engine: its config, event bus, pool and queues."""
+    """What telemetry reads of an engine: its config, event bus, pool and queues, and a
+    mixture-of-experts model's experts (None for a dense model)."""
 
     config: EngineConfig
+    expert_layout: ExpertLayout | None
     events: EventBus
     kv_cache: KVCacheManager
     scheduler: Scheduler
@@ -39,10 +45,16 @@ class RecordedEngine(Protocol):
 
 def record_step(engine: RecordedEngine, plan: SchedulerOutput, start_time: float,
                 finished: list[Request], num_generated: int,
-                drafts: tuple[SpecDraft, ...]) -> StepRecord:
+                drafts: tuple[SpecDraft, ...], expert_tokens: torch.Tensor | None = None
+                ) -> StepRecord:
     """The record of the engine's step `engine.step_index`. The pool's figures are read now:
-    with async scheduling they already hold the blocks of the step launched after it."""
+    with async scheduling they already hold the blocks of the step launched after it.
+    `expert_tokens`: the step's forward's tokens per expert [MoE layers, experts], read
+    before the next forward overwrote them (None: no forward ran, or a dense model)."""
     pool = engine.kv_cache.pool
+    layout = engine.expert_layout
+    routed = layout is not None and expert_tokens is not None
+    read, everything = expert_bytes(layout, expert_tokens) if routed else (0, 0)
     queries, hits, blocks_out, blocks_in = plan.stat_deltas
     return StepRecord(
         step=engine.step_index, start_time=start_time, end_time=time.time(),
@@ -59,4 +71,7 @@ def record_step(engine: RecordedEngine, plan: SchedulerOutput, start_time: float
         num_running=engine.num_running, num_waiting=engine.num_waiting,
         num_generated_tokens=num_generated, prefix_cache_queries=queries,
         prefix_cache_hits=hits, num_blocks_swapped_out=blocks_out,
-        num_blocks_swapped_in=blocks_in, spec_drafts=drafts)
+        num_blocks_swapped_in=blocks_in, spec_drafts=drafts,
+        expert_layers=layout.layers if routed else (),
+        expert_tokens=packed_counts(expert_tokens) if routed else (),
+        expert_bytes_read=read, expert_bytes_all=everything)

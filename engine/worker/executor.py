@@ -15,6 +15,7 @@ import torch
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvscope.engine.worker.memory import MemoryPlan
+from kvscope.engine.worker.models.moe import ExpertLayout
 
 # One row per scheduled sequence that samples, in schedule order: logits [rows, vocab] to
 # sample from, or the token ids an executor without a forward picked itself.
@@ -28,6 +29,11 @@ class StepExecutor(Protocol):
     device: torch.device
     max_positions: int
     group_windows: tuple[int | None, ...]  # each KV cache group's window (engine.core.kv_groups)
+    # A mixture-of-experts model's experts (models.moe.ExpertLayout; None for a dense model
+    # or an executor without a forward) and each MoE layer's tokens per expert in the latest
+    # forward, int64 [MoE layers, experts], which the next forward overwrites.
+    expert_layout: ExpertLayout | None
+    expert_tokens: torch.Tensor
 
     def plan_memory(self, config: EngineConfig) -> MemoryPlan: ...
 

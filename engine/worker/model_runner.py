@@ -40,7 +40,7 @@ from kvscope.engine.worker.models import language_model_config, model_class
 from kvscope.engine.worker.models.attention import AttentionMetadata, PagedAttention
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.layers import prepack_weights
-from kvscope.engine.worker.models.moe import record_expert_tokens
+from kvscope.engine.worker.models.moe import ExpertLayout, expert_layout, record_expert_tokens
 from kvscope.engine.worker.models.quantized import (
     QuantizedLinear,
     pack_model,
@@ -210,6 +210,7 @@ class ModelRunner:
         # Each MoE layer's tokens per expert in the latest forward (before the stack fuses:
         # it writes them too).
         self.expert_tokens = record_expert_tokens(self.model)
+        self.expert_layout: ExpertLayout | None = expert_layout(self.model, self.hf_config)
         fuse = getattr(self.model, "fuse_decoder_stack", None)
         self.fused_decoder_stack = (fuse is not None and not config.enforce_eager
                                     and self.kernel_ops.decoder_stack is not None)

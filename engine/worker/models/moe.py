@@ -395,6 +395,29 @@ def record_expert_tokens(model: nn.Module) -> torch.Tensor:
     return counts
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """A MoE model's experts as telemetry reads them: which decoder layer each row of the
+    runner's expert_tokens is, and what one expert of that layer reads (its weights as
+    stored), so a step's counts tell the bytes its chosen experts read."""
+
+    layers: tuple[int, ...]  # each MoE layer's decoder layer index, in expert_tokens' order
+    num_experts: int
+    top_k: int
+    bytes_per_expert: tuple[int, ...]  # one per MoE layer
+
+
+def expert_layout(model: nn.Module, config: PretrainedConfig) -> ExpertLayout | None:
+    """The model's ExpertLayout; None for a dense model."""
+    moe = moe_config(config)
+    if moe is None:
+        return None
+    experts = [module for module in model.modules() if isinstance(module, Experts)]
+    return ExpertLayout(
+        tuple(index for index, sparse in enumerate(sparse_layers(config)) if sparse),
+        moe.num_experts, moe.top_k, tuple(layer.bytes_per_expert() for layer in experts))
+
+
 def canonical_name(name: str) -> str:
     """A checkpoint tensor's name as these modules name it (CHECKPOINT_RENAMES)."""
     for old, new in CHECKPOINT_RENAMES:
