@@ -513,6 +513,25 @@ def transformers_greedy(model, prompts: list[list[int]], max_tokens: int) -> lis
                 for prompt in prompts]
 
 
+def greedy_expectations(tiny_model, prompts: list[list[int]],
+                        max_tokens: int) -> Callable[[str], list[list[int]]]:
+    """expected(arch): transformers' greedy continuation of every prompt, computed once per
+    architecture (the parity tests' oracle, for a module-scoped fixture)."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            cache[arch] = transformers_greedy(tiny_model(arch).hf_model, prompts, max_tokens)
+        return cache[arch]
+
+    return get
+
+
+def first_token_ids(run: EngineRun) -> list[list[int]]:
+    """Each request's first completion's tokens, in request order."""
+    return [output.outputs[0].token_ids for output in run.outputs]
+
+
 def wait_until(condition: Callable[[], object], timeout: float = 10.0,
                what: str = "the condition") -> None:
     """Return as soon as condition() is true; fail if it is still false after `timeout`

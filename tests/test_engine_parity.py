@@ -6,7 +6,7 @@ import conftest
 import pytest
 import torch
 from conftest import TINY_ARCHITECTURES as ARCHITECTURES
-from conftest import transformers_greedy
+from conftest import first_token_ids, greedy_expectations, transformers_greedy
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.engine_core import EngineCore
@@ -35,18 +35,7 @@ LONGEST = PROMPTS.index(max(PROMPTS, key=len))
 @pytest.fixture(scope="module")
 def expected(tiny_model):
     """expected(arch): transformers' greedy continuation of every prompt (computed once)."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            cache[arch] = transformers_greedy(tiny_model(arch).hf_model, PROMPTS, MAX_TOKENS)
-        return cache[arch]
-
-    return get
-
-
-def _token_ids(run) -> list[list[int]]:
-    return [output.outputs[0].token_ids for output in run.outputs]
+    return greedy_expectations(tiny_model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -55,7 +44,7 @@ def test_greedy_matches_transformers(arch, block_size, make_engine, run_engine, 
     engine = make_engine(arch, block_size=block_size)
     run = run_engine(engine, PROMPTS, GREEDY)
 
-    assert _token_ids(run) == expected(arch)
+    assert first_token_ids(run) == expected(arch)
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in run.outputs)
     assert engine.kv_cache.pool.num_used_blocks == 0
 
@@ -77,7 +66,7 @@ def test_greedy_matches_transformers_under_preemption(
     assert sum(o.metrics.num_preemptions for o in run.outputs) == engine.scheduler.num_preemptions
     if preemption_mode == "swap":
         assert engine.kv_cache.swap_stats.swap_outs > 0
-    assert _token_ids(run) == expected(arch)
+    assert first_token_ids(run) == expected(arch)
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
@@ -88,7 +77,7 @@ def test_greedy_matches_transformers_with_chunked_prefill(
     engine = make_engine(arch, max_num_batched_tokens=budget)
     run = run_engine(engine, PROMPTS, GREEDY)
 
-    assert _token_ids(run) == expected(arch)
+    assert first_token_ids(run) == expected(arch)
     assert all(record.num_scheduled_tokens <= budget for record in run.records)
     longest_id = run.outputs[LONGEST].request_id
     prefill_chunks = [(start, end) for record in run.records
@@ -107,8 +96,8 @@ def test_prefix_caching_does_not_change_greedy_output(
     # The second pass finds the first pass's full blocks (if caching is on).
     second = run_engine(engine, PROMPTS, GREEDY)
 
-    assert _token_ids(first) == expected(arch)
-    assert _token_ids(second) == expected(arch)
+    assert first_token_ids(first) == expected(arch)
+    assert first_token_ids(second) == expected(arch)
     cached = [output.num_cached_tokens for output in second.outputs]
     if enable_prefix_caching:
         # Whole blocks of 16, and at least one prompt token is always computed.
@@ -154,7 +143,7 @@ def test_eager_layers_match_transformers(arch, tiny_model, run_engine, expected)
     run = run_engine(engine, PROMPTS, GREEDY)
 
     assert not engine.runner.fused_decoder_stack
-    assert _token_ids(run) == expected(arch)
+    assert first_token_ids(run) == expected(arch)
 
 
 def test_mistral3_for_conditional_generation_serves_its_language_model(tmp_path, run_engine):
@@ -174,4 +163,4 @@ def test_mistral3_for_conditional_generation_serves_its_language_model(tmp_path,
                                      device_memory_gb=0.05))
     run = run_engine(engine, PROMPTS, GREEDY)
 
-    assert _token_ids(run) == transformers_greedy(model, PROMPTS, MAX_TOKENS)
+    assert first_token_ids(run) == transformers_greedy(model, PROMPTS, MAX_TOKENS)

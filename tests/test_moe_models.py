@@ -9,7 +9,13 @@ import random
 
 import pytest
 import torch
-from conftest import MOE_ARCHITECTURES, TINY_MAX_POSITIONS, TINY_VOCAB_SIZE, transformers_greedy
+from conftest import (
+    MOE_ARCHITECTURES,
+    TINY_MAX_POSITIONS,
+    TINY_VOCAB_SIZE,
+    first_token_ids,
+    greedy_expectations,
+)
 from safetensors.torch import save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
@@ -46,18 +52,7 @@ PATHS = [pytest.param(arch, eager, id=f"{arch}-{'eager' if eager else 'stack'}")
 @pytest.fixture(scope="module")
 def expected(tiny_model):
     """expected(arch): transformers' greedy continuation of every prompt (computed once)."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            cache[arch] = transformers_greedy(tiny_model(arch).hf_model, PROMPTS, MAX_TOKENS)
-        return cache[arch]
-
-    return get
-
-
-def _token_ids(run) -> list[list[int]]:
-    return [output.outputs[0].token_ids for output in run.outputs]
+    return greedy_expectations(tiny_model, PROMPTS, MAX_TOKENS)
 
 
 def _engine(enforce_eager: bool, make_engine, eager_engine, arch: str, **knobs) -> EngineCore:
@@ -71,7 +66,7 @@ def test_greedy_matches_transformers(arch, enforce_eager, make_engine, eager_eng
     run = run_engine(engine, PROMPTS, GREEDY)
 
     assert engine.runner.fused_decoder_stack is not enforce_eager
-    assert _token_ids(run) == expected(arch)
+    assert first_token_ids(run) == expected(arch)
     # The config's dense layers (mlp_only_layers, decoder_sparse_step) stay dense.
     layers = engine.runner.model.model.layers
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == sparse_layers(
@@ -131,7 +126,7 @@ def test_the_torch_backend_runs_the_experts_through_the_oracle(tiny_model, monke
     monkeypatch.setenv("KVSCOPE_ATTENTION_BACKEND", "torch")
     engine = _engine_on(tiny_model("qwen2-moe").path)
     assert engine.runner.kernel_ops.backend == "torch"
-    assert _token_ids(run_engine(engine, PROMPTS, GREEDY)) == expected("qwen2-moe")
+    assert first_token_ids(run_engine(engine, PROMPTS, GREEDY)) == expected("qwen2-moe")
 
 
 def _copy_tokenizer(tiny, folder) -> None:
@@ -157,7 +152,7 @@ def test_fused_expert_tensors_as_transformers_holds_them_load(arch, tiny_model, 
     tiny.hf_model.config.save_pretrained(tmp_path)
     _copy_tokenizer(tiny, tmp_path)
 
-    assert _token_ids(run_engine(_engine_on(tmp_path), PROMPTS, GREEDY)) == expected(arch)
+    assert first_token_ids(run_engine(_engine_on(tmp_path), PROMPTS, GREEDY)) == expected(arch)
 
 
 def test_sharded_per_expert_checkpoints_load(tiny_model, tmp_path, run_engine, expected):
@@ -167,7 +162,7 @@ def test_sharded_per_expert_checkpoints_load(tiny_model, tmp_path, run_engine, e
     _copy_tokenizer(tiny, tmp_path)
     assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
 
-    assert _token_ids(run_engine(_engine_on(tmp_path), PROMPTS, GREEDY)) == expected("olmoe")
+    assert first_token_ids(run_engine(_engine_on(tmp_path), PROMPTS, GREEDY)) == expected("olmoe")
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)

@@ -7,7 +7,13 @@ import random
 import conftest
 import pytest
 import torch
-from conftest import SLIDING_WINDOW_ARCHITECTURES, TINY_WINDOW, transformers_greedy
+from conftest import (
+    SLIDING_WINDOW_ARCHITECTURES,
+    TINY_WINDOW,
+    first_token_ids,
+    greedy_expectations,
+    transformers_greedy,
+)
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_groups import kv_cache_groups
@@ -37,18 +43,7 @@ PROMPTS = _make_prompts()
 @pytest.fixture(scope="module")
 def expected(tiny_model):
     """expected(arch): transformers' greedy continuation of every prompt (computed once)."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(arch: str) -> list[list[int]]:
-        if arch not in cache:
-            cache[arch] = transformers_greedy(tiny_model(arch).hf_model, PROMPTS, MAX_TOKENS)
-        return cache[arch]
-
-    return get
-
-
-def _token_ids(run) -> list[list[int]]:
-    return [output.outputs[0].token_ids for output in run.outputs]
+    return greedy_expectations(tiny_model, PROMPTS, MAX_TOKENS)
 
 
 # Gemma 4 runs its eager layers whatever enforce_eager says (gemma4.py says why).
@@ -66,7 +61,7 @@ def test_greedy_matches_transformers(arch, block_size, enforce_eager, make_engin
     run = run_engine(engine, PROMPTS, GREEDY)
 
     assert engine.runner.fused_decoder_stack is not enforce_eager
-    assert _token_ids(run) == expected(arch)
+    assert first_token_ids(run) == expected(arch)
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
@@ -76,7 +71,7 @@ def test_greedy_matches_transformers_with_chunked_prefill(arch, make_engine, run
     engine = make_engine(arch, block_size=4, max_num_batched_tokens=5)
     run = run_engine(engine, PROMPTS, GREEDY)
 
-    assert _token_ids(run) == expected(arch)
+    assert first_token_ids(run) == expected(arch)
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
@@ -91,7 +86,7 @@ def test_greedy_matches_transformers_under_preemption(arch, preemption_mode, mak
     run = run_engine(engine, PROMPTS, GREEDY)
 
     assert engine.scheduler.num_preemptions > 0
-    assert _token_ids(run) == expected(arch)
+    assert first_token_ids(run) == expected(arch)
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
@@ -101,7 +96,7 @@ def test_prefix_caching_keeps_greedy_output(arch, make_engine, run_engine, expec
     first = run_engine(engine, PROMPTS, GREEDY)
     second = run_engine(engine, PROMPTS, GREEDY)
 
-    assert _token_ids(first) == _token_ids(second) == expected(arch)
+    assert first_token_ids(first) == first_token_ids(second) == expected(arch)
     assert sum(output.num_cached_tokens for output in second.outputs) > 0
 
 
@@ -172,7 +167,7 @@ def test_speculative_rollback_over_kv_cache_groups_keeps_greedy_output(
         arch, block_size=2, speculative_config=NGRAM)
     run = run_engine(engine, prompts, GREEDY)
 
-    assert _token_ids(run) == transformers_greedy(tiny_model(arch).hf_model, prompts, MAX_TOKENS)
+    assert first_token_ids(run) == transformers_greedy(tiny_model(arch).hf_model, prompts, MAX_TOKENS)
     assert drafted(run)[0] > 0
     assert engine.kv_cache.pool.num_used_blocks == 0
 
@@ -198,7 +193,7 @@ def test_gemma3_for_conditional_generation_serves_its_language_model(tmp_path, r
         expected = [model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
                                    min_new_tokens=MAX_TOKENS, do_sample=False
                                    )[0, len(prompt):].tolist() for prompt in PROMPTS]
-    assert _token_ids(run) == expected
+    assert first_token_ids(run) == expected
     # Gemma 3's two sliding layers and its global one: a block table each.
     assert engine.runner.group_windows == (TINY_WINDOW, TINY_WINDOW, None)
 
@@ -221,7 +216,7 @@ def test_gemma4_for_conditional_generation_serves_its_language_model(tmp_path, r
                                      device_memory_gb=0.05))
     run = run_engine(engine, PROMPTS, GREEDY)
 
-    assert _token_ids(run) == transformers_greedy(model, PROMPTS, MAX_TOKENS)
+    assert first_token_ids(run) == transformers_greedy(model, PROMPTS, MAX_TOKENS)
     assert not engine.runner.fused_decoder_stack
 
 
