@@ -335,6 +335,7 @@ def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
                           activation: str | None) -> torch.Tensor:
     """Same contract as kernels.reference.causal_conv1d_prefill."""
     reference.check_conv_shapes(x, conv_state, weight, bias, activation)
+    reference.check_slot(slot, conv_state)
     x, weight, bias, out = _conv_operands(x, weight, bias)
     torch.ops.kvscope.causal_conv1d_prefill(x, conv_state, slot, weight, bias, activation or "",
                                             out)
@@ -367,6 +368,7 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Same contract as kernels.reference.gated_delta_rule_prefill, token by token (the state
     of each head's 16 columns stays in L1 through a tile of tokens)."""
     reference.check_delta_rule_shapes(q, k, v, g, beta, state)
+    reference.check_slot(slot, state)
     *qkv, g, beta, out = _delta_rule_operands(q, k, v, g, beta)
     torch.ops.kvscope.gated_delta_rule_prefill(*qkv, g, beta, state, slot, use_qk_l2norm, out)
     return out

@@ -184,5 +184,7 @@ def test_bad_input_is_refused_naming_the_argument(recurrent):
         recurrent.gated_delta_rule_decode(**inputs, state=pool.bfloat16(), slots=torch.arange(3),
                                           use_qk_l2norm=True)
     x, weight, bias = conv_inputs(2, 12, 4, torch.float32, bias=True)
+    with pytest.raises(ValueError, match="slot 5: outside the pool's 5 slots"):
+        recurrent.causal_conv1d_prefill(x, torch.zeros(SLOTS, 12, 3), 5, weight, bias, None)
     with pytest.raises(ValueError, match="activation 'relu'"):
         recurrent.causal_conv1d_prefill(x, torch.zeros(SLOTS, 12, 3), 0, weight, bias, "relu")
