@@ -276,6 +276,8 @@ def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
     last W-1 inputs are written back to it. Computed in fp32, rounded once to x's dtype."""
     check_conv_shapes(x, conv_state, weight, bias, activation)
     check_slot(slot, conv_state)
+    if x.shape[0] == 0:
+        return x.new_empty(x.shape)
     width = weight.shape[1]
     window = torch.cat((conv_state[slot].float(), x.float().T), dim=1)  # [C, W-1 + T]
     y = F.conv1d(window.unsqueeze(0), weight.float().unsqueeze(1),
@@ -338,6 +340,8 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_delta_rule_shapes(q, k, v, g, beta, state)
     check_slot(slot, state)
     length, chunk, out_dtype = q.shape[0], DELTA_RULE_CHUNK, q.dtype
+    if length == 0:
+        return v.new_empty(v.shape, dtype=out_dtype)
     q, k = _delta_rule_qk(q, k, v.shape[1], use_qk_l2norm)  # [Hv, T, Dk]
     v, g, beta = v.float().transpose(0, 1), g.float().T, beta.float().T
     pad = -length % chunk  # padded tokens have k = 0 and beta = 0: they change nothing

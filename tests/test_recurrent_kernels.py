@@ -188,3 +188,17 @@ def test_bad_input_is_refused_naming_the_argument(recurrent):
         recurrent.causal_conv1d_prefill(x, torch.zeros(SLOTS, 12, 3), 5, weight, bias, None)
     with pytest.raises(ValueError, match="activation 'relu'"):
         recurrent.causal_conv1d_prefill(x, torch.zeros(SLOTS, 12, 3), 0, weight, bias, "relu")
+
+
+def test_an_empty_prefill_changes_nothing(recurrent):
+    for ops in (recurrent, reference):
+        inputs = fused_delta_rule_inputs(0, DELTA_RULE_SHAPES[0], torch.float32)
+        pool = state_pool(DELTA_RULE_SHAPES[0], fresh_slot=0)
+        before = pool.clone()
+        out = ops.gated_delta_rule_prefill(**inputs, state=pool, slot=1, use_qk_l2norm=True)
+        assert out.shape == (0, 4, 24) and torch.equal(pool, before)
+        x, weight, bias = conv_inputs(0, 12, 4, torch.float32, bias=True)
+        windows = torch.randn(SLOTS, 12, 3)
+        before = windows.clone()
+        assert ops.causal_conv1d_prefill(x, windows, 1, weight, bias, "silu").shape == (0, 12)
+        assert torch.equal(windows, before)
