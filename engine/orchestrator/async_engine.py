@@ -375,6 +375,7 @@ class AsyncEngine(ServedEngine):
             if self._snapshot_waiters:
                 self._guarded(self._answer_snapshots)
             if self._exited:
+                self._guarded(self._core.close)  # the disk tier saves what it lacks
                 break
             if self._core.has_unfinished_requests():
                 self._step()

@@ -1,0 +1,182 @@
+"""The disk tier below the KV pool (engine/core/kv_offload): evicted prefixes are served
+from it, warm restarts find it, and nothing torn, corrupt or foreign is ever served."""
+
+import json
+import logging
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_sequence
+
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.kv_offload.block_file import HEADER, SUFFIX
+from kvscope.engine.core.kv_offload.disk_store import DiskStore
+from kvscope.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+BLOCK = 4
+# A pool of 16 blocks of 4 tokens: one 26-token prompt holds 7, so the two others evict it.
+POOL = {"block_size": BLOCK, "num_gpu_blocks_override": 16, "max_num_seqs": 1,
+        "max_model_len": 64}
+
+
+def random_prompt(seed: int, length: int = 26) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 200) for _ in range(length)]
+
+
+PREFIX = random_prompt(0)
+OTHERS = [random_prompt(1), random_prompt(2)]
+
+
+def tier_engine(make_engine, folder: Path, **knobs):
+    return make_engine("llama", **POOL, kv_offload_dir=str(folder), kv_offload_gb=0.01,
+                       **knobs)
+
+
+def block_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob(f"*/*{SUFFIX}"))
+
+
+def evict_and_return(engine, run_engine):
+    """The prefix, two other prompts that push it out of the pool, the prefix again."""
+    first = run_engine(engine, [PREFIX], GREEDY).outputs[0]
+    run_engine(engine, OTHERS, GREEDY)
+    again = run_engine(engine, [PREFIX], GREEDY).outputs[0]
+    return first, again
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_evicted_prefix_is_loaded_from_the_tier_with_identical_outputs(
+        make_engine, run_engine, tmp_path, async_scheduling):
+    plain = make_engine("llama", **POOL)
+    expected, recomputed = evict_and_return(plain, run_engine)
+    engine = tier_engine(make_engine, tmp_path, async_scheduling=async_scheduling)
+    first, again = evict_and_return(engine, run_engine)
+    stats = engine.kv_tier.stats
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids \
+        == expected.outputs[0].token_ids
+    # Without the tier most of the prefix was evicted and recomputed; with it, every full
+    # block but the last token's was reused, those the pool lost loaded from the tier.
+    full_blocks = (len(PREFIX) - 1) // BLOCK
+    assert recomputed.num_cached_tokens < full_blocks * BLOCK
+    assert again.num_cached_tokens == full_blocks * BLOCK
+    assert stats.hits == full_blocks * BLOCK - recomputed.num_cached_tokens
+    assert stats.blocks_loaded * BLOCK == stats.hits and stats.bytes_loaded > 0
+    engine.close()
+
+
+def test_warm_restart_finds_the_blocks(make_engine, run_engine, tmp_path):
+    engine = tier_engine(make_engine, tmp_path)
+    expected = run_engine(engine, [PREFIX], GREEDY).outputs[0]
+    engine.close()  # saves what the pool still holds
+    assert block_files(tmp_path)
+    restarted = tier_engine(make_engine, tmp_path)
+    assert restarted.kv_tier.store.num_blocks == len(block_files(tmp_path))
+    output = run_engine(restarted, [PREFIX], GREEDY).outputs[0]
+    assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert output.num_cached_tokens == (len(PREFIX) - 1) // BLOCK * BLOCK
+    restarted.close()
+
+
+def test_corrupt_and_torn_files_are_deleted_and_never_served(make_engine, run_engine, tmp_path):
+    engine = tier_engine(make_engine, tmp_path)
+    expected = run_engine(engine, [PREFIX], GREEDY).outputs[0]
+    engine.close()
+    store = DiskStore(tmp_path, block_files(tmp_path)[0].parent.name, 1 << 30)
+    keys = [store.key(block_hash[0]) for block_hash in _prefix_hashes()]
+    paths = [store.folder / f"{key.hex()}{SUFFIX}" for key in keys]
+    assert all(path.is_file() for path in paths)
+    flipped = bytearray(paths[1].read_bytes())
+    flipped[HEADER.size + 5] ^= 0xFF  # a payload byte: only the checksum can tell
+    paths[1].write_bytes(bytes(flipped))
+    with open(paths[3], "r+b") as file:  # torn: cut mid-payload
+        file.truncate(HEADER.size + 10)
+
+    restarted = tier_engine(make_engine, tmp_path)
+    output = run_engine(restarted, [PREFIX], GREEDY).outputs[0]
+    assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert output.num_cached_tokens == BLOCK  # block 0 only: block 1 is corrupt
+    assert not paths[1].exists()
+    assert restarted.kv_tier.store.num_corrupt_deleted == 1
+    restarted.close()
+    # The torn file is caught at the next read of it.
+    store = DiskStore(tmp_path, store.fingerprint, 1 << 30)
+    assert store.get(keys[3]) is None and not paths[3].exists()
+
+
+def _prefix_hashes():
+    manager = KVCacheManager(16, BLOCK)
+    return manager.prompt_block_hashes(make_sequence(PREFIX))
+
+
+def test_another_fingerprint_is_never_read_and_can_be_pruned(make_engine, run_engine, tmp_path,
+                                                             caplog):
+    engine = tier_engine(make_engine, tmp_path)
+    run_engine(engine, [PREFIX], GREEDY)
+    engine.close()
+    with caplog.at_level(logging.WARNING):
+        other = tier_engine(make_engine, tmp_path, kv_cache_dtype="int8")
+    assert "another fingerprint" in caplog.text and "kv_offload_dir" in caplog.text
+    output = run_engine(other, [PREFIX], GREEDY).outputs[0]
+    assert output.num_cached_tokens == 0 and other.kv_tier.stats.hits == 0
+    (foreign,) = other.kv_tier.store.foreign_tiers()
+    assert foreign.fingerprint == engine.kv_tier.store.fingerprint and foreign.num_files > 0
+    assert other.kv_tier.store.prune_foreign() > 0
+    assert not (tmp_path / foreign.fingerprint).exists()
+    other.close()
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"kv_offload_dir": "/tmp/t", "kv_offload_gb": 0}, "kv_offload_gb=0 must be > 0"),
+    ({"kv_offload_dir": "", "kv_offload_gb": 1}, "kv_offload_dir='' must be a directory"),
+    ({"kv_offload_dir": "/tmp/t", "enable_prefix_caching": False}, "enable_prefix_caching"),
+])
+def test_bad_knobs_are_refused_by_name(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**knobs)
+
+
+def test_unusable_directory_or_size_warns_and_the_engine_runs(make_engine, run_engine, tmp_path,
+                                                             caplog):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine("llama", **POOL, kv_offload_dir=str(a_file / "tier"))
+    assert engine.kv_tier is None and "kv_offload_dir=" in caplog.text
+    assert run_engine(engine, [PREFIX], GREEDY).outputs[0].finished
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        huge = make_engine("llama", **POOL, kv_offload_dir=str(tmp_path / "t"),
+                           kv_offload_gb=1e9)
+    assert "kv_offload_gb=1e+09 is larger than the free disk" in caplog.text
+    assert huge.kv_tier.store.capacity_bytes < 1e9 * (1 << 30)
+    huge.close()
+
+
+def test_lru_eviction_keeps_the_tier_within_its_size(tmp_path):
+    store = DiskStore(tmp_path, "ab" * 16, 3 * (HEADER.size + 100))
+    for index in range(3):
+        assert store.put(bytes([index]) * 16, bytes(100))
+    assert store.get(bytes([0]) * 16) is not None  # 0 is now the most recently used
+    assert store.put(bytes([3]) * 16, bytes(100))
+    assert bytes([1]) * 16 not in store and bytes([0]) * 16 in store
+    assert store.num_blocks == 3 and store.num_bytes <= store.capacity_bytes
+    assert len(list(store.folder.glob(f"*{SUFFIX}"))) == 3
+
+
+def test_writers_killed_mid_write_leave_nothing_corrupt():
+    """Two writers sharing a directory, SIGKILLed mid-write, then a restart, twice
+    (bench/kv_tier_crash.py does it 20 times): the index is rebuilt from whole files, the
+    dead writers' temporary files are gone, every block served is exactly what was
+    written."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "kv_tier_crash.py"
+    result = subprocess.run([sys.executable, str(bench), "--kills", "2"], capture_output=True,
+                            text=True, timeout=300, check=True)
+    report = json.loads(result.stdout)
+    assert report["blocks_served"] > 0 and report["wrong_blocks_served"] == 0
+    assert report["tmp_files_after_restarts"] == 0 and report["index_rebuilt_every_time"]
