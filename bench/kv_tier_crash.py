@@ -76,7 +76,14 @@ def main() -> None:
             first = kill * 50
             writers = [subprocess.Popen([sys.executable, __file__, "--writer", root,
                                          str(first + 10 * w)]) for w in range(args.writers)]
-            time.sleep(rng.uniform(0.3, 1.5))
+            # Killed at a random moment once both are writing (starting takes a while).
+            folder = Path(root) / FINGERPRINT
+            before = len(list(folder.glob(f"*{SUFFIX}"))) if folder.exists() else 0
+            deadline = time.monotonic() + 120
+            while (time.monotonic() < deadline and
+                   len(list(folder.glob(f"*{SUFFIX}"))) < before + 2 * args.writers):
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.2))
             for writer in writers:
                 writer.send_signal(signal.SIGKILL)
             for writer in writers:
@@ -85,7 +92,7 @@ def main() -> None:
     print(json.dumps({
         "kills": args.kills, "writers_per_round": args.writers,
         "block_bytes": BLOCK_BYTES,
-        "blocks_served": sum(r["served"] for r in rounds),
+        "blocks_served_over_restarts": sum(r["served"] for r in rounds),
         "wrong_blocks_served": sum(r["wrong_served"] for r in rounds),
         "corrupt_files_deleted": sum(r["corrupt_deleted"] for r in rounds),
         "tmp_files_left_by_kills": sum(r["tmp_files_at_kill"] for r in rounds),
