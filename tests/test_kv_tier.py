@@ -8,13 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import make_sequence
+from conftest import make_sequence, serve
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_offload.block_file import HEADER, SUFFIX
+from kvscope.engine.core.kv_events import TierBlockStored
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
+from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.serving import create_app
+from kvscope.engine.telemetry.kv_event_wire import MEDIUM_GPU, wire_events
+from kvscope.engine.telemetry.kv_event_wire import BlockRemoved as WireBlockRemoved
+from kvscope.engine.telemetry.kv_event_wire import BlockStored as WireBlockStored
 from kvscope.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -70,6 +78,48 @@ def test_evicted_prefix_is_loaded_from_the_tier_with_identical_outputs(
     engine.close()
 
 
+def test_kv_events_carry_the_disk_medium(make_engine, run_engine, tmp_path):
+    engine = tier_engine(make_engine, tmp_path)
+    events = []
+    engine.events.subscribe(events.append)
+    evict_and_return(engine, run_engine)
+    engine.close()
+    stored = [event for event in events if isinstance(event, TierBlockStored)]
+    prefix = {block_hash[0] for block_hash in _prefix_hashes()}
+    assert prefix <= {event.block_hash[0] for event in stored}
+    wire = wire_events(events, MEDIUM_GPU, engine.runner.group_windows)
+    mediums = {(type(event).__name__, event.medium) for event in wire
+               if isinstance(event, (WireBlockStored, WireBlockRemoved))}
+    assert {("BlockStored", "DISK"), ("BlockStored", "GPU"), ("BlockRemoved", "GPU")} <= mediums
+    disk_hashes = {h for event in wire if isinstance(event, WireBlockStored)
+                   and event.medium == "DISK" for h in event.block_hashes}
+    assert prefix <= disk_hashes
+
+
+def test_the_served_engine_exports_the_tiers_series_under_vllms_names(tiny_model, tmp_path):
+    config = EngineConfig(model=str(tiny_model("llama").path), dtype="float32", device="cpu",
+                          **POOL, kv_offload_dir=str(tmp_path), kv_offload_gb=0.01)
+    engine = AsyncEngine.from_config(config).start()
+    url, server, thread = serve(create_app(engine))
+    try:
+        for prompt in (PREFIX, *OTHERS, PREFIX):
+            list(engine.submit(prompt, GREEDY))
+        samples = {(sample.name, sample.labels.get("transfer_type")): sample.value
+                   for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                   for sample in family.samples}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+    hits = samples[("vllm:external_prefix_cache_hits_total", None)]
+    assert hits > 0 and hits % BLOCK == 0
+    assert samples[("vllm:external_prefix_cache_queries_total", None)] >= hits
+    assert samples[("vllm:kv_offload_total_bytes_total", "DISK_to_GPU")] > 0
+    assert samples[("vllm:kv_offload_total_time_total", "DISK_to_GPU")] > 0
+    assert ("vllm:kv_offload_total_bytes_total", "GPU_to_DISK") in samples
+    assert block_files(tmp_path)  # shutdown saved the pool's blocks
+
+
 def test_warm_restart_finds_the_blocks(make_engine, run_engine, tmp_path):
     engine = tier_engine(make_engine, tmp_path)
     expected = run_engine(engine, [PREFIX], GREEDY).outputs[0]
@@ -101,12 +151,10 @@ def test_corrupt_and_torn_files_are_deleted_and_never_served(make_engine, run_en
     output = run_engine(restarted, [PREFIX], GREEDY).outputs[0]
     assert output.outputs[0].token_ids == expected.outputs[0].token_ids
     assert output.num_cached_tokens == BLOCK  # block 0 only: block 1 is corrupt
-    assert not paths[1].exists()
-    assert restarted.kv_tier.store.num_corrupt_deleted == 1
+    # The load read both files: each failed its checks and was deleted.
+    assert not paths[1].exists() and not paths[3].exists()
+    assert restarted.kv_tier.store.num_corrupt_deleted == 2
     restarted.close()
-    # The torn file is caught at the next read of it.
-    store = DiskStore(tmp_path, store.fingerprint, 1 << 30)
-    assert store.get(keys[3]) is None and not paths[3].exists()
 
 
 def _prefix_hashes():

@@ -82,7 +82,8 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(self.runner)
         self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
         self.scheduler.reclaim = self.beams.release_parked
-        self.kv_tier = open_kv_tier(self.config, self.runner, self.kv_cache)  # None: no tier
+        self.kv_tier = open_kv_tier(self.config, self.runner, self.kv_cache,  # None: no tier
+                                    self.events.emit)
         if self.kv_tier is not None:
             self.events.subscribe(self.kv_tier.observe)
             self.scheduler.fetch_prefix = self.kv_tier.fetch

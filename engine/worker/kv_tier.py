@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
+from kvscope.engine.core.kv_events import KVEventSink
 from kvscope.engine.core.kv_offload.disk_store import open_disk_store
 from kvscope.engine.core.kv_offload.tier import KVTier
 from kvscope.kernels import kv_quant
@@ -67,7 +68,8 @@ def kv_fingerprint(config: EngineConfig, runner) -> str:
                           ).hexdigest()[:32]
 
 
-def open_kv_tier(config: EngineConfig, runner, kv_cache: KVCacheManager) -> KVTier | None:
+def open_kv_tier(config: EngineConfig, runner, kv_cache: KVCacheManager,
+                 emit: KVEventSink) -> KVTier | None:
     """The tier config.kv_offload_dir asks for, or None (not asked, or it cannot be used:
     a warning names the setting and the engine runs without it)."""
     if config.kv_offload_dir is None:
@@ -90,4 +92,4 @@ def open_kv_tier(config: EngineConfig, runner, kv_cache: KVCacheManager) -> KVTi
     logger.info("KV disk tier at %s: %d blocks (%.1f MiB) found, %.1f GiB at most",
                 store.folder, store.num_blocks, store.num_bytes / (1 << 20),
                 store.capacity_bytes / (1 << 30))
-    return KVTier(store, kv_cache, runner)
+    return KVTier(store, kv_cache, runner, emit)

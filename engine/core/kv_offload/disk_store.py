@@ -10,6 +10,7 @@ import errno
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import threading
 from collections import OrderedDict
@@ -62,6 +63,7 @@ class DiskStore:
         self.num_corrupt_deleted = 0
         self.num_evicted = 0
         self.full_disk: str | None = None  # why writes stopped, once they did
+        self.removed: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # keys dropped since
         self._rebuild_index()
 
     def key(self, block_hash: bytes) -> bytes:
@@ -139,13 +141,15 @@ class DiskStore:
         path = self.folder / block_file_name(key)
         try:
             payload = read_block_file(path, self.fingerprint_bytes, key)
-        except FileNotFoundError:
+        except FileNotFoundError:  # another process evicted it
             self._forget(key)
+            self.removed.put(key)
             return None
         except CorruptBlockFile as error:
             logger.warning("KV tier: %s; deleted, the block will be computed", error)
             _unlink(path)
             self._forget(key)
+            self.removed.put(key)
             self.num_corrupt_deleted += 1
             return None
         with self._lock:
@@ -165,6 +169,7 @@ class DiskStore:
             key, size = self._index.popitem(last=False)
             self.num_bytes -= size
             self.num_evicted += 1
+            self.removed.put(key)
             _unlink(self.folder / block_file_name(key))
 
     # ---- other fingerprints -------------------------------------------------------------

@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
@@ -16,6 +17,9 @@ logger = logging.getLogger(__name__)
 # (counted as dropped) rather than host memory growing without bound behind a slow disk.
 MAX_WRITE_BACKLOG_BYTES = 1 << 30
 LOAD, WRITE, STOP = 0, 1, 2  # queue priorities
+# Files a load reads at once: one file's checksum overlaps the next ones' reads (both
+# release the GIL), which one reader alone leaves idle.
+LOAD_READERS = 4
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class TierIO:
     def __init__(self, store: DiskStore) -> None:
         self.store = store
         self.done_loads: queue.SimpleQueue[LoadJob] = queue.SimpleQueue()
+        self.done_writes: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # keys written
         self.written = WriteCounts()
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
@@ -55,6 +60,7 @@ class TierIO:
         # is written
         self._pending: dict[bytes, object] = {}
         self._backlog_bytes = 0
+        self._readers = ThreadPoolExecutor(LOAD_READERS, thread_name_prefix="kvscope-kv-tier-read")
         self._thread = threading.Thread(target=self._run, name="kvscope-kv-tier", daemon=True)
         self._thread.start()
 
@@ -85,6 +91,7 @@ class TierIO:
         """Finish every queued job, then stop the thread."""
         self._jobs.put((STOP, next(self._order), None))
         self._thread.join()
+        self._readers.shutdown()
 
     def _run(self) -> None:
         while True:
@@ -100,6 +107,7 @@ class TierIO:
         started = time.perf_counter()
         try:
             if self.store.put(key, payload):
+                self.done_writes.put(key)
                 self.written.blocks += 1
                 self.written.bytes += memoryview(payload).nbytes
         except OSError as error:  # an I/O error: this block is lost to the tier, not the engine
@@ -119,10 +127,12 @@ class TierIO:
     def _load(self, job: LoadJob) -> None:
         started = time.perf_counter()
         try:
-            for keys in job.keys:
-                payloads = [self._read(key) for key in keys]
+            groups = len(job.keys[0])
+            read = list(self._readers.map(self._read, [key for keys in job.keys for key in keys]))
+            for start in range(0, len(read), groups):
+                payloads = read[start:start + groups]
                 if any(payload is None for payload in payloads):
-                    break
+                    break  # the blocks after a missing one are of no use to the prefix
                 job.payloads.append(payloads)
                 job.num_bytes += sum(payload.nbytes for payload in payloads)
         except OSError as error:

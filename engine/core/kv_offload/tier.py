@@ -15,15 +15,22 @@ KVBlockIO the engine hands it.
 
 import logging
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvscope.engine.core.block_pool import group_block_hash
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
-from kvscope.engine.core.kv_events import BlockRemoved, KVEvent
+from kvscope.engine.core.kv_events import (
+    BlockRemoved,
+    KVEvent,
+    KVEventSink,
+    TierBlockRemoved,
+    TierBlockStored,
+    discard,
+)
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
 from kvscope.engine.core.kv_offload.io_thread import LoadJob, TierIO
-from kvscope.engine.core.request import Sequence
+from kvscope.engine.core.request import BlockHash, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +56,35 @@ class TierStats:
     writes_dropped: int = 0  # evicted blocks not written: the write backlog was full
 
 
+@dataclass(slots=True)
+class TierTotals:
+    """The tier's counters under vLLM's names: prompt tokens asked of it and found there
+    (vllm:external_prefix_cache_*), and bytes and seconds moved per transfer type
+    (vllm:kv_offload_total_bytes / _time; "GPU" is the pool, as vLLM's KV events name it)."""
+
+    queries: int = 0
+    hits: int = 0
+    bytes: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+MEDIUM = "DISK"  # vLLM's KV events' medium field; the pool is "GPU"
+POOL_TO_DISK, DISK_TO_POOL = f"GPU_to_{MEDIUM}", f"{MEDIUM}_to_GPU"
+
+
 class KVTier:
-    def __init__(self, store: DiskStore, kv_cache: KVCacheManager, blocks: KVBlockIO) -> None:
+    def __init__(self, store: DiskStore, kv_cache: KVCacheManager, blocks: KVBlockIO,
+                 emit: KVEventSink = discard) -> None:
         self.store = store
         self.kv_cache = kv_cache
         self.pool = kv_cache.pool
         self.blocks = blocks
+        self.emit = emit  # TierBlockStored / TierBlockRemoved, on the engine thread
         self.io = TierIO(store)
         self.stats = TierStats()
-        self._to_save: dict[int, bytes] = {}  # evicted block id -> its tier key
+        self._to_save: dict[int, tuple[bytes, BlockHash, int]] = {}  # block id -> key, hash, group
+        # What this engine wrote and the tier still holds, for its events: key -> hash, group
+        self._written: dict[bytes, tuple[BlockHash, int]] = {}
         self._to_fill: dict[int, object] = {}  # block id -> the payload loaded for it
         self._num_loading = 0
 
@@ -68,8 +95,9 @@ class KVTier:
             if self._to_fill.pop(event.block_id, None) is not None:
                 return  # placed by a load and evicted before its bytes went in: the tier has it
             key = self.store.key(event.block_hash[0])
-            if key not in self.store and not self.io.is_writing(key) and self.store.full_disk is None:
-                self._to_save[event.block_id] = key
+            if (key not in self.store and not self.io.is_writing(key)
+                    and self.store.full_disk is None):
+                self._to_save[event.block_id] = (key, event.block_hash, event.group)
 
     def forget_pending(self) -> None:
         """The KV tensors were replaced: the evicted blocks' bytes are gone."""
@@ -82,7 +110,10 @@ class KVTier:
         if self._to_save:
             block_ids = list(self._to_save)
             for block_id, payload in zip(block_ids, self.blocks.read_kv_blocks(block_ids)):
-                if not self.io.write(self._to_save[block_id], payload):
+                key, block_hash, group = self._to_save[block_id]
+                if self.io.write(key, payload):
+                    self._written[key] = (block_hash, group)
+                else:
                     self.stats.writes_dropped += 1
             self._to_save.clear()
         if self._to_fill:
@@ -118,6 +149,7 @@ class KVTier:
     def receive(self, wait: bool = False) -> list[Sequence]:
         """Place finished loads in the pool; the sequences to requeue first, in the order
         their loads finished. `wait`: nothing else can run, so wait for one load."""
+        self._report_changes()
         ready = []
         while self._num_loading:
             try:
@@ -129,6 +161,16 @@ class KVTier:
             if not job.seq.is_finished:  # aborted while loading: its blocks stay cached
                 ready.append(job.seq)
         return ready
+
+    def _report_changes(self) -> None:
+        """The writes and removals the I/O thread finished, as events (engine thread)."""
+        stored, removed = _drain(self.io.done_writes), _drain(self.store.removed)
+        for key in stored:
+            if key in self._written:
+                self.emit(TierBlockStored(*self._written[key], MEDIUM))
+        for key in removed:
+            if key in self._written:
+                self.emit(TierBlockRemoved(*self._written.pop(key), MEDIUM))
 
     def _place(self, job: LoadJob) -> None:
         """The loaded blocks as cached-free blocks, most recently used, prefix last in line
@@ -159,6 +201,12 @@ class KVTier:
         self.pool.release(reversed(held))
         self.stats.hits += count * self.kv_cache.block_size
 
+    def totals(self) -> TierTotals:
+        written = self.io.written
+        return TierTotals(self.stats.queries, self.stats.hits,
+                          {POOL_TO_DISK: written.bytes, DISK_TO_POOL: self.stats.bytes_loaded},
+                          {POOL_TO_DISK: written.seconds, DISK_TO_POOL: self.stats.load_seconds})
+
     # ---- shutdown ------------------------------------------------------------------------
     def close(self) -> None:
         """Save every cached block the tier lacks (so a restart finds them), finish the
@@ -168,6 +216,16 @@ class KVTier:
             key = self.store.key(block.block_hash[0])
             if (block_id not in self._to_fill and key not in self.store
                     and not self.io.is_writing(key) and self.store.full_disk is None):
-                self._to_save[block_id] = key
+                self._to_save[block_id] = (key, block.block_hash, block.group)
         self.sync()
         self.io.close()
+        self._report_changes()
+
+
+def _drain(channel: queue.SimpleQueue) -> list:
+    items = []
+    while True:
+        try:
+            items.append(channel.get_nowait())
+        except queue.Empty:
+            return items
