@@ -228,3 +228,28 @@ def test_writers_killed_mid_write_leave_nothing_corrupt():
     report = json.loads(result.stdout)
     assert report["blocks_served_over_restarts"] > 0 and report["wrong_blocks_served"] == 0
     assert report["tmp_files_after_restarts"] == 0 and report["index_rebuilt_every_time"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 1 MiB filesystem (tmpfs), where the machine lets this user mount one."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_disk_stops_the_writes_and_reads_go_on(tiny_disk, caplog):
+    store = DiskStore(tiny_disk, "ef" * 16, 1 << 30)  # larger than the disk
+    with caplog.at_level(logging.WARNING):
+        written = [key for key in (index.to_bytes(16, "little") for index in range(40))
+                   if store.put(key, bytes(100_000))]
+    assert 3 < len(written) < 40 and store.full_disk is not None
+    assert "the disk is full" in caplog.text
+    assert not list(store.folder.glob("*.tmp"))  # the failed write left nothing behind
+    assert all(bytes(store.get(key)) == bytes(100_000) for key in written)
+    assert not store.put((99).to_bytes(16, "little"), bytes(10))  # stopped, even if it fits
