@@ -604,6 +604,8 @@ class AsyncEngine(ServedEngine):
         # A weak reference: holding the old tensor would double peak memory while the
         # new one is allocated.
         old_cache = weakref.ref(runner.kv_cache)
+        if old.kv_tier is not None:  # the new pool starts empty; the tier keeps what this one cached
+            old.kv_tier.flush()
         try:
             core = EngineCore(pending.config, runner=runner)
         except Exception as error:  # noqa: BLE001 -- handed to the caller of reconfigure()
@@ -614,6 +616,8 @@ class AsyncEngine(ServedEngine):
             logger.warning("reconfigure refused: %s", error)
             settle_future(pending.result, error=error)
         else:
+            if old.kv_tier is not None:
+                old.kv_tier.stop()
             core.step_index = old.step_index  # readers see one step sequence across configs
             self._core, self._served, self._base_config = (core, ServedModel.of(core),
                                                            pending.config)

@@ -211,6 +211,17 @@ class KVTier:
     def close(self) -> None:
         """Save every cached block the tier lacks (so a restart finds them), finish the
         queued writes and stop the I/O thread."""
+        self.flush()
+        self.stop()
+
+    def stop(self) -> None:
+        """Finish the queued writes (their bytes are copied already) and stop the I/O
+        thread; the pool's blocks are not read again."""
+        self.io.close()
+        self._report_changes()
+
+    def flush(self) -> None:
+        """Queue a write of every cached block the tier lacks."""
         for block_id in self.pool.cached_blocks.values():
             block = self.pool.blocks[block_id]
             key = self.store.key(block.block_hash[0])
@@ -218,8 +229,6 @@ class KVTier:
                     and not self.io.is_writing(key) and self.store.full_disk is None):
                 self._to_save[block_id] = (key, block.block_hash, block.group)
         self.sync()
-        self.io.close()
-        self._report_changes()
 
 
 def _drain(channel: queue.SimpleQueue) -> list:
