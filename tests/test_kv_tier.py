@@ -15,15 +15,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
-from kvscope.engine.core.kv_offload.block_file import HEADER, SUFFIX
 from kvscope.engine.core.kv_events import TierBlockStored
+from kvscope.engine.core.kv_offload.block_file import HEADER, SUFFIX
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
 from kvscope.engine.telemetry.kv_event_wire import MEDIUM_GPU, wire_events
 from kvscope.engine.telemetry.kv_event_wire import BlockRemoved as WireBlockRemoved
 from kvscope.engine.telemetry.kv_event_wire import BlockStored as WireBlockStored
-from kvscope.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 BLOCK = 4
