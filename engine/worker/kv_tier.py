@@ -17,6 +17,7 @@ from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import KVEventSink
 from kvscope.engine.core.kv_offload.disk_store import open_disk_store
 from kvscope.engine.core.kv_offload.tier import KVTier
+from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.kernels import kv_quant
 from kvscope.kernels.cache import cache_dir
 
@@ -49,7 +50,7 @@ def model_files_digest(model_path: Path) -> str:
     return digest.hexdigest()
 
 
-def kv_fingerprint(config: EngineConfig, runner) -> str:
+def kv_fingerprint(config: EngineConfig, runner: ModelRunner) -> str:
     """32 hex digits naming what the blocks' bytes depend on (a ModelRunner with its KV
     cache allocated)."""
     hf_config = runner.hf_config
@@ -74,16 +75,16 @@ def open_kv_tier(config: EngineConfig, runner, kv_cache: KVCacheManager,
     a warning names the setting and the engine runs without it)."""
     if config.kv_offload_dir is None:
         return None
-    if getattr(runner, "kv_cache", None) is None or not hasattr(runner, "read_kv_blocks"):
-        logger.warning("kv_offload_dir=%r: this runner has no KV tensors to save (the "
-                       "replay's simulator); the engine runs without the disk tier",
-                       config.kv_offload_dir)
-        return None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         logger.warning("kv_offload_dir=%r: a draft model's K/V is not saved with the "
                        "target's; the engine runs without the disk tier",
                        config.kv_offload_dir)
+        return None
+    if not isinstance(runner, ModelRunner):
+        logger.warning("kv_offload_dir=%r: %s holds no KV tensors to save (the replay's "
+                       "simulator); the engine runs without the disk tier",
+                       config.kv_offload_dir, type(runner).__name__)
         return None
     store = open_disk_store(config.kv_offload_dir, config.kv_offload_gb,
                             kv_fingerprint(config, runner))
