@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -136,6 +137,7 @@ def main() -> None:
     for name in args.models:
         if name == "default":
             results["models"][name] = measure(None, {}, args.prefix_tokens)
+            print(json.dumps({name: results["models"][name]}), file=sys.stderr, flush=True)
             continue
         shape = SHAPES[name]()
         if args.qwen_layers:
@@ -146,6 +148,7 @@ def main() -> None:
                 "layers": shape.num_hidden_layers,
                 **measure(model_folder, {"dtype": "bfloat16", "device_memory_gb": 8.0},
                           args.prefix_tokens)}
+            print(json.dumps({name: results["models"][name]}), file=sys.stderr, flush=True)
     print(json.dumps(results, indent=1))
 
 
