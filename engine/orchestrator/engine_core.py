@@ -231,7 +231,9 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Sequences waiting to run, those whose prefix the disk tier is loading too."""
+        loading = self.kv_tier.num_loading if self.kv_tier is not None else 0
+        return len(self.scheduler.waiting) + loading
 
     def step(self, on_scheduled: Callable[[SchedulerOutput], None] | None = None
              ) -> StepResult:
