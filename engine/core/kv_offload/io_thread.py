@@ -87,6 +87,10 @@ class TierIO:
     def load(self, job: LoadJob) -> None:
         self._jobs.put((LOAD, next(self._order), job))
 
+    def drain(self) -> None:
+        """Wait until every job queued so far is done."""
+        self._jobs.join()
+
     def close(self) -> None:
         """Finish every queued job, then stop the thread."""
         self._jobs.put((STOP, next(self._order), None))
@@ -96,12 +100,15 @@ class TierIO:
     def _run(self) -> None:
         while True:
             kind, _, job = self._jobs.get()
-            if kind == STOP:
-                return
-            if kind == LOAD:
-                self._load(job)
-            else:
-                self._write(*job)
+            try:
+                if kind == STOP:
+                    return
+                if kind == LOAD:
+                    self._load(job)
+                else:
+                    self._write(*job)
+            finally:
+                self._jobs.task_done()
 
     def _write(self, key: bytes, payload) -> None:
         started = time.perf_counter()

@@ -69,6 +69,7 @@ class TierTotals:
 
 
 MEDIUM = "DISK"  # vLLM's KV events' medium field; the pool is "GPU"
+FLUSH_CHUNK_BLOCKS = 256
 POOL_TO_DISK, DISK_TO_POOL = f"GPU_to_{MEDIUM}", f"{MEDIUM}_to_GPU"
 
 
@@ -221,14 +222,21 @@ class KVTier:
         self._report_changes()
 
     def flush(self) -> None:
-        """Queue a write of every cached block the tier lacks."""
+        """Write every cached block the tier lacks, and wait until they are on disk (a
+        tier opened on the directory next, by a restart or a reconfigure, indexes them)."""
+        lacking = []
         for block_id in self.pool.cached_blocks.values():
             block = self.pool.blocks[block_id]
             key = self.store.key(block.block_hash[0])
             if (block_id not in self._to_fill and key not in self.store
                     and not self.io.is_writing(key) and self.store.full_disk is None):
-                self._to_save[block_id] = (key, block.block_hash, block.group)
+                lacking.append((block_id, (key, block.block_hash, block.group)))
         self.sync()
+        # A chunk at a time: a large pool's copies would not fit the write backlog at once.
+        for start in range(0, len(lacking), FLUSH_CHUNK_BLOCKS):
+            self._to_save.update(lacking[start:start + FLUSH_CHUNK_BLOCKS])
+            self.sync()
+            self.io.drain()
 
 
 def _drain(channel: queue.SimpleQueue) -> list:
