@@ -42,8 +42,8 @@ OTHERS = [random_prompt(1), random_prompt(2)]
 
 
 def tier_engine(make_engine, folder: Path, **knobs):
-    return make_engine("llama", **POOL, kv_offload_dir=str(folder), kv_offload_gb=0.01,
-                       **knobs)
+    return make_engine("llama", **{**POOL, **knobs}, kv_offload_dir=str(folder),
+                       kv_offload_gb=0.01)
 
 
 def block_files(folder: Path) -> list[Path]:
@@ -121,6 +121,23 @@ def test_the_served_engine_exports_the_tiers_series_under_vllms_names(tiny_model
     assert samples[("vllm:kv_offload_total_time_total", "DISK_to_GPU")] > 0
     assert ("vllm:kv_offload_total_bytes_total", "GPU_to_DISK") in samples
     assert block_files(tmp_path)  # shutdown saved the pool's blocks
+
+
+def test_a_prompt_whose_prefix_loads_waits_while_the_next_one_runs(make_engine, run_engine,
+                                                                  tmp_path):
+    engine = tier_engine(make_engine, tmp_path, max_num_seqs=2)
+    run_engine(engine, [PREFIX], GREEDY)
+    run_engine(engine, OTHERS, GREEDY)  # the prefix goes to the tier
+    loading = engine.add_request(PREFIX, GREEDY)
+    other = engine.add_request(random_prompt(3, 12), GREEDY)
+    first = engine.step().record
+    assert [chunk[0] for chunk in first.chunks] == [other.request_id]
+    assert engine.kv_tier.num_loading == 1 and engine.num_waiting == 1
+    engine.kv_tier.io.drain()  # the load is read: the next step places it and admits the prompt
+    second = engine.step().record
+    assert loading.request_id in [chunk[0] for chunk in second.chunks]
+    assert loading.num_cached_tokens == (len(PREFIX) - 1) // BLOCK * BLOCK
+    engine.close()
 
 
 def test_warm_restart_finds_the_blocks(make_engine, run_engine, tmp_path):
