@@ -67,6 +67,12 @@ class EngineConfig:
     # on a 2-core CPU the engine's Python competes with the forward's threads for the
     # cores (docs/performance-history.md, 'Async scheduling on a 2-core CPU').
     async_scheduling: bool = False
+    # A disk tier below the pool (engine/core/kv_offload): blocks the prefix cache evicts
+    # are written to files under this directory, kv_offload_gb of them at most, and loaded
+    # back for a later prompt with that prefix, in this process or the next (a warm
+    # restart). None: no tier.
+    kv_offload_dir: str | None = None
+    kv_offload_gb: float = 4.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +101,7 @@ class EngineConfig:
                              "proposals depend on the tokens the step before accepts, so "
                              "the next step cannot be scheduled before they are known; "
                              "turn one of them off")
+        self._validate_kv_offload()
         if self.prepack_weights is not None and not isinstance(self.prepack_weights, bool):
             raise ValueError(f"prepack_weights={self.prepack_weights!r} must be True, False or "
                              "None (the CPU's default)")
@@ -129,6 +136,19 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
                 f"max_model_len={self.max_model_len}; with enable_chunked_prefill=False a "
                 "whole prompt must fit in one step's budget")
+
+    def _validate_kv_offload(self) -> None:
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str)
+                                                or not self.kv_offload_dir.strip()):
+            raise ValueError(f"kv_offload_dir={self.kv_offload_dir!r} must be a directory path "
+                             "(a non-empty string) or None (no disk tier)")
+        size = self.kv_offload_gb
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+            raise ValueError(f"kv_offload_gb={size!r} must be > 0 (GiB of disk for the tier)")
+        if self.kv_offload_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir is set with enable_prefix_caching=False: the disk "
+                             "tier keeps the prefix cache's blocks; turn prefix caching on or "
+                             "leave kv_offload_dir unset")
 
     def resolved(self, model_max_len: int) -> "EngineConfig":
         """A copy with every `None` length knob filled in from the model's limit."""

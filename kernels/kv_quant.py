@@ -30,6 +30,10 @@ CODE_DTYPES: dict[str, torch.dtype | None] = {
 # the largest code magnitude: a row's largest value maps to it
 CODE_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
 SCALE_ELEMENTS = 2  # one bf16 scale per row, in two 1-byte elements after the codes
+# Raise with any change to what a KV cache block's bytes mean (this row format, the
+# [2, layers, blocks, block_size, heads, row] pool): a disk tier's blocks written under
+# another version are never read (engine/worker/kv_tier.py's fingerprint).
+CACHE_LAYOUT_VERSION = 1
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -164,6 +164,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                        "device copy (swap to CPU)")
     cache.add_argument("--swap-space", type=float, default=DEFAULTS["swap_space"],
                        help="CPU memory for swapped-out KV blocks, GiB")
+    cache.add_argument("--kv-offload-dir", default=None,
+                       help="a disk tier below the pool: blocks the prefix cache evicts are "
+                       "written here and loaded back for a later prompt with that prefix, "
+                       "in this run or the next (a warm restart)")
+    cache.add_argument("--kv-offload-gb", type=float, default=DEFAULTS["kv_offload_gb"],
+                       help="the disk tier's size, GiB (least recently used blocks go first)")
     cache.add_argument("--seed", type=int, default=DEFAULTS["seed"],
                        help="seed of the sampling of requests that give no seed")
     cache.add_argument("--speculative-config", type=_json_object, default=None,

@@ -140,7 +140,7 @@ class KVCacheManager:
         if not self.enable_caching or seq.request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed (as in vLLM)
         found: list[tuple[KVBlock | None, ...]] = []
-        for block_hash in self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
+        for block_hash in self.prompt_block_hashes(seq):
             blocks = tuple(self._lookup(block_hash, group) for group in range(self.num_groups))
             if any(block is None for block, window in zip(blocks, self.group_windows)
                    if window is None):
@@ -154,6 +154,10 @@ class KVCacheManager:
                           for blocks in found[:first]]
                 return before + found[first:length]
         return []
+
+    def prompt_block_hashes(self, seq: Sequence) -> list[BlockHash]:
+        """The hashes of the blocks find_cached_prefix may reuse (all but the last token's)."""
+        return self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
 
     def _lookup(self, block_hash: BlockHash, group: int) -> KVBlock | None:
         value, parent, token_ids = group_block_hash(block_hash, group)

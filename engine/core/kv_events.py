@@ -102,7 +102,28 @@ class SequenceFinished:
     seq: "Sequence"
 
 
-BlockEvent = BlocksAllocated | BlocksShared | BlocksReleased | BlockStored | BlockRemoved
+# ---- a tier below the pool (engine.core.kv_offload) ------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TierBlockStored:
+    """A block's K/V is now held by a tier below the pool; `medium` names it as vLLM's KV
+    events do ("DISK"). The pool itself did not change."""
+
+    block_hash: "BlockHash"
+    group: int
+    medium: str
+
+
+@dataclass(frozen=True, slots=True)
+class TierBlockRemoved:
+    """A tier below the pool dropped a block (its LRU eviction, a corrupt file)."""
+
+    block_hash: "BlockHash"
+    group: int
+    medium: str
+
+
+BlockEvent = (BlocksAllocated | BlocksShared | BlocksReleased | BlockStored | BlockRemoved
+              | TierBlockStored | TierBlockRemoved)
 SequenceEvent = (BlockTableChanged | SequenceQueued | SequenceResumed | SequencePreempted
                  | SequenceFinished)
 KVEvent = BlockEvent | SequenceEvent

@@ -47,6 +47,9 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.emit = emit
         self.reclaim = reclaim
+        # A tier below the pool (engine.core.kv_offload) may take a waiting sequence out of
+        # the queue while it loads more of its prefix (True), given the blocks the pool has.
+        self.fetch_prefix: Callable[[Sequence, int], bool] = lambda seq, num_cached: False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -171,6 +174,9 @@ class Scheduler:
                 out.swapped_in.append(seq)
             else:
                 num_tokens = self._admit_waiting(seq, budget, cap, out)
+                if num_tokens is None:  # its prefix is loading: the ones behind it go on
+                    self.waiting.popleft()
+                    continue
                 if not num_tokens:
                     break
             self.waiting.popleft()
@@ -226,11 +232,14 @@ class Scheduler:
         return [s for s in self.running if id(s) not in scheduled]
 
     def _admit_waiting(self, seq: Sequence, budget: int, cap: int | None,
-                       out: SchedulerOutput) -> int:
+                       out: SchedulerOutput) -> int | None:
         """Blocks for a waiting sequence's next chunk, reusing cached prefix blocks;
-        returns the chunk's token count, or 0 if it cannot start this step."""
+        returns the chunk's token count, 0 if it cannot start this step, or None if it
+        left the queue while its prefix loads (fetch_prefix)."""
         cached_prefix = (self.kv_cache.find_cached_prefix(seq)
                          if seq.num_computed_tokens == 0 else [])
+        if seq.num_computed_tokens == 0 and self.fetch_prefix(seq, len(cached_prefix)):
+            return None
         num_cached = len(cached_prefix) * self.kv_cache.block_size
         remaining = seq.num_tokens - seq.num_computed_tokens - num_cached
         if not self.config.enable_chunked_prefill and remaining > budget:

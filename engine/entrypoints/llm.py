@@ -47,9 +47,12 @@ class LLM:
         self.config = self.engine.config
 
     def shutdown(self) -> None:
-        """Stop the replicas' Ray actors (an in-process engine holds nothing to stop)."""
+        """Stop the replicas' Ray actors, or close the in-process engine (its disk tier
+        saves what it lacks of the prefix cache)."""
         if self.replicas is not None:
             self.replicas.shutdown()
+        else:
+            self.engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_events import AllBlocksCleared, KVEventSink
+from kvscope.engine.core.kv_offload.tier import TierTotals
 from kvscope.engine.core.request import ChunkKind
 from kvscope.engine.core.scheduler_output import SchedulerOutput
 from kvscope.engine.orchestrator import heap
@@ -80,6 +81,11 @@ class EngineCounters:
     moe_expert_tokens: dict[int, np.ndarray] = field(default_factory=dict)
     moe_expert_bytes_read: int = 0
     moe_expert_bytes_all: int = 0
+    # The disk tier (engine.core.kv_offload.tier.TierTotals: vLLM's names), summed over cores.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_bytes: dict[str, int] = field(default_factory=dict)  # by transfer type
+    kv_offload_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -170,6 +176,7 @@ class AsyncEngine(ServedEngine):
         self._step_feed = Feed()
         self._request_feed = Feed()
         self._counters = EngineCounters()
+        self._tier_seen: tuple[object, TierTotals] = (None, TierTotals())  # (core, its totals)
         self._last_step: StepRecord | None = None
         self._counters_lock = threading.Lock()
         self._request_ids = itertools.count()
@@ -375,6 +382,7 @@ class AsyncEngine(ServedEngine):
             if self._snapshot_waiters:
                 self._guarded(self._answer_snapshots)
             if self._exited:
+                self._guarded(self._core.close)  # the disk tier saves what it lacks
                 break
             if self._core.has_unfinished_requests():
                 self._step()
@@ -522,6 +530,26 @@ class AsyncEngine(ServedEngine):
                                live.inter_token_latencies, output.error, params=live.params)
         self._request_feed.publish(record)
 
+    def _count_tier(self, counters: EngineCounters) -> None:
+        """Add what the disk tier counted since the last step (a new core's tier counts
+        from zero)."""
+        tier = self._core.kv_tier
+        if tier is None:
+            return
+        now = tier.totals()
+        core, before = self._tier_seen
+        if core is not self._core:
+            before = TierTotals()
+        self._tier_seen = (self._core, now)
+        counters.external_prefix_cache_queries += now.queries - before.queries
+        counters.external_prefix_cache_hits += now.hits - before.hits
+        for kind in now.bytes:
+            counters.kv_offload_bytes[kind] = (counters.kv_offload_bytes.get(kind, 0)
+                                               + now.bytes[kind] - before.bytes.get(kind, 0))
+            counters.kv_offload_seconds[kind] = (counters.kv_offload_seconds.get(kind, 0.0)
+                                                 + now.seconds[kind]
+                                                 - before.seconds.get(kind, 0.0))
+
     def _count_step(self, record: StepRecord) -> None:
         with self._counters_lock:
             counters = self._counters
@@ -539,6 +567,7 @@ class AsyncEngine(ServedEngine):
                 counters.spec_decode_num_accepted_tokens += num_accepted
                 for position in range(num_accepted):  # accepted tokens are a prefix
                     per_pos[position] = per_pos.get(position, 0) + 1
+            self._count_tier(counters)
             counters.moe_expert_bytes_read += record.expert_bytes_read
             counters.moe_expert_bytes_all += record.expert_bytes_all
             experts = counters.moe_expert_tokens
@@ -575,6 +604,8 @@ class AsyncEngine(ServedEngine):
         # A weak reference: holding the old tensor would double peak memory while the
         # new one is allocated.
         old_cache = weakref.ref(runner.kv_cache)
+        if old.kv_tier is not None:  # the new pool starts empty; the tier keeps what this one cached
+            old.kv_tier.flush()
         try:
             core = EngineCore(pending.config, runner=runner)
         except Exception as error:  # noqa: BLE001 -- handed to the caller of reconfigure()
@@ -585,6 +616,8 @@ class AsyncEngine(ServedEngine):
             logger.warning("reconfigure refused: %s", error)
             settle_future(pending.result, error=error)
         else:
+            if old.kv_tier is not None:
+                old.kv_tier.stop()
             core.step_index = old.step_index  # readers see one step sequence across configs
             self._core, self._served, self._base_config = (core, ServedModel.of(core),
                                                            pending.config)

@@ -28,6 +28,7 @@ from kvscope.engine.spec_decode.proposer import Speculator
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.telemetry.step_records import record_step
 from kvscope.engine.worker.executor import StepExecutor, StepLogits
+from kvscope.engine.worker.kv_tier import open_kv_tier
 from kvscope.engine.worker.memory import GiB
 from kvscope.engine.worker.model_runner import ModelRunner
 
@@ -81,6 +82,11 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(self.runner)
         self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
         self.scheduler.reclaim = self.beams.release_parked
+        self.kv_tier = open_kv_tier(self.config, self.runner, self.kv_cache,  # None: no tier
+                                    self.events.emit)
+        if self.kv_tier is not None:
+            self.events.subscribe(self.kv_tier.observe)
+            self.scheduler.fetch_prefix = self.kv_tier.fetch
         # Sampling fields the model's generation_config sets: defaults where a request is silent.
         self.default_sampling = model_sampling_defaults(self.runner.generation_config)
         self.logits_processor = LogitsProcessor(self.runner.hf_config.vocab_size, self.tokenizer,
@@ -194,6 +200,14 @@ class EngineCore:
         say, so the prefix cache starts over."""
         self._allocate_caches()
         self.kv_cache.pool.reset_cache()
+        if self.kv_tier is not None:
+            self.kv_tier.forget_pending()
+
+    def close(self) -> None:
+        """Save what the disk tier lacks of the prefix cache and stop its I/O thread (a
+        no-op without a tier)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or a forward still running (async scheduling): step()
@@ -217,7 +231,9 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Sequences waiting to run, those whose prefix the disk tier is loading too."""
+        loading = self.kv_tier.num_loading if self.kv_tier is not None else 0
+        return len(self.scheduler.waiting) + loading
 
     def step(self, on_scheduled: Callable[[SchedulerOutput], None] | None = None
              ) -> StepResult:
@@ -272,6 +288,8 @@ class EngineCore:
                   ) -> SchedulerOutput:
         now = time.time()
         counters = self.kv_cache.stat_totals()
+        if self.kv_tier is not None:
+            self._requeue_loaded()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
@@ -284,6 +302,20 @@ class EngineCore:
                 item.seq.first_scheduled_time = now
         return plan
 
+    def _requeue_loaded(self) -> None:
+        """Sequences whose prefix the disk tier loaded go back to the front of the queue
+        (waiting for a load only when nothing else could run)."""
+        idle = not self.scheduler.running and not self.scheduler.waiting
+        for seq in reversed(self.kv_tier.receive(wait=idle)):
+            self.scheduler.waiting.appendleft(seq)
+
+    def _move_blocks(self, plan: SchedulerOutput) -> None:
+        """The disk tier's copies first (evicted blocks out, loaded ones in: this plan's
+        writes may reuse those blocks), then the plan's own block moves."""
+        if self.kv_tier is not None:
+            self.kv_tier.sync()
+        self.runner.move_blocks(plan)
+
     def _launch(self, plan: SchedulerOutput) -> InFlightStep:
         """Move the plan's blocks and start its forward. Its tokens count as computed from
         here on (proposals only once verification accepts them); a sequence that samples
@@ -293,7 +325,7 @@ class EngineCore:
                                "built on its model runner since, and a runner holds one "
                                "engine's cache (give each engine that steps its own runner)")
         start_time = time.time()
-        self.runner.move_blocks(plan)
+        self._move_blocks(plan)
         sampling = [item for item in plan.scheduled if item.samples]
         forward = Future()
         if plan.scheduled:
@@ -334,7 +366,7 @@ class EngineCore:
             for item in step.plan.scheduled:
                 item.seq.num_computed_tokens = min(item.seq.num_computed_tokens, item.start)
             if ahead is not None:
-                self.runner.move_blocks(ahead)
+                self._move_blocks(ahead)
             raise
         finally:
             for item in step.sampling:

@@ -50,6 +50,10 @@ COUNTERS = (  # (series, EngineCounters field, help)
      "Prompt tokens looked up in the prefix cache."),
     ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     ("vllm:num_preemptions", "preemptions", "Sequences preempted."),
+    ("vllm:external_prefix_cache_queries", "external_prefix_cache_queries",
+     "Prompt tokens past the pool's prefix looked up in the disk tier (--kv-offload-dir)."),
+    ("vllm:external_prefix_cache_hits", "external_prefix_cache_hits",
+     "Prompt tokens loaded from the disk tier instead of computed."),
     ("kvscope:step_failures", "step_failures", "Engine steps that raised."),
     ("kvscope:engine_steps", "num_steps", "Engine steps run."),
     ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
@@ -203,6 +207,12 @@ class EngineMetrics:
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Proposed tokens accepted, by position in the proposal "
                                       "(0 first).", labels=[*VLLM_LABELS, "position"])
+        offload_bytes = CounterMetricFamily("vllm:kv_offload_total_bytes", "Bytes the disk "
+                                            "tier moved, by transfer type (GPU: the pool).",
+                                            labels=[*VLLM_LABELS, "transfer_type"])
+        offload_time = CounterMetricFamily("vllm:kv_offload_total_time", "Seconds the disk "
+                                           "tier's I/O thread spent moving them.",
+                                           labels=[*VLLM_LABELS, "transfer_type"])
         experts = CounterMetricFamily("kvscope:moe_expert_tokens", "Tokens each expert of a "
                                       "mixture-of-experts layer took (a token counts once in "
                                       "each of its top-k experts), by decoder layer.",
@@ -215,6 +225,9 @@ class EngineMetrics:
             swaps.add_metric([*labels, "in"], totals.swapped_in)
             for reason, count in sorted(totals.requests_finished.items()):
                 finished.add_metric([*labels, reason], count)
+            for kind, count in sorted(totals.kv_offload_bytes.items()):
+                offload_bytes.add_metric([*labels, kind], count)
+                offload_time.add_metric([*labels, kind], totals.kv_offload_seconds[kind])
             for position, count in sorted(totals.spec_decode_num_accepted_tokens_per_pos.items()):
                 per_pos.add_metric([*labels, str(position)], count)
             for layer, tokens in sorted(totals.moe_expert_tokens.items()):
@@ -224,6 +237,8 @@ class EngineMetrics:
         yield swaps
         yield finished
         yield per_pos
+        yield offload_bytes
+        yield offload_time
         yield experts
 
     def _histograms(self) -> Iterator[Metric]:

@@ -107,6 +107,7 @@ class ZmqEventPublisher:
     # ---- the engine thread ---------------------------------------------------------------
     def __call__(self, event: core_events.KVEvent | core_events.AllBlocksCleared) -> None:
         if isinstance(event, (core_events.BlockStored, core_events.BlockRemoved,
+                              core_events.TierBlockStored, core_events.TierBlockRemoved,
                               core_events.AllBlocksCleared)):
             if len(self._pending) == self._pending.maxlen and not self._dropped_warned:
                 self._dropped_warned = True

@@ -23,6 +23,7 @@ from kvscope.engine.core import kv_events as core_events
 ExternalBlockHash = bytes | int
 MEDIUM_GPU = "GPU"  # vLLM's name for the device pool (kvscope: the model's device)
 MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"  # the disk tier below the pool (engine.core.kv_offload)
 # vLLM's KVCacheSpecKind values for the two attention types kvscope's KV cache groups have
 # (engine.core.kv_groups): vllm.v1.kv_cache_interface.get_kv_cache_spec_kind.
 FULL_ATTENTION = "full_attention"
@@ -84,30 +85,36 @@ def kv_cache_spec(window: int | None) -> tuple[str, int | None]:
 
 
 def wire_events(events: Iterable[core_events.BlockStored | core_events.BlockRemoved
+                                 | core_events.TierBlockStored | core_events.TierBlockRemoved
                                  | core_events.AllBlocksCleared],
                 medium: str, group_windows: Sequence[int | None]) -> list[KVCacheEvent]:
-    """vLLM's events for the core's, in order; consecutive stores of one prefix become
-    one BlockStored, as vLLM's cache_full_blocks sends them (each group's hashes chain to
-    that group's own parents: block_pool.group_block_hash)."""
+    """vLLM's events for the core's, in order; consecutive stores of one prefix (in one
+    medium) become one BlockStored, as vLLM's cache_full_blocks sends them (each group's
+    hashes chain to that group's own parents: block_pool.group_block_hash). `medium` is
+    the pool's; a tier's events carry their own."""
     specs = [kv_cache_spec(window) for window in group_windows]
     out: list[KVCacheEvent] = []
     for event in events:
-        if isinstance(event, core_events.BlockStored):
+        if isinstance(event, (core_events.BlockStored, core_events.TierBlockStored)):
             value, parent, token_ids = event.block_hash
+            event_medium = (event.medium if isinstance(event, core_events.TierBlockStored)
+                            else medium)
             last = out[-1] if out else None
             if (isinstance(last, BlockStored) and parent is not None
-                    and last.block_hashes[-1] == parent):
+                    and last.medium == event_medium and last.block_hashes[-1] == parent):
                 last.block_hashes.append(value)
                 last.token_ids.extend(token_ids)
                 continue
             kind, sliding_window = specs[event.group]
             out.append(BlockStored(
                 block_hashes=[value], parent_block_hash=parent, token_ids=list(token_ids),
-                block_size=len(token_ids), lora_id=None, medium=medium, lora_name=None,
+                block_size=len(token_ids), lora_id=None, medium=event_medium, lora_name=None,
                 group_idx=event.group, kv_cache_spec_kind=kind,
                 kv_cache_spec_sliding_window=sliding_window))
-        elif isinstance(event, core_events.BlockRemoved):
-            out.append(BlockRemoved(block_hashes=[event.block_hash[0]], medium=medium,
+        elif isinstance(event, (core_events.BlockRemoved, core_events.TierBlockRemoved)):
+            out.append(BlockRemoved(block_hashes=[event.block_hash[0]],
+                                    medium=(event.medium if isinstance(
+                                        event, core_events.TierBlockRemoved) else medium),
                                     group_idx=event.group))
         else:
             out.append(AllBlocksCleared())

@@ -23,6 +23,8 @@ from kvscope.engine.core.kv_events import (
     BlockStored,
     BlockTableChanged,
     KVEvent,
+    TierBlockRemoved,
+    TierBlockStored,
 )
 from kvscope.engine.core.request import Sequence, SequenceStatus
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
@@ -74,6 +76,8 @@ class PoolRecorder:
             case BlockRemoved(block_id):
                 self._blocks[block_id] = None
                 self._evicted.add(block_id)
+            case TierBlockStored() | TierBlockRemoved():
+                pass  # a tier below the pool changed, the pool did not
             case BlockTableChanged(seq, from_index):
                 seq_id = seq.seq_id
                 self._sequences[seq_id] = seq

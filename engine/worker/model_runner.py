@@ -391,6 +391,20 @@ class ModelRunner:
         targets = torch.tensor([t for _, t in copies], device=target.device)
         target[:, :, targets] = source[:, :, sources].to(target.device)
 
+    def read_kv_blocks(self, block_ids: list[int]) -> list:
+        """Each block's bytes (every layer's K and V, scales too) as one host buffer: what
+        the disk tier writes (engine.core.kv_offload.tier.KVBlockIO)."""
+        blocks = torch.stack([self.kv_cache[:, :, block] for block in block_ids]).cpu()
+        return list(blocks.view(torch.uint8).reshape(len(block_ids), -1).numpy())
+
+    def write_kv_blocks(self, block_ids: list[int], payloads: list) -> None:
+        """Put read_kv_blocks' buffers (loaded from the disk tier) back into blocks."""
+        shape = self.kv_cache[:, :, 0].shape
+        data = torch.stack([torch.frombuffer(payload, dtype=torch.uint8) for payload in payloads])
+        data = data.view(self.kv_cache.dtype).view(len(block_ids), *shape)
+        targets = torch.tensor(block_ids, device=self.kv_cache.device)
+        self.kv_cache[:, :, targets] = data.movedim(0, 2).to(self.kv_cache.device)
+
     def _flat_inputs(self, pieces, block_size: int, token_ids):
         """Flatten (start, end, block_table) pieces into the attention op's ragged layout,
         one slot mapping and block table per KV cache group (each piece's table interleaves
