@@ -357,12 +357,13 @@ def test_the_event_log_says_what_happened_in_plain_words_newest_first():
                           32, 64, 8, 0, 8, 1, 0)
     busy = StepRecord(8, 1.1, 1.2, (("r1", "r1#0", "prefill", 32, 64),), ("r2#0",), (), (),
                       ("r3",), 32, 64, 16, 0, 0, 1, 1, prefix_cache_queries=40,
-                      prefix_cache_hits=16)
+                      prefix_cache_hits=16,
+                      preemptions=(("r2#0", "priority", "r4#0", 3, 20),))
     lines = events.event_lines([admitted, busy], [events.Evictions(8, 12)])
     assert lines[0] == "step 8: evicted 12 cached blocks, least recently used first, to " \
         "make room"
-    assert any(line.startswith("step 8: preempted r2#0") and "0 were free" in line
-               for line in lines)
+    assert ("step 8: preempted r2#0 (a higher-priority request needed its blocks to start, "
+            "for r4#0): 3 blocks freed, 20 computed tokens to compute again") in lines
     assert "step 8: r1#0 prefilled its next chunk, tokens 32–64 (chunked prefill)" in lines
     assert "step 8: the prefix cache supplied 16 of 40 prompt tokens" in " ".join(lines)
     assert any(line.startswith("step 8: r3 finished") for line in lines)

@@ -16,6 +16,7 @@ from kvscope.engine.core.kv_events import EventBus
 from kvscope.engine.core.request import FinishReason, Request, Sequence, SequenceStatus
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvscope.engine.core.scheduling_policy import check_priority
 from kvscope.engine.orchestrator.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
 from kvscope.engine.orchestrator.detokenizer import detokenize_incrementally
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -108,6 +109,7 @@ class EngineCore:
     ) -> Request:
         """Validate and queue one request; bad input raises ValueError and changes nothing."""
         params = params or SamplingParams()
+        check_priority(priority, self.config.scheduling_policy)
         beam = None
         if isinstance(params, BeamSearchParams):
             beam, params = BeamState(params), params.sampling_params()
