@@ -2,10 +2,12 @@
 form's refusals, per-run load progress, the shared renderer, the one clock of the time
 series, and the quiet access log."""
 
+import dataclasses
 import json
 import logging
 import sys
 import threading
+import time
 
 import pytest
 from conftest import wait_until
@@ -13,6 +15,7 @@ from conftest import wait_until
 from kvscope.app import QuietPolling
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.ui import knobs, loadgen, panels, scrubber, timeline
 from kvscope.ui.live import LiveFeed, LiveFeeds
@@ -332,7 +335,7 @@ def test_the_hit_rate_names_its_unit_and_scope_and_why_metrics_differs():
 
 def test_series_keep_their_colours_whatever_lines_are_drawn_and_usage_is_not_pinned():
     records = [_record(i, 10.0 + i * 0.2) for i in range(5)]
-    live = timeline.pool_series(records, [(10.0, 0.01), (10.5, 0.02)])  # the Live tab
+    live = timeline.pool_series(records, [(10.0, 0.02, 0.01), (10.5, 0.03, 0.02)])  # Live tab
     logged = timeline.pool_series(records)  # a logged session: no token-slot samples
 
     def colours(figure):
@@ -458,3 +461,42 @@ def test_a_session_without_pool_frames_says_why_in_every_scrubber_panel(engine, 
             json.loads(plot.plot)["layout"]["annotations"] for plot in plots)
     finally:
         log.close()
+
+
+def test_the_occupancy_gauge_samples_blocks_and_token_slots_together(engine):
+    """Each refresh reads both fractions off one snapshot of the pool, so the token slots
+    filled are never more than the blocks in use hold, while usage rises and falls."""
+    feed = LiveFeed(engine)
+    streams = [engine.submit([5 + i] * (20 + 7 * i), SamplingParams(max_tokens=12, ignore_eos=True))
+               for i in range(4)]
+    readers = [threading.Thread(target=list, args=(stream,)) for stream in streams]
+    for reader in readers:
+        reader.start()
+    while any(reader.is_alive() for reader in readers):
+        feed.refresh()
+        time.sleep(0.005)
+    wait_until(lambda: feed.refresh().usage_samples[-1][1] == 0, timeout=10,
+               what="the pool to empty")  # usage fell to nothing
+    samples = feed.refresh().usage_samples
+    assert len(samples) > 2 and max(b for _, b, _ in samples) > 0
+    assert all(tokens <= blocks for _, blocks, tokens in samples)
+
+
+def test_preemptions_are_marked_by_reason_on_the_series_and_the_timelines():
+    causes = (("a", "priority", "c", 2, 9), ("b", "kv_full", "b", 1, 4))
+    start = _record(0, 10.0)
+    chunks = (("ra", "a", "prefill", 0, 9), ("rb", "b", "prefill", 0, 4))
+    ran = dataclasses.replace(start, chunks=chunks)
+    preempted = dataclasses.replace(_record(1, 10.2, preempted=["a", "b"]), preemptions=causes)
+    back = dataclasses.replace(_record(2, 10.4), chunks=chunks)
+    figure = timeline.pool_series([ran, preempted, back])
+    marks = {trace["name"]: trace["y"] for trace in figure["data"]
+             if trace["name"].startswith("preemptions")}
+    assert marks == {"preemptions: kv_full": [1], "preemptions: priority": [1]}
+    spans = [s for s in timeline.timeline_spans([ran, preempted, back])
+             if s.phase == "preempted"]
+    assert [s.label for s in spans] == [
+        "preempted (a higher-priority request needed its blocks to start, for c): 2 blocks "
+        "freed, 9 computed tokens to compute again",
+        "preempted (the pool was out of blocks for a running sequence's next tokens, for "
+        "itself: it gave way alone): 1 blocks freed, 4 computed tokens to compute again"]

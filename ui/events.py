@@ -4,7 +4,7 @@ newest first, read from the engine's step records (and the pool's eviction count
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.telemetry.records import PreemptionCause, StepRecord
 
 MAX_EVENTS = 30
 # Decode-only steps have no events: the log looks this far back at most, so a long quiet
@@ -25,6 +25,16 @@ class Evictions:
     num_blocks: int
 
 
+def preemption_words(cause: PreemptionCause, swapped: set[str]) -> str:
+    """Why a sequence was preempted, for whom, and what it cost, in plain words."""
+    victim, reason, taker, blocks_freed, tokens_lost = cause
+    cost = ("its K/V went to CPU memory" if victim in swapped else
+            f"{tokens_lost} computed tokens to compute again")
+    return (f"({PREEMPTION_WORDS[reason]}, for "
+            f"{'itself: it gave way alone' if taker == victim else taker}): "
+            f"{blocks_freed} blocks freed, {cost}")
+
+
 def _step_events(record: StepRecord) -> list[str]:
     """What one step did that a newcomer should notice, in the order it happened."""
     lines = []
@@ -40,12 +50,8 @@ def _step_events(record: StepRecord) -> list[str]:
                      f"{record.prefix_cache_queries} prompt tokens looked up: their blocks "
                      "are shared, not recomputed")
     swapped = set(record.swapped_out)
-    for victim, reason, taker, blocks_freed, tokens_lost in record.preemptions:
-        cost = ("its K/V went to CPU memory" if victim in swapped else
-                f"{tokens_lost} computed tokens to compute again")
-        lines.append(f"{step} preempted {victim} ({PREEMPTION_WORDS[reason]}, for "
-                     f"{'itself: it gave way alone' if taker == victim else taker}): "
-                     f"{blocks_freed} blocks freed, {cost}")
+    for cause in record.preemptions:
+        lines.append(f"{step} preempted {cause[0]} {preemption_words(cause, swapped)}")
     for seq_id in record.swapped_out:
         lines.append(f"{step} swapped {seq_id} out to CPU memory to free its device blocks")
     for seq_id in record.swapped_in:

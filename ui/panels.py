@@ -190,7 +190,7 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
     if name == "timeline":
         return timeline.request_timeline(state.records, state.arrivals, window, views.follow)
     if name == "series":
-        return timeline.pool_series(state.records, state.token_usage, window)
+        return timeline.pool_series(state.records, state.usage_samples, window)
     if name == "spec_decode":
         return spec_decode.spec_decode_panel(state.records, window)
     if name == "experts":

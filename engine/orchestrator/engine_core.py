@@ -26,6 +26,7 @@ from kvscope.engine.sampling_params import SamplingParams, model_sampling_defaul
 from kvscope.engine.spec_decode.drafting_executor import with_draft_model
 from kvscope.engine.spec_decode.metrics import SpecDraft
 from kvscope.engine.spec_decode.proposer import Speculator
+from kvscope.engine.telemetry.kv_cost import KVCostMeter
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.telemetry.step_records import record_step
 from kvscope.engine.worker.executor import StepExecutor, StepLogits
@@ -79,6 +80,7 @@ class EngineCore:
                                        group_windows=self.runner.group_windows)
         self.scheduler = Scheduler(self.config, self.kv_cache, emit=self.events.emit)
         self.requests: dict[str, Request] = {}
+        self.kv_costs = KVCostMeter()
         self.eos_token_ids = _eos_token_ids(self.runner)
         self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
         self.scheduler.reclaim = self.beams.release_parked
@@ -177,7 +179,9 @@ class EngineCore:
             if not seq.is_finished:
                 self.finish(seq, FinishReason.ABORT)
         self.beams.forget(request)
-        return self._make_output(request)
+        output = self._make_output(request)
+        self.kv_costs.forget(request_id)
+        return output
 
     def _allocate_caches(self) -> None:
         """This engine's KV cache and swap space on its runner. A runner holds one engine's
@@ -241,6 +245,8 @@ class EngineCore:
         self._in_flight = None
         ahead = self._schedule(on_scheduled) if self._schedules_ahead() else None
         logits, prompt_logits = self._wait(current, ahead)
+        # Before sampling: a sequence that finishes now still holds the step's blocks.
+        self.kv_costs.observe(current.plan, time.time() - current.start_time)
         # Read before the next forward (launched below) overwrites them.
         expert_tokens = (self.runner.expert_tokens.clone() if self.expert_layout is not None
                          and current.plan.scheduled else None)
@@ -257,6 +263,7 @@ class EngineCore:
         outputs = [self._make_output(r) for r in touched]
         for request in finished:
             self.requests.pop(request.request_id, None)
+            self.kv_costs.forget(request.request_id)
         record = record_step(self, current.plan, current.start_time, finished, num_generated,
                              drafts, expert_tokens)
         if self.speculator is not None:
@@ -523,7 +530,8 @@ class EngineCore:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, finished, request.num_cached_tokens,
                              metrics, deltas=deltas, prompt_logprobs=request.prompt_logprobs,
-                             prompt_token_ranks=request.prompt_token_ranks)
+                             prompt_token_ranks=request.prompt_token_ranks,
+                             kv=self.kv_costs.cost(request))
 
     def _beam_output(self, request: Request) -> RequestOutput:
         """The best beam_width hypotheses, best first."""
@@ -540,7 +548,8 @@ class EngineCore:
                                  first.first_token_time if first else None, time.time())
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, True, request.num_cached_tokens, metrics,
-                             deltas=[c.text for c in completions])
+                             deltas=[c.text for c in completions],
+                             kv=self.kv_costs.cost(request))
 
 
 def _eos_token_ids(runner: StepExecutor) -> set[int]:
