@@ -500,3 +500,39 @@ def test_preemptions_are_marked_by_reason_on_the_series_and_the_timelines():
         "freed, 9 computed tokens to compute again",
         "preempted (the pool was out of blocks for a running sequence's next tokens, for "
         "itself: it gave way alone): 1 blocks freed, 4 computed tokens to compute again"]
+
+
+def test_the_why_panel_tells_a_followed_requests_waits_preemptions_and_prefix_hits():
+    from kvscope.ui import why
+
+    first = dataclasses.replace(_record(0, 10.0), chunks=(("r1", "r1", "prefill", 16, 24),))
+    cause = ("r1", "priority", "r9", 2, 24)
+    preempted = dataclasses.replace(_record(1, 10.2, preempted=["r1"]), preemptions=(cause,))
+    again = dataclasses.replace(_record(2, 10.4), chunks=(("r1", "r1", "prefill", 0, 24),),
+                                finished=("r1",))
+    text = why.why_markdown([first, preempted, again], {"r1": 9.5}, "r1")
+    assert text.splitlines()[2:] == [
+        "- step 0: r1 started after waiting 0.500 s in the queue; the prefix cache supplied "
+        "tokens 0–16, not recomputed",
+        "- step 1: r1 preempted (a higher-priority request needed its blocks to start, for "
+        "r9): 2 blocks freed, 24 computed tokens to compute again",
+        "- step 2: r1 (re)started", "- step 2: r1 finished"]
+    taker = why.why_lines([preempted], {}, "r9")
+    assert taker == ["step 1: r9 took the blocks of r1 (a higher-priority request needed its "
+                     "blocks to start, for r9): 2 blocks freed, 24 computed tokens to compute "
+                     "again"]
+    assert "no step of it" in why.why_markdown([first], {}, "r7")
+
+
+def test_following_a_request_puts_its_why_above_the_event_log(engine):
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
+    renderer.refresh(None)  # the feed subscribes to the steps before the request runs
+    list(engine.submit([7] * 30, SamplingParams(max_tokens=3), request_id="why-me"))
+    follow = [None] * 7 + ["why-me"]  # panel_views' order: ..., replica, follow
+
+    def events_panel() -> str:
+        *values, _ = renderer.refresh(None, ["events"], *follow)
+        return str(values[panels.PANELS.index("events")])
+    wait_until(lambda: "finished" in events_panel(), timeout=10, what="the request's steps")
+    log = events_panel()
+    assert "Why: why-me" in log and "started after waiting" in log and "<strong>Events<" in log
