@@ -8,6 +8,7 @@ from kvscope.engine.speculative_config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 MAX_BLOCK_SIZE = 256
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 CPU matmul accepts
@@ -58,6 +59,12 @@ class EngineConfig:
     # other requests wait; 0: never capped; N: every prefill chunk capped at N tokens.
     long_prefill_token_threshold: int | None = None
     preemption_mode: str = "recompute"
+    # vLLM's knob: "fcfs" serves in arrival order; "priority" serves the lowest request
+    # priority first and preempts lower-priority running requests for it, each waited
+    # priority_aging_steps scheduler steps counting as one priority level (the aging
+    # bound, engine.core.scheduling_policy).
+    scheduling_policy: str = "fcfs"
+    priority_aging_steps: int = 1000
     swap_space: float = 1.0
     # vLLM's speculative decoding (engine.spec_decode): a SpeculativeConfig, or a dict of
     # its fields (method, num_speculative_tokens, prompt_lookup_min/max, model); None: off.
@@ -91,6 +98,8 @@ class EngineConfig:
                              f"one of {list(QUANTIZATION_GROUP_SIZES)}")
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_positive_int("priority_aging_steps", self.priority_aging_steps)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be True or False")

@@ -35,6 +35,22 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class KVCost:
+    """What a request cost the KV cache (kvscope's own; vLLM has no such field). Blocks
+    are block table entries summed over the request's samples, counted on the steps that
+    scheduled it."""
+
+    blocks_peak: int = 0  # the most blocks it held in one step
+    block_seconds: float = 0.0  # blocks held x the seconds of each step that ran it
+    tokens_recomputed: int = 0  # computed tokens preemptions threw away, computed again
+    # Where its prompt's K/V came from: the prefix cache (whole blocks, as
+    # usage.prompt_tokens_details.cached_tokens counts them), or computed by its steps
+    # (prompt and output tokens, recomputed ones included).
+    prefix_cached_tokens: int = 0
+    computed_tokens: int = 0
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -49,3 +65,4 @@ class RequestOutput:
     prompt_token_ranks: list[int | None] | None = None
     # Per sample, the text added since the previous output of this request (for streaming).
     deltas: list[str] = field(default_factory=list)
+    kv: KVCost | None = None  # its KV cost so far (None: a replica's or a past output)

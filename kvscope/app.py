@@ -19,6 +19,7 @@ from kvscope.engine.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATION_GROUP_SIZES,
+    SCHEDULING_POLICIES,
     QUANTIZATIONS,
     EngineConfig,
 )
@@ -162,6 +163,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                        choices=PREEMPTION_MODES,
                        help="what a preempted sequence loses: its KV (recompute) or its "
                        "device copy (swap to CPU)")
+    cache.add_argument("--scheduling-policy", default=DEFAULTS["scheduling_policy"],
+                       choices=SCHEDULING_POLICIES,
+                       help="fcfs: arrival order; priority: the request's priority, lower "
+                       "first, preempting lower-priority running requests (vLLM's flag)")
+    cache.add_argument("--priority-aging-steps", type=int,
+                       default=DEFAULTS["priority_aging_steps"],
+                       help="under --scheduling-policy priority, the scheduler steps a "
+                       "request waits that count as one priority level (no starvation)")
     cache.add_argument("--swap-space", type=float, default=DEFAULTS["swap_space"],
                        help="CPU memory for swapped-out KV blocks, GiB")
     cache.add_argument("--kv-offload-dir", default=None,

@@ -8,7 +8,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # 2: per-step cache statistics; 3: the engine replica; 4: routing decisions;
 # 5: what a replay needs (prompt and output token ids, sampling params, arrival offset);
 # 6: each step's verified speculative proposals; 7: the pool's records (pool_records).
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 class Base(DeclarativeBase):
@@ -102,6 +102,9 @@ class StepRow(Base):
     expert_tokens: Mapped[list] = mapped_column(JSON, default=list)
     expert_bytes_read: Mapped[int] = mapped_column(Integer, default=0)
     expert_bytes_all: Mapped[int] = mapped_column(Integer, default=0)
+    # Added in schema version 9: why each of `preempted` was, [victim, reason, taker,
+    # blocks freed, computed tokens lost] (engine.telemetry.records.PreemptionCause).
+    preemptions: Mapped[list] = mapped_column(JSON, default=list)
 
 
 class ChatMessageRow(Base):

@@ -75,11 +75,17 @@ def _add_expert_columns(connection: Connection) -> None:
                                    "DEFAULT 0")
 
 
+def _add_preemption_causes(connection: Connection) -> None:
+    """Version 9: why each preemption happened (empty before: the causes were not kept)."""
+    connection.exec_driver_sql("ALTER TABLE steps ADD COLUMN preemptions JSON NOT NULL "
+                               "DEFAULT '[]'")
+
+
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions,
     4: _add_replay_columns, 5: _add_spec_drafts, 6: _add_pool_records,
-    7: _add_expert_columns}
+    7: _add_expert_columns, 8: _add_preemption_causes}
 
 
 def open_database(path: str | Path) -> Engine:

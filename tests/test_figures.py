@@ -204,8 +204,15 @@ def test_latency_stats_and_series(run) -> None:
     assert len(stats.itl) == 3 + 7 + 7  # decodes after each sequence's first token
     span = records[-1].end_time - records[0].start_time
     assert stats.output_tokens_per_s == pytest.approx((4 + 2 * 8) / span)  # A's 4, B's 2 x 8
-    figure = pool_series(records, token_usage=[(records[0].start_time, 0.5)])
-    assert len(figure["data"][0]["y"]) == len(records)
+    assert len(pool_series(records)["data"][0]["y"]) == len(records)  # a saved session
+    # Live: both usage lines from the same snapshots, so falling usage never draws more
+    # token slots filled than the blocks in use hold.
+    falling = [(records[0].start_time + i, b, t) for i, (b, t) in
+               enumerate([(0.8, 0.6), (0.3, 0.2), (0.1, 0.05)])]
+    blocks, tokens = pool_series(records, falling)["data"][:2]
+    assert (blocks["name"], tokens["name"]) == ("blocks in use", "token slots filled")
+    assert blocks["x"] == tokens["x"] and len(blocks["y"]) == 3
+    assert all(t <= b for b, t in zip(blocks["y"], tokens["y"]))
 
 
 def test_paged_memory_beats_a_contiguous_reservation(run) -> None:

@@ -143,7 +143,7 @@ def test_the_victim_is_the_least_important_running_request(make_engine):
     """Later arrivals are preempted first, unless a request has a larger priority value."""
     for priorities, victim in (((0, 0), 1), ((5, 0), 0)):
         engine = make_engine("llama", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                             num_gpu_blocks_override=9)
+                             num_gpu_blocks_override=9, scheduling_policy="priority")
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         ids = [engine.add_request(PROMPTS[i], params, priority=p).request_id
                for i, p in zip((1, 4), priorities)]

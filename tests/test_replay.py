@@ -355,3 +355,25 @@ def test_simulating_a_trace_needs_a_cost_model(tmp_path, tiny_chat_model_path, c
               "--cost-model", str(cost), "--config", "num_gpu_blocks_override=32",
               'speculative_config={"method": "ngram"}'])
     assert "speculative_config: a simulated replay" in capsys.readouterr().err
+
+
+def test_a_simulated_replay_serves_a_traces_priorities_under_the_priority_policy(
+        tmp_path, long_context_model) -> None:
+    """Six long low-priority requests hold both seats; a short urgent one arrives after
+    them. Under fcfs it waits its turn; under priority it is served at once, on one trace."""
+    rows = [{"timestamp": 0, "input_length": 600, "output_length": 40, "hash_ids": [i, 100 + i],
+             "priority": 1} for i in range(6)]
+    rows.append({"timestamp": 500, "input_length": 300, "output_length": 2, "hash_ids": [50],
+                 "priority": 0})
+    workload = load_trace(write_mooncake(tmp_path / "t.jsonl", rows),
+                          load_tokenizer(long_context_model))
+    assert [r.priority for r in workload.requests] == [1] * 6 + [0]
+    session = ReplaySession(workload, EngineConfig(model=str(long_context_model),
+                                                   num_gpu_blocks_override=4096,
+                                                   max_num_seqs=2), cost_model=STEADY_COST)
+
+    def urgent_ttft(policy: str) -> float:
+        run = session.run({"scheduling_policy": policy}, "simulated")
+        return next(t.ttft_s for t in run.requests if t.request_id == "mooncake-7")
+
+    assert urgent_ttft("priority") < STEADY_COST.intercept * 5 < urgent_ttft("fcfs")

@@ -21,7 +21,8 @@ def test_no_running_sequence_silently_misses_a_step_when_an_earlier_one_is_the_v
     queued first, so its beams sit early in `running` and are the preemption victims of
     the greedy requests behind them."""
     engine = make_engine("llama", block_size=4, num_gpu_blocks_override=20, max_model_len=48,
-                         max_num_batched_tokens=512, enable_prefix_caching=False)
+                         max_num_batched_tokens=512, enable_prefix_caching=False,
+                         scheduling_policy="priority")
     rng = random.Random(0)
     engine.add_request([rng.randrange(1, 256) for _ in range(14)], BeamSearchParams(3, 10),
                        priority=1)
@@ -48,7 +49,7 @@ def test_a_victim_later_in_running_is_not_scheduled_after_its_preemption():
     """The loop walks a snapshot of `running`: a sequence preempted by an earlier one is
     skipped when its turn comes, and everyone else still runs."""
     config = EngineConfig(block_size=4, max_num_batched_tokens=64, max_model_len=64,
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, scheduling_policy="priority")
     kv_cache = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False)
     scheduler = Scheduler(config, kv_cache)
     first, victim, last = (make_sequence([1, 2, 3, 4, 5, 6, 7, 8]) for _ in range(3))

@@ -331,8 +331,11 @@ def test_metrics_parse_and_counters_match_the_requests(server) -> None:
         u.completion_tokens - 1 for u in usages)
     # Each prompt is looked up once (nothing preempts in this pool, so nothing recomputes):
     assert delta("vllm:prefix_cache_queries_total{}") == sum(u.prompt_tokens for u in usages)
-    assert delta("vllm:num_preemptions_total{}") == 0
-    assert after["vllm:num_preemptions_total{}"] == server.engine.counters().preemptions
+    for reason in ("kv_full", "priority", "max_num_seqs"):
+        assert delta(f"vllm:num_preemptions_total{{reason={reason}}}") == 0
+    assert sum(value for name, value in after.items()
+               if name.startswith("vllm:num_preemptions_total")) == \
+        server.engine.counters().preemptions
     assert after["kvscope:swaps_total{direction=out}"] == 0
     assert after["kvscope:kv_cache_token_usage_perc{}"] == 0
     info = next(name for name in after if name.startswith("kvscope:engine_config_info"))

@@ -2,10 +2,12 @@
 form's refusals, per-run load progress, the shared renderer, the one clock of the time
 series, and the quiet access log."""
 
+import dataclasses
 import json
 import logging
 import sys
 import threading
+import time
 
 import pytest
 from conftest import wait_until
@@ -13,6 +15,7 @@ from conftest import wait_until
 from kvscope.app import QuietPolling
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
+from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.ui import knobs, loadgen, panels, scrubber, timeline
 from kvscope.ui.live import LiveFeed, LiveFeeds
@@ -332,7 +335,7 @@ def test_the_hit_rate_names_its_unit_and_scope_and_why_metrics_differs():
 
 def test_series_keep_their_colours_whatever_lines_are_drawn_and_usage_is_not_pinned():
     records = [_record(i, 10.0 + i * 0.2) for i in range(5)]
-    live = timeline.pool_series(records, [(10.0, 0.01), (10.5, 0.02)])  # the Live tab
+    live = timeline.pool_series(records, [(10.0, 0.02, 0.01), (10.5, 0.03, 0.02)])  # Live tab
     logged = timeline.pool_series(records)  # a logged session: no token-slot samples
 
     def colours(figure):
@@ -357,12 +360,13 @@ def test_the_event_log_says_what_happened_in_plain_words_newest_first():
                           32, 64, 8, 0, 8, 1, 0)
     busy = StepRecord(8, 1.1, 1.2, (("r1", "r1#0", "prefill", 32, 64),), ("r2#0",), (), (),
                       ("r3",), 32, 64, 16, 0, 0, 1, 1, prefix_cache_queries=40,
-                      prefix_cache_hits=16)
+                      prefix_cache_hits=16,
+                      preemptions=(("r2#0", "priority", "r4#0", 3, 20),))
     lines = events.event_lines([admitted, busy], [events.Evictions(8, 12)])
     assert lines[0] == "step 8: evicted 12 cached blocks, least recently used first, to " \
         "make room"
-    assert any(line.startswith("step 8: preempted r2#0") and "0 were free" in line
-               for line in lines)
+    assert ("step 8: preempted r2#0 (a higher-priority request needed its blocks to start, "
+            "for r4#0): 3 blocks freed, 20 computed tokens to compute again") in lines
     assert "step 8: r1#0 prefilled its next chunk, tokens 32–64 (chunked prefill)" in lines
     assert "step 8: the prefix cache supplied 16 of 40 prompt tokens" in " ".join(lines)
     assert any(line.startswith("step 8: r3 finished") for line in lines)
@@ -457,3 +461,78 @@ def test_a_session_without_pool_frames_says_why_in_every_scrubber_panel(engine, 
             json.loads(plot.plot)["layout"]["annotations"] for plot in plots)
     finally:
         log.close()
+
+
+def test_the_occupancy_gauge_samples_blocks_and_token_slots_together(engine):
+    """Each refresh reads both fractions off one snapshot of the pool, so the token slots
+    filled are never more than the blocks in use hold, while usage rises and falls."""
+    feed = LiveFeed(engine)
+    streams = [engine.submit([5 + i] * (20 + 7 * i), SamplingParams(max_tokens=12, ignore_eos=True))
+               for i in range(4)]
+    readers = [threading.Thread(target=list, args=(stream,)) for stream in streams]
+    for reader in readers:
+        reader.start()
+    while any(reader.is_alive() for reader in readers):
+        feed.refresh()
+        time.sleep(0.005)
+    wait_until(lambda: feed.refresh().usage_samples[-1][1] == 0, timeout=10,
+               what="the pool to empty")  # usage fell to nothing
+    samples = feed.refresh().usage_samples
+    assert len(samples) > 2 and max(b for _, b, _ in samples) > 0
+    assert all(tokens <= blocks for _, blocks, tokens in samples)
+
+
+def test_preemptions_are_marked_by_reason_on_the_series_and_the_timelines():
+    causes = (("a", "priority", "c", 2, 9), ("b", "kv_full", "b", 1, 4))
+    start = _record(0, 10.0)
+    chunks = (("ra", "a", "prefill", 0, 9), ("rb", "b", "prefill", 0, 4))
+    ran = dataclasses.replace(start, chunks=chunks)
+    preempted = dataclasses.replace(_record(1, 10.2, preempted=["a", "b"]), preemptions=causes)
+    back = dataclasses.replace(_record(2, 10.4), chunks=chunks)
+    figure = timeline.pool_series([ran, preempted, back])
+    marks = {trace["name"]: trace["y"] for trace in figure["data"]
+             if trace["name"].startswith("preemptions")}
+    assert marks == {"preemptions: kv_full": [1], "preemptions: priority": [1]}
+    spans = [s for s in timeline.timeline_spans([ran, preempted, back])
+             if s.phase == "preempted"]
+    assert [s.label for s in spans] == [
+        "preempted (a higher-priority request needed its blocks to start, for c): 2 blocks "
+        "freed, 9 computed tokens to compute again",
+        "preempted (the pool was out of blocks for a running sequence's next tokens, for "
+        "itself: it gave way alone): 1 blocks freed, 4 computed tokens to compute again"]
+
+
+def test_the_why_panel_tells_a_followed_requests_waits_preemptions_and_prefix_hits():
+    from kvscope.ui import why
+
+    first = dataclasses.replace(_record(0, 10.0), chunks=(("r1", "r1", "prefill", 16, 24),))
+    cause = ("r1", "priority", "r9", 2, 24)
+    preempted = dataclasses.replace(_record(1, 10.2, preempted=["r1"]), preemptions=(cause,))
+    again = dataclasses.replace(_record(2, 10.4), chunks=(("r1", "r1", "prefill", 0, 24),),
+                                finished=("r1",))
+    text = why.why_markdown([first, preempted, again], {"r1": 9.5}, "r1")
+    assert text.splitlines()[2:] == [
+        "- step 0: r1 started after waiting 0.500 s in the queue; the prefix cache supplied "
+        "tokens 0–16, not recomputed",
+        "- step 1: r1 preempted (a higher-priority request needed its blocks to start, for "
+        "r9): 2 blocks freed, 24 computed tokens to compute again",
+        "- step 2: r1 (re)started", "- step 2: r1 finished"]
+    taker = why.why_lines([preempted], {}, "r9")
+    assert taker == ["step 1: r9 took the blocks of r1 (a higher-priority request needed its "
+                     "blocks to start, for r9): 2 blocks freed, 24 computed tokens to compute "
+                     "again"]
+    assert "no step of it" in why.why_markdown([first], {}, "r7")
+
+
+def test_following_a_request_puts_its_why_above_the_event_log(engine):
+    renderer = panels.PanelRenderer(LiveFeeds(engine))
+    renderer.refresh(None)  # the feed subscribes to the steps before the request runs
+    list(engine.submit([7] * 30, SamplingParams(max_tokens=3), request_id="why-me"))
+    follow = [None] * 7 + ["why-me"]  # panel_views' order: ..., replica, follow
+
+    def events_panel() -> str:
+        *values, _ = renderer.refresh(None, ["events"], *follow)
+        return str(values[panels.PANELS.index("events")])
+    wait_until(lambda: "finished" in events_panel(), timeout=10, what="the request's steps")
+    log = events_panel()
+    assert "Why: why-me" in log and "started after waiting" in log and "<strong>Events<" in log

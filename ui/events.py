@@ -4,12 +4,17 @@ newest first, read from the engine's step records (and the pool's eviction count
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.telemetry.records import PreemptionCause, StepRecord
 
 MAX_EVENTS = 30
 # Decode-only steps have no events: the log looks this far back at most, so a long quiet
 # stretch costs a refresh little.
 MAX_SCANNED_STEPS = 500
+# Each PreemptionReason (engine.core.kv_events) in words.
+PREEMPTION_WORDS = {
+    "kv_full": "the pool was out of blocks for a running sequence's next tokens",
+    "priority": "a higher-priority request needed its blocks to start",
+    "max_num_seqs": "a higher-priority request needed its seat (max_num_seqs)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +23,16 @@ class Evictions:
 
     step: int
     num_blocks: int
+
+
+def preemption_words(cause: PreemptionCause, swapped: set[str]) -> str:
+    """Why a sequence was preempted, for whom, and what it cost, in plain words."""
+    victim, reason, taker, blocks_freed, tokens_lost = cause
+    cost = ("its K/V went to CPU memory" if victim in swapped else
+            f"{tokens_lost} computed tokens to compute again")
+    return (f"({PREEMPTION_WORDS[reason]}, for "
+            f"{'itself: it gave way alone' if taker == victim else taker}): "
+            f"{blocks_freed} blocks freed, {cost}")
 
 
 def _step_events(record: StepRecord) -> list[str]:
@@ -34,11 +49,9 @@ def _step_events(record: StepRecord) -> list[str]:
         lines.append(f"{step} the prefix cache supplied {record.prefix_cache_hits} of "
                      f"{record.prefix_cache_queries} prompt tokens looked up: their blocks "
                      "are shared, not recomputed")
-    for seq_id in record.preempted:
-        lines.append(f"{step} preempted {seq_id} (the latest arrival of the least important "
-                     "running sequences): the running ones needed a block and "
-                     f"{record.num_free_blocks} were free; it gives its blocks back and is "
-                     "recomputed later")
+    swapped = set(record.swapped_out)
+    for cause in record.preemptions:
+        lines.append(f"{step} preempted {cause[0]} {preemption_words(cause, swapped)}")
     for seq_id in record.swapped_out:
         lines.append(f"{step} swapped {seq_id} out to CPU memory to free its device blocks")
     for seq_id in record.swapped_in:

@@ -8,6 +8,8 @@ from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from kvscope.engine.entrypoints.view import EngineCounters, EngineView
 from kvscope.engine.telemetry.pool_history import Frame, PoolHistory
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
@@ -24,7 +26,10 @@ FIRST_SNAPSHOT_WAIT_S = 5.0
 class LiveState:
     snapshot: PoolMirror  # the pool as of this refresh, read like an EngineSnapshot
     records: tuple[StepRecord, ...]
-    token_usage: tuple[tuple[float, float], ...]
+    # (time, blocks in use, token slots filled), both fractions of the pool read from one
+    # snapshot: drawn from separate samplings, the token line lagged the block line and
+    # showed more tokens than the blocks in use could hold whenever usage fell.
+    usage_samples: tuple[tuple[float, float, float], ...]
     arrivals: dict[str, float]
     now: float
     replica: int  # the engine replica shown (0 for a single engine)
@@ -54,7 +59,7 @@ class LiveFeed:
         self._pool = PoolReader(engine, replica)
         self._requests = engine.subscribe_requests()
         self._records: deque[StepRecord] = deque(maxlen=HISTORY_STEPS)
-        self._token_usage: deque[tuple[float, float]] = deque(maxlen=HISTORY_SAMPLES)
+        self._usage_samples: deque[tuple[float, float, float]] = deque(maxlen=HISTORY_SAMPLES)
         self._arrivals: dict[str, float] = {}
         self._evictions: deque[Evictions] = deque(maxlen=HISTORY_SAMPLES)
         self._evicted = (None, 0)  # (pool epoch, its eviction count at the last refresh)
@@ -80,8 +85,10 @@ class LiveFeed:
                     self._arrivals[record.output.request_id] = metrics.arrival_time
             for seq in snapshot.sequences:
                 self._arrivals.setdefault(seq.request_id, seq.arrival_time)
-            pool_tokens = max(snapshot.num_blocks * snapshot.block_size, 1)
-            self._token_usage.append((now, snapshot.num_used_tokens / pool_tokens))
+            num_blocks = max(snapshot.num_blocks, 1)
+            self._usage_samples.append((
+                now, int(np.count_nonzero(snapshot.ref_counts)) / num_blocks,
+                snapshot.num_used_tokens / (num_blocks * snapshot.block_size)))
             oldest = self._records[0].start_time if self._records else now
             self._arrivals = {r: t for r, t in self._arrivals.items() if t >= oldest - 60}
             self._count_evictions(snapshot)
@@ -91,7 +98,7 @@ class LiveFeed:
             if version != self._blocks_seen[0]:
                 self._blocks_seen = (version, snapshot.step)
             counters = self.engine.replica_statuses()[replica].counters
-            return LiveState(snapshot, tuple(self._records), tuple(self._token_usage),
+            return LiveState(snapshot, tuple(self._records), tuple(self._usage_samples),
                              dict(self._arrivals), now, replica, counters,
                              tuple(self._evictions), self._blocks_seen[1])
 
@@ -112,7 +119,7 @@ class LiveFeed:
             shown = self.history.frame(number)
         step = shown.step  # steps done by then: records of steps 0 .. step - 1
         return LiveState(pool, tuple(r for r in live.records if r.step < step),
-                         tuple(u for u in live.token_usage if u[0] <= shown.time),
+                         tuple(u for u in live.usage_samples if u[0] <= shown.time),
                          live.arrivals, shown.time, live.replica, None,
                          tuple(e for e in live.evictions if e.step < step), step, shown,
                          before)
@@ -134,7 +141,7 @@ class LiveFeed:
         """After a reconfigure the old history describes a pool that no longer exists."""
         with self.lock:
             self._records.clear()
-            self._token_usage.clear()
+            self._usage_samples.clear()
             self._evictions.clear()
             self.history = PoolHistory()
             self._past = None

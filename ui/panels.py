@@ -10,7 +10,7 @@ import gradio as gr
 from markdown_it import MarkdownIt
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
-from kvscope.ui import events, experts, figures, spec_decode, timeline
+from kvscope.ui import events, experts, figures, spec_decode, timeline, why
 from kvscope.ui.live import LiveFeeds, LiveState
 from kvscope.ui.plotdata import placeholder, to_plot
 
@@ -57,7 +57,7 @@ class PanelViews:
             return self.heatmap_view, self.heatmap_start, self.heatmap_stop, self.follow
         if name == "block_tables":
             return self.tables, self.follow
-        return self.follow if name in ("timeline", "prefix_tree") else None
+        return self.follow if name in ("timeline", "prefix_tree", "events") else None
 
 
 # The view's number fields: (label on the page, the least value it takes).
@@ -190,7 +190,7 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
     if name == "timeline":
         return timeline.request_timeline(state.records, state.arrivals, window, views.follow)
     if name == "series":
-        return timeline.pool_series(state.records, state.token_usage, window)
+        return timeline.pool_series(state.records, state.usage_samples, window)
     if name == "spec_decode":
         return spec_decode.spec_decode_panel(state.records, window)
     if name == "experts":
@@ -205,7 +205,10 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
             (f"last {timeline.RATE_WINDOW_S:.0f} s",
              timeline.recent_output_rate(state.records, state.now)))
     if name == "events":
-        return events.events_markdown(state.records, state.evictions)
+        log = events.events_markdown(state.records, state.evictions)
+        if not views.follow:
+            return log
+        return why.why_markdown(state.records, state.arrivals, views.follow) + "\n\n" + log
     if not holders:
         return placeholder("Paged against contiguous", "No live sequences: the comparison "
                            "appears while requests hold blocks.")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvscope.engine.telemetry.records import StepRecord
+from kvscope.ui.events import preemption_words
 from kvscope.ui.palette import PHASE_COLORS, SERIES_COLORS
 from kvscope.ui.plotdata import TITLE, Figure, epoch_ms, of_request, placeholder
 
@@ -15,6 +16,11 @@ WINDOW_S = 120.0  # the live panels' rolling window
 NEW_RUN_GAP_S = 10.0  # after a pause this long the window starts at the new run
 RUN_MARGIN_S = 2.0
 IDLE_GAP_S = 2.0  # steps further apart than this are an idle period: the lines break
+# A marker shape per preemption reason (engine.core.kv_events.PreemptionReason), and one
+# for the preemptions of a log older than schema 9, which kept no reasons.
+UNRECORDED = "reason not recorded"
+PREEMPTION_SYMBOLS = {"kv_full": "triangle-down", "priority": "star", "max_num_seqs": "square",
+                      UNRECORDED: "triangle-down-open"}
 USAGE_GAP_S = 5.0  # token usage is sampled once a refresh; a closed tab leaves gaps
 THROUGHPUT_BUCKET_S = 1.0
 RATE_WINDOW_S = 10.0  # the stats line's rolling output rate
@@ -36,6 +42,7 @@ class _SeqTrack:
     decode_start: float | None = None
     decode_steps: list[int] = field(default_factory=list)
     preempted_at: float | None = None
+    preempted_why: str = "preempted (blocks freed)"
 
 
 def timeline_spans(records: Sequence[StepRecord],
@@ -63,7 +70,7 @@ def timeline_spans(records: Sequence[StepRecord],
                                       "waiting for a slot"))
             if track.preempted_at is not None:
                 spans.append(Span(seq_id, "preempted", track.preempted_at,
-                                  record.start_time, "preempted (blocks freed)"))
+                                  record.start_time, track.preempted_why))
                 track.preempted_at = None
             if kind == "decode":
                 if not track.decode_steps or track.decode_steps[-1] != record.step - 1:
@@ -75,16 +82,20 @@ def timeline_spans(records: Sequence[StepRecord],
                 spans.append(Span(seq_id, "prefill", record.start_time, record.end_time,
                                   f"step {record.step}: tokens [{start}, {end})"))
             track.last_end = record.end_time
+        causes = {cause[0]: cause for cause in record.preemptions}
         for seq_id in record.preempted:
             track = tracks.setdefault(seq_id, _SeqTrack())
             close_decode(seq_id, track)
             track.preempted_at = record.end_time
+            if seq_id in causes:  # a log older than schema 9 kept no causes
+                track.preempted_why = "preempted " + preemption_words(
+                    causes[seq_id], set(record.swapped_out))
     if records:
         for seq_id, track in tracks.items():
             close_decode(seq_id, track)
             if track.preempted_at is not None:
                 spans.append(Span(seq_id, "preempted", track.preempted_at,
-                                  records[-1].end_time, "preempted (blocks freed)"))
+                                  records[-1].end_time, track.preempted_why))
     return spans
 
 
@@ -348,14 +359,15 @@ def _thinned(xs: list[float], ys: list[float | None],
 
 
 def pool_series(records: Sequence[StepRecord],
-                token_usage: Sequence[tuple[float, float]] = (),
+                usage_samples: Sequence[tuple[float, float, float]] = (),
                 window: tuple[float, float] | None = None) -> Figure:
-    """KV usage (blocks, and tokens when sampled), queue lengths, throughput and
-    preemptions on the wall clock. Usage is against each step's own pool, so a
+    """KV usage (live: blocks in use and token slots filled, read together off each
+    refresh's snapshot; a saved session: the steps' block counts), queue lengths,
+    throughput and preemptions on the wall clock. Usage is against each step's own pool, so a
     reconfigure does not rescale the past."""
     records = in_window(records, window)
     if window is not None:
-        token_usage = [(t, u) for t, u in token_usage if t >= window[0]]
+        usage_samples = [sample for sample in usage_samples if sample[0] >= window[0]]
     if not records:
         return placeholder("KV usage, queues, throughput", "No engine steps in this window "
                            "yet: the series start with the first request.")
@@ -372,27 +384,36 @@ def pool_series(records: Sequence[StepRecord],
                 "name": name, "yaxis": axis,
                 "connectgaps": False}
 
-    blocks = [round(100 * r.num_used_blocks / max(r.num_used_blocks + r.num_cached_blocks
-                                                  + r.num_free_blocks, 1), 2)
-              for r in records]
-    data = [step_line(blocks, "blocks in use", "y")]
-    if token_usage:
-        data.append(step_line([round(100 * u, 2) for _, u in token_usage],
-                              "token slots filled", "y",
-                              samples=[t for t, _ in token_usage], gap_s=USAGE_GAP_S))
+    if usage_samples:  # both lines from the same snapshots: tokens never above blocks
+        at = [t for t, _, _ in usage_samples]
+        data = [step_line([round(100 * b, 2) for _, b, _ in usage_samples], "blocks in use",
+                          "y", samples=at, gap_s=USAGE_GAP_S),
+                step_line([round(100 * u, 2) for _, _, u in usage_samples],
+                          "token slots filled", "y", samples=at, gap_s=USAGE_GAP_S)]
+    else:  # a saved session: the steps' own block counts
+        data = [step_line([round(100 * r.num_used_blocks
+                                 / max(r.num_used_blocks + r.num_cached_blocks
+                                       + r.num_free_blocks, 1), 2) for r in records],
+                          "blocks in use", "y")]
     data.append(step_line([r.num_running for r in records], "running", "y2"))
     data.append(step_line([r.num_waiting for r in records], "waiting", "y2"))
     rate_times, rates = _throughput(records)
     data.append(step_line(rates, "output tokens/s", "y3", samples=rate_times,
                           gap_s=THROUGHPUT_BUCKET_S * 1.5))
-    preempted = [(r.end_time, len(r.preempted)) for r in records if r.preempted]
-    data.append({"type": "scatter", "mode": "markers", "name": "preemptions", "yaxis": "y4",
-                 "x": [epoch_ms(t) for t, _ in preempted], "y": [n for _, n in preempted],
-                 "marker": {"symbol": "triangle-down", "size": 10,
-                            "color": PHASE_COLORS["preempted"]},
-                 "hovertemplate": "%{y} preempted<extra></extra>"})
+    for reason, symbol in PREEMPTION_SYMBOLS.items():  # one marker shape per reason
+        preempted = [(r.end_time, n) for r in records
+                     if (n := sum(cause[1] == reason for cause in r.preemptions)
+                         if r.preemptions else len(r.preempted) * (reason == UNRECORDED))]
+        if preempted:
+            data.append({
+                "type": "scatter", "mode": "markers", "name": f"preemptions: {reason}",
+                "yaxis": "y4", "x": [epoch_ms(t) for t, _ in preempted],
+                "y": [n for _, n in preempted],
+                "marker": {"symbol": symbol, "size": 10, "color": PHASE_COLORS["preempted"]},
+                "hovertemplate": f"%{{y}} preempted ({reason})<extra></extra>"})
     titles = [("KV cache usage %", 1.0), ("sequences", 0.64),
-              ("output tokens/s (left) · preemptions per step (right, ▼)", 0.28)]
+              ("output tokens/s (left) · preemptions per step by reason (right: ▼ kv_full, "
+               "★ priority, ■ max_num_seqs)", 0.28)]
     return {"data": data, "layout": {
         "height": 560, "margin": {"l": 50, "r": 50, "t": 40, "b": 110}, "uirevision": "keep",
         "xaxis": _date_axis(window, anchor="y3"),

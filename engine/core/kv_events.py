@@ -9,6 +9,7 @@ Sequence events carry the Sequence itself (a listener reads its current block ta
 tokens when it needs them); block events carry ids and hashes only.
 """
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -88,11 +89,25 @@ class SequenceResumed:
     seq: "Sequence"
 
 
+class PreemptionReason(enum.StrEnum):
+    """Why a sequence lost its device blocks; a str, for labels and logs."""
+
+    KV_FULL = "kv_full"  # a running sequence's next tokens needed blocks the pool lacked
+    PRIORITY = "priority"  # a waiting sequence ranked ahead needed the blocks to start
+    MAX_NUM_SEQS = "max_num_seqs"  # a waiting sequence ranked ahead needed its seat
+
+
 @dataclass(frozen=True, slots=True)
 class SequencePreempted:
-    """A sequence lost its device blocks (swapped out, or to recompute)."""
+    """A sequence lost its device blocks (swapped out, or to recompute): why, who needed
+    them (the taker; the victim itself when it gave way alone), how many blocks went back
+    to the free queue and how many computed tokens it must compute again (0 when swapped)."""
 
     seq: "Sequence"
+    reason: PreemptionReason
+    taker: "Sequence"
+    blocks_freed: int
+    tokens_lost: int
 
 
 @dataclass(frozen=True, slots=True)

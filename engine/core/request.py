@@ -112,8 +112,9 @@ class Sequence:
 
     @property
     def priority_key(self) -> tuple[int, float]:
-        """Larger is less important: preempted first (vLLM: higher priority value, later arrival)."""
-        return (self.request.priority, self.request.arrival_time)
+        """Larger is less important: served later, preempted first (vLLM: higher priority
+        value, later arrival; the rank adds aging, see engine.core.scheduling_policy)."""
+        return (self.request.rank, self.request.arrival_time)
 
 
 @dataclass(slots=True, eq=False)
@@ -125,7 +126,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
-    priority: int = 0
+    priority: int = 0  # lower is served first under scheduling_policy="priority"
+    rank: int = 0  # its aged place in line, given on arrival (engine.core.scheduling_policy)
     source: str = "api"
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0

@@ -2,11 +2,13 @@
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import (
     KVEventSink,
+    PreemptionReason,
     SequenceFinished,
     SequencePreempted,
     SequenceQueued,
@@ -15,6 +17,7 @@ from kvscope.engine.core.kv_events import (
 )
 from kvscope.engine.core.request import Sequence, SequenceStatus
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvscope.engine.core.scheduling_policy import RankedQueue, rank
 
 # The default share of the token budget one prefill chunk may take while other requests
 # wait (long_prefill_token_threshold=None): a long prompt then leaves room for the ones
@@ -25,10 +28,14 @@ FAIR_PREFILL_SHARE = 4
 class Scheduler:
     """Each sequence just has `num_computed_tokens` catching up with its tokens (vLLM v1).
 
-    Per step: running sequences first (a decode costs one token, an unfinished prefill
-    gets its next chunk), then waiting ones in arrival order, while the token budget,
-    `max_num_seqs` and free blocks allow. A running sequence that cannot get a block
-    preempts the least important running sequence not yet scheduled (possibly itself).
+    Per step under fcfs: running sequences first (a decode costs one token, an unfinished
+    prefill gets its next chunk), then waiting ones in arrival order, while the token
+    budget, `max_num_seqs` and free blocks allow. Under priority: all of them in rank order
+    (engine.core.scheduling_policy), and a waiting sequence short of a seat or of blocks
+    preempts the least important running ones ranked behind it. A running sequence that
+    cannot get a block preempts the least important running sequence not yet scheduled
+    (possibly itself). Every preemption is a SequencePreempted event: why, for whom, what
+    it freed and what it lost.
 
     Invariants: every sequence in `running` holds device blocks and has tokens left to
     compute (or a launched step's placeholder for its next token, with async scheduling);
@@ -50,13 +57,17 @@ class Scheduler:
         # A tier below the pool (engine.core.kv_offload) may take a waiting sequence out of
         # the queue while it loads more of its prefix (True), given the blocks the pool has.
         self.fetch_prefix: Callable[[Sequence, int], bool] = lambda seq, num_cached: False
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] | RankedQueue = (
+            RankedQueue() if config.scheduling_policy == "priority" else deque())
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls: the clock of priority aging
 
     # ---- queues ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence behind the others."""
+        """Queue a new sequence: behind the others, or at its rank under priority."""
+        seq.request.rank = rank(seq.request, self.config.scheduling_policy,
+                                self.config.priority_aging_steps, self.num_steps)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.emit(SequenceQueued(seq))
@@ -122,69 +133,115 @@ class Scheduler:
         return min(remaining, budget)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        step = _StepState(self.config.max_num_batched_tokens)
         cap = self.prefill_cap(others_waiting=bool(self.waiting))
-        preempted: set[int] = set()  # ids of sequences taken out during this loop
-
+        if self.config.scheduling_policy == "priority":
+            # One pass in rank order: a waiting sequence ranked ahead of running ones takes
+            # the token budget before them, and their seats and blocks if it must.
+            for seq in sorted([*self.running, *self.waiting], key=lambda s: s.priority_key):
+                if step.budget == 0:
+                    break
+                if id(seq) in step.preempted:
+                    continue
+                if seq.status is SequenceStatus.RUNNING:
+                    self._schedule_running(seq, cap, out, step)
+                elif step.admitting:
+                    # The first that cannot start holds back those ranked behind it.
+                    step.admitting = self._admit(seq, out, step)
+            return out
         # A snapshot: preemption changes `running`, never the order this loop visits.
         for seq in list(self.running):
-            if budget == 0:
+            if step.budget == 0:
                 break
-            if id(seq) in preempted or self._finishes_by_length(seq):
-                continue
-            spec = self._spec_tokens(seq, budget)
-            num_tokens = self.chunk_size(seq, budget, cap) + len(spec)
-            copies = self._allocate(seq, num_tokens, out)
-            if copies is None and spec:  # proposals are the first thing to go
-                spec, num_tokens = [], num_tokens - len(spec)
-                copies = self._allocate(seq, num_tokens, out)
-            while copies is None:
-                # Among equals the latest in `running` goes: the head of `running` only
-                # ever preempts itself when alone, so it always finishes (no livelock).
-                victim = max(reversed(self._unscheduled_running(out)),
-                             key=lambda s: s.priority_key)
-                self.preempt(victim, out)
-                preempted.add(id(victim))
-                if victim is seq:
-                    break
-                copies = self.kv_cache.allocate_slots(seq, num_tokens)
-            if copies is None:
-                continue  # seq preempted itself
-            out.block_copies.extend(copies)
-            self._add_scheduled(out, seq, num_tokens, spec)
-            budget -= num_tokens
-
-        # A step that had to preempt admits nobody: memory is short already.
-        num_forking = self._num_pending_forks()
-        while (self.waiting and budget > 0 and not out.preempted
-               and len(self.running) + num_forking < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            # Admitted uncapped: from the next step on it runs capped while others wait.
-            # (A first whole chunk also caches its prefix for identical prompts behind it.)
-            cap = self.prefill_cap(others_waiting=False)
-            if seq.status is SequenceStatus.SWAPPED:
-                num_tokens = self.chunk_size(seq, budget, cap)
-                swap_in = self.kv_cache.swap_in(seq, num_tokens)
-                while swap_in is None and self._reclaim(out):
-                    swap_in = self.kv_cache.swap_in(seq, num_tokens)
-                if swap_in is None:
-                    break
-                out.swap_in.extend(swap_in)
-                out.swapped_in.append(seq)
-            else:
-                num_tokens = self._admit_waiting(seq, budget, cap, out)
-                if num_tokens is None:  # its prefix is loading: the ones behind it go on
-                    self.waiting.popleft()
-                    continue
-                if not num_tokens:
-                    break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add_scheduled(out, seq, num_tokens)
-            budget -= num_tokens
+            if id(seq) not in step.preempted:
+                self._schedule_running(seq, cap, out, step)
+        while self.waiting and step.budget > 0 and self._admit(self.waiting[0], out, step):
+            pass
         return out
+
+    def _schedule_running(self, seq: Sequence, cap: int | None, out: SchedulerOutput,
+                          step: "_StepState") -> None:
+        """A running sequence's next chunk; when blocks run short, the least important
+        running sequence not yet scheduled is preempted (possibly this one)."""
+        if self._finishes_by_length(seq):
+            return
+        spec = self._spec_tokens(seq, step.budget)
+        num_tokens = self.chunk_size(seq, step.budget, cap) + len(spec)
+        copies = self._allocate(seq, num_tokens, out)
+        if copies is None and spec:  # proposals are the first thing to go
+            spec, num_tokens = [], num_tokens - len(spec)
+            copies = self._allocate(seq, num_tokens, out)
+        while copies is None:
+            # Among equals the latest in `running` goes: the head of `running` only
+            # ever preempts itself when alone, so it always finishes (no livelock).
+            victim = max(reversed(self._unscheduled_running(out)),
+                         key=lambda s: s.priority_key)
+            self.preempt(victim, out, PreemptionReason.KV_FULL, seq)
+            step.preempted.add(id(victim))
+            if victim is seq:
+                return
+            copies = self.kv_cache.allocate_slots(seq, num_tokens)
+        out.block_copies.extend(copies)
+        self._add_scheduled(out, seq, num_tokens, spec)
+        step.budget -= num_tokens
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput, step: "_StepState") -> bool:
+        """Start (or swap back in) a waiting sequence; False if it cannot this step (True
+        also when it left the queue while the disk tier loads its prefix). A step that
+        preempted for lack of blocks admits nobody: memory is short already."""
+        if any(p.reason is PreemptionReason.KV_FULL for p in out.preemptions):
+            return False
+        while len(self.running) + self._num_pending_forks() >= self.config.max_num_seqs:
+            if not self._preempt_ranked_behind(seq, out, step, PreemptionReason.MAX_NUM_SEQS):
+                return False
+        # Admitted uncapped: from the next step on it runs capped while others wait.
+        # (A first whole chunk also caches its prefix for identical prompts behind it.)
+        cap = self.prefill_cap(others_waiting=False)
+
+        def make_room() -> bool:
+            return (self._reclaim(out, seq)
+                    or self._preempt_ranked_behind(seq, out, step, PreemptionReason.PRIORITY))
+
+        if seq.status is SequenceStatus.SWAPPED:
+            num_tokens = self.chunk_size(seq, step.budget, cap)
+            swap_in = self.kv_cache.swap_in(seq, num_tokens)
+            while swap_in is None and make_room():
+                swap_in = self.kv_cache.swap_in(seq, num_tokens)
+            if swap_in is None:
+                return False
+            out.swap_in.extend(swap_in)
+            out.swapped_in.append(seq)
+        else:
+            num_tokens = self._admit_waiting(seq, step.budget, cap, out, make_room)
+            if num_tokens is None:  # its prefix is loading: the ones behind it go on
+                self.waiting.remove(seq)
+                return True
+            if not num_tokens:
+                return False
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._add_scheduled(out, seq, num_tokens)
+        step.budget -= num_tokens
+        return True
+
+    def _preempt_ranked_behind(self, taker: Sequence, out: SchedulerOutput,
+                               step: "_StepState", reason: PreemptionReason) -> bool:
+        """Under the priority policy, preempt for `taker` the least important running
+        sequence not scheduled this step that ranks behind it; False if there is none
+        (or the policy is fcfs, where waiting never displaces running)."""
+        if self.config.scheduling_policy != "priority":
+            return False
+        behind = [s for s in self._unscheduled_running(out)
+                  if s.priority_key > taker.priority_key]
+        if not behind:
+            return False
+        victim = max(reversed(behind), key=lambda s: s.priority_key)
+        self.preempt(victim, out, reason, taker)
+        step.preempted.add(id(victim))
+        return True
 
     def _num_pending_forks(self) -> int:
         """Sequences that join `running` when a launched step samples (async scheduling):
@@ -208,22 +265,27 @@ class Scheduler:
         return seq.spec_token_ids[:budget - 1]
 
     def _allocate(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
-                  cached_prefix: list = ()) -> list[tuple[int, int]] | None:
-        """allocate_slots, reclaiming detached sequences' blocks while that is short."""
+                  cached_prefix: list = (),
+                  make_room: Callable[[], bool] | None = None) -> list[tuple[int, int]] | None:
+        """allocate_slots, calling make_room while that is short (by default: reclaiming
+        detached sequences' blocks)."""
+        make_room = make_room or (lambda: self._reclaim(out, seq))
         copies = self.kv_cache.allocate_slots(seq, num_tokens, cached_prefix)
-        while copies is None and self._reclaim(out):
+        while copies is None and make_room():
             copies = self.kv_cache.allocate_slots(seq, num_tokens, cached_prefix)
         return copies
 
-    def _reclaim(self, out: SchedulerOutput) -> bool:
-        """Free one detached sequence's blocks (it recomputes when resumed): a preemption."""
+    def _reclaim(self, out: SchedulerOutput, taker: Sequence) -> bool:
+        """Free one detached sequence's blocks for `taker` (the freed one recomputes when
+        resumed, from no computed tokens): a preemption."""
+        free_before = self.kv_cache.num_free_blocks
         seq = self.reclaim()
         if seq is None:
             return False
-        out.preempted.append(seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.emit(SequencePreempted(seq))
+        self._record_preemption(seq, out, SequencePreempted(
+            seq, PreemptionReason.KV_FULL, taker, self.kv_cache.num_free_blocks - free_before,
+            seq.num_computed_tokens))
+        seq.num_computed_tokens = 0
         return True
 
     def _unscheduled_running(self, out: SchedulerOutput) -> list[Sequence]:
@@ -232,7 +294,7 @@ class Scheduler:
         return [s for s in self.running if id(s) not in scheduled]
 
     def _admit_waiting(self, seq: Sequence, budget: int, cap: int | None,
-                       out: SchedulerOutput) -> int | None:
+                       out: SchedulerOutput, make_room: Callable[[], bool]) -> int | None:
         """Blocks for a waiting sequence's next chunk, reusing cached prefix blocks;
         returns the chunk's token count, 0 if it cannot start this step, or None if it
         left the queue while its prefix loads (fetch_prefix)."""
@@ -245,7 +307,7 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and remaining > budget:
             return 0
         num_tokens = self.chunk_size(seq, budget, cap, num_cached)
-        copies = self._allocate(seq, num_tokens, out, cached_prefix)
+        copies = self._allocate(seq, num_tokens, out, cached_prefix, make_room)
         if copies is None:
             return 0
         if seq.first_scheduled_time is None:
@@ -259,10 +321,14 @@ class Scheduler:
                                                list(spec_token_ids)))
         out.num_scheduled_tokens += num_tokens
 
-    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Take the sequence's device blocks and requeue it first. In swap mode its K/V goes
-        to the CPU pool; otherwise (or if that pool is full) it recomputes on resume."""
+    def preempt(self, seq: Sequence, out: SchedulerOutput,
+                reason: PreemptionReason = PreemptionReason.KV_FULL,
+                taker: Sequence | None = None) -> None:
+        """Take the sequence's device blocks for `taker` (by default itself) and requeue it
+        (first under fcfs; at its rank under priority). In swap mode its K/V goes to the CPU
+        pool; otherwise (or if that pool is full) it recomputes on resume."""
         self.running.remove(seq)
+        free_before, computed = self.kv_cache.num_free_blocks, seq.num_computed_tokens
         swap_out = (self.kv_cache.swap_out(seq) if self.config.preemption_mode == "swap"
                     else None)
         if swap_out is None:
@@ -273,8 +339,24 @@ class Scheduler:
             out.swap_out.extend(swap_out)
             out.swapped_out.append(seq)
             seq.status = SequenceStatus.SWAPPED
+        self.waiting.appendleft(seq)
+        self._record_preemption(seq, out, SequencePreempted(
+            seq, reason, taker or seq, self.kv_cache.num_free_blocks - free_before,
+            0 if swap_out is not None else computed))
+
+    def _record_preemption(self, seq: Sequence, out: SchedulerOutput,
+                           event: SequencePreempted) -> None:
         out.preempted.append(seq)
+        out.preemptions.append(event)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-        self.emit(SequencePreempted(seq))
+        self.emit(event)
+
+
+@dataclass(slots=True)
+class _StepState:
+    """What one schedule() call tracks as it goes."""
+
+    budget: int  # tokens still free this step
+    preempted: set[int] = field(default_factory=set)  # ids of sequences taken out
+    admitting: bool = True  # under priority: no waiting sequence was held back yet

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvscope.engine.core.kv_events import SequencePreempted
 from kvscope.engine.core.request import ChunkKind, Sequence
 
 
@@ -55,6 +56,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
     preempted: list[Sequence] = field(default_factory=list)
+    preemptions: list[SequencePreempted] = field(default_factory=list)  # why, one each
     swapped_out: list[Sequence] = field(default_factory=list)
     swapped_in: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: int = 0

@@ -67,10 +67,13 @@ class LLM:
         prompts: PromptType | SequenceOf[PromptType],
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: int | list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a string, token ids, or a list of either)."""
+        """Outputs in the order of `prompts` (a string, token ids, or a list of either).
+        `priority` (vLLM's argument: one per prompt, or one for all; lower first) needs
+        scheduling_policy="priority"."""
         prompts = _as_prompt_list(prompts)
-        return self._run([(p, False) for p in prompts], sampling_params, use_tqdm)
+        return self._run([(p, False) for p in prompts], sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -102,7 +105,7 @@ class LLM:
         return self._run([(p, False) for p in prompts], [params] * len(prompts), use_tqdm)
 
     def _run(self, prompts: list[tuple[PromptType, bool]], sampling_params,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, priority: int | list[int] | None = None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params,
                                                  (SamplingParams, BeamSearchParams)):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -111,16 +114,23 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} "
                                  "prompts; give one, or one per prompt")
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompts)
+        else:
+            priorities = list(priority)
+            if len(priorities) != len(prompts):
+                raise ValueError(f"priority: {len(priorities)} given for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
         jobs = [(prompt.get("prompt_token_ids") or prompt.get("prompt")
-                 if isinstance(prompt, dict) else prompt, p, not templated)
-                for (prompt, templated), p in zip(prompts, params)]
+                 if isinstance(prompt, dict) else prompt, p, not templated, rank)
+                for (prompt, templated), p, rank in zip(prompts, params, priorities)]
         if self.replicas is not None:
             return self._run_on_replicas(jobs, use_tqdm)
         request_ids = []
         try:
-            for prompt, p, add_special_tokens in jobs:
+            for prompt, p, add_special_tokens, rank in jobs:
                 request = self.engine.add_request(prompt, p, add_special_tokens=add_special_tokens,
-                                                  source="offline")
+                                                  source="offline", priority=rank)
                 request_ids.append(request.request_id)
             return self._drain(request_ids, use_tqdm)
         except BaseException:
@@ -133,8 +143,9 @@ class LLM:
         to its final output; a request a replica refused or lost raises its error."""
         streams = []
         try:
-            for prompt, params, add_special_tokens in jobs:
+            for prompt, params, add_special_tokens, rank in jobs:
                 streams.append(self.replicas.submit(prompt, params, source="offline",
+                                                    priority=rank,
                                                     add_special_tokens=add_special_tokens))
             outputs = []
             for stream in tqdm(streams, desc="Processed prompts", disable=not use_tqdm,

@@ -64,6 +64,7 @@ class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
+    preemptions_by_reason: dict[str, int] = field(default_factory=dict)  # PreemptionReason
     swapped_out: int = 0
     swapped_in: int = 0
     prefix_cache_queries: int = 0  # tokens, as vLLM counts them
@@ -556,6 +557,9 @@ class AsyncEngine(ServedEngine):
             counters.num_steps += 1
             counters.generation_tokens += record.num_generated_tokens
             counters.preemptions += len(record.preempted)
+            by_reason = counters.preemptions_by_reason
+            for _, reason, *_ in record.preemptions:
+                by_reason[reason] = by_reason.get(reason, 0) + 1
             counters.swapped_out += len(record.swapped_out)
             counters.swapped_in += len(record.swapped_in)
             counters.prefix_cache_queries += record.prefix_cache_queries

@@ -194,7 +194,8 @@ class BeamSearchCoordinator:
 
     def release_parked(self) -> Sequence | None:
         """The scheduler's reclaim hook: free the device blocks of one parked beam (the
-        least important, latest parked first), which recomputes when its search goes on.
+        least important, latest parked first), which recomputes when its search goes on
+        (the scheduler records what it loses and resets its computed tokens).
         Idle beams give up memory before anything that computes, so a beam blocked on
         memory can never wait for siblings that hold it. None if no parked beam has any."""
         holders = [seq for seq in self.parked if seq.block_table]
@@ -202,7 +203,6 @@ class BeamSearchCoordinator:
             return None
         victim = max(reversed(holders), key=lambda s: s.priority_key)
         self.scheduler.kv_cache.free(victim)
-        victim.num_computed_tokens = 0
         return victim
 
     def forget(self, request: Request) -> None:

@@ -16,6 +16,7 @@ from kvscope.engine.core.kv_events import EventBus
 from kvscope.engine.core.request import FinishReason, Request, Sequence, SequenceStatus
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvscope.engine.core.scheduling_policy import check_priority
 from kvscope.engine.orchestrator.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
 from kvscope.engine.orchestrator.detokenizer import detokenize_incrementally
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -25,6 +26,7 @@ from kvscope.engine.sampling_params import SamplingParams, model_sampling_defaul
 from kvscope.engine.spec_decode.drafting_executor import with_draft_model
 from kvscope.engine.spec_decode.metrics import SpecDraft
 from kvscope.engine.spec_decode.proposer import Speculator
+from kvscope.engine.telemetry.kv_cost import KVCostMeter
 from kvscope.engine.telemetry.records import StepRecord
 from kvscope.engine.telemetry.step_records import record_step
 from kvscope.engine.worker.executor import StepExecutor, StepLogits
@@ -79,6 +81,7 @@ class EngineCore:
                                        group_windows=self.runner.group_windows)
         self.scheduler = Scheduler(self.config, self.kv_cache, emit=self.events.emit)
         self.requests: dict[str, Request] = {}
+        self.kv_costs = KVCostMeter()
         self.eos_token_ids = _eos_token_ids(self.runner)
         self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
         self.scheduler.reclaim = self.beams.release_parked
@@ -114,6 +117,7 @@ class EngineCore:
     ) -> Request:
         """Validate and queue one request; bad input raises ValueError and changes nothing."""
         params = params or SamplingParams()
+        check_priority(priority, self.config.scheduling_policy)
         beam = None
         if isinstance(params, BeamSearchParams):
             beam, params = BeamState(params), params.sampling_params()
@@ -181,7 +185,9 @@ class EngineCore:
             if not seq.is_finished:
                 self.finish(seq, FinishReason.ABORT)
         self.beams.forget(request)
-        return self._make_output(request)
+        output = self._make_output(request)
+        self.kv_costs.forget(request_id)
+        return output
 
     def _allocate_caches(self) -> None:
         """This engine's KV cache and swap space on its runner. A runner holds one engine's
@@ -255,6 +261,8 @@ class EngineCore:
         self._in_flight = None
         ahead = self._schedule(on_scheduled) if self._schedules_ahead() else None
         logits, prompt_logits = self._wait(current, ahead)
+        # Before sampling: a sequence that finishes now still holds the step's blocks.
+        self.kv_costs.observe(current.plan, time.time() - current.start_time)
         # Read before the next forward (launched below) overwrites them.
         expert_tokens = (self.runner.expert_tokens.clone() if self.expert_layout is not None
                          and current.plan.scheduled else None)
@@ -271,6 +279,7 @@ class EngineCore:
         outputs = [self._make_output(r) for r in touched]
         for request in finished:
             self.requests.pop(request.request_id, None)
+            self.kv_costs.forget(request.request_id)
         record = record_step(self, current.plan, current.start_time, finished, num_generated,
                              drafts, expert_tokens)
         if self.speculator is not None:
@@ -553,7 +562,8 @@ class EngineCore:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, finished, request.num_cached_tokens,
                              metrics, deltas=deltas, prompt_logprobs=request.prompt_logprobs,
-                             prompt_token_ranks=request.prompt_token_ranks)
+                             prompt_token_ranks=request.prompt_token_ranks,
+                             kv=self.kv_costs.cost(request))
 
     def _beam_output(self, request: Request) -> RequestOutput:
         """The best beam_width hypotheses, best first."""
@@ -570,7 +580,8 @@ class EngineCore:
                                  first.first_token_time if first else None, time.time())
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              completions, True, request.num_cached_tokens, metrics,
-                             deltas=[c.text for c in completions])
+                             deltas=[c.text for c in completions],
+                             kv=self.kv_costs.cost(request))
 
 
 def _eos_token_ids(runner: StepExecutor) -> set[int]:

@@ -87,6 +87,9 @@ def replay_workload(core: EngineCore, workload: Workload, clock, *, speed: float
     records = []
     num_blocks = core.kv_cache.pool.num_blocks
     num_finished = 0
+    # Under fcfs every request runs at the default priority: the what-if is the same trace
+    # served in arrival order.
+    by_priority = core.config.scheduling_policy == "priority"
     while pending or core.has_unfinished_requests():
         if not core.has_unfinished_requests() and pending[0].arrival_s / speed > clock.now:
             clock.idle_until(pending[0].arrival_s / speed)
@@ -94,7 +97,8 @@ def replay_workload(core: EngineCore, workload: Workload, clock, *, speed: float
             request = pending.popleft()
             try:
                 core.add_request(request.prompt_token_ids, request.params(simulated),
-                                 request_id=request.request_id, source="replay")
+                                 request_id=request.request_id, source="replay",
+                                 priority=request.priority if by_priority else 0)
             except ValueError as error:
                 raise ValueError(f"request {request.request_id}: {error}") from None
             timings[request.request_id] = RequestTiming(

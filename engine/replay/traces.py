@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
+from kvscope.engine.core.scheduling_policy import PRIORITY_MIN
 from kvscope.engine.orchestrator.chat import render_chat
 from kvscope.engine.replay.workload import ReplayRequest, Workload
 
@@ -91,9 +92,10 @@ def _field(path: Path, line: int, record: dict, name: str, kind: type, minimum: 
 
 # ---- Mooncake ------------------------------------------------------------------------------
 def load_mooncake(path: Path, tokens: SyntheticTokens) -> Workload:
-    """JSONL, one request per line: timestamp (ms), input_length, output_length, hash_ids.
-    Requests sharing a hash id share that 512-token block of prompt, so prefix hits fall
-    where the trace puts them."""
+    """JSONL, one request per line: timestamp (ms), input_length, output_length, hash_ids,
+    and kvscope's optional priority (an integer, lower first; 0 if absent). Requests
+    sharing a hash id share that 512-token block of prompt, so prefix hits fall where the
+    trace puts them."""
     requests = []
     for line, record in _json_lines(path):
         timestamp = _field(path, line, record, "timestamp", float, 0)
@@ -111,8 +113,11 @@ def load_mooncake(path: Path, tokens: SyntheticTokens) -> Workload:
         prompt: list[int] = []
         for hash_id in hash_ids[:needed]:
             prompt += tokens.block(("mooncake", hash_id), MOONCAKE_BLOCK_TOKENS)
+        priority = (_field(path, line, record, "priority", int, PRIORITY_MIN)
+                    if "priority" in record else 0)
         requests.append(ReplayRequest(f"mooncake-{line}", timestamp / 1000.0,
-                                      prompt[:input_length], output_length))
+                                      prompt[:input_length], output_length,
+                                      priority=priority))
     return Workload(path.name, requests)
 
 

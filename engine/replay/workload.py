@@ -26,6 +26,9 @@ class ReplayRequest:
     sampling: dict = field(default_factory=dict)
     # The first sample's recorded tokens, when the source kept them (kvscope's own log).
     recorded_output_token_ids: list[int] | None = None
+    # Its priority (lower first) where the trace gives one: honoured by a replay under
+    # scheduling_policy="priority", so fcfs and priority compare on one trace.
+    priority: int = 0
 
     @property
     def beam_search(self) -> bool:

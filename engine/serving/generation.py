@@ -4,12 +4,14 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvscope.engine.orchestrator.streams import RequestStream
-from kvscope.engine.outputs import CompletionOutput, RequestOutput
+from kvscope.engine.outputs import CompletionOutput, KVCost, RequestOutput
 from kvscope.engine.serving.chat_output import ChatDeltaStream, ChatOutputParser
 from kvscope.engine.serving.errors import error_body, from_exception
+
+KV_COST_FIELDS = tuple(f.name for f in fields(KVCost))
 
 
 @dataclass
@@ -70,7 +72,8 @@ class Generation:
                 choices.append({"index": prompt_index * self.n + sample.index, **choice,
                                 "finish_reason": finish_reason})
         body = {"id": self.response_id, "object": self.object_name, "created": self.created,
-                "model": self.model, "choices": choices, "usage": self.usage()}
+                "model": self.model, "choices": choices, "usage": self.usage(),
+                "kv": self.kv_cost()}
         if self.chat and self.prompt_logprobs:  # one conversation, so one prompt
             body["prompt_logprobs"] = self._prompt_logprobs(finals[0])
         await self._made_durable()
@@ -89,6 +92,15 @@ class Generation:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {
                     "cached_tokens": sum(output.num_cached_tokens for output in outputs)}}
+
+    def kv_cost(self) -> dict | None:
+        """kvscope's `kv` object: engine.outputs.KVCost summed over the response's prompts
+        (blocks_peak too: each prompt's peak, added); None where no output carried one."""
+        costs = [output.kv for output in self.latest.values() if output.kv is not None]
+        if not costs:
+            return None
+        return {name: round(sum(getattr(cost, name) for cost in costs), 6)
+                for name in KV_COST_FIELDS}
 
     # ---- server-sent events -------------------------------------------------------------
     async def events(self) -> AsyncIterator[str]:
@@ -117,7 +129,8 @@ class Generation:
                         yield _sse(chunk)
             else:
                 if self.include_usage:
-                    yield _sse({**self._envelope(), "choices": [], "usage": self.usage()})
+                    yield _sse({**self._envelope(), "choices": [], "usage": self.usage(),
+                                "kv": self.kv_cost()})
             await self._made_durable()
             yield "data: [DONE]\n\n"
         finally:

@@ -19,6 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from kvscope.engine.core.kv_events import PreemptionReason
 from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.orchestrator.async_engine import ReplicaStatus, RequestRecord
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
@@ -49,7 +50,6 @@ COUNTERS = (  # (series, EngineCounters field, help)
     ("vllm:prefix_cache_queries", "prefix_cache_queries",
      "Prompt tokens looked up in the prefix cache."),
     ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-    ("vllm:num_preemptions", "preemptions", "Sequences preempted."),
     ("vllm:external_prefix_cache_queries", "external_prefix_cache_queries",
      "Prompt tokens past the pool's prefix looked up in the disk tier (--kv-offload-dir)."),
     ("vllm:external_prefix_cache_hits", "external_prefix_cache_hits",
@@ -200,6 +200,11 @@ class EngineMetrics:
     def _counters(self) -> Iterator[Metric]:
         counters = {name: CounterMetricFamily(name, doc, labels=labels_of(name))
                     for name, _, doc in COUNTERS}
+        # Every reason, 0 or not, so the sum over `reason` is vLLM's unlabelled total (what
+        # vLLM's dashboards plot: sum(increase(vllm:num_preemptions_total[...]))).
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted, by "
+                                          "reason (kv_full, priority, max_num_seqs).",
+                                          labels=[*VLLM_LABELS, "reason"])
         swaps = CounterMetricFamily("kvscope:swaps", "Sequences swapped out to or in from "
                                     "CPU memory.", labels=[*LABELS, "direction"])
         finished = CounterMetricFamily("vllm:request_success", "Requests ended, by reason.",
@@ -221,6 +226,9 @@ class EngineMetrics:
             totals, labels = status.counters, [self.model_name, str(status.replica)]
             for name, field, _ in COUNTERS:
                 counters[name].add_metric(labels, getattr(totals, field))
+            for reason in PreemptionReason:
+                preemptions.add_metric([*labels, reason.value],
+                                       totals.preemptions_by_reason.get(reason.value, 0))
             swaps.add_metric([*labels, "out"], totals.swapped_out)
             swaps.add_metric([*labels, "in"], totals.swapped_in)
             for reason, count in sorted(totals.requests_finished.items()):
@@ -234,6 +242,7 @@ class EngineMetrics:
                 for expert, count in enumerate(tokens.tolist()):
                     experts.add_metric([*labels, str(layer), str(expert)], count)
         yield from counters.values()
+        yield preemptions
         yield swaps
         yield finished
         yield per_pos

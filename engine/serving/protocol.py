@@ -34,7 +34,7 @@ NO_OPS: dict[str, tuple[Any, ...] | None] = {
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "documents": (None, []),
     "mm_processor_kwargs": (None, {}), "modalities": (None, ["text"]),
-    "logits_processors": (None, []), "priority": (None, 0),
+    "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
 }
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
@@ -72,6 +72,9 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    # vLLM's: lower is served first under --scheduling-policy priority. Any JSON value is
+    # taken here so that the engine's refusal names the field and its range.
+    priority: Any = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None

@@ -73,7 +73,7 @@ def openai_router(engine: EngineView, model: ServedModel,
         params = body.to_params(engine.default_sampling)
         prompts = body.prompts()
         return await _serve(request, engine, model, body, params,
-                            lambda: [engine.submit(prompt, params,
+                            lambda: [engine.submit(prompt, params, priority=body.priority,
                                                    add_special_tokens=body.add_special_tokens)
                                      for prompt in prompts],
                             chat=False, logprobs=body.logprobs, durable=durable)
@@ -94,7 +94,7 @@ def openai_router(engine: EngineView, model: ServedModel,
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 structured, start_after=parser.reasoning.end))
         return await _serve(request, engine, model, body, params,
-                            lambda: [engine.submit(prompt, params,
+                            lambda: [engine.submit(prompt, params, priority=body.priority,
                                                    add_special_tokens=body.add_special_tokens)],
                             chat=True,
                             logprobs=(body.top_logprobs or 0) if body.logprobs else None,

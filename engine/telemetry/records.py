@@ -16,6 +16,12 @@ from kvscope.engine.spec_decode.metrics import SpecDraft
 # docs/performance-history.md, 'Figures the code's comments quoted').
 ScheduledChunk = tuple[str, str, str, int, int]
 CHUNK_FIELDS = ("request_id", "seq_id", "kind", "start", "end")
+# One preemption: (victim seq_id, reason, taker seq_id, blocks freed, computed tokens lost),
+# the reason a core.kv_events.PreemptionReason value, the taker the sequence whose
+# admission or growth needed the blocks (the victim itself when it gave way alone). A plain
+# tuple for the reason ScheduledChunk is one.
+PreemptionCause = tuple[str, str, str, int, int]
+PREEMPTION_FIELDS = ("victim", "reason", "taker", "blocks_freed", "tokens_lost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,8 @@ class StepRecord:
     expert_tokens: tuple[bytes, ...] = ()
     expert_bytes_read: int = 0
     expert_bytes_all: int = 0
+    # Why each of `preempted` was, in the same order (see PreemptionCause).
+    preemptions: tuple[PreemptionCause, ...] = ()
 
     @property
     def duration(self) -> float:

@@ -74,4 +74,6 @@ def record_step(engine: RecordedEngine, plan: SchedulerOutput, start_time: float
         num_blocks_swapped_in=blocks_in, spec_drafts=drafts,
         expert_layers=layout.layers if routed else (),
         expert_tokens=packed_counts(expert_tokens) if routed else (),
-        expert_bytes_read=read, expert_bytes_all=everything)
+        expert_bytes_read=read, expert_bytes_all=everything,
+        preemptions=tuple((p.seq.seq_id, p.reason.value, p.taker.seq_id, p.blocks_freed,
+                           p.tokens_lost) for p in plan.preemptions))
