@@ -12,6 +12,7 @@ from kvscope.engine.core.block_pool import (
 )
 from kvscope.engine.core.kv_events import BlockTableChanged, KVEventSink, discard
 from kvscope.engine.core.request import BlockHash, Sequence
+from kvscope.engine.core.state_slots import StateSlots
 
 
 @dataclass(slots=True)
@@ -51,12 +52,20 @@ class KVCacheManager:
     becoming RELEASED, so it holds at most ceil(W / block_size) + 1 blocks while the
     sequence decodes; full groups keep every block (docs/architecture.md, "Sliding
     windows").
+
+    num_state_slots > 0: the model has recurrent layers, and a sequence holds one state
+    slot (engine.core.state_slots) whenever it holds blocks; such a model runs without
+    prefix caching and swapping (a cached block or a swapped one would lack its state).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_swap_blocks: int = 0, emit: KVEventSink = discard,
-                 group_windows: Iterable[int | None] = (None,)) -> None:
+                 group_windows: Iterable[int | None] = (None,),
+                 num_state_slots: int = 0) -> None:
         group_windows = tuple(group_windows)
+        if num_state_slots and (enable_caching or num_swap_blocks):
+            raise ValueError("num_state_slots: recurrent state slots need enable_caching=False "
+                             "and num_swap_blocks=0 (a cached or swapped block lacks the state)")
         windows = {window for window in group_windows if window is not None}
         if not group_windows or len(windows) > 1:
             raise ValueError(f"group_windows: one or more groups sharing at most one sliding "
@@ -74,6 +83,7 @@ class KVCacheManager:
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_blocks = list(range(num_swap_blocks))
         self.swap_stats = SwapStats()
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Positions (blocks per group) that num_tokens tokens fill."""
@@ -193,6 +203,11 @@ class KVCacheManager:
         revived = sum([block.ref_count == 0 for block in adopted])
         if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
             return None
+        slots = self.state_slots
+        if slots is not None and seq.state_slot is None:
+            if not slots.num_free:
+                return None
+            slots.take(seq)  # at admission, with the sequence's first blocks
 
         if shared_targets or cached_prefix or num_new_blocks > 0:  # most decodes: none
             self.emit(BlockTableChanged(seq, shared_targets[0] if shared_targets
@@ -252,7 +267,11 @@ class KVCacheManager:
         self.emit(BlockTableChanged(seq, keep))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares every block of the parent (copy-on-write on its first write)."""
+        """The child shares every block of the parent (copy-on-write on its first write)
+        and gets a state slot holding a copy of the parent's state; with no slot free it
+        holds nothing and computes its tokens afresh."""
+        if self.state_slots is not None and not self.state_slots.fork(parent, child):
+            return
         self.pool.share(self.held_blocks(parent.block_table))
         child.block_table = list(parent.block_table)
         child.num_released_blocks = parent.num_released_blocks
@@ -266,6 +285,8 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks, last first (so its tail is evicted before its prefix)."""
         self.pool.release(reversed(self.held_blocks(seq.block_table)))
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
         seq.block_table = []
         seq.num_released_blocks = 0
         seq.num_cached_blocks = 0
