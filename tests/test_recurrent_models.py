@@ -1,0 +1,134 @@
+"""Models with recurrent layers (their state in slots, engine.core.state_slots): greedy
+tokens equal transformers' through chunked prefill (the state carried across chunks),
+preemption (the state rebuilt by the re-prefill), parallel samples (each child its own
+slot, copied from the parent's) and a batch decoding together; the settings such a model
+cannot honour are turned off with a warning or refused."""
+
+import logging
+import random
+
+import pytest
+from conftest import RECURRENT_ARCHITECTURES, first_token_ids, greedy_expectations
+
+from kvscope.engine.sampling_params import SamplingParams
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _make_prompts() -> list[list[int]]:
+    """One token, a few, one long prompt and one sharing its first 24 tokens."""
+    rng = random.Random(31)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, 256) for _ in range(n)]
+
+    long_prompt = tokens(37)
+    return [tokens(1), tokens(6), long_prompt, long_prompt[:24] + tokens(6)]
+
+
+PROMPTS = _make_prompts()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    return greedy_expectations(tiny_model, PROMPTS, MAX_TOKENS)
+
+
+def assert_every_slot_back(engine) -> None:
+    slots = engine.kv_cache.state_slots
+    assert slots.num_free == slots.num_slots and not slots.owners
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", RECURRENT_ARCHITECTURES)
+def test_greedy_matches_transformers(arch, make_engine, run_engine, expected):
+    """Four prompts at once: after their prefills they decode as one batch."""
+    engine = make_engine(arch, block_size=4)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert first_token_ids(run) == expected(arch)
+    assert max(sum(chunk[2] == "decode" for chunk in record.chunks)
+               for record in run.records) == len(PROMPTS)
+    assert_every_slot_back(engine)
+
+
+@pytest.mark.parametrize("arch", RECURRENT_ARCHITECTURES)
+def test_chunked_prefill_carries_the_state_across_chunks(arch, make_engine, run_engine,
+                                                         expected):
+    engine = make_engine(arch, block_size=4, max_num_batched_tokens=5)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert first_token_ids(run) == expected(arch)
+    assert_every_slot_back(engine)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("arch", RECURRENT_ARCHITECTURES)
+def test_preemption_rebuilds_the_state(arch, preemption_mode, make_engine, run_engine,
+                                       expected, caplog):
+    """A pool too small for the four prompts at once; swap preempts by recompute, saying
+    so (the swap pool holds no state slots)."""
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine(arch, block_size=4, num_gpu_blocks_override=14,
+                             max_model_len=48, max_num_batched_tokens=64,
+                             preemption_mode=preemption_mode)
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    assert engine.scheduler.num_preemptions > 0
+    assert first_token_ids(run) == expected(arch)
+    assert engine.config.preemption_mode == "recompute"
+    assert ("preemption_mode='swap'" in caplog.text) is (preemption_mode == "swap")
+    assert_every_slot_back(engine)
+
+
+@pytest.mark.parametrize("arch", RECURRENT_ARCHITECTURES)
+def test_parallel_samples_each_get_a_copy_of_the_parents_state(arch, make_engine, run_engine,
+                                                               expected):
+    """n=3 greedy samples of each prompt, prefilled in chunks: the children fork after the
+    prompt, each with its own slot holding the parent's state, and all decode alike."""
+    engine = make_engine(arch, block_size=4, max_num_batched_tokens=7)
+    params = SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    run = run_engine(engine, PROMPTS, params)
+
+    assert [[sample.token_ids for sample in output.outputs] for output in run.outputs] == [
+        [tokens] * 3 for tokens in expected(arch)]
+    assert_every_slot_back(engine)
+
+
+@pytest.mark.parametrize("arch", RECURRENT_ARCHITECTURES)
+def test_async_scheduling_keeps_greedy_output(arch, make_engine, run_engine, expected):
+    """The next step is scheduled while a forward runs: a fork's copy still happens before
+    the parent's next forward moves its state on."""
+    engine = make_engine(arch, block_size=4, async_scheduling=True)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    run = run_engine(engine, PROMPTS, params)
+
+    assert [[sample.token_ids for sample in output.outputs] for output in run.outputs] == [
+        [tokens] * 2 for tokens in expected(arch)]
+    assert_every_slot_back(engine)
+
+
+def test_the_memory_plan_gives_every_running_sequence_a_slot(make_engine, caplog):
+    """The slots come out of the same budget as the blocks (test_memory.py: capping
+    max_num_seqs where they do not all fit), and prefix caching is off, saying why."""
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine("lfm2", block_size=4, max_num_seqs=6)
+    plan = engine.memory_plan
+    per_slot = engine.runner.bytes_per_state_slot()
+    # Three conv layers, each keeping conv_L_cache - 1 = 2 inputs of 64 channels in fp32.
+    assert per_slot == 3 * 64 * 2 * 4 == plan.bytes_per_state_slot
+    assert plan.num_state_slots == engine.kv_cache.state_slots.num_slots == 6
+    assert all(layer.states["conv"].shape == (6, 64, 2) for layer in engine.runner.state_layers)
+    assert (plan.num_blocks * plan.bytes_per_block + plan.num_state_slots * per_slot
+            <= plan.device_memory_bytes * plan.gpu_memory_utilization
+            - plan.weight_bytes - plan.peak_activation_bytes)
+    assert f"state slots: 6 x {per_slot} bytes" in plan.describe()
+    assert not engine.config.enable_prefix_caching
+    assert "enable_prefix_caching=True: turned off" in caplog.text
+
+
+def test_speculative_decoding_is_refused_naming_the_setting(make_engine):
+    with pytest.raises(ValueError, match="speculative_config: Lfm2ForCausalLM has recurrent"):
+        make_engine("lfm2", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                "prompt_lookup_max": 2})
