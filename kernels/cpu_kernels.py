@@ -9,7 +9,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels import cpu_extension, kv_quant, reference
+from kvscope.kernels import cpu_extension, kv_quant, reference, torch_ops
 from kvscope.kernels.kernel_ops import (
     AttentionCall,
     ExpertWeights,
@@ -38,7 +38,7 @@ def kernel_ops() -> KernelOps:
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
         prepack_weight=prepack_weight if torch.ops.kvscope.has_blocked_linear() else None,
-        packed=packed, moe_experts=moe_experts,
+        packed=packed, moe_experts=moe_experts, recurrent=torch_ops.REFERENCE_RECURRENT,
         decoder_stack=torch.classes.kvscope.LlamaDecoderStack,
         prepacks_by_default=prepacks_by_default())
 

@@ -189,6 +189,36 @@ class PackedLinearKernels:
 
 
 @dataclass(frozen=True, slots=True)
+class RecurrentKernels:
+    """The ops of the recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions),
+    whose per-sequence state lives in a pool row, its slot, read and updated in place
+    (contracts: the same names in kernels/reference.py). S is the pool's number of slots.
+
+      causal_conv1d_prefill(x [T, C], conv_state [S, C, W-1], slot: int, weight [C, W],
+                            bias [C] | None, activation: None | "silu") -> y [T, C]
+          one sequence's depthwise causal conv; conv_state[slot] (the W-1 inputs before x,
+          zeros for a fresh sequence: the caller's job) is the left context and gets x's
+          last W-1 inputs
+      causal_conv1d_decode(x [B, C], conv_state, slots int64 [B], weight, bias, activation)
+          -> y [B, C]: one input per sequence
+      gated_delta_rule_prefill(q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv],
+                               beta [T, Hv], state fp32 [S, Hv, Dk, Dv], slot: int,
+                               use_qk_l2norm: bool) -> o [T, Hv, Dv]
+          one sequence's tokens; g is the log decay; value head h reads q/k head
+          h // (Hv / Hk); per token: S = S exp(g); S += k (x) beta (v - S^T k);
+          o = S^T q / sqrt(Dk)
+      gated_delta_rule_decode(q [B, Hk, Dk], k, v [B, Hv, Dv], g [B, Hv], beta [B, Hv],
+                              state, slots int64 [B], use_qk_l2norm) -> o [B, Hv, Dv]
+
+    Outputs come in x's (q's) dtype; the arithmetic is fp32."""
+
+    causal_conv1d_prefill: Callable[..., torch.Tensor]
+    causal_conv1d_decode: Callable[..., torch.Tensor]
+    gated_delta_rule_prefill: Callable[..., torch.Tensor]
+    gated_delta_rule_decode: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
 class PrepackedWeight:
     """A bf16 weight [out_features, in_features] kept once, in tiles for bf16 dot products:
     `blocks` is a plain bf16 tensor [out / T, T * in] (tiles of T outputs), which the blocked
@@ -227,6 +257,8 @@ class KernelOps:
     # a mixture-of-experts layer's experts over a step's tokens (contract: this module's
     # docstring and reference.moe_experts)
     moe_experts: Callable[..., torch.Tensor]
+    # the recurrent layers' conv and delta-rule ops over state slots (RecurrentKernels)
+    recurrent: RecurrentKernels
     # the constructor of the one-call Llama decoder stack (kvscope::LlamaDecoderStack);
     # None: the model runs its layers one by one
     decoder_stack: Callable[..., Any] | None

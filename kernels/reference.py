@@ -258,3 +258,156 @@ def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> 
     dtype = gate.dtype
     gate, up = gate.float().clamp(max=SWIGLU_LIMIT), up.float().clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
     return (gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)).to(dtype)
+
+
+# The recurrent layers' ops (contracts: kernel_ops.RecurrentKernels). Each sequence's state
+# lives in a pool row, its slot, which the ops read and update in place.
+
+CONV_ACTIVATIONS = (None, "silu")
+L2NORM_EPS = 1e-6  # transformers' (and the FLA library's) l2norm: x * rsqrt(sum(x^2) + eps)
+DELTA_RULE_CHUNK = 64
+
+
+def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
+                          weight: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str | None) -> torch.Tensor:
+    """One sequence's depthwise causal convolution over its T new inputs x [T, C]: the slot's
+    window conv_state[slot] [C, W-1] (the W-1 inputs before x) is the left context, and the
+    last W-1 inputs are written back to it. Computed in fp32, rounded once to x's dtype."""
+    check_conv_shapes(x, conv_state, weight, bias, activation)
+    width = weight.shape[1]
+    window = torch.cat((conv_state[slot].float(), x.float().T), dim=1)  # [C, W-1 + T]
+    y = F.conv1d(window.unsqueeze(0), weight.float().unsqueeze(1),
+                 None if bias is None else bias.float(), groups=weight.shape[0])[0]
+    conv_state[slot] = window[:, window.shape[1] - (width - 1):]
+    return _conv_activation(y.T, activation).to(x.dtype)
+
+
+def causal_conv1d_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str | None) -> torch.Tensor:
+    """One new input per sequence: x [B, C], sequence b's window in conv_state[slots[b]]."""
+    check_conv_shapes(x, conv_state, weight, bias, activation)
+    slots = slots.long()
+    window = torch.cat((conv_state[slots].float(), x.float().unsqueeze(2)), dim=2)  # [B, C, W]
+    y = (window * weight.float()).sum(dim=2)
+    if bias is not None:
+        y = y + bias.float()
+    conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+    return _conv_activation(y, activation).to(x.dtype)
+
+
+def _conv_activation(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return y if activation is None else F.silu(y)
+
+
+def check_conv_shapes(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None, activation: str | None) -> None:
+    """A ValueError naming the argument whose shape or value the causal conv cannot take."""
+    if activation not in CONV_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: the causal conv supports {CONV_ACTIVATIONS}")
+    if weight.dim() != 2 or weight.shape[1] < 2:
+        raise ValueError(f"weight: needs shape [channels, width >= 2], got {list(weight.shape)}")
+    channels, width = weight.shape
+    if x.dim() != 2 or x.shape[1] != channels:
+        raise ValueError(f"x: needs shape [rows, {channels}] (weight's channels), got {list(x.shape)}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (channels, width - 1):
+        raise ValueError(f"conv_state: needs shape [slots, {channels}, {width - 1}] (weight's "
+                         f"channels, width - 1), got {list(conv_state.shape)}")
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"bias: needs shape [{channels}], got {list(bias.shape)}")
+
+
+def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                             slot: int, use_qk_l2norm: bool) -> torch.Tensor:
+    """One sequence's gated delta rule over its T new tokens, in chunks of DELTA_RULE_CHUNK
+    (the chunked form of transformers' torch_chunk_gated_delta_rule), from and back to the
+    fp32 state[slot] [Hv, Dk, Dv]. Per token and value head, in fp32:
+        S = S * exp(g);  S = S + k (x) (beta * (v - S^T k));  o = S^T (q / sqrt(Dk))
+    q, k [T, Hk, Dk] (l2-normalised first if use_qk_l2norm); v [T, Hv, Dv]; g (the log
+    decay), beta [T, Hv]; value head h reads q/k head h // (Hv / Hk). o [T, Hv, Dv] in q's
+    dtype."""
+    check_delta_rule_shapes(q, k, v, g, beta, state)
+    length, chunk, out_dtype = q.shape[0], DELTA_RULE_CHUNK, q.dtype
+    q, k = _delta_rule_qk(q, k, v.shape[1], use_qk_l2norm)  # [Hv, T, Dk]
+    v, g, beta = v.float().transpose(0, 1), g.float().T, beta.float().T
+    pad = -length % chunk  # padded tokens have k = 0 and beta = 0: they change nothing
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    heads = v.shape[0]
+    # [Hv, chunks, chunk, D] and [Hv, chunks, chunk]
+    q, k, v = (t.reshape(heads, -1, chunk, t.shape[-1]) for t in (q, k, v))
+    g, beta = (t.reshape(heads, -1, chunk) for t in (g, beta))
+    decay = g.cumsum(dim=2)  # log of the decay from the chunk's start through each token
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    # pairwise[i, j]: the decay from token j to token i of a chunk, 0 where j > i
+    pairwise = (decay.unsqueeze(3) - decay.unsqueeze(2)).masked_fill(later, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(3)
+    # The corrections u_i = beta_i (v_i - (S before token i)^T k_i) of a chunk solve a unit
+    # lower-triangular system whose strict lower part is the earlier corrections' share of
+    # that read; solved once for the values and once for the chunk's initial state's share.
+    system = k_beta @ k.transpose(2, 3) * pairwise
+    new_values = torch.linalg.solve_triangular(system, v * beta.unsqueeze(3), upper=False,
+                                               unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(3),
+                                               upper=False, unitriangular=True)
+    within = q @ k.transpose(2, 3) * pairwise
+    q_decayed = q * decay.exp().unsqueeze(3)
+    k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(3)
+    chunk_decay = decay[..., -1].exp()
+    s = state[slot].float()
+    out = torch.empty_like(v)
+    for i in range(q.shape[1]):
+        u = new_values[:, i] - state_keys[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + within[:, i] @ u
+        s = s * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(1, 2) @ u
+    state[slot] = s
+    return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1).to(out_dtype)
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                            slots: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
+    """One new token per sequence, the recurrence of gated_delta_rule_prefill: q, k [B, Hk, Dk],
+    v [B, Hv, Dv], g, beta [B, Hv]; sequence b's state is state[slots[b]]. o [B, Hv, Dv]."""
+    check_delta_rule_shapes(q, k, v, g, beta, state)
+    out_dtype, slots = q.dtype, slots.long()
+    q, k = _delta_rule_qk(q, k, v.shape[1], use_qk_l2norm)  # [Hv, B, Dk]
+    q, k = q.transpose(0, 1), k.transpose(0, 1)  # [B, Hv, Dk]
+    s = state[slots].float() * g.float().exp()[..., None, None]  # [B, Hv, Dk, Dv]
+    read = (s * k.unsqueeze(3)).sum(dim=2)
+    s = s + k.unsqueeze(3) * ((v.float() - read) * beta.float().unsqueeze(2)).unsqueeze(2)
+    state[slots] = s
+    return (s * q.unsqueeze(3)).sum(dim=2).to(out_dtype)
+
+
+def _delta_rule_qk(q: torch.Tensor, k: torch.Tensor, value_heads: int,
+                   use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k in fp32 as [Hv, rows, Dk], one per value head, q scaled by 1/sqrt(Dk)."""
+    group = value_heads // q.shape[1]
+    q, k = (t.float().transpose(0, 1).repeat_interleave(group, dim=0) for t in (q, k))
+    if use_qk_l2norm:
+        q, k = (t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + L2NORM_EPS) for t in (q, k))
+    return q * q.shape[-1] ** -0.5, k
+
+
+def check_delta_rule_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, state: torch.Tensor) -> None:
+    """A ValueError naming the argument whose shape or dtype the delta rule cannot take."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q, k: need one shape [rows, key_heads, key_dim], got "
+                         f"{list(q.shape)} and {list(k.shape)}")
+    if v.dim() != 3 or v.shape[0] != q.shape[0] or v.shape[1] % q.shape[1]:
+        raise ValueError(f"v: needs shape [{q.shape[0]}, value_heads, value_dim] with value_heads "
+                         f"a multiple of q's {q.shape[1]} key heads, got {list(v.shape)}")
+    rows, heads = v.shape[:2]
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (rows, heads):
+            raise ValueError(f"{name}: needs shape [{rows}, {heads}] (v's rows, value heads), "
+                             f"got {list(t.shape)}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (heads, q.shape[2], v.shape[2]):
+        raise ValueError(f"state: needs shape [slots, {heads}, {q.shape[2]}, {v.shape[2]}] "
+                         f"(value heads, key_dim, value_dim), got {list(state.shape)}")
+    if state.dtype != torch.float32:
+        raise ValueError(f"state: the delta rule keeps its state in torch.float32, got {state.dtype}")

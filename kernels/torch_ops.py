@@ -1,15 +1,15 @@
 """The torch backend: every op of KernelOps in plain PyTorch, on any device.
 
 These twins are the fallback where no faster kernel runs and the oracle the tests hold
-the C++ and Triton kernels to (paged attention, the KV store and the experts are
-kernels/reference.py's).
+the C++ and Triton kernels to (paged attention, the KV store, the experts and the
+recurrent layers' ops are kernels/reference.py's).
 """
 
 import torch
 import torch.nn.functional as F
 
 from kvscope.kernels import reference
-from kvscope.kernels.kernel_ops import KernelOps
+from kvscope.kernels.kernel_ops import KernelOps, RecurrentKernels
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -48,8 +48,14 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     return chosen.tolist(), logprobs.tolist()
 
 
+REFERENCE_RECURRENT = RecurrentKernels(
+    causal_conv1d_prefill=reference.causal_conv1d_prefill,
+    causal_conv1d_decode=reference.causal_conv1d_decode,
+    gated_delta_rule_prefill=reference.gated_delta_rule_prefill,
+    gated_delta_rule_decode=reference.gated_delta_rule_decode)
+
 TORCH_OPS = KernelOps(
     backend="torch", paged_attention=reference.paged_attention, store_kv=reference.store_kv,
     rms_norm=rms_norm, rotary_embedding=rotary_embedding, silu_and_mul=silu_and_mul,
     linear=F.linear, prepack_weight=None, logits=logits, greedy_tokens=greedy_tokens, packed=None,
-    moe_experts=reference.moe_experts, decoder_stack=None)
+    moe_experts=reference.moe_experts, recurrent=REFERENCE_RECURRENT, decoder_stack=None)
