@@ -10,6 +10,8 @@ import random
 import pytest
 from conftest import RECURRENT_ARCHITECTURES, first_token_ids, greedy_expectations
 
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 10
@@ -132,3 +134,14 @@ def test_speculative_decoding_is_refused_naming_the_setting(make_engine):
     with pytest.raises(ValueError, match="speculative_config: Lfm2ForCausalLM has recurrent"):
         make_engine("lfm2", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                 "prompt_lookup_max": 2})
+
+
+def test_a_recurrent_draft_model_is_refused_naming_the_setting(tiny_model):
+    """The draft's proposals are rolled back as the target's are: a draft with recurrent
+    layers could not."""
+    with pytest.raises(ValueError, match=r"speculative_config\.model=.*the draft "
+                                         r"Lfm2ForCausalLM has recurrent layers"):
+        EngineCore(EngineConfig(model=str(tiny_model("llama").path), dtype="float32",
+                                device="cpu", device_memory_gb=0.05,
+                                speculative_config={"model": str(tiny_model("lfm2").path),
+                                                    "num_speculative_tokens": 2}))
