@@ -8,11 +8,21 @@ import logging
 import random
 
 import pytest
-from conftest import RECURRENT_ARCHITECTURES, first_token_ids, greedy_expectations
+from conftest import (
+    RECURRENT_ARCHITECTURES,
+    TINY_MAX_POSITIONS,
+    _tiny_config,
+    first_token_ids,
+    greedy_expectations,
+)
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.sampling_params import SamplingParams
+from kvscope.engine.worker.models.lfm2 import Lfm2ForCausalLM
+from kvscope.engine.worker.models.qwen3_5 import Qwen3_5ForCausalLM
+
+MODELS = {"lfm2": Lfm2ForCausalLM, "qwen3_5": Qwen3_5ForCausalLM}
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -145,3 +155,18 @@ def test_a_recurrent_draft_model_is_refused_naming_the_setting(tiny_model):
                                 device="cpu", device_memory_gb=0.05,
                                 speculative_config={"model": str(tiny_model("lfm2").path),
                                                     "num_speculative_tokens": 2}))
+
+
+@pytest.mark.parametrize(("arch", "change", "named"), [
+    ("lfm2", {"conv_L_cache": 1}, "conv_L_cache=1"),
+    ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv", "conv"]},
+     r"layer_types \['sliding_attention'\]"),
+    ("qwen3_5", {"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim=1"),
+    ("qwen3_5", {"linear_num_value_heads": 3}, "linear_num_value_heads=3 must be a multiple"),
+])
+def test_a_recurrent_layer_kvscope_cannot_run_is_refused_naming_its_field(arch, change, named):
+    config = _tiny_config(arch)
+    for field, value in change.items():
+        setattr(config, field, value)
+    with pytest.raises(ValueError, match=named):
+        MODELS[arch](config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)
