@@ -122,11 +122,10 @@ def test_async_scheduling_keeps_greedy_output(arch, make_engine, run_engine, exp
     assert_every_slot_back(engine)
 
 
-def test_the_memory_plan_gives_every_running_sequence_a_slot(make_engine, caplog):
+def test_the_memory_plan_gives_every_running_sequence_a_slot(make_engine):
     """The slots come out of the same budget as the blocks (test_memory.py: capping
-    max_num_seqs where they do not all fit), and prefix caching is off, saying why."""
-    with caplog.at_level(logging.WARNING):
-        engine = make_engine("lfm2", block_size=4, max_num_seqs=6)
+    max_num_seqs where they do not all fit)."""
+    engine = make_engine("lfm2", block_size=4, max_num_seqs=6)
     plan = engine.memory_plan
     per_slot = engine.runner.bytes_per_state_slot()
     # Three conv layers, each keeping conv_L_cache - 1 = 2 inputs of 64 channels in fp32.
@@ -137,8 +136,48 @@ def test_the_memory_plan_gives_every_running_sequence_a_slot(make_engine, caplog
             <= plan.device_memory_bytes * plan.gpu_memory_utilization
             - plan.weight_bytes - plan.peak_activation_bytes)
     assert f"state slots: 6 x {per_slot} bytes" in plan.describe()
-    assert not engine.config.enable_prefix_caching
-    assert "enable_prefix_caching=True: turned off" in caplog.text
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("arch", RECURRENT_ARCHITECTURES)
+def test_prefix_caching_restores_the_state_snapshot(arch, enable_prefix_caching, make_engine,
+                                                    run_engine, expected):
+    """Chunked prefill (chunks ending on the snapshot boundaries, every 2 blocks), two
+    greedy samples per prompt, a pool small enough to preempt, and a second pass over the
+    same prompts: with caching on, the second pass's prefixes skip their KV and their
+    recurrence (restored from snapshots), and every sample still equals transformers'."""
+    engine = make_engine(arch, block_size=4, num_gpu_blocks_override=24, max_model_len=48,
+                         max_num_batched_tokens=11, state_snapshot_every_n_blocks=2,
+                         enable_prefix_caching=enable_prefix_caching)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    cached = []
+    for _ in range(2):
+        run = run_engine(engine, PROMPTS, params)
+        assert [[sample.token_ids for sample in output.outputs] for output in run.outputs] == [
+            [tokens, tokens] for tokens in expected(arch)]
+        cached.append(sum(output.num_cached_tokens for output in run.outputs))
+    assert engine.scheduler.num_preemptions > 0
+    if enable_prefix_caching:
+        assert cached[1] > 0 and cached[1] % 8 == 0  # hits end on a snapshot boundary
+        assert engine.kv_cache.state_slots.snapshots
+    else:
+        assert cached == [0, 0]
+    assert not engine.kv_cache.state_slots.owners
+    assert engine.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", RECURRENT_ARCHITECTURES)
+def test_a_prefix_hit_on_a_snapshot_taken_the_step_before(arch, make_engine, run_engine,
+                                                          expected):
+    """The same prompt twice, the second admitted the step after the first's chunk ended
+    on a snapshot boundary: its restore copies the state whose snapshot copy is still
+    owed (both happen before the first's next chunk moves its state on)."""
+    engine = make_engine(arch, block_size=4, max_num_batched_tokens=8,
+                         state_snapshot_every_n_blocks=2)
+    run = run_engine(engine, [PROMPTS[2]] * 2, GREEDY)
+
+    assert first_token_ids(run) == [expected(arch)[2]] * 2
+    assert run.outputs[1].num_cached_tokens > 0
 
 
 def test_speculative_decoding_is_refused_naming_the_setting(make_engine):

@@ -82,7 +82,9 @@ class EngineCore:
                                        self.config.enable_prefix_caching, self.num_swap_blocks,
                                        emit=self.events.emit,
                                        group_windows=self.runner.group_windows,
-                                       num_state_slots=self.memory_plan.num_state_slots)
+                                       num_state_slots=self.memory_plan.num_state_slots,
+                                       snapshot_every_n_blocks=(
+                                           self.config.state_snapshot_every_n_blocks))
         self.scheduler = Scheduler(self.config, self.kv_cache, emit=self.events.emit)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(self.runner)
