@@ -210,3 +210,20 @@ def test_a_recurrent_layer_kvscope_cannot_run_is_refused_naming_its_field(arch, 
         setattr(config, field, value)
     with pytest.raises(ValueError, match=named):
         MODELS[arch](config, TINY_MAX_POSITIONS, TINY_MAX_POSITIONS)
+
+
+@pytest.mark.parametrize("arch", RECURRENT_ARCHITECTURES)
+def test_beam_search_forks_the_state_with_the_beams(arch, make_engine, tiny_model):
+    """Beams fork and are dropped every step: each keeps a slot holding its own history's
+    state, and the beams and scores are transformers'."""
+    from test_beam_search import MAX_TOKENS as BEAM_TOKENS
+    from test_beam_search import WIDTH, hf_beams, run_beam_search
+
+    from kvscope.engine.orchestrator.beam_search import BeamSearchParams
+
+    engine = make_engine(arch, block_size=4)
+    for prompt in PROMPTS[1:3]:
+        beams, _ = hf_beams(tiny_model(arch).hf_model, prompt)
+        output = run_beam_search(engine, prompt, BeamSearchParams(WIDTH, BEAM_TOKENS))
+        assert [c.token_ids for c in output.outputs] == beams
+    assert_every_slot_back(engine)
