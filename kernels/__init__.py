@@ -3,7 +3,8 @@
 Three backends implement KernelOps (the contracts are kernels/reference.py's and
 kernels/kernel_ops.py's):
 
-  triton  kernels/triton_attention.py and triton_kv_store.py for attention, the torch twins
+  triton  kernels/triton_attention.py and triton_kv_store.py for attention,
+          triton_recurrent.py for the recurrent layers' decode steps, the torch twins
           for the rest: CUDA tensors (CPU tensors only in the Triton interpreter,
           TRITON_INTERPRET=1 set before triton is imported)
   cpu     C++ kernels (kernels/csrc) compiled on first use for this CPU:
@@ -45,7 +46,8 @@ logger = logging.getLogger(__name__)
 BACKEND_ENV = "KVSCOPE_ATTENTION_BACKEND"
 BACKENDS = ("triton", "cpu", "torch")
 REQUIRE_CPU_KERNELS_ENV = "KVSCOPE_REQUIRE_CPU_KERNELS"
-_TRITON_MODULE_NAMES = ("kvscope.kernels.triton_attention", "kvscope.kernels.triton_kv_store")
+_TRITON_MODULE_NAMES = ("kvscope.kernels.triton_attention", "kvscope.kernels.triton_kv_store",
+                        "kvscope.kernels.triton_recurrent")
 
 
 @functools.cache
@@ -133,8 +135,9 @@ def select_ops(device: torch.device | str) -> KernelOps:
     if name == "triton":
         attention = importlib.import_module("kvscope.kernels.triton_attention")
         store = importlib.import_module("kvscope.kernels.triton_kv_store")
+        recurrent = importlib.import_module("kvscope.kernels.triton_recurrent")
         return replace(TORCH_OPS, backend=name, paged_attention=attention.paged_attention,
-                       store_kv=store.store_kv)
+                       store_kv=store.store_kv, recurrent=recurrent.RECURRENT)
     if name == "cpu":
         from kvscope.kernels import cpu_kernels
 

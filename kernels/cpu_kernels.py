@@ -9,13 +9,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels import cpu_extension, kv_quant, reference, torch_ops
+from kvscope.kernels import cpu_extension, kv_quant, reference
 from kvscope.kernels.kernel_ops import (
     AttentionCall,
     ExpertWeights,
     KernelOps,
     PackedLinearKernels,
     PrepackedWeight,
+    RecurrentKernels,
     paged_attention_op,
 )
 
@@ -38,7 +39,7 @@ def kernel_ops() -> KernelOps:
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
         prepack_weight=prepack_weight if torch.ops.kvscope.has_blocked_linear() else None,
-        packed=packed, moe_experts=moe_experts, recurrent=torch_ops.REFERENCE_RECURRENT,
+        packed=packed, moe_experts=moe_experts, recurrent=RECURRENT,
         decoder_stack=torch.classes.kvscope.LlamaDecoderStack,
         prepacks_by_default=prepacks_by_default())
 
@@ -329,6 +330,79 @@ def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: 
 _fakes_registered = False
 
 
+def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
+                          weight: torch.Tensor, bias: torch.Tensor | None,
+                          activation: str | None) -> torch.Tensor:
+    """Same contract as kernels.reference.causal_conv1d_prefill."""
+    reference.check_conv_shapes(x, conv_state, weight, bias, activation)
+    reference.check_slot(slot, conv_state)
+    x, weight, bias, out = _conv_operands(x, weight, bias)
+    torch.ops.kvscope.causal_conv1d_prefill(x, conv_state, slot, weight, bias, activation or "",
+                                            out)
+    return out
+
+
+def causal_conv1d_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str | None) -> torch.Tensor:
+    """Same contract as kernels.reference.causal_conv1d_decode."""
+    reference.check_conv_shapes(x, conv_state, weight, bias, activation)
+    x, weight, bias, out = _conv_operands(x, weight, bias)
+    torch.ops.kvscope.causal_conv1d_decode(x, conv_state, slots.to(torch.int64).contiguous(),
+                                           weight, bias, activation or "", out)
+    return out
+
+
+def _conv_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """x with contiguous channels, the weight and bias in its dtype, and an output."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.to(x.dtype).contiguous()
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    return x, weight, bias, torch.empty(x.shape, dtype=x.dtype)
+
+
+def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor, slot: int,
+                             use_qk_l2norm: bool) -> torch.Tensor:
+    """Same contract as kernels.reference.gated_delta_rule_prefill, token by token (the state
+    of each head's 16 columns stays in L1 through a tile of tokens)."""
+    reference.check_delta_rule_shapes(q, k, v, g, beta, state)
+    reference.check_slot(slot, state)
+    *qkv, g, beta, out = _delta_rule_operands(q, k, v, g, beta)
+    torch.ops.kvscope.gated_delta_rule_prefill(*qkv, g, beta, state, slot, use_qk_l2norm, out)
+    return out
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                            use_qk_l2norm: bool) -> torch.Tensor:
+    """Same contract as kernels.reference.gated_delta_rule_decode; one read and one write of
+    each sequence's state."""
+    reference.check_delta_rule_shapes(q, k, v, g, beta, state)
+    *qkv, g, beta, out = _delta_rule_operands(q, k, v, g, beta)
+    torch.ops.kvscope.gated_delta_rule_decode(*qkv, g, beta, state,
+                                              slots.to(torch.int64).contiguous(), use_qk_l2norm,
+                                              out)
+    return out
+
+
+def _delta_rule_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor):
+    """q, k, v in q's dtype with contiguous last dims (row and head strides as they come: the
+    splits of a fused projection), g and beta contiguous fp32, and an output."""
+    q, k, v = (t.to(q.dtype) if t.stride(2) == 1 else t.to(q.dtype).contiguous()
+               for t in (q, k, v))
+    g, beta = (t.float().contiguous() for t in (g, beta))
+    return q, k, v, g, beta, torch.empty(v.shape, dtype=q.dtype)
+
+
+RECURRENT = RecurrentKernels(
+    causal_conv1d_prefill=causal_conv1d_prefill, causal_conv1d_decode=causal_conv1d_decode,
+    gated_delta_rule_prefill=gated_delta_rule_prefill,
+    gated_delta_rule_decode=gated_delta_rule_decode)
+
+
 def _register_fakes() -> None:
     global _fakes_registered
     if _fakes_registered:
@@ -336,6 +410,7 @@ def _register_fakes() -> None:
     # These ops only write into tensors they are given: nothing to allocate when tracing.
     for op in ("paged_attention", "store_kv", "linear_widened", "int4_linear", "int8_linear",
                "int4_dequantize", "int8_dequantize", "gguf_linear", "gguf_dequantize",
-               "mxfp4_linear", "mxfp4_dequantize", "moe_experts"):
+               "mxfp4_linear", "mxfp4_dequantize", "moe_experts", "causal_conv1d_prefill",
+               "causal_conv1d_decode", "gated_delta_rule_prefill", "gated_delta_rule_decode"):
         torch.library.register_fake(f"kvscope::{op}")(lambda *args: None)
     _fakes_registered = True

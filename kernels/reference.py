@@ -275,6 +275,7 @@ def causal_conv1d_prefill(x: torch.Tensor, conv_state: torch.Tensor, slot: int,
     window conv_state[slot] [C, W-1] (the W-1 inputs before x) is the left context, and the
     last W-1 inputs are written back to it. Computed in fp32, rounded once to x's dtype."""
     check_conv_shapes(x, conv_state, weight, bias, activation)
+    check_slot(slot, conv_state)
     width = weight.shape[1]
     window = torch.cat((conv_state[slot].float(), x.float().T), dim=1)  # [C, W-1 + T]
     y = F.conv1d(window.unsqueeze(0), weight.float().unsqueeze(1),
@@ -299,6 +300,12 @@ def causal_conv1d_decode(x: torch.Tensor, conv_state: torch.Tensor, slots: torch
 
 def _conv_activation(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     return y if activation is None else F.silu(y)
+
+
+def check_slot(slot: int, pool: torch.Tensor) -> None:
+    """A ValueError for a prefill's slot outside the pool (a negative one would wrap around)."""
+    if not 0 <= slot < pool.shape[0]:
+        raise ValueError(f"slot {slot}: outside the pool's {pool.shape[0]} slots")
 
 
 def check_conv_shapes(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
@@ -329,6 +336,7 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     decay), beta [T, Hv]; value head h reads q/k head h // (Hv / Hk). o [T, Hv, Dv] in q's
     dtype."""
     check_delta_rule_shapes(q, k, v, g, beta, state)
+    check_slot(slot, state)
     length, chunk, out_dtype = q.shape[0], DELTA_RULE_CHUNK, q.dtype
     q, k = _delta_rule_qk(q, k, v.shape[1], use_qk_l2norm)  # [Hv, T, Dk]
     v, g, beta = v.float().transpose(0, 1), g.float().T, beta.float().T

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 # the de-quantized weights) and of the engine on the C++ backend; the Triton ones and the real
 # default model's are left to the native run.
 KERNEL_TESTS = ("tests/test_kernels.py", "tests/test_forward_ops.py", "tests/test_quantization.py",
-                "tests/test_gguf_blocks.py", "tests/test_engine_backends.py")
+                "tests/test_gguf_blocks.py", "tests/test_engine_backends.py",
+                "tests/test_recurrent_kernels.py")
 # The instruction sets the summary names, as /proc/cpuinfo spells them.
 NAMED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 

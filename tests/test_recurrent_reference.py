@@ -188,6 +188,8 @@ def test_bad_shapes_are_refused_naming_the_argument():
     pool = state_pool(4, 16, 24)
     with pytest.raises(ValueError, match="state: needs shape"):
         reference.gated_delta_rule_prefill(**inputs, state=pool[:, :2], slot=0, use_qk_l2norm=True)
+    with pytest.raises(ValueError, match="slot -1: outside the pool's 5 slots"):
+        reference.gated_delta_rule_prefill(**inputs, state=pool, slot=-1, use_qk_l2norm=True)
     with pytest.raises(ValueError, match="torch.float32"):
         reference.gated_delta_rule_prefill(**inputs, state=pool.bfloat16(), slot=0,
                                            use_qk_l2norm=True)

@@ -53,6 +53,15 @@ TORCH_LIBRARY(kvscope, m) {
         "Tensor? gate_up_bias, Tensor? gate_up_scales, Tensor? gate_up_offsets, Tensor down, "
         "Tensor? down_bias, Tensor? down_scales, Tensor? down_offsets, int group_size, "
         "int kernel_max_rows, str activation, Tensor(a!) out, Tensor(b!)? expert_counts) -> ()");
+  // recurrent/causal_conv.cpp, recurrent/delta_rule.cpp
+  m.def("causal_conv1d_prefill(Tensor x, Tensor(a!) conv_state, int slot, Tensor weight, "
+        "Tensor? bias, str activation, Tensor(b!) out) -> ()");
+  m.def("causal_conv1d_decode(Tensor x, Tensor(a!) conv_state, Tensor slots, Tensor weight, "
+        "Tensor? bias, str activation, Tensor(b!) out) -> ()");
+  m.def("gated_delta_rule_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+        "Tensor(a!) state, int slot, bool use_qk_l2norm, Tensor(b!) out) -> ()");
+  m.def("gated_delta_rule_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+        "Tensor(a!) state, Tensor slots, bool use_qk_l2norm, Tensor(b!) out) -> ()");
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 
@@ -95,5 +104,9 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("mxfp4_linear", &mxfp4_linear);
   m.impl("mxfp4_dequantize", &mxfp4_dequantize);
   m.impl("moe_experts", &moe_experts);
+  m.impl("causal_conv1d_prefill", &causal_conv1d_prefill);
+  m.impl("causal_conv1d_decode", &causal_conv1d_decode);
+  m.impl("gated_delta_rule_prefill", &gated_delta_rule_prefill);
+  m.impl("gated_delta_rule_decode", &gated_delta_rule_decode);
   m.impl("greedy_tokens", &greedy_tokens);
 }

@@ -143,6 +143,13 @@ inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, exponent);
 }
 
+// silu(g) = g sigmoid(g), with sigmoid(g) from e = exp(-|g|) as 1/(1+e) or e/(1+e): never
+// overflows, and vectorizes.
+inline float silu(float g) {
+  const float e = exp_nonpositive(-std::abs(g));
+  return g * ((g >= 0.f ? 1.f : e) / (1.f + e));
+}
+
 // A tensor's elements as the kernels' element type (float or bf16 bits).
 template <typename T>
 T* elements(const at::Tensor& tensor) {

@@ -82,5 +82,21 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids,
                  int64_t kernel_max_rows, const std::string& activation, at::Tensor out,
                  const std::optional<at::Tensor>& expert_counts);
 
+// recurrent/causal_conv.cpp, recurrent/delta_rule.cpp: the recurrent layers' ops over a pool
+// of per-sequence states, updated in place (contracts: kernels/reference.py); activation
+// "" (none) or "silu"; g and beta fp32 [rows, value_heads]
+void causal_conv1d_prefill(const at::Tensor& x, at::Tensor conv_state, int64_t slot,
+                           const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           const std::string& activation, at::Tensor out);
+void causal_conv1d_decode(const at::Tensor& x, at::Tensor conv_state, const at::Tensor& slots,
+                          const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          const std::string& activation, at::Tensor out);
+void gated_delta_rule_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& g, const at::Tensor& beta, at::Tensor state,
+                              int64_t slot, bool use_qk_l2norm, at::Tensor out);
+void gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta, at::Tensor state,
+                             const at::Tensor& slots, bool use_qk_l2norm, at::Tensor out);
+
 // sampling.cpp
 std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Tensor& logits);

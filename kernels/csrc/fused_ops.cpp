@@ -166,12 +166,7 @@ namespace {
 // The gates of gated MLPs, per fp32 element: SwiGLU's silu (Llama) and GeGLU's tanh-approximated
 // gelu (Gemma), each from exp_nonpositive, which never overflows and vectorizes.
 struct Silu {
-  static float apply(float g) {
-    // sigmoid(g) from e = exp(-|g|): 1/(1+e) or e/(1+e)
-    const float e = kvscope::exp_nonpositive(-std::abs(g));
-    const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
-    return g * sigmoid;
-  }
+  static float apply(float g) { return kvscope::silu(g); }
 };
 
 struct GeluTanh {
