@@ -56,7 +56,8 @@ class EngineConfig:
     # A model with recurrent layers (engine.core.state_slots): with prefix caching, the
     # state is snapshot where a prefill chunk ends on a multiple of this many blocks (the
     # scheduler ends chunks there), so a prefix hit restores it and skips the recurrence.
-    # Fewer snapshots (larger N) hold fewer slots; a hit lands on a snapshot's boundary.
+    # Fewer snapshots (larger N) hold fewer slots; a hit lands on a snapshot's boundary. A
+    # prompt running past a boundary in one chunk is cut there: one more step to its end.
     state_snapshot_every_n_blocks: int = 8
     enable_chunked_prefill: bool = True
     # None: fair by default, a prefill chunk takes at most a quarter of the budget while
