@@ -54,6 +54,12 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    # A model with recurrent layers (engine.core.state_slots): with prefix caching, the
+    # state is snapshot where a prefill chunk ends on a multiple of this many blocks (the
+    # scheduler ends chunks there), so a prefix hit restores it and skips the recurrence.
+    # Fewer snapshots (larger N) hold fewer slots; a hit lands on a snapshot's boundary. A
+    # prompt running past a boundary in one chunk is cut there: one more step to its end.
+    state_snapshot_every_n_blocks: int = 8
     enable_chunked_prefill: bool = True
     # None: fair by default, a prefill chunk takes at most a quarter of the budget while
     # other requests wait; 0: never capped; N: every prefill chunk capped at N tokens.
@@ -126,6 +132,7 @@ class EngineConfig:
             raise ValueError(f"device_memory_gb={self.device_memory_gb!r} must be > 0")
         _check_positive_int("max_model_len", self.max_model_len, optional=True)
         _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("state_snapshot_every_n_blocks", self.state_snapshot_every_n_blocks)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, optional=True)
         _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override,
                             optional=True)

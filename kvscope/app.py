@@ -152,6 +152,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     cache.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false",
                        help="do not reuse KV blocks of earlier prompts with the same prefix")
+    cache.add_argument("--state-snapshot-every-n-blocks", type=int,
+                       default=DEFAULTS["state_snapshot_every_n_blocks"],
+                       help="models with recurrent layers (LFM2, Qwen3.5), with prefix "
+                       "caching: snapshot the recurrent state where a prefill chunk ends on "
+                       "a multiple of this many blocks, so a prefix hit restores it")
     cache.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false",
                        help="run each prompt's prefill in one step instead of budget-sized "

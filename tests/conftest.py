@@ -35,6 +35,7 @@ from transformers import (
     Gemma3TextConfig,
     Gemma4TextConfig,
     GptOssConfig,
+    Lfm2Config,
     LlamaConfig,
     LlamaForCausalLM,
     Ministral3Config,
@@ -48,6 +49,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
@@ -166,7 +169,7 @@ TINY_VOCAB_SIZE = 256
 TINY_MAX_POSITIONS = 256
 TINY_ARCHITECTURES = ("llama", "qwen2", "opt", "llama3", "qwen3", "smollm3", "phi3", "ministral3")
 RANDOM_NORM_ARCHITECTURES = ("qwen3", "smollm3", "phi3", "phi3-window", "olmo3", "gemma4",
-                             "qwen3-moe", "olmoe")
+                             "qwen3-moe", "olmoe", "lfm2", "qwen3_5", "qwen3_5-moe")
 # Sliding-window twins (window 8, so most test prompts outrun it): every Mistral and Phi-3
 # layer windowed; Qwen2 with its first layer global and the second windowed.
 TINY_WINDOW = 8
@@ -180,6 +183,10 @@ SLIDING_WINDOW_ARCHITECTURES = ("mistral-window", "qwen2-window", "phi3-window",
 # Mixtral; Qwen2-MoE (a gated shared expert; decoder_sparse_step 2 makes its first layer
 # dense).
 MOE_ARCHITECTURES = ("qwen3-moe", "olmoe", "mixtral", "qwen2-moe", "gpt-oss")
+# Recurrent layers beside attention, their state in slots (engine.core.state_slots): LFM2
+# (short convolutions around one GQA layer), Qwen3.5 and Qwen3.5-MoE (three Gated DeltaNet
+# layers, then a gated full-attention one).
+RECURRENT_ARCHITECTURES = ("lfm2", "qwen3_5", "qwen3_5-moe")
 
 
 @dataclass
@@ -290,6 +297,23 @@ def _tiny_config(arch: str):
             tie_word_embeddings=True,
             # transformers' own scale: wider weights make this model repeat one token
             **{**common, "num_hidden_layers": 4, "initializer_range": 0.02})
+    if arch == "lfm2":  # conv layers around a GQA layer with q/k norms; an MLP width
+        # adjusted as LFM2's (2/3, rounded up to block_multiple_of); conv biases
+        return Lfm2Config(
+            intermediate_size=192, num_key_value_heads=2, conv_L_cache=3, conv_bias=True,
+            layer_types=["conv", "full_attention", "conv", "conv"], block_multiple_of=32,
+            tie_word_embeddings=True, **{**common, "num_hidden_layers": 4})
+    if arch in ("qwen3_5", "qwen3_5-moe"):  # two value heads per key head in the delta
+        # rule; a quarter of each attention head rotated (transformers' default)
+        qwen3_5 = {"num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                   "tie_word_embeddings": False, **common, "num_hidden_layers": 4}
+        if arch == "qwen3_5":
+            return Qwen3_5TextConfig(intermediate_size=128, **qwen3_5)
+        return Qwen3_5MoeTextConfig(num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=64, **qwen3_5)
     raise ValueError(arch)
 
 

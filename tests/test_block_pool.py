@@ -154,13 +154,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
     sequences = Bundle("sequences")
     group_windows: tuple[int | None, ...] = (None,)  # the KV cache groups' windows
     num_blocks = 12
+    num_state_slots = 0  # recurrent layers' state slots (StateSlotMachine)
 
     def __init__(self) -> None:
         super().__init__()
         self.replay = EventReplay(self.num_blocks)
         self.manager = KVCacheManager(num_blocks=self.num_blocks, block_size=4,
                                       enable_caching=True, emit=self.replay.apply,
-                                      group_windows=self.group_windows)
+                                      group_windows=self.group_windows,
+                                      num_state_slots=self.num_state_slots,
+                                      snapshot_every_n_blocks=1)
         self.live: list[Sequence] = []
         self.decoding: set[int] = set()  # ids of sequences whose last step was a decode
         self.slots = [[None] * 4 for _ in range(self.num_blocks)]
@@ -171,6 +174,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         (each into a block this sequence alone holds, in every KV cache group)."""
         for source, target in copies:
             self.slots[target] = list(self.slots[source])
+        self.write_state(seq, start, tokens)
         groups = self.manager.num_groups
         for position, token in enumerate(tokens, start):
             for group in range(groups):
@@ -178,18 +182,32 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 assert self.manager.pool.blocks[block].ref_count == 1
                 self.slots[block][position % 4] = token
 
+    def write_state(self, seq: Sequence, start: int, tokens: list[int]) -> None:
+        """The recurrent layers' part of a step (StateSlotMachine): the tokens folded into
+        the sequence's state slot, which must hold its tokens before `start` exactly."""
+
     @rule(target=sequences, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=14))
     def allocate(self, tokens):
         seq = make_sequence(tokens)
         before = [(b.ref_count, b.block_hash) for b in self.manager.pool.blocks]
-        num_cached = len(self.manager.find_cached_prefix(seq)) * 4
-        if not admit(self.manager, seq):
+        # admit's steps, with the device's write where the step makes it: after the
+        # allocation (and the copies it owes), before the tokens count as computed.
+        cached_prefix = self.manager.find_cached_prefix(seq)
+        num_cached = len(cached_prefix) * 4
+        if self.manager.allocate_slots(seq, len(tokens) - num_cached, cached_prefix) is None:
             # A refused allocation changes nothing.
-            assert seq.block_table == []
+            assert seq.block_table == [] and seq.state_slot is None
             assert [(b.ref_count, b.block_hash) for b in self.manager.pool.blocks] == before
             return seq  # stays in the bundle; later rules skip it (empty block table)
         self.decoding.discard(id(seq))
-        self.write(seq, num_cached, tokens[num_cached:])
+        # In two chunks where the first may end on a state snapshot's boundary (as the
+        # scheduler cuts a recurrent model's prefill; one chunk otherwise).
+        first_end = self.manager.snapshot_chunk_end(num_cached, len(tokens))
+        for start, end in ((num_cached, first_end), (first_end, len(tokens))):
+            if end > start:
+                self.write(seq, start, tokens[start:end])
+                seq.num_computed_tokens = end
+                self.manager.cache_full_blocks(seq)
         self.live.append(seq)
         return seq
 
@@ -214,7 +232,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         """Write K/V for proposed tokens, accept a prefix of them and roll back the rest,
         as EngineCore does after a verifying step."""
         proposal = accepted + [REJECTED] * num_rejected
-        if seq not in self.live or not proposal:
+        # A recurrent state cannot roll back: the engine refuses speculative decoding there.
+        if seq not in self.live or not proposal or self.num_state_slots:
             return
         copies = self.manager.allocate_slots(seq, len(proposal))
         if copies is None:
@@ -236,8 +255,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
             return make_sequence([0])  # a never-admitted placeholder
         child = make_sequence(parent.token_ids)
         self.manager.fork(parent, child)
-        self.live.append(child)
+        if child.block_table:  # else no state slot was free: the child recomputes
+            self.live.append(child)
+            self.fork_copies()
         return child
+
+    def fork_copies(self) -> None:
+        """The state copies the engine does before the next forward (StateSlotMachine)."""
 
     @rule(seq=consumes(sequences))
     def free(self, seq):
@@ -487,3 +511,68 @@ def test_cached_blocks_give_the_garbage_collector_nothing_to_walk():
     assert len(pool.cached_blocks) == 3
     assert not gc.is_tracked(pool.cached_blocks)
     assert not any(gc.is_tracked(block.block_hash) for block in pool.blocks)
+
+
+class StateSlotMachine(BlockPoolMachine):
+    """The same workload for a model with recurrent layers: 4 state slots beside a full
+    group's blocks, the state snapshot at every block boundary (engine.core.state_slots).
+    `states` models what each slot's state has consumed, written as the engine writes it:
+    the copies owed (forks, snapshots, restores) first, all at once, then the tokens."""
+
+    num_state_slots = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: dict[int, list[int]] = {}
+
+    def fork_copies(self):
+        copies = self.manager.state_slots.take_copies()
+        targets = [target for _, target in copies]
+        assert len(set(targets)) == len(targets), "two copies owed write one slot"
+        read = [list(self.states.get(source, ())) for source, _ in copies]
+        for (_, target), state in zip(copies, read):
+            self.states[target] = state
+
+    def write_state(self, seq, start, tokens):
+        self.fork_copies()
+        slot = seq.state_slot
+        assert slot is not None, "a sequence computes tokens without a state slot"
+        if start == 0:  # a chunk from position 0 starts from a zero state
+            self.states[slot] = []
+        assert self.states[slot] == seq.token_ids[:start], (
+            f"slot {slot} holds the state of other tokens than sequence {seq.seq_id}'s")
+        self.states[slot] = self.states[slot] + list(tokens)
+
+    @invariant()
+    def every_live_sequence_holds_a_slot_of_its_own(self):
+        slots = self.manager.state_slots
+        held = [seq.state_slot for seq in self.live]
+        assert None not in held
+        assert len(set(held)) == len(held), "a state slot shared by two live sequences"
+        assert {slot: seq.seq_id for slot, seq in slots.owners.items()} == {
+            seq.state_slot: seq.seq_id for seq in self.live}
+        assert slots.num_free + len(held) == slots.num_slots
+
+    @invariant()
+    def each_slot_holds_its_sequences_computed_tokens(self):
+        self.fork_copies()
+        for seq in self.live:
+            assert self.states[seq.state_slot] == seq.token_ids[:seq.num_computed_tokens]
+
+    @invariant()
+    def each_snapshot_holds_the_state_after_its_prefix(self):
+        self.fork_copies()
+        slots = self.manager.state_slots
+        assert not set(slots.snapshots.values()) & set(slots.owners)
+        for (_, _, tokens), slot in slots.snapshots.items():
+            state = self.states[slot]
+            assert state and len(state) % 4 == 0 and state[-4:] == list(tokens)
+
+    def teardown(self):
+        super().teardown()
+        slots = self.manager.state_slots
+        assert slots.num_free == slots.num_slots and not slots.owners, "a state slot leaked"
+
+
+StateSlotMachine.TestCase.settings = BlockPoolMachine.TestCase.settings
+test_state_slot_invariants = StateSlotMachine.TestCase

@@ -73,6 +73,31 @@ def test_an_override_too_small_for_one_sequence_fails():
         plan_blocks(4 * GiB, 0.9, 0, 0, MiB, 16, 64, num_blocks_override=2)
 
 
+def test_state_slots_come_out_of_the_budget_and_cap_max_num_seqs():
+    """512 MiB: one 1024-token sequence's 64 blocks of 1 MiB are kept for the blocks, the
+    rest holds 112 slots of 4 MiB (of max_num_seqs=1000); the blocks get what is left."""
+    plan = plan_blocks(GiB, 0.5, 0, 0, MiB, 16, 1024, bytes_per_state_slot=4 * MiB,
+                       max_num_seqs=1000)
+    assert plan.num_state_slots == 112
+    assert plan.num_blocks == 64
+    assert "state slots: 112 x 4194304 bytes = 0.438 GiB" in plan.describe()
+    assert "max_num_seqs=1000 capped: the slots allow 112 running sequences" in plan.describe()
+    roomy = plan_blocks(GiB, 0.5, 0, 0, MiB, 16, 1024, bytes_per_state_slot=4 * MiB,
+                        max_num_seqs=8)
+    assert (roomy.num_state_slots, roomy.num_blocks) == (8, 512 - 32)
+    assert "capped" not in roomy.describe()
+
+
+def test_a_budget_without_room_for_one_sequences_slot_and_blocks_fails_with_the_numbers():
+    with pytest.raises(ValueError) as error:
+        plan_blocks(GiB, 0.5, 0, 0, MiB, 16, 1024, bytes_per_state_slot=449 * MiB,
+                    max_num_seqs=8)
+    message = str(error.value)
+    assert "one sequence needs 67108864 bytes of KV blocks (max_model_len=1024)" in message
+    assert f"plus a {449 * MiB}-byte state slot" in message
+    assert f"the budget holds {512 * MiB} bytes" in message
+
+
 # ---- the engine's own plan -------------------------------------------------------------
 def test_engine_sizes_its_pool_from_measured_weights_and_activations(make_engine, tiny_model):
     engine = make_engine("llama", block_size=16)

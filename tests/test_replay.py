@@ -181,11 +181,12 @@ def test_fitted_cost_model_follows_a_change_of_slope_in_scheduled_tokens() -> No
 
 
 # ---- live replay -------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "olmo3", "gemma4"])
+@pytest.mark.parametrize("arch", ["llama", "olmo3", "gemma4", "lfm2", "qwen3_5"])
 def test_the_simulator_groups_and_sizes_the_pool_as_the_model_runner(arch, make_engine,
                                                                       tiny_model) -> None:
     """From the config alone: Olmo 3's sliding and full groups; Gemma 4's two layer shapes
-    (slots as wide as the widest) and its KV-shared layers, which own no cache."""
+    (slots as wide as the widest) and its KV-shared layers, which own no cache; LFM2's and
+    Qwen3.5's recurrent layers, which write no K/V either."""
     runner = make_engine(arch).runner
     simulator = SimulatedRunner(EngineConfig(model=str(tiny_model(arch).path), dtype="float32",
                                              device="cpu"))

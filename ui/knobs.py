@@ -136,7 +136,9 @@ def planned_pool(engine: EngineView, block_size: int, utilization: float,
     return plan_blocks(int(memory_gb * GiB) if on_cpu else plan.device_memory_bytes,
                        utilization, plan.weight_bytes, plan.peak_activation_bytes,
                        per_token * block_size, block_size, plan.max_model_len,
-                       config.num_gpu_blocks_override, plan.groups)
+                       config.num_gpu_blocks_override, plan.groups,
+                       bytes_per_state_slot=plan.bytes_per_state_slot,
+                       max_num_seqs=plan.max_num_seqs)
 
 
 def fragmentation(token_counts: list[int], block_size: int) -> tuple[int, int]:

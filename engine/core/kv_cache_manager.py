@@ -12,6 +12,7 @@ from kvscope.engine.core.block_pool import (
 )
 from kvscope.engine.core.kv_events import BlockTableChanged, KVEventSink, discard
 from kvscope.engine.core.request import BlockHash, Sequence
+from kvscope.engine.core.state_slots import StateSlots
 
 
 @dataclass(slots=True)
@@ -51,12 +52,23 @@ class KVCacheManager:
     becoming RELEASED, so it holds at most ceil(W / block_size) + 1 blocks while the
     sequence decodes; full groups keep every block (docs/architecture.md, "Sliding
     windows").
+
+    num_state_slots > 0: the model has recurrent layers, and a sequence holds one state
+    slot (engine.core.state_slots) whenever it holds blocks; such a model runs without
+    swapping (a swapped block would lack its state). With prefix caching, the state is
+    snapshot where a sequence's computed tokens reach a multiple of
+    `snapshot_every_n_blocks` blocks, and a prefix hit ends on a snapshot, which the new
+    sequence's slot starts from.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_swap_blocks: int = 0, emit: KVEventSink = discard,
-                 group_windows: Iterable[int | None] = (None,)) -> None:
+                 group_windows: Iterable[int | None] = (None,),
+                 num_state_slots: int = 0, snapshot_every_n_blocks: int = 8) -> None:
         group_windows = tuple(group_windows)
+        if num_state_slots and num_swap_blocks:
+            raise ValueError("num_state_slots: recurrent state slots need num_swap_blocks=0 "
+                             "(a swapped block lacks the state)")
         windows = {window for window in group_windows if window is not None}
         if not group_windows or len(windows) > 1:
             raise ValueError(f"group_windows: one or more groups sharing at most one sliding "
@@ -74,6 +86,8 @@ class KVCacheManager:
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_blocks = list(range(num_swap_blocks))
         self.swap_stats = SwapStats()
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self.snapshot_tokens = snapshot_every_n_blocks * block_size  # a snapshot's spacing
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Positions (blocks per group) that num_tokens tokens fill."""
@@ -147,6 +161,8 @@ class KVCacheManager:
                 break  # a full group's prefix ends here
             found.append(blocks)
         for length in range(len(found), 0, -1):
+            if not self._has_snapshot(seq, length):
+                continue
             first = self.first_kept_block(length * self.block_size)
             if all(block is not None for blocks in found[first:length] for block in blocks):
                 before = [tuple(None if window else block
@@ -158,6 +174,20 @@ class KVCacheManager:
     def prompt_block_hashes(self, seq: Sequence) -> list[BlockHash]:
         """The hashes of the blocks find_cached_prefix may reuse (all but the last token's)."""
         return self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+
+    def _has_snapshot(self, seq: Sequence, num_blocks: int) -> bool:
+        """Whether a prefix of num_blocks blocks can be a hit for the recurrent state too:
+        a snapshot of the state after it is kept (always, without recurrent layers)."""
+        return (self.state_slots is None
+                or seq.block_hashes[num_blocks - 1] in self.state_slots.snapshots)
+
+    def snapshot_chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk [start, end) should end so the state can be snapshot: at
+        the last snapshot boundary inside it, if any (the chunk as it is otherwise)."""
+        if self.state_slots is None or not self.enable_caching:
+            return end
+        boundary = end // self.snapshot_tokens * self.snapshot_tokens
+        return boundary if start < boundary < end else end
 
     def _lookup(self, block_hash: BlockHash, group: int) -> KVBlock | None:
         value, parent, token_ids = group_block_hash(block_hash, group)
@@ -197,6 +227,15 @@ class KVCacheManager:
         revived = sum([block.ref_count == 0 for block in adopted])
         if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
             return None
+        slots = self.state_slots
+        if slots is not None and seq.state_slot is None:
+            if not slots.num_free:
+                return None
+            # At admission, with the sequence's first blocks.
+            if cached_prefix:
+                slots.restore(seq, seq.block_hashes[len(cached_prefix) - 1])
+            else:
+                slots.take(seq)
 
         if shared_targets or cached_prefix or num_new_blocks > 0:  # most decodes: none
             self.emit(BlockTableChanged(seq, shared_targets[0] if shared_targets
@@ -242,6 +281,9 @@ class KVCacheManager:
                     self.pool.cache(self.pool.blocks[block_id],
                                     group_block_hash(hashes[position], group), group)
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
+        if (self.state_slots is not None and seq.state_slot is not None
+                and seq.num_computed_tokens % self.snapshot_tokens == 0):
+            self.state_slots.snapshot(seq, hashes[num_full - 1])
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the blocks that hold the sequence's first `num_tokens` tokens and free the
@@ -256,7 +298,11 @@ class KVCacheManager:
         self.emit(BlockTableChanged(seq, keep))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares every block of the parent (copy-on-write on its first write)."""
+        """The child shares every block of the parent (copy-on-write on its first write)
+        and gets a state slot holding a copy of the parent's state; with no slot free it
+        holds nothing and computes its tokens afresh."""
+        if self.state_slots is not None and not self.state_slots.fork(parent, child):
+            return
         self.pool.share(self.held_blocks(parent.block_table))
         child.block_table = list(parent.block_table)
         child.num_released_blocks = parent.num_released_blocks
@@ -270,6 +316,8 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks, last first (so its tail is evicted before its prefix)."""
         self.pool.release(reversed(self.held_blocks(seq.block_table)))
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
         seq.block_table = []
         seq.num_released_blocks = 0
         seq.num_cached_blocks = 0

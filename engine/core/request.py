@@ -58,6 +58,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     swap_table: list[int] = field(default_factory=list)  # CPU blocks while swapped out
     num_released_blocks: int = 0  # positions whose sliding groups' entries are RELEASED
+    # The recurrent layers' state slot (engine.core.state_slots) while the sequence holds
+    # device blocks; None for a model without recurrent layers.
+    state_slot: int | None = None
     num_computed_tokens: int = 0
     # 1 while a launched step will append this sequence's next token (vLLM's name): with
     # async scheduling the next step is scheduled before that token is known.

@@ -130,7 +130,11 @@ class Scheduler:
                      - num_cached)
         if cap is not None:
             remaining = min(remaining, cap)
-        return min(remaining, budget)
+        size = min(remaining, budget)
+        if self.config.enable_chunked_prefill:  # a recurrent model's snapshot boundary
+            start = seq.num_computed_tokens + num_cached
+            size = self.kv_cache.snapshot_chunk_end(start, start + size) - start
+        return size
 
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1

@@ -55,6 +55,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    # (source, target) state slot copies (a fork's, engine.core.state_slots): set at launch,
+    # as a fork made while the plan waited to launch owes them before its forward
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     preemptions: list[SequencePreempted] = field(default_factory=list)  # why, one each
     swapped_out: list[Sequence] = field(default_factory=list)

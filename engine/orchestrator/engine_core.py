@@ -6,7 +6,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,6 +17,7 @@ from kvscope.engine.core.request import FinishReason, Request, Sequence, Sequenc
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvscope.engine.core.scheduling_policy import check_priority
+from kvscope.engine.core.state_slots import recurrent_model_config
 from kvscope.engine.orchestrator.beam_search import BeamSearchCoordinator, BeamSearchParams, BeamState
 from kvscope.engine.orchestrator.detokenizer import detokenize_incrementally
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -65,9 +66,14 @@ class EngineCore:
         self.runner = runner or ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         self.config = config.resolved(self.runner.max_positions)
+        if getattr(self.runner, "state_layers", None):
+            self.config = recurrent_model_config(self.config, type(self.runner.model).__name__)
         self.runner = with_draft_model(self.runner, self.config)
         self.expert_layout = self.runner.expert_layout  # None for a dense model
         self.memory_plan = self.runner.plan_memory(self.config)
+        if 0 < self.memory_plan.num_state_slots < self.config.max_num_seqs:
+            # One state slot per running sequence: the plan's description says so.
+            self.config = replace(self.config, max_num_seqs=self.memory_plan.num_state_slots)
         self.num_swap_blocks = 0
         if self.config.preemption_mode == "swap":
             self.num_swap_blocks = (int(self.config.swap_space * GiB)
@@ -78,7 +84,10 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, self.config.block_size,
                                        self.config.enable_prefix_caching, self.num_swap_blocks,
                                        emit=self.events.emit,
-                                       group_windows=self.runner.group_windows)
+                                       group_windows=self.runner.group_windows,
+                                       num_state_slots=self.memory_plan.num_state_slots,
+                                       snapshot_every_n_blocks=(
+                                           self.config.state_snapshot_every_n_blocks))
         self.scheduler = Scheduler(self.config, self.kv_cache, emit=self.events.emit)
         self.requests: dict[str, Request] = {}
         self.kv_costs = KVCostMeter()
@@ -197,6 +206,8 @@ class EngineCore:
         self.runner.allocate_kv_cache(self.config.block_size, self.memory_plan.num_blocks,
                                       self.config.kv_cache_dtype)
         self.runner.allocate_swap_space(self.num_swap_blocks)
+        if self.memory_plan.num_state_slots:
+            self.runner.allocate_state_slots(self.memory_plan.num_state_slots)
         tensor = getattr(self.runner, "kv_cache", None)  # a simulated runner has none
         self._kv_cache_ref = weakref.ref(tensor) if tensor is not None else lambda: None
 
@@ -334,6 +345,8 @@ class EngineCore:
                                "built on its model runner since, and a runner holds one "
                                "engine's cache (give each engine that steps its own runner)")
         start_time = time.time()
+        if self.kv_cache.state_slots is not None:
+            plan.state_copies = self.kv_cache.state_slots.take_copies()
         self._move_blocks(plan)
         sampling = [item for item in plan.scheduled if item.samples]
         forward = Future()

@@ -130,6 +130,10 @@ def _check_compatible(name: str, draft: ModelRunner, target: ModelRunner) -> Non
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(f"{name}: the draft's tokenizer maps tokens to other ids than the "
                          "target's; a draft model must share the target's tokenizer")
+    if draft.state_layers:
+        raise ValueError(f"{name}: the draft {type(draft.model).__name__} has recurrent "
+                         "layers, whose state cannot be rolled back past rejected proposals; "
+                         "a draft model must be attention-only")
     # Group g of the draft's layers reads group g's block table: it must attend only to
     # what that group of the target keeps (all of a full group; its window of a sliding one).
     windows, draft_windows = target.group_windows, draft.group_windows

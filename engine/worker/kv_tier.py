@@ -81,6 +81,12 @@ def open_kv_tier(config: EngineConfig, runner, kv_cache: KVCacheManager,
                        "target's; the engine runs without the disk tier",
                        config.kv_offload_dir)
         return None
+    if kv_cache.state_slots is not None:
+        logger.warning("kv_offload_dir=%r: the model's recurrent layers keep their state in "
+                       "slots the tier does not save, so a block loaded from it could not "
+                       "skip the recurrence; the engine runs without the disk tier",
+                       config.kv_offload_dir)
+        return None
     if not isinstance(runner, ModelRunner):
         logger.warning("kv_offload_dir=%r: %s holds no KV tensors to save (the replay's "
                        "simulator); the engine runs without the disk tier",

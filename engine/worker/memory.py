@@ -44,6 +44,13 @@ class MemoryPlan:
     # dashboard compare against); equal to the above with kv_cache_dtype auto
     auto_bytes_per_block: int = 0
     auto_num_blocks: int = 0
+    # A model with recurrent layers: one state slot per running sequence (every recurrent
+    # layer's state, engine.core.state_slots), taken out of the same budget as the blocks.
+    # num_state_slots is how many sequences can run at once: max_num_seqs (the asked-for
+    # count) capped by what the budget leaves beside one max_model_len sequence's blocks.
+    bytes_per_state_slot: int = 0
+    num_state_slots: int = 0
+    max_num_seqs: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -52,6 +59,20 @@ class MemoryPlan:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def state_slot_bytes(self) -> int:
+        return self.num_state_slots * self.bytes_per_state_slot
+
+    def describe_state_slots(self) -> str:
+        """The state slots and the sequences they allow ("" without recurrent layers)."""
+        if not self.bytes_per_state_slot:
+            return ""
+        capped = (f" (max_num_seqs={self.max_num_seqs} capped: the slots allow "
+                  f"{self.num_state_slots} running sequences)"
+                  if self.num_state_slots < self.max_num_seqs else "")
+        return (f"; state slots: {self.num_state_slots} x {self.bytes_per_state_slot} bytes = "
+                f"{self.state_slot_bytes / GiB:.3f} GiB, one per running sequence{capped}")
 
     @property
     def group_windows(self) -> tuple[int | None, ...]:
@@ -105,7 +126,8 @@ class MemoryPlan:
                 f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.kv_cache_bytes / GiB:.3f} GiB "
                 f"({self.describe_kv_dtype()}); max concurrency at "
-                f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x")
+                f"max_model_len={self.max_model_len}: {self.max_concurrency:.2f}x"
+                + self.describe_state_slots())
         if self.draft_weight_bytes:
             text += (f"; of these the draft model's: weights "
                      f"{self.draft_weight_bytes / (1 << 20):.1f} MiB, KV "
@@ -146,6 +168,8 @@ def plan_blocks(
     *,
     kv_cache_dtype: str = "auto",
     auto_bytes_per_block: int | None = None,
+    bytes_per_state_slot: int = 0,
+    max_num_seqs: int = 1,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
@@ -155,15 +179,42 @@ def plan_blocks(
     bytes_per_block; its shares are kept for the plan's description. auto_bytes_per_block:
     a block's bytes in the model's dtype, for the comparison a quantized kv_cache_dtype's
     plan keeps (default: bytes_per_block).
+
+    bytes_per_state_slot > 0 (a model with recurrent layers): state slots come out of the
+    budget first, max_num_seqs of them or as many as fit beside one max_model_len
+    sequence's blocks (at least one, else PoolTooSmall with the numbers); the blocks get
+    the rest. With num_blocks_override the slots are max_num_seqs, as the blocks ignore
+    the budget.
     """
     budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - peak_activation_bytes
+    groups = groups or ONE_FULL_GROUP
+    num_slots = 0
+    if bytes_per_state_slot:
+        one_sequence = -(-max_model_len // block_size) * len(groups) * bytes_per_block
+        num_slots = max_num_seqs if num_blocks_override else min(
+            max_num_seqs, max(budget - one_sequence, 0) // bytes_per_state_slot)
+        if num_slots < 1:
+            raise PoolTooSmall(
+                f"one sequence needs {one_sequence} bytes of KV blocks (max_model_len="
+                f"{max_model_len}) plus a {bytes_per_state_slot}-byte state slot for its "
+                f"recurrent layers, but the budget holds {max(budget, 0)} bytes "
+                f"({device_memory_bytes / GiB:.2f} GiB x gpu_memory_utilization="
+                f"{gpu_memory_utilization} - weights {weight_bytes / GiB:.3f} GiB - "
+                f"activations {peak_activation_bytes / GiB:.3f} GiB): raise "
+                "gpu_memory_utilization or device_memory_gb, or lower max_model_len",
+                MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
+                           peak_activation_bytes, bytes_per_block, block_size, 0,
+                           max_model_len, groups, bytes_per_state_slot=bytes_per_state_slot,
+                           max_num_seqs=max_num_seqs))
+        budget -= num_slots * bytes_per_state_slot
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
     auto_bytes_per_block = auto_bytes_per_block or bytes_per_block
     plan = MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                       peak_activation_bytes, bytes_per_block, block_size, num_blocks, max_model_len,
-                      groups or ONE_FULL_GROUP, draft_weight_bytes, draft_bytes_per_block,
+                      groups, draft_weight_bytes, draft_bytes_per_block,
                       dict(weight_bytes_by_type or {}), kv_cache_dtype, auto_bytes_per_block,
-                      num_blocks_override or max(budget // auto_bytes_per_block, 0))
+                      num_blocks_override or max(budget // auto_bytes_per_block, 0),
+                      bytes_per_state_slot, num_slots, max_num_seqs)
     num_tokens = num_blocks // len(plan.groups) * block_size
     if num_tokens < max_model_len:
         in_groups = f" in {len(plan.groups)} KV cache groups" if len(plan.groups) > 1 else ""

@@ -41,6 +41,7 @@ from kvscope.engine.worker.models.attention import AttentionMetadata, PagedAtten
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.layers import prepack_weights
 from kvscope.engine.worker.models.moe import ExpertLayout, expert_layout, record_expert_tokens
+from kvscope.engine.worker.models.recurrent import StateMetadata
 from kvscope.engine.worker.models.quantized import (
     QuantizedLinear,
     pack_model,
@@ -64,6 +65,8 @@ class ModelInputs:
     meta: AttentionMetadata
     last_rows: list[int]  # the flat rows whose logits are sampled, in schedule order
     chunk_rows: dict[int, tuple[int, int]]  # scheduled index -> its chunk's flat rows
+    # State slots whose sequence starts from position 0 this step: zeroed before the forward.
+    fresh_slots: list[int]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -193,6 +196,8 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.weight_bytes_by_type = weight_bytes_by_type(self.model)
         self.attention_layers = self.model.attention_layers()
+        # Recurrent layers (models/recurrent.py), each with a state per sequence in its slot.
+        self.state_layers = getattr(self.model, "state_layers", list)()
         # Layers grouped by attention type, each group with its own block tables (set
         # before the decoder stack fuses: it takes each layer's group as an option).
         self.kv_groups = kv_cache_groups([layer.sliding_window for layer in self.attention_layers])
@@ -267,6 +272,10 @@ class ModelRunner:
         return kv_bytes_per_block(self.layers_per_block, block_size, heads, head_dim, self.dtype,
                                   kv_cache_dtype)
 
+    def bytes_per_state_slot(self) -> int:
+        """One sequence's state in every recurrent layer (0 without recurrent layers)."""
+        return sum(layer.slot_bytes() for layer in self.state_layers)
+
     def widest_kv_layer(self, kv_cache_dtype: str = "auto") -> tuple[int, int]:
         """(kv_heads, head_dim) of the attention layer whose K (or V) rows take the most room:
         every layer slot of a block is that wide (Gemma 4's sliding and full layers differ in
@@ -295,7 +304,8 @@ class ModelRunner:
             config.block_size, config.max_model_len, config.num_gpu_blocks_override,
             tuple(self.kv_groups), draft_weights, draft_per_block, self.weight_bytes_by_type,
             kv_cache_dtype=kv_dtype,
-            auto_bytes_per_block=self.bytes_per_block(config.block_size) + auto_draft_per_block)
+            auto_bytes_per_block=self.bytes_per_block(config.block_size) + auto_draft_per_block,
+            bytes_per_state_slot=self.bytes_per_state_slot(), max_num_seqs=config.max_num_seqs)
 
     def peak_activation_bytes(self, config: EngineConfig) -> int:
         key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
@@ -324,11 +334,13 @@ class ModelRunner:
             lengths.append(num_tokens % max_model_len)
         blocks_per_seq = -(-max(lengths) // block_size) * len(self.kv_groups)
         self.allocate_kv_cache(block_size, blocks_per_seq * len(lengths))
+        self.allocate_state_slots(len(lengths))
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
                   for i in range(len(lengths))]
         input_ids, positions, meta = self._flat_inputs(
             [(0, n, table) for n, table in zip(lengths, tables)], block_size,
-            token_ids=lambda index, start, end: [0] * (end - start))
+            token_ids=lambda index, start, end: [0] * (end - start),
+            state_slots=list(range(len(lengths))))
 
         def forward():
             with torch.inference_mode():
@@ -337,6 +349,7 @@ class ModelRunner:
 
         peak = measure_peak_bytes(forward, self.device)
         self.kv_cache = None
+        self.allocate_state_slots(0)
         logger.info("profiling forward of %d tokens peaked at %.1f MiB of activations",
                     num_tokens, peak / (1 << 20))
         return peak
@@ -368,6 +381,23 @@ class ModelRunner:
                 layer.key_cache, layer.value_cache = (
                     layer_view(self.kv_cache[part, slot], layer, dtype) for part in (0, 1))
         self.block_size = block_size
+
+    def allocate_state_slots(self, num_slots: int) -> None:
+        """Zeroed [num_slots, *shape] tensors for each state of each recurrent layer (one
+        slot per running sequence, engine.core.state_slots); 0 frees them."""
+        for layer in self.state_layers:
+            layer.states = {name: torch.zeros((num_slots, *shape), dtype=dtype,
+                                              device=self.device)
+                            for name, (shape, dtype) in layer.state_shapes().items()}
+
+    def copy_state_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole slots (every recurrent layer's states): a fork's child starts from its
+        parent's state."""
+        sources = torch.tensor([s for s, _ in copies], device=self.device)
+        targets = torch.tensor([t for _, t in copies], device=self.device)
+        for layer in self.state_layers:
+            for state in layer.states.values():
+                state[targets] = state[sources]
 
     def wait_until_resident(self) -> None:
         """Return once the KV pools allocate_kv_cache made are resident: they are populated
@@ -405,10 +435,12 @@ class ModelRunner:
         targets = torch.tensor(block_ids, device=self.kv_cache.device)
         self.kv_cache[:, :, targets] = data.movedim(0, 2).to(self.kv_cache.device)
 
-    def _flat_inputs(self, pieces, block_size: int, token_ids):
+    def _flat_inputs(self, pieces, block_size: int, token_ids,
+                     state_slots: list[int] | None = None):
         """Flatten (start, end, block_table) pieces into the attention op's ragged layout,
         one slot mapping and block table per KV cache group (each piece's table interleaves
-        its groups' tables, as Sequence.block_table does)."""
+        its groups' tables, as Sequence.block_table does); with recurrent layers, each
+        piece's state slot (`state_slots`) goes along (models/recurrent.py)."""
         groups = len(self.kv_groups)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -433,10 +465,12 @@ class ModelRunner:
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        state = (StateMetadata.build(query_start_loc, state_slots, device)
+                 if self.state_layers else None)
         meta = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64), block_tables=tensor(tables, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(query_start_loc, torch.int32))
+            query_start_loc=tensor(query_start_loc, torch.int32), state=state)
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta
 
     @torch.inference_mode()
@@ -459,21 +493,25 @@ class ModelRunner:
                                        (plan.block_copies, self.kv_cache, self.kv_cache)):
             if copies:
                 self.copy_blocks(copies, source, target)
+        if plan.state_copies:
+            self.copy_state_slots(plan.state_copies)
 
     def prepare(self, scheduled: list[ScheduledSequence], all_positions: tuple[int, ...] = ()
                 ) -> ModelInputs:
         """The forward's inputs as tensors of their own: what `execute` reads."""
         input_ids, positions, meta = self._flat_inputs(
             [(s.start, s.end, s.seq.block_table) for s in scheduled], self.block_size,
-            token_ids=lambda index, start, end: scheduled[index].input_token_ids())
+            token_ids=lambda index, start, end: scheduled[index].input_token_ids(),
+            state_slots=[s.seq.state_slot for s in scheduled])
         last_rows, end = [], 0  # each sampling sequence's last tokens in the flat batch
         for item in scheduled:
             end += item.end - item.start
             if item.samples:
                 last_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
         starts = meta.query_start_loc.tolist() if all_positions else []
+        fresh = [s.seq.state_slot for s in scheduled if s.start == 0] if self.state_layers else []
         return ModelInputs(input_ids, positions, meta, last_rows,
-                           {i: (starts[i], starts[i + 1]) for i in all_positions})
+                           {i: (starts[i], starts[i + 1]) for i in all_positions}, fresh)
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -483,6 +521,11 @@ class ModelRunner:
         verify the proposals and give the token after them); and for each scheduled index
         `prepare` was given in `all_positions`, the logits of every position of its chunk
         (prompt logprobs)."""
+        if inputs.fresh_slots:
+            fresh = torch.tensor(inputs.fresh_slots, device=self.device)
+            for layer in self.state_layers:
+                for state in layer.states.values():
+                    state[fresh] = 0
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         chunk_logits = {i: self.model.compute_logits(hidden[start:end])
                         for i, (start, end) in inputs.chunk_rows.items()}

@@ -5,9 +5,11 @@ from transformers import PretrainedConfig
 
 from kvscope.engine.worker.models.gemma import GemmaForCausalLM
 from kvscope.engine.worker.models.gemma4 import Gemma4ForCausalLM
+from kvscope.engine.worker.models.lfm2 import Lfm2ForCausalLM
 from kvscope.engine.worker.models.llama import LlamaForCausalLM
 from kvscope.engine.worker.models.moe import moe_config
 from kvscope.engine.worker.models.opt import OPTForCausalLM
+from kvscope.engine.worker.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3/3.1/3.2, SmolLM2
@@ -33,6 +35,10 @@ MODEL_REGISTRY = {
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its language model, as Gemma 3's
+    # recurrent layers beside attention: state slots (models/recurrent.py)
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # text only
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,  # text only, on moe.py's experts
 }
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:

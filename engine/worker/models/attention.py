@@ -6,6 +6,7 @@ import torch
 from transformers import PretrainedConfig
 
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
+from kvscope.engine.worker.models.recurrent import StateMetadata
 
 
 @dataclass(slots=True)
@@ -18,6 +19,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [groups, num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: KV length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    # A model with recurrent layers: each sequence's state slot and chunk rows.
+    state: StateMetadata | None = None
     # Each group's rows as views, made once per forward (indexing a tensor per layer costs a
     # dispatcher call, twice per layer: docs/performance-history.md, 'Figures the code's
     # comments quoted').

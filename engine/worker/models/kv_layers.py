@@ -9,6 +9,9 @@ from transformers import PretrainedConfig
 from kvscope.engine.worker.models.attention import layer_windows
 from kvscope.engine.worker.models.gemma4 import gemma4_layer_kinds
 
+# Layer types that keep a recurrent state in a slot, not K/V (LFM2's, Qwen3.5's).
+RECURRENT_LAYER_TYPES = ("conv", "linear_attention")
+
 
 @dataclass(frozen=True)
 class CacheLayer:
@@ -19,12 +22,16 @@ class CacheLayer:
 
 def cache_layers(config: PretrainedConfig) -> list[CacheLayer]:
     """Each KV-writing layer's window and K/V shape, in order. Gemma 4's layers differ in
-    shape and its KV-shared layers write nothing (gemma4.py); every other model's layers are
-    alike, one per decoder layer."""
+    shape and its KV-shared layers write nothing (gemma4.py); recurrent layers (LFM2's
+    convolutions, Qwen3.5's Gated DeltaNet) write none either; every other model's layers
+    are alike, one per decoder layer."""
     if config.model_type == "gemma4_text":
         return [CacheLayer(kind.sliding_window, kind.num_kv_heads, kind.head_dim)
                 for kind in gemma4_layer_kinds(config) if kind.kv_source is None]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return [CacheLayer(window, kv_heads, head_dim) for window in layer_windows(config)]
+    kinds = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+    return [CacheLayer(window, kv_heads, head_dim)
+            for window, kind in zip(layer_windows(config), kinds)
+            if kind not in RECURRENT_LAYER_TYPES]

@@ -198,7 +198,10 @@ def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
 
 
 class LlamaAttention(UsesKernelOps):
-    def __init__(self, config: PretrainedConfig, kind: LayerKind) -> None:
+    def __init__(self, config: PretrainedConfig, kind: LayerKind,
+                 norm_eps: float | None = None) -> None:
+        """norm_eps: the q/k norms' epsilon where the config names it otherwise than
+        rms_norm_eps (LFM2's norm_eps)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -213,8 +216,9 @@ class LlamaAttention(UsesKernelOps):
         if kind.qk_norm is not None:
             # over one head's dims, or over the whole projection's
             heads = (1, 1) if kind.qk_norm == "head" else (self.num_heads, self.num_kv_heads)
-            self.q_norm = RMSNorm(heads[0] * self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(heads[1] * self.head_dim, config.rms_norm_eps)
+            eps = config.rms_norm_eps if norm_eps is None else norm_eps
+            self.q_norm = RMSNorm(heads[0] * self.head_dim, eps)
+            self.k_norm = RMSNorm(heads[1] * self.head_dim, eps)
         self.qk_norm = kind.qk_norm
         # fp32 whatever the model's dtype: the kernels read the sinks so
         self.sinks = (nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))

@@ -39,6 +39,8 @@ from kvscope.kernels.kernel_ops import SWIGLU_ALPHA, SWIGLU_LIMIT
 MOE_MODEL_TYPES = {
     "qwen3_moe": ("num_experts", "moe_intermediate_size", "norm_topk_prob"),
     "qwen2_moe": ("num_experts", "moe_intermediate_size", "norm_topk_prob"),
+    # Qwen3.5-MoE (text): a shared expert as Qwen2-MoE's, the top-k always renormalized
+    "qwen3_5_moe_text": ("num_experts", "moe_intermediate_size", None),
     "olmoe": ("num_experts", "intermediate_size", "norm_topk_prob"),
     "mixtral": ("num_local_experts", "intermediate_size", None),
     # gpt-oss: a softmax over its top-k logits, which is the full softmax's top-k renormalized
