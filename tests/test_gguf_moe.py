@@ -119,3 +119,20 @@ def test_the_c_stack_runs_gguf_experts_as_the_eager_layers_do(moe_gguf, tmp_path
         outputs = run_to_completion(EngineCore(config), prompts, params).outputs
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
     assert runs[0] == runs[1]
+
+
+def test_a_gguf_expert_tensor_the_config_does_not_make_is_refused_by_name(tmp_path,
+                                                                         monkeypatch):
+    """A file whose expert width key disagrees with its expert tensors: the loader names the
+    tensor, its rows and what the config makes, before anything decodes."""
+    select_ops(torch.device("cpu"))  # the C++ kernels' build stays in the usual cache
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    blocks, hf_model = k_quant_moe_model()
+    hf_model.config.moe_intermediate_size = 128  # the key written; the tensors keep 256
+    path = tmp_path / "qwen3moe.gguf"
+    write_model_gguf("qwen3-moe", hf_model, path, blocks=blocks)
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", device_memory_gb=0.05)
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.mlp.experts.gate_proj"
+                                         r".weight' has \[2048, 256\] rows x inputs, but the "
+                                         r"config .* makes it \[8 x 128, 256\]"):
+        ModelRunner(config)

@@ -7,7 +7,9 @@ Every expert's gate/up projection is one stacked linear of experts * 2 * width r
 its down projection another of experts * hidden rows: the checkpoint's tensors (fused 3-D
 ones as transformers 5 holds them, or the hub's per-expert ones) load into their rows,
 and `--quantization int4|int8` packs them like any linear (quantized.py's quantize_model
-swaps every nn.Linear), so one expert is a run of rows of a packed linear.
+swaps every nn.Linear), so one expert is a run of rows of a packed linear. A GGUF file's
+experts (`quantization="gguf"`: one 3-D tensor per part, ffn_{gate,up,down}_exps) stay the
+file's blocks in a GgufLinear of those rows, which the experts op slices per expert.
 
 What a layer does beyond that is read from the config (MoeConfig), so another family (or
 gpt-oss's router bias, expert biases and activation) is a new reading of a config, not a
