@@ -243,10 +243,14 @@ def load_kvscope(path: Path, args: argparse.Namespace, text: str) -> tuple[LLM, 
     plan = llm.engine.memory_plan
     on_file = gguf_tensor_bytes_by_type(path)
     tokens = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"][:args.ppl_tokens]
-    # What a token reads: a MoE model's unchosen experts stay unread.
+    # What a token reads: a MoE model's unchosen experts stay unread, and so does an
+    # embedding table the logits do not read (a lookup reads one row of it).
     layout = llm.engine.expert_layout
     unread = 0 if layout is None else sum(size * (layout.num_experts - layout.top_k)
                                           for size in layout.bytes_per_expert)
+    model = llm.engine.runner.model
+    if not model.tied:
+        unread += sum(p.numel() * p.element_size() for p in model.model.embed_tokens.parameters())
     row = {"load_seconds": round(load_seconds, 1),
            "weight_bytes": plan.weight_bytes, "weight_bytes_by_type": plan.weight_bytes_by_type,
            "weight_bytes_per_token": plan.weight_bytes - unread,
