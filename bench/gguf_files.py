@@ -33,11 +33,21 @@ with random F16 weights and the shipped file's tokenizer (1024,3072,28,16,8 is a
 Qwen3-0.6B's size), whose widths take every k-quant; its perplexities compare the two
 engines' arithmetic, not a model's quality.
 
+--random-moe-shape qwen3-30b-a3b starts from Qwen3-30B-A3B's shape (bench/models.py's:
+128 experts of width 768, top 8, hidden 2048, 32 / 4 heads of 128) with --max-moe-layers of
+its 48 layers (default 2: the whole model does not fit this machine's memory; the report
+says so) and the shipped file's tokenizer (its 49,152 tokens, not Qwen's 151,936), written
+directly as random valid blocks in two mixes (random_moe_gguf): Q4_K_M's as llama.cpp's
+quantizer makes it and Q8_0. Its bandwidth limit counts the bytes a token reads: the top 8
+experts of each layer (gguf_bytes_per_step; kvscope's memory plan less the unchosen
+experts).
+
 Usage:
   flock /work/bench.lock python bench/gguf_files.py   (not bench/gguf.py: that name
   would shadow the gguf package for every script run from bench/)
   python bench/gguf_files.py --files model.Q4_K_M.gguf --num-requests 32 --single-tokens 64
   python bench/gguf_files.py --random-shape 1024,3072,28,16,8
+  python bench/gguf_files.py --random-moe-shape qwen3-30b-a3b --max-moe-layers 2 --skip-batched
 """
 
 import argparse
@@ -56,7 +66,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import numpy as np
 import roofline  # noqa: E402
 import torch
-from gguf import GGUFReader, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 from quantization import TEXT, batched, perplexity, single_stream  # noqa: E402
 from served import cpu_name  # noqa: E402
 from throughput import LlamaCpp, default_llama_python, llama_cpp_available, make_workload  # noqa: E402
@@ -66,6 +76,7 @@ from kvscope import LLM  # noqa: E402
 from kvscope.engine.worker.gguf_weights import gguf_tensor_bytes_by_type  # noqa: E402
 from kvscope.engine.worker.loader import find_default_gguf  # noqa: E402
 from kvscope.engine.worker.memory_bandwidth import weights_read_bandwidth  # noqa: E402
+from kvscope.kernels.gguf_blocks import random_blocks  # noqa: E402
 
 # llama.cpp's file types (llama.h's enum llama_ftype) the default run requantizes into.
 REQUANTIZED = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7}
@@ -129,6 +140,88 @@ def random_shaped_gguf(workdir: Path, shape: str) -> Path:
     return path
 
 
+Q = GGMLQuantizationType
+# Qwen/Qwen3-30B-A3B's shape (bench/models.py's SHAPES): hidden, expert width, experts, top k,
+# heads, KV heads, head size, layers.
+MOE_SHAPES = {"qwen3-30b-a3b": {"hidden": 2048, "width": 768, "experts": 128, "top_k": 8,
+                                "heads": 32, "kv_heads": 4, "head_dim": 128, "layers": 48}}
+# The types of a MoE file's tensors per mix: llama.cpp's Q4_K_M keeps attn_v and ffn_down in
+# Q6_K on half the layers (its use_more_bits picks 24 of 48; here every other layer) and the
+# output in Q6_K, the rest in Q4_K; Q8_0 everything. Norms and routers stay F32, as there.
+MOE_MIXES = {
+    "Q4_K_M": lambda name, layer: (Q.Q6_K if name == "output" or (
+        name in ("attn_v", "ffn_down_exps") and layer % 2 == 0) else Q.Q4_K),
+    "Q8_0": lambda name, layer: Q.Q8_0,
+}
+
+
+def random_moe_gguf(workdir: Path, shape: str, layers: int, mix: str) -> Path:
+    """A Qwen3-MoE GGUF of MOE_SHAPES[shape] with `layers` layers, every matrix random valid
+    blocks of MOE_MIXES[mix] (values do not change the work), with the shipped file's
+    tokenizer and chat template."""
+    size = MOE_SHAPES[shape]
+    path = workdir / f"random-{shape}-{layers}-layers.{mix}.gguf"
+    if path.is_file():
+        return path
+    source = GGUFReader(find_default_gguf())
+    vocab = int(source.fields["llama.vocab_size"].contents())
+    hidden, width, experts = size["hidden"], size["width"], size["experts"]
+    q_width, kv_width = size["heads"] * size["head_dim"], size["kv_heads"] * size["head_dim"]
+    writer = GGUFWriter(path, "qwen3moe")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(6144)
+    writer.add_expert_feed_forward_length(width)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(size["top_k"])
+    writer.add_head_count(size["heads"])
+    writer.add_head_count_kv(size["kv_heads"])
+    writer.add_key_length(size["head_dim"])
+    writer.add_value_length(size["head_dim"])
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 field.types[-1] if len(field.types) > 1 else None)
+    generator = np.random.default_rng(0)
+    kind_of = MOE_MIXES[mix]
+
+    def blocks(name: str, layer: int, *shape: int) -> None:
+        kind = kind_of(name.split(".")[-1], layer)
+        rows = random_blocks(kind, int(np.prod(shape[:-1])), shape[-1], generator)
+        full = f"blk.{layer}.{name}.weight" if layer >= 0 else f"{name}.weight"
+        writer.add_tensor(full, rows.reshape(*shape[:-1], -1), raw_dtype=kind)
+
+    def dense(name: str, values: np.ndarray) -> None:
+        writer.add_tensor(name, values.astype(np.float32))
+
+    blocks("token_embd", -1, vocab, hidden)
+    dense("output_norm.weight", np.ones(hidden))
+    blocks("output", -1, vocab, hidden)
+    for layer in range(layers):
+        dense(f"blk.{layer}.attn_norm.weight", np.ones(hidden))
+        dense(f"blk.{layer}.ffn_norm.weight", np.ones(hidden))
+        dense(f"blk.{layer}.attn_q_norm.weight", np.ones(size["head_dim"]))
+        dense(f"blk.{layer}.attn_k_norm.weight", np.ones(size["head_dim"]))
+        dense(f"blk.{layer}.ffn_gate_inp.weight",
+              generator.standard_normal((experts, hidden)) / hidden ** 0.5)
+        blocks("attn_q", layer, q_width, hidden)
+        blocks("attn_k", layer, kv_width, hidden)
+        blocks("attn_v", layer, kv_width, hidden)
+        blocks("attn_output", layer, hidden, q_width)
+        blocks("ffn_gate_exps", layer, experts, width, hidden)
+        blocks("ffn_up_exps", layer, experts, width, hidden)
+        blocks("ffn_down_exps", layer, experts, hidden, width)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def default_files(workdir: Path, llama_python: str | None, source: Path) -> list[Path]:
     """`source`, and its requantizations where llama-cpp-python runs."""
     files = [source]
@@ -150,8 +243,17 @@ def load_kvscope(path: Path, args: argparse.Namespace, text: str) -> tuple[LLM, 
     plan = llm.engine.memory_plan
     on_file = gguf_tensor_bytes_by_type(path)
     tokens = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"][:args.ppl_tokens]
+    # What a token reads: a MoE model's unchosen experts stay unread, and so does an
+    # embedding table the logits do not read (a lookup reads one row of it).
+    layout = llm.engine.expert_layout
+    unread = 0 if layout is None else sum(size * (layout.num_experts - layout.top_k)
+                                          for size in layout.bytes_per_expert)
+    model = llm.engine.runner.model
+    if not model.tied:
+        unread += sum(p.numel() * p.element_size() for p in model.model.embed_tokens.parameters())
     row = {"load_seconds": round(load_seconds, 1),
            "weight_bytes": plan.weight_bytes, "weight_bytes_by_type": plan.weight_bytes_by_type,
+           "weight_bytes_per_token": plan.weight_bytes - unread,
            "file_tensor_bytes": sum(on_file.values()), "file_tensor_bytes_by_type": on_file,
            "weight_vs_file": round(plan.weight_bytes / sum(on_file.values()), 3)}
     return llm, row, tokens
@@ -233,10 +335,11 @@ def ratios(ours: dict, theirs: dict | None) -> dict:
 
 def bandwidth_shares(ours: dict, theirs: dict | None, bandwidth: float) -> dict:
     """Each engine's single stream over the rate at which `bandwidth` could stream the weight
-    bytes it reads per token (kvscope: the memory plan's weight bytes; llama.cpp: the file's
-    tensors as stored). No engine can beat llama.cpp by more than the inverse of llama.cpp's
-    share."""
-    shares = {"kvscope": round(ours["single_stream_tok_s"] * ours["weight_bytes"] / bandwidth, 3)}
+    bytes it reads per token (kvscope: the memory plan's weight bytes, a MoE model's chosen
+    experts only; llama.cpp: the file's tensors as stored, gguf_bytes_per_step). No engine
+    can beat llama.cpp by more than the inverse of llama.cpp's share."""
+    shares = {"kvscope": round(ours["single_stream_tok_s"] * ours["weight_bytes_per_token"]
+                               / bandwidth, 3)}
     if theirs is not None:
         shares["llama_cpp"] = round(theirs["single_stream_tok_s"] * theirs["weight_bytes_per_step"]
                                     / bandwidth, 3)
@@ -264,6 +367,11 @@ def main() -> None:
     parser.add_argument("--random-shape", default=None,
                         help="HIDDEN,FFN,LAYERS,HEADS,KV_HEADS: start from a random Llama of "
                              "this shape instead of the shipped file")
+    parser.add_argument("--random-moe-shape", default=None, choices=list(MOE_SHAPES),
+                        help="start from random blocks of this MoE shape, in Q4_K_M's and "
+                             "Q8_0's mixes, instead of the shipped file")
+    parser.add_argument("--max-moe-layers", type=int, default=2,
+                        help="layers of --random-moe-shape written and measured")
     parser.add_argument("--llama-python", default=default_llama_python(),
                         help="the interpreter with llama-cpp-python (default: "
                              "$KVSCOPE_LLAMA_PYTHON, else this one)")
@@ -273,11 +381,22 @@ def main() -> None:
     with_llama_cpp = llama_cpp_available(args.llama_python)
     source = (random_shaped_gguf(workdir, args.random_shape) if args.random_shape
               else find_default_gguf())
-    files = ([Path(f) for f in args.files.split(",")] if args.files
-             else default_files(workdir, args.llama_python if with_llama_cpp else None, source))
+    if args.files:
+        files = [Path(f) for f in args.files.split(",")]
+    elif args.random_moe_shape:
+        files = [random_moe_gguf(workdir, args.random_moe_shape, args.max_moe_layers, mix)
+                 for mix in MOE_MIXES]
+    else:
+        files = default_files(workdir, args.llama_python if with_llama_cpp else None, source)
     text = TEXT.read_text()
     report = {"torch_threads": torch.get_num_threads(), "cpu": cpu_name(),
               "machine": platform.processor() or platform.machine(), "files": {}}
+    if args.random_moe_shape:
+        full = MOE_SHAPES[args.random_moe_shape]["layers"]
+        report["layers"] = {"layers": args.max_moe_layers, "full_model_layers": full}
+        if args.max_moe_layers < full:
+            report["layers"]["note"] = ("fewer layers of the same shape: the whole model does "
+                                        "not fit this machine's memory")
     if not with_llama_cpp:
         report["llama_cpp"] = (f"llama-cpp-python is not installed for {args.llama_python} (it "
                                "is built from source: see docs/benchmarks.md; --llama-python names a "

@@ -27,7 +27,9 @@ class EngineConfig:
     # Weight-only: int8 per output channel, or int4 with a scale and zero per group of
     # quantization_group_size inputs; activations and the KV cache keep `dtype`. "gguf":
     # a GGUF model's tensors kept in the blocks its file stores (Q4_K, Q6_K, Q8_0, ...).
-    quantization: str = "none"
+    # None (unset): "gguf" for a .gguf file, served as it ships (vLLM infers it from the
+    # file too), else "none"; an explicit "none" de-quantizes a GGUF, int4 / int8 re-pack it.
+    quantization: str | None = None
     quantization_group_size: int = 32
     # vLLM's name: True runs the model layer by layer from Python (the oracle path); by
     # default a Llama-family model on the C++ CPU kernels runs its decoder stack in one call.
@@ -94,8 +96,10 @@ class EngineConfig:
         """Raise ValueError naming the knob, its value and the allowed range."""
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
+        if self.quantization is None:
+            self.quantization = "gguf" if is_gguf_path(self.model) else "none"
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
-        if self.quantization == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
+        if self.quantization == "gguf" and self.model is not None and not is_gguf_path(self.model):
             raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, so model must be a "
                              f".gguf file (or None, the default GGUF), not {self.model!r}")
         if (type(self.quantization_group_size) is not int
@@ -187,6 +191,11 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def is_gguf_path(model: Any) -> bool:
+    """Whether the `model` knob names a .gguf file (None, the default model, does not)."""
+    return model is not None and str(model).endswith(".gguf")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -323,7 +323,7 @@ def moe_experts(hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: 
         hidden, expert_ids.contiguous(), expert_weights.float().contiguous(), gate_up.weight,
         gate_up.bias, gate_up.scales, gate_up.offsets, down.weight, down.bias, down.scales,
         down.offsets, max(gate_up.group_size, down.group_size), kernel_max_rows, activation, out,
-        counts)
+        counts, gate_up.num_experts, list(gate_up.gguf), list(down.gguf))
     return out
 
 

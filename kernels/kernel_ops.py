@@ -130,13 +130,22 @@ class ExpertWeights:
     float16 scales and offsets [experts, out, in / group_size]) or int8 (int8
     [experts, out, in], fp32 scales [experts, out]); or MXFP4 as gpt-oss ships it
     (kernels/mxfp4.py: uint8 blocks [experts, out, in / 32, 16], uint8 scales
-    [experts, out, in / 32]). bias: [experts, out] or None."""
+    [experts, out, in / 32]). bias: [experts, out] or None. GGUF (the C++ kernels only):
+    one GgufLinear over every expert's rows, `gguf` its runs of rows and `weight` their
+    parts, int64 [runs, 3] (type code, first row, end row), `experts` of them sharing the
+    rows equally."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     group_size: int = 0
+    gguf: tuple[torch.Tensor, ...] = ()
+    experts: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts if self.gguf else self.weight.shape[0]
 
 
 # The activations between an expert's gate/up and down projections, by name: the gate half

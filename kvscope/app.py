@@ -112,7 +112,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     model.add_argument("--quantization", default=DEFAULTS["quantization"], choices=QUANTIZATIONS,
                        help="weight-only quantization: int4 (a scale and zero per group; a Q4_1 "
                        "GGUF loads as it ships) or int8 (per output channel); embedding and "
-                       "lm_head are int8 in both")
+                       "lm_head are int8 in both. gguf: a .gguf file's blocks as it stores "
+                       "them (the default for a .gguf --model; none de-quantizes it)")
     model.add_argument("--quantization-group-size", type=int,
                        default=DEFAULTS["quantization_group_size"],
                        choices=QUANTIZATION_GROUP_SIZES, help="inputs per int4 scale and zero")

@@ -36,7 +36,8 @@ from kvscope.kernels.gguf_blocks import random_blocks
 
 # The tiny models' architectures -> llama.cpp's (Llama 3.2 is a llama GGUF with rope_freqs).
 GGUF_ARCH = {"llama": MODEL_ARCH.LLAMA, "llama3": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3,
-             "phi3": MODEL_ARCH.PHI3, "qwen2": MODEL_ARCH.QWEN2, "smollm3": MODEL_ARCH.SMOLLM3}
+             "phi3": MODEL_ARCH.PHI3, "qwen2": MODEL_ARCH.QWEN2, "smollm3": MODEL_ARCH.SMOLLM3,
+             "qwen3-moe": MODEL_ARCH.QWEN3MOE}
 # llama.cpp's converter permutes these architectures' Q / K rows (SmolLM3 is written as a Llama).
 PERMUTED_ARCH = (MODEL_ARCH.LLAMA, MODEL_ARCH.SMOLLM3)
 CHAT_TEMPLATE = "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}{% endfor %}"
@@ -54,8 +55,10 @@ def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
 def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32,
                      blocks: dict | None = None, rope_scaling: RopeScalingType | None = None) -> None:
     """hf_model as llama.cpp's converter writes it (names from the gguf package's own map);
-    `blocks`: {transformers name: (type, rows of blocks)} written as they are instead;
-    `rope_scaling`: a rope.scaling.type key beside the model's own rotary."""
+    `blocks`: {transformers name: (type, rows of blocks)} written as they are instead (a MoE
+    layer's experts as one tensor per part, "...mlp.experts.gate_proj.weight" [experts,
+    width, row bytes], in place of transformers' fused ones); `rope_scaling`: a
+    rope.scaling.type key beside the model's own rotary."""
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
@@ -68,6 +71,10 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32,
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "num_experts", None):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     rotary = config.rope_parameters
     writer.add_rope_freq_base(rotary["rope_theta"])
     writer.add_rope_dimension_count(int(head_dim * rotary.get("partial_rotary_factor", 1.0)))
@@ -91,10 +98,13 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32,
     writer.add_pad_token_id(0)
     writer.add_chat_template(CHAT_TEMPLATE)
     names = get_tensor_name_map(GGUF_ARCH[arch], config.num_hidden_layers)
-    for name, tensor in hf_model.state_dict().items():
+    tensors = {name: tensor.numpy() for name, tensor in hf_model.state_dict().items()
+               if ".mlp.experts." not in name}
+    tensors.update({name: None for name in blocks or {} if name not in tensors})
+    for name, tensor in tensors.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        tensor_kind, values = (blocks or {}).get(name, (kind, tensor.numpy()))
+        tensor_kind, values = (blocks or {}).get(name, (kind, tensor))
         if GGUF_ARCH[arch] in PERMUTED_ARCH and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             values = llama_cpp_permute(values, heads)
@@ -144,13 +154,15 @@ K_QUANT_MIX = {"q_proj": Q.Q4_K, "k_proj": Q.Q5_K, "v_proj": Q.Q6_K, "o_proj": Q
 FALLBACK = {0: Q.Q4_1, 1: Q.Q4_0, 2: Q.Q5_1}
 
 
-def k_quant_model(arch: str, dense: tuple[str, ...] = ()):
+def k_quant_model(arch: str, dense: tuple[str, ...] = (), overrides: dict | None = None):
     """A tiny model at k-quant width (inputs of 256 and 512) whose every matrix is made of
     random valid blocks in the K_QUANT_MIX type, or stored F16 where its module's name is in
-    `dense`: (the blocks, transformers' model holding their de-quantized values)."""
+    `dense`: (the blocks, transformers' model holding their de-quantized values).
+    `overrides`: config fields beside those widths."""
     config = conftest._tiny_config(arch)
     config = config.__class__.from_dict({**config.to_dict(), "hidden_size": 256,
-                                         "intermediate_size": 512, "num_attention_heads": 16})
+                                         "intermediate_size": 512, "num_attention_heads": 16,
+                                         **(overrides or {})})
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
@@ -172,7 +184,8 @@ def k_quant_model(arch: str, dense: tuple[str, ...] = ()):
     return blocks, hf_model
 
 
-@pytest.mark.parametrize("arch", list(GGUF_ARCH))
+# The mixture of experts has its expert tensors made and checked in test_gguf_moe.py.
+@pytest.mark.parametrize("arch", [arch for arch in GGUF_ARCH if arch != "qwen3-moe"])
 def test_a_k_quant_gguf_of_each_architecture_serves_its_blocks_as_stored(arch, tmp_path,
                                                                          monkeypatch):
     """quantization="gguf": the file's blocks are the weights (their bytes per type are the
@@ -193,6 +206,26 @@ def test_a_k_quant_gguf_of_each_architecture_serves_its_blocks_as_stored(arch, t
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # no converted weights
     outputs = run_to_completion(EngineCore(config, runner=runner), PROMPTS, GREEDY).outputs
     assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(hf_model, PROMPTS, 8)
+
+
+def test_a_gguf_file_is_served_as_it_ships_without_the_quantization_knob(tmp_path, monkeypatch):
+    """quantization unset: a .gguf model is "gguf" (vLLM infers it from the file too), so
+    its weights take the file's block bytes, not a de-quantized copy; an explicit "none"
+    is kept (it de-quantizes), and a folder's unset quantization is "none"."""
+    select_ops(torch.device("cpu"))  # the C++ kernels' build stays in the usual cache
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    blocks, hf_model = k_quant_model("qwen3")
+    path = tmp_path / "qwen3.gguf"
+    write_model_gguf("qwen3", hf_model, path, blocks=blocks)
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", device_memory_gb=0.05)
+    assert config.quantization == "gguf"
+    held = ModelRunner(config).weight_bytes_by_type
+    on_file = gguf_tensor_bytes_by_type(path)
+    assert {kind: size for kind, size in held.items() if kind.startswith("Q")} == {
+        kind: size for kind, size in on_file.items() if kind.startswith("Q")}
+    assert held["float32"] == on_file["F32"]  # the norms: no block was widened
+    assert EngineConfig(model=str(path), quantization="none").quantization == "none"
+    assert EngineConfig(model=str(tmp_path)).quantization == "none"
 
 
 def test_a_missing_gguf_file_is_refused_by_name(tmp_path):
@@ -361,5 +394,6 @@ def test_gguf_architectures_and_types_kvscope_does_not_read_are_refused_by_name(
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match=r"GGUF architecture 'gemma' is not supported; "
-                                         r"supported: \['llama', 'qwen2', 'qwen3', 'phi3', 'smollm3'\]"):
+                                         r"supported: \['llama', 'qwen2', 'qwen3', 'qwen3moe', "
+                                         r"'phi3', 'smollm3'\]"):
         greedy(str(other))

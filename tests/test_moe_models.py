@@ -237,13 +237,3 @@ def test_olmoe_q_k_norms_need_head_dim_times_heads_to_be_hidden_size():
     with pytest.raises(ValueError, match=r"head_dim=32 must be hidden_size / num_attention_heads "
                                          r"\(16\) for olmoe's q/k norms"):
         LlamaForCausalLM(config, 64, 64)
-
-
-def test_gguf_quantization_of_experts_is_refused(tiny_model):
-    from kvscope.engine.worker.models.llama import LlamaForCausalLM
-    from kvscope.engine.worker.models.quantized import quantize_model
-
-    model = LlamaForCausalLM(tiny_model("mixtral").hf_model.config, 64, 64)
-    with pytest.raises(ValueError, match="quantization='gguf' of mixture-of-experts layers is "
-                                         "not supported; supported for them: none, int4, int8"):
-        quantize_model(model, "gguf", 32)

@@ -394,7 +394,7 @@ def test_unsupported_gguf_type_names_the_tensor_and_its_type(tmp_path):
         list(iter_gguf_weights(path, None))
 
 
-@pytest.mark.parametrize(("knob", "value"), [("quantization", "int3"), ("quantization", None),
+@pytest.mark.parametrize(("knob", "value"), [("quantization", "int3"), ("quantization", ""),
                                              ("quantization_group_size", 48),
                                              ("quantization_group_size", 32.0)])
 def test_bad_quantization_knobs_name_the_knob_and_the_choices(knob, value):

@@ -33,11 +33,16 @@ BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# A MoE layer's router and its experts' parts, one 3-D tensor [experts, out, in] each.
+EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
 # Each architecture's block names beyond (or instead of) Llama's, as llama.cpp writes them.
 ARCHITECTURE_BLOCK_NAMES = {
     "llama": {},
     "qwen2": {},
-    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "qwen3": QK_NORM_NAMES,
+    "qwen3moe": {**QK_NORM_NAMES, **EXPERT_NAMES},
     # Phi-3 keeps its fused projections: ffn_up holds gate and up, attn_qkv q, k and v.
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "smollm3": {},
@@ -45,8 +50,13 @@ ARCHITECTURE_BLOCK_NAMES = {
 GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BLOCK_NAMES)
 # The transformers class each one is (a config read from a GGUF file names none).
 ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                        "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                        "smollm3": "SmolLM3ForCausalLM"}
+                        "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                        "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+# What transformers' GGUF reader leaves out of a MoE config, from llama.cpp's keys: the
+# experts' width (expert_feed_forward_length); and whether the top-k weights are
+# renormalized, which llama.cpp's graph fixes per architecture (Qwen3-MoE's always are).
+MOE_WIDTH_KEY = "expert_feed_forward_length"
+NORMALIZED_TOP_K = {"qwen3moe": True}
 # llama.cpp's converter writes SmolLM3 as a Llama (its Q / K rows permuted too).
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
 # Architectures transformers' GGUF reader does not know: their config, tokenizer and fp32
@@ -142,6 +152,9 @@ def gguf_config(path: Path) -> PretrainedConfig:
         config.architectures = [ARCHITECTURE_CLASSES[architecture]]
     if field("attention.key_length") is not None:
         config.head_dim = field("attention.key_length")
+    if architecture in NORMALIZED_TOP_K:
+        config.moe_intermediate_size = field(MOE_WIDTH_KEY)
+        config.norm_topk_prob = NORMALIZED_TOP_K[architecture]
     if "rope_freqs.weight" in factors:
         divisors = factors["rope_freqs.weight"]
         config.rope_parameters = {
@@ -197,11 +210,19 @@ def gguf_tensor_bytes_by_type(path: Path) -> dict[str, int]:
 def gguf_bytes_per_step(path: Path) -> int:
     """The bytes one decode step reads from a GGUF's tensors as stored (Q4_1 blocks, the Q8_0
     table...): all of them, less the token embedding table when a separate output.weight
-    makes the logits read that one (a lookup reads one row of the table)."""
-    sizes = {tensor.name: int(tensor.n_bytes) for tensor in open_gguf(path).tensors}
+    makes the logits read that one (a lookup reads one row of the table); of a MoE layer's
+    experts (ffn_*_exps), the share one token routes to (expert_used_count of
+    expert_count)."""
+    reader = open_gguf(path)
+    architecture = reader.fields["general.architecture"].contents()
+    counts = [reader.fields.get(f"{architecture}.{key}") for key in ("expert_used_count",
+                                                                      "expert_count")]
+    share = counts[0].contents() / counts[1].contents() if all(counts) else 1.0
+    sizes = {tensor.name: int(tensor.n_bytes) * (share if "_exps." in tensor.name else 1)
+             for tensor in reader.tensors}
     if "output.weight" in sizes:
-        return sum(sizes.values()) - sizes["token_embd.weight"]
-    return sum(sizes.values())
+        return round(sum(sizes.values()) - sizes["token_embd.weight"])
+    return round(sum(sizes.values()))
 
 
 def iter_gguf_weights(path: Path, config: PretrainedConfig,

@@ -52,7 +52,8 @@ TORCH_LIBRARY(kvscope, m) {
   m.def("moe_experts(Tensor hidden, Tensor expert_ids, Tensor expert_weights, Tensor gate_up, "
         "Tensor? gate_up_bias, Tensor? gate_up_scales, Tensor? gate_up_offsets, Tensor down, "
         "Tensor? down_bias, Tensor? down_scales, Tensor? down_offsets, int group_size, "
-        "int kernel_max_rows, str activation, Tensor(a!) out, Tensor(b!)? expert_counts) -> ()");
+        "int kernel_max_rows, str activation, Tensor(a!) out, Tensor(b!)? expert_counts, "
+        "int num_experts, Tensor[] gate_up_gguf, Tensor[] down_gguf) -> ()");
   // recurrent/causal_conv.cpp, recurrent/delta_rule.cpp
   m.def("causal_conv1d_prefill(Tensor x, Tensor(a!) conv_state, int slot, Tensor weight, "
         "Tensor? bias, str activation, Tensor(b!) out) -> ()");

@@ -80,7 +80,9 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids,
                  const std::optional<at::Tensor>& down_scales,
                  const std::optional<at::Tensor>& down_offsets, int64_t group_size,
                  int64_t kernel_max_rows, const std::string& activation, at::Tensor out,
-                 const std::optional<at::Tensor>& expert_counts);
+                 const std::optional<at::Tensor>& expert_counts, int64_t num_experts,
+                 const std::vector<at::Tensor>& gate_up_gguf,
+                 const std::vector<at::Tensor>& down_gguf);
 
 // recurrent/causal_conv.cpp, recurrent/delta_rule.cpp: the recurrent layers' ops over a pool
 // of per-sequence states, updated in place (contracts: kernels/reference.py); activation

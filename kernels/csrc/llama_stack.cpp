@@ -223,6 +223,8 @@ class NameReader {
   // tensors viewed per expert, [experts, rows per expert, ...].
   kvscope::ExpertLinears experts(const std::string& module, int64_t count) {
     static_assert(std::is_same_v<Value, at::Tensor>, "experts() reads tensors");
+    if (named_.contains(module + ".gguf_parts"))
+      return kvscope::ExpertLinears::from_gguf(linear(module), count);
     auto per_expert = [count](const at::Tensor& rows) {
       TORCH_CHECK(rows.size(0) % count == 0, "LlamaDecoderStack: ", rows.size(0),
                   " expert rows for ", count, " experts");

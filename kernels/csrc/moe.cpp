@@ -20,7 +20,41 @@
 #include "cpu_ops.h"
 #include "work_pool.h"
 
+kvscope::ExpertLinears kvscope::ExpertLinears::from_gguf(const LinearWeights& stacked,
+                                                         int64_t experts) {
+  const at::Tensor& parts = *stacked.gguf_parts;
+  TORCH_CHECK(parts.dim() == 2 && parts.size(1) == 3 && parts.scalar_type() == at::kLong &&
+                  parts.is_contiguous() && parts.size(0) > 0 &&
+                  parts.size(0) == static_cast<int64_t>(stacked.gguf_weights.size()),
+              "moe_experts: a GGUF projection's parts are int64 [runs, 3], one per run");
+  const int64_t rows = stacked.out_features();
+  TORCH_CHECK(experts > 0 && rows % experts == 0, "moe_experts: ", rows, " GGUF rows for ",
+              experts, " experts");
+  const int64_t share = rows / experts, runs = parts.size(0);
+  const int64_t* part = parts.data_ptr<int64_t>();
+  ExpertLinears linears;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t first = e * share, end = first + share;
+    LinearWeights linear;
+    std::vector<int64_t> own;  // (type, first row, end row) per run, rows from the expert's
+    for (int64_t r = 0; r < runs; ++r) {
+      const int64_t from = std::max(first, part[3 * r + 1]), to = std::min(end, part[3 * r + 2]);
+      if (from >= to) continue;
+      own.insert(own.end(), {part[3 * r], from - first, to - first});
+      linear.gguf_weights.push_back(
+          stacked.gguf_weights[r].narrow(0, from - part[3 * r + 1], to - from));
+    }
+    const int64_t own_runs = static_cast<int64_t>(own.size()) / 3;
+    linear.gguf_parts = at::empty({own_runs, 3}, at::kLong);
+    std::copy(own.begin(), own.end(), linear.gguf_parts->data_ptr<int64_t>());
+    if (stacked.bias) linear.bias = stacked.bias->view({-1}).narrow(0, first, share);
+    linears.gguf_experts.push_back(std::move(linear));
+  }
+  return linears;
+}
+
 kvscope::LinearWeights kvscope::ExpertLinears::expert(int64_t e) const {
+  if (!gguf_experts.empty()) return gguf_experts[e];
   LinearWeights linear;
   linear.weight = weight.select(0, e);
   if (bias) linear.bias = bias->select(0, e);
@@ -189,10 +223,25 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids,
                  const std::optional<at::Tensor>& down_scales,
                  const std::optional<at::Tensor>& down_offsets, int64_t group_size,
                  int64_t kernel_max_rows, const std::string& activation, at::Tensor out,
-                 const std::optional<at::Tensor>& expert_counts) {
+                 const std::optional<at::Tensor>& expert_counts, int64_t num_experts,
+                 const std::vector<at::Tensor>& gate_up_gguf,
+                 const std::vector<at::Tensor>& down_gguf) {
+  // A GGUF projection comes as its runs (*_gguf), its weight their parts [runs, 3] over every
+  // expert's rows (kernel_ops.ExpertWeights).
+  auto linears = [num_experts](const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& scales,
+                               const std::optional<at::Tensor>& offsets,
+                               const std::vector<at::Tensor>& gguf) -> kvscope::ExpertLinears {
+    if (gguf.empty()) return {weight, bias, scales, offsets};
+    kvscope::LinearWeights stacked;
+    stacked.gguf_parts = weight;
+    stacked.gguf_weights = gguf;
+    stacked.bias = bias;
+    return kvscope::ExpertLinears::from_gguf(stacked, num_experts);
+  };
   kvscope::run_experts(hidden, expert_ids, expert_weights,
-                       {gate_up, gate_up_bias, gate_up_scales, gate_up_offsets},
-                       {down, down_bias, down_scales, down_offsets},
+                       linears(gate_up, gate_up_bias, gate_up_scales, gate_up_offsets, gate_up_gguf),
+                       linears(down, down_bias, down_scales, down_offsets, down_gguf),
                        kvscope::expert_activation(activation), {group_size, kernel_max_rows},
                        out, expert_counts);
 }

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "project.h"
 
@@ -19,13 +20,24 @@ namespace kvscope {
 // One projection of every expert, stacked along a first dimension of experts, as
 // kernels/kernel_ops.py's ExpertWeights describes: dense [experts, out, in], int4 (uint8
 // [experts, out, in / 2] with float16 scales and offsets [experts, out, groups]) or int8
-// (int8 [experts, out, in] with fp32 scales [experts, out]); bias [experts, out].
+// (int8 [experts, out, in] with fp32 scales [experts, out]); bias [experts, out]. A GGUF
+// projection (one GGUF layer over every expert's rows) is held as each expert's own GGUF
+// layer instead (from_gguf), and `weight` is unused.
 struct ExpertLinears {
   at::Tensor weight;
   std::optional<at::Tensor> bias, scales, offsets;
+  std::vector<LinearWeights> gguf_experts;
 
-  int64_t experts() const { return weight.size(0); }
-  int64_t out_features() const { return weight.size(1); }
+  // `stacked`'s rows (a GGUF layer: gguf_parts and gguf_weights, and its bias) as `experts`
+  // equal shares, each expert's runs views of the stacked runs it spans.
+  static ExpertLinears from_gguf(const LinearWeights& stacked, int64_t experts);
+
+  int64_t experts() const {
+    return gguf_experts.empty() ? weight.size(0) : static_cast<int64_t>(gguf_experts.size());
+  }
+  int64_t out_features() const {
+    return gguf_experts.empty() ? weight.size(1) : gguf_experts.front().out_features();
+  }
   // Expert e's weights as one linear (views of its rows).
   LinearWeights expert(int64_t e) const;
 };

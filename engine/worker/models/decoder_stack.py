@@ -12,13 +12,6 @@ from kvscope.engine.worker.models.quantized import GgufLinear, Int4Linear, kerne
 from kvscope.kernels import EXPERT_ACTIVATIONS
 
 
-def gguf_parts(module: GgufLinear) -> torch.Tensor:
-    """A GGUF layer's runs for the C++ stack: (type code, first row, end row) per run, in
-    the order of its `weights`."""
-    return torch.tensor([[part.code, part.rows.start, part.rows.stop]
-                         for part in module.parts], dtype=torch.int64)
-
-
 def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     """A layer's tensors for the C++ stack: its parameters by name, but a prepacked linear's
     weight as "<module>.tiles" and, where oneDNN laid it out, its oneDNN tensor as
@@ -31,7 +24,7 @@ def stack_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
             if module.prepacked.onednn is not None:
                 tensors[f"{name}.onednn"] = module.prepacked.onednn
         if isinstance(module, GgufLinear):
-            tensors[f"{name}.gguf_parts"] = gguf_parts(module)
+            tensors[f"{name}.gguf_parts"] = module.parts_table()
         if isinstance(module, Experts) and module.token_counts is not None:
             tensors[f"{name}.token_counts"] = module.token_counts
     return tensors

@@ -7,7 +7,9 @@ Every expert's gate/up projection is one stacked linear of experts * 2 * width r
 its down projection another of experts * hidden rows: the checkpoint's tensors (fused 3-D
 ones as transformers 5 holds them, or the hub's per-expert ones) load into their rows,
 and `--quantization int4|int8` packs them like any linear (quantized.py's quantize_model
-swaps every nn.Linear), so one expert is a run of rows of a packed linear.
+swaps every nn.Linear), so one expert is a run of rows of a packed linear. A GGUF file's
+experts (`quantization="gguf"`: one 3-D tensor per part, ffn_{gate,up,down}_exps) stay the
+file's blocks in a GgufLinear of those rows, which the experts op slices per expert.
 
 What a layer does beyond that is read from the config (MoeConfig), so another family (or
 gpt-oss's router bias, expert biases and activation) is a new reading of a config, not a
@@ -24,6 +26,9 @@ from transformers import PretrainedConfig
 from kvscope.engine.worker.models.bound_ops import UsesKernelOps
 from kvscope.engine.worker.models.layers import LoadsOwnTensors
 from kvscope.engine.worker.models.quantized import (
+    GgufBlocks,
+    GgufLinear,
+    GroupQuantized,
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
@@ -219,6 +224,8 @@ EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
 HUB_NAMES = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj",
              ("down_proj", None): "down_proj"}
 _PER_EXPERT = re.compile(r"(\d+)\.(\w+)\.(weight|bias)")
+# One part of every expert, [experts, out, in] (a GGUF file's ffn_{gate,up,down}_exps).
+_EVERY_EXPERT = re.compile(r"(gate_proj|up_proj|down_proj)\.weight")
 _FUSED = re.compile(r"(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
 
 
@@ -242,11 +249,28 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
     # ---- loading -----------------------------------------------------------------------
     def load_tensor(self, name: str, tensor, checkpoint_name: str) -> None:
         """A checkpoint tensor under this module (`name` relative to it): fused
-        (gate_up_proj [experts, 2 * width, hidden], down_proj, their _bias) or one
+        (gate_up_proj [experts, 2 * width, hidden], down_proj, their _bias), one part of
+        every expert (gate_proj.weight [experts, width, hidden], as GGUF blocks too) or one
         expert's (3.gate_proj.weight, 3.w2.weight ...)."""
         fused, per_expert = _FUSED.fullmatch(name), _PER_EXPERT.fullmatch(name)
         experts, width, hidden = (self.moe.num_experts, self.moe.intermediate_size,
                                   self.moe.hidden_size)
+        if every_expert := _EVERY_EXPERT.fullmatch(name):
+            projection, half = EXPERT_PARTS[every_expert.group(1)]
+            out, into = (width, hidden) if projection == "gate_up_proj" else (hidden, width)
+            if checkpoint_rows(tensor) != (experts * out, into):
+                raise ValueError(
+                    f"model: checkpoint tensor {checkpoint_name!r} has "
+                    f"{list(checkpoint_rows(tensor))} rows x inputs, but the config "
+                    f"(num_experts={experts}, hidden_size={hidden}, expert width {width}) makes "
+                    f"it [{experts} x {out}, {into}]")
+            rows_per_expert = 2 * width if projection == "gate_up_proj" else hidden
+            for index in range(experts):
+                start = index * rows_per_expert + (half or 0) * width
+                self._stage(projection, slice(start, start + out), "weight",
+                            checkpoint_row_slice(tensor, index * out, (index + 1) * out))
+                self.loaded.add(f"{index}.{HUB_NAMES[projection, half]}.weight")
+            return
         if fused:
             projection, suffix = fused.group(1), fused.group(2) or ""
             kind = {"": "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scales"}[suffix]
@@ -306,9 +330,11 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
         elif isinstance(linear, Mxfp4ExpertsLinear):
             target = linear.scales if kind == "scales" else linear.weight
             target.data[rows].copy_(value.reshape(-1, *target.shape[1:]))
-        elif isinstance(linear, QuantizedLinear):
-            linear.stage_rows(rows, value.reshape(-1, value.shape[-1]))
+        elif isinstance(linear, QuantizedLinear):  # GGUF blocks staged as they are
+            linear.stage_rows(rows, value.reshape(-1, value.shape[-1])
+                              if isinstance(value, torch.Tensor) else value)
         else:
+            value = dense(value)
             linear.weight.data[rows].copy_(value.reshape(-1, value.shape[-1]))
 
     def unloaded(self) -> list[str]:
@@ -340,6 +366,9 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
             return ExpertWeights(blocks, bias, scales)
         if not isinstance(linear, QuantizedLinear):
             return ExpertWeights(linear.weight.view(experts, -1, linear.in_features), bias)
+        if isinstance(linear, GgufLinear) and packed is not None:
+            return ExpertWeights(linear.parts_table(), linear.bias, gguf=tuple(linear.weights),
+                                 experts=experts)
         if packed is None:
             return ExpertWeights(linear.dequantized_weight(dtype).view(experts, -1,
                                                                        linear.in_features), bias)
@@ -352,11 +381,16 @@ class Experts(UsesKernelOps, LoadsOwnTensors):
         if isinstance(linear, Int8Linear):
             return ExpertWeights(weight, bias, scales)
         raise ValueError(f"model: experts packed as {type(linear).__name__} are not supported; "
-                         "supported: dense, int4, int8")
+                         "supported: dense, int4, int8, gguf")
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         packed = self.ops.packed
-        max_rows = 0 if packed is None else kernel_max_rows(packed, hidden.dtype)
+        if packed is None:
+            max_rows = 0
+        elif isinstance(self.gate_up_proj, GgufLinear):  # the model's one limit (GgufLinear)
+            max_rows = self.gate_up_proj.stream_rows(packed, hidden.dtype)
+        else:
+            max_rows = kernel_max_rows(packed, hidden.dtype)
         return self.ops.moe_experts(hidden, ids, weights,
                                     self.expert_weights("gate_up_proj", hidden.dtype),
                                     self.expert_weights("down_proj", hidden.dtype),
@@ -418,6 +452,28 @@ def expert_layout(model: nn.Module, config: PretrainedConfig) -> ExpertLayout | 
     return ExpertLayout(
         tuple(index for index, sparse in enumerate(sparse_layers(config)) if sparse),
         moe.num_experts, moe.top_k, tuple(layer.bytes_per_expert() for layer in experts))
+
+
+def checkpoint_rows(tensor) -> tuple[int, int]:
+    """(rows, inputs) of a checkpoint tensor whose leading dimensions flatten into rows,
+    whatever form it arrived in (GGUF blocks are not de-quantized to tell)."""
+    if isinstance(tensor, GgufBlocks):
+        return tensor.data.shape[0], tensor.in_features
+    if isinstance(tensor, GroupQuantized):
+        return tuple(tensor.q.shape)
+    return tensor[..., 0].numel(), tensor.shape[-1]
+
+
+def checkpoint_row_slice(tensor, start: int, stop: int):
+    """Rows start:stop of a checkpoint tensor (checkpoint_rows' rows), in the form it
+    arrived in."""
+    if isinstance(tensor, GgufBlocks):
+        return GgufBlocks(tensor.kind, tensor.data[start:stop], tensor.in_features)
+    if isinstance(tensor, GroupQuantized):
+        offset = None if tensor.offset is None else tensor.offset[start:stop]
+        return GroupQuantized(tensor.q[start:stop], tensor.scale[start:stop], offset,
+                              tensor.group_size, tensor.bits)
+    return tensor.reshape(-1, tensor.shape[-1])[start:stop]
 
 
 def canonical_name(name: str) -> str:

@@ -367,6 +367,12 @@ class GgufLinear(QuantizedLinear):
                     lanes(weight, part.kind, self.in_features).to(weight.device))
                 self.parts[index] = GgufPart(part.rows, part.kind, code)
 
+    def parts_table(self) -> torch.Tensor:
+        """The runs for the C++ kernels: (type code, first row, end row) per run, in the
+        order of `weights`."""
+        return torch.tensor([[part.code, part.rows.start, part.rows.stop] for part in self.parts],
+                            dtype=torch.int64)
+
     def weight_bytes_by_type(self) -> dict[str, int]:
         """Each part's bytes under its GGUF type's name (dense parts: the model dtype's)."""
         totals: dict[str, int] = {}
@@ -456,9 +462,6 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int) -> None
         if isinstance(module, nn.Linear):
             output_sizes = getattr(module, "output_sizes", [module.out_features])
             bias = module.bias is not None
-            if quantization == "gguf" and getattr(module, "num_experts", 0):
-                raise ValueError("quantization='gguf' of mixture-of-experts layers is not "
-                                 "supported; supported for them: none, int4, int8")
             if quantization == "gguf":
                 twin = GgufLinear(module.in_features, output_sizes, bias)
             elif quantization == "int4" and not name.endswith("lm_head"):
