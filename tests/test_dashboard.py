@@ -244,6 +244,25 @@ def test_a_zero_token_budget_is_refused_naming_the_limit(served, client) -> None
     assert served[0].config.max_num_batched_tokens == 64
 
 
+@pytest.mark.parametrize("count, refusal", [
+    (None, "requests is empty: enter a whole number"),
+    (1e308, "requests=1e+308 must be between 1 and 1000"),
+])
+def test_a_load_form_value_is_refused_naming_its_field(client, count, refusal) -> None:
+    status = client.predict(count, 8.0, 0.5, 4, 8, 2, 4, 1, api_name="/start_load")
+    assert status.startswith(f"**Load not sent:** {refusal}")
+
+
+def test_an_emptied_or_unbounded_knob_is_refused_naming_it(served, client) -> None:
+    status = client.predict(4, 0.9, None, 64, True, True, "recompute", "auto", False,
+                            api_name="/apply_knobs")
+    assert "Not applied" in status and "device_memory_gb is empty: enter a number" in status
+    status = client.predict(4, 0.9, 1e308, 64, True, True, "recompute", "auto", False,
+                            api_name="/apply_knobs")
+    assert "device_memory_gb=1e+308 is more than this machine's RAM" in status
+    assert served[0].config.device_memory_gb == 2.0
+
+
 def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browser) -> None:
     from playwright.sync_api import expect
 
@@ -285,6 +304,36 @@ def test_browser_the_what_if_preview_follows_the_live_sequences_while_its_tab_is
         expect(what_if).to_contain_text("No live sequences now", timeout=30_000)
     finally:
         page.close()
+
+
+def test_browser_a_device_memory_the_form_refuses_is_never_applied(served, browser,
+                                                                    capfd) -> None:
+    """9999 GiB typed into device_memory_gb and Apply pressed: refused in the field's own
+    terms (this machine's RAM), with no traceback in the server's console, and neither
+    then nor seconds later is the engine rebuilt at another value (a slider clamped it to
+    its maximum and applied that)."""
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    before = engine.config.device_memory_gb
+    page = open_page(browser, served[2])
+    try:
+        page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=60_000)
+        page.get_by_role("tab", name="Engine & load").click()
+        field = page.locator("#kv-device-memory input[type=number]")
+        field.fill("9999")
+        field.press("Tab")
+        page.locator("#kv-apply").click()
+        status = page.locator("#kv-knob-status")
+        expect(status).to_contain_text("Not applied", timeout=30_000)
+        expect(status).to_contain_text("device_memory_gb=9999 is more than this machine's RAM")
+        expect(page.locator("#kv-what-if")).to_contain_text("Apply would be refused")
+        page.wait_for_timeout(3_000)  # what the page sends after the refusal, if anything
+        expect(status).not_to_contain_text("Applied")
+        assert engine.config.device_memory_gb == before
+    finally:
+        page.close()
+    assert "Traceback" not in "".join(capfd.readouterr())
 
 
 def test_every_plot_has_its_label_above_the_chart_not_over_its_title(served) -> None:

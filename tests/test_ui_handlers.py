@@ -4,6 +4,7 @@ series, and the quiet access log."""
 
 import json
 import logging
+import re
 import sys
 import threading
 
@@ -62,7 +63,7 @@ def test_load_progress_is_per_run(engine):
         wait_until(lambda: generator.runs[-1].ended is not None, timeout=60,
                    what=f"load run {run} to end")
         assert f"run {run} (done" in generator.status()
-        assert "sent 3 of 3 · finished 3 · refused or failed 0 · in flight 0" in \
+        assert "sent 3 of 3 · finished 3 · aborted 0 · refused or failed 0 · in flight 0" in \
             generator.status().splitlines()[0]
 
 
@@ -393,7 +394,7 @@ def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
     generator = loadgen.LoadGenerator(engine)
     # The pool run is the longest (twice the pool in requests): its size is checked, the
     # others are sent and run to the end.
-    pushed = loadgen.SCENARIOS[1].spec(engine.memory_plan)
+    pushed = loadgen.SCENARIOS[1].spec(engine.memory_plan, engine.config)
     pushed.validate(engine.memory_plan.max_model_len)
     assert pushed.num_requests * sum(pushed.prompt_len) / 2 > engine.memory_plan.num_tokens
     for scenario in (loadgen.SCENARIOS[0], *loadgen.SCENARIOS[2:]):
@@ -404,10 +405,71 @@ def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
         run = generator.runs[-1]
         assert run.finished == run.spec.num_requests and run.error is None, scenario.name
     assert generator.runs[1].spec.n == 4
-    long_prompt = generator.runs[2].spec.prompt_len[0]
-    assert long_prompt > engine.config.max_num_batched_tokens  # chunked: several steps
     with pytest.raises(ValueError, match="scenario='nope' must be one of"):
         generator.start_scenario("nope")
+
+
+@pytest.mark.parametrize("value, refusal", [
+    (None, "pages is empty: enter a whole number from 1 to 9"),
+    ("  ", "pages is empty"),
+    ("banana", "pages='banana' is not a number: enter a whole number from 1 to 9"),
+    (2.5, "pages=2.5 is not a whole number"),
+    (float("inf"), "pages=inf is not a whole number"),
+    (99999999999, "pages=1e+11 is out of range: enter a whole number from 1 to 9"),
+])
+def test_a_form_value_is_refused_naming_its_field_and_limits(value, refusal):
+    from kvscope.ui.form_values import form_number
+
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        form_number("pages", value, integer=True, low=1, high=9)
+    assert form_number("pages", "7", integer=True, low=1, high=9) == 7
+
+
+@pytest.mark.parametrize("budget", [64, 2048, 4096])
+def test_the_long_prompt_scenario_chunks_at_the_live_token_budget(engine, budget):
+    """Its prompt is sized from max_num_batched_tokens: a fixed 2,048 tokens equalled the
+    default budget and prefilled in one step."""
+    import dataclasses
+
+    plan = dataclasses.replace(engine.memory_plan, max_model_len=32768)
+    config = dataclasses.replace(engine.config, max_num_batched_tokens=budget)
+    spec = loadgen.SCENARIOS[3].spec(plan, config)
+    assert spec.prompt_len[0] == spec.prompt_len[1] > 2 * budget  # three prefill steps
+    spec.validate(plan.max_model_len)
+
+
+def test_the_long_prompt_scenario_says_which_knob_keeps_it_from_chunking(engine):
+    import dataclasses
+
+    plan = dataclasses.replace(engine.memory_plan, max_model_len=256)
+    config = dataclasses.replace(engine.config, max_num_batched_tokens=256)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=256, but max_model_len=256 "
+                       "leaves room for 248 prompt tokens: set max_num_batched_tokens below "
+                       "248"):
+        loadgen.SCENARIOS[3].spec(plan, config)
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        loadgen.SCENARIOS[3].spec(plan, dataclasses.replace(
+            config, enable_chunked_prefill=False, max_num_batched_tokens=None))
+
+
+def test_the_load_generator_counts_aborted_requests_as_metrics_does(engine):
+    """An Apply with "abort running requests" ends the run's running requests: they are
+    counted aborted, as /metrics' finished_reason="abort" counts them, not finished."""
+    generator = loadgen.LoadGenerator(engine)
+    aborts_before = engine.counters().requests_finished.get("abort", 0)
+    generator.start(loadgen.LoadSpec(4, 100.0, 0.0, (8, 16), (200, 200)), seed=7)
+    wait_until(lambda: engine.snapshot().num_running >= 1, timeout=30,
+               what="a load request to run")
+    assert knobs.apply_knobs(engine, LiveFeed(engine), *form(engine)[:-1], True) \
+        .startswith("Applied.")
+    wait_until(lambda: generator.runs[-1].ended is not None, timeout=120,
+               what="the run to end")
+    run = generator.runs[-1]
+    aborted = engine.counters().requests_finished.get("abort", 0) - aborts_before
+    assert run.aborted == aborted >= 1
+    assert run.finished + run.aborted == 4 and run.failed == 0
+    assert f"finished {run.finished} · aborted {run.aborted} · refused or failed 0" in \
+        generator.status()
 
 
 def test_a_click_on_a_chat_turn_follows_that_turns_request(engine):
