@@ -185,9 +185,13 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
     forward.click(partial(scrubber.step, feeds, by=1), [replica, frame], scrub,
                   api_name="step_forward")
     resume.click(scrubber.resume, None, scrub, api_name="resume")
-    view_fields = [heatmap_start, heatmap_stop, table_page]
-    gr.on([field.change for field in view_fields], panels.check_view_fields, view_fields,
-          view_fields, show_progress="hidden", api_name="check_view_fields")
+    # Checked once a value is typed (Enter, or the field left), not at each keystroke: the
+    # digits typed so far of a kept frame or of a range's end are often out of range.
+    view_fields = [heatmap_start, heatmap_stop, table_page, frame]
+    gr.on([event for field in view_fields for event in (field.blur, field.submit)],
+          partial(panels.check_view_fields, feeds),
+          [*view_fields, replica], view_fields, show_progress="hidden",
+          api_name="check_view_fields")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison, "events": events, "spec_decode": spec_plot,

@@ -65,17 +65,54 @@ VIEW_FIELDS = {"heatmap_start": ("from block", 0), "heatmap_stop": ("to block", 
                "table_page": ("page", 1)}
 
 
-def check_view_fields(heatmap_start, heatmap_stop, table_page) -> tuple:
-    """The number fields' values, each one out of range refused at the field: put back to
-    its least value with a warning naming it (the refresh draws the view meanwhile)."""
+def check_view_fields(feeds: LiveFeeds, heatmap_start, heatmap_stop, table_page, frame,
+                      replica=0) -> tuple:
+    """The view fields' values, each one the view cannot show refused at the field, with
+    a warning naming it and its limit: put back to a value it can show (the refresh draws
+    the view meanwhile). Blocks past the pool, a range that ends before it starts, a frame
+    that is not a number or not kept."""
+    feed = feeds.get(int(replica or 0))
+    num_blocks = feed.engine.memory_plan.num_blocks
     values = []
     for name, value in zip(VIEW_FIELDS, (heatmap_start, heatmap_stop, table_page)):
         label, least = VIEW_FIELDS[name]
         if value is not None and value < least:
             gr.Warning(f"{label}={value:g} refused: it must be {least} or more")
             value = least
+        elif name != "table_page" and value is not None and value > num_blocks:
+            gr.Warning(f"{label}={value:g} refused: the pool has {num_blocks} blocks, so "
+                       f"{label} is at most {num_blocks}")
+            value = 0
         values.append(value)
-    return tuple(values)
+    start, stop = values[:2]
+    if start and stop and stop <= start:
+        gr.Warning(f"to block={stop:g} refused: it must be more than from block={start:g} "
+                   "(or 0: to the end)")
+        values[1] = 0
+    return (*values, _checked_frame(feed, frame))
+
+
+def _checked_frame(feed, frame) -> str | int:
+    """The Live tab's frame field: blank (live) or a kept frame's number."""
+    if frame is None or str(frame).strip() == "":
+        return ""
+    try:
+        number = int(str(frame).strip())
+    except ValueError:
+        gr.Warning(f"frame shown={str(frame)[:40]!r} refused: enter a frame number, or "
+                   "leave it blank for the live pool")
+        return ""
+    with feed.lock:
+        first, last = feed.history.first, feed.history.last
+    if first is None:
+        gr.Warning(f"frame shown={number} refused: no frame is recorded yet (blank: live)")
+        return ""
+    if not first <= number <= last:
+        kept = min(max(number, first), last)
+        gr.Warning(f"frame shown={number} refused: frames {first} to {last} are kept; "
+                   f"showing frame {kept}")
+        return kept
+    return number
 
 
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
