@@ -610,34 +610,40 @@ def test_a_negative_view_field_is_refused_at_the_field_and_the_refresh_keeps_run
     panels = client.predict(None, None, "block range", -5, -1, "most recent", 0, "",
                             api_name="/refresh_live")
     assert "Block pool: 96 blocks" in json.loads(panels[1]["plot"])["layout"]["title"]["text"]
-    assert client.predict(-5, -1, 0, "", 0, api_name="/check_view_fields") == (0, 0, 1, "")
+    assert client.predict(-5, -1, 0, 0, api_name="/check_view_fields") == (0, 0, 1)
 
 
 @pytest.mark.parametrize("fields, checked, warning", [
-    ((30, 20, 1, ""), (30, 0, 1, ""), "to block=20 refused: it must be more than from "
-                                       "block=30"),
-    ((99999999999, 0, 1, ""), (0, 0, 1, ""),
+    ((30, 20, 1), (30, 0, 1), "to block=20 refused: it must be more than from block=30"),
+    ((99999999999, 0, 1), (0, 0, 1),
      f"from block=1e+11 refused: the pool has {NUM_BLOCKS} blocks"),
-    ((0, 0, 1, "banana"), (0, 0, 1, ""), "frame shown='banana' refused: enter a frame number"),
-    ((0, 0, 1, "99999999999"), None, "frame shown=99999999999 refused: frames "),
 ])
 def test_a_view_field_the_view_cannot_show_is_refused_naming_it_and_its_limit(
         served, fields, checked, warning) -> None:
     """Bad view input is refused with a word, not taken without one: a range that ends
-    before it starts, a block past the pool, a frame that is not a number or not kept."""
+    before it starts, a block past the pool."""
+    from kvscope.ui import panels
+    from kvscope.ui.live import LiveFeeds
+
+    with pytest.warns(UserWarning, match=re.escape(warning)):
+        assert panels.check_view_fields(LiveFeeds(served[0]), *fields) == checked
+
+
+def test_a_frame_that_is_not_a_number_or_not_kept_is_refused_naming_the_field(served) -> None:
     from kvscope.ui import panels
     from kvscope.ui.live import LiveFeeds
 
     feeds = LiveFeeds(served[0])
-    if fields[3] == "99999999999":
-        served[0].submit("make a frame", SamplingParams(max_tokens=2)).wait_accepted()
-        wait_until(lambda: feeds.get(0).refresh() and feeds.get(0).history.last is not None,
-                   what="a recorded frame")
-    with pytest.warns(UserWarning, match=re.escape(warning)):
-        values = panels.check_view_fields(feeds, *fields)
-    if checked is None:  # a frame past the kept ones shows the latest, and says so
-        checked = (0, 0, 1, feeds.get(0).history.last)
-    assert values == checked
+    feed = feeds.get(0)
+    feed.refresh()  # the feed records the frames of what runs from here
+    with pytest.warns(UserWarning, match="frame shown='banana' refused: enter a frame number"):
+        panels.check_frame(feeds, "banana")
+    list(served[0].submit("make a frame", SamplingParams(max_tokens=2)))
+    wait_until(lambda: feed.refresh() and feed.history.last is not None,
+               what="a recorded frame")
+    with pytest.warns(UserWarning, match=f"frame shown=99999999999 refused: frames "
+                      f"{feed.history.first} to [0-9]+ are kept; showing frame"):
+        panels.check_frame(feeds, "99999999999")
 
 
 def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
@@ -929,6 +935,9 @@ def test_a_saved_sessions_pool_steps_back_to_the_frame_the_engine_recorded(
         assert [int(code) for code in codes if not np.isnan(code)] == reference.codes[index]
         assert drawn_tables(json.loads(shown[4]["plot"])) == reference.tables[index]
         assert "blocks in use" in shown[2] and "**Events**" in shown[6]
+        # The Sessions tab has no Live button: its status names the way it does have.
+        assert "a blank frame field shows the last frame" in shown[1]
+        assert "Live" not in shown[1]
     finally:
         reference.close()
 

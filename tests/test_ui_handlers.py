@@ -371,6 +371,20 @@ def test_the_event_log_says_what_happened_in_plain_words_newest_first():
     assert len(events.event_lines([busy] * 40)) == events.MAX_EVENTS
 
 
+def test_a_first_chunk_after_a_prefix_hit_is_an_admission_not_chunked_prefill():
+    from kvscope.ui import events
+
+    hit = StepRecord(9, 1.0, 1.1, (("r4", "r4#0", "prefill", 16, 40),), (), (), (), (),
+                     24, 64, 10, 0, 0, 1, 0, prefix_cache_queries=40, prefix_cache_hits=16)
+    tail = StepRecord(10, 1.1, 1.2, (("r4", "r4#0", "prefill", 40, 64),), (), (), (), (),
+                      24, 64, 16, 0, 0, 1, 0)
+    lines = events.event_lines([hit, tail], [events.Evictions(9, 1)])
+    assert "step 10: r4#0 prefilled its next chunk, tokens 40–64 (chunked prefill)" in lines
+    assert "step 9: admitted r4#0: tokens 0–16 from the prefix cache, prefilling tokens " \
+        "16–40" in lines
+    assert "step 9: evicted 1 cached block, least recently used first, to make room" in lines
+
+
 def test_the_what_if_preview_predicts_the_pool_apply_builds_and_the_waste(engine):
     memory_gb = engine.config.device_memory_gb
     preview = knobs.what_if_markdown(engine, [5, 9], 8, 0.9, memory_gb)

@@ -126,7 +126,8 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
             # The step scrubber (ui/scrubber.py): every panel shows the recorded frame in
             # the field; blank = live.
             with gr.Row(elem_id="kv-scrubber"):
-                pause = gr.Button("⏸ Pause", size="sm", elem_id="kv-pause")
+                # Words, not ⏸: without an emoji font that glyph is an empty box.
+                pause = gr.Button("Pause", size="sm", elem_id="kv-pause")
                 back = gr.Button("◀ frame", size="sm", elem_id="kv-step-back")
                 forward = gr.Button("frame ▶", size="sm", elem_id="kv-step-forward")
                 resume = gr.Button("Live", size="sm", elem_id="kv-resume")
@@ -187,11 +188,12 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
     resume.click(scrubber.resume, None, scrub, api_name="resume")
     # Checked once a value is typed (Enter, or the field left), not at each keystroke: the
     # digits typed so far of a kept frame or of a range's end are often out of range.
-    view_fields = [heatmap_start, heatmap_stop, table_page, frame]
+    view_fields = [heatmap_start, heatmap_stop, table_page]
     gr.on([event for field in view_fields for event in (field.blur, field.submit)],
-          partial(panels.check_view_fields, feeds),
-          [*view_fields, replica], view_fields, show_progress="hidden",
-          api_name="check_view_fields")
+          partial(panels.check_view_fields, feeds), [*view_fields, replica], view_fields,
+          show_progress="hidden", api_name="check_view_fields")
+    gr.on([frame.blur, frame.submit], partial(panels.check_frame, feeds), [frame, replica],
+          None, show_progress="hidden", api_name="check_frame")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison, "events": events, "spec_decode": spec_plot,

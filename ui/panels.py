@@ -65,12 +65,11 @@ VIEW_FIELDS = {"heatmap_start": ("from block", 0), "heatmap_stop": ("to block", 
                "table_page": ("page", 1)}
 
 
-def check_view_fields(feeds: LiveFeeds, heatmap_start, heatmap_stop, table_page, frame,
+def check_view_fields(feeds: LiveFeeds, heatmap_start, heatmap_stop, table_page,
                       replica=0) -> tuple:
     """The view fields' values, each one the view cannot show refused at the field, with
     a warning naming it and its limit: put back to a value it can show (the refresh draws
-    the view meanwhile). Blocks past the pool, a range that ends before it starts, a frame
-    that is not a number or not kept."""
+    the view meanwhile): blocks past the pool, a range that ends before it starts."""
     feed = feeds.get(int(replica or 0))
     num_blocks = feed.engine.memory_plan.num_blocks
     values = []
@@ -89,30 +88,30 @@ def check_view_fields(feeds: LiveFeeds, heatmap_start, heatmap_stop, table_page,
         gr.Warning(f"to block={stop:g} refused: it must be more than from block={start:g} "
                    "(or 0: to the end)")
         values[1] = 0
-    return (*values, _checked_frame(feed, frame))
+    return tuple(values)
 
 
-def _checked_frame(feed, frame) -> str | int:
-    """The Live tab's frame field: blank (live) or a kept frame's number."""
+def check_frame(feeds: LiveFeeds, frame, replica=0) -> None:
+    """The Live tab's frame field: blank (live) or a kept frame's number; anything else
+    is said in a warning naming the field and what it takes. The field is not written
+    back: the scrubber's ◀ and ▶ write it too, and the panels show live for a value that
+    is not a number and the nearest kept frame for one out of range."""
     if frame is None or str(frame).strip() == "":
-        return ""
+        return
     try:
         number = int(str(frame).strip())
     except ValueError:
         gr.Warning(f"frame shown={str(frame)[:40]!r} refused: enter a frame number, or "
-                   "leave it blank for the live pool")
-        return ""
+                   "leave it blank for the live pool (shown meanwhile)")
+        return
+    feed = feeds.get(int(replica or 0))
     with feed.lock:
         first, last = feed.history.first, feed.history.last
     if first is None:
         gr.Warning(f"frame shown={number} refused: no frame is recorded yet (blank: live)")
-        return ""
-    if not first <= number <= last:
-        kept = min(max(number, first), last)
+    elif not first <= number <= last:
         gr.Warning(f"frame shown={number} refused: frames {first} to {last} are kept; "
-                   f"showing frame {kept}")
-        return kept
-    return number
+                   f"showing frame {min(max(number, first), last)}")
 
 
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
@@ -189,12 +188,9 @@ def summary_markdown(snapshot: PoolMirror, replica: int = 0, num_replicas: int =
 
 
 def _sequences(num_sequences: int, num_requests: int) -> str:
-    return (_count(num_sequences, "sequence") if num_sequences == num_requests else
-            f"{_count(num_sequences, 'sequence')} ({_count(num_requests, 'request')})")
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+    sequences = events.counted(num_sequences, "sequence")
+    return (sequences if num_sequences == num_requests else
+            f"{sequences} ({events.counted(num_requests, 'request')})")
 
 
 def text_html(markdown: str) -> str:
@@ -211,7 +207,7 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
         line = summary_markdown(snapshot, state.replica, num_replicas)
         frame = state.paused
         return line if frame is None else (
-            f"⏸ **paused at frame {frame.number}** (the pool after step {frame.step}; the "
+            f"**paused at frame {frame.number}** (the pool after step {frame.step}; the "
             "engine runs on) · " + line)
     if name == "heatmap":
         return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
