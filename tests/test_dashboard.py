@@ -661,6 +661,32 @@ def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
     assert "num_requests_running and num_requests_waiting count requests" in summaries[-1]
 
 
+def test_a_finished_request_followed_has_its_cached_blocks_outlined(served, client) -> None:
+    """A finished chat turn holds no block, but its full blocks stay cached: following it
+    outlines them and says so, not "0 blocks outlined"."""
+    engine = served[0]
+    client.predict(api_name="/refresh_live")  # the tab's feed sees the request come and go
+    list(engine.submit("a finished turn keeps its blocks " * 3,
+                       SamplingParams(max_tokens=2), request_id="finished-turn"))
+
+    def heatmap() -> dict:
+        panels = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0,
+                                "finished-turn", api_name="/refresh_live")
+        return json.loads(panels[1]["plot"])
+    wait_until(lambda: "(finished)" in heatmap()["layout"]["title"]["text"],
+               what="the feed to see the request leave")
+    figure = heatmap()
+    title = figure["layout"]["title"]["text"]
+    cached = int(re.search(r"following finished-turn \(finished\): (\d+) of the (\d+) "
+                           r"blocks it held are still cached, \1 outlined", title).group(1))
+    outline = [trace for trace in figure["data"] if trace.get("name") == "finished-turn"]
+    assert cached >= 1 and len(outline) == 1 and len(outline[0]["x"]) == cached
+    codes = heatmap_state_codes(figure).ravel()
+    outlined = {int(row) + column for row, column in zip(outline[0]["y"], outline[0]["x"],
+                                                         strict=True)}
+    assert all(codes[block] == codes[min(outlined)] for block in outlined)  # all cached
+
+
 def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
         served, client: Client) -> None:
 

@@ -371,6 +371,17 @@ def test_the_event_log_says_what_happened_in_plain_words_newest_first():
     assert len(events.event_lines([busy] * 40)) == events.MAX_EVENTS
 
 
+def test_the_summary_says_when_the_tabs_replica_is_down():
+    from kvscope.engine.orchestrator.async_engine import EngineCounters, ReplicaStatus
+
+    statuses = [ReplicaStatus(0, True, None, 0, 2, 0.5, EngineCounters()),
+                ReplicaStatus(1, False, "replica 1 died: actor killed", 1, 0, 0.0,
+                              EngineCounters())]
+    assert panels.replica_down(statuses, 0) == ""
+    assert panels.replica_down(statuses, 1).startswith(
+        "**replica 1 is down**: replica 1 died: actor killed (restarted 1 times)")
+
+
 def test_a_first_chunk_after_a_prefix_hit_is_an_admission_not_chunked_prefill():
     from kvscope.ui import events
 

@@ -198,13 +198,25 @@ def text_html(markdown: str) -> str:
     return f'<div class="kv-html">{_MARKDOWN.render(markdown)}</div>'
 
 
+def replica_down(statuses: list, replica: int) -> str:
+    """The summary line's opening while the tab's replica is down ("" while it serves):
+    its panels then show the last state it sent."""
+    status = statuses[replica]
+    if status.alive:
+        return ""
+    why = f": {status.error}" if status.error else ""
+    return (f"**replica {replica} is down**{why} (restarted {status.restarts} times); the "
+            "panels show the last state it sent · ")
+
+
 def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas: int,
-            window: tuple[float, float]):
-    """window: the time panels' shared x range (timeline.live_window, once per refresh)."""
+            window: tuple[float, float], down: str = ""):
+    """window: the time panels' shared x range (timeline.live_window, once per refresh);
+    down: replica_down's line for the tab's replica."""
     snapshot = state.snapshot
     holders = any(seq.block_table for seq in snapshot.sequences)
     if name == "summary":
-        line = summary_markdown(snapshot, state.replica, num_replicas)
+        line = down + summary_markdown(snapshot, state.replica, num_replicas)
         frame = state.paused
         return line if frame is None else (
             f"**paused at frame {frame.number}** (the pool after step {frame.step}; the "
@@ -338,14 +350,18 @@ class PanelRenderer:
                 views.replica, {})
             signatures = {name: (state.paused.number if paused else data, views.of(name))
                           for name, data in _signatures(state).items()}
+            engine = feed.engine
+            down = (replica_down(engine.replica_statuses(), views.replica)
+                    if engine.num_replicas > 1 else "")
+            signatures["summary"] += (down,)
             window = timeline.live_window(state.records, state.now)
             for name in wanted:
                 now = time.monotonic()
                 previous = rendered.get(name)
                 if (previous is None or previous.signature != signatures[name] if paused
                         else self._due(previous, name, signatures[name], state, now)):
-                    value = _render(name, state, feed.decode, views,
-                                    feed.engine.num_replicas, window)
+                    value = _render(name, state, feed.decode, views, engine.num_replicas,
+                                    window, down)
                     value = text_html(value) if name in TEXT_PANELS else to_plot(value)
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)
