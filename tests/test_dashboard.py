@@ -263,6 +263,52 @@ def test_an_emptied_or_unbounded_knob_is_refused_naming_it(served, client) -> No
     assert served[0].config.device_memory_gb == 2.0
 
 
+def test_a_bad_input_tour_logs_no_traceback(served, client, capfd) -> None:
+    """Ordinary bad input in every form is answered with a message naming the field, and
+    the server's console stays free of tracebacks (they read as crashes)."""
+    from gradio_client.exceptions import AppError
+
+    knobs = (4, 0.9, 2.0, 64, True, True, "recompute", "auto", False)
+    compare_row = (True, 4, 0.9, None, 8, 64, True, True, "recompute")
+    tour = [
+        ("/apply_knobs", (4, 0.9, 9999, *knobs[3:])),
+        ("/apply_knobs", (4, 0.9, None, *knobs[3:])),
+        ("/apply_knobs", (4, 5.0, 2.0, *knobs[3:])),
+        ("/apply_knobs", (4, 0.9, 2.0, 1e308, *knobs[4:])),
+        ("/what_if", (4, 0.9, 9999)),
+        ("/start_load", (None, 8.0, 0.5, 4, 8, 2, 4, 1)),
+        ("/start_load", (1e308, 8.0, 0.5, 4, 8, 2, 4, 1)),
+        ("/start_load", (4, 8.0, 0.5, 900, 900, 2, 4, 1)),
+        ("/check_view_fields", (99999999999, -1, 0, 0)),
+        ("/check_frame", ("banana", 0)),
+        ("/refresh_live", (None, None, "whole pool", 0, 0, "most recent", 1, "", 0, "",
+                           "banana")),
+        ("/step_back", (0, "banana")),
+        ("/session_frame", (served[1].session_id, "banana")),
+        ("/session_frame", ("nope", "")),
+        ("/export_session", ("nope", "json")),
+        ("/compare_runs", ("recorded session", None, None, "simulated", 1.0,
+                           *compare_row, *compare_row, *(False, *compare_row[1:]) * 2)),
+        ("/compare_runs", ("recorded session", served[1].session_id, None, "simulated", 1.0,
+                           *compare_row[:4], None, *compare_row[5:], *compare_row,
+                           *(False, *compare_row[1:]) * 2)),
+    ]
+    client.predict(api_name="/refresh_live")  # the tab's feed records frames from here
+    list(served[0].submit("frames to step through", SamplingParams(max_tokens=2)))
+    wait_until(lambda: client.predict(0, api_name="/pause")[0] != "",
+               what="a recorded frame")
+    served[1].flush(timeout=5.0)  # the session's frames too
+    capfd.readouterr()
+    for api_name, args in tour:
+        try:
+            client.predict(*args, api_name=api_name)
+        except AppError:
+            pass  # refused with a message, as the page shows it
+    logged = "".join(capfd.readouterr())
+    assert "Traceback" not in logged, logged[-3000:]
+    assert served[0].config.device_memory_gb == 2.0
+
+
 def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browser) -> None:
     from playwright.sync_api import expect
 

@@ -104,7 +104,9 @@ def _number(frame) -> int:
     try:
         return int(str(frame).strip())
     except ValueError:
-        raise gr.Error(f"frame={frame!r} must be a whole number (or blank: live)") from None
+        # A user's typo, not a fault: a toast, and no traceback in the server's console.
+        raise gr.Error(f"frame={str(frame)[:40]!r} must be a whole number (or blank)",
+                       print_exception=False) from None
 
 
 def live_status(feeds, replica, frame) -> str:
