@@ -395,6 +395,23 @@ def test_every_plot_has_its_label_above_the_chart_not_over_its_title(served) -> 
     assert [plot.label for plot in plots if PANEL_CLASS not in (plot.elem_classes or [])] == []
 
 
+def test_browser_no_text_of_the_live_tab_is_clipped_at_1280_px(served, browser) -> None:
+    """bench/clipped_text.py reads every tab at two sizes and under load; here the Live
+    tab at the narrow one."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from clipped_text import CLIPPED_TEXT_JS
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(served[2])
+        Ticks(page).wait_for_first_drawing()
+        assert page.evaluate(CLIPPED_TEXT_JS) == []
+    finally:
+        page.close()
+
+
 def test_browser_trash_icon_starts_a_new_conversation(served, browser) -> None:
     from playwright.sync_api import expect
 
