@@ -1,7 +1,8 @@
 """Clipped text over every dashboard tab, read from the DOM: an element showing text whose
 content is wider than its box (scrollWidth > clientWidth) where its box cuts it off
-(overflow hidden, clip, auto or scroll, or an ellipsis), at 1280x900 and 1920x1080.
-Prints JSON; the target is 0 clipped.
+(overflow hidden, clip, auto or scroll, or an ellipsis), text reaching past a box around it
+that cuts, or a word of it broken across two lines, at 1280x900 and 1920x1080. Prints
+JSON; the target is 0 clipped.
 
     .venv/bin/python bench/clipped_text.py
     .venv/bin/python bench/clipped_text.py -- --replicas 2  # with the Replicas tab
@@ -18,24 +19,60 @@ from screenshots import TABS  # noqa: E402
 from served import start_app, stop_app  # noqa: E402
 
 VIEWPORTS = ((1280, 900), (1920, 1080))
-# Every element on screen with text of its own whose box cuts it: (tag#id.class, text,
-# widths). Plotly's SVG text has no scrollWidth; its overlaps are test_dashboard_layout's.
+# Every element on screen with text of its own that its box cuts, or whose words it breaks:
+# (tag#id.class, text, why, widths). Plotly's SVG text has no scrollWidth; its overlaps
+# are tests/test_dashboard_layout.py's.
 CLIPPED_TEXT_JS = """() => {
   const cut = new Set(['hidden', 'clip', 'auto', 'scroll']);
   const found = [];
   for (const el of document.body.querySelectorAll('*')) {
-    // 1 px boxes are screen-reader text, hidden from sight on purpose (.sr-only).
-    if (el.closest('svg') || el.clientWidth <= 1) continue;
-    const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
-    if (!own || el.scrollWidth <= el.clientWidth + 1) continue;
+    // 1 px boxes are screen-reader text, hidden from sight on purpose (.sr-only); what is
+    // aria-hidden is shown to no one (Gradio's copy of the tab bar, measured off screen).
+    if (el.closest('svg, [aria-hidden="true"]') || el.getBoundingClientRect().width <= 1)
+      continue;
+    const texts = [...el.childNodes].filter((n) => n.nodeType === 3 && n.textContent.trim());
+    if (!texts.length) continue;
     const style = getComputedStyle(el);
     if (style.visibility === 'hidden' || style.display === 'none') continue;
-    if (!cut.has(style.overflowX) && style.textOverflow !== 'ellipsis') continue;
     const name = el.tagName.toLowerCase() + (el.id ? '#' + el.id : '') +
       (typeof el.className === 'string' && el.className ? '.' +
        el.className.trim().split(/\\s+/).join('.') : '');
-    found.push({element: name.slice(0, 80), text: el.textContent.trim().slice(0, 60),
-                scroll_width: el.scrollWidth, client_width: el.clientWidth});
+    const report = (why) => found.push({
+      element: name.slice(0, 80), text: el.textContent.trim().slice(0, 60), why,
+      scroll_width: el.scrollWidth, client_width: el.clientWidth});
+    if (el.scrollWidth > el.clientWidth + 1 &&
+        (cut.has(style.overflowX) || style.textOverflow === 'ellipsis')) {
+      report('cut off');
+      continue;
+    }
+    // Cut by a box around it: the text's own extent against each clipping ancestor's.
+    const whole = document.createRange();
+    whole.selectNodeContents(el);
+    const text = whole.getBoundingClientRect();
+    let cutter = null;
+    for (let up = el.parentElement; up && up !== document.body && !cutter;
+         up = up.parentElement) {
+      if (!cut.has(getComputedStyle(up).overflowX)) continue;
+      const box = up.getBoundingClientRect();
+      if (text.left < box.left - 1 || text.right > box.right + 1) cutter = up;
+    }
+    if (cutter) {
+      report('cut off by ' + cutter.tagName.toLowerCase() + '.' +
+             String(cutter.className).trim().split(/\\s+/).join('.'));
+      continue;
+    }
+    // A word drawn on two lines ("ru" above "n 1"): its range has a box on each line.
+    const range = document.createRange();
+    const broken = texts.some((node) => {
+      for (const match of node.textContent.matchAll(/\\S+/g)) {
+        range.setStart(node, match.index);
+        range.setEnd(node, match.index + match[0].length);
+        const lines = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+        if (lines.size > 1) return true;
+      }
+      return false;
+    });
+    if (broken) report('a word broken across lines');
   }
   return found;
 }"""

@@ -407,7 +407,8 @@ def test_browser_no_text_of_the_live_tab_is_clipped_at_1280_px(served, browser) 
     try:
         page.goto(served[2])
         Ticks(page).wait_for_first_drawing()
-        assert page.evaluate(CLIPPED_TEXT_JS) == []
+        clipped = page.evaluate(CLIPPED_TEXT_JS)
+        assert clipped == [], json.dumps(clipped, indent=1)
     finally:
         page.close()
 
