@@ -125,3 +125,12 @@ def test_browser_compare_tab_runs_and_downloads_its_report(served, tmp_path) -> 
         page.screenshot(path=tmp_path / "compare.png", full_page=True)
         browser.close()
     assert "Plotly.newPlot" in saved.read_text() and "trace.jsonl" in saved.read_text()
+
+
+def test_an_emptied_config_field_is_refused_naming_its_run_and_knob() -> None:
+    from kvscope.ui.compare import config_changes
+
+    base = EngineConfig(model="m")
+    row = (True, 4, 0.9, 0, 8, 64, True, True, "recompute")
+    with pytest.raises(ValueError, match="run 2 max_num_seqs is empty: enter a whole number"):
+        config_changes(base, (*row, *row[:4], None, *row[5:]))

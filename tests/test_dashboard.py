@@ -244,6 +244,71 @@ def test_a_zero_token_budget_is_refused_naming_the_limit(served, client) -> None
     assert served[0].config.max_num_batched_tokens == 64
 
 
+@pytest.mark.parametrize("count, refusal", [
+    (None, "requests is empty: enter a whole number"),
+    (1e308, "requests=1e+308 must be between 1 and 1000"),
+])
+def test_a_load_form_value_is_refused_naming_its_field(client, count, refusal) -> None:
+    status = client.predict(count, 8.0, 0.5, 4, 8, 2, 4, 1, api_name="/start_load")
+    assert status.startswith(f"**Load not sent:** {refusal}")
+
+
+def test_an_emptied_or_unbounded_knob_is_refused_naming_it(served, client) -> None:
+    status = client.predict(4, 0.9, None, 64, True, True, "recompute", "auto", False,
+                            api_name="/apply_knobs")
+    assert "Not applied" in status and "device_memory_gb is empty: enter a number" in status
+    status = client.predict(4, 0.9, 1e308, 64, True, True, "recompute", "auto", False,
+                            api_name="/apply_knobs")
+    assert "device_memory_gb=1e+308 is more than this machine's RAM" in status
+    assert served[0].config.device_memory_gb == 2.0
+
+
+def test_a_bad_input_tour_logs_no_traceback(served, client, capfd) -> None:
+    """Ordinary bad input in every form is answered with a message naming the field, and
+    the server's console stays free of tracebacks (they read as crashes)."""
+    from gradio_client.exceptions import AppError
+
+    knobs = (4, 0.9, 2.0, 64, True, True, "recompute", "auto", False)
+    compare_row = (True, 4, 0.9, None, 8, 64, True, True, "recompute")
+    tour = [
+        ("/apply_knobs", (4, 0.9, 9999, *knobs[3:])),
+        ("/apply_knobs", (4, 0.9, None, *knobs[3:])),
+        ("/apply_knobs", (4, 5.0, 2.0, *knobs[3:])),
+        ("/apply_knobs", (4, 0.9, 2.0, 1e308, *knobs[4:])),
+        ("/what_if", (4, 0.9, 9999)),
+        ("/start_load", (None, 8.0, 0.5, 4, 8, 2, 4, 1)),
+        ("/start_load", (1e308, 8.0, 0.5, 4, 8, 2, 4, 1)),
+        ("/start_load", (4, 8.0, 0.5, 900, 900, 2, 4, 1)),
+        ("/check_view_fields", (99999999999, -1, 0, 0)),
+        ("/check_frame", ("banana", 0)),
+        ("/refresh_live", (None, None, "whole pool", 0, 0, "most recent", 1, "", 0, "",
+                           "banana")),
+        ("/step_back", (0, "banana")),
+        ("/session_frame", (served[1].session_id, "banana")),
+        ("/session_frame", ("nope", "")),
+        ("/export_session", ("nope", "json")),
+        ("/compare_runs", ("recorded session", None, None, "simulated", 1.0,
+                           *compare_row, *compare_row, *(False, *compare_row[1:]) * 2)),
+        ("/compare_runs", ("recorded session", served[1].session_id, None, "simulated", 1.0,
+                           *compare_row[:4], None, *compare_row[5:], *compare_row,
+                           *(False, *compare_row[1:]) * 2)),
+    ]
+    client.predict(api_name="/refresh_live")  # the tab's feed records frames from here
+    list(served[0].submit("frames to step through", SamplingParams(max_tokens=2)))
+    wait_until(lambda: client.predict(0, api_name="/pause")[0] != "",
+               what="a recorded frame")
+    served[1].flush(timeout=5.0)  # the session's frames too
+    capfd.readouterr()
+    for api_name, args in tour:
+        try:
+            client.predict(*args, api_name=api_name)
+        except AppError:
+            pass  # refused with a message, as the page shows it
+    logged = "".join(capfd.readouterr())
+    assert "Traceback" not in logged, logged[-3000:]
+    assert served[0].config.device_memory_gb == 2.0
+
+
 def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browser) -> None:
     from playwright.sync_api import expect
 
@@ -287,6 +352,36 @@ def test_browser_the_what_if_preview_follows_the_live_sequences_while_its_tab_is
         page.close()
 
 
+def test_browser_a_device_memory_the_form_refuses_is_never_applied(served, browser,
+                                                                    capfd) -> None:
+    """9999 GiB typed into device_memory_gb and Apply pressed: refused in the field's own
+    terms (this machine's RAM), with no traceback in the server's console, and neither
+    then nor seconds later is the engine rebuilt at another value (a slider clamped it to
+    its maximum and applied that)."""
+    from playwright.sync_api import expect
+
+    engine = served[0]
+    before = engine.config.device_memory_gb
+    page = open_page(browser, served[2])
+    try:
+        page.locator("#kv-heatmap .js-plotly-plot").wait_for(timeout=60_000)
+        page.get_by_role("tab", name="Engine & load").click()
+        field = page.locator("#kv-device-memory input[type=number]")
+        field.fill("9999")
+        field.press("Tab")
+        page.locator("#kv-apply").click()
+        status = page.locator("#kv-knob-status")
+        expect(status).to_contain_text("Not applied", timeout=30_000)
+        expect(status).to_contain_text("device_memory_gb=9999 is more than this machine's RAM")
+        expect(page.locator("#kv-what-if")).to_contain_text("Apply would be refused")
+        page.wait_for_timeout(3_000)  # what the page sends after the refusal, if anything
+        expect(status).not_to_contain_text("Applied")
+        assert engine.config.device_memory_gb == before
+    finally:
+        page.close()
+    assert "Traceback" not in "".join(capfd.readouterr())
+
+
 def test_every_plot_has_its_label_above_the_chart_not_over_its_title(served) -> None:
     """Gradio draws a plot's label over the figure's top left corner, where the figures put
     their titles ("403 blocks" for 4403): every tab's plots carry the class that moves it."""
@@ -298,6 +393,24 @@ def test_every_plot_has_its_label_above_the_chart_not_over_its_title(served) -> 
              if isinstance(block, gr.Plot)]
     assert len(plots) > 10
     assert [plot.label for plot in plots if PANEL_CLASS not in (plot.elem_classes or [])] == []
+
+
+def test_browser_no_text_of_the_live_tab_is_clipped_at_1280_px(served, browser) -> None:
+    """bench/clipped_text.py reads every tab at two sizes and under load; here the Live
+    tab at the narrow one."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from clipped_text import CLIPPED_TEXT_JS
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(served[2])
+        Ticks(page).wait_for_first_drawing()
+        clipped = page.evaluate(CLIPPED_TEXT_JS)
+        assert clipped == [], json.dumps(clipped, indent=1)
+    finally:
+        page.close()
 
 
 def test_browser_trash_icon_starts_a_new_conversation(served, browser) -> None:
@@ -561,7 +674,40 @@ def test_a_negative_view_field_is_refused_at_the_field_and_the_refresh_keeps_run
     panels = client.predict(None, None, "block range", -5, -1, "most recent", 0, "",
                             api_name="/refresh_live")
     assert "Block pool: 96 blocks" in json.loads(panels[1]["plot"])["layout"]["title"]["text"]
-    assert client.predict(-5, -1, 0, api_name="/check_view_fields") == (0, 0, 1)
+    assert client.predict(-5, -1, 0, 0, api_name="/check_view_fields") == (0, 0, 1)
+
+
+@pytest.mark.parametrize("fields, checked, warning", [
+    ((30, 20, 1), (30, 0, 1), "to block=20 refused: it must be more than from block=30"),
+    ((99999999999, 0, 1), (0, 0, 1),
+     f"from block=1e+11 refused: the pool has {NUM_BLOCKS} blocks"),
+])
+def test_a_view_field_the_view_cannot_show_is_refused_naming_it_and_its_limit(
+        served, fields, checked, warning) -> None:
+    """Bad view input is refused with a word, not taken without one: a range that ends
+    before it starts, a block past the pool."""
+    from kvscope.ui import panels
+    from kvscope.ui.live import LiveFeeds
+
+    with pytest.warns(UserWarning, match=re.escape(warning)):
+        assert panels.check_view_fields(LiveFeeds(served[0]), *fields) == checked
+
+
+def test_a_frame_that_is_not_a_number_or_not_kept_is_refused_naming_the_field(served) -> None:
+    from kvscope.ui import panels
+    from kvscope.ui.live import LiveFeeds
+
+    feeds = LiveFeeds(served[0])
+    feed = feeds.get(0)
+    feed.refresh()  # the feed records the frames of what runs from here
+    with pytest.warns(UserWarning, match="frame shown='banana' refused: enter a frame number"):
+        panels.check_frame(feeds, "banana")
+    list(served[0].submit("make a frame", SamplingParams(max_tokens=2)))
+    wait_until(lambda: feed.refresh() and feed.history.last is not None,
+               what="a recorded frame")
+    with pytest.warns(UserWarning, match=f"frame shown=99999999999 refused: frames "
+                      f"{feed.history.first} to [0-9]+ are kept; showing frame"):
+        panels.check_frame(feeds, "99999999999")
 
 
 def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
@@ -577,6 +723,32 @@ def test_the_summary_counts_sequences_and_requests_and_says_why_they_differ(
         wait_until(two_sequences, timeout=30, what="the n=2 request in the summary")
     assert "blocks in use</strong>" in summaries[-1]
     assert "num_requests_running and num_requests_waiting count requests" in summaries[-1]
+
+
+def test_a_finished_request_followed_has_its_cached_blocks_outlined(served, client) -> None:
+    """A finished chat turn holds no block, but its full blocks stay cached: following it
+    outlines them and says so, not "0 blocks outlined"."""
+    engine = served[0]
+    client.predict(api_name="/refresh_live")  # the tab's feed sees the request come and go
+    list(engine.submit("a finished turn keeps its blocks " * 3,
+                       SamplingParams(max_tokens=2), request_id="finished-turn"))
+
+    def heatmap() -> dict:
+        panels = client.predict(None, None, "whole pool", 0, 0, "most recent", 1, "", 0,
+                                "finished-turn", api_name="/refresh_live")
+        return json.loads(panels[1]["plot"])
+    wait_until(lambda: "(finished)" in heatmap()["layout"]["title"]["text"],
+               what="the feed to see the request leave")
+    figure = heatmap()
+    title = figure["layout"]["title"]["text"]
+    cached = int(re.search(r"following finished-turn \(finished\): (\d+) of the (\d+) "
+                           r"blocks it held are still cached, \1 outlined", title).group(1))
+    outline = [trace for trace in figure["data"] if trace.get("name") == "finished-turn"]
+    assert cached >= 1 and len(outline) == 1 and len(outline[0]["x"]) == cached
+    codes = heatmap_state_codes(figure).ravel()
+    outlined = {int(row) + column for row, column in zip(outline[0]["y"], outline[0]["x"],
+                                                         strict=True)}
+    assert all(codes[block] == codes[min(outlined)] for block in outlined)  # all cached
 
 
 def test_a_followed_request_is_outlined_in_the_heatmap_and_first_in_the_tables(
@@ -853,6 +1025,9 @@ def test_a_saved_sessions_pool_steps_back_to_the_frame_the_engine_recorded(
         assert [int(code) for code in codes if not np.isnan(code)] == reference.codes[index]
         assert drawn_tables(json.loads(shown[4]["plot"])) == reference.tables[index]
         assert "blocks in use" in shown[2] and "**Events**" in shown[6]
+        # The Sessions tab has no Live button: its status names the way it does have.
+        assert "a blank frame field shows the last frame" in shown[1]
+        assert "Live" not in shown[1]
     finally:
         reference.close()
 

@@ -8,7 +8,7 @@ from conftest import TINY_MAX_POSITIONS
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.engine.worker.memory import GiB, measure_peak_bytes, plan_blocks
+from kvscope.engine.worker.memory import GiB, PoolTooSmall, measure_peak_bytes, plan_blocks
 from kvscope.engine.worker.model_runner import ModelRunner
 from kvscope.engine.worker.profile_cache import profile_key
 
@@ -68,9 +68,14 @@ def test_weights_larger_than_the_budget_leave_zero_blocks_and_fail():
         plan_blocks(GiB, 0.1, GiB, 0, MiB, 16, max_model_len=16)
 
 
-def test_an_override_too_small_for_one_sequence_fails():
-    with pytest.raises(ValueError, match=r"holds 32 tokens.*max_model_len=64"):
+def test_an_override_too_small_for_one_sequence_fails_naming_the_override():
+    """Not the memory knobs (`kvscope replay` with a small override advised raising
+    gpu_memory_utilization, which plays no part in an overridden pool)."""
+    with pytest.raises(PoolTooSmall, match=r"num_gpu_blocks_override=2 blocks of 16 hold 32 "
+                       r"tokens but max_model_len=64 needs 64: raise num_gpu_blocks_override "
+                       r"to at least 4, or lower max_model_len") as refused:
         plan_blocks(4 * GiB, 0.9, 0, 0, MiB, 16, 64, num_blocks_override=2)
+    assert "gpu_memory_utilization" not in str(refused.value)
 
 
 def test_state_slots_come_out_of_the_budget_and_cap_max_num_seqs():

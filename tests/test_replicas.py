@@ -26,6 +26,8 @@ from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, _Routed
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
 from kvscope.storage import SessionLog, record_sessions
+from kvscope.ui.live import LiveFeeds
+from kvscope.ui.panels import PanelRenderer
 from kvscope.ui.replicas import overview_markdown
 
 BLOCK_SIZE = 4
@@ -286,6 +288,10 @@ def test_a_killed_replica_fails_its_streams_and_the_rest_keep_serving(replicas,
         assert replicas.counters().requests_finished["error"] == errors_before + 1
         survivor = 1 - victim
         wait_until(lambda: not replicas.replica_statuses()[victim].alive, REPLICA_WAIT_S)
+        # The Live tab showing that replica says so above its (last) panels.
+        summary = PanelRenderer(LiveFeeds(replicas)).refresh(
+            None, ["summary"], "whole pool", None, None, "most recent", 1, "", victim)[0]
+        assert f"replica {victim} is down" in summary
         health = httpx.get(f"{url}/health")
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         assert [r["alive"] for r in health.json()["replicas"]] == [victim != 0, victim != 1]

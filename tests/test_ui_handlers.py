@@ -5,6 +5,7 @@ series, and the quiet access log."""
 import dataclasses
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -65,7 +66,7 @@ def test_load_progress_is_per_run(engine):
         wait_until(lambda: generator.runs[-1].ended is not None, timeout=60,
                    what=f"load run {run} to end")
         assert f"run {run} (done" in generator.status()
-        assert "sent 3 of 3 · finished 3 · refused or failed 0 · in flight 0" in \
+        assert "sent 3 of 3 · finished 3 · aborted 0 · refused or failed 0 · in flight 0" in \
             generator.status().splitlines()[0]
 
 
@@ -374,6 +375,31 @@ def test_the_event_log_says_what_happened_in_plain_words_newest_first():
     assert len(events.event_lines([busy] * 40)) == events.MAX_EVENTS
 
 
+def test_the_summary_says_when_the_tabs_replica_is_down():
+    from kvscope.engine.orchestrator.async_engine import EngineCounters, ReplicaStatus
+
+    statuses = [ReplicaStatus(0, True, None, 0, 2, 0.5, EngineCounters()),
+                ReplicaStatus(1, False, "replica 1 died: actor killed", 1, 0, 0.0,
+                              EngineCounters())]
+    assert panels.replica_down(statuses, 0) == ""
+    assert panels.replica_down(statuses, 1).startswith(
+        "**replica 1 is down**: replica 1 died: actor killed (restarted 1 times)")
+
+
+def test_a_first_chunk_after_a_prefix_hit_is_an_admission_not_chunked_prefill():
+    from kvscope.ui import events
+
+    hit = StepRecord(9, 1.0, 1.1, (("r4", "r4#0", "prefill", 16, 40),), (), (), (), (),
+                     24, 64, 10, 0, 0, 1, 0, prefix_cache_queries=40, prefix_cache_hits=16)
+    tail = StepRecord(10, 1.1, 1.2, (("r4", "r4#0", "prefill", 40, 64),), (), (), (), (),
+                      24, 64, 16, 0, 0, 1, 0)
+    lines = events.event_lines([hit, tail], [events.Evictions(9, 1)])
+    assert "step 10: r4#0 prefilled its next chunk, tokens 40–64 (chunked prefill)" in lines
+    assert "step 9: admitted r4#0: tokens 0–16 from the prefix cache, prefilling tokens " \
+        "16–40" in lines
+    assert "step 9: evicted 1 cached block, least recently used first, to make room" in lines
+
+
 def test_the_what_if_preview_predicts_the_pool_apply_builds_and_the_waste(engine):
     memory_gb = engine.config.device_memory_gb
     preview = knobs.what_if_markdown(engine, [5, 9], 8, 0.9, memory_gb)
@@ -397,7 +423,7 @@ def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
     generator = loadgen.LoadGenerator(engine)
     # The pool run is the longest (twice the pool in requests): its size is checked, the
     # others are sent and run to the end.
-    pushed = loadgen.SCENARIOS[1].spec(engine.memory_plan)
+    pushed = loadgen.SCENARIOS[1].spec(engine.memory_plan, engine.config)
     pushed.validate(engine.memory_plan.max_model_len)
     assert pushed.num_requests * sum(pushed.prompt_len) / 2 > engine.memory_plan.num_tokens
     for scenario in (loadgen.SCENARIOS[0], *loadgen.SCENARIOS[2:]):
@@ -408,10 +434,71 @@ def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
         run = generator.runs[-1]
         assert run.finished == run.spec.num_requests and run.error is None, scenario.name
     assert generator.runs[1].spec.n == 4
-    long_prompt = generator.runs[2].spec.prompt_len[0]
-    assert long_prompt > engine.config.max_num_batched_tokens  # chunked: several steps
     with pytest.raises(ValueError, match="scenario='nope' must be one of"):
         generator.start_scenario("nope")
+
+
+@pytest.mark.parametrize("value, refusal", [
+    (None, "pages is empty: enter a whole number from 1 to 9"),
+    ("  ", "pages is empty"),
+    ("banana", "pages='banana' is not a number: enter a whole number from 1 to 9"),
+    (2.5, "pages=2.5 is not a whole number"),
+    (float("inf"), "pages=inf is not a whole number"),
+    (99999999999, "pages=1e+11 is out of range: enter a whole number from 1 to 9"),
+])
+def test_a_form_value_is_refused_naming_its_field_and_limits(value, refusal):
+    from kvscope.ui.form_values import form_number
+
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        form_number("pages", value, integer=True, low=1, high=9)
+    assert form_number("pages", "7", integer=True, low=1, high=9) == 7
+
+
+@pytest.mark.parametrize("budget", [64, 2048, 4096])
+def test_the_long_prompt_scenario_chunks_at_the_live_token_budget(engine, budget):
+    """Its prompt is sized from max_num_batched_tokens: a fixed 2,048 tokens equalled the
+    default budget and prefilled in one step."""
+    import dataclasses
+
+    plan = dataclasses.replace(engine.memory_plan, max_model_len=32768)
+    config = dataclasses.replace(engine.config, max_num_batched_tokens=budget)
+    spec = loadgen.SCENARIOS[3].spec(plan, config)
+    assert spec.prompt_len[0] == spec.prompt_len[1] > 2 * budget  # three prefill steps
+    spec.validate(plan.max_model_len)
+
+
+def test_the_long_prompt_scenario_says_which_knob_keeps_it_from_chunking(engine):
+    import dataclasses
+
+    plan = dataclasses.replace(engine.memory_plan, max_model_len=256)
+    config = dataclasses.replace(engine.config, max_num_batched_tokens=256)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=256, but max_model_len=256 "
+                       "leaves room for 248 prompt tokens: set max_num_batched_tokens below "
+                       "248"):
+        loadgen.SCENARIOS[3].spec(plan, config)
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        loadgen.SCENARIOS[3].spec(plan, dataclasses.replace(
+            config, enable_chunked_prefill=False, max_num_batched_tokens=None))
+
+
+def test_the_load_generator_counts_aborted_requests_as_metrics_does(engine):
+    """An Apply with "abort running requests" ends the run's running requests: they are
+    counted aborted, as /metrics' finished_reason="abort" counts them, not finished."""
+    generator = loadgen.LoadGenerator(engine)
+    aborts_before = engine.counters().requests_finished.get("abort", 0)
+    generator.start(loadgen.LoadSpec(4, 100.0, 0.0, (8, 16), (200, 200)), seed=7)
+    wait_until(lambda: engine.snapshot().num_running >= 1, timeout=30,
+               what="a load request to run")
+    assert knobs.apply_knobs(engine, LiveFeed(engine), *form(engine)[:-1], True) \
+        .startswith("Applied.")
+    wait_until(lambda: generator.runs[-1].ended is not None, timeout=120,
+               what="the run to end")
+    run = generator.runs[-1]
+    aborted = engine.counters().requests_finished.get("abort", 0) - aborts_before
+    assert run.aborted == aborted >= 1
+    assert run.finished + run.aborted == 4 and run.failed == 0
+    assert f"finished {run.finished} · aborted {run.aborted} · refused or failed 0" in \
+        generator.status()
 
 
 def test_a_click_on_a_chat_turn_follows_that_turns_request(engine):

@@ -17,6 +17,7 @@ from kvscope.engine.replay.report import comparison_figures, summaries, write_re
 from kvscope.engine.replay.runner import ReplaySession, base_config
 from kvscope.engine.replay.traces import load_trace
 from kvscope.storage.replay_source import load_logged_steps, load_session_workload
+from kvscope.ui.form_values import form_number
 from kvscope.ui.plotdata import panel, to_plot
 from kvscope.ui.sessions import session_time
 
@@ -116,9 +117,14 @@ def config_changes(base: EngineConfig, values: tuple) -> list[dict]:
             continue
         knobs = dict(zip(KNOBS, row))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            knobs[name] = int(knobs[name])
-        knobs["num_gpu_blocks_override"] = int(knobs["num_gpu_blocks_override"] or 0) or None
-        knobs["gpu_memory_utilization"] = float(knobs["gpu_memory_utilization"])
+            knobs[name] = form_number(f"run {start // width + 1} {name}", knobs[name],
+                                      integer=True)
+        override = knobs["num_gpu_blocks_override"]
+        knobs["num_gpu_blocks_override"] = form_number(
+            f"run {start // width + 1} num_gpu_blocks_override", override or 0,
+            integer=True) or None
+        knobs["gpu_memory_utilization"] = form_number(
+            f"run {start // width + 1} gpu_memory_utilization", knobs["gpu_memory_utilization"])
         runs.append({k: v for k, v in knobs.items() if v != getattr(base, k)})
     if not 2 <= len(runs) <= MAX_CONFIGS:
         raise ValueError(f"configs: enable 2 to {MAX_CONFIGS} runs (got {len(runs)})")

@@ -9,6 +9,7 @@ import gradio as gr
 from kvscope.engine.config import BLOCK_SIZES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvscope.engine.entrypoints.view import EngineView
 from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, scrubber, sessions
+from kvscope.ui.form_values import form_number
 from kvscope.ui.live import LiveFeeds
 from kvscope.ui.plotdata import panel
 
@@ -125,7 +126,8 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
             # The step scrubber (ui/scrubber.py): every panel shows the recorded frame in
             # the field; blank = live.
             with gr.Row(elem_id="kv-scrubber"):
-                pause = gr.Button("⏸ Pause", size="sm", elem_id="kv-pause")
+                # Words, not ⏸: without an emoji font that glyph is an empty box.
+                pause = gr.Button("Pause", size="sm", elem_id="kv-pause")
                 back = gr.Button("◀ frame", size="sm", elem_id="kv-step-back")
                 forward = gr.Button("frame ▶", size="sm", elem_id="kv-step-forward")
                 resume = gr.Button("Live", size="sm", elem_id="kv-resume")
@@ -184,9 +186,14 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
     forward.click(partial(scrubber.step, feeds, by=1), [replica, frame], scrub,
                   api_name="step_forward")
     resume.click(scrubber.resume, None, scrub, api_name="resume")
+    # Checked once a value is typed (Enter, or the field left), not at each keystroke: the
+    # digits typed so far of a kept frame or of a range's end are often out of range.
     view_fields = [heatmap_start, heatmap_stop, table_page]
-    gr.on([field.change for field in view_fields], panels.check_view_fields, view_fields,
-          view_fields, show_progress="hidden", api_name="check_view_fields")
+    gr.on([event for field in view_fields for event in (field.blur, field.submit)],
+          partial(panels.check_view_fields, feeds), [*view_fields, replica], view_fields,
+          show_progress="hidden", api_name="check_view_fields")
+    gr.on([frame.blur, frame.submit], partial(panels.check_frame, feeds), [frame, replica],
+          None, show_progress="hidden", api_name="check_frame")
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison, "events": events, "spec_decode": spec_plot,
@@ -204,10 +211,14 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     with gr.Row():
         block_size = gr.Dropdown(list(BLOCK_SIZES), value=block_size, label="block_size",
                                  elem_id="kv-block-size")
-        utilization = gr.Slider(0.01, 1.0, value=utilization, step=0.01,
-                                label="gpu_memory_utilization")
-        memory_gb = gr.Slider(0.01, 16, value=memory_gb, step=0.01,
-                              label="device_memory_gb (CPU)")
+        # Number fields, not sliders: a slider refused a typed value out of its range
+        # with a server traceback, then clamped it to its maximum, and the next Apply
+        # rebuilt the pool there. Apply and the preview refuse, naming the limit: the
+        # engine's for the utilization, this machine's RAM for the memory.
+        utilization = gr.Number(value=utilization, step=0.01, label="gpu_memory_utilization",
+                                elem_id="kv-utilization")
+        memory_gb = gr.Number(value=memory_gb, step=0.01, label="device_memory_gb (CPU)",
+                              elem_id="kv-device-memory")
         budget = gr.Number(value=budget, precision=0, label="max_num_batched_tokens",
                            elem_id="kv-budget")
     with gr.Row():
@@ -276,11 +287,15 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
 def _start_load(load, count, rate, shared, prompt_min, prompt_max, output_min, output_max,
                 n) -> str:
     try:
-        spec = loadgen.LoadSpec(int(count), float(rate), float(shared),
-                                (int(prompt_min), int(prompt_max)),
-                                (int(output_min), int(output_max)), int(n))
+        whole = partial(form_number, integer=True)
+        spec = loadgen.LoadSpec(
+            whole("requests", count), form_number("requests / s", rate),
+            form_number("shared system prompt fraction", shared),
+            (whole("prompt tokens min", prompt_min), whole("prompt tokens max", prompt_max)),
+            (whole("output tokens min", output_min), whole("output tokens max", output_max)),
+            whole("n (samples)", n))
         load.start(spec)
-    except (ValueError, TypeError) as error:
+    except ValueError as error:
         load.refuse(str(error))
         gr.Warning(f"Load not sent: {error}")
     return load.status()

@@ -25,6 +25,11 @@ class Evictions:
     num_blocks: int
 
 
+def counted(number: int, noun: str) -> str:
+    """"1 block", "2 blocks"."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def preemption_words(cause: PreemptionCause, swapped: set[str]) -> str:
     """Why a sequence was preempted, for whom, and what it cost, in plain words."""
     victim, reason, taker, blocks_freed, tokens_lost = cause
@@ -32,16 +37,22 @@ def preemption_words(cause: PreemptionCause, swapped: set[str]) -> str:
             f"{tokens_lost} computed tokens to compute again")
     return (f"({PREEMPTION_WORDS[reason]}, for "
             f"{'itself: it gave way alone' if taker == victim else taker}): "
-            f"{blocks_freed} blocks freed, {cost}")
+            f"{counted(blocks_freed, 'block')} freed, {cost}")
 
 
-def _step_events(record: StepRecord) -> list[str]:
-    """What one step did that a newcomer should notice, in the order it happened."""
+def _step_events(record: StepRecord, first_prefill: dict[str, int]) -> list[str]:
+    """What one step did that a newcomer should notice, in the order it happened.
+    first_prefill: each sequence's first step with a prefill chunk in the records read."""
     lines = []
     step = f"step {record.step}:"
     for request_id, seq_id, kind, start, end in record.chunks:
         if kind == "prefill" and start == 0:
             lines.append(f"{step} admitted {seq_id}: prefilling tokens 0–{end}")
+        elif (kind == "prefill" and first_prefill.get(seq_id) == record.step
+              and record.prefix_cache_hits):
+            # Its first chunk starts past 0: the tokens before came from the prefix cache.
+            lines.append(f"{step} admitted {seq_id}: tokens 0–{start} from the prefix "
+                         f"cache, prefilling tokens {start}–{end}")
         elif kind == "prefill":
             lines.append(f"{step} {seq_id} prefilled its next chunk, tokens {start}–{end} "
                          "(chunked prefill)")
@@ -66,12 +77,19 @@ def event_lines(records: Sequence[StepRecord], evictions: Sequence[Evictions] = 
                 limit: int = MAX_EVENTS) -> list[str]:
     """The newest `limit` events, newest first."""
     evicted = {event.step: event.num_blocks for event in evictions}
+    scanned = records[-MAX_SCANNED_STEPS:]
+    first_prefill: dict[str, int] = {}
+    for record in scanned:
+        for _, seq_id, kind, _, _ in record.chunks:
+            if kind == "prefill":
+                first_prefill.setdefault(seq_id, record.step)
     lines: list[str] = []
-    for record in reversed(records[-MAX_SCANNED_STEPS:]):
+    for record in reversed(scanned):
         if record.step in evicted:
-            lines.append(f"step {record.step}: evicted {evicted[record.step]} cached blocks, "
-                         "least recently used first, to make room")
-        lines.extend(reversed(_step_events(record)))
+            lines.append(f"step {record.step}: evicted "
+                         f"{counted(evicted[record.step], 'cached block')}, least recently "
+                         "used first, to make room")
+        lines.extend(reversed(_step_events(record, first_prefill)))
         if len(lines) >= limit:
             break
     return lines[:limit]

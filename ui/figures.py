@@ -51,9 +51,25 @@ Figure = dict
 
 
 def followed_blocks(pool: PoolMirror, request_id: str) -> list[int]:
-    """The physical blocks the followed request's sequences hold, in block order."""
-    return sorted({block for seq in pool.sequences if of_request(seq.seq_id, request_id)
-                   for block in seq.block_table})
+    """The physical blocks the followed request's sequences hold, in block order; for a
+    request that has left the pool, its blocks still cached with its content."""
+    held = sorted({block for seq in pool.sequences if of_request(seq.seq_id, request_id)
+                   for block in seq.block_table if block >= 0})
+    return held or pool.cached_blocks_of(request_id)[0]
+
+
+def following_words(pool: PoolMirror, follow: str, outlined: int,
+                    total: int | None = None) -> str:
+    """The title's line on the followed request (`outlined` of its `total` blocks): a
+    finished one holds no block, but its cached ones are outlined, and the line says so."""
+    if any(of_request(seq.seq_id, follow) for seq in pool.sequences):
+        of = "" if total is None else f" of its {total}"
+        return f"following {follow}: {outlined}{of} blocks outlined"
+    cached, held = pool.cached_blocks_of(follow)
+    if not held:
+        return f"following {follow}: not in the pool (no block held or cached)"
+    return (f"following {follow} (finished): {len(cached)} of the {held} blocks it held are "
+            f"still cached, {outlined} outlined")
 
 
 def _no_decode(token_ids: tuple[int, ...]) -> str:
@@ -152,7 +168,7 @@ def pool_heatmap(pool: PoolMirror, decode: Decode = _no_decode, view: str = "who
     if follow:
         blocks = [b for b in followed_blocks(pool, follow) if start <= b < stop]
         traces.append(_outline(blocks, start, cell, follow))
-        following = f"<br>following {follow}: {len(blocks)} blocks outlined"
+        following = "<br>" + following_words(pool, follow, len(blocks))
     shown = ("the whole pool" if (start, stop) == (0, pool.num_blocks)
              else f"blocks {start}–{stop - 1}")
     detail = ("one cell per block" + ("" if stop - start <= MAX_HOVER_DETAIL else
@@ -515,7 +531,7 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "")
             "" if pool.config.get("enable_prefix_caching", True) else
             " (prefix caching is off)")
     if follow:
-        title += f"<br>following {follow}: {sum(on_path)} of its {len(followed)} blocks outlined"
+        title += "<br>" + following_words(pool, follow, sum(on_path), len(followed))
     title += "<br><sup>×N: prefix hits · #k: eviction order (#1 goes next)</sup>"
     if shown_nodes < len(forest):
         title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"

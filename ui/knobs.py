@@ -6,6 +6,7 @@ import gradio as gr
 
 from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.worker.memory import GiB, MemoryPlan, PoolTooSmall, plan_blocks
+from kvscope.ui.form_values import form_number
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
 KNOBS = ("block_size", "gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens",
@@ -40,9 +41,11 @@ def _pending(values: tuple) -> dict:
     """Widget values -> knobs. An emptied token budget means "derive it"; 0 stays 0, for
     the engine to refuse with its limit."""
     (block_size, utilization, memory_gb, budget, prefix, chunked, preemption, kv_dtype) = values
-    return {"block_size": int(block_size), "gpu_memory_utilization": float(utilization),
-            "device_memory_gb": float(memory_gb),
-            "max_num_batched_tokens": None if budget in (None, "") else int(budget),
+    return {"block_size": form_number("block_size", block_size, integer=True),
+            "gpu_memory_utilization": form_number("gpu_memory_utilization", utilization),
+            "device_memory_gb": form_number("device_memory_gb", memory_gb),
+            "max_num_batched_tokens": None if budget in (None, "") else form_number(
+                "max_num_batched_tokens", budget, integer=True),
             "enable_prefix_caching": bool(prefix), "enable_chunked_prefill": bool(chunked),
             "preemption_mode": str(preemption), "kv_cache_dtype": str(kv_dtype)}
 
@@ -71,16 +74,22 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_machine(engine: EngineView, pending: dict) -> None:
-    """Refuse, in the knob's own terms, what this machine cannot hold before a rebuild
-    tries (and fails deep inside an allocation): a CPU pool larger than the RAM, and a
-    token budget whose profiling step alone needs more memory than the pool may use."""
-    on_cpu = engine.resolved_identity()["device"] == "cpu"
-    memory_gb = pending["device_memory_gb"]
-    if on_cpu and memory_gb * GiB > host_memory_bytes():
+def check_device_memory(engine: EngineView, memory_gb: float) -> None:
+    """A CPU pool larger than the RAM is refused before a rebuild tries (and fails deep
+    inside an allocation)."""
+    if engine.resolved_identity()["device"] == "cpu" and memory_gb * GiB > host_memory_bytes():
         raise ValueError(f"device_memory_gb={memory_gb:g} is more than this machine's RAM "
                          f"({host_memory_bytes() / GiB:.1f} GiB): choose at most "
                          f"{host_memory_bytes() / GiB:.1f}")
+
+
+def check_machine(engine: EngineView, pending: dict) -> None:
+    """Refuse, in the knob's own terms, what this machine cannot hold before a rebuild
+    tries: a CPU pool larger than the RAM, and a token budget whose profiling step alone
+    needs more memory than the pool may use."""
+    on_cpu = engine.resolved_identity()["device"] == "cpu"
+    memory_gb = pending["device_memory_gb"]
+    check_device_memory(engine, memory_gb)
     budget = pending["max_num_batched_tokens"]
     if budget is None:
         return
@@ -105,7 +114,7 @@ def apply_knobs(engine: EngineView, feed, *values) -> str:
     config = engine.config
     try:
         pending = _pending(tuple(knob_values))
-    except (ValueError, TypeError) as error:  # a widget left empty or holding text
+    except ValueError as error:  # a widget left empty or holding text
         return _refused(f"{error}")
     try:
         check_machine(engine, pending)
@@ -152,13 +161,15 @@ def what_if_markdown(engine: EngineView, token_counts: list[int], block_size, ut
     """Before Apply: the pool these knobs would build and what the live sequences
     (`token_counts`, their lengths) would hold in it, next to now."""
     try:
-        block_size, utilization, memory_gb = int(block_size), float(utilization), \
-            float(memory_gb)
+        block_size = form_number("block_size", block_size, integer=True)
+        utilization = form_number("gpu_memory_utilization", utilization)
+        memory_gb = form_number("device_memory_gb", memory_gb)
+        check_device_memory(engine, memory_gb)
         plan = planned_pool(engine, block_size, utilization, memory_gb)
     except PoolTooSmall as error:
         return f"**What if:** Apply would be refused: {_too_small(error)}."
-    except (ValueError, TypeError) as error:
-        return f"**What if:** no preview: {error}"
+    except ValueError as error:
+        return f"**What if:** Apply would be refused: {error}."
     now = engine.memory_plan
     lines = [f"**What if** block_size {block_size}, gpu_memory_utilization {utilization:g}"
              f", device_memory_gb {memory_gb:g}: the pool would hold {plan.num_blocks} "

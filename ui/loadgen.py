@@ -8,6 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvscope.engine.config import EngineConfig
 from kvscope.engine.entrypoints.view import EngineView
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.worker.memory import MemoryPlan
@@ -39,21 +40,23 @@ class LoadSpec:
 
     def validate(self, max_model_len: int) -> None:
         """Refuse before anything is sent what the engine would refuse per request."""
+        # :g, so a value typed as 1e308 is echoed as typed, not as 309 digits
         if not 1 <= self.num_requests <= 1000:
-            raise ValueError(f"requests={self.num_requests} must be between 1 and 1000")
+            raise ValueError(f"requests={self.num_requests:g} must be between 1 and 1000")
         if not 0 < self.rate <= 1000:
-            raise ValueError(f"rate={self.rate} must be in (0, 1000] requests/s")
+            raise ValueError(f"rate={self.rate:g} must be in (0, 1000] requests/s")
         if not 0 <= self.shared_fraction <= 1:
-            raise ValueError(f"shared fraction={self.shared_fraction} must be in [0, 1]")
+            raise ValueError(f"shared fraction={self.shared_fraction:g} must be in [0, 1]")
         for name, (low, high) in (("prompt", self.prompt_len), ("output", self.output_len)):
             if not 1 <= low <= high:
-                raise ValueError(f"{name} length range {low}..{high}: need 1 <= min <= max")
+                raise ValueError(f"{name} tokens min {low:g} and max {high:g}: need "
+                                 "1 <= min <= max")
         if not 1 <= self.n <= 8:
-            raise ValueError(f"n={self.n} must be between 1 and 8")
+            raise ValueError(f"n={self.n:g} must be between 1 and 8")
         longest = self.prompt_len[1] + self.output_len[1]
         if longest > max_model_len:
-            raise ValueError(f"prompt tokens max {self.prompt_len[1]} + output tokens max "
-                             f"{self.output_len[1]} = {longest} is more than the engine's "
+            raise ValueError(f"prompt tokens max {self.prompt_len[1]:g} + output tokens max "
+                             f"{self.output_len[1]:g} = {longest:g} is more than the engine's "
                              f"max_model_len={max_model_len}: lower them")
 
 
@@ -82,15 +85,28 @@ class Scenario:
 
     name: str
     caption: str
-    spec: Callable[[MemoryPlan], LoadSpec]
+    spec: Callable[[MemoryPlan, EngineConfig], LoadSpec]
 
 
-LONG_PROMPT_TOKENS = 2048  # long enough for several chunks, short enough for a CPU
+LONG_PROMPT_OUTPUT_TOKENS = 8
 
 
-def _long_prompt(plan: MemoryPlan) -> LoadSpec:
-    length = max(min(plan.max_model_len - 16, LONG_PROMPT_TOKENS), 1)
-    return LoadSpec(1, 1.0, 0.0, (length, length), (min(8, plan.max_model_len - length),) * 2)
+def _long_prompt(plan: MemoryPlan, config: EngineConfig) -> LoadSpec:
+    """A prompt of two and a half step budgets: three prefill chunks at whatever
+    max_num_batched_tokens the engine runs now, or a refusal saying which knob stops it."""
+    budget = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        raise ValueError("A long prompt, chunked needs chunked prefill: tick \"chunked "
+                         "prefill\" in the Engine & load tab and Apply")
+    room = plan.max_model_len - LONG_PROMPT_OUTPUT_TOKENS
+    if room <= budget:
+        raise ValueError(
+            f"A long prompt, chunked needs a prompt longer than one step's "
+            f"max_num_batched_tokens={budget}, but max_model_len={plan.max_model_len} leaves "
+            f"room for {room} prompt tokens: set max_num_batched_tokens below {room} in the "
+            "Engine & load tab and Apply")
+    length = min(2 * budget + budget // 2, room)
+    return LoadSpec(1, 1.0, 0.0, (length, length), (LONG_PROMPT_OUTPUT_TOKENS,) * 2)
 
 
 SCENARIOS = (
@@ -98,22 +114,24 @@ SCENARIOS = (
              "Every request starts with the same system prompt. Watch the prefix tree grow "
              "one trunk, the heatmap's shared (amber) blocks, the block tables' first "
              "columns repeat one block id in every row, and the event log's prefix hits.",
-             lambda plan: LoadSpec(16, 4.0, 1.0, _prompts(plan, 0.5), _outputs(plan, 0.5))),
+             lambda plan, config: LoadSpec(16, 4.0, 1.0, _prompts(plan, 0.5),
+                                           _outputs(plan, 0.5))),
     Scenario("Pool pushed into preemption",
              "More long requests than the pool holds at once. Watch the heatmap fill, "
              "cached blue blocks evicted first, then red preemptions in the timeline and "
              "the event log, and the waiting line in the series climb.",
-             lambda plan: default_spec_for(plan, fill=2.0, rate=50.0)),
+             lambda plan, config: default_spec_for(plan, fill=2.0, rate=50.0)),
     Scenario("Parallel sampling (n=4)",
              "Each request samples 4 continuations of one prompt. Watch its 4 sequences share the "
              "prompt's blocks (ref count 4, dark amber) until each writes its own last "
              "block: copy-on-write. The summary counts 4 sequences per request.",
-             lambda plan: LoadSpec(4, 2.0, 0.0, _prompts(plan, 0.5), _outputs(plan, 0.5), 4)),
+             lambda plan, config: LoadSpec(4, 2.0, 0.0, _prompts(plan, 0.5),
+                                           _outputs(plan, 0.5), 4)),
     Scenario("A long prompt, chunked",
-             f"One prompt of up to {LONG_PROMPT_TOKENS} tokens (at most max_model_len). With "
-             "chunked prefill it is computed a "
-             "token budget at a time: watch its timeline row's prefill chunks, its block "
-             "table grow chunk by chunk, and the summary count it running meanwhile.",
+             "One prompt of two and a half step budgets (max_num_batched_tokens), so chunked "
+             "prefill computes it in three steps: watch its timeline row's prefill chunks, "
+             "its block table grow chunk by chunk, and the summary count it running "
+             "meanwhile.",
              _long_prompt),
 )
 
@@ -137,17 +155,19 @@ class LoadRun:
     started: float = field(default_factory=time.monotonic)
     sent: int = 0
     finished: int = 0
+    aborted: int = 0  # ended by an abort (Apply with "abort running requests", a shutdown)
     failed: int = 0
     ended: float | None = None
     error: str | None = None  # why the sending thread stopped early
 
     def describe(self) -> str:
-        done = self.finished + self.failed
+        done = self.finished + self.aborted + self.failed
         elapsed = (self.ended or time.monotonic()) - self.started
         state = "done" if self.ended else "running"
         line = (f"run {self.number} ({state}, {elapsed:.0f} s): sent {self.sent} of "
-                f"{self.spec.num_requests} · finished {self.finished} · refused or failed "
-                f"{self.failed} · in flight {self.sent - done}")
+                f"{self.spec.num_requests} · finished {self.finished} · aborted "
+                f"{self.aborted} · refused or failed {self.failed} · in flight "
+                f"{self.sent - done}")
         return line + (f" · **stopped sending: {self.error}**" if self.error else "")
 
 
@@ -182,7 +202,7 @@ class LoadGenerator:
         scenario = next((s for s in SCENARIOS if s.name == name), None)
         if scenario is None:
             raise ValueError(f"scenario={name!r} must be one of {[s.name for s in SCENARIOS]}")
-        self.start(scenario.spec(self.engine.memory_plan))
+        self.start(scenario.spec(self.engine.memory_plan, self.engine.config))
         return f"**{scenario.name}** — {scenario.caption}"
 
     def refuse(self, reason: str) -> None:
@@ -247,12 +267,15 @@ class LoadGenerator:
 
     def _drain(self, run: LoadRun, stream) -> None:
         try:
-            for _ in stream:
+            for last in stream:
                 pass
-            outcome = "finished"
+            # The rule /metrics counts by (vllm:request_success's finished_reason): an
+            # output that ends without a reason of its own was aborted.
+            outcome = "aborted" if (last.outputs[0].finish_reason or "abort") == "abort" \
+                else "finished"
         except (ValueError, RuntimeError):  # refused, or a failed step: counted in status
             outcome = "failed"
         with self._lock:
             setattr(run, outcome, getattr(run, outcome) + 1)
-            if run.finished + run.failed == run.spec.num_requests:
+            if run.finished + run.aborted + run.failed == run.spec.num_requests:
                 run.ended = time.monotonic()

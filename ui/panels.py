@@ -65,17 +65,53 @@ VIEW_FIELDS = {"heatmap_start": ("from block", 0), "heatmap_stop": ("to block", 
                "table_page": ("page", 1)}
 
 
-def check_view_fields(heatmap_start, heatmap_stop, table_page) -> tuple:
-    """The number fields' values, each one out of range refused at the field: put back to
-    its least value with a warning naming it (the refresh draws the view meanwhile)."""
+def check_view_fields(feeds: LiveFeeds, heatmap_start, heatmap_stop, table_page,
+                      replica=0) -> tuple:
+    """The view fields' values, each one the view cannot show refused at the field, with
+    a warning naming it and its limit: put back to a value it can show (the refresh draws
+    the view meanwhile): blocks past the pool, a range that ends before it starts."""
+    feed = feeds.get(int(replica or 0))
+    num_blocks = feed.engine.memory_plan.num_blocks
     values = []
     for name, value in zip(VIEW_FIELDS, (heatmap_start, heatmap_stop, table_page)):
         label, least = VIEW_FIELDS[name]
         if value is not None and value < least:
             gr.Warning(f"{label}={value:g} refused: it must be {least} or more")
             value = least
+        elif name != "table_page" and value is not None and value > num_blocks:
+            gr.Warning(f"{label}={value:g} refused: the pool has {num_blocks} blocks, so "
+                       f"{label} is at most {num_blocks}")
+            value = 0
         values.append(value)
+    start, stop = values[:2]
+    if start and stop and stop <= start:
+        gr.Warning(f"to block={stop:g} refused: it must be more than from block={start:g} "
+                   "(or 0: to the end)")
+        values[1] = 0
     return tuple(values)
+
+
+def check_frame(feeds: LiveFeeds, frame, replica=0) -> None:
+    """The Live tab's frame field: blank (live) or a kept frame's number; anything else
+    is said in a warning naming the field and what it takes. The field is not written
+    back: the scrubber's ◀ and ▶ write it too, and the panels show live for a value that
+    is not a number and the nearest kept frame for one out of range."""
+    if frame is None or str(frame).strip() == "":
+        return
+    try:
+        number = int(str(frame).strip())
+    except ValueError:
+        gr.Warning(f"frame shown={str(frame)[:40]!r} refused: enter a frame number, or "
+                   "leave it blank for the live pool (shown meanwhile)")
+        return
+    feed = feeds.get(int(replica or 0))
+    with feed.lock:
+        first, last = feed.history.first, feed.history.last
+    if first is None:
+        gr.Warning(f"frame shown={number} refused: no frame is recorded yet (blank: live)")
+    elif not first <= number <= last:
+        gr.Warning(f"frame shown={number} refused: frames {first} to {last} are kept; "
+                   f"showing frame {min(max(number, first), last)}")
 
 
 def panel_views(heatmap_view=None, heatmap_start=None, heatmap_stop=None, table_order=None,
@@ -152,12 +188,9 @@ def summary_markdown(snapshot: PoolMirror, replica: int = 0, num_replicas: int =
 
 
 def _sequences(num_sequences: int, num_requests: int) -> str:
-    return (_count(num_sequences, "sequence") if num_sequences == num_requests else
-            f"{_count(num_sequences, 'sequence')} ({_count(num_requests, 'request')})")
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+    sequences = events.counted(num_sequences, "sequence")
+    return (sequences if num_sequences == num_requests else
+            f"{sequences} ({events.counted(num_requests, 'request')})")
 
 
 def text_html(markdown: str) -> str:
@@ -165,16 +198,28 @@ def text_html(markdown: str) -> str:
     return f'<div class="kv-html">{_MARKDOWN.render(markdown)}</div>'
 
 
+def replica_down(statuses: list, replica: int) -> str:
+    """The summary line's opening while the tab's replica is down ("" while it serves):
+    its panels then show the last state it sent."""
+    status = statuses[replica]
+    if status.alive:
+        return ""
+    why = f": {status.error}" if status.error else ""
+    return (f"**replica {replica} is down**{why} (restarted {status.restarts} times); the "
+            "panels show the last state it sent · ")
+
+
 def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas: int,
-            window: tuple[float, float]):
-    """window: the time panels' shared x range (timeline.live_window, once per refresh)."""
+            window: tuple[float, float], down: str = ""):
+    """window: the time panels' shared x range (timeline.live_window, once per refresh);
+    down: replica_down's line for the tab's replica."""
     snapshot = state.snapshot
     holders = any(seq.block_table for seq in snapshot.sequences)
     if name == "summary":
-        line = summary_markdown(snapshot, state.replica, num_replicas)
+        line = down + summary_markdown(snapshot, state.replica, num_replicas)
         frame = state.paused
         return line if frame is None else (
-            f"⏸ **paused at frame {frame.number}** (the pool after step {frame.step}; the "
+            f"**paused at frame {frame.number}** (the pool after step {frame.step}; the "
             "engine runs on) · " + line)
     if name == "heatmap":
         return figures.pool_heatmap(snapshot, decode, views.heatmap_view, views.heatmap_start,
@@ -308,14 +353,18 @@ class PanelRenderer:
                 views.replica, {})
             signatures = {name: (state.paused.number if paused else data, views.of(name))
                           for name, data in _signatures(state).items()}
+            engine = feed.engine
+            down = (replica_down(engine.replica_statuses(), views.replica)
+                    if engine.num_replicas > 1 else "")
+            signatures["summary"] += (down,)
             window = timeline.live_window(state.records, state.now)
             for name in wanted:
                 now = time.monotonic()
                 previous = rendered.get(name)
                 if (previous is None or previous.signature != signatures[name] if paused
                         else self._due(previous, name, signatures[name], state, now)):
-                    value = _render(name, state, feed.decode, views,
-                                    feed.engine.num_replicas, window)
+                    value = _render(name, state, feed.decode, views, engine.num_replicas,
+                                    window, down)
                     value = text_html(value) if name in TEXT_PANELS else to_plot(value)
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)

@@ -13,6 +13,7 @@ import gradio as gr
 from kvscope.engine.telemetry.pool_history import Frame, PoolHistory
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.ui import events, figures, panels, spec_decode
+from kvscope.ui.events import counted
 from kvscope.ui.plotdata import placeholder, to_plot
 
 NOTHING_YET = "No frames recorded yet: the scrubber steps through the pool once the engine runs."
@@ -38,28 +39,36 @@ def frame_changes(before: PoolMirror | None, after: PoolMirror) -> str:
         "freed": (refs_before > 0) & (refs_after == 0),
         "cached (full, hashed)": after.hashed & changed_hash,
     }
-    words = [f"{int(mask.sum())} blocks {name}" for name, mask in parts.items() if mask.any()]
+    words = [f"{counted(int(mask.sum()), 'block')} {name}" for name, mask in parts.items()
+             if mask.any()]
     evicted = after.num_evictions - before.num_evictions
     if evicted:
-        words.append(f"{evicted} cached blocks evicted (least recently used first)")
+        words.append(f"{counted(evicted, 'cached block')} evicted (least recently used first)")
     preempted = after.num_preemptions - before.num_preemptions
     if preempted:
-        words.append(f"{preempted} sequences preempted")
+        words.append(f"{counted(preempted, 'sequence')} preempted")
     joined = set(after.live) - set(before.live)
     left = set(before.live) - set(after.live)
     if joined:
-        words.append(f"{len(joined)} sequences queued")
+        words.append(f"{counted(len(joined), 'sequence')} queued")
     if left:
-        words.append(f"{len(left)} sequences left (finished or aborted)")
+        words.append(f"{counted(len(left), 'sequence')} left (finished or aborted)")
     return "; ".join(words) or "no block changed (tokens were written into held blocks)"
 
 
-def frame_status(history: PoolHistory, frame: Frame | None, changes: str = "") -> str:
+# How a tab leaves the frames it steps through: the Live tab has a Live button; the
+# Sessions tab's field, blank, shows the session's last frame.
+LIVE_TAB_WAY_OUT = "Live returns to the live pool"
+SESSIONS_TAB_WAY_OUT = "a blank frame field shows the last frame"
+
+
+def frame_status(history: PoolHistory, frame: Frame | None, changes: str = "",
+                 way_out: str = LIVE_TAB_WAY_OUT) -> str:
     if frame is None:
         return NOTHING_YET
-    return (f"⏸ **Paused at frame {frame.number}** (the pool after {frame.step} steps: "
+    return (f"**Paused at frame {frame.number}** (the pool after {frame.step} steps: "
             f"pool delta {frame.index}; frames {history.first}–{history.last} kept): "
-            f"{changes}. ◀ and ▶ step one frame; Live returns to the live pool.")
+            f"{changes}. ◀ and ▶ step one frame; {way_out}.")
 
 
 # ---- the Live tab -----------------------------------------------------------------------
@@ -95,7 +104,9 @@ def _number(frame) -> int:
     try:
         return int(str(frame).strip())
     except ValueError:
-        raise gr.Error(f"frame={frame!r} must be a whole number (or blank: live)") from None
+        # A user's typo, not a fault: a toast, and no traceback in the server's console.
+        raise gr.Error(f"frame={str(frame)[:40]!r} must be a whole number (or blank)",
+                       print_exception=False) from None
 
 
 def live_status(feeds, replica, frame) -> str:
@@ -153,7 +164,8 @@ class SessionFrames:
                       pool, decode, verified=spec_decode.latest_verifications(records, pool.step))
                   if any(seq.block_table for seq in pool.sequences) else
                   placeholder("Block tables", "No sequence held blocks at this frame."))
-        return (number, frame_status(history, shown, frame_changes(before, pool)),
+        return (number, frame_status(history, shown, frame_changes(before, pool),
+                                     SESSIONS_TAB_WAY_OUT),
                 panels.summary_markdown(pool),
                 to_plot(figures.pool_heatmap(pool, decode, as_of=shown.step)),
                 to_plot(tables), to_plot(figures.prefix_tree(pool, decode)),

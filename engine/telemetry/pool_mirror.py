@@ -68,6 +68,9 @@ class MirroredSequence:
                             self.num_computed_tokens, self.arrival_time)
 
 
+DEPARTED_KEPT = 64
+
+
 class PoolMirror:
     """Owned by one reader thread (not thread-safe). `apply` returns False when the
     record cannot be applied (a missed delta, another pool): ask for a new snapshot."""
@@ -93,6 +96,10 @@ class PoolMirror:
         self.free_stamps = np.zeros(0, np.int64)
         self.free_clock = 0
         self.live: dict[str, MirroredSequence] = {}
+        # The hashed blocks each of the last DEPARTED_KEPT finished (or aborted) requests
+        # held as it left, by request id: the dashboard follows a finished chat turn to
+        # its blocks while they stay cached with the same content.
+        self.departed: dict[str, tuple[tuple[int, BlockHash], ...]] = {}
         self._holders: HolderIndex | None = None  # built on demand from the block tables
         self.num_covered = 0  # blocks [0, num_covered) hold slice data
         # Bumped by every applied change, so panels can skip what did not move.
@@ -118,6 +125,7 @@ class PoolMirror:
         for name in ("ref_counts", "hashed", "hashes", "hash_keys", "parent_keys",
                      "has_parent", "hit_counts", "free_stamps"):
             setattr(twin, name, getattr(self, name).copy())
+        twin.departed = dict(self.departed)
         twin.live = {seq_id: MirroredSequence(
             seq.seq_id, seq.request_id, seq.status, seq.num_tokens, seq.num_prompt_tokens,
             seq.num_computed_tokens, seq.arrival_time, array("q", seq.block_table),
@@ -164,7 +172,7 @@ class PoolMirror:
         self.hit_counts = np.zeros(num_blocks, np.int64)
         self.free_stamps = np.zeros(num_blocks, np.int64)
         self.free_clock = 0
-        self.live, self._holders = {}, None
+        self.live, self._holders, self.departed = {}, None, {}
         self.num_covered = min(covered, num_blocks)
         self.blocks_version += 1
         self.sequences_version += 1
@@ -209,11 +217,29 @@ class PoolMirror:
         for change in delta.sequences:
             self._apply_sequence(SequenceChange._make(change))
         for seq_id in delta.removed:
-            if self.live.pop(seq_id, None) is not None:
+            if (seq := self.live.pop(seq_id, None)) is not None:
                 self._holders = None
+                self._keep_departed(seq)
         if delta.sequences or delta.removed:
             self.sequences_version += 1
         return True
+
+    def _keep_departed(self, seq: MirroredSequence) -> None:
+        hashes = self.hashes
+        kept = tuple((block, hashes[block]) for block in seq.block_table
+                     if block >= 0 and hashes[block] is not None)  # < 0: released
+        departed = self.departed
+        departed[seq.request_id] = departed.pop(seq.request_id, ()) + kept  # newest last
+        if len(departed) > DEPARTED_KEPT:
+            del departed[next(iter(departed))]
+
+    def cached_blocks_of(self, request_id: str) -> tuple[list[int], int]:
+        """(the blocks a departed request held that are still cached with the content it
+        left there, how many hashed blocks it held as it left)."""
+        held = self.departed.get(request_id, ())
+        hashes = self.hashes
+        return sorted({block for block, block_hash in held if block < len(hashes)
+                       and hashes[block] == block_hash}), len({b for b, _ in held})
 
     def _stamp_freed(self, block_ids: tuple[int, ...]) -> None:
         """These blocks joined the back of the eviction order, in this order."""

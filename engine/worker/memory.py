@@ -218,6 +218,13 @@ def plan_blocks(
     num_tokens = num_blocks // len(plan.groups) * block_size
     if num_tokens < max_model_len:
         in_groups = f" in {len(plan.groups)} KV cache groups" if len(plan.groups) > 1 else ""
+        if num_blocks_override:  # the memory knobs play no part in an overridden pool
+            needed = -(-max_model_len // block_size) * len(plan.groups)
+            raise PoolTooSmall(
+                f"num_gpu_blocks_override={num_blocks_override} blocks of {block_size}"
+                f"{in_groups} hold {num_tokens} tokens but max_model_len={max_model_len} "
+                f"needs {max_model_len}: raise num_gpu_blocks_override to at least {needed}, "
+                "or lower max_model_len", plan)
         raise PoolTooSmall(
             f"the KV cache holds {num_tokens} tokens ({num_blocks} blocks of {block_size}"
             f"{in_groups}; {device_memory_bytes / GiB:.2f} GiB x "

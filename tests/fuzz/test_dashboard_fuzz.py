@@ -15,8 +15,8 @@ from fuzz.conftest import FuzzedDashboard, fuzz_budget, wait_for_idle
 
 # Every named endpoint of the page (the first test fails if one is added and not fuzzed).
 ENDPOINTS = ["/scenario_0", "/scenario_1", "/scenario_2", "/scenario_3", "/chat",
-             "/check_view_fields", "/what_if", "/apply_knobs", "/start_load", "/list_sessions",
-             "/show_session", "/export_session", "/compare_runs", "/refresh_live",
+             "/check_view_fields", "/check_frame", "/what_if", "/apply_knobs", "/start_load",
+             "/list_sessions", "/show_session", "/export_session", "/compare_runs", "/refresh_live",
              "/new_conversation", "/pause", "/resume", "/step_back", "/step_forward",
              "/session_frame", "/session_frame_back", "/session_frame_forward"]
 # What gradio_client reports when a handler raised (rather than answered with a refusal).
