@@ -586,7 +586,7 @@ def test_preemptions_are_marked_by_reason_on_the_series_and_the_timelines():
         "preempted (a higher-priority request needed its blocks to start, for c): 2 blocks "
         "freed, 9 computed tokens to compute again",
         "preempted (the pool was out of blocks for a running sequence's next tokens, for "
-        "itself: it gave way alone): 1 blocks freed, 4 computed tokens to compute again"]
+        "itself: it gave way alone): 1 block freed, 4 computed tokens to compute again"]
 
 
 def test_the_why_panel_tells_a_followed_requests_waits_preemptions_and_prefix_hits():
