@@ -258,3 +258,9 @@ def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> 
     dtype = gate.dtype
     gate, up = gate.float().clamp(max=SWIGLU_LIMIT), up.float().clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
     return (gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)).to(dtype)
+
+
+def read_words(words: torch.Tensor) -> int:
+    """The sum of a contiguous int64 tensor's words, wrapping at 64 bits as torch's int64
+    sum does: what the read-bandwidth probe computes (engine/worker/memory_bandwidth.py)."""
+    return int(words.sum())

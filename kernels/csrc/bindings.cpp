@@ -53,6 +53,8 @@ TORCH_LIBRARY(kvscope, m) {
         "Tensor? gate_up_bias, Tensor? gate_up_scales, Tensor? gate_up_offsets, Tensor down, "
         "Tensor? down_bias, Tensor? down_scales, Tensor? down_offsets, int group_size, "
         "int kernel_max_rows, str activation, Tensor(a!) out, Tensor(b!)? expert_counts) -> ()");
+  // memory_probe.cpp
+  m.def("read_words(Tensor words) -> int", &read_words);
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 

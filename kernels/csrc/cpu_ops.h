@@ -82,5 +82,9 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& expert_ids,
                  int64_t kernel_max_rows, const std::string& activation, at::Tensor out,
                  const std::optional<at::Tensor>& expert_counts);
 
+// memory_probe.cpp: the wrapping sum of a contiguous int64 tensor's words, read over the
+// kernels' threads (the read-bandwidth probe)
+int64_t read_words(const at::Tensor& words);
+
 // sampling.cpp
 std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Tensor& logits);
