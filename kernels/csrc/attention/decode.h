@@ -24,7 +24,7 @@ namespace kvscope::attention {
 constexpr int kKeyGroup = 16;
 // Keys of a decode's chunk (an item of kDecodeQueryTokens or fewer), of the kKeyChunk the
 // scratch holds: each chunk's rows are asked for while the one before it is computed, and at
-// 64 keys rather than 128 a batch-64 decode read its K/V at 1.2-2x the rate, on Qwen3's heads
+// 64 keys rather than 128 a batch-64 decode read its K/V at 1.1-2x the rate, on Qwen3's heads
 // and SmolLM2's alike (docs/performance-history.md, "Decode attention in 64-key chunks").
 constexpr int kDecodeKeyChunk = 64;
 
