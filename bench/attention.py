@@ -8,8 +8,11 @@ pool is (engine/worker/huge_pages.py). The model shape is given by --heads / --k
 --head-dim, and the block table holds random blocks (a long-running pool's is scattered).
 Per KV dtype it prints the best of --rounds passes over the layers: milliseconds, the K/V
 bytes read over that time (codes and scales for a quantized cache), and the scores' and
-weighted values' multiply-adds as GFLOP/s (what a prefill is bound by). The query is bf16
-(fp32 for an fp32 cache), as the engine's is. Compare dtypes within one run.
+weighted values' multiply-adds as GFLOP/s (what a prefill is bound by), and the K/V bytes per
+second as a share of the bandwidth probe (engine/worker/memory_bandwidth.py), read before
+and after the dtypes (the faster kept). The query is bf16 (fp32 for an fp32 cache), as the
+engine's is. Compare dtypes within one run. Issue 67's target: a batch-64 decode over
+300-token contexts (--seqs 64 --context 300) at >= 0.8 of the probe for every dtype.
 
 Usage:
   python bench/attention.py                                # SmolLM2-135M's heads, 32 x 2,000
@@ -28,6 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 
 from kvscope.engine.worker import huge_pages  # noqa: E402
+from kvscope.engine.worker.memory_bandwidth import read_bandwidth  # noqa: E402
 from kvscope.kernels import cpu_kernels, kv_quant  # noqa: E402
 
 # The model-dtype caches by name, and the quantized ones by their kv_cache_dtype names.
@@ -87,6 +91,7 @@ def main(argv=None) -> None:
     flops = 4 * args.layers * args.seqs * args.heads * args.head_dim * seen_keys
     shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
     results = {}
+    probes = [read_bandwidth(huge=True)]
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
         layers = [tuple(on_huge_pages(kv_quant.encode(torch.randn(shape, generator=generator),
@@ -103,13 +108,17 @@ def main(argv=None) -> None:
         row_bytes = kv_quant.row_width(args.head_dim, dtype) * dtype.itemsize
         read = 2 * args.layers * args.seqs * seq_len * args.kv_heads * row_bytes
         results[name] = {"ms": round(best * 1e3, 1), "kv_gb_s": round(read / best / 1e9, 2),
-                         "gflop_s": round(flops / best / 1e9, 1)}
+                         "gflop_s": round(flops / best / 1e9, 1), "kv_bytes_per_s": read / best}
         del layers
+    probes.append(read_bandwidth(huge=True))
+    for result in results.values():
+        result["kv_share_of_probe"] = round(result.pop("kv_bytes_per_s") / max(probes), 3)
     print(json.dumps({"seqs": args.seqs, "context": args.context, "query_len": args.query_len,
                       "heads": args.heads,
                       "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                       "block_size": args.block_size, "layers": args.layers,
                       "sinks": args.sinks,
+                      "probe_gb_s": [round(probe / 1e9, 2) for probe in probes],
                       "torch_threads": torch.get_num_threads(), "kv_cache_dtypes": results},
                      indent=1))
 

@@ -28,20 +28,13 @@ import roofline
 import torch
 from common import add_model_args, ordinary_token_ids, random_prompt, setup
 from gemm_rate import large_gemm_flops
+from phase_profile import ATTENTION_OPS, GEMM_OPS, self_seconds
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.kernels import kv_quant
 
 ATTENTION_LABEL = "attention (store_kv + paged_attention)"
-# The ops a linear runs as, on every backend (the streaming kernels, oneDNN's GEMM over a
-# plain or a prepacked weight, the widened bf16 GEMM: its own time is the weight's widening
-# and the rounding of the result around its fp32 aten::mm; the packed int4 / int8 / GGUF
-# kernels, and their de-quantization before a GEMM of many rows).
-GEMM_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvscope::linear_small_batch",
-            "kvscope::linear_blocked", "kvscope::linear_widened",
-            "kvscope::int4_linear", "kvscope::int8_linear", "kvscope::gguf_linear",
-            "kvscope::int4_dequantize", "kvscope::int8_dequantize", "kvscope::gguf_dequantize")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -128,10 +121,6 @@ def main(argv=None) -> None:
     }, indent=2))
 
 
-def self_seconds(events, keys) -> float:
-    return sum(e.self_cpu_time_total for e in events if e.key in keys) / 1e6
-
-
 def limits_split(bench, args, events, prefill_events, context_tokens: int) -> dict:
     """Decode steps and prefill against the machine's limits, measured now: GEMM FLOP/s
     over the linears' own time, attention's K/V bytes/s over its own time."""
@@ -141,7 +130,7 @@ def limits_split(bench, args, events, prefill_events, context_tokens: int) -> di
     bandwidth = roofline.read_bandwidth(huge=True)
     steps = args.profile_steps
     gemm = self_seconds(events, GEMM_OPS) / steps
-    attention = self_seconds(events, ("kvscope::paged_attention", "kvscope::store_kv")) / steps
+    attention = self_seconds(events, ATTENTION_OPS) / steps
     python = self_seconds(events, ("step",)) / steps
     # Each step reads every cached token's K and V rows (codes and scale, in a quantized
     # cache) in every layer once.

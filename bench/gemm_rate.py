@@ -10,6 +10,9 @@
                    (there plain_bfloat16 is the widened fp32 GEMM of
                    kernels/csrc/widened_gemm.cpp from WIDENED_MIN_ROWS = 48 rows); only on
                    such CPUs
+  plain_<dtype>_huge_pages  with --huge-pages: plain_<dtype> on the same weights moved
+                   onto huge pages as the engine moves a model's (huge_pages.move_module):
+                   the page size's own effect on the GEMMs, in the same run
   prepacked        the engine's cpu linear (kernels/cpu_kernels.py) on the bf16 weight
                    prepacked (prepack_weight): kvscope's 64-output tiles through the
                    blocked kernel at every row count, or where the CPU has AMX oneDNN's
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 from quantized_linear import model_linears  # noqa: E402
 from served import cpu_name  # noqa: E402
 
+from kvscope.engine.worker import huge_pages  # noqa: E402
 from kvscope.engine.worker.loader import load_config, resolve_model_path  # noqa: E402
 from kvscope.engine.worker.model_runner import resolve_dtype  # noqa: E402
 from kvscope.kernels import cpu_kernels  # noqa: E402
@@ -66,13 +70,17 @@ def large_gemm_flops(dtype: torch.dtype, size: int = LARGE_SIZE) -> float:
     return roofline.gemm_flops(dtype, size)
 
 
-def weight_forms(shapes, dtypes: list[torch.dtype]) -> dict[str, tuple[torch.dtype, list, Callable]]:
+def weight_forms(shapes, dtypes: list[torch.dtype],
+                 huge: bool = False) -> dict[str, tuple[torch.dtype, list, Callable]]:
     """form -> (its activations' dtype, [(kind, weight)] for every linear, the linear)."""
     ops = cpu_kernels.kernel_ops()
     plain = {dtype: [(kind, (torch.randn(n, k) / k ** 0.5).to(dtype)) for kind, n, k in shapes]
              for dtype in dtypes}
     forms = {f"plain_{dtype_name(dtype)}": (dtype, weights, ops.linear)
              for dtype, weights in plain.items()}
+    if huge:
+        forms.update({f"plain_{dtype_name(dtype)}_huge_pages": (dtype, on_huge_pages(weights), ops.linear)
+                      for dtype, weights in plain.items()})
     if torch.bfloat16 in plain and cpu_kernels.widens_bf16_gemms():
         forms["onednn_bfloat16"] = (torch.bfloat16, plain[torch.bfloat16], F.linear)
     if ops.prepack_weight is not None and torch.bfloat16 in plain:
@@ -81,6 +89,14 @@ def weight_forms(shapes, dtypes: list[torch.dtype]) -> dict[str, tuple[torch.dty
                               [(kind, weight) for kind, weight in packed if weight is not None],
                               ops.linear)
     return forms
+
+
+def on_huge_pages(layers: list) -> list:
+    """Copies of [(kind, weight)] in one huge-page region, as the engine's model is moved."""
+    module = torch.nn.ParameterList(torch.nn.Parameter(weight.clone(), requires_grad=False)
+                                    for _, weight in layers)
+    huge_pages.move_module(module)
+    return [(kind, parameter.data) for (kind, _), parameter in zip(layers, module)]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -112,12 +128,13 @@ def in_features(weight) -> int:
     return weight.in_features if isinstance(weight, cpu_kernels.PrepackedWeight) else weight.shape[1]
 
 
-def measure(model: str | None, rows: list[int], dtypes: list[torch.dtype], repeats: int = 3) -> dict:
+def measure(model: str | None, rows: list[int], dtypes: list[torch.dtype], repeats: int = 3,
+            huge: bool = False) -> dict:
     """The large-GEMM rate per dtype and every form's per row count, GFLOP/s and shares of
     the large rate in the form's dtype."""
     large = {dtype: large_gemm_flops(dtype) for dtype in dtypes}
     shapes = model_linears(load_config(resolve_model_path(model)))
-    forms = weight_forms(shapes, dtypes)
+    forms = weight_forms(shapes, dtypes, huge)
     rates = linear_rates(forms, shapes, rows, repeats)
     report = {
         "large_gemm_gflop_s": {dtype_name(d): round(v / 1e9, 1) for d, v in large.items()},
@@ -142,13 +159,16 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="also each plain form on huge pages (plain_<dtype>_huge_pages)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     report["engine_auto_dtype"] = dtype_name(resolve_dtype("auto", torch.device("cpu")))
     report.update(measure(args.model, [int(r) for r in args.rows.split(",")],
-                          [getattr(torch, name) for name in args.dtypes.split(",")], args.repeats))
+                          [getattr(torch, name) for name in args.dtypes.split(",")], args.repeats,
+                          args.huge_pages))
     print(json.dumps(report, indent=2))
 
 

@@ -19,7 +19,10 @@ model in memory at a time):
                   (in bf16: it has no int4, so it runs once per shape) on the same model,
                   each in a process of its own; target >= 5x; beside it the
                   ratio the machine allows at most (transformers' seconds over the
-                  workload's roofline time, bench/throughput.py's roofline_seconds)
+                  workload's roofline time, bench/throughput.py's roofline_seconds); and
+                  per phase (prefill, decode) the milliseconds per step in the GEMMs, the
+                  attention and the rest, each against its own limit, from a sampled pass
+                  of its own (bench/phase_profile.py, --phase-profile-every)
 
 Prints one JSON object: per model and quantization, the numbers above and throughput.py's
 full reports.
@@ -106,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-moe-layers", type=int, default=2,
                         help=f"layers of {', '.join(MOE_SHAPES)} built and measured (of 48 "
                              "and 24)")
+    parser.add_argument("--phase-profile-every", type=int, default=8,
+                        help="the batched run's phases profiled on every Nth step of a pass of "
+                             "their own (bench/phase_profile.py); 0: off")
     parser.add_argument("--skip-batched", action="store_true",
                         help="single stream only (transformers' batching is the slow part)")
     args = parser.parse_args(argv)
@@ -144,9 +150,12 @@ def measure(name: str, folder: Path, args: argparse.Namespace, quantization: str
                "single_stream_decode_tokens_per_s": ours["decode_tokens_per_s"],
                "share_of_bandwidth_limit": ours["share_of_bandwidth_limit"],
                "bandwidth_limit_tokens_per_s": ours["bandwidth_limit_tokens_per_s"],
+               "share_of_weights_read_limit": ours.get("share_of_weights_read_limit"),
+               "probe_beaten": ours["probe_beaten"],
                "single_stream_report": stream}
     if transformers_batched is not None:
         batched = throughput_report(folder, args, quantization, "--backends", "kvscope",
+                                    "--phase-profile-every", str(args.phase_profile_every),
                                     *batched_workload(args))
         ours = batched["results"]["kvscope"]
         theirs = transformers_batched["results"]["hf_continuous_batching"]
@@ -160,6 +169,12 @@ def measure(name: str, folder: Path, args: argparse.Namespace, quantization: str
         summary["best_possible_vs_transformers"] = round(
             theirs["seconds"] / batched["roofline_seconds"], 3)
         summary["kvscope_share_of_roofline_time"] = ours["share_of_roofline_time"]
+        if "phase_profile" in batched:
+            summary["phases"] = {
+                name: {part: phase[part] for part in (
+                    "ms_per_step", "gemm_share_of_limit", "gemm_bound",
+                    "attention_share_of_limit", "rest_share_of_step")}
+                for name, phase in batched["phase_profile"]["phases"].items()}
         summary["batched_report"] = batched
     return summary
 

@@ -1,5 +1,5 @@
 """What this machine allows, measured in the same run as the engines it is compared with:
-memory read bandwidth (kvscope.engine.worker.memory_bandwidth), best of a few tries, and
+memory read bandwidth (kvscope.engine.worker.memory_bandwidth's probe), best of a few tries, and
 dense GEMM throughput (fp32 and bf16), the fastest call after a warm-up (gemm_flops), on
 torch's threads."""
 
@@ -36,10 +36,30 @@ def gemm_flops(dtype: torch.dtype, size: int = GEMM_SIZE) -> float:
     return 2 * size ** 3 / best
 
 
+# A single stream without speculation reads every weight once per token, so it can never
+# read faster than memory allows: a share of the probe's limit above this is the probe
+# under-reading the memory (memory_bandwidth's docstring), not the engine beating it.
+MOST_A_STREAM_CAN_READ = 1.0
+
+
 def read_bandwidths() -> dict[str, float]:
-    """Bytes/s a reduction reads at on ordinary and on huge pages; the limit every share is
-    measured against is the faster of the two."""
+    """Bytes/s the bandwidth probe (memory_bandwidth.read_bandwidth) reads at on ordinary
+    and on huge pages; the limit every share is measured against is the faster of the two."""
     return {"4k_pages": read_bandwidth(huge=False), "huge_pages": read_bandwidth(huge=True)}
+
+
+def probe_check(shares: dict[str, float]) -> dict:
+    """What a single stream's (without speculation) shares of the bandwidth limits say of the
+    probe: {"probe_beaten": False}, or True with a note naming the shares above
+    MOST_A_STREAM_CAN_READ."""
+    beaten = {name: share for name, share in shares.items() if share > MOST_A_STREAM_CAN_READ}
+    if not beaten:
+        return {"probe_beaten": False}
+    return {"probe_beaten": True,
+            "probe_note": f"{', '.join(f'{name} = {share}' for name, share in beaten.items())} "
+                          f"> {MOST_A_STREAM_CAN_READ}: a stream that reads every weight once "
+                          "per token cannot beat the memory, so the bandwidth probe under-read "
+                          "it on this host; these shares overstate the engine"}
 
 
 def measure() -> dict:

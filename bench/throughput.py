@@ -73,6 +73,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import gemm_rate  # noqa: E402
+import phase_profile  # noqa: E402
 import roofline  # noqa: E402
 import torch
 from served import cpu_name  # noqa: E402
@@ -197,6 +198,17 @@ class KVScope:
         metrics = self.llm.generate(prompt, params, use_tqdm=False)[0].metrics
         decode = metrics.finished_time - metrics.first_token_time
         return stream_result(metrics.time_to_first_token, decode, num_tokens)
+
+    def profile_phases(self, every: int) -> dict:
+        """The workload once more, every `every`-th step profiled (bench/phase_profile.py):
+        {phase: PhaseSample}."""
+        if self.llm.engine.config.enable_prefix_caching:
+            self.llm.engine.kv_cache.pool.reset_cache()
+        runner = self.llm.engine.runner
+        with phase_profile.sampled_phases(self.llm.engine, step_costs(runner), runner.weight_bytes,
+                                          every) as phases:
+            self.llm.generate(self.workload.prompts, self.params, use_tqdm=False)
+        return phases
 
     def run(self) -> dict:
         if self.llm.engine.config.enable_prefix_caching:
@@ -600,6 +612,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="kvscope knob: the layers one by one, not the one-call decoder stack")
     parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="kvscope knob: bf16 weights kept in tiles (default: the CPU's)")
+    parser.add_argument("--phase-profile-every", type=int, default=0,
+                        help="after the timed runs, kvscope's workload once more with every "
+                             "Nth step profiled: each phase's GEMMs, attention and the rest "
+                             "against their own limits (bench/phase_profile.py); 0: off")
     parser.add_argument("--llama-python", default=default_llama_python(),
                         help="the interpreter with llama-cpp-python for the llama_cpp backend "
                              "(default: $KVSCOPE_LLAMA_PYTHON, else this one)")
@@ -693,6 +709,24 @@ def throughput(args, workload: Workload, backends: dict, report: dict) -> None:
     flops = report["model_costs"]["matmul_flops_per_token"]
     for result_ in results.values():
         result_["share_of_gemm_roofline"] = round(result_[key] * flops / peak, 3)
+    if args.phase_profile_every and "kvscope" in backends:
+        report["phase_profile"] = phases_against_limits(args, backends["kvscope"], report)
+
+
+def phases_against_limits(args, ours: "KVScope", report: dict) -> dict:
+    """kvscope's sampled steps per phase, each part against its own limit
+    (bench/phase_profile.py), the prefill GEMMs against a plain F.linear measured now on the
+    model's widest linear shape."""
+    config = ours.llm.engine.runner.hf_config
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    rate = phase_profile.plain_linear_flops(hidden, intermediate, getattr(torch, args.dtype))
+    phases = ours.profile_phases(args.phase_profile_every)
+    bandwidth = report["machine_roofline"]["read_bandwidth_gb_s"] * 1e9
+    return {"every": args.phase_profile_every,
+            "plain_linear": {"rows": phase_profile.PLAIN_LINEAR_ROWS, "in": hidden,
+                             "out": intermediate, "gflop_s": round(rate / 1e9, 1)},
+            "phases": phase_profile.phase_report(phases, rate, bandwidth)}
 
 
 def single_stream(args, workload: Workload, backends: dict, report: dict) -> None:
@@ -712,8 +746,10 @@ def single_stream(args, workload: Workload, backends: dict, report: dict) -> Non
         "embedding table once where the tied logits read it), hf_generate's dense model in "
         "--dtype, llama_cpp's GGUF tensors; bandwidth_limit_tokens_per_s = measured read "
         "bandwidth / those bytes, share_of_bandwidth_limit = tok/s / that limit; "
-        "share_of_weights_read_limit: the same with the bandwidth at which a reduction reads "
-        "the memory the weights themselves sit in (weights_read_bandwidth_gb_s)")
+        "share_of_weights_read_limit: the same with the faster of that bandwidth and the one "
+        "at which the probe's loop reads the memory the weights themselves sit in "
+        "(weights_read_bandwidth_gb_s); probe_beaten: a share above 1.0, which only a probe "
+        "that under-reads the memory gives (bench/roofline.py probe_check)")
     for name, result_ in results.items():
         weight_bytes = backends[name].weight_bytes_per_step()
         result_["weight_bytes_per_step"] = weight_bytes
@@ -723,7 +759,12 @@ def single_stream(args, workload: Workload, backends: dict, report: dict) -> Non
             # The same limit with the bandwidth of the memory the weights sit in.
             own = backends[name].weights_read_bandwidth()
             result_["weights_read_bandwidth_gb_s"] = round(own / 1e9, 2)
-            result_["share_of_weights_read_limit"] = round(result_[key] * weight_bytes / own, 3)
+            result_["share_of_weights_read_limit"] = round(
+                result_[key] * weight_bytes / max(bandwidth, own), 3)
+        result_.update(roofline.probe_check(
+            {share: result_[share] for share in ("share_of_bandwidth_limit",
+                                                 "share_of_weights_read_limit")
+             if share in result_}))
 
 
 def main(argv=None) -> None:

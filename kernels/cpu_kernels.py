@@ -38,6 +38,7 @@ def kernel_ops() -> KernelOps:
         rms_norm=rms_norm,
         rotary_embedding=torch.ops.kvscope.rotary_embedding.default,
         silu_and_mul=silu_and_mul, linear=linear, logits=logits, greedy_tokens=greedy_tokens,
+        read_words=torch.ops.kvscope.read_words.default,
         prepack_weight=prepack_weight if torch.ops.kvscope.has_blocked_linear() else None,
         packed=packed, moe_experts=moe_experts, recurrent=RECURRENT,
         decoder_stack=torch.classes.kvscope.LlamaDecoderStack,

@@ -260,6 +260,10 @@ class KernelOps:
     # every row's argmax token and its log_softmax, for fp32 logits [rows, vocab]:
     # (token ids, logprobs) as lists (contract: reference.greedy_tokens)
     greedy_tokens: Callable[[torch.Tensor], tuple[list[int], list[float]]]
+    # the wrapping int64 sum of a contiguous int64 tensor's words, read as fast as the backend
+    # can: the read-bandwidth probe (engine/worker/memory_bandwidth.py; contract:
+    # reference.read_words)
+    read_words: Callable[[torch.Tensor], int]
     # None: quantized layers de-quantize their weights with their plain-torch twin on
     # every forward (correct, but slower than dense)
     packed: PackedLinearKernels | None

@@ -423,3 +423,9 @@ def check_delta_rule_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                          f"(value heads, key_dim, value_dim), got {list(state.shape)}")
     if state.dtype != torch.float32:
         raise ValueError(f"state: the delta rule keeps its state in torch.float32, got {state.dtype}")
+
+
+def read_words(words: torch.Tensor) -> int:
+    """The sum of a contiguous int64 tensor's words, wrapping at 64 bits as torch's int64
+    sum does: what the read-bandwidth probe computes (engine/worker/memory_bandwidth.py)."""
+    return int(words.sum())

@@ -57,5 +57,6 @@ REFERENCE_RECURRENT = RecurrentKernels(
 TORCH_OPS = KernelOps(
     backend="torch", paged_attention=reference.paged_attention, store_kv=reference.store_kv,
     rms_norm=rms_norm, rotary_embedding=rotary_embedding, silu_and_mul=silu_and_mul,
-    linear=F.linear, prepack_weight=None, logits=logits, greedy_tokens=greedy_tokens, packed=None,
+    linear=F.linear, prepack_weight=None, logits=logits, greedy_tokens=greedy_tokens,
+    read_words=reference.read_words, packed=None,
     moe_experts=reference.moe_experts, recurrent=REFERENCE_RECURRENT, decoder_stack=None)

@@ -61,3 +61,14 @@ def test_phases_count_every_step_and_the_roofline_takes_each_steps_slower_limit(
     assert results["kvscope"]["share_of_roofline_time"] == pytest.approx(floor / 2.0, abs=1e-3)
     assert results["vllm"]["share_of_roofline_time"] == pytest.approx(floor / 3.0, abs=1e-3)
     assert report["ratios"]["best_possible_vs_vllm"] == pytest.approx(3.0 / floor, rel=1e-2)
+
+
+def test_a_single_stream_above_the_probes_limit_flags_the_probe_not_the_engine():
+    roofline = throughput.roofline
+    assert roofline.probe_check({"share_of_bandwidth_limit": 0.97,
+                                 "share_of_weights_read_limit": 1.0}) == {"probe_beaten": False}
+    verdict = roofline.probe_check({"share_of_bandwidth_limit": 1.08,
+                                    "share_of_weights_read_limit": 0.99})
+    assert verdict["probe_beaten"] is True
+    assert "share_of_bandwidth_limit = 1.08" in verdict["probe_note"]
+    assert "share_of_weights_read_limit" not in verdict["probe_note"]

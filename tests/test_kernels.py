@@ -1363,3 +1363,16 @@ def test_triton_attention_refuses_sinks_not_one_fp32_per_head():
     batch = sink_batch(16, None)
     with pytest.raises(ValueError, match="sinks"):
         triton_paged_attention(*batch.args(), sinks=make_sinks(5))
+
+
+@pytest.mark.parametrize("words", [0, 1, 31, 32, 33, 1000, 4099])
+def test_the_cpu_read_words_sums_every_word_as_the_reference_does(cpu_kernel_ops, words):
+    """The bandwidth probe's loop: every word once, the vector body and the tail alike, and
+    the 64-bit wrap of torch's int64 sum (values near the limits make a wrong order or a
+    lost word visible)."""
+    generator = torch.Generator().manual_seed(words)
+    data = torch.randint(-2**63, 2**63 - 1, (words,), dtype=torch.int64, generator=generator)
+    assert cpu_kernel_ops.read_words(data) == reference.read_words(data)
+    if words:
+        data[-1] += 1
+        assert cpu_kernel_ops.read_words(data) == reference.read_words(data)

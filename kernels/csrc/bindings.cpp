@@ -63,6 +63,8 @@ TORCH_LIBRARY(kvscope, m) {
         "Tensor(a!) state, int slot, bool use_qk_l2norm, Tensor(b!) out) -> ()");
   m.def("gated_delta_rule_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
         "Tensor(a!) state, Tensor slots, bool use_qk_l2norm, Tensor(b!) out) -> ()");
+  // memory_probe.cpp
+  m.def("read_words(Tensor words) -> int", &read_words);
   // sampling.cpp
   m.def("greedy_tokens(Tensor logits) -> (int[], float[])");
 

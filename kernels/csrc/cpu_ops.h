@@ -100,5 +100,9 @@ void gated_delta_rule_decode(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& g, const at::Tensor& beta, at::Tensor state,
                              const at::Tensor& slots, bool use_qk_l2norm, at::Tensor out);
 
+// memory_probe.cpp: the wrapping sum of a contiguous int64 tensor's words, read over the
+// kernels' threads (the read-bandwidth probe)
+int64_t read_words(const at::Tensor& words);
+
 // sampling.cpp
 std::tuple<std::vector<int64_t>, std::vector<double>> greedy_tokens(const at::Tensor& logits);

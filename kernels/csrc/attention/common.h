@@ -126,14 +126,14 @@ inline int visible_end(const WorkItem& item, const int32_t* seq_lens, const int3
   return std::min(item.k_end, seq_lens[item.seq] - query_len + item.q_end);
 }
 
-// The cache offsets (K's and V's alike, at the item's first KV head) of up to kKeyChunk of an
+// The cache offsets (K's and V's alike, at the item's first KV head) of up to max_keys of an
 // item's keys from `first`,
 // walking its block table block by block rather than dividing each position by the block
 // size; returns how many keys that is.
 inline int key_offsets(const WorkItem& item, const Layout& L, const int32_t* tables,
                        const int32_t* seq_lens, const int32_t* starts, int first,
-                       int64_t* offsets) {
-  const int n = std::min(kKeyChunk, visible_end(item, seq_lens, starts) - first);
+                       int64_t* offsets, int max_keys = kKeyChunk) {
+  const int n = std::min(max_keys, visible_end(item, seq_lens, starts) - first);
   const int32_t* table = tables + static_cast<int64_t>(item.seq) * L.table_stride;
   int block = first / L.block_size, slot = first % L.block_size;
   for (int i = 0; i < n; ++block, slot = 0) {

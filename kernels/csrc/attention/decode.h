@@ -22,6 +22,11 @@ namespace kvscope::attention {
 // Keys of a chunk that an item over several KV heads (a decode) scores and adds up at every
 // head before the next ones: a block's worth of slots, whose rows for all heads lie together.
 constexpr int kKeyGroup = 16;
+// Keys of a decode's chunk (an item of kDecodeQueryTokens or fewer), of the kKeyChunk the
+// scratch holds: each chunk's rows are asked for while the one before it is computed, and at
+// 64 keys rather than 128 a batch-64 decode read its K/V at 1.1-2x the rate, on Qwen3's heads
+// and SmolLM2's alike (docs/performance-history.md, "Decode attention in 64-key chunks").
+constexpr int kDecodeKeyChunk = 64;
 
 // q . k summed in an order the source fixes: eight running sums (lane l takes the products
 // d = l mod 8), added up as FP32Vec8::reduce_sum does, then the last dim mod 8 products. An `omp
@@ -334,25 +339,27 @@ void run_item(const WorkItem& item, const Layout& L, const Q* query, const KV* k
   // the first one of the thread's next item.
   int64_t offsets[2][kKeyChunk];
   const KV* values_ahead[kKeyChunk];
-  int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0]);
-  // Every later chunk is asked for while the one before it is computed; the first, when no
-  // item before it on this thread asked for it, now, all at once: a single decode of a few
-  // hundred keys is one or two chunks per thread, and read on demand they would come from
-  // DRAM at the pace the L1 miss buffers allow.
   const int heads = item.kv_end - item.kv_begin;
   const int64_t bytes = row_bytes<KV>(D);
+  const int chunk_keys = query_len <= kDecodeQueryTokens ? kDecodeKeyChunk : kKeyChunk;
+  int n = key_offsets(item, L, tables, seq_lens, starts, item.k_begin, offsets[0], chunk_keys);
+  // Every later chunk is asked for while the one before it is computed; the first, when no
+  // item before it on this thread asked for it, now, all at once: a single decode of a few
+  // hundred keys is a few chunks per thread, and read on demand they would come from DRAM at
+  // the pace the L1 miss buffers allow.
   if (!first_asked_for)
     request_rows(key_cache, value_cache, offsets[0], n, heads, L.head_stride, bytes);
   // One head's item (a prefill tile) takes its chunk whole: groups would only add trips of
   // its many rows' sums through memory (an int8 cache's 2,000-token prefill took longer:
   // docs/performance-history.md, "A decode's attention by key groups over every KV head").
   const int group = heads > 1 ? kKeyGroup : kKeyChunk;
-  for (int chunk = item.k_begin, now = 0; n > 0; chunk += kKeyChunk, now ^= 1) {
-    const bool last = chunk + kKeyChunk >= k_end;
+  for (int chunk = item.k_begin, now = 0; n > 0; chunk += chunk_keys, now ^= 1) {
+    const bool last = chunk + chunk_keys >= k_end;
     const WorkItem* ahead_item = last ? next : &item;  // whose keys come next, if any
     const int next_n = ahead_item
                            ? key_offsets(*ahead_item, L, tables, seq_lens, starts,
-                                         last ? next->k_begin : chunk + kKeyChunk, offsets[now ^ 1])
+                                         last ? next->k_begin : chunk + chunk_keys,
+                                         offsets[now ^ 1], chunk_keys)
                            : 0;
     const int heads_ahead = ahead_item ? ahead_item->kv_end - ahead_item->kv_begin : 0;
     // Both passes walk the chunk a key group at a time, every KV head within a group: a
