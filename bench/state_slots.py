@@ -21,10 +21,10 @@ Usage: python bench/state_slots.py --context 8192 --pool-gib 16
 import argparse
 import json
 
-import kvscope  # noqa: F401, I001 -- before torch: OpenMP's wait policy (kvscope/__init__.py)
 import torch
 from transformers import Qwen3_5TextConfig
 
+import kvscope  # noqa: F401, I001 -- before torch: OpenMP's wait policy (kvscope/__init__.py)
 from kvscope.engine.core.kv_groups import KVCacheGroup
 from kvscope.engine.worker.memory import GiB, kv_bytes_per_block, plan_blocks
 from kvscope.engine.worker.model_runner import default_dtype

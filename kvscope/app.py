@@ -19,8 +19,8 @@ from kvscope.engine.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATION_GROUP_SIZES,
-    SCHEDULING_POLICIES,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     EngineConfig,
 )
 from kvscope.engine.entrypoints.view import EngineView, resolved_config

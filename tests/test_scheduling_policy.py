@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import PreemptionReason, SequencePreempted
-from kvscope.engine.core.request import Request, Sequence, SequenceStatus
+from kvscope.engine.core.request import Request, Sequence
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduling_policy import PRIORITY_MAX, PRIORITY_MIN, check_priority
 from kvscope.engine.sampling_params import SamplingParams

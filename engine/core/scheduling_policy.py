@@ -21,6 +21,7 @@ import bisect
 from collections.abc import Iterator
 
 from kvscope.engine.core.request import Request, Sequence
+
 # vLLM takes any int; kvscope takes a 32-bit signed one, so a rank stays a plain number a
 # log and a dashboard can show, and a typo'd huge value is refused instead of parking a
 # request forever.

@@ -41,7 +41,6 @@ from kvscope.engine.worker.models.attention import AttentionMetadata, PagedAtten
 from kvscope.engine.worker.models.bound_ops import bind_kernel_ops
 from kvscope.engine.worker.models.layers import prepack_weights
 from kvscope.engine.worker.models.moe import ExpertLayout, expert_layout, record_expert_tokens
-from kvscope.engine.worker.models.recurrent import StateMetadata
 from kvscope.engine.worker.models.quantized import (
     QuantizedLinear,
     pack_model,
@@ -49,6 +48,7 @@ from kvscope.engine.worker.models.quantized import (
     repack_gguf,
     weight_bytes_by_type,
 )
+from kvscope.engine.worker.models.recurrent import StateMetadata
 from kvscope.engine.worker.packed_cache import packed_path, read_packed, store_packed
 from kvscope.engine.worker.profile_cache import load_peak, profile_key, store_peak
 from kvscope.kernels import KernelOps, kv_quant
