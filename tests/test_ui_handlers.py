@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import re
+import shutil
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
-from kvscope.ui import knobs, loadgen, panels, scrubber, timeline
+from kvscope.ui import knobs, loadgen, panels, scrubber, tiers, timeline
 from kvscope.ui.live import LiveFeed, LiveFeeds
 
 
@@ -623,3 +624,52 @@ def test_following_a_request_puts_its_why_above_the_event_log(engine):
     wait_until(lambda: "finished" in events_panel(), timeout=10, what="the request's steps")
     log = events_panel()
     assert "Why: why-me" in log and "started after waiting" in log and "<strong>Events<" in log
+
+
+def test_the_disk_tier_is_turned_on_sized_and_shown_next_to_the_pool(engine, tmp_path):
+    feed = LiveFeed(engine)
+    view, _ = tiers.tiers_markdown(engine)
+    assert view.startswith("**Disk tier:** off") and "--kv-offload-dir" in view
+    status = knobs.apply_knobs(engine, feed, *form(engine, kv_offload_dir=str(tmp_path),
+                                                   kv_offload_gb=0.05))
+    assert status.startswith("Applied."), status
+    assert engine.config.kv_offload_dir == str(tmp_path) and engine.config.kv_offload_gb == 0.05
+    prompt = [11 + i % 50 for i in range(40)]
+    list(engine.submit(prompt, SamplingParams(max_tokens=2)))
+    # Apply again: the old pool's cached blocks go to the tier, and the new pool is empty,
+    # so the same prompt's prefix comes back from the disk.
+    assert knobs.apply_knobs(engine, feed, *form(engine)).startswith("Applied.")
+    view, before = tiers.tiers_markdown(engine)
+    list(engine.submit(prompt, SamplingParams(max_tokens=2)))
+    view, _ = tiers.tiers_markdown(engine, before)
+    counters = engine.counters()
+    assert counters.kv_tier_blocks > 0 and counters.kv_offload_loads > 0
+    rows = {row.split("|")[1].strip(): row.split("|")[2:4] for row in view.splitlines()
+            if row.startswith("| ")}
+    assert rows["blocks held"][1].strip() == str(counters.kv_tier_blocks)
+    assert rows["hit rate"][1].strip().startswith(
+        f"{counters.external_prefix_cache_hits / counters.external_prefix_cache_queries:.1%}")
+    moved_in = float(rows["bytes moved since last refresh"][1].split()[0])
+    assert moved_in > 0 and "mean over" in rows["load latency"][1]
+    # Emptying the directory turns it off again.
+    assert knobs.apply_knobs(engine, feed, *form(engine, kv_offload_dir="")).startswith(
+        "Applied.")
+    assert engine.config.kv_offload_dir is None
+    assert tiers.tiers_markdown(engine)[0].startswith("**Disk tier:** off")
+
+
+def test_a_disk_tier_the_machine_cannot_hold_is_refused_and_never_applied(engine, tmp_path):
+    before = engine.config
+    feed = LiveFeed(engine)
+    free = shutil.disk_usage(tmp_path).free / 2**30
+    cases = [({"kv_offload_gb": free + 1}, f"kv_offload_gb={free + 1:g} is larger than the "
+                                           "free disk"),
+             ({"kv_offload_gb": 0}, "kv_offload_gb=0.0 must be > 0"),
+             ({"kv_offload_gb": None}, "kv_offload_gb is empty"),
+             ({"kv_offload_dir": str(tmp_path / "file" / "tier")}, "is not a writable directory")]
+    (tmp_path / "file").write_text("not a folder")
+    for changes, message in cases:
+        status = knobs.apply_knobs(engine, feed, *form(
+            engine, **{"kv_offload_dir": str(tmp_path), "kv_offload_gb": 1.0, **changes}))
+        assert status.startswith("**Not applied**") and message in status, status
+        assert engine.config == before

@@ -8,7 +8,17 @@ import gradio as gr
 
 from kvscope.engine.config import BLOCK_SIZES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvscope.engine.entrypoints.view import EngineView
-from kvscope.ui import chat, compare, figures, knobs, loadgen, panels, scrubber, sessions
+from kvscope.ui import (
+    chat,
+    compare,
+    figures,
+    knobs,
+    loadgen,
+    panels,
+    scrubber,
+    sessions,
+    tiers,
+)
 from kvscope.ui.form_values import form_number
 from kvscope.ui.live import LiveFeeds
 from kvscope.ui.plotdata import panel
@@ -205,7 +215,7 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
 def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Timer:
     """The knobs and the load generator; returns the timer of the load's progress line."""
     (block_size, utilization, memory_gb, budget, prefix, chunked,
-     preemption, kv_dtype) = knobs.current_knobs(engine)
+     preemption, kv_dtype, offload_dir, offload_gb) = knobs.current_knobs(engine)
     gr.Markdown("### Knobs\nApply rebuilds the KV cache (weights stay loaded); new requests "
                 "wait and running ones finish first unless you abort them.")
     with gr.Row():
@@ -229,6 +239,11 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
         kv_dtype = gr.Dropdown(list(KV_CACHE_DTYPES), value=kv_dtype, label="kv_cache_dtype",
                                elem_id="kv-cache-dtype")
         abort_running = gr.Checkbox(value=False, label="abort running requests")
+    with gr.Row():
+        offload_dir = gr.Textbox(value=offload_dir, label="kv_offload_dir (empty: no disk tier)",
+                                 placeholder="a folder for the disk tier", elem_id="kv-offload-dir")
+        offload_gb = gr.Number(value=offload_gb, step=0.5, label="kv_offload_gb",
+                               elem_id="kv-offload-gb")
     apply = gr.Button("Apply", variant="primary", elem_id="kv-apply")
     knob_status = gr.Markdown(knobs.pool_markdown(engine.memory_plan, engine.config),
                               elem_id="kv-knob-status")
@@ -244,9 +259,19 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     gr.on([blocks.load, block_size.change, utilization.change, memory_gb.change], preview,
           [block_size, utilization, memory_gb], what_if, show_progress="hidden",
           api_name="what_if")
-    form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption, kv_dtype]
+    form = [block_size, utilization, memory_gb, budget, prefix, chunked, preemption, kv_dtype,
+            offload_dir, offload_gb]
+    # The pool and the disk tier side by side; the state holds the counters last shown, so
+    # bytes moved are per refresh.
+    tier_counters = gr.State()
+    tier_view = gr.Markdown(elem_id="kv-tiers")
+    show_tiers = partial(tiers.tiers_markdown, engine)
     apply.click(partial(knobs.apply_knobs, engine, feeds), [*form, abort_running],
-                knob_status, api_name="apply_knobs")
+                knob_status, api_name="apply_knobs").then(
+        show_tiers, tier_counters, [tier_view, tier_counters], show_progress="hidden",
+        api_visibility="private")
+    blocks.load(show_tiers, tier_counters, [tier_view, tier_counters],
+                api_name="tiers", show_progress="hidden")
     # A new or reloaded tab shows the live knobs, not those the app started with.
     blocks.load(partial(knobs.live_form, engine), None, [*form, knob_status],
                 api_visibility="private")
@@ -280,6 +305,8 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     timer = gr.Timer(2.0, active=False)
     timer.tick(load.status, None, load_status, show_progress="hidden", api_visibility="private")
     timer.tick(preview, [block_size, utilization, memory_gb], what_if, show_progress="hidden",
+               api_visibility="private")
+    timer.tick(show_tiers, tier_counters, [tier_view, tier_counters], show_progress="hidden",
                api_visibility="private")
     return timer
 

@@ -1,6 +1,8 @@
 """The knobs panel's handler: Apply -> AsyncEngine.reconfigure, or the refusal shown."""
 
 import os
+import shutil
+from pathlib import Path
 
 import gradio as gr
 
@@ -10,7 +12,8 @@ from kvscope.ui.form_values import form_number
 
 # The form's knobs, in the order of its widgets and of apply_knobs' arguments.
 KNOBS = ("block_size", "gpu_memory_utilization", "device_memory_gb", "max_num_batched_tokens",
-         "enable_prefix_caching", "enable_chunked_prefill", "preemption_mode", "kv_cache_dtype")
+         "enable_prefix_caching", "enable_chunked_prefill", "preemption_mode", "kv_cache_dtype",
+         "kv_offload_dir", "kv_offload_gb")
 
 
 def current_knobs(engine: EngineView) -> tuple:
@@ -40,14 +43,19 @@ def pool_markdown(plan, config) -> str:
 def _pending(values: tuple) -> dict:
     """Widget values -> knobs. An emptied token budget means "derive it"; 0 stays 0, for
     the engine to refuse with its limit."""
-    (block_size, utilization, memory_gb, budget, prefix, chunked, preemption, kv_dtype) = values
+    (block_size, utilization, memory_gb, budget, prefix, chunked, preemption, kv_dtype,
+     offload_dir, offload_gb) = values
     return {"block_size": form_number("block_size", block_size, integer=True),
             "gpu_memory_utilization": form_number("gpu_memory_utilization", utilization),
             "device_memory_gb": form_number("device_memory_gb", memory_gb),
             "max_num_batched_tokens": None if budget in (None, "") else form_number(
                 "max_num_batched_tokens", budget, integer=True),
             "enable_prefix_caching": bool(prefix), "enable_chunked_prefill": bool(chunked),
-            "preemption_mode": str(preemption), "kv_cache_dtype": str(kv_dtype)}
+            "preemption_mode": str(preemption), "kv_cache_dtype": str(kv_dtype),
+            # An emptied directory turns the disk tier off.
+            "kv_offload_dir": offload_dir.strip() if offload_dir and offload_dir.strip()
+            else None,
+            "kv_offload_gb": form_number("kv_offload_gb", offload_gb)}
 
 
 def _changes(config, pending: dict) -> str:
@@ -83,13 +91,35 @@ def check_device_memory(engine: EngineView, memory_gb: float) -> None:
                          f"{host_memory_bytes() / GiB:.1f}")
 
 
+def check_offload_disk(engine: EngineView, folder: str | None, size_gb: float) -> None:
+    """A disk tier where no file can be written, or larger than the free disk there, is
+    refused (the engine would otherwise start without it, or capped, with only a log
+    warning)."""
+    if folder is None:
+        return
+    existing = Path(folder).expanduser().absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_offload_dir={folder!r} is not a writable directory ({existing} "
+                         "is not one): choose a folder this process can write")
+    held = engine.counters().kv_tier_bytes if engine.config.kv_offload_dir == folder else 0
+    available = shutil.disk_usage(existing).free + held
+    if size_gb * GiB > available:
+        raise ValueError(f"kv_offload_gb={size_gb:g} is larger than the free disk at "
+                         f"{existing} ({available / GiB:.2f} GiB with what the tier holds): "
+                         f"choose at most {available / GiB:.2f}")
+
+
 def check_machine(engine: EngineView, pending: dict) -> None:
     """Refuse, in the knob's own terms, what this machine cannot hold before a rebuild
-    tries: a CPU pool larger than the RAM, and a token budget whose profiling step alone
-    needs more memory than the pool may use."""
+    tries: a CPU pool larger than the RAM, a disk tier that cannot be written or is larger
+    than the free disk, and a token budget whose profiling step alone needs more memory
+    than the pool may use."""
     on_cpu = engine.resolved_identity()["device"] == "cpu"
     memory_gb = pending["device_memory_gb"]
     check_device_memory(engine, memory_gb)
+    check_offload_disk(engine, pending["kv_offload_dir"], pending["kv_offload_gb"])
     budget = pending["max_num_batched_tokens"]
     if budget is None:
         return

@@ -87,6 +87,11 @@ class EngineCounters:
     external_prefix_cache_hits: int = 0
     kv_offload_bytes: dict[str, int] = field(default_factory=dict)  # by transfer type
     kv_offload_seconds: dict[str, float] = field(default_factory=dict)
+    kv_offload_loads: int = 0  # prefix loads from the tier: the DISK_to_GPU seconds are theirs
+    # What the tier holds at the last step (gauges, not totals): blocks, bytes, its size.
+    kv_tier_blocks: int = 0
+    kv_tier_bytes: int = 0
+    kv_tier_capacity_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -257,6 +262,8 @@ class AsyncEngine(ServedEngine):
         with self._counters_lock:
             return replace(self._counters,
                            requests_finished=dict(self._counters.requests_finished),
+                           kv_offload_bytes=dict(self._counters.kv_offload_bytes),
+                           kv_offload_seconds=dict(self._counters.kv_offload_seconds),
                            spec_decode_num_accepted_tokens_per_pos=dict(
                                self._counters.spec_decode_num_accepted_tokens_per_pos),
                            moe_expert_tokens={layer: tokens.copy() for layer, tokens
@@ -535,6 +542,10 @@ class AsyncEngine(ServedEngine):
         """Add what the disk tier counted since the last step (a new core's tier counts
         from zero)."""
         tier = self._core.kv_tier
+        held = (tier.store.num_blocks, tier.store.num_bytes, tier.store.capacity_bytes) \
+            if tier is not None else (0, 0, 0)
+        (counters.kv_tier_blocks, counters.kv_tier_bytes,
+         counters.kv_tier_capacity_bytes) = held
         if tier is None:
             return
         now = tier.totals()
@@ -544,6 +555,7 @@ class AsyncEngine(ServedEngine):
         self._tier_seen = (self._core, now)
         counters.external_prefix_cache_queries += now.queries - before.queries
         counters.external_prefix_cache_hits += now.hits - before.hits
+        counters.kv_offload_loads += now.loads - before.loads
         for kind in now.bytes:
             counters.kv_offload_bytes[kind] = (counters.kv_offload_bytes.get(kind, 0)
                                                + now.bytes[kind] - before.bytes.get(kind, 0))

@@ -66,6 +66,7 @@ class TierTotals:
     hits: int = 0
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    loads: int = 0  # prefix loads, each one job of the I/O thread
 
 
 MEDIUM = "DISK"  # vLLM's KV events' medium field; the pool is "GPU"
@@ -206,7 +207,8 @@ class KVTier:
         written = self.io.written
         return TierTotals(self.stats.queries, self.stats.hits,
                           {POOL_TO_DISK: written.bytes, DISK_TO_POOL: self.stats.bytes_loaded},
-                          {POOL_TO_DISK: written.seconds, DISK_TO_POOL: self.stats.load_seconds})
+                          {POOL_TO_DISK: written.seconds, DISK_TO_POOL: self.stats.load_seconds},
+                          self.stats.loads)
 
     # ---- shutdown ------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,49 @@
+"""The pool and the disk tier side by side, from the engine's own counters.
+
+Hit rates are in prompt tokens, as vLLM counts them: the pool's over every prompt token
+asked of the prefix cache, the tier's over the tokens the pool lacked. Bytes moved are
+since the previous refresh (the first refresh: since the engine started).
+"""
+
+from kvscope.engine.core.kv_offload.tier import DISK_TO_POOL, POOL_TO_DISK
+from kvscope.engine.entrypoints.view import EngineView
+
+MiB = 1 << 20
+OFF = ("**Disk tier:** off. Turn it on with a directory and a size below (kv_offload_dir, "
+       "kv_offload_gb), or start with `--kv-offload-dir PATH --kv-offload-gb N`: blocks the "
+       "prefix cache evicts are written there and loaded back on a prefix hit.")
+
+
+def _rate(hits: int, queries: int) -> str:
+    return f"{hits / queries:.1%} ({hits}/{queries} tokens)" if queries else "no queries yet"
+
+
+def tiers_markdown(engine: EngineView, before=None) -> tuple[str, object]:
+    """The tiers' table, and the counters it read (pass them back as `before` next time)."""
+    counters = engine.counters()
+    if engine.config.kv_offload_dir is None:
+        return OFF, counters
+    plan = engine.memory_plan
+    moved = {kind: counters.kv_offload_bytes.get(kind, 0)
+             - (before.kv_offload_bytes.get(kind, 0) if before is not None else 0)
+             for kind in (POOL_TO_DISK, DISK_TO_POOL)}
+    loads = counters.kv_offload_loads
+    latency = (f"{counters.kv_offload_seconds.get(DISK_TO_POOL, 0.0) / loads * 1e3:.1f} ms "
+               f"mean over {loads} loads" if loads else "no loads yet")
+    tier_rate = _rate(counters.external_prefix_cache_hits,
+                      counters.external_prefix_cache_queries)
+    rows = [
+        "| | pool | disk tier |",
+        "|---|---|---|",
+        f"| blocks held | {plan.num_blocks} | {counters.kv_tier_blocks} |",
+        f"| bytes held (of size) | {plan.kv_cache_bytes / MiB:.1f} MiB | "
+        f"{counters.kv_tier_bytes / MiB:.1f} of {counters.kv_tier_capacity_bytes / MiB:.1f} "
+        "MiB |",
+        f"| hit rate | {_rate(counters.prefix_cache_hits, counters.prefix_cache_queries)} | "
+        f"{tier_rate} |",
+        f"| bytes moved since last refresh | {moved[POOL_TO_DISK] / MiB:.2f} MiB out to "
+        f"the tier | {moved[DISK_TO_POOL] / MiB:.2f} MiB into the pool |",
+        f"| load latency | | {latency} |",
+    ]
+    return (f"**Disk tier** at `{engine.config.kv_offload_dir}`:\n\n" + "\n".join(rows),
+            counters)
