@@ -16,6 +16,7 @@ from conftest import wait_until
 
 from kvscope.app import QuietPolling
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.kv_offload.block_file import SUFFIX
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import StepRecord
@@ -646,11 +647,15 @@ def test_the_disk_tier_is_turned_on_sized_and_shown_next_to_the_pool(engine, tmp
     assert counters.kv_tier_blocks > 0 and counters.kv_offload_loads > 0
     rows = {row.split("|")[1].strip(): row.split("|")[2:4] for row in view.splitlines()
             if row.startswith("| ")}
-    assert rows["blocks held"][1].strip() == str(counters.kv_tier_blocks)
+    files = list(tmp_path.glob(f"*/*{SUFFIX}"))
+    assert rows["blocks held"][1].strip() == str(len(files))
+    held = tiers.size(sum(file.stat().st_size for file in files))
+    assert rows["bytes held (of size)"][1].strip() == f"{held} of {0.05 * 1024:.1f} MiB"
     assert rows["hit rate"][1].strip().startswith(
         f"{counters.external_prefix_cache_hits / counters.external_prefix_cache_queries:.1%}")
-    moved_in = float(rows["bytes moved since last refresh"][1].split()[0])
-    assert moved_in > 0 and "mean over" in rows["load latency"][1]
+    moved_in = rows["bytes moved since last refresh"][1].split()
+    assert float(moved_in[0]) > 0 and moved_in[1] in ("KiB", "MiB")
+    assert "mean over" in rows["load latency"][1]
     # Emptying the directory turns it off again.
     assert knobs.apply_knobs(engine, feed, *form(engine, kv_offload_dir="")).startswith(
         "Applied.")

@@ -14,6 +14,12 @@ OFF = ("**Disk tier:** off. Turn it on with a directory and a size below (kv_off
        "prefix cache evicts are written there and loaded back on a prefix hit.")
 
 
+def size(num_bytes: int) -> str:
+    """MiB, or KiB below one MiB (a tiny model's blocks)."""
+    return (f"{num_bytes / MiB:.1f} MiB" if num_bytes >= MiB else
+            f"{num_bytes / 1024:.1f} KiB")
+
+
 def _rate(hits: int, queries: int) -> str:
     return f"{hits / queries:.1%} ({hits}/{queries} tokens)" if queries else "no queries yet"
 
@@ -36,13 +42,12 @@ def tiers_markdown(engine: EngineView, before=None) -> tuple[str, object]:
         "| | pool | disk tier |",
         "|---|---|---|",
         f"| blocks held | {plan.num_blocks} | {counters.kv_tier_blocks} |",
-        f"| bytes held (of size) | {plan.kv_cache_bytes / MiB:.1f} MiB | "
-        f"{counters.kv_tier_bytes / MiB:.1f} of {counters.kv_tier_capacity_bytes / MiB:.1f} "
-        "MiB |",
+        f"| bytes held (of size) | {size(plan.kv_cache_bytes)} | "
+        f"{size(counters.kv_tier_bytes)} of {size(counters.kv_tier_capacity_bytes)} |",
         f"| hit rate | {_rate(counters.prefix_cache_hits, counters.prefix_cache_queries)} | "
         f"{tier_rate} |",
-        f"| bytes moved since last refresh | {moved[POOL_TO_DISK] / MiB:.2f} MiB out to "
-        f"the tier | {moved[DISK_TO_POOL] / MiB:.2f} MiB into the pool |",
+        f"| bytes moved since last refresh | {size(moved[POOL_TO_DISK])} out to the tier | "
+        f"{size(moved[DISK_TO_POOL])} into the pool |",
         f"| load latency | | {latency} |",
     ]
     return (f"**Disk tier** at `{engine.config.kv_offload_dir}`:\n\n" + "\n".join(rows),
