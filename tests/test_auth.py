@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 GRADIO_CALLS = {
     "chat": ["Hello", 0.0, 1.0, 4],
     "refresh_live": [None],
-    "apply_knobs": [8, 0.9, 2.0, 64, True, True, "recompute", "auto", False],
+    "apply_knobs": [8, 0.9, 2.0, 64, True, True, "recompute", "auto", "", 4.0, False],
     "start_load": [4, 1000.0, 0.5, 4, 8, 2, 4, 1],
     "list_sessions": [],
     "show_session": [1],
@@ -239,7 +239,7 @@ def test_named_gradio_endpoints_work_with_the_key(guarded) -> None:
     assert "load generator** run 1" in load and " of 4 " in load
     status = client.predict(*GRADIO_CALLS["apply_knobs"], api_name="/apply_knobs")
     assert status.startswith("Applied") and engine.config.block_size == 8
-    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", False, api_name="/apply_knobs")
+    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", "", 4.0, False, api_name="/apply_knobs")
     table, _, _ = client.predict(api_name="/list_sessions")
     assert table["data"][0][0] == guarded.log.session_id
     *_, config = client.predict(guarded.log.session_id, api_name="/show_session")

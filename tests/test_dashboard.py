@@ -217,27 +217,27 @@ def test_live_heatmap_has_a_cell_per_block_in_the_engines_states(served, client)
 
 def test_reconfigure_through_the_ui_changes_the_pool(served, client) -> None:
     engine = served[0]
-    status = client.predict(8, 0.9, 2.0, -5, True, True, "recompute", "auto", False,
+    status = client.predict(8, 0.9, 2.0, -5, True, True, "recompute", "auto", "", 4.0, False,
                             api_name="/apply_knobs")
     assert "Not applied" in status and "max_num_batched_tokens=-5" in status
     assert engine.config.block_size == 4
-    status = client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "auto", False,
+    status = client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "auto", "", 4.0, False,
                             api_name="/apply_knobs")
     assert "x 8 tokens" in status and engine.config.block_size == 8
     _, figure = heatmap_cells(client)
     assert "x 8 tokens" in figure["layout"]["title"]["text"]
-    status = client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "int8", False,
+    status = client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "int8", "", 4.0, False,
                             api_name="/apply_knobs")
     plan = engine.memory_plan
     assert engine.config.kv_cache_dtype == "int8"
     assert plan.bytes_per_block < plan.auto_bytes_per_block
     assert f"kv_cache_dtype int8, {plan.bytes_per_block} bytes/block" in status
-    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", False,
+    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", "", 4.0, False,
                    api_name="/apply_knobs")
 
 
 def test_a_zero_token_budget_is_refused_naming_the_limit(served, client) -> None:
-    status = client.predict(4, 0.9, 2.0, 0, True, True, "recompute", "auto", False,
+    status = client.predict(4, 0.9, 2.0, 0, True, True, "recompute", "auto", "", 4.0, False,
                             api_name="/apply_knobs")
     assert "Not applied" in status and "max_num_batched_tokens=0 must be an integer >= 1" \
         in status
@@ -254,10 +254,10 @@ def test_a_load_form_value_is_refused_naming_its_field(client, count, refusal) -
 
 
 def test_an_emptied_or_unbounded_knob_is_refused_naming_it(served, client) -> None:
-    status = client.predict(4, 0.9, None, 64, True, True, "recompute", "auto", False,
+    status = client.predict(4, 0.9, None, 64, True, True, "recompute", "auto", "", 4.0, False,
                             api_name="/apply_knobs")
     assert "Not applied" in status and "device_memory_gb is empty: enter a number" in status
-    status = client.predict(4, 0.9, 1e308, 64, True, True, "recompute", "auto", False,
+    status = client.predict(4, 0.9, 1e308, 64, True, True, "recompute", "auto", "", 4.0, False,
                             api_name="/apply_knobs")
     assert "device_memory_gb=1e+308 is more than this machine's RAM" in status
     assert served[0].config.device_memory_gb == 2.0
@@ -268,7 +268,7 @@ def test_a_bad_input_tour_logs_no_traceback(served, client, capfd) -> None:
     the server's console stays free of tracebacks (they read as crashes)."""
     from gradio_client.exceptions import AppError
 
-    knobs = (4, 0.9, 2.0, 64, True, True, "recompute", "auto", False)
+    knobs = (4, 0.9, 2.0, 64, True, True, "recompute", "auto", "", 4.0, False)
     compare_row = (True, 4, 0.9, None, 8, 64, True, True, "recompute")
     tour = [
         ("/apply_knobs", (4, 0.9, 9999, *knobs[3:])),
@@ -313,7 +313,7 @@ def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browse
     from playwright.sync_api import expect
 
     engine = served[0]
-    client.predict(8, 0.9, 2.0, 32, True, True, "recompute", "auto", False,
+    client.predict(8, 0.9, 2.0, 32, True, True, "recompute", "auto", "", 4.0, False,
                    api_name="/apply_knobs")
     try:
         page = open_page(browser, served[2])  # opened after the Apply, from another client
@@ -324,7 +324,7 @@ def test_browser_new_tab_loads_the_live_knobs_after_apply(served, client, browse
             f"{engine.memory_plan.num_blocks} blocks x 8 tokens")
         page.close()
     finally:
-        client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", False,
+        client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", "", 4.0, False,
                        api_name="/apply_knobs")
     assert engine.config.block_size == 4
 
@@ -1043,9 +1043,9 @@ def test_a_reconfigure_is_logged_once(served, client: Client) -> None:
         return log.load_session(log.session_id).configs
 
     before = len(configs())
-    client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "auto", False, api_name="/apply_knobs")
+    client.predict(8, 0.9, 2.0, 64, True, True, "recompute", "auto", "", 4.0, False, api_name="/apply_knobs")
     wait_until(lambda: len(configs()) > before, timeout=10, what="the new config in the log")
-    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", False, api_name="/apply_knobs")
+    client.predict(4, 0.9, 2.0, 64, True, True, "recompute", "auto", "", 4.0, False, api_name="/apply_knobs")
     wait_until(lambda: len(configs()) > before + 1, timeout=10, what="the config after it")
     time.sleep(3 * POLL_S)  # a second report would come within a recorder poll or two
     logged = configs()[before:]

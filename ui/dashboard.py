@@ -270,8 +270,8 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
                 knob_status, api_name="apply_knobs").then(
         show_tiers, tier_counters, [tier_view, tier_counters], show_progress="hidden",
         api_visibility="private")
-    blocks.load(show_tiers, tier_counters, [tier_view, tier_counters],
-                api_name="tiers", show_progress="hidden")
+    blocks.load(show_tiers, tier_counters, [tier_view, tier_counters], show_progress="hidden",
+                api_visibility="private")
     # A new or reloaded tab shows the live knobs, not those the app started with.
     blocks.load(partial(knobs.live_form, engine), None, [*form, knob_status],
                 api_visibility="private")
