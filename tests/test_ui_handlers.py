@@ -671,7 +671,9 @@ def test_a_disk_tier_the_machine_cannot_hold_is_refused_and_never_applied(engine
                                            "free disk"),
              ({"kv_offload_gb": 0}, "kv_offload_gb=0.0 must be > 0"),
              ({"kv_offload_gb": None}, "kv_offload_gb is empty"),
-             ({"kv_offload_dir": str(tmp_path / "file" / "tier")}, "is not a writable directory")]
+             ({"kv_offload_dir": str(tmp_path / "file" / "tier")}, "is not an existing directory"),
+             ({"kv_offload_dir": str(tmp_path / "not-made-yet")}, "create the folder first"),
+             ({"kv_offload_dir": "tier"}, "given by its absolute path")]
     (tmp_path / "file").write_text("not a folder")
     for changes, message in cases:
         status = knobs.apply_knobs(engine, feed, *form(

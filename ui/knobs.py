@@ -94,15 +94,17 @@ def check_device_memory(engine: EngineView, memory_gb: float) -> None:
 def check_offload_disk(engine: EngineView, folder: str | None, size_gb: float) -> None:
     """A disk tier where no file can be written, or larger than the free disk there, is
     refused (the engine would otherwise start without it, or capped, with only a log
-    warning)."""
+    warning). From the page, the folder must be an existing absolute path: a typo or a
+    relative name would otherwise create folders wherever the server happens to run."""
     if folder is None:
         return
-    existing = Path(folder).expanduser().absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"kv_offload_dir={folder!r} is not a writable directory ({existing} "
-                         "is not one): choose a folder this process can write")
+    existing = Path(folder).expanduser()
+    if not existing.is_absolute() or not existing.is_dir():
+        raise ValueError(f"kv_offload_dir={folder!r} is not an existing directory given by "
+                         "its absolute path: create the folder first and give its full path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_offload_dir={folder!r} is not a writable directory: choose a "
+                         "folder this process can write")
     held = engine.counters().kv_tier_bytes if engine.config.kv_offload_dir == folder else 0
     available = shutil.disk_usage(existing).free + held
     if size_gb * GiB > available:
