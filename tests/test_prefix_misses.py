@@ -50,6 +50,25 @@ def test_an_evicted_prefix_names_the_request_and_step_that_evicted_it(engine):
     assert engine.kv_cache.pool.evicted.get(hash_block_tokens(None, tuple(prompt[:4])))
 
 
+def test_an_eviction_planned_a_step_ahead_names_the_step_it_ran_in(make_engine):
+    """Async scheduling plans step n + 1 while step n runs: the evictor, admitted while
+    another request decodes, evicts in a plan made ahead."""
+    engine = make_engine("llama", block_size=BLOCK_SIZE, num_gpu_blocks_override=10,
+                         max_model_len=40, max_num_seqs=2, max_num_batched_tokens=64,
+                         enable_prefix_caching=True, async_scheduling=True)
+    prompt = list(range(10, 22))
+    run(engine, prompt, "first")
+    # One block all its life, so only the evictor evicts.
+    engine.add_request([5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       request_id="decoding")
+    records = [engine.step().record]
+    records += run(engine, list(range(100, 132)), "evictor")  # 8 blocks: 2 evicted
+    (evicting_step,) = [record.step for record in records for request_id, *_, start, _
+                        in record.chunks if request_id == "evictor" and start == 0]
+    (miss,) = misses(run(engine, prompt, "again"))
+    assert miss[1:] == ("evicted", BLOCK_SIZE, "evictor", evicting_step)
+
+
 def test_a_shared_text_ending_mid_block_is_a_partial_block(engine):
     prompt = list(range(10, 24))
     run(engine, prompt, "first")
