@@ -8,7 +8,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # 2: per-step cache statistics; 3: the engine replica; 4: routing decisions;
 # 5: what a replay needs (prompt and output token ids, sampling params, arrival offset);
 # 6: each step's verified speculative proposals; 7: the pool's records (pool_records).
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 class Base(DeclarativeBase):
@@ -105,6 +105,10 @@ class StepRow(Base):
     # Added in schema version 9: why each of `preempted` was, [victim, reason, taker,
     # blocks freed, computed tokens lost] (engine.telemetry.records.PreemptionCause).
     preemptions: Mapped[list] = mapped_column(JSON, default=list)
+    # Added in schema version 10: why admissions missed tokens the prefix cache had seen,
+    # [seq_id, reason, tokens, evicted by, evicted at step]
+    # (engine.telemetry.records.PrefixMissCause).
+    prefix_misses: Mapped[list] = mapped_column(JSON, default=list)
 
 
 class ChatMessageRow(Base):

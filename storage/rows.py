@@ -29,6 +29,7 @@ def step_row(session_id: int, record: StepRecord) -> dict:
     row["chunks"] = [list(chunk) for chunk in record.chunks]
     row["spec_drafts"] = [list(draft) for draft in record.spec_drafts]
     row["preemptions"] = [list(cause) for cause in record.preemptions]
+    row["prefix_misses"] = [list(cause) for cause in record.prefix_misses]
     row["expert_layers"] = list(record.expert_layers)
     row["expert_tokens"] = step_counts(record).tolist()
     row["session_id"] = session_id
@@ -43,6 +44,7 @@ def step_record(row: dict) -> StepRecord:
         chunks=tuple(tuple(chunk) for chunk in row["chunks"]),
         spec_drafts=tuple(tuple(draft) for draft in row.get("spec_drafts") or ()),
         preemptions=tuple(tuple(cause) for cause in row.get("preemptions") or ()),
+        prefix_misses=tuple(tuple(cause) for cause in row.get("prefix_misses") or ()),
         expert_layers=tuple(row.get("expert_layers") or ()),
         expert_tokens=tuple(np.array(tokens, dtype=COUNT_DTYPE).tobytes()
                             for tokens in row.get("expert_tokens") or ()))

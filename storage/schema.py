@@ -81,11 +81,17 @@ def _add_preemption_causes(connection: Connection) -> None:
                                "DEFAULT '[]'")
 
 
+def _add_prefix_misses(connection: Connection) -> None:
+    """Version 10: why admissions missed cached tokens (empty before: not kept)."""
+    connection.exec_driver_sql("ALTER TABLE steps ADD COLUMN prefix_misses JSON NOT NULL "
+                               "DEFAULT '[]'")
+
+
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions,
     4: _add_replay_columns, 5: _add_spec_drafts, 6: _add_pool_records,
-    7: _add_expert_columns, 8: _add_preemption_causes}
+    7: _add_expert_columns, 8: _add_preemption_causes, 9: _add_prefix_misses}
 
 
 def open_database(path: str | Path) -> Engine:

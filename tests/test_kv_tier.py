@@ -51,20 +51,22 @@ def block_files(folder: Path) -> list[Path]:
 
 
 def evict_and_return(engine, run_engine):
-    """The prefix, two other prompts that push it out of the pool, the prefix again."""
+    """The prefix, two other prompts that push it out of the pool, the prefix again (its
+    output, the prefix misses its admission reported, and the other prompts' ids)."""
     first = run_engine(engine, [PREFIX], GREEDY).outputs[0]
-    run_engine(engine, OTHERS, GREEDY)
-    again = run_engine(engine, [PREFIX], GREEDY).outputs[0]
-    return first, again
+    others = run_engine(engine, OTHERS, GREEDY).outputs
+    again = run_engine(engine, [PREFIX], GREEDY)
+    return (first, again.outputs[0], [miss for r in again.records for miss in r.prefix_misses],
+            {output.request_id for output in others})
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_evicted_prefix_is_loaded_from_the_tier_with_identical_outputs(
         make_engine, run_engine, tmp_path, async_scheduling):
     plain = make_engine("llama", **POOL)
-    expected, recomputed = evict_and_return(plain, run_engine)
+    expected, recomputed, plain_misses, others = evict_and_return(plain, run_engine)
     engine = tier_engine(make_engine, tmp_path, async_scheduling=async_scheduling)
-    first, again = evict_and_return(engine, run_engine)
+    first, again, misses, _ = evict_and_return(engine, run_engine)
     stats = engine.kv_tier.stats
     assert first.outputs[0].token_ids == again.outputs[0].token_ids \
         == expected.outputs[0].token_ids
@@ -75,6 +77,14 @@ def test_evicted_prefix_is_loaded_from_the_tier_with_identical_outputs(
     assert again.num_cached_tokens == full_blocks * BLOCK
     assert stats.hits == full_blocks * BLOCK - recomputed.num_cached_tokens
     assert stats.blocks_loaded * BLOCK == stats.hits and stats.bytes_loaded > 0
+    # Without the tier the miss says who evicted the prefix; the blocks the tier loaded
+    # back are hits, so with it only the prompt's partial last block is left unhit (the
+    # first run filled and cached that block; its last token is computed anyway).
+    (miss,) = plain_misses
+    assert miss[1:3] == ("evicted", full_blocks * BLOCK - recomputed.num_cached_tokens)
+    assert miss[3] in others
+    assert [miss[1:] for miss in misses] == [
+        ("partial_block", len(PREFIX) - 1 - full_blocks * BLOCK, None, None)]
     engine.close()
 
 

@@ -70,11 +70,11 @@ def logged_session(db_path: Path, engine_run) -> tuple[int, SessionLog]:
 
 
 def drop_columns_after_version_4(connection: sqlite3.Connection) -> None:
-    """Make a file as version 4 wrote it: without what versions 5 to 9 added."""
+    """Make a file as version 4 wrote it: without what versions 5 to 10 added."""
     for column, _ in schema.REQUEST_COLUMNS_OF_VERSION_5:
         connection.execute(f"ALTER TABLE requests DROP COLUMN {column}")
     for column in ("spec_drafts", "expert_layers", "expert_tokens", "expert_bytes_read",
-                   "expert_bytes_all", "preemptions"):
+                   "expert_bytes_all", "preemptions", "prefix_misses"):
         connection.execute(f"ALTER TABLE steps DROP COLUMN {column}")
     connection.execute("DROP TABLE pool_records")
 

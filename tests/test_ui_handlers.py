@@ -613,6 +613,23 @@ def test_the_why_panel_tells_a_followed_requests_waits_preemptions_and_prefix_hi
     assert "no step of it" in why.why_markdown([first], {}, "r7")
 
 
+def test_prefix_misses_say_why_in_the_why_panel_and_the_event_log():
+    from kvscope.ui import events, why
+
+    evicted = ("r2", "evicted", 8, "r9", 3)
+    partial = ("r2#1", "partial_block", 2, None, None)
+    record = dataclasses.replace(_record(5, 11.0), prefix_misses=(evicted, partial))
+    evicted_words = ("step 5: r2 missed 8 tokens the prefix cache once held: r9's blocks "
+                     "evicted them in step 3")
+    partial_words = ("step 5: r2#1 shares 2 tokens past its prefix hit with a cached block, "
+                     "and they cannot hit: the shared text ends mid-block, and only full "
+                     "blocks are cached")
+    assert why.why_lines([record], {}, "r2") == [evicted_words, partial_words]
+    assert why.why_lines([record], {}, "r9") == [evicted_words]  # the evictor's story too
+    assert why.why_lines([record], {}, "r3") == []
+    assert events.event_lines([record]) == [partial_words, evicted_words]  # newest first
+
+
 def test_following_a_request_puts_its_why_above_the_event_log(engine):
     renderer = panels.PanelRenderer(LiveFeeds(engine))
     renderer.refresh(None)  # the feed subscribes to the steps before the request runs

@@ -4,7 +4,7 @@ newest first, read from the engine's step records (and the pool's eviction count
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvscope.engine.telemetry.records import PreemptionCause, StepRecord
+from kvscope.engine.telemetry.records import PreemptionCause, PrefixMissCause, StepRecord
 
 MAX_EVENTS = 30
 # Decode-only steps have no events: the log looks this far back at most, so a long quiet
@@ -40,6 +40,18 @@ def preemption_words(cause: PreemptionCause, swapped: set[str]) -> str:
             f"{counted(blocks_freed, 'block')} freed, {cost}")
 
 
+def miss_words(cause: PrefixMissCause) -> str:
+    """Why an admission's prefix hit stopped short of tokens the cache had seen, in plain
+    words."""
+    seq_id, reason, num_tokens, evicted_by, evicted_step = cause
+    if reason == "evicted":
+        return (f"{seq_id} missed {counted(num_tokens, 'token')} the prefix cache once held: "
+                f"{evicted_by}'s blocks evicted them in step {evicted_step}")
+    return (f"{seq_id} shares {counted(num_tokens, 'token')} past its prefix hit with a "
+            "cached block, and they cannot hit: the shared text ends mid-block, and only full "
+            "blocks are cached")
+
+
 def _step_events(record: StepRecord, first_prefill: dict[str, int]) -> list[str]:
     """What one step did that a newcomer should notice, in the order it happened.
     first_prefill: each sequence's first step with a prefill chunk in the records read."""
@@ -60,6 +72,8 @@ def _step_events(record: StepRecord, first_prefill: dict[str, int]) -> list[str]
         lines.append(f"{step} the prefix cache supplied {record.prefix_cache_hits} of "
                      f"{record.prefix_cache_queries} prompt tokens looked up: their blocks "
                      "are shared, not recomputed")
+    for cause in record.prefix_misses:
+        lines.append(f"{step} {miss_words(cause)}")
     swapped = set(record.swapped_out)
     for cause in record.preemptions:
         lines.append(f"{step} preempted {cause[0]} {preemption_words(cause, swapped)}")
@@ -98,6 +112,6 @@ def event_lines(records: Sequence[StepRecord], evictions: Sequence[Evictions] = 
 def events_markdown(records: Sequence[StepRecord], evictions: Sequence[Evictions] = ()) -> str:
     lines = event_lines(records, evictions)
     if not lines:
-        return "**Events** · none yet: admissions, prefix hits, preemptions and evictions " \
-               "appear here as they happen."
+        return "**Events** · none yet: admissions, prefix hits and misses, preemptions and " \
+               "evictions appear here as they happen."
     return "**Events** (newest first)\n\n" + "\n".join(f"- {line}" for line in lines)

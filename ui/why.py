@@ -1,10 +1,11 @@
 """Why a followed request waited: its queueing, its preemptions (why, for whom, what they
-cost), the preemptions it caused and its prefix-cache hits, from the step records kept."""
+cost), the preemptions it caused, its prefix-cache hits and misses (why), and the prefixes
+its allocations evicted, from the step records kept."""
 
 from collections.abc import Sequence
 
 from kvscope.engine.telemetry.records import StepRecord
-from kvscope.ui.events import preemption_words
+from kvscope.ui.events import miss_words, preemption_words
 from kvscope.ui.plotdata import of_request
 
 
@@ -28,6 +29,9 @@ def why_lines(records: Sequence[StepRecord], arrivals: dict[str, float],
             if start:
                 lines[-1] += f"; the prefix cache supplied tokens 0–{start}, not recomputed"
             running.add(seq_id)
+        for miss in record.prefix_misses:
+            if of_request(miss[0], request_id) or miss[3] == request_id:  # missed, or evictor
+                lines.append(f"{step} {miss_words(miss)}")
         for cause in record.preemptions:
             victim, taker = cause[0], cause[2]
             if of_request(victim, request_id):

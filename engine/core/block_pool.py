@@ -16,6 +16,7 @@ from kvscope.engine.core.kv_events import (
     KVEventSink,
     discard,
 )
+from kvscope.engine.core.prefix_misses import BoundedLRU, Eviction
 from kvscope.engine.core.request import BlockHash
 
 
@@ -123,6 +124,11 @@ class BlockPool:
         # Kept up to date on every transition, so reading the counts never scans the pool.
         self.num_cached_free_blocks = 0
         self.num_evictions = 0
+        # Bounded memory of content no longer here, to explain prefix misses
+        # (engine.core.prefix_misses): evicted hash value -> who evicted it, and a cached
+        # block's parent hash value (None: the first block) -> the tokens it held.
+        self.evicted: BoundedLRU[bytes, Eviction] = BoundedLRU()
+        self.followers: BoundedLRU[bytes | None, tuple[int, ...]] = BoundedLRU()
         self.emit = emit
 
     @property
@@ -134,12 +140,16 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    def allocate(self, count: int) -> list[KVBlock]:
+    def allocate(self, count: int, evictor: Eviction | None = None) -> list[KVBlock]:
+        """Take `count` free blocks; `evictor` (who asks, and when) is remembered against
+        each cached block whose content this evicts."""
         if count > len(self.free_queue):
             raise ValueError(f"asked for {count} blocks, {len(self.free_queue)} free")
         blocks = []
         for _ in range(count):
             block = self.free_queue.popleft()
+            if evictor is not None and block.block_hash is not None:
+                self.evicted.put(block.block_hash[0], evictor)
             self._evict(block)
             block.ref_count = 1
             blocks.append(block)
@@ -200,6 +210,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.group = group
         self.cached_blocks[value] = block.block_id
+        if group == 0:
+            self.followers.put(block_hash[1], block_hash[2])
         self.emit(BlockStored(block.block_id, block_hash, group))
 
     def _evict(self, block: KVBlock) -> None:

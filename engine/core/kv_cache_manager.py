@@ -3,6 +3,7 @@ copy-on-write, sharing stats, and the freeing of blocks that leave a sliding win
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import takewhile
 
 from kvscope.engine.core.block_pool import (
     BlockPool,
@@ -10,7 +11,14 @@ from kvscope.engine.core.block_pool import (
     group_block_hash,
     hash_block_tokens,
 )
-from kvscope.engine.core.kv_events import BlockTableChanged, KVEventSink, discard
+from kvscope.engine.core.kv_events import (
+    BlockTableChanged,
+    KVEventSink,
+    MissReason,
+    PrefixMiss,
+    discard,
+)
+from kvscope.engine.core.prefix_misses import Eviction, common_length
 from kvscope.engine.core.request import BlockHash, Sequence
 from kvscope.engine.core.state_slots import StateSlots
 
@@ -88,6 +96,9 @@ class KVCacheManager:
         self.swap_stats = SwapStats()
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.snapshot_tokens = snapshot_every_n_blocks * block_size  # a snapshot's spacing
+        # The engine step the allocations being made are for (the engine core sets it
+        # before each schedule): an eviction remembers it (engine.core.prefix_misses).
+        self.step = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Positions (blocks per group) that num_tokens tokens fill."""
@@ -171,6 +182,44 @@ class KVCacheManager:
                 return before + found[first:length]
         return []
 
+    def explain_miss(self, seq: Sequence, num_hit: int) -> PrefixMiss | None:
+        """Why the sequence's prefix hit (find_cached_prefix's) ended after `num_hit` blocks
+        when the cache had seen what follows (engine.core.prefix_misses): the next blocks
+        were evicted (counted while they run on, the first one's evictor named), or the
+        tokens past the hit share a leading run with a cached block that follows the same
+        prefix but parts from them mid-block. None when neither holds."""
+        if not self.enable_caching or seq.request.params.prompt_logprobs is not None:
+            return None
+        hashes, bs = self.prompt_block_hashes(seq), self.block_size
+        if num_hit < len(hashes):
+            if self._lookup(hashes[num_hit], 0) is not None:
+                return None  # cached, but cut off (a recurrent snapshot, a sliding window)
+            first = self._eviction(hashes[num_hit])
+            if first is not None:
+                run = 1 + sum(1 for _ in takewhile(lambda h: self._eviction(h) is not None,
+                                                   hashes[num_hit + 1:]))
+                return PrefixMiss(seq, MissReason.EVICTED, run * bs, first.by, first.step)
+            tokens = hashes[num_hit][2]
+        elif seq.num_tokens % bs:
+            # The prompt's last, partial block, less its last token (always computed).
+            tokens = tuple(seq.token_ids[num_hit * bs:seq.num_tokens - 1])
+        else:
+            return None  # a full last block is computed for the last token's logits
+        parent = hashes[num_hit - 1][0] if num_hit else None
+        shared = common_length(tokens, self.pool.followers.get(parent) or ())
+        # All of a full block shared: that very block was cached, evicted beyond memory.
+        if 0 < shared < bs:
+            return PrefixMiss(seq, MissReason.PARTIAL_BLOCK, shared)
+        return None
+
+    def _eviction(self, block_hash: BlockHash) -> Eviction | None:
+        """Who evicted this block's content, in any KV cache group, if remembered."""
+        for group in range(self.num_groups):
+            eviction = self.pool.evicted.get(group_block_hash(block_hash, group)[0])
+            if eviction is not None:
+                return eviction
+        return None
+
     def prompt_block_hashes(self, seq: Sequence) -> list[BlockHash]:
         """The hashes of the blocks find_cached_prefix may reuse (all but the last token's)."""
         return self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
@@ -253,14 +302,17 @@ class KVCacheManager:
             seq.num_cached_blocks = len(cached_prefix)
             seq.num_computed_tokens = num_computed
         copies = []
+        # Built only when a block is taken (most decodes take none).
+        evictor = (Eviction(seq.request.request_id, self.step)
+                   if shared_targets or num_new_blocks > 0 else None)
         for index in shared_targets:
             source = pool.blocks[table[index]]
-            (target,) = pool.allocate(1)
+            (target,) = pool.allocate(1, evictor)
             pool.release([source])
             table[index] = target.block_id
             copies.append((source.block_id, target.block_id))
         if num_new_blocks > 0:
-            table.extend(b.block_id for b in pool.allocate(num_new_blocks))
+            table.extend(b.block_id for b in pool.allocate(num_new_blocks, evictor))
         return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -350,7 +402,8 @@ class KVCacheManager:
         count = len(held) + new_positions * groups
         if count > self.pool.num_free_blocks:
             return None
-        blocks = iter(block.block_id for block in self.pool.allocate(count))
+        blocks = iter(block.block_id for block in self.pool.allocate(
+            count, Eviction(seq.request.request_id, self.step)))
         seq.block_table = [RELEASED if cpu == RELEASED else next(blocks) for cpu in swapped]
         seq.block_table.extend(blocks)
         seq.num_released_blocks = (self.group_table(seq, self.sliding_groups[0]).count(RELEASED)

@@ -110,6 +110,27 @@ class SequencePreempted:
     tokens_lost: int
 
 
+class MissReason(enum.StrEnum):
+    """Why a prompt's prefix-cache hit ended before tokens the cache had seen before."""
+
+    EVICTED = "evicted"  # the next block was cached once, and evicted for another request
+    PARTIAL_BLOCK = "partial_block"  # shared text ends mid-block: only full blocks cache
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMiss:
+    """A sequence's prefix lookup at admission missed `num_tokens` tokens the cache had seen
+    (engine.core.prefix_misses): past its hit, the blocks `evicted_by` that request's
+    allocation in step `evicted_step`, or the tokens a cached block shares with it before
+    the two part mid-block (evicted_by and evicted_step None)."""
+
+    seq: "Sequence"
+    reason: MissReason
+    num_tokens: int
+    evicted_by: str | None = None
+    evicted_step: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceFinished:
     """A sequence left the queues for good (finished or aborted); its blocks are back."""
@@ -140,7 +161,7 @@ class TierBlockRemoved:
 BlockEvent = (BlocksAllocated | BlocksShared | BlocksReleased | BlockStored | BlockRemoved
               | TierBlockStored | TierBlockRemoved)
 SequenceEvent = (BlockTableChanged | SequenceQueued | SequenceResumed | SequencePreempted
-                 | SequenceFinished)
+                 | PrefixMiss | SequenceFinished)
 KVEvent = BlockEvent | SequenceEvent
 KVEventSink = Callable[[KVEvent], None]
 

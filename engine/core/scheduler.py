@@ -302,20 +302,25 @@ class Scheduler:
         """Blocks for a waiting sequence's next chunk, reusing cached prefix blocks;
         returns the chunk's token count, 0 if it cannot start this step, or None if it
         left the queue while its prefix loads (fetch_prefix)."""
-        cached_prefix = (self.kv_cache.find_cached_prefix(seq)
-                         if seq.num_computed_tokens == 0 else [])
-        if seq.num_computed_tokens == 0 and self.fetch_prefix(seq, len(cached_prefix)):
+        fresh = seq.num_computed_tokens == 0
+        cached_prefix = self.kv_cache.find_cached_prefix(seq) if fresh else []
+        if fresh and self.fetch_prefix(seq, len(cached_prefix)):
             return None
         num_cached = len(cached_prefix) * self.kv_cache.block_size
         remaining = seq.num_tokens - seq.num_computed_tokens - num_cached
         if not self.config.enable_chunked_prefill and remaining > budget:
             return 0
         num_tokens = self.chunk_size(seq, budget, cap, num_cached)
+        # Read before allocating: the allocation may evict what it would explain.
+        miss = self.kv_cache.explain_miss(seq, len(cached_prefix)) if fresh else None
         copies = self._allocate(seq, num_tokens, out, cached_prefix, make_room)
         if copies is None:
             return 0
         if seq.first_scheduled_time is None:
             seq.request.num_cached_tokens = num_cached
+        if miss is not None:
+            out.prefix_misses.append(miss)
+            self.emit(miss)
         out.block_copies.extend(copies)
         return num_tokens
 

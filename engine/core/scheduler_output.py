@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvscope.engine.core.kv_events import SequencePreempted
+from kvscope.engine.core.kv_events import PrefixMiss, SequencePreempted
 from kvscope.engine.core.request import ChunkKind, Sequence
 
 
@@ -60,6 +60,8 @@ class SchedulerOutput:
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     preemptions: list[SequencePreempted] = field(default_factory=list)  # why, one each
+    # Admissions whose prefix hit stopped short of tokens the cache had seen, and why.
+    prefix_misses: list[PrefixMiss] = field(default_factory=list)
     swapped_out: list[Sequence] = field(default_factory=list)
     swapped_in: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: int = 0

@@ -268,9 +268,10 @@ class EngineCore:
         forward starts without the sequences that finished, and this step's outputs are
         made while it runs."""
         self.runner.wait_until_resident()
-        current = self._in_flight or self._launch(self._schedule(on_scheduled))
+        current = self._in_flight or self._launch(self._schedule(on_scheduled, self.step_index))
         self._in_flight = None
-        ahead = self._schedule(on_scheduled) if self._schedules_ahead() else None
+        ahead = (self._schedule(on_scheduled, self.step_index + 1) if self._schedules_ahead()
+                 else None)
         logits, prompt_logits = self._wait(current, ahead)
         # Before sampling: a sequence that finishes now still holds the step's blocks.
         self.kv_costs.observe(current.plan, time.time() - current.start_time)
@@ -304,9 +305,11 @@ class EngineCore:
         return self._forward_thread is not None and not any(
             request.beam is not None for request in self.requests.values())
 
-    def _schedule(self, on_scheduled: Callable[[SchedulerOutput], None] | None
-                  ) -> SchedulerOutput:
+    def _schedule(self, on_scheduled: Callable[[SchedulerOutput], None] | None,
+                  step: int) -> SchedulerOutput:
+        """The plan of engine step `step`."""
         now = time.time()
+        self.kv_cache.step = step
         counters = self.kv_cache.stat_totals()
         if self.kv_tier is not None:
             self._requeue_loaded()

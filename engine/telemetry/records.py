@@ -22,6 +22,12 @@ CHUNK_FIELDS = ("request_id", "seq_id", "kind", "start", "end")
 # tuple for the reason ScheduledChunk is one.
 PreemptionCause = tuple[str, str, str, int, int]
 PREEMPTION_FIELDS = ("victim", "reason", "taker", "blocks_freed", "tokens_lost")
+# One admission's prefix miss on tokens the cache had seen: (seq_id, reason, tokens missed,
+# the request whose allocation evicted them, the step it did so in), the reason a
+# core.kv_events.MissReason value; the last two None for a partial block. A plain tuple for
+# the reason ScheduledChunk is one.
+PrefixMissCause = tuple[str, str, int, str | None, int | None]
+PREFIX_MISS_FIELDS = ("seq_id", "reason", "num_tokens", "evicted_by", "evicted_step")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,8 @@ class StepRecord:
     expert_bytes_all: int = 0
     # Why each of `preempted` was, in the same order (see PreemptionCause).
     preemptions: tuple[PreemptionCause, ...] = ()
+    # Why admissions this step missed tokens the prefix cache had seen (see PrefixMissCause).
+    prefix_misses: tuple[PrefixMissCause, ...] = ()
 
     @property
     def duration(self) -> float:

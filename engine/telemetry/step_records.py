@@ -76,4 +76,6 @@ def record_step(engine: RecordedEngine, plan: SchedulerOutput, start_time: float
         expert_tokens=packed_counts(expert_tokens) if routed else (),
         expert_bytes_read=read, expert_bytes_all=everything,
         preemptions=tuple((p.seq.seq_id, p.reason.value, p.taker.seq_id, p.blocks_freed,
-                           p.tokens_lost) for p in plan.preemptions))
+                           p.tokens_lost) for p in plan.preemptions),
+        prefix_misses=tuple((m.seq.seq_id, m.reason.value, m.num_tokens, m.evicted_by,
+                             m.evicted_step) for m in plan.prefix_misses))

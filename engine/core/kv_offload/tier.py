@@ -30,6 +30,7 @@ from kvscope.engine.core.kv_events import (
 )
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
 from kvscope.engine.core.kv_offload.io_thread import LoadJob, TierIO
+from kvscope.engine.core.prefix_misses import Eviction
 from kvscope.engine.core.request import BlockHash, Sequence
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,8 @@ class KVTier:
                 for block in blocks if block is not None]
         self.pool.share(held)
         count = min(count, self.pool.num_free_blocks // groups)
-        blocks = self.pool.allocate(count * groups)
+        blocks = self.pool.allocate(count * groups,
+                                    Eviction(job.seq.request.request_id, self.kv_cache.step))
         placed = iter(blocks)
         for block_hash, payloads in zip(job.block_hashes[:count], job.payloads[:count]):
             for group, payload in enumerate(payloads):
