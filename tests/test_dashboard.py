@@ -395,9 +395,10 @@ def test_every_plot_has_its_label_above_the_chart_not_over_its_title(served) -> 
     assert [plot.label for plot in plots if PANEL_CLASS not in (plot.elem_classes or [])] == []
 
 
-def test_browser_no_text_of_the_live_tab_is_clipped_at_1280_px(served, browser) -> None:
+@pytest.mark.parametrize("tab", ["Live", "Compare"])
+def test_browser_no_text_of_a_tab_is_clipped_at_1280_px(served, browser, tab: str) -> None:
     """bench/clipped_text.py reads every tab at two sizes and under load; here the Live
-    tab at the narrow one."""
+    tab and the Compare tab's run cards ("ru 1", "pr ca" once) at the narrow one."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
@@ -407,6 +408,9 @@ def test_browser_no_text_of_the_live_tab_is_clipped_at_1280_px(served, browser) 
     try:
         page.goto(served[2])
         Ticks(page).wait_for_first_drawing()
+        if tab != "Live":
+            page.get_by_role("tab", name=tab).click()
+            page.locator("#kv-compare-run").wait_for()
         clipped = page.evaluate(CLIPPED_TEXT_JS)
         assert clipped == [], json.dumps(clipped, indent=1)
     finally:
