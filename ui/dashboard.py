@@ -109,6 +109,11 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
             events = gr.HTML(panels.text_html(""), elem_id="kv-events",
                              elem_classes="kv-events")
         with gr.Column(scale=3):
+            # Each tab shows the replica it chose (the summary line names it): the pick
+            # sits above the pool it picks.
+            replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
+                                  label="replica shown on this tab", elem_id="kv-replica",
+                                  visible=engine.num_replicas > 1)
             heatmap = panel("Block pool", "kv-heatmap")
             with gr.Row():
                 heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
@@ -132,10 +137,6 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
                 frame = gr.Textbox("", label="frame shown (blank = live)", max_lines=1,
                                    elem_id="kv-frame")
             scrub_status = gr.Markdown(elem_id="kv-scrub-status")
-            # Each tab shows the replica it chose (the summary line names it).
-            replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
-                                  label="replica shown on this tab", elem_id="kv-replica",
-                                  visible=engine.num_replicas > 1)
             # Click a chat turn, a timeline or block-table row (ui/live_poller.js) or type
             # a request id: its blocks are outlined in the heatmap, its rows marked in the
             # block tables and the timeline, its path in the prefix tree, on every
