@@ -204,6 +204,17 @@ def test_bad_chat_input_is_a_message_not_a_crash(client: Client) -> None:
     assert "4 output tokens" in status
 
 
+@pytest.mark.parametrize("sampling, refusal", [
+    ((5.0, 1.0, 8), "temperature=5 is out of range: enter a number from 0 to 2"),
+    ((0.0, 1.0, 4096), "max tokens=4096 is out of range: enter a whole number from 1 to 1024"),
+    ((0.0, 1.0, 8, 1.0, -0.5), "min-p=-0.5 is out of range: enter a number from 0 to 1"),
+])
+def test_a_sampling_value_out_of_range_is_refused_naming_the_field_and_its_limits(
+        client, sampling, refusal) -> None:
+    _, textbox, status = client.predict("Hello", *sampling, api_name="/chat")
+    assert status == f"Refused: {refusal}" and textbox == "Hello"
+
+
 def test_live_heatmap_has_a_cell_per_block_in_the_engines_states(served, client) -> None:
     engine = served[0]
     client.predict("Share this prefix please", 0.0, 1.0, 4, api_name="/chat")
@@ -244,12 +255,13 @@ def test_a_zero_token_budget_is_refused_naming_the_limit(served, client) -> None
     assert served[0].config.max_num_batched_tokens == 64
 
 
-@pytest.mark.parametrize("count, refusal", [
-    (None, "requests is empty: enter a whole number"),
-    (1e308, "requests=1e+308 must be between 1 and 1000"),
+@pytest.mark.parametrize("count, shared, refusal", [
+    (None, 0.5, "requests is empty: enter a whole number"),
+    (1e308, 0.5, "requests=1e+308 must be between 1 and 1000"),
+    (4, 1.5, "shared system prompt fraction=1.5 is out of range: enter a number from 0 to 1"),
 ])
-def test_a_load_form_value_is_refused_naming_its_field(client, count, refusal) -> None:
-    status = client.predict(count, 8.0, 0.5, 4, 8, 2, 4, 1, api_name="/start_load")
+def test_a_load_form_value_is_refused_naming_its_field(client, count, shared, refusal) -> None:
+    status = client.predict(count, 8.0, shared, 4, 8, 2, 4, 1, api_name="/start_load")
     assert status.startswith(f"**Load not sent:** {refusal}")
 
 
@@ -279,6 +291,8 @@ def test_a_bad_input_tour_logs_no_traceback(served, client, capfd) -> None:
         ("/start_load", (None, 8.0, 0.5, 4, 8, 2, 4, 1)),
         ("/start_load", (1e308, 8.0, 0.5, 4, 8, 2, 4, 1)),
         ("/start_load", (4, 8.0, 0.5, 900, 900, 2, 4, 1)),
+        ("/start_load", (4, 8.0, 1.5, 4, 8, 2, 4, 1)),
+        ("/chat", ("Hello", 5.0, 1.0, 8)),
         ("/check_view_fields", (99999999999, -1, 0, 0)),
         ("/check_frame", ("banana", 0)),
         ("/refresh_live", (None, None, "whole pool", 0, 0, "most recent", 1, "", 0, "",
@@ -395,9 +409,10 @@ def test_every_plot_has_its_label_above_the_chart_not_over_its_title(served) -> 
     assert [plot.label for plot in plots if PANEL_CLASS not in (plot.elem_classes or [])] == []
 
 
-def test_browser_no_text_of_the_live_tab_is_clipped_at_1280_px(served, browser) -> None:
+@pytest.mark.parametrize("tab", ["Live", "Compare"])
+def test_browser_no_text_of_a_tab_is_clipped_at_1280_px(served, browser, tab: str) -> None:
     """bench/clipped_text.py reads every tab at two sizes and under load; here the Live
-    tab at the narrow one."""
+    tab and the Compare tab's run cards ("ru 1", "pr ca" once) at the narrow one."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
@@ -407,6 +422,9 @@ def test_browser_no_text_of_the_live_tab_is_clipped_at_1280_px(served, browser) 
     try:
         page.goto(served[2])
         Ticks(page).wait_for_first_drawing()
+        if tab != "Live":
+            page.get_by_role("tab", name=tab).click()
+            page.locator("#kv-compare-run").wait_for()
         clipped = page.evaluate(CLIPPED_TEXT_JS)
         assert clipped == [], json.dumps(clipped, indent=1)
     finally:

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -121,11 +123,9 @@ def test_outputs_equal_one_engines_greedy(replicas, tiny_chat_model_path) -> Non
         assert final.outputs[0].text == expected[prompt].outputs[0].text
 
 
-def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
-    assert isinstance(replicas, EngineView)  # what every front end reads
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from gradio_client import Client
-
+@contextmanager
+def dashboard(replicas: ReplicaSet):
+    """The dashboard on `replicas`, on a free loopback port; yields its url."""
     from kvscope.ui import build_ui
 
     blocks = build_ui(replicas)
@@ -133,7 +133,18 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
     blocks.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
                   quiet=True)
     try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        blocks.close()
+
+
+def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
+    assert isinstance(replicas, EngineView)  # what every front end reads
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    from gradio_client import Client
+
+    with dashboard(replicas) as url:
+        client = Client(url, verbose=False)
         run(replicas, SHARED_PREFIX + "dashboard")
         decision = replicas.recent_decisions[-1]
 
@@ -156,8 +167,32 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
                               api_name="/refresh_live")  # this tab's replica
         assert f"{NUM_BLOCKS} blocks" in live[1]["plot"]  # the other replica's pool
         assert f"replica {other}</strong> of 2" in live[0]  # the summary names it
-    finally:
-        blocks.close()
+
+
+def test_browser_the_replica_pick_sits_above_its_pool_and_no_replicas_text_is_clipped(
+        replicas, browser) -> None:
+    """At 1280 px the Live tab's replica pick is above the heatmap it picks (it sat about
+    1,500 px below it under load), and the Replicas tab's text, its decision table's
+    headers over a row among them, is whole. bench/clipped_text.py reads every tab."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from clipped_text import CLIPPED_TEXT_JS
+
+    with dashboard(replicas) as url:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        try:
+            page.goto(url)
+            page.locator("#kv-heatmap").wait_for()
+            pick = page.locator("#kv-replica").bounding_box()
+            pool = page.locator("#kv-heatmap").bounding_box()
+            assert 0 <= pool["y"] - (pick["y"] + pick["height"]) < 100, (pick, pool)
+            run(replicas, SHARED_PREFIX + "headers")  # a decision row under the headers
+            page.get_by_role("tab", name="Replicas").click()
+            page.locator('#kv-routing-decisions [data-testid="cell-0-0"]').wait_for(
+                timeout=REPLICA_WAIT_S * 1000)
+            clipped = page.evaluate(CLIPPED_TEXT_JS)
+        finally:
+            page.close()
+        assert clipped == [], json.dumps(clipped, indent=1)
 
 
 def test_routing_decisions_reach_the_websocket_the_log_and_metrics_per_replica(

@@ -10,6 +10,7 @@ from kvscope.engine.orchestrator.streams import RequestFailed
 from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving.reasoning.qwen3 import Qwen3ReasoningParser
+from kvscope.ui.form_values import form_number
 
 # Admission waits for the engine thread; during a reconfigure requests are held that long.
 ACCEPT_TIMEOUT_S = 120
@@ -18,6 +19,15 @@ ACCEPT_TIMEOUT_S = 120
 # The chat's own defaults, for what the model's generation_config leaves unset.
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 128,
                  "repetition_penalty": 1.0, "min_p": 0.0}
+# The Sampling accordion's fields, in chat_reply's order: (label, lowest, highest, step; a
+# step of 1 takes whole numbers). Number fields, not sliders: a slider refuses a typed
+# value outside its range in Gradio itself, a server traceback; chat_reply refuses it
+# naming the field and its limits.
+SAMPLING_FIELDS = {"temperature": ("temperature", 0, 2, 0.05),
+                   "top_p": ("top-p", 0.05, 1, 0.05),
+                   "max_tokens": ("max tokens", 1, 1024, 1),
+                   "repetition_penalty": ("repetition penalty", 0.5, 2, 0.05),
+                   "min_p": ("min-p", 0, 1, 0.01)}
 
 
 def sampling_defaults(engine) -> tuple[dict, str]:
@@ -113,9 +123,10 @@ def chat_reply(engine: EngineView, session_log, message: str, conversation: dict
         return
     messages = [*conversation["messages"], {"role": "user", "content": message}]
     try:
-        params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
-                                max_tokens=int(max_tokens), min_p=float(min_p),
-                                repetition_penalty=float(repetition_penalty))
+        typed = (temperature, top_p, max_tokens, repetition_penalty, min_p)
+        params = SamplingParams(**{
+            name: form_number(label, value, integer=step == 1, low=low, high=high)
+            for (name, (label, low, high, step)), value in zip(SAMPLING_FIELDS.items(), typed)})
         stream = engine.submit_chat(messages, params, source="chat",
                                     chat_template_kwargs={"enable_thinking": bool(thinking)})
         # A conversation longer than max_model_len is refused here, naming both numbers.

@@ -28,6 +28,7 @@ MODES = ("simulated", "live")
 KNOBS = ("block_size", "gpu_memory_utilization", "num_gpu_blocks_override", "max_num_seqs",
          "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
          "preemption_mode")
+CHECK_CLASS = "kv-card-check"
 TABLE_COLUMNS = ["run", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                  "preemptions", "prefix_hit_rate", "peak_kv_usage", "mean_kv_usage", "wall_s"]
 
@@ -51,12 +52,14 @@ def compare_tab(engine: EngineView, session_log, tab: gr.Tab) -> None:
         speed = gr.Number(1.0, label="speed (x arrivals)")
     knob_widgets = []
     # Each widget as wide as its label: a row too narrow for all of them wraps (squeezed
-    # into one line, the labels were cut).
+    # into one line, the labels were cut). Gradio's Checkbox drops min_width and scale, so
+    # the checkboxes are held at their label's width by CHECK_CLASS in ui/dashboard.css.
     wide = {"min_width": 210}
+    check = {"elem_classes": [CHECK_CLASS]}
     for index in range(MAX_CONFIGS):
         with gr.Row(variant="panel"):
             knob_widgets += [
-                gr.Checkbox(index < 2, label=f"run {index + 1}", scale=0, min_width=100),
+                gr.Checkbox(index < 2, label=f"run {index + 1}", **check),
                 gr.Dropdown(list(BLOCK_SIZES), value=config.block_size, label="block_size",
                             **wide),
                 gr.Slider(0.01, 1.0, value=config.gpu_memory_utilization, step=0.01,
@@ -66,10 +69,8 @@ def compare_tab(engine: EngineView, session_log, tab: gr.Tab) -> None:
                 gr.Number(config.max_num_seqs, precision=0, label="max_num_seqs", **wide),
                 gr.Number(config.max_num_batched_tokens, precision=0,
                           label="max_num_batched_tokens", **wide),
-                gr.Checkbox(config.enable_prefix_caching, label="prefix caching",
-                            min_width=170),
-                gr.Checkbox(config.enable_chunked_prefill, label="chunked prefill",
-                            min_width=170),
+                gr.Checkbox(config.enable_prefix_caching, label="prefix caching", **check),
+                gr.Checkbox(config.enable_chunked_prefill, label="chunked prefill", **check),
                 gr.Radio(list(PREEMPTION_MODES), value=config.preemption_mode,
                          label="preemption mode", **wide)]
     run = gr.Button("Run", variant="primary", elem_id="kv-compare-run")

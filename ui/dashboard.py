@@ -104,14 +104,10 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
             with gr.Accordion("Sampling", open=False, elem_id="kv-chat-sampling"):
                 defaults, source = chat.sampling_defaults(engine)
                 gr.Markdown(source, elem_id="kv-sampling-source")
-                temperature = gr.Slider(0, 2, value=defaults["temperature"], step=0.05,
-                                        label="temperature", elem_id="kv-temperature")
-                top_p = gr.Slider(0.05, 1, value=defaults["top_p"], step=0.05, label="top-p")
-                max_tokens = gr.Slider(1, 1024, value=min(defaults["max_tokens"], 1024),
-                                       step=1, label="max tokens")
-                repetition_penalty = gr.Slider(0.5, 2, value=defaults["repetition_penalty"],
-                                               step=0.05, label="repetition penalty")
-                min_p = gr.Slider(0, 1, value=defaults["min_p"], step=0.01, label="min-p")
+                temperature, top_p, max_tokens, repetition_penalty, min_p = (
+                    gr.Number(min(defaults[name], high), label=label, step=step,
+                              precision=0 if step == 1 else None, elem_id=f"kv-{name}")
+                    for name, (label, _, high, step) in chat.SAMPLING_FIELDS.items())
                 # chat_template_kwargs={"enable_thinking": ...}, as vLLM's API takes it.
                 thinking = gr.Checkbox(True, label="thinking (the template's enable_thinking)",
                                        visible=chat.has_thinking_switch(engine),
@@ -123,6 +119,11 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
             events = gr.HTML(panels.text_html(""), elem_id="kv-events",
                              elem_classes="kv-events")
         with gr.Column(scale=3):
+            # Each tab shows the replica it chose (the summary line names it): the pick
+            # sits above the pool it picks.
+            replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
+                                  label="replica shown on this tab", elem_id="kv-replica",
+                                  visible=engine.num_replicas > 1)
             heatmap = panel("Block pool", "kv-heatmap")
             with gr.Row():
                 heatmap_view = gr.Radio(figures.HEATMAP_VIEWS, value="whole pool",
@@ -146,10 +147,6 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
                 frame = gr.Textbox("", label="frame shown (blank = live)", max_lines=1,
                                    elem_id="kv-frame")
             scrub_status = gr.Markdown(elem_id="kv-scrub-status")
-            # Each tab shows the replica it chose (the summary line names it).
-            replica = gr.Dropdown(list(range(engine.num_replicas)), value=0,
-                                  label="replica shown on this tab", elem_id="kv-replica",
-                                  visible=engine.num_replicas > 1)
             # Click a chat turn, a timeline or block-table row (ui/live_poller.js) or type
             # a request id: its blocks are outlined in the heatmap, its rows marked in the
             # block tables and the timeline, its path in the prefix tree, on every
@@ -283,7 +280,9 @@ def _engine_tab(blocks, engine: EngineView, feeds, session_log, load) -> gr.Time
     with gr.Row():
         count = gr.Number(value=spec.num_requests, precision=0, label="requests")
         rate = gr.Number(value=spec.rate, label="requests / s")
-        shared = gr.Slider(0, 1, value=spec.shared_fraction, step=0.05,
+        # A number field, not a slider: Gradio's own range check of a slider is a server
+        # traceback; LoadSpec refuses a fraction outside [0, 1] naming it.
+        shared = gr.Number(value=spec.shared_fraction, step=0.05,
                            label="shared system prompt fraction")
         n = gr.Number(value=spec.n, precision=0, label="n (samples)")
     with gr.Row():
@@ -317,7 +316,7 @@ def _start_load(load, count, rate, shared, prompt_min, prompt_max, output_min, o
         whole = partial(form_number, integer=True)
         spec = loadgen.LoadSpec(
             whole("requests", count), form_number("requests / s", rate),
-            form_number("shared system prompt fraction", shared),
+            form_number("shared system prompt fraction", shared, low=0, high=1),
             (whole("prompt tokens min", prompt_min), whole("prompt tokens max", prompt_max)),
             (whole("output tokens min", output_min), whole("output tokens max", output_max)),
             whole("n (samples)", n))

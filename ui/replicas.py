@@ -87,7 +87,8 @@ def replicas_tab(engine: EngineView) -> None:
         apply = gr.Button("Apply routing", elem_id="kv-routing-apply")
     status = gr.Markdown(elem_id="kv-replicas-status")
     decisions = gr.Dataframe(headers=DECISION_COLUMNS, interactive=False,
-                             label="Recent routing decisions (newest first)")
+                             label="Recent routing decisions (newest first)",
+                             elem_id="kv-routing-decisions")
     apply.click(lambda p, w: set_routing(engine, p, w), [policy, weight], status,
                 api_name="set_routing")
     outputs = [summary, decisions, *heatmaps]
