@@ -3,6 +3,7 @@ panel names the sequence holding each slot and the prefix snapshots kept, the pr
 marks the blocks with a snapshot, and the memory panel sets the plan against a
 full-attention model of the same size."""
 
+import json
 import re
 
 import pytest
@@ -55,9 +56,9 @@ def test_snapshots_show_in_the_slot_table_and_the_prefix_tree(engine):
     text = rendered(renderer, "state_slots")
     for slot, block_hash in table.snapshots:
         assert f"<td>{slot}</td>\n<td>snapshot: the state after block {block_hash[:12]}" in text
-    tree = rendered(renderer, "prefix_tree")
-    marked = [node for node, label in zip(tree["data"][0]["ids"], tree["data"][0]["labels"],
-                                          strict=True) if label.endswith("state")]
+    icicle = json.loads(rendered(renderer, "prefix_tree").plot)["data"][0]
+    marked = [node for node, label in zip(icicle["ids"], icicle["labels"], strict=True)
+              if label.endswith("state")]
     assert sorted(marked) == sorted(block_hash for _, block_hash in table.snapshots)
 
 
