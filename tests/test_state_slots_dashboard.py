@@ -75,4 +75,4 @@ def test_the_memory_panel_compares_a_full_attention_model_of_the_same_size(engin
     assert (f"**State slots:** {plan.num_state_slots} x {plan.bytes_per_state_slot} bytes"
             in text)
     assert (f"with every layer full attention ({full_block} bytes/block) they would need "
-            f"{full / 2**30:.3f} GiB ({full / here:.2f}x)") in text
+            f"{full / 2**20:.1f} MiB ({full / here:.2f}x)") in text

@@ -98,9 +98,9 @@ class MemoryPlan:
                 * self.full_attention_bytes_per_block)
         here = sequences * self.sequence_bytes()
         return (f"{sequences} sequences of max_model_len={self.max_model_len} tokens need "
-                f"{here / GiB:.3f} GiB here (blocks and slots); with every layer full "
+                f"{here / 2**20:.1f} MiB here (blocks and slots); with every layer full "
                 f"attention ({self.full_attention_bytes_per_block} bytes/block) they would "
-                f"need {full / GiB:.3f} GiB ({full / max(here, 1):.2f}x)")
+                f"need {full / 2**20:.1f} MiB ({full / max(here, 1):.2f}x)")
 
     @property
     def group_windows(self) -> tuple[int | None, ...]:
