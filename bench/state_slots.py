@@ -47,26 +47,30 @@ def concurrency(config: Qwen3_5TextConfig, context: int, block_size: int,
         slot_bytes = linear * GatedDeltaNet(config).slot_bytes()
     blocks_per_seq = -(-context // block_size)
 
-    def plan(layers: int, bytes_per_slot: int, max_num_seqs: int):
-        bytes_per_block = kv_bytes_per_block(layers, block_size, config.num_key_value_heads,
-                                             config.head_dim, torch.bfloat16)
-        return plan_blocks(pool_bytes, 1.0, 0, 0, bytes_per_block, block_size, context,
-                           groups=(KVCacheGroup(None, tuple(range(layers))),),
-                           bytes_per_state_slot=bytes_per_slot, max_num_seqs=max_num_seqs)
+    hybrid_block = kv_bytes_per_block(len(full), block_size, config.num_key_value_heads,
+                                      config.head_dim, torch.bfloat16)
 
-    all_full = plan(len(config.layer_types), 0, 1)
-    full_sequences = all_full.num_blocks // blocks_per_seq
+    def hybrid(max_num_seqs: int):
+        return plan_blocks(pool_bytes, 1.0, 0, 0, hybrid_block, block_size, context,
+                           groups=(KVCacheGroup(None, tuple(full)),),
+                           bytes_per_state_slot=slot_bytes, max_num_seqs=max_num_seqs,
+                           num_state_layers=linear)
+
+    # Every layer full attention: the plan's own figure for its recurrent layers as
+    # attention layers (what the dashboard's memory panel compares against).
+    full_block = hybrid(1).full_attention_bytes_per_block
+    full_sequences = plan_blocks(pool_bytes, 1.0, 0, 0, full_block, block_size,
+                                 context).num_blocks // blocks_per_seq
     best = (0, 0)
     for max_num_seqs in range(1, 4 * full_sequences + 64):
-        hybrid = plan(len(full), slot_bytes, max_num_seqs)
-        best = max(best, (min(hybrid.num_state_slots, hybrid.num_blocks // blocks_per_seq),
+        plan = hybrid(max_num_seqs)
+        best = max(best, (min(plan.num_state_slots, plan.num_blocks // blocks_per_seq),
                           max_num_seqs))
     sequences, max_num_seqs = best
     return {"context": context, "pool_gib": pool_bytes / GiB,
             "full_attention_layers": len(full), "gated_deltanet_layers": linear,
             "hybrid": {"bytes_per_state_slot": slot_bytes,
-                       "kv_bytes_per_sequence": blocks_per_seq * block_size * 2 * len(full)
-                       * config.num_key_value_heads * config.head_dim * 2,
+                       "kv_bytes_per_sequence": blocks_per_seq * hybrid_block,
                        "max_num_seqs": max_num_seqs, "concurrent_sequences": sequences},
             "all_full_attention": {"concurrent_sequences": full_sequences},
             "ratio": sequences / max(full_sequences, 1)}

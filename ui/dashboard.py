@@ -133,6 +133,9 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
                 heatmap_start = gr.Number(0, precision=0, label="from block")
                 heatmap_stop = gr.Number(0, precision=0,
                                          label="to block (exclusive; 0 = the end)")
+            # A model with recurrent layers: its state slots beside the block pool.
+            state_slots = gr.HTML(panels.text_html(""), elem_id="kv-state-slots",
+                                  visible=bool(engine.memory_plan.bytes_per_state_slot))
             stats = gr.HTML(panels.text_html(""), elem_id="kv-stats")
             # The step scrubber (ui/scrubber.py): every panel shows the recorded frame in
             # the field; blank = live.
@@ -204,7 +207,7 @@ def _live_tab(engine: EngineView, session_log, load, feeds) -> dict:
     return {"heatmap": heatmap, "block_tables": block_tables, "prefix_tree": prefix_tree,
             "timeline": timeline_plot, "series": series, "stats": stats,
             "comparison": comparison, "events": events, "spec_decode": spec_plot,
-            "experts": experts_plot,
+            "experts": experts_plot, "state_slots": state_slots,
             "view_controls": [heatmap_view, heatmap_start, heatmap_stop, table_order,
                               table_page, table_filter, replica, follow, frame]}
 

@@ -458,18 +458,23 @@ TREE_HOVER = BLOCK_HOVER.replace("<extra></extra>", "<br>prefix hits: %{customda
                                  "eviction order: %{customdata[7]}<extra></extra>")
 
 
-def _tree_marks(hits: int, place: int) -> str:
-    """A node's label suffix: its hits (×N) and, if cached-free, its eviction place (#k)."""
-    marks = ([f"×{hits}"] if hits else []) + ([f"#{place}"] if place else [])
+def _tree_marks(hits: int, place: int, snapshot: bool = False) -> str:
+    """A node's label suffix: its hits (×N), if cached-free its eviction place (#k), and
+    "state" if a state slot keeps the recurrent layers' state after it (a prefix hit can
+    end there)."""
+    marks = (([f"×{hits}"] if hits else []) + ([f"#{place}"] if place else [])
+             + (["state"] if snapshot else []))
     return "<br>" + " ".join(marks) if marks else ""
 
 
-def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "") -> Figure:
+def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "",
+                snapshots: frozenset[str] = frozenset()) -> Figure:
     """The hash chain of every hashed block as an icicle: shared prefixes are trunks. At
     most MAX_TREE_NODES nodes: the largest subtrees first, the rest of a node's children
     folded into one "… more" node of their total size. Linking and weighing the chains is
     numpy (ui.prefix_forest); Python touches only the nodes drawn. The followed request's
-    blocks (`follow`, a request id) are outlined: its path down the tree."""
+    blocks (`follow`, a request id) are outlined: its path down the tree. `snapshots`: the
+    hashes (hex) of the blocks after which a state slot keeps a snapshot (SlotTable)."""
     forest = prefix_forest(pool)
     weight = forest.subtree_weight
     order = pool.eviction_order()
@@ -498,7 +503,8 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "")
             frontier.append((kid, len(ids)))
             ids.append(block.block_hash)
             parents.append(ids[parent_index])
-            labels.append(hover_text(decode(block.token_ids), limit=20) + _tree_marks(hits, place))
+            labels.append(hover_text(decode(block.token_ids), limit=20) + _tree_marks(
+                hits, place, block.block_hash in snapshots))
             values.append(1 + block.ref_count)
             colors.append(STATE_COLORS[block.state])
             on_path.append(block.block_id in followed)

@@ -37,7 +37,19 @@ def pool_markdown(plan, config) -> str:
             f"**Pool:** {plan.num_blocks} blocks x {plan.block_size} tokens = "
             f"{plan.num_tokens} tokens ({plan.kv_cache_bytes / 2**20:.1f} MiB; "
             f"{plan.describe_kv_dtype()}) · "
-            f"**max concurrency** {plan.max_concurrency:.2f} x {plan.max_model_len} tokens")
+            f"**max concurrency** {plan.max_concurrency:.2f} x {plan.max_model_len} tokens"
+            + _state_slots(plan))
+
+
+def _state_slots(plan) -> str:
+    """A model with recurrent layers: its state slots, and what the same sequences would
+    take with every layer full attention ("" without recurrent layers)."""
+    if not plan.bytes_per_state_slot:
+        return ""
+    return (f" · **State slots:** {plan.num_state_slots} x {plan.bytes_per_state_slot} bytes "
+            f"({plan.state_slot_bytes / 2**20:.1f} MiB; a slot is "
+            f"{plan.bytes_per_state_slot / plan.bytes_per_block:.2f} blocks' bytes) · "
+            f"**Full attention:** {plan.describe_full_attention()}")
 
 
 def _pending(values: tuple) -> dict:

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from kvscope.engine.core.state_slots import SlotTable
 from kvscope.engine.entrypoints.view import EngineCounters, EngineView
 from kvscope.engine.telemetry.pool_history import Frame, PoolHistory
 from kvscope.engine.telemetry.pool_mirror import PoolMirror, PoolReader
@@ -40,6 +41,9 @@ class LiveState:
     blocks_step: int  # the step after which the pool's blocks last changed
     paused: Frame | None = None  # the recorded frame shown (None: the live pool)
     previous: PoolMirror | None = None  # a past frame's: the pool at the frame before it
+    # The recurrent layers' state slots, read live from the engine (not recorded): None
+    # for a past frame or a model without recurrent layers.
+    slots: SlotTable | None = None
 
     @property
     def busy(self) -> bool:
@@ -98,9 +102,11 @@ class LiveFeed:
             if version != self._blocks_seen[0]:
                 self._blocks_seen = (version, snapshot.step)
             counters = self.engine.replica_statuses()[replica].counters
+            slots = (self.engine.state_slot_table(replica)
+                     if self.engine.memory_plan.bytes_per_state_slot else None)
             return LiveState(snapshot, tuple(self._records), tuple(self._usage_samples),
                              dict(self._arrivals), now, replica, counters,
-                             tuple(self._evictions), self._blocks_seen[1])
+                             tuple(self._evictions), self._blocks_seen[1], slots=slots)
 
     def state_at(self, frame: int | None) -> LiveState:
         """The panels' state as it was after a recorded frame (clamped to the frames kept;

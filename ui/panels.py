@@ -10,12 +10,14 @@ import gradio as gr
 from markdown_it import MarkdownIt
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
+from kvscope.engine.worker.memory import MemoryPlan
 from kvscope.ui import events, experts, figures, spec_decode, timeline, why
 from kvscope.ui.live import LiveFeeds, LiveState
 from kvscope.ui.plotdata import placeholder, to_plot
+from kvscope.ui.state_slots import state_slots_markdown
 
 PANELS = ("summary", "heatmap", "block_tables", "prefix_tree", "timeline", "series", "stats",
-          "comparison", "events", "spec_decode", "experts")
+          "comparison", "events", "spec_decode", "experts", "state_slots")
 # Each panel's element (the summary line sits above the tabs and is always sent).
 PANEL_ELEMENTS = {name: f"kv-{name.replace('_', '-')}" for name in PANELS[1:]}
 REFRESH_S = 1.0
@@ -35,7 +37,7 @@ COST_SMOOTHING = 0.3
 # The summary and stats lines as HTML made here: the browser's poller (ui/live_poller.js)
 # puts them in place without Gradio's Markdown renderer. Raw HTML in the text stays text.
 _MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
-TEXT_PANELS = ("summary", "stats", "events")
+TEXT_PANELS = ("summary", "stats", "events", "state_slots")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +150,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
         "summary": (pool, sequences, state.replica, hash(str(snapshot.config))),
         "heatmap": (pool, sequences),  # hover names the owners
         "block_tables": (pool, sequences, last_step),  # last_step: its verifications
-        "prefix_tree": pool,
+        "prefix_tree": (pool, state.slots and state.slots.snapshots),
         "timeline": (last_step, len(state.arrivals)),
         "series": (last_step, snapshot.num_used_tokens),
         "stats": (last_step, snapshot.prefix_cache_hits, snapshot.num_preemptions, rate_clock),
@@ -156,6 +158,7 @@ def _signatures(state: LiveState) -> dict[str, object]:
         "events": (last_step, len(state.evictions)),
         "spec_decode": last_step,
         "experts": last_step,
+        "state_slots": (state.slots, snapshot.epoch),
     }
 
 
@@ -210,10 +213,12 @@ def replica_down(statuses: list, replica: int) -> str:
 
 
 def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas: int,
-            window: tuple[float, float], down: str = ""):
+            window: tuple[float, float], down: str = "", plan: MemoryPlan | None = None):
     """window: the time panels' shared x range (timeline.live_window, once per refresh);
-    down: replica_down's line for the tab's replica."""
+    down: replica_down's line for the tab's replica; plan: the engine's memory plan."""
     snapshot = state.snapshot
+    if name == "state_slots":  # its panel is shown only for a model with recurrent layers
+        return state_slots_markdown(state.slots, plan) if plan.bytes_per_state_slot else ""
     holders = any(seq.block_table for seq in snapshot.sequences)
     if name == "summary":
         line = down + summary_markdown(snapshot, state.replica, num_replicas)
@@ -231,7 +236,9 @@ def _render(name: str, state: LiveState, decode, views: PanelViews, num_replicas
             snapshot, decode, views.tables, views.follow,
             spec_decode.latest_verifications(state.records, snapshot.step))
     if name == "prefix_tree":
-        return figures.prefix_tree(snapshot, decode, views.follow)
+        return figures.prefix_tree(snapshot, decode, views.follow, frozenset(
+            block_hash for _, block_hash in state.slots.snapshots) if state.slots else
+            frozenset())
     if name == "timeline":
         return timeline.request_timeline(state.records, state.arrivals, window, views.follow)
     if name == "series":
@@ -364,7 +371,7 @@ class PanelRenderer:
                 if (previous is None or previous.signature != signatures[name] if paused
                         else self._due(previous, name, signatures[name], state, now)):
                     value = _render(name, state, feed.decode, views, engine.num_replicas,
-                                    window, down)
+                                    window, down, engine.memory_plan)
                     value = text_html(value) if name in TEXT_PANELS else to_plot(value)
                     done = time.monotonic()
                     cost = self._cost.get(name, done - now)

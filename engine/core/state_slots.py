@@ -149,6 +149,27 @@ class StateSlots:
         self._pending_copies = []
         return copies
 
-    def table(self) -> dict[int, str]:
-        """Slot -> the id of the sequence holding it (the dashboard's slot table)."""
-        return {slot: seq.seq_id for slot, seq in sorted(self.owners.items())}
+    def table(self) -> "SlotTable":
+        """Who holds each slot now (the dashboard's slot table, engine.orchestrator's
+        AsyncEngine.state_slot_table)."""
+        return SlotTable(
+            self.num_slots,
+            tuple((slot, seq.request.request_id, seq.seq_id)
+                  for slot, seq in sorted(self.owners.items())),
+            tuple(sorted((slot, prefix[0].hex()) for prefix, slot in self.snapshots.items())))
+
+
+@dataclass(frozen=True, slots=True)
+class SlotTable:
+    """The state slots at one instant: the ones running sequences hold, and the ones
+    keeping prefix snapshots (the rest are free)."""
+
+    num_slots: int
+    held: tuple[tuple[int, str, str], ...]  # (slot, request id, sequence id), by slot
+    # (slot, the hex hash of the snapshot's prefix's last block: BlockInfo.block_hash's
+    # form, so a pool view can find that block), by slot
+    snapshots: tuple[tuple[int, str], ...]
+
+    @property
+    def num_free(self) -> int:
+        return self.num_slots - len(self.held) - len(self.snapshots)

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.state_slots import SlotTable
 from kvscope.engine.orchestrator.async_engine import EngineCounters, ReplicaStatus
 from kvscope.engine.orchestrator.streams import Channel, RequestStream
 from kvscope.engine.replicas.router import RoutingDecision
@@ -91,6 +92,9 @@ class EngineView(Protocol):
     # ---- readers ---------------------------------------------------------------------------
     def snapshot(self, timeout: float | None = 10.0, replica: int | None = None) -> EngineSnapshot:
         """One replica's pool and queues at one instant between steps."""
+
+    def state_slot_table(self, replica: int | None = None) -> SlotTable | None:
+        """One replica's recurrent-layer state slots now (None: no recurrent layers)."""
 
     def subscribe_steps(self, maxsize: int = 1024) -> Channel:
         """Every StepRecord from now on, of every replica (a slow reader loses the oldest)."""

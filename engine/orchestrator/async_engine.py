@@ -19,6 +19,7 @@ from kvscope.engine.core.kv_events import AllBlocksCleared, KVEventSink
 from kvscope.engine.core.kv_offload.tier import TierTotals
 from kvscope.engine.core.request import ChunkKind
 from kvscope.engine.core.scheduler_output import SchedulerOutput
+from kvscope.engine.core.state_slots import SlotTable
 from kvscope.engine.orchestrator import heap
 from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.orchestrator.engine_core import EngineCore
@@ -149,6 +150,11 @@ class _PendingReconfigure:
     result: concurrent.futures.Future
 
 
+def _slot_table(core: EngineCore) -> SlotTable | None:
+    slots = core.kv_cache.state_slots
+    return None if slots is None else slots.table()
+
+
 def _log_loop_crash(loop: concurrent.futures.Future) -> None:
     if loop.exception() is not None:
         logger.error("the engine loop crashed", exc_info=loop.exception())
@@ -184,6 +190,9 @@ class AsyncEngine(ServedEngine):
         self._counters = EngineCounters()
         self._tier_seen: tuple[object, TierTotals] = (None, TierTotals())  # (core, its totals)
         self._last_step: StepRecord | None = None
+        # Replaced (never changed) on the engine thread with each pool delta, so a reader
+        # takes it whole without waiting for a step to end.
+        self._slot_table = _slot_table(core)
         self._counters_lock = threading.Lock()
         self._request_ids = itertools.count()
         self._accepting = True
@@ -315,6 +324,12 @@ class AsyncEngine(ServedEngine):
         _check_replica(replica)
         records = await asyncio.wrap_future(self.snapshot_records())
         return await asyncio.to_thread(lambda: PoolMirror.of(records).snapshot())
+
+    def state_slot_table(self, replica: int | None = None) -> SlotTable | None:
+        """The recurrent layers' state slots as of the last pool delta (None: the model
+        has no recurrent layers). Not in the pool records, so not in saved sessions."""
+        _check_replica(replica)
+        return self._slot_table
 
     def subscribe_steps(self, maxsize: int = 1024) -> Channel:
         """Every StepRecord from now on; past `maxsize` unread, the oldest are dropped."""
@@ -461,6 +476,7 @@ class AsyncEngine(ServedEngine):
 
     def _publish_pool_delta(self) -> None:
         self._pool_feed.publish(self._recorder.take_delta())
+        self._slot_table = _slot_table(self._core)
 
     def _publish_prefill(self, plan: SchedulerOutput) -> None:
         """Before a step that prefills runs: readers (dashboard, /metrics) see the

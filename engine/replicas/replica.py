@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.state_slots import SlotTable
 from kvscope.engine.orchestrator.async_engine import AsyncEngine, EngineCounters, RequestRecord
 from kvscope.engine.orchestrator.served import ServedModel
 from kvscope.engine.orchestrator.streams import Channel
@@ -172,6 +173,9 @@ class EngineReplica:
 
     async def snapshot(self) -> EngineSnapshot:
         return dataclasses.replace(await self.engine.snapshot_async(), replica=self.replica)
+
+    def state_slot_table(self) -> SlotTable | None:
+        return self.engine.state_slot_table()
 
     async def reconfigure(self, abort_running: bool, knobs: dict) -> MemoryPlan:
         # Off the actor's event loop: the running requests' streams must keep flowing.

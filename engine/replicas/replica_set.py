@@ -25,6 +25,7 @@ from ray.exceptions import ActorDiedError, RayError
 
 import kvscope
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.core.state_slots import SlotTable
 from kvscope.engine.orchestrator.async_engine import (
     POOL_CHANNEL_RECORDS,
     RELOAD_KNOBS,
@@ -456,6 +457,14 @@ class ReplicaSet(ServedEngine):
 
     async def snapshot_async(self, replica: int | None = None) -> EngineSnapshot:
         return await asyncio.wrap_future(self.snapshot_future(replica))
+
+    async def _slot_table(self, replica: int | None) -> SlotTable | None:
+        return await self._pick(replica).actor.state_slot_table.remote()
+
+    def state_slot_table(self, replica: int | None = None) -> SlotTable | None:
+        """One replica's state slots (AsyncEngine.state_slot_table), asked of its actor."""
+        return asyncio.run_coroutine_threadsafe(self._slot_table(replica),
+                                                self._loop).result(10.0)
 
     def subscribe_steps(self, maxsize: int = 1024):
         """Every replica's StepRecords (each carries its `replica`)."""

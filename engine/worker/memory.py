@@ -51,6 +51,7 @@ class MemoryPlan:
     bytes_per_state_slot: int = 0
     num_state_slots: int = 0
     max_num_seqs: int = 0
+    num_state_layers: int = 0  # the recurrent layers (not in any KV cache group)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -73,6 +74,33 @@ class MemoryPlan:
                   if self.num_state_slots < self.max_num_seqs else "")
         return (f"; state slots: {self.num_state_slots} x {self.bytes_per_state_slot} bytes = "
                 f"{self.state_slot_bytes / GiB:.3f} GiB, one per running sequence{capped}")
+
+    @property
+    def full_attention_bytes_per_block(self) -> int:
+        """bytes_per_block had the recurrent layers been full-attention layers shaped like
+        the model's attention layers (every layer then holds a block per position)."""
+        layers_per_block = max(len(group.layers) for group in self.groups)
+        num_layers = sum(len(group.layers) for group in self.groups) + self.num_state_layers
+        return self.bytes_per_block * num_layers // layers_per_block
+
+    def sequence_bytes(self) -> int:
+        """One max_model_len sequence's share of the pool: its blocks in every group and
+        its state slot."""
+        return self.blocks_per_max_len_seq * self.bytes_per_block + self.bytes_per_state_slot
+
+    def describe_full_attention(self) -> str:
+        """What the same model with every layer full attention needs for the sequences
+        the state slots allow ("" without recurrent layers)."""
+        if not self.bytes_per_state_slot:
+            return ""
+        sequences = self.num_state_slots
+        full = (sequences * -(-self.max_model_len // self.block_size)
+                * self.full_attention_bytes_per_block)
+        here = sequences * self.sequence_bytes()
+        return (f"{sequences} sequences of max_model_len={self.max_model_len} tokens need "
+                f"{here / 2**20:.1f} MiB here (blocks and slots); with every layer full "
+                f"attention ({self.full_attention_bytes_per_block} bytes/block) they would "
+                f"need {full / 2**20:.1f} MiB ({full / max(here, 1):.2f}x)")
 
     @property
     def group_windows(self) -> tuple[int | None, ...]:
@@ -170,6 +198,7 @@ def plan_blocks(
     auto_bytes_per_block: int | None = None,
     bytes_per_state_slot: int = 0,
     max_num_seqs: int = 1,
+    num_state_layers: int = 0,
 ) -> MemoryPlan:
     """vLLM's budget: (memory x utilization - weights - peak activations) // bytes per block.
 
@@ -184,7 +213,8 @@ def plan_blocks(
     budget first, max_num_seqs of them or as many as fit beside one max_model_len
     sequence's blocks (at least one, else PoolTooSmall with the numbers); the blocks get
     the rest. With num_blocks_override the slots are max_num_seqs, as the blocks ignore
-    the budget.
+    the budget. num_state_layers: how many layers keep a state slot's share, kept for
+    the full-attention comparison (MemoryPlan.describe_full_attention).
     """
     budget = int(device_memory_bytes * gpu_memory_utilization) - weight_bytes - peak_activation_bytes
     groups = groups or ONE_FULL_GROUP
@@ -205,7 +235,7 @@ def plan_blocks(
                 MemoryPlan(device_memory_bytes, gpu_memory_utilization, weight_bytes,
                            peak_activation_bytes, bytes_per_block, block_size, 0,
                            max_model_len, groups, bytes_per_state_slot=bytes_per_state_slot,
-                           max_num_seqs=max_num_seqs))
+                           max_num_seqs=max_num_seqs, num_state_layers=num_state_layers))
         budget -= num_slots * bytes_per_state_slot
     num_blocks = num_blocks_override or max(budget // bytes_per_block, 0)
     auto_bytes_per_block = auto_bytes_per_block or bytes_per_block
@@ -214,7 +244,7 @@ def plan_blocks(
                       groups, draft_weight_bytes, draft_bytes_per_block,
                       dict(weight_bytes_by_type or {}), kv_cache_dtype, auto_bytes_per_block,
                       num_blocks_override or max(budget // auto_bytes_per_block, 0),
-                      bytes_per_state_slot, num_slots, max_num_seqs)
+                      bytes_per_state_slot, num_slots, max_num_seqs, num_state_layers)
     num_tokens = num_blocks // len(plan.groups) * block_size
     if num_tokens < max_model_len:
         in_groups = f" in {len(plan.groups)} KV cache groups" if len(plan.groups) > 1 else ""

@@ -305,7 +305,8 @@ class ModelRunner:
             tuple(self.kv_groups), draft_weights, draft_per_block, self.weight_bytes_by_type,
             kv_cache_dtype=kv_dtype,
             auto_bytes_per_block=self.bytes_per_block(config.block_size) + auto_draft_per_block,
-            bytes_per_state_slot=self.bytes_per_state_slot(), max_num_seqs=config.max_num_seqs)
+            bytes_per_state_slot=self.bytes_per_state_slot(), max_num_seqs=config.max_num_seqs,
+            num_state_layers=len(self.state_layers))
 
     def peak_activation_bytes(self, config: EngineConfig) -> int:
         key = (config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs)
