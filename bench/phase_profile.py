@@ -18,11 +18,14 @@ bench/throughput.py runs it on a pass of its own after the timed ones (--phase-p
 """
 
 import contextlib
+import os
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-import torch.nn.functional as F
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 # The ops a linear runs as, on every backend (the streaming kernels, oneDNN's GEMM over a

@@ -20,11 +20,13 @@ Usage: python bench/state_slots.py --context 8192 --pool-gib 16
 
 import argparse
 import json
+import os
 
-import torch
-from transformers import Qwen3_5TextConfig
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
-import kvscope  # noqa: F401, I001 -- before torch: OpenMP's wait policy (kvscope/__init__.py)
+import torch  # noqa: E402
+from transformers import Qwen3_5TextConfig  # noqa: E402
+
 from kvscope.engine.core.kv_groups import KVCacheGroup
 from kvscope.engine.worker.memory import GiB, kv_bytes_per_block, plan_blocks
 from kvscope.engine.worker.model_runner import default_dtype
