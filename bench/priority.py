@@ -19,6 +19,7 @@ Usage (the machine is shared; under the bench lock where there is one):
 
 import argparse
 import json
+import os
 import platform
 import random
 import tempfile
@@ -170,7 +171,8 @@ def main(argv=None) -> None:
             runs[policy].append(session.run({"scheduling_policy": policy}))
     fcfs, prio = (summary(runs[p], priorities) for p in ("fcfs", "priority"))
     print(json.dumps({
-        "cpu": cpu_name(), "shared_machine": "yes: other helpers loaded its 2 cores",
+        # The run's own load, so a reader can tell a quiet machine's numbers from a busy one's.
+        "cpu": cpu_name(), "load_average_1m_at_end": round(os.getloadavg()[0], 2),
         "model": "random Llama (hidden 64, 2 layers, 1k vocab), float32, live engine",
         "requests": args.requests, "high_share": args.high_share, "rate_per_s": args.rate,
         "block_size": args.block_size, "num_blocks": args.num_blocks,
