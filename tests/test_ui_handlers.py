@@ -488,7 +488,7 @@ def test_the_load_generator_counts_aborted_requests_as_metrics_does(engine):
     counted aborted, as /metrics' finished_reason="abort" counts them, not finished."""
     generator = loadgen.LoadGenerator(engine)
     aborts_before = engine.counters().requests_finished.get("abort", 0)
-    generator.start(loadgen.LoadSpec(4, 100.0, 0.0, (8, 16), (200, 200)), seed=7)
+    generator.start(loadgen.LoadSpec(64, 100.0, 0.0, (8, 16), (200, 200)), seed=7)
     wait_until(lambda: engine.snapshot().num_running >= 1, timeout=30,
                what="a load request to run")
     assert knobs.apply_knobs(engine, LiveFeed(engine), *form(engine)[:-1], True) \
@@ -498,7 +498,7 @@ def test_the_load_generator_counts_aborted_requests_as_metrics_does(engine):
     run = generator.runs[-1]
     aborted = engine.counters().requests_finished.get("abort", 0) - aborts_before
     assert run.aborted == aborted >= 1
-    assert run.finished + run.aborted == 4 and run.failed == 0
+    assert run.finished + run.aborted == run.sent == 64 and run.failed == 0
     assert f"finished {run.finished} · aborted {run.aborted} · refused or failed 0" in \
         generator.status()
 
