@@ -20,12 +20,12 @@ Usage (the machine is shared; under the bench lock where there is one):
 import argparse
 import json
 import os
-import platform
 import random
 import tempfile
 from pathlib import Path
 
 from random_model import save_random_llama
+from roofline import cpu_name
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
 from kvscope.engine.replay.metrics import RunResult  # noqa: E402
@@ -142,13 +142,6 @@ def preemption_causes(run: RunResult) -> dict:
             "by_reason": by_reason,
             "blocks_freed": sum(cause[3] for cause in causes),
             "tokens_lost": sum(cause[4] for cause in causes)}
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def main(argv=None) -> None:

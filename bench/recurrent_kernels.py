@@ -21,14 +21,13 @@ Usage:
 import argparse
 import json
 import os
-import platform
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
 import torch
+from roofline import cpu_name
 
-from kvscope.engine.worker.memory_bandwidth import read_bandwidth
+from kvscope.engine.worker.memory_bandwidth import best_seconds, read_bandwidth
 from kvscope.kernels import cpu_kernels, reference
 
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 16, 32, 128, 4
@@ -44,16 +43,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="q/k/v and the conv's dtype (the state is fp32)")
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args(argv)
-
-
-def best_seconds(function, repeats: int) -> float:
-    function()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def delta_rule_inputs(rows: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -97,17 +86,6 @@ def prefill(ops, tokens: int, dtype: torch.dtype, repeats: int) -> dict:
                         repeats)
     return {"tokens": tokens, "delta_rule_tokens_per_s": tokens / delta_rule,
             "conv_tokens_per_s": tokens / conv}
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main(argv=None) -> None:

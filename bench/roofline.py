@@ -4,7 +4,9 @@ dense GEMM throughput (fp32 and bf16), the fastest call after a warm-up (gemm_fl
 torch's threads."""
 
 import os
+import platform
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as kvscope/__init__.py asks
 
@@ -90,3 +92,11 @@ def model_costs(config, dtype: torch.dtype) -> dict:
     read = params if getattr(config, "tie_word_embeddings", False) else params - embedding
     return {"parameters": params, "weight_bytes_per_step": read * dtype.itemsize,
             "matmul_flops_per_token": 2 * read}
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as every bench's JSON names it."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()

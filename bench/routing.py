@@ -13,7 +13,6 @@ measured at the client (submit -> first token) and throughput.
 
 import argparse
 import json
-import platform
 import random
 import tempfile
 import threading
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 from random_model import save_random_llama
+from roofline import cpu_name
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
 from kvscope.engine.replicas.replica_set import ReplicaSet  # noqa: E402
@@ -109,13 +109,6 @@ def run_policy(replicas: ReplicaSet, policy: str, tenants: list[int], prompts: l
              for r in range(replicas.num_replicas)] for tenant in range(args.tenants)],
         "preemptions": after.preemptions - before.preemptions,
     }
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def main(argv=None) -> None:
