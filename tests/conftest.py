@@ -441,6 +441,21 @@ def eager_engine(tiny_model) -> Callable[..., EngineCore]:
 _sequence_ids = itertools.count()
 
 
+def session_log_round_trip(records: list[StepRecord], config: dict,
+                           folder: Path) -> list[StepRecord]:
+    """The step records as a session log in `folder` stores and reads them back."""
+    from kvscope.storage import SessionLog
+    from kvscope.storage.reader import load_session
+    from kvscope.storage.schema import open_database
+
+    log = SessionLog(folder / "log.db")
+    session_id = log.start_session(config, model="tiny")
+    for record in records:
+        log.record_step(record)
+    log.close()
+    return load_session(open_database(folder / "log.db"), session_id).steps
+
+
 def make_sequence(token_ids: list[int]) -> Sequence:
     """A one-sequence request outside any engine, for driving a KVCacheManager directly."""
     request = Request(f"r{next(_sequence_ids)}", None, list(token_ids), SamplingParams())

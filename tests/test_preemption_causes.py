@@ -5,12 +5,10 @@ import random
 from collections import defaultdict
 
 import pytest
+from conftest import session_log_round_trip
 
 from kvscope.engine.core.kv_events import PreemptionReason
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.storage import SessionLog
-from kvscope.storage.reader import load_session
-from kvscope.storage.schema import open_database
 
 BLOCK_SIZE = 4
 LOW = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -76,10 +74,5 @@ def checked_reasons(engine, records) -> set[str]:
 
 def test_preemption_causes_round_trip_the_session_log(contended_runs, tmp_path):
     engine, records = contended_runs[0]
-    log = SessionLog(tmp_path / "log.db")
-    session_id = log.start_session(engine.config.to_dict(), model="tiny")
-    for record in records:
-        log.record_step(record)
-    log.close()
-    stored = load_session(open_database(tmp_path / "log.db"), session_id).steps
+    stored = session_log_round_trip(records, engine.config.to_dict(), tmp_path)
     assert stored == records and any(r.preemptions for r in stored)

@@ -3,13 +3,11 @@ which step), or a shared text that ends mid-block; and the bookkeeping behind it
 bounded."""
 
 import pytest
+from conftest import session_log_round_trip
 
 from kvscope.engine.core.block_pool import BlockPool, hash_block_tokens
 from kvscope.engine.core.prefix_misses import RECENT_ENTRIES, BoundedLRU, Eviction
 from kvscope.engine.sampling_params import SamplingParams
-from kvscope.storage import SessionLog
-from kvscope.storage.reader import load_session
-from kvscope.storage.schema import open_database
 
 BLOCK_SIZE = 4
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -90,12 +88,7 @@ def test_misses_round_trip_the_session_log(engine, tmp_path):
     prompt = list(range(10, 24))
     run(engine, prompt, "first")
     records = run(engine, prompt[:10] + [200, 201, 202, 203, 204], "diverging")
-    log = SessionLog(tmp_path / "log.db")
-    session_id = log.start_session(engine.config.to_dict(), model="tiny")
-    for record in records:
-        log.record_step(record)
-    log.close()
-    stored = load_session(open_database(tmp_path / "log.db"), session_id).steps
+    stored = session_log_round_trip(records, engine.config.to_dict(), tmp_path)
     assert stored == records and misses(stored)
 
 
