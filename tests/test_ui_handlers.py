@@ -421,6 +421,18 @@ def test_the_what_if_preview_predicts_the_pool_apply_builds_and_the_waste(engine
     assert "Apply would be refused" in knobs.what_if_markdown(engine, [], 4, 0.001, memory_gb)
 
 
+@pytest.mark.parametrize(("block_size", "utilization", "refusal"), [
+    (8, 1e300, "gpu_memory_utilization=1e+300 must be in (0, 1]"),
+    (3, 0.9, "block_size=3 must be a power of two"),
+])
+def test_the_what_if_preview_refuses_what_apply_refuses_in_the_engines_words(
+        engine, block_size, utilization, refusal):
+    # A huge utilization once overflowed the pool arithmetic (the fuzzer sent 1e300).
+    preview = knobs.what_if_markdown(engine, [5], block_size, utilization,
+                                     engine.config.device_memory_gb)
+    assert preview.startswith("**What if:** Apply would be refused:") and refusal in preview
+
+
 def test_each_guided_scenario_sends_its_load_and_says_what_to_watch(engine):
     generator = loadgen.LoadGenerator(engine)
     # The pool run is the longest (twice the pool in requests): its size is checked, the

@@ -161,6 +161,8 @@ def apply_knobs(engine: EngineView, feed, *values) -> str:
     except ValueError as error:  # a widget left empty or holding text
         return _refused(f"{error}")
     try:
+        # The engine's own limits first: check_machine's arithmetic assumes them.
+        engine.config.with_changes(**pending)
         check_machine(engine, pending)
         plan = engine.reconfigure(abort_running=bool(abort_running), **pending)
     except PoolTooSmall as error:
@@ -208,6 +210,10 @@ def what_if_markdown(engine: EngineView, token_counts: list[int], block_size, ut
         block_size = form_number("block_size", block_size, integer=True)
         utilization = form_number("gpu_memory_utilization", utilization)
         memory_gb = form_number("device_memory_gb", memory_gb)
+        # The engine's own limits (block_size a power of two, utilization in (0, 1]), as
+        # Apply would meet them: the arithmetic below assumes them.
+        engine.config.with_changes(block_size=block_size, gpu_memory_utilization=utilization,
+                                   device_memory_gb=memory_gb)
         check_device_memory(engine, memory_gb)
         plan = planned_pool(engine, block_size, utilization, memory_gb)
     except PoolTooSmall as error:
