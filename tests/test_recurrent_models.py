@@ -8,12 +8,15 @@ import logging
 import random
 
 import pytest
+import torch
+import transformers
 from conftest import (
     RECURRENT_ARCHITECTURES,
     TINY_MAX_POSITIONS,
     _tiny_config,
     first_token_ids,
     greedy_expectations,
+    save_tiny_model_files,
 )
 
 from kvscope.engine.config import EngineConfig
@@ -236,4 +239,32 @@ def test_beam_search_forks_the_state_with_the_beams(arch, make_engine, tiny_mode
         beams, _ = hf_beams(tiny_model(arch).hf_model, prompt)
         output = run_beam_search(engine, prompt, BeamSearchParams(WIDTH, BEAM_TOKENS))
         assert [c.token_ids for c in output.outputs] == beams
+    assert_every_slot_back(engine)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5-moe"])
+def test_qwen3_5_as_published_serves_its_language_model(arch, tmp_path, run_engine):
+    """Qwen3.5's checkpoints are Qwen3_5(Moe)ForConditionalGeneration: the vision tower
+    ("model.visual.*") is left out by name and the language model equals transformers' on
+    text, its multimodal rotary carrying text positions only."""
+    prefix = "Qwen3_5Moe" if arch == "qwen3_5-moe" else "Qwen3_5"
+    vision = getattr(transformers, f"{prefix}VisionConfig")(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+        out_hidden_size=_tiny_config(arch).hidden_size, num_position_embeddings=16)
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=_tiny_config(arch).to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
+    save_tiny_model_files(model, tmp_path)
+    assert any(name.startswith("model.visual.") for name in model.state_dict())
+    engine = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                                     device_memory_gb=0.05, max_model_len=TINY_MAX_POSITIONS))
+    run = run_engine(engine, PROMPTS, GREEDY)
+
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                   min_new_tokens=MAX_TOKENS, do_sample=False
+                                   )[0, len(prompt):].tolist() for prompt in PROMPTS]
+    assert first_token_ids(run) == expected
+    assert isinstance(engine.runner.model, MODELS["qwen3_5"])
     assert_every_slot_back(engine)

@@ -39,6 +39,9 @@ MODEL_REGISTRY = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # text only
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,  # text only, on moe.py's experts
+    # Qwen3.5 as published: the language model (its vision tower is left out by name)
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
 }
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:

@@ -1,15 +1,16 @@
 """The language model of a multimodal checkpoint (Gemma3ForConditionalGeneration,
-Gemma4ForConditionalGeneration, Mistral3ForConditionalGeneration): its tensors under the
-text model's names, the towers that read images or audio left out by name."""
+Gemma4ForConditionalGeneration, Mistral3ForConditionalGeneration,
+Qwen3_5ForConditionalGeneration and its MoE): its tensors under the text model's names, the
+towers that read images or audio left out by name."""
 
 # The language model under its own prefix: as Gemma 3 was published, "language_model.model.*";
 # as transformers saves these models, "model.language_model.*".
 LANGUAGE_MODEL_PREFIXES = {"language_model.": "", "model.language_model.": "model."}
 # Vision (and Gemma 4's audio) towers and their projections into the text, which a text-only
-# model does not load.
+# model does not load ("visual": Qwen3.5's vision tower with its merger into the text).
 TOWER_PREFIXES = tuple(f"{root}{part}." for root in ("", "model.")
                        for part in ("vision_tower", "multi_modal_projector", "audio_tower",
-                                    "embed_vision", "embed_audio"))
+                                    "embed_vision", "embed_audio", "visual"))
 
 
 def language_model_weights(weights):

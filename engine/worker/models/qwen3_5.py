@@ -26,6 +26,7 @@ from kvscope.engine.worker.models.gemma import GemmaRMSNorm
 from kvscope.engine.worker.models.layers import Embedding, Linear, MergedLinear, load_weights
 from kvscope.engine.worker.models.llama import LlamaMLP, RotaryTables, head_dim_of, sparse_mlp
 from kvscope.engine.worker.models.moe import canonical_name
+from kvscope.engine.worker.models.multimodal import language_model_weights
 from kvscope.engine.worker.models.quantized import output_logits
 from kvscope.engine.worker.models.recurrent import RecurrentLayer, StateMetadata, by_sequence
 
@@ -219,7 +220,8 @@ class Qwen3_5ForCausalLM(UsesKernelOps):
         return output_logits(projection, hidden, self.ops.logits)
 
     def load_weights(self, weights) -> None:
-        load_weights(self, ((canonical_name(name), tensor) for name, tensor in weights
+        load_weights(self, ((canonical_name(name), tensor)
+                            for name, tensor in language_model_weights(weights)
                             if not name.startswith(SKIPPED_PREFIXES)),
                      PACKED, skip={"lm_head.weight"} if self.tied else set())
 
