@@ -11,6 +11,7 @@ calibration_cache.py its cache on disk, keyed by the model, the machine and the 
 simulated_runner.py the executor that stands in for ModelRunner: no weights, no KV tensors
 runner.py          one replay loop for both modes; a run per config
 metrics.py         a run's timings and series, summarized (the --json keys)
+divergence.py      where a simulated run's pool parts from a live run's, step by step, and why
 report.py          JSON, CSV and a self-contained HTML report of runs side by side
 cli.py             `kvscope replay` (kvscope/cli.py dispatches to it)
 """

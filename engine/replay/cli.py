@@ -4,6 +4,7 @@ kvscope's own session logs are read by the SessionLogReader the caller hands `ma
 (kvscope/cli.py hands it kvscope.storage.replay_source)."""
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from kvscope.engine.replay.calibration import COPIED_KNOBS, self_calibrated_cost
 from kvscope.engine.replay.cost_model import CostModelSource, fit_step_cost, load_step_cost
+from kvscope.engine.replay.divergence import divergence_csv, first_divergence
 from kvscope.engine.replay.report import cost_model_lines, summaries, write_report
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
 from kvscope.engine.replay.traces import FORMATS, load_trace
@@ -43,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recalibrate", action="store_true",
                         help="with --simulate and no --cost-model on a trace: calibrate the "
                         "step-cost model afresh instead of reading the cached one")
+    parser.add_argument("--against-live", action="store_true",
+                        help="with --simulate: run each config live too, and say where the "
+                        "simulated pool first parts from the live one and why (--out: "
+                        "divergence.csv, both pools step by step)")
     parser.add_argument("--save-cost-model", default=None, metavar="FILE",
                         help="write the cost model the simulation used as JSON (a later "
                         "--cost-model FILE reads it)")
@@ -107,7 +113,7 @@ def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
         session.base.with_changes(**knobs)
     mode = "simulated" if args.simulate else "live"
     if not args.simulate:
-        for flag in ("save_cost_model", "recalibrate"):
+        for flag in ("save_cost_model", "recalibrate", "against_live"):
             if getattr(args, flag):
                 raise ValueError(f"{flag}: only a simulated replay (--simulate) has a cost model")
     given = cost_model_for(args, workload, session_logs) if args.simulate else None
@@ -130,11 +136,20 @@ def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
             session.cost_model, session.cost_model_source = given or calibrations[copied]
             logger.info("step-cost model: %s", session.cost_model_source.describe())
         results.append(session.run(knobs, mode, args.speed, progress))
+    # Against live: the live twins follow the simulated runs, in the same config order.
+    pairs = [(session.run(knobs, "live", args.speed), simulated)
+             for knobs, simulated in zip(changes, list(results))] if args.against_live else []
+    results += [live for live, _ in pairs]
     if args.out is not None:
-        write_report(results, args.out, f"kvscope replay of {workload.name}")
+        write_report(results, args.out, f"kvscope replay of {workload.name}",
+                     {"divergence.csv": divergence_csv(pairs)} if pairs else None)
     if args.save_cost_model is not None:
         Path(args.save_cost_model).write_text(session.cost_model.to_json())
-    return summaries(results)
+    rows = summaries(results)
+    for row, (live, simulated) in zip(rows, pairs):
+        divergence = first_divergence(live, simulated)
+        row["first_divergence"] = None if divergence is None else dataclasses.asdict(divergence)
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
@@ -145,6 +160,13 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['label'] + ' (' + row['mode'] + ')':<40} " + " ".join(cells))
     for line in cost_model_lines(rows):
         print(line)
+    for index, row in enumerate(rows):
+        if "first_divergence" in row:
+            divergence = row["first_divergence"]
+            print(f"run {index + 1} against run {index + 1 + len(rows) // 2} (live): " + (
+                "the same pool every step" if divergence is None else
+                f"first divergence at step {divergence['step']} ({divergence['what']}): "
+                f"{divergence['cause']}"))
 
 
 def main(argv: list[str] | None, session_logs: SessionLogReader) -> None:

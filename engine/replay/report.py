@@ -134,13 +134,15 @@ def _cell(value) -> str:
     return html.escape(str(value))
 
 
-def write_report(results: list[RunResult], out_dir: str | Path, title: str) -> list[Path]:
-    """report.html, runs.csv, requests.csv and runs.json under out_dir."""
+def write_report(results: list[RunResult], out_dir: str | Path, title: str,
+                 extra: dict[str, str] | None = None) -> list[Path]:
+    """report.html, runs.csv, requests.csv and runs.json under out_dir, and the `extra`
+    files (name -> text) beside them."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     contents = {"report.html": html_report(results, title), "runs.csv": runs_csv(results),
                 "requests.csv": requests_csv(results),
-                "runs.json": json.dumps(summaries(results), indent=1)}
+                "runs.json": json.dumps(summaries(results), indent=1), **(extra or {})}
     written = []
     for name, text in contents.items():
         with tempfile.NamedTemporaryFile("w", dir=out_dir, delete=False, suffix=".tmp",
