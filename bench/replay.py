@@ -123,7 +123,8 @@ def error(args, folder: Path) -> dict:
     fitted = session.run({}, "live")
     cost = fit_step_cost(fitted.records, [s.duration_s for s in fitted.steps])
     session.workload = target
-    live = session.run({}, "live").summary()
+    live_run = session.run({}, "live")
+    live = live_run.summary()
     session.cost_model = cost
     simulated = session.run({}, "simulated").summary()
     session.cost_model, source = self_calibrated_cost(config, session.model_runner,
@@ -135,19 +136,28 @@ def error(args, folder: Path) -> dict:
     def against_live(summary: dict) -> dict:
         return {k: abs(summary[k] - live[k]) / live[k] for k in keys if live[k]}
 
+    def step_errors(model: StepCost) -> dict:
+        """The model's prediction for each step the live run took, against its time:
+        the mean relative error, and predicted over measured seconds in all."""
+        predicted = [model.step_time(record) for record in live_run.records]
+        measured = [sample.duration_s for sample in live_run.steps]
+        return {"mean_step_error": sum(abs(p - m) / m for p, m in zip(predicted, measured))
+                / len(measured), "predicted_over_live_seconds": sum(predicted) / sum(measured)}
+
     columns = (*keys, "num_steps", "preemptions", "wall_s")
     return {"requests": args.error_requests, "calibration_requests": args.calibration_requests,
             "threads": args.threads,
             "cost_model": {k: v for k, v in json.loads(cost.to_json()).items()},
             "live": {k: live[k] for k in columns},
             "simulated": {k: simulated[k] for k in columns},
-            "relative_error": against_live(simulated),
+            "relative_error": against_live(simulated), "live_steps": step_errors(cost),
             "self_calibrated": {
                 "calibration_s": round(source.calibration_s, 2),
                 "calibration_steps": source.num_steps, "fit_error": source.fit_error,
                 "calibration_target_s": 30, "cost_model": json.loads(session.cost_model.to_json()),
                 "simulated": {k: self_simulated[k] for k in columns},
-                "relative_error": against_live(self_simulated)},
+                "relative_error": against_live(self_simulated),
+                "live_steps": step_errors(session.cost_model)},
             "target": 0.15}
 
 
