@@ -18,10 +18,11 @@ def test_runs_on_one_clock_agree_and_a_slower_clock_parts_at_an_admission(
         tmp_path, tiny_model) -> None:
     """Two simulations (any two runs compare alike): on the same cost model every step
     agrees; on one twice as slow, the second step admits more of the requests that arrive
-    every 3 ms, and the first divergence names the earliest of them."""
+    every 3 ms, and the first divergence names the earliest of them (mooncake-6, not
+    mooncake-10, which sorts first by name)."""
     model = tiny_model("llama").path
     rows = [{"timestamp": 3 * i, "input_length": 40, "output_length": 6, "hash_ids": [i]}
-            for i in range(8)]
+            for i in range(12)]
     workload = load_trace(write_mooncake(tmp_path / "t.jsonl", rows), load_tokenizer(model))
     session = ReplaySession(workload, EngineConfig(model=str(model), block_size=8,
                                                    num_gpu_blocks_override=64),
