@@ -9,7 +9,12 @@ it simulated.
 Part 2, error: a calibration trace run live fits the step-cost model (its own step times);
 then a different trace of --error-requests requests runs live and simulated under the same
 config, and the relative error of the simulation's TTFT p50, TTFT p99, throughput and mean
-KV usage against live is reported (target <= 15 % on TTFT p50 and throughput).
+KV usage against live is reported (target <= 15 % on TTFT p50 and throughput). The same
+trace is simulated again on a self-calibrated cost model (engine/replay/calibration.py: a
+short live profile of synthetic steps, what `kvscope replay TRACE --simulate` uses when no
+--cost-model is given), calibrated afresh under the same config and threads: its
+calibration seconds (target <= 30 s on the default model on 2 cores) and the same relative
+errors are reported.
 
 Usage (run under `flock /work/bench.lock`; part 2 runs the default model for real):
   python bench/replay.py                       # both parts
@@ -30,6 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import torch  # noqa: E402
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
+from kvscope.engine.replay.calibration import self_calibrated_cost  # noqa: E402
 from kvscope.engine.replay.cost_model import StepCost, fit_step_cost  # noqa: E402
 from kvscope.engine.replay.runner import ReplaySession  # noqa: E402
 from kvscope.engine.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace  # noqa: E402
@@ -117,18 +123,41 @@ def error(args, folder: Path) -> dict:
     fitted = session.run({}, "live")
     cost = fit_step_cost(fitted.records, [s.duration_s for s in fitted.steps])
     session.workload = target
-    live = session.run({}, "live").summary()
+    live_run = session.run({}, "live")
+    live = live_run.summary()
     session.cost_model = cost
     simulated = session.run({}, "simulated").summary()
+    session.cost_model, source = self_calibrated_cost(config, session.model_runner,
+                                                      recalibrate=True)
+    self_simulated = session.run({}, "simulated").summary()
     keys = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s", "mean_kv_usage",
             "peak_kv_usage")
+
+    def against_live(summary: dict) -> dict:
+        return {k: abs(summary[k] - live[k]) / live[k] for k in keys if live[k]}
+
+    def step_errors(model: StepCost) -> dict:
+        """The model's prediction for each step the live run took, against its time:
+        the mean relative error, and predicted over measured seconds in all."""
+        predicted = [model.step_time(record) for record in live_run.records]
+        measured = [sample.duration_s for sample in live_run.steps]
+        return {"mean_step_error": sum(abs(p - m) / m for p, m in zip(predicted, measured))
+                / len(measured), "predicted_over_live_seconds": sum(predicted) / sum(measured)}
+
+    columns = (*keys, "num_steps", "preemptions", "wall_s")
     return {"requests": args.error_requests, "calibration_requests": args.calibration_requests,
+            "threads": args.threads,
             "cost_model": {k: v for k, v in json.loads(cost.to_json()).items()},
-            "live": {k: live[k] for k in (*keys, "num_steps", "preemptions", "wall_s")},
-            "simulated": {k: simulated[k] for k in (*keys, "num_steps", "preemptions",
-                                                    "wall_s")},
-            "relative_error": {k: abs(simulated[k] - live[k]) / live[k] for k in keys
-                               if live[k]},
+            "live": {k: live[k] for k in columns},
+            "simulated": {k: simulated[k] for k in columns},
+            "relative_error": against_live(simulated), "live_steps": step_errors(cost),
+            "self_calibrated": {
+                "calibration_s": round(source.calibration_s, 2),
+                "calibration_steps": source.num_steps, "fit_error": source.fit_error,
+                "calibration_target_s": 30, "cost_model": json.loads(session.cost_model.to_json()),
+                "simulated": {k: self_simulated[k] for k in columns},
+                "relative_error": against_live(self_simulated),
+                "live_steps": step_errors(session.cost_model)},
             "target": 0.15}
 
 

@@ -4,13 +4,16 @@ kvscope's own session logs are read by the SessionLogReader the caller hands `ma
 (kvscope/cli.py hands it kvscope.storage.replay_source)."""
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
-from kvscope.engine.replay.cost_model import fit_step_cost, load_step_cost
-from kvscope.engine.replay.report import summaries, write_report
+from kvscope.engine.replay.calibration import COPIED_KNOBS, self_calibrated_cost
+from kvscope.engine.replay.cost_model import CostModelSource, fit_step_cost, load_step_cost
+from kvscope.engine.replay.divergence import divergence_csv, first_divergence
+from kvscope.engine.replay.report import cost_model_lines, summaries, write_report
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
 from kvscope.engine.replay.traces import FORMATS, load_trace
 from kvscope.engine.replay.workload import SessionLogReader, Workload, is_session_log
@@ -36,7 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "manager and block pool; time from the step-cost model)")
     parser.add_argument("--cost-model", default=None,
                         help="simulate with the cost model fitted to this session log's "
-                        "steps, or saved as JSON (default: the source log's own steps)")
+                        "steps, or saved as JSON (default: the source log's own steps; a "
+                        "trace: one calibrated on this machine by a short live profile, "
+                        "cached beside the memory profiles)")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with --simulate and no --cost-model on a trace: calibrate the "
+                        "step-cost model afresh instead of reading the cached one")
+    parser.add_argument("--against-live", action="store_true",
+                        help="with --simulate: run each config live too, and say where the "
+                        "simulated pool first parts from the live one and why (--out: "
+                        "divergence.csv, both pools step by step)")
     parser.add_argument("--save-cost-model", default=None, metavar="FILE",
                         help="write the cost model the simulation used as JSON (a later "
                         "--cost-model FILE reads it)")
@@ -80,13 +92,17 @@ def load_workload(args: argparse.Namespace, session_logs: SessionLogReader) -> W
 
 
 def cost_model_for(args: argparse.Namespace, workload: Workload,
-                   session_logs: SessionLogReader):
+                   session_logs: SessionLogReader) -> tuple | None:
+    """(the model, its source) given or in the source log; None: calibrate one per run."""
     if args.cost_model is not None:
-        return load_step_cost(args.cost_model, session_logs)
+        cost = load_step_cost(args.cost_model, session_logs)
+        kind = "session log" if is_session_log(Path(args.cost_model)) else "saved model"
+        return cost, CostModelSource(kind, args.cost_model, cost.num_fit_steps, cost.fit_error)
     if workload.steps:
-        return fit_step_cost(workload.steps)
-    raise ValueError("cost_model: --simulate on a trace needs --cost-model (a session log "
-                     "whose steps it is fitted to, or a saved model)")
+        cost = fit_step_cost(workload.steps)
+        return cost, CostModelSource("recorded steps", args.source, cost.num_fit_steps,
+                                     cost.fit_error)
+    return None
 
 
 def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
@@ -96,23 +112,44 @@ def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
     for knobs in changes:  # every config is checked before the first run starts
         session.base.with_changes(**knobs)
     mode = "simulated" if args.simulate else "live"
-    if args.simulate:
-        session.cost_model = cost_model_for(args, workload, session_logs)
-        logger.info("step-cost model: %s", session.cost_model)
-    elif args.save_cost_model is not None:
-        raise ValueError("save_cost_model: only a simulated replay (--simulate) has one")
+    if not args.simulate:
+        for flag in ("save_cost_model", "recalibrate", "against_live"):
+            if getattr(args, flag):
+                raise ValueError(f"{flag}: only a simulated replay (--simulate) has a cost model")
+    given = cost_model_for(args, workload, session_logs) if args.simulate else None
+    if given is not None and args.recalibrate:
+        raise ValueError(f"recalibrate: the simulation uses the {given[1].kind} "
+                         f"{given[1].path}; nothing is calibrated")
+    calibrations = {}  # one per set of knobs a calibration copies, --recalibrate or not
     results = []
     for index, knobs in enumerate(changes):
         def progress(done: int, total: int, index=index) -> None:
             if done == total or done % max(total // 10, 1) == 0:
                 logger.info("run %d/%d: %d/%d requests", index + 1, len(changes), done, total)
 
+        if args.simulate:
+            config = session.base.with_changes(**knobs)
+            copied = tuple(getattr(config, name) for name in COPIED_KNOBS)
+            if given is None and copied not in calibrations:
+                calibrations[copied] = self_calibrated_cost(config, session.model_runner,
+                                                            args.recalibrate)
+            session.cost_model, session.cost_model_source = given or calibrations[copied]
+            logger.info("step-cost model: %s", session.cost_model_source.describe())
         results.append(session.run(knobs, mode, args.speed, progress))
+    # Against live: the live twins follow the simulated runs, in the same config order.
+    pairs = [(session.run(knobs, "live", args.speed), simulated)
+             for knobs, simulated in zip(changes, list(results))] if args.against_live else []
+    results += [live for live, _ in pairs]
     if args.out is not None:
-        write_report(results, args.out, f"kvscope replay of {workload.name}")
+        write_report(results, args.out, f"kvscope replay of {workload.name}",
+                     {"divergence.csv": divergence_csv(pairs)} if pairs else None)
     if args.save_cost_model is not None:
         Path(args.save_cost_model).write_text(session.cost_model.to_json())
-    return summaries(results)
+    rows = summaries(results)
+    for row, (live, simulated) in zip(rows, pairs):
+        divergence = first_divergence(live, simulated)
+        row["first_divergence"] = None if divergence is None else dataclasses.asdict(divergence)
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
@@ -121,6 +158,15 @@ def print_table(rows: list[dict]) -> None:
         cells = (f"{row[c]:>16.4g}" if isinstance(row[c], float) else f"{row[c]!s:>16}"
                  for c in TABLE_COLUMNS)
         print(f"{row['label'] + ' (' + row['mode'] + ')':<40} " + " ".join(cells))
+    for line in cost_model_lines(rows):
+        print(line)
+    for index, row in enumerate(rows):
+        if "first_divergence" in row:
+            divergence = row["first_divergence"]
+            print(f"run {index + 1} against run {index + 1 + len(rows) // 2} (live): " + (
+                "the same pool every step" if divergence is None else
+                f"first divergence at step {divergence['step']} ({divergence['what']}): "
+                f"{divergence['cause']}"))
 
 
 def main(argv: list[str] | None, session_logs: SessionLogReader) -> None:

@@ -82,10 +82,13 @@ class StepCost:
         return cls(**fields)
 
 
-def fit_step_cost(records: Sequence[StepRecord],
-                  durations: Sequence[float] | None = None) -> StepCost:
+def fit_step_cost(records: Sequence[StepRecord], durations: Sequence[float] | None = None,
+                  *, relative: bool = False) -> StepCost:
     """Least squares over steps that ran something. `durations` overrides the records'
-    own (end - start), e.g. with a replay loop's step-to-step intervals."""
+    own (end - start), e.g. with a replay loop's step-to-step intervals. `relative` weighs
+    each step by one over its time, so the fit minimizes relative errors: a calibration
+    runs a few prefills a hundred times as long as its many decode steps, and absolute
+    least squares would fit the prefills at the decodes' expense."""
     pairs = [(step_features(r), d) for r, d in zip(
         records, durations if durations is not None else [r.duration for r in records])
         if r.num_scheduled_tokens > 0]
@@ -99,10 +102,11 @@ def fit_step_cost(records: Sequence[StepRecord],
              and (tokens <= k).sum() >= MIN_KNOT_STEPS]
     hinges = np.column_stack([np.maximum(tokens - k, 0.0) for k in knots] or
                              [np.empty((len(y), 0))])
+    weights = 1.0 / np.maximum(y, 1e-9) if relative else np.ones(len(y))
     kept = list(range(len(FEATURES)))
     while True:
         design = np.column_stack([np.ones(len(y)), x[:, kept], hinges])
-        solution = np.linalg.lstsq(design, y, rcond=None)[0]
+        solution = np.linalg.lstsq(design * weights[:, None], y * weights, rcond=None)[0]
         negative = [k for k, value in zip(kept, solution[1:]) if value < 0]
         if not negative:
             break
@@ -132,6 +136,29 @@ class RecordedStepTimes:
                              "steps; the replay asked for more")
         self._next += 1
         return self.durations[self._next - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelSource:
+    """Where a simulation's step-cost model came from: the report names it."""
+
+    # "session log", "saved model", "recorded steps" (the source log's own) or
+    # "self-calibration"
+    kind: str
+    path: str  # the log or JSON given, or the self-calibration's cache file
+    num_steps: int  # the steps it was fitted to
+    fit_error: float  # their mean absolute relative error
+    made_at: str | None = None  # a self-calibration: when it ran (UTC, ISO 8601)
+    calibration_s: float | None = None  # and how long it took
+    reused: bool = False  # read back from the cache, not profiled by this command
+
+    def describe(self) -> str:
+        text = (f"{self.kind} {self.path}: {self.num_steps} steps, fit error "
+                f"{100 * self.fit_error:.1f} %")
+        if self.made_at is not None:
+            text += (f", made {self.made_at} in {self.calibration_s:.1f} s"
+                     + (" (reused from the cache)" if self.reused else ""))
+        return text
 
 
 def load_step_cost(path: str | Path, session_logs: SessionLogReader) -> StepCost:

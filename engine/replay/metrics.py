@@ -4,10 +4,11 @@ Times are seconds on the replay's clock, from the workload's first arrival: real
 a live run (less the oversleep of idle waits), modelled seconds in a simulated one.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from kvscope.engine.replay.cost_model import CostModelSource
 from kvscope.engine.telemetry.records import StepRecord
 
 # At most this many points of a run's KV-usage series go into its JSON summary.
@@ -62,6 +63,7 @@ class RunResult:
     steps: list[StepSample]
     records: list[StepRecord]  # the engine's own, for fitting cost models and checks
     wall_s: float
+    cost_model: CostModelSource | None = None  # where a simulated run's step times came from
 
     def summary(self) -> dict:
         ttft = [r.ttft_s for r in self.requests if r.ttft_s is not None]
@@ -87,6 +89,8 @@ class RunResult:
                                    if weights.sum() > 0 else usage.mean()),
             "makespan_s": end, "wall_s": self.wall_s,
             "kv_usage": self.kv_usage_series(MAX_SERIES_POINTS),
+            "cost_model": None if self.cost_model is None else {
+                **asdict(self.cost_model), "description": self.cost_model.describe()},
         }
 
     def kv_usage_series(self, max_points: int | None = None) -> list[list[float]]:

@@ -1,5 +1,9 @@
 """Runs side by side: the --json summaries, CSV, and a self-contained HTML report.
 
+A simulated run's summary names its step-cost model's source (the log or file given, or
+the self-calibration: its cache file, when it was made, in how long, its steps and fit
+error); the report and the command's table print it above the runs.
+
 The HTML embeds plotly.js from the plotly package (no network): KV usage over time, the
 TTFT and TPOT CDFs, prefix hit rate and preemptions per run, and the summary table. Files
 are written to a temporary name and renamed into place, so a failed run leaves none half
@@ -29,6 +33,17 @@ REQUEST_COLUMNS = ("label", "mode", "request_id", "arrival_s", "num_prompt_token
 
 def summaries(results: list[RunResult]) -> list[dict]:
     return [result.summary() for result in results]
+
+
+def cost_model_lines(rows: list[dict]) -> list[str]:
+    """'step-cost model of runs 1, 2: <where it came from>' for each model the simulated
+    runs among these summaries used."""
+    runs_by_model: dict[str, list[str]] = {}
+    for index, row in enumerate(rows):
+        if row.get("cost_model") is not None:
+            runs_by_model.setdefault(row["cost_model"]["description"], []).append(str(index + 1))
+    return [f"step-cost model of run{'s' * (len(runs) > 1)} {', '.join(runs)}: {text}"
+            for text, runs in runs_by_model.items()]
 
 
 def runs_csv(results: list[RunResult]) -> str:
@@ -104,11 +119,13 @@ def html_report(results: list[RunResult], title: str) -> str:
         f"<tr><td>{index + 1}</td><td>{html.escape(json.dumps(s['config']))}</td>"
         + "".join(f"<td>{_cell(s[c])}</td>" for c in SUMMARY_COLUMNS) + "</tr>"
         for index, s in enumerate(summaries(results)))
+    cost_models = "".join(f"<p class='cost-model'>{html.escape(line)}</p>"
+                          for line in cost_model_lines(summaries(results)))
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}"
             "</title><style>body{font-family:sans-serif;margin:2em}table{border-collapse:"
             "collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style>"
-            f"</head><body><h1>{html.escape(title)}</h1><table id='runs'><tr>{header}</tr>"
-            f"{rows}</table>{''.join(parts)}</body></html>")
+            f"</head><body><h1>{html.escape(title)}</h1>{cost_models}<table id='runs'>"
+            f"<tr>{header}</tr>{rows}</table>{''.join(parts)}</body></html>")
 
 
 def _cell(value) -> str:
@@ -117,13 +134,15 @@ def _cell(value) -> str:
     return html.escape(str(value))
 
 
-def write_report(results: list[RunResult], out_dir: str | Path, title: str) -> list[Path]:
-    """report.html, runs.csv, requests.csv and runs.json under out_dir."""
+def write_report(results: list[RunResult], out_dir: str | Path, title: str,
+                 extra: dict[str, str] | None = None) -> list[Path]:
+    """report.html, runs.csv, requests.csv and runs.json under out_dir, and the `extra`
+    files (name -> text) beside them."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     contents = {"report.html": html_report(results, title), "runs.csv": runs_csv(results),
                 "requests.csv": requests_csv(results),
-                "runs.json": json.dumps(summaries(results), indent=1)}
+                "runs.json": json.dumps(summaries(results), indent=1), **(extra or {})}
     written = []
     for name, text in contents.items():
         with tempfile.NamedTemporaryFile("w", dir=out_dir, delete=False, suffix=".tmp",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator import heap
 from kvscope.engine.orchestrator.engine_core import EngineCore, StepResult
+from kvscope.engine.replay.cost_model import CostModelSource
 from kvscope.engine.replay.metrics import RequestTiming, RunResult, StepSample
 from kvscope.engine.replay.simulated_runner import SimulatedRunner
 from kvscope.engine.replay.workload import Workload
@@ -165,10 +166,12 @@ class ReplaySession:
     """Runs one workload under several configs; loaded weights are kept between runs that
     share them (the weight knobs), so each config costs its run, not a model load."""
 
-    def __init__(self, workload: Workload, base: EngineConfig, cost_model=None) -> None:
+    def __init__(self, workload: Workload, base: EngineConfig, cost_model=None,
+                 cost_model_source: CostModelSource | None = None) -> None:
         self.workload = workload
         self.base = base
         self.cost_model = cost_model  # for simulated runs: StepCost, RecordedStepTimes
+        self.cost_model_source = cost_model_source  # where it came from, for the report
         self._runners: dict[tuple, ModelRunner] = {}
         self._simulators: dict[tuple, SimulatedRunner] = {}
 
@@ -178,7 +181,7 @@ class ReplaySession:
             raise ValueError(f"mode={mode!r} must be one of {list(MODES)}")
         config = self.base.with_changes(**changes)
         if mode == "live":
-            core = EngineCore(config, runner=self._model_runner(config))
+            core = EngineCore(config, runner=self.model_runner(config))
             clock = LiveClock()
         else:
             if self.cost_model is None:
@@ -197,21 +200,25 @@ class ReplaySession:
         # lists: half the CPU time of bench/replay.py's simulated run.
         heap.freeze_long_lived()
         try:
-            return replay_workload(core, self.workload, clock, speed=speed,
-                                   simulated=mode == "simulated", label=run_label(changes),
-                                   config=changes, progress=progress)
+            result = replay_workload(core, self.workload, clock, speed=speed,
+                                     simulated=mode == "simulated", label=run_label(changes),
+                                     config=changes, progress=progress)
         finally:
             core = None
             heap.rebase()  # reclaim this run's pool: its free queue links it into cycles
+        if mode == "simulated":
+            result.cost_model = self.cost_model_source
+        return result
 
-    def _model_runner(self, config: EngineConfig) -> ModelRunner:
+    def model_runner(self, config: EngineConfig) -> ModelRunner:
+        """The loaded weights for `config`'s weight knobs (loaded on first use)."""
         key = tuple(getattr(config, knob) for knob in WEIGHT_KNOBS)
         if key not in self._runners:
             self._runners[key] = ModelRunner(config)
         return self._runners[key]
 
     def _simulator(self, config: EngineConfig) -> SimulatedRunner:
-        sizing = None if config.num_gpu_blocks_override else self._model_runner(config)
+        sizing = None if config.num_gpu_blocks_override else self.model_runner(config)
         key = (*(getattr(config, knob) for knob in WEIGHT_KNOBS), sizing is None)
         if key not in self._simulators:
             self._simulators[key] = SimulatedRunner(config, sizing)

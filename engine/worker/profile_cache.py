@@ -88,35 +88,50 @@ def profile_key(model_path: Path, dtype: torch.dtype, device: torch.device,
     }
 
 
-def _path(key: dict) -> Path:
+def entry_path(folder: Path, key: dict) -> Path:
+    """The file of `key`'s entry in `folder`: named by a hash of the key."""
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return profile_cache_dir() / f"{name}.json"
+    return folder / f"{name}.json"
 
 
-def load_peak(key: dict) -> int | None:
-    """The remembered peak for exactly this key, or None (missing, unreadable, other key)."""
-    path = _path(key)
+def read_entry(folder: Path, key: dict) -> dict | None:
+    """The entry stored for exactly this key, or None (missing, unreadable, other key)."""
     try:
-        entry = json.loads(path.read_text())
+        entry = json.loads(entry_path(folder, key).read_text())
     except (OSError, ValueError):
         return None
-    if entry.get("key") != key or not isinstance(entry.get("peak_activation_bytes"), int):
-        return None
-    logger.info("reused the profiled activation peak from %s (delete it to profile again)",
-                path)
-    return entry["peak_activation_bytes"]
+    # Compared as JSON reads it back (a tuple in the key is a list in the file).
+    same = isinstance(entry, dict) and entry.get("key") == json.loads(json.dumps(key))
+    return entry if same else None
 
 
-def store_peak(key: dict, peak_bytes: int) -> None:
-    """Remember a peak; a cache that cannot be written costs the next start time, nothing
-    else, so failures are logged, not raised."""
-    path = _path(key)
+def write_entry(folder: Path, key: dict, fields: dict) -> Path | None:
+    """Store `fields` under the key; returns the file, or None where it cannot be written
+    (a cache that cannot be written costs the next start time, nothing else, so the
+    failure is logged, not raised)."""
+    path = entry_path(folder, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Write a sibling and rename: a crash or a concurrent start never leaves half a file.
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
                                          suffix=".tmp") as staging:
-            json.dump({"key": key, "peak_activation_bytes": peak_bytes}, staging, indent=1)
+            json.dump({"key": key, **fields}, staging, indent=1)
         os.replace(staging.name, path)
     except OSError as error:
-        logger.warning("could not cache the profiling result in %s: %s", path, error)
+        logger.warning("could not cache a profiling result in %s: %s", path, error)
+        return None
+    return path
+
+
+def load_peak(key: dict) -> int | None:
+    """The remembered peak for exactly this key, or None."""
+    entry = read_entry(profile_cache_dir(), key)
+    if entry is None or not isinstance(entry.get("peak_activation_bytes"), int):
+        return None
+    logger.info("reused the profiled activation peak from %s (delete it to profile again)",
+                entry_path(profile_cache_dir(), key))
+    return entry["peak_activation_bytes"]
+
+
+def store_peak(key: dict, peak_bytes: int) -> None:
+    write_entry(profile_cache_dir(), key, {"peak_activation_bytes": peak_bytes})
