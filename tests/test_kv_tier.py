@@ -3,6 +3,7 @@ from it, warm restarts find it, and nothing torn, corrupt or foreign is ever ser
 
 import json
 import logging
+import math
 import random
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import TierBlockStored
 from kvscope.engine.core.kv_offload.block_file import HEADER, SUFFIX
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
+from kvscope.engine.core.kv_offload.transfer_sizes import SIZE_BUCKETS, TransferSizes
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
@@ -117,19 +119,34 @@ def test_the_served_engine_exports_the_tiers_series_under_vllms_names(tiny_model
         # A reconfigured engine's new pool starts empty; the tier kept what the old one had.
         engine.reconfigure(max_num_seqs=2, timeout=60)
         list(engine.submit(OTHERS[0], GREEDY))
-        samples = {(sample.name, sample.labels.get("transfer_type")): sample.value
-                   for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-                   for sample in family.samples}
+        scraped = [sample for family in text_string_to_metric_families(
+            httpx.get(f"{url}/metrics").text) for sample in family.samples]
+        counters = engine.counters()
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         engine.shutdown()
+    samples = {(sample.name, sample.labels.get("transfer_type")): sample.value
+               for sample in scraped if "le" not in sample.labels}
     hits = samples[("vllm:external_prefix_cache_hits_total", None)]
     assert hits > (len(OTHERS[0]) - 1) // BLOCK * BLOCK and hits % BLOCK == 0
     assert samples[("vllm:external_prefix_cache_queries_total", None)] >= hits
     assert samples[("vllm:kv_offload_total_bytes_total", "DISK_to_GPU")] > 0
     assert samples[("vllm:kv_offload_total_time_total", "DISK_to_GPU")] > 0
     assert ("vllm:kv_offload_total_bytes_total", "GPU_to_DISK") in samples
+    # vllm:kv_offload_size, vLLM's histogram: one observation per load and per block
+    # written, their bytes summing to the totals; a tiny model's blocks fit the first bucket.
+    buckets = {(sample.labels["transfer_type"], sample.labels["le"]): sample.value
+               for sample in scraped if sample.name == "vllm:kv_offload_size_bucket"}
+    assert samples[("vllm:kv_offload_size_count", "DISK_to_GPU")] == counters.kv_offload_loads >= 2
+    written = sum(counters.kv_offload_sizes["GPU_to_DISK"].counts)
+    assert samples[("vllm:kv_offload_size_count", "GPU_to_DISK")] == written > 0
+    for kind in ("DISK_to_GPU", "GPU_to_DISK"):
+        assert samples[("vllm:kv_offload_size_sum", kind)] \
+            == samples[("vllm:kv_offload_total_bytes_total", kind)]
+        assert buckets[(kind, "1e+06")] == buckets[(kind, "+Inf")] \
+            == samples[("vllm:kv_offload_size_count", kind)]
+        assert len([key for key in buckets if key[0] == kind]) == 11
     assert block_files(tmp_path)  # shutdown saved the pool's blocks
 
 
@@ -283,3 +300,16 @@ def test_a_full_disk_stops_the_writes_and_reads_go_on(tiny_disk, caplog):
     assert not list(store.folder.glob("*.tmp"))  # the failed write left nothing behind
     assert all(bytes(store.get(key)) == bytes(100_000) for key in written)
     assert not store.put((99).to_bytes(16, "little"), bytes(10))  # stopped, even if it fits
+
+
+def test_transfer_sizes_fall_in_vllms_buckets_bounds_inclusive():
+    sizes = TransferSizes()
+    for size in (0, 1_000_000, 1_000_001, 250_000_000):
+        sizes.observe(size)
+    buckets = dict(sizes.cumulative())
+    assert (buckets[1e6], buckets[5e6], buckets[200e6], buckets[math.inf]) == (2, 3, 3, 4)
+    assert len(buckets) == len(SIZE_BUCKETS) + 1
+    earlier = sizes.copy()
+    sizes.observe(10)
+    assert (sizes - earlier).counts[0] == 1 and (sizes - earlier).num_bytes == 10
+    assert (earlier + earlier).num_bytes == 2 * earlier.num_bytes

@@ -30,6 +30,7 @@ from kvscope.engine.core.kv_events import (
 )
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
 from kvscope.engine.core.kv_offload.io_thread import LoadJob, TierIO
+from kvscope.engine.core.kv_offload.transfer_sizes import TransferSizes
 from kvscope.engine.core.prefix_misses import Eviction
 from kvscope.engine.core.request import BlockHash, Sequence
 
@@ -51,22 +52,28 @@ class TierStats:
     queries: int = 0  # prompt tokens past the pool's prefix asked of the tier
     hits: int = 0  # of those, tokens loaded into the pool
     blocks_loaded: int = 0
-    bytes_loaded: int = 0
+    load_sizes: TransferSizes = field(default_factory=TransferSizes)  # bytes placed per load
     load_seconds: float = 0.0  # the I/O thread's time reading them
     loads: int = 0
     writes_dropped: int = 0  # evicted blocks not written: the write backlog was full
+
+    @property
+    def bytes_loaded(self) -> int:
+        return self.load_sizes.num_bytes
 
 
 @dataclass(slots=True)
 class TierTotals:
     """The tier's counters under vLLM's names: prompt tokens asked of it and found there
-    (vllm:external_prefix_cache_*), and bytes and seconds moved per transfer type
-    (vllm:kv_offload_total_bytes / _time; "GPU" is the pool, as vLLM's KV events name it)."""
+    (vllm:external_prefix_cache_*), and bytes, seconds and transfers by size moved per
+    transfer type (vllm:kv_offload_total_bytes / _time, vllm:kv_offload_size; "GPU" is the
+    pool, as vLLM's KV events name it)."""
 
     queries: int = 0
     hits: int = 0
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    sizes: dict[str, TransferSizes] = field(default_factory=dict)
     loads: int = 0  # prefix loads, each one job of the I/O thread
 
 
@@ -183,6 +190,7 @@ class KVTier:
         self.stats.loads += 1
         self.stats.load_seconds += job.seconds
         if count == 0:
+            self.stats.load_sizes.observe(0)  # a transfer all the same: it was read
             return
         # What the pool still holds of the prefix must outlive the allocation below, which
         # evicts least recently used blocks first.
@@ -192,7 +200,7 @@ class KVTier:
         count = min(count, self.pool.num_free_blocks // groups)
         blocks = self.pool.allocate(count * groups,
                                     Eviction(job.seq.request.request_id, self.kv_cache.step))
-        placed = iter(blocks)
+        placed, placed_bytes = iter(blocks), 0
         for block_hash, payloads in zip(job.block_hashes[:count], job.payloads[:count]):
             for group, payload in enumerate(payloads):
                 block = next(placed)
@@ -200,17 +208,21 @@ class KVTier:
                 if block.block_hash is not None:  # not already cached by another block
                     self._to_fill[block.block_id] = payload
                     self.stats.blocks_loaded += 1
-                    self.stats.bytes_loaded += payload.nbytes
+                    placed_bytes += payload.nbytes
         self.pool.release(reversed(blocks))
         self.pool.release(reversed(held))
         self.stats.hits += count * self.kv_cache.block_size
+        self.stats.load_sizes.observe(placed_bytes)
 
     def totals(self) -> TierTotals:
-        written = self.io.written
+        # One copy of the write sizes (the I/O thread adds to them), so bytes and sizes agree.
+        sizes = {POOL_TO_DISK: self.io.written.sizes.copy(),
+                 DISK_TO_POOL: self.stats.load_sizes.copy()}
         return TierTotals(self.stats.queries, self.stats.hits,
-                          {POOL_TO_DISK: written.bytes, DISK_TO_POOL: self.stats.bytes_loaded},
-                          {POOL_TO_DISK: written.seconds, DISK_TO_POOL: self.stats.load_seconds},
-                          self.stats.loads)
+                          {kind: counted.num_bytes for kind, counted in sizes.items()},
+                          {POOL_TO_DISK: self.io.written.seconds,
+                           DISK_TO_POOL: self.stats.load_seconds},
+                          sizes, self.stats.loads)
 
     # ---- shutdown ------------------------------------------------------------------------
     def close(self) -> None:
