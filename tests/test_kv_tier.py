@@ -1,6 +1,7 @@
 """The disk tier below the KV pool (engine/core/kv_offload): evicted prefixes are served
 from it, warm restarts find it, and nothing torn, corrupt or foreign is ever served."""
 
+import dataclasses
 import json
 import logging
 import math
@@ -26,6 +27,9 @@ from kvscope.engine.serving import create_app
 from kvscope.engine.telemetry.kv_event_wire import MEDIUM_GPU, wire_events
 from kvscope.engine.telemetry.kv_event_wire import BlockRemoved as WireBlockRemoved
 from kvscope.engine.telemetry.kv_event_wire import BlockStored as WireBlockStored
+from kvscope.engine.telemetry.records import TIER_STEP_FIELDS
+from kvscope.storage import SessionLog, export_session, load_session, open_database
+from kvscope.ui.tiers import session_tier_markdown
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 BLOCK = 4
@@ -313,3 +317,39 @@ def test_transfer_sizes_fall_in_vllms_buckets_bounds_inclusive():
     sizes.observe(10)
     assert (sizes - earlier).counts[0] == 1 and (sizes - earlier).num_bytes == 10
     assert (earlier + earlier).num_bytes == 2 * earlier.num_bytes
+
+
+def test_each_steps_tier_counts_round_trip_the_session_log_its_exports_and_the_sessions_tab(
+        make_engine, run_engine, tmp_path):
+    engine = tier_engine(make_engine, tmp_path / "tier")
+    records = run_engine(engine, [PREFIX], GREEDY).records
+    records += run_engine(engine, OTHERS, GREEDY).records
+    engine.kv_tier.io.drain()  # the evicted prefix is on disk before it is asked for
+    records += run_engine(engine, [PREFIX], GREEDY).records
+    stats = engine.kv_tier.stats
+    steps = [dict(zip(TIER_STEP_FIELDS, record.kv_tier, strict=True)) for record in records]
+    assert len(steps) == len(records)  # every step of an engine with a tier counts it
+    # The steps' counts are the tier's own, step by step, without loss or double counting.
+    for field, total in (("blocks_loaded", stats.blocks_loaded), ("loads", stats.loads),
+                         ("bytes_loaded", stats.bytes_loaded), ("hit_tokens", stats.hits),
+                         ("query_tokens", stats.queries), ("blocks_stored", stats.blocks_stored)):
+        assert sum(step[field] for step in steps) == total, field
+    assert stats.hits > 0 and stats.blocks_stored > 0
+    assert steps[-1]["blocks_held"] == engine.kv_tier.store.num_blocks > 0
+    engine.close()
+
+    log = SessionLog(tmp_path / "log.db")
+    session_id = log.start_session(engine.config.to_dict(), model="tiny")
+    for record in records:
+        log.record_step(record)
+    log.close()
+    database = open_database(tmp_path / "log.db")
+    stored = load_session(database, session_id)
+    assert stored.steps == records
+    (path,) = [export_session(database, session_id, "json", tmp_path)]
+    exported = json.loads(path.read_text())["steps"]
+    assert [row["tier_hit_tokens"] for row in exported] == [s["hit_tokens"] for s in steps]
+    line = session_tier_markdown(stored.steps)
+    hits = f"{stats.hits}/{stats.queries} tokens"
+    assert hits in line and f"{stats.loads} loads" in line
+    assert session_tier_markdown([dataclasses.replace(r, kv_tier=()) for r in records]) == ""

@@ -56,6 +56,8 @@ class TierStats:
     load_seconds: float = 0.0  # the I/O thread's time reading them
     loads: int = 0
     writes_dropped: int = 0  # evicted blocks not written: the write backlog was full
+    blocks_stored: int = 0  # written, as the engine thread learned it
+    blocks_removed: int = 0  # pruned to stay within the size (or found corrupt)
 
     @property
     def bytes_loaded(self) -> int:
@@ -97,6 +99,7 @@ class KVTier:
         self._written: dict[bytes, tuple[BlockHash, int]] = {}
         self._to_fill: dict[int, object] = {}  # block id -> the payload loaded for it
         self._num_loading = 0
+        self._counted_at_step = self._step_totals()  # at the previous step_counts()
 
     # ---- save ----------------------------------------------------------------------------
     def observe(self, event: KVEvent) -> None:
@@ -175,6 +178,8 @@ class KVTier:
     def _report_changes(self) -> None:
         """The writes and removals the I/O thread finished, as events (engine thread)."""
         stored, removed = _drain(self.io.done_writes), _drain(self.store.removed)
+        self.stats.blocks_stored += len(stored)
+        self.stats.blocks_removed += len(removed)
         for key in stored:
             if key in self._written:
                 self.emit(TierBlockStored(*self._written[key], MEDIUM))
@@ -223,6 +228,20 @@ class KVTier:
                           {POOL_TO_DISK: self.io.written.seconds,
                            DISK_TO_POOL: self.stats.load_seconds},
                           sizes, self.stats.loads)
+
+    def step_counts(self) -> tuple[int, ...]:
+        """What the tier holds now, then what it counted since the previous call (once per
+        engine step: telemetry's TierStep)."""
+        now = self._step_totals()
+        before, self._counted_at_step = self._counted_at_step, now
+        return (self.store.num_blocks, self.store.num_bytes,
+                *(after - earlier for after, earlier in zip(now, before, strict=True)))
+
+    def _step_totals(self) -> tuple[int, ...]:
+        """The engine thread's own counters, in TierStep's order past the two held ones."""
+        stats = self.stats
+        return (stats.blocks_stored, stats.blocks_removed, stats.blocks_loaded,
+                stats.bytes_loaded, stats.loads, stats.queries, stats.hits)
 
     # ---- shutdown ------------------------------------------------------------------------
     def close(self) -> None:
