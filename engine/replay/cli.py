@@ -12,6 +12,7 @@ from pathlib import Path
 from kvscope.engine.replay.cost_model import fit_step_cost, load_step_cost
 from kvscope.engine.replay.report import summaries, write_report
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
+from kvscope.engine.replay.simulated_tier import DEFAULT_LOAD_GBPS, TierWhatIf
 from kvscope.engine.replay.traces import FORMATS, load_trace
 from kvscope.engine.replay.workload import SessionLogReader, Workload, is_session_log
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
@@ -40,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-cost-model", default=None, metavar="FILE",
                         help="write the cost model the simulation used as JSON (a later "
                         "--cost-model FILE reads it)")
+    parser.add_argument("--kv-offload-gb", type=float, default=None, metavar="GIB",
+                        help="what-if: with --simulate, run each config again over a disk "
+                        "tier of this many GiB under the pool (both runs reported)")
+    parser.add_argument("--kv-offload-gbps", type=float, default=DEFAULT_LOAD_GBPS,
+                        metavar="GB_S", help="the simulated tier's load bandwidth (default: "
+                        "the real tier's measured rate, docs/performance-history.md)")
     parser.add_argument("--speed", type=float, default=1.0,
                         help="arrivals this many times faster than recorded")
     parser.add_argument("--session", type=int, default=None,
@@ -96,6 +103,12 @@ def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
     for knobs in changes:  # every config is checked before the first run starts
         session.base.with_changes(**knobs)
     mode = "simulated" if args.simulate else "live"
+    tiers = [None]
+    if args.kv_offload_gb is not None:
+        if not args.simulate:
+            raise ValueError("kv_offload_gb: the what-if tier is simulated (add --simulate); "
+                             "a live replay runs the real one: --config kv_offload_dir=PATH")
+        tiers.append(TierWhatIf(args.kv_offload_gb, args.kv_offload_gbps))
     if args.simulate:
         session.cost_model = cost_model_for(args, workload, session_logs)
         logger.info("step-cost model: %s", session.cost_model)
@@ -107,7 +120,7 @@ def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
             if done == total or done % max(total // 10, 1) == 0:
                 logger.info("run %d/%d: %d/%d requests", index + 1, len(changes), done, total)
 
-        results.append(session.run(knobs, mode, args.speed, progress))
+        results.extend(session.run(knobs, mode, args.speed, progress, tier) for tier in tiers)
     if args.out is not None:
         write_report(results, args.out, f"kvscope replay of {workload.name}")
     if args.save_cost_model is not None:

@@ -86,13 +86,14 @@ POOL_TO_DISK, DISK_TO_POOL = f"GPU_to_{MEDIUM}", f"{MEDIUM}_to_GPU"
 
 class KVTier:
     def __init__(self, store: DiskStore, kv_cache: KVCacheManager, blocks: KVBlockIO,
-                 emit: KVEventSink = discard) -> None:
+                 emit: KVEventSink = discard, io: TierIO | None = None) -> None:
         self.store = store
         self.kv_cache = kv_cache
         self.pool = kv_cache.pool
         self.blocks = blocks
         self.emit = emit  # TierBlockStored / TierBlockRemoved, on the engine thread
-        self.io = TierIO(store)
+        # The store's I/O thread; the replay's simulator passes its own (engine.replay).
+        self.io = io if io is not None else TierIO(store)
         self.stats = TierStats()
         self._to_save: dict[int, tuple[bytes, BlockHash, int]] = {}  # block id -> key, hash, group
         # What this engine wrote and the tier still holds, for its events: key -> hash, group
