@@ -13,7 +13,7 @@ from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.replay.cost_model import RecordedStepTimes, StepCost, fit_step_cost
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
 from kvscope.engine.replay.simulated_runner import SimulatedRunner
-from kvscope.engine.replay.simulated_tier import TierWhatIf
+from kvscope.engine.replay.simulated_tier import GIB, TierWhatIf
 from kvscope.engine.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from kvscope.engine.replay.workload import ReplayRequest
 from kvscope.engine.sampling_params import SamplingParams
@@ -320,6 +320,10 @@ def test_a_simulated_disk_tier_turns_the_evicted_working_sets_misses_into_hits(
     slow = session.run({}, "simulated", tier=TierWhatIf(20, load_gbps=1e-6))
     assert min(r.ttft_s for r in slow.requests[returning]) > max(computed)
     assert [r.ttft_s for r in slow.requests[:6]] == [r.ttft_s for r in without.requests[:6]]
+    # A tier of half the working set is LRU too: each prompt left it before it returned.
+    half = 3 * 64 * SimulatedRunner(session.base).bytes_per_block(16) / GIB
+    small = session.run({}, "simulated", tier=TierWhatIf(half))
+    assert sum(s.prefix_cache_hits for s in small.steps) == 0
     with pytest.raises(ValueError, match="kv_offload_gb"):
         session.run({}, "live", tier=TierWhatIf(20))
     with pytest.raises(ValueError, match="kv_offload_gb=0"):
