@@ -317,6 +317,7 @@ def test_transfer_sizes_fall_in_vllms_buckets_bounds_inclusive():
     sizes.observe(10)
     assert (sizes - earlier).counts[0] == 1 and (sizes - earlier).num_bytes == 10
     assert (earlier + earlier).num_bytes == 2 * earlier.num_bytes
+    assert sum([earlier, sizes]).counts == (earlier + sizes).counts  # replicas sum from 0
 
 
 def test_each_steps_tier_counts_round_trip_the_session_log_its_exports_and_the_sessions_tab(

@@ -122,7 +122,7 @@ def add_counters(a: EngineCounters, b: EngineCounters) -> EngineCounters:
         if isinstance(left, dict):
             merged = dict(left)
             for key, value in right.items():
-                merged[key] = merged[key] + value if key in merged else value
+                merged[key] = merged.get(key, 0) + value
             setattr(total, name, merged)
         else:
             setattr(total, name, left + right)

@@ -32,6 +32,12 @@ class TransferSizes:
         return TransferSizes([a + b for a, b in zip(self.counts, other.counts, strict=True)],
                              self.num_bytes + other.num_bytes)
 
+    def __radd__(self, other: int) -> "TransferSizes":
+        """0 + sizes (sum(), and counters summed from zero, as the replicas' are)."""
+        if other != 0:
+            return NotImplemented
+        return self.copy()
+
     def __sub__(self, other: "TransferSizes") -> "TransferSizes":
         """What was counted between two readings of one tier (`other` the earlier)."""
         return TransferSizes([a - b for a, b in zip(self.counts, other.counts, strict=True)],
