@@ -7,8 +7,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # in storage.schema, so files written by older versions keep opening.
 # 2: per-step cache statistics; 3: the engine replica; 4: routing decisions;
 # 5: what a replay needs (prompt and output token ids, sampling params, arrival offset);
-# 6: each step's verified speculative proposals; 7: the pool's records (pool_records).
-SCHEMA_VERSION = 10
+# 6: each step's verified speculative proposals; 7: the pool's records (pool_records);
+# 8: mixture-of-experts routing; 9: preemption causes; 10: prefix-miss causes; 11: the
+# disk tier per step (the tier_* columns).
+SCHEMA_VERSION = 11
 
 
 class Base(DeclarativeBase):
@@ -109,6 +111,18 @@ class StepRow(Base):
     # [seq_id, reason, tokens, evicted by, evicted at step]
     # (engine.telemetry.records.PrefixMissCause).
     prefix_misses: Mapped[list] = mapped_column(JSON, default=list)
+    # Added in schema version 11: the disk tier at the step (NULL for a step run without
+    # one, and in rows written before): held after it, and done since the previous step
+    # (engine.telemetry.records.TierStep, each field as tier_<field>).
+    tier_blocks_held: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier_bytes_held: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier_blocks_stored: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier_blocks_removed: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier_blocks_loaded: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier_bytes_loaded: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier_loads: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier_query_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier_hit_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class ChatMessageRow(Base):

@@ -10,7 +10,7 @@ from kvscope.engine.outputs import RequestOutput
 from kvscope.engine.replicas.router import RoutingDecision
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.experts import COUNT_DTYPE, step_counts
-from kvscope.engine.telemetry.records import StepRecord
+from kvscope.engine.telemetry.records import TIER_STEP_FIELDS, StepRecord
 
 if TYPE_CHECKING:  # beam search loads torch; a row only needs the params' to_dict()
     from kvscope.engine.orchestrator.beam_search import BeamSearchParams
@@ -21,6 +21,7 @@ STEP_COUNTERS = ("step", "start_time", "end_time", "num_scheduled_tokens", "toke
                  "prefix_cache_hits", "num_blocks_swapped_out", "num_blocks_swapped_in",
                  "replica", "expert_bytes_read", "expert_bytes_all")
 STEP_ID_LISTS = ("preempted", "swapped_out", "swapped_in", "finished")
+TIER_COLUMNS = tuple(f"tier_{name}" for name in TIER_STEP_FIELDS)  # NULL: no tier
 
 
 def step_row(session_id: int, record: StepRecord) -> dict:
@@ -32,6 +33,7 @@ def step_row(session_id: int, record: StepRecord) -> dict:
     row["prefix_misses"] = [list(cause) for cause in record.prefix_misses]
     row["expert_layers"] = list(record.expert_layers)
     row["expert_tokens"] = step_counts(record).tolist()
+    row.update(zip(TIER_COLUMNS, record.kv_tier or (None,) * len(TIER_COLUMNS), strict=True))
     row["session_id"] = session_id
     return row
 
@@ -47,7 +49,9 @@ def step_record(row: dict) -> StepRecord:
         prefix_misses=tuple(tuple(cause) for cause in row.get("prefix_misses") or ()),
         expert_layers=tuple(row.get("expert_layers") or ()),
         expert_tokens=tuple(np.array(tokens, dtype=COUNT_DTYPE).tobytes()
-                            for tokens in row.get("expert_tokens") or ()))
+                            for tokens in row.get("expert_tokens") or ()),
+        kv_tier=(tuple(row[column] for column in TIER_COLUMNS)
+                 if row.get(TIER_COLUMNS[0]) is not None else ()))
 
 
 def request_row(session_id: int, output: RequestOutput, source: str,

@@ -87,11 +87,24 @@ def _add_prefix_misses(connection: Connection) -> None:
                                "DEFAULT '[]'")
 
 
+# Version 11 added the disk tier per step to the steps table.
+STEP_COLUMNS_OF_VERSION_11 = ("tier_blocks_held", "tier_bytes_held", "tier_blocks_stored",
+                              "tier_blocks_removed", "tier_blocks_loaded", "tier_bytes_loaded",
+                              "tier_loads", "tier_query_tokens", "tier_hit_tokens")
+
+
+def _add_tier_columns(connection: Connection) -> None:
+    """Version 11: the disk tier per step (NULL before: not kept)."""
+    for column in STEP_COLUMNS_OF_VERSION_11:
+        connection.exec_driver_sql(f"ALTER TABLE steps ADD COLUMN {column} INTEGER")
+
+
 # MIGRATIONS[v] upgrades a version-v file to v + 1 inside one transaction.
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _add_step_statistics, 2: _add_replica_columns, 3: _add_routing_decisions,
     4: _add_replay_columns, 5: _add_spec_drafts, 6: _add_pool_records,
-    7: _add_expert_columns, 8: _add_preemption_causes, 9: _add_prefix_misses}
+    7: _add_expert_columns, 8: _add_preemption_causes, 9: _add_prefix_misses,
+    10: _add_tier_columns}
 
 
 def open_database(path: str | Path) -> Engine:

@@ -1,8 +1,10 @@
 """The disk tier below the KV pool (engine/core/kv_offload): evicted prefixes are served
 from it, warm restarts find it, and nothing torn, corrupt or foreign is ever served."""
 
+import dataclasses
 import json
 import logging
+import math
 import random
 import subprocess
 import sys
@@ -18,12 +20,16 @@ from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import TierBlockStored
 from kvscope.engine.core.kv_offload.block_file import HEADER, SUFFIX
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
+from kvscope.engine.core.kv_offload.transfer_sizes import SIZE_BUCKETS, TransferSizes
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
 from kvscope.engine.telemetry.kv_event_wire import MEDIUM_GPU, wire_events
 from kvscope.engine.telemetry.kv_event_wire import BlockRemoved as WireBlockRemoved
 from kvscope.engine.telemetry.kv_event_wire import BlockStored as WireBlockStored
+from kvscope.engine.telemetry.records import TIER_STEP_FIELDS
+from kvscope.storage import SessionLog, export_session, load_session, open_database
+from kvscope.ui.tiers import session_tier_markdown
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 BLOCK = 4
@@ -117,19 +123,34 @@ def test_the_served_engine_exports_the_tiers_series_under_vllms_names(tiny_model
         # A reconfigured engine's new pool starts empty; the tier kept what the old one had.
         engine.reconfigure(max_num_seqs=2, timeout=60)
         list(engine.submit(OTHERS[0], GREEDY))
-        samples = {(sample.name, sample.labels.get("transfer_type")): sample.value
-                   for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-                   for sample in family.samples}
+        scraped = [sample for family in text_string_to_metric_families(
+            httpx.get(f"{url}/metrics").text) for sample in family.samples]
+        counters = engine.counters()
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         engine.shutdown()
+    samples = {(sample.name, sample.labels.get("transfer_type")): sample.value
+               for sample in scraped if "le" not in sample.labels}
     hits = samples[("vllm:external_prefix_cache_hits_total", None)]
     assert hits > (len(OTHERS[0]) - 1) // BLOCK * BLOCK and hits % BLOCK == 0
     assert samples[("vllm:external_prefix_cache_queries_total", None)] >= hits
     assert samples[("vllm:kv_offload_total_bytes_total", "DISK_to_GPU")] > 0
     assert samples[("vllm:kv_offload_total_time_total", "DISK_to_GPU")] > 0
     assert ("vllm:kv_offload_total_bytes_total", "GPU_to_DISK") in samples
+    # vllm:kv_offload_size, vLLM's histogram: one observation per load and per block
+    # written, their bytes summing to the totals; a tiny model's blocks fit the first bucket.
+    buckets = {(sample.labels["transfer_type"], sample.labels["le"]): sample.value
+               for sample in scraped if sample.name == "vllm:kv_offload_size_bucket"}
+    assert samples[("vllm:kv_offload_size_count", "DISK_to_GPU")] == counters.kv_offload_loads >= 2
+    written = sum(counters.kv_offload_sizes["GPU_to_DISK"].counts)
+    assert samples[("vllm:kv_offload_size_count", "GPU_to_DISK")] == written > 0
+    for kind in ("DISK_to_GPU", "GPU_to_DISK"):
+        assert samples[("vllm:kv_offload_size_sum", kind)] \
+            == samples[("vllm:kv_offload_total_bytes_total", kind)]
+        assert buckets[(kind, "1e+06")] == buckets[(kind, "+Inf")] \
+            == samples[("vllm:kv_offload_size_count", kind)]
+        assert len([key for key in buckets if key[0] == kind]) == 11
     assert block_files(tmp_path)  # shutdown saved the pool's blocks
 
 
@@ -283,3 +304,53 @@ def test_a_full_disk_stops_the_writes_and_reads_go_on(tiny_disk, caplog):
     assert not list(store.folder.glob("*.tmp"))  # the failed write left nothing behind
     assert all(bytes(store.get(key)) == bytes(100_000) for key in written)
     assert not store.put((99).to_bytes(16, "little"), bytes(10))  # stopped, even if it fits
+
+
+def test_transfer_sizes_fall_in_vllms_buckets_bounds_inclusive():
+    sizes = TransferSizes()
+    for size in (0, 1_000_000, 1_000_001, 250_000_000):
+        sizes.observe(size)
+    buckets = dict(sizes.cumulative())
+    assert (buckets[1e6], buckets[5e6], buckets[200e6], buckets[math.inf]) == (2, 3, 3, 4)
+    assert len(buckets) == len(SIZE_BUCKETS) + 1
+    earlier = sizes.copy()
+    sizes.observe(10)
+    assert (sizes - earlier).counts[0] == 1 and (sizes - earlier).num_bytes == 10
+    assert (earlier + earlier).num_bytes == 2 * earlier.num_bytes
+    assert sum([earlier, sizes]).counts == (earlier + sizes).counts  # replicas sum from 0
+
+
+def test_each_steps_tier_counts_round_trip_the_session_log_its_exports_and_the_sessions_tab(
+        make_engine, run_engine, tmp_path):
+    engine = tier_engine(make_engine, tmp_path / "tier")
+    records = run_engine(engine, [PREFIX], GREEDY).records
+    records += run_engine(engine, OTHERS, GREEDY).records
+    engine.kv_tier.io.drain()  # the evicted prefix is on disk before it is asked for
+    records += run_engine(engine, [PREFIX], GREEDY).records
+    stats = engine.kv_tier.stats
+    steps = [dict(zip(TIER_STEP_FIELDS, record.kv_tier, strict=True)) for record in records]
+    assert len(steps) == len(records)  # every step of an engine with a tier counts it
+    # The steps' counts are the tier's own, step by step, without loss or double counting.
+    for field, total in (("blocks_loaded", stats.blocks_loaded), ("loads", stats.loads),
+                         ("bytes_loaded", stats.bytes_loaded), ("hit_tokens", stats.hits),
+                         ("query_tokens", stats.queries), ("blocks_stored", stats.blocks_stored)):
+        assert sum(step[field] for step in steps) == total, field
+    assert stats.hits > 0 and stats.blocks_stored > 0
+    assert steps[-1]["blocks_held"] == engine.kv_tier.store.num_blocks > 0
+    engine.close()
+
+    log = SessionLog(tmp_path / "log.db")
+    session_id = log.start_session(engine.config.to_dict(), model="tiny")
+    for record in records:
+        log.record_step(record)
+    log.close()
+    database = open_database(tmp_path / "log.db")
+    stored = load_session(database, session_id)
+    assert stored.steps == records
+    (path,) = [export_session(database, session_id, "json", tmp_path)]
+    exported = json.loads(path.read_text())["steps"]
+    assert [row["tier_hit_tokens"] for row in exported] == [s["hit_tokens"] for s in steps]
+    line = session_tier_markdown(stored.steps)
+    hits = f"{stats.hits}/{stats.queries} tokens"
+    assert hits in line and f"{stats.loads} loads" in line
+    assert session_tier_markdown([dataclasses.replace(r, kv_tier=()) for r in records]) == ""

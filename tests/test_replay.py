@@ -13,6 +13,7 @@ from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.replay.cost_model import RecordedStepTimes, StepCost, fit_step_cost
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
 from kvscope.engine.replay.simulated_runner import SimulatedRunner
+from kvscope.engine.replay.simulated_tier import GIB, TierWhatIf
 from kvscope.engine.replay.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from kvscope.engine.replay.workload import ReplayRequest
 from kvscope.engine.sampling_params import SamplingParams
@@ -288,6 +289,47 @@ def test_a_recorded_beam_search_replays_live_as_one_and_is_refused_simulated(
         ReplaySession(workload, base_config(workload), STEADY_COST).run({}, "simulated")
 
 
+def cycling_prefixes(count: int, rounds: int = 2) -> list[dict]:
+    """`count` distinct 1,024-token prompts, each asked `rounds` times in turn, a second
+    apart: with a pool smaller than two of them, LRU has evicted each before it returns."""
+    return [{"timestamp": 1000 * (r * count + i), "input_length": 1024, "output_length": 2,
+             "hash_ids": [i, 100 + i]} for r in range(rounds) for i in range(count)]
+
+
+def test_a_simulated_disk_tier_turns_the_evicted_working_sets_misses_into_hits(
+        tmp_path, long_context_model) -> None:
+    workload = load_trace(write_mooncake(tmp_path / "t.jsonl", cycling_prefixes(6)),
+                          load_tokenizer(long_context_model))
+    session = ReplaySession(workload, EngineConfig(model=str(long_context_model),
+                                                   block_size=16, num_gpu_blocks_override=100,
+                                                   max_model_len=1100),
+                            cost_model=STEADY_COST)
+    without = session.run({}, "simulated")
+    with_tier = session.run({}, "simulated", tier=TierWhatIf(20))
+    returning = slice(6, 12)  # the second round's requests
+    # Without the tier the pool (100 blocks) never holds a prompt (64 blocks) until it
+    # returns; with it, each returning prompt loads every full block but its last token's.
+    assert sum(s.prefix_cache_hits for s in without.steps) == 0
+    full_blocks = (1024 - 1) // 16 * 16
+    assert sum(s.prefix_cache_hits for s in with_tier.steps) == 6 * full_blocks
+    assert with_tier.label == "base config + 20 GiB disk tier (simulated, 0.3 GB/s)"
+    loaded = [r.ttft_s for r in with_tier.requests[returning]]
+    computed = [r.ttft_s for r in without.requests[returning]]
+    assert max(loaded) < min(computed)  # a tiny model's blocks load in microseconds
+    # The load's time is on the clock: at 1 kB/s the same loads cost more than computing.
+    slow = session.run({}, "simulated", tier=TierWhatIf(20, load_gbps=1e-6))
+    assert min(r.ttft_s for r in slow.requests[returning]) > max(computed)
+    assert [r.ttft_s for r in slow.requests[:6]] == [r.ttft_s for r in without.requests[:6]]
+    # A tier of half the working set is LRU too: each prompt left it before it returned.
+    half = 3 * 64 * SimulatedRunner(session.base).bytes_per_block(16) / GIB
+    small = session.run({}, "simulated", tier=TierWhatIf(half))
+    assert sum(s.prefix_cache_hits for s in small.steps) == 0
+    with pytest.raises(ValueError, match="kv_offload_gb"):
+        session.run({}, "live", tier=TierWhatIf(20))
+    with pytest.raises(ValueError, match="kv_offload_gb=0"):
+        TierWhatIf(0)
+
+
 # ---- the command -------------------------------------------------------------------------
 def mooncake_rows(count: int) -> list[dict]:
     return [{"timestamp": 20 * i, "input_length": 30 + 5 * (i % 4),
@@ -377,3 +419,25 @@ def test_a_simulated_replay_serves_a_traces_priorities_under_the_priority_policy
         return next(t.ttft_s for t in run.requests if t.request_id == "mooncake-7")
 
     assert urgent_ttft("priority") < STEADY_COST.intercept * 5 < urgent_ttft("fcfs")
+
+
+def test_kvscope_replay_kv_offload_gb_reports_each_config_with_and_without_the_tier(
+        tmp_path, long_context_model, capsys) -> None:
+    from kvscope.cli import main
+
+    trace = write_mooncake(tmp_path / "t.jsonl", cycling_prefixes(4))
+    cost = tmp_path / "cost.json"
+    cost.write_text(STEADY_COST.to_json())
+    command = ["replay", str(trace), "--model", str(long_context_model), "--json",
+               "--cost-model", str(cost), "--kv-offload-gb", "20", "--config",
+               "block_size=16", "num_gpu_blocks_override=100", "max_model_len=1100"]
+    with pytest.raises(SystemExit):
+        main(command)  # the what-if tier is simulated only
+    assert "kv_offload_gb: the what-if tier is simulated" in capsys.readouterr().err
+    main([*command, "--simulate"])
+    without, with_tier = json.loads(capsys.readouterr().out)
+    assert with_tier["label"] == without["label"] + " + 20 GiB disk tier (simulated, 0.3 GB/s)"
+    assert with_tier["config"]["kv_offload_gb"] == 20
+    assert without["prefix_hit_rate"] == 0 < with_tier["prefix_hit_rate"]
+    assert with_tier["ttft_p50_s"] < without["ttft_p50_s"]
+

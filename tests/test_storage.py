@@ -70,13 +70,19 @@ def logged_session(db_path: Path, engine_run) -> tuple[int, SessionLog]:
 
 
 def drop_columns_after_version_4(connection: sqlite3.Connection) -> None:
-    """Make a file as version 4 wrote it: without what versions 5 to 10 added."""
+    """Make a file as version 4 wrote it: without what versions 5 to 11 added."""
     for column, _ in schema.REQUEST_COLUMNS_OF_VERSION_5:
         connection.execute(f"ALTER TABLE requests DROP COLUMN {column}")
     for column in ("spec_drafts", "expert_layers", "expert_tokens", "expert_bytes_read",
                    "expert_bytes_all", "preemptions", "prefix_misses"):
         connection.execute(f"ALTER TABLE steps DROP COLUMN {column}")
+    drop_columns_of_version_11(connection)
     connection.execute("DROP TABLE pool_records")
+
+
+def drop_columns_of_version_11(connection: sqlite3.Connection) -> None:
+    for column in schema.STEP_COLUMNS_OF_VERSION_11:
+        connection.execute(f"ALTER TABLE steps DROP COLUMN {column}")
 
 
 def test_every_request_and_step_of_a_run_is_stored(tmp_path: Path, engine_run) -> None:
@@ -388,6 +394,24 @@ def test_a_version_1_log_gains_the_step_statistics(tmp_path: Path, engine_run) -
     assert [r.step for r in steps] == [r.step for r in records]
     assert all(r.prefix_cache_queries == r.prefix_cache_hits == 0 for r in steps)
     assert sum(r.prefix_cache_hits for r in records) > 0  # the originals had some
+
+
+def test_a_version_10_log_gains_the_tier_columns_and_its_steps_read_back_without_a_tier(
+        tmp_path: Path) -> None:
+    db_path = tmp_path / "old.db"
+    log = SessionLog(db_path)
+    session_id = log.start_session({}, model="tiny")
+    tiered = dataclasses.replace(fake_record(0, time.time()), kv_tier=(3, 300, 1, 0, 2, 200, 1, 8, 8))
+    log.record_step(tiered)
+    log.close()
+    assert load_session(open_database(db_path), session_id).steps == [tiered]
+    with sqlite3.connect(db_path) as connection:
+        drop_columns_of_version_11(connection)
+        connection.execute("UPDATE schema_version SET version = 10")
+    engine = open_database(db_path)
+    columns = {column["name"] for column in inspect(engine).get_columns("steps")}
+    assert set(schema.STEP_COLUMNS_OF_VERSION_11) <= columns
+    assert load_session(engine, session_id).steps == [dataclasses.replace(tiered, kv_tier=())]
 
 
 def test_requests_keep_what_a_replay_needs(tmp_path: Path, engine_run) -> None:

@@ -5,7 +5,7 @@ from datetime import datetime
 
 import gradio as gr
 
-from kvscope.ui import timeline
+from kvscope.ui import tiers, timeline
 from kvscope.ui.plotdata import to_plot
 
 # The log writes a request when it finishes: the live session counts only those.
@@ -64,6 +64,8 @@ def show_session(session_log, session_id):
     latency = timeline.latency_stats(stored.steps, arrivals)
     stats = timeline.stats_markdown(latency, None, sum(len(r.preempted) for r in stored.steps),
                                     ("session average", latency.output_tokens_per_s))
+    if tier := tiers.session_tier_markdown(stored.steps):
+        stats += "\n\n" + tier
     # Usage is drawn against each step's own pool (used + cached + free blocks), so a
     # session with reconfigures reads right on every side of them.
     return (to_plot(timeline.request_timeline(stored.steps, arrivals)),

@@ -1,4 +1,5 @@
-"""The pool and the disk tier side by side, from the engine's own counters.
+"""The pool and the disk tier side by side, from the engine's own counters (Engine & load
+tab), and a logged session's tier from its steps (Sessions tab).
 
 Hit rates are in prompt tokens, as vLLM counts them: the pool's over every prompt token
 asked of the prefix cache, the tier's over the tokens the pool lacked. Bytes moved are
@@ -7,6 +8,7 @@ since the previous refresh (the first refresh: since the engine started).
 
 from kvscope.engine.core.kv_offload.tier import DISK_TO_POOL, POOL_TO_DISK
 from kvscope.engine.entrypoints.view import EngineView
+from kvscope.engine.telemetry.records import TIER_STEP_FIELDS, StepRecord
 
 MiB = 1 << 20
 OFF = ("**Disk tier:** off. Turn it on with a directory and a size below (kv_offload_dir, "
@@ -52,3 +54,20 @@ def tiers_markdown(engine: EngineView, before=None) -> tuple[str, object]:
     ]
     return (f"**Disk tier** at `{engine.config.kv_offload_dir}`:\n\n" + "\n".join(rows),
             counters)
+
+
+def session_tier_markdown(steps: list[StepRecord]) -> str:
+    """A logged session's disk tier in one line: hit rate, what it stored, loaded and
+    dropped, and what it held at its last step; empty for a session that ran without
+    one."""
+    tiered = [dict(zip(TIER_STEP_FIELDS, step.kv_tier, strict=True))
+              for step in steps if step.kv_tier]
+    if not tiered:
+        return ""
+    total = {name: sum(step[name] for step in tiered) for name in TIER_STEP_FIELDS}
+    last = tiered[-1]
+    return (f"**Disk tier** hit rate {_rate(total['hit_tokens'], total['query_tokens'])} · "
+            f"{total['loads']} loads ({total['blocks_loaded']} blocks, "
+            f"{size(total['bytes_loaded'])}) · {total['blocks_stored']} blocks stored, "
+            f"{total['blocks_removed']} removed · held at the last step: "
+            f"{last['blocks_held']} blocks ({size(last['bytes_held'])})")

@@ -17,6 +17,7 @@ import numpy as np
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_events import AllBlocksCleared, KVEventSink
 from kvscope.engine.core.kv_offload.tier import TierTotals
+from kvscope.engine.core.kv_offload.transfer_sizes import TransferSizes
 from kvscope.engine.core.request import ChunkKind
 from kvscope.engine.core.scheduler_output import SchedulerOutput
 from kvscope.engine.core.state_slots import SlotTable
@@ -88,6 +89,7 @@ class EngineCounters:
     external_prefix_cache_hits: int = 0
     kv_offload_bytes: dict[str, int] = field(default_factory=dict)  # by transfer type
     kv_offload_seconds: dict[str, float] = field(default_factory=dict)
+    kv_offload_sizes: dict[str, TransferSizes] = field(default_factory=dict)
     kv_offload_loads: int = 0  # prefix loads from the tier: the DISK_to_GPU seconds are theirs
     # What the tier holds at the last step (gauges, not totals): blocks, bytes, its size.
     kv_tier_blocks: int = 0
@@ -273,6 +275,7 @@ class AsyncEngine(ServedEngine):
                            requests_finished=dict(self._counters.requests_finished),
                            kv_offload_bytes=dict(self._counters.kv_offload_bytes),
                            kv_offload_seconds=dict(self._counters.kv_offload_seconds),
+                           kv_offload_sizes=dict(self._counters.kv_offload_sizes),
                            spec_decode_num_accepted_tokens_per_pos=dict(
                                self._counters.spec_decode_num_accepted_tokens_per_pos),
                            moe_expert_tokens={layer: tokens.copy() for layer, tokens
@@ -578,6 +581,9 @@ class AsyncEngine(ServedEngine):
             counters.kv_offload_seconds[kind] = (counters.kv_offload_seconds.get(kind, 0.0)
                                                  + now.seconds[kind]
                                                  - before.seconds.get(kind, 0.0))
+            counters.kv_offload_sizes[kind] = (counters.kv_offload_sizes.get(kind, TransferSizes())
+                                               + now.sizes[kind]
+                                               - before.sizes.get(kind, TransferSizes()))
 
     def _count_step(self, record: StepRecord) -> None:
         with self._counters_lock:

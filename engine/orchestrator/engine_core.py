@@ -13,6 +13,7 @@ import torch
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import EventBus
+from kvscope.engine.core.kv_offload.tier import KVTier
 from kvscope.engine.core.request import FinishReason, Request, Sequence, SequenceStatus
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -94,11 +95,9 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(self.runner)
         self.beams = BeamSearchCoordinator(self.scheduler, self.config.max_model_len)
         self.scheduler.reclaim = self.beams.release_parked
-        self.kv_tier = open_kv_tier(self.config, self.runner, self.kv_cache,  # None: no tier
-                                    self.events.emit)
-        if self.kv_tier is not None:
-            self.events.subscribe(self.kv_tier.observe)
-            self.scheduler.fetch_prefix = self.kv_tier.fetch
+        self.kv_tier: KVTier | None = None
+        self.attach_kv_tier(open_kv_tier(self.config, self.runner, self.kv_cache,
+                                         self.events.emit))
         # Sampling fields the model's generation_config sets: defaults where a request is silent.
         self.default_sampling = model_sampling_defaults(self.runner.generation_config)
         self.logits_processor = LogitsProcessor(self.runner.hf_config.vocab_size, self.tokenizer,
@@ -225,6 +224,15 @@ class EngineCore:
         no-op without a tier)."""
         if self.kv_tier is not None:
             self.kv_tier.close()
+
+    def attach_kv_tier(self, tier: KVTier | None) -> None:
+        """Put `tier` below the pool (None: none), before any request: the pool's evictions
+        go to it and a waiting prompt's prefix is asked of it. The engine opens the one its
+        config asks for; the replay's simulator attaches its own."""
+        self.kv_tier = tier
+        if tier is not None:
+            self.events.subscribe(tier.observe)
+            self.scheduler.fetch_prefix = tier.fetch
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or a forward still running (async scheduling): step()

@@ -15,6 +15,7 @@ from kvscope.engine.replay.cost_model import CostModelSource, fit_step_cost, loa
 from kvscope.engine.replay.divergence import divergence_csv, first_divergence
 from kvscope.engine.replay.report import cost_model_lines, summaries, write_report
 from kvscope.engine.replay.runner import ReplaySession, base_config, parse_knob
+from kvscope.engine.replay.simulated_tier import DEFAULT_LOAD_GBPS, TierWhatIf
 from kvscope.engine.replay.traces import FORMATS, load_trace
 from kvscope.engine.replay.workload import SessionLogReader, Workload, is_session_log
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-cost-model", default=None, metavar="FILE",
                         help="write the cost model the simulation used as JSON (a later "
                         "--cost-model FILE reads it)")
+    parser.add_argument("--kv-offload-gb", type=float, default=None, metavar="GIB",
+                        help="what-if: with --simulate, run each config again over a disk "
+                        "tier of this many GiB under the pool (both runs reported)")
+    parser.add_argument("--kv-offload-gbps", type=float, default=DEFAULT_LOAD_GBPS,
+                        metavar="GB_S", help="the simulated tier's load bandwidth (default: "
+                        "the real tier's measured rate, docs/performance-history.md)")
     parser.add_argument("--speed", type=float, default=1.0,
                         help="arrivals this many times faster than recorded")
     parser.add_argument("--session", type=int, default=None,
@@ -116,6 +123,14 @@ def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
         for flag in ("save_cost_model", "recalibrate", "against_live"):
             if getattr(args, flag):
                 raise ValueError(f"{flag}: only a simulated replay (--simulate) has a cost model")
+        if args.kv_offload_gb is not None:
+            raise ValueError("kv_offload_gb: the what-if tier is simulated (add --simulate); "
+                             "a live replay runs the real one: --config kv_offload_dir=PATH")
+    if args.against_live and args.kv_offload_gb is not None:
+        raise ValueError("against_live: the what-if tier (kv_offload_gb) has no live twin; "
+                         "compare live against simulated without it")
+    tiers = [None] if args.kv_offload_gb is None else [
+        None, TierWhatIf(args.kv_offload_gb, args.kv_offload_gbps)]
     given = cost_model_for(args, workload, session_logs) if args.simulate else None
     if given is not None and args.recalibrate:
         raise ValueError(f"recalibrate: the simulation uses the {given[1].kind} "
@@ -135,7 +150,7 @@ def run(args: argparse.Namespace, session_logs: SessionLogReader) -> list[dict]:
                                                             args.recalibrate)
             session.cost_model, session.cost_model_source = given or calibrations[copied]
             logger.info("step-cost model: %s", session.cost_model_source.describe())
-        results.append(session.run(knobs, mode, args.speed, progress))
+        results.extend(session.run(knobs, mode, args.speed, progress, tier) for tier in tiers)
     # Against live: the live twins follow the simulated runs, in the same config order.
     pairs = [(session.run(knobs, "live", args.speed), simulated)
              for knobs, simulated in zip(changes, list(results))] if args.against_live else []

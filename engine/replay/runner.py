@@ -20,6 +20,7 @@ from kvscope.engine.orchestrator.engine_core import EngineCore, StepResult
 from kvscope.engine.replay.cost_model import CostModelSource
 from kvscope.engine.replay.metrics import RequestTiming, RunResult, StepSample
 from kvscope.engine.replay.simulated_runner import SimulatedRunner
+from kvscope.engine.replay.simulated_tier import TierWhatIf, simulated_tier
 from kvscope.engine.replay.workload import Workload
 from kvscope.engine.worker.model_runner import ModelRunner
 
@@ -176,9 +177,15 @@ class ReplaySession:
         self._simulators: dict[tuple, SimulatedRunner] = {}
 
     def run(self, changes: dict, mode: str = "live", speed: float = 1.0,
-            progress: Callable[[int, int], None] | None = None) -> RunResult:
+            progress: Callable[[int, int], None] | None = None,
+            tier: TierWhatIf | None = None) -> RunResult:
+        """One run of the workload with `changes` to the base config; `tier`: a simulated
+        disk tier under the pool (simulated runs only)."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} must be one of {list(MODES)}")
+        if tier is not None and mode != "simulated":
+            raise ValueError("kv_offload_gb: the what-if tier is simulated; a live replay "
+                             "runs the real one (--config kv_offload_dir=PATH kv_offload_gb=N)")
         config = self.base.with_changes(**changes)
         if mode == "live":
             core = EngineCore(config, runner=self.model_runner(config))
@@ -194,15 +201,19 @@ class ReplaySession:
                                  "live")
             core = EngineCore(config, runner=self._simulator(config))
             clock = SimulatedClock(self.cost_model)
+            if tier is not None:
+                core.attach_kv_tier(simulated_tier(core, clock, tier))
         # As a served engine does (engine.orchestrator.heap): the pool's blocks, the workload
         # and the loaded modules live through the run, so collections skip them. Unfrozen,
         # each generation-2 collection walked a 1M-block pool and 10,000 prompts' token
         # lists: half the CPU time of bench/replay.py's simulated run.
         heap.freeze_long_lived()
         try:
+            label = run_label(changes) + (f" + {tier.label}" if tier is not None else "")
+            knobs = changes if tier is None else {**changes, "kv_offload_gb": tier.size_gb}
             result = replay_workload(core, self.workload, clock, speed=speed,
-                                     simulated=mode == "simulated", label=run_label(changes),
-                                     config=changes, progress=progress)
+                                     simulated=mode == "simulated", label=label,
+                                     config=knobs, progress=progress)
         finally:
             core = None
             heap.rebase()  # reclaim this run's pool: its free queue links it into cycles

@@ -15,9 +15,11 @@ from prometheus_client import (
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
+from prometheus_client.utils import floatToGoString
 
 from kvscope.engine.core.kv_events import PreemptionReason
 from kvscope.engine.entrypoints.view import EngineView
@@ -218,6 +220,10 @@ class EngineMetrics:
         offload_time = CounterMetricFamily("vllm:kv_offload_total_time", "Seconds the disk "
                                            "tier's I/O thread spent moving them.",
                                            labels=[*VLLM_LABELS, "transfer_type"])
+        offload_sizes = HistogramMetricFamily("vllm:kv_offload_size", "The disk tier's "
+                                              "transfers by size in bytes (GPU_to_DISK: a "
+                                              "block written; DISK_to_GPU: a prefix loaded).",
+                                              labels=[*VLLM_LABELS, "transfer_type"])
         experts = CounterMetricFamily("kvscope:moe_expert_tokens", "Tokens each expert of a "
                                       "mixture-of-experts layer took (a token counts once in "
                                       "each of its top-k experts), by decoder layer.",
@@ -236,6 +242,10 @@ class EngineMetrics:
             for kind, count in sorted(totals.kv_offload_bytes.items()):
                 offload_bytes.add_metric([*labels, kind], count)
                 offload_time.add_metric([*labels, kind], totals.kv_offload_seconds[kind])
+            for kind, sizes in sorted(totals.kv_offload_sizes.items()):
+                offload_sizes.add_metric([*labels, kind], [
+                    (floatToGoString(bound), count) for bound, count in sizes.cumulative()],
+                    sizes.num_bytes)
             for position, count in sorted(totals.spec_decode_num_accepted_tokens_per_pos.items()):
                 per_pos.add_metric([*labels, str(position)], count)
             for layer, tokens in sorted(totals.moe_expert_tokens.items()):
@@ -248,6 +258,7 @@ class EngineMetrics:
         yield per_pos
         yield offload_bytes
         yield offload_time
+        yield offload_sizes
         yield experts
 
     def _histograms(self) -> Iterator[Metric]:

@@ -28,6 +28,14 @@ PREEMPTION_FIELDS = ("victim", "reason", "taker", "blocks_freed", "tokens_lost")
 # the reason ScheduledChunk is one.
 PrefixMissCause = tuple[str, str, int, str | None, int | None]
 PREFIX_MISS_FIELDS = ("seq_id", "reason", "num_tokens", "evicted_by", "evicted_step")
+# The disk tier at one step (engine.core.kv_offload.tier.KVTier.step_counts): what it held
+# after the step, then what it did since the previous step's record: blocks written and
+# removed, loaded blocks and their bytes, prefix loads, and prompt tokens asked of it and
+# found there (vLLM's external prefix cache counts). Empty without a tier. A plain tuple
+# for the reason ScheduledChunk is one.
+TierStep = tuple[int, int, int, int, int, int, int, int, int]
+TIER_STEP_FIELDS = ("blocks_held", "bytes_held", "blocks_stored", "blocks_removed",
+                    "blocks_loaded", "bytes_loaded", "loads", "query_tokens", "hit_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,7 @@ class StepRecord:
     preemptions: tuple[PreemptionCause, ...] = ()
     # Why admissions this step missed tokens the prefix cache had seen (see PrefixMissCause).
     prefix_misses: tuple[PrefixMissCause, ...] = ()
+    kv_tier: TierStep | tuple[()] = ()  # the disk tier's counts (see TierStep)
 
     @property
     def duration(self) -> float:

@@ -12,6 +12,7 @@ import torch
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import EventBus
+from kvscope.engine.core.kv_offload.tier import KVTier
 from kvscope.engine.core.request import Request, Sequence
 from kvscope.engine.core.scheduler import Scheduler
 from kvscope.engine.core.scheduler_output import SchedulerOutput
@@ -22,13 +23,15 @@ from kvscope.engine.worker.models.moe import ExpertLayout
 
 
 class RecordedEngine(Protocol):
-    """What telemetry reads of an engine: its config, event bus, pool and queues, and a
-    mixture-of-experts model's experts (None for a dense model)."""
+    """What telemetry reads of an engine: its config, event bus, pool and queues, a
+    mixture-of-experts model's experts (None for a dense model) and its disk tier (None
+    without one)."""
 
     config: EngineConfig
     expert_layout: ExpertLayout | None
     events: EventBus
     kv_cache: KVCacheManager
+    kv_tier: KVTier | None
     scheduler: Scheduler
     step_index: int
 
@@ -78,4 +81,5 @@ def record_step(engine: RecordedEngine, plan: SchedulerOutput, start_time: float
         preemptions=tuple((p.seq.seq_id, p.reason.value, p.taker.seq_id, p.blocks_freed,
                            p.tokens_lost) for p in plan.preemptions),
         prefix_misses=tuple((m.seq.seq_id, m.reason.value, m.num_tokens, m.evicted_by,
-                             m.evicted_step) for m in plan.prefix_misses))
+                             m.evicted_step) for m in plan.prefix_misses),
+        kv_tier=engine.kv_tier.step_counts() if engine.kv_tier is not None else ())

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
+from kvscope.engine.core.kv_offload.transfer_sizes import TransferSizes
 from kvscope.engine.core.request import BlockHash, Sequence
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,7 @@ class LoadJob:
 
 @dataclass(slots=True)
 class WriteCounts:
-    blocks: int = 0
-    bytes: int = 0
+    sizes: TransferSizes = field(default_factory=TransferSizes)  # one transfer per block
     seconds: float = 0.0
     errors: int = 0
 
@@ -115,8 +115,7 @@ class TierIO:
         try:
             if self.store.put(key, payload):
                 self.done_writes.put(key)
-                self.written.blocks += 1
-                self.written.bytes += memoryview(payload).nbytes
+                self.written.sizes.observe(memoryview(payload).nbytes)
         except OSError as error:  # an I/O error: this block is lost to the tier, not the engine
             self.written.errors += 1
             logger.warning("KV tier: writing a block failed (%s); it will be computed when "

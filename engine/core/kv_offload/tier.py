@@ -30,6 +30,7 @@ from kvscope.engine.core.kv_events import (
 )
 from kvscope.engine.core.kv_offload.disk_store import DiskStore
 from kvscope.engine.core.kv_offload.io_thread import LoadJob, TierIO
+from kvscope.engine.core.kv_offload.transfer_sizes import TransferSizes
 from kvscope.engine.core.prefix_misses import Eviction
 from kvscope.engine.core.request import BlockHash, Sequence
 
@@ -51,22 +52,30 @@ class TierStats:
     queries: int = 0  # prompt tokens past the pool's prefix asked of the tier
     hits: int = 0  # of those, tokens loaded into the pool
     blocks_loaded: int = 0
-    bytes_loaded: int = 0
+    load_sizes: TransferSizes = field(default_factory=TransferSizes)  # bytes placed per load
     load_seconds: float = 0.0  # the I/O thread's time reading them
     loads: int = 0
     writes_dropped: int = 0  # evicted blocks not written: the write backlog was full
+    blocks_stored: int = 0  # written, as the engine thread learned it
+    blocks_removed: int = 0  # pruned to stay within the size (or found corrupt)
+
+    @property
+    def bytes_loaded(self) -> int:
+        return self.load_sizes.num_bytes
 
 
 @dataclass(slots=True)
 class TierTotals:
     """The tier's counters under vLLM's names: prompt tokens asked of it and found there
-    (vllm:external_prefix_cache_*), and bytes and seconds moved per transfer type
-    (vllm:kv_offload_total_bytes / _time; "GPU" is the pool, as vLLM's KV events name it)."""
+    (vllm:external_prefix_cache_*), and bytes, seconds and transfers by size moved per
+    transfer type (vllm:kv_offload_total_bytes / _time, vllm:kv_offload_size; "GPU" is the
+    pool, as vLLM's KV events name it)."""
 
     queries: int = 0
     hits: int = 0
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    sizes: dict[str, TransferSizes] = field(default_factory=dict)
     loads: int = 0  # prefix loads, each one job of the I/O thread
 
 
@@ -77,19 +86,21 @@ POOL_TO_DISK, DISK_TO_POOL = f"GPU_to_{MEDIUM}", f"{MEDIUM}_to_GPU"
 
 class KVTier:
     def __init__(self, store: DiskStore, kv_cache: KVCacheManager, blocks: KVBlockIO,
-                 emit: KVEventSink = discard) -> None:
+                 emit: KVEventSink = discard, io: TierIO | None = None) -> None:
         self.store = store
         self.kv_cache = kv_cache
         self.pool = kv_cache.pool
         self.blocks = blocks
         self.emit = emit  # TierBlockStored / TierBlockRemoved, on the engine thread
-        self.io = TierIO(store)
+        # The store's I/O thread; the replay's simulator passes its own (engine.replay).
+        self.io = io if io is not None else TierIO(store)
         self.stats = TierStats()
         self._to_save: dict[int, tuple[bytes, BlockHash, int]] = {}  # block id -> key, hash, group
         # What this engine wrote and the tier still holds, for its events: key -> hash, group
         self._written: dict[bytes, tuple[BlockHash, int]] = {}
         self._to_fill: dict[int, object] = {}  # block id -> the payload loaded for it
         self._num_loading = 0
+        self._counted_at_step = self._step_totals()  # at the previous step_counts()
 
     # ---- save ----------------------------------------------------------------------------
     def observe(self, event: KVEvent) -> None:
@@ -168,6 +179,8 @@ class KVTier:
     def _report_changes(self) -> None:
         """The writes and removals the I/O thread finished, as events (engine thread)."""
         stored, removed = _drain(self.io.done_writes), _drain(self.store.removed)
+        self.stats.blocks_stored += len(stored)
+        self.stats.blocks_removed += len(removed)
         for key in stored:
             if key in self._written:
                 self.emit(TierBlockStored(*self._written[key], MEDIUM))
@@ -183,6 +196,7 @@ class KVTier:
         self.stats.loads += 1
         self.stats.load_seconds += job.seconds
         if count == 0:
+            self.stats.load_sizes.observe(0)  # a transfer all the same: it was read
             return
         # What the pool still holds of the prefix must outlive the allocation below, which
         # evicts least recently used blocks first.
@@ -192,7 +206,7 @@ class KVTier:
         count = min(count, self.pool.num_free_blocks // groups)
         blocks = self.pool.allocate(count * groups,
                                     Eviction(job.seq.request.request_id, self.kv_cache.step))
-        placed = iter(blocks)
+        placed, placed_bytes = iter(blocks), 0
         for block_hash, payloads in zip(job.block_hashes[:count], job.payloads[:count]):
             for group, payload in enumerate(payloads):
                 block = next(placed)
@@ -200,17 +214,35 @@ class KVTier:
                 if block.block_hash is not None:  # not already cached by another block
                     self._to_fill[block.block_id] = payload
                     self.stats.blocks_loaded += 1
-                    self.stats.bytes_loaded += payload.nbytes
+                    placed_bytes += payload.nbytes
         self.pool.release(reversed(blocks))
         self.pool.release(reversed(held))
         self.stats.hits += count * self.kv_cache.block_size
+        self.stats.load_sizes.observe(placed_bytes)
 
     def totals(self) -> TierTotals:
-        written = self.io.written
+        # One copy of the write sizes (the I/O thread adds to them), so bytes and sizes agree.
+        sizes = {POOL_TO_DISK: self.io.written.sizes.copy(),
+                 DISK_TO_POOL: self.stats.load_sizes.copy()}
         return TierTotals(self.stats.queries, self.stats.hits,
-                          {POOL_TO_DISK: written.bytes, DISK_TO_POOL: self.stats.bytes_loaded},
-                          {POOL_TO_DISK: written.seconds, DISK_TO_POOL: self.stats.load_seconds},
-                          self.stats.loads)
+                          {kind: counted.num_bytes for kind, counted in sizes.items()},
+                          {POOL_TO_DISK: self.io.written.seconds,
+                           DISK_TO_POOL: self.stats.load_seconds},
+                          sizes, self.stats.loads)
+
+    def step_counts(self) -> tuple[int, ...]:
+        """What the tier holds now, then what it counted since the previous call (once per
+        engine step: telemetry's TierStep)."""
+        now = self._step_totals()
+        before, self._counted_at_step = self._counted_at_step, now
+        return (self.store.num_blocks, self.store.num_bytes,
+                *(after - earlier for after, earlier in zip(now, before, strict=True)))
+
+    def _step_totals(self) -> tuple[int, ...]:
+        """The engine thread's own counters, in TierStep's order past the two held ones."""
+        stats = self.stats
+        return (stats.blocks_stored, stats.blocks_removed, stats.blocks_loaded,
+                stats.bytes_loaded, stats.loads, stats.queries, stats.hits)
 
     # ---- shutdown ------------------------------------------------------------------------
     def close(self) -> None:
