@@ -128,3 +128,23 @@ def test_block_events_follow_the_pool_the_prefix_cache_holds(make_engine) -> Non
     leading = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
     assert index.matched_blocks(0, hashes) == leading < 4
     assert index.num_blocks(0) == len(held)
+
+
+def test_a_poll_of_many_pool_records_leaves_the_index_equal_to_the_pool(make_engine) -> None:
+    """A replica's poll carries every record since the last one in one batch: a block
+    stored in one step and evicted in a later one must not stay in the index."""
+    core = make_engine("llama", block_size=4, num_gpu_blocks_override=12, max_model_len=48,
+                       max_num_batched_tokens=48)
+    recorder, tracker, index = PoolRecorder(core).listen(), BlockHashTracker(), PrefixIndex()
+    batch = ReplicaEvents()
+    for record in recorder.take_full():
+        assert tracker.apply(record, batch)
+    for prompt in (list(range(1, 17)), list(range(100, 144)), list(range(1, 17))):
+        core.add_request(prompt, SamplingParams(max_tokens=1))
+        while core.has_unfinished_requests():
+            core.step()
+            assert tracker.apply(recorder.take_delta(), batch)
+    index.apply(0, batch.stored, batch.evicted, tracker.event_seq)
+    assert index.held(0) == set(core.kv_cache.pool.cached_blocks)
+    # Every change counts as an event, the folded ones too.
+    assert tracker.event_seq > len(batch.blocks)
