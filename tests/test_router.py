@@ -188,7 +188,7 @@ def test_predicted_hits_settle_against_actual_ones_and_say_why_they_missed() -> 
     ledger.settle("c", 0)  # block 0 is still held: not reused by the replica
     ledger.abandon("d")  # never opened: ignored
     fourth = route("e")
-    ledger.settle("e", 8)  # block 2 a guess, never stored
+    ledger.settle("e", 4)  # block 1, the first guess after the held block 0, never stored
     fifth = route("f")
     ledger.settle("f", fifth.predicted_tokens + 4)  # a block the index did not know
     assert [o.reason for o in (first, second, third, fourth, fifth)] == [
@@ -197,7 +197,7 @@ def test_predicted_hits_settle_against_actual_ones_and_say_why_they_missed() -> 
     totals = ledger.totals
     assert totals.requests == 5 and totals.misses == 3
     assert totals.predicted_tokens == 8 + 12 + 4 + fourth.predicted_tokens + fifth.predicted_tokens
-    assert totals.actual_tokens == 8 + 4 + 0 + 8 + fifth.predicted_tokens + 4
+    assert totals.actual_tokens == 8 + 4 + 0 + 4 + fifth.predicted_tokens + 4
     assert totals.predicted_tokens - totals.missed_tokens == (
         totals.actual_tokens - totals.unforeseen_tokens)
     assert totals.misses_by_reason == {"evicted": 1, "not reused": 1, "not stored yet": 1}
