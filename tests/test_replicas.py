@@ -140,14 +140,13 @@ def test_the_router_view_of_a_shared_prefix_trace_equals_the_routers_counters(re
                for t in range(8)]
     prompts = [rng.choice(systems) + f" q{i}" for i in range(200)]
     params = SamplingParams(max_tokens=1, temperature=0)
-    finals, lags = [], []
+    finals = []
     for start in range(0, len(prompts), 10):
         streams = [replicas.submit(prompt, params) for prompt in prompts[start:start + 10]]
         # Asked while the burst runs, as the dashboard does: the replicas' answers must
-        # not cost the index any block event.
-        lags += [c.events_behind for c in replicas.router_view().replicas]
+        # not cost the index any block event (the last check below).
+        replicas.router_view()
         finals += [list(stream)[-1] for stream in streams]
-    assert all(lag >= 0 for lag in lags)
     wait_until(lambda: replicas.router_view().totals.requests == before.requests + 200,
                REPLICA_WAIT_S)
     view = replicas.router_view()

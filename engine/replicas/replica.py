@@ -75,9 +75,9 @@ class ReplicaEvents:
 
 @dataclass(frozen=True, slots=True)
 class CachedPrefixes:
-    """What a replica's prefix cache holds now (the hashes of every block with content,
-    in use or cached-free), taken from a fresh snapshot of its pool, and its count of
-    block events so far: the router's index compares its belief with this."""
+    """What a replica's prefix cache holds (the hashes of every block with content, in
+    use or cached-free) and its count of block events so far: the router's index
+    compares its belief with this."""
 
     replica: int
     hashes: frozenset[bytes]
@@ -213,13 +213,14 @@ class EngineReplica:
             self.tracker.mirror.awaiting_base = True
             self.engine.resync_pool(records)
 
-    async def cached_prefixes(self) -> CachedPrefixes:
-        """The pool's hashes now, and the event count once the pool records published so
-        far are tracked (their events go out with the next poll)."""
-        records = await asyncio.wrap_future(self.engine.snapshot_records())
+    def cached_prefixes(self) -> CachedPrefixes:
+        """The pool's hashes as of its last published step, and the event count through
+        it: the pool records published so far are tracked (their events go out with the
+        next poll). Read from the tracker's mirror, so the engine thread pays nothing
+        however often the dashboard asks."""
         self._track_blocks(self.untold)
-        mirror = PoolMirror.of(records)
-        hashes = frozenset(block_hash[0] for block_hash in mirror.hashes if block_hash is not None)
+        mirror = self.tracker.mirror
+        hashes = frozenset(block_hash[0] for block_hash in mirror.hashes[mirror.hashed])
         return CachedPrefixes(self.replica, hashes, self.tracker.event_seq)
 
     async def snapshot(self) -> EngineSnapshot:
