@@ -12,6 +12,7 @@ measured at the client (submit -> first token) and throughput.
 """
 
 import argparse
+import dataclasses
 import json
 import random
 import tempfile
@@ -23,10 +24,12 @@ from random_model import save_random_llama
 from roofline import cpu_name
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
+from kvscope.engine.replicas.hit_outcomes import HitTotals  # noqa: E402
 from kvscope.engine.replicas.replica_set import ReplicaSet  # noqa: E402
+from kvscope.engine.replicas.router import ROUTING_POLICIES  # noqa: E402
 from kvscope.engine.sampling_params import SamplingParams  # noqa: E402
 
-POLICIES = ("kv-aware", "least-loaded", "round-robin")
+SETTLE_WAIT_S = 60.0  # for the replicas' last request records and block events
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
                         help="blocks per replica (default: about half the system prompts)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", nargs="+", choices=ROUTING_POLICIES,
+                        default=list(ROUTING_POLICIES))
     return parser.parse_args(argv)
 
 
@@ -64,9 +69,11 @@ def run_policy(replicas: ReplicaSet, policy: str, tenants: list[int], prompts: l
     # Empty pools: the same knobs rebuild every replica's KV cache.
     replicas.reconfigure(num_gpu_blocks_override=replicas.config.num_gpu_blocks_override)
     before = replicas.counters()
+    hits_before = replicas.router_view().totals
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     ttfts: list[float] = []
     threads = []
+    request_ids = set()
     lock = threading.Lock()
 
     def consume(stream, submitted: float) -> None:
@@ -80,8 +87,9 @@ def run_policy(replicas: ReplicaSet, policy: str, tenants: list[int], prompts: l
     started = time.perf_counter()
     for index, prompt in enumerate(prompts):
         time.sleep(max(0.0, started + index / args.rate - time.perf_counter()))
-        thread = threading.Thread(target=consume, args=(
-            replicas.submit(prompt, params), time.perf_counter()))
+        stream = replicas.submit(prompt, params)
+        request_ids.add(stream.request_id)
+        thread = threading.Thread(target=consume, args=(stream, time.perf_counter()))
         thread.start()
         threads.append(thread)
     for thread in threads:
@@ -108,7 +116,31 @@ def run_policy(replicas: ReplicaSet, policy: str, tenants: list[int], prompts: l
             [sum(d.replica == r for d, t in zip(decisions, tenants, strict=True) if t == tenant)
              for r in range(replicas.num_replicas)] for tenant in range(args.tenants)],
         "preemptions": after.preemptions - before.preemptions,
+        "router_belief": router_belief(replicas, hits_before, request_ids),
     }
+
+
+def router_belief(replicas: ReplicaSet, before: HitTotals, request_ids: set[str]) -> dict:
+    """The run's predicted hits against the actual ones: summed over its requests' outcomes
+    and read from the router's counters (the two must agree), and the index beside each
+    replica's cache once idle."""
+    deadline = time.monotonic() + SETTLE_WAIT_S
+    view = replicas.router_view()
+    while view.totals.requests - before.requests < len(request_ids) and (
+            time.monotonic() < deadline):
+        time.sleep(0.5)
+        view = replicas.router_view()
+    while any(c.events_behind for c in view.replicas) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        view = replicas.router_view()
+    counters = view.totals.since(before)
+    summed = HitTotals()
+    for outcome in view.outcomes:
+        if outcome.request_id in request_ids and outcome.actual_tokens is not None:
+            summed.add(outcome)
+    return {"counters": dataclasses.asdict(counters),
+            "outcome_sums_equal_counters": summed == counters,
+            "index_vs_cache": [dataclasses.asdict(c) for c in view.replicas]}
 
 
 def main(argv=None) -> None:
@@ -128,11 +160,12 @@ def main(argv=None) -> None:
     try:
         vocab_size = len(replicas.tokenizer)
         results = [run_policy(replicas, policy, *workload(rng, args, vocab_size), args)
-                   for policy in POLICIES]
+                   for policy in args.policies]
     finally:
         replicas.shutdown()
     by_policy = {result["policy"]: result for result in results}
-    kv, rr = by_policy["kv-aware"], by_policy["round-robin"]
+    kv, rr = by_policy.get("kv-aware"), by_policy.get("round-robin")
+    compared = kv is not None and rr is not None
     print(json.dumps({
         "cpu": cpu_name(), "shared_machine": True,
         "model": args.model or "random Llama (hidden 256, 4 layers, 4k vocab), float32",
@@ -142,8 +175,9 @@ def main(argv=None) -> None:
         "results": results,
         "kv_aware_hit_rate_over_round_robin": (
             round(kv["prefix_cache_hit_rate"] / rr["prefix_cache_hit_rate"], 3)
-            if rr["prefix_cache_hit_rate"] else None),
-        "kv_aware_ttft_p50_over_round_robin": round(kv["ttft_p50_s"] / rr["ttft_p50_s"], 3),
+            if compared and rr["prefix_cache_hit_rate"] else None),
+        "kv_aware_ttft_p50_over_round_robin": (
+            round(kv["ttft_p50_s"] / rr["ttft_p50_s"], 3) if compared else None),
     }, indent=2))
 
 

@@ -132,7 +132,7 @@ def test_the_dashboard_interface_is_the_async_engine(engine) -> None:
     # One engine answers the replica questions trivially: one replica, nothing routed.
     assert engine.num_replicas == len(engine.replica_statuses()) == 1
     assert engine.routing is None and engine.routing_load_weight is None
-    assert not engine.recent_decisions
+    assert not engine.recent_decisions and engine.router_view() is None
     decisions = engine.subscribe_decisions()
     assert not decisions.closed and decisions.drain() == []
     with pytest.raises(ValueError, match="routing"):

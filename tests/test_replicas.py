@@ -4,6 +4,8 @@ replica restarted and one killed mid-stream, and no Ray at all for one replica."
 
 import json
 import os
+import random
+import string
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -24,13 +26,14 @@ from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.orchestrator.engine_core import EngineCore
 from kvscope.engine.orchestrator.streams import RequestStream
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvscope.engine.replicas.hit_outcomes import reusable_blocks
 from kvscope.engine.replicas.replica_set import ReplicaDown, ReplicaSet, _Routed, connect_ray
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.serving import create_app
 from kvscope.storage import SessionLog, record_sessions
 from kvscope.ui.live import LiveFeeds
 from kvscope.ui.panels import PanelRenderer
-from kvscope.ui.replicas import overview_markdown
+from kvscope.ui.replicas import overview_markdown, settled_totals
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
@@ -123,6 +126,53 @@ def test_outputs_equal_one_engines_greedy(replicas, tiny_chat_model_path) -> Non
         assert final.outputs[0].text == expected[prompt].outputs[0].text
 
 
+def test_the_router_view_of_a_shared_prefix_trace_equals_the_routers_counters(replicas) -> None:
+    """200 requests over 8 shared prefixes on 2 replicas whose pools hold less than all of
+    them, in bursts of 10: the view's predicted hits are the decisions' matches, its
+    actual hits the ones the clients saw, and both equal the router's counters; once idle
+    the router's index equals each replica's prefix cache."""
+    replicas.set_routing("kv-aware")
+    before = replicas.router_view().totals
+    rng = random.Random(0)
+    # 90 characters each: 22 full blocks, 8 of them more than both pools (2 x 96) hold
+    # beside the requests' own blocks, so some predicted blocks are evicted.
+    systems = [f"Tenant {t}: " + "".join(rng.choices(string.ascii_lowercase, k=80))
+               for t in range(8)]
+    prompts = [rng.choice(systems) + f" q{i}" for i in range(200)]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    finals = []
+    for start in range(0, len(prompts), 10):
+        streams = [replicas.submit(prompt, params) for prompt in prompts[start:start + 10]]
+        # Asked while the burst runs, as the dashboard does: the replicas' answers must
+        # not cost the index any block event (the last check below).
+        replicas.router_view()
+        finals += [list(stream)[-1] for stream in streams]
+    wait_until(lambda: replicas.router_view().totals.requests == before.requests + 200,
+               REPLICA_WAIT_S)
+    view = replicas.router_view()
+    totals = view.totals.since(before)
+    ids = {final.request_id for final in finals}
+    trace = tuple(outcome for outcome in view.outcomes if outcome.request_id in ids)
+    assert len(trace) == 200 and settled_totals(trace) == totals  # what the panel sums
+    assert totals.actual_tokens == sum(final.num_cached_tokens for final in finals) > 0
+    prompt_tokens = {final.request_id: len(final.prompt_token_ids) for final in finals}
+    decisions = [d for d in replicas.recent_decisions if d.request_id in ids]
+    assert len(decisions) == 200
+    assert totals.predicted_tokens == BLOCK_SIZE * sum(
+        min(d.matched_blocks, reusable_blocks(prompt_tokens[d.request_id], BLOCK_SIZE))
+        for d in decisions) > 0
+    assert totals.misses == sum(totals.misses_by_reason.values()) == sum(
+        outcome.actual_tokens < outcome.predicted_tokens for outcome in trace)
+
+    def index_equals_caches() -> bool:
+        comparisons = replicas.router_view().replicas
+        return len(comparisons) == 2 and all(
+            c.events_behind == c.believed_but_evicted == c.cached_but_unknown == 0
+            and c.believed_blocks == c.cached_blocks > 0 for c in comparisons)
+
+    wait_until(index_equals_caches, REPLICA_WAIT_S)
+
+
 @contextmanager
 def dashboard(replicas: ReplicaSet):
     """The dashboard on `replicas`, on a free loopback port; yields its url."""
@@ -159,6 +209,12 @@ def test_the_dashboard_shows_every_replica_and_its_routing(replicas) -> None:
         newest = decisions["data"][0]
         assert newest[:3] == [decision.request_id, "kv-aware", decision.replica]
         assert "r0:" in newest[4] and "r1:" in newest[4]
+        belief, misses = client.predict(api_name="/refresh_router")
+        totals = replicas.router_view().totals
+        assert (f"predicted **{totals.predicted_tokens}**, actual **{totals.actual_tokens}**"
+                in belief)
+        assert "| 0 |" in belief and "| 1 |" in belief  # both replicas' index and cache
+        assert misses["headers"][-1] == "why"
         status = client.predict("least-loaded", 0.5, api_name="/set_routing")
         assert "least-loaded" in status and replicas.routing == "least-loaded"
         client.predict("kv-aware", 1.0, api_name="/set_routing")

@@ -9,6 +9,7 @@ from kvscope.engine.core.state_slots import SlotTable
 from kvscope.engine.orchestrator.async_engine import EngineCounters, ReplicaStatus
 from kvscope.engine.orchestrator.streams import Channel, RequestStream
 from kvscope.engine.replicas.router import RoutingDecision
+from kvscope.engine.replicas.router_view import RouterView
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import EngineSnapshot
 from kvscope.engine.worker.memory import MemoryPlan
@@ -132,6 +133,11 @@ class EngineView(Protocol):
 
     def subscribe_decisions(self, maxsize: int = 1024) -> Channel:
         """Every RoutingDecision from now on (a single engine's channel stays empty)."""
+
+    def router_view(self, timeout: float | None = 10.0) -> RouterView | None:
+        """The router's prefix index beside each live replica's prefix cache (its
+        staleness too), and the routed requests' predicted prefix hits beside the hits
+        their replicas had; None for a single engine."""
 
     # ---- control ---------------------------------------------------------------------------
     def reconfigure(self, abort_running: bool = False, timeout: float | None = None,

@@ -262,6 +262,10 @@ class AsyncEngine(ServedEngine):
         """An open channel that stays empty: one engine makes no routing decisions."""
         return Channel(maxsize)
 
+    def router_view(self, timeout: float | None = 10.0) -> None:
+        """None: one engine has no router whose belief to compare."""
+        return None
+
     def replica_statuses(self) -> list[ReplicaStatus]:
         step, num_blocks = self._last_step, self._core.memory_plan.num_blocks
         return [ReplicaStatus(0, self.is_running, None, 0, len(self._live),

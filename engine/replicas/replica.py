@@ -39,17 +39,49 @@ class ReplicaEvents:
     """What happened on a replica since the last poll.
 
     `stored` / `evicted` are the block hashes (the value of a BlockHash, the prefix cache's chained
-    hash) that entered or left the replica's pool; the router's prefix index applies them.
+    hash) that entered or left the replica's pool; the router's prefix index applies them,
+    evictions first. A batch spans many pool records, so each hash is kept once, as its
+    last change (`blocks`: hash -> stored): a block stored in one step and evicted in a
+    later one must leave the index evicted.
     `pool` holds the pool records (kvscope.engine.telemetry.records) for the API process's mirrors, while
     one is watching this replica.
     """
 
     steps: list[StepRecord] = field(default_factory=list)
     requests: list[RequestRecord] = field(default_factory=list)
-    stored: list[bytes] = field(default_factory=list)
-    evicted: list[bytes] = field(default_factory=list)
+    blocks: dict[bytes, bool] = field(default_factory=dict)
     pool: list = field(default_factory=list)
     counters: EngineCounters | None = None
+    event_seq: int = 0  # the replica's stored + evicted count through this batch
+
+    @property
+    def stored(self) -> list[bytes]:
+        return [block_hash for block_hash, stored in self.blocks.items() if stored]
+
+    @property
+    def evicted(self) -> list[bytes]:
+        return [block_hash for block_hash, stored in self.blocks.items() if not stored]
+
+    def add_blocks(self, evicted: list[bytes], stored: list[bytes]) -> None:
+        """One pool record's changes, evictions first (a reused block's old hash leaves
+        before its new one enters)."""
+        for block_hash in evicted:
+            self.blocks.pop(block_hash, None)  # re-inserted last: the order of changes
+            self.blocks[block_hash] = False
+        for block_hash in stored:
+            self.blocks.pop(block_hash, None)
+            self.blocks[block_hash] = True
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefixes:
+    """What a replica's prefix cache holds (the hashes of every block with content, in
+    use or cached-free) and its count of block events so far: the router's index
+    compares its belief with this."""
+
+    replica: int
+    hashes: frozenset[bytes]
+    event_seq: int
 
 
 class BlockHashTracker:
@@ -59,6 +91,7 @@ class BlockHashTracker:
 
     def __init__(self) -> None:
         self.mirror = PoolMirror()
+        self.event_seq = 0  # stored + evicted events emitted so far
 
     def apply(self, record, events: ReplicaEvents) -> bool:
         """False when the record cannot be applied: ask the engine for a new snapshot."""
@@ -74,15 +107,18 @@ class BlockHashTracker:
         if isinstance(record, PoolDelta):
             touched = {*before, *(block_id for block_id, _, _ in record.blocks)}
         hashes = mirror.hashes
+        evicted, stored = [], []
         for block_id in touched:
             old = before.get(block_id)
             new = hashes[block_id] if block_id < len(hashes) else None
             old_value, new_value = old and old[0], new and new[0]
             if old_value != new_value:
                 if old_value is not None:
-                    events.evicted.append(old_value)
+                    evicted.append(old_value)
                 if new_value is not None:
-                    events.stored.append(new_value)
+                    stored.append(new_value)
+        events.add_blocks(evicted, stored)
+        self.event_seq += len(evicted) + len(stored)
         return applied
 
 
@@ -102,6 +138,8 @@ class EngineReplica:
         self.tracker = BlockHashTracker()
         self.pool_records = self.engine.subscribe_pool(EVENT_BACKLOG)
         self.pool_dropped = 0
+        # Block events tracked between two polls (a cached_prefixes call catches up).
+        self.untold = ReplicaEvents()
         self.forwarded: Channel | None = None  # pool records for the API process's mirrors
 
     def info(self) -> ReplicaInfo:
@@ -153,7 +191,11 @@ class EngineReplica:
         events.steps = [dataclasses.replace(step, replica=self.replica) for step in events.steps]
         events.requests = [dataclasses.replace(record, replica=self.replica)
                            for record in self.finished.drain()]
+        # After the wait, in one go: a cached_prefixes call during it tracked the records
+        # published so far, whose events come before the ones tracked now.
+        events.blocks, self.untold = self.untold.blocks, ReplicaEvents()
         self._track_blocks(events)
+        events.event_seq = self.tracker.event_seq
         if self.forwarded is not None:
             events.pool = self.forwarded.drain()
         events.counters = self.engine.counters()
@@ -170,6 +212,16 @@ class EngineReplica:
         if missed:
             self.tracker.mirror.awaiting_base = True
             self.engine.resync_pool(records)
+
+    def cached_prefixes(self) -> CachedPrefixes:
+        """The pool's hashes as of its last published step, and the event count through
+        it: the pool records published so far are tracked (their events go out with the
+        next poll). Read from the tracker's mirror, so the engine thread pays nothing
+        however often the dashboard asks."""
+        self._track_blocks(self.untold)
+        mirror = self.tracker.mirror
+        hashes = frozenset(block_hash[0] for block_hash in mirror.hashes[mirror.hashed])
+        return CachedPrefixes(self.replica, hashes, self.tracker.event_seq)
 
     async def snapshot(self) -> EngineSnapshot:
         return dataclasses.replace(await self.engine.snapshot_async(), replica=self.replica)

@@ -37,9 +37,11 @@ from kvscope.engine.orchestrator.beam_search import BeamSearchParams
 from kvscope.engine.orchestrator.served import ServedEngine, ServedModel
 from kvscope.engine.orchestrator.streams import EngineClosed, Feed, RequestFailed, RequestStream
 from kvscope.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvscope.engine.replicas.hit_outcomes import HitLedger
 from kvscope.engine.replicas.prefix_index import PrefixIndex, prompt_block_hashes
 from kvscope.engine.replicas.replica import EngineReplica, ReplicaInfo
 from kvscope.engine.replicas.router import ReplicaLoad, Router, RoutingDecision, check_load_weight
+from kvscope.engine.replicas.router_view import RouterView, compare_index
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry.records import EngineSnapshot, StepRecord
 from kvscope.engine.worker.loader import load_tokenizer, resolve_model_path
@@ -176,6 +178,7 @@ class ReplicaSet(ServedEngine):
         self.restart_replicas = restart_replicas
         self.index = PrefixIndex()
         self.router = Router(self.index, routing, load_weight)
+        self.hits = HitLedger(self.index)  # predicted against actual prefix hits
         self.tokenizer = load_tokenizer(resolve_model_path(config.model))
         self._owns_ray = connect_ray(ray_address)
         self._step_feed, self._request_feed, self._decision_feed = Feed(), Feed(), Feed()
@@ -322,6 +325,8 @@ class ReplicaSet(ServedEngine):
         max_num_seqs = self.config.max_num_seqs
         loads = [ReplicaLoad(r.index, len(r.streams), r.kv_usage, max_num_seqs) for r in live]
         decision = self.router.choose(request_id, hashes, loads)
+        self.hits.open(request_id, decision.replica, decision.matched_blocks, hashes,
+                       len(token_ids), self.config.block_size)
         self.recent_decisions.append(decision)
         self._decision_feed.publish(decision)
         return decision
@@ -349,6 +354,8 @@ class ReplicaSet(ServedEngine):
             async for ref in outputs:
                 item = await ref
                 if isinstance(item, Exception):
+                    if not accepted:  # refused: it never reached the replica's scheduler
+                        self.hits.abandon(stream.request_id)
                     stream.fail(item)
                     return
                 if not accepted:
@@ -374,15 +381,23 @@ class ReplicaSet(ServedEngine):
                 if not self.restart_replicas or not await self._await_restart(replica):
                     return
                 continue
-            self.index.apply(replica.index, events.stored, events.evicted)
+            self.index.apply(replica.index, events.stored, events.evicted, events.event_seq)
             for step in events.steps:
                 replica.last_step = step
                 self._step_feed.publish(step)
             for record in events.requests:
+                self._settle_hit(record)
                 self._request_feed.publish(record)
             for record in events.pool:
                 replica.pool_feed.publish(record)
             replica.counters = events.counters
+
+    def _settle_hit(self, record: RequestRecord) -> None:
+        output = record.output
+        if output.metrics is not None and output.metrics.first_scheduled_time is not None:
+            self.hits.settle(output.request_id, output.num_cached_tokens)
+        else:  # aborted (or failed) before it was scheduled: no hit to compare
+            self.hits.abandon(output.request_id)
 
     def _mark_down(self, replica: _Replica, error: BaseException,
                    incarnation: int | None = None) -> None:
@@ -406,6 +421,7 @@ class ReplicaSet(ServedEngine):
         routed, replica.streams = replica.streams, {}
         failed = replica.carried.requests_finished
         for request in routed.values():
+            self.hits.abandon(request.stream.request_id)
             self._request_feed.publish(request.failed_record(replica.index, str(error)))
             failed["error"] = failed.get("error", 0) + 1
             request.stream.fail(error)
@@ -465,6 +481,24 @@ class ReplicaSet(ServedEngine):
         """One replica's state slots (AsyncEngine.state_slot_table), asked of its actor."""
         return asyncio.run_coroutine_threadsafe(self._slot_table(replica),
                                                 self._loop).result(10.0)
+
+    def router_view(self, timeout: float | None = 10.0) -> RouterView:
+        """The prefix index beside each live replica's prefix cache, and the routed
+        requests' predicted hits beside their actual ones."""
+        return self._call(self._router_view(), timeout)
+
+    async def _router_view(self) -> RouterView:
+        live = [r for r in self._replicas if r.alive]
+        answers = await asyncio.gather(*(r.actor.cached_prefixes.remote() for r in live),
+                                       return_exceptions=True)
+        # A replica that died meanwhile is left out (its status says it is down).
+        comparisons = tuple(compare_index(self.index, answer) for answer in answers
+                            if not isinstance(answer, BaseException))
+        totals = self.hits.totals
+        return RouterView(self.config.block_size, comparisons,
+                          tuple(dataclasses.replace(o) for o in self.hits.recent),
+                          dataclasses.replace(totals,
+                                              misses_by_reason=dict(totals.misses_by_reason)))
 
     def subscribe_steps(self, maxsize: int = 1024):
         """Every replica's StepRecords (each carries its `replica`)."""
