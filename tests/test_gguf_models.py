@@ -37,7 +37,7 @@ from kvscope.kernels.gguf_blocks import random_blocks
 # The tiny models' architectures -> llama.cpp's (Llama 3.2 is a llama GGUF with rope_freqs).
 GGUF_ARCH = {"llama": MODEL_ARCH.LLAMA, "llama3": MODEL_ARCH.LLAMA, "qwen3": MODEL_ARCH.QWEN3,
              "phi3": MODEL_ARCH.PHI3, "qwen2": MODEL_ARCH.QWEN2, "smollm3": MODEL_ARCH.SMOLLM3,
-             "qwen3-moe": MODEL_ARCH.QWEN3MOE}
+             "qwen3-moe": MODEL_ARCH.QWEN3MOE, "qwen2-moe": MODEL_ARCH.QWEN2MOE}
 # llama.cpp's converter permutes these architectures' Q / K rows (SmolLM3 is written as a Llama).
 PERMUTED_ARCH = (MODEL_ARCH.LLAMA, MODEL_ARCH.SMOLLM3)
 CHAT_TEMPLATE = "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}{% endfor %}"
@@ -75,6 +75,8 @@ def write_model_gguf(arch: str, hf_model, path, kind=GGMLQuantizationType.F32,
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     rotary = config.rope_parameters
     writer.add_rope_freq_base(rotary["rope_theta"])
     writer.add_rope_dimension_count(int(head_dim * rotary.get("partial_rotary_factor", 1.0)))
@@ -184,8 +186,8 @@ def k_quant_model(arch: str, dense: tuple[str, ...] = (), overrides: dict | None
     return blocks, hf_model
 
 
-# The mixture of experts has its expert tensors made and checked in test_gguf_moe.py.
-@pytest.mark.parametrize("arch", [arch for arch in GGUF_ARCH if arch != "qwen3-moe"])
+# The mixtures of experts have their expert tensors made and checked in test_gguf_moe.py.
+@pytest.mark.parametrize("arch", [arch for arch in GGUF_ARCH if not arch.endswith("-moe")])
 def test_a_k_quant_gguf_of_each_architecture_serves_its_blocks_as_stored(arch, tmp_path,
                                                                          monkeypatch):
     """quantization="gguf": the file's blocks are the weights (their bytes per type are the

@@ -1,5 +1,6 @@
-"""GGUF mixture-of-experts files as llama.cpp writes them (Qwen3-MoE: a router
-`ffn_gate_inp` and each expert part one 3-D tensor, `ffn_{gate,up,down}_exps`), served as
+"""GGUF mixture-of-experts files as llama.cpp writes them (Qwen3-MoE and Qwen2-MoE: a router
+`ffn_gate_inp` and each expert part one 3-D tensor, `ffn_{gate,up,down}_exps`; Qwen2-MoE's
+shared expert `ffn_{gate,up,down}_shexp` behind its gate `ffn_gate_inp_shexp`), served as
 they ship: the experts' k-quant and Q8_0 blocks stay packed, as the file stores them, and the
 fused expert op streams them through the same kernels as the dense GGUF layers; greedy
 tokens equal transformers' on the de-quantized weights."""
@@ -25,17 +26,26 @@ Q = GGMLQuantizationType
 # Each layer's expert parts (gate, up, down): the k-quants and Q8_0, a gate and up of
 # different types (each expert's gate_up rows then two runs), and of one type.
 EXPERT_TYPES = [(Q.Q4_K, Q.Q5_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0, Q.Q4_K)]
-# llama.cpp's Qwen3-MoE: every layer a MoE layer, the top-k weights renormalized.
-MOE_SHAPE = {"moe_intermediate_size": 256, "mlp_only_layers": [], "num_hidden_layers": 2,
-             "norm_topk_prob": True}
+# Every layer a MoE layer, as llama.cpp's graphs have them: Qwen3-MoE's top-k weights
+# renormalized, Qwen2-MoE's not, with its shared expert at k-quant width.
+MOE_SHAPES = {
+    "qwen3-moe": {"moe_intermediate_size": 256, "mlp_only_layers": [], "num_hidden_layers": 2,
+                  "norm_topk_prob": True},
+    "qwen2-moe": {"moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+                  "mlp_only_layers": [], "decoder_sparse_step": 1, "num_hidden_layers": 2,
+                  "layer_types": ["full_attention"] * 2,
+                  "norm_topk_prob": False},
+}
+# The routers, kept F16 as llama.cpp's converter keeps them.
+ROUTERS = ("gate", "shared_expert_gate")
 
 
-def k_quant_moe_model():
-    """A tiny Qwen3-MoE at k-quant width whose experts are random valid blocks of
-    EXPERT_TYPES, its router F16: (the blocks by transformers name, the experts' parts under
+def k_quant_moe_model(arch: str = "qwen3-moe"):
+    """A tiny MoE at k-quant width whose experts are random valid blocks of EXPERT_TYPES,
+    its routers F16: (the blocks by transformers name, the experts' parts under
     "...mlp.experts.gate_proj.weight"; transformers' model holding their de-quantized
     values)."""
-    blocks, hf_model = k_quant_model("qwen3-moe", dense=("gate",), overrides=MOE_SHAPE)
+    blocks, hf_model = k_quant_model(arch, dense=ROUTERS, overrides=MOE_SHAPES[arch])
     config = hf_model.config
     experts, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
     rng = np.random.default_rng(63)
@@ -54,12 +64,12 @@ def k_quant_moe_model():
     return blocks, hf_model
 
 
-@pytest.fixture(scope="module")
-def moe_gguf(tmp_path_factory):
-    """The tiny Qwen3-MoE GGUF's path and transformers' model of its de-quantized weights."""
-    blocks, hf_model = k_quant_moe_model()
-    path = tmp_path_factory.mktemp("moe") / "qwen3moe.gguf"
-    write_model_gguf("qwen3-moe", hf_model, path, blocks=blocks)
+@pytest.fixture(scope="module", params=list(MOE_SHAPES))
+def moe_gguf(request, tmp_path_factory):
+    """A tiny MoE GGUF's path and transformers' model of its de-quantized weights."""
+    blocks, hf_model = k_quant_moe_model(request.param)
+    path = tmp_path_factory.mktemp("moe") / f"{request.param}.gguf"
+    write_model_gguf(request.param, hf_model, path, blocks=blocks)
     return path, hf_model
 
 
@@ -75,7 +85,7 @@ def expert_bytes_by_type(path) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("eager", [False, True])
-def test_a_qwen3_moe_gguf_serves_its_expert_blocks_packed(eager, moe_gguf, tmp_path, monkeypatch):
+def test_a_moe_gguf_serves_its_expert_blocks_packed(eager, moe_gguf, tmp_path, monkeypatch):
     """The experts are GGUF layers holding the file's blocks, byte for byte per type, never
     widened; the C++ stack (or the eager layers) route and run them through the fused
     expert op, and greedy tokens equal transformers' on the de-quantized weights (fp32)."""

@@ -37,12 +37,18 @@ QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_
 # A MoE layer's router and its experts' parts, one 3-D tensor [experts, out, in] each.
 EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
                 "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+# Qwen2-MoE's shared expert, an MLP every token runs, behind a sigmoid gate of its own.
+SHARED_EXPERT_NAMES = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                       "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                       "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                       "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 # Each architecture's block names beyond (or instead of) Llama's, as llama.cpp writes them.
 ARCHITECTURE_BLOCK_NAMES = {
     "llama": {},
     "qwen2": {},
     "qwen3": QK_NORM_NAMES,
     "qwen3moe": {**QK_NORM_NAMES, **EXPERT_NAMES},
+    "qwen2moe": {**EXPERT_NAMES, **SHARED_EXPERT_NAMES},
     # Phi-3 keeps its fused projections: ffn_up holds gate and up, attn_qkv q, k and v.
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "smollm3": {},
@@ -51,12 +57,15 @@ GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BLOCK_NAMES)
 # The transformers class each one is (a config read from a GGUF file names none).
 ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                         "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                        "qwen2moe": "Qwen2MoeForCausalLM",
                         "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 # What transformers' GGUF reader leaves out of a MoE config, from llama.cpp's keys: the
-# experts' width (expert_feed_forward_length); and whether the top-k weights are
-# renormalized, which llama.cpp's graph fixes per architecture (Qwen3-MoE's always are).
+# experts' width (expert_feed_forward_length) and the shared expert's
+# (expert_shared_feed_forward_length); and whether the top-k weights are renormalized,
+# which llama.cpp's graph fixes per architecture (Qwen3-MoE's always are, Qwen2-MoE's never).
 MOE_WIDTH_KEY = "expert_feed_forward_length"
-NORMALIZED_TOP_K = {"qwen3moe": True}
+SHARED_EXPERT_WIDTH_KEY = "expert_shared_feed_forward_length"
+NORMALIZED_TOP_K = {"qwen3moe": True, "qwen2moe": False}
 # llama.cpp's converter writes SmolLM3 as a Llama (its Q / K rows permuted too).
 PERMUTED_QK_ARCHITECTURES = ("llama", "smollm3")
 # Architectures transformers' GGUF reader does not know: their config, tokenizer and fp32
@@ -155,6 +164,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
     if architecture in NORMALIZED_TOP_K:
         config.moe_intermediate_size = field(MOE_WIDTH_KEY)
         config.norm_topk_prob = NORMALIZED_TOP_K[architecture]
+    if field(SHARED_EXPERT_WIDTH_KEY) is not None:
+        config.shared_expert_intermediate_size = field(SHARED_EXPERT_WIDTH_KEY)
     if "rope_freqs.weight" in factors:
         divisors = factors["rope_freqs.weight"]
         config.rope_parameters = {

@@ -194,6 +194,12 @@ class NameReader {
     return found->value();
   }
 
+  // Whether a linear module is there, in any form linear() reads (nothing is marked read).
+  bool has_linear(const std::string& module) const {
+    return named_.contains(module + ".weight") || named_.contains(module + ".tiles") ||
+           named_.contains(module + ".gguf_parts");
+  }
+
   // A linear module's weight, and its bias, scales and offsets where it has them; a GGUF
   // layer's runs (weights.0, weights.1... as its ParameterList names them) and their parts.
   LinearWeights linear(const std::string& module) {
@@ -290,7 +296,7 @@ kvscope::DecoderLayerWeights kvscope::DecoderLayerWeights::from(const NamedTenso
     moe.gate_up = reader.experts("mlp.experts.gate_up_proj", experts);
     moe.down = reader.experts("mlp.experts.down_proj", experts);
     moe.expert_counts = reader.optional("mlp.experts.token_counts");
-    if (reader.optional("mlp.shared_expert_gate.weight")) {
+    if (reader.has_linear("mlp.shared_expert_gate")) {
       moe.shared_gate = reader.linear("mlp.shared_expert_gate");
       moe.shared_gate_up = reader.linear("mlp.shared_expert.gate_up_proj");
       moe.shared_down = reader.linear("mlp.shared_expert.down_proj");
