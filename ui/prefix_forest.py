@@ -22,6 +22,8 @@ class PrefixForest:
     block_ids: np.ndarray
     parent: np.ndarray
     subtree_weight: np.ndarray  # sum of (1 + ref count) over the node's subtree
+    num_children: np.ndarray
+    only_child: np.ndarray  # the child of a node with exactly one, else -1
     _child_order: np.ndarray  # node indices ordered by parent, ascending ids within
     _child_parent: np.ndarray  # parent[_child_order]
 
@@ -47,25 +49,31 @@ def prefix_forest(pool: PoolMirror) -> PrefixForest:
         parent[linked] = by_key[at[linked]]
     child_order = np.argsort(parent, kind="stable")
     child_parent = parent[child_order]
-    weight = 1 + pool.ref_counts[block_ids].astype(np.int64)
-    subtree_weight = _subtree_sums(parent, weight, child_order, child_parent)
-    return PrefixForest(block_ids, parent, subtree_weight, child_order, child_parent)
-
-
-def _subtree_sums(parent: np.ndarray, weight: np.ndarray, child_order: np.ndarray,
-                  child_parent: np.ndarray) -> np.ndarray:
-    """Each node's weight plus its descendants': the levels found top-down from the roots
-    (one vectorised expansion per level), then summed into parents deepest level first."""
+    # Children of node i sit in child_order[first_child[i] : first_child[i] + count].
     first_child = np.searchsorted(child_parent, np.arange(len(parent)))
     num_children = np.searchsorted(child_parent, np.arange(len(parent)), side="right") - (
         first_child)
+    only_child = np.full(len(parent), -1, np.int64)
+    single = num_children == 1
+    only_child[single] = child_order[first_child[single]]
+    weight = 1 + pool.ref_counts[block_ids].astype(np.int64)
+    subtree_weight = _subtree_sums(parent, weight, child_order, child_parent, first_child,
+                                   num_children)
+    return PrefixForest(block_ids, parent, subtree_weight, num_children, only_child,
+                        child_order, child_parent)
+
+
+def _subtree_sums(parent: np.ndarray, weight: np.ndarray, child_order: np.ndarray,
+                  child_parent: np.ndarray, first_child: np.ndarray,
+                  num_children: np.ndarray) -> np.ndarray:
+    """Each node's weight plus its descendants': the levels found top-down from the roots
+    (one vectorised expansion per level), then summed into parents deepest level first."""
     levels = []
     level = child_order[:np.searchsorted(child_parent, 0)]  # the roots (parent -1)
     while level.size:
         levels.append(level)
         counts = num_children[level]
         ends = np.cumsum(counts)
-        # Children of each node sit in child_order[first_child : first_child + count].
         at = np.repeat(first_child[level] - ends + counts, counts) + np.arange(ends[-1] if
                                                                                  ends.size else 0)
         level = child_order[at]

@@ -1,0 +1,57 @@
+"""Made-up pools for the radix tree's tests and bench: what the load generator's heavy
+preset leaves at block_size 1, at any size."""
+
+import numpy as np
+
+from kvscope.engine.telemetry.pool_mirror import PoolMirror
+from kvscope.engine.telemetry.records import PoolBase, PoolCounters, PoolSlice
+
+WORDS = ("the", "paged", "attention", "design", "stores", "key", "and", "value", "cache",
+         "of", "every", "sequence", "in", "fixed", "size", "blocks")
+
+
+def decode_words(token_ids: tuple[int, ...]) -> str:
+    return " ".join(WORDS[token % len(WORDS)] for token in token_ids)
+
+
+def heavy_preset_mirror(num_blocks: int, running: int = 8, seed: int = 0) -> PoolMirror:
+    """Requests as the heavy preset sends them ("Pool pushed into preemption"), one token
+    a block: half start with a system prompt cut at a random length (one trunk, a branch
+    where each leaves it), half are prose of their own; each adds its output. The last
+    `running` requests still hold their blocks (ref counts), the rest are cached."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 1000, 1024).tolist()
+    tokens_of, parent_of, owners = [], [], []  # per block
+    trunk: list[int] = []  # block ids of the system prompt's prefix stored so far
+    request = 0
+    while len(tokens_of) < num_blocks:
+        length = int(rng.integers(256, 1025))
+        prompt, shared = (system[:length], True) if rng.random() < 0.5 else (
+            rng.integers(0, 1000, length).tolist(), False)
+        tokens = prompt + rng.integers(0, 1000, int(rng.integers(16, 257))).tolist()
+        parent = -1
+        for position, token in enumerate(tokens):
+            if shared and position < len(prompt) and position < len(trunk):
+                parent = trunk[position]  # the system prompt's block, already stored
+                owners[parent].append(request)
+                continue
+            if len(tokens_of) == num_blocks:
+                break
+            block = len(tokens_of)
+            tokens_of.append(token)
+            parent_of.append(parent)
+            owners.append([request])
+            if shared and position == len(trunk) and position < len(prompt):
+                trunk.append(block)
+            parent = block
+        request += 1
+    refs = [sum(owner >= request - running for owner in held) for held in owners]
+    values = [block.to_bytes(16, "little") for block in range(num_blocks)]
+    hashes = tuple((block, (values[block], values[parent] if parent >= 0 else None,
+                            (tokens_of[block],)))
+                   for block, parent in enumerate(parent_of))
+    counters = PoolCounters(0, 0.0, num_blocks, 1, 0, 0, 0, 0, 0, 0, {"max_model_len": 2048})
+    mirror = PoolMirror()
+    mirror.apply(PoolBase(0, 0, counters, ()))
+    mirror.apply(PoolSlice(0, 0, tuple(refs), hashes))
+    return mirror

@@ -1,0 +1,159 @@
+"""The prefix forest (ui.prefix_forest) as a radix tree, drawn as SGLang draws the tree of
+RadixAttention: a chain of blocks, each the only child of the one before it, is one node
+labelled with its text. Which nodes are drawn, and how much of each label, follows from
+the width a node gets on screen, so every label drawn is whole and at least MIN_FONT_PX.
+
+A chain also ends where the drawing's marks change: the ref count (and with it the state's
+colour), whether the followed request holds the block, and after a block behind which a
+state slot keeps a snapshot (a prefix hit can end there). Finding every chain is numpy,
+pointer jumping in log2(longest chain) passes; Python touches only the nodes drawn.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvscope.ui.prefix_forest import PrefixForest
+
+# The tree shares its row with another panel: at a 1024 px wide page its plot is about
+# this wide (wider pages only give labels room to spare).
+TREE_PLOT_WIDTH_PX = 440
+LABEL_FONT_PX = 12
+MIN_FONT_PX = 11  # plotly shrinks a label down to this, and hides one that needs less
+# The widest average glyph of prose at LABEL_FONT_PX among the page's sans-serif fonts,
+# with a margin: a label sized with it fits its box at LABEL_FONT_PX.
+CHAR_PX = 7.5
+TEXT_PAD_PX = 8  # plotly's inset of a label (3 px a side) and the node's outline
+# Narrower siblings fold into "+N more": a node is a box to point at and click, labelled
+# when it is wide enough for a few glyphs (else its hover alone says what it holds).
+MIN_NODE_PX = 16
+MAX_TREE_NODES = 300
+
+
+@dataclass(frozen=True, slots=True)
+class RadixChains:
+    """Per forest node h heading a chain (is_head[h]): its last node tail[h], its number
+    of blocks, and the eviction places of its blocks (0 for blocks in use), first and
+    last to go. Indices not heading a chain hold nothing meaningful."""
+
+    is_head: np.ndarray
+    tail: np.ndarray
+    length: np.ndarray
+    first_place: np.ndarray
+    last_place: np.ndarray
+
+    def nodes(self, forest: PrefixForest, head: int, limit: int) -> list[int]:
+        """The chain's first `limit` forest nodes, from its head down."""
+        nodes, node = [head], head
+        while len(nodes) < min(limit, int(self.length[head])):
+            node = int(forest.only_child[node])
+            nodes.append(node)
+        return nodes
+
+
+def _jump(pointer: np.ndarray) -> np.ndarray:
+    """Follow each pointer to where its chain of pointers ends (a node pointing at itself),
+    doubling the distance covered each pass."""
+    while True:
+        further = pointer[pointer]
+        if np.array_equal(further, pointer):
+            return pointer
+        pointer = further
+
+
+def radix_chains(forest: PrefixForest, marks: np.ndarray, ends_after: np.ndarray,
+                 places: np.ndarray) -> RadixChains:
+    """Per forest node: `marks`, what a chain keeps throughout (a chain ends where it
+    changes); `ends_after`, whether a chain must end at the node; `places`, its eviction
+    place (0: in use)."""
+    nodes = np.arange(len(forest))
+    child = forest.only_child
+    goes_on = (child >= 0) & ~ends_after
+    goes_on[goes_on] = marks[child[goes_on]] == marks[goes_on]
+    linked = forest.parent >= 0
+    is_head = np.ones(len(forest), bool)
+    is_head[linked] = ~goes_on[forest.parent[linked]]
+    tail = _jump(np.where(goes_on, child, nodes))
+    head_of = _jump(np.where(is_head, nodes, np.maximum(forest.parent, 0)))
+    length = np.bincount(head_of, minlength=len(forest))
+    first_place = np.full(len(forest), np.iinfo(np.int64).max)
+    np.minimum.at(first_place, head_of, places)
+    last_place = np.zeros(len(forest), np.int64)
+    np.maximum.at(last_place, head_of, places)
+    return RadixChains(is_head, tail, length, first_place, last_place)
+
+
+@dataclass(slots=True)
+class DrawnNode:
+    """A node of the drawing: a chain (head, a forest node), the root (-1, parent -1) or
+    `folded` sibling chains too narrow to draw (head -1). `value`: the blocks' weight under
+    it, `width_px`: its width with the whole tree on screen, `undrawn`: branches under it
+    left out (too narrow together for even a "+N more", or past MAX_TREE_NODES)."""
+
+    head: int
+    parent: int
+    value: int
+    width_px: float
+    folded: int = 0
+    undrawn: int = 0
+
+
+def text_px(text: str) -> float:
+    return len(text) * CHAR_PX + TEXT_PAD_PX
+
+
+def fold_label(count: int) -> str:
+    return f"+{count} more"
+
+
+def fit(text: str, width_px: float) -> str:
+    """As much of `text` as fits `width_px` at LABEL_FONT_PX: whole words where it can,
+    whole glyphs always, "…" where it stops short; "" if not even one glyph fits."""
+    room = int((width_px - TEXT_PAD_PX) // CHAR_PX)
+    if len(text) <= room:
+        return text
+    if room < 2:
+        return ""
+    cut = text[:room - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space >= room // 2 else cut).rstrip() + "…"
+
+
+def drawn_nodes(forest: PrefixForest, chains: RadixChains,
+                plot_width_px: float = TREE_PLOT_WIDTH_PX) -> list[DrawnNode]:
+    """Breadth first, heaviest sibling first: the chains at least MIN_NODE_PX wide, the
+    rest of a node's children folded into one "+N more" where that label fits (else left
+    undrawn, and counted), at most MAX_TREE_NODES nodes. Drawn node 0 is the
+    root; a node's parent precedes it. Widths are with the whole tree on screen, except
+    under a "+N more": its siblings are its children, sized as a click on it shows them
+    (zoomed to the plot's width), so the folded chains are there to be opened."""
+    weight = forest.subtree_weight
+    roots = forest.children(-1)
+    total = int(weight[roots].sum())
+    drawn = [DrawnNode(-1, -1, total, plot_width_px)]
+    # (drawn node, its children, px per unit of weight, whether they are a fold's)
+    frontier = deque([(0, roots, plot_width_px / max(total, 1), False)])
+    while frontier:
+        index, kids, px_per_weight, in_fold = frontier.popleft()
+        if not kids.size:
+            continue
+        widths = weight[kids] * px_per_weight
+        room = MAX_TREE_NODES + 1 - len(drawn)
+        count = min(int(np.count_nonzero(widths >= MIN_NODE_PX)), room)
+        if count < len(kids):
+            count = max(min(count, room - 1), 0)  # a place for the "+N more"
+        for kid, width in zip(kids[:count].tolist(), widths[:count].tolist()):
+            frontier.append((len(drawn), forest.children(int(chains.tail[kid])),
+                             px_per_weight, False))
+            drawn.append(DrawnNode(kid, index, int(weight[kid]), width))
+        rest, fold_width = len(kids) - count, float(widths[count:].sum())
+        # A fold of all a fold's children would fold forever: they stay undrawn.
+        if rest and room > count and fold_width >= text_px(fold_label(rest)) and not (
+                in_fold and not count):
+            fold_value = int(weight[kids[count:]].sum())
+            frontier.append((len(drawn), kids[count:], plot_width_px / fold_value, True))
+            drawn.append(DrawnNode(-1, index, fold_value, fold_width, folded=rest))
+        elif rest:
+            drawn[index].undrawn = rest
+    return drawn
