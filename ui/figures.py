@@ -510,7 +510,8 @@ class _ChainNodes:
         hits, last_hits = int(pool.hit_counts[first]), int(pool.hit_counts[last])
         place, last_place = int(chains.first_place[head]), int(chains.last_place[head])
         text, left_out = self.text(head)
-        line = text.replace("\n", "⏎")
+        # Whitespace runs as one space, a text of spaces only as visible ones.
+        line = " ".join(text.replace("\n", "⏎").split()) or "␣" * len(text)
         marks = _marks_line({"blocks": f"{length} blocks" if length > 1 else "",
                              "hits": f"×{hits}" if hits else "",
                              "place": f"#{place}" if place else "",

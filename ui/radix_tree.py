@@ -21,13 +21,17 @@ from kvscope.ui.prefix_forest import PrefixForest
 TREE_PLOT_WIDTH_PX = 440
 LABEL_FONT_PX = 12
 MIN_FONT_PX = 11  # plotly shrinks a label down to this, and hides one that needs less
+MIN_FONT_PX = 11  # plotly shrinks a label down to this, and hides one that needs less
 # The widest average glyph of prose at LABEL_FONT_PX among the page's sans-serif fonts,
 # with a margin: a label sized with it fits its box at LABEL_FONT_PX.
 CHAR_PX = 7.5
 TEXT_PAD_PX = 8  # plotly's inset of a label (3 px a side) and the node's outline
-# Narrower siblings fold into "+N more": a node is a box to point at and click, labelled
-# when it is wide enough for a few glyphs (else its hover alone says what it holds).
-MIN_NODE_PX = 16
+# Glyph widths in em of the page's sans-serif fonts (Open Sans, DejaVu Sans, Arial), each
+# class's widest with a margin: prose measures about 0.49 em a glyph in headless Chromium,
+# this model 0.55, so a label sized with it fits its box at LABEL_FONT_PX.
+NARROW_EM, PLAIN_EM, CAPITAL_EM, WIDE_EM = 0.36, 0.6, 0.75, 1.0
+NARROW = frozenset(" .,;:'!|`ijlIft()[]")
+WIDE = frozenset("mwMW@%…—")
 MAX_TREE_NODES = 300
 
 
@@ -99,8 +103,25 @@ class DrawnNode:
     undrawn: int = 0
 
 
+def glyph_em(glyph: str) -> float:
+    if glyph in NARROW:
+        return NARROW_EM
+    if glyph in WIDE or not glyph.isascii():
+        return WIDE_EM
+    return CAPITAL_EM if glyph.isupper() or glyph.isdigit() else PLAIN_EM
+
+
 def text_px(text: str) -> float:
-    return len(text) * CHAR_PX + TEXT_PAD_PX
+    """The width a label needs: its glyphs at LABEL_FONT_PX and plotly's padding."""
+    return sum(map(glyph_em, text)) * LABEL_FONT_PX + TEXT_PAD_PX
+
+
+# A node is drawn when one glyph of its text and the "…" fit it: narrower siblings fold
+# into "+N more" (a node with no text to show would say nothing without a hover).
+MIN_NODE_PX = text_px("W…")
+
+
+MIN_DRAWN_PX = 2  # a node narrower than this is no box to point at
 
 
 def fold_label(count: int) -> str:
@@ -109,22 +130,29 @@ def fold_label(count: int) -> str:
 
 def fit(text: str, width_px: float) -> str:
     """As much of `text` as fits `width_px` at LABEL_FONT_PX: whole words where it can,
-    whole glyphs always, "…" where it stops short; "" if not even one glyph fits."""
-    room = int((width_px - TEXT_PAD_PX) // CHAR_PX)
-    if len(text) <= room:
+    whole glyphs always, "…" where it stops short; "" if not even one glyph fits. Reads
+    only the glyphs that fit (a node's text may be a long prompt)."""
+    room, ellipsis = width_px - TEXT_PAD_PX, text_px("…") - TEXT_PAD_PX
+    used, short = 0.0, 0  # short: the glyphs that fit beside an ellipsis
+    for glyph in text:
+        used += glyph_em(glyph) * LABEL_FONT_PX
+        if used > room:
+            break
+        short += used + ellipsis <= room
+    else:
         return text
-    if room < 2:
-        return ""
-    cut = text[:room - 1]
+    cut = text[:short]
     space = cut.rfind(" ")
-    return (cut[:space] if space >= room // 2 else cut).rstrip() + "…"
+    cut = (cut[:space] if space >= short // 2 else cut).rstrip()
+    return cut + "…" if cut else ""
 
 
 def drawn_nodes(forest: PrefixForest, chains: RadixChains,
                 plot_width_px: float = TREE_PLOT_WIDTH_PX) -> list[DrawnNode]:
     """Breadth first, heaviest sibling first: the chains at least MIN_NODE_PX wide, the
-    rest of a node's children folded into one "+N more" where that label fits (else left
-    undrawn, and counted), at most MAX_TREE_NODES nodes. Drawn node 0 is the
+    rest of a node's children folded into one "+N more" (a single one drawn as itself),
+    at most MAX_TREE_NODES nodes; what is narrower than MIN_DRAWN_PX is left undrawn and
+    counted. Drawn node 0 is the
     root; a node's parent precedes it. Widths are with the whole tree on screen, except
     under a "+N more": its siblings are its children, sized as a click on it shows them
     (zoomed to the plot's width), so the folded chains are there to be opened."""
@@ -148,8 +176,14 @@ def drawn_nodes(forest: PrefixForest, chains: RadixChains,
                              px_per_weight, False))
             drawn.append(DrawnNode(kid, index, int(weight[kid]), width))
         rest, fold_width = len(kids) - count, float(widths[count:].sum())
-        # A fold of all a fold's children would fold forever: they stay undrawn.
-        if rest and room > count and fold_width >= text_px(fold_label(rest)) and not (
+        if rest == 1 and room > count:  # one narrow sibling: itself, not "+1 more"
+            kid = int(kids[-1])
+            frontier.append((len(drawn), forest.children(int(chains.tail[kid])),
+                             px_per_weight, False))
+            drawn.append(DrawnNode(kid, index, int(weight[kid]), fold_width))
+        # A fold of all a fold's children would fold forever: they stay undrawn. A fold
+        # too narrow for its label is drawn; plotly hides the label until a zoom fits it.
+        elif rest and room > count and fold_width >= MIN_DRAWN_PX and not (
                 in_fold and not count):
             fold_value = int(weight[kids[count:]].sum())
             frontier.append((len(drawn), kids[count:], plot_width_px / fold_value, True))

@@ -1,10 +1,27 @@
-"""Made-up pools for the radix tree's tests and bench: what the load generator's heavy
-preset leaves at block_size 1, at any size."""
+"""The prefix tree (ui.figures.prefix_tree, a radix tree) at GPU-scale pools: the time to
+build the figure from a pool mirror, per pool size, for the pool the load generator's
+heavy preset leaves at block_size 1 (made up here at any size; tests/test_radix_tree.py
+draws the same pools).
+
+Reported per size (JSON on stdout): the figure's time (median and max of --repeats, the
+reader's thread; numpy links and chains every block, Python touches the nodes drawn),
+the nodes drawn and the chains in the tree, and the figure's JSON bytes.
+
+Usage:
+  flock /work/bench.lock .venv/bin/python bench/prefix_tree_scale.py --sizes 70000
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
 
 import numpy as np
 
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import PoolBase, PoolCounters, PoolSlice
+from kvscope.ui.figures import prefix_tree
 
 WORDS = ("the", "paged", "attention", "design", "stores", "key", "and", "value", "cache",
          "of", "every", "sequence", "in", "fixed", "size", "blocks")
@@ -55,3 +72,34 @@ def heavy_preset_mirror(num_blocks: int, running: int = 8, seed: int = 0) -> Poo
     mirror.apply(PoolBase(0, 0, counters, ()))
     mirror.apply(PoolSlice(0, 0, tuple(refs), hashes))
     return mirror
+
+
+def measure(num_blocks: int, repeats: int) -> dict:
+    mirror = heavy_preset_mirror(num_blocks)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        figure = prefix_tree(mirror, decode_words)
+        seconds.append(time.perf_counter() - start)
+    icicle = figure["data"][0]
+    return {"num_blocks": num_blocks, "figure_ms_median": round(1e3 * statistics.median(
+        seconds), 1), "figure_ms_max": round(1e3 * max(seconds), 1),
+            "nodes_drawn": len(icicle["ids"]) - 1,
+            "title": figure["layout"]["title"]["text"].split("<br>")[0],
+            "figure_bytes": len(json.dumps(figure))}
+
+
+def main(argv=None) -> None:
+    from dashboard_scale import cpu_name  # here: it loads Gradio, the tests need neither
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[3_000, 70_000, 300_000])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    results = [measure(num_blocks, args.repeats) for num_blocks in args.sizes]
+    print(json.dumps({"machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
+                      "block_size": 1, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
