@@ -4,6 +4,8 @@ import html
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from kvscope.engine.telemetry.pool_mirror import PoolMirror
 from kvscope.engine.telemetry.records import PoolBase, PoolCounters, PoolSlice
 from kvscope.ui.figures import prefix_tree
@@ -65,6 +67,20 @@ def test_a_chain_ends_at_a_state_slots_snapshot():
     label = dict(zip(icicle["ids"], icicle["labels"]))[snapshot_after]
     assert label.endswith("state") and decode_words((0, 1)) in label
     assert len(icicle["ids"]) == 1 + 5  # 0-1 | 2 | 3-4-5 | 6-7 | 8
+
+
+def test_subtree_weights_sum_each_nodes_descendants():
+    """Against a walk up from every block: chains of only children, branchings, roots."""
+    mirror = heavy_preset_mirror(3_000, seed=1)
+    forest = prefix_forest(mirror)
+    weight = 1 + mirror.ref_counts[forest.block_ids].astype(np.int64)
+    expected = weight.copy()
+    for node in range(len(forest)):
+        up = forest.parent[node]
+        while up >= 0:
+            expected[up] += weight[node]
+            up = forest.parent[up]
+    assert forest.subtree_weight.tolist() == expected.tolist()
 
 
 def test_fit_keeps_whole_words_where_it_can_and_whole_glyphs_always():

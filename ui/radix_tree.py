@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.ui.prefix_forest import PrefixForest
+from kvscope.ui.prefix_forest import PrefixForest, follow_pointers
 
 # The tree shares its row with another panel: at a 1024 px wide page its plot is about
 # this wide (wider pages only give labels room to spare).
@@ -56,16 +56,6 @@ class RadixChains:
         return nodes
 
 
-def _jump(pointer: np.ndarray) -> np.ndarray:
-    """Follow each pointer to where its chain of pointers ends (a node pointing at itself),
-    doubling the distance covered each pass."""
-    while True:
-        further = pointer[pointer]
-        if np.array_equal(further, pointer):
-            return pointer
-        pointer = further
-
-
 def radix_chains(forest: PrefixForest, marks: np.ndarray, ends_after: np.ndarray,
                  places: np.ndarray) -> RadixChains:
     """Per forest node: `marks`, what a chain keeps throughout (a chain ends where it
@@ -78,8 +68,8 @@ def radix_chains(forest: PrefixForest, marks: np.ndarray, ends_after: np.ndarray
     linked = forest.parent >= 0
     is_head = np.ones(len(forest), bool)
     is_head[linked] = ~goes_on[forest.parent[linked]]
-    tail = _jump(np.where(goes_on, child, nodes))
-    head_of = _jump(np.where(is_head, nodes, np.maximum(forest.parent, 0)))
+    tail = follow_pointers(np.where(goes_on, child, nodes))[0]
+    head_of = follow_pointers(np.where(is_head, nodes, np.maximum(forest.parent, 0)))[0]
     length = np.bincount(head_of, minlength=len(forest))
     first_place = np.full(len(forest), np.iinfo(np.int64).max)
     np.minimum.at(first_place, head_of, places)
