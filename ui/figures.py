@@ -591,7 +591,7 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "",
     # Block-table entries beyond the physical blocks they point at: what sharing prefixes
     # (and forks) saves the pool right now.
     title = (f"Prefix tree: {len(forest)} hashed blocks in "
-             f"{int(np.count_nonzero(chains.is_head))} chains (size = 1 + ref count)<br>"
+             f"{int(np.count_nonzero(chains.is_head))} chains<br>"
              f"{pool.blocks_saved_by_sharing} blocks saved by sharing right now")
     if not len(forest):
         title += " — nothing cached yet" + (
@@ -599,8 +599,8 @@ def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "",
             " (prefix caching is off)")
     if follow:
         title += "<br>" + following_words(pool, follow, int(on_path.sum()), len(followed))
-    title += ("<br><sup>a node is a chain of blocks, labelled with its text · ×N: prefix hits ·"
-              " #k: eviction order (#1 goes next) · click a node to zoom</sup>")
+    title += ("<br><sup>a node: a chain of blocks and its text · size = 1 + ref count</sup>"
+              "<br><sup>×N: prefix hits · #k: eviction order (#1 goes next) · click: zoom</sup>")
     return _figure([icicle], title, height=100 + TREE_LEVELS * LEVEL_PX + 10,
                    margin={"l": 10, "r": 10, "t": 100, "b": 10},
                    uniformtext={"minsize": MIN_FONT_PX, "mode": "hide"})
