@@ -21,10 +21,6 @@ from kvscope.ui.prefix_forest import PrefixForest, follow_pointers
 TREE_PLOT_WIDTH_PX = 440
 LABEL_FONT_PX = 12
 MIN_FONT_PX = 11  # plotly shrinks a label down to this, and hides one that needs less
-MIN_FONT_PX = 11  # plotly shrinks a label down to this, and hides one that needs less
-# The widest average glyph of prose at LABEL_FONT_PX among the page's sans-serif fonts,
-# with a margin: a label sized with it fits its box at LABEL_FONT_PX.
-CHAR_PX = 7.5
 TEXT_PAD_PX = 8  # plotly's inset of a label (3 px a side) and the node's outline
 # Glyph widths in em of the page's sans-serif fonts (Open Sans, DejaVu Sans, Arial), each
 # class's widest with a margin: prose measures about 0.49 em a glyph in headless Chromium,
@@ -81,9 +77,10 @@ def radix_chains(forest: PrefixForest, marks: np.ndarray, ends_after: np.ndarray
 @dataclass(slots=True)
 class DrawnNode:
     """A node of the drawing: a chain (head, a forest node), the root (-1, parent -1) or
-    `folded` sibling chains too narrow to draw (head -1). `value`: the blocks' weight under
-    it, `width_px`: its width with the whole tree on screen, `undrawn`: branches under it
-    left out (too narrow together for even a "+N more", or past MAX_TREE_NODES)."""
+    `folded` sibling chains too narrow to label (head -1). `value`: the blocks' weight
+    under it; `width_px`: its width where it is first seen (the whole tree on screen, or
+    for a fold's members the fold opened); `undrawn`: branches under it left out
+    (narrower than MIN_DRAWN_PX together, or past MAX_TREE_NODES)."""
 
     head: int
     parent: int
@@ -106,11 +103,10 @@ def text_px(text: str) -> float:
     return sum(map(glyph_em, text)) * LABEL_FONT_PX + TEXT_PAD_PX
 
 
-# A node is drawn when one glyph of its text and the "…" fit it: narrower siblings fold
-# into "+N more" (a node with no text to show would say nothing without a hover).
+# A node is drawn on its own when one glyph of its text and the "…" fit it: narrower
+# siblings fold into "+N more" (a node with no text to show says nothing without a hover),
+# but for a lone one, drawn as itself.
 MIN_NODE_PX = text_px("W…")
-
-
 MIN_DRAWN_PX = 2  # a node narrower than this is no box to point at
 
 
@@ -142,10 +138,9 @@ def drawn_nodes(forest: PrefixForest, chains: RadixChains,
     """Breadth first, heaviest sibling first: the chains at least MIN_NODE_PX wide, the
     rest of a node's children folded into one "+N more" (a single one drawn as itself),
     at most MAX_TREE_NODES nodes; what is narrower than MIN_DRAWN_PX is left undrawn and
-    counted. Drawn node 0 is the
-    root; a node's parent precedes it. Widths are with the whole tree on screen, except
-    under a "+N more": its siblings are its children, sized as a click on it shows them
-    (zoomed to the plot's width), so the folded chains are there to be opened."""
+    counted. Drawn node 0 is the root; a node's parent precedes it. Widths are with the
+    whole tree on screen, except under a "+N more": its siblings are its children, sized
+    as a click on it shows them (zoomed to the plot's width), so they are there to open."""
     weight = forest.subtree_weight
     roots = forest.children(-1)
     total = int(weight[roots].sum())
@@ -159,21 +154,18 @@ def drawn_nodes(forest: PrefixForest, chains: RadixChains,
         widths = weight[kids] * px_per_weight
         room = MAX_TREE_NODES + 1 - len(drawn)
         count = min(int(np.count_nonzero(widths >= MIN_NODE_PX)), room)
-        if count < len(kids):
+        if count == len(kids) - 1 and room > count and widths[-1] >= MIN_DRAWN_PX:
+            count += 1  # one narrow sibling: itself, not "+1 more"
+        elif count < len(kids):
             count = max(min(count, room - 1), 0)  # a place for the "+N more"
         for kid, width in zip(kids[:count].tolist(), widths[:count].tolist()):
             frontier.append((len(drawn), forest.children(int(chains.tail[kid])),
                              px_per_weight, False))
             drawn.append(DrawnNode(kid, index, int(weight[kid]), width))
         rest, fold_width = len(kids) - count, float(widths[count:].sum())
-        if rest == 1 and room > count:  # one narrow sibling: itself, not "+1 more"
-            kid = int(kids[-1])
-            frontier.append((len(drawn), forest.children(int(chains.tail[kid])),
-                             px_per_weight, False))
-            drawn.append(DrawnNode(kid, index, int(weight[kid]), fold_width))
         # A fold of all a fold's children would fold forever: they stay undrawn. A fold
         # too narrow for its label is drawn; plotly hides the label until a zoom fits it.
-        elif rest and room > count and fold_width >= MIN_DRAWN_PX and not (
+        if rest and room > count and fold_width >= MIN_DRAWN_PX and not (
                 in_fold and not count):
             fold_value = int(weight[kids[count:]].sum())
             frontier.append((len(drawn), kids[count:], plot_width_px / fold_value, True))
