@@ -1,6 +1,8 @@
 """Tests for ui figures: pool heatmap, block tables, prefix tree, timelines, comparison."""
 
 import json
+import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -24,7 +26,6 @@ from kvscope.ui.figures import (
     MAX_CELLS,
     MAX_TABLE_COLUMNS,
     MAX_TABLE_ROWS,
-    MAX_TREE_NODES,
     TableView,
     block_table_map,
     cell_counts,
@@ -35,6 +36,7 @@ from kvscope.ui.figures import (
     table_columns,
 )
 from kvscope.ui.palette import hover_text
+from kvscope.ui.radix_tree import MAX_TREE_NODES
 from kvscope.ui.timeline import (
     MAX_TIMELINE_ROWS,
     latency_stats,
@@ -136,16 +138,40 @@ def test_block_table_map_lines_up_shared_prefixes(run) -> None:
     assert figure["layout"]["title"]["text"].startswith("Block tables: 2 of 2 sequences")
 
 
-def test_prefix_tree_follows_the_hash_chain(run) -> None:
+def tree_spans(icicle: dict, blocks) -> dict[str, list]:
+    """Each drawn chain's blocks, head first, found by walking the hash chain up from its
+    id (the hash of its last block) to its parent's (the root: a block without a cached
+    parent). Fails if a node's parent is not where its chain leads."""
+    hashed = {block.block_hash: block for block in blocks if block.block_hash}
+    spans = {}
+    for node, parent in zip(icicle["ids"], icicle["parents"], strict=True):
+        if node in hashed:
+            span, at = [], node
+            while at in hashed and at != parent:
+                span.append(hashed[at])
+                at = hashed[at].parent_hash
+            assert at == parent or (parent == "root" and at not in hashed)
+            spans[node] = span[::-1]
+    return spans
+
+
+def test_prefix_tree_merges_each_chain_of_only_children_into_one_node(run) -> None:
+    """A radix tree: every hashed block is in one drawn node, a node's blocks each the only
+    child of the one before, and a node ends at a branch or where the ref count changes."""
     (mirror, snapshot), _, _, _ = run
     icicle = prefix_tree(mirror)["data"][0]
     hashed = {block.block_hash: block for block in snapshot.blocks if block.block_hash}
-    assert set(icicle["ids"]) == set(hashed) | {"root"}
-    for node, parent in zip(icicle["ids"], icicle["parents"]):
-        if node != "root":
-            expected = hashed[node].parent_hash
-            assert parent == (expected if expected in hashed else "root")
-    assert sum(parent == "root" for parent in icicle["parents"]) == 1  # one chain from A
+    children = Counter(block.parent_hash for block in hashed.values())
+    spans = tree_spans(icicle, snapshot.blocks)
+    assert sorted(block.block_hash for span in spans.values() for block in span) == sorted(
+        hashed)
+    for tail, span in spans.items():
+        assert all(children[block.block_hash] == 1 for block in span[:-1])
+        assert len({block.ref_count for block in span}) == 1
+        if children[tail] == 1:
+            only = next(block for block in hashed.values() if block.parent_hash == tail)
+            assert only.ref_count != span[0].ref_count
+    assert any(len(span) > 1 for span in spans.values())  # A's prompt is one chain
 
 
 def test_timeline_shows_chunked_prefill_decode_and_finish(run) -> None:
@@ -341,9 +367,13 @@ def test_a_large_prefix_tree_is_bounded_and_folds_small_subtrees() -> None:
     icicle = prefix_tree(mirror)["data"][0]
     assert len(icicle["ids"]) <= MAX_TREE_NODES + 1
     hashed = np.flatnonzero(mirror.hashed)
-    # Folding keeps the sizes: the drawn values sum to the whole tree's.
-    assert sum(icicle["values"]) == sum(1 + int(mirror.ref_counts[b]) for b in hashed)
-    assert any(label.endswith("more branches") for label in icicle["labels"])
+    # Folding keeps the sizes: the root weighs the whole tree, a node at least its children.
+    assert icicle["values"][0] == sum(1 + int(mirror.ref_counts[b]) for b in hashed)
+    below = Counter()
+    for parent, value in zip(icicle["parents"], icicle["values"], strict=True):
+        below[parent] += value
+    assert all(below[node] <= value for node, value in zip(icicle["ids"], icicle["values"]))
+    assert any(re.fullmatch(r"\+\d+ more", label) for label in icicle["labels"])
     assert f"{len(hashed)} hashed blocks" in prefix_tree(mirror)["layout"]["title"]["text"]
 
 
@@ -359,8 +389,9 @@ def test_the_prefix_tree_counts_the_blocks_sharing_saves() -> None:
 def test_the_prefix_tree_shows_each_nodes_hits_and_place_in_the_eviction_order(
         make_engine) -> None:
     """A runs, then B and C reuse A's first two blocks (two hits on each), then all finish:
-    every cached block is a node whose hover gives its hits and its place in the core's
-    free queue (the next evicted first), and whose label marks both."""
+    A's first two blocks are one node (one chain), its third and B's and C's own blocks
+    branch from it. Each node's hover gives its hits and its blocks' places in the core's
+    free queue (the next evicted first), and its label marks its hits and its first place."""
     core = make_engine("llama", block_size=4, num_gpu_blocks_override=32, max_model_len=64)
     a = list(range(10, 23))  # 13 tokens: three full blocks
     for prompt in (a, a[:8] + [90, 91, 92, 93, 94], a[:8] + [95, 96, 97, 98, 99]):
@@ -371,17 +402,18 @@ def test_the_prefix_tree_shows_each_nodes_hits_and_place_in_the_eviction_order(
     queue = [block.block_id for block in pool.free_queue if block.block_hash is not None]
     mirror = mirror_of(core)
     icicle = prefix_tree(mirror)["data"][0]
-    by_hash = {block.block_hash[0].hex(): block for block in pool.blocks if block.block_hash}
-    nodes = [(node, label, custom) for node, label, custom in
-             zip(icicle["ids"], icicle["labels"], icicle["customdata"], strict=True)
-             if node in by_hash]
-    assert len(nodes) == len(by_hash) == len(queue)
-    for node, label, custom in nodes:
-        block = by_hash[node]
-        place = queue.index(block.block_id) + 1
-        hits = 2 if tuple(block.block_hash[2]) in (tuple(a[:4]), tuple(a[4:8])) else 0
-        assert custom[6] == hits and custom[7] == f"#{place} of {len(queue)}, 1 = evicted next"
-        assert label.endswith((f"×{hits} " if hits else "") + f"#{place}")
+    spans = tree_spans(icicle, mirror.snapshot().blocks)
+    assert sorted(len(span) for span in spans.values()) == [1, 1, 1, 2]
+    assert sum(map(len, spans.values())) == len(queue)
+    for node, label, custom in zip(icicle["ids"], icicle["labels"], icicle["customdata"],
+                                   strict=True):
+        if node not in spans:
+            continue
+        places = sorted(queue.index(block.block_id) + 1 for block in spans[node])
+        hits = 2 if len(spans[node]) == 2 else 0
+        order = f"#{places[0]}" + (f" to #{places[-1]}" if len(places) > 1 else "")
+        assert custom[6] == hits and custom[7] == f"{order} of {len(queue)}, 1 = evicted next"
+        assert label.endswith((f"×{hits} " if hits else "") + f"#{places[0]}")
 
 
 def test_the_followed_requests_path_is_outlined_in_the_prefix_tree(run) -> None:
@@ -391,11 +423,15 @@ def test_the_followed_requests_path_is_outlined_in_the_prefix_tree(run) -> None:
     request_id = snapshot.sequences[0].request_id
     held = {block for seq in snapshot.sequences for block in seq.block_table}
     icicle = prefix_tree(mirror, follow=request_id)["data"][0]
-    hashed = {block.block_hash: block.block_id for block in snapshot.blocks if block.block_hash}
+    spans = tree_spans(icicle, snapshot.blocks)
     widths = icicle["marker"]["line"]["width"]
     outlined = {node for node, width in zip(icicle["ids"], widths, strict=True) if width == 3}
-    assert outlined == {node for node, block_id in hashed.items() if block_id in held}
-    assert outlined and len(outlined) < len(hashed)  # A's own tail is not B's path
-    assert f"following {request_id}: {len(outlined)} of its" in \
+    # A chain ends where the followed request's blocks end: a node is all B's or none.
+    on_path = {node: {block.block_id in held for block in span} for node, span in spans.items()}
+    assert all(len(flags) == 1 for flags in on_path.values())
+    assert outlined == {node for node, flags in on_path.items() if True in flags}
+    assert outlined and len(outlined) < len(spans)  # A's own tail is not B's path
+    outlined_blocks = sum(len(spans[node]) for node in outlined)
+    assert f"following {request_id}: {outlined_blocks} of its" in \
         prefix_tree(mirror, follow=request_id)["layout"]["title"]["text"]
     assert set(prefix_tree(mirror)["data"][0]["marker"]["line"]["width"]) == {1}

@@ -3,19 +3,20 @@
 Every figure is bounded whatever the pool's size: the heatmap draws at most MAX_CELLS
 cells (a cell aggregates a block range when the view is larger), the block tables at most
 MAX_TABLE_ROWS sequences and MAX_TABLE_COLUMNS blocks each, the prefix tree at most
-MAX_TREE_NODES nodes. Each says what it leaves out. Bulk data goes out as numpy arrays
-(plotly sends them as compact typed arrays), and per-block hover strings are built only
-for the blocks on screen when single blocks are shown.
+MAX_TREE_NODES nodes (ui.radix_tree). Each says what it leaves out. Bulk data goes out as
+numpy arrays (plotly sends them as compact typed arrays), and per-block hover strings are
+built only for the blocks on screen when single blocks are shown.
 """
 
 import base64
-from collections import deque
+import html
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.engine.telemetry.pool_mirror import STATES, PoolMirror
+from kvscope.engine.telemetry.pool_mirror import STATES, PoolMirror, hash_key
 from kvscope.ui.palette import (
     MAX_SHADED_REFS,
     SHARED_COLORSCALE,
@@ -27,6 +28,16 @@ from kvscope.ui.palette import (
 )
 from kvscope.ui.plotdata import TITLE, of_request
 from kvscope.ui.prefix_forest import prefix_forest
+from kvscope.ui.radix_tree import (
+    LABEL_FONT_PX,
+    MIN_FONT_PX,
+    RadixChains,
+    drawn_nodes,
+    fit,
+    fold_label,
+    radix_chains,
+    text_px,
+)
 from kvscope.ui.spec_decode import Verification
 
 HEATMAP_COLUMNS = 64
@@ -40,7 +51,6 @@ MAX_TABLE_COLUMNS = 24  # longer tables show their first and last half of this
 # own): a cell's id at 10 px type needs about 7 px a digit and some air, so a pool of
 # five-digit ids shows fewer columns than one of two-digit ids, and ids never overprint.
 TABLE_PLOT_WIDTH_PX = 600
-MAX_TREE_NODES = 300
 TABLE_ORDERS = ("most recent", "longest", "most shared")
 HEATMAP_VIEWS = ("whole pool", "used region", "block range")
 Decode = Callable[[tuple[int, ...]], str]
@@ -454,94 +464,146 @@ class VerificationMarks:
 
 
 # ---- the prefix tree ----------------------------------------------------------------------
-TREE_HOVER = BLOCK_HOVER.replace("<extra></extra>", "<br>prefix hits: %{customdata[6]} · "
-                                 "eviction order: %{customdata[7]}<extra></extra>")
+TREE_HOVER = ("%{customdata[0]} · %{customdata[1]} · ref %{customdata[2]}<br>"
+              "owners: %{customdata[3]}<br>hash of the last: %{customdata[4]}<br>"
+              "text: %{customdata[5]}<br>prefix hits: %{customdata[6]} · "
+              "eviction order: %{customdata[7]}<extra></extra>")
+HOVER_TOKENS = 128  # of a node's text in its hover; the rest is counted
+HOVER_LINE_CHARS = 64
+TREE_LEVELS = 8  # levels on screen at once (click a node to zoom into its subtree)
+LEVEL_PX = 44  # two lines of LABEL_FONT_PX text and plotly's padding
 
 
-def _tree_marks(hits: int, place: int, snapshot: bool = False) -> str:
-    """A node's label suffix: its hits (×N), if cached-free its eviction place (#k), and
-    "state" if a state slot keeps the recurrent layers' state after it (a prefix hit can
-    end there)."""
-    marks = (([f"×{hits}"] if hits else []) + ([f"#{place}"] if place else [])
-             + (["state"] if snapshot else []))
-    return "<br>" + " ".join(marks) if marks else ""
+def _marks_line(marks: dict[str, str], width_px: float) -> str:
+    """A node's marks that fit its width, the least telling left out first (its hover says
+    them all): the chain's length, its eviction place, its hits, the state slot's mark."""
+    shown = {name: mark for name, mark in marks.items() if mark}
+    for name in ("blocks", "place", "hits", "state"):
+        if text_px(" ".join(shown.values())) <= width_px:
+            break
+        shown.pop(name, None)
+    return " ".join(shown.values())
+
+
+class _ChainNodes:
+    """Label, hover and marks of the drawn chains of one prefix_tree call."""
+
+    def __init__(self, pool: PoolMirror, forest, chains: RadixChains, decode: Decode,
+                 snapshot_after: np.ndarray) -> None:
+        self.pool, self.forest, self.chains, self.decode = pool, forest, chains, decode
+        self.snapshot_after = snapshot_after
+        self.num_evictable = int(np.count_nonzero(pool.state_codes() == 1))
+
+    def text(self, head: int) -> tuple[str, int]:
+        """The chain's text up to HOVER_TOKENS tokens, and how many tokens it leaves out."""
+        pool, size = self.pool, self.pool.block_size
+        tokens = [token for node in self.chains.nodes(self.forest, head, -(-HOVER_TOKENS // size))
+                  for token in pool.hashes[int(self.forest.block_ids[node])][2]]
+        total = int(self.chains.length[head]) * size
+        return self.decode(tuple(tokens[:HOVER_TOKENS])), max(total - HOVER_TOKENS, 0)
+
+    def label_and_hover(self, head: int, width_px: float, undrawn: int) -> tuple[str, list]:
+        pool, forest, chains = self.pool, self.forest, self.chains
+        tail, length = int(chains.tail[head]), int(chains.length[head])
+        first, last = int(forest.block_ids[head]), int(forest.block_ids[tail])
+        block = pool.block_info(first)
+        hits, last_hits = int(pool.hit_counts[first]), int(pool.hit_counts[last])
+        place, last_place = int(chains.first_place[head]), int(chains.last_place[head])
+        text, left_out = self.text(head)
+        # Whitespace runs as one space, a text of spaces only as visible ones.
+        line = " ".join(text.replace("\n", "⏎").split()) or "␣" * len(text)
+        marks = _marks_line({"blocks": f"{length} blocks" if length > 1 else "",
+                             "hits": f"×{hits}" if hits else "",
+                             "place": f"#{place}" if place else "",
+                             "state": "state" if self.snapshot_after[tail] else ""}, width_px)
+        label = "<br>".join(part for part in (html.escape(fit(line, width_px)), marks) if part)
+        blocks = [int(forest.block_ids[node]) for node in chains.nodes(forest, head, 3)]
+        ids = ", ".join(map(str, blocks)) + ("" if length <= 3 else
+                                             f" … {last} ({length} blocks)")
+        ids = ("block " if length == 1 else "blocks ") + ids + (
+            f" · {undrawn} smaller branches below not drawn" if undrawn else "")
+        wrapped = textwrap.wrap(line, HOVER_LINE_CHARS) or ["-"]
+        hover_lines = "<br>".join(map(html.escape, wrapped)) + (
+            f" … (+{left_out} tokens)" if left_out else "")
+        owners = ", ".join(block.owners[:3]) + (" …" if len(block.owners) > 3 else "")
+        eviction = ((f"#{place}" if place == last_place else f"#{place} to #{last_place}")
+                    + f" of {self.num_evictable}, 1 = evicted next" if place else
+                    "in use: not evictable")
+        return label, [ids, block.state, block.ref_count, owners or "-",
+                       pool.hashes[last][0].hex()[:12], hover_lines,
+                       hits if hits == last_hits else
+                       f"{hits} on the first block, {last_hits} on the last", eviction]
 
 
 def prefix_tree(pool: PoolMirror, decode: Decode = _no_decode, follow: str = "",
                 snapshots: frozenset[str] = frozenset()) -> Figure:
-    """The hash chain of every hashed block as an icicle: shared prefixes are trunks. At
-    most MAX_TREE_NODES nodes: the largest subtrees first, the rest of a node's children
-    folded into one "… more" node of their total size. Linking and weighing the chains is
-    numpy (ui.prefix_forest); Python touches only the nodes drawn. The followed request's
-    blocks (`follow`, a request id) are outlined: its path down the tree. `snapshots`: the
-    hashes (hex) of the blocks after which a state slot keeps a snapshot (SlotTable)."""
+    """The hash chains of every hashed block as a radix tree (ui.radix_tree), drawn as an
+    icicle: a node is a chain of blocks labelled with its text, shared prefixes are trunks.
+    Nodes too narrow to label fold into "+N more"; at most MAX_TREE_NODES are drawn.
+    Linking, weighing and chaining the blocks is numpy; Python touches only the nodes
+    drawn. The followed request's blocks (`follow`, a request id) are outlined: its path
+    down the tree. `snapshots`: the hashes (hex) of the blocks after which a state slot
+    keeps a snapshot (SlotTable); a chain ends at each."""
     forest = prefix_forest(pool)
-    weight = forest.subtree_weight
     order = pool.eviction_order()
     rank = np.zeros(pool.num_blocks, np.int64)  # 1 = the next block an allocation evicts
     rank[order] = np.arange(1, len(order) + 1)
-    followed = set(followed_blocks(pool, follow)) if follow else set()
-    ids, labels, parents, values, colors, custom = ["root"], ["cache"], [""], [0], ["white"], [
-        ["-", 0, "-", "-", "-", "-", "-", "-"]]
-    on_path = [False]
-    frontier = deque([(-1, 0)])  # (forest node, index of its drawn node) still to expand
-    while frontier:
-        node, parent_index = frontier.popleft()
-        kids = forest.children(node)
-        room = MAX_TREE_NODES + 1 - len(ids)
-        if not kids.size:
-            continue
-        if room <= 0:  # out of nodes: the node stands for its whole subtree
-            values[parent_index] += int(weight[kids].sum())
-            labels[parent_index] += f" (+{len(kids)} below)"
-            continue
-        shown, folded = (kids, kids[:0]) if len(kids) <= room else (kids[:room - 1],
-                                                                    kids[room - 1:])
-        for kid in shown.tolist():
-            block = pool.block_info(int(forest.block_ids[kid]))
-            hits, place = int(pool.hit_counts[block.block_id]), int(rank[block.block_id])
-            frontier.append((kid, len(ids)))
-            ids.append(block.block_hash)
-            parents.append(ids[parent_index])
-            labels.append(hover_text(decode(block.token_ids), limit=20) + _tree_marks(
-                hits, place, block.block_hash in snapshots))
-            values.append(1 + block.ref_count)
-            colors.append(STATE_COLORS[block.state])
-            on_path.append(block.block_id in followed)
-            custom.append([*_block_hover(pool, block.block_id, decode), hits,
-                           f"#{place} of {len(order)}, 1 = evicted next" if place else
-                           "in use: not evictable"])
-        if folded.size:
-            ids.append(f"{ids[parent_index]}/more")
-            parents.append(ids[parent_index])
-            labels.append(f"… {len(folded)} more branches")
-            values.append(int(weight[folded].sum()))
-            colors.append("#f3f4f6")
-            on_path.append(False)
-            custom.append(["-", "-", f"{len(folded)} branches folded", "-", "-", "-", "-",
-                           "-"])
+    followed = followed_blocks(pool, follow) if follow else []
+    on_path = np.isin(forest.block_ids, followed)
+    refs = pool.ref_counts[forest.block_ids].astype(np.int64)
+    snapshot_after = np.isin(pool.hash_keys[forest.block_ids], np.array(
+        [hash_key(bytes.fromhex(value)) for value in snapshots], np.uint64))
+    chains = radix_chains(forest, 2 * refs + on_path, snapshot_after, rank[forest.block_ids])
+    nodes = _ChainNodes(pool, forest, chains, decode, snapshot_after)
+    drawn = drawn_nodes(forest, chains)
+    ids, labels, parents, colors, outlined, custom = [], [], [], [], [], []
+    for node in drawn:
+        if node.parent < 0:
+            ids.append("root")
+            label, hover, color = "cache", [
+                f"{len(forest)} hashed blocks" + (f" · {node.undrawn} branches not drawn"
+                                                  if node.undrawn else ""), *"-------"], "white"
+        elif node.head < 0:
+            ids.append(f"{ids[node.parent]}/more")
+            label, color = fold_label(node.folded), "#f3f4f6"
+            hover = [f"{node.folded} narrower branches folded: click to open", *"-------"]
+        else:
+            tail = int(chains.tail[node.head])
+            ids.append(pool.hashes[int(forest.block_ids[tail])][0].hex())
+            label, hover = nodes.label_and_hover(node.head, node.width_px, node.undrawn)
+            color = STATE_COLORS[hover[1]]
+        parents.append("" if node.parent < 0 else ids[node.parent])
+        labels.append(label)
+        colors.append(color)
+        outlined.append(node.head >= 0 and bool(on_path[node.head]))
+        custom.append(hover)
     icicle = {"type": "icicle", "ids": ids, "labels": labels, "parents": parents,
-              "values": values, "branchvalues": "remainder", "marker": {
-                  "colors": colors, "line": {
-                      "color": ["#111827" if path else "white" for path in on_path],
-                      "width": [3 if path else 1 for path in on_path]}},
+              "values": [node.value for node in drawn], "branchvalues": "total",
+              "textinfo": "label", "textfont": {"size": LABEL_FONT_PX},
+              "marker": {"colors": colors, "line": {
+                  "color": ["#111827" if path else "white" for path in outlined],
+                  "width": [3 if path else 1 for path in outlined]}},
               "customdata": custom, "hovertemplate": TREE_HOVER,
-              "tiling": {"orientation": "v"}, "maxdepth": 12}
-    shown_nodes = len(ids) - 1
+              "tiling": {"orientation": "v"}, "maxdepth": TREE_LEVELS,
+              # The path bar shortens its labels with "...": a click on the top node of a
+              # zoomed view zooms back out instead.
+              "pathbar": {"visible": False}}
     # Block-table entries beyond the physical blocks they point at: what sharing prefixes
     # (and forks) saves the pool right now.
-    title = (f"Prefix tree: {len(forest)} hashed blocks (size = 1 + ref count)<br>"
+    title = (f"Prefix tree: {len(forest)} hashed blocks in "
+             f"{int(np.count_nonzero(chains.is_head))} chains<br>"
              f"{pool.blocks_saved_by_sharing} blocks saved by sharing right now")
     if not len(forest):
         title += " — nothing cached yet" + (
             "" if pool.config.get("enable_prefix_caching", True) else
             " (prefix caching is off)")
     if follow:
-        title += "<br>" + following_words(pool, follow, sum(on_path), len(followed))
-    title += "<br><sup>×N: prefix hits · #k: eviction order (#1 goes next)</sup>"
-    if shown_nodes < len(forest):
-        title += f"<br><sup>{shown_nodes} nodes drawn, smaller subtrees folded</sup>"
-    return _figure([icicle], title, height=420)
+        title += "<br>" + following_words(pool, follow, int(on_path.sum()), len(followed))
+    title += ("<br><sup>a node: a chain of blocks and its text · size = 1 + ref count</sup>"
+              "<br><sup>×N: prefix hits · #k: eviction order (#1 goes next) · click: zoom</sup>")
+    return _figure([icicle], title, height=100 + TREE_LEVELS * LEVEL_PX + 10,
+                   margin={"l": 10, "r": 10, "t": 100, "b": 10},
+                   uniformtext={"minsize": MIN_FONT_PX, "mode": "hide"})
 
 
 # ---- paged against contiguous -------------------------------------------------------------

@@ -22,6 +22,8 @@ class PrefixForest:
     block_ids: np.ndarray
     parent: np.ndarray
     subtree_weight: np.ndarray  # sum of (1 + ref count) over the node's subtree
+    num_children: np.ndarray
+    only_child: np.ndarray  # the child of a node with exactly one, else -1
     _child_order: np.ndarray  # node indices ordered by parent, ascending ids within
     _child_parent: np.ndarray  # parent[_child_order]
 
@@ -47,29 +49,69 @@ def prefix_forest(pool: PoolMirror) -> PrefixForest:
         parent[linked] = by_key[at[linked]]
     child_order = np.argsort(parent, kind="stable")
     child_parent = parent[child_order]
-    weight = 1 + pool.ref_counts[block_ids].astype(np.int64)
-    subtree_weight = _subtree_sums(parent, weight, child_order, child_parent)
-    return PrefixForest(block_ids, parent, subtree_weight, child_order, child_parent)
-
-
-def _subtree_sums(parent: np.ndarray, weight: np.ndarray, child_order: np.ndarray,
-                  child_parent: np.ndarray) -> np.ndarray:
-    """Each node's weight plus its descendants': the levels found top-down from the roots
-    (one vectorised expansion per level), then summed into parents deepest level first."""
+    # Children of node i sit in child_order[first_child[i] : first_child[i] + count].
     first_child = np.searchsorted(child_parent, np.arange(len(parent)))
     num_children = np.searchsorted(child_parent, np.arange(len(parent)), side="right") - (
         first_child)
+    only_child = np.full(len(parent), -1, np.int64)
+    single = num_children == 1
+    only_child[single] = child_order[first_child[single]]
+    weight = 1 + pool.ref_counts[block_ids].astype(np.int64)
+    subtree_weight = _subtree_sums(parent, weight, child_order, child_parent, first_child,
+                                   num_children)
+    return PrefixForest(block_ids, parent, subtree_weight, num_children, only_child,
+                        child_order, child_parent)
+
+
+def follow_pointers(pointer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each node's chain of pointers ends (at a node pointing at itself), and in how
+    many steps: pointer jumping, doubling the distance covered each pass."""
+    steps = (pointer != np.arange(len(pointer))).astype(np.int64)
+    while True:
+        further = pointer[pointer]
+        if np.array_equal(further, pointer):
+            return pointer, steps
+        steps = steps + steps[pointer]
+        pointer = further
+
+
+def _subtree_sums(parent: np.ndarray, weight: np.ndarray, child_order: np.ndarray,
+                  child_parent: np.ndarray, first_child: np.ndarray,
+                  num_children: np.ndarray) -> np.ndarray:
+    """Each node's weight plus its descendants'. A chain of only children (a prompt at
+    block_size 1 is one as long as itself) is summed at once, from its tail up; the chains
+    are then summed into their parents level by level, deepest first, the levels found
+    top-down from the roots (one vectorised expansion per level): as many levels as a
+    path has branchings, not blocks."""
+    if not len(parent):
+        return weight.copy()
+    nodes = np.arange(len(parent))
+    linked = parent >= 0
+    is_head = np.ones(len(parent), bool)
+    is_head[linked] = num_children[parent[linked]] != 1
+    head, depth = follow_pointers(np.where(is_head, nodes, np.maximum(parent, 0)))
+    # Chains contiguous, each from its head down: a suffix sum within each is its nodes'
+    # weight to the chain's tail.
+    order = np.lexsort((depth, head))
+    starts = np.flatnonzero(is_head[order])
+    stops = np.append(starts[1:], len(order))
+    chain_of = np.cumsum(is_head[order]) - 1
+    suffix = np.append(np.cumsum(weight[order][::-1])[::-1], 0)
+    to_tail = np.empty_like(weight)
+    to_tail[order] = suffix[:-1] - suffix[stops[chain_of]]
+    tail = np.empty_like(parent)
+    tail[order[starts]] = order[stops - 1]
     levels = []
     level = child_order[:np.searchsorted(child_parent, 0)]  # the roots (parent -1)
     while level.size:
         levels.append(level)
-        counts = num_children[level]
-        ends = np.cumsum(counts)
-        # Children of each node sit in child_order[first_child : first_child + count].
-        at = np.repeat(first_child[level] - ends + counts, counts) + np.arange(ends[-1] if
-                                                                                 ends.size else 0)
+        ends = tail[level]
+        counts = num_children[ends]
+        stop = np.cumsum(counts)
+        at = np.repeat(first_child[ends] - stop + counts, counts) + np.arange(
+            stop[-1] if stop.size else 0)
         level = child_order[at]
-    total = weight.copy()
+    below = np.zeros_like(weight)  # per chain head: the chains under its tail
     for level in reversed(levels[1:]):
-        np.add.at(total, parent[level], total[level])
-    return total
+        np.add.at(below, head[parent[level]], to_tail[level] + below[level])
+    return to_tail + below[head]
