@@ -268,13 +268,9 @@ class KVCacheManager:
         self.release_out_of_window(seq)
         num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
         adopted = [block for blocks in cached_prefix for block in blocks if block is not None]
-        first_write = (num_computed // self.block_size) * groups
-        shared_targets = [i for i in range(first_write, len(table))
-                          if table[i] != RELEASED and pool.blocks[table[i]].ref_count > 1]
-        num_new_blocks = groups * (self.blocks_needed(num_computed + num_new_tokens)
-                                   - len(table) // groups - len(cached_prefix))
-        revived = sum([block.ref_count == 0 for block in adopted])
-        if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
+        num_new_blocks, shared_targets, wanted = self._allocation(seq, num_new_tokens,
+                                                                  cached_prefix)
+        if wanted > pool.num_free_blocks:
             return None
         slots = self.state_slots
         if slots is not None and seq.state_slot is None:
@@ -314,6 +310,44 @@ class KVCacheManager:
         if num_new_blocks > 0:
             table.extend(b.block_id for b in pool.allocate(num_new_blocks, evictor))
         return copies
+
+    def free_blocks_wanted(self, seq: Sequence, num_new_tokens: int,
+                           cached_prefix: list[tuple[KVBlock | None, ...]] = ()) -> int:
+        """The free blocks allocate_slots(seq, num_new_tokens, cached_prefix) takes."""
+        return self._allocation(seq, num_new_tokens, cached_prefix)[2]
+
+    def _allocation(self, seq: Sequence, num_new_tokens: int,
+                    cached_prefix: list[tuple[KVBlock | None, ...]]) -> tuple[int, list[int], int]:
+        """What an allocation takes: the new pool blocks (negative: none), the table
+        entries shared with others that the write lands in (copied on write), and the
+        free blocks all that takes (new ones, copy targets, cached-free prefix blocks it
+        revives)."""
+        table, groups, blocks = seq.block_table, self.num_groups, self.pool.blocks
+        num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
+        first_write = (num_computed // self.block_size) * groups
+        shared_targets = [i for i in range(first_write, len(table))
+                          if table[i] != RELEASED and blocks[table[i]].ref_count > 1]
+        num_new_blocks = groups * (self.blocks_needed(num_computed + num_new_tokens)
+                                   - len(table) // groups - len(cached_prefix))
+        revived = sum([block is not None and block.ref_count == 0
+                       for positions in cached_prefix for block in positions])
+        return (num_new_blocks, shared_targets,
+                max(num_new_blocks, 0) + len(shared_targets) + revived)
+
+    def blocks_freed_by(self, seqs: Iterable[Sequence], kept: Iterable[KVBlock] = ()) -> int:
+        """The pool blocks that freeing all of these sequences would return: the ones no
+        other sequence holds, less `kept` (a taker's cached prefix, which it would take
+        back at once)."""
+        holders: dict[int, int] = {}
+        for seq in seqs:
+            for block_id in seq.block_table:
+                if block_id != RELEASED:
+                    holders[block_id] = holders.get(block_id, 0) + 1
+        for block in kept:
+            holders.pop(block.block_id, None)
+        blocks = self.pool.blocks
+        return sum(1 for block_id, count in holders.items()
+                   if blocks[block_id].ref_count == count)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash the sequence's newly full, computed blocks so later prompts can reuse them."""
@@ -395,11 +429,9 @@ class KVCacheManager:
     def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped sequence back into fresh device blocks, with room for
         `num_new_tokens` more: (cpu, device) copies, or None if the pool is short."""
-        swapped, groups = seq.swap_table, self.num_groups
+        swapped = seq.swap_table
         held = [cpu for cpu in swapped if cpu != RELEASED]
-        new_positions = max(self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-                            - len(swapped) // groups, 0)
-        count = len(held) + new_positions * groups
+        count = self.swap_in_blocks_wanted(seq, num_new_tokens)
         if count > self.pool.num_free_blocks:
             return None
         blocks = iter(block.block_id for block in self.pool.allocate(
@@ -416,6 +448,13 @@ class KVCacheManager:
         self.swap_stats.swap_ins += 1
         self.swap_stats.blocks_in += len(held)
         return copies
+
+    def swap_in_blocks_wanted(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The free blocks swap_in(seq, num_new_tokens) takes."""
+        swapped, groups = seq.swap_table, self.num_groups
+        new_positions = max(self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+                            - len(swapped) // groups, 0)
+        return sum(1 for cpu in swapped if cpu != RELEASED) + new_positions * groups
 
     def drop_swapped(self, seq: Sequence) -> None:
         """Forget a swapped sequence's CPU copy (it finished or was aborted while out)."""
