@@ -199,6 +199,10 @@ class KVCacheManager:
                 run = 1 + sum(1 for _ in takewhile(lambda h: self._eviction(h) is not None,
                                                    hashes[num_hit + 1:]))
                 return PrefixMiss(seq, MissReason.EVICTED, run * bs, first.by, first.step)
+            if num_hit == 0:
+                salted_apart = self._cached_under_another_salt(seq, hashes)
+                if salted_apart:
+                    return PrefixMiss(seq, MissReason.SALT_MISMATCH, salted_apart)
             tokens = hashes[num_hit][2]
         elif seq.num_tokens % bs:
             # The prompt's last, partial block, less its last token (always computed).
@@ -211,6 +215,21 @@ class KVCacheManager:
         if 0 < shared < bs:
             return PrefixMiss(seq, MissReason.PARTIAL_BLOCK, shared)
         return None
+
+    def _cached_under_another_salt(self, seq: Sequence, hashes: list[BlockHash]) -> int:
+        """The prompt's leading tokens the cache holds under the cache_salt its first block
+        was last cached with, when that salt is not the sequence's (0 otherwise)."""
+        first_tokens = hashes[0][2]
+        recorded = self.pool.first_block_salts.get(hash_block_tokens(None, first_tokens))
+        if recorded is None or recorded[0] == seq.request.cache_salt:
+            return 0
+        parent, run = None, 0
+        for index, (_, _, tokens) in enumerate(hashes):
+            value = hash_block_tokens(parent, tokens, recorded[0] if index == 0 else None)
+            if self.pool.lookup(value, tokens, parent) is None:
+                break
+            parent, run = value, run + 1
+        return run * self.block_size
 
     def _eviction(self, block_hash: BlockHash) -> Eviction | None:
         """Who evicted this block's content, in any KV cache group, if remembered."""
@@ -249,7 +268,8 @@ class KVCacheManager:
         for index in range(len(hashes), num_blocks):
             tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
             parent = hashes[-1][0] if hashes else None
-            hashes.append((hash_block_tokens(parent, tokens), parent, tokens))
+            salt = seq.request.cache_salt if index == 0 else None
+            hashes.append((hash_block_tokens(parent, tokens, salt), parent, tokens))
         return hashes[:num_blocks]
 
     def allocate_slots(
@@ -366,6 +386,9 @@ class KVCacheManager:
                 if block_id != RELEASED:
                     self.pool.cache(self.pool.blocks[block_id],
                                     group_block_hash(hashes[position], group), group)
+        if seq.num_cached_blocks == 0:  # its first block: whose salt its tokens are under
+            self.pool.first_block_salts.put(hash_block_tokens(None, hashes[0][2]),
+                                            (seq.request.cache_salt,))
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
         if (self.state_slots is not None and seq.state_slot is not None
                 and seq.num_computed_tokens % self.snapshot_tokens == 0):
