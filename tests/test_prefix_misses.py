@@ -122,8 +122,10 @@ def test_misses_round_trip_the_session_log(engine, tmp_path):
     prompt = list(range(10, 24))
     run(engine, prompt, "first")
     records = run(engine, prompt[:10] + [200, 201, 202, 203, 204], "diverging")
+    records += run(engine, prompt, "salted", cache_salt="tenant-a")
     stored = session_log_round_trip(records, engine.config.to_dict(), tmp_path)
-    assert stored == records and misses(stored)
+    assert stored == records
+    assert [miss[1] for miss in misses(stored)] == ["partial_block", "salt_mismatch"]
 
 
 def test_the_eviction_memory_stays_bounded():
