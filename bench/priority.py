@@ -10,7 +10,10 @@ Reported as JSON:
     scheduler steps after a low one started before it (engine/core/scheduling_policy.py);
   - throughput cost, 1 - priority's output tokens/s over fcfs's (target <= 5 %): over the
     means of the runs, and the median over each alternation's pair of runs (a burst of load
-    elsewhere moves one pair, not the median);
+    elsewhere moves one pair, not the median); and the same over output tokens per CPU
+    second the process spent from a run's first step to its last, which other processes'
+    load moves far less than seconds of wall clock (it still moves the trace: a slower
+    engine serves larger batches);
   - over the first priority run: preemptions, by reason, and the share carrying a reason, a
     victim and a taker (target 100 %).
 
@@ -25,6 +28,7 @@ import os
 import random
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from random_model import save_random_llama
@@ -94,7 +98,16 @@ def first_scheduled_steps(run: RunResult) -> dict[str, int]:
     return first
 
 
-def summary(runs: list[RunResult], priorities: dict[str, int]) -> dict:
+def timed_run(session: ReplaySession, policy: str) -> tuple[RunResult, float]:
+    """One run, and the CPU seconds the process spent from its first step to its last."""
+    marks: list[float] = []
+    run = session.run({"scheduling_policy": policy},
+                      progress=lambda done, total: marks.append(time.process_time()))
+    return run, marks[-1] - marks[0]
+
+
+def summary(runs: list[RunResult], cpu_seconds: list[float],
+            priorities: dict[str, int]) -> dict:
     """One policy's repeats: latencies pooled over them, throughput their mean."""
     timings = [t for run in runs for t in run.requests]
     high = [t.ttft_s for t in timings if priorities[t.request_id] == HIGH]
@@ -110,9 +123,20 @@ def summary(runs: list[RunResult], priorities: dict[str, int]) -> dict:
         "low_longest_wait_s": round(max(t.ttft_s for t in low), 3),
         "output_tokens_per_s_each_run": [round(rate, 1) for rate in rates],
         "output_tokens_per_s": round(sum(rates) / len(rates), 1),
+        "output_tokens_per_cpu_s_each_run": [
+            round(sum(t.num_output_tokens for t in run.requests) / cpu, 1)
+            for run, cpu in zip(runs, cpu_seconds)],
         "steps_each_run": [len(run.steps) for run in runs],
         "preemptions_each_run": [sum(len(r.preempted) for r in run.records) for run in runs],
     }
+
+
+def cost(fcfs_rates: list[float], priority_rates: list[float]) -> dict:
+    """1 - priority's rate over fcfs's: of the means, and the median of the alternations'
+    pairs."""
+    return {"of_means": round(1 - statistics.mean(priority_rates) / statistics.mean(fcfs_rates), 4),
+            "median_of_pairs": round(1 - statistics.median(
+                p / f for f, p in zip(fcfs_rates, priority_rates)), 4)}
 
 
 def aging_check(run: RunResult, priorities: dict[str, int], aging_steps: int) -> dict:
@@ -162,10 +186,13 @@ def main(argv=None) -> None:
         max_num_seqs=args.max_num_seqs, priority_aging_steps=args.aging_steps))
     session.run({"scheduling_policy": "priority"})  # warm-up: the first run pays start-up
     runs: dict[str, list[RunResult]] = {"fcfs": [], "priority": []}
+    cpu_seconds: dict[str, list[float]] = {"fcfs": [], "priority": []}
     for _ in range(args.repeats):  # alternated, so a burst of load elsewhere hits both
         for policy in runs:
-            runs[policy].append(session.run({"scheduling_policy": policy}))
-    fcfs, prio = (summary(runs[p], priorities) for p in ("fcfs", "priority"))
+            run, cpu = timed_run(session, policy)
+            runs[policy].append(run)
+            cpu_seconds[policy].append(cpu)
+    fcfs, prio = (summary(runs[p], cpu_seconds[p], priorities) for p in ("fcfs", "priority"))
     print(json.dumps({
         # The run's own load, so a reader can tell a quiet machine's numbers from a busy one's.
         "cpu": cpu_name(), "load_average_1m_at_end": round(os.getloadavg()[0], 2),
@@ -176,11 +203,9 @@ def main(argv=None) -> None:
         "fcfs": fcfs, "priority": prio,
         "high_ttft_p99_fcfs_over_priority": round(
             fcfs["high_ttft_p99_s"] / prio["high_ttft_p99_s"], 2),
-        "throughput_cost": round(1 - prio["output_tokens_per_s"]
-                                 / fcfs["output_tokens_per_s"], 4),
-        "throughput_cost_median_of_pairs": round(1 - statistics.median(
-            p / f for f, p in zip(fcfs["output_tokens_per_s_each_run"],
-                                  prio["output_tokens_per_s_each_run"])), 4),
+        **{f"throughput_cost{suffix}": cost(fcfs[field], prio[field])
+           for suffix, field in (("", "output_tokens_per_s_each_run"),
+                                 ("_cpu", "output_tokens_per_cpu_s_each_run"))},
         "aging": aging_check(runs["priority"][0], priorities, args.aging_steps),
         "preemption_causes": preemption_causes(runs["priority"][0]),
     }, indent=2))
