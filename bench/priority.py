@@ -13,7 +13,8 @@ Reported as JSON:
     elsewhere moves one pair, not the median); and the same over output tokens per CPU
     second the process spent from a run's first step to its last, which other processes'
     load moves far less than seconds of wall clock (it still moves the trace: a slower
-    engine serves larger batches);
+    engine serves larger batches); and the scheduler's own CPU per step (Scheduler.schedule
+    timed on its thread) and its share of the run's CPU, the part a policy adds by itself;
   - over the first priority run: preemptions, by reason, and the share carrying a reason, a
     victim and a taker (target 100 %).
 
@@ -35,6 +36,7 @@ from random_model import save_random_llama
 from roofline import cpu_name
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
+from kvscope.engine.core.scheduler import Scheduler  # noqa: E402
 from kvscope.engine.replay.metrics import RunResult  # noqa: E402
 from kvscope.engine.replay.runner import ReplaySession  # noqa: E402
 from kvscope.engine.replay.workload import ReplayRequest, Workload  # noqa: E402
@@ -98,15 +100,42 @@ def first_scheduled_steps(run: RunResult) -> dict[str, int]:
     return first
 
 
-def timed_run(session: ReplaySession, policy: str) -> tuple[RunResult, float]:
-    """One run, and the CPU seconds the process spent from its first step to its last."""
+class ScheduleTimer:
+    """Scheduler.schedule's CPU seconds on its own thread (thread_time: pure Python on the
+    engine thread, so other processes' load barely moves it), summed while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._schedule = Scheduler.schedule
+
+    def __enter__(self) -> "ScheduleTimer":
+        timer, schedule = self, self._schedule
+
+        def timed(scheduler):
+            start = time.thread_time()
+            try:
+                return schedule(scheduler)
+            finally:
+                timer.seconds += time.thread_time() - start
+
+        Scheduler.schedule = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Scheduler.schedule = self._schedule
+
+
+def timed_run(session: ReplaySession, policy: str) -> tuple[RunResult, float, float]:
+    """One run, the CPU seconds the process spent from its first step to its last, and the
+    scheduler's share of them."""
     marks: list[float] = []
-    run = session.run({"scheduling_policy": policy},
-                      progress=lambda done, total: marks.append(time.process_time()))
-    return run, marks[-1] - marks[0]
+    with ScheduleTimer() as timer:
+        run = session.run({"scheduling_policy": policy},
+                          progress=lambda done, total: marks.append(time.process_time()))
+    return run, marks[-1] - marks[0], timer.seconds
 
 
-def summary(runs: list[RunResult], cpu_seconds: list[float],
+def summary(runs: list[RunResult], cpu_seconds: list[float], schedule_seconds: list[float],
             priorities: dict[str, int]) -> dict:
     """One policy's repeats: latencies pooled over them, throughput their mean."""
     timings = [t for run in runs for t in run.requests]
@@ -126,6 +155,11 @@ def summary(runs: list[RunResult], cpu_seconds: list[float],
         "output_tokens_per_cpu_s_each_run": [
             round(sum(t.num_output_tokens for t in run.requests) / cpu, 1)
             for run, cpu in zip(runs, cpu_seconds)],
+        "schedule_cpu_ms_per_step_each_run": [
+            round(1e3 * seconds / len(run.steps), 3)
+            for run, seconds in zip(runs, schedule_seconds)],
+        "schedule_share_of_cpu_each_run": [
+            round(seconds / cpu, 4) for seconds, cpu in zip(schedule_seconds, cpu_seconds)],
         "steps_each_run": [len(run.steps) for run in runs],
         "preemptions_each_run": [sum(len(r.preempted) for r in run.records) for run in runs],
     }
@@ -187,12 +221,15 @@ def main(argv=None) -> None:
     session.run({"scheduling_policy": "priority"})  # warm-up: the first run pays start-up
     runs: dict[str, list[RunResult]] = {"fcfs": [], "priority": []}
     cpu_seconds: dict[str, list[float]] = {"fcfs": [], "priority": []}
+    schedule_seconds: dict[str, list[float]] = {"fcfs": [], "priority": []}
     for _ in range(args.repeats):  # alternated, so a burst of load elsewhere hits both
         for policy in runs:
-            run, cpu = timed_run(session, policy)
+            run, cpu, scheduling = timed_run(session, policy)
             runs[policy].append(run)
             cpu_seconds[policy].append(cpu)
-    fcfs, prio = (summary(runs[p], cpu_seconds[p], priorities) for p in ("fcfs", "priority"))
+            schedule_seconds[policy].append(scheduling)
+    fcfs, prio = (summary(runs[p], cpu_seconds[p], schedule_seconds[p], priorities)
+                  for p in ("fcfs", "priority"))
     print(json.dumps({
         # The run's own load, so a reader can tell a quiet machine's numbers from a busy one's.
         "cpu": cpu_name(), "load_average_1m_at_end": round(os.getloadavg()[0], 2),

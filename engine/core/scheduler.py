@@ -219,9 +219,9 @@ class Scheduler:
                             step: "_StepState") -> list[tuple[int, int]] | None:
         """Blocks for a running sequence's next chunk by preempting the least important
         running sequences not yet scheduled, until it fits: its block copies, or None if
-        it was the one preempted. Only those that would go before it are candidates; if
-        freeing all of them would still leave it short, it goes at once and they keep
-        their work."""
+        it was the one preempted. Only those ranked behind it are candidates; if freeing
+        all of them would still leave it short, it goes at once and they keep their
+        work."""
         # Behind it: ranked after it, or its equal later in `running` (a fork).
         unscheduled = self._unscheduled_running(out)
         at = next(i for i, other in enumerate(unscheduled) if other is seq)
