@@ -283,7 +283,7 @@ class KVCacheManager:
         step writes, or None when the pool cannot supply the blocks (then nothing changed
         but the freeing of blocks that left the sliding window).
         """
-        pool, groups, table = self.pool, self.num_groups, seq.block_table
+        pool, table = self.pool, seq.block_table
         # Always valid, and it may free the very blocks this step needs.
         self.release_out_of_window(seq)
         num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
