@@ -97,18 +97,19 @@ class PriorityMachine(RuleBasedStateMachine):
                 assert overtake <= 0 or overtake <= (
                     (seq.request.priority - new.request.priority) * AGING_STEPS)
         # A waiting request ranked ahead of a running one is there only because the budget
-        # was spent, memory was short (a running one's growth preempted), or even freeing
-        # every running one ranked behind it would not hold its whole remaining prompt: a
-        # free seat, a lower-ranked holder of blocks or of budget never keeps it out.
+        # was spent, memory was short (a running one's growth preempted), or it, or one
+        # ranked ahead of it (admission follows rank), would not fit its whole remaining
+        # prompt even with every running one ranked behind it freed: a free seat, a
+        # lower-ranked holder of blocks or of budget never keeps it out.
         memory_short = any(e.reason is PreemptionReason.KV_FULL for e in self.events)
         budget_spent = out.num_scheduled_tokens == self.config.max_num_batched_tokens
-        for seq in still_waiting:
+        too_big = False
+        for seq in sorted(still_waiting, key=lambda s: s.priority_key):
             behind = [running for running in self.scheduler.running
                       if running.priority_key > seq.priority_key]
+            could_free = self.kv_cache.num_free_blocks + self.kv_cache.blocks_freed_by(behind)
+            too_big = too_big or self.kv_cache.blocks_needed(seq.num_tokens) > could_free
             if behind:
-                could_free = (self.kv_cache.num_free_blocks
-                              + self.kv_cache.blocks_freed_by(behind))
-                too_big = self.kv_cache.blocks_needed(seq.num_tokens) > could_free
                 assert memory_short or budget_spent or too_big, (seq.seq_id, out)
 
     @invariant()
