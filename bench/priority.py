@@ -8,7 +8,13 @@ Reported as JSON:
   - low priority under priority: every request finished, its longest wait, and the aging
     bound checked: no high-priority request that arrived more than priority_aging_steps
     scheduler steps after a low one started before it (engine/core/scheduling_policy.py);
-  - throughput cost, 1 - priority's output tokens/s over fcfs's (target <= 5 %);
+  - throughput cost, 1 - priority's output tokens/s over fcfs's (target <= 5 %): over the
+    means of the runs, and the median over each alternation's pair of runs (a burst of load
+    elsewhere moves one pair, not the median); and the same over output tokens per CPU
+    second the process spent from a run's first step to its last, which other processes'
+    load moves far less than seconds of wall clock (it still moves the trace: a slower
+    engine serves larger batches); and the scheduler's own CPU per step (Scheduler.schedule
+    timed on its thread) and its share of the run's CPU, the part a policy adds by itself;
   - over the first priority run: preemptions, by reason, and the share carrying a reason, a
     victim and a taker (target 100 %).
 
@@ -21,13 +27,16 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from random_model import save_random_llama
 from roofline import cpu_name
 
 from kvscope.engine.config import EngineConfig  # noqa: E402
+from kvscope.engine.core.scheduler import Scheduler  # noqa: E402
 from kvscope.engine.replay.metrics import RunResult  # noqa: E402
 from kvscope.engine.replay.runner import ReplaySession  # noqa: E402
 from kvscope.engine.replay.workload import ReplayRequest, Workload  # noqa: E402
@@ -91,7 +100,43 @@ def first_scheduled_steps(run: RunResult) -> dict[str, int]:
     return first
 
 
-def summary(runs: list[RunResult], priorities: dict[str, int]) -> dict:
+class ScheduleTimer:
+    """Scheduler.schedule's CPU seconds on its own thread (thread_time: pure Python on the
+    engine thread, so other processes' load barely moves it), summed while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._schedule = Scheduler.schedule
+
+    def __enter__(self) -> "ScheduleTimer":
+        timer, schedule = self, self._schedule
+
+        def timed(scheduler):
+            start = time.thread_time()
+            try:
+                return schedule(scheduler)
+            finally:
+                timer.seconds += time.thread_time() - start
+
+        Scheduler.schedule = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Scheduler.schedule = self._schedule
+
+
+def timed_run(session: ReplaySession, policy: str) -> tuple[RunResult, float, float]:
+    """One run, the CPU seconds the process spent from its first step to its last, and the
+    scheduler's share of them."""
+    marks: list[float] = []
+    with ScheduleTimer() as timer:
+        run = session.run({"scheduling_policy": policy},
+                          progress=lambda done, total: marks.append(time.process_time()))
+    return run, marks[-1] - marks[0], timer.seconds
+
+
+def summary(runs: list[RunResult], cpu_seconds: list[float], schedule_seconds: list[float],
+            priorities: dict[str, int]) -> dict:
     """One policy's repeats: latencies pooled over them, throughput their mean."""
     timings = [t for run in runs for t in run.requests]
     high = [t.ttft_s for t in timings if priorities[t.request_id] == HIGH]
@@ -107,9 +152,25 @@ def summary(runs: list[RunResult], priorities: dict[str, int]) -> dict:
         "low_longest_wait_s": round(max(t.ttft_s for t in low), 3),
         "output_tokens_per_s_each_run": [round(rate, 1) for rate in rates],
         "output_tokens_per_s": round(sum(rates) / len(rates), 1),
+        "output_tokens_per_cpu_s_each_run": [
+            round(sum(t.num_output_tokens for t in run.requests) / cpu, 1)
+            for run, cpu in zip(runs, cpu_seconds)],
+        "schedule_cpu_ms_per_step_each_run": [
+            round(1e3 * seconds / len(run.steps), 3)
+            for run, seconds in zip(runs, schedule_seconds)],
+        "schedule_share_of_cpu_each_run": [
+            round(seconds / cpu, 4) for seconds, cpu in zip(schedule_seconds, cpu_seconds)],
         "steps_each_run": [len(run.steps) for run in runs],
         "preemptions_each_run": [sum(len(r.preempted) for r in run.records) for run in runs],
     }
+
+
+def cost(fcfs_rates: list[float], priority_rates: list[float]) -> dict:
+    """1 - priority's rate over fcfs's: of the means, and the median of the alternations'
+    pairs."""
+    return {"of_means": round(1 - statistics.mean(priority_rates) / statistics.mean(fcfs_rates), 4),
+            "median_of_pairs": round(1 - statistics.median(
+                p / f for f, p in zip(fcfs_rates, priority_rates)), 4)}
 
 
 def aging_check(run: RunResult, priorities: dict[str, int], aging_steps: int) -> dict:
@@ -159,10 +220,16 @@ def main(argv=None) -> None:
         max_num_seqs=args.max_num_seqs, priority_aging_steps=args.aging_steps))
     session.run({"scheduling_policy": "priority"})  # warm-up: the first run pays start-up
     runs: dict[str, list[RunResult]] = {"fcfs": [], "priority": []}
+    cpu_seconds: dict[str, list[float]] = {"fcfs": [], "priority": []}
+    schedule_seconds: dict[str, list[float]] = {"fcfs": [], "priority": []}
     for _ in range(args.repeats):  # alternated, so a burst of load elsewhere hits both
         for policy in runs:
-            runs[policy].append(session.run({"scheduling_policy": policy}))
-    fcfs, prio = (summary(runs[p], priorities) for p in ("fcfs", "priority"))
+            run, cpu, scheduling = timed_run(session, policy)
+            runs[policy].append(run)
+            cpu_seconds[policy].append(cpu)
+            schedule_seconds[policy].append(scheduling)
+    fcfs, prio = (summary(runs[p], cpu_seconds[p], schedule_seconds[p], priorities)
+                  for p in ("fcfs", "priority"))
     print(json.dumps({
         # The run's own load, so a reader can tell a quiet machine's numbers from a busy one's.
         "cpu": cpu_name(), "load_average_1m_at_end": round(os.getloadavg()[0], 2),
@@ -173,8 +240,9 @@ def main(argv=None) -> None:
         "fcfs": fcfs, "priority": prio,
         "high_ttft_p99_fcfs_over_priority": round(
             fcfs["high_ttft_p99_s"] / prio["high_ttft_p99_s"], 2),
-        "throughput_cost": round(1 - prio["output_tokens_per_s"]
-                                 / fcfs["output_tokens_per_s"], 4),
+        **{f"throughput_cost{suffix}": cost(fcfs[field], prio[field])
+           for suffix, field in (("", "output_tokens_per_s_each_run"),
+                                 ("_cpu", "output_tokens_per_cpu_s_each_run"))},
         "aging": aging_check(runs["priority"][0], priorities, args.aging_steps),
         "preemption_causes": preemption_causes(runs["priority"][0]),
     }, indent=2))

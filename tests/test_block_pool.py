@@ -443,10 +443,10 @@ def test_shared_prefix_blocks_are_reference_counted_until_both_free():
 def test_hash_collision_gives_no_false_hit(monkeypatch, collision):
     """Blocks are matched by content, not by hash alone: a colliding hash finds nothing."""
     if collision == "constant":
-        def fake_hash(parent, token_ids):
+        def fake_hash(parent, token_ids, cache_salt=None):
             return b"\x00" * 16
     else:
-        def fake_hash(parent, token_ids):
+        def fake_hash(parent, token_ids, cache_salt=None):
             return repr(token_ids).encode()
     monkeypatch.setattr(kv_cache_manager_module, "hash_block_tokens", fake_hash)
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK)

@@ -19,7 +19,11 @@ from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.request import Request, Sequence
 from kvscope.engine.sampling_params import SamplingParams
 from kvscope.engine.telemetry import kv_event_wire as wire
-from kvscope.engine.telemetry.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+from kvscope.engine.telemetry.kv_event_publisher import (
+    TURN_S,
+    KVEventsConfig,
+    ZmqEventPublisher,
+)
 
 FIXTURES = sorted(Path(__file__).parent.joinpath("fixtures").glob("kv_events_vllm-*.json"))
 
@@ -129,3 +133,69 @@ def test_a_hybrid_pools_events_name_their_group():
     removed = {event.block_id: event.group for event in events
                if isinstance(event, core.BlockRemoved)}
     assert removed == {table[0]: 0, table[2]: 0, table[1]: 1, table[3]: 1}
+
+
+def preemption_and_miss() -> list:
+    """A core preemption (b for a) and a prefix miss (a's), as the scheduler emits them."""
+    a, b = (Sequence(name, Request(name, None, [1, 2, 3], SamplingParams(max_tokens=1)),
+                     0, [1, 2, 3], 3) for name in ("a", "b"))
+    return [core.SequencePreempted(b, core.PreemptionReason.PRIORITY, a, 2, 7),
+            core.PrefixMiss(a, core.MissReason.EVICTED, 8, "c", 4)]
+
+
+KVSCOPE_EVENTS = [wire.SequencePreempted("b", "b", "priority", "a", 2, 7),
+                  wire.PrefixMiss("a", "a", "evicted", 8, "c", 4)]
+
+
+def test_kvscopes_own_events_ride_past_what_vllms_decoder_reads(fixture):
+    """vLLM's batch is an array-like struct: msgspec skips elements past its fields, so
+    vLLM's decoder reads the batch as vLLM's own (tests/fixtures' struct shapes are
+    vLLM's), and kvscope's decoder reads the reasons too."""
+    batch = wire.KVScopeEventBatch(
+        ts=fixture["ts"], data_parallel_rank=fixture["data_parallel_rank"],
+        events=wire.wire_events(core_events(fixture), fixture["medium"],
+                                fixture["group_windows"]),
+        kvscope_events=wire.wire_reasons(preemption_and_miss()))
+    payload = msgspec.msgpack.encode(batch)
+    as_vllm = msgspec.msgpack.decode(payload, type=wire.KVEventBatch)
+    assert msgspec.msgpack.encode(as_vllm) == vllm_payload(fixture)
+    assert msgspec.msgpack.decode(payload, type=wire.KVScopeEventBatch).kvscope_events == \
+        KVSCOPE_EVENTS
+
+
+def batches_sent(subscriber, first_within_ms: int) -> list:
+    """The batches that reach the subscriber, decoded as kvscope's."""
+    batches, timeout_ms = [], first_within_ms
+    while subscriber.poll(timeout_ms):
+        batches.append(msgspec.msgpack.decode(subscriber.recv_multipart()[2],
+                                              type=wire.KVScopeEventBatch))
+        timeout_ms = 200
+    return batches
+
+
+def test_the_publisher_holds_kvscopes_events_for_a_batch_of_vllms(fixture):
+    """A preemption alone sends nothing (vLLM never sends a batch without events); it goes
+    with the next stored or removed blocks, and a batch of vLLM's alone is vLLM's bytes
+    still (test_the_publisher_sends_vllms_bytes). At shutdown what is held goes alone."""
+    endpoint = "inproc://kv-event-reasons"
+    publisher = ZmqEventPublisher(
+        KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint),
+        fixture["group_windows"], fixture["medium"], fixture["data_parallel_rank"])
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(endpoint)
+    try:
+        for event in preemption_and_miss():
+            publisher(event)
+        assert batches_sent(subscriber, 10 * 1000 * TURN_S) == []
+        for event in core_events(fixture):
+            publisher(event)
+        (batch,) = batches_sent(subscriber, 5_000)
+        assert batch.events and batch.kvscope_events == KVSCOPE_EVENTS
+        publisher(preemption_and_miss()[0])
+        publisher.shutdown()
+        (last,) = batches_sent(subscriber, 5_000)
+        assert last.events == [] and last.kvscope_events == KVSCOPE_EVENTS[:1]
+    finally:
+        publisher.shutdown()
+        subscriber.close(linger=0)

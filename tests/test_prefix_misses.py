@@ -1,6 +1,6 @@
 """A prefix-cache miss on tokens the cache had seen says why: evicted (by which request, in
-which step), or a shared text that ends mid-block; and the bookkeeping behind it stays
-bounded."""
+which step), cached under another cache_salt, or a shared text that ends mid-block; and the
+bookkeeping behind it stays bounded."""
 
 import pytest
 from conftest import session_log_round_trip
@@ -22,8 +22,8 @@ def engine(make_engine):
                        enable_prefix_caching=True)
 
 
-def run(engine, prompt: list[int], request_id: str) -> list:
-    engine.add_request(prompt, ONE_TOKEN, request_id=request_id)
+def run(engine, prompt: list[int], request_id: str, cache_salt: str | None = None) -> list:
+    engine.add_request(prompt, ONE_TOKEN, request_id=request_id, cache_salt=cache_salt)
     records = []
     while engine.has_unfinished_requests():
         records.append(engine.step().record)
@@ -77,6 +77,40 @@ def test_a_shared_text_ending_mid_block_is_a_partial_block(engine):
     assert miss[1:] == ("partial_block", 2, None, None)
 
 
+def test_the_same_tokens_under_another_salt_are_a_salt_mismatch(engine):
+    prompt = list(range(10, 22))  # the lookup covers two full blocks
+    run(engine, prompt, "first", cache_salt="tenant-a")
+    same_salt = run(engine, prompt, "same-salt", cache_salt="tenant-a")
+    assert same_salt[0].chunks[0][3] == 2 * BLOCK_SIZE and misses(same_salt) == []
+    other_salt = run(engine, prompt, "other-salt", cache_salt="tenant-b")
+    assert other_salt[0].chunks[0][3] == 0  # never shared across salts
+    assert [miss[1:] for miss in misses(other_salt)] == [
+        ("salt_mismatch", 2 * BLOCK_SIZE, None, None)]
+    # Unsalted is a salt of its own: it misses what tenant-b cached last.
+    unsalted = run(engine, prompt, "unsalted")
+    assert unsalted[0].chunks[0][3] == 0
+    assert [miss[1] for miss in misses(unsalted)] == ["salt_mismatch"]
+    # And its blocks are the unsalted hashes: a salt never changes an unsalted prompt's.
+    assert engine.kv_cache.pool.lookup(hash_block_tokens(None, tuple(prompt[:4])),
+                                       tuple(prompt[:4])) is not None
+
+
+def test_a_salt_mismatch_counts_only_what_the_other_salt_still_holds(engine):
+    """tenant-a's blocks evicted: a tenant-b prompt is a plain new prompt (nothing cached
+    to miss), not a salt mismatch."""
+    prompt = list(range(10, 22))
+    run(engine, prompt, "first", cache_salt="tenant-a")
+    run(engine, list(range(100, 139)), "evictor")  # ten blocks: every cached one goes
+    assert misses(run(engine, prompt, "other-salt", cache_salt="tenant-b")) == []
+
+
+@pytest.mark.parametrize("salt", [3, "", b"a", ["a"]])
+def test_a_bad_cache_salt_is_refused_naming_it(engine, salt):
+    with pytest.raises(ValueError, match="cache_salt=.*must be a non-empty string"):
+        engine.add_request([1, 2, 3], ONE_TOKEN, cache_salt=salt)
+    assert not engine.has_unfinished_requests()
+
+
 def test_a_full_hit_and_a_new_prompt_carry_no_miss(engine):
     prompt = list(range(10, 23))  # three full blocks, one token past them
     run(engine, prompt, "first")
@@ -88,8 +122,10 @@ def test_misses_round_trip_the_session_log(engine, tmp_path):
     prompt = list(range(10, 24))
     run(engine, prompt, "first")
     records = run(engine, prompt[:10] + [200, 201, 202, 203, 204], "diverging")
+    records += run(engine, prompt, "salted", cache_salt="tenant-a")
     stored = session_log_round_trip(records, engine.config.to_dict(), tmp_path)
-    assert stored == records and misses(stored)
+    assert stored == records
+    assert [miss[1] for miss in misses(stored)] == ["partial_block", "salt_mismatch"]
 
 
 def test_the_eviction_memory_stays_bounded():

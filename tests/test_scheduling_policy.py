@@ -78,11 +78,16 @@ class PriorityMachine(RuleBasedStateMachine):
         admitted = [item.seq for item in out.scheduled
                     if any(item.seq is seq for seq in waiting_before)]
         still_waiting = [seq for seq in self.scheduler.waiting if id(seq) not in preempted]
+        scheduled = {id(item.seq) for item in out.scheduled}
         for event in self.events:
             assert event.blocks_freed >= 0 and event.tokens_lost >= 0
             if event.reason in TAKER_REASONS:  # only ever for a request ranked ahead
                 assert event.taker.priority_key < event.seq.priority_key
                 assert any(event.taker is seq for seq in waiting_before)
+            # Nobody is preempted for a taker that then does not run: a preemption that
+            # could not make the room is never made.
+            if event.taker is not event.seq:
+                assert id(event.taker) in scheduled, (event, out)
         # Admission follows rank: nobody still waiting ranks ahead of an admitted one.
         for new in admitted:
             for seq in still_waiting:
@@ -92,14 +97,20 @@ class PriorityMachine(RuleBasedStateMachine):
                 assert overtake <= 0 or overtake <= (
                     (seq.request.priority - new.request.priority) * AGING_STEPS)
         # A waiting request ranked ahead of a running one is there only because the budget
-        # was spent or memory was short (a running one's growth preempted): a free seat, a
+        # was spent, memory was short (a running one's growth preempted), or it, or one
+        # ranked ahead of it (admission follows rank), would not fit its whole remaining
+        # prompt even with every running one ranked behind it freed: a free seat, a
         # lower-ranked holder of blocks or of budget never keeps it out.
         memory_short = any(e.reason is PreemptionReason.KV_FULL for e in self.events)
         budget_spent = out.num_scheduled_tokens == self.config.max_num_batched_tokens
-        for seq in still_waiting:
-            if any(running.priority_key > seq.priority_key
-                   for running in self.scheduler.running):
-                assert memory_short or budget_spent, (seq.seq_id, out)
+        too_big = False
+        for seq in sorted(still_waiting, key=lambda s: s.priority_key):
+            behind = [running for running in self.scheduler.running
+                      if running.priority_key > seq.priority_key]
+            could_free = self.kv_cache.num_free_blocks + self.kv_cache.blocks_freed_by(behind)
+            too_big = too_big or self.kv_cache.blocks_needed(seq.num_tokens) > could_free
+            if behind:
+                assert memory_short or budget_spent or too_big, (seq.seq_id, out)
 
     @invariant()
     def queues_hold_what_they_should(self) -> None:
@@ -169,3 +180,63 @@ def test_bad_priorities_are_refused_naming_the_field(priority, policy, words):
 
 def test_fcfs_takes_the_default_priority():
     assert check_priority(0, "fcfs") == 0 and check_priority(-7, "priority") == -7
+
+
+def _priority_scheduler(num_blocks: int, max_num_batched_tokens: int) -> Scheduler:
+    config = EngineConfig(block_size=4, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=64, enable_prefix_caching=False,
+                          scheduling_policy="priority")
+    return Scheduler(config, KVCacheManager(num_blocks=num_blocks, block_size=4,
+                                            enable_caching=False))
+
+
+def _arrive(scheduler: Scheduler, name: str, priority: int, prompt_len: int) -> Sequence:
+    prompt = list(range(1, prompt_len + 1))
+    seq = Sequence(name, Request(name, None, prompt, SamplingParams(),
+                                 arrival_time=float(scheduler.num_steps), priority=priority),
+                   0, list(prompt), prompt_len)
+    scheduler.add(seq)
+    return seq
+
+
+def _run(out) -> None:
+    """What the forward and the sampler would do with a step: chunks computed, a token
+    sampled where a chunk reached the end."""
+    for item in out.scheduled:
+        item.seq.num_computed_tokens = item.end
+        if item.end == item.seq.num_tokens:
+            item.seq.token_ids.append(7)
+
+
+def test_a_waiting_request_preempts_nobody_when_all_it_may_preempt_would_not_make_room():
+    """6 blocks: `ahead` (priority 0) holds 4, `behind` (priority 5) 1. A priority 1 prompt
+    needing 3 blocks could have only 2 even with `behind` preempted: it waits, and
+    `behind` keeps its work."""
+    scheduler = _priority_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    ahead, behind = _arrive(scheduler, "ahead", 0, 15), _arrive(scheduler, "behind", 5, 3)
+    _run(scheduler.schedule())
+    taker = _arrive(scheduler, "taker", 1, 12)
+
+    out = scheduler.schedule()
+
+    assert out.preemptions == []
+    assert [item.seq for item in out.scheduled] == [ahead, behind]
+    assert list(scheduler.waiting) == [taker]
+
+
+def test_a_growing_request_preempts_itself_when_the_ones_behind_it_would_not_make_room():
+    """5 blocks: `first` (priority -1) and `behind` (priority 5) hold one each, `long`
+    (priority 0) 3 after its first chunk; its next chunk wants 2 more, and `behind` has only
+    1 to give: `long` goes at once, and `behind` runs on."""
+    scheduler = _priority_scheduler(num_blocks=5, max_num_batched_tokens=12)
+    first, behind = _arrive(scheduler, "first", -1, 2), _arrive(scheduler, "behind", 5, 3)
+    _run(scheduler.schedule())
+    long = _arrive(scheduler, "long", 0, 20)
+    _run(scheduler.schedule())
+    assert long.num_computed_tokens == 11 and scheduler.kv_cache.num_free_blocks == 0
+
+    out = scheduler.schedule()
+
+    (event,) = out.preemptions
+    assert (event.seq, event.reason, event.taker) == (long, PreemptionReason.KV_FULL, long)
+    assert [item.seq for item in out.scheduled] == [first, behind]

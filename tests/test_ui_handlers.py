@@ -630,16 +630,21 @@ def test_prefix_misses_say_why_in_the_why_panel_and_the_event_log():
 
     evicted = ("r2", "evicted", 8, "r9", 3)
     partial = ("r2#1", "partial_block", 2, None, None)
-    record = dataclasses.replace(_record(5, 11.0), prefix_misses=(evicted, partial))
+    salted = ("r4", "salt_mismatch", 16, None, None)
+    record = dataclasses.replace(_record(5, 11.0), prefix_misses=(evicted, partial, salted))
     evicted_words = ("step 5: r2 missed 8 tokens the prefix cache once held: r9's blocks "
                      "evicted them in step 3")
     partial_words = ("step 5: r2#1 shares 2 tokens past its prefix hit with a cached block, "
                      "and they cannot hit: the shared text ends mid-block, and only full "
                      "blocks are cached")
+    salted_words = ("step 5: r4 missed 16 tokens the prefix cache holds under another "
+                    "cache_salt: requests share a prefix only under one salt")
     assert why.why_lines([record], {}, "r2") == [evicted_words, partial_words]
     assert why.why_lines([record], {}, "r9") == [evicted_words]  # the evictor's story too
+    assert why.why_lines([record], {}, "r4") == [salted_words]
     assert why.why_lines([record], {}, "r3") == []
-    assert events.event_lines([record]) == [partial_words, evicted_words]  # newest first
+    # Newest first.
+    assert events.event_lines([record]) == [salted_words, partial_words, evicted_words]
 
 
 def test_following_a_request_puts_its_why_above_the_event_log(engine):

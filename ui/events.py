@@ -47,6 +47,9 @@ def miss_words(cause: PrefixMissCause) -> str:
     if reason == "evicted":
         return (f"{seq_id} missed {counted(num_tokens, 'token')} the prefix cache once held: "
                 f"{evicted_by}'s blocks evicted them in step {evicted_step}")
+    if reason == "salt_mismatch":
+        return (f"{seq_id} missed {counted(num_tokens, 'token')} the prefix cache holds under "
+                "another cache_salt: requests share a prefix only under one salt")
     return (f"{seq_id} shares {counted(num_tokens, 'token')} past its prefix hit with a "
             "cached block, and they cannot hit: the shared text ends mid-block, and only full "
             "blocks are cached")

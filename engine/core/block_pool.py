@@ -20,9 +20,15 @@ from kvscope.engine.core.prefix_misses import BoundedLRU, Eviction
 from kvscope.engine.core.request import BlockHash
 
 
-def hash_block_tokens(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
-    """Stable across processes (unlike Python's salted hash): sha256 of parent + tokens."""
+def hash_block_tokens(parent: bytes | None, token_ids: tuple[int, ...],
+                      cache_salt: str | None = None) -> bytes:
+    """Stable across processes (unlike Python's salted hash): sha256 of parent + tokens.
+    A request's cache_salt (vLLM's) is mixed into its first block's hash, so prompts under
+    different salts never share a prefix (every later block chains to the first)."""
     digest = hashlib.sha256(parent or b"root")
+    if cache_salt is not None:
+        salt = cache_salt.encode()
+        digest.update(b"salt" + struct.pack("<q", len(salt)) + salt)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return digest.digest()[:16]
 
@@ -129,6 +135,9 @@ class BlockPool:
         # block's parent hash value (None: the first block) -> the tokens it held.
         self.evicted: BoundedLRU[bytes, Eviction] = BoundedLRU()
         self.followers: BoundedLRU[bytes | None, tuple[int, ...]] = BoundedLRU()
+        # And a cached first block's unsalted hash value -> (the cache_salt it was cached
+        # under,), which the cache manager records: the pool never sees salts.
+        self.first_block_salts: BoundedLRU[bytes, tuple[str | None]] = BoundedLRU()
         self.emit = emit
 
     @property

@@ -199,6 +199,10 @@ class KVCacheManager:
                 run = 1 + sum(1 for _ in takewhile(lambda h: self._eviction(h) is not None,
                                                    hashes[num_hit + 1:]))
                 return PrefixMiss(seq, MissReason.EVICTED, run * bs, first.by, first.step)
+            if num_hit == 0:
+                salted_apart = self._cached_under_another_salt(seq, hashes)
+                if salted_apart:
+                    return PrefixMiss(seq, MissReason.SALT_MISMATCH, salted_apart)
             tokens = hashes[num_hit][2]
         elif seq.num_tokens % bs:
             # The prompt's last, partial block, less its last token (always computed).
@@ -211,6 +215,21 @@ class KVCacheManager:
         if 0 < shared < bs:
             return PrefixMiss(seq, MissReason.PARTIAL_BLOCK, shared)
         return None
+
+    def _cached_under_another_salt(self, seq: Sequence, hashes: list[BlockHash]) -> int:
+        """The prompt's leading tokens the cache holds under the cache_salt its first block
+        was last cached with, when that salt is not the sequence's (0 otherwise)."""
+        first_tokens = hashes[0][2]
+        recorded = self.pool.first_block_salts.get(hash_block_tokens(None, first_tokens))
+        if recorded is None or recorded[0] == seq.request.cache_salt:
+            return 0
+        parent, run = None, 0
+        for index, (_, _, tokens) in enumerate(hashes):
+            value = hash_block_tokens(parent, tokens, recorded[0] if index == 0 else None)
+            if self.pool.lookup(value, tokens, parent) is None:
+                break
+            parent, run = value, run + 1
+        return run * self.block_size
 
     def _eviction(self, block_hash: BlockHash) -> Eviction | None:
         """Who evicted this block's content, in any KV cache group, if remembered."""
@@ -249,7 +268,8 @@ class KVCacheManager:
         for index in range(len(hashes), num_blocks):
             tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
             parent = hashes[-1][0] if hashes else None
-            hashes.append((hash_block_tokens(parent, tokens), parent, tokens))
+            salt = seq.request.cache_salt if index == 0 else None
+            hashes.append((hash_block_tokens(parent, tokens, salt), parent, tokens))
         return hashes[:num_blocks]
 
     def allocate_slots(
@@ -263,18 +283,14 @@ class KVCacheManager:
         step writes, or None when the pool cannot supply the blocks (then nothing changed
         but the freeing of blocks that left the sliding window).
         """
-        pool, groups, table = self.pool, self.num_groups, seq.block_table
+        pool, table = self.pool, seq.block_table
         # Always valid, and it may free the very blocks this step needs.
         self.release_out_of_window(seq)
         num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
         adopted = [block for blocks in cached_prefix for block in blocks if block is not None]
-        first_write = (num_computed // self.block_size) * groups
-        shared_targets = [i for i in range(first_write, len(table))
-                          if table[i] != RELEASED and pool.blocks[table[i]].ref_count > 1]
-        num_new_blocks = groups * (self.blocks_needed(num_computed + num_new_tokens)
-                                   - len(table) // groups - len(cached_prefix))
-        revived = sum([block.ref_count == 0 for block in adopted])
-        if max(num_new_blocks, 0) + len(shared_targets) + revived > pool.num_free_blocks:
+        num_new_blocks, shared_targets, wanted = self._allocation(seq, num_new_tokens,
+                                                                  cached_prefix)
+        if wanted > pool.num_free_blocks:
             return None
         slots = self.state_slots
         if slots is not None and seq.state_slot is None:
@@ -315,6 +331,44 @@ class KVCacheManager:
             table.extend(b.block_id for b in pool.allocate(num_new_blocks, evictor))
         return copies
 
+    def free_blocks_wanted(self, seq: Sequence, num_new_tokens: int,
+                           cached_prefix: list[tuple[KVBlock | None, ...]] = ()) -> int:
+        """The free blocks allocate_slots(seq, num_new_tokens, cached_prefix) takes."""
+        return self._allocation(seq, num_new_tokens, cached_prefix)[2]
+
+    def _allocation(self, seq: Sequence, num_new_tokens: int,
+                    cached_prefix: list[tuple[KVBlock | None, ...]]) -> tuple[int, list[int], int]:
+        """What an allocation takes: the new pool blocks (negative: none), the table
+        entries shared with others that the write lands in (copied on write), and the
+        free blocks all that takes (new ones, copy targets, cached-free prefix blocks it
+        revives)."""
+        table, groups, blocks = seq.block_table, self.num_groups, self.pool.blocks
+        num_computed = seq.num_computed_tokens + len(cached_prefix) * self.block_size
+        first_write = (num_computed // self.block_size) * groups
+        shared_targets = [i for i in range(first_write, len(table))
+                          if table[i] != RELEASED and blocks[table[i]].ref_count > 1]
+        num_new_blocks = groups * (self.blocks_needed(num_computed + num_new_tokens)
+                                   - len(table) // groups - len(cached_prefix))
+        revived = sum([block is not None and block.ref_count == 0
+                       for positions in cached_prefix for block in positions])
+        return (num_new_blocks, shared_targets,
+                max(num_new_blocks, 0) + len(shared_targets) + revived)
+
+    def blocks_freed_by(self, seqs: Iterable[Sequence], kept: Iterable[KVBlock] = ()) -> int:
+        """The pool blocks that freeing all of these sequences would return: the ones no
+        other sequence holds, less `kept` (a taker's cached prefix, which it would take
+        back at once)."""
+        holders: dict[int, int] = {}
+        for seq in seqs:
+            for block_id in seq.block_table:
+                if block_id != RELEASED:
+                    holders[block_id] = holders.get(block_id, 0) + 1
+        for block in kept:
+            holders.pop(block.block_id, None)
+        blocks = self.pool.blocks
+        return sum(1 for block_id, count in holders.items()
+                   if blocks[block_id].ref_count == count)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash the sequence's newly full, computed blocks so later prompts can reuse them."""
         num_full = seq.num_computed_tokens // self.block_size
@@ -332,6 +386,9 @@ class KVCacheManager:
                 if block_id != RELEASED:
                     self.pool.cache(self.pool.blocks[block_id],
                                     group_block_hash(hashes[position], group), group)
+        if seq.num_cached_blocks == 0:  # its first block: whose salt its tokens are under
+            self.pool.first_block_salts.put(hash_block_tokens(None, hashes[0][2]),
+                                            (seq.request.cache_salt,))
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
         if (self.state_slots is not None and seq.state_slot is not None
                 and seq.num_computed_tokens % self.snapshot_tokens == 0):
@@ -395,11 +452,9 @@ class KVCacheManager:
     def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped sequence back into fresh device blocks, with room for
         `num_new_tokens` more: (cpu, device) copies, or None if the pool is short."""
-        swapped, groups = seq.swap_table, self.num_groups
+        swapped = seq.swap_table
         held = [cpu for cpu in swapped if cpu != RELEASED]
-        new_positions = max(self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-                            - len(swapped) // groups, 0)
-        count = len(held) + new_positions * groups
+        count = self.swap_in_blocks_wanted(seq, num_new_tokens)
         if count > self.pool.num_free_blocks:
             return None
         blocks = iter(block.block_id for block in self.pool.allocate(
@@ -416,6 +471,13 @@ class KVCacheManager:
         self.swap_stats.swap_ins += 1
         self.swap_stats.blocks_in += len(held)
         return copies
+
+    def swap_in_blocks_wanted(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The free blocks swap_in(seq, num_new_tokens) takes."""
+        swapped, groups = seq.swap_table, self.num_groups
+        new_positions = max(self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+                            - len(swapped) // groups, 0)
+        return sum(1 for cpu in swapped if cpu != RELEASED) + new_positions * groups
 
     def drop_swapped(self, seq: Sequence) -> None:
         """Forget a swapped sequence's CPU copy (it finished or was aborted while out)."""

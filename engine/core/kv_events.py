@@ -115,14 +115,16 @@ class MissReason(enum.StrEnum):
 
     EVICTED = "evicted"  # the next block was cached once, and evicted for another request
     PARTIAL_BLOCK = "partial_block"  # shared text ends mid-block: only full blocks cache
+    SALT_MISMATCH = "salt_mismatch"  # the same tokens are cached under another cache_salt
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixMiss:
     """A sequence's prefix lookup at admission missed `num_tokens` tokens the cache had seen
     (engine.core.prefix_misses): past its hit, the blocks `evicted_by` that request's
-    allocation in step `evicted_step`, or the tokens a cached block shares with it before
-    the two part mid-block (evicted_by and evicted_step None)."""
+    allocation in step `evicted_step`, the leading tokens cached under another cache_salt,
+    or the tokens a cached block shares with it before the two part mid-block (evicted_by
+    and evicted_step None for the last two)."""
 
     seq: "Sequence"
     reason: MissReason

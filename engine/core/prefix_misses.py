@@ -1,11 +1,14 @@
 """Why a prompt's prefix-cache lookup stopped where it did, on a prefix seen before.
 
-The pool keeps two bounded LRU maps (a fixed number of entries each, so a long run costs
-no more than a short one): recently evicted block hashes -> who evicted them and when, and
-recently cached blocks' parents -> the tokens that followed. When a prompt's lookup stops
-at a block, the first says whether that block was cached once and evicted (and by whom),
-the second whether the prompt shared text with a cached block that ends mid-block (such
-tokens can never hit: only full blocks are cached). A block a lower tier
+The pool keeps three bounded LRU maps (a fixed number of entries each, so a long run costs
+no more than a short one): recently evicted block hashes -> who evicted them and when,
+recently cached blocks' parents -> the tokens that followed, and recently cached first
+blocks' unsalted hashes -> the cache_salt they were cached under. When a prompt's lookup
+stops at a block, the first says whether that block was cached once and evicted (and by
+whom), the third (at the first block) whether the same tokens are cached under another
+salt (salts keep requests from sharing a prefix), the second whether the prompt shared
+text with a cached block that ends mid-block (such tokens can never hit: only full blocks
+are cached). A block a lower tier
 (engine.core.kv_offload) loaded back is in the pool again, so it is a hit, never a miss.
 """
 

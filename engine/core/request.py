@@ -130,6 +130,8 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0  # lower is served first under scheduling_policy="priority"
+    # vLLM's: mixed into the first block's hash, so only requests of one salt share a prefix.
+    cache_salt: str | None = None
     rank: int = 0  # its aged place in line, given on arrival (engine.core.scheduling_policy)
     source: str = "api"
     sequences: list[Sequence] = field(default_factory=list)

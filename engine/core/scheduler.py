@@ -1,7 +1,8 @@
 """Continuous batching under a token budget: chunked prefill, decodes and preemption."""
 
+import bisect
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvscope.engine.config import EngineConfig
@@ -9,6 +10,7 @@ from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.core.kv_events import (
     KVEventSink,
     PreemptionReason,
+    PrefixMiss,
     SequenceFinished,
     SequencePreempted,
     SequenceQueued,
@@ -31,11 +33,14 @@ class Scheduler:
     Per step under fcfs: running sequences first (a decode costs one token, an unfinished
     prefill gets its next chunk), then waiting ones in arrival order, while the token
     budget, `max_num_seqs` and free blocks allow. Under priority: all of them in rank order
-    (engine.core.scheduling_policy), and a waiting sequence short of a seat or of blocks
-    preempts the least important running ones ranked behind it. A running sequence that
-    cannot get a block preempts the least important running sequence not yet scheduled
-    (possibly itself). Every preemption is a SequencePreempted event: why, for whom, what
-    it freed and what it lost.
+    (engine.core.scheduling_policy; both queues are kept in that order as sequences join
+    them, so a step merges them instead of sorting), and a waiting sequence short of a seat
+    or of blocks preempts the least important running ones ranked behind it. A running
+    sequence that cannot get a block preempts the least important running sequence not yet
+    scheduled (possibly itself). A preemption is made only when the victims it would go on
+    to take could make the room: a taker that could not get in even with all of them freed
+    preempts nobody (a running one then preempts itself). Every preemption is a
+    SequencePreempted event: why, for whom, what it freed and what it lost.
 
     Invariants: every sequence in `running` holds device blocks and has tokens left to
     compute (or a launched step's placeholder for its next token, with async scheduling);
@@ -59,6 +64,7 @@ class Scheduler:
         self.fetch_prefix: Callable[[Sequence, int], bool] = lambda seq, num_cached: False
         self.waiting: deque[Sequence] | RankedQueue = (
             RankedQueue() if config.scheduling_policy == "priority" else deque())
+        # Under priority kept in rank order (bisect-inserted, see _start_running).
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls: the clock of priority aging
@@ -77,12 +83,18 @@ class Scheduler:
         runs again next step; without (they were freed) it recomputes, first in line."""
         self.emit(SequenceResumed(seq))
         if seq.block_table:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(seq)
         else:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        if self.config.scheduling_policy == "priority":  # after its equals: arrival order
+            bisect.insort(self.running, seq, key=_priority_key)
+        else:
+            self.running.append(seq)
 
     def detach(self, seq: Sequence) -> None:
         """Take a running sequence out of scheduling, blocks and all: it has nothing to
@@ -144,14 +156,14 @@ class Scheduler:
         if self.config.scheduling_policy == "priority":
             # One pass in rank order: a waiting sequence ranked ahead of running ones takes
             # the token budget before them, and their seats and blocks if it must.
-            for seq in sorted([*self.running, *self.waiting], key=lambda s: s.priority_key):
+            for seq in self._in_rank_order(step):
                 if step.budget == 0:
                     break
                 if id(seq) in step.preempted:
                     continue
                 if seq.status is SequenceStatus.RUNNING:
                     self._schedule_running(seq, cap, out, step)
-                elif step.admitting:
+                else:
                     # The first that cannot start holds back those ranked behind it.
                     step.admitting = self._admit(seq, out, step)
             return out
@@ -165,6 +177,24 @@ class Scheduler:
             pass
         return out
 
+    def _in_rank_order(self, step: "_StepState") -> Iterator[Sequence]:
+        """Running and waiting sequences merged in rank order (running first among
+        equals), as they stood when the step began; the waiting stop once one is held back
+        (step.admitting), so a step visits the running and the few it admits, never the
+        whole queue."""
+        running, waiting = list(self.running), list(self.waiting)  # both in rank order
+        next_waiting = 0
+        for seq in running:
+            key = seq.priority_key
+            while (step.admitting and next_waiting < len(waiting)
+                   and waiting[next_waiting].priority_key < key):
+                next_waiting += 1
+                yield waiting[next_waiting - 1]
+            yield seq
+        while step.admitting and next_waiting < len(waiting):
+            next_waiting += 1
+            yield waiting[next_waiting - 1]
+
     def _schedule_running(self, seq: Sequence, cap: int | None, out: SchedulerOutput,
                           step: "_StepState") -> None:
         """A running sequence's next chunk; when blocks run short, the least important
@@ -177,19 +207,53 @@ class Scheduler:
         if copies is None and spec:  # proposals are the first thing to go
             spec, num_tokens = [], num_tokens - len(spec)
             copies = self._allocate(seq, num_tokens, out)
-        while copies is None:
-            # Among equals the latest in `running` goes: the head of `running` only
-            # ever preempts itself when alone, so it always finishes (no livelock).
-            victim = max(reversed(self._unscheduled_running(out)),
-                         key=lambda s: s.priority_key)
-            self.preempt(victim, out, PreemptionReason.KV_FULL, seq)
-            step.preempted.add(id(victim))
-            if victim is seq:
-                return
-            copies = self.kv_cache.allocate_slots(seq, num_tokens)
+        if copies is None:
+            copies = self._preempt_for_growth(seq, num_tokens, out, step)
+            if copies is None:
+                return  # it was preempted itself
         out.block_copies.extend(copies)
         self._add_scheduled(out, seq, num_tokens, spec)
         step.budget -= num_tokens
+
+    def _preempt_for_growth(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
+                            step: "_StepState") -> list[tuple[int, int]] | None:
+        """Blocks for a running sequence's next chunk by preempting the least important
+        running sequences not yet scheduled, until it fits: its block copies, or None if
+        it was the one preempted. Only those ranked behind it are candidates; if freeing
+        all of them would still leave it short, it goes at once and they keep their
+        work."""
+        # Behind it: ranked after it, or its equal later in `running` (a fork).
+        unscheduled = self._unscheduled_running(out)
+        at = next(i for i, other in enumerate(unscheduled) if other is seq)
+        behind = [s for i, s in enumerate(unscheduled) if s is not seq and (
+            s.priority_key > seq.priority_key or s.priority_key == seq.priority_key and i > at)]
+        short = self.kv_cache.free_blocks_wanted(seq, num_tokens) - self.kv_cache.num_free_blocks
+        if self.kv_cache.blocks_freed_by(behind) < short:
+            behind = []
+        for victim in self._victim_order(behind):
+            self._preempt_for(victim, seq, out, step, PreemptionReason.KV_FULL)
+            copies = self.kv_cache.allocate_slots(seq, num_tokens)
+            if copies is not None:
+                return copies
+        self._preempt_for(seq, seq, out, step, PreemptionReason.KV_FULL)
+        return None
+
+    @staticmethod
+    def _victim_order(candidates: list[Sequence]) -> list[Sequence]:
+        """Who of the candidates (all ranked behind the one that needs the room) is
+        preempted first: the last ranked (vLLM's rule: the lowest priority, then the latest
+        arrival), and among equals the latest in `running`. The first-ranked running
+        sequence is so only ever preempted by itself, when alone, and always finishes (no
+        livelock). Not whoever has the fewest computed tokens: under priority that is often
+        an earlier arrival just resumed, which, requeued at its rank ahead of later ones
+        still running, preempts one of them next step (on bench/priority.py's trace it
+        doubled the preemptions)."""
+        return sorted(reversed(candidates), key=_priority_key, reverse=True)
+
+    def _preempt_for(self, victim: Sequence, taker: Sequence, out: SchedulerOutput,
+                     step: "_StepState", reason: PreemptionReason) -> None:
+        self.preempt(victim, out, reason, taker)
+        step.preempted.add(id(victim))
 
     def _admit(self, seq: Sequence, out: SchedulerOutput, step: "_StepState") -> bool:
         """Start (or swap back in) a waiting sequence; False if it cannot this step (True
@@ -197,19 +261,42 @@ class Scheduler:
         preempted for lack of blocks admits nobody: memory is short already."""
         if any(p.reason is PreemptionReason.KV_FULL for p in out.preemptions):
             return False
-        while len(self.running) + self._num_pending_forks() >= self.config.max_num_seqs:
-            if not self._preempt_ranked_behind(seq, out, step, PreemptionReason.MAX_NUM_SEQS):
-                return False
+        behind = self._ranked_behind(seq, out)
+        seats_short = (len(self.running) + self._num_pending_forks() + 1
+                       - self.config.max_num_seqs)
+        if len(behind) < seats_short:
+            return False
         # Admitted uncapped: from the next step on it runs capped while others wait.
         # (A first whole chunk also caches its prefix for identical prompts behind it.)
         cap = self.prefill_cap(others_waiting=False)
+        swapped = seq.status is SequenceStatus.SWAPPED
+        if swapped:
+            num_tokens, cached_prefix, miss = self.chunk_size(seq, step.budget, cap), [], None
+        else:
+            planned = self._plan_waiting(seq, step.budget, cap)
+            if planned is None:  # its prefix is loading: the ones behind it go on
+                self.waiting.remove(seq)
+                return True
+            num_tokens, cached_prefix, miss = planned
+            if not num_tokens:
+                return False
+        if behind and not self._room_with(behind, seq, num_tokens, cached_prefix):
+            if seats_short > 0:
+                return False
+            behind = []  # freeing them all would not let it in: it preempts nobody
+        victims = self._victim_order(behind)
+        for _ in range(seats_short):
+            self._preempt_for(victims.pop(0), seq, out, step, PreemptionReason.MAX_NUM_SEQS)
 
         def make_room() -> bool:
-            return (self._reclaim(out, seq)
-                    or self._preempt_ranked_behind(seq, out, step, PreemptionReason.PRIORITY))
+            if self._reclaim(out, seq):
+                return True
+            if not victims:
+                return False
+            self._preempt_for(victims.pop(0), seq, out, step, PreemptionReason.PRIORITY)
+            return True
 
-        if seq.status is SequenceStatus.SWAPPED:
-            num_tokens = self.chunk_size(seq, step.budget, cap)
+        if swapped:
             swap_in = self.kv_cache.swap_in(seq, num_tokens)
             while swap_in is None and make_room():
                 swap_in = self.kv_cache.swap_in(seq, num_tokens)
@@ -217,35 +304,36 @@ class Scheduler:
                 return False
             out.swap_in.extend(swap_in)
             out.swapped_in.append(seq)
-        else:
-            num_tokens = self._admit_waiting(seq, step.budget, cap, out, make_room)
-            if num_tokens is None:  # its prefix is loading: the ones behind it go on
-                self.waiting.remove(seq)
-                return True
-            if not num_tokens:
-                return False
+        elif not self._allocate_waiting(seq, num_tokens, cached_prefix, miss, out, make_room):
+            return False
         self.waiting.remove(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self._start_running(seq)
         self._add_scheduled(out, seq, num_tokens)
         step.budget -= num_tokens
         return True
 
-    def _preempt_ranked_behind(self, taker: Sequence, out: SchedulerOutput,
-                               step: "_StepState", reason: PreemptionReason) -> bool:
-        """Under the priority policy, preempt for `taker` the least important running
-        sequence not scheduled this step that ranks behind it; False if there is none
-        (or the policy is fcfs, where waiting never displaces running)."""
+    def _room_with(self, victims: list[Sequence], taker: Sequence, num_tokens: int,
+                   cached_prefix: list) -> bool:
+        """Whether the free blocks and those that freeing all the victims returns cover
+        the taker's admission (the blocks detached sequences would give back are not
+        counted)."""
+        kv = self.kv_cache
+        if taker.status is SequenceStatus.SWAPPED:
+            wanted = kv.swap_in_blocks_wanted(taker, num_tokens)
+        else:
+            wanted = kv.free_blocks_wanted(taker, num_tokens, cached_prefix)
+        kept = [block for positions in cached_prefix for block in positions
+                if block is not None]
+        return kv.num_free_blocks + kv.blocks_freed_by(victims, kept) >= wanted
+
+    def _ranked_behind(self, taker: Sequence, out: SchedulerOutput) -> list[Sequence]:
+        """Under the priority policy, the running sequences not scheduled this step that
+        rank behind `taker`: those it may preempt. None under fcfs, where waiting never
+        displaces running."""
         if self.config.scheduling_policy != "priority":
-            return False
-        behind = [s for s in self._unscheduled_running(out)
-                  if s.priority_key > taker.priority_key]
-        if not behind:
-            return False
-        victim = max(reversed(behind), key=lambda s: s.priority_key)
-        self.preempt(victim, out, reason, taker)
-        step.preempted.add(id(victim))
-        return True
+            return []
+        return [s for s in self._unscheduled_running(out)
+                if s.priority_key > taker.priority_key]
 
     def _num_pending_forks(self) -> int:
         """Sequences that join `running` when a launched step samples (async scheduling):
@@ -297,11 +385,11 @@ class Scheduler:
         scheduled = {id(item.seq) for item in out.scheduled}
         return [s for s in self.running if id(s) not in scheduled]
 
-    def _admit_waiting(self, seq: Sequence, budget: int, cap: int | None,
-                       out: SchedulerOutput, make_room: Callable[[], bool]) -> int | None:
-        """Blocks for a waiting sequence's next chunk, reusing cached prefix blocks;
-        returns the chunk's token count, 0 if it cannot start this step, or None if it
-        left the queue while its prefix loads (fetch_prefix)."""
+    def _plan_waiting(self, seq: Sequence, budget: int, cap: int | None,
+                      ) -> tuple[int, list, PrefixMiss | None] | None:
+        """A waiting sequence's next chunk: its token count (0 if it cannot start this
+        step), the cached prefix blocks it reuses and why that prefix ended short; None if
+        it left the queue while its prefix loads (fetch_prefix)."""
         fresh = seq.num_computed_tokens == 0
         cached_prefix = self.kv_cache.find_cached_prefix(seq) if fresh else []
         if fresh and self.fetch_prefix(seq, len(cached_prefix)):
@@ -309,20 +397,26 @@ class Scheduler:
         num_cached = len(cached_prefix) * self.kv_cache.block_size
         remaining = seq.num_tokens - seq.num_computed_tokens - num_cached
         if not self.config.enable_chunked_prefill and remaining > budget:
-            return 0
-        num_tokens = self.chunk_size(seq, budget, cap, num_cached)
+            return 0, cached_prefix, None
         # Read before allocating: the allocation may evict what it would explain.
         miss = self.kv_cache.explain_miss(seq, len(cached_prefix)) if fresh else None
+        return self.chunk_size(seq, budget, cap, num_cached), cached_prefix, miss
+
+    def _allocate_waiting(self, seq: Sequence, num_tokens: int, cached_prefix: list,
+                          miss: PrefixMiss | None, out: SchedulerOutput,
+                          make_room: Callable[[], bool]) -> bool:
+        """Blocks for a waiting sequence's planned chunk, reusing its cached prefix; False
+        if the pool cannot give them even with make_room."""
         copies = self._allocate(seq, num_tokens, out, cached_prefix, make_room)
         if copies is None:
-            return 0
+            return False
         if seq.first_scheduled_time is None:
-            seq.request.num_cached_tokens = num_cached
+            seq.request.num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
         if miss is not None:
             out.prefix_misses.append(miss)
             self.emit(miss)
         out.block_copies.extend(copies)
-        return num_tokens
+        return True
 
     def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_tokens: int,
                        spec_token_ids: list[int] = ()) -> None:
@@ -360,6 +454,10 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.emit(event)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float]:
+    return seq.priority_key
 
 
 @dataclass(slots=True)

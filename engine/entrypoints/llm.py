@@ -69,9 +69,10 @@ class LLM:
         use_tqdm: bool = True,
         priority: int | list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a string, token ids, or a list of either).
-        `priority` (vLLM's argument: one per prompt, or one for all; lower first) needs
-        scheduling_policy="priority"."""
+        """Outputs in the order of `prompts` (a string, token ids, or a list of either; a
+        dict {"prompt" or "prompt_token_ids": ..., "cache_salt": ...} as in vLLM: only
+        prompts of one salt share prefix-cache blocks). `priority` (vLLM's argument: one
+        per prompt, or one for all; lower first) needs scheduling_policy="priority"."""
         prompts = _as_prompt_list(prompts)
         return self._run([(p, False) for p in prompts], sampling_params, use_tqdm, priority)
 
@@ -122,15 +123,17 @@ class LLM:
                 raise ValueError(f"priority: {len(priorities)} given for {len(prompts)} "
                                  "prompts; give one, or one per prompt")
         jobs = [(prompt.get("prompt_token_ids") or prompt.get("prompt")
-                 if isinstance(prompt, dict) else prompt, p, not templated, rank)
+                 if isinstance(prompt, dict) else prompt, p, not templated, rank,
+                 prompt.get("cache_salt") if isinstance(prompt, dict) else None)
                 for (prompt, templated), p, rank in zip(prompts, params, priorities)]
         if self.replicas is not None:
             return self._run_on_replicas(jobs, use_tqdm)
         request_ids = []
         try:
-            for prompt, p, add_special_tokens, rank in jobs:
+            for prompt, p, add_special_tokens, rank, cache_salt in jobs:
                 request = self.engine.add_request(prompt, p, add_special_tokens=add_special_tokens,
-                                                  source="offline", priority=rank)
+                                                  source="offline", priority=rank,
+                                                  cache_salt=cache_salt)
                 request_ids.append(request.request_id)
             return self._drain(request_ids, use_tqdm)
         except BaseException:
@@ -143,10 +146,11 @@ class LLM:
         to its final output; a request a replica refused or lost raises its error."""
         streams = []
         try:
-            for prompt, params, add_special_tokens, rank in jobs:
+            for prompt, params, add_special_tokens, rank, cache_salt in jobs:
                 streams.append(self.replicas.submit(prompt, params, source="offline",
                                                     priority=rank,
-                                                    add_special_tokens=add_special_tokens))
+                                                    add_special_tokens=add_special_tokens,
+                                                    cache_salt=cache_salt))
             outputs = []
             for stream in tqdm(streams, desc="Processed prompts", disable=not use_tqdm,
                                dynamic_ncols=True):

@@ -78,7 +78,8 @@ class EngineView(Protocol):
     # ---- requests --------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, source: str = "api", priority: int = 0,
-               add_special_tokens: bool = True) -> RequestStream:
+               add_special_tokens: bool = True, cache_salt: str | None = None,
+               ) -> RequestStream:
         """Queue a request; its outputs arrive on the returned stream."""
 
     def submit_chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,

@@ -295,6 +295,7 @@ class AsyncEngine(ServedEngine):
         source: str = "api",
         priority: int = 0,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream at once (never blocks on the engine).
 
@@ -306,7 +307,7 @@ class AsyncEngine(ServedEngine):
         request_id = request_id or f"{source}-{next(self._request_ids)}"
         stream = RequestStream(request_id, source, on_abort=lambda: self.abort(request_id))
         self._enqueue(lambda: self._do_add(stream, prompt, params, priority,
-                                           add_special_tokens, time.time()))
+                                           add_special_tokens, time.time(), cache_salt))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -436,15 +437,18 @@ class AsyncEngine(ServedEngine):
             logger.exception("engine command failed")
 
     def _do_add(self, stream: RequestStream, prompt, params, priority: int,
-                add_special_tokens: bool, arrival_time: float) -> None:
+                add_special_tokens: bool, arrival_time: float,
+                cache_salt: str | None) -> None:
         if self._reconfigure is not None or self._stopping:
             self._held[stream.request_id] = (stream, lambda: self._do_add(
-                stream, prompt, params, priority, add_special_tokens, arrival_time))
+                stream, prompt, params, priority, add_special_tokens, arrival_time,
+                cache_salt))
             return
         try:
             request = self._core.add_request(
                 prompt, params, request_id=stream.request_id, arrival_time=arrival_time,
-                priority=priority, source=stream.source, add_special_tokens=add_special_tokens)
+                priority=priority, source=stream.source, add_special_tokens=add_special_tokens,
+                cache_salt=cache_salt)
         except Exception as error:  # noqa: BLE001 -- ValueError for bad input; others refuse too
             stream.fail(error)
             return

@@ -122,10 +122,15 @@ class EngineCore:
         priority: int = 0,
         source: str = "api",
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate and queue one request; bad input raises ValueError and changes nothing."""
+        """Validate and queue one request; bad input raises ValueError and changes nothing.
+        `cache_salt` (vLLM's): a non-empty string; only requests of one salt (or all
+        unsalted) share prefix-cache blocks."""
         params = params or SamplingParams()
         check_priority(priority, self.config.scheduling_policy)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty string")
         beam = None
         if isinstance(params, BeamSearchParams):
             beam, params = BeamState(params), params.sampling_params()
@@ -150,7 +155,8 @@ class EngineCore:
         constraints = self.logits_processor.prepare(params)
         request = Request(request_id, prompt_text, token_ids, params,
                           arrival_time=arrival_time or time.time(), priority=priority,
-                          source=source, beam=beam, constraints=constraints)
+                          cache_salt=cache_salt, source=source, beam=beam,
+                          constraints=constraints)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs, request.prompt_token_ranks = [None], [None]
         seq = Sequence(f"{request_id}", request, 0, list(token_ids), len(token_ids))

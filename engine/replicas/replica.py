@@ -149,11 +149,13 @@ class EngineReplica:
                            self.engine.served)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int, add_special_tokens: bool, source: str):
+                       priority: int, add_special_tokens: bool, source: str,
+                       cache_salt: str | None):
         """Yields None once the engine accepted the request (or the ValueError refusing
         it), then every RequestOutput; a failed step ends it with its RequestFailed."""
         stream = self.engine.submit(prompt, params, request_id=request_id, source=source,
-                                    priority=priority, add_special_tokens=add_special_tokens)
+                                    priority=priority, add_special_tokens=add_special_tokens,
+                                    cache_salt=cache_salt)
         try:
             await stream.accepted()
         except ValueError as error:

@@ -299,7 +299,8 @@ class ReplicaSet(ServedEngine):
     def submit(self, prompt: str | list[int],
                params: SamplingParams | BeamSearchParams | None = None, *,
                request_id: str | None = None, source: str = "api", priority: int = 0,
-               add_special_tokens: bool = True) -> RequestStream:
+               add_special_tokens: bool = True, cache_salt: str | None = None,
+               ) -> RequestStream:
         """Route and queue a request; returns its stream at once (see AsyncEngine.submit).
         A request whose replica dies ends with ReplicaDown."""
         if not self._accepting:
@@ -308,7 +309,7 @@ class ReplicaSet(ServedEngine):
         stream = RequestStream(request_id, source, lambda: self.abort(request_id))
         asyncio.run_coroutine_threadsafe(
             self._serve(stream, prompt, params or SamplingParams(), priority,
-                        add_special_tokens, time.time()), self._loop)
+                        add_special_tokens, time.time(), cache_salt), self._loop)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -333,7 +334,8 @@ class ReplicaSet(ServedEngine):
 
     async def _serve(self, stream: RequestStream, prompt,
                      params: SamplingParams | BeamSearchParams, priority: int,
-                     add_special_tokens: bool, arrival_time: float) -> None:
+                     add_special_tokens: bool, arrival_time: float,
+                     cache_salt: str | None) -> None:
         try:
             if isinstance(prompt, str):
                 token_ids = self.tokenizer(prompt,
@@ -349,7 +351,8 @@ class ReplicaSet(ServedEngine):
         incarnation = replica.restarts
         try:
             outputs = replica.actor.generate.options(num_returns="streaming").remote(
-                stream.request_id, prompt, params, priority, add_special_tokens, stream.source)
+                stream.request_id, prompt, params, priority, add_special_tokens, stream.source,
+                cache_salt)
             accepted = False
             async for ref in outputs:
                 item = await ref

@@ -75,6 +75,9 @@ class SamplingFields(BaseModel):
     # vLLM's: lower is served first under --scheduling-policy priority. Any JSON value is
     # taken here so that the engine's refusal names the field and its range.
     priority: Any = 0
+    # vLLM's: only requests of one salt share prefix-cache blocks. Any JSON value is taken
+    # here so that the engine's refusal names the field.
+    cache_salt: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None

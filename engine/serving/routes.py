@@ -74,7 +74,8 @@ def openai_router(engine: EngineView, model: ServedModel,
         prompts = body.prompts()
         return await _serve(request, engine, model, body, params,
                             lambda: [engine.submit(prompt, params, priority=body.priority,
-                                                   add_special_tokens=body.add_special_tokens)
+                                                   add_special_tokens=body.add_special_tokens,
+                                                   cache_salt=body.cache_salt)
                                      for prompt in prompts],
                             chat=False, logprobs=body.logprobs, durable=durable)
 
@@ -95,7 +96,8 @@ def openai_router(engine: EngineView, model: ServedModel,
                 structured, start_after=parser.reasoning.end))
         return await _serve(request, engine, model, body, params,
                             lambda: [engine.submit(prompt, params, priority=body.priority,
-                                                   add_special_tokens=body.add_special_tokens)],
+                                                   add_special_tokens=body.add_special_tokens,
+                                                   cache_salt=body.cache_salt)],
                             chat=True,
                             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                             chat_parser=parser, durable=durable)

@@ -8,6 +8,8 @@ encodes it and sends it, so the engine never waits on a socket. The messages are
 0.32's: a multipart (topic, 8-byte big-endian sequence number, payload), the payload
 kv_event_wire's; a replay request is (8-byte start sequence) on the ROUTER, answered with
 (topic, seq, payload) for each buffered batch from there on and (b"", -1, b"") to end.
+Preemptions and prefix misses ride along as kvscope's own events, in a fourth element of
+the batch that vLLM's decoder skips (kv_event_wire.KVScopeEventBatch).
 """
 
 import json
@@ -30,6 +32,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # How long the publisher thread waits for a replay request before it sends what arrived:
 # the latency a batch may add, and at most this many wake-ups a second.
 TURN_S = 0.02
+# The core's events kvscope adds to a batch (kv_event_wire.KVScopeEventBatch): the ids they
+# carry never change, so the publisher thread reads them safely.
+REASONS = (core_events.SequencePreempted, core_events.PrefixMiss)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class ZmqEventPublisher:
         self.medium = medium
         self.data_parallel_rank = data_parallel_rank
         self._pending: deque = deque(maxlen=config.max_queue_size)
+        # The publisher thread's (see _publish_pending); bounded: without prefix caching no
+        # batch of vLLM's ever comes.
+        self._held_reasons: deque = deque(maxlen=config.max_queue_size)
         self._dropped_warned = False
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
@@ -108,7 +116,7 @@ class ZmqEventPublisher:
     def __call__(self, event: core_events.KVEvent | core_events.AllBlocksCleared) -> None:
         if isinstance(event, (core_events.BlockStored, core_events.BlockRemoved,
                               core_events.TierBlockStored, core_events.TierBlockRemoved,
-                              core_events.AllBlocksCleared)):
+                              core_events.AllBlocksCleared, *REASONS)):
             if len(self._pending) == self._pending.maxlen and not self._dropped_warned:
                 self._dropped_warned = True
                 logger.warning("KV events: more than max_queue_size=%d events waiting; the "
@@ -126,17 +134,26 @@ class ZmqEventPublisher:
             elif poller.poll(TURN_S * 1000):
                 self._serve_replay()
             self._publish_pending()
-        self._publish_pending()
+        self._publish_pending(final=True)
 
-    def _publish_pending(self) -> None:
-        events = []
+    def _publish_pending(self, final: bool = False) -> None:
+        events, reasons = [], self._held_reasons
         while self._pending:
-            events.append(self._pending.popleft())
-        if not events:
+            event = self._pending.popleft()
+            (reasons if isinstance(event, REASONS) else events).append(event)
+        # vLLM never sends a batch without events, so its consumers need not expect one:
+        # kvscope's own wait for the next batch of vLLM's (the last batch excepted).
+        if not events and not (final and reasons):
             return
-        batch = wire.KVEventBatch(
-            ts=time.time(), events=wire.wire_events(events, self.medium, self.group_windows),
-            data_parallel_rank=self.data_parallel_rank)
+        self._held_reasons = deque(maxlen=self.config.max_queue_size)
+        vllm_events = wire.wire_events(events, self.medium, self.group_windows)
+        if reasons:
+            batch = wire.KVScopeEventBatch(
+                ts=time.time(), events=vllm_events, data_parallel_rank=self.data_parallel_rank,
+                kvscope_events=wire.wire_reasons(reasons))
+        else:  # byte for byte vLLM's
+            batch = wire.KVEventBatch(ts=time.time(), events=vllm_events,
+                                      data_parallel_rank=self.data_parallel_rank)
         payload = self._encoder.encode(batch)
         seq = self._next_seq
         self._next_seq += 1

@@ -10,6 +10,15 @@ cache manager, Dynamo's router) decodes kvscope's with vLLM's own classes or the
 
 tests/fixtures/kv_events_vllm-0.32.0.json holds bytes vLLM's classes made, which
 tests/test_kv_event_wire.py holds these structs and `wire_events` to.
+
+vLLM has no event for why blocks moved; kvscope's own (a preemption: why, for whom, what it
+freed and lost; a prefix miss: why) ride in a fourth element of the batch array,
+KVScopeEventBatch.kvscope_events, which vLLM's decoder skips: its batch is an array-like
+struct, and msgspec ignores elements past an array-like struct's fields (not an unknown tag
+in `events`, which it refuses). A batch with none of them is sent as a plain KVEventBatch,
+byte for byte vLLM's:
+
+    batch = msgspec.msgpack.decode(payload, type=KVScopeEventBatch)  # both kinds
 """
 
 from collections.abc import Iterable, Sequence
@@ -75,6 +84,56 @@ class AllBlocksCleared(KVCacheEvent):
 
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class KVScopeEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """kvscope's own events: a map tagged "type", as vLLM's are; never in `events`."""
+
+
+class SequencePreempted(KVScopeEvent):
+    """A sequence lost its blocks: `reason` a core.kv_events.PreemptionReason value, `taker`
+    the sequence that needed them (the victim itself when it gave way alone)."""
+
+    request_id: str
+    seq_id: str
+    reason: str
+    taker: str
+    blocks_freed: int
+    tokens_lost: int
+
+
+class PrefixMiss(KVScopeEvent):
+    """An admission's prefix hit ended before tokens the cache had seen: `reason` a
+    core.kv_events.MissReason value; evicted_by and evicted_step for an eviction."""
+
+    request_id: str
+    seq_id: str
+    reason: str
+    num_tokens: int
+    evicted_by: str | None = None
+    evicted_step: int | None = None
+
+
+class KVScopeEventBatch(KVEventBatch):
+    """vLLM's batch and, past its three fields, kvscope's own events."""
+
+    kvscope_events: list[SequencePreempted | PrefixMiss] = msgspec.field(default_factory=list)
+
+
+def wire_reasons(events: Iterable[core_events.SequencePreempted | core_events.PrefixMiss],
+                 ) -> list[KVScopeEvent]:
+    """kvscope's events for the core's preemptions and prefix misses, in order."""
+    out: list[KVScopeEvent] = []
+    for event in events:
+        seq = event.seq
+        if isinstance(event, core_events.SequencePreempted):
+            out.append(SequencePreempted(seq.request.request_id, seq.seq_id, event.reason.value,
+                                         event.taker.seq_id, event.blocks_freed,
+                                         event.tokens_lost))
+        else:
+            out.append(PrefixMiss(seq.request.request_id, seq.seq_id, event.reason.value,
+                                  event.num_tokens, event.evicted_by, event.evicted_step))
+    return out
 
 
 def kv_cache_spec(window: int | None) -> tuple[str, int | None]:

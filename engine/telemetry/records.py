@@ -24,7 +24,7 @@ PreemptionCause = tuple[str, str, str, int, int]
 PREEMPTION_FIELDS = ("victim", "reason", "taker", "blocks_freed", "tokens_lost")
 # One admission's prefix miss on tokens the cache had seen: (seq_id, reason, tokens missed,
 # the request whose allocation evicted them, the step it did so in), the reason a
-# core.kv_events.MissReason value; the last two None for a partial block. A plain tuple for
+# core.kv_events.MissReason value; the last two None for a partial block or another salt. A plain tuple for
 # the reason ScheduledChunk is one.
 PrefixMissCause = tuple[str, str, int, str | None, int | None]
 PREFIX_MISS_FIELDS = ("seq_id", "reason", "num_tokens", "evicted_by", "evicted_step")
