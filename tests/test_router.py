@@ -4,8 +4,10 @@ predicted hits against the actual ones, without Ray."""
 import dataclasses
 
 import pytest
+from conftest import make_sequence
 
 from kvscope.engine.core.block_pool import hash_block_tokens
+from kvscope.engine.core.kv_cache_manager import KVCacheManager
 from kvscope.engine.replicas import prefix_index
 from kvscope.engine.replicas.hit_outcomes import (
     HitLedger,
@@ -40,6 +42,19 @@ def test_prompt_hashes_are_the_prefix_caches_chained_hashes() -> None:
     assert prompt_block_hashes(tokens, 4) == [first, hash_block_tokens(first, (4, 5, 6, 7))]
     assert prompt_block_hashes(tokens[:3], 4) == []
     assert prompt_block_hashes([1, "x", 2, 3], 4) == []  # refused later by the replica
+
+
+def test_prompt_hashes_carry_the_requests_cache_salt_as_the_prefix_cache_does() -> None:
+    """A salted request is routed by the hashes its replica will cache it under (the salt in
+    the first block, so every block differs from the unsalted prompt's)."""
+    tokens = list(range(10))
+    seq = make_sequence(tokens)
+    seq.request.cache_salt = "tenant-a"
+    cached = [value for value, _, _ in KVCacheManager(num_blocks=4, block_size=4)
+              .prompt_block_hashes(seq)]
+    salted = prompt_block_hashes(tokens, 4, "tenant-a")
+    assert salted == cached
+    assert not set(salted) & set(prompt_block_hashes(tokens, 4))
 
 
 def test_kv_aware_goes_where_the_prefix_is_and_matches_stop_at_the_first_miss() -> None:

@@ -21,15 +21,18 @@ ROUTED_PREFIX_TTL_S = 10.0
 EVICTIONS_KEPT = 100_000
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hashes of the prompt's full blocks, as the prefix cache computes them
-    (an empty list when the ids are not all integers: the replica refuses those)."""
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
+                        cache_salt: str | None = None) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks, as the prefix cache computes them,
+    the request's cache_salt in the first (an empty list when the ids are not all integers:
+    the replica refuses those)."""
     if not all(isinstance(token, int) and not isinstance(token, bool) for token in token_ids):
         return []
     hashes: list[bytes] = []
     parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]))
+        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]),
+                                   cache_salt if start == 0 else None)
         hashes.append(parent)
     return hashes
 

@@ -318,11 +318,12 @@ class ReplicaSet(ServedEngine):
             if request_id in replica.streams:
                 replica.actor.abort.remote(request_id)
 
-    def _route(self, request_id: str, token_ids: list[int]) -> RoutingDecision:
+    def _route(self, request_id: str, token_ids: list[int],
+               cache_salt: str | None) -> RoutingDecision:
         live = [r for r in self._replicas if r.alive]
         if not live:
             raise EngineClosed("no replica is alive to serve the request")
-        hashes = prompt_block_hashes(token_ids, self.config.block_size)
+        hashes = prompt_block_hashes(token_ids, self.config.block_size, cache_salt)
         max_num_seqs = self.config.max_num_seqs
         loads = [ReplicaLoad(r.index, len(r.streams), r.kv_usage, max_num_seqs) for r in live]
         decision = self.router.choose(request_id, hashes, loads)
@@ -342,7 +343,8 @@ class ReplicaSet(ServedEngine):
                                            add_special_tokens=add_special_tokens).input_ids
             else:
                 token_ids = prompt
-            replica = self._replicas[self._route(stream.request_id, token_ids).replica]
+            replica = self._replicas[self._route(stream.request_id, token_ids,
+                                                 cache_salt).replica]
         except Exception as error:  # noqa: BLE001 -- the stream's reader gets it
             stream.fail(error)
             return
