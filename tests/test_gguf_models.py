@@ -397,5 +397,5 @@ def test_gguf_architectures_and_types_kvscope_does_not_read_are_refused_by_name(
     writer.close()
     with pytest.raises(ValueError, match=r"GGUF architecture 'gemma' is not supported; "
                                          r"supported: \['llama', 'qwen2', 'qwen3', 'qwen3moe', "
-                                         r"'phi3', 'smollm3'\]"):
+                                         r"'qwen2moe', 'phi3', 'smollm3'\]"):
         greedy(str(other))
