@@ -4,12 +4,10 @@ usage.prompt_tokens_details.cached_tokens equals the prefix-cache tokens the eng
 
 import openai
 import pytest
-from conftest import serve
-from test_serving import LiveServer, assert_idle
+from test_serving import LiveServer, api_served, assert_idle
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
-from kvscope.engine.serving import create_app
 
 BLOCK_SIZE = 8
 MAX_TOKENS = 5
@@ -20,10 +18,8 @@ def server(tiny_byte_level_model_path) -> LiveServer:
     engine = AsyncEngine.from_config(EngineConfig(
         model=str(tiny_byte_level_model_path), dtype="float32", device="cpu",
         block_size=BLOCK_SIZE, num_gpu_blocks_override=128, max_model_len=256)).start()
-    url, uvicorn_server, thread = serve(create_app(engine))
-    yield LiveServer(url, engine, engine.model_path.rsplit("/", 1)[-1])
-    uvicorn_server.should_exit = True
-    thread.join(timeout=10)
+    with api_served(engine) as server:
+        yield server
     engine.shutdown()
 
 

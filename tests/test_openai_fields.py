@@ -10,15 +10,13 @@ from dataclasses import dataclass
 import jsonschema
 import openai
 import pytest
-from conftest import serve
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
-from test_serving import LiveServer, assert_idle
+from test_serving import LiveServer, api_served, assert_idle
 from tokenizers import pre_tokenizers
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
-from kvscope.engine.serving import create_app
 
 SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -31,10 +29,8 @@ def server(tiny_byte_level_model_path) -> LiveServer:
     engine = AsyncEngine.from_config(EngineConfig(
         model=str(tiny_byte_level_model_path), dtype="float32", device="cpu", block_size=8,
         num_gpu_blocks_override=256, max_model_len=256, max_num_batched_tokens=512)).start()
-    url, uvicorn_server, thread = serve(create_app(engine))
-    yield LiveServer(url, engine, engine.model_path.rsplit("/", 1)[-1])
-    uvicorn_server.should_exit = True
-    thread.join(timeout=10)
+    with api_served(engine) as server:
+        yield server
     engine.shutdown()
 
 

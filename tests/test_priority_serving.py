@@ -3,13 +3,11 @@ LLM.generate, under scheduling_policy="priority"; a bad value is a 400 naming th
 
 import openai
 import pytest
-from conftest import serve
-from test_serving import LiveServer, assert_idle
+from test_serving import LiveServer, api_served, assert_idle
 
 from kvscope import LLM, SamplingParams
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.orchestrator.async_engine import AsyncEngine
-from kvscope.engine.serving import create_app
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +15,8 @@ def server(tiny_byte_level_model_path) -> LiveServer:
     engine = AsyncEngine.from_config(EngineConfig(
         model=str(tiny_byte_level_model_path), dtype="float32", device="cpu", block_size=8,
         num_gpu_blocks_override=64, max_model_len=128, scheduling_policy="priority")).start()
-    url, uvicorn_server, thread = serve(create_app(engine))
-    yield LiveServer(url, engine, engine.model_path.rsplit("/", 1)[-1])
-    uvicorn_server.should_exit = True
-    thread.join(timeout=10)
+    with api_served(engine) as server:
+        yield server
     engine.shutdown()
 
 

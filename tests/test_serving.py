@@ -2,6 +2,7 @@
 the websocket feed and reconfigure under traffic."""
 
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -10,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,12 +68,22 @@ def engine(tiny_llama_path) -> AsyncEngine:
     engine.shutdown()
 
 
+@contextlib.contextmanager
+def api_served(engine: AsyncEngine) -> Iterator[LiveServer]:
+    """The OpenAI-compatible server on a started engine, on a free loopback port, stopped
+    when the block ends (the engine stays the caller's to shut down)."""
+    url, uvicorn_server, thread = serve(create_app(engine))
+    try:
+        yield LiveServer(url, engine, engine.model_path.rsplit("/", 1)[-1])
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def server(engine) -> LiveServer:
-    url, uvicorn_server, thread = serve(create_app(engine))
-    yield LiveServer(url, engine, engine.model_path.rsplit("/", 1)[-1])
-    uvicorn_server.should_exit = True
-    thread.join(timeout=10)
+    with api_served(engine) as server:
+        yield server
 
 
 
